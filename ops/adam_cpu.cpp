@@ -1,0 +1,502 @@
+// CPU implementations of ort_optim::adam_step_ and ort_optim::grad_stats (schemas in schema.cpp, math in README.md).
+//
+// Shape of the kernel: every tensor is cut into chunks of kChunk elements, all (tensor, chunk) work items of the
+// call go into ONE at::parallel_for, and each chunk is processed in blocks of kBlock elements that are first
+// converted into small float (or double) scratch arrays. The Adam math then runs over plain arrays, which the compiler
+// vectorises; the fp16/bf16 conversions around it are explicit (F16C, bit tricks), because c10::Half in a loop
+// stays scalar and runs at a tenth of memory speed.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#define ORT_OPTIM_F16C 1
+#endif
+
+namespace ort_optim {
+namespace {
+
+// Elements per quantisation block of fp16 states (one scale each) and per scratch block. Must equal
+// QUANT_BLOCK in ort_optim/_native.py and BLOCK in ort_optim/_triton.py (checked by the tests).
+constexpr int64_t kBlock = 1024;
+// Elements per parallel work item: big enough to amortise scheduling, small enough to balance 2000 small tensors.
+constexpr int64_t kChunk = 64 * kBlock;
+// fp16 states are scaled by a power of two so that the block's absolute maximum lands in (kFp16Limit/2, kFp16Limit]:
+// half of fp16's range is left as headroom, and the rule is idempotent (see README.md, "fp16 states").
+constexpr float kFp16Limit = 32768.0f;
+
+enum Mode : int64_t { kAdamL2 = 0, kAdamWTransformers = 1, kAdamWTorch = 2 };
+
+// ---- conversions between storage dtypes and the float/double scratch arrays ------------------------------------
+
+inline float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+inline uint32_t float_to_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+void half_to_float(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#ifdef ORT_OPTIM_F16C
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
+}
+
+// Round to nearest even, like c10::Half(float).
+void float_to_half(const float* src, int64_t n, uint16_t* dst) {
+  int64_t i = 0;
+#ifdef ORT_OPTIM_F16C
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_from_fp32_value(src[i]);
+}
+
+void bf16_to_float(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bits_to_float(uint32_t(src[i]) << 16);
+}
+
+// Round to nearest even, like c10::BFloat16(float); NaN becomes the quiet NaN 0x7FC0.
+void float_to_bf16(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b = float_to_bits(src[i]);
+    uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+    dst[i] = ((b & 0x7FFFFFFFu) > 0x7F800000u) ? uint16_t(0x7FC0) : uint16_t(rounded);
+  }
+}
+
+// dst[i] = value(src[i]) * mul, for any storage dtype the op accepts.
+template <typename T>
+void load(const void* src, at::ScalarType type, int64_t n, T* dst, T mul) {
+  if constexpr (std::is_same_v<T, double>) {
+    const double* s = static_cast<const double*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = s[i] * mul;
+  } else {
+    switch (type) {
+      case at::kFloat: {
+        const float* s = static_cast<const float*>(src);
+        for (int64_t i = 0; i < n; ++i) dst[i] = s[i] * mul;
+        return;
+      }
+      case at::kHalf:
+        half_to_float(static_cast<const uint16_t*>(src), n, dst);
+        break;
+      default:  // kBFloat16 (validated before the parallel region)
+        bf16_to_float(static_cast<const uint16_t*>(src), n, dst);
+        break;
+    }
+    if (mul != 1.0f) {
+      for (int64_t i = 0; i < n; ++i) dst[i] *= mul;
+    }
+  }
+}
+
+template <typename T>
+void store(const T* src, int64_t n, void* dst, at::ScalarType type) {
+  if constexpr (std::is_same_v<T, double>) {
+    std::memcpy(dst, src, n * sizeof(double));
+  } else {
+    switch (type) {
+      case at::kFloat:
+        std::memcpy(dst, src, n * sizeof(float));
+        return;
+      case at::kHalf:
+        float_to_half(src, n, static_cast<uint16_t*>(dst));
+        return;
+      default:
+        float_to_bf16(src, n, static_cast<uint16_t*>(dst));
+        return;
+    }
+  }
+}
+
+// The power-of-two scale s for a block whose absolute maximum is amax: fp16(amax * s) lies in
+// (kFp16Limit/2, kFp16Limit]. Zero or non-finite blocks get s = 1.
+float fp16_block_scale(float amax) {
+  if (!(amax > 0.0f) || !std::isfinite(amax)) return 1.0f;
+  int e;
+  float f = std::frexp(amax, &e);  // amax = f * 2^e, f in [0.5, 1)
+  int k = (f == 0.5f) ? 16 - e : 15 - e;
+  float scaled = std::ldexp(amax, std::clamp(k, -126, 126));
+  // Rounding to fp16 can land exactly on kFp16Limit/2, which the inverse rule would read as the next scale up.
+  if (c10::detail::fp16_ieee_to_fp32_value(c10::detail::fp16_ieee_from_fp32_value(scaled)) <= kFp16Limit / 2) ++k;
+  return std::ldexp(1.0f, std::clamp(k, -126, 126));
+}
+
+// Writes a block of values as fp16 codes with one power-of-two scale; scale_out receives s (value = code / s).
+void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_out, float* tmp) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(src[i]));
+  float s = fp16_block_scale(amax);
+  for (int64_t i = 0; i < n; ++i) tmp[i] = src[i] * s;
+  float_to_half(tmp, n, dst);
+  *scale_out = s;
+}
+
+// ---- the Adam update ------------------------------------------------------------------------------------------
+
+// Per-tensor view of everything the kernel touches, resolved once before the parallel region.
+struct TensorWork {
+  void* param;
+  const void* grad;
+  void* exp_avg;
+  void* exp_avg_sq;
+  void* max_exp_avg_sq;  // nullptr unless amsgrad
+  float* master;         // nullptr unless master weights
+  float* exp_avg_scale;  // nullptr unless exp_avg is an fp16 scaled state; likewise below
+  float* exp_avg_sq_scale;
+  float* max_exp_avg_sq_scale;
+  at::ScalarType param_type, grad_type, exp_avg_type, exp_avg_sq_type;
+  int64_t numel;
+  // Per-step scalars, computed in double from this tensor's own step count (README.md, "Per-step scalars").
+  double step_size;  // mode 2: lr / bc1;  modes 0 and 1: lr * sqrt(bc2) / bc1
+  double bc2_sqrt;   // mode 2 only
+};
+
+struct Hyper {
+  double lr, beta1, beta2, eps, weight_decay, grad_mul;
+  int64_t mode;
+};
+
+template <typename T>
+struct Scratch {
+  T p[kBlock], g[kBlock], m[kBlock], v[kBlock], vmax[kBlock];
+};
+
+template <typename T>
+void load_state(const void* base, at::ScalarType type, const float* scales, int64_t off, int64_t n, T* dst) {
+  T mul = scales ? T(1) / T(scales[off / kBlock]) : T(1);
+  load<T>(static_cast<const char*>(base) + off * c10::elementSize(type), type, n, dst, mul);
+}
+
+template <typename T>
+void store_state(const T* src, void* base, at::ScalarType type, float* scales, int64_t off, int64_t n, T* tmp) {
+  char* dst = static_cast<char*>(base) + off * c10::elementSize(type);
+  if constexpr (std::is_same_v<T, float>) {
+    if (scales) {
+      store_fp16_scaled(src, n, reinterpret_cast<uint16_t*>(dst), scales + off / kBlock, tmp);
+      return;
+    }
+  }
+  store<T>(src, n, dst, type);
+}
+
+// One block of one tensor: [off, off + n) with off a multiple of kBlock.
+template <typename T, int64_t kMode, bool kAmsgrad>
+void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s) {
+  const size_t psize = c10::elementSize(w.param_type);
+  load<T>(static_cast<const char*>(w.grad) + off * c10::elementSize(w.grad_type), w.grad_type, n, s.g,
+          T(h.grad_mul));
+  if (w.master) {
+    load<T>(w.master + off, at::kFloat, n, s.p, T(1));
+  } else {
+    load<T>(static_cast<const char*>(w.param) + off * psize, w.param_type, n, s.p, T(1));
+  }
+  load_state<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m);
+  load_state<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v);
+  if (kAmsgrad) load_state<T>(w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.vmax);
+
+  const T b2 = T(h.beta2), one_minus_b1 = T(1.0 - h.beta1), one_minus_b2 = T(1.0 - h.beta2);
+  const T eps = T(h.eps), wd = T(h.weight_decay), step_size = T(w.step_size), bc2_sqrt = T(w.bc2_sqrt);
+  const T torch_decay = T(1.0 - h.lr * h.weight_decay);  // mode 2: p *= 1 - lr*wd, in double like torch
+  const T hf_decay = T(h.lr * h.weight_decay);           // mode 1: p -= lr*wd*p after the update
+  T* __restrict__ p = s.p;
+  T* __restrict__ g = s.g;
+  T* __restrict__ m = s.m;
+  T* __restrict__ v = s.v;
+  T* __restrict__ vmax = s.vmax;
+  for (int64_t i = 0; i < n; ++i) {
+    T gi = g[i];
+    if (kMode == kAdamL2) gi = gi + wd * p[i];  // L2: the decay enters the moments (not written back to .grad)
+    if (kMode == kAdamWTorch) p[i] = p[i] * torch_decay;
+    m[i] = m[i] + one_minus_b1 * (gi - m[i]);  // = b1*m + (1-b1)*g, in torch's lerp form
+    v[i] = v[i] * b2 + one_minus_b2 * gi * gi;
+    T vi = v[i];
+    if (kAmsgrad) {
+      vmax[i] = std::max(vmax[i], vi);  // the max of the raw v; bias correction comes after
+      vi = vmax[i];
+    }
+    if (kMode == kAdamWTorch) {
+      p[i] = p[i] - step_size * (m[i] / (std::sqrt(vi) / bc2_sqrt + eps));
+    } else {  // ORT/HF placement: eps outside the corrected sqrt, correction folded into the step size
+      p[i] = p[i] - step_size * (m[i] / (std::sqrt(vi) + eps));
+      if (kMode == kAdamWTransformers) p[i] = p[i] - hf_decay * p[i];
+    }
+  }
+
+  // The scratch array g is free now: it serves as the temporary of the fp16 quantiser.
+  store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.g);
+  store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.g);
+  if (kAmsgrad) store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.g);
+  if (w.master) std::memcpy(w.master + off, s.p, n * sizeof(float));
+  store<T>(s.p, n, static_cast<char*>(w.param) + off * psize, w.param_type);
+}
+
+struct WorkItem {
+  int64_t tensor, begin, end;
+};
+
+std::vector<WorkItem> make_work_items(const std::vector<int64_t>& numels) {
+  std::vector<WorkItem> items;
+  for (int64_t t = 0; t < int64_t(numels.size()); ++t) {
+    for (int64_t b = 0; b < numels[t]; b += kChunk) items.push_back({t, b, std::min(numels[t], b + kChunk)});
+  }
+  return items;
+}
+
+template <typename T, int64_t kMode, bool kAmsgrad>
+void run_adam(const std::vector<TensorWork>& work, const Hyper& h) {
+  std::vector<int64_t> numels;
+  for (const auto& w : work) numels.push_back(w.numel);
+  const std::vector<WorkItem> items = make_work_items(numels);
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch<T> scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      const WorkItem& item = items[i];
+      for (int64_t off = item.begin; off < item.end; off += kBlock) {
+        adam_block<T, kMode, kAmsgrad>(work[item.tensor], h, off, std::min(kBlock, item.end - off), scratch);
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_adam(const std::vector<TensorWork>& work, const Hyper& h, bool amsgrad) {
+  switch (h.mode) {
+    case kAdamL2:
+      return amsgrad ? run_adam<T, kAdamL2, true>(work, h) : run_adam<T, kAdamL2, false>(work, h);
+    case kAdamWTransformers:
+      return amsgrad ? run_adam<T, kAdamWTransformers, true>(work, h)
+                     : run_adam<T, kAdamWTransformers, false>(work, h);
+    default:
+      return amsgrad ? run_adam<T, kAdamWTorch, true>(work, h) : run_adam<T, kAdamWTorch, false>(work, h);
+  }
+}
+
+// ---- validation (all of it happens before anything is written) ------------------------------------------------
+
+bool is_low_precision(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+bool is_float_storage(at::ScalarType t) { return t == at::kFloat || is_low_precision(t); }
+
+void check_list_length(const at::TensorList& list, size_t n, const char* name, bool optional) {
+  TORCH_CHECK(list.size() == n || (optional && list.empty()), "ort_optim::adam_step_: ", name, " has ",
+              list.size(), " tensors but params has ", n, optional ? " (pass n tensors or none)" : "");
+}
+
+void check_same_shape(const at::Tensor& t, const at::Tensor& p, const char* name, size_t i) {
+  TORCH_CHECK(t.sizes() == p.sizes(), "ort_optim::adam_step_: ", name, "[", i, "] has shape ", t.sizes(),
+              " but params[", i, "] has shape ", p.sizes());
+  TORCH_CHECK(t.device() == p.device(), "ort_optim::adam_step_: ", name, "[", i, "] is on ", t.device(),
+              " but params[", i, "] is on ", p.device());
+}
+
+void check_state(const at::Tensor& t, const at::Tensor& p, const char* name, size_t i, bool is_double) {
+  check_same_shape(t, p, name, i);
+  TORCH_CHECK(t.is_contiguous(), "ort_optim::adam_step_: ", name, "[", i, "] must be contiguous");
+  TORCH_CHECK(is_double ? t.scalar_type() == at::kDouble : is_float_storage(t.scalar_type()),
+              "ort_optim::adam_step_: ", name, "[", i, "] has dtype ", t.scalar_type(),
+              is_double ? "; float64 params need float64 states" : "; states must be float32, bfloat16 or float16");
+}
+
+void check_scales(const at::TensorList& scales, const at::TensorList& states, size_t i, const char* name) {
+  if (scales.empty()) return;
+  const at::Tensor& s = scales[i];
+  const int64_t blocks = (states[i].numel() + kBlock - 1) / kBlock;
+  TORCH_CHECK(states[i].scalar_type() == at::kHalf, "ort_optim::adam_step_: ", name, "[", i,
+              "] is given but the state it scales is ", states[i].scalar_type(), ", not float16");
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == blocks &&
+                  s.device() == states[i].device(),
+              "ort_optim::adam_step_: ", name, "[", i, "] must be a contiguous float32 tensor of ", blocks,
+              " block scales on the state's device");
+}
+
+double scalar_value(const c10::optional<at::Tensor>& t, const char* name) {
+  TORCH_CHECK(t->numel() == 1, "ort_optim::adam_step_: ", name, " must have exactly one element, got ",
+              t->numel());
+  return t->item<double>();
+}
+
+void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList master_params,
+                   at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,
+                   at::TensorList max_exp_avg_sq_scales, const at::Tensor& steps, double lr, double beta1,
+                   double beta2, double eps, double weight_decay, int64_t mode, bool bias_correction,
+                   bool maximize, const c10::optional<at::Tensor>& lr_tensor,
+                   const c10::optional<at::Tensor>& inv_grad_scale, const c10::optional<at::Tensor>& found_inf) {
+  const size_t n = params.size();
+  check_list_length(grads, n, "grads", false);
+  check_list_length(exp_avgs, n, "exp_avgs", false);
+  check_list_length(exp_avg_sqs, n, "exp_avg_sqs", false);
+  check_list_length(max_exp_avg_sqs, n, "max_exp_avg_sqs", true);
+  check_list_length(master_params, n, "master_params", true);
+  check_list_length(exp_avg_scales, n, "exp_avg_scales", true);
+  check_list_length(exp_avg_sq_scales, n, "exp_avg_sq_scales", true);
+  check_list_length(max_exp_avg_sq_scales, n, "max_exp_avg_sq_scales", true);
+  TORCH_CHECK(max_exp_avg_sq_scales.empty() || !max_exp_avg_sqs.empty(),
+              "ort_optim::adam_step_: max_exp_avg_sq_scales given without max_exp_avg_sqs");
+  TORCH_CHECK(mode >= 0 && mode <= 2, "ort_optim::adam_step_: mode must be 0, 1 or 2, got ", mode);
+  TORCH_CHECK(steps.scalar_type() == at::kDouble && steps.dim() == 1 && size_t(steps.numel()) == n &&
+                  steps.is_contiguous() && steps.device().is_cpu(),
+              "ort_optim::adam_step_: steps must be a contiguous float64 CPU tensor of shape [", n, "]");
+  const bool amsgrad = !max_exp_avg_sqs.empty();
+  TORCH_CHECK(exp_avg_sq_scales.empty() == max_exp_avg_sq_scales.empty() || !amsgrad,
+              "ort_optim::adam_step_: max_exp_avg_sqs share exp_avg_sqs' dtype, so both or neither need scales");
+  bool any_double = false, any_single = false;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const at::ScalarType pt = p.scalar_type();
+    TORCH_CHECK(pt == at::kDouble || is_float_storage(pt), "ort_optim::adam_step_: params[", i, "] has dtype ",
+                pt, "; supported are float32, float64, float16 and bfloat16");
+    TORCH_CHECK(p.layout() == at::kStrided && p.device().is_cpu(), "ort_optim::adam_step_: params[", i,
+                "] must be a dense CPU tensor");
+    const bool is_double = pt == at::kDouble;
+    (is_double ? any_double : any_single) = true;
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK(g.layout() == at::kStrided, "ort_optim::adam_step_: grads[", i,
+                "] is sparse; Adam needs dense gradients");
+    check_same_shape(g, p, "grads", i);
+    TORCH_CHECK(is_double ? g.scalar_type() == at::kDouble : is_float_storage(g.scalar_type()),
+                "ort_optim::adam_step_: grads[", i, "] has dtype ", g.scalar_type(), " for a ", pt, " parameter");
+    check_state(exp_avgs[i], p, "exp_avgs", i, is_double);
+    check_state(exp_avg_sqs[i], p, "exp_avg_sqs", i, is_double);
+    if (amsgrad) {
+      check_state(max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i, is_double);
+      TORCH_CHECK(max_exp_avg_sqs[i].scalar_type() == exp_avg_sqs[i].scalar_type(), "ort_optim::adam_step_: ",
+                  "max_exp_avg_sqs[", i, "] must have the dtype of exp_avg_sqs[", i, "]");
+    }
+    if (!master_params.empty()) {
+      TORCH_CHECK(is_low_precision(pt), "ort_optim::adam_step_: master_params given but params[", i, "] is ", pt,
+                  "; master weights are for float16/bfloat16 params");
+      check_same_shape(master_params[i], p, "master_params", i);
+      TORCH_CHECK(master_params[i].scalar_type() == at::kFloat && master_params[i].is_contiguous(),
+                  "ort_optim::adam_step_: master_params[", i, "] must be a contiguous float32 tensor");
+    }
+    check_scales(exp_avg_scales, exp_avgs, i, "exp_avg_scales");
+    check_scales(exp_avg_sq_scales, exp_avg_sqs, i, "exp_avg_sq_scales");
+    if (amsgrad) check_scales(max_exp_avg_sq_scales, max_exp_avg_sqs, i, "max_exp_avg_sq_scales");
+  }
+  TORCH_CHECK(!(any_double && any_single), "ort_optim::adam_step_: float64 params cannot share a call with ",
+              "other dtypes; group them separately");
+  if (found_inf.has_value() && scalar_value(found_inf, "found_inf") != 0.0) return;  // skipped: nothing changes
+  const double grad_mul =
+      (inv_grad_scale.has_value() ? scalar_value(inv_grad_scale, "inv_grad_scale") : 1.0) * (maximize ? -1.0 : 1.0);
+  const double lr_value = lr_tensor.has_value() ? scalar_value(lr_tensor, "lr_tensor") : lr;
+
+  // Non-contiguous params and grads are processed through contiguous copies; params are copied back at the end.
+  std::vector<at::Tensor> param_work(params.begin(), params.end()), grad_work(grads.begin(), grads.end());
+  for (size_t i = 0; i < n; ++i) {
+    if (!param_work[i].is_contiguous()) param_work[i] = param_work[i].contiguous();
+    if (!grad_work[i].is_contiguous()) grad_work[i] = grad_work[i].contiguous();
+  }
+
+  double* step_values = steps.data_ptr<double>();
+  std::vector<TensorWork> work(n);
+  for (size_t i = 0; i < n; ++i) {
+    const double t = step_values[i] + 1.0;
+    const double bc1 = bias_correction ? 1.0 - std::pow(beta1, t) : 1.0;
+    const double bc2 = bias_correction ? 1.0 - std::pow(beta2, t) : 1.0;
+    TensorWork& w = work[i];
+    w.param = param_work[i].data_ptr();
+    w.grad = grad_work[i].data_ptr();
+    w.exp_avg = exp_avgs[i].data_ptr();
+    w.exp_avg_sq = exp_avg_sqs[i].data_ptr();
+    w.max_exp_avg_sq = amsgrad ? max_exp_avg_sqs[i].data_ptr() : nullptr;
+    w.master = master_params.empty() ? nullptr : master_params[i].data_ptr<float>();
+    w.exp_avg_scale = exp_avg_scales.empty() ? nullptr : exp_avg_scales[i].data_ptr<float>();
+    w.exp_avg_sq_scale = exp_avg_sq_scales.empty() ? nullptr : exp_avg_sq_scales[i].data_ptr<float>();
+    w.max_exp_avg_sq_scale = max_exp_avg_sq_scales.empty() ? nullptr : max_exp_avg_sq_scales[i].data_ptr<float>();
+    w.param_type = params[i].scalar_type();
+    w.grad_type = grads[i].scalar_type();
+    w.exp_avg_type = exp_avgs[i].scalar_type();
+    w.exp_avg_sq_type = exp_avg_sqs[i].scalar_type();
+    w.numel = params[i].numel();
+    w.step_size = mode == kAdamWTorch ? lr_value / bc1 : lr_value * std::sqrt(bc2) / bc1;
+    w.bc2_sqrt = std::sqrt(bc2);
+  }
+  const Hyper h{lr_value, beta1, beta2, eps, weight_decay, grad_mul, mode};
+  if (any_double) {
+    dispatch_adam<double>(work, h, amsgrad);
+  } else {
+    dispatch_adam<float>(work, h, amsgrad);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!params[i].is_contiguous()) params[i].copy_(param_work[i]);
+    step_values[i] += 1.0;
+  }
+}
+
+// ---- gradient statistics --------------------------------------------------------------------------------------
+
+at::Tensor grad_stats_cpu(at::TensorList tensors) {
+  std::vector<at::Tensor> work;
+  std::vector<int64_t> numels;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.layout() == at::kStrided && t.device().is_cpu(), "ort_optim::grad_stats: tensors[", i,
+                "] must be a dense CPU tensor");
+    TORCH_CHECK(t.scalar_type() == at::kDouble || is_float_storage(t.scalar_type()), "ort_optim::grad_stats: ",
+                "tensors[", i, "] has dtype ", t.scalar_type());
+    work.push_back(t.contiguous());
+    numels.push_back(t.numel());
+  }
+  const std::vector<WorkItem> items = make_work_items(numels);
+  std::vector<double> partial(items.size(), 0.0);
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+    float buf[kBlock];
+    for (int64_t i = begin; i < end; ++i) {
+      const WorkItem& item = items[i];
+      const at::Tensor& t = work[item.tensor];
+      double sum = 0.0;
+      if (t.scalar_type() == at::kDouble) {
+        const double* d = t.data_ptr<double>();
+        for (int64_t j = item.begin; j < item.end; ++j) sum += d[j] * d[j];
+      } else {
+        const char* base = static_cast<const char*>(t.data_ptr());
+        const size_t esize = t.element_size();
+        for (int64_t off = item.begin; off < item.end; off += kBlock) {
+          const int64_t len = std::min(kBlock, item.end - off);
+          load<float>(base + off * esize, t.scalar_type(), len, buf, 1.0f);
+          // Squares of floats are exact in double; summing a block in float64 keeps the result order-stable.
+          double block = 0.0;
+          for (int64_t j = 0; j < len; ++j) block += double(buf[j]) * double(buf[j]);
+          sum += block;
+        }
+      }
+      partial[i] = sum;
+    }
+  });
+  double total = 0.0;
+  for (double p : partial) total += p;  // fixed order: deterministic whatever the thread count
+  at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kFloat));
+  out[0] = total;
+  out[1] = std::isfinite(total) ? 0.0 : 1.0;
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ort_optim, CPU, m) {
+  m.impl("adam_step_", &adam_step_cpu);
+  m.impl("grad_stats", &grad_stats_cpu);
+}
+
+}  // namespace ort_optim

@@ -1,0 +1,182 @@
+"""The one boundary between ort_optim's Python code and its kernels.
+
+Everything above this module calls :func:`adam_step_` and :func:`grad_stats`; this module decides who runs them:
+
+* the native CPU library built from ``ops/`` (schemas in ``ops/schema.cpp``, called through ``torch.ops.ort_optim``),
+* the Triton kernels of :mod:`ort_optim._triton` for CUDA tensors (and, with ``ORT_OPTIM_BACKEND=triton`` and
+  ``TRITON_INTERPRET=1``, for CPU tensors, so the GPU code path can be tested anywhere),
+* the pure-PyTorch implementation of :mod:`ort_optim._fallback` when the native library cannot be built or loaded
+  (one warning, same results within the tolerances the tests state), or when ``ORT_OPTIM_BACKEND=torch``.
+
+The native library is built by the project's setup (``python -m ort_optim.build``) into a cache folder keyed by the
+torch version, the sources and the CPU's instruction-set flags, and loaded on first use, never at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+# Elements per fp16-state quantisation block; must equal kBlock in ops/adam_cpu.cpp and BLOCK in _triton.py.
+QUANT_BLOCK = 1024
+
+OPS_DIR = Path(__file__).resolve().parent.parent / "ops"
+SOURCES = ("schema.cpp", "adam_cpu.cpp")
+# -fno-math-errno lets sqrt vectorise; -march=native is safe because the build folder is keyed by the CPU flags.
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
+BACKENDS = ("auto", "native", "torch", "triton")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_dir() -> Path:
+    """Folder of the native library for this torch, these sources and this CPU."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((OPS_DIR / name).read_bytes())
+    digest.update(" ".join(CFLAGS).encode())
+    digest.update(_cpu_flags().encode())
+    cache = Path(os.environ.get("ORT_OPTIM_CACHE", Path.home() / ".cache" / "ort-optim"))
+    return cache / "ops" / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compiles ops/ with torch.utils.cpp_extension (idempotent) and returns the library's path."""
+    from torch.utils.cpp_extension import load
+
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    load(
+        name="ort_optim_ops",
+        sources=[str(OPS_DIR / name) for name in SOURCES],
+        extra_cflags=CFLAGS,
+        build_directory=str(folder),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return folder / "ort_optim_ops.so"
+
+
+@functools.lru_cache(maxsize=None)
+def _load_native() -> bool:
+    if os.environ.get("ORT_OPTIM_NO_NATIVE") == "1":
+        return False
+    try:
+        path = build_dir() / "ort_optim_ops.so"
+        if not path.exists():
+            path = build()  # first use on a machine the setup did not prepare: build now (about a minute)
+        else:
+            torch.ops.load_library(str(path))
+        _register_fakes()
+        return True
+    except Exception as exc:  # any build or load failure degrades to the pure-PyTorch path
+        warnings.warn(
+            f"ort_optim: the native CPU kernels could not be built or loaded ({type(exc).__name__}: {exc}); "
+            "falling back to the pure-PyTorch implementation (same results, slower). "
+            "Run `python -m ort_optim.build --verbose` to see why.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+
+
+def native_available() -> bool:
+    """True when the compiled CPU op library is loaded (building it first if needed)."""
+    return _load_native()
+
+
+def backend() -> str:
+    """The backend selected by ORT_OPTIM_BACKEND: auto (default), native, torch or triton."""
+    name = os.environ.get("ORT_OPTIM_BACKEND", "auto").lower()
+    if name not in BACKENDS:
+        raise ValueError(f"ORT_OPTIM_BACKEND={name!r} is not one of {', '.join(BACKENDS)}")
+    return name
+
+
+def _register_fakes() -> None:
+    """Fake (meta) kernels, so torch.compile and opcheck can trace the ops without running them."""
+
+    @torch.library.register_fake("ort_optim::adam_step_")
+    def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+          exp_avg_sq_scales, max_exp_avg_sq_scales, steps, *, lr, beta1, beta2, eps, weight_decay, mode,
+          bias_correction, maximize, lr_tensor=None, inv_grad_scale=None, found_inf=None):
+        return None
+
+    @torch.library.register_fake("ort_optim::grad_stats")
+    def _(tensors):
+        device = tensors[0].device if len(tensors) else torch.device("cpu")
+        return torch.empty(2, dtype=torch.float32, device=device)
+
+    from . import _triton
+
+    _triton.register_cuda_kernels()
+
+
+def _implementation(device: torch.device):
+    """The module whose adam_step_/grad_stats serve tensors on this device."""
+    choice = backend()
+    if choice == "triton" or (device.type == "cuda" and choice == "auto"):
+        from . import _triton
+
+        return _triton
+    if choice == "torch" or not native_available():
+        from . import _fallback
+
+        return _fallback
+    return torch.ops.ort_optim
+
+
+def adam_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    max_exp_avg_sqs: Sequence[torch.Tensor],
+    master_params: Sequence[torch.Tensor],
+    exp_avg_scales: Sequence[torch.Tensor],
+    exp_avg_sq_scales: Sequence[torch.Tensor],
+    max_exp_avg_sq_scales: Sequence[torch.Tensor],
+    steps: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    mode: int,
+    bias_correction: bool,
+    maximize: bool,
+    lr_tensor: Optional[torch.Tensor] = None,
+    inv_grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    """One multi-tensor Adam step (ops/README.md gives the math). Mutates params, states, masters, scales, steps."""
+    impl = _implementation(params[0].device if len(params) else torch.device("cpu"))
+    impl.adam_step_(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+        exp_avg_sq_scales, max_exp_avg_sq_scales, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, mode=mode, bias_correction=bias_correction, maximize=maximize,
+        lr_tensor=lr_tensor, inv_grad_scale=inv_grad_scale, found_inf=found_inf,
+    )
+
+
+def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float32 [2] on the tensors' device: [sum of squares of all elements, 1.0 if any is inf/NaN else 0.0]."""
+    if not len(tensors):
+        return torch.zeros(2, dtype=torch.float32)
+    return _implementation(tensors[0].device).grad_stats(tensors)

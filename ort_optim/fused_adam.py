@@ -1,0 +1,525 @@
+"""FusedAdam: a multi-tensor Adam/AdamW on ort_optim's own op, a drop-in for ORT's and for torch.optim.AdamW."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+
+from . import _fallback, _native
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+CHECKPOINT_KEYS = ("step",) + MOMENT_KEYS + ("master_param",)
+# Group keys that describe how torch.optim ran, not what it computes; dropped when a torch checkpoint is loaded.
+TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+
+
+class AdamWMode(enum.IntEnum):
+    """Weight-decay variants, with ONNX Runtime's names and values (ops/README.md has the exact math)."""
+
+    ADAM_L2_REGULARIZATION = 0  # g += wd * p before the moments; eps outside the bias-corrected sqrt
+    ADAMW_TRANSFORMERS = 1  # HF transformers AdamW: p -= lr * wd * p after the update (ORT's default)
+    ADAMW_TORCH = 2  # torch.optim.AdamW: p *= 1 - lr * wd before the update; torch's eps placement
+
+
+@dataclass
+class _Bucket:
+    """Parameters of one param group that share (device, dtype, state dtypes, master): one op call per step."""
+
+    indices: list[int]  # positions in group["params"]
+    params: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
+    max_exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
+    master_params: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_scales: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
+    max_exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
+    steps: Optional[torch.Tensor] = None  # float64 [n]; state[p]["step"] are 0-dim views of it
+
+
+def _describe(group_index: int, index: int, param: torch.Tensor) -> str:
+    return f"param_groups[{group_index}]['params'][{index}] (shape {tuple(param.shape)}, {param.dtype})"
+
+
+def _check_hyperparameters(group: dict, where: str) -> None:
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"{where}: lr must be a float or a one-element tensor, got shape {tuple(lr.shape)}")
+        if lr.device.type == "cpu" and not float(lr) >= 0.0:
+            raise ValueError(f"{where}: lr must be >= 0, got {float(lr)}")
+    elif not (isinstance(lr, (int, float)) and lr >= 0.0):
+        raise ValueError(f"{where}: lr must be a float >= 0, got {lr!r}")
+    if not (isinstance(group["eps"], (int, float)) and group["eps"] >= 0.0):
+        raise ValueError(f"{where}: eps must be a float >= 0, got {group['eps']!r}")
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+    for name, beta in zip(("betas[0]", "betas[1]"), betas):
+        if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
+            raise ValueError(f"{where}: {name} must be in [0, 1), got {beta!r}")
+    if not (isinstance(group["weight_decay"], (int, float)) and group["weight_decay"] >= 0.0):
+        raise ValueError(f"{where}: weight_decay must be a float >= 0, got {group['weight_decay']!r}")
+    if group["adam_w_mode"] not in tuple(AdamWMode):
+        raise ValueError(f"{where}: adam_w_mode must be an AdamWMode (0, 1 or 2), got {group['adam_w_mode']!r}")
+
+
+def _check_dtype_option(name: str, dtype: Optional[torch.dtype]) -> None:
+    if dtype is not None and dtype not in STATE_DTYPES:
+        raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
+
+
+class FusedAdam(torch.optim.Optimizer):
+    r"""Multi-tensor Adam/AdamW whose update is one call of ort_optim's fused op per (device, dtype) bucket.
+
+    A drop-in for ``onnxruntime.training.optim.FusedAdam`` (same positional signature, defaults and
+    :class:`AdamWMode`) and, with ``adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=1e-2``, for
+    ``torch.optim.AdamW``. For parameter :math:`p` with gradient :math:`g` at its own step :math:`t`:
+
+    .. math::
+        m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \qquad v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2
+
+    * ``ADAMW_TORCH``: :math:`p \leftarrow p(1-\eta\lambda) - \frac{\eta}{1-\beta_1^t}
+      \frac{m_t}{\sqrt{v_t}/\sqrt{1-\beta_2^t} + \epsilon}`
+    * ``ADAMW_TRANSFORMERS`` (default): :math:`p \leftarrow p - \eta\frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}
+      \frac{m_t}{\sqrt{v_t} + \epsilon}`, then :math:`p \leftarrow p - \eta\lambda p`
+    * ``ADAM_L2_REGULARIZATION``: :math:`g_t \leftarrow g_t + \lambda p` first, then the ``ADAMW_TRANSFORMERS``
+      update without the decay term.
+
+    Args:
+        params: parameters or param groups (dicts), as for any torch optimizer.
+        lr: learning rate :math:`\eta` (default 1e-3); a float or a one-element tensor.
+        bias_correction: divide by :math:`1-\beta^t` (default True).
+        betas: :math:`(\beta_1, \beta_2)` (default (0.9, 0.999)).
+        eps: :math:`\epsilon` (default 1e-6, ORT's real default; torch's AdamW uses 1e-8).
+        adam_w_mode: the weight-decay variant (default ``ADAMW_TRANSFORMERS``, as ORT).
+        weight_decay: :math:`\lambda` (default 0.0, as ORT; torch's AdamW uses 1e-2).
+        set_grad_none: ``zero_grad()`` sets gradients to None (default True).
+        amsgrad: use :math:`\max_{s\le t} v_s` in the denominator (default False).
+        maximize: ascend instead of descend (default False).
+        master_weights: keep an fp32 master copy (``state['master_param']``) of fp16/bf16 params; the update is done
+            on the master and the param receives it rounded to nearest even (default False).
+        exp_avg_dtype, exp_avg_sq_dtype: storage dtype of the moments: torch.float32, torch.bfloat16 or
+            torch.float16 (default None: float32 for fp16/bf16 params with master weights, else the param's dtype;
+            float64 params always keep float64 states). fp16 moments are stored with one power-of-two scale per
+            1024 elements, so they neither overflow nor flush to zero.
+        max_grad_norm: when set, clip the gradients by their global L2 norm over all params (default None), inside
+            the fused step, after unscaling.
+
+    Each parameter has its own step count (as torch), so a parameter that first gets a gradient late gets a correct
+    first update; parameters without a gradient are skipped entirely.
+
+    ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element tensor)
+    divides every gradient inside the kernel; ``found_inf`` (one-element tensor) turns the step into a no-op when
+    non-zero. When ``grad_scale`` or ``max_grad_norm`` is given, the optimizer also checks the gradients for inf/NaN
+    itself and skips the step if it finds any; :attr:`last_step_skipped` tells. A skipped step changes nothing: no
+    parameter, master, moment or step count. ``torch.amp.GradScaler`` is honoured through its protocol for fused
+    optimizers (``_step_supports_amp_scaling``).
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: Union[float, torch.Tensor] = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        adam_w_mode: AdamWMode = AdamWMode.ADAMW_TRANSFORMERS,
+        weight_decay: float = 0.0,
+        set_grad_none: bool = True,
+        *,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        master_weights: bool = False,
+        exp_avg_dtype: Optional[torch.dtype] = None,
+        exp_avg_sq_dtype: Optional[torch.dtype] = None,
+        max_grad_norm: Optional[float] = None,
+    ):
+        _check_dtype_option("exp_avg_dtype", exp_avg_dtype)
+        _check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be None or a float > 0, got {max_grad_norm!r}")
+        defaults = dict(
+            lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, adam_w_mode=adam_w_mode,
+            weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+        )
+        _check_hyperparameters(defaults, "FusedAdam")
+        self.set_grad_none = set_grad_none
+        self.master_weights = master_weights
+        self.exp_avg_dtype = exp_avg_dtype
+        self.exp_avg_sq_dtype = exp_avg_sq_dtype
+        self.max_grad_norm = max_grad_norm
+        self._plans: dict[int, tuple[tuple[bool, ...], list[_Bucket]]] = {}
+        self._last_found_inf: Optional[torch.Tensor] = None
+        super().__init__(params, defaults)
+
+    # ---- configuration ------------------------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group_index = len(self.param_groups) - 1
+        group = self.param_groups[group_index]
+        where = f"param_groups[{group_index}]"
+        try:
+            _check_hyperparameters(group, where)
+            group["adam_w_mode"] = int(group["adam_w_mode"])  # a plain int, so checkpoints load with weights_only
+            for index, p in enumerate(group["params"]):
+                if p.dtype not in SUPPORTED_PARAM_DTYPES:
+                    raise ValueError(
+                        f"{_describe(group_index, index, p)}: FusedAdam supports float32, float64, float16 and "
+                        f"bfloat16 params; complex or integer params are not supported (use torch.view_as_real for "
+                        f"complex ones)"
+                    )
+                if p.dtype == torch.float64 and (self.exp_avg_dtype or self.exp_avg_sq_dtype):
+                    raise ValueError(
+                        f"{_describe(group_index, index, p)}: float64 params keep float64 moments; "
+                        f"exp_avg_dtype/exp_avg_sq_dtype apply to float32/float16/bfloat16 params only"
+                    )
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        self._plans.clear()
+
+    def _state_layout(self, p: torch.Tensor) -> tuple[torch.dtype, torch.dtype, bool]:
+        """(exp_avg dtype, exp_avg_sq dtype, has master) for a parameter."""
+        if p.dtype == torch.float64:
+            return torch.float64, torch.float64, False
+        has_master = self.master_weights and p.dtype in LOW_PRECISION
+        default = torch.float32 if has_master else p.dtype
+        return self.exp_avg_dtype or default, self.exp_avg_sq_dtype or default, has_master
+
+    def _steps_device(self, p: torch.Tensor) -> torch.device:
+        # The CPU kernel reads steps on the host; GPU kernels read them on the device (no host sync per step).
+        return p.device
+
+    def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
+        m_dtype, v_dtype, has_master = self._state_layout(p)
+        state: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float64, device=self._steps_device(p))}
+        moments = {"exp_avg": m_dtype, "exp_avg_sq": v_dtype}
+        if amsgrad:
+            moments["max_exp_avg_sq"] = v_dtype
+        for key, dtype in moments.items():
+            state[key] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            if dtype == torch.float16:
+                state[key + "_scale"] = torch.ones(_fallback.num_blocks(p.numel()), device=p.device)
+        if has_master:
+            state["master_param"] = p.detach().float().clone(memory_format=torch.contiguous_format)
+        return state
+
+    # ---- the step -----------------------------------------------------------------------------------------------
+
+    def _plan(self, group_index: int, grads: list[Optional[torch.Tensor]]) -> list[_Bucket]:
+        """The buckets for this group, rebuilt only when the set of params with gradients changes."""
+        mask = tuple(g is not None for g in grads)
+        cached = self._plans.get(group_index)
+        if cached is not None and cached[0] == mask:
+            return cached[1]
+        group = self.param_groups[group_index]
+        by_key: dict[tuple, _Bucket] = {}
+        for index, p in enumerate(group["params"]):
+            if grads[index] is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(self._init_state(p, group["amsgrad"]))
+            elif group["amsgrad"] and "max_exp_avg_sq" not in state:
+                raise ValueError(
+                    f"{_describe(group_index, index, p)}: amsgrad is on but this parameter's state has no "
+                    f"max_exp_avg_sq (it was created with amsgrad=False); load a checkpoint made with amsgrad=True"
+                )
+            key = (p.device, p.dtype, state["exp_avg"].dtype, state["exp_avg_sq"].dtype, "master_param" in state)
+            bucket = by_key.setdefault(key, _Bucket(indices=[], params=[]))
+            bucket.indices.append(index)
+            bucket.params.append(p)
+        for bucket in by_key.values():
+            states = [self.state[p] for p in bucket.params]
+            for key in MOMENT_KEYS + ("master_param",):
+                if key == "max_exp_avg_sq" and not group["amsgrad"]:
+                    continue
+                if key in states[0]:
+                    getattr(bucket, key + "s").extend(s[key] for s in states)
+                if key + "_scale" in states[0]:
+                    getattr(bucket, key + "_scales").extend(s[key + "_scale"] for s in states)
+            bucket.steps = torch.stack([s["step"] for s in states]).to(torch.float64)
+            for j, s in enumerate(states):
+                s["step"] = bucket.steps[j]
+        buckets = list(by_key.values())
+        self._plans[group_index] = (mask, buckets)
+        return buckets
+
+    def _check_grads(self, group_index: int, bucket: _Bucket, grads: list[torch.Tensor]) -> None:
+        """Python-side validation with the parameter's name (the native op checks the same things itself)."""
+        for index, p, g in zip(bucket.indices, bucket.params, grads):
+            where = _describe(group_index, index, p)
+            if g.layout != torch.strided:
+                raise ValueError(f"{where}: its gradient is sparse ({g.layout}); FusedAdam needs dense gradients")
+            if g.shape != p.shape:
+                raise ValueError(f"{where}: its gradient has shape {tuple(g.shape)}, not the parameter's")
+            if g.device != p.device:
+                raise ValueError(f"{where}: its gradient is on {g.device}, the parameter on {p.device}")
+            if (p.dtype == torch.float64) != (g.dtype == torch.float64) or g.dtype not in SUPPORTED_PARAM_DTYPES:
+                raise ValueError(f"{where}: its gradient has dtype {g.dtype}, which cannot update a {p.dtype} param")
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step() was skipped because of inf/NaN gradients or a non-zero found_inf.
+
+        On CUDA reading this synchronises with the device; step() itself never does.
+        """
+        return self._last_found_inf is not None and bool(self._last_found_inf.item() != 0)
+
+    @torch.no_grad()
+    def step(
+        self,
+        closure: Optional[Callable[[], Any]] = None,
+        *,
+        grad_scale: Optional[Union[float, torch.Tensor]] = None,
+        found_inf: Optional[torch.Tensor] = None,
+    ):
+        """Performs one optimization step; see the class docstring for grad_scale and found_inf."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # torch.amp.GradScaler hands these over as attributes to optimizers with _step_supports_amp_scaling.
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        for group_index, group in enumerate(self.param_groups):
+            _check_hyperparameters(group, f"param_groups[{group_index}]")
+
+        launches = []
+        for group_index, group in enumerate(self.param_groups):
+            grads = [p.grad for p in group["params"]]
+            for bucket in self._plan(group_index, grads):
+                bucket_grads = [grads[i] for i in bucket.indices]
+                if bucket.params[0].device.type != "cpu" or not _native.native_available() \
+                        or _native.backend() != "auto":
+                    self._check_grads(group_index, bucket, bucket_grads)  # the native CPU op checks for itself
+                launches.append((group_index, group, bucket, bucket_grads))
+        if not launches:
+            self._last_found_inf = None
+            return loss
+
+        inv_grad_scale, found_inf = self._scaling(launches, grad_scale, found_inf)
+        self._last_found_inf = found_inf
+        for group_index, group, bucket, grads in launches:
+            device = bucket.params[0].device
+            lr = group["lr"]
+            lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+            try:
+                _native.adam_step_(
+                    bucket.params, grads, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs,
+                    bucket.master_params, bucket.exp_avg_scales, bucket.exp_avg_sq_scales,
+                    bucket.max_exp_avg_sq_scales, bucket.steps,
+                    lr=0.0 if lr_tensor is not None else float(lr), beta1=float(group["betas"][0]),
+                    beta2=float(group["betas"][1]), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]), mode=int(group["adam_w_mode"]),
+                    bias_correction=bool(group["bias_correction"]), maximize=bool(group["maximize"]),
+                    lr_tensor=lr_tensor,
+                    inv_grad_scale=None if inv_grad_scale is None else inv_grad_scale[device],
+                    found_inf=None if found_inf is None else found_inf.to(device, non_blocking=True),
+                )
+            except RuntimeError:
+                # Name the offending parameter: the op's own message only knows list indices.
+                self._check_grads(group_index, bucket, grads)
+                raise
+        return loss
+
+    def _scaling(self, launches, grad_scale, found_inf):
+        """Per-device inverse gradient multiplier (unscale and clip) and the combined skip flag, without host syncs.
+
+        One grad_stats pass per device gives the global sum of squares and the inf/NaN check; the Adam pass then
+        multiplies each gradient by clip_coef / grad_scale. Two passes over the gradients in all.
+        """
+        if grad_scale is None and self.max_grad_norm is None:
+            return None, found_inf
+        devices: dict[torch.device, list[torch.Tensor]] = {}
+        for _, _, bucket, grads in launches:
+            devices.setdefault(bucket.params[0].device, []).extend(grads)
+        main = next(iter(devices))
+        stats = sum(_native.grad_stats(grads).to(main, non_blocking=True) for grads in devices.values())
+        inv = torch.ones((), dtype=torch.float32, device=main)
+        if grad_scale is not None:
+            scale = grad_scale.to(main, torch.float32) if isinstance(grad_scale, torch.Tensor) else \
+                torch.tensor(float(grad_scale), dtype=torch.float32, device=main)
+            inv = inv / scale.reshape(())
+        if self.max_grad_norm is not None:
+            norm = stats[0].sqrt() * inv
+            clip = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            inv = inv * clip
+        skip = (stats[1] > 0).float()
+        if found_inf is not None:
+            skip = torch.maximum(skip, (found_inf.to(main).reshape(()) != 0).float())
+        per_device = {device: inv.to(device, non_blocking=True).reshape(1) for device in devices}
+        return per_device, skip.reshape(1)
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """Clears the gradients; set_to_none defaults to the constructor's set_grad_none (True, as ORT)."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """torch.optim.AdamW's layout in canonical form: fresh tensors, moments and masters unscaled float32
+        (float64 for float64 params), a float64 per-parameter ``step``. It loads into FusedAdam with any state
+        dtypes, into torch.optim.AdamW, and with ``torch.load(weights_only=True)``."""
+        sd = super().state_dict()
+        sd["state"] = {index: self._canonical(state) for index, state in sd["state"].items()}
+        return sd
+
+    @staticmethod
+    def _canonical(state: dict) -> dict:
+        out = {"step": state["step"].detach().to("cpu", torch.float64, copy=True)}
+        for key in MOMENT_KEYS:
+            if key not in state:
+                continue
+            value = state[key]
+            if key + "_scale" in state:
+                value = _fallback.dequantize_fp16(value, state[key + "_scale"])
+            out[key] = value.to(torch.float64 if value.dtype == torch.float64 else torch.float32, copy=True)
+        if "master_param" in state:
+            out["master_param"] = state["master_param"].detach().clone()
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a FusedAdam, torch.optim.Adam/AdamW or ORT FusedAdam checkpoint.
+
+        Everything is validated first (group and parameter counts, keys, shapes, dtypes, steps); then new state
+        tensors are built as copies. The given dict and its tensors are never written to, so loading the same dict
+        twice equals loading it once. Missing ``master_param`` entries are taken from the current parameters.
+        """
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (from optimizer.state_dict())")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"state_dict has {len(saved_groups)} param groups but this optimizer has {len(self.param_groups)}"
+            )
+        id_to_param: dict[Any, torch.Tensor] = {}
+        new_groups = []
+        for group_index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"state_dict's param_groups[{group_index}] has {len(saved['params'])} params but this "
+                    f"optimizer's has {len(group['params'])}"
+                )
+            id_to_param.update(zip(saved["params"], group["params"]))
+            new_group = {key: value for key, value in group.items()}
+            for key, value in saved.items():
+                if key not in ("params", "step") and key not in TORCH_IMPLEMENTATION_KEYS:
+                    new_group[key] = value
+            _check_hyperparameters(new_group, f"state_dict's param_groups[{group_index}]")
+            new_group["adam_w_mode"] = int(new_group["adam_w_mode"])
+            new_groups.append((new_group, saved.get("step")))
+
+        param_to_group = {}
+        for (new_group, group_step), group in zip(new_groups, self.param_groups):
+            for p in group["params"]:
+                param_to_group[p] = (new_group, group_step)
+        new_state: dict[torch.Tensor, dict] = {}
+        for saved_id, saved_state in state_dict["state"].items():
+            if saved_id not in id_to_param:
+                raise ValueError(f"state_dict has state for parameter id {saved_id!r}, which no param group lists")
+            p = id_to_param[saved_id]
+            new_group, group_step = param_to_group[p]
+            new_state[p] = self._state_from_checkpoint(p, saved_state, new_group, group_step, saved_id)
+
+        for group, (new_group, _) in zip(self.param_groups, new_groups):
+            group.clear()
+            group.update(new_group)
+        self.state.clear()
+        self.state.update(new_state)
+        self._plans.clear()
+
+    def _state_from_checkpoint(self, p, saved: dict, group: dict, group_step, saved_id) -> dict:
+        where = f"state_dict['state'][{saved_id!r}] (for a parameter of shape {tuple(p.shape)})"
+        if not isinstance(saved, dict):
+            raise ValueError(f"{where}: expected a dict of state tensors, got {type(saved).__name__}")
+        unknown = set(saved) - set(CHECKPOINT_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected some of {list(CHECKPOINT_KEYS)}")
+        required = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        for key in required:
+            if key not in saved:
+                raise ValueError(f"{where}: missing '{key}'" + (" (the group has amsgrad=True)"
+                                                                 if key == "max_exp_avg_sq" else ""))
+        for key in MOMENT_KEYS + ("master_param",):
+            value = saved.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                raise ValueError(f"{where}: '{key}' must be a floating-point tensor, got {value!r:.80}")
+            if value.shape != p.shape:
+                raise ValueError(f"{where}: '{key}' has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}")
+        step = saved.get("step", group_step)
+        if step is None:
+            raise ValueError(f"{where}: no 'step' (nor a per-group 'step', as ORT's FusedAdam saves)")
+        step = float(step.item() if isinstance(step, torch.Tensor) else step)
+        if not (math.isfinite(step) and step >= 0 and step == int(step)):
+            raise ValueError(f"{where}: 'step' must be a non-negative whole number, got {step}")
+
+        state = self._init_state(p, group["amsgrad"])
+        state["step"].fill_(step)
+        for key in MOMENT_KEYS:
+            if key not in state:
+                continue
+            value = saved[key].detach().to(p.device, torch.float64 if p.dtype == torch.float64 else torch.float32)
+            if key + "_scale" in state:
+                codes, scales = _fallback.quantize_fp16(value)
+                state[key].copy_(codes)
+                state[key + "_scale"].copy_(scales)
+            else:
+                state[key].copy_(value)
+        if "master_param" in state and saved.get("master_param") is not None:
+            state["master_param"].copy_(saved["master_param"])
+        return state
+
+    # ---- conversion ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, **kwargs) -> "FusedAdam":
+        """An equivalent FusedAdam (param groups, hyperparameters and state) for a torch.optim.Adam or AdamW.
+
+        Both map to ``AdamWMode.ADAMW_TORCH`` (torch's eps placement), so the result continues exactly as torch
+        would. torch.optim.Adam with weight_decay > 0 (L2 decay with torch's eps placement) has no FusedAdam mode
+        and is refused rather than converted approximately. Extra keyword arguments (master_weights, ...) are
+        passed to the constructor.
+        """
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            raise TypeError(
+                f"FusedAdam.from_optimizer converts torch.optim.Adam and torch.optim.AdamW, got "
+                f"{type(optimizer).__name__}"
+            )
+        decoupled = isinstance(optimizer, torch.optim.AdamW)
+        groups = []
+        for index, group in enumerate(optimizer.param_groups):
+            if group.get("differentiable"):
+                raise ValueError(f"param_groups[{index}]: differentiable=True is not supported by FusedAdam")
+            if not decoupled and group["weight_decay"] != 0 and not group.get("decoupled_weight_decay", False):
+                raise ValueError(
+                    f"param_groups[{index}]: torch.optim.Adam with weight_decay={group['weight_decay']} is L2 decay "
+                    "with torch's eps placement, which no FusedAdam mode reproduces exactly. Use "
+                    "torch.optim.AdamW semantics (AdamWMode.ADAMW_TORCH) or ORT's L2 mode "
+                    "(AdamWMode.ADAM_L2_REGULARIZATION, eps outside the bias correction) explicitly."
+                )
+            groups.append({
+                "params": group["params"], "lr": group["lr"], "betas": tuple(group["betas"]), "eps": group["eps"],
+                "weight_decay": group["weight_decay"], "amsgrad": group["amsgrad"], "maximize": group["maximize"],
+            })
+        fused = cls(groups, adam_w_mode=AdamWMode.ADAMW_TORCH, **kwargs)
+        torch_state = optimizer.state_dict()
+        for group in torch_state["param_groups"]:
+            group["adam_w_mode"] = int(AdamWMode.ADAMW_TORCH)
+        fused.load_state_dict(torch_state)
+        return fused
