@@ -200,32 +200,35 @@ void store_state(const T* src, void* base, at::ScalarType type, float* scales, i
   store<T>(src, n, dst, type);
 }
 
+// The block [off, off + n) of a tensor as T values: the storage itself when it already holds plain T values
+// (fp32 and fp64 tensors are updated in place), else the scratch array filled by conversion.
+template <typename T>
+T* stage(const void* base, at::ScalarType type, const float* scales, int64_t off, int64_t n, T* scratch) {
+  if (type == c10::CppTypeToScalarType<T>::value && scales == nullptr) {
+    return const_cast<T*>(static_cast<const T*>(base)) + off;
+  }
+  load_state<T>(base, type, scales, off, n, scratch);
+  return scratch;
+}
+
 // One block of one tensor: [off, off + n) with off a multiple of kBlock.
 template <typename T, int64_t kMode, bool kAmsgrad>
 void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s) {
-  const size_t psize = c10::elementSize(w.param_type);
-  load<T>(static_cast<const char*>(w.grad) + off * c10::elementSize(w.grad_type), w.grad_type, n, s.g,
-          T(h.grad_mul));
-  if (w.master) {
-    load<T>(w.master + off, at::kFloat, n, s.p, T(1));
-  } else {
-    load<T>(static_cast<const char*>(w.param) + off * psize, w.param_type, n, s.p, T(1));
-  }
-  load_state<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m);
-  load_state<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v);
-  if (kAmsgrad) load_state<T>(w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.vmax);
+  T* __restrict__ g = stage<T>(w.grad, w.grad_type, nullptr, off, n, s.g);
+  T* __restrict__ p = w.master ? stage<T>(w.master, at::kFloat, nullptr, off, n, s.p)
+                               : stage<T>(w.param, w.param_type, nullptr, off, n, s.p);
+  T* __restrict__ m = stage<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m);
+  T* __restrict__ v = stage<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v);
+  T* __restrict__ vmax =
+      kAmsgrad ? stage<T>(w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.vmax) : s.vmax;
 
-  const T b2 = T(h.beta2), one_minus_b1 = T(1.0 - h.beta1), one_minus_b2 = T(1.0 - h.beta2);
+  const T grad_mul = T(h.grad_mul), b2 = T(h.beta2), one_minus_b1 = T(1.0 - h.beta1),
+          one_minus_b2 = T(1.0 - h.beta2);
   const T eps = T(h.eps), wd = T(h.weight_decay), step_size = T(w.step_size), bc2_sqrt = T(w.bc2_sqrt);
   const T torch_decay = T(1.0 - h.lr * h.weight_decay);  // mode 2: p *= 1 - lr*wd, in double like torch
   const T hf_decay = T(h.lr * h.weight_decay);           // mode 1: p -= lr*wd*p after the update
-  T* __restrict__ p = s.p;
-  T* __restrict__ g = s.g;
-  T* __restrict__ m = s.m;
-  T* __restrict__ v = s.v;
-  T* __restrict__ vmax = s.vmax;
   for (int64_t i = 0; i < n; ++i) {
-    T gi = g[i];
+    T gi = g[i] * grad_mul;  // unscale (and negate for maximize)
     if (kMode == kAdamL2) gi = gi + wd * p[i];  // L2: the decay enters the moments (not written back to .grad)
     if (kMode == kAdamWTorch) p[i] = p[i] * torch_decay;
     m[i] = m[i] + one_minus_b1 * (gi - m[i]);  // = b1*m + (1-b1)*g, in torch's lerp form
@@ -243,12 +246,16 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
     }
   }
 
-  // The scratch array g is free now: it serves as the temporary of the fp16 quantiser.
-  store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.g);
-  store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.g);
-  if (kAmsgrad) store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.g);
-  if (w.master) std::memcpy(w.master + off, s.p, n * sizeof(float));
-  store<T>(s.p, n, static_cast<char*>(w.param) + off * psize, w.param_type);
+  // Write back what was staged. The scratch array g is free now: it is the fp16 quantiser's temporary.
+  if (m == s.m) store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.g);
+  if (v == s.v) store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.g);
+  if (kAmsgrad && vmax == s.vmax) {
+    store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.g);
+  }
+  // With a master, p is the master itself (updated in place) and the param receives it rounded.
+  if (w.master || p == s.p) {
+    store<T>(p, n, static_cast<char*>(w.param) + off * c10::elementSize(w.param_type), w.param_type);
+  }
 }
 
 struct WorkItem {

@@ -30,7 +30,7 @@ QUANT_BLOCK = 1024
 OPS_DIR = Path(__file__).resolve().parent.parent / "ops"
 SOURCES = ("schema.cpp", "adam_cpu.cpp")
 # -fno-math-errno lets sqrt vectorise; -march=native is safe because the build folder is keyed by the CPU flags.
-CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=c++17"]
 BACKENDS = ("auto", "native", "torch", "triton")
 
 
@@ -65,6 +65,7 @@ def build(verbose: bool = False) -> Path:
         name="ort_optim_ops",
         sources=[str(OPS_DIR / name) for name in SOURCES],
         extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
         is_python_module=False,
         verbose=verbose,
