@@ -1,0 +1,43 @@
+# Two commands do all setup on a fresh machine (see README.md):
+#   make demo   - builds the ORTModule environment and runs the demo training run
+#   make test   - builds both environments and runs the whole test suite in each
+# Environments live in ~/.cache/ort-optim/envs (override with ORT_OPTIM_CACHE), keyed by the lock files' hash;
+# .venv and .venv-latest are symlinks to them.
+SHELL := /bin/bash
+export PYTHONPATH := $(CURDIR)
+PYTEST_ARGS ?=
+
+.PHONY: setup setup-ort setup-latest demo test test-ort test-latest test-triton bench clean
+
+setup: setup-ort setup-latest
+
+setup-ort:
+	tools/make_env.sh ort-stack
+	.venv/bin/python -m ort_optim.build
+
+setup-latest:
+	tools/make_env.sh latest
+	.venv-latest/bin/python -m ort_optim.build
+
+demo: setup-ort
+	.venv/bin/python guides/examples/gpt.py
+
+test: setup
+	$(MAKE) test-ort test-latest test-triton
+
+test-ort:
+	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+
+test-latest:
+	.venv-latest/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# The FusedAdam suite again, through the Triton kernels on CPU tensors (Triton's interpreter).
+test-triton:
+	ORT_OPTIM_BACKEND=triton TRITON_INTERPRET=1 .venv-latest/bin/python -m pytest -q tests/test_fused_adam.py $(PYTEST_ARGS)
+
+bench: setup-ort
+	.venv/bin/python -m ort_optim.bench
+
+clean:
+	rm -f .venv .venv-latest
+	rm -rf results .pytest_cache
