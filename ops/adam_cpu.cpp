@@ -144,9 +144,11 @@ float fp16_block_scale(float amax) {
 
 // Writes a block of values as fp16 codes with one power-of-two scale; scale_out receives s (value = code / s).
 void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_out, float* tmp) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(src[i]));
-  float s = fp16_block_scale(amax);
+  // |x| as bits orders like |x| for non-NaN floats, and an integer max vectorises (a float max does not without
+  // fast-math). A NaN's bits exceed infinity's, so a NaN block still reads as non-finite.
+  uint32_t amax_bits = 0;
+  for (int64_t i = 0; i < n; ++i) amax_bits = std::max(amax_bits, float_to_bits(src[i]) & 0x7FFFFFFFu);
+  float s = fp16_block_scale(bits_to_float(amax_bits));
   for (int64_t i = 0; i < n; ++i) tmp[i] = src[i] * s;
   float_to_half(tmp, n, dst);
   *scale_out = s;
@@ -453,6 +455,22 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
 
 // ---- gradient statistics --------------------------------------------------------------------------------------
 
+// Sum of squares in float64 with 8 fixed partial sums: the fixed order keeps it deterministic, and the
+// independent lanes let the compiler vectorise what a single running sum would serialise.
+template <typename T>
+double sum_of_squares(const T* x, int64_t n) {
+  constexpr int kLanes = 8;
+  double lanes[kLanes] = {0.0};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int k = 0; k < kLanes; ++k) lanes[k] += double(x[j + k]) * double(x[j + k]);
+  }
+  for (; j < n; ++j) lanes[0] += double(x[j]) * double(x[j]);
+  double total = 0.0;
+  for (int k = 0; k < kLanes; ++k) total += lanes[k];
+  return total;
+}
+
 at::Tensor grad_stats_cpu(at::TensorList tensors) {
   std::vector<at::Tensor> work;
   std::vector<int64_t> numels;
@@ -474,18 +492,16 @@ at::Tensor grad_stats_cpu(at::TensorList tensors) {
       const at::Tensor& t = work[item.tensor];
       double sum = 0.0;
       if (t.scalar_type() == at::kDouble) {
-        const double* d = t.data_ptr<double>();
-        for (int64_t j = item.begin; j < item.end; ++j) sum += d[j] * d[j];
+        sum = sum_of_squares(t.data_ptr<double>() + item.begin, item.end - item.begin);
+      } else if (t.scalar_type() == at::kFloat) {
+        sum = sum_of_squares(t.data_ptr<float>() + item.begin, item.end - item.begin);
       } else {
         const char* base = static_cast<const char*>(t.data_ptr());
         const size_t esize = t.element_size();
         for (int64_t off = item.begin; off < item.end; off += kBlock) {
           const int64_t len = std::min(kBlock, item.end - off);
           load<float>(base + off * esize, t.scalar_type(), len, buf, 1.0f);
-          // Squares of floats are exact in double; summing a block in float64 keeps the result order-stable.
-          double block = 0.0;
-          for (int64_t j = 0; j < len; ++j) block += double(buf[j]) * double(buf[j]);
-          sum += block;
+          sum += sum_of_squares(buf, len);
         }
       }
       partial[i] = sum;
