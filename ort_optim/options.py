@@ -1,0 +1,931 @@
+"""ORTModule options: every environment variable onnxruntime-training 1.19.2 reads, declared once.
+
+ORTModule takes almost all of its settings from ``ORTMODULE_*`` environment variables that ORT parses ad hoc
+(booleans with ``int(value) == 1``, so ``true`` raises inside ORT; names looked up case-sensitively; the memory
+optimizer's plans in a JSON file since 1.19). This module declares each variable once, as a field of
+:class:`ORTModuleOptions`, and everything else is generated from that one table: validation, parsing the
+environment, writing it, :meth:`ORTModuleOptions.describe`, the command line and the guide's table
+(:func:`markdown_table`).
+
+Precedence, highest first:
+
+1. an explicit argument (``ORTModuleOptions(memory_opt_level=1)``), written into ``os.environ`` by ``apply()``;
+2. the environment (a variable already set in ``os.environ`` for a field left ``None``);
+3. ORT 1.19.2's own default (nothing set anywhere).
+
+Command line (prints ``export`` lines, then checks the current environment for invalid values and typos)::
+
+    python -m ort_optim.options --memory-opt-level 1 --log-level INFO
+    eval "$(python -m ort_optim.options --recompute-plan 'BiasGelu+:1:-1')"
+    python -m ort_optim.options --describe
+    python -m ort_optim.options --markdown        # the table in guides/ortmodule-options.md
+
+This module imports neither torch nor onnxruntime; :func:`wrap` imports ORTModule when it is called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import re
+import shlex
+import sys
+import tempfile
+import warnings
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+ORT_VERSION = "1.19.2"
+
+__all__ = [
+    "ORTModuleOptions",
+    "OptionsTooLateWarning",
+    "Variable",
+    "TABLE",
+    "wrap",
+    "check_environment",
+    "markdown_table",
+    "main",
+]
+
+
+class OptionsTooLateWarning(UserWarning):
+    """apply() changed a variable that ORT has already read in this process."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Kinds: how one variable's value is checked, written for ORT, and read back from the environment.
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _Invalid(Exception):
+    """A value a kind cannot accept; Variable turns it into a ValueError naming the field and the variable."""
+
+
+class _Kind:
+    type_name = "str"
+    metavar = "VALUE"  # for the command line
+    allowed = ""  # shown in the table and at the end of every error message
+    ort_parsing = ""  # how ORT itself reads the text, for the environment check
+
+    def parse(self, value: Any) -> Any:
+        """A Python value or the text of a variable -> the normalized value."""
+        raise NotImplementedError
+
+    def to_env(self, value: Any) -> str:
+        return str(value)
+
+    def from_env(self, raw: str) -> Any:
+        return self.parse(raw)
+
+    def ort_accepts(self, raw: str) -> bool:
+        """Whether ORT 1.19.2 reads this text the way parse() does (we are more lenient than ORT)."""
+        return True
+
+    def show(self, value: Any) -> str:
+        return self.to_env(value)
+
+
+class _Bool(_Kind):
+    """0/1; true/false (any case) are accepted too, but always written as 1/0."""
+
+    type_name = "bool"
+    metavar = "0|1"
+    _WORDS = {"0": False, "1": True, "false": False, "true": True}
+
+    def __init__(self, ort_reads_int: bool = True):
+        # Most variables are read with int(value) == 1 (so "true" raises inside ORT); FALLBACK_RETRY is the one
+        # read with value.lower() in ("true", "1", "yes").
+        self.ort_reads_int = ort_reads_int
+        self.allowed = "0, 1 (true/false accepted, written as 1/0)"
+        self.ort_parsing = (
+            "reads it with int(value) == 1" if ort_reads_int else "reads it with value.lower() in (true, 1, yes)"
+        )
+
+    def parse(self, value: Any) -> bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.strip().lower() in self._WORDS:
+            return self._WORDS[value.strip().lower()]
+        raise _Invalid(f"got {value!r}")
+
+    def to_env(self, value: bool) -> str:
+        return "1" if value else "0"
+
+    def ort_accepts(self, raw: str) -> bool:
+        return not self.ort_reads_int or raw.strip() in ("0", "1")
+
+
+class _OnIfSet(_Kind):
+    """A switch ORT turns on for any non-empty value (``if os.getenv(name):``), even "0"."""
+
+    type_name = "bool"
+    metavar = "1"
+    allowed = "True / 1 only (ORT turns it on for any non-empty value, even 0; leave it unset for off)"
+    ort_parsing = "turns it on for any non-empty value"
+
+    def parse(self, value: Any) -> bool:
+        try:
+            on = _Bool().parse(value)
+        except _Invalid:
+            raise _Invalid(f"got {value!r}") from None
+        if not on:
+            raise _Invalid(f"got {value!r}, which ORT {ORT_VERSION} would read as ON; leave it unset (None) for off")
+        return True
+
+    def to_env(self, value: bool) -> str:
+        return "1"
+
+
+class _Int(_Kind):
+    type_name = "int"
+    metavar = "INT"
+    ort_parsing = "reads it with int(value)"
+
+    def __init__(self, choices: Optional[Sequence[int]] = None, minimum: Optional[int] = None,
+                 maximum: Optional[int] = None, note: str = ""):
+        self.choices, self.minimum, self.maximum = choices, minimum, maximum
+        if choices is not None:
+            self.allowed = ", ".join(str(c) for c in choices)
+        elif maximum is not None:
+            self.allowed = f"an integer from {minimum} to {maximum}"
+        else:
+            self.allowed = f"an integer >= {minimum}"
+        if note:
+            self.allowed += f" ({note})"
+
+    def parse(self, value: Any) -> int:
+        number = value
+        if isinstance(value, str):
+            try:
+                number = int(value.strip())
+            except ValueError:
+                raise _Invalid(f"got {value!r}") from None
+        # bool is an int subclass, but True is not a level
+        if not isinstance(number, int) or isinstance(number, bool):
+            raise _Invalid(f"got {value!r}")
+        if self.choices is not None and number not in self.choices:
+            raise _Invalid(f"got {value!r}")
+        if (self.minimum is not None and number < self.minimum) or (self.maximum is not None and number > self.maximum):
+            raise _Invalid(f"got {value!r}")
+        return number
+
+    def ort_accepts(self, raw: str) -> bool:
+        try:
+            int(raw)
+        except ValueError:
+            return False
+        return True
+
+
+class _Choice(_Kind):
+    """One name out of a fixed list; accepted in any case, written in ORT's exact (upper) case."""
+
+    metavar = "NAME"
+    ort_parsing = "looks the exact upper-case name up"
+
+    def __init__(self, names: Sequence[str]):
+        self.names = tuple(names)
+        self.allowed = ", ".join(self.names)
+
+    def parse(self, value: Any) -> str:
+        if not isinstance(value, str) or value.strip().upper() not in self.names:
+            raise _Invalid(f"got {value!r}")
+        return value.strip().upper()
+
+    def ort_accepts(self, raw: str) -> bool:
+        return raw in self.names
+
+
+class _OneFallbackPolicy(_Choice):
+    """ORTMODULE_FALLBACK_POLICY: ORT 1.19.2 reads it with ``_FallbackPolicy[value]``, a single member name."""
+
+    def __init__(self, names: Sequence[str]):
+        super().__init__(names)
+        self.allowed = (
+            "one of " + ", ".join(self.names) + f" (a single name: ORT {ORT_VERSION} cannot read a combination)"
+        )
+
+    def parse(self, value: Any) -> str:
+        if isinstance(value, (list, tuple)):
+            if len(value) != 1:
+                raise _Invalid(
+                    f"got {len(value)} policies {list(value)!r}, but ORT {ORT_VERSION} reads exactly one name"
+                )
+            value = value[0]
+        if isinstance(value, str) and ("|" in value or "," in value):
+            raise _Invalid(f"got {value!r}, but ORT {ORT_VERSION} reads exactly one name (_FallbackPolicy[value])")
+        return super().parse(value)
+
+
+class _NameSet(_Kind):
+    """Several names out of a fixed list, joined with '|' for ORT (which splits on '|' and looks each name up)."""
+
+    type_name = "list[str]"
+    metavar = "NAME|NAME"
+    ort_parsing = "splits it on '|' and looks up each exact upper-case name"
+
+    def __init__(self, names: Sequence[str]):
+        self.names = tuple(names)
+        self.allowed = "one or more of " + ", ".join(self.names) + " ('|'-joined in the variable)"
+
+    def parse(self, value: Any) -> Tuple[str, ...]:
+        items = re.split(r"[|,]", value) if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not items:
+            raise _Invalid(f"got {value!r}")
+        names: List[str] = []
+        for item in items:
+            if not isinstance(item, str) or item.strip().upper() not in self.names:
+                raise _Invalid(f"got {item!r} in {value!r}")
+            if item.strip().upper() not in names:
+                names.append(item.strip().upper())
+        return tuple(names)
+
+    def to_env(self, value: Tuple[str, ...]) -> str:
+        return "|".join(value)
+
+    def ort_accepts(self, raw: str) -> bool:
+        return all(name in self.names for name in raw.split("|"))
+
+
+class _Path(_Kind):
+    type_name = "path"
+    metavar = "PATH"
+
+    def __init__(self, what: str, must_exist: bool = False):
+        # Only input files are checked for existence: ORT creates or checks directories itself when it needs
+        # them, while a missing input file is ignored silently (TRITON_CONFIG_FILE) or fails late.
+        self.must_exist = must_exist
+        self.allowed = what
+
+    def parse(self, value: Any) -> str:
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str) or not value:
+            raise _Invalid(f"got {value!r}")
+        if self.must_exist and not os.path.isfile(value):
+            raise _Invalid(f"no such file {value!r}")
+        return value
+
+
+# A recompute plan as ORT prints it: the cluster is the op types of the subgraph, each followed by '+'
+# ("BiasGelu+", "FusedMatMul+Add+"); strategy 0 none, 1 recompute, 2 recompute with compromise; count = the first
+# N occurrences, -1 all. ORT matches the cluster string exactly, so "BiasGelu" (no '+') would match nothing.
+_OP_CLUSTER = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*\+)+")
+
+
+def _parse_plan(plan: str) -> str:
+    parts = plan.strip().split(":")
+    if len(parts) != 3:
+        raise _Invalid(f"plan {plan!r} must have three ':'-separated parts <cluster>:<strategy>:<count>")
+    cluster, strategy, count = (part.strip() for part in parts)
+    if not _OP_CLUSTER.fullmatch(cluster):
+        raise _Invalid(
+            f"plan {plan!r}: cluster {cluster!r} must be op type names each followed by '+', as ORT prints them "
+            "(e.g. 'BiasGelu+' or 'FusedMatMul+Add+')"
+        )
+    if strategy not in ("0", "1", "2"):
+        raise _Invalid(
+            f"plan {plan!r}: strategy {strategy!r} must be 0 (none), 1 (recompute) or 2 (recompute with compromise)"
+        )
+    if not re.fullmatch(r"-1|\d+", count):
+        raise _Invalid(f"plan {plan!r}: count {count!r} must be an integer >= -1 (-1 = every occurrence)")
+    return f"{cluster}:{strategy}:{int(count)}"
+
+
+class _Plans(_Kind):
+    """ORTMODULE_MEMORY_OPT_CONFIG: since 1.19 the path of a JSON file holding a list of plan strings."""
+
+    type_name = "list[str]"
+    metavar = "PLAN"
+    allowed = (
+        "a list of recompute plans '<op>+<op>+...:<strategy 0|1|2>:<count>', e.g. 'BiasGelu+:1:-1' "
+        "(strategy 0 none, 1 recompute, 2 recompute with compromise; count -1 = all); "
+        "the variable holds the path of a JSON file with that list"
+    )
+    ort_parsing = "reads a JSON list of plan strings from the file at this path"
+
+    def parse(self, value: Any) -> Tuple[str, ...]:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise _Invalid(f"got {value!r}")
+        plans: List[str] = []
+        for item in value:
+            if not isinstance(item, str):
+                raise _Invalid(f"plan {item!r} is not a string")
+            # ORT itself joins several plans of one cluster with ',' (that is how it prints them).
+            plans.extend(_parse_plan(plan) for plan in item.split(",") if plan.strip())
+        return tuple(plans)
+
+    def to_env(self, value: Tuple[str, ...]) -> str:
+        return _plan_file(value)
+
+    def from_env(self, raw: str) -> Tuple[str, ...]:
+        try:
+            with open(raw, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError:
+            hint = " (inline plans were the format before 1.19)" if ":" in raw and not os.path.exists(raw) else ""
+            raise _Invalid(f"{raw!r} is not a readable file{hint}") from None
+        except ValueError as e:
+            raise _Invalid(f"{raw!r} is not JSON ({e})") from None
+        if not isinstance(data, list):
+            raise _Invalid(f"{raw!r} holds {type(data).__name__}, not a JSON list of plan strings")
+        return self.parse(data)
+
+    def show(self, value: Tuple[str, ...]) -> str:
+        return ", ".join(value) if value else "[] (no plans)"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The recompute-plan file. ORT reads it when it builds the training graph (on the first forward call, not at
+# construction), so it must outlive apply(): it is kept until the process ends. One file per distinct plan list.
+# --------------------------------------------------------------------------------------------------------------
+
+_PLAN_FILES: Dict[Tuple[str, ...], str] = {}
+
+
+def _remove_plan_files() -> None:
+    for path in _PLAN_FILES.values():
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    _PLAN_FILES.clear()
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _plan_file(plans: Tuple[str, ...], path: Optional[str] = None) -> str:
+    """Write plans as ORT 1.19 expects (a JSON list of plan strings) and return the file's path.
+
+    With ``path`` the caller keeps the file (the command line does, for the shell that evals its output);
+    without it the file lives in the temp directory and is removed when this process exits.
+    """
+    text = json.dumps(list(plans))
+    if path is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _write(path, text)
+        return os.path.abspath(path)
+    cached = _PLAN_FILES.get(plans)
+    if cached is not None:
+        try:
+            with open(cached, encoding="utf-8") as f:
+                if f.read() == text:
+                    return cached
+        except OSError:
+            pass  # removed by someone: write it again
+        _write(cached, text)
+        return cached
+    fd, name = tempfile.mkstemp(prefix="ort_optim_recompute_plans_", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    if not _PLAN_FILES:
+        atexit.register(_remove_plan_files)
+    _PLAN_FILES[plans] = name
+    return name
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The table.
+# --------------------------------------------------------------------------------------------------------------
+
+# When ORT reads a variable, and the module whose presence in sys.modules means that moment has passed.
+# Every ORTModule constructor loads ORT's ATen executor extension (a module nothing else imports), so its presence
+# in sys.modules is a cheap, exact sign that an ORTModule has been constructed in this process; wrap() also sets a
+# flag. No gc scan.
+_FIRST_ORTMODULE = "onnxruntime.training.ortmodule.torch_cpp_extensions.aten_op_executor"
+_READ_MARKERS: Dict[str, Optional[str]] = {
+    "import": "onnxruntime.training.ortmodule",  # module-level code of the ortmodule package
+    "first construction": "onnxruntime.training.ortmodule._custom_autograd_function",  # imported by the 1st ORTModule
+    "construction": _FIRST_ORTMODULE,  # each ORTModule(...) reads it in its constructor
+    "export": _FIRST_ORTMODULE,  # read when the model is exported, on its first forward call
+    "first Triton use": "onnxruntime.training.ort_triton",  # module-level code of ort_triton
+    "load_from_json()": None,  # read only when the user calls that function
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    """One ORTModule environment variable: one row of the table."""
+
+    env: str  # the variable's name
+    kind: _Kind  # parsing, validation and the text written for ORT
+    ort_default: str  # what ORT 1.19.2 does when the variable is unset
+    meaning: str  # one line
+    read: str = "construction"  # when ORT reads it: a key of _READ_MARKERS
+    field: str = ""  # the ORTModuleOptions attribute; filled in from the class below
+    flags: Tuple[str, ...] = ()  # extra command-line spellings
+
+    def error(self, problem: str) -> ValueError:
+        return ValueError(f"{self.field} ({self.env}): {problem}. Allowed: {self.kind.allowed}.")
+
+    def parse(self, value: Any) -> Any:
+        try:
+            return self.kind.parse(value)
+        except _Invalid as e:
+            raise self.error(str(e)) from None
+
+    def parse_env(self, raw: str) -> Any:
+        if raw.strip() == "":
+            # ORT crashes on most empty values (int("")) and treats the rest as unset; say so instead.
+            raise self.error("empty value; unset the variable instead")
+        try:
+            return self.kind.from_env(raw)
+        except _Invalid as e:
+            raise self.error(str(e)) from None
+
+    @property
+    def cli_flags(self) -> Tuple[str, ...]:
+        return self.flags + ("--" + self.field.replace("_", "-"),)
+
+
+def _option(env: str, kind: _Kind, ort_default: str, meaning: str, read: str = "construction",
+            flags: Sequence[str] = ()) -> Any:
+    """Declare one ORTModuleOptions field: None (not set) by default, its variable in the field's metadata."""
+    assert read in _READ_MARKERS, read
+    variable = Variable(env=env, kind=kind, ort_default=ort_default, meaning=meaning, read=read, flags=tuple(flags))
+    return dataclasses.field(default=None, metadata={"variable": variable})
+
+
+_FALLBACK_POLICIES = (
+    "FALLBACK_DISABLE",
+    "FALLBACK_FORCE_TORCH_FORWARD",
+    "FALLBACK_FORCE_TORCH_BACKWARD",
+    "FALLBACK_UNSUPPORTED_DEVICE",
+    "FALLBACK_UNSUPPORTED_DATA",
+    "FALLBACK_UNSUPPORTED_TORCH_MODEL",
+    "FALLBACK_UNSUPPORTED_ONNX_MODEL",
+    "FALLBACK_BAD_INITIALIZATION",
+)
+_SKIP_CHECKS = ("SKIP_CHECK_DISABLED", "SKIP_CHECK_DEVICE", "SKIP_CHECK_BUILD_GRADIENT", "SKIP_CHECK_EXECUTION_AGENT")
+_LOG_LEVELS = ("VERBOSE", "DEVINFO", "INFO", "WARNING", "ERROR", "FATAL")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class ORTModuleOptions:
+    """Settings for ORTModule, one typed field per ``ORTMODULE_*`` environment variable of ORT 1.19.2.
+
+    Every field defaults to ``None``: not set here, so the environment, or else ORT's own default, applies.
+    Values are validated and normalized on construction (``log_level="info"`` becomes ``"INFO"``, lists become
+    tuples); a bad value raises ``ValueError`` naming the field, the variable and the allowed values.
+
+    Precedence, highest first: an explicit argument here > the variable already set in the environment >
+    ORT 1.19.2's default. ``apply()`` realizes it: it writes the explicit fields into ``os.environ`` and leaves
+    every other variable as it is.
+
+    ``to_env()`` emits every field that is set on this object (explicit arguments, and what ``from_env()`` read),
+    and nothing for fields left ``None``: writing a variable is the only way to tell ORT something, and not
+    writing one keeps the environment's value or ORT's default.
+
+    ORT reads most variables when an ORTModule is constructed (a few at import, at export or on first Triton use;
+    see the ``read`` column of the table), so apply the options before wrapping the model: ``wrap(model, options)``
+    does that; ``apply()`` warns (``OptionsTooLateWarning``) when it changes a variable ORT has already read.
+
+    Example::
+
+        opts = ORTModuleOptions(memory_opt_level=1, log_level="INFO")
+        model = wrap(model, opts)                      # apply(), then ORTModule(model)
+        with ORTModuleOptions(compute_optimizer=False):  # set on entry, restored on exit
+            model = ORTModule(model)
+    """
+
+    # Memory first.
+    memory_opt_level: Optional[int] = _option(
+        "ORTMODULE_MEMORY_OPT_LEVEL", _Int(choices=(0, 1, 2)), "0",
+        "0: recompute only the plans in ORTMODULE_MEMORY_OPT_CONFIG; 1: recompute every recomputable subgraph in each "
+        "transformer layer (like layer-wise activation checkpointing); 2: also subgraphs that keep part of an "
+        "activation. Levels 1 and 2 ignore the plan file.")
+    recompute_plans: Optional[Tuple[str, ...]] = _option(
+        "ORTMODULE_MEMORY_OPT_CONFIG", _Plans(), "unset (no plans)",
+        "Recompute plans for level 0, written to a JSON file whose path is the variable's value (before 1.19 the "
+        "variable held the plans inline). ORT logs the plans it finds at log level INFO.",
+        flags=("--recompute-plan",))
+    embedding_sparse_optimizer: Optional[bool] = _option(
+        "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER", _Bool(), "1 (ORT's docs say 0)",
+        "Skip padding rows of embedding inputs when their density is below 90%; needs the compute optimizer.")
+    label_sparse_optimizer: Optional[bool] = _option(
+        "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER", _Bool(), "1",
+        "Skip ignored labels in the loss when label density is below 90%; needs the compute optimizer.")
+    mem_efficient_grad_mgmt: Optional[bool] = _option(
+        "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT", _Bool(), "0",
+        "Hand each gradient to PyTorch as soon as ORT computes it, freeing ORT's gradient buffers early; needs "
+        "custom autograd support.")
+    deepcopy_before_export: Optional[bool] = _option(
+        "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT", _Bool(), "1",
+        "Deep-copy the module before exporting it; 0 avoids the memory peak of holding two copies.")
+    print_memory_stats: Optional[bool] = _option(
+        "ORTMODULE_PRINT_MEMORY_STATS", _Bool(), "0",
+        "Print memory use per step (CUDA only: ORT skips it when CUDA is unavailable).")
+
+    # The rest.
+    print_input_density: Optional[bool] = _option(
+        "ORTMODULE_PRINT_INPUT_DENSITY", _Bool(), "0",
+        "Print the density of embedding and label inputs per step.")
+    allow_autograd_checkpoint: Optional[bool] = _option(
+        "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", _Bool(), "0",
+        "Export torch.utils.checkpoint regions as PythonOp instead of failing; leave off when memory_opt_level=1 "
+        "replaces the checkpointing.", read="export")
+    compute_optimizer: Optional[bool] = _option(
+        "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", _Bool(), "1",
+        "FLOP reduction by moving shrinking ops (Gather, Slice, ...) earlier; 0 for exact-compute parity debugging, "
+        "and 0 also turns off both sparse optimizers.")
+    custom_autograd: Optional[bool] = _option(
+        "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", _Bool(), "1",
+        "Run torch.autograd.Function subclasses as PythonOp; 0 inlines them. Read once per process.",
+        read="first construction")
+    fallback_policy: Optional[str] = _option(
+        "ORTMODULE_FALLBACK_POLICY", _OneFallbackPolicy(_FALLBACK_POLICIES),
+        "FALLBACK_UNSUPPORTED_DEVICE|FALLBACK_UNSUPPORTED_DATA|FALLBACK_UNSUPPORTED_TORCH_MODEL|"
+        "FALLBACK_UNSUPPORTED_ONNX_MODEL",
+        "When ORT gives up and runs the PyTorch module instead. Setting it replaces ORT's four-policy default with "
+        "one policy.")
+    fallback_retry: Optional[bool] = _option(
+        "ORTMODULE_FALLBACK_RETRY", _Bool(ort_reads_int=False), "0",
+        "After a fallback, try ORT again on the next call instead of staying on PyTorch.")
+    log_level: Optional[str] = _option(
+        "ORTMODULE_LOG_LEVEL", _Choice(_LOG_LEVELS), "WARNING",
+        "ORTModule log level; INFO prints the memory optimizer's plans. Overrides DebugOptions(log_level=...).")
+    onnx_opset_version: Optional[int] = _option(
+        "ORTMODULE_ONNX_OPSET_VERSION", _Int(minimum=7, maximum=20, note="torch 2.4's exporter range"), "17",
+        "ONNX opset the model is exported with.")
+    save_onnx_path: Optional[str] = _option(
+        "ORTMODULE_SAVE_ONNX_PATH", _Path("a writable directory"), "the current directory",
+        "Where the exported ONNX models go when DebugOptions(save_onnx=True).")
+    cache_dir: Optional[str] = _option(
+        "ORTMODULE_CACHE_DIR", _Path("a directory"), "unset (no cache)",
+        "Cache the exported ONNX model in this directory and reuse it across runs.")
+    efficient_attention: Optional[bool] = _option(
+        "ORTMODULE_USE_EFFICIENT_ATTENTION", _Bool(), "0",
+        "Replace attention subgraphs with PyTorch's efficient-attention ATen kernels; needs torch >= 2.3.",
+        read="import")
+    aten_sdpa_fallback: Optional[bool] = _option(
+        "ORTMODULE_ATEN_SDPA_FALLBACK", _OnIfSet(), "unset (off)",
+        "Export scaled_dot_product_attention as an ATen op run by PyTorch (efficient-attention kernel and its "
+        "gradient). Any non-empty value turns it on, even 0.", read="import")
+    zero_stage3: Optional[bool] = _option(
+        "ORTMODULE_ENABLE_ZERO_STAGE3", _Bool(), "0",
+        "DeepSpeed ZeRO stage 3 compatibility; once on, it stays on for the process.")
+    conv_algo_search: Optional[str] = _option(
+        "ORTMODULE_CONV_ALGO_SEARCH", _Choice(("HEURISTIC", "EXHAUSTIVE")), "HEURISTIC",
+        "cuDNN convolution algorithm search (CUDA only); ORT warns and uses HEURISTIC for any other value.")
+    skip_check_policy: Optional[Tuple[str, ...]] = _option(
+        "ORTMODULE_SKIPCHECK_POLICY", _NameSet(_SKIP_CHECKS),
+        "SKIP_CHECK_DEVICE|SKIP_CHECK_BUILD_GRADIENT|SKIP_CHECK_EXECUTION_AGENT",
+        "Checks ORT skips after the first step; SKIP_CHECK_DISABLED runs every check on every step.")
+    json_config_path: Optional[str] = _option(
+        "ORTMODULE_JSON_CONFIG_PATH", _Path("an existing JSON file", must_exist=True), "unset",
+        "ORTModule settings file read only by ortmodule.experimental.json_config.load_from_json(), where it "
+        "overrides the path argument.", read="load_from_json()")
+
+    # Triton and kernel tuning.
+    use_triton: Optional[bool] = _option(
+        "ORTMODULE_USE_TRITON", _Bool(), "0",
+        "Run supported ops with Triton kernels; needs an ORT build with Triton and the triton package (the CPU "
+        "wheel has no Triton, so ORT ignores it there).")
+    triton_config_file: Optional[str] = _option(
+        "ORTMODULE_TRITON_CONFIG_FILE", _Path("an existing JSON file", must_exist=True),
+        "unset (ORT's built-in op list)",
+        "JSON file choosing what Triton fuses (ops, initializer, min_nodes); ORT silently ignores a missing file.")
+    triton_debug: Optional[bool] = _option(
+        "ORTMODULE_TRITON_DEBUG", _Bool(), "0",
+        "Write the generated Triton code to ./triton_debug/.", read="first Triton use")
+    flash_attention: Optional[bool] = _option(
+        "ORTMODULE_USE_FLASH_ATTENTION", _Bool(), "0",
+        "Use ORT's Triton flash-attention kernels; needs CUDA compute capability >= 8.0.", read="first Triton use")
+    enable_tuning: Optional[bool] = _option(
+        "ORTMODULE_ENABLE_TUNING", _Bool(), "0",
+        "TunableOp: tune kernels online (CUDA execution provider only).")
+    max_tuning_duration_ms: Optional[int] = _option(
+        "ORTMODULE_MAX_TUNING_DURATION_MS", _Int(minimum=0), "0 (no limit)",
+        "Time limit for TunableOp tuning, in milliseconds; 0 leaves ORT's default.")
+    tuning_results_path: Optional[str] = _option(
+        "ORTMODULE_TUNING_RESULTS_PATH", _Path("a directory"), "unset",
+        "TunableOp results directory: saved there when tuning is on, loaded from there when it is off (CUDA only).")
+
+    def __post_init__(self) -> None:
+        for var in TABLE:
+            value = getattr(self, var.field)
+            if value is not None:
+                object.__setattr__(self, var.field, var.parse(value))
+        _check_conflicts(self)
+        # Where each set field came from ("explicit" or "environment"), for describe(). Not dataclass fields, so
+        # they take no part in ==, hash or repr.
+        object.__setattr__(self, "_sources", {v.field: "explicit" for v in TABLE if getattr(self, v.field) is not None})
+        object.__setattr__(self, "_plan_path", None)  # the plan file from_env() read, reused by to_env()
+        object.__setattr__(self, "_saved", [])  # environments saved by __enter__, restored by __exit__
+
+    def __repr__(self) -> str:
+        given = ", ".join(f"{v.field}={getattr(self, v.field)!r}" for v in TABLE if getattr(self, v.field) is not None)
+        return f"ORTModuleOptions({given})"
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "ORTModuleOptions":
+        """Options holding every table variable set in ``environ`` (default ``os.environ``).
+
+        Booleans accept 0/1/true/false in any case; enum names any case; ORTMODULE_MEMORY_OPT_CONFIG is read as
+        the path of a JSON list of plans. Anything else raises ``ValueError`` naming the variable. Unknown
+        ``ORTMODULE_*`` names are ignored here; :func:`check_environment` reports them.
+        """
+        environ = os.environ if environ is None else environ
+        values = {v.field: v.parse_env(environ[v.env]) for v in TABLE if v.env in environ}
+        options = cls(**values)
+        options._sources.update(dict.fromkeys(values, "environment"))
+        plans = _BY_FIELD["recompute_plans"]
+        if plans.env in environ:
+            object.__setattr__(options, "_plan_path", environ[plans.env])
+        return options
+
+    def replace(self, **changes: Any) -> "ORTModuleOptions":
+        """A copy with some fields changed (those become explicit); the other fields keep their sources."""
+        new = dataclasses.replace(self, **changes)
+        new._sources.clear()
+        new._sources.update({f: s for f, s in self._sources.items() if f not in changes})
+        new._sources.update({f: "explicit" for f, v in changes.items() if v is not None})
+        for field in [f for f in new._sources if getattr(new, f) is None]:
+            del new._sources[field]
+        if "recompute_plans" not in changes:
+            object.__setattr__(new, "_plan_path", self._plan_path)
+        return new
+
+    def source(self, field: str, environ: Optional[Mapping[str, str]] = None) -> str:
+        """Where the value ORT will see for ``field`` comes from: "explicit", "environment" or "default"."""
+        if field in self._sources:
+            return self._sources[field]
+        environ = os.environ if environ is None else environ
+        return "environment" if _BY_FIELD[field].env in environ else "default"
+
+    def to_env(self, plan_file: Optional[str] = None) -> Dict[str, str]:
+        """The variables for every field set on this object, as ORT 1.19.2 reads them, in table order.
+
+        Booleans are written "1"/"0" (ORT parses ``int(value) == 1``). Recompute plans are written to a JSON file
+        (a list of plan strings) and the variable holds its path: ``plan_file`` if given (the caller keeps it),
+        else the file from_env() read them from, else a temp file removed when the process exits.
+        """
+        env: Dict[str, str] = {}
+        for var in TABLE:
+            value = getattr(self, var.field)
+            if value is None:
+                continue
+            if isinstance(var.kind, _Plans) and (plan_file is not None or self._plan_path is not None):
+                env[var.env] = _plan_file(value, plan_file) if plan_file is not None else self._plan_path
+            else:
+                env[var.env] = var.kind.to_env(value)
+        return env
+
+    def apply(self) -> Dict[str, str]:
+        """Write ``to_env()`` into ``os.environ`` and return it; other variables are left as they are.
+
+        Warns (``OptionsTooLateWarning``) for each changed variable ORT has already read in this process: those
+        read at import once onnxruntime.training.ortmodule is imported, the others once an ORTModule exists
+        (constructed by wrap() or directly). The new values still reach ORTModules constructed later.
+        """
+        env = self.to_env()
+        late = [(name, _BY_ENV[name]) for name, value in env.items()
+                if os.environ.get(name) != value and _already_read(_BY_ENV[name])]
+        if late:
+            lines = [f"  {name} (read at {var.read}; {_READ_MARKERS[var.read]} is loaded)" for name, var in late]
+            warnings.warn(
+                "ORT has already read these variables in this process, so the new values do not affect what was "
+                "read (ORTModules that already exist, or the whole process for import-time ones):\n"
+                + "\n".join(lines),
+                OptionsTooLateWarning,
+                stacklevel=2,
+            )
+        os.environ.update(env)
+        return env
+
+    def __enter__(self) -> "ORTModuleOptions":
+        env = self.to_env()
+        self._saved.append({name: os.environ.get(name) for name in env})
+        self.apply()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        # Put back each variable apply() wrote: its old value, or remove it if it was not set before.
+        for name, old in self._saved.pop().items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+    def describe(self, environ: Optional[Mapping[str, str]] = None) -> str:
+        """A text table: every variable, the value ORT will see once applied, and where it comes from."""
+        environ = os.environ if environ is None else environ
+        rows = [("variable", "field", "value", "source")]
+        for var in TABLE:
+            value = getattr(self, var.field)
+            if value is not None:
+                rows.append((var.env, var.field, var.kind.show(value), self._sources[var.field]))
+            elif var.env in environ:
+                try:
+                    shown = var.kind.show(var.parse_env(environ[var.env]))
+                except ValueError:
+                    shown = f"{environ[var.env]!r} (INVALID)"
+                rows.append((var.env, var.field, shown, "environment"))
+            else:
+                rows.append((var.env, var.field, var.ort_default, "default"))
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        title = f"ORTModule options (precedence: explicit > environment > ORT {ORT_VERSION} default)"
+        lines = [title] + ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
+        return "\n".join(line.rstrip() for line in lines)
+
+
+TABLE: Tuple[Variable, ...] = tuple(
+    dataclasses.replace(f.metadata["variable"], field=f.name) for f in dataclasses.fields(ORTModuleOptions)
+)
+_BY_FIELD: Dict[str, Variable] = {v.field: v for v in TABLE}
+_BY_ENV: Dict[str, Variable] = {v.env: v for v in TABLE}
+
+
+# Settings ORT accepts but silently ignores or overrides; explicit or from the environment, both sides known.
+_CONFLICTS = (
+    ("memory_opt_level", "recompute_plans", lambda level, plans: level in (1, 2) and bool(plans),
+     "ORT ignores the plan file at levels 1 and 2; use memory_opt_level=0 with recompute_plans"),
+    ("compute_optimizer", "embedding_sparse_optimizer", lambda compute, sparse: compute is False and sparse is True,
+     "ORT turns the embedding sparse optimizer off when the compute optimizer is off"),
+    ("compute_optimizer", "label_sparse_optimizer", lambda compute, sparse: compute is False and sparse is True,
+     "ORT turns the label sparse optimizer off when the compute optimizer is off"),
+    ("custom_autograd", "mem_efficient_grad_mgmt", lambda custom, mem: custom is False and mem is True,
+     "ORT ignores memory-efficient gradient management when custom autograd support is off"),
+)
+
+
+def _check_conflicts(options: ORTModuleOptions) -> None:
+    for a, b, conflict, why in _CONFLICTS:
+        va, vb = getattr(options, a), getattr(options, b)
+        if va is not None and vb is not None and conflict(va, vb):
+            A, B = _BY_FIELD[a], _BY_FIELD[b]
+            raise ValueError(
+                f"{a} ({A.env}) = {A.kind.show(va)} conflicts with {b} ({B.env}) = {B.kind.show(vb)}: {why}."
+            )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Wrapping a model.
+# --------------------------------------------------------------------------------------------------------------
+
+_WRAPPED = False  # set once wrap() has constructed an ORTModule in this process
+
+
+def _already_read(var: Variable) -> bool:
+    marker = _READ_MARKERS[var.read]
+    if marker is None:
+        return False
+    return marker in sys.modules or (marker == _FIRST_ORTMODULE and _WRAPPED)
+
+
+def wrap(model: Any, options: Optional[ORTModuleOptions] = None, **ortmodule_kwargs: Any) -> Any:
+    """Apply ``options`` to ``os.environ``, then return ``ORTModule(model, **ortmodule_kwargs)``.
+
+    The variables stay set after the call: ORT reads some of them later than construction (the plan file and
+    ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT when the model is exported on its first forward call). ``options=None``
+    leaves the environment as it is. Needs onnxruntime-training 1.19.2's ORTModule, which works with torch 2.4.x.
+    """
+    global _WRAPPED
+    if options is not None:
+        options.apply()
+    try:
+        from onnxruntime.training.ortmodule import ORTModule
+    except ImportError as e:
+        raise ImportError(
+            f"wrap() needs onnxruntime-training {ORT_VERSION}'s ORTModule, which works with torch 2.4.x: {e}"
+        ) from e
+    module = ORTModule(model, **ortmodule_kwargs)
+    _WRAPPED = True
+    return module
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The environment check, the guide's table and the command line.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def check_environment(environ: Optional[Mapping[str, str]] = None) -> List[str]:
+    """Problems with the ``ORTMODULE_*`` variables in ``environ`` (default ``os.environ``), one line each.
+
+    Reports unknown names (typos, with the closest known name), values we reject, values we accept but ORT
+    1.19.2 cannot read as meant (``true`` for a boolean it parses with ``int()``, a lower-case log level), and
+    combinations ORT silently ignores. An empty list means ORT will read everything as intended.
+    """
+    environ = os.environ if environ is None else environ
+    problems: List[str] = []
+    for name in sorted(n for n in environ if n.startswith("ORTMODULE_")):
+        var = _BY_ENV.get(name)
+        if var is None:
+            close = difflib.get_close_matches(name, list(_BY_ENV), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            problems.append(f"{name}: unknown variable, onnxruntime-training {ORT_VERSION} does not read it{hint}")
+            continue
+        raw = environ[name]
+        try:
+            value = var.parse_env(raw)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        if not var.kind.ort_accepts(raw):
+            problems.append(
+                f"{name}={raw!r}: ORT {ORT_VERSION} {var.kind.ort_parsing}, so it cannot read this as meant; "
+                f"write {name}={var.kind.to_env(value)}"
+            )
+    if not problems:  # combinations only make sense once every value parses
+        try:
+            ORTModuleOptions.from_env(environ)
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
+def _md(text: str) -> str:
+    # '|' would end the cell; '<op>' would be read as an HTML tag and vanish.
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def markdown_table() -> str:
+    """The table as Markdown, for guides/ortmodule-options.md (``python -m ort_optim.options --markdown``)."""
+    lines = [
+        f"| Variable | Field | Type | Allowed values | ORT {ORT_VERSION} default | Read at | Meaning |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for v in TABLE:
+        cells = [f"`{v.env}`", f"`{v.field}`", v.kind.type_name, v.kind.allowed, v.ort_default, v.read, v.meaning]
+        lines.append("| " + " | ".join(_md(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def _default_plan_file(plans: Tuple[str, ...]) -> str:
+    """Where the command line keeps a plan file: it must outlive the command for the shell that evals it."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    digest = hashlib.sha1(json.dumps(list(plans)).encode()).hexdigest()[:12]
+    return os.path.join(cache, "ort_optim", f"recompute-plans-{digest}.json")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ort_optim.options",
+        description=(
+            "Print `export VAR=value` lines for ORTModule's environment variables, then check the current "
+            "environment for invalid ORTMODULE_* values and unknown names (exit code 1 if any)."
+        ),
+    )
+    for var in TABLE:
+        kwargs: Dict[str, Any] = dict(dest=var.field, metavar=var.kind.metavar,
+                                      help=f"{var.env}: {var.meaning} Allowed: {var.kind.allowed}. "
+                                           f"ORT default: {var.ort_default}.".replace("%", "%%"))
+        if isinstance(var.kind, _Plans):
+            kwargs.update(action="append")  # repeat the flag, or comma-join plans
+        elif isinstance(var.kind, (_Bool, _OnIfSet)):
+            kwargs.update(nargs="?", const="1")  # a bare flag turns it on
+        parser.add_argument(*var.cli_flags, **kwargs)
+    parser.add_argument("--plan-file", help="where to write the recompute plans (default: a file under "
+                                            "$XDG_CACHE_HOME/ort_optim, which is kept)")
+    parser.add_argument("--describe", action="store_true", help="print the table with current values and sources")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown and exit")
+    parser.add_argument("--no-check", action="store_true", help="do not check the current environment")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown_table())
+        return 0
+    given = {v.field: getattr(args, v.field) for v in TABLE if getattr(args, v.field) is not None}
+    try:
+        options = ORTModuleOptions(**given)  # flag values are text, parsed like the environment's
+    except ValueError as e:
+        parser.error(str(e))  # exits with code 2
+
+    exports: Dict[str, str] = {}
+    if args.describe:
+        print(options.describe())
+    else:
+        plan_file = None
+        if options.recompute_plans is not None:
+            plan_file = args.plan_file or _default_plan_file(options.recompute_plans)
+        exports = options.to_env(plan_file=plan_file)
+        for name, value in exports.items():
+            print(f"export {name}={shlex.quote(value)}")
+        if plan_file is not None:
+            print(f"# wrote {len(options.recompute_plans)} recompute plan(s) to {plan_file}", file=sys.stderr)
+
+    # Check the environment as it will be once the exports are evaluated: values replaced here are not problems.
+    problems = [] if args.no_check else check_environment({**os.environ, **exports})
+    for problem in problems:
+        print(f"# {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
