@@ -1,10 +1,27 @@
 """ort-optim: fused, mixed-precision optimizers and ORTModule configuration for ONNX Runtime training.
 
 Nothing native is loaded at import time: the op library is built/loaded on first use (see ort_optim._native).
+ORTModuleOptions, wrap and FP16_Optimizer are imported on first access, so `python -m ort_optim.options` and
+`import ort_optim` stay light.
 """
+
+import importlib
 
 from ._native import native_available
 from .fused_adam import AdamWMode, FusedAdam
 
-__all__ = ["AdamWMode", "FusedAdam", "native_available"]
+_LAZY = {
+    "ORTModuleOptions": "ort_optim.options",
+    "OptionsTooLateWarning": "ort_optim.options",
+    "wrap": "ort_optim.options",
+    "FP16_Optimizer": "ort_optim.fp16_optimizer",
+}
+
+__all__ = ["AdamWMode", "FusedAdam", "native_available", *_LAZY]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ort_optim' has no attribute {name!r}")
