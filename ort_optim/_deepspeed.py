@@ -1,0 +1,192 @@
+"""DeepSpeed ZeRO stage 1/2: replace the per-parameter overflow check and gradient-norm loops with one fused pass.
+
+DeepSpeed's ``DeepSpeedZeroOptimizer`` (deepspeed/runtime/zero/stage_1_and_2.py) checks every gradient for inf/NaN
+with a few tensor ops per parameter, and computes the global gradient norm with one ``vector_norm`` per parameter.
+:func:`patch_zero_optimizer` binds replacements to the optimizer instance that do the same with ort_optim's
+``grad_stats`` op (one multi-tensor pass giving the sum of squares and the inf/NaN flag), keeping everything else
+DeepSpeed does around them: the all-reduces over the data- and model-parallel groups, the model-parallel and
+pipeline-replication filters, the -1 for a non-finite norm, the return types and devices.
+
+The methods are recognised by their names and signatures, never by their source text (ORT 1.19 compared source
+text and silently stopped patching after DeepSpeed 0.9.2). The shapes known here (DeepSpeed 0.10 to 0.16 at least):
+
+* ``has_overflow_serial(self, params)`` -> bool tensor [1] on the accelerator: any ``p.grad`` non-finite;
+* ``has_overflow_partitioned_grads_serial(self)`` -> bool tensor [1]: any tensor of ``self.averaged_gradients[i]``
+  (``i`` over ``self.bit16_groups``) non-finite;
+* ``get_grad_norm_direct(self, gradients, params, norm_type=2)`` -> 0-dim float32 tensor: the L2 norm (other norm
+  types keep DeepSpeed's code).
+
+Anything else (a missing method, another signature, a missing helper in the module, ZeRO stage 3) gets one warning per
+class and the optimizer is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import types
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from . import _native
+
+# method name -> the parameter names (after self) it must have, with their defaults
+KNOWN_SIGNATURES = {
+    "has_overflow_serial": (("params", inspect.Parameter.empty),),
+    "has_overflow_partitioned_grads_serial": (),
+    "get_grad_norm_direct": (("gradients", inspect.Parameter.empty), ("params", inspect.Parameter.empty),
+                             ("norm_type", 2)),
+}
+# names the replacements take from the optimizer's own module, so they use exactly what DeepSpeed's code uses
+MODULE_NAMES = ("dist", "get_accelerator", "is_model_parallel_parameter", "mask_nan_or_inf_with_val_inplace",
+                "PIPE_REPLICATED")
+INSTANCE_NAMES = ("averaged_gradients", "bit16_groups", "dp_process_group", "model_parallel_rank",
+                  "_model_parallel_all_reduce", "device")
+PATCHED_MARK = "_ort_optim_fused_checks"
+_warned: set[str] = set()
+
+
+def _qualname(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def find_zero_optimizer(obj: Any) -> Optional[Any]:
+    """The DeepSpeed ZeRO optimizer behind obj: obj itself, a DeepSpeedEngine's ``.optimizer``, or accelerate's
+    ``DeepSpeedOptimizerWrapper``'s ``.optimizer``; None when obj is none of these."""
+    candidates = [obj, getattr(obj, "optimizer", None)]
+    for candidate in candidates:
+        if candidate is not None and type(candidate).__module__.startswith("deepspeed.runtime.zero") \
+                and hasattr(candidate, "get_grad_norm_direct"):
+            return candidate
+    return None
+
+
+def _signature_mismatch(optimizer: Any) -> Optional[str]:
+    for name, expected in KNOWN_SIGNATURES.items():
+        method = getattr(type(optimizer), name, None)
+        if method is None or not callable(method):
+            return f"it has no method {name}"
+        try:
+            params = list(inspect.signature(method).parameters.values())[1:]
+        except (TypeError, ValueError):
+            return f"the signature of {name} cannot be read"
+        got = tuple((p.name, p.default) for p in params)
+        if got != expected:
+            return f"{name}{tuple(p for p, _ in got)} is not {name}{tuple(p for p, _ in expected)}"
+    module = sys.modules.get(type(optimizer).__module__)
+    missing = [n for n in MODULE_NAMES if not hasattr(module, n)]
+    if missing:
+        return f"its module lacks {missing}"
+    missing = [n for n in INSTANCE_NAMES if not hasattr(optimizer, n)]
+    if missing:
+        return f"the optimizer lacks the attributes {missing}"
+    return None
+
+
+def patch_zero_optimizer(optimizer: Any) -> bool:
+    """Binds the fused replacements to this DeepSpeed ZeRO optimizer; returns whether it did.
+
+    Idempotent. On an unrecognised shape: one warning per class, nothing changed, False.
+    """
+    if getattr(optimizer, PATCHED_MARK, False):
+        return True
+    reason = _signature_mismatch(optimizer)
+    if reason is not None:
+        key = _qualname(optimizer)
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(
+                f"FP16_Optimizer: {key} is not a DeepSpeed ZeRO stage 1/2 optimizer of a known shape ({reason}); "
+                "it is left unchanged and keeps DeepSpeed's own overflow check and gradient norm.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return False
+    module = sys.modules[type(optimizer).__module__]
+    optimizer.has_overflow_serial = types.MethodType(_make_has_overflow_serial(module), optimizer)
+    optimizer.has_overflow_partitioned_grads_serial = types.MethodType(
+        _make_has_overflow_partitioned_grads_serial(module), optimizer)
+    optimizer.get_grad_norm_direct = types.MethodType(_make_get_grad_norm_direct(module), optimizer)
+    setattr(optimizer, PATCHED_MARK, True)
+    return True
+
+
+def unpatch_zero_optimizer(optimizer: Any) -> None:
+    """Restores DeepSpeed's own methods on an optimizer patched by :func:`patch_zero_optimizer`."""
+    for name in KNOWN_SIGNATURES:
+        optimizer.__dict__.pop(name, None)
+    optimizer.__dict__.pop(PATCHED_MARK, None)
+
+
+def _stats_on(tensors: list[torch.Tensor], device: Any) -> torch.Tensor:
+    """grad_stats over tensors that may sit on several devices, combined on `device`: float32 [2]."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    total = torch.zeros(2, dtype=torch.float32, device=device)
+    for group in by_device.values():
+        total = total + _native.grad_stats(group).to(device)
+    return total
+
+
+def _make_has_overflow_serial(module):
+    get_accelerator = module.get_accelerator
+
+    def has_overflow_serial(self, params):
+        grads = [p.grad for p in params if p.grad is not None]
+        device = get_accelerator().current_device_name()
+        if not grads:
+            return torch.zeros([1], dtype=torch.bool, device=device)
+        return (_stats_on(grads, device)[1:2] > 0)
+
+    return has_overflow_serial
+
+
+def _make_has_overflow_partitioned_grads_serial(module):
+    get_accelerator = module.get_accelerator
+
+    def has_overflow_partitioned_grads_serial(self):
+        grads = [g for i in range(len(self.bit16_groups)) for g in self.averaged_gradients[i] if g is not None]
+        device = get_accelerator().current_device_name()
+        if not grads:
+            return torch.zeros([1], dtype=torch.bool, device=device)
+        return (_stats_on(grads, device)[1:2] > 0)
+
+    return has_overflow_partitioned_grads_serial
+
+
+def _make_get_grad_norm_direct(module):
+    dist = module.dist
+    get_accelerator = module.get_accelerator
+    is_model_parallel_parameter = module.is_model_parallel_parameter
+    mask_nan_or_inf_with_val_inplace = module.mask_nan_or_inf_with_val_inplace
+    pipe_replicated = module.PIPE_REPLICATED
+
+    def get_grad_norm_direct(self, gradients, params, norm_type=2):
+        norm_type = float(norm_type)
+        if norm_type != 2.0:  # inf and other p-norms: DeepSpeed's own code
+            return type(self).get_grad_norm_direct(self, gradients, params, norm_type)
+        selected = []
+        for g, p in zip(gradients, params):
+            # Pipeline parallelism may replicate parameters: count them once (as DeepSpeed does).
+            if hasattr(p, pipe_replicated) and p.ds_pipe_replicated:
+                continue
+            if is_model_parallel_parameter(p) or (self.model_parallel_rank == 0):
+                selected.append(g.data)
+        if selected:
+            device = get_accelerator().current_device_name()
+            stats = _stats_on(selected, device)
+            # A non-finite gradient makes DeepSpeed's norm inf/NaN; keep it non-finite so the mask below gives -1.
+            total_norm = torch.where(stats[1] > 0, torch.full_like(stats[0], math.nan), stats[0])
+        else:
+            total_norm = torch.tensor(0.0, dtype=torch.float32).to(self.device)
+        dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+        self._model_parallel_all_reduce(tensor=total_norm, op=dist.ReduceOp.SUM)
+        total_norm = total_norm.pow(1.0 / norm_type)
+        mask_nan_or_inf_with_val_inplace(total_norm, device=self.device)
+        return total_norm
+
+    return get_grad_norm_direct
