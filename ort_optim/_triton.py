@@ -1,5 +1,547 @@
-"""Triton kernels for CUDA tensors (work in progress in this commit)."""
+"""Triton implementation of the ort_optim ops (``adam_step_``, ``grad_stats``) for CUDA tensors.
+
+Same semantics as the native CPU kernel (ops/README.md gives the math): every mode, amsgrad, maximize, per-parameter
+steps (read on the device; bias corrections computed in the kernel), master weights, bf16 and block-scaled fp16
+states, in-kernel unscaling, found_inf (read on the device: a skipped step writes nothing, step counts included) and
+lr from ``lr_tensor``.
+
+How a call runs:
+
+* The tensors of a call are grouped by their dtypes (FusedAdam already passes one group per call); each group is ONE
+  launch of ``adam_kernel``: a device table holds every tensor's addresses (params, moments, masters, scales) and a
+  work list holds one (tensor, offset) item per program, so the launch covers all tensors of the group. One more tiny
+  launch advances the step counts afterwards (unless found_inf says skip).
+* The tables are built once and cached, keyed by the tensors' data_ptrs (and checked against the tensor objects
+  themselves); they are rebuilt only when those change. Gradients get their own small address table, since they
+  change whenever they are set to None: one H2D copy of ``[g.data_ptr() ...]``, non-blocking from pinned memory.
+* Nothing synchronises with the host inside a call, and every kernel runs on ``torch.cuda.current_stream()``, so a
+  step can be captured in a CUDA graph (with lr and the loss scale as device tensors if they change between replays).
+* ``triton`` is imported on first use only; ``import ort_optim`` never imports it.
+
+CPU tensors are accepted under ``TRITON_INTERPRET=1`` (Triton's interpreter), which is how the tests exercise these
+kernels without a GPU: ``ORT_OPTIM_BACKEND=triton TRITON_INTERPRET=1 pytest ...``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+import torch
+
+from ._native import QUANT_BLOCK
+
+# Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
+BLOCK = 1024
+assert BLOCK == QUANT_BLOCK
+NUM_WARPS = int(os.environ.get("ORT_OPTIM_TRITON_WARPS", "8"))  # 8: half the registers per thread of 4
+# Blocks per program: 0 picks it from the total size (see _blocks_per_program); tests set small values.
+BLOCKS_PER_PROGRAM = int(os.environ.get("ORT_OPTIM_TRITON_BLOCKS", "0"))
+CACHE_SIZE = 64
+
+_DT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+_FLOAT_STORAGE = (torch.float32, torch.float16, torch.bfloat16)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+_lock = threading.Lock()
+_cache: "OrderedDict[tuple, _Plan]" = OrderedDict()
+_stats_cache: "OrderedDict[tuple, tuple]" = OrderedDict()
+_lib = None
+
+
+# ---- triton, lazily -------------------------------------------------------------------------------------------
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def broken_interpreter_reason() -> Optional[str]:
+    """Why Triton's interpreter cannot be trusted in this environment, or None.
+
+    Measured on this project's machines: triton 3.0/3.1 under numpy 2 silently return wrong values from interpreted
+    kernels (no error). The project pins numpy<2 next to torch 2.4.1 / triton 3.0.
+    """
+    import numpy
+    import triton
+
+    tv = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    nv = int(numpy.__version__.split(".")[0])
+    if tv < (3, 2) and nv >= 2:
+        return (f"triton {triton.__version__} with numpy {numpy.__version__}: the interpreter of triton < 3.2 returns "
+                f"garbage under numpy 2; install numpy<2 (or triton >= 3.2)")
+    return None
+
+
+_kernels_module = None
+
+
+def kernels():
+    """The module with the @triton.jit kernels (imports triton on first call)."""
+    global _kernels_module
+    if _kernels_module is None:
+        try:
+            from . import _triton_kernels
+        except ImportError as exc:  # no triton in this environment
+            raise RuntimeError(
+                "ort_optim: the Triton backend needs the `triton` package (pip install triton), which could not be "
+                f"imported ({exc})"
+            ) from exc
+        if _triton_kernels.INTERPRET:
+            reason = broken_interpreter_reason()
+            if reason is not None:
+                raise RuntimeError(f"ort_optim: refusing to run Triton's interpreter: {reason}")
+        _kernels_module = _triton_kernels
+    return _kernels_module
+
+
+def _check_device(device: torch.device, op: str) -> None:
+    interpreted = kernels().INTERPRET
+    if interpreted and device.type != "cpu":
+        raise RuntimeError(f"ort_optim::{op}: TRITON_INTERPRET=1 runs the Triton kernels on CPU tensors only, got "
+                           f"tensors on {device}")
+    if not interpreted and device.type != "cuda":
+        raise RuntimeError(f"ort_optim::{op}: the Triton backend needs CUDA tensors (got {device}); for CPU tensors "
+                           "set TRITON_INTERPRET=1 to run its kernels in Triton's interpreter, or use the native or "
+                           "torch backend")
+
+
+def _blocks_per_program(total_blocks: int) -> int:
+    if BLOCKS_PER_PROGRAM > 0:
+        return BLOCKS_PER_PROGRAM
+    # Keep at least ~16 programs per SM of an H100/H200 class GPU (132 SMs) before making programs longer.
+    bpp = 1
+    while bpp < 8 and total_blocks // (bpp * 2) >= 132 * 16:
+        bpp *= 2
+    return bpp
+
+
+def _bits(x: float) -> int:
+    """The IEEE float64 bit pattern of x as a signed int64 (how the kernels receive fp64 scalars)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _upload(values: list, device: torch.device) -> torch.Tensor:
+    """An int64 tensor on `device`; from pinned memory, without blocking the host, for CUDA."""
+    if device.type == "cuda":
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+        return host.to(device, non_blocking=True)
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _work_list(numels: Sequence[int], bpp: int) -> list:
+    chunk = BLOCK * bpp
+    work = []
+    for t, numel in enumerate(numels):
+        for start in range(0, numel, chunk):
+            work.append(t)
+            work.append(start)
+    return work
+
+
+def _launch_context(device: torch.device):
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return _nullcontext
+
+
+class _NullContext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_nullcontext = _NullContext()
+
+
+def _remember(cache: OrderedDict, key, value) -> None:
+    with _lock:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > CACHE_SIZE:
+            cache.popitem(last=False)
+
+
+def _lookup(cache: OrderedDict, key):
+    with _lock:
+        value = cache.get(key)
+        if value is not None:
+            cache.move_to_end(key)
+        return value
+
+
+def clear_caches() -> None:
+    """Forgets every cached address table (they are rebuilt on the next call)."""
+    with _lock:
+        _cache.clear()
+        _stats_cache.clear()
+
+
+# ---- adam_step_ -----------------------------------------------------------------------------------------------
+
+class _Group:
+    """Tensors of one call that share dtypes: one launch."""
+
+    __slots__ = ("indices", "meta", "work", "programs", "constexprs", "grads_key", "grads_table", "bpp", "aligned",
+                 "grads_aligned")
+
+    def __init__(self, indices, meta, work, programs, constexprs, bpp, aligned):
+        self.indices = indices
+        self.meta = meta
+        self.work = work
+        self.programs = programs
+        self.constexprs = constexprs
+        self.bpp = bpp
+        self.aligned = aligned  # every param/state/master address is a multiple of 16 bytes
+        self.grads_key = None
+        self.grads_table = None
+        self.grads_aligned = False
+
+
+class _Plan:
+    __slots__ = ("refs", "groups")
+
+    def __init__(self, refs, groups):
+        self.refs = refs
+        self.groups = groups
+
+    def matches(self, tensors: list) -> bool:
+        refs = self.refs
+        if len(refs) != len(tensors):
+            return False
+        for ref, t in zip(refs, tensors):
+            if ref() is not t:
+                return False
+        return True
+
+
+def _fail(msg: str):
+    raise RuntimeError("ort_optim::adam_step_: " + msg)
+
+
+def _check_lengths(n: int, lists: dict) -> None:
+    for name, (items, optional) in lists.items():
+        if len(items) != n and not (optional and len(items) == 0):
+            _fail(f"{name} has {len(items)} tensors but params has {n}" + (" (pass n tensors or none)"
+                                                                           if optional else ""))
+
+
+def _check_same(t: torch.Tensor, p: torch.Tensor, name: str, i: int) -> None:
+    if t.shape != p.shape:
+        _fail(f"{name}[{i}] has shape {list(t.shape)} but params[{i}] has shape {list(p.shape)}")
+    if t.device != p.device:
+        _fail(f"{name}[{i}] is on {t.device} but params[{i}] is on {p.device}")
+
+
+def _check_state(t: torch.Tensor, p: torch.Tensor, name: str, i: int, is_double: bool) -> None:
+    _check_same(t, p, name, i)
+    if not t.is_contiguous():
+        _fail(f"{name}[{i}] must be contiguous")
+    if (t.dtype != torch.float64) if is_double else (t.dtype not in _FLOAT_STORAGE):
+        _fail(f"{name}[{i}] has dtype {t.dtype}" + ("; float64 params need float64 states" if is_double
+                                                    else "; states must be float32, bfloat16 or float16"))
+
+
+def _check_scales(scales, states, i: int, name: str) -> None:
+    if not len(scales):
+        return
+    s, state = scales[i], states[i]
+    blocks = (state.numel() + BLOCK - 1) // BLOCK
+    if state.dtype != torch.float16:
+        _fail(f"{name}[{i}] is given but the state it scales is {state.dtype}, not float16")
+    if not (s.dtype == torch.float32 and s.is_contiguous() and s.numel() == blocks and s.device == state.device):
+        _fail(f"{name}[{i}] must be a contiguous float32 tensor of {blocks} block scales on the state's device")
+
+
+def _validate_static(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+                     exp_avg_sq_scales, max_exp_avg_sq_scales, amsgrad: bool) -> None:
+    any_double = any_single = False
+    device = params[0].device
+    for i, p in enumerate(params):
+        pt = p.dtype
+        if pt not in _DT_CODES:
+            _fail(f"params[{i}] has dtype {pt}; supported are float32, float64, float16 and bfloat16")
+        if p.layout != torch.strided or p.device != device:
+            _fail(f"params[{i}] must be a dense tensor on {device} (all params of a call share a device)")
+        is_double = pt == torch.float64
+        if is_double:
+            any_double = True
+        else:
+            any_single = True
+        _check_state(exp_avgs[i], p, "exp_avgs", i, is_double)
+        _check_state(exp_avg_sqs[i], p, "exp_avg_sqs", i, is_double)
+        if amsgrad:
+            _check_state(max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i, is_double)
+            if max_exp_avg_sqs[i].dtype != exp_avg_sqs[i].dtype:
+                _fail(f"max_exp_avg_sqs[{i}] must have the dtype of exp_avg_sqs[{i}]")
+        if len(master_params):
+            if pt not in _LOW_PRECISION:
+                _fail(f"master_params given but params[{i}] is {pt}; master weights are for float16/bfloat16 params")
+            mp = master_params[i]
+            _check_same(mp, p, "master_params", i)
+            if mp.dtype != torch.float32 or not mp.is_contiguous():
+                _fail(f"master_params[{i}] must be a contiguous float32 tensor")
+        _check_scales(exp_avg_scales, exp_avgs, i, "exp_avg_scales")
+        _check_scales(exp_avg_sq_scales, exp_avg_sqs, i, "exp_avg_sq_scales")
+        if amsgrad:
+            _check_scales(max_exp_avg_sq_scales, max_exp_avg_sqs, i, "max_exp_avg_sq_scales")
+    if any_double and any_single:
+        _fail("float64 params cannot share a call with other dtypes; group them separately")
+
+
+def _validate_grads(params, grads, indices) -> None:
+    for i in indices:
+        g, p = grads[i], params[i]
+        if g.layout != torch.strided:
+            _fail(f"grads[{i}] is sparse; Adam needs dense gradients")
+        _check_same(g, p, "grads", i)
+        ok = g.dtype == torch.float64 if p.dtype == torch.float64 else g.dtype in _FLOAT_STORAGE
+        if not ok:
+            _fail(f"grads[{i}] has dtype {g.dtype} for a {p.dtype} parameter")
+
+
+def _build_groups(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+                  exp_avg_sq_scales, max_exp_avg_sq_scales, device) -> list:
+    amsgrad = len(max_exp_avg_sqs) > 0
+    keyed: "OrderedDict[tuple, list]" = OrderedDict()
+    for i, p in enumerate(params):
+        key = (
+            _DT_CODES[p.dtype], _DT_CODES.get(grads[i].dtype, -1), _DT_CODES[exp_avgs[i].dtype],
+            _DT_CODES[exp_avg_sqs[i].dtype],
+        )
+        keyed.setdefault(key, []).append(i)
+    groups = []
+    for (p_dt, g_dt, m_dt, v_dt), indices in keyed.items():
+        rows = []
+        numels = []
+        for i in indices:
+            numel = params[i].numel()
+            numels.append(numel)
+            rows += [
+                params[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(),
+                max_exp_avg_sqs[i].data_ptr() if amsgrad else 0,
+                master_params[i].data_ptr() if len(master_params) else 0,
+                exp_avg_scales[i].data_ptr() if len(exp_avg_scales) else 0,
+                exp_avg_sq_scales[i].data_ptr() if len(exp_avg_sq_scales) else 0,
+                max_exp_avg_sq_scales[i].data_ptr() if amsgrad and len(max_exp_avg_sq_scales) else 0,
+                numel, i,
+            ]
+        total_blocks = sum((x + BLOCK - 1) // BLOCK for x in numels)
+        bpp = _blocks_per_program(total_blocks)
+        work = _work_list(numels, bpp)
+        programs = len(work) // 2
+        constexprs = dict(
+            P_DT=p_dt, G_DT=g_dt, M_DT=m_dt, V_DT=v_dt, HAS_MASTER=len(master_params) > 0,
+            M_SCALED=len(exp_avg_scales) > 0, V_SCALED=len(exp_avg_sq_scales) > 0, AMSGRAD=amsgrad,
+        )
+        aligned = all(rows[r * 10 + c] % 16 == 0 for r in range(len(indices)) for c in range(5))
+        meta = _upload(rows, device)
+        work_t = _upload(work if work else [0, 0], device)
+        groups.append(_Group(indices, meta, work_t, programs, constexprs, bpp, aligned))
+    return groups
+
+
+def adam_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    max_exp_avg_sqs: Sequence[torch.Tensor],
+    master_params: Sequence[torch.Tensor],
+    exp_avg_scales: Sequence[torch.Tensor],
+    exp_avg_sq_scales: Sequence[torch.Tensor],
+    max_exp_avg_sq_scales: Sequence[torch.Tensor],
+    steps: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    mode: int,
+    bias_correction: bool,
+    maximize: bool,
+    lr_tensor: Optional[torch.Tensor] = None,
+    inv_grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    """ort_optim::adam_step_ (ops/README.md) on CUDA tensors (CPU tensors under TRITON_INTERPRET=1)."""
+    n = len(params)
+    _check_lengths(n, {
+        "grads": (grads, False), "exp_avgs": (exp_avgs, False), "exp_avg_sqs": (exp_avg_sqs, False),
+        "max_exp_avg_sqs": (max_exp_avg_sqs, True), "master_params": (master_params, True),
+        "exp_avg_scales": (exp_avg_scales, True), "exp_avg_sq_scales": (exp_avg_sq_scales, True),
+        "max_exp_avg_sq_scales": (max_exp_avg_sq_scales, True),
+    })
+    amsgrad = len(max_exp_avg_sqs) > 0
+    if len(max_exp_avg_sq_scales) and not amsgrad:
+        _fail("max_exp_avg_sq_scales given without max_exp_avg_sqs")
+    if amsgrad and (len(exp_avg_sq_scales) > 0) != (len(max_exp_avg_sq_scales) > 0):
+        _fail("max_exp_avg_sqs share exp_avg_sqs' dtype, so both or neither need scales")
+    if mode not in (0, 1, 2):
+        _fail(f"mode must be 0, 1 or 2, got {mode}")
+    if not (steps.dtype == torch.float64 and steps.dim() == 1 and steps.numel() == n and steps.is_contiguous()):
+        _fail(f"steps must be a contiguous float64 tensor of shape [{n}]")
+    for name, t in (("lr_tensor", lr_tensor), ("inv_grad_scale", inv_grad_scale), ("found_inf", found_inf)):
+        if t is not None and t.numel() != 1:
+            _fail(f"{name} must have exactly one element, got {t.numel()}")
+    if n == 0:
+        return
+    device = params[0].device
+    _check_device(device, "adam_step_")
+    k = kernels()
+
+    # Non-contiguous params and grads go through contiguous copies; params are copied back at the end.
+    work_params = list(params)
+    copied = []
+    for i, p in enumerate(params):
+        if not p.is_contiguous():
+            work_params[i] = p.contiguous()
+            copied.append(i)
+    work_grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+
+    statics = [work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+               exp_avg_sq_scales, max_exp_avg_sq_scales]
+    flat = [t for lst in statics for t in lst]
+    key = (device, n, tuple(len(lst) for lst in statics), tuple(t.data_ptr() for t in flat),
+           tuple(g.dtype for g in work_grads), BLOCKS_PER_PROGRAM)
+    plan = _lookup(_cache, key)
+    if plan is None or not plan.matches(flat):
+        _validate_static(work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+                         exp_avg_sq_scales, max_exp_avg_sq_scales, amsgrad)
+        _validate_grads(work_params, work_grads, range(n))
+        groups = _build_groups(work_params, work_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
+                               exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales, device)
+        plan = _Plan([weakref.ref(t) for t in flat], groups)
+        _remember(_cache, key, plan)
+        fresh = True
+    else:
+        fresh = False
+
+    # Scalars that live on the device: same device as the params (copied there if given elsewhere).
+    def on_device(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        if t.dtype == torch.bool:
+            t = t.to(torch.uint8)
+        if t.device != device:
+            t = t.to(device, non_blocking=True)
+        return t.reshape(1)
+
+    lr_t, inv_t, found_t = on_device(lr_tensor), on_device(inv_grad_scale), on_device(found_inf)
+    steps_dev = steps if steps.device == device else steps.to(device)
+    dummy = steps_dev
+
+    with _launch_context(device):
+        for group in plan.groups:
+            if group.programs == 0:
+                continue
+            gkey = tuple(work_grads[i].data_ptr() for i in group.indices)
+            if gkey != group.grads_key:
+                if not fresh:
+                    _validate_grads(work_params, work_grads, group.indices)
+                group.grads_table = _upload(list(gkey), device)
+                group.grads_key = gkey
+                group.grads_aligned = all(ptr % 16 == 0 for ptr in gkey)
+            k.adam_kernel[(group.programs,)](
+                group.meta, group.grads_table, group.work, steps_dev,
+                lr_t if lr_t is not None else dummy,
+                inv_t if inv_t is not None else dummy,
+                found_t if found_t is not None else dummy,
+                _bits(lr), _bits(beta1), _bits(beta2), _bits(eps), _bits(weight_decay),
+                _bits(-1.0 if maximize else 1.0),
+                MODE=int(mode), BIAS_CORRECTION=bool(bias_correction), HAS_LR_TENSOR=lr_t is not None,
+                HAS_INV_SCALE=inv_t is not None, HAS_FOUND_INF=found_t is not None, BLOCK=BLOCK,
+                BLOCKS_PER_PROGRAM=group.bpp, ALIGNED=group.aligned and group.grads_aligned, num_warps=NUM_WARPS,
+                enable_fp_fusion=False,
+                **group.constexprs,
+            )
+        k.advance_steps_kernel[((n + BLOCK - 1) // BLOCK,)](
+            steps_dev, found_t if found_t is not None else dummy, n, HAS_FOUND_INF=found_t is not None,
+            BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )
+    if steps_dev is not steps:
+        steps.copy_(steps_dev)
+    for i in copied:
+        params[i].copy_(work_params[i])
+
+
+# ---- grad_stats -----------------------------------------------------------------------------------------------
+
+def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float32 [2] on the tensors' device: [sum of squares, 1.0 if any element is inf/NaN else 0.0]."""
+    if not len(tensors):
+        return torch.zeros(2, dtype=torch.float32)
+    device = tensors[0].device
+    _check_device(device, "grad_stats")
+    k = kernels()
+    work_tensors = []
+    for i, t in enumerate(tensors):
+        if t.layout != torch.strided or t.device != device:
+            raise RuntimeError(f"ort_optim::grad_stats: tensors[{i}] must be a dense tensor on {device}")
+        if t.dtype not in _DT_CODES:
+            raise RuntimeError(f"ort_optim::grad_stats: tensors[{i}] has dtype {t.dtype}")
+        work_tensors.append(t if t.is_contiguous() else t.contiguous())
+
+    # Static part (cached): grouping by dtype, the numel tables and the work lists.
+    skey = (device, tuple((t.dtype, t.numel()) for t in work_tensors), BLOCKS_PER_PROGRAM)
+    layout = _lookup(_stats_cache, skey)
+    if layout is None:
+        by_dtype: "OrderedDict[torch.dtype, list]" = OrderedDict()
+        for i, t in enumerate(work_tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        layout = []
+        base = 0
+        for dtype, indices in by_dtype.items():
+            numels = [work_tensors[i].numel() for i in indices]
+            bpp = _blocks_per_program(sum((x + BLOCK - 1) // BLOCK for x in numels))
+            work = _work_list(numels, bpp)
+            programs = len(work) // 2
+            if programs:
+                layout.append((indices, _DT_CODES[dtype], _upload(numels, device), _upload(work, device),
+                               programs, base, bpp))
+                base += programs
+        layout = (layout, base)
+        _remember(_stats_cache, skey, layout)
+    groups, total_programs = layout
+    if total_programs == 0:
+        return torch.zeros(2, dtype=torch.float32, device=device)
+    partial = torch.zeros(total_programs, dtype=torch.float64, device=device)
+    out = torch.empty(2, dtype=torch.float32, device=device)
+    with _launch_context(device):
+        for indices, dt, numels_t, work_t, programs, base, bpp in groups:
+            ptrs = [work_tensors[i].data_ptr() for i in indices]
+            k.grad_stats_kernel[(programs,)](
+                _upload(ptrs, device), numels_t, work_t, partial, base, DT=dt, BLOCK=BLOCK, BLOCKS_PER_PROGRAM=bpp,
+                ALIGNED=all(ptr % 16 == 0 for ptr in ptrs), num_warps=NUM_WARPS,
+            )
+        k.grad_stats_finish_kernel[(1,)](partial, total_programs, out, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return out
+
+
+# ---- registration as the CUDA kernels of the ops ----------------------------------------------------------------
+
+_ADAM_ARGS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params", "exp_avg_scales",
+              "exp_avg_sq_scales", "max_exp_avg_sq_scales", "steps")
+
+
+def _adam_step_op(*args, **kwargs) -> None:
+    """The dispatcher's calling convention (positional tensor lists, keyword-only scalars) -> adam_step_."""
+    adam_step_(*args, **kwargs)
 
 
 def register_cuda_kernels() -> None:
-    """Registers the CUDA implementations of the ort_optim ops (added with the GPU path)."""
+    """Registers adam_step_ and grad_stats above as the CUDA kernels of the ort_optim ops (needs the schemas,
+    i.e. the native library, loaded). Does not import triton: that happens on the first CUDA call."""
+    global _lib
+    if _lib is not None:
+        return
+    lib = torch.library.Library("ort_optim", "IMPL")
+    lib.impl("adam_step_", _adam_step_op, "CUDA")
+    lib.impl("grad_stats", grad_stats, "CUDA")
+    _lib = lib

@@ -1,0 +1,253 @@
+#!/usr/bin/env python
+"""Compile ort_optim's Triton kernels ahead of time to PTX and cubin for sm_80 and sm_90, without a GPU.
+
+    python tools/aot_compile.py [--quick] [--check] [--out DIR] [--arch 80,90]
+
+It compiles every kernel variant (constexpr combination) the optimizer uses, with the same options as the launches
+(num_warps, enable_fp_fusion=False), through ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``:
+the API differs between triton 3.0 (signature keyed by argument index, ``constants=``, ``AttrsDescriptor``) and
+triton >= 3.2 (keyed by name, ``constexprs=``, attribute dicts), both are handled here. Then it runs ptxas -v on the
+PTX for the register/spill report and, with ``--check``, reads the PTX for what the interpreter cannot show:
+
+* no approximate division or square root (``div.approx``/``div.full``/``sqrt.approx``) and no contracted ``fma`` in
+  fp32 code (results must round like the CPU kernel's),
+* no register spills,
+* 16-byte vector loads (``ld.global.v4``) in the aligned fp32 variant (memory-bound kernel: access width matters).
+
+Exit status: 0 ok, 1 a check failed or a compile failed, 3 this triton cannot compile ahead of time (no API, no
+ptxas): the reason is the last line printed. TRITON_INTERPRET must not be set (the kernels would be interpreted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# Kernel variants: (name, kernel, constexprs). The quick set covers each storage path once; --full every combination
+# of storage dtypes, modes and amsgrad that FusedAdam can create.
+ADAM_COMMON = dict(BIAS_CORRECTION=True, HAS_LR_TENSOR=False, HAS_INV_SCALE=False, HAS_FOUND_INF=False, BLOCK=1024,
+                   BLOCKS_PER_PROGRAM=1, ALIGNED=True)
+F32, F16, BF16, F64 = 0, 1, 2, 3
+COMBOS = {
+    "fp32": (F32, F32, F32, F32, False, False, False),
+    "fp32-bf16states": (F32, F32, BF16, BF16, False, False, False),
+    "fp32-fp16states": (F32, F32, F16, F16, False, True, True),
+    "fp16-master": (F16, F16, F32, F32, True, False, False),
+    "bf16-master-fp16m-bf16v": (BF16, BF16, F16, BF16, True, True, False),
+    "bf16": (BF16, BF16, BF16, BF16, False, False, False),
+    "fp16-master-fp16states": (F16, F16, F16, F16, True, True, True),
+    "fp64": (F64, F64, F64, F64, False, False, False),
+}
+
+
+def adam_variant(combo: str, mode: int, amsgrad: bool, **overrides) -> dict:
+    p, g, m, v, master, ms, vs = COMBOS[combo]
+    c = dict(ADAM_COMMON, P_DT=p, G_DT=g, M_DT=m, V_DT=v, HAS_MASTER=master, M_SCALED=ms, V_SCALED=vs,
+             AMSGRAD=amsgrad, MODE=mode)
+    c.update(overrides)
+    return c
+
+
+def variants(full: bool) -> list:
+    out = []
+    if full:
+        for combo in COMBOS:
+            for mode in (0, 1, 2):
+                for amsgrad in (False, True):
+                    out.append((f"adam-{combo}-mode{mode}{'-ams' if amsgrad else ''}", "adam_kernel",
+                                adam_variant(combo, mode, amsgrad)))
+    else:
+        out += [
+            ("adam-fp32-mode2", "adam_kernel", adam_variant("fp32", 2, False)),
+            ("adam-fp32-fp16states-mode1-ams-scaling", "adam_kernel",
+             adam_variant("fp32-fp16states", 1, True, HAS_LR_TENSOR=True, HAS_INV_SCALE=True, HAS_FOUND_INF=True)),
+            ("adam-bf16-master-fp16m-bf16v-mode0", "adam_kernel", adam_variant("bf16-master-fp16m-bf16v", 0, False)),
+            ("adam-fp16-master-mode2-ams", "adam_kernel", adam_variant("fp16-master", 2, True)),
+            ("adam-bf16-mode1-nobc", "adam_kernel", adam_variant("bf16", 1, False, BIAS_CORRECTION=False)),
+            ("adam-fp64-mode2-ams", "adam_kernel", adam_variant("fp64", 2, True)),
+        ]
+    out += [
+        ("adam-fp32-mode2-unaligned-4blocks", "adam_kernel",
+         adam_variant("fp32", 2, False, ALIGNED=False, BLOCKS_PER_PROGRAM=4)),
+        ("advance_steps", "advance_steps_kernel", dict(HAS_FOUND_INF=True, BLOCK=1024)),
+    ]
+    for name, dt in (("fp32", F32), ("fp16", F16), ("bf16", BF16), ("fp64", F64)):
+        out.append((f"grad_stats-{name}", "grad_stats_kernel", dict(DT=dt, BLOCK=1024, BLOCKS_PER_PROGRAM=1,
+                                                                    ALIGNED=True)))
+    out.append(("grad_stats_finish", "grad_stats_finish_kernel", dict(BLOCK=1024)))
+    return out
+
+
+# Types of the runtime (non-constexpr) arguments, by name.
+ARG_TYPES = {
+    "meta_ptr": "*i64", "grads_ptr": "*i64", "work_ptr": "*i64", "steps_ptr": "*fp64", "lr_ptr": "*fp32",
+    "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "lr_bits": "i64", "beta1_bits": "i64",
+    "beta2_bits": "i64", "eps_bits": "i64", "wd_bits": "i64", "sign_bits": "i64", "n": "i32",
+    "addr_ptr": "*i64", "numel_ptr": "*i64", "partial_ptr": "*fp64", "partial_base": "i32", "out_ptr": "*fp32",
+}
+
+
+def find_ptxas() -> str | None:
+    candidates = [os.environ.get("TRITON_PTXAS_PATH")]
+    import triton
+
+    candidates.append(str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"))
+    candidates.append(shutil.which("ptxas"))
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def make_source(triton, fn, constexprs: dict):
+    """An ASTSource for this triton version: pointer args get the divisibility-16 hint the JIT gives torch tensors."""
+    from triton.compiler import ASTSource
+
+    names = list(fn.arg_names)
+    params = [n for n in names if n not in constexprs]
+    missing = [n for n in params if n not in ARG_TYPES]
+    if missing:
+        raise KeyError(f"no type for arguments {missing} of {fn.__name__}")
+    new_api = "constexprs" in ASTSource.__init__.__code__.co_varnames
+    if new_api:  # triton >= 3.2: keyed by name, constexprs in the signature
+        signature = {n: ("constexpr" if n in constexprs else ARG_TYPES[n]) for n in names}
+        attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in params if ARG_TYPES[n].startswith("*")}
+        return ASTSource(fn=fn, signature=signature, constexprs=dict(constexprs), attrs=attrs)
+    from triton.compiler import AttrsDescriptor  # triton 3.0/3.1: keyed by index
+
+    signature = {names.index(n): ARG_TYPES[n] for n in params}
+    constants = {names.index(n): v for n, v in constexprs.items()}
+    divisible = [names.index(n) for n in params if ARG_TYPES[n].startswith("*")]
+    return ASTSource(fn=fn, signature=signature, constants=constants,
+                     attrs=AttrsDescriptor(divisible_by_16=divisible, equal_to_1=[]))
+
+
+FORBIDDEN = [
+    (re.compile(r"\bdiv\.(approx|full)\.f32"), "approximate fp32 division"),
+    (re.compile(r"\bsqrt\.approx\.f32"), "approximate fp32 square root"),
+    (re.compile(r"\bfma\.rn\.f32"), "contracted fp32 multiply-add"),
+    (re.compile(r"\bfma\.rn\.f64"), "contracted fp64 multiply-add"),
+    (re.compile(r"\b(add|sub|mul|div|sqrt)\.[a-z.]*ftz[a-z.]*\.f32"), "flush-to-zero fp32 arithmetic"),
+]
+
+
+def ptx_report(ptx: str) -> dict:
+    return {
+        "v4_loads": len(re.findall(r"ld\.global(\.[a-z_]+)*\.v4", ptx)),
+        "v2_loads": len(re.findall(r"ld\.global(\.[a-z_]+)*\.v2", ptx)),
+        "scalar_loads": len(re.findall(r"ld\.global(\.[a-z_]+)*\.(b|u|f|s)(16|32|64)\b", ptx)),
+        "v4_stores": len(re.findall(r"st\.global(\.[a-z_]+)*\.v4", ptx)),
+        "forbidden": sorted({what for pattern, what in FORBIDDEN if pattern.search(ptx)}),
+    }
+
+
+def run_ptxas(ptxas: str, ptx: str, arch: int, workdir: Path) -> dict:
+    src = workdir / "k.ptx"
+    src.write_text(ptx)
+    target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M)
+    result = subprocess.run([ptxas, f"-arch={target.group(1) if target else f'sm_{arch}'}", "-v", str(src), "-o",
+                             str(workdir / "k.cubin")],
+                            capture_output=True, text=True)
+    text = result.stdout + result.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.findall(r"(\d+) bytes spill (stores|loads)", text)
+    stack = re.search(r"(\d+) bytes stack frame", text)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_bytes": sum(int(s[0]) for s in spills), "stack_bytes": int(stack.group(1)) if stack else None,
+            "ptxas_ok": result.returncode == 0, "ptxas_output": text.strip()[-500:]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one variant per storage path (default: all)")
+    parser.add_argument("--check", action="store_true", help="fail on forbidden PTX, spills or missing v4 loads")
+    parser.add_argument("--out", type=Path, help="write PTX, cubin and report.json here")
+    parser.add_argument("--arch", default="80,90", help="compute capabilities (default 80,90)")
+    parser.add_argument("--num-warps", type=int, default=8, help="warps per program (default 8, as the launches)")
+    args = parser.parse_args(argv)
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("TRITON_INTERPRET is set: the kernels would be interpreted; unset it")
+        return 1
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as exc:
+        print(f"cannot compile ahead of time: this triton lacks the API ({exc})")
+        return 3
+    ptxas = find_ptxas()
+    if ptxas is None:
+        print("cannot compile ahead of time: no ptxas (set TRITON_PTXAS_PATH)")
+        return 3
+    os.environ.setdefault("TRITON_PTXAS_PATH", ptxas)
+    from ort_optim import _triton_kernels as k
+
+    archs = [int(a) for a in args.arch.split(",")]
+    workdir = args.out or Path(os.environ.get("TMPDIR", "/tmp")) / f"ort_optim_aot_{os.getpid()}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    report = {"triton": triton.__version__, "ptxas": ptxas, "kernels": []}
+    failures = []
+    print(f"triton {triton.__version__}, ptxas {ptxas}")
+    print(f"{'variant':48} {'arch':>5} {'sec':>5} {'regs':>5} {'spill':>5} {'v4 ld':>6} {'scalar ld':>9}  notes")
+    for name, kernel_name, constexprs in variants(full=not args.quick):
+        fn = getattr(k, kernel_name)
+        for arch in archs:
+            t0 = time.time()
+            entry = {"variant": name, "kernel": kernel_name, "arch": arch, "constexprs": constexprs}
+            try:
+                src = make_source(triton, fn, constexprs)
+                compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                          options={"num_warps": args.num_warps, "enable_fp_fusion": False})
+                ptx = compiled.asm["ptx"]
+                entry.update(ptx_report(ptx))
+                entry.update(run_ptxas(ptxas, ptx, arch, workdir))
+                entry["cubin_bytes"] = len(compiled.asm["cubin"])
+                if args.out:
+                    (args.out / f"{name}.sm{arch}.ptx").write_text(ptx)
+                    (args.out / f"{name}.sm{arch}.cubin").write_bytes(compiled.asm["cubin"])
+            except Exception as exc:  # report every variant, then fail
+                entry["error"] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
+            entry["seconds"] = round(time.time() - t0, 2)
+            notes = []
+            if "error" in entry:
+                failures.append(f"{name} sm_{arch}: {entry['error']}")
+                notes.append("COMPILE ERROR")
+            else:
+                if entry["forbidden"]:
+                    notes.append("forbidden: " + ", ".join(entry["forbidden"]))
+                    failures.append(f"{name} sm_{arch}: {entry['forbidden']}")
+                if entry["spill_bytes"]:
+                    notes.append(f"spills {entry['spill_bytes']} B")
+                    if entry["spill_bytes"] > 64:  # ptxas trades a few bytes for occupancy on its own
+                        failures.append(f"{name} sm_{arch}: register spills ({entry['spill_bytes']} bytes)")
+                if not entry["ptxas_ok"]:
+                    failures.append(f"{name} sm_{arch}: ptxas failed: {entry['ptxas_output']}")
+                if name == "adam-fp32-mode2" and entry["v4_loads"] == 0:
+                    notes.append("no 16-byte loads")
+                    failures.append(f"{name} sm_{arch}: no ld.global.v4 in the aligned fp32 variant")
+            report["kernels"].append(entry)
+            print(f"{name:48} {arch:>5} {entry['seconds']:>5} {str(entry.get('registers')):>5} "
+                  f"{str(entry.get('spill_bytes')):>5} {str(entry.get('v4_loads')):>6} "
+                  f"{str(entry.get('scalar_loads')):>9}  {'; '.join(notes)}")
+    if args.out:
+        (args.out / "report.json").write_text(json.dumps(report, indent=1))
+    if failures:
+        print("\n".join(["FAILED:"] + failures))
+        return 1 if (args.check or any("COMPILE ERROR" in f or "Error" in f for f in failures)) else 0
+    print(f"ok: {len(report['kernels'])} compilations")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
