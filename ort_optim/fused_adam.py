@@ -112,6 +112,10 @@ class FusedAdam(torch.optim.Optimizer):
             1024 elements, so they neither overflow nor flush to zero.
         max_grad_norm: when set, clip the gradients by their global L2 norm over all params (default None), inside
             the fused step, after unscaling.
+        capturable: promise that step() will be captured in a CUDA graph (default False). Steps and bias
+            corrections already live on the device and step() never synchronises; this additionally refuses what a
+            graph cannot replay: an lr tensor on another device, a float grad_scale. A float lr is baked into the
+            graph at capture: to change it between replays, make it a device tensor and update it in place.
 
     Each parameter has its own step count (as torch), so a parameter that first gets a gradient late gets a correct
     first update; parameters without a gradient are skipped entirely.
@@ -143,6 +147,7 @@ class FusedAdam(torch.optim.Optimizer):
         exp_avg_dtype: Optional[torch.dtype] = None,
         exp_avg_sq_dtype: Optional[torch.dtype] = None,
         max_grad_norm: Optional[float] = None,
+        capturable: bool = False,
     ):
         _check_dtype_option("exp_avg_dtype", exp_avg_dtype)
         _check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
@@ -158,6 +163,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.exp_avg_dtype = exp_avg_dtype
         self.exp_avg_sq_dtype = exp_avg_sq_dtype
         self.max_grad_norm = max_grad_norm
+        self.capturable = capturable
         self._plans: dict[int, tuple[tuple[bool, ...], list[_Bucket]]] = {}
         self._last_found_inf: Optional[torch.Tensor] = None
         super().__init__(params, defaults)
@@ -311,12 +317,18 @@ class FusedAdam(torch.optim.Optimizer):
             self._last_found_inf = None
             return loss
 
+        if self.capturable and grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
+            raise ValueError("capturable=True: pass grad_scale as a tensor on the params' device (a float is copied "
+                             "to the device at every step, which a CUDA graph cannot capture)")
         inv_grad_scale, found_inf = self._scaling(launches, grad_scale, found_inf)
         self._last_found_inf = found_inf
         for group_index, group, bucket, grads in launches:
             device = bucket.params[0].device
             lr = group["lr"]
             lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+            if self.capturable and lr_tensor is not None and lr_tensor.device != device:
+                raise ValueError(f"param_groups[{group_index}]: capturable=True needs lr on the params' device "
+                                 f"({device}), got a tensor on {lr_tensor.device}")
             try:
                 _native.adam_step_(
                     bucket.params, grads, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs,
