@@ -76,6 +76,72 @@ def _check_dtype_option(name: str, dtype: Optional[torch.dtype]) -> None:
         raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
 
 
+def _may_overlap_itself(p: torch.Tensor) -> bool:
+    """False when the strides prove that no two elements of p share memory (dims sorted by stride, each stride
+    exceeds the extent of the smaller ones); True when they may (an expand()ed tensor, exotic strides)."""
+    dims = sorted((st, sz) for st, sz in zip(p.stride(), p.shape) if sz > 1)
+    extent = 0
+    for stride, size in dims:
+        if stride <= extent:
+            return True
+        extent += stride * (size - 1)
+    return False
+
+
+def _element_offsets(p: torch.Tensor, base: int) -> torch.Tensor:
+    """Storage offsets (in elements, minus base) of every element of p."""
+    last = p.storage_offset() + sum(st * (sz - 1) for st, sz in zip(p.stride(), p.shape))
+    index = torch.arange(last + 1 - base, dtype=torch.int64)
+    return index.as_strided(p.shape, p.stride(), p.storage_offset() - base).reshape(-1)
+
+
+def _find_overlap(entries: list[tuple[int, int, torch.Tensor]]) -> Optional[tuple[tuple, Optional[tuple]]]:
+    """The first parameter that overlaps itself, (entry, None), or the first pair of overlapping parameters,
+    (entry, entry), among (group_index, index, param) entries; None when all of them own their memory."""
+    by_storage: dict[tuple, list[tuple[int, int, torch.Tensor]]] = {}
+    for entry in entries:
+        p = entry[2]
+        if p.numel() == 0:
+            continue
+        if p.dim() > 0 and not p.is_contiguous() and _may_overlap_itself(p):
+            offsets = _element_offsets(p, p.storage_offset())
+            if offsets.unique().numel() < offsets.numel():
+                return entry, None
+        by_storage.setdefault((p.device, p.untyped_storage().data_ptr()), []).append(entry)
+    for shared in by_storage.values():
+        if len(shared) < 2:
+            continue
+        # byte ranges first: views that split one flat buffer into disjoint pieces need nothing more
+        spans = []
+        for entry in shared:
+            p = entry[2]
+            size = p.element_size()
+            start = p.storage_offset() * size
+            end = start + size * (1 + sum(st * (sz - 1) for st, sz in zip(p.stride(), p.shape)))
+            spans.append((start, end, entry))
+        spans.sort(key=lambda s: s[0])
+        for (s0, e0, a), (s1, e1, b) in zip(spans, spans[1:]):
+            if s1 >= e0:
+                continue
+            pa, pb = a[2], b[2]
+            if pa.element_size() != pb.element_size() or pa.is_contiguous() and pb.is_contiguous():
+                return a, b  # contiguous ranges that intersect, or views of one buffer with different dtypes
+            base = min(pa.storage_offset(), pb.storage_offset())  # interleaved views: compare element by element
+            if torch.isin(_element_offsets(pa, base), _element_offsets(pb, base)).any():
+                return a, b
+        # (a range can also reach past its successor: check every pair whose ranges intersect)
+        for i, (s0, e0, a) in enumerate(spans):
+            for s1, e1, b in spans[i + 2:]:
+                if s1 >= e0:
+                    break
+                pa, pb = a[2], b[2]
+                base = min(pa.storage_offset(), pb.storage_offset())
+                if pa.element_size() != pb.element_size() or torch.isin(
+                        _element_offsets(pa, base), _element_offsets(pb, base)).any():
+                    return a, b
+    return None
+
+
 class FusedAdam(torch.optim.Optimizer):
     r"""Multi-tensor Adam/AdamW whose update is one call of ort_optim's fused op per (device, dtype) bucket.
 
@@ -223,6 +289,17 @@ class FusedAdam(torch.optim.Optimizer):
 
     # ---- the step -----------------------------------------------------------------------------------------------
 
+    def _cached_plan(self, group_index: int, grads: list[Optional[torch.Tensor]]) -> Optional[list[_Bucket]]:
+        cached = self._plans.get(group_index)
+        if cached is not None and cached[0] == tuple(g is not None for g in grads):
+            return cached[1]
+        return None
+
+    @staticmethod
+    def _native_validates(bucket: _Bucket) -> bool:
+        """Whether this bucket's op call goes to the native CPU op, which validates all its inputs before writing."""
+        return bucket.params[0].device.type == "cpu" and _native.backend() == "auto" and _native.native_available()
+
     def _plan(self, group_index: int, grads: list[Optional[torch.Tensor]]) -> list[_Bucket]:
         """The buckets for this group, rebuilt only when the set of params with gradients changes."""
         mask = tuple(g is not None for g in grads)
@@ -262,18 +339,54 @@ class FusedAdam(torch.optim.Optimizer):
         self._plans[group_index] = (mask, buckets)
         return buckets
 
+    @staticmethod
+    def _check_grad(group_index: int, index: int, p: torch.Tensor, g: torch.Tensor) -> None:
+        where = _describe(group_index, index, p)
+        if g.layout != torch.strided:
+            raise ValueError(f"{where}: its gradient is sparse ({g.layout}); FusedAdam needs dense gradients")
+        if g.shape != p.shape:
+            raise ValueError(f"{where}: its gradient has shape {tuple(g.shape)}, not the parameter's")
+        if g.device != p.device:
+            raise ValueError(f"{where}: its gradient is on {g.device}, the parameter on {p.device}")
+        if (p.dtype == torch.float64) != (g.dtype == torch.float64) or g.dtype not in SUPPORTED_PARAM_DTYPES:
+            raise ValueError(f"{where}: its gradient has dtype {g.dtype}, which cannot update a {p.dtype} param")
+
     def _check_grads(self, group_index: int, bucket: _Bucket, grads: list[torch.Tensor]) -> None:
         """Python-side validation with the parameter's name (the native op checks the same things itself)."""
         for index, p, g in zip(bucket.indices, bucket.params, grads):
-            where = _describe(group_index, index, p)
-            if g.layout != torch.strided:
-                raise ValueError(f"{where}: its gradient is sparse ({g.layout}); FusedAdam needs dense gradients")
-            if g.shape != p.shape:
-                raise ValueError(f"{where}: its gradient has shape {tuple(g.shape)}, not the parameter's")
-            if g.device != p.device:
-                raise ValueError(f"{where}: its gradient is on {g.device}, the parameter on {p.device}")
-            if (p.dtype == torch.float64) != (g.dtype == torch.float64) or g.dtype not in SUPPORTED_PARAM_DTYPES:
-                raise ValueError(f"{where}: its gradient has dtype {g.dtype}, which cannot update a {p.dtype} param")
+            self._check_grad(group_index, index, p, g)
+
+    def _validate_step(self, all_grads: list[list[Optional[torch.Tensor]]], check_overlap: bool) -> None:
+        """Everything that can make a step fail, checked before the step changes anything (state creation
+        included): gradients, amsgrad state, and (when the plans change) parameters that share memory."""
+        entries = []
+        for group_index, (group, grads) in enumerate(zip(self.param_groups, all_grads)):
+            for index, (p, g) in enumerate(zip(group["params"], grads)):
+                if g is None:
+                    continue
+                self._check_grad(group_index, index, p, g)
+                state = self.state.get(p)
+                if group["amsgrad"] and state and "max_exp_avg_sq" not in state:
+                    raise ValueError(
+                        f"{_describe(group_index, index, p)}: amsgrad is on but this parameter's state has no "
+                        f"max_exp_avg_sq (it was created with amsgrad=False); load a checkpoint made with amsgrad=True"
+                    )
+                entries.append((group_index, index, p))
+        if check_overlap:
+            overlap = _find_overlap(entries)
+            if overlap is not None:
+                a, b = overlap
+                if b is None:
+                    raise ValueError(
+                        f"{_describe(*a)}: its elements overlap in memory (an expand()ed or otherwise self-overlapping "
+                        "view); FusedAdam would update the shared elements several times. Give it its own memory, "
+                        "e.g. torch.nn.Parameter(t.clone())"
+                    )
+                raise ValueError(
+                    f"{_describe(*a)} and {_describe(*b)} share memory (overlapping views of one storage); FusedAdam "
+                    "would update the shared elements twice. Give each parameter its own memory, e.g. "
+                    "torch.nn.Parameter(t.clone()); disjoint views of one buffer are fine"
+                )
 
     @property
     def last_step_skipped(self) -> bool:
@@ -304,15 +417,21 @@ class FusedAdam(torch.optim.Optimizer):
         for group_index, group in enumerate(self.param_groups):
             _check_hyperparameters(group, f"param_groups[{group_index}]")
 
+        all_grads = [[p.grad for p in group["params"]] for group in self.param_groups]
+        cached = [self._cached_plan(group_index, grads) for group_index, grads in enumerate(all_grads)]
+        # A failed step must change nothing, so everything is validated before the first write (or state creation).
+        # The native CPU op validates its own inputs before writing; when the plans are cached and the step is a single
+        # op call, that is enough (its errors are re-raised below with the parameter's name). With several calls, a
+        # bad input in a later call would surface after earlier calls had written, so Python checks all first.
+        stale = any(plan is None for plan in cached)
+        calls = [bucket for plan in cached if plan is not None for bucket in plan]
+        if stale or len(calls) != 1 or not self._native_validates(calls[0]):
+            self._validate_step(all_grads, check_overlap=stale)
+
         launches = []
-        for group_index, group in enumerate(self.param_groups):
-            grads = [p.grad for p in group["params"]]
+        for group_index, (group, grads) in enumerate(zip(self.param_groups, all_grads)):
             for bucket in self._plan(group_index, grads):
-                bucket_grads = [grads[i] for i in bucket.indices]
-                if bucket.params[0].device.type != "cpu" or not _native.native_available() \
-                        or _native.backend() != "auto":
-                    self._check_grads(group_index, bucket, bucket_grads)  # the native CPU op checks for itself
-                launches.append((group_index, group, bucket, bucket_grads))
+                launches.append((group_index, group, bucket, [grads[i] for i in bucket.indices]))
         if not launches:
             self._last_found_inf = None
             return loss
@@ -320,7 +439,12 @@ class FusedAdam(torch.optim.Optimizer):
         if self.capturable and grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
             raise ValueError("capturable=True: pass grad_scale as a tensor on the params' device (a float is copied "
                              "to the device at every step, which a CUDA graph cannot capture)")
-        inv_grad_scale, found_inf = self._scaling(launches, grad_scale, found_inf)
+        try:
+            inv_grad_scale, found_inf = self._scaling(launches, grad_scale, found_inf)
+        except RuntimeError:
+            for group_index, _, bucket, grads in launches:  # name the offending parameter (grad_stats cannot)
+                self._check_grads(group_index, bucket, grads)
+            raise
         self._last_found_inf = found_inf
         for group_index, group, bucket, grads in launches:
             device = bucket.params[0].device
@@ -366,11 +490,14 @@ class FusedAdam(torch.optim.Optimizer):
             scale = grad_scale.to(main, torch.float32) if isinstance(grad_scale, torch.Tensor) else \
                 torch.tensor(float(grad_scale), dtype=torch.float32, device=main)
             inv = inv / scale.reshape(())
+        # The norm of the unscaled gradients. Unscaling multiplies by 1/grad_scale, which overflows when grad_scale < 1
+        # and a gradient is large: every |g| / grad_scale <= norm, so a finite norm proves that unscaling stays finite,
+        # and a non-finite one skips the step like an inf gradient (traps.md #14: check after unscaling).
+        norm = stats[0].sqrt() * inv
         if self.max_grad_norm is not None:
-            norm = stats[0].sqrt() * inv
             clip = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             inv = inv * clip
-        skip = (stats[1] > 0).float()
+        skip = ((stats[1] > 0) | ~torch.isfinite(norm)).float()
         if found_inf is not None:
             skip = torch.maximum(skip, (found_inf.to(main).reshape(()) != 0).float())
         per_device = {device: inv.to(device, non_blocking=True).reshape(1) for device in devices}
@@ -388,6 +515,12 @@ class FusedAdam(torch.optim.Optimizer):
         dtypes, into torch.optim.AdamW, and with ``torch.load(weights_only=True)``."""
         sd = super().state_dict()
         sd["state"] = {index: self._canonical(state) for index, state in sd["state"].items()}
+        # tensor-valued group entries (an lr tensor, a scheduler's initial_lr) are copies too: a scheduler that fills
+        # the lr in place must not write into a saved checkpoint, nor the checkpoint's user into the optimizer
+        for group in sd["param_groups"]:
+            for key, value in group.items():
+                if isinstance(value, torch.Tensor):
+                    group[key] = value.detach().clone()
         return sd
 
     @staticmethod
@@ -430,7 +563,8 @@ class FusedAdam(torch.optim.Optimizer):
             new_group = {key: value for key, value in group.items()}
             for key, value in saved.items():
                 if key not in ("params", "step") and key not in TORCH_IMPLEMENTATION_KEYS:
-                    new_group[key] = value
+                    # copies of tensors (an lr tensor): the scheduler fills the lr in place, the dict stays untouched
+                    new_group[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
             _check_hyperparameters(new_group, f"state_dict's param_groups[{group_index}]")
             new_group["adam_w_mode"] = int(new_group["adam_w_mode"])
             new_groups.append((new_group, saved.get("step")))

@@ -1,0 +1,112 @@
+"""Shared fixtures and helpers: backend selection, bit-exact snapshots of an optimizer, tolerance tables."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Iterable, Optional
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the package under test, whatever the working directory
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/reference.py
+
+from ort_optim import _native  # noqa: E402
+
+# One intra-op thread for the whole suite: on the shared 2-core machines a second OpenMP thread that has to wait for a
+# busy core makes small tensor ops 20x slower. The kernels' results do not depend on the thread count; test_op.py
+# checks that explicitly with 1 and 2 threads.
+torch.set_num_threads(1)
+
+# The CPU backends every FusedAdam test runs on: the compiled op (ops/adam_cpu.cpp) and the pure-PyTorch fallback
+# (ort_optim/_fallback.py). ORT_OPTIM_BACKEND is read at every step, so monkeypatch.setenv switches per test.
+BACKENDS = ("native", "torch")
+
+
+def select_backend(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    if name == "native" and not _native.native_available():
+        pytest.skip("the native CPU library could not be built here (test_op.py's build test reports why)")
+    monkeypatch.setenv("ORT_OPTIM_BACKEND", name)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch) -> str:
+    """Runs the test once per CPU backend, with ORT_OPTIM_BACKEND set accordingly."""
+    select_backend(monkeypatch, request.param)
+    return request.param
+
+
+# ---- bit-exact snapshots -------------------------------------------------------------------------------------------
+
+_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits (so NaN == NaN and -0.0 != 0.0), contiguous."""
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    t = t.contiguous()
+    if t.is_floating_point():
+        return t.view(_INT_VIEW[t.element_size()])
+    return t
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    if not torch.equal(bits(a), bits(b)):
+        diff = (a.double() - b.double()).abs()
+        raise AssertionError(f"{what}: not bit-for-bit equal (max abs diff {float(diff.nan_to_num(1e300).max())})")
+
+
+def optimizer_snapshot(opt: torch.optim.Optimizer, extra: Iterable[torch.Tensor] = ()) -> dict:
+    """Copies of everything an optimizer step may touch: params, grads, every state tensor (keys included),
+    param group hyperparameters, plus any extra tensors."""
+    snap = {}
+    for gi, group in enumerate(opt.param_groups):
+        for k, v in group.items():
+            if k != "params":
+                snap[f"group{gi}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+        for pi, p in enumerate(group["params"]):
+            snap[f"p{gi}.{pi}"] = p.detach().clone()
+            snap[f"p{gi}.{pi}.grad"] = None if p.grad is None else p.grad.detach().clone()
+            state = opt.state.get(p, {})
+            snap[f"p{gi}.{pi}.state_keys"] = tuple(sorted(state))
+            for key, value in state.items():
+                snap[f"p{gi}.{pi}.{key}"] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+    for i, t in enumerate(extra):
+        snap[f"extra{i}"] = t.detach().clone()
+    return snap
+
+
+def assert_same_snapshot(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys(), f"different entries: {sorted(set(a) ^ set(b))}"
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor), f"{key}: {x!r} vs {y!r}"
+            assert_bitwise_equal(x, y, key)
+        else:
+            assert x == y, f"{key}: {x!r} != {y!r}"
+
+
+def state_values(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> Optional[torch.Tensor]:
+    """A moment's float32/float64 values, dequantising fp16 states stored with block scales."""
+    state = opt.state[p]
+    if key not in state:
+        return None
+    value = state[key]
+    if key + "_scale" in state:
+        from ort_optim import _fallback
+
+        return _fallback.dequantize_fp16(value, state[key + "_scale"])
+    return value
+
+
+def pytest_report_header(config):
+    native = _native.native_available() if os.environ.get("ORT_OPTIM_NO_NATIVE") != "1" else False
+    return f"torch {torch.__version__}; ort_optim native CPU library: {'loaded' if native else 'NOT available'}"

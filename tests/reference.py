@@ -1,0 +1,251 @@
+"""Float64 reference implementations of what FusedAdam computes, written from the formulas, not from the kernel.
+
+Sources: /work/shared/reference/ort-semantics.md (the three AdamWMode formulas as ORT, HF and torch define them),
+torch.optim.AdamW (amsgrad, maximize, per-parameter steps), torch.nn.utils.clip_grad_norm_ (clipping) and
+ops/README.md (the fp16 block scale rule, the storage dtypes). Everything here is deliberately plain: one parameter at
+a time, one formula per line, float64 throughout, and no code shared with ort_optim.
+
+Two levels:
+
+* :func:`adam_update` is the textbook update of one float64 parameter by one gradient.
+* :class:`ReferenceAdam` drives it over a parameter list the way FusedAdam is specified to: a step count per
+  parameter, parameters without a gradient skipped, gradients unscaled by ``grad_scale``, an inf/NaN check that skips
+  the whole step, clipping by the global norm, and the rounding that the storage dtypes impose (fp32 master semantics,
+  parameters rounded to fp16/bf16, moments stored in fp32/bf16 or as fp16 codes with power-of-two block scales).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+ADAM_L2_REGULARIZATION = 0
+ADAMW_TRANSFORMERS = 1
+ADAMW_TORCH = 2
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+FP16_BLOCK = 1024  # elements per fp16-state block (ops/README.md)
+
+
+def adam_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    state: dict,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    mode: int,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    bias_correction: bool = True,
+) -> torch.Tensor:
+    """One Adam step of one parameter in float64. Returns the new parameter; updates ``state`` in place.
+
+    ``state`` holds ``step`` (int, steps taken so far), ``m``, ``v`` and, with amsgrad, ``vmax`` (float64 tensors).
+    """
+    p = p.double()
+    g = g.double()
+    if maximize:
+        g = -g  # ascend: the stored gradient is untouched, the update uses -g
+    t = state["step"] + 1
+    bc1 = 1.0 - beta1**t if bias_correction else 1.0
+    bc2 = 1.0 - beta2**t if bias_correction else 1.0
+
+    if mode == ADAM_L2_REGULARIZATION:
+        g = g + weight_decay * p  # classic L2: the decay term enters both moments
+    elif mode == ADAMW_TORCH:
+        p = p * (1.0 - lr * weight_decay)  # torch.optim.AdamW: decoupled decay first, with the scheduled lr
+
+    m = beta1 * state["m"] + (1.0 - beta1) * g
+    v = beta2 * state["v"] + (1.0 - beta2) * g * g
+    if amsgrad:
+        vmax = torch.maximum(state["vmax"], v)  # max of the raw second moments; bias correction comes after
+        state["vmax"] = vmax
+        v_used = vmax
+    else:
+        v_used = v
+
+    if mode == ADAMW_TORCH:
+        # torch: eps is added to the bias-corrected sqrt(v_hat)
+        m_hat = m / bc1
+        v_hat = v_used / bc2
+        p = p - lr * m_hat / (torch.sqrt(v_hat) + eps)
+    else:
+        # ORT / HF: eps is added to the raw sqrt(v); the bias corrections are folded into the step size
+        step_size = lr * math.sqrt(bc2) / bc1
+        p = p - step_size * m / (torch.sqrt(v_used) + eps)
+        if mode == ADAMW_TRANSFORMERS:
+            p = p - lr * weight_decay * p  # HF: decay after the update, applied to the new p, with the plain lr
+
+    state["m"] = m
+    state["v"] = v
+    state["step"] = t
+    return p
+
+
+# ---- storage rounding ------------------------------------------------------------------------------------------
+
+
+def round_to(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """x (float64) rounded to the values ``dtype`` can hold (nearest even), returned as float64."""
+    if dtype is None or dtype == torch.float64:
+        return x
+    if dtype in LOW_PRECISION:
+        # via float32, as every ort_optim path rounds float32 values; float64 -> float32 is exact enough here
+        return x.float().to(dtype).double()
+    return x.to(dtype).double()
+
+
+def fp16_block_scale(amax: float) -> float:
+    """The scale s = 2**k of a block with absolute maximum ``amax``: fp16(amax * s) lies in (16384, 32768]."""
+    if not (amax > 0.0) or not math.isfinite(amax):
+        return 1.0
+
+    def fp16(value: float) -> float:
+        return float(torch.tensor(value, dtype=torch.float32).half())
+
+    k = math.floor(math.log2(32768.0 / amax))
+    while k < 126 and fp16(amax * 2.0**k) <= 16384.0:
+        k += 1
+    while k > -126 and fp16(amax * 2.0**k) > 32768.0:
+        k -= 1
+    return 2.0 ** max(-126, min(126, k))
+
+
+def round_fp16_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x (float64) as an fp16 state stores it: per 1024-element block (in flattened order) a power-of-two scale
+    s = 2**k chosen by :func:`fp16_block_scale`'s rule, values rounded to fp16 after scaling. Returns the float64
+    values the codes represent (code / s). Vectorised over blocks; :func:`fp16_block_scale` is the scalar form."""
+    flat = x.reshape(-1).float()
+    n = flat.numel()
+    if n == 0:
+        return x.clone()
+    padded = torch.nn.functional.pad(flat, (0, -n % FP16_BLOCK)).view(-1, FP16_BLOCK)
+    amax = padded.abs().amax(dim=1).double()
+    usable = (amax > 0) & torch.isfinite(amax)
+    safe = torch.where(usable, amax, torch.ones_like(amax))
+    k = torch.floor(torch.log2(32768.0 / safe))  # first guess: amax * 2**k in (16384, 32768]
+    for _ in range(2):  # fix the guess where rounding to fp16 leaves the interval
+        k = torch.where((safe * 2.0**k).float().half().double() <= 16384.0, k + 1, k)
+        k = torch.where((safe * 2.0**k).float().half().double() > 32768.0, k - 1, k)
+    s = torch.where(usable, 2.0 ** k.clamp(-126, 126), torch.ones_like(amax)).float()
+    codes = (padded * s[:, None]).half()
+    return (codes.float() / s[:, None]).reshape(-1)[:n].double().view(x.shape)
+
+
+def round_state(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return round_fp16_blocks(x) if dtype == torch.float16 else round_to(x, dtype)
+
+
+def state_layout(
+    param_dtype: torch.dtype,
+    master_weights: bool,
+    exp_avg_dtype: Optional[torch.dtype],
+    exp_avg_sq_dtype: Optional[torch.dtype],
+) -> tuple[torch.dtype, torch.dtype, bool]:
+    """(exp_avg dtype, exp_avg_sq dtype, has fp32 master) as FusedAdam's docstring specifies them."""
+    if param_dtype == torch.float64:
+        return torch.float64, torch.float64, False
+    has_master = master_weights and param_dtype in LOW_PRECISION
+    default = torch.float32 if has_master else param_dtype
+    return exp_avg_dtype or default, exp_avg_sq_dtype or default, has_master
+
+
+# ---- the optimizer-level reference -----------------------------------------------------------------------------
+
+
+def global_clip_coef(grads: Sequence[torch.Tensor], max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s coefficient: max_norm / (||g||_2 + 1e-6), clamped to at most 1."""
+    total = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
+    return min(max_norm / (total + 1e-6), 1.0)
+
+
+class ReferenceAdam:
+    """Float64 model of FusedAdam over a list of parameters (one param group).
+
+    ``master`` holds each parameter's exact value: float64 for float64 params, rounded to float32 after each step
+    for float32 params and for fp16/bf16 params with master weights (fp32 master semantics), rounded to the param
+    dtype for fp16/bf16 params without masters. :meth:`param` gives what the model's parameter holds (the master
+    rounded to the param dtype). Moments are rounded to their storage dtype after each step when ``round_states``.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        mode: int = ADAMW_TRANSFORMERS,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        bias_correction: bool = True,
+        master_weights: bool = False,
+        exp_avg_dtype: Optional[torch.dtype] = None,
+        exp_avg_sq_dtype: Optional[torch.dtype] = None,
+        max_grad_norm: Optional[float] = None,
+        round_states: bool = True,
+    ):
+        self.hyper = dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay, mode=mode,
+                          amsgrad=amsgrad, maximize=maximize, bias_correction=bias_correction)
+        self.dtypes = [p.dtype for p in params]
+        self.layouts = [state_layout(p.dtype, master_weights, exp_avg_dtype, exp_avg_sq_dtype) for p in params]
+        self.master = [p.detach().double().clone() for p in params]
+        self.states: list[Optional[dict]] = [None] * len(params)
+        self.max_grad_norm = max_grad_norm
+        self.round_states = round_states
+
+    def _master_dtype(self, i: int) -> torch.dtype:
+        dtype = self.dtypes[i]
+        if dtype == torch.float64:
+            return torch.float64
+        if dtype in LOW_PRECISION and not self.layouts[i][2]:
+            return dtype  # no master: the value lives in the fp16/bf16 parameter itself
+        return torch.float32
+
+    def param(self, i: int) -> torch.Tensor:
+        """The parameter's value as its dtype holds it, as float64."""
+        return round_to(self.master[i], self.dtypes[i])
+
+    def steps(self) -> list[int]:
+        return [0 if s is None else s["step"] for s in self.states]
+
+    def step(
+        self,
+        grads: Sequence[Optional[torch.Tensor]],
+        *,
+        lr: Optional[float] = None,
+        grad_scale: Optional[float] = None,
+    ) -> bool:
+        """One optimizer step; returns True when it was skipped (inf/NaN gradients after unscaling)."""
+        hyper = dict(self.hyper)
+        if lr is not None:
+            hyper["lr"] = lr
+        active = [i for i, g in enumerate(grads) if g is not None]
+        unscaled = {i: grads[i].double() / (1.0 if grad_scale is None else grad_scale) for i in active}
+        if grad_scale is not None or self.max_grad_norm is not None:
+            if not all(bool(torch.isfinite(g).all()) for g in unscaled.values()):
+                return True  # skipped: nothing changes
+        if self.max_grad_norm is not None:
+            coef = global_clip_coef(list(unscaled.values()), self.max_grad_norm)
+            unscaled = {i: g * coef for i, g in unscaled.items()}
+        for i in active:
+            m_dtype, v_dtype, _ = self.layouts[i]
+            if self.states[i] is None:
+                zeros = torch.zeros_like(self.master[i])
+                self.states[i] = {"step": 0, "m": zeros, "v": zeros, "vmax": zeros}
+            state = self.states[i]
+            p = adam_update(self.master[i], unscaled[i], state, **hyper)
+            self.master[i] = round_to(p, self._master_dtype(i))
+            if self.round_states:
+                state["m"] = round_state(state["m"], m_dtype)
+                state["v"] = round_state(state["v"], v_dtype)
+                if hyper["amsgrad"]:
+                    state["vmax"] = round_state(state["vmax"], v_dtype)
+        return False
