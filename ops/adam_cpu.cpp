@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__F16C__) && defined(__AVX__)
@@ -530,8 +531,11 @@ at::Tensor grad_stats_cpu(at::TensorList tensors) {
   double total = 0.0;
   for (double p : partial) total += p;  // fixed order: deterministic whatever the thread count
   at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kFloat));
-  out[0] = total;
-  out[1] = std::isfinite(total) ? 0.0 : 1.0;
+  // A sum above float32's range is +inf (out[0] = total would throw "cannot be converted to type float without
+  // overflow" for finite gradients around 2e19 and larger); NaN stays NaN.
+  float* o = out.data_ptr<float>();
+  o[0] = total > double(std::numeric_limits<float>::max()) ? std::numeric_limits<float>::infinity() : float(total);
+  o[1] = std::isfinite(total) ? 0.0f : 1.0f;
   return out;
 }
 
