@@ -1,0 +1,552 @@
+"""FusedAdam checkpoints, as a specification (traps.md #12).
+
+* The saved form is canonical: fresh tensors, moments and masters unscaled float32 (float64 for float64 params), a
+  float64 step per parameter, loadable with torch.load(weights_only=True), into FusedAdam with any state dtypes and
+  into torch.optim.AdamW; torch.optim.Adam/AdamW and ORT FusedAdam checkpoints load into FusedAdam.
+* Loading never writes to the caller's dict, validates everything before changing anything, and is idempotent.
+* Resuming equals never stopping, bit for bit, for every state dtype configuration and param layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from conftest import (
+    BACKENDS,
+    assert_bitwise_equal,
+    assert_same_snapshot,
+    optimizer_snapshot,
+    select_backend,
+)
+from reference import ReferenceAdam
+
+from ort_optim import AdamWMode, FusedAdam, _fallback
+from ort_optim._native import QUANT_BLOCK
+
+
+def _roundtrip(obj):
+    """torch.save to memory, then torch.load(weights_only=True): only tensors and plain containers may be in it."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _set_grads(params, step, seed=21):
+    g = torch.Generator().manual_seed(seed * 1009 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def _steps(opt, params, first, count, **step_kwargs):
+    for step in range(first, first + count):
+        _set_grads(params, step)
+        opt.step(**step_kwargs)
+
+
+def _fp32_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(QUANT_BLOCK + 9,
+            generator=g)), torch.nn.Parameter(torch.randn((), generator=g))]
+
+
+def _clone_params(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def _assert_same_optimizers(a_params, a, b_params, b):
+    for p, q in zip(a_params, b_params):
+        assert_bitwise_equal(p.detach(), q.detach(), "param")
+        assert a.state[p].keys() == b.state[q].keys()
+        for key in a.state[p]:
+            assert_bitwise_equal(a.state[p][key], b.state[q][key], key)
+    for ga, gb in zip(a.param_groups, b.param_groups):
+        assert {k: v for k, v in ga.items() if k != "params"}.keys() == {k for k in gb if k != "params"}
+
+
+# ---- the saved form ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_dict_is_canonical_fresh_unscaled_fp32_and_mutating_it_changes_nothing(backend, monkeypatch):
+    select_backend(monkeypatch, backend)
+    params = [torch.nn.Parameter(torch.randn(QUANT_BLOCK + 3).half()), torch.nn.Parameter(torch.randn(4).bfloat16())]
+    opt = FusedAdam(params, lr=torch.tensor(1e-2), amsgrad=True, master_weights=True,
+                    exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.bfloat16)
+    fp64 = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    opt64 = FusedAdam([fp64], amsgrad=True)
+    _steps(opt, params, 0, 3)
+    _steps(opt64, [fp64], 0, 3)
+    for o, ps in ((opt, params), (opt64, [fp64])):
+        before = optimizer_snapshot(o)
+        sd = o.state_dict()
+        for index, p in enumerate(ps):
+            saved = sd["state"][index]
+            wide = torch.float64 if p.dtype == torch.float64 else torch.float32
+            masters = {"master_param"} if p.dtype != torch.float64 else set()
+            assert set(saved) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"} | masters, "no *_scale keys"
+            assert saved["step"].dtype == torch.float64 and saved["step"].shape == () and float(saved["step"]) == 3
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") + tuple(masters):
+                assert saved[key].dtype == wide and saved[key].shape == p.shape
+                assert saved[key].data_ptr() != o.state[p][key].data_ptr()
+            if p.dtype == torch.float16:  # unscaled: the fp16 codes divided by their block scales
+                expected = _fallback.dequantize_fp16(o.state[p]["exp_avg"], o.state[p]["exp_avg_scale"])
+                assert_bitwise_equal(saved["exp_avg"], expected, "exp_avg")
+        # fresh tensors: writing into the dict (as a careless caller might) does not reach the optimizer
+        for saved in sd["state"].values():
+            for value in saved.values():
+                value.fill_(123.0)
+        if isinstance(sd["param_groups"][0]["lr"], torch.Tensor):
+            sd["param_groups"][0]["lr"].fill_(5.0)
+        assert_same_snapshot(before, optimizer_snapshot(o))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoints_load_with_torch_load_weights_only(backend, monkeypatch):
+    select_backend(monkeypatch, backend)
+    params = _fp32_params()
+    opt = FusedAdam(params, lr=torch.tensor(1e-3), amsgrad=True, exp_avg_dtype=torch.float16,
+                    adam_w_mode=AdamWMode.ADAMW_TORCH)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    _steps(opt, params, 0, 2)
+    sd = _roundtrip(opt.state_dict())
+    assert sd["param_groups"][0]["adam_w_mode"] == 2 and type(sd["param_groups"][0]["adam_w_mode"]) is int
+    twin = FusedAdam(_clone_params(params), lr=torch.tensor(1e-3), amsgrad=True, exp_avg_dtype=torch.float16)
+    twin.load_state_dict(sd)
+
+
+# ---- load_state_dict's contract ------------------------------------------------------------------------------------
+
+
+def _trained_mixed(backend_seed=0):
+    params = [torch.nn.Parameter(torch.randn(QUANT_BLOCK + 3).half()), torch.nn.Parameter(torch.randn(6))]
+    opt = FusedAdam(params, lr=torch.tensor(1e-2), weight_decay=0.1, amsgrad=True, master_weights=True,
+                    exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)
+    _steps(opt, params, 0, 4)
+    return params, opt
+
+
+def _fresh_like(params, **kwargs):
+    twin_params = _clone_params(params)
+    return twin_params, FusedAdam(twin_params, lr=torch.tensor(1e-2), weight_decay=0.1, amsgrad=True,
+                                  master_weights=True, exp_avg_dtype=torch.float16,
+                                  exp_avg_sq_dtype=torch.float16, **kwargs)
+
+
+def _assert_dict_equal(a, b, where="state_dict"):
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_dict_equal(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_dict_equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert_bitwise_equal(a, b, where)
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_load_state_dict_never_writes_to_the_given_dict_not_even_after_later_steps(backend, monkeypatch):
+    """traps.md #12: a loader that scaled fp16 states in place (or kept the dict's lr tensor for the scheduler to
+    fill) corrupted the checkpoint it was given."""
+    select_backend(monkeypatch, backend)
+    params, opt = _trained_mixed()
+    sd = opt.state_dict()
+    pristine = copy.deepcopy(sd)
+    twin_params, twin = _fresh_like(params)
+    scheduler = torch.optim.lr_scheduler.StepLR(twin, step_size=1, gamma=0.5)
+    twin.load_state_dict(sd)
+    _assert_dict_equal(sd, pristine)
+    for step in range(4, 8):
+        _set_grads(twin_params, step)
+        twin.step()
+        scheduler.step()
+    _assert_dict_equal(sd, pristine)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_loading_the_same_dict_twice_equals_loading_it_once(backend, monkeypatch):
+    select_backend(monkeypatch, backend)
+    params, opt = _trained_mixed()
+    sd = opt.state_dict()
+    once_params, once = _fresh_like(params)
+    twice_params, twice = _fresh_like(params)
+    once.load_state_dict(sd)
+    twice.load_state_dict(sd)
+    twice.load_state_dict(sd)
+    _assert_same_optimizers(once_params, once, twice_params, twice)
+    _assert_dict_equal(once.state_dict(), twice.state_dict())
+    _assert_dict_equal(once.state_dict(), sd)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_dict_loaded_into_two_optimizers_gives_two_identical_independent_optimizers(backend, monkeypatch):
+    select_backend(monkeypatch, backend)
+    params, opt = _trained_mixed()
+    sd = opt.state_dict()
+    a_params, a = _fresh_like(params)
+    b_params, b = _fresh_like(params)
+    a.load_state_dict(sd)
+    b.load_state_dict(sd)
+    _assert_same_optimizers(a_params, a, b_params, b)
+    b_before = optimizer_snapshot(b)
+    _steps(a, a_params, 4, 3)  # stepping one leaves the other alone: they share no tensor
+    assert_same_snapshot(b_before, optimizer_snapshot(b))
+    _steps(b, b_params, 4, 3)
+    _assert_same_optimizers(a_params, a, b_params, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_in_process_transfer_leaves_the_source_optimizer_unchanged(backend, monkeypatch):
+    select_backend(monkeypatch, backend)
+    params, source = _trained_mixed()
+    before = optimizer_snapshot(source)
+    target_params, target = _fresh_like(params, max_grad_norm=1.0)
+    target.load_state_dict(source.state_dict())
+    torch.optim.lr_scheduler.StepLR(target, step_size=1, gamma=0.5)
+    _steps(target, target_params, 4, 5, grad_scale=8.0)
+    target.param_groups[0]["lr"].fill_(7.0)
+    assert_same_snapshot(before, optimizer_snapshot(source))
+
+
+# ---- resume == never stopping, bit for bit -------------------------------------------------------------------------
+
+STATE_CONFIGS = {  # name: (param dtype, master_weights, exp_avg_dtype, exp_avg_sq_dtype)
+    "fp32": (torch.float32, False, None, None),
+    "fp32-fp16-moments": (torch.float32, False, torch.float16, torch.float16),
+    "fp32-bf16-moments": (torch.float32, False, torch.bfloat16, torch.bfloat16),
+    "fp32-mixed-fp16-bf16": (torch.float32, False, torch.float16, torch.bfloat16),
+    "fp16-no-master": (torch.float16, False, None, None),  # fp16 params, fp16 (block-scaled) moments
+    "fp16-master": (torch.float16, True, None, None),  # fp32 master and moments
+    "fp16-master-fp16-moments": (torch.float16, True, torch.float16, torch.float16),
+    "bf16-no-master": (torch.bfloat16, False, None, None),
+    "bf16-master-mixed-bf16-fp16": (torch.bfloat16, True, torch.bfloat16, torch.float16),
+    "fp64": (torch.float64, False, None, None),
+}
+
+
+def _layout_param(layout: str, values: torch.Tensor) -> torch.nn.Parameter:
+    """A param holding ``values`` in the given memory layout."""
+    if layout == "non-contiguous":  # a strided view of a bigger buffer
+        base = torch.zeros(values.shape[0], 3 * values.shape[1], dtype=values.dtype)
+        view = base[:, 1::3]
+        view.copy_(values)
+        return torch.nn.Parameter(view)
+    return torch.nn.Parameter(values.clone())
+
+
+LAYOUTS = {
+    "contiguous": lambda g: torch.randn(2 * QUANT_BLOCK + 5, generator=g),  # three fp16-state blocks
+    "zero-dim": lambda g: torch.randn((), generator=g),
+    "non-contiguous": lambda g: torch.randn(40, 30, generator=g),  # 1200 elements: two blocks
+    "empty": lambda g: torch.randn(0, 4, generator=g),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("config", STATE_CONFIGS, ids=str)
+def test_resuming_from_a_checkpoint_equals_never_stopping_bit_for_bit(config, layout, backend, monkeypatch):
+    """Train 5 steps, checkpoint (optimizer, scheduler and the model's params) through torch.save/torch.load
+    (weights_only=True), rebuild everything, load, train 5 more: identical to training 10 steps without stopping,
+    bit for bit: params, masters, moment codes and scales, steps."""
+    select_backend(monkeypatch, backend)
+    dtype, master, m_dtype, v_dtype = STATE_CONFIGS[config]
+    g = torch.Generator().manual_seed(31)
+    companion = torch.randn(7, generator=g).to(dtype)
+    values = LAYOUTS[layout](g).to(dtype)
+    kwargs = dict(lr=1e-2, weight_decay=0.1, amsgrad=True, master_weights=master, exp_avg_dtype=m_dtype,
+                  exp_avg_sq_dtype=v_dtype, adam_w_mode=AdamWMode.ADAMW_TORCH)
+
+    def build(param_values):
+        params = [_layout_param(layout, param_values[0]), torch.nn.Parameter(param_values[1].clone())]
+        opt = FusedAdam(params, **kwargs)
+        return params, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+    def train(params, opt, scheduler, first, count):
+        for step in range(first, first + count):
+            _set_grads(params, step)
+            opt.step(grad_scale=4.0)
+            scheduler.step()
+
+    straight = build([values, companion])
+    train(*straight, 0, 10)
+
+    stopped = build([values, companion])
+    train(*stopped, 0, 5)
+    checkpoint = _roundtrip({
+        "model": [p.detach() for p in stopped[0]],
+        "optimizer": stopped[1].state_dict(),
+        "scheduler": stopped[2].state_dict(),
+    })
+    del stopped
+    resumed = build(checkpoint["model"])
+    resumed[1].load_state_dict(checkpoint["optimizer"])
+    resumed[2].load_state_dict(checkpoint["scheduler"])
+    assert resumed[0][0].is_contiguous() == (layout != "non-contiguous")
+    train(*resumed, 5, 5)
+
+    _assert_same_optimizers(straight[0], straight[1], resumed[0], resumed[1])
+    assert float(resumed[1].state[resumed[0][1]]["step"]) == 10
+
+
+# ---- the fp16 quantiser --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grad_magnitude", [1e-12, 1e-3, 1.0, 1e4], ids=lambda m: f"grads-{m:g}")
+def test_the_kernels_fp16_states_survive_dequantize_then_quantize_exactly(grad_magnitude, backend, monkeypatch):
+    """After real steps, _fallback.quantize_fp16(dequantize_fp16(codes, scales)) gives back the kernel's own codes
+    and scales: what makes a checkpoint (saved unscaled) restore bit for bit."""
+    select_backend(monkeypatch, backend)
+    p = torch.nn.Parameter(torch.randn(3 * QUANT_BLOCK + 17))
+    opt = FusedAdam([p], amsgrad=True, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16, eps=1e-30)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(4):
+        # very different magnitudes per block, and one all-zero block
+        p.grad = torch.randn(p.shape, generator=gen) * grad_magnitude * torch.logspace(-6, 6, p.numel())
+        p.grad[QUANT_BLOCK:2 * QUANT_BLOCK] = 0
+        opt.step()
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        codes, scales = opt.state[p][key], opt.state[p][key + "_scale"]
+        assert codes.dtype == torch.float16 and scales.shape == (4,)
+        assert float(scales[1]) == 1.0  # the all-zero block
+        assert bool(((scales.log2() % 1) == 0).all()), "scales are powers of two"
+        again_codes, again_scales = _fallback.quantize_fp16(_fallback.dequantize_fp16(codes, scales))
+        assert_bitwise_equal(again_codes, codes, f"{key} codes")
+        assert_bitwise_equal(again_scales, scales, f"{key} scales")
+        # and the block maxima sit in (16384, 32768], the headroom rule
+        nonzero = codes.float().abs().reshape(-1)
+        for block in (0, 2, 3):
+            amax = float(nonzero[block * QUANT_BLOCK:(block + 1) * QUANT_BLOCK].max())
+            assert 16384 < amax <= 32768, (key, block, amax)
+
+
+@pytest.mark.parametrize("exponent", [-140, -126, -100, -60, -20, 0, 20, 60, 100, 126])
+def test_quantize_fp16_round_trips_exactly_at_every_magnitude(exponent):
+    gen = torch.Generator().manual_seed(exponent + 1000)
+    x = (torch.rand(5000, generator=gen) * 2 - 1).double() * 2.0**exponent
+    x = (x * torch.exp2(-16 * torch.rand(5000, generator=gen).double())).float()
+    codes, scales = _fallback.quantize_fp16(x)
+    again_codes, again_scales = _fallback.quantize_fp16(_fallback.dequantize_fp16(codes, scales))
+    assert_bitwise_equal(again_codes, codes, "codes")
+    assert_bitwise_equal(again_scales, scales, "scales")
+    torch.testing.assert_close(_fallback.dequantize_fp16(codes, scales), x, rtol=2.0**-11, atol=0)
+
+
+# ---- validation ----------------------------------------------------------------------------------------------------
+
+
+def _bad(mutate):
+    def make(sd):
+        sd = copy.deepcopy(sd)
+        mutate(sd)
+        return sd
+    return make
+
+
+def _set(path, value):
+    def mutate(sd):
+        target = sd
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+    return mutate
+
+
+def _delete(path):
+    def mutate(sd):
+        target = sd
+        for key in path[:-1]:
+            target = target[key]
+        del target[path[-1]]
+    return mutate
+
+
+BAD_CHECKPOINTS = [
+    ("not-a-dict", lambda sd: [sd], r"state_dict must be a dict with 'state' and 'param_groups'"),
+    ("no-param-groups", _bad(_delete(["param_groups"])), r"must be a dict with 'state' and 'param_groups'"),
+    ("extra-group", _bad(lambda sd: sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0]))),
+     r"state_dict has 2 param groups but this optimizer has 1"),
+    ("wrong-param-count", _bad(lambda sd: sd["param_groups"][0]["params"].pop()),
+     r"param_groups\[0\] has 1 params but this optimizer's has 2"),
+    ("wrong-shape", _bad(_set(["state", 1, "exp_avg"], torch.zeros(5))),
+     r"state_dict\['state'\]\[1\] .*'exp_avg' has shape \(5,\), the parameter \(6,\)"),
+    ("unknown-key", _bad(_set(["state", 0, "momentum_buffer"], torch.zeros(1))),
+     r"unknown keys \['momentum_buffer'\]"),
+    ("missing-exp-avg-sq", _bad(_delete(["state", 1, "exp_avg_sq"])), r"state_dict\['state'\]\[1\] .*missing 'exp_avg_sq'"),
+    ("missing-max-exp-avg-sq", _bad(_delete(["state", 0, "max_exp_avg_sq"])),
+     r"missing 'max_exp_avg_sq' \(the group has amsgrad=True\)"),
+    ("negative-step", _bad(_set(["state", 1, "step"], torch.tensor(-1.0))), r"'step' must be a non-negative whole"),
+    ("fractional-step", _bad(_set(["state", 1, "step"], torch.tensor(2.5))), r"'step' must be a non-negative whole"),
+    ("nan-step", _bad(_set(["state", 1, "step"], torch.tensor(float("nan")))), r"'step' must be a non-negative"),
+    ("missing-step", _bad(_delete(["state", 1, "step"])), r"no 'step' \(nor a per-group 'step'"),
+    ("integer-moment", _bad(_set(["state", 1, "exp_avg"], torch.zeros(6, dtype=torch.int32))),
+     r"'exp_avg' must be a floating-point tensor"),
+    ("unknown-param-id", _bad(_set(["state", 17], {})), r"state for parameter id 17, which no param group lists"),
+    ("bad-hyperparameter", _bad(_set(["param_groups", 0, "betas"], (0.9, 1.5))),
+     r"state_dict's param_groups\[0\]: betas\[1\] must be in \[0, 1\)"),
+    ("bad-adam-w-mode", _bad(_set(["param_groups", 0, "adam_w_mode"], 5)), r"adam_w_mode must be an AdamWMode"),
+]
+
+
+@pytest.mark.parametrize("make_bad,message", [c[1:] for c in BAD_CHECKPOINTS], ids=[c[0] for c in BAD_CHECKPOINTS])
+def test_an_invalid_checkpoint_is_refused_with_a_clear_error_and_changes_nothing(make_bad, message):
+    params, opt = _trained_mixed()
+    target_params, target = _fresh_like(params)
+    _steps(target, target_params, 0, 2)
+    before = optimizer_snapshot(target)
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(make_bad(opt.state_dict()))
+    assert_same_snapshot(before, optimizer_snapshot(target))
+
+
+# ---- other optimizers' checkpoints ---------------------------------------------------------------------------------
+
+TORCH_VARIANTS = {"plain": {}, "amsgrad": dict(amsgrad=True), "maximize": dict(maximize=True)}
+# torch and FusedAdam both run float32 arithmetic but group it differently: an ulp or two per step
+TOL = dict(rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", TORCH_VARIANTS, ids=str)
+def test_our_checkpoint_loads_into_torch_adamw_which_continues_as_we_do(variant, backend, monkeypatch):
+    select_backend(monkeypatch, backend)
+    params = _fp32_params()
+    kwargs = dict(lr=1e-2, eps=1e-8, weight_decay=1e-2, **TORCH_VARIANTS[variant])
+    ours = FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, **kwargs)
+    _steps(ours, params, 0, 20)
+    torch_params = _clone_params(params)
+    theirs = torch.optim.AdamW(torch_params, foreach=False, **kwargs)
+    theirs.load_state_dict(_roundtrip(ours.state_dict()))
+    for p, q in zip(params, torch_params):  # the state arrives exactly
+        for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if kwargs.get("amsgrad") else ()):
+            assert_bitwise_equal(theirs.state[q][key], ours.state[p][key], key)
+        assert float(theirs.state[q]["step"]) == 20
+    _steps(ours, params, 20, 30)
+    _steps(theirs, torch_params, 20, 30)
+    for p, q in zip(params, torch_params):
+        torch.testing.assert_close(p, q.detach(), **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", TORCH_VARIANTS, ids=str)
+def test_a_torch_adamw_checkpoint_loads_into_fused_adam_and_both_stay_equal(variant, backend, monkeypatch):
+    select_backend(monkeypatch, backend)
+    torch_params = _fp32_params()
+    kwargs = dict(lr=1e-2, **TORCH_VARIANTS[variant])
+    theirs = torch.optim.AdamW(torch_params, foreach=False, **kwargs)
+    _steps(theirs, torch_params, 0, 20)
+    params = _clone_params(torch_params)
+    ours = FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=1e-2, **kwargs)
+    sd = theirs.state_dict()
+    pristine = copy.deepcopy(sd)
+    ours.load_state_dict(_roundtrip(sd))
+    _assert_dict_equal(sd, pristine)
+    group = ours.param_groups[0]
+    assert (group["lr"], group["eps"], group["weight_decay"], group["adam_w_mode"]) == (1e-2, 1e-8, 1e-2, 2)
+    assert "foreach" not in group and "fused" not in group, "torch's implementation switches are dropped"
+    for p, q in zip(params, torch_params):
+        assert float(ours.state[p]["step"]) == 20
+        assert_bitwise_equal(ours.state[p]["exp_avg_sq"], theirs.state[q]["exp_avg_sq"], "exp_avg_sq")
+    _steps(ours, params, 20, 30)
+    _steps(theirs, torch_params, 20, 30)
+    for p, q in zip(params, torch_params):
+        torch.testing.assert_close(p, q.detach(), **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("torch_class", [torch.optim.Adam, torch.optim.AdamW], ids=["Adam", "AdamW"])
+def test_from_optimizer_continues_exactly_as_torch_would(torch_class, backend, monkeypatch):
+    """Two param groups with their own hyperparameters, amsgrad in one; converted after 15 steps."""
+    select_backend(monkeypatch, backend)
+    torch_params = _fp32_params()
+    decay = 0.05 if torch_class is torch.optim.AdamW else 0.0
+    theirs = torch_class([{"params": torch_params[:2], "amsgrad": True},
+                          {"params": torch_params[2:], "lr": 3e-3, "maximize": True, "betas": (0.8, 0.99)}],
+                         lr=1e-2, weight_decay=decay, foreach=False)
+    _steps(theirs, torch_params, 0, 15)
+    ours = FusedAdam.from_optimizer(theirs, master_weights=True)
+    params = [p for group in ours.param_groups for p in group["params"]]
+    assert all(a is b for a, b in zip(params, torch_params)), "the same param objects"
+    assert ours.param_groups[1]["betas"] == (0.8, 0.99) and ours.param_groups[1]["maximize"]
+    assert all(g["adam_w_mode"] == AdamWMode.ADAMW_TORCH for g in ours.param_groups)
+    # torch keeps stepping its own copy of the params from here
+    torch_copy = _clone_params(torch_params)
+    theirs_copy = torch_class([{"params": torch_copy[:2], "amsgrad": True},
+                               {"params": torch_copy[2:], "lr": 3e-3, "maximize": True, "betas": (0.8, 0.99)}],
+                              lr=1e-2, weight_decay=decay, foreach=False)
+    theirs_copy.load_state_dict(theirs.state_dict())
+    _steps(ours, params, 15, 25)
+    _steps(theirs_copy, torch_copy, 15, 25)
+    for p, q in zip(params, torch_copy):
+        torch.testing.assert_close(p, q.detach(), **TOL)
+        assert float(ours.state[p]["step"]) == 40
+
+
+def test_from_optimizer_refuses_adam_with_weight_decay_and_other_optimizers():
+    params = _fp32_params()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: torch\.optim\.Adam with weight_decay=0\.1 is L2 decay "
+                                         r"with torch's eps placement, which no FusedAdam mode reproduces exactly"):
+        FusedAdam.from_optimizer(torch.optim.Adam(params, weight_decay=0.1))
+    with pytest.raises(TypeError, match=r"converts torch\.optim\.Adam and torch\.optim\.AdamW, got SGD"):
+        FusedAdam.from_optimizer(torch.optim.SGD(params, lr=0.1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", [AdamWMode.ADAM_L2_REGULARIZATION, AdamWMode.ADAMW_TRANSFORMERS], ids=["L2", "HF"])
+def test_an_ort_fused_adam_checkpoint_loads(mode, backend, monkeypatch):
+    """onnxruntime.training.optim.FusedAdam (1.19.2) saves torch's Optimizer.state_dict() of its own groups:
+
+        {"state": {id: {"exp_avg": T, "exp_avg_sq": T}},           # moments in the param's dtype (fp16 or fp32),
+                                                                   # no per-param step, ids of params ever stepped
+         "param_groups": [{"lr", "bias_correction", "betas", "eps", "weight_decay",
+                           "step": int,                            # ONE step count per group
+                           "params": [ids]}]}                      # no adam_w_mode: it lives on the object
+
+    Every param with state gets the group's step; adam_w_mode comes from our constructor; fp16 moments load into
+    whatever state dtype this optimizer uses (here fp32 with fp32 masters)."""
+    select_backend(monkeypatch, backend)
+    g = torch.Generator().manual_seed(41)
+    params = [torch.nn.Parameter(torch.randn(6, generator=g)), torch.nn.Parameter(torch.randn(5, generator=g).half()),
+              torch.nn.Parameter(torch.randn(3, generator=g))]  # the last one never had a gradient under ORT
+    moments = {i: {"exp_avg": 0.01 * torch.randn(p.shape, generator=g).to(p.dtype),
+                   "exp_avg_sq": 1e-4 * torch.rand(p.shape, generator=g).to(p.dtype)} for i, p in enumerate(params[:2])}
+    ort_checkpoint = {
+        "state": moments,
+        "param_groups": [{"lr": 2e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-6,
+                          "weight_decay": 0.01, "step": 7, "params": [0, 1, 2]}],
+    }
+    pristine = copy.deepcopy(ort_checkpoint)
+    opt = FusedAdam(params, adam_w_mode=mode, master_weights=True)
+    opt.load_state_dict(_roundtrip(ort_checkpoint))
+    _assert_dict_equal(ort_checkpoint, pristine)
+    group = opt.param_groups[0]
+    assert group["lr"] == 2e-3 and group["weight_decay"] == 0.01 and group["adam_w_mode"] == mode
+    assert "step" not in group, "the per-group step becomes per-parameter steps"
+    assert [float(opt.state[p]["step"]) for p in params[:2]] == [7.0, 7.0]
+    assert not opt.state.get(params[2])
+    assert opt.state[params[1]]["exp_avg"].dtype == torch.float32
+    assert_bitwise_equal(opt.state[params[1]]["master_param"], params[1].detach().float(), "master from the param")
+
+    # it continues as the float64 reference started from the same moments and step
+    reference = ReferenceAdam(params, lr=2e-3, eps=1e-6, weight_decay=0.01, mode=int(mode), master_weights=True)
+    for i in range(2):
+        reference.states[i] = {"step": 7, "m": moments[i]["exp_avg"].double(), "v": moments[i]["exp_avg_sq"].double(),
+                               "vmax": torch.zeros(params[i].shape, dtype=torch.float64)}
+    for step in range(5):
+        _set_grads(params, step)
+        grads = [p.grad for p in params]
+        opt.step()
+        reference.step(grads)
+    for i, p in enumerate(params):
+        torch.testing.assert_close(p.double(), reference.param(i), rtol=2.0**-10 if p.dtype == torch.float16 else 1e-6,
+                                   atol=1e-7)
+    assert [float(opt.state[p]["step"]) for p in params] == [12.0, 12.0, 5.0]
