@@ -42,6 +42,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn(worker, outdir: str) -> None:
+    """mp.spawn on a free port; once more on a fresh port if the rendezvous failed (another process may take the
+    port between free_port() and the bind), never on any other error."""
+    for attempt in range(2):
+        try:
+            mp.spawn(worker, args=(free_port(), outdir), nprocs=WORLD)
+            return
+        except Exception as exc:  # torch.multiprocessing.ProcessRaisedException
+            text = str(exc)
+            if attempt or not any(s in text for s in ("EADDRINUSE", "Address already in use", "Connection reset",
+                                                       "Connection refused", "Socket Timeout")):
+                raise
+
+
 def ds_config(stage: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 4,
@@ -149,7 +163,7 @@ def _worker(rank, port, outdir):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("deepspeed")
-    mp.spawn(_worker, args=(free_port(), str(outdir)), nprocs=WORLD)
+    spawn(_worker, str(outdir))
     return [torch.load(outdir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 

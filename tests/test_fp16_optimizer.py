@@ -583,8 +583,9 @@ def _ortmodule():
     return ORTModule
 
 
-def test_ortmodule_fp16_model_trains_with_fused_adam():
+def test_ortmodule_fp16_model_trains_with_fused_adam(monkeypatch):
     ORTModule = _ortmodule()
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # fail rather than run PyTorch instead
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4)).half()
     model = ORTModule(net)
@@ -602,3 +603,4 @@ def test_ortmodule_fp16_model_trains_with_fused_adam():
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] < 0.7 * losses[0], losses
     assert all(torch.isfinite(m).all() for m in opt.master_params)
+    assert model._torch_module._execution_manager(True)._onnx_models.optimized_model is not None  # ORT ran it
