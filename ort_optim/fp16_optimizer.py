@@ -323,6 +323,9 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
             from . import _deepspeed
 
             target = _deepspeed.find_zero_optimizer(optimizer)
+            inner = getattr(optimizer, "optimizer", None)
+            if target is None and _is_deepspeed_object(inner):
+                target = inner  # an engine's or accelerate's wrapper's DeepSpeed optimizer (patched, or a warning)
             if target is not None or _is_deepspeed_object(optimizer):
                 if args or kwargs:
                     raise TypeError(

@@ -470,6 +470,17 @@ def test_unknown_deepspeed_shape_warns_once_and_changes_nothing():
     assert "get_grad_norm_direct" not in vars(fake) and fake.step() == "stepped"
     with pytest.raises(TypeError, match="takes no options"):
         FP16_Optimizer(fake, init_scale=4.0)
+    # A torch.optim.Optimizer wrapper around a DeepSpeed optimizer (accelerate's) is not given fp32 masters.
+    Other = type("BF16_Optimizer", (), {})
+    Other.__module__ = "deepspeed.runtime.bf16_optimizer"
+
+    class AcceleratedLike(torch.optim.SGD):
+        pass
+
+    wrapper = AcceleratedLike([nn.Parameter(torch.zeros(2, dtype=torch.float16))], lr=0.1)
+    wrapper.optimizer = Other()
+    with pytest.warns(UserWarning, match="deepspeed.runtime.bf16_optimizer.BF16_Optimizer is not"):
+        assert FP16_Optimizer(wrapper) is wrapper
 
 
 # ---- host reads ----------------------------------------------------------------------------------------------------------
