@@ -204,20 +204,21 @@ class _Group:
 
 
 class _Plan:
-    __slots__ = ("refs", "groups")
+    """The launch plan of one call signature: its groups, plus what identifies the tensors it was built for."""
 
-    def __init__(self, refs, groups):
-        self.refs = refs
+    __slots__ = ("refs", "groups", "shapes", "devices")
+
+    def __init__(self, refs, groups, shapes, devices):
+        self.refs = refs  # weak references to the tensors whose data_ptrs key the plan
         self.groups = groups
+        self.shapes = shapes  # the params' shapes, as tuples (comparing lists of torch.Size is ~20x slower)
+        self.devices = devices  # get_device() of every param
 
     def matches(self, tensors: list) -> bool:
+        """Same tensor objects as when the plan was built (equal data_ptrs alone could be a new tensor reusing
+        freed memory, with another dtype or size)."""
         refs = self.refs
-        if len(refs) != len(tensors):
-            return False
-        for ref, t in zip(refs, tensors):
-            if ref() is not t:
-                return False
-        return True
+        return len(refs) == len(tensors) and all([ref() is t for ref, t in zip(refs, tensors)])
 
 
 def _fail(msg: str):
@@ -408,8 +409,8 @@ def adam_step_(
     statics = [work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
                exp_avg_sq_scales, max_exp_avg_sq_scales]
     flat = [t for lst in statics for t in lst]
-    key = (device, n, tuple(len(lst) for lst in statics), tuple(t.data_ptr() for t in flat),
-           tuple(g.dtype for g in work_grads), BLOCKS_PER_PROGRAM)
+    key = (device, n, tuple([len(lst) for lst in statics]), tuple([t.data_ptr() for t in flat]),
+           tuple([g.dtype for g in work_grads]), BLOCKS_PER_PROGRAM)
     plan = _lookup(_cache, key)
     if plan is None or not plan.matches(flat):
         _validate_static(work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
@@ -417,11 +418,12 @@ def adam_step_(
         _validate_grads(work_params, work_grads, range(n))
         groups = _build_groups(work_params, work_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
                                exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales, device)
-        plan = _Plan([weakref.ref(t) for t in flat], groups)
+        plan = _Plan([weakref.ref(t) for t in flat], groups, [tuple(p.shape) for p in work_params],
+                     [params[0].get_device()] * n)
         _remember(_cache, key, plan)
-        fresh = True
-    else:
-        fresh = False
+    elif ([tuple(g.shape) for g in work_grads] != plan.shapes or [g.get_device() for g in work_grads] != plan.devices
+          or any([g.layout != torch.strided for g in work_grads])):
+        _validate_grads(work_params, work_grads, range(n))  # raises, naming the gradient
 
     # Scalars that live on the device: same device as the params (copied there if given elsewhere).
     def on_device(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -441,10 +443,8 @@ def adam_step_(
         for group in plan.groups:
             if group.programs == 0:
                 continue
-            gkey = tuple(work_grads[i].data_ptr() for i in group.indices)
+            gkey = tuple([work_grads[i].data_ptr() for i in group.indices])
             if gkey != group.grads_key:
-                if not fresh:
-                    _validate_grads(work_params, work_grads, group.indices)
                 group.grads_table = _upload(list(gkey), device)
                 group.grads_key = gkey
                 group.grads_aligned = all(ptr % 16 == 0 for ptr in gkey)

@@ -33,6 +33,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/triton_cases.py
 
 USE_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 DEVICE = torch.device("cuda") if USE_CUDA else torch.device("cpu")
@@ -136,261 +137,14 @@ def test_import_ort_optim_never_imports_triton():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
-# ---- an exact numpy model of ops/README.md ------------------------------------------------------------------------
-
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    """Values of a float tensor as float32 (float64 for float64), exactly."""
-    t = t.detach().cpu().contiguous().reshape(-1)
-    if t.dtype == BF16:
-        bits = t.view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
-        return (bits << 16).view(np.float32)
-    if t.dtype == F64:
-        return t.numpy().copy()
-    return t.float().numpy().copy()
-
-
-def _bf16_round(x: np.ndarray) -> torch.Tensor:
-    b = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    rounded = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
-    rounded[(b & 0x7FFFFFFF) > 0x7F800000] = 0x7FC0
-    return torch.from_numpy(rounded.view(np.int16).copy()).view(BF16)
-
-
-def _from_numpy(x: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
-    if dtype == BF16:
-        out = _bf16_round(x)
-    elif dtype == F16:
-        out = torch.from_numpy(x.astype(np.float32).astype(np.float16))
-    elif dtype == F64:
-        out = torch.from_numpy(x.astype(np.float64))
-    else:
-        out = torch.from_numpy(x.astype(np.float32))
-    return out.reshape(shape)
-
-
-def ref_scale(amax: float) -> float:
-    """The CPU kernel's fp16_block_scale, with Python's frexp/ldexp."""
-    if not (amax > 0.0) or not math.isfinite(amax):
-        return 1.0
-    f, e = math.frexp(amax)
-    k = 16 - e if f == 0.5 else 15 - e
-    scaled = np.float32(math.ldexp(amax, min(max(k, -126), 126)))
-    if float(np.float16(scaled)) <= 16384.0:
-        k += 1
-    return math.ldexp(1.0, min(max(k, -126), 126))
-
-
-def ref_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float32 values -> (float16 codes, float32 scales), as the CPU kernel stores an fp16 state."""
-    n = x.size
-    codes = np.empty(n, dtype=np.float16)
-    scales = np.empty((n + 1023) // 1024, dtype=np.float32)
-    for b in range(scales.size):
-        blk = x[b * 1024:(b + 1) * 1024]
-        mags = np.where(np.isnan(blk), np.float32(0), np.abs(blk))
-        s = ref_scale(float(mags.max())) if blk.size else 1.0
-        scales[b] = s
-        codes[b * 1024:(b + 1) * 1024] = (blk * np.float32(s)).astype(np.float16)
-    return codes, scales
-
-
-def ref_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    inv = (np.float32(1.0) / scales.astype(np.float32)).astype(np.float32)
-    return codes.astype(np.float32) * np.repeat(inv, 1024)[: codes.size]
-
-
-def reference_step(args: list, hp: dict) -> None:
-    """The op, in numpy, in place on CPU copies of its arguments (same list layout as adam_step_'s)."""
-    params, grads, ms, vs, vmaxs, masters, mss, vss, vmaxss, steps = args
-    if hp.get("found_inf") is not None and float(hp["found_inf"]) != 0.0:
-        return
-    lr = float(hp["lr_tensor"]) if hp.get("lr_tensor") is not None else hp["lr"]
-    beta1, beta2, eps, wd, mode = hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"], hp["mode"]
-    grad_mul = (float(hp["inv_grad_scale"]) if hp.get("inv_grad_scale") is not None else 1.0) * \
-        (-1.0 if hp["maximize"] else 1.0)
-    amsgrad = len(vmaxs) > 0
-
-    def read_state(t, scales):
-        if scales is not None:
-            return ref_dequantize(t.cpu().reshape(-1).numpy(), scales.cpu().numpy())
-        return _to_numpy(t)
-
-    def write_state(values, t, scales):
-        if scales is not None:
-            codes, new_scales = ref_quantize(values)
-            t.copy_(torch.from_numpy(codes).reshape(t.shape))
-            scales.copy_(torch.from_numpy(new_scales))
-        else:
-            t.copy_(_from_numpy(values, t.dtype, t.shape))
-
-    for i, param in enumerate(params):
-        F = np.float64 if param.dtype == F64 else np.float32
-        t = float(steps[i]) + 1.0
-        bc1 = 1.0 - beta1 ** t if hp["bias_correction"] else 1.0
-        bc2 = 1.0 - beta2 ** t if hp["bias_correction"] else 1.0
-        step_size = lr / bc1 if mode == 2 else lr * math.sqrt(bc2) / bc1
-        master = masters[i] if len(masters) else None
-        g = _to_numpy(grads[i]).astype(F) * F(grad_mul)
-        p = _to_numpy(master if master is not None else param).astype(F)
-        m = read_state(ms[i], mss[i] if len(mss) else None).astype(F)
-        v = read_state(vs[i], vss[i] if len(vss) else None).astype(F)
-        if mode == 0:
-            g = g + F(wd) * p
-        if mode == 2:
-            p = p * F(1.0 - lr * wd)
-        m = m + F(1.0 - beta1) * (g - m)
-        v = v * F(beta2) + F(1.0 - beta2) * g * g
-        v_used = v
-        if amsgrad:
-            vmax = read_state(vmaxs[i], vmaxss[i] if len(vmaxss) else None).astype(F)
-            vmax = np.where(vmax < v, v, vmax).astype(F)
-            v_used = vmax
-        with np.errstate(all="ignore"):
-            if mode == 2:
-                p = p - F(step_size) * (m / (np.sqrt(v_used) / F(math.sqrt(bc2)) + F(eps)))
-            else:
-                p = p - F(step_size) * (m / (np.sqrt(v_used) + F(eps)))
-                if mode == 1:
-                    p = p - F(lr * wd) * p
-        write_state(m, ms[i], mss[i] if len(mss) else None)
-        write_state(v, vs[i], vss[i] if len(vss) else None)
-        if amsgrad:
-            write_state(vmax, vmaxs[i], vmaxss[i] if len(vmaxss) else None)
-        if master is not None:
-            master.copy_(torch.from_numpy(p.astype(np.float32)).reshape(master.shape))
-        param.copy_(_from_numpy(p, param.dtype, param.shape))
-    steps += 1.0
-
-
-# ---- cases -------------------------------------------------------------------------------------------------------
-
-# (param dtype, exp_avg dtype, exp_avg_sq dtype, master weights): every storage combination the op accepts, and
-# the ones FusedAdam creates.
-COMBOS = {
-    "fp32": (F32, F32, F32, False),
-    "fp32-bf16states": (F32, BF16, BF16, False),
-    "fp32-fp16states": (F32, F16, F16, False),
-    "fp16-master": (F16, F32, F32, True),
-    "bf16-master-fp16m-bf16v": (BF16, F16, BF16, True),
-    "bf16": (BF16, BF16, BF16, False),
-    "fp16-master-fp16states": (F16, F16, F16, True),
-    "fp64": (F64, F64, F64, False),
-}
-SHAPES = [(2500,), (), (0,), (32, 32), (7,)]  # several blocks with a partial one, 0-dim, empty, exact block, tiny
-
-
-def make_case(combo: str, amsgrad: bool, seed: int, shapes=SHAPES, grad_dtype=None, scaled=True) -> list:
-    """Arguments of adam_step_ (CPU tensors), with non-trivial states, as a list in the op's order."""
-    pdt, mdt, vdt, master = COMBOS[combo]
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(shape, scale=1.0):
-        return torch.randn(shape, generator=gen, dtype=F64) * scale
-
-    params, grads, ms, vs, vmaxs, masters, mss, vss, vmaxss = ([] for _ in range(9))
-    for j, shape in enumerate(shapes):
-        p = rand(shape)
-        params.append(p.to(pdt))
-        if master:
-            masters.append(p.float())
-        grads.append(rand(shape, 10.0 ** (j - 2)).to(grad_dtype or pdt))
-        m = rand(shape, 1e-2 * 10.0 ** (-j))
-        v = rand(shape, 1e-2 * 10.0 ** (-j)).abs() ** 2
-        if p.numel() > 1500:
-            m.view(-1)[1024:2048] = 0.0  # an all-zero block: scale 1
-        for value, dtype, out, outs in ((m, mdt, ms, mss), (v, vdt, vs, vss)) + \
-                (((v * 1.5, vdt, vmaxs, vmaxss),) if amsgrad else ()):
-            if dtype == F16 and scaled:
-                codes, scales = ref_quantize(value.float().reshape(-1).numpy())
-                out.append(torch.from_numpy(codes).reshape(shape))
-                outs.append(torch.from_numpy(scales))
-            else:
-                out.append(value.to(dtype))
-    steps = torch.tensor([float(3 * j * j) for j in range(len(shapes))], dtype=F64)
-    return [params, grads, ms, vs, vmaxs, masters, mss, vss, vmaxss, steps]
-
-
-def clone_case(args, device=torch.device("cpu")) -> list:
-    return [[t.detach().to(device, copy=True) for t in x] if isinstance(x, list)
-            else x.detach().to(device, copy=True) for x in args]
-
-
-def hyper(mode: int, **overrides) -> dict:
-    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, mode=mode, bias_correction=True,
-              maximize=False, lr_tensor=None, inv_grad_scale=None, found_inf=None)
-    hp.update(overrides)
-    return hp
-
-
-def on(device, hp: dict) -> dict:
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in hp.items()}
+from triton_cases import (  # noqa: E402
+    COMBOS, NAMES, assert_bitwise, assert_close_to, check_graph_capture, check_same_stream, clone_case, hyper,
+    make_case, on, raw, reference_step,
+)
 
 
 def run_triton(args, hp):
     _triton.adam_step_(*args, **on(DEVICE, hp))
-
-
-NAMES = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params", "exp_avg_scales",
-         "exp_avg_sq_scales", "max_exp_avg_sq_scales")
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a tensor (so NaN == NaN, -0.0 != 0.0, and bf16/fp16 codes compare exactly)."""
-    t = t.detach().cpu().contiguous().reshape(-1)
-    return t.view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
-
-
-def assert_bitwise(triton_args, ref_args, what=""):
-    for name, a_list, b_list in zip(NAMES, triton_args[:9], ref_args[:9]):
-        for i, (a, b) in enumerate(zip(a_list, b_list)):
-            a = a.detach().cpu()
-            ok = a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
-            if not ok and a.dtype == F64 and a.shape == b.shape:
-                # beta**t is formed by repeated squaring in the kernel (libdevice pow is not available to the
-                # interpreter), a few float64 ulps from C's pow: float64 results may differ in the last bits.
-                ok = bool(((a - b).abs() <= 1e-15 * b.abs() + 1e-15 * b.abs().max()).all())
-            if not ok:
-                diff = (a.double() - b.double()).abs().nan_to_num(1e300)
-                bad = int((raw(a) != raw(b)).sum()) if a.shape == b.shape else -1
-                raise AssertionError(f"{what}: {name}[{i}] differs from the reference ({bad} bytes; max abs diff "
-                                     f"{float(diff.max()) if diff.numel() else 0.0})")
-    assert torch.equal(triton_args[9].cpu(), ref_args[9]), f"{what}: steps {triton_args[9]} vs {ref_args[9]}"
-
-
-def decoded(args, which: int, i: int) -> torch.Tensor:
-    """Values of state list `which` (2, 3 or 4) of param i, dequantised when scaled."""
-    t = args[which][i].detach().cpu()
-    scales = args[which + 4][i].cpu() if len(args[which + 4]) else None
-    if scales is not None:
-        return torch.from_numpy(ref_dequantize(t.reshape(-1).numpy(), scales.numpy())).reshape(t.shape).double()
-    return t.double()
-
-
-def ulp_tolerance(dtype):
-    return {F32: 4e-6, F64: 1e-13, F16: 2e-3, BF16: 1.6e-2}[dtype]
-
-
-def assert_close_to(triton_args, other_args, what, extra=1.0):
-    """Params, masters and (decoded) moments within a few ulps of the storage dtype."""
-    for i in range(len(triton_args[0])):
-        pairs = [("params", triton_args[0][i].detach().cpu(), other_args[0][i].detach().cpu())]
-        if len(triton_args[5]):
-            pairs.append(("master", triton_args[5][i].detach().cpu(), other_args[5][i].detach().cpu()))
-        for which, name in ((2, "exp_avg"), (3, "exp_avg_sq"), (4, "max_exp_avg_sq")):
-            if len(triton_args[which]):
-                pairs.append((name, decoded(triton_args, which, i), decoded(other_args, which, i)))
-        for name, a, b in pairs:
-            if a.numel() == 0:
-                continue
-            dtype = a.dtype if a.dtype != F64 or name == "params" and other_args[0][i].dtype == F64 else F32
-            if name.startswith("exp") or name.startswith("max"):
-                dtype = triton_args[{"exp_avg": 2, "exp_avg_sq": 3, "max_exp_avg_sq": 4}[name]][i].dtype
-            tol = ulp_tolerance(dtype) * extra
-            a64, b64 = a.double(), b.double()
-            scale = b64.abs().max().clamp_min(1e-30)
-            err = (a64 - b64).abs()
-            assert bool((err <= tol * b64.abs() + tol * 1e-3 * scale).all()), \
-                f"{what}: {name}[{i}] max abs diff {float(err.max())} (tolerance {tol} relative)"
 
 
 # ---- the core comparison -----------------------------------------------------------------------------------------
@@ -619,6 +373,21 @@ def test_errors_name_the_argument():
         _triton.adam_step_(*base[:9], base[9].float(), **hp)
     with pytest.raises(RuntimeError, match="mode must be"):
         _triton.adam_step_(*base, **dict(hp, mode=3))
+
+
+# ---- CUDA only: streams and graphs ----------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not USE_CUDA, reason="needs a CUDA GPU (tools/gpu_check.py runs these there)")
+
+
+@needs_cuda
+def test_kernels_run_on_the_current_stream():
+    check_same_stream(DEVICE)
+
+
+@needs_cuda
+def test_cuda_graph_capture_and_replay_with_capturable():
+    check_graph_capture(DEVICE)
 
 
 # ---- grad_stats --------------------------------------------------------------------------------------------------

@@ -1,0 +1,419 @@
+#!/usr/bin/env python
+"""The one-shot device check of the Triton path: correctness on the GPU, then benchmarks, in about 5 minutes.
+
+    python tools/gpu_check.py --out DIR            # on a machine with a CUDA GPU, torch and triton
+    python tools/gpu_check.py --out DIR --dry-run  # anywhere: the same code paths on CPU tensors, tiny shapes,
+                                                   # Triton's interpreter (no numbers worth reading)
+
+Needs only the repository plus torch, triton and numpy (no project venv; pytest is used when installed).
+
+1. Correctness, compiled kernels on CUDA tensors: every storage combination x mode x amsgrad against the exact numpy
+   model of ops/README.md (bit for bit), found_inf skips, grad_stats, the kernels on a non-default stream, and
+   FusedAdam(capturable=True).step() captured in a CUDA graph and replayed (== eager, bit for bit). Then
+   tests/test_triton.py under pytest, if pytest is installed.
+2. Benchmarks against torch.optim.AdamW (fused=True, foreach=True, foreach=False): 1x1024^2, 32x512^2, 1x4096^2
+   (fp32 params; ours with fp16 moments, as the reference numbers in the performance notes, and with fp32 moments),
+   the GPT-2-small parameter shapes and 2000 x 1K (fp32), plus a graph-captured FusedAdam step. Times are medians of
+   CUDA-event timings of single steps after warm-up, interleaved; a device-to-device copy measured in the same run
+   gives the bandwidth that the "% of copy bandwidth" column refers to (bytes each step must move at least / time).
+   A small sweep of the launch parameters (warps, blocks per program) on 1x4096^2 comes last.
+
+Writes DIR/gpu_check.json (everything), DIR/gpu_check.md (the tables) and DIR/pytest.log, and prints the tables.
+Exit status 0 when every correctness check passed (benchmarks never fail the run), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+BUDGET_S = 290.0  # the whole run, correctness included
+T0 = time.time()
+
+
+def left() -> float:
+    return BUDGET_S - (time.time() - T0)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+# ---- correctness ----------------------------------------------------------------------------------------------------
+
+def correctness(device, dry_run: bool, results: dict) -> bool:
+    import torch
+    import triton_cases as tc
+    from ort_optim import _triton
+
+    checks = results.setdefault("checks", [])
+    ok = True
+
+    def record(name, fn):
+        nonlocal ok
+        t = time.time()
+        try:
+            fn()
+            checks.append({"check": name, "ok": True, "seconds": round(time.time() - t, 2)})
+        except Exception as exc:  # keep going: report every failure
+            ok = False
+            checks.append({"check": name, "ok": False, "seconds": round(time.time() - t, 2),
+                           "error": f"{type(exc).__name__}: {exc}"[-3000:], "traceback": traceback.format_exc()[-6000:]})
+            log(f"FAILED {name}: {type(exc).__name__}: {str(exc)[:300]}")
+
+    shapes = [(1000,), ()] if dry_run else tc.SHAPES + [(1 << 16,)]
+
+    def combo_check(combo, mode, amsgrad, tensors):
+        def run():
+            base = tc.make_case(combo, amsgrad, seed=7 * mode + amsgrad, shapes=shapes)
+            tri, ref = tc.clone_case(base, device), tc.clone_case(base)
+            # lr, the unscale factor and found_inf as device tensors in half of the checks (one kernel variant each)
+            hp = tc.hyper(mode, lr_tensor=torch.tensor([2e-3]) if tensors else None,
+                          inv_grad_scale=torch.tensor([0.5]) if tensors else None,
+                          found_inf=torch.zeros(1) if tensors else None)
+            for step in range(2):
+                tc.run_triton(tri, hp, device)
+                tc.reference_step(ref, hp)
+                tc.assert_bitwise(tri, ref, f"{combo} mode {mode} amsgrad {amsgrad} step {step}")
+        return run
+
+    combos = ["fp32", "fp32-fp16states", "bf16-master-fp16m-bf16v"] if dry_run else list(tc.COMBOS)
+    for c, combo in enumerate(combos):
+        for mode in (0, 1, 2):
+            for amsgrad in (False, True):
+                if dry_run and (mode, amsgrad) not in ((1, False), (2, True)):
+                    continue
+                record(f"bitwise {combo} mode {mode}{' amsgrad' if amsgrad else ''}",
+                       combo_check(combo, mode, amsgrad, tensors=(c + mode + amsgrad) % 2 == 0))
+        log(f"checked {combo}")
+
+    def found_inf_skip():
+        base = tc.make_case("fp16-master-fp16states", True, seed=3, shapes=shapes)
+        tri = tc.clone_case(base, device)
+        tc.run_triton(tri, tc.hyper(2, found_inf=torch.ones(1)), device)
+        tc.assert_bitwise(tri, base, "skipped step")
+    record("found_inf skips everything (steps too)", found_inf_skip)
+
+    def grad_stats():
+        gen = torch.Generator().manual_seed(2)
+        ts = [torch.randn(3000, generator=gen), torch.randn(7, 5, generator=gen).half(),
+              torch.randn(2100, generator=gen).bfloat16(), torch.randn(9, generator=gen, dtype=torch.float64)]
+        out = _triton.grad_stats([t.to(device) for t in ts]).cpu()
+        expected = sum(float((t.double() ** 2).sum()) for t in ts)
+        assert abs(float(out[0]) - expected) <= 1e-6 * expected and float(out[1]) == 0.0, (out, expected)
+        ts[2][5] = float("nan")
+        assert float(_triton.grad_stats([t.to(device) for t in ts])[1]) == 1.0
+    record("grad_stats", grad_stats)
+
+    if device.type == "cuda":
+        record("kernels run on the current (non-default) stream", lambda: tc.check_same_stream(device))
+        record("CUDA graph capture/replay of FusedAdam(capturable=True)", lambda: tc.check_graph_capture(device))
+    else:
+        checks.append({"check": "streams and CUDA graphs", "ok": None, "skipped": "needs CUDA"})
+    return ok
+
+
+def run_pytest(out: Path, dry_run: bool, results: dict) -> bool:
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        results["pytest"] = {"skipped": "pytest is not installed; the built-in checks above ran instead"}
+        return True
+    timeout = max(30.0, min(150.0, left() - 120.0))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ORT_OPTIM_NO_NATIVE=os.environ.get("ORT_OPTIM_NO_NATIVE", "1"))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(ROOT / "tests" / "test_triton.py")]
+    if dry_run:
+        env["TRITON_INTERPRET"] = "1"
+        cmd += ["-k", "canary or block_sizes or found_inf or grad_stats_empty"]
+    log(f"pytest tests/test_triton.py (timeout {timeout:.0f}s)")
+    t = time.time()
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=timeout)
+        text, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        text = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        text += f"\n[gpu_check] pytest timed out after {timeout:.0f}s"
+        rc = -1
+    (out / "pytest.log").write_text(text)
+    summary = [line for line in text.strip().splitlines() if line.strip()][-1:] or [""]
+    results["pytest"] = {"returncode": rc, "seconds": round(time.time() - t, 1), "summary": summary[0]}
+    log(f"pytest: rc {rc}, {summary[0]}")
+    return rc == 0
+
+
+# ---- benchmarks -----------------------------------------------------------------------------------------------------
+
+GPT2_SMALL = (
+    [(50257, 768), (1024, 768)]
+    + 12 * [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,), (768, 3072), (3072,),
+            (3072, 768), (768,)]
+    + [(768,), (768,)]
+)
+
+
+def workloads(dry_run: bool) -> list:
+    if dry_run:
+        return [("1x4096", [(4096,)], True), ("3x1500", [(1500,)] * 3, True), ("20x1K", [(1024,)] * 20, False)]
+    return [
+        ("1x1024^2", [(1024, 1024)], True),
+        ("32x512^2", [(512, 512)] * 32, True),
+        ("1x4096^2", [(4096, 4096)], True),
+        ("GPT-2 small", GPT2_SMALL, False),
+        ("2000x1K", [(1024,)] * 2000, False),
+    ]
+
+
+class Timer:
+    """Per-step times: CUDA events on the current stream (GPU) or perf_counter (dry run)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch = torch
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn, iters: int, warmup: int) -> list:
+        torch = self.torch
+        for _ in range(warmup):
+            fn()
+        times = []
+        if self.cuda:
+            torch.cuda.synchronize()
+            pairs = []
+            for _ in range(iters):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                pairs.append((a, b))
+            torch.cuda.synchronize()
+            times = [a.elapsed_time(b) for a, b in pairs]
+        else:
+            for _ in range(iters):
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e3)
+        return times
+
+
+def copy_bandwidth(device, dry_run: bool) -> float:
+    """GB/s of a large device-to-device copy (bytes read + written), median of several."""
+    import torch
+
+    n = (1 << 20) if dry_run else (1 << 28)  # 1 GiB of fp32 on the GPU
+    src = torch.empty(n, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = Timer(device).time(lambda: dst.copy_(src), iters=5 if dry_run else 30, warmup=2)
+    return 2 * n * 4 / (statistics.median(times) * 1e-3) / 1e9
+
+
+def min_bytes(numel: int, moments: str) -> int:
+    """Bytes one step must move at least: read grad (fp32), read+write param (fp32), read+write both moments."""
+    per = 4 + 8 + (2 * 2 * 2 if moments == "fp16" else 2 * 2 * 4)
+    return numel * per
+
+
+def benchmarks(device, dry_run: bool, results: dict) -> None:
+    import torch
+
+    from ort_optim import FusedAdam, _triton
+
+    timer = Timer(device)
+    iters, warmup = (3, 1) if dry_run else (30, 5)
+    bw = copy_bandwidth(device, dry_run)
+    results["copy_bandwidth_GBps"] = round(bw, 1)
+    log(f"device-to-device copy: {bw:.0f} GB/s")
+    rows = results.setdefault("benchmarks", [])
+    gen = torch.Generator().manual_seed(0)
+
+    def make_params(shapes):
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(device)
+        return params
+
+    for name, shapes, fp16_too in workloads(dry_run):
+        if left() < 40:
+            rows.append({"workload": name, "skipped": "out of time"})
+            continue
+        numel = sum(int(torch.Size(s).numel()) for s in shapes)
+        variants = []
+        for label, kwargs in (("torch AdamW fused", dict(fused=True)), ("torch AdamW foreach", dict(foreach=True)),
+                              ("torch AdamW for-loop", dict(foreach=False))):
+            if label.endswith("for-loop") and len(shapes) > 200 and left() < 120:
+                continue
+            variants.append((label, "fp32", lambda kw=kwargs: torch.optim.AdamW(make_params(shapes), lr=1e-3, **kw)))
+        variants.append(("FusedAdam (Triton)", "fp32", lambda: FusedAdam(make_params(shapes), lr=1e-3,
+                                                                         adam_w_mode=2, weight_decay=0.01)))
+        if fp16_too:
+            variants.append(("FusedAdam (Triton)", "fp16", lambda: FusedAdam(
+                make_params(shapes), lr=1e-3, adam_w_mode=2, weight_decay=0.01, exp_avg_dtype=torch.float16,
+                exp_avg_sq_dtype=torch.float16)))
+        opts = []
+        for label, moments, make in variants:
+            try:
+                opt = make()
+                opt.step()  # creates the state, compiles the kernels
+                opts.append((label, moments, opt))
+            except Exception as exc:
+                rows.append({"workload": name, "optimizer": label, "moments": moments,
+                             "error": f"{type(exc).__name__}: {exc}"[-500:]})
+        times = {i: [] for i in range(len(opts))}
+        for _ in range(3):  # interleaved rounds
+            for i, (_, _, opt) in enumerate(opts):
+                times[i] += timer.time(opt.step, iters=iters // 3 or 1, warmup=warmup // 3 or 1)
+        reference = None
+        for i, (label, moments, opt) in enumerate(opts):
+            med = statistics.median(times[i])
+            if label == "torch AdamW fused":
+                reference = med
+            rows.append({
+                "workload": name, "tensors": len(shapes), "numel": numel, "optimizer": label, "moments": moments,
+                "median_ms": round(med, 4), "min_ms": round(min(times[i]), 4),
+                "pct_of_copy_bw": round(100 * min_bytes(numel, moments) / (med * 1e-3) / 1e9 / bw, 1),
+            })
+        for row in rows:
+            if row.get("workload") == name and "median_ms" in row and reference:
+                row["x_vs_torch_fused"] = round(reference / row["median_ms"], 2)
+        # The raw op (no FusedAdam Python around it) and a graph-captured FusedAdam step.
+        try:
+            opt = FusedAdam(make_params(shapes), lr=torch.tensor(1e-3, device=device), adam_w_mode=2,
+                            weight_decay=0.01, capturable=True)
+            opt.step()
+            if device.type == "cuda" and not dry_run:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    opt.step()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    opt.step()
+                t = timer.time(graph.replay, iters=iters, warmup=warmup)
+                med = statistics.median(t)
+                rows.append({"workload": name, "tensors": len(shapes), "numel": numel,
+                             "optimizer": "FusedAdam (Triton), CUDA graph", "moments": "fp32",
+                             "median_ms": round(med, 4), "min_ms": round(min(t), 4),
+                             "pct_of_copy_bw": round(100 * min_bytes(numel, "fp32") / (med * 1e-3) / 1e9 / bw, 1),
+                             "x_vs_torch_fused": round(reference / med, 2) if reference else None})
+        except Exception as exc:
+            rows.append({"workload": name, "optimizer": "FusedAdam (Triton), CUDA graph",
+                         "error": f"{type(exc).__name__}: {exc}"[-500:]})
+        del opts
+        log(f"benchmarked {name}")
+
+    # Launch-parameter sweep on the largest single tensor.
+    sweep = results.setdefault("sweep", [])
+    shape = [(4096,)] if dry_run else [(4096, 4096)]
+    saved = (_triton.NUM_WARPS, _triton.BLOCKS_PER_PROGRAM)
+    try:
+        for warps in (4, 8):
+            for bpp in (1, 2, 4):
+                if left() < 20:
+                    break
+                _triton.NUM_WARPS, _triton.BLOCKS_PER_PROGRAM = warps, bpp
+                opt = FusedAdam(make_params(shape), lr=1e-3, adam_w_mode=2, exp_avg_dtype=torch.float16,
+                                exp_avg_sq_dtype=torch.float16)
+                opt.step()
+                med = statistics.median(timer.time(opt.step, iters=iters, warmup=warmup))
+                numel = int(torch.Size(shape[0]).numel())
+                sweep.append({"num_warps": warps, "blocks_per_program": bpp, "median_ms": round(med, 4),
+                              "pct_of_copy_bw": round(100 * min_bytes(numel, "fp16") / (med * 1e-3) / 1e9 / bw, 1)})
+    finally:
+        _triton.NUM_WARPS, _triton.BLOCKS_PER_PROGRAM = saved
+        _triton.clear_caches()
+
+
+# ---- report ---------------------------------------------------------------------------------------------------------
+
+def markdown(results: dict) -> str:
+    lines = [f"# gpu_check: {results['device']}", "",
+             f"torch {results['torch']}, triton {results['triton']}, dry run: {results['dry_run']}", ""]
+    checks = results.get("checks", [])
+    failed = [c for c in checks if c.get("ok") is False]
+    lines.append(f"Correctness: {sum(1 for c in checks if c.get('ok'))} checks passed, {len(failed)} failed; "
+                 f"pytest: {results.get('pytest', {}).get('summary') or results.get('pytest', {}).get('skipped')}")
+    for c in failed:
+        lines.append(f"- FAILED {c['check']}: {c['error'][:300]}")
+    lines += ["", f"Device-to-device copy: {results.get('copy_bandwidth_GBps')} GB/s (read + write)", "",
+              "| workload | tensors | optimizer | moments | median ms | x vs torch fused | % of copy bw |",
+              "|---|---|---|---|---|---|---|"]
+    for r in results.get("benchmarks", []):
+        if "median_ms" in r:
+            lines.append(f"| {r['workload']} | {r['tensors']} | {r['optimizer']} | {r['moments']} | {r['median_ms']} | "
+                         f"{r.get('x_vs_torch_fused')} | {r['pct_of_copy_bw']} |")
+        else:
+            lines.append(f"| {r['workload']} | | {r.get('optimizer', '')} | | {r.get('error') or r.get('skipped')} | | |")
+    if results.get("sweep"):
+        lines += ["", "Launch sweep, 1x4096^2 fp32 params with fp16 moments:", "",
+                  "| num_warps | blocks/program | median ms | % of copy bw |", "|---|---|---|---|"]
+        for r in results["sweep"]:
+            lines.append(f"| {r['num_warps']} | {r['blocks_per_program']} | {r['median_ms']} | {r['pct_of_copy_bw']} |")
+    if results["dry_run"]:
+        lines += ["", "DRY RUN: CPU tensors through Triton's interpreter; the times above measure nothing useful."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dry-run", action="store_true", help="CPU tensors, Triton's interpreter, tiny shapes")
+    parser.add_argument("--skip-pytest", action="store_true")
+    parser.add_argument("--skip-bench", action="store_true")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+        os.environ.setdefault("ORT_OPTIM_TRITON_BLOCKS", "1")
+    import torch
+    import triton
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run to exercise the code paths on the CPU")
+        return 2
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda")
+    results = {
+        "device": "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+        "dry_run": args.dry_run, "argv": sys.argv,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        results.update(sm_count=props.multi_processor_count, memory_GiB=round(props.total_memory / 2**30, 1),
+                       capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda)
+    os.environ["ORT_OPTIM_BACKEND"] = "triton" if args.dry_run else os.environ.get("ORT_OPTIM_BACKEND", "auto")
+    ok = True
+    try:
+        log(f"correctness on {results['device']}")
+        ok = correctness(device, args.dry_run, results) and ok
+        if not args.skip_pytest:
+            ok = run_pytest(args.out, args.dry_run, results) and ok
+        if not args.skip_bench:
+            benchmarks(device, args.dry_run, results)
+    except Exception as exc:
+        ok = False
+        results["fatal"] = traceback.format_exc()[-6000:]
+        log(f"FATAL {type(exc).__name__}: {exc}")
+    finally:
+        results["seconds"] = round(time.time() - T0, 1)
+        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
+        report = markdown(results)
+        (args.out / "gpu_check.md").write_text(report)
+        print(report)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
