@@ -574,7 +574,8 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         scale = self.scaler.scale
         given = None
         if self._distributed():
-            # Our own flag, reduced over the ranks, goes in as found_inf (FusedAdam ORs it with its own check).
+            # Our own flag, reduced over the ranks, goes in as found_inf (FusedAdam ORs it with its own check, which
+            # also covers a gradient that overflows when unscaled by a scale below 1).
             grads_by_device: dict[torch.device, list[torch.Tensor]] = {}
             for group in opt.param_groups:
                 for p in group["params"]:
@@ -621,6 +622,10 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
                 torch._foreach_copy_(copy_dst[device], copy_src[device])
             dev_found = torch.zeros((), dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, dev_found, inv_scale.to(device))
+            if self.scaler.min_scale < 1.0:
+                # torch's op checks before multiplying; with 1/scale > 1 the product itself can overflow: check
+                # the unscaled values once more (an inv_scale of 1 makes the op check only).
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, dev_found, torch.ones((), device=device))
             found_inf = torch.maximum(found_inf, dev_found.to(self._main_device))
         found_inf = self._reduce_found_inf(found_inf.reshape(1)).reshape(())
 

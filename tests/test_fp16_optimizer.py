@@ -267,6 +267,21 @@ def test_min_scale_through_the_optimizer(inner):
         assert all(m.grad is None for m in (opt._masters if not opt._fused else []))
 
 
+@pytest.mark.parametrize("inner", ["FusedAdam", "SGD", "AdamW-fused"])
+def test_overflow_created_by_unscaling_is_caught(inner):
+    """With a scale below 1, a finite bf16 gradient can become inf when unscaled: the check must see that."""
+    p = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = FP16_Optimizer(INNER[inner]([p]), init_scale=0.25, min_scale=2.0**-4)
+    p.grad = torch.tensor([1.0, 2.0, 1e38, 3.0], dtype=torch.bfloat16)  # finite; 4e38 once unscaled
+    before = p.detach().clone()
+    opt.step()
+    assert opt.skipped and torch.equal(p.detach(), before) and opt.loss_scale == 0.125
+    assert all(torch.equal(m, before.float()) for m in opt.master_params)
+    p.grad = torch.tensor([1.0, 2.0, 1e15, 3.0], dtype=torch.bfloat16)  # fine once unscaled
+    opt.step()
+    assert not opt.skipped and not torch.equal(p.detach(), before)
+
+
 def test_overflow_in_an_fp32_param_is_caught_too():
     model = make_model(torch.float16)
     model[2].float()  # LayerNorm in fp32 (a common mixed setup): its grads are unscaled in place
