@@ -134,7 +134,12 @@ def _implementation(device: torch.device):
     if choice == "triton" or (device.type == "cuda" and choice == "auto"):
         from . import _triton
 
-        return _triton
+        if choice == "triton" or _triton.available():
+            return _triton
+        _triton.warn_unavailable()  # once; CUDA tensors then take the pure-PyTorch path
+        from . import _fallback
+
+        return _fallback
     if choice == "torch" or not native_available():
         from . import _fallback
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Optional, Sequence
@@ -74,6 +75,25 @@ def broken_interpreter_reason() -> Optional[str]:
         return (f"triton {triton.__version__} with numpy {numpy.__version__}: the interpreter of triton < 3.2 returns "
                 f"garbage under numpy 2; install numpy<2 (or triton >= 3.2)")
     return None
+
+
+def available() -> bool:
+    """Whether triton can be imported here (checked without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+_warned = False
+
+
+def warn_unavailable() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn("ort_optim: triton is not installed, so CUDA tensors are updated by the pure-PyTorch "
+                      "implementation (same results, several kernels per parameter); pip install triton for the "
+                      "fused multi-tensor kernels", RuntimeWarning, stacklevel=4)
 
 
 _kernels_module = None
@@ -532,16 +552,32 @@ _ADAM_ARGS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "
 
 def _adam_step_op(*args, **kwargs) -> None:
     """The dispatcher's calling convention (positional tensor lists, keyword-only scalars) -> adam_step_."""
-    adam_step_(*args, **kwargs)
+    if available():
+        adam_step_(*args, **kwargs)
+    else:
+        from . import _fallback
+
+        warn_unavailable()
+        _fallback.adam_step_(*args, **kwargs)
+
+
+def _grad_stats_op(tensors):
+    if available():
+        return grad_stats(tensors)
+    from . import _fallback
+
+    warn_unavailable()
+    return _fallback.grad_stats(tensors)
 
 
 def register_cuda_kernels() -> None:
-    """Registers adam_step_ and grad_stats above as the CUDA kernels of the ort_optim ops (needs the schemas,
-    i.e. the native library, loaded). Does not import triton: that happens on the first CUDA call."""
+    """Registers the CUDA kernels of the ort_optim ops (needs their schemas, i.e. the native library, loaded):
+    the Triton kernels above, or the pure-PyTorch implementation where triton is not installed. Does not import
+    triton: that happens on the first CUDA call."""
     global _lib
     if _lib is not None:
         return
     lib = torch.library.Library("ort_optim", "IMPL")
     lib.impl("adam_step_", _adam_step_op, "CUDA")
-    lib.impl("grad_stats", grad_stats, "CUDA")
+    lib.impl("grad_stats", _grad_stats_op, "CUDA")
     _lib = lib

@@ -443,6 +443,17 @@ def test_registered_as_the_cuda_kernels():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), op
 
 
+def test_dispatch_routes_cuda_to_triton_or_warns_and_falls_back(monkeypatch):
+    monkeypatch.setenv("ORT_OPTIM_BACKEND", "auto")
+    assert _native._implementation(torch.device("cuda")) is _triton
+    monkeypatch.setattr(_triton, "available", lambda: False)
+    monkeypatch.setattr(_triton, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="triton is not installed"):
+        assert _native._implementation(torch.device("cuda")) is _fallback
+    monkeypatch.setenv("ORT_OPTIM_BACKEND", "triton")  # asked for explicitly: no silent fallback
+    assert _native._implementation(torch.device("cuda")) is _triton
+
+
 @needs_working_interpreter
 def test_dispatcher_calling_convention():
     """The registered Python kernel gets the dispatcher's arguments right (keyword-only scalars, optional tensors):
