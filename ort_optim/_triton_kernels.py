@@ -30,6 +30,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # approximation) and tl.sqrt to sqrt.approx. The interpreter (numpy) has no inline PTX and is exact anyway.
 _PTX = tl.constexpr(not INTERPRET)
 
+
+def _device(fn):
+    """@triton.jit for the helper functions, except under the interpreter: there each call of a nested jit function
+    re-patches triton.language (inspect.getmembers over the module, ~0.2 ms), which made the helpers cost more than
+    the arithmetic; as plain Python functions they run on the language the kernel already patched."""
+    return fn if INTERPRET else triton.jit(fn)
+
 # dtype codes of the constexpr *_DT arguments
 F32, F16, BF16, F64 = 0, 1, 2, 3
 
@@ -46,7 +53,7 @@ FP16_HALF_LIMIT = 16384.0  # scaled block maxima land in (16384, 32768]
 
 # ---- storage <-> compute conversions ---------------------------------------------------------------------------
 
-@triton.jit
+@_device
 def _load(addr, offs, mask, DT: tl.constexpr, ALIGNED: tl.constexpr):
     """Values of a DT tensor at int64 address `addr`, as float32 (float64 for DT == F64). Masked lanes read 0.
     ALIGNED: the address is a multiple of 16 bytes (lets the compiler use 16-byte accesses)."""
@@ -74,7 +81,7 @@ def _load(addr, offs, mask, DT: tl.constexpr, ALIGNED: tl.constexpr):
     return x
 
 
-@triton.jit
+@_device
 def _bf16_bits(x):
     """float32 -> bfloat16 bit pattern, round to nearest even; every NaN becomes 0x7FC0 (like c10::BFloat16)."""
     b = x.to(tl.int32, bitcast=True)
@@ -83,7 +90,7 @@ def _bf16_bits(x):
     return tl.where(is_nan, 0x7FC0, rounded).to(tl.uint16)
 
 
-@triton.jit
+@_device
 def _store(addr, offs, x, mask, DT: tl.constexpr, ALIGNED: tl.constexpr):
     """Writes float32 (float64 for DT == F64) values to a DT tensor, rounding to nearest even."""
     if DT == 0:
@@ -108,13 +115,13 @@ def _store(addr, offs, x, mask, DT: tl.constexpr, ALIGNED: tl.constexpr):
         tl.store(ptr + offs, x, mask=mask)
 
 
-@triton.jit
+@_device
 def _pow2(k):
     """2**k as float32 for an int32 k in [-126, 127], built from the exponent bits (exact)."""
     return ((k + 127) << 23).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@_device
 def _fp16_block_scale(amax):
     """The power-of-two scale of a block whose absolute maximum is amax >= 0 (ops/README.md, "fp16 states")."""
     bits = amax.to(tl.int32, bitcast=True)
@@ -132,7 +139,7 @@ def _fp16_block_scale(amax):
     return tl.where(usable, _pow2(k), 1.0)
 
 
-@triton.jit
+@_device
 def _load_state(addr, scale_addr, offs, mask, block_index, DT: tl.constexpr, SCALED: tl.constexpr,
                 ALIGNED: tl.constexpr):
     if SCALED:
@@ -146,7 +153,7 @@ def _load_state(addr, scale_addr, offs, mask, block_index, DT: tl.constexpr, SCA
     return x
 
 
-@triton.jit
+@_device
 def _store_state(addr, scale_addr, offs, x, mask, block_index, DT: tl.constexpr, SCALED: tl.constexpr,
                  ALIGNED: tl.constexpr):
     if SCALED:
@@ -159,7 +166,7 @@ def _store_state(addr, scale_addr, offs, x, mask, block_index, DT: tl.constexpr,
         _store(addr, offs, x, mask, DT, ALIGNED)
 
 
-@triton.jit
+@_device
 def _div(a, b, F64: tl.constexpr):
     """a / b rounded to nearest, subnormals kept (a and b are blocks)."""
     if F64:
@@ -172,7 +179,7 @@ def _div(a, b, F64: tl.constexpr):
     return r
 
 
-@triton.jit
+@_device
 def _sqrt(x, F64: tl.constexpr):
     """Correctly rounded square root, subnormals kept (x is a block)."""
     if F64:
@@ -184,7 +191,7 @@ def _sqrt(x, F64: tl.constexpr):
     return r
 
 
-@triton.jit
+@_device
 def _to_compute(x, F64: tl.constexpr):
     if F64:
         r = x.to(tl.float64)
@@ -193,13 +200,13 @@ def _to_compute(x, F64: tl.constexpr):
     return r
 
 
-@triton.jit
+@_device
 def _f64(bits):
     """A float64 from its IEEE bit pattern (an int32 or int64 kernel argument)."""
     return bits.to(tl.int64).to(tl.float64, bitcast=True)
 
 
-@triton.jit
+@_device
 def _powi(base, t):
     """base ** t for float64 base and a whole float64 t >= 0, by repeated squaring."""
     e = t.to(tl.int64)
@@ -213,7 +220,7 @@ def _powi(base, t):
 
 # ---- the Adam step ---------------------------------------------------------------------------------------------
 
-@triton.jit
+@_device
 def _adam_block(
     offs, mask, block_index, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr,
     grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay,
