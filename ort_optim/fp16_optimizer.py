@@ -189,6 +189,7 @@ class DynamicLossScaler:
 
     def _raise(self) -> None:
         self.underflow.fill_(False)  # raised once per floor hit: a caller who catches it may go on
+        self._pending = None  # an in-flight copy may still show the flag just cleared
         raise LossScaleUnderflowError(
             f"gradients overflowed while the loss scale was already at min_scale={self.min_scale:g}: the model "
             "produces inf/NaN gradients at any scale (diverged, or a bug such as log(0)). Lower min_scale, or pass "
@@ -567,7 +568,7 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
             self.scaler.check(blocking=True)
         return loss
 
-    # Both update the scaler and return whether they already checked its min-scale flag on the host.
+    # Both update the scaler and return whether they already read its min-scale flag on the host (and raised if set).
 
     def _step_fused(self) -> bool:
         opt = self.optimizer
@@ -634,7 +635,7 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
 
         self.scaler.update(found_inf)  # the scale is not needed any more this step
         opt = self.optimizer
-        checked = False
+        checked = raise_now = False
         if getattr(opt, "_step_supports_amp_scaling", False):
             # torch's fused optimizers (and ours) skip on a device flag: no host sync.
             opt.grad_scale = None
@@ -647,7 +648,8 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         else:
             # The one host read of this path: the overflow flag and the scaler's min-scale flag together.
             found, underflow = torch.stack([found_inf != 0, self.scaler.underflow.to(found_inf.device)]).tolist()
-            checked = not underflow  # else the check below raises (and clears the flag)
+            checked = True
+            raise_now = bool(underflow)
             do_copy = not found
             if do_copy:
                 opt.step()
@@ -661,6 +663,8 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
                 torch._foreach_copy_(dst, src)
         for master in self._masters:
             master.grad = None
+        if raise_now:
+            self.scaler.check(blocking=True)  # raises LossScaleUnderflowError (and clears the flag)
         return checked
 
     def _clip(self, by_device: dict[torch.device, list[torch.Tensor]]) -> None:
