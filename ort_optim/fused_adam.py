@@ -416,6 +416,17 @@ class FusedAdam(torch.optim.Optimizer):
             found_inf = getattr(self, "found_inf", None)
         for group_index, group in enumerate(self.param_groups):
             _check_hyperparameters(group, f"param_groups[{group_index}]")
+        if self.capturable:  # checked before anything changes (state creation included), like everything else
+            if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
+                raise ValueError("capturable=True: pass grad_scale as a tensor on the params' device (a float is "
+                                 "copied to the device at every step, which a CUDA graph cannot capture)")
+            for group_index, group in enumerate(self.param_groups):
+                lr = group["lr"]
+                if isinstance(lr, torch.Tensor):
+                    for p in group["params"]:
+                        if p.grad is not None and p.device != lr.device:
+                            raise ValueError(f"param_groups[{group_index}]: capturable=True needs lr on the params' "
+                                             f"device ({p.device}), got a tensor on {lr.device}")
 
         all_grads = [[p.grad for p in group["params"]] for group in self.param_groups]
         cached = [self._cached_plan(group_index, grads) for group_index, grads in enumerate(all_grads)]
@@ -436,9 +447,6 @@ class FusedAdam(torch.optim.Optimizer):
             self._last_found_inf = None
             return loss
 
-        if self.capturable and grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
-            raise ValueError("capturable=True: pass grad_scale as a tensor on the params' device (a float is copied "
-                             "to the device at every step, which a CUDA graph cannot capture)")
         try:
             inv_grad_scale, found_inf = self._scaling(launches, grad_scale, found_inf)
         except RuntimeError:
@@ -450,9 +458,6 @@ class FusedAdam(torch.optim.Optimizer):
             device = bucket.params[0].device
             lr = group["lr"]
             lr_tensor = lr if isinstance(lr, torch.Tensor) else None
-            if self.capturable and lr_tensor is not None and lr_tensor.device != device:
-                raise ValueError(f"param_groups[{group_index}]: capturable=True needs lr on the params' device "
-                                 f"({device}), got a tensor on {lr_tensor.device}")
             try:
                 _native.adam_step_(
                     bucket.params, grads, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs,

@@ -70,7 +70,9 @@ def optimizer_snapshot(opt: torch.optim.Optimizer, extra: Iterable[torch.Tensor]
     for gi, group in enumerate(opt.param_groups):
         for k, v in group.items():
             if k != "params":
-                snap[f"group{gi}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+                if isinstance(v, torch.Tensor):  # (a tensor without data, on the meta device, by its description)
+                    v = ("meta", v.dtype, tuple(v.shape)) if v.is_meta else v.detach().clone()
+                snap[f"group{gi}.{k}"] = v
         for pi, p in enumerate(group["params"]):
             snap[f"p{gi}.{pi}"] = p.detach().clone()
             snap[f"p{gi}.{pi}.grad"] = None if p.grad is None else p.grad.detach().clone()

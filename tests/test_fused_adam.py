@@ -80,8 +80,8 @@ def make_grads(params: list[torch.Tensor], step: int, seed: int = 1) -> list[tor
     grads = []
     for p, scale in zip(params, GRAD_SCALES):
         grad = (torch.randn(p.shape, generator=g) * scale).to(p.dtype)
-        if p.dim() == 2 and not p.is_contiguous():
-            grad = grad.t().contiguous().t()  # a non-contiguous gradient too
+        if p.dim() == 2:
+            grad = grad.t().contiguous().t()  # column-major gradients: non-contiguous ones for contiguous params too
         grads.append(grad)
     return grads
 
@@ -598,3 +598,30 @@ def test_a_hyperparameter_made_invalid_after_construction_fails_the_step_and_cha
     with pytest.raises(ValueError, match=message):
         opt.step()
     assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
+@pytest.mark.parametrize("case", ["float-grad-scale", "lr-tensor-on-another-device"])
+def test_capturable_refusals_come_before_anything_changes(case):
+    """capturable=True (CUDA graphs) refuses a float grad_scale and an lr tensor on another device than the params
+    (here the meta device stands in for another device); like every failed step, it changes nothing."""
+    opt, _ = _multi_bucket_setup()
+    capturable = FusedAdam([p for group in opt.param_groups for p in group["params"]], lr=torch.tensor(1e-3),
+                           capturable=True)
+    capturable.zero_grad()
+    for p in capturable.param_groups[0]["params"][:2]:
+        p.grad = torch.ones_like(p)
+    capturable.step(grad_scale=torch.tensor(2.0))
+    assert len([p for p in capturable.param_groups[0]["params"] if capturable.state.get(p)]) == 2
+    for p in capturable.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)  # and the others get their first gradient (state would be created)
+    kwargs = {}
+    if case == "float-grad-scale":
+        kwargs["grad_scale"] = 2.0
+        message = r"capturable=True: pass grad_scale as a tensor"
+    else:
+        capturable.param_groups[0]["lr"] = torch.tensor(1e-3, device="meta")
+        message = r"param_groups\[0\]: capturable=True needs lr on the params' device \(cpu\), got a tensor on meta"
+    before = optimizer_snapshot(capturable)
+    with pytest.raises(ValueError, match=message):
+        capturable.step(**kwargs)
+    assert_same_snapshot(before, optimizer_snapshot(capturable))
