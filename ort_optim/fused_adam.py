@@ -184,12 +184,16 @@ class FusedAdam(torch.optim.Optimizer):
             graph at capture: to change it between replays, make it a device tensor and update it in place.
 
     Each parameter has its own step count (as torch), so a parameter that first gets a gradient late gets a correct
-    first update; parameters without a gradient are skipped entirely.
+    first update; parameters without a gradient are skipped entirely. Parameters must not share memory: overlapping
+    views of one storage (or an ``expand()``-ed param) are refused at the first step, as they would be updated twice;
+    disjoint views of one buffer are fine. A step that raises (bad gradient, bad hyperparameter) changes nothing.
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element tensor)
     divides every gradient inside the kernel; ``found_inf`` (one-element tensor) turns the step into a no-op when
     non-zero. When ``grad_scale`` or ``max_grad_norm`` is given, the optimizer also checks the gradients for inf/NaN
-    itself and skips the step if it finds any; :attr:`last_step_skipped` tells. A skipped step changes nothing: no
+    itself and skips the step if it finds any, or if unscaling (dividing by a ``grad_scale`` below 1) would overflow
+    (the check is on the global norm of the unscaled gradients, which must stay below float32's range, about 1.8e19);
+    :attr:`last_step_skipped` tells. A skipped step changes nothing: no
     parameter, master, moment or step count. ``torch.amp.GradScaler`` is honoured through its protocol for fused
     optimizers (``_step_supports_amp_scaling``).
     """

@@ -313,6 +313,9 @@ NON_FINITE = {
     "nan-with-clipping-and-grad-scale": (float("nan"), dict(grad_scale=8.0), dict(max_grad_norm=1.0)),
     # traps.md #14: the check is on the unscaled grads; with grad_scale < 1, unscaling a finite fp32 grad overflows
     "finite-grad-that-overflows-when-unscaled": (3e38, dict(grad_scale=0.25), {}),
+    # the global norm is formed in float32: beyond about 1.8e19 it is inf; skipping beats a clip coefficient of 0
+    # (which would turn the step into weight decay alone) - documented in FusedAdam's docstring
+    "finite-grad-whose-norm-exceeds-float32-with-clipping": (1e20, {}, dict(max_grad_norm=1.0)),
 }
 
 
@@ -323,8 +326,9 @@ def test_non_finite_grads_skip_the_step_and_change_nothing_bit_for_bit(case, bac
     step continues as if the bad one had never been attempted."""
     select_backend(monkeypatch, backend)
     bad_value, step_kwargs, opt_kwargs = NON_FINITE[case]
-    params, opt = _trained(torch.float32 if bad_value == 3e38 else torch.float16, **opt_kwargs)
-    twin_params, twin = _trained(torch.float32 if bad_value == 3e38 else torch.float16, **opt_kwargs)
+    dtype = torch.float32 if bad_value in (3e38, 1e20) else torch.float16  # values beyond fp16's range
+    params, opt = _trained(dtype, **opt_kwargs)
+    twin_params, twin = _trained(dtype, **opt_kwargs)
     grads = _grads(params, 50)
     for p, g in zip(params, grads):
         p.grad = g.clone()
