@@ -500,16 +500,19 @@ def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     device = tensors[0].device
     _check_device(device, "grad_stats")
     k = kernels()
-    work_tensors = []
-    for i, t in enumerate(tensors):
-        if t.layout != torch.strided or t.device != device:
-            raise RuntimeError(f"ort_optim::grad_stats: tensors[{i}] must be a dense tensor on {device}")
-        if t.dtype not in _DT_CODES:
-            raise RuntimeError(f"ort_optim::grad_stats: tensors[{i}] has dtype {t.dtype}")
-        work_tensors.append(t if t.is_contiguous() else t.contiguous())
+    dtypes = [t.dtype for t in tensors]
+    index = tensors[0].get_device()
+    if (any([t.layout != torch.strided for t in tensors]) or any([t.get_device() != index for t in tensors])
+            or not all([d in _DT_CODES for d in dtypes])):
+        for i, t in enumerate(tensors):
+            if t.layout != torch.strided or t.device != device:
+                raise RuntimeError(f"ort_optim::grad_stats: tensors[{i}] must be a dense tensor on {device}")
+            if t.dtype not in _DT_CODES:
+                raise RuntimeError(f"ort_optim::grad_stats: tensors[{i}] has dtype {t.dtype}")
+    work_tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
 
     # Static part (cached): grouping by dtype, the numel tables and the work lists.
-    skey = (device, tuple((t.dtype, t.numel()) for t in work_tensors), BLOCKS_PER_PROGRAM)
+    skey = (device, tuple(dtypes), tuple([t.numel() for t in work_tensors]), BLOCKS_PER_PROGRAM)
     layout = _lookup(_stats_cache, skey)
     if layout is None:
         by_dtype: "OrderedDict[torch.dtype, list]" = OrderedDict()
