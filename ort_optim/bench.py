@@ -24,9 +24,9 @@ from .fused_adam import AdamWMode, FusedAdam
 MB = 1e6
 
 
-def gpt2_small_shapes() -> list[tuple[int, ...]]:
-    """The 148 parameter shapes of GPT-2 small (124.4M parameters, tied embeddings)."""
-    vocab, dim, layers, context = 50257, 768, 12, 1024
+def gpt2_small_shapes(layers: int = 12, dim: int = 768, vocab: int = 50257, context: int = 1024
+                      ) -> list[tuple[int, ...]]:
+    """GPT-2's parameter shapes (tied embeddings): 148 tensors, 124,439,808 parameters at the defaults."""
     shapes: list[tuple[int, ...]] = [(vocab, dim), (context, dim)]
     for _ in range(layers):
         shapes += [(dim,), (dim,), (dim, 3 * dim), (3 * dim,), (dim, dim), (dim,), (dim,), (dim,),
@@ -246,21 +246,25 @@ def main(argv=None) -> int:
     if "states" in sections:
         rows += bench_low_precision_states(["1x1024^2", "32x512^2", "1x4096^2"], args.quick, reps)
     if "fp16_optimizer" in sections:
-        try:
-            from . import bench_fp16
-        except ImportError:
-            bench_fp16 = None
-        if bench_fp16 is not None:
-            rows += bench_fp16.run(args.quick)
+        from . import bench_fp16
+
+        fp16_rows = bench_fp16.run(args.quick)
+    else:
+        fp16_rows = []
     print()
     print_table(rows, bandwidth)
+    if fp16_rows:
+        print("\nFP16_Optimizer (ratio = median / baseline's median; < 1 means faster than the baseline)")
+        for row in fp16_rows:
+            print(f"{row['workload']:<62} {row['impl']:<40} {row['median_ms']:>10.2f} ms  "
+                  f"x{row['ratio_vs_baseline']:.3f}")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python -m ort_optim.bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     out.write_text(json.dumps({
         "command": command.strip(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "native": _native.native_available(), "bandwidth": bandwidth, "rows": rows,
+        "native": _native.native_available(), "bandwidth": bandwidth, "rows": rows, "fp16_optimizer_rows": fp16_rows,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }, indent=2))
     chart = out.with_suffix(".png")

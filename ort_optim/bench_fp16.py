@@ -27,39 +27,22 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
-import time
 from typing import Callable, Optional
 
 import torch
 
+from .bench import gpt2_small_shapes, time_interleaved
 from .fp16_optimizer import FP16_Optimizer
 from .fused_adam import AdamWMode, FusedAdam
 
 
-def gpt2_shapes(n_layer: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024) -> list[tuple[int, ...]]:
-    """GPT-2's parameter shapes (tied lm_head): 148 tensors, 124,439,808 params at the defaults."""
-    shapes: list[tuple[int, ...]] = [(vocab, d), (ctx, d)]
-    for _ in range(n_layer):
-        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
-    return shapes + [(d,), (d,)]
-
-
 def _shapes(quick: bool) -> list[tuple[int, ...]]:
-    return gpt2_shapes(n_layer=2, d=256, vocab=8192) if quick else gpt2_shapes()
+    return gpt2_small_shapes(layers=2, dim=256, vocab=8192) if quick else gpt2_small_shapes()
 
 
 def _interleaved(impls: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, float]:
-    for fn in impls.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in impls}
-    for _ in range(repeats):
-        for name, fn in impls.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    """Median milliseconds per call, timed round robin."""
+    return {name: seconds * 1e3 for name, seconds in time_interleaved(impls, warmup, repeats).items()}
 
 
 def _rows(workload: str, medians: dict[str, float], baseline: str) -> list[dict]:
