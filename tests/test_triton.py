@@ -319,6 +319,17 @@ def test_blocks_per_program_and_multi_tensor_launch(monkeypatch):
 
 
 @needs_working_interpreter
+def test_an_empty_tensor_last_does_not_drop_the_others():
+    """traps.md #7: an empty tensor at the end of the list must not cost the tensors before it their update."""
+    base = make_case("fp32-fp16states", False, seed=13, shapes=[(1500,), (3,), (0,)])
+    tri, ref = clone_case(base, DEVICE), clone_case(base)
+    run_triton(tri, hyper(1))
+    reference_step(ref, hyper(1))
+    assert_bitwise(tri, ref, "empty tensor last")
+    assert not torch.equal(tri[0][0].cpu(), base[0][0]) and torch.equal(tri[9].cpu(), base[9] + 1)
+
+
+@needs_working_interpreter
 def test_tables_follow_data_ptrs_and_grads():
     """Cached address tables are rebuilt when a state tensor is replaced or gradients change identity."""
     base = make_case("fp32", False, seed=8, shapes=[(1100,), (4,)])
