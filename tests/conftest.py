@@ -16,10 +16,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/reference.py
 
 from ort_optim import _native  # noqa: E402
 
-# One intra-op thread for the whole suite: on the shared 2-core machines a second OpenMP thread that has to wait for a
-# busy core makes small tensor ops 20x slower. The kernels' results do not depend on the thread count; test_op.py
-# checks that explicitly with 1 and 2 threads.
-torch.set_num_threads(1)
+# One intra-op thread for the FusedAdam specification tests: on the shared 2-core machines a second OpenMP thread that
+# has to wait for a busy core makes small tensor ops 20x slower. The kernels' results do not depend on the thread
+# count; test_op.py checks that explicitly with 1 and 2 threads. (Other test modules keep torch's default.)
+SINGLE_THREAD_MODULES = {"test_fused_adam", "test_mixed_precision", "test_checkpoints", "test_op"}
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread(request):
+    if request.module.__name__ not in SINGLE_THREAD_MODULES:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 # The CPU backends every FusedAdam test runs on: the compiled op (ops/adam_cpu.cpp) and the pure-PyTorch fallback
 # (ort_optim/_fallback.py). ORT_OPTIM_BACKEND is read at every step, so monkeypatch.setenv switches per test.
