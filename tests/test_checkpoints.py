@@ -121,7 +121,7 @@ def test_checkpoints_load_with_torch_load_weights_only(backend, monkeypatch):
 # ---- load_state_dict's contract ------------------------------------------------------------------------------------
 
 
-def _trained_mixed(backend_seed=0):
+def _trained_mixed():
     params = [torch.nn.Parameter(torch.randn(QUANT_BLOCK + 3).half()), torch.nn.Parameter(torch.randn(6))]
     opt = FusedAdam(params, lr=torch.tensor(1e-2), weight_decay=0.1, amsgrad=True, master_weights=True,
                     exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)

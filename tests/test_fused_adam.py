@@ -17,7 +17,6 @@ import functools
 import math
 import re
 from dataclasses import dataclass
-from typing import Optional
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from conftest import (
     select_backend,
     state_values,
 )
-from reference import ReferenceAdam, adam_update
+from reference import ReferenceAdam
 
 from ort_optim import AdamWMode, FusedAdam
 

@@ -23,7 +23,7 @@ from conftest import (
     select_backend,
     state_values,
 )
-from reference import ReferenceAdam, round_fp16_blocks, state_layout
+from reference import ReferenceAdam
 
 from ort_optim import AdamWMode, FusedAdam
 from ort_optim._native import QUANT_BLOCK
@@ -279,8 +279,8 @@ def test_grad_scale_divides_the_grads_inside_the_kernel(scale, scale_kind, backe
 # ---- skipped steps -------------------------------------------------------------------------------------------------
 
 
-def _trained(backend_dtype=torch.float16, **kwargs):
-    params = _params(backend_dtype, seed=4)
+def _trained(dtype=torch.float16, **kwargs):
+    params = _params(dtype, seed=4)
     opt = FusedAdam(params, lr=1e-2, weight_decay=0.1, amsgrad=True, master_weights=True,
                     exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.bfloat16, **kwargs)
     for step in range(3):
