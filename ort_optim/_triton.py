@@ -132,6 +132,8 @@ def _check_device(device: torch.device, op: str) -> None:
 def _blocks_per_program(total_blocks: int) -> int:
     if BLOCKS_PER_PROGRAM > 0:
         return BLOCKS_PER_PROGRAM
+    if kernels().INTERPRET:
+        return 64  # the interpreter pays ~5 ms per program and ~2 ms per block: few, long programs
     # Keep at least ~16 programs per SM of an H100/H200 class GPU (132 SMs) before making programs longer.
     bpp = 1
     while bpp < 8 and total_blocks // (bpp * 2) >= 132 * 16:
