@@ -52,6 +52,9 @@ _lock = threading.Lock()
 _cache: "OrderedDict[tuple, _Plan]" = OrderedDict()
 _stats_cache: "OrderedDict[tuple, tuple]" = OrderedDict()
 _lib = None
+# Device tables (and pinned host buffers) used by kernels captured in a CUDA graph: a graph replays the launches with
+# the addresses it saw, so what they point to must outlive any cache eviction or table rebuild. One entry per capture.
+_graph_owned: list = []
 
 
 # ---- triton, lazily -------------------------------------------------------------------------------------------
@@ -146,10 +149,16 @@ def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _upload(values: list, device: torch.device) -> torch.Tensor:
     """An int64 tensor on `device`; from pinned memory, without blocking the host, for CUDA."""
     if device.type == "cuda":
         host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+        if torch.cuda.is_current_stream_capturing():
+            _graph_owned.append(host)  # a captured copy reads this buffer again at every replay
         return host.to(device, non_blocking=True)
     return torch.tensor(values, dtype=torch.int64)
 
@@ -487,6 +496,8 @@ def adam_step_(
             steps_dev, found_t if found_t is not None else dummy, n, HAS_FOUND_INF=found_t is not None,
             BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
+    if _capturing(device):
+        _graph_owned.append([(g.meta, g.work, g.grads_table) for g in plan.groups])
     if steps_dev is not steps:
         steps.copy_(steps_dev)
     for i in copied:
@@ -528,8 +539,9 @@ def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             work = _work_list(numels, bpp)
             programs = len(work) // 2
             if programs:
-                layout.append((indices, _DT_CODES[dtype], _upload(numels, device), _upload(work, device),
-                               programs, base, bpp))
+                # the last two entries: the key and the table of the tensors' addresses, rebuilt when they change
+                layout.append([indices, _DT_CODES[dtype], _upload(numels, device), _upload(work, device),
+                               programs, base, bpp, None, None])
                 base += programs
         layout = (layout, base)
         _remember(_stats_cache, skey, layout)
@@ -539,13 +551,18 @@ def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     partial = torch.zeros(total_programs, dtype=torch.float64, device=device)
     out = torch.empty(2, dtype=torch.float32, device=device)
     with _launch_context(device):
-        for indices, dt, numels_t, work_t, programs, base, bpp in groups:
-            ptrs = [work_tensors[i].data_ptr() for i in indices]
+        for group in groups:
+            indices, dt, numels_t, work_t, programs, base, bpp = group[:7]
+            ptrs = tuple([work_tensors[i].data_ptr() for i in indices])
+            if ptrs != group[7]:
+                group[7], group[8] = ptrs, _upload(list(ptrs), device)
             k.grad_stats_kernel[(programs,)](
-                _upload(ptrs, device), numels_t, work_t, partial, base, DT=dt, BLOCK=BLOCK, BLOCKS_PER_PROGRAM=bpp,
+                group[8], numels_t, work_t, partial, base, DT=dt, BLOCK=BLOCK, BLOCKS_PER_PROGRAM=bpp,
                 ALIGNED=all(ptr % 16 == 0 for ptr in ptrs), num_warps=NUM_WARPS,
             )
         k.grad_stats_finish_kernel[(1,)](partial, total_programs, out, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    if _capturing(device):
+        _graph_owned.append([(g[2], g[3], g[8]) for g in groups])
     return out
 
 

@@ -397,8 +397,9 @@ def test_kernels_run_on_the_current_stream():
 
 
 @needs_cuda
-def test_cuda_graph_capture_and_replay_with_capturable():
-    check_graph_capture(DEVICE)
+@pytest.mark.parametrize("clip", [False, True], ids=["plain", "clip-and-scale"])
+def test_cuda_graph_capture_and_replay_with_capturable(clip):
+    check_graph_capture(DEVICE, clip=clip)
 
 
 # ---- grad_stats --------------------------------------------------------------------------------------------------

@@ -306,10 +306,11 @@ def check_same_stream(device: torch.device) -> None:
     assert_bitwise(args, ref, "step on a non-default stream")
 
 
-def check_graph_capture(device: torch.device, steps: int = 6) -> None:
+def check_graph_capture(device: torch.device, steps: int = 6, clip: bool = False) -> None:
     """FusedAdam(capturable=True).step() captured once in a CUDA graph and replayed with new gradients, a changing lr
     (a device tensor updated in place) and a skipped step (found_inf) equals the same steps run eagerly, bit for
-    bit, fp16 moments and per-parameter step counts included."""
+    bit, fp16 moments and per-parameter step counts included. clip=True adds max_grad_norm and a grad_scale tensor,
+    so grad_stats and the unscale/clip arithmetic are in the graph too."""
     from ort_optim import FusedAdam
 
     shapes = [(1000, 1030), (4096,), (), (33, 17)]
@@ -323,15 +324,17 @@ def check_graph_capture(device: torch.device, steps: int = 6) -> None:
         params = [torch.nn.Parameter(p.clone().to(device)) for p in init]
         lr = torch.tensor(lrs[0], device=device)
         opt = FusedAdam(params, lr=lr, adam_w_mode=2, weight_decay=0.01, amsgrad=True, exp_avg_dtype=F16,
-                        exp_avg_sq_dtype=F16, capturable=True)
+                        exp_avg_sq_dtype=F16, capturable=True, max_grad_norm=1.0 if clip else None)
         return params, lr, opt
+
+    scale = torch.tensor(8.0, device=device) if clip else None
 
     params_e, lr_e, opt_e = make()
     for i in range(steps):
         for p, g in zip(params_e, all_grads[i]):
             p.grad = g.to(device)
         lr_e.fill_(lrs[i])
-        opt_e.step(found_inf=torch.tensor([skips[i]], device=device))
+        opt_e.step(found_inf=torch.tensor([skips[i]], device=device), grad_scale=scale)
 
     params_g, lr_g, opt_g = make()
     static_grads = [torch.zeros(s, device=device) for s in shapes]
@@ -349,12 +352,12 @@ def check_graph_capture(device: torch.device, steps: int = 6) -> None:
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):  # step 0 eagerly: creates the state and compiles the kernels
         load(0)
-        opt_g.step(found_inf=found)
+        opt_g.step(found_inf=found, grad_scale=scale)
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        opt_g.step(found_inf=found)
+        opt_g.step(found_inf=found, grad_scale=scale)
     for i in range(1, steps):
         load(i)
         graph.replay()

@@ -120,6 +120,8 @@ def correctness(device, dry_run: bool, results: dict) -> bool:
     if device.type == "cuda":
         record("kernels run on the current (non-default) stream", lambda: tc.check_same_stream(device))
         record("CUDA graph capture/replay of FusedAdam(capturable=True)", lambda: tc.check_graph_capture(device))
+        record("CUDA graph capture/replay with max_grad_norm and a grad_scale tensor",
+               lambda: tc.check_graph_capture(device, clip=True))
     else:
         checks.append({"check": "streams and CUDA graphs", "ok": None, "skipped": "needs CUDA"})
     return ok
