@@ -383,7 +383,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   check_list_length(max_exp_avg_sq_scales, n, "max_exp_avg_sq_scales", true);
   TORCH_CHECK(max_exp_avg_sq_scales.empty() || !max_exp_avg_sqs.empty(),
               "ort_optim::adam_step_: max_exp_avg_sq_scales given without max_exp_avg_sqs");
-  TORCH_CHECK(mode >= 0 && mode <= 2, "ort_optim::adam_step_: mode must be 0, 1 or 2, got ", mode);
+  TORCH_CHECK(mode >= 0 && mode <= 2, "ort_optim::adam_step_: adam_w_mode must be 0, 1 or 2, got ", mode);
   TORCH_CHECK(steps.scalar_type() == at::kDouble && steps.dim() == 1 && size_t(steps.numel()) == n &&
                   steps.is_contiguous() && steps.device().is_cpu(),
               "ort_optim::adam_step_: steps must be a contiguous float64 CPU tensor of shape [", n, "]");

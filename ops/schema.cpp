@@ -12,7 +12,7 @@ TORCH_LIBRARY(ort_optim, m) {
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, Tensor(f!)[] exp_avg_scales, "
       "Tensor(g!)[] exp_avg_sq_scales, Tensor(h!)[] max_exp_avg_sq_scales, Tensor(i!) steps, *, "
-      "float lr, float beta1, float beta2, float eps, float weight_decay, int mode, bool bias_correction, "
+      "float lr, float beta1, float beta2, float eps, float weight_decay, int adam_w_mode, bool bias_correction, "
       "bool maximize, Tensor? lr_tensor=None, Tensor? inv_grad_scale=None, Tensor? found_inf=None) -> ()");
   // One pass over many gradients: returns float32 [2] = [sum of squares, 1.0 if any element is inf/NaN else 0.0].
   // The sum is accumulated in float64 on the CPU, in a fixed order (deterministic for any thread count).

@@ -84,7 +84,7 @@ def adam_step_(
     beta2: float,
     eps: float,
     weight_decay: float,
-    mode: int,
+    adam_w_mode: int,
     bias_correction: bool,
     maximize: bool,
     lr_tensor: Optional[torch.Tensor] = None,
@@ -110,9 +110,9 @@ def adam_step_(
         g = grads[i].to(compute) * grad_mul
         m = _read_state(exp_avgs[i], optional(exp_avg_scales, i), compute)
         v = _read_state(exp_avg_sqs[i], optional(exp_avg_sq_scales, i), compute)
-        if mode == 0:
+        if adam_w_mode == 0:
             g = g + weight_decay * p
-        if mode == 2:
+        if adam_w_mode == 2:
             p = p * (1.0 - lr * weight_decay)
         m = m + (1.0 - beta1) * (g - m)
         v = v * beta2 + (1.0 - beta2) * g * g
@@ -120,11 +120,11 @@ def adam_step_(
         if amsgrad:
             vmax = torch.maximum(_read_state(max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), compute), v)
             v_used = vmax
-        if mode == 2:
+        if adam_w_mode == 2:
             p = p - (lr / bc1) * (m / (v_used.sqrt() / math.sqrt(bc2) + eps))
         else:
             p = p - (lr * math.sqrt(bc2) / bc1) * (m / (v_used.sqrt() + eps))
-            if mode == 1:
+            if adam_w_mode == 1:
                 p = p - (lr * weight_decay) * p
         _write_state(m, exp_avgs[i], optional(exp_avg_scales, i))
         _write_state(v, exp_avg_sqs[i], optional(exp_avg_sq_scales, i))

@@ -114,7 +114,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("ort_optim::adam_step_")
     def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
-          exp_avg_sq_scales, max_exp_avg_sq_scales, steps, *, lr, beta1, beta2, eps, weight_decay, mode,
+          exp_avg_sq_scales, max_exp_avg_sq_scales, steps, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
           bias_correction, maximize, lr_tensor=None, inv_grad_scale=None, found_inf=None):
         return None
 
@@ -164,7 +164,7 @@ def adam_step_(
     beta2: float,
     eps: float,
     weight_decay: float,
-    mode: int,
+    adam_w_mode: int,
     bias_correction: bool,
     maximize: bool,
     lr_tensor: Optional[torch.Tensor] = None,
@@ -176,7 +176,7 @@ def adam_step_(
     impl.adam_step_(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
         exp_avg_sq_scales, max_exp_avg_sq_scales, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, mode=mode, bias_correction=bias_correction, maximize=maximize,
+        weight_decay=weight_decay, adam_w_mode=adam_w_mode, bias_correction=bias_correction, maximize=maximize,
         lr_tensor=lr_tensor, inv_grad_scale=inv_grad_scale, found_inf=found_inf,
     )
 

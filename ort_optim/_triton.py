@@ -395,7 +395,7 @@ def adam_step_(
     beta2: float,
     eps: float,
     weight_decay: float,
-    mode: int,
+    adam_w_mode: int,
     bias_correction: bool,
     maximize: bool,
     lr_tensor: Optional[torch.Tensor] = None,
@@ -415,8 +415,8 @@ def adam_step_(
         _fail("max_exp_avg_sq_scales given without max_exp_avg_sqs")
     if amsgrad and (len(exp_avg_sq_scales) > 0) != (len(max_exp_avg_sq_scales) > 0):
         _fail("max_exp_avg_sqs share exp_avg_sqs' dtype, so both or neither need scales")
-    if mode not in (0, 1, 2):
-        _fail(f"mode must be 0, 1 or 2, got {mode}")
+    if adam_w_mode not in (0, 1, 2):
+        _fail(f"adam_w_mode must be 0, 1 or 2, got {adam_w_mode}")
     if not (steps.dtype == torch.float64 and steps.dim() == 1 and steps.numel() == n and steps.is_contiguous()):
         _fail(f"steps must be a contiguous float64 tensor of shape [{n}]")
     for name, t in (("lr_tensor", lr_tensor), ("inv_grad_scale", inv_grad_scale), ("found_inf", found_inf)):
@@ -486,7 +486,7 @@ def adam_step_(
                 found_t if found_t is not None else dummy,
                 _bits(lr), _bits(beta1), _bits(beta2), _bits(eps), _bits(weight_decay),
                 _bits(-1.0 if maximize else 1.0),
-                MODE=int(mode), BIAS_CORRECTION=bool(bias_correction), HAS_LR_TENSOR=lr_t is not None,
+                MODE=int(adam_w_mode), BIAS_CORRECTION=bool(bias_correction), HAS_LR_TENSOR=lr_t is not None,
                 HAS_INV_SCALE=inv_t is not None, HAS_FOUND_INF=found_t is not None, BLOCK=BLOCK,
                 BLOCKS_PER_PROGRAM=group.bpp, ALIGNED=group.aligned and group.grads_aligned, num_warps=NUM_WARPS,
                 enable_fp_fusion=False,

@@ -469,7 +469,7 @@ class FusedAdam(torch.optim.Optimizer):
                     bucket.max_exp_avg_sq_scales, bucket.steps,
                     lr=0.0 if lr_tensor is not None else float(lr), beta1=float(group["betas"][0]),
                     beta2=float(group["betas"][1]), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), mode=int(group["adam_w_mode"]),
+                    weight_decay=float(group["weight_decay"]), adam_w_mode=int(group["adam_w_mode"]),
                     bias_correction=bool(group["bias_correction"]), maximize=bool(group["maximize"]),
                     lr_tensor=lr_tensor,
                     inv_grad_scale=None if inv_grad_scale is None else inv_grad_scale[device],

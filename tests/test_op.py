@@ -45,17 +45,6 @@ def test_native_library_builds_and_loads():
     assert hasattr(torch.ops.ort_optim, "adam_step_") and hasattr(torch.ops.ort_optim, "grad_stats")
 
 
-def _schema_kwarg(type_name: str) -> list[str]:
-    schema = torch.ops.ort_optim.adam_step_.default._schema
-    return [a.name for a in schema.arguments if a.kwarg_only and str(a.type) == type_name]
-
-
-def mode_kwarg() -> str:
-    """The name of the op's weight-decay-mode argument (the schema's only int keyword)."""
-    (name,) = _schema_kwarg("int")
-    return name
-
-
 # ---- sample inputs -------------------------------------------------------------------------------------------------
 
 
@@ -111,7 +100,7 @@ class Sample:
             steps[0] = 0.0  # a param taking its first step beside older ones
         kwargs = dict(lr=0.0 if self.lr_tensor else 1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05,
                       bias_correction=self.bias_correction, maximize=self.maximize)
-        kwargs[mode_kwarg()] = self.mode
+        kwargs["adam_w_mode"] = self.mode
         if self.lr_tensor:
             kwargs["lr_tensor"] = torch.tensor(1e-2)
         if self.inv_grad_scale:
@@ -143,37 +132,12 @@ def _call(module, args, kwargs):
     (module if module is not None else torch.ops.ort_optim).adam_step_(*args, **kwargs)
 
 
-def _fallback_kwargs(kwargs):
-    """The fallback's keyword for the mode is `mode` (its own signature), whatever the schema calls it."""
-    kwargs = dict(kwargs)
-    kwargs["mode"] = kwargs.pop(mode_kwarg())
-    return kwargs
-
-
 # ---- opcheck -------------------------------------------------------------------------------------------------------
 
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 TORCH_24_LIST_MUTATION = ("torch 2.4 cannot compile custom ops that mutate tensor lists (its auto_functionalize "
                           "does not handle Tensor(a!)[] arguments: 'Found a custom (non-ATen) operator whose output "
                           "has alias annotations')")
-MODE_KWARG_BUG = ("ops/schema.cpp names adam_step_'s mode argument `mode`, which collides with the first parameter "
-                  "of torch's higher-order-op dispatch (auto_functionalized_v2 calls handler(mode, *args, **kwargs): "
-                  "'got multiple values for argument mode'); renaming the schema argument (e.g. adam_w_mode) fixes "
-                  "torch.compile and this check")
-
-
-def _mode_kwarg_bug_present() -> bool:
-    return TORCH_VERSION >= (2, 5) and _native.native_available() and "mode" in _schema_kwarg("int")
-
-
-def run_or_xfail_on_the_mode_kwarg_bug(function) -> None:
-    """Runs function; while the schema still names its argument `mode`, expects exactly that failure and xfails."""
-    if not _mode_kwarg_bug_present():
-        function()
-        return
-    with pytest.raises(Exception, match=r"multiple values for argument 'mode'"):
-        function()
-    pytest.xfail(MODE_KWARG_BUG)
 
 
 def _opcheck_params():
@@ -190,13 +154,7 @@ def _opcheck_params():
 def test_opcheck_adam_step(sample, util):
     args, kwargs = sample.make()
 
-    def check():
-        torch.library.opcheck(torch.ops.ort_optim.adam_step_.default, args, kwargs, test_utils=util)
-
-    if util == "test_aot_dispatch_dynamic":
-        run_or_xfail_on_the_mode_kwarg_bug(check)
-    else:
-        check()
+    torch.library.opcheck(torch.ops.ort_optim.adam_step_.default, args, kwargs, test_utils=util)
 
 
 GRAD_STATS_SAMPLES = {
@@ -334,7 +292,7 @@ def test_native_op_and_fallback_agree_for_every_dtype_combination(sample):
     native_args, fallback_args = _clone_args(args), _clone_args(args)
     for _ in range(3):
         torch.ops.ort_optim.adam_step_(*native_args, **kwargs)
-        _fallback.adam_step_(*fallback_args, **_fallback_kwargs(kwargs))
+        _fallback.adam_step_(*fallback_args, **kwargs)
     (params, _, ms, vs, vmaxs, masters, m_scales, v_scales, vmax_scales, steps) = native_args
     (fparams, _, fms, fvs, fvmaxs, fmasters, fm_scales, fv_scales, fvmax_scales, fsteps) = fallback_args
     assert_bitwise_equal(steps, fsteps, "steps")
@@ -411,7 +369,7 @@ OP_ERRORS = [
      r"Could not run 'ort_optim::adam_step_' with arguments from the 'SparseCPU' backend"),
     ("non-contiguous-state", lambda a, k: a[2].__setitem__(4, torch.zeros(4, 3).t()),
      r"exp_avgs\[4\] must be contiguous"),
-    ("bad-mode", lambda a, k: k.__setitem__(mode_kwarg(), 3), r"mode must be 0, 1 or 2, got 3"),
+    ("bad-mode", lambda a, k: k.__setitem__("adam_w_mode", 3), r"adam_w_mode must be 0, 1 or 2, got 3"),
     ("float64-mixed-with-float32", lambda a, k: (a[0].append(torch.zeros(2, dtype=F64)),
                                                  a[1].append(torch.zeros(2, dtype=F64)),
                                                  a[2].append(torch.zeros(2, dtype=F64)),
@@ -573,7 +531,7 @@ COMPILE_SKIP = pytest.mark.skipif(TORCH_VERSION < (2, 5),
 @COMPILE_SKIP
 @pytest.mark.parametrize("target", ["op", "fused-adam-step"])
 def test_torch_compile_gives_the_eager_result(target, monkeypatch):
-    run_or_xfail_on_the_mode_kwarg_bug(lambda: _compare_compiled_with_eager(target, monkeypatch))
+    _compare_compiled_with_eager(target, monkeypatch)
 
 
 def _compare_compiled_with_eager(target, monkeypatch):

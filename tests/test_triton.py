@@ -383,7 +383,7 @@ def test_errors_name_the_argument():
     with pytest.raises(RuntimeError, match="steps must be"):
         _triton.adam_step_(*base[:9], base[9].float(), **hp)
     with pytest.raises(RuntimeError, match="mode must be"):
-        _triton.adam_step_(*base, **dict(hp, mode=3))
+        _triton.adam_step_(*base, **dict(hp, adam_w_mode=3))
 
 
 # ---- CUDA only: streams and graphs ----------------------------------------------------------------------------------
@@ -563,44 +563,13 @@ def _torch_version():
 
 
 def test_torch_compile_of_the_native_op():
-    """torch.compile(fullgraph=True) of a function calling the op (native CPU kernel).
+    """torch.compile(fullgraph=True) of a function calling the op (native CPU kernel) matches eager.
 
     Measured: torch 2.4 cannot functionalise a custom op that mutates tensor lists ("Found a custom (non-ATen)
-    operator whose output has alias annotations"), so it is skipped there. torch 2.13 compiles such ops, but its
-    redirect_to_mode wrapper has a parameter named `mode` that collides with the op's keyword `mode` ("got multiple
-    values for argument 'mode'"): with the schema as it is, this is an expected failure on torch >= 2.5."""
+    operator whose output has alias annotations"), so it is skipped there; torch >= 2.5 compiles it. (The op's
+    mode argument is named adam_w_mode: a keyword named `mode` collides with torch's redirect_to_mode wrapper.)"""
     if not _native.native_available():
         pytest.skip("the native library is not available")
     if _torch_version() < (2, 5):
         pytest.skip(f"torch {torch.__version__} cannot functionalise custom ops that mutate tensor lists")
-    schema = torch.ops.ort_optim.adam_step_.default._schema
-    if any(a.name == "mode" for a in schema.arguments):
-        pytest.xfail("torch.compile: the op's keyword argument `mode` collides with torch's redirect_to_mode "
-                     "(rename it in ops/schema.cpp; test_torch_compile_with_a_renamed_mode shows that suffices)")
     _compile_case(torch.ops.ort_optim.adam_step_, hyper(2))
-
-
-def test_torch_compile_with_a_renamed_mode():
-    """The same op with `mode` renamed (a copy of the schema in a test namespace forwarding to the native kernel)
-    compiles with torch >= 2.5 and matches eager bit for bit."""
-    if not _native.native_available():
-        pytest.skip("the native library is not available")
-    if _torch_version() < (2, 5):
-        pytest.skip(f"torch {torch.__version__} cannot functionalise custom ops that mutate tensor lists")
-    schema = str(torch.ops.ort_optim.adam_step_.default._schema).split("::", 1)[1]
-    if "int mode" not in schema:
-        pytest.skip("the schema has no `mode` argument any more: test_torch_compile_of_the_native_op covers it")
-    ns = "ort_optim_compile_test"
-    if not hasattr(test_torch_compile_with_a_renamed_mode, "lib"):
-        lib = torch.library.Library(ns, "DEF")
-        lib.define(schema.replace("int mode", "int adam_mode"))
-
-        def forward(*args, adam_mode, **kwargs):
-            torch.ops.ort_optim.adam_step_(*args, mode=adam_mode, **kwargs)
-
-        lib.impl("adam_step_", forward, "CPU")
-        torch.library.register_fake(f"{ns}::adam_step_", lambda *args, **kwargs: None, lib=lib)
-        test_torch_compile_with_a_renamed_mode.lib = lib
-    hp = hyper(2)
-    hp["adam_mode"] = hp.pop("mode")
-    _compile_case(getattr(torch.ops, ns).adam_step_, hp)

@@ -89,7 +89,7 @@ def reference_step(args: list, hp: dict) -> None:
     if hp.get("found_inf") is not None and float(hp["found_inf"]) != 0.0:
         return
     lr = float(hp["lr_tensor"]) if hp.get("lr_tensor") is not None else hp["lr"]
-    beta1, beta2, eps, wd, mode = hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"], hp["mode"]
+    beta1, beta2, eps, wd, mode = hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"], hp["adam_w_mode"]
     grad_mul = (float(hp["inv_grad_scale"]) if hp.get("inv_grad_scale") is not None else 1.0) * \
         (-1.0 if hp["maximize"] else 1.0)
     amsgrad = len(vmaxs) > 0
@@ -200,7 +200,7 @@ def clone_case(args, device=torch.device("cpu")) -> list:
 
 
 def hyper(mode: int, **overrides) -> dict:
-    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, mode=mode, bias_correction=True,
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, adam_w_mode=mode, bias_correction=True,
               maximize=False, lr_tensor=None, inv_grad_scale=None, found_inf=None)
     hp.update(overrides)
     return hp
