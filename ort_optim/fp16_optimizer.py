@@ -587,7 +587,7 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
                 given = torch.maximum(given, _native.grad_stats(grads)[1].to(self._main_device))
             given = self._reduce_found_inf(given.reshape(1)).reshape(())
         opt.step(grad_scale=scale, found_inf=given)
-        found = getattr(opt, "_last_found_inf", None)
+        found = opt.last_found_inf
         if found is None:  # no parameter had a gradient: nothing was (or could be) updated
             found = torch.zeros((), dtype=torch.float32, device=self._main_device) if given is None else given
         self.scaler.update(found.reshape(()))

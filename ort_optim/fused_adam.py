@@ -393,6 +393,12 @@ class FusedAdam(torch.optim.Optimizer):
                 )
 
     @property
+    def last_found_inf(self) -> Optional[torch.Tensor]:
+        """The last step()'s skip flag as a one-element float32 tensor on the params' device (non-zero: skipped),
+        or None when no loss scaling or clipping was involved. Reading it never synchronises."""
+        return self._last_found_inf
+
+    @property
     def last_step_skipped(self) -> bool:
         """Whether the last step() was skipped because of inf/NaN gradients or a non-zero found_inf.
 
@@ -523,7 +529,8 @@ class FusedAdam(torch.optim.Optimizer):
         (float64 for float64 params), a float64 per-parameter ``step``. It loads into FusedAdam with any state
         dtypes, into torch.optim.AdamW, and with ``torch.load(weights_only=True)``."""
         sd = super().state_dict()
-        sd["state"] = {index: self._canonical(state) for index, state in sd["state"].items()}
+        # Reading optimizer.state[p] creates an empty entry (it is a defaultdict): such params have no state to save.
+        sd["state"] = {index: self._canonical(state) for index, state in sd["state"].items() if state}
         # tensor-valued group entries (an lr tensor, a scheduler's initial_lr) are copies too: a scheduler that fills
         # the lr in place must not write into a saved checkpoint, nor the checkpoint's user into the optimizer
         for group in sd["param_groups"]:

@@ -550,3 +550,14 @@ def test_an_ort_fused_adam_checkpoint_loads(mode, backend, monkeypatch):
         torch.testing.assert_close(p.double(), reference.param(i), rtol=2.0**-10 if p.dtype == torch.float16 else 1e-6,
                                    atol=1e-7)
     assert [float(opt.state[p]["step"]) for p in params] == [12.0, 12.0, 5.0]
+
+
+def test_state_dict_ignores_the_empty_entries_that_reading_optimizer_state_creates():
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))]
+    opt = FusedAdam(params)
+    params[0].grad = torch.ones(3)
+    opt.step()
+    assert opt.state[params[1]] == {}  # a defaultdict read: creates an empty entry
+    saved = opt.state_dict()
+    assert list(saved["state"]) == [0]
+    FusedAdam(params).load_state_dict(saved)
