@@ -27,7 +27,7 @@ Legs (each runs in its own process, so peak RSS is per leg and ORT's environment
 * ``eager-fused``, ``eager-fp16``: the same two optimizers without ORTModule (used by ``--no-ort``).
 
 Every leg uses the same hyperparameters: lr with linear warm-up then cosine decay, betas (0.9, 0.95), eps 1e-8,
-weight decay 0.1 on matrices (not on biases, LayerNorm or embeddings... the tied embedding is a matrix and decays).
+weight decay 0.1 on the matrices (embeddings included), none on biases and LayerNorm weights.
 
 Reported per leg: train loss per step, validation loss, tokens/s, forward+backward time, optimizer time (step +
 zero_grad, including FP16_Optimizer's unscale/overflow check), the optimizer's share of the step, peak RSS of the
@@ -418,22 +418,33 @@ def table(results: dict) -> str:
 
 
 def plot(results: dict, path: Path, title: str) -> None:
+    """Loss curves (top) and each leg's train loss minus the baseline's (bottom: where the legs track or drift)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, diff_ax) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw=dict(height_ratios=(3, 1.4)))
+    base = results.get(BASELINE)
     for leg, r in results.items():
-        line, = ax.plot(range(1, len(r["train_loss"]) + 1), r["train_loss"], lw=1, alpha=0.8, label=f"{leg} train")
+        steps = range(1, len(r["train_loss"]) + 1)
+        line, = ax.plot(steps, r["train_loss"], lw=1, alpha=0.8, label=f"{leg} train")
         if r["val_loss"]:
-            steps, vals = zip(*r["val_loss"])
-            ax.plot(steps, vals, "o--", color=line.get_color(), ms=4, label=f"{leg} validation")
-    ax.set_xlabel("step")
+            val_steps, vals = zip(*r["val_loss"])
+            ax.plot(val_steps, vals, "o--", color=line.get_color(), ms=4, label=f"{leg} validation")
+        if base is not None and leg != BASELINE:
+            diff_ax.plot(steps, [a - b for a, b in zip(r["train_loss"], base["train_loss"])], lw=1,
+                         color=line.get_color(), label=leg)
     ax.set_ylabel("cross-entropy (nats/byte)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    diff_ax.axhline(0, color="black", lw=0.5)
+    diff_ax.set_ylabel(f"train loss −\n{BASELINE}", fontsize=8)
+    diff_ax.set_xlabel("step")
+    diff_ax.grid(alpha=0.3)
+    if base is not None and len(results) > 1:
+        diff_ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
