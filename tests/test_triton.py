@@ -426,7 +426,8 @@ def test_grad_stats_matches_the_cpu_kernel(special):
         assert float(out[1]) == 1.0 and not math.isfinite(float(out[0]))
     else:
         assert float(out[1]) == 0.0
-        assert float(out[0]) == float(np.float32(expected_sum))
+        with np.errstate(over="ignore"):
+            assert float(out[0]) == float(np.float32(expected_sum))
     if _native.native_available():
         try:
             native = torch.ops.ort_optim.grad_stats(tensors)

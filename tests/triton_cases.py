@@ -118,18 +118,18 @@ def reference_step(args: list, hp: dict) -> None:
         p = _to_numpy(master if master is not None else param).astype(F)
         m = read_state(ms[i], mss[i] if len(mss) else None).astype(F)
         v = read_state(vs[i], vss[i] if len(vss) else None).astype(F)
-        if mode == 0:
-            g = g + F(wd) * p
-        if mode == 2:
-            p = p * F(1.0 - lr * wd)
-        m = m + F(1.0 - beta1) * (g - m)
-        v = v * F(beta2) + F(1.0 - beta2) * g * g
-        v_used = v
-        if amsgrad:
-            vmax = read_state(vmaxs[i], vmaxss[i] if len(vmaxss) else None).astype(F)
-            vmax = np.where(vmax < v, v, vmax).astype(F)
-            v_used = vmax
-        with np.errstate(all="ignore"):
+        with np.errstate(all="ignore"):  # inf and NaN are legitimate IEEE results here
+            if mode == 0:
+                g = g + F(wd) * p
+            if mode == 2:
+                p = p * F(1.0 - lr * wd)
+            m = m + F(1.0 - beta1) * (g - m)
+            v = v * F(beta2) + F(1.0 - beta2) * g * g
+            v_used = v
+            if amsgrad:
+                vmax = read_state(vmaxs[i], vmaxss[i] if len(vmaxss) else None).astype(F)
+                vmax = np.where(vmax < v, v, vmax).astype(F)
+                v_used = vmax
             if mode == 2:
                 p = p - F(step_size) * (m / (np.sqrt(v_used) / F(math.sqrt(bc2)) + F(eps)))
             else:
