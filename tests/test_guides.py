@@ -68,9 +68,11 @@ def test_every_diff_names_an_existing_script():
 def test_migration_script_runs(script: Path, tmp_path: Path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, timeout=240)
+                          stderr=subprocess.PIPE, timeout=240)
     if proc.returncode == SKIP:
         reasons = [line for line in proc.stdout.splitlines() if line.startswith("SKIP:")]
         pytest.skip(reasons[-1][len("SKIP:"):].strip() if reasons else f"{script.name} cannot run here")
-    assert proc.returncode == 0, f"{script.name} exited with {proc.returncode}:\n{proc.stdout[-6000:]}"
-    assert proc.stdout.rstrip().endswith("OK"), proc.stdout[-2000:]
+    output = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{script.name} exited with {proc.returncode}:\n{output}"
+    # Each script prints a line "OK" once all its assertions held (DeepSpeed, imported by ORT, may log after it).
+    assert "OK" in proc.stdout.splitlines(), output

@@ -14,8 +14,8 @@ as the client optimizer, twice: as DeepSpeed ships it, and with FP16_Optimizer a
 was applied and that losses and gradient norms agree (RTOL). DeepSpeed's CPU accelerator offers fp16 only where
 oneDNN has fp16 kernels; elsewhere the script uses bf16 (the ZeRO optimizer is the same class either way).
 
-Exit status 77 (the tests report it as a skip) when DeepSpeed cannot be imported: in .venv-latest it is not
-installed, and in .venv it needs `einops`, which its --no-deps install does not bring.
+Exit status 77 (the tests report it as a skip) when DeepSpeed cannot be imported, as in .venv-latest, which does not
+install it.
 """
 
 from __future__ import annotations
