@@ -36,7 +36,9 @@ def _one_intra_op_thread(request):
 
 # The CPU backends every FusedAdam test runs on: the compiled op (ops/adam_cpu.cpp) and the pure-PyTorch fallback
 # (ort_optim/_fallback.py). ORT_OPTIM_BACKEND is read at every step, so monkeypatch.setenv switches per test.
-BACKENDS = ("native", "torch")
+# `make test-triton` runs the suite with ORT_OPTIM_BACKEND=triton (and TRITON_INTERPRET=1): then every
+# backend-parametrised test goes through the Triton kernels instead.
+BACKENDS = ("triton",) if os.environ.get("ORT_OPTIM_BACKEND") == "triton" else ("native", "torch")
 
 
 def select_backend(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
