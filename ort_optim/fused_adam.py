@@ -12,6 +12,8 @@ import torch
 from . import _fallback, _native
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Elements between the starts of state views in one flat buffer (256 bytes for float32): keeps vector loads aligned.
+_STATE_ALIGN = 64
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -42,6 +44,7 @@ class _Bucket:
     exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
     max_exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
     steps: Optional[torch.Tensor] = None  # float64 [n]; state[p]["step"] are 0-dim views of it
+    whole_group: bool = False  # holds every param of its group, in order (the grads list can be passed as is)
 
 
 def _describe(group_index: int, index: int, param: torch.Tensor) -> str:
@@ -278,18 +281,39 @@ class FusedAdam(torch.optim.Optimizer):
         return p.device
 
     def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
-        m_dtype, v_dtype, has_master = self._state_layout(p)
-        state: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float64, device=self._steps_device(p))}
-        moments = {"exp_avg": m_dtype, "exp_avg_sq": v_dtype}
-        if amsgrad:
-            moments["max_exp_avg_sq"] = v_dtype
-        for key, dtype in moments.items():
-            state[key] = torch.zeros(p.shape, dtype=dtype, device=p.device)
-            if dtype == torch.float16:
-                state[key + "_scale"] = torch.ones(_fallback.num_blocks(p.numel()), device=p.device)
-        if has_master:
-            state["master_param"] = p.detach().float().clone(memory_format=torch.contiguous_format)
-        return state
+        return self._init_states([p], amsgrad)[0]
+
+    def _init_states(self, params: list[torch.Tensor], amsgrad: bool) -> list[dict]:
+        """Fresh states for params. Each kind of state tensor of params sharing (device, dtype) is a view of one
+        flat buffer: the kernel then streams through contiguous memory instead of thousands of small allocations,
+        whose cold starts cost more than their bytes (each view starts on a 256-byte boundary)."""
+        states: list[dict[str, Any]] = []
+        requests: dict[tuple[str, torch.device, torch.dtype], list[int]] = {}
+        for i, p in enumerate(params):
+            m_dtype, v_dtype, has_master = self._state_layout(p)
+            kinds = {"exp_avg": m_dtype, "exp_avg_sq": v_dtype}
+            if amsgrad:
+                kinds["max_exp_avg_sq"] = v_dtype
+            if has_master:
+                kinds["master_param"] = torch.float32
+            state: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float64, device=self._steps_device(p))}
+            for key, dtype in kinds.items():
+                requests.setdefault((key, p.device, dtype), []).append(i)
+                if dtype == torch.float16:
+                    state[key + "_scale"] = torch.ones(_fallback.num_blocks(p.numel()), device=p.device)
+            states.append(state)
+        for (key, device, dtype), indices in requests.items():
+            offsets, total = [], 0
+            for i in indices:
+                offsets.append(total)
+                total += -(-params[i].numel() // _STATE_ALIGN) * _STATE_ALIGN
+            flat = torch.zeros(total, dtype=dtype, device=device)
+            for i, offset in zip(indices, offsets):
+                view = flat[offset:offset + params[i].numel()].view(params[i].shape)
+                if key == "master_param":
+                    view.copy_(params[i].detach())
+                states[i][key] = view
+        return states
 
     # ---- the step -----------------------------------------------------------------------------------------------
 
@@ -311,14 +335,15 @@ class FusedAdam(torch.optim.Optimizer):
         if cached is not None and cached[0] == mask:
             return cached[1]
         group = self.param_groups[group_index]
+        fresh = [p for p, g in zip(group["params"], grads) if g is not None and not self.state[p]]
+        for p, state in zip(fresh, self._init_states(fresh, group["amsgrad"])):
+            self.state[p].update(state)
         by_key: dict[tuple, _Bucket] = {}
         for index, p in enumerate(group["params"]):
             if grads[index] is None:
                 continue
             state = self.state[p]
-            if not state:
-                state.update(self._init_state(p, group["amsgrad"]))
-            elif group["amsgrad"] and "max_exp_avg_sq" not in state:
+            if group["amsgrad"] and state and "max_exp_avg_sq" not in state:
                 raise ValueError(
                     f"{_describe(group_index, index, p)}: amsgrad is on but this parameter's state has no "
                     f"max_exp_avg_sq (it was created with amsgrad=False); load a checkpoint made with amsgrad=True"
@@ -340,6 +365,8 @@ class FusedAdam(torch.optim.Optimizer):
             for j, s in enumerate(states):
                 s["step"] = bucket.steps[j]
         buckets = list(by_key.values())
+        for bucket in buckets:
+            bucket.whole_group = len(bucket.indices) == len(group["params"])
         self._plans[group_index] = (mask, buckets)
         return buckets
 
@@ -451,8 +478,9 @@ class FusedAdam(torch.optim.Optimizer):
 
         launches = []
         for group_index, (group, grads) in enumerate(zip(self.param_groups, all_grads)):
-            for bucket in self._plan(group_index, grads):
-                launches.append((group_index, group, bucket, [grads[i] for i in bucket.indices]))
+            for bucket in cached[group_index] or self._plan(group_index, grads):
+                bucket_grads = grads if bucket.whole_group else [grads[i] for i in bucket.indices]
+                launches.append((group_index, group, bucket, bucket_grads))
         if not launches:
             self._last_found_inf = None
             return loss

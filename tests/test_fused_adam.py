@@ -624,3 +624,22 @@ def test_capturable_refusals_come_before_anything_changes(case):
     with pytest.raises(ValueError, match=message):
         capturable.step(**kwargs)
     assert_same_snapshot(before, optimizer_snapshot(capturable))
+
+
+def test_fresh_states_are_aligned_views_of_one_buffer_per_kind():
+    """Params first stepped together get their moments (and masters) as views of one flat buffer per kind and
+    dtype, each starting on a 256-byte boundary, so the kernel streams contiguous memory; the views never overlap."""
+    params = [torch.nn.Parameter(torch.randn(n).half()) for n in (5, 1000, 3)] + [torch.nn.Parameter(torch.randn(()))]
+    opt = FusedAdam(params, master_weights=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for key in ("exp_avg", "exp_avg_sq", "master_param"):
+        views = [opt.state[p][key] for p in params[:3]]
+        assert len({v.untyped_storage().data_ptr() for v in views}) == 1, key
+        starts = [v.data_ptr() for v in views]
+        assert all(start % 256 == 0 for start in starts), key
+        ends = [v.data_ptr() + v.numel() * v.element_size() for v in views]
+        assert all(end <= start for end, start in zip(ends, starts[1:])), key
+    for p in params[:3]:
+        assert torch.equal(opt.state[p]["master_param"].half(), p.detach())
