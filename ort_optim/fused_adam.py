@@ -12,7 +12,7 @@ import torch
 from . import _fallback, _native
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-# Elements between the starts of state views in one flat buffer (256 bytes for float32): keeps vector loads aligned.
+# State views in one flat buffer start a multiple of this many elements apart (256 bytes for float32).
 _STATE_ALIGN = 64
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -286,7 +286,8 @@ class FusedAdam(torch.optim.Optimizer):
     def _init_states(self, params: list[torch.Tensor], amsgrad: bool) -> list[dict]:
         """Fresh states for params. Each kind of state tensor of params sharing (device, dtype) is a view of one
         flat buffer: the kernel then streams through contiguous memory instead of thousands of small allocations,
-        whose cold starts cost more than their bytes (each view starts on a 256-byte boundary)."""
+        whose cold starts cost more than their bytes. Views start 256 bytes apart (times n) from the buffer's start,
+        which torch's allocator aligns to 64 bytes, so vector loads stay aligned."""
         states: list[dict[str, Any]] = []
         requests: dict[tuple[str, torch.device, torch.dtype], list[int]] = {}
         for i, p in enumerate(params):
