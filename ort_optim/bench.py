@@ -201,6 +201,26 @@ def print_table(rows: list[dict], bandwidth: dict) -> None:
               f"{row['ours_speedup']:8.2f}x {row['effective_GBps']:7.1f} {fraction:6.0%}")
 
 
+def markdown(rows: list[dict], fp16_rows: list[dict], bandwidth: dict, command: str) -> str:
+    """The run's tables in markdown, for guides/benchmarks.md (pasted from here, never retyped)."""
+    lines = [f"Command: `{command}` (torch {torch.__version__}, {torch.get_num_threads()} threads, "
+             f"{time.strftime('%Y-%m-%d')}). Measured bandwidth: in-place {bandwidth['inplace_GBps']:.1f} GB/s, "
+             f"triad {bandwidth['triad_GBps']:.1f} GB/s.", "",
+             "| section | workload | implementation | median ms | ort_optim speed-up | GB/s | of in-place BW | "
+             "state bytes/param |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        state = r["optimizer_state_bytes_per_param"]
+        lines.append(f"| {r['section']} | {r['workload']} | {r['impl']} | {r['median_ms']:.2f} | "
+                     f"{r['ours_speedup']:.2f}x | {r['effective_GBps']:.1f} | "
+                     f"{r['effective_GBps'] / bandwidth['inplace_GBps']:.0%} | "
+                     f"{'' if state is None else f'{state:g}'} |")
+    if fp16_rows:
+        lines += ["", "| workload | implementation | median ms | time / baseline's |", "|---|---|---|---|"]
+        lines += [f"| {r['workload']} | {r['impl']} | {r['median_ms']:.2f} | {r['ratio_vs_baseline']:.3f} |"
+                  for r in fp16_rows]
+    return "\n".join(lines) + "\n"
+
+
 def save_chart(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -267,9 +287,10 @@ def main(argv=None) -> int:
         "native": _native.native_available(), "bandwidth": bandwidth, "rows": rows, "fp16_optimizer_rows": fp16_rows,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }, indent=2))
+    out.with_suffix(".md").write_text(markdown(rows, fp16_rows, bandwidth, command.strip()))
     chart = out.with_suffix(".png")
     save_chart([r for r in rows if "ours_speedup" in r], chart)
-    print(f"\nwrote {out} and {chart}")
+    print(f"\nwrote {out}, {out.with_suffix('.md')} and {chart}")
     return 0
 
 
