@@ -13,12 +13,11 @@ a custom optimizer under ZeRO needs ``zero_allow_untested_optimizer``.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from conftest import spawn
 
 try:
     import deepspeed  # noqa: F401
@@ -34,26 +33,6 @@ pytestmark = pytest.mark.skipif(
 WORLD = 2
 STEPS = 7
 OVERFLOW_STEPS = (2, 3, 6)  # rank 0 only; hysteresis 2 absorbs 2 and 6, backs off at 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(worker, outdir: str) -> None:
-    """mp.spawn on a free port; once more on a fresh port if the rendezvous failed (another process may take the
-    port between free_port() and the bind), never on any other error."""
-    for attempt in range(2):
-        try:
-            mp.spawn(worker, args=(free_port(), outdir), nprocs=WORLD)
-            return
-        except Exception as exc:  # torch.multiprocessing.ProcessRaisedException
-            text = str(exc)
-            if attempt or not any(s in text for s in ("EADDRINUSE", "Address already in use", "Connection reset",
-                                                       "Connection refused", "Socket Timeout")):
-                raise
 
 
 def ds_config(stage: int) -> dict:
@@ -163,7 +142,7 @@ def _worker(rank, port, outdir):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("deepspeed")
-    spawn(_worker, str(outdir))
+    spawn(_worker, str(outdir), nprocs=WORLD)
     return [torch.load(outdir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 

@@ -8,13 +8,12 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import spawn
 from torch import nn
 
 from ort_optim import FusedAdam
@@ -22,26 +21,6 @@ from ort_optim.fp16_optimizer import FP16_Optimizer
 
 WORLD = 2
 STEPS = 5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(worker, outdir: str) -> None:
-    """mp.spawn on a free port; once more on a fresh port if the rendezvous failed (another process may take the
-    port between free_port() and the bind), never on any other error."""
-    for attempt in range(2):
-        try:
-            mp.spawn(worker, args=(free_port(), outdir), nprocs=WORLD)
-            return
-        except Exception as exc:  # torch.multiprocessing.ProcessRaisedException
-            text = str(exc)
-            if attempt or not any(s in text for s in ("EADDRINUSE", "Address already in use", "Connection reset",
-                                                       "Connection refused", "Socket Timeout")):
-                raise
 
 
 def make_model(dtype):
@@ -131,7 +110,7 @@ def _worker(rank, port, outdir):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("fp16_distributed")
-    spawn(_worker, str(outdir))
+    spawn(_worker, str(outdir), nprocs=WORLD)
     return [torch.load(outdir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
