@@ -31,7 +31,8 @@ from .fused_adam import FusedAdam
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 MIN_SCALE_ACTIONS = ("raise", "clamp")
-MIGRATION_GUIDE = "guides/fp16-optimizer.md, section 'Migrating from Apex amp O2'"
+MIGRATION_GUIDE = ("guides/fp16-optimizer.md, section 'Migrating from Apex amp O2', and the diff in guides/migration.md, "
+                   "section '4. Apex amp O2 -> FP16_Optimizer'")
 STATE_FORMAT = "ort_optim.FP16_Optimizer/1"
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
