@@ -27,7 +27,9 @@ import torch
 # Elements per fp16-state quantisation block; must equal kBlock in ops/adam_cpu.cpp and BLOCK in _triton.py.
 QUANT_BLOCK = 1024
 
-OPS_DIR = Path(__file__).resolve().parent.parent / "ops"
+# The checkout's ops/, or the copy a wheel carries (setup.py puts it in ort_optim/_ops).
+OPS_DIR = next((d for d in (Path(__file__).resolve().parent.parent / "ops", Path(__file__).resolve().parent / "_ops")
+                if (d / "schema.cpp").exists()), Path(__file__).resolve().parent.parent / "ops")
 SOURCES = ("schema.cpp", "adam_cpu.cpp")
 # -fno-math-errno lets sqrt vectorise; -march=native is safe because the build folder is keyed by the CPU flags;
 # -ffp-contract=off keeps every multiply and add separately rounded, as ops/README.md specifies, so the CPU kernel

@@ -15,6 +15,7 @@ import itertools
 import math
 import os
 import zlib
+from pathlib import Path
 from dataclasses import dataclass
 
 import pytest
@@ -568,3 +569,18 @@ def _compare_compiled_with_eager(target, monkeypatch):
             assert_bitwise_equal(p.detach(), q.detach(), "param")
             for key in opts["eager"].state[p]:
                 assert_bitwise_equal(opts["eager"].state[p][key], opts["compiled"].state[q][key], key)
+
+
+def test_a_wheel_carries_the_native_sources(tmp_path):
+    """`pip wheel .` ships ops/*.cpp as ort_optim/_ops, where _native looks outside a checkout (setup.py)."""
+    import subprocess
+    import sys
+    import zipfile
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(root), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path)], check=True, cwd=tmp_path)
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for source in _native.SOURCES:
+        assert f"ort_optim/_ops/{source}" in names
