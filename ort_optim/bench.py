@@ -189,6 +189,36 @@ def bench_low_precision_states(names: list[str], quick: bool, reps: int) -> list
     return rows
 
 
+def bench_op_overhead(reps: int) -> list[dict]:
+    """Where many-tensor steps lose time: the op alone on 2000 one-element tensors (metadata only), 2000 x 1K and one
+    2M-element tensor, with warm caches and after a 256 MB pass has evicted them (as other work does in training)."""
+    evictor = torch.empty(64 * 1024 * 1024)
+    rows = []
+    for workload, shapes in {"2000x1": [(1,)] * 2000, "2000x1K": [(1024,)] * 2000, "1x2M": [(2048 * 1024,)]}.items():
+        params = _params(shapes)
+        optimizer = FusedAdam(params)
+        optimizer.step()  # creates the state and the plan
+        (bucket,) = optimizer._plans[0][1]
+        grads = [p.grad for p in params]
+
+        def op():
+            _native.adam_step_(bucket.params, grads, bucket.exp_avgs, bucket.exp_avg_sqs, [], [], [], [], [],
+                               bucket.steps, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                               adam_w_mode=1, bias_correction=True, maximize=False)
+
+        for caches in ("warm", "evicted"):
+            times = []
+            for _ in range(3 + 4 * reps):
+                if caches == "evicted":
+                    evictor.add_(1.0)
+                start = time.perf_counter()
+                op()
+                times.append(time.perf_counter() - start)
+            rows.append({"section": "op overhead", "workload": workload, "caches": caches, "tensors": len(shapes),
+                         "median_ms": statistics.median(times[3:]) * 1e3})
+    return rows
+
+
 def _rows(section, workload, tensors, numel, medians, bytes_per_element, state_bytes) -> list[dict]:
     ours = next(v for k, v in medians.items() if k.startswith("ort_optim"))
     moved = bytes_per_element if isinstance(bytes_per_element, dict) else dict.fromkeys(medians, bytes_per_element)
@@ -213,7 +243,7 @@ def print_table(rows: list[dict], bandwidth: dict) -> None:
               f"{row['ours_speedup']:8.2f}x {row['effective_GBps']:7.1f} {fraction:10.0%}")
 
 
-def markdown(rows: list[dict], fp16_rows: list[dict], bandwidth: dict, command: str) -> str:
+def markdown(rows: list[dict], fp16_rows: list[dict], overhead_rows: list[dict], bandwidth: dict, command: str) -> str:
     """The run's tables in markdown, for guides/benchmarks.md (pasted from here, never retyped)."""
     lines = [f"Command: `{command}` (torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"{time.strftime('%Y-%m-%d')}). Measured bandwidth (best of 9): in-place {bandwidth['inplace_GBps']:.1f}, "
@@ -231,6 +261,9 @@ def markdown(rows: list[dict], fp16_rows: list[dict], bandwidth: dict, command: 
         lines += ["", "| workload | implementation | median ms | time / baseline's |", "|---|---|---|---|"]
         lines += [f"| {r['workload']} | {r['impl']} | {r['median_ms']:.2f} | {r['ratio_vs_baseline']:.3f} |"
                   for r in fp16_rows]
+    if overhead_rows:
+        lines += ["", "| op alone on | caches | median ms |", "|---|---|---|"]
+        lines += [f"| {r['workload']} | {r['caches']} | {r['median_ms']:.2f} |" for r in overhead_rows]
     return "\n".join(lines) + "\n"
 
 
@@ -257,8 +290,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller workloads, fewer repetitions")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per implementation")
-    parser.add_argument("--sections", default="fp32,mixed,states,fp16_optimizer",
-                        help="comma-separated: fp32, mixed, states, fp16_optimizer")
+    parser.add_argument("--sections", default="fp32,mixed,states,fp16_optimizer,overhead",
+                        help="comma-separated: fp32, mixed, states, fp16_optimizer, overhead")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's CPU Adam")
     parser.add_argument("--out", default="results/bench.json", help="JSON output (a PNG chart is saved beside it)")
     args = parser.parse_args(argv)
@@ -279,6 +312,7 @@ def main(argv=None) -> int:
         rows += bench_mixed(["gpt2-small", "2000x1K"], args.quick, reps)
     if "states" in sections:
         rows += bench_low_precision_states(["1x1024^2", "32x512^2", "1x4096^2"], args.quick, reps)
+    overhead_rows = bench_op_overhead(reps) if "overhead" in sections else []
     if "fp16_optimizer" in sections:
         from . import bench_fp16
 
@@ -287,6 +321,10 @@ def main(argv=None) -> int:
         fp16_rows = []
     print()
     print_table(rows, bandwidth)
+    if overhead_rows:
+        print("\nop alone (ort_optim::adam_step_), warm caches vs after a 256 MB pass evicted them")
+        for row in overhead_rows:
+            print(f"{row['workload']:<10} {row['caches']:<8} {row['median_ms']:8.2f} ms")
     if fp16_rows:
         print("\nFP16_Optimizer (ratio = median / baseline's median; < 1 means faster than the baseline)")
         for row in fp16_rows:
@@ -298,10 +336,11 @@ def main(argv=None) -> int:
     command = "python -m ort_optim.bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     out.write_text(json.dumps({
         "command": command.strip(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "native": _native.native_available(), "bandwidth": bandwidth, "rows": rows, "fp16_optimizer_rows": fp16_rows,
+        "native": _native.native_available(), "bandwidth": bandwidth, "rows": rows,
+        "fp16_optimizer_rows": fp16_rows, "op_overhead_rows": overhead_rows,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }, indent=2))
-    out.with_suffix(".md").write_text(markdown(rows, fp16_rows, bandwidth, command.strip()))
+    out.with_suffix(".md").write_text(markdown(rows, fp16_rows, overhead_rows, bandwidth, command.strip()))
     chart = out.with_suffix(".png")
     save_chart([r for r in rows if "ours_speedup" in r], chart)
     print(f"\nwrote {out}, {out.with_suffix('.md')} and {chart}")
