@@ -237,7 +237,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.exp_avg_sq_dtype = exp_avg_sq_dtype
         self.max_grad_norm = max_grad_norm
         self.capturable = capturable
-        self._plans: dict[int, tuple[tuple[bool, ...], list[_Bucket]]] = {}
+        self._plans: dict[int, tuple[tuple, list[_Bucket]]] = {}  # group index -> (_plan_key, buckets)
         self._last_found_inf: Optional[torch.Tensor] = None
         super().__init__(params, defaults)
 
@@ -320,9 +320,13 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _cached_plan(self, group_index: int, grads: list[Optional[torch.Tensor]]) -> Optional[list[_Bucket]]:
         cached = self._plans.get(group_index)
-        if cached is not None and cached[0] == tuple(g is not None for g in grads):
+        if cached is not None and cached[0] == self._plan_key(group_index, grads):
             return cached[1]
         return None
+
+    def _plan_key(self, group_index: int, grads: list[Optional[torch.Tensor]]) -> tuple:
+        """What a group's buckets depend on: which params have gradients, and amsgrad (which adds a state list)."""
+        return bool(self.param_groups[group_index]["amsgrad"]), tuple(g is not None for g in grads)
 
     @staticmethod
     def _native_validates(bucket: _Bucket) -> bool:
@@ -330,11 +334,8 @@ class FusedAdam(torch.optim.Optimizer):
         return bucket.params[0].device.type == "cpu" and _native.backend() == "auto" and _native.native_available()
 
     def _plan(self, group_index: int, grads: list[Optional[torch.Tensor]]) -> list[_Bucket]:
-        """The buckets for this group, rebuilt only when the set of params with gradients changes."""
-        mask = tuple(g is not None for g in grads)
-        cached = self._plans.get(group_index)
-        if cached is not None and cached[0] == mask:
-            return cached[1]
+        """Builds and caches this group's buckets (step() reuses them, via _cached_plan, until the set of params
+        with gradients changes). Runs only after _validate_step, so it creates state but checks nothing."""
         group = self.param_groups[group_index]
         fresh = [p for p, g in zip(group["params"], grads) if g is not None and not self.state[p]]
         for p, state in zip(fresh, self._init_states(fresh, group["amsgrad"])):
@@ -344,11 +345,6 @@ class FusedAdam(torch.optim.Optimizer):
             if grads[index] is None:
                 continue
             state = self.state[p]
-            if group["amsgrad"] and state and "max_exp_avg_sq" not in state:
-                raise ValueError(
-                    f"{_describe(group_index, index, p)}: amsgrad is on but this parameter's state has no "
-                    f"max_exp_avg_sq (it was created with amsgrad=False); load a checkpoint made with amsgrad=True"
-                )
             key = (p.device, p.dtype, state["exp_avg"].dtype, state["exp_avg_sq"].dtype, "master_param" in state)
             bucket = by_key.setdefault(key, _Bucket(indices=[], params=[]))
             bucket.indices.append(index)
@@ -368,7 +364,7 @@ class FusedAdam(torch.optim.Optimizer):
         buckets = list(by_key.values())
         for bucket in buckets:
             bucket.whole_group = len(bucket.indices) == len(group["params"])
-        self._plans[group_index] = (mask, buckets)
+        self._plans[group_index] = (self._plan_key(group_index, grads), buckets)
         return buckets
 
     @staticmethod

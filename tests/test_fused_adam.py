@@ -644,3 +644,18 @@ def test_fresh_states_are_aligned_views_of_one_buffer_per_kind():
         assert all(end <= start for end, start in zip(ends, starts[1:])), key
     for p in params[:3]:
         assert torch.equal(opt.state[p]["master_param"].half(), p.detach())
+
+
+def test_turning_amsgrad_on_after_state_exists_is_refused_before_anything_changes():
+    params = [torch.nn.Parameter(torch.randn(4))]
+    opt = FusedAdam(params)
+    params[0].grad = torch.ones(4)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[params[0]].items()}
+    param_before = params[0].detach().clone()
+    opt.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match=r"amsgrad is on but this parameter's state has no max_exp_avg_sq"):
+        opt.step()
+    assert torch.equal(params[0].detach(), param_before)
+    assert set(opt.state[params[0]]) == set(before)
+    assert all(torch.equal(opt.state[params[0]][k], v) for k, v in before.items())
