@@ -577,8 +577,13 @@ def test_a_wheel_carries_the_native_sources(tmp_path):
     import sys
     import zipfile
 
+    import shutil
+
     root = Path(__file__).resolve().parent.parent
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(root), "--no-deps", "--no-build-isolation", "-q",
+    source = tmp_path / "src"  # a copy: setuptools writes build/ and *.egg-info into the tree it builds
+    shutil.copytree(root, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "results",
+                                                                 "__pycache__", ".pytest_cache"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path)], check=True, cwd=tmp_path)
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
