@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -293,10 +294,7 @@ void prefetch_item(const TensorWork& w, const WorkItem& item) {
 }
 
 template <typename T, int64_t kMode, bool kAmsgrad>
-void run_adam(const std::vector<TensorWork>& work, const Hyper& h) {
-  std::vector<int64_t> numels;
-  for (const auto& w : work) numels.push_back(w.numel);
-  const std::vector<WorkItem> items = make_work_items(numels);
+void run_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& items, const Hyper& h) {
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch<T> scratch;
     for (int64_t i = begin; i < end; ++i) {
@@ -310,15 +308,17 @@ void run_adam(const std::vector<TensorWork>& work, const Hyper& h) {
 }
 
 template <typename T>
-void dispatch_adam(const std::vector<TensorWork>& work, const Hyper& h, bool amsgrad) {
+void dispatch_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& items, const Hyper& h,
+                   bool amsgrad) {
   switch (h.mode) {
     case kAdamL2:
-      return amsgrad ? run_adam<T, kAdamL2, true>(work, h) : run_adam<T, kAdamL2, false>(work, h);
+      return amsgrad ? run_adam<T, kAdamL2, true>(work, items, h) : run_adam<T, kAdamL2, false>(work, items, h);
     case kAdamWTransformers:
-      return amsgrad ? run_adam<T, kAdamWTransformers, true>(work, h)
-                     : run_adam<T, kAdamWTransformers, false>(work, h);
+      return amsgrad ? run_adam<T, kAdamWTransformers, true>(work, items, h)
+                     : run_adam<T, kAdamWTransformers, false>(work, items, h);
     default:
-      return amsgrad ? run_adam<T, kAdamWTorch, true>(work, h) : run_adam<T, kAdamWTorch, false>(work, h);
+      return amsgrad ? run_adam<T, kAdamWTorch, true>(work, items, h)
+                     : run_adam<T, kAdamWTorch, false>(work, items, h);
   }
 }
 
@@ -365,6 +365,171 @@ double scalar_value(const c10::optional<at::Tensor>& t, const char* name) {
   return t->item<double>();
 }
 
+// The per-parameter state lists of a call, in the schema's order (all but exp_avgs/exp_avg_sqs may be empty).
+struct StateLists {
+  at::TensorList exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales, exp_avg_sq_scales,
+      max_exp_avg_sq_scales;
+};
+
+// Returns whether the param is float64.
+bool check_param(const at::Tensor& p, size_t i, bool has_master) {
+  const at::ScalarType pt = p.scalar_type();
+  TORCH_CHECK(pt == at::kDouble || is_float_storage(pt), "ort_optim::adam_step_: params[", i, "] has dtype ", pt,
+              "; supported are float32, float64, float16 and bfloat16");
+  TORCH_CHECK(p.layout() == at::kStrided && p.device().is_cpu(), "ort_optim::adam_step_: params[", i,
+              "] must be a dense CPU tensor");
+  TORCH_CHECK(!has_master || is_low_precision(pt), "ort_optim::adam_step_: master_params given but params[", i,
+              "] is ", pt, "; master weights are for float16/bfloat16 params");
+  return pt == at::kDouble;
+}
+
+void check_grad(const at::Tensor& g, const at::Tensor& p, size_t i, bool is_double) {
+  TORCH_CHECK(g.layout() == at::kStrided, "ort_optim::adam_step_: grads[", i, "] is sparse; Adam needs dense gradients");
+  check_same_shape(g, p, "grads", i);
+  TORCH_CHECK(is_double ? g.scalar_type() == at::kDouble : is_float_storage(g.scalar_type()),
+              "ort_optim::adam_step_: grads[", i, "] has dtype ", g.scalar_type(), " for a ", p.scalar_type(),
+              " parameter");
+}
+
+// Everything but the gradients. Returns whether the params are float64 (they cannot share a call with others).
+bool check_params_and_states(at::TensorList params, const StateLists& s, const at::Tensor& steps) {
+  const size_t n = params.size();
+  check_list_length(s.exp_avgs, n, "exp_avgs", false);
+  check_list_length(s.exp_avg_sqs, n, "exp_avg_sqs", false);
+  check_list_length(s.max_exp_avg_sqs, n, "max_exp_avg_sqs", true);
+  check_list_length(s.master_params, n, "master_params", true);
+  check_list_length(s.exp_avg_scales, n, "exp_avg_scales", true);
+  check_list_length(s.exp_avg_sq_scales, n, "exp_avg_sq_scales", true);
+  check_list_length(s.max_exp_avg_sq_scales, n, "max_exp_avg_sq_scales", true);
+  TORCH_CHECK(s.max_exp_avg_sq_scales.empty() || !s.max_exp_avg_sqs.empty(),
+              "ort_optim::adam_step_: max_exp_avg_sq_scales given without max_exp_avg_sqs");
+  TORCH_CHECK(steps.scalar_type() == at::kDouble && steps.dim() == 1 && size_t(steps.numel()) == n &&
+                  steps.is_contiguous() && steps.device().is_cpu(),
+              "ort_optim::adam_step_: steps must be a contiguous float64 CPU tensor of shape [", n, "]");
+  const bool amsgrad = !s.max_exp_avg_sqs.empty();
+  TORCH_CHECK(s.exp_avg_sq_scales.empty() == s.max_exp_avg_sq_scales.empty() || !amsgrad,
+              "ort_optim::adam_step_: max_exp_avg_sqs share exp_avg_sqs' dtype, so both or neither need scales");
+  bool any_double = false, any_single = false;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const bool is_double = check_param(p, i, !s.master_params.empty());
+    (is_double ? any_double : any_single) = true;
+    check_state(s.exp_avgs[i], p, "exp_avgs", i, is_double);
+    check_state(s.exp_avg_sqs[i], p, "exp_avg_sqs", i, is_double);
+    if (amsgrad) {
+      check_state(s.max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i, is_double);
+      TORCH_CHECK(s.max_exp_avg_sqs[i].scalar_type() == s.exp_avg_sqs[i].scalar_type(), "ort_optim::adam_step_: ",
+                  "max_exp_avg_sqs[", i, "] must have the dtype of exp_avg_sqs[", i, "]");
+    }
+    if (!s.master_params.empty()) {
+      check_same_shape(s.master_params[i], p, "master_params", i);
+      TORCH_CHECK(s.master_params[i].scalar_type() == at::kFloat && s.master_params[i].is_contiguous(),
+                  "ort_optim::adam_step_: master_params[", i, "] must be a contiguous float32 tensor");
+    }
+    check_scales(s.exp_avg_scales, s.exp_avgs, i, "exp_avg_scales");
+    check_scales(s.exp_avg_sq_scales, s.exp_avg_sqs, i, "exp_avg_sq_scales");
+    if (amsgrad) check_scales(s.max_exp_avg_sq_scales, s.max_exp_avg_sqs, i, "max_exp_avg_sq_scales");
+  }
+  TORCH_CHECK(!(any_double && any_single), "ort_optim::adam_step_: float64 params cannot share a call with ",
+              "other dtypes; group them separately");
+  return any_double;
+}
+
+// ---- one step over validated inputs (shared by the op and AdamPlan) -------------------------------------------
+
+// The state pointers and sizes of every parameter; the param, grad and per-step fields are filled by update().
+std::vector<TensorWork> state_work(at::TensorList params, const StateLists& s) {
+  std::vector<TensorWork> work(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    TensorWork& w = work[i];
+    w.exp_avg = s.exp_avgs[i].data_ptr();
+    w.exp_avg_sq = s.exp_avg_sqs[i].data_ptr();
+    w.max_exp_avg_sq = s.max_exp_avg_sqs.empty() ? nullptr : s.max_exp_avg_sqs[i].data_ptr();
+    w.master = s.master_params.empty() ? nullptr : s.master_params[i].data_ptr<float>();
+    w.exp_avg_scale = s.exp_avg_scales.empty() ? nullptr : s.exp_avg_scales[i].data_ptr<float>();
+    w.exp_avg_sq_scale = s.exp_avg_sq_scales.empty() ? nullptr : s.exp_avg_sq_scales[i].data_ptr<float>();
+    w.max_exp_avg_sq_scale =
+        s.max_exp_avg_sq_scales.empty() ? nullptr : s.max_exp_avg_sq_scales[i].data_ptr<float>();
+    w.exp_avg_type = s.exp_avgs[i].scalar_type();
+    w.exp_avg_sq_type = s.exp_avg_sqs[i].scalar_type();
+    w.numel = params[i].numel();
+  }
+  return work;
+}
+
+struct StepOptions {
+  double lr, beta1, beta2, eps, weight_decay;
+  int64_t mode;
+  bool bias_correction, maximize;
+  c10::optional<at::Tensor> lr_tensor, inv_grad_scale, found_inf;
+};
+
+// The step itself: params[i] and grads[i] are validated, work[i] holds their states. Writes nothing when skipped.
+void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
+            const std::vector<const at::Tensor*>& params, const std::vector<const at::Tensor*>& grads,
+            double* steps, bool is_double, bool amsgrad, const StepOptions& o) {
+  TORCH_CHECK(o.mode >= 0 && o.mode <= 2, "ort_optim::adam_step_: adam_w_mode must be 0, 1 or 2, got ", o.mode);
+  if (o.found_inf.has_value() && scalar_value(o.found_inf, "found_inf") != 0.0) return;  // skipped
+  const double grad_mul = (o.inv_grad_scale.has_value() ? scalar_value(o.inv_grad_scale, "inv_grad_scale") : 1.0) *
+                          (o.maximize ? -1.0 : 1.0);
+  const double lr = o.lr_tensor.has_value() ? scalar_value(o.lr_tensor, "lr_tensor") : o.lr;
+
+  // Non-contiguous params and grads are processed through contiguous copies; params are copied back at the end.
+  std::vector<std::pair<size_t, at::Tensor>> param_copies;
+  std::vector<at::Tensor> grad_copies;
+  double last_t = -1.0, step_size = 0.0, bc2_sqrt = 1.0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = *params[i];
+    const at::Tensor& g = *grads[i];
+    TensorWork& w = work[i];
+    if (p.is_contiguous()) {
+      w.param = p.data_ptr();
+    } else {
+      param_copies.emplace_back(i, p.contiguous());
+      w.param = param_copies.back().second.data_ptr();
+    }
+    if (g.is_contiguous()) {
+      w.grad = g.data_ptr();
+    } else {
+      grad_copies.push_back(g.contiguous());
+      w.grad = grad_copies.back().data_ptr();
+    }
+    w.param_type = p.scalar_type();
+    w.grad_type = g.scalar_type();
+    const double t = steps[i] + 1.0;
+    if (t != last_t) {  // the params of a bucket usually share their step count: two pow() per call, not per param
+      const double bc1 = o.bias_correction ? 1.0 - std::pow(o.beta1, t) : 1.0;
+      const double bc2 = o.bias_correction ? 1.0 - std::pow(o.beta2, t) : 1.0;
+      step_size = o.mode == kAdamWTorch ? lr / bc1 : lr * std::sqrt(bc2) / bc1;
+      bc2_sqrt = std::sqrt(bc2);
+      last_t = t;
+    }
+    w.step_size = step_size;
+    w.bc2_sqrt = bc2_sqrt;
+  }
+  const Hyper h{lr, o.beta1, o.beta2, o.eps, o.weight_decay, grad_mul, o.mode};
+  if (is_double) {
+    dispatch_adam<double>(work, items, h, amsgrad);
+  } else {
+    dispatch_adam<float>(work, items, h, amsgrad);
+  }
+  for (const auto& [i, copy] : param_copies) params[i]->copy_(copy);
+  for (size_t i = 0; i < params.size(); ++i) steps[i] += 1.0;
+}
+
+std::vector<WorkItem> work_items(const std::vector<TensorWork>& work) {
+  std::vector<int64_t> numels;
+  for (const auto& w : work) numels.push_back(w.numel);
+  return make_work_items(numels);
+}
+
+std::vector<const at::Tensor*> pointers(at::TensorList tensors) {
+  std::vector<const at::Tensor*> out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) out.push_back(&t);
+  return out;
+}
+
 void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList master_params,
                    at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,
@@ -372,106 +537,16 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    double beta2, double eps, double weight_decay, int64_t mode, bool bias_correction,
                    bool maximize, const c10::optional<at::Tensor>& lr_tensor,
                    const c10::optional<at::Tensor>& inv_grad_scale, const c10::optional<at::Tensor>& found_inf) {
-  const size_t n = params.size();
-  check_list_length(grads, n, "grads", false);
-  check_list_length(exp_avgs, n, "exp_avgs", false);
-  check_list_length(exp_avg_sqs, n, "exp_avg_sqs", false);
-  check_list_length(max_exp_avg_sqs, n, "max_exp_avg_sqs", true);
-  check_list_length(master_params, n, "master_params", true);
-  check_list_length(exp_avg_scales, n, "exp_avg_scales", true);
-  check_list_length(exp_avg_sq_scales, n, "exp_avg_sq_scales", true);
-  check_list_length(max_exp_avg_sq_scales, n, "max_exp_avg_sq_scales", true);
-  TORCH_CHECK(max_exp_avg_sq_scales.empty() || !max_exp_avg_sqs.empty(),
-              "ort_optim::adam_step_: max_exp_avg_sq_scales given without max_exp_avg_sqs");
-  TORCH_CHECK(mode >= 0 && mode <= 2, "ort_optim::adam_step_: adam_w_mode must be 0, 1 or 2, got ", mode);
-  TORCH_CHECK(steps.scalar_type() == at::kDouble && steps.dim() == 1 && size_t(steps.numel()) == n &&
-                  steps.is_contiguous() && steps.device().is_cpu(),
-              "ort_optim::adam_step_: steps must be a contiguous float64 CPU tensor of shape [", n, "]");
-  const bool amsgrad = !max_exp_avg_sqs.empty();
-  TORCH_CHECK(exp_avg_sq_scales.empty() == max_exp_avg_sq_scales.empty() || !amsgrad,
-              "ort_optim::adam_step_: max_exp_avg_sqs share exp_avg_sqs' dtype, so both or neither need scales");
-  bool any_double = false, any_single = false;
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = params[i];
-    const at::ScalarType pt = p.scalar_type();
-    TORCH_CHECK(pt == at::kDouble || is_float_storage(pt), "ort_optim::adam_step_: params[", i, "] has dtype ",
-                pt, "; supported are float32, float64, float16 and bfloat16");
-    TORCH_CHECK(p.layout() == at::kStrided && p.device().is_cpu(), "ort_optim::adam_step_: params[", i,
-                "] must be a dense CPU tensor");
-    const bool is_double = pt == at::kDouble;
-    (is_double ? any_double : any_single) = true;
-    const at::Tensor& g = grads[i];
-    TORCH_CHECK(g.layout() == at::kStrided, "ort_optim::adam_step_: grads[", i,
-                "] is sparse; Adam needs dense gradients");
-    check_same_shape(g, p, "grads", i);
-    TORCH_CHECK(is_double ? g.scalar_type() == at::kDouble : is_float_storage(g.scalar_type()),
-                "ort_optim::adam_step_: grads[", i, "] has dtype ", g.scalar_type(), " for a ", pt, " parameter");
-    check_state(exp_avgs[i], p, "exp_avgs", i, is_double);
-    check_state(exp_avg_sqs[i], p, "exp_avg_sqs", i, is_double);
-    if (amsgrad) {
-      check_state(max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i, is_double);
-      TORCH_CHECK(max_exp_avg_sqs[i].scalar_type() == exp_avg_sqs[i].scalar_type(), "ort_optim::adam_step_: ",
-                  "max_exp_avg_sqs[", i, "] must have the dtype of exp_avg_sqs[", i, "]");
-    }
-    if (!master_params.empty()) {
-      TORCH_CHECK(is_low_precision(pt), "ort_optim::adam_step_: master_params given but params[", i, "] is ", pt,
-                  "; master weights are for float16/bfloat16 params");
-      check_same_shape(master_params[i], p, "master_params", i);
-      TORCH_CHECK(master_params[i].scalar_type() == at::kFloat && master_params[i].is_contiguous(),
-                  "ort_optim::adam_step_: master_params[", i, "] must be a contiguous float32 tensor");
-    }
-    check_scales(exp_avg_scales, exp_avgs, i, "exp_avg_scales");
-    check_scales(exp_avg_sq_scales, exp_avg_sqs, i, "exp_avg_sq_scales");
-    if (amsgrad) check_scales(max_exp_avg_sq_scales, max_exp_avg_sqs, i, "max_exp_avg_sq_scales");
-  }
-  TORCH_CHECK(!(any_double && any_single), "ort_optim::adam_step_: float64 params cannot share a call with ",
-              "other dtypes; group them separately");
-  if (found_inf.has_value() && scalar_value(found_inf, "found_inf") != 0.0) return;  // skipped: nothing changes
-  const double grad_mul =
-      (inv_grad_scale.has_value() ? scalar_value(inv_grad_scale, "inv_grad_scale") : 1.0) * (maximize ? -1.0 : 1.0);
-  const double lr_value = lr_tensor.has_value() ? scalar_value(lr_tensor, "lr_tensor") : lr;
-
-  // Non-contiguous params and grads are processed through contiguous copies; params are copied back at the end.
-  std::vector<at::Tensor> param_work(params.begin(), params.end()), grad_work(grads.begin(), grads.end());
-  for (size_t i = 0; i < n; ++i) {
-    if (!param_work[i].is_contiguous()) param_work[i] = param_work[i].contiguous();
-    if (!grad_work[i].is_contiguous()) grad_work[i] = grad_work[i].contiguous();
-  }
-
-  double* step_values = steps.data_ptr<double>();
-  std::vector<TensorWork> work(n);
-  for (size_t i = 0; i < n; ++i) {
-    const double t = step_values[i] + 1.0;
-    const double bc1 = bias_correction ? 1.0 - std::pow(beta1, t) : 1.0;
-    const double bc2 = bias_correction ? 1.0 - std::pow(beta2, t) : 1.0;
-    TensorWork& w = work[i];
-    w.param = param_work[i].data_ptr();
-    w.grad = grad_work[i].data_ptr();
-    w.exp_avg = exp_avgs[i].data_ptr();
-    w.exp_avg_sq = exp_avg_sqs[i].data_ptr();
-    w.max_exp_avg_sq = amsgrad ? max_exp_avg_sqs[i].data_ptr() : nullptr;
-    w.master = master_params.empty() ? nullptr : master_params[i].data_ptr<float>();
-    w.exp_avg_scale = exp_avg_scales.empty() ? nullptr : exp_avg_scales[i].data_ptr<float>();
-    w.exp_avg_sq_scale = exp_avg_sq_scales.empty() ? nullptr : exp_avg_sq_scales[i].data_ptr<float>();
-    w.max_exp_avg_sq_scale = max_exp_avg_sq_scales.empty() ? nullptr : max_exp_avg_sq_scales[i].data_ptr<float>();
-    w.param_type = params[i].scalar_type();
-    w.grad_type = grads[i].scalar_type();
-    w.exp_avg_type = exp_avgs[i].scalar_type();
-    w.exp_avg_sq_type = exp_avg_sqs[i].scalar_type();
-    w.numel = params[i].numel();
-    w.step_size = mode == kAdamWTorch ? lr_value / bc1 : lr_value * std::sqrt(bc2) / bc1;
-    w.bc2_sqrt = std::sqrt(bc2);
-  }
-  const Hyper h{lr_value, beta1, beta2, eps, weight_decay, grad_mul, mode};
-  if (any_double) {
-    dispatch_adam<double>(work, h, amsgrad);
-  } else {
-    dispatch_adam<float>(work, h, amsgrad);
-  }
-  for (size_t i = 0; i < n; ++i) {
-    if (!params[i].is_contiguous()) params[i].copy_(param_work[i]);
-    step_values[i] += 1.0;
-  }
+  const StateLists states{exp_avgs,       exp_avg_sqs,       max_exp_avg_sqs,      master_params,
+                          exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales};
+  check_list_length(grads, params.size(), "grads", false);
+  const bool is_double = check_params_and_states(params, states, steps);
+  for (size_t i = 0; i < params.size(); ++i) check_grad(grads[i], params[i], i, is_double);
+  std::vector<TensorWork> work = state_work(params, states);
+  const StepOptions options{lr,   beta1,    beta2,   eps, weight_decay, mode, bias_correction,
+                            maximize, lr_tensor, inv_grad_scale, found_inf};
+  update(work, work_items(work), pointers(params), pointers(grads), steps.data_ptr<double>(), is_double,
+         !max_exp_avg_sqs.empty(), options);
 }
 
 // ---- gradient statistics --------------------------------------------------------------------------------------
@@ -492,17 +567,13 @@ double sum_of_squares(const T* x, int64_t n) {
   return total;
 }
 
-at::Tensor grad_stats_cpu(at::TensorList tensors) {
+// grad_stats over validated dense CPU tensors of float dtypes.
+at::Tensor grad_stats_of(const std::vector<const at::Tensor*>& tensors) {
   std::vector<at::Tensor> work;
   std::vector<int64_t> numels;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    TORCH_CHECK(t.layout() == at::kStrided && t.device().is_cpu(), "ort_optim::grad_stats: tensors[", i,
-                "] must be a dense CPU tensor");
-    TORCH_CHECK(t.scalar_type() == at::kDouble || is_float_storage(t.scalar_type()), "ort_optim::grad_stats: ",
-                "tensors[", i, "] has dtype ", t.scalar_type());
-    work.push_back(t.contiguous());
-    numels.push_back(t.numel());
+  for (const at::Tensor* t : tensors) {
+    work.push_back(t->contiguous());
+    numels.push_back(t->numel());
   }
   const std::vector<WorkItem> items = make_work_items(numels);
   std::vector<double> partial(items.size(), 0.0);
@@ -539,11 +610,124 @@ at::Tensor grad_stats_cpu(at::TensorList tensors) {
   return out;
 }
 
+at::Tensor grad_stats_cpu(at::TensorList tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.layout() == at::kStrided && t.device().is_cpu(), "ort_optim::grad_stats: tensors[", i,
+                "] must be a dense CPU tensor");
+    TORCH_CHECK(t.scalar_type() == at::kDouble || is_float_storage(t.scalar_type()), "ort_optim::grad_stats: ",
+                "tensors[", i, "] has dtype ", t.scalar_type());
+  }
+  return grad_stats_of(pointers(tensors));
+}
+
+// ---- AdamPlan: one bucket's params and states, resolved once for many steps -----------------------------------
+
+// With thousands of small tensors, converting and checking four tensor lists per call cost more than the update's
+// bytes: every tensor's metadata is cold again by the next step. A plan validates the params and states once and
+// keeps the states' data pointers, so a step reads only each param and its .grad. It holds references to its
+// tensors; states must not be replaced or resized in place while it lives (FusedAdam drops its plans whenever it
+// replaces states). Params may change (p.data = ...) as long as their shapes and float64-ness do not.
+class AdamPlan : public torch::CustomClassHolder {
+ public:
+  AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
+           std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> master_params,
+           std::vector<at::Tensor> exp_avg_scales, std::vector<at::Tensor> exp_avg_sq_scales,
+           std::vector<at::Tensor> max_exp_avg_sq_scales, at::Tensor steps)
+      : params_(std::move(params)),
+        exp_avgs_(std::move(exp_avgs)),
+        exp_avg_sqs_(std::move(exp_avg_sqs)),
+        max_exp_avg_sqs_(std::move(max_exp_avg_sqs)),
+        master_params_(std::move(master_params)),
+        exp_avg_scales_(std::move(exp_avg_scales)),
+        exp_avg_sq_scales_(std::move(exp_avg_sq_scales)),
+        max_exp_avg_sq_scales_(std::move(max_exp_avg_sq_scales)),
+        steps_(std::move(steps)) {
+    const StateLists states{exp_avgs_,       exp_avg_sqs_,       max_exp_avg_sqs_,      master_params_,
+                            exp_avg_scales_, exp_avg_sq_scales_, max_exp_avg_sq_scales_};
+    is_double_ = check_params_and_states(params_, states, steps_);
+    work_ = state_work(params_, states);
+    items_ = work_items(work_);
+    for (const at::Tensor& p : params_) {
+      size_offsets_.push_back(int64_t(sizes_.size()));
+      sizes_.insert(sizes_.end(), p.sizes().begin(), p.sizes().end());
+      param_pointers_.push_back(&p);
+    }
+    size_offsets_.push_back(int64_t(sizes_.size()));
+  }
+
+  // Whether every param has a gradient (if not, FusedAdam plans again); raises if a gradient cannot be used.
+  bool ready() {
+    std::vector<const at::Tensor*> grads;
+    return collect_grads(grads);
+  }
+
+  // One step with the params' current gradients; false (and nothing written) if a param has none.
+  bool step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
+            bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
+            c10::optional<at::Tensor> inv_grad_scale, c10::optional<at::Tensor> found_inf) {
+    std::vector<const at::Tensor*> grads;
+    if (!collect_grads(grads)) return false;
+    const StepOptions options{lr,       beta1,     beta2,          eps,      weight_decay, mode, bias_correction,
+                              maximize, lr_tensor, inv_grad_scale, found_inf};
+    update(work_, items_, param_pointers_, grads, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
+           options);
+    return true;
+  }
+
+  // grad_stats over the params' current gradients (every param must have one: check ready() first).
+  at::Tensor grad_stats() {
+    std::vector<const at::Tensor*> grads;
+    TORCH_CHECK(collect_grads(grads), "ort_optim.AdamPlan.grad_stats: a parameter has no gradient");
+    return grad_stats_of(grads);
+  }
+
+ private:
+  bool collect_grads(std::vector<const at::Tensor*>& grads) {
+    grads.resize(params_.size());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const at::Tensor& p = params_[i];
+      const at::Tensor& g = p.grad();
+      if (!g.defined()) return false;
+      // A param may have been given new data since the plan was made: it must still fit its states.
+      TORCH_CHECK(check_param(p, i, !master_params_.empty()) == is_double_ &&
+                      p.sizes() == c10::IntArrayRef(sizes_.data() + size_offsets_[i],
+                                                    size_offsets_[i + 1] - size_offsets_[i]),
+                  "ort_optim::adam_step_: params[", i, "] now has shape ", p.sizes(), " and dtype ",
+                  p.scalar_type(), ", which its optimizer states were not made for");
+      check_grad(g, p, i, is_double_);
+      grads[i] = &g;
+    }
+    return true;
+  }
+
+  std::vector<at::Tensor> params_, exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, master_params_, exp_avg_scales_,
+      exp_avg_sq_scales_, max_exp_avg_sq_scales_;
+  at::Tensor steps_;
+  bool is_double_ = false;
+  std::vector<TensorWork> work_;
+  std::vector<WorkItem> items_;
+  std::vector<const at::Tensor*> param_pointers_;
+  std::vector<int64_t> sizes_, size_offsets_;  // each param's shape when the plan was made
+};
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ort_optim, CPU, m) {
   m.impl("adam_step_", &adam_step_cpu);
   m.impl("grad_stats", &grad_stats_cpu);
+}
+
+// A CPU-only helper class rather than an op: it has no schema of its own, and FusedAdam falls back to the
+// adam_step_ op wherever it is not available (other backends, torch.compile).
+TORCH_LIBRARY_FRAGMENT(ort_optim, m) {
+  m.class_<AdamPlan>("AdamPlan")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor>())
+      .def("ready", &AdamPlan::ready)
+      .def("step", &AdamPlan::step)
+      .def("grad_stats", &AdamPlan::grad_stats);
 }
 
 }  // namespace ort_optim

@@ -187,6 +187,47 @@ def adam_step_(
     )
 
 
+class AdamPlan:
+    """A native handle to one bucket's params and states (the lists of :func:`adam_step_`), kept across steps.
+
+    It validates them once and keeps the states' data pointers, so a step converts and checks no tensor lists: it
+    reads each param and its ``.grad`` directly, which with thousands of small tensors is most of the op's cost.
+    Validation and math are the op's own. It holds references to the states, which must not be replaced or resized
+    in place while it lives; params may be given new data of the same shape and float64-ness.
+    """
+
+    def __init__(self, plan) -> None:
+        self._plan = plan
+
+    @classmethod
+    def create(cls, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+               exp_avg_sq_scales, max_exp_avg_sq_scales, steps) -> Optional["AdamPlan"]:
+        """A plan over these lists, or None where their steps do not run on the native CPU op (another backend,
+        or torch.compile tracing)."""
+        device = params[0].device if len(params) else torch.device("cpu")
+        if device.type != "cpu" or torch.compiler.is_compiling() or _implementation(device) is not torch.ops.ort_optim:
+            return None
+        return cls(torch.classes.ort_optim.AdamPlan(
+            list(params), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(master_params),
+            list(exp_avg_scales), list(exp_avg_sq_scales), list(max_exp_avg_sq_scales), steps,
+        ))
+
+    def ready(self) -> bool:
+        """Whether every param has a gradient; raises (like the op) if one cannot be used."""
+        return self._plan.ready()
+
+    def step(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adam_w_mode: int,
+             bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
+             inv_grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> bool:
+        """:func:`adam_step_` with the params' current gradients; False, with nothing written, if one has none."""
+        return self._plan.step(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize,
+                               lr_tensor, inv_grad_scale, found_inf)
+
+    def grad_stats(self) -> torch.Tensor:
+        """:func:`grad_stats` of the params' current gradients (every param must have one)."""
+        return self._plan.grad_stats()
+
+
 def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """float32 [2] on the tensors' device: [sum of squares of all elements, 1.0 if any is inf/NaN else 0.0]."""
     if not len(tensors):

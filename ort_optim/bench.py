@@ -198,7 +198,7 @@ def bench_op_overhead(reps: int) -> list[dict]:
         params = _params(shapes)
         optimizer = FusedAdam(params)
         optimizer.step()  # creates the state and the plan
-        (bucket,) = optimizer._plans[0][1]
+        (bucket,) = optimizer._plans[0].buckets
         grads = [p.grad for p in params]
 
         def op():

@@ -45,6 +45,27 @@ class _Bucket:
     max_exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
     steps: Optional[torch.Tensor] = None  # float64 [n]; state[p]["step"] are 0-dim views of it
     whole_group: bool = False  # holds every param of its group, in order (the grads list can be passed as is)
+    native: Optional[_native.AdamPlan] = None  # over the lists above, when its group steps through plans
+
+
+@dataclass
+class _GroupPlan:
+    """A param group's buckets, valid while key (_plan_key) holds. native: every param of the group had a gradient
+    and every bucket has a native AdamPlan, so a step can go through the plans without reading any grad in Python."""
+
+    key: tuple
+    buckets: list[_Bucket]
+    native: bool
+
+
+@dataclass
+class _Launch:
+    """One op call of a step: grads is None when the bucket's native plan reads the gradients itself."""
+
+    group_index: int
+    group: dict
+    bucket: _Bucket
+    grads: Optional[list[torch.Tensor]]
 
 
 def _describe(group_index: int, index: int, param: torch.Tensor) -> str:
@@ -237,9 +258,23 @@ class FusedAdam(torch.optim.Optimizer):
         self.exp_avg_sq_dtype = exp_avg_sq_dtype
         self.max_grad_norm = max_grad_norm
         self.capturable = capturable
-        self._plans: dict[int, tuple[tuple, list[_Bucket]]] = {}  # group index -> (_plan_key, buckets)
+        self._plans: dict[int, _GroupPlan] = {}
         self._last_found_inf: Optional[torch.Tensor] = None
         super().__init__(params, defaults)
+
+    # Constructor options that torch.optim.Optimizer's pickling (copy.deepcopy, torch.save of the optimizer) would
+    # otherwise drop: it keeps only defaults, state and param_groups.
+    _OPTIONS = ("set_grad_none", "master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm", "capturable")
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.update({name: getattr(self, name) for name in self._OPTIONS})
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._plans = {}  # caches (native plans cannot be copied): rebuilt at the next step
+        self._last_found_inf = None
 
     # ---- configuration ------------------------------------------------------------------------------------------
 
@@ -320,8 +355,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _cached_plan(self, group_index: int, grads: list[Optional[torch.Tensor]]) -> Optional[list[_Bucket]]:
         cached = self._plans.get(group_index)
-        if cached is not None and cached[0] == self._plan_key(group_index, grads):
-            return cached[1]
+        if cached is not None and cached.key == self._plan_key(group_index, grads):
+            return cached.buckets
         return None
 
     def _plan_key(self, group_index: int, grads: list[Optional[torch.Tensor]]) -> tuple:
@@ -364,7 +399,15 @@ class FusedAdam(torch.optim.Optimizer):
         buckets = list(by_key.values())
         for bucket in buckets:
             bucket.whole_group = len(bucket.indices) == len(group["params"])
-        self._plans[group_index] = (self._plan_key(group_index, grads), buckets)
+        native = all(g is not None for g in grads)
+        if native:  # plans read every param's .grad: only a group whose params all have gradients can use them
+            for bucket in buckets:
+                bucket.native = _native.AdamPlan.create(
+                    bucket.params, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs, bucket.master_params,
+                    bucket.exp_avg_scales, bucket.exp_avg_sq_scales, bucket.max_exp_avg_sq_scales, bucket.steps,
+                )
+                native = native and bucket.native is not None
+        self._plans[group_index] = _GroupPlan(self._plan_key(group_index, grads), buckets, native)
         return buckets
 
     @staticmethod
@@ -379,11 +422,6 @@ class FusedAdam(torch.optim.Optimizer):
         if (p.dtype == torch.float64) != (g.dtype == torch.float64) or g.dtype not in SUPPORTED_PARAM_DTYPES:
             raise ValueError(f"{where}: its gradient has dtype {g.dtype}, which cannot update a {p.dtype} param")
 
-    def _check_grads(self, group_index: int, bucket: _Bucket, grads: list[torch.Tensor]) -> None:
-        """Python-side validation with the parameter's name (the native op checks the same things itself)."""
-        for index, p, g in zip(bucket.indices, bucket.params, grads):
-            self._check_grad(group_index, index, p, g)
-
     def _validate_step(self, all_grads: list[list[Optional[torch.Tensor]]], check_overlap: bool) -> None:
         """Everything that can make a step fail, checked before the step changes anything (state creation
         included): gradients, amsgrad state, and (when the plans change) parameters that share memory."""
@@ -394,6 +432,17 @@ class FusedAdam(torch.optim.Optimizer):
                     continue
                 self._check_grad(group_index, index, p, g)
                 state = self.state.get(p)
+                if state and state["exp_avg"].shape != p.shape:
+                    raise ValueError(
+                        f"{_describe(group_index, index, p)}: its optimizer state was made for shape "
+                        f"{tuple(state['exp_avg'].shape)}; a parameter cannot change shape under its optimizer"
+                    )
+                if state and (state["exp_avg"].dtype == torch.float64) != (p.dtype == torch.float64):
+                    raise ValueError(
+                        f"{_describe(group_index, index, p)}: its optimizer state is {state['exp_avg'].dtype}; a "
+                        "parameter cannot switch to or from float64 under its optimizer (float64 params keep "
+                        "float64 states)"
+                    )
                 if group["amsgrad"] and state and "max_exp_avg_sq" not in state:
                     raise ValueError(
                         f"{_describe(group_index, index, p)}: amsgrad is on but this parameter's state has no "
@@ -462,69 +511,113 @@ class FusedAdam(torch.optim.Optimizer):
                             raise ValueError(f"param_groups[{group_index}]: capturable=True needs lr on the params' "
                                              f"device ({p.device}), got a tensor on {lr.device}")
 
+        launches = self._planned_launches(scaled=grad_scale is not None or self.max_grad_norm is not None)
+        if launches is None or not self._launch(launches, grad_scale, found_inf):
+            self._launch(self._launches_from_grads(), grad_scale, found_inf)
+        return loss
+
+    def _planned_launches(self, scaled: bool) -> Optional[list[_Launch]]:
+        """The step's launches through native plans, when every group has them; None when the step must read the
+        gradients in Python (first step, a group without plans, or a param whose gradient appeared or went away)."""
+        if torch.compiler.is_compiling():
+            return None
+        launches = []
+        for group_index, group in enumerate(self.param_groups):
+            cached = self._plans.get(group_index)
+            if cached is None or not cached.native or cached.key[0] != bool(group["amsgrad"]):
+                return None
+            launches.extend(_Launch(group_index, group, bucket, None) for bucket in cached.buckets)
+        # A lone launch without scaling checks its gradients itself before writing; otherwise all are checked first,
+        # so that no launch writes before a later one finds a missing or bad gradient.
+        if len(launches) > 1 or scaled:
+            try:
+                if not all(launch.bucket.native.ready() for launch in launches):
+                    return None
+            except RuntimeError:
+                self._name_offending_param()
+                raise
+        return launches
+
+    def _launches_from_grads(self) -> list[_Launch]:
+        """The step's launches with the gradients read in Python; validates everything and (re)plans as needed."""
         all_grads = [[p.grad for p in group["params"]] for group in self.param_groups]
         cached = [self._cached_plan(group_index, grads) for group_index, grads in enumerate(all_grads)]
         # A failed step must change nothing, so everything is validated before the first write (or state creation).
         # The native CPU op validates its own inputs before writing; when the plans are cached and the step is a single
-        # op call, that is enough (its errors are re-raised below with the parameter's name). With several calls, a
-        # bad input in a later call would surface after earlier calls had written, so Python checks all first.
+        # op call, that is enough (its errors are re-raised with the parameter's name). With several calls, a bad
+        # input in a later call would surface after earlier calls had written, so Python checks all first.
         stale = any(plan is None for plan in cached)
         calls = [bucket for plan in cached if plan is not None for bucket in plan]
         if stale or len(calls) != 1 or not self._native_validates(calls[0]):
             self._validate_step(all_grads, check_overlap=stale)
-
         launches = []
         for group_index, (group, grads) in enumerate(zip(self.param_groups, all_grads)):
             for bucket in cached[group_index] or self._plan(group_index, grads):
                 bucket_grads = grads if bucket.whole_group else [grads[i] for i in bucket.indices]
-                launches.append((group_index, group, bucket, bucket_grads))
+                launches.append(_Launch(group_index, group, bucket, bucket_grads))
+        return launches
+
+    def _name_offending_param(self) -> None:
+        """Raises the Python-side ValueError that names the parameter behind a native error, if it can find one
+        (the op's own messages only know list indices); the caller re-raises the native error otherwise."""
+        self._validate_step([[p.grad for p in group["params"]] for group in self.param_groups], check_overlap=False)
+
+    def _launch(self, launches: list[_Launch], grad_scale, found_inf) -> bool:
+        """Runs the launches; False (with nothing written) only when a lone plan launch found a param without a
+        gradient, which _planned_launches leaves to it."""
         if not launches:
             self._last_found_inf = None
-            return loss
-
+            return True
         try:
             inv_grad_scale, found_inf = self._scaling(launches, grad_scale, found_inf)
         except RuntimeError:
-            for group_index, _, bucket, grads in launches:  # name the offending parameter (grad_stats cannot)
-                self._check_grads(group_index, bucket, grads)
+            self._name_offending_param()
             raise
         self._last_found_inf = found_inf
-        for group_index, group, bucket, grads in launches:
+        for launch in launches:
+            group, bucket = launch.group, launch.bucket
             device = bucket.params[0].device
             lr = group["lr"]
             lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+            hyper = dict(
+                lr=0.0 if lr_tensor is not None else float(lr), beta1=float(group["betas"][0]),
+                beta2=float(group["betas"][1]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                adam_w_mode=int(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
+                maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
+                inv_grad_scale=None if inv_grad_scale is None else inv_grad_scale[device],
+                found_inf=None if found_inf is None else found_inf.to(device, non_blocking=True),
+            )
             try:
-                _native.adam_step_(
-                    bucket.params, grads, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs,
-                    bucket.master_params, bucket.exp_avg_scales, bucket.exp_avg_sq_scales,
-                    bucket.max_exp_avg_sq_scales, bucket.steps,
-                    lr=0.0 if lr_tensor is not None else float(lr), beta1=float(group["betas"][0]),
-                    beta2=float(group["betas"][1]), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), adam_w_mode=int(group["adam_w_mode"]),
-                    bias_correction=bool(group["bias_correction"]), maximize=bool(group["maximize"]),
-                    lr_tensor=lr_tensor,
-                    inv_grad_scale=None if inv_grad_scale is None else inv_grad_scale[device],
-                    found_inf=None if found_inf is None else found_inf.to(device, non_blocking=True),
-                )
+                if launch.grads is None:
+                    if not bucket.native.step(**hyper):
+                        return False
+                else:
+                    _native.adam_step_(
+                        bucket.params, launch.grads, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs,
+                        bucket.master_params, bucket.exp_avg_scales, bucket.exp_avg_sq_scales,
+                        bucket.max_exp_avg_sq_scales, bucket.steps, **hyper,
+                    )
             except RuntimeError:
-                # Name the offending parameter: the op's own message only knows list indices.
-                self._check_grads(group_index, bucket, grads)
+                self._name_offending_param()
                 raise
-        return loss
+        return True
 
-    def _scaling(self, launches, grad_scale, found_inf):
+    def _scaling(self, launches: list[_Launch], grad_scale, found_inf):
         """Per-device inverse gradient multiplier (unscale and clip) and the combined skip flag, without host syncs.
 
-        One grad_stats pass per device gives the global sum of squares and the inf/NaN check; the Adam pass then
-        multiplies each gradient by clip_coef / grad_scale. Two passes over the gradients in all.
+        One grad_stats pass per launch gives the global sum of squares and the inf/NaN check; the Adam pass then
+        multiplies each gradient by clip_coef / grad_scale. Two passes over the gradients in all. The per-launch
+        sums are added in launch order whether a plan or Python read the gradients, so both give the same bits.
         """
         if grad_scale is None and self.max_grad_norm is None:
             return None, found_inf
-        devices: dict[torch.device, list[torch.Tensor]] = {}
-        for _, _, bucket, grads in launches:
-            devices.setdefault(bucket.params[0].device, []).extend(grads)
-        main = next(iter(devices))
-        stats = sum(_native.grad_stats(grads).to(main, non_blocking=True) for grads in devices.values())
+        devices = list(dict.fromkeys(launch.bucket.params[0].device for launch in launches))
+        main = devices[0]
+        stats = sum(
+            (launch.bucket.native.grad_stats() if launch.grads is None else _native.grad_stats(launch.grads))
+            .to(main, non_blocking=True)
+            for launch in launches
+        )
         inv = torch.ones((), dtype=torch.float32, device=main)
         if grad_scale is not None:
             scale = grad_scale.to(main, torch.float32) if isinstance(grad_scale, torch.Tensor) else \

@@ -1,0 +1,232 @@
+"""FusedAdam's native plans, as a specification.
+
+From its second step on, a FusedAdam on the native CPU backend steps through one native plan per bucket
+(``ort_optim._native.AdamPlan``), which validated the params and states once and reads each param's ``.grad`` itself,
+instead of handing four tensor lists to the op. That is a cache, and must be invisible:
+
+* Over many steps, steps through plans give bit-for-bit the params and states that steps through the op give, for
+  every state layout, with loss scaling, clipping and skipped steps, with several buckets and param groups, when
+  gradients come and go, and when a param is given new memory.
+* The plans are really used: once planned, a step calls the op only when the set of params with gradients changed.
+* A bad step raises naming the param and changes nothing, as through the op.
+* An optimizer holding plans can be deep-copied and pickled; the copy keeps its options and steps on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+from conftest import assert_same_snapshot, optimizer_snapshot, select_backend
+
+from ort_optim import AdamWMode, FusedAdam, _native
+
+STEPS = 30
+
+
+@dataclass
+class Scenario:
+    make_groups: Callable[[torch.Generator], list[dict]]
+    options: dict = field(default_factory=dict)
+    step_kwargs: dict = field(default_factory=dict)
+    has_grad: Callable[[int, int], bool] = lambda step, index: True  # (step, flat param index)
+    poison: Callable[[int, int], bool] = lambda step, index: False  # an inf in this gradient (a skipped step)
+    before_step: Callable[[int, list[torch.Tensor]], None] = lambda step, params: None
+    steady: bool = True  # the set of params with gradients never changes: only the first step calls the op
+
+
+def _layouts(g: torch.Generator, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    """0-dim, empty, odd-sized, transposed (non-contiguous) and larger than one 64K-element work chunk."""
+    shapes = [(), (0,), (5, 3), (70_001,)]
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype)) for shape in shapes]
+    params.append(torch.nn.Parameter(torch.randn(7, 4, generator=g).to(dtype).t()))
+    return params
+
+
+SCENARIOS = {
+    "fp32-every-layout": Scenario(
+        lambda g: [{"params": _layouts(g, torch.float32)}],
+        options=dict(adam_w_mode=AdamWMode.ADAMW_TORCH, weight_decay=0.1, amsgrad=True, maximize=True),
+    ),
+    "bf16-master-fp16-moments": Scenario(
+        lambda g: [{"params": _layouts(g, torch.bfloat16)}],
+        options=dict(master_weights=True, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16, amsgrad=True,
+                     weight_decay=0.01),
+    ),
+    "fp16-scaled-clipped-with-skips": Scenario(
+        lambda g: [{"params": _layouts(g, torch.float16)}],
+        options=dict(master_weights=True, exp_avg_sq_dtype=torch.bfloat16, max_grad_norm=0.5),
+        step_kwargs=dict(grad_scale=1024.0),
+        poison=lambda step, index: step in (7, 8) and index == 2,
+    ),
+    "two-groups-four-buckets": Scenario(
+        lambda g: [
+            {"params": _layouts(g, torch.float32)[:3] + _layouts(g, torch.float16)[2:]},
+            {"params": _layouts(g, torch.bfloat16)[2:] + [torch.nn.Parameter(torch.randn(9, generator=g))],
+             "lr": torch.tensor(3e-3), "adam_w_mode": AdamWMode.ADAM_L2_REGULARIZATION, "weight_decay": 0.2},
+        ],
+        options=dict(master_weights=True, weight_decay=0.1, max_grad_norm=2.0),
+    ),
+    "grads-come-and-go": Scenario(
+        lambda g: [{"params": _layouts(g, torch.float32)}, {"params": _layouts(g, torch.float16)}],
+        options=dict(master_weights=True),
+        has_grad=lambda step, index: not (5 <= step < 9 and index == 2) and not (index == 8 and step < 12),
+        steady=False,
+    ),
+    "param-given-new-memory": Scenario(
+        lambda g: [{"params": _layouts(g, torch.float32)}],
+        before_step=lambda step, params: step == 6 and setattr(params[2], "data", params[2].data.clone()),
+    ),
+}
+
+
+def _run(scenario: Scenario, planned: bool, monkeypatch) -> tuple[FusedAdam, list[int]]:
+    """STEPS steps of the scenario; returns the optimizer and the number of op calls each step made."""
+    calls = [0]
+    op = _native.adam_step_
+
+    def counting_op(*args, **kwargs):
+        calls[-1] += 1
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(_native, "adam_step_", counting_op)
+    if not planned:
+        monkeypatch.setattr(_native.AdamPlan, "create", classmethod(lambda cls, *lists: None))
+    g = torch.Generator().manual_seed(0)
+    opt = FusedAdam(scenario.make_groups(g), lr=1e-2, **scenario.options)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    per_step = []
+    for step in range(STEPS):
+        scenario.before_step(step, params)
+        for index, p in enumerate(params):
+            grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            if scenario.poison(step, index) and grad.numel():
+                grad.view(-1)[0] = float("inf")
+            p.grad = grad if scenario.has_grad(step, index) else None
+        calls.append(0)
+        opt.step(**scenario.step_kwargs)
+        per_step.append(calls[-1])
+    monkeypatch.undo()
+    return opt, per_step
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_steps_through_plans_equal_steps_through_the_op_bit_for_bit(name, monkeypatch):
+    select_backend(monkeypatch, "native")
+    scenario = SCENARIOS[name]
+    planned, planned_calls = _run(scenario, planned=True, monkeypatch=monkeypatch)
+    select_backend(monkeypatch, "native")
+    through_op, op_calls = _run(scenario, planned=False, monkeypatch=monkeypatch)
+    assert_same_snapshot(optimizer_snapshot(through_op), optimizer_snapshot(planned))
+    assert all(calls > 0 for calls in op_calls)
+    if scenario.steady:
+        assert planned_calls[1:] == [0] * (STEPS - 1), planned_calls
+    else:  # the op runs while some param lacks a gradient; plans take over once all have one again
+        assert 0 < sum(planned_calls) < sum(op_calls)
+        assert planned_calls[-1] == 0
+
+
+def test_a_param_given_new_memory_is_updated_there_and_its_old_memory_is_left_alone(monkeypatch):
+    select_backend(monkeypatch, "native")
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = FusedAdam([p], lr=0.1)
+    for _ in range(3):
+        p.grad = torch.ones(4)
+        opt.step()
+    old = p.data
+    old_values = old.clone()
+    p.data = torch.full((4,), 5.0)
+    p.grad = torch.ones(4)
+    opt.step()
+    assert torch.equal(old, old_values)
+    assert (p.detach() < 5.0).all()
+
+
+def _planned_fp32(monkeypatch):
+    """One group of fp32 params, no scaling or clipping, 3 steps taken: the next step is one plan call."""
+    select_backend(monkeypatch, "native")
+    g = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(5, generator=g)), torch.nn.Parameter(torch.randn(6, generator=g))]
+    opt = FusedAdam(params, weight_decay=0.1)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    assert opt._plans[0].native
+    return opt, params
+
+
+def _float64_grad(p):
+    p.grad.data = torch.zeros(p.shape, dtype=torch.float64)
+
+
+def _new_shape(p):
+    p.data = torch.zeros(p.numel() + 1)
+    p.grad = torch.zeros_like(p)
+
+
+def _float64_param(p):
+    p.data = p.data.double()
+    p.grad = torch.zeros_like(p)
+
+
+BAD_STEPS = [
+    ("float64-grad", _float64_grad, r"its gradient has dtype torch\.float64"),
+    ("param-changed-shape", _new_shape, r"its optimizer state was made for shape \(6,\)"),
+    ("param-became-float64", _float64_param, r"cannot switch to or from float64"),
+]
+
+
+@pytest.mark.parametrize("damage,message", [c[1:] for c in BAD_STEPS], ids=[c[0] for c in BAD_STEPS])
+def test_a_bad_step_through_a_plan_names_the_param_and_changes_nothing(damage, message, monkeypatch):
+    opt, params = _planned_fp32(monkeypatch)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    damage(params[1])
+    before = optimizer_snapshot(opt)
+    with pytest.raises((ValueError, RuntimeError), match=re.escape("param_groups[0]['params'][1] (shape") + ".*" + message):
+        opt.step()
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
+def test_plans_are_native_cpu_only(monkeypatch):
+    opt, _ = _planned_fp32(monkeypatch)
+    assert all(bucket.native is not None for bucket in opt._plans[0].buckets)
+    select_backend(monkeypatch, "torch")
+    p = torch.nn.Parameter(torch.ones(3))
+    other = FusedAdam([p])
+    for _ in range(2):
+        p.grad = torch.ones(3)
+        other.step()
+    assert not other._plans[0].native and other._plans[0].buckets[0].native is None
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_an_optimizer_with_plans_copies_with_its_options_and_the_copy_steps_alone(how, monkeypatch):
+    select_backend(monkeypatch, "native")
+    params = [torch.nn.Parameter(torch.randn(4).half()) for _ in range(2)]
+    opt = FusedAdam(params, master_weights=True, exp_avg_dtype=torch.float16, max_grad_norm=1.0)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(4).half()
+        opt.step()
+    if how == "deepcopy":
+        clone = copy.deepcopy(opt)
+    else:
+        buffer = io.BytesIO()
+        torch.save(opt, buffer)
+        buffer.seek(0)
+        clone = torch.load(buffer, weights_only=False)
+    assert (clone.master_weights, clone.exp_avg_dtype, clone.max_grad_norm) == (True, torch.float16, 1.0)
+    before = optimizer_snapshot(opt)
+    clone_params = [p for p in clone.param_groups[0]["params"]]
+    for p in clone_params:
+        p.grad = torch.ones(4).half()
+    clone.step()
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+    assert float(clone.state[clone_params[0]]["step"]) == 4
