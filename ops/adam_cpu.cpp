@@ -686,6 +686,7 @@ class AdamPlan : public torch::CustomClassHolder {
   bool collect_grads(std::vector<const at::Tensor*>& grads) {
     grads.resize(params_.size());
     for (size_t i = 0; i < params_.size(); ++i) {
+      prefetch_metadata(i);
       const at::Tensor& p = params_[i];
       const at::Tensor& g = p.grad();
       if (!g.defined()) return false;
@@ -699,6 +700,36 @@ class AdamPlan : public torch::CustomClassHolder {
       grads[i] = &g;
     }
     return true;
+  }
+
+  // What collect_grads reads of a param is a chain of dependent pointers (TensorImpl, then its storage and autograd
+  // meta, then the grad's TensorImpl and storage), all cold again by the next step. Walked one param at a time, the
+  // core waits on one miss after another; prefetching each link a few params ahead keeps several in flight.
+  void prefetch_metadata(size_t i) const {
+    const size_t n = params_.size();
+    if (i + 12 < n) prefetch_object(params_[i + 12].unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
+    if (i + 8 < n) {
+      const c10::TensorImpl* impl = params_[i + 8].unsafeGetTensorImpl();
+      prefetch_object(impl->unsafe_storage().unsafeGetStorageImpl(), 64);
+      if (const auto* meta = impl->autograd_meta()) prefetch_object(meta, 128);
+    }
+    if (i + 4 < n) {
+      const auto* meta = params_[i + 4].unsafeGetTensorImpl()->autograd_meta();
+      const at::Tensor* grad = meta ? &meta->grad() : nullptr;
+      if (grad && grad->defined()) {
+        const c10::TensorImpl* impl = grad->unsafeGetTensorImpl();
+        prefetch_object(impl, sizeof(c10::TensorImpl));
+      }
+    }
+    if (i + 2 < n) {
+      const auto* meta = params_[i + 2].unsafeGetTensorImpl()->autograd_meta();
+      const at::Tensor* grad = meta ? &meta->grad() : nullptr;
+      if (grad && grad->defined()) prefetch_object(grad->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), 64);
+    }
+  }
+
+  static void prefetch_object(const void* object, size_t bytes) {
+    for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(object) + b);
   }
 
   std::vector<at::Tensor> params_, exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, master_params_, exp_avg_scales_,
