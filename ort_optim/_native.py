@@ -35,7 +35,7 @@ SOURCES = ("schema.cpp", "adam_cpu.cpp")
 # -ffp-contract=off keeps every multiply and add separately rounded, as ops/README.md specifies, so the CPU kernel
 # and the Triton kernels agree bit for bit (the update is memory-bound: FMA would buy nothing). The pure-PyTorch
 # path matches the moments bit for bit but can differ from them in the last bit of a few parameter elements.
-CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp",
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp",
           "-std=c++17"]
 BACKENDS = ("auto", "native", "torch", "triton")
 
