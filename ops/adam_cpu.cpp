@@ -569,10 +569,23 @@ double sum_of_squares(const T* x, int64_t n) {
 
 // grad_stats over validated dense CPU tensors of float dtypes.
 at::Tensor grad_stats_of(const std::vector<const at::Tensor*>& tensors) {
-  std::vector<at::Tensor> work;
+  // Resolved before the parallel region, like the Adam step's TensorWork: the loop then reads no tensor metadata.
+  struct Source {
+    const void* data;
+    at::ScalarType type;
+  };
+  std::vector<at::Tensor> copies;  // contiguous stand-ins for non-contiguous tensors
+  std::vector<Source> sources;
   std::vector<int64_t> numels;
+  sources.reserve(tensors.size());
+  numels.reserve(tensors.size());
   for (const at::Tensor* t : tensors) {
-    work.push_back(t->contiguous());
+    const void* data = t->data_ptr();
+    if (!t->is_contiguous()) {
+      copies.push_back(t->contiguous());
+      data = copies.back().data_ptr();
+    }
+    sources.push_back({data, t->scalar_type()});
     numels.push_back(t->numel());
   }
   const std::vector<WorkItem> items = make_work_items(numels);
@@ -581,18 +594,22 @@ at::Tensor grad_stats_of(const std::vector<const at::Tensor*>& tensors) {
     float buf[kBlock];
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& item = items[i];
-      const at::Tensor& t = work[item.tensor];
+      const Source& src = sources[item.tensor];
+      if (i + 1 < end) {
+        const Source& next = sources[items[i + 1].tensor];
+        prefetch_range(next.data, c10::elementSize(next.type), items[i + 1].begin, items[i + 1].end);
+      }
       double sum = 0.0;
-      if (t.scalar_type() == at::kDouble) {
-        sum = sum_of_squares(t.data_ptr<double>() + item.begin, item.end - item.begin);
-      } else if (t.scalar_type() == at::kFloat) {
-        sum = sum_of_squares(t.data_ptr<float>() + item.begin, item.end - item.begin);
+      if (src.type == at::kDouble) {
+        sum = sum_of_squares(static_cast<const double*>(src.data) + item.begin, item.end - item.begin);
+      } else if (src.type == at::kFloat) {
+        sum = sum_of_squares(static_cast<const float*>(src.data) + item.begin, item.end - item.begin);
       } else {
-        const char* base = static_cast<const char*>(t.data_ptr());
-        const size_t esize = t.element_size();
+        const char* base = static_cast<const char*>(src.data);
+        const size_t esize = c10::elementSize(src.type);
         for (int64_t off = item.begin; off < item.end; off += kBlock) {
           const int64_t len = std::min(kBlock, item.end - off);
-          load<float>(base + off * esize, t.scalar_type(), len, buf, 1.0f);
+          load<float>(base + off * esize, src.type, len, buf, 1.0f);
           sum += sum_of_squares(buf, len);
         }
       }
