@@ -207,6 +207,11 @@ class FusedAdam(torch.optim.Optimizer):
             graph cannot replay: an lr tensor on another device, a float grad_scale. A float lr is baked into the
             graph at capture: to change it between replays, make it a device tensor and update it in place.
 
+    On the CPU, once a param group's params all have gradients, each bucket keeps a native plan (ops/README.md,
+    "AdamPlan") that validated its params and states once; later steps go through it and read the gradients in C++,
+    so a step over thousands of small tensors costs their bytes, not their metadata. It is a cache: same checks, same
+    bits as the op, rebuilt whenever the set of params with gradients changes or states are replaced.
+
     Each parameter has its own step count (as torch), so a parameter that first gets a gradient late gets a correct
     first update; parameters without a gradient are skipped entirely. Parameters must not share memory: overlapping
     views of one storage (or an ``expand()``-ed param) are refused at the first step, as they would be updated twice;
