@@ -51,26 +51,48 @@ inline uint32_t float_to_bits(float f) {
   return b;
 }
 
-void half_to_float(const uint16_t* src, int64_t n, float* dst) {
+// dst[i] = float(src[i]) * mul. The conversion is exact, so this equals converting and then multiplying; fused, the
+// scaled fp16 states take one pass over the block instead of two. 16 lanes with AVX-512, 8 with F16C.
+void half_to_float(const uint16_t* src, int64_t n, float* dst, float mul) {
   int64_t i = 0;
-#ifdef ORT_OPTIM_F16C
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#if defined(ORT_OPTIM_F16C) && defined(__AVX512F__)
+  const __m512 mul16 = _mm512_set1_ps(mul);
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(h), mul16));
   }
 #endif
-  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
+#ifdef ORT_OPTIM_F16C
+  const __m256 mul8 = _mm256_set1_ps(mul);
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), mul8));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]) * mul;
 }
 
-// Round to nearest even, like c10::Half(float).
-void float_to_half(const float* src, int64_t n, uint16_t* dst) {
+// dst[i] = fp16(src[i] * mul), the product rounded to float, then to half with round to nearest even (like
+// c10::Half(float)): the same bits as multiplying into a temporary and converting that.
+void float_to_half(const float* src, int64_t n, uint16_t* dst, float mul) {
   int64_t i = 0;
+#if defined(ORT_OPTIM_F16C) && defined(__AVX512F__)
+  const __m512 mul16 = _mm512_set1_ps(mul);
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm512_cvtps_ph(_mm512_mul_ps(_mm512_loadu_ps(src + i), mul16),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), h);
+  }
+#endif
 #ifdef ORT_OPTIM_F16C
+  const __m256 mul8 = _mm256_set1_ps(mul);
   for (; i + 8 <= n; i += 8) {
-    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(src + i), mul8),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
   }
 #endif
-  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_from_fp32_value(src[i]);
+  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_from_fp32_value(src[i] * mul);
 }
 
 void bf16_to_float(const uint16_t* src, int64_t n, float* dst) {
@@ -100,14 +122,14 @@ void load(const void* src, at::ScalarType type, int64_t n, T* dst, T mul) {
         return;
       }
       case at::kHalf:
-        half_to_float(static_cast<const uint16_t*>(src), n, dst);
-        break;
-      default:  // kBFloat16 (validated before the parallel region)
+        half_to_float(static_cast<const uint16_t*>(src), n, dst, mul);
+        return;
+      default:  // kBFloat16 (validated before the parallel region; bf16 states are never scaled)
         bf16_to_float(static_cast<const uint16_t*>(src), n, dst);
-        break;
-    }
-    if (mul != 1.0f) {
-      for (int64_t i = 0; i < n; ++i) dst[i] *= mul;
+        if (mul != 1.0f) {
+          for (int64_t i = 0; i < n; ++i) dst[i] *= mul;
+        }
+        return;
     }
   }
 }
@@ -122,7 +144,7 @@ void store(const T* src, int64_t n, void* dst, at::ScalarType type) {
         std::memcpy(dst, src, n * sizeof(float));
         return;
       case at::kHalf:
-        float_to_half(src, n, static_cast<uint16_t*>(dst));
+        float_to_half(src, n, static_cast<uint16_t*>(dst), 1.0f);
         return;
       default:
         float_to_bf16(src, n, static_cast<uint16_t*>(dst));
@@ -145,14 +167,13 @@ float fp16_block_scale(float amax) {
 }
 
 // Writes a block of values as fp16 codes with one power-of-two scale; scale_out receives s (value = code / s).
-void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_out, float* tmp) {
+void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_out) {
   // |x| as bits orders like |x| for non-NaN floats, and an integer max vectorises (a float max does not without
   // fast-math). A NaN's bits exceed infinity's, so a NaN block still reads as non-finite.
   uint32_t amax_bits = 0;
   for (int64_t i = 0; i < n; ++i) amax_bits = std::max(amax_bits, float_to_bits(src[i]) & 0x7FFFFFFFu);
   float s = fp16_block_scale(bits_to_float(amax_bits));
-  for (int64_t i = 0; i < n; ++i) tmp[i] = src[i] * s;
-  float_to_half(tmp, n, dst);
+  float_to_half(src, n, dst, s);
   *scale_out = s;
 }
 
@@ -193,11 +214,11 @@ void load_state(const void* base, at::ScalarType type, const float* scales, int6
 }
 
 template <typename T>
-void store_state(const T* src, void* base, at::ScalarType type, float* scales, int64_t off, int64_t n, T* tmp) {
+void store_state(const T* src, void* base, at::ScalarType type, float* scales, int64_t off, int64_t n) {
   char* dst = static_cast<char*>(base) + off * c10::elementSize(type);
   if constexpr (std::is_same_v<T, float>) {
     if (scales) {
-      store_fp16_scaled(src, n, reinterpret_cast<uint16_t*>(dst), scales + off / kBlock, tmp);
+      store_fp16_scaled(src, n, reinterpret_cast<uint16_t*>(dst), scales + off / kBlock);
       return;
     }
   }
@@ -250,11 +271,11 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
     }
   }
 
-  // Write back what was staged. The scratch array g is free now: it is the fp16 quantiser's temporary.
-  if (m == s.m) store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.g);
-  if (v == s.v) store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.g);
+  // Write back what was staged.
+  if (m == s.m) store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n);
+  if (v == s.v) store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n);
   if (kAmsgrad && vmax == s.vmax) {
-    store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.g);
+    store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n);
   }
   // With a master, p is the master itself (updated in place) and the param receives it rounded.
   if (w.master || p == s.p) {
