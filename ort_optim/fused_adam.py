@@ -529,7 +529,9 @@ class FusedAdam(torch.optim.Optimizer):
         launches = []
         for group_index, group in enumerate(self.param_groups):
             cached = self._plans.get(group_index)
-            if cached is None or not cached.native or cached.key[0] != bool(group["amsgrad"]):
+            amsgrad, has_grad = cached.key if cached is not None else (None, ())
+            if cached is None or not cached.native or amsgrad != bool(group["amsgrad"]) \
+                    or len(has_grad) != len(group["params"]):  # (params appended to the group's list directly)
                 return None
             launches.extend(_Launch(group_index, group, bucket, None) for bucket in cached.buckets)
         # A lone launch without scaling checks its gradients itself before writing; otherwise all are checked first,

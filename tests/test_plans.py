@@ -230,3 +230,13 @@ def test_an_optimizer_with_plans_copies_with_its_options_and_the_copy_steps_alon
     clone.step()
     assert_same_snapshot(before, optimizer_snapshot(opt))
     assert float(clone.state[clone_params[0]]["step"]) == 4
+
+
+def test_a_param_appended_to_a_group_list_directly_is_not_ignored(monkeypatch):
+    opt, params = _planned_fp32(monkeypatch)
+    late = torch.nn.Parameter(torch.ones(3))
+    opt.param_groups[0]["params"].append(late)
+    for p in params + [late]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert float(opt.state[late]["step"]) == 1 and (late.detach() < 1).all()
