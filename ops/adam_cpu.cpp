@@ -167,11 +167,9 @@ float fp16_block_scale(float amax) {
 }
 
 // Writes a block of values as fp16 codes with one power-of-two scale; scale_out receives s (value = code / s).
-void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_out) {
-  // |x| as bits orders like |x| for non-NaN floats, and an integer max vectorises (a float max does not without
-  // fast-math). A NaN's bits exceed infinity's, so a NaN block still reads as non-finite.
-  uint32_t amax_bits = 0;
-  for (int64_t i = 0; i < n; ++i) amax_bits = std::max(amax_bits, float_to_bits(src[i]) & 0x7FFFFFFFu);
+// amax_bits: the bits of the block's largest |value| (see abs_bits), found by the Adam loop while the values were in
+// registers.
+void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_out, uint32_t amax_bits) {
   float s = fp16_block_scale(bits_to_float(amax_bits));
   float_to_half(src, n, dst, s);
   *scale_out = s;
@@ -214,11 +212,12 @@ void load_state(const void* base, at::ScalarType type, const float* scales, int6
 }
 
 template <typename T>
-void store_state(const T* src, void* base, at::ScalarType type, float* scales, int64_t off, int64_t n) {
+void store_state(const T* src, void* base, at::ScalarType type, float* scales, int64_t off, int64_t n,
+                 uint32_t amax_bits) {
   char* dst = static_cast<char*>(base) + off * c10::elementSize(type);
   if constexpr (std::is_same_v<T, float>) {
     if (scales) {
-      store_fp16_scaled(src, n, reinterpret_cast<uint16_t*>(dst), scales + off / kBlock);
+      store_fp16_scaled(src, n, reinterpret_cast<uint16_t*>(dst), scales + off / kBlock, amax_bits);
       return;
     }
   }
@@ -236,22 +235,26 @@ T* stage(const void* base, at::ScalarType type, const float* scales, int64_t off
   return scratch;
 }
 
-// One block of one tensor: [off, off + n) with off a multiple of kBlock.
-template <typename T, int64_t kMode, bool kAmsgrad>
-void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s) {
-  T* __restrict__ g = stage<T>(w.grad, w.grad_type, nullptr, off, n, s.g);
-  T* __restrict__ p = w.master ? stage<T>(w.master, at::kFloat, nullptr, off, n, s.p)
-                               : stage<T>(w.param, w.param_type, nullptr, off, n, s.p);
-  T* __restrict__ m = stage<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m);
-  T* __restrict__ v = stage<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v);
-  T* __restrict__ vmax =
-      kAmsgrad ? stage<T>(w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.vmax) : s.vmax;
+// |x| as bits: orders like |x| for non-NaN floats, and an integer max vectorises (a float max does not without
+// fast-math). A NaN's bits exceed infinity's, so a block with a NaN still reads as non-finite.
+inline uint32_t abs_bits(float x) { return float_to_bits(x) & 0x7FFFFFFFu; }
 
+// Block maxima of |m|, |v| and |vmax| as abs_bits, for the fp16 quantiser.
+struct BlockMax {
+  uint32_t m = 0, v = 0, vmax = 0;
+};
+
+// The update over one staged block. kAmax: also find the block maxima (when a state is stored as scaled fp16),
+// in the same pass rather than in one more pass per state.
+template <typename T, int64_t kMode, bool kAmsgrad, bool kAmax>
+BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
+                   T* __restrict__ vmax, int64_t n, const TensorWork& w, const Hyper& h) {
   const T grad_mul = T(h.grad_mul), b2 = T(h.beta2), one_minus_b1 = T(1.0 - h.beta1),
           one_minus_b2 = T(1.0 - h.beta2);
   const T eps = T(h.eps), wd = T(h.weight_decay), step_size = T(w.step_size), bc2_sqrt = T(w.bc2_sqrt);
   const T torch_decay = T(1.0 - h.lr * h.weight_decay);  // mode 2: p *= 1 - lr*wd, in double like torch
   const T hf_decay = T(h.lr * h.weight_decay);           // mode 1: p -= lr*wd*p after the update
+  uint32_t max_m = 0, max_v = 0, max_vmax = 0;
   for (int64_t i = 0; i < n; ++i) {
     T gi = g[i] * grad_mul;  // unscale (and negate for maximize)
     if (kMode == kAdamL2) gi = gi + wd * p[i];  // L2: the decay enters the moments (not written back to .grad)
@@ -269,13 +272,40 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
       p[i] = p[i] - step_size * (m[i] / (std::sqrt(vi) + eps));
       if (kMode == kAdamWTransformers) p[i] = p[i] - hf_decay * p[i];
     }
+    if constexpr (kAmax) {
+      max_m = std::max(max_m, abs_bits(m[i]));
+      max_v = std::max(max_v, abs_bits(v[i]));
+      if (kAmsgrad) max_vmax = std::max(max_vmax, abs_bits(vmax[i]));
+    }
+  }
+  return {max_m, max_v, max_vmax};
+}
+
+// One block of one tensor: [off, off + n) with off a multiple of kBlock.
+template <typename T, int64_t kMode, bool kAmsgrad>
+void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s) {
+  T* g = stage<T>(w.grad, w.grad_type, nullptr, off, n, s.g);
+  T* p = w.master ? stage<T>(w.master, at::kFloat, nullptr, off, n, s.p)
+                  : stage<T>(w.param, w.param_type, nullptr, off, n, s.p);
+  T* m = stage<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m);
+  T* v = stage<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v);
+  T* vmax = kAmsgrad ? stage<T>(w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.vmax) : s.vmax;
+  BlockMax max;
+  if constexpr (std::is_same_v<T, float>) {
+    if (w.exp_avg_scale || w.exp_avg_sq_scale) {
+      max = adam_loop<T, kMode, kAmsgrad, true>(p, g, m, v, vmax, n, w, h);
+    } else {
+      max = adam_loop<T, kMode, kAmsgrad, false>(p, g, m, v, vmax, n, w, h);
+    }
+  } else {
+    max = adam_loop<T, kMode, kAmsgrad, false>(p, g, m, v, vmax, n, w, h);
   }
 
   // Write back what was staged.
-  if (m == s.m) store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n);
-  if (v == s.v) store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n);
+  if (m == s.m) store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, max.m);
+  if (v == s.v) store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, max.v);
   if (kAmsgrad && vmax == s.vmax) {
-    store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n);
+    store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, max.vmax);
   }
   // With a master, p is the master itself (updated in place) and the param receives it rounded.
   if (w.master || p == s.p) {
