@@ -735,7 +735,7 @@ class AdamPlan : public torch::CustomClassHolder {
   AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
            std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> master_params,
            std::vector<at::Tensor> exp_avg_scales, std::vector<at::Tensor> exp_avg_sq_scales,
-           std::vector<at::Tensor> max_exp_avg_sq_scales, at::Tensor steps)
+           std::vector<at::Tensor> max_exp_avg_sq_scales, at::Tensor steps, std::vector<at::Tensor> idle_params)
       : params_(std::move(params)),
         exp_avgs_(std::move(exp_avgs)),
         exp_avg_sqs_(std::move(exp_avg_sqs)),
@@ -744,7 +744,8 @@ class AdamPlan : public torch::CustomClassHolder {
         exp_avg_scales_(std::move(exp_avg_scales)),
         exp_avg_sq_scales_(std::move(exp_avg_sq_scales)),
         max_exp_avg_sq_scales_(std::move(max_exp_avg_sq_scales)),
-        steps_(std::move(steps)) {
+        steps_(std::move(steps)),
+        idle_params_(std::move(idle_params)) {
     const StateLists states{exp_avgs_,       exp_avg_sqs_,       max_exp_avg_sqs_,      master_params_,
                             exp_avg_scales_, exp_avg_sq_scales_, max_exp_avg_sq_scales_};
     is_double_ = check_params_and_states(params_, states, steps_);
@@ -758,13 +759,15 @@ class AdamPlan : public torch::CustomClassHolder {
     size_offsets_.push_back(int64_t(sizes_.size()));
   }
 
-  // Whether every param has a gradient (if not, FusedAdam plans again); raises if a gradient cannot be used.
+  // Whether every param has a gradient and no idle param has one (if not, FusedAdam plans again); raises if a
+  // gradient cannot be used.
   bool ready() {
     std::vector<const at::Tensor*> grads;
     return collect_grads(grads);
   }
 
-  // One step with the params' current gradients; false (and nothing written) if a param has none.
+  // One step with the params' current gradients; false (and nothing written) if a param has none or an idle one
+  // has one.
   bool step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
             bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
             c10::optional<at::Tensor> inv_grad_scale, c10::optional<at::Tensor> found_inf) {
@@ -786,6 +789,9 @@ class AdamPlan : public torch::CustomClassHolder {
 
  private:
   bool collect_grads(std::vector<const at::Tensor*>& grads) {
+    for (const at::Tensor& q : idle_params_) {
+      if (q.grad().defined()) return false;
+    }
     grads.resize(params_.size());
     for (size_t i = 0; i < params_.size(); ++i) {
       prefetch_metadata(i);
@@ -837,6 +843,9 @@ class AdamPlan : public torch::CustomClassHolder {
   std::vector<at::Tensor> params_, exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, master_params_, exp_avg_scales_,
       exp_avg_sq_scales_, max_exp_avg_sq_scales_;
   at::Tensor steps_;
+  // Params of the same param group that had no gradient when the plan was made (frozen ones, say): the plan is only
+  // valid while they still have none.
+  std::vector<at::Tensor> idle_params_;
   bool is_double_ = false;
   std::vector<TensorWork> work_;
   std::vector<WorkItem> items_;
@@ -857,7 +866,7 @@ TORCH_LIBRARY_FRAGMENT(ort_optim, m) {
   m.class_<AdamPlan>("AdamPlan")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor>())
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, std::vector<at::Tensor>>())
       .def("ready", &AdamPlan::ready)
       .def("step", &AdamPlan::step)
       .def("grad_stats", &AdamPlan::grad_stats);

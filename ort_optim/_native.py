@@ -201,25 +201,28 @@ class AdamPlan:
 
     @classmethod
     def create(cls, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
-               exp_avg_sq_scales, max_exp_avg_sq_scales, steps) -> Optional["AdamPlan"]:
+               exp_avg_sq_scales, max_exp_avg_sq_scales, steps, idle_params=()) -> Optional["AdamPlan"]:
         """A plan over these lists, or None where their steps do not run on the native CPU op (another backend,
-        or torch.compile tracing)."""
+        or torch.compile tracing). idle_params: params (of any device) that have no gradient now; the plan steps
+        only while that stays so."""
         device = params[0].device if len(params) else torch.device("cpu")
         if device.type != "cpu" or torch.compiler.is_compiling() or _implementation(device) is not torch.ops.ort_optim:
             return None
         return cls(torch.classes.ort_optim.AdamPlan(
             list(params), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(master_params),
-            list(exp_avg_scales), list(exp_avg_sq_scales), list(max_exp_avg_sq_scales), steps,
+            list(exp_avg_scales), list(exp_avg_sq_scales), list(max_exp_avg_sq_scales), steps, list(idle_params),
         ))
 
     def ready(self) -> bool:
-        """Whether every param has a gradient; raises (like the op) if one cannot be used."""
+        """Whether every param has a gradient and no idle param has one; raises (like the op) if a gradient cannot
+        be used."""
         return self._plan.ready()
 
     def step(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adam_w_mode: int,
              bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
              inv_grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> bool:
-        """:func:`adam_step_` with the params' current gradients; False, with nothing written, if one has none."""
+        """:func:`adam_step_` with the params' current gradients; False, with nothing written, if one has none or an
+        idle param has one."""
         return self._plan.step(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize,
                                lr_tensor, inv_grad_scale, found_inf)
 

@@ -50,8 +50,9 @@ class _Bucket:
 
 @dataclass
 class _GroupPlan:
-    """A param group's buckets, valid while key (_plan_key) holds. native: every param of the group had a gradient
-    and every bucket has a native AdamPlan, so a step can go through the plans without reading any grad in Python."""
+    """A param group's buckets, valid while key (_plan_key) holds. native: every bucket has a native AdamPlan, and
+    together they check that key still holds (the first also watches the params without a gradient), so a step can go
+    through them without reading any grad in Python."""
 
     key: tuple
     buckets: list[_Bucket]
@@ -207,10 +208,11 @@ class FusedAdam(torch.optim.Optimizer):
             graph cannot replay: an lr tensor on another device, a float grad_scale. A float lr is baked into the
             graph at capture: to change it between replays, make it a device tensor and update it in place.
 
-    On the CPU, once a param group's params all have gradients, each bucket keeps a native plan (ops/README.md,
-    "AdamPlan") that validated its params and states once; later steps go through it and read the gradients in C++,
-    so a step over thousands of small tensors costs their bytes, not their metadata. It is a cache: same checks, same
-    bits as the op, rebuilt whenever the set of params with gradients changes or states are replaced.
+    On the CPU, each bucket keeps a native plan (ops/README.md, "AdamPlan") that validated its params and states
+    once; from the second step on, steps go through it and read the gradients in C++, so a step over thousands of
+    small tensors costs their bytes, not their metadata. It is a cache: same checks, same bits as the op, rebuilt
+    whenever the set of params with gradients changes (params that never get one, frozen ones, are fine) or states
+    are replaced.
 
     Each parameter has its own step count (as torch), so a parameter that first gets a gradient late gets a correct
     first update; parameters without a gradient are skipped entirely. Parameters must not share memory: overlapping
@@ -404,14 +406,16 @@ class FusedAdam(torch.optim.Optimizer):
         buckets = list(by_key.values())
         for bucket in buckets:
             bucket.whole_group = len(bucket.indices) == len(group["params"])
-        native = all(g is not None for g in grads)
-        if native:  # plans read every param's .grad: only a group whose params all have gradients can use them
-            for bucket in buckets:
-                bucket.native = _native.AdamPlan.create(
-                    bucket.params, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs, bucket.master_params,
-                    bucket.exp_avg_scales, bucket.exp_avg_sq_scales, bucket.max_exp_avg_sq_scales, bucket.steps,
-                )
-                native = native and bucket.native is not None
+        # The first bucket's plan also watches the params without a gradient (frozen ones, say): if one gets a
+        # gradient, the plans refuse to step and the group is planned again. A group without any gradient has no plan.
+        idle = [p for p, g in zip(group["params"], grads) if g is None]
+        for bucket in buckets:
+            bucket.native = _native.AdamPlan.create(
+                bucket.params, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs, bucket.master_params,
+                bucket.exp_avg_scales, bucket.exp_avg_sq_scales, bucket.max_exp_avg_sq_scales, bucket.steps,
+                idle if bucket is buckets[0] else (),
+            )
+        native = bool(buckets) and all(bucket.native is not None for bucket in buckets) or not group["params"]
         self._plans[group_index] = _GroupPlan(self._plan_key(group_index, grads), buckets, native)
         return buckets
 
