@@ -300,11 +300,6 @@ class FusedAdam(torch.optim.Optimizer):
                         f"bfloat16 params; complex or integer params are not supported (use torch.view_as_real for "
                         f"complex ones)"
                     )
-                if p.dtype == torch.float64 and (self.exp_avg_dtype or self.exp_avg_sq_dtype):
-                    raise ValueError(
-                        f"{_describe(group_index, index, p)}: float64 params keep float64 moments; "
-                        f"exp_avg_dtype/exp_avg_sq_dtype apply to float32/float16/bfloat16 params only"
-                    )
         except ValueError:
             self.param_groups.pop()
             raise

@@ -480,8 +480,6 @@ PARAM_ERRORS = [
     ("complex", lambda: torch.zeros(3, dtype=torch.complex64), {}, r"complex or integer params are not supported"),
     ("int32", lambda: torch.zeros(3, dtype=torch.int32), {}, r"complex or integer params are not supported"),
     ("int64", lambda: torch.zeros(3, dtype=torch.int64), {}, r"FusedAdam supports float32, float64, float16 and "),
-    ("fp64-with-state-dtype", lambda: torch.zeros(3, dtype=torch.float64), dict(exp_avg_dtype=torch.bfloat16),
-     r"float64 params keep float64 moments"),
 ]
 
 
@@ -659,3 +657,29 @@ def test_turning_amsgrad_on_after_state_exists_is_refused_before_anything_change
     assert torch.equal(params[0].detach(), param_before)
     assert set(opt.state[params[0]]) == set(before)
     assert all(torch.equal(opt.state[params[0]][k], v) for k, v in before.items())
+
+
+def test_state_dtype_options_leave_float64_params_with_float64_states(backend):
+    """exp_avg_dtype/exp_avg_sq_dtype apply to float32/float16/bfloat16 params; a float64 param beside them keeps
+    float64 moments, and each param is updated exactly as it would be in an optimizer of its own."""
+    g = torch.Generator().manual_seed(11)
+    options = dict(lr=1e-2, weight_decay=0.1, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.float16)
+    wide, narrow = torch.randn(5, generator=g, dtype=torch.float64), torch.randn(7, generator=g)
+    together = [torch.nn.Parameter(wide.clone()), torch.nn.Parameter(narrow.clone())]
+    alone = [torch.nn.Parameter(wide.clone()), torch.nn.Parameter(narrow.clone())]
+    opt = FusedAdam(together, **options)
+    opts_alone = [FusedAdam([p], **options) for p in alone]
+    for _ in range(50):
+        for a, b in zip(together, alone):
+            a.grad = torch.randn(a.shape, generator=g, dtype=a.dtype)
+            b.grad = a.grad.clone()
+        opt.step()
+        for o in opts_alone:
+            o.step()
+    assert opt.state[together[0]]["exp_avg"].dtype == opt.state[together[0]]["exp_avg_sq"].dtype == torch.float64
+    assert opt.state[together[1]]["exp_avg"].dtype == torch.bfloat16
+    assert opt.state[together[1]]["exp_avg_sq"].dtype == torch.float16
+    for a, b, o in zip(together, alone, opts_alone):
+        assert_bitwise_equal(a.detach(), b.detach(), "param")
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise_equal(opt.state[a][key], o.state[b][key], key)
