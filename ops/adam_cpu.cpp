@@ -790,13 +790,13 @@ class AdamPlan : public torch::CustomClassHolder {
  private:
   bool collect_grads(std::vector<const at::Tensor*>& grads) {
     for (const at::Tensor& q : idle_params_) {
-      if (q.grad().defined()) return false;
+      if (grad_of(q).defined()) return false;
     }
     grads.resize(params_.size());
     for (size_t i = 0; i < params_.size(); ++i) {
       prefetch_metadata(i);
       const at::Tensor& p = params_[i];
-      const at::Tensor& g = p.grad();
+      const at::Tensor& g = grad_of(p);
       if (!g.defined()) return false;
       // A param may have been given new data since the plan was made: it must still fit its states.
       TORCH_CHECK(check_param(p, i, !master_params_.empty()) == is_double_ &&
@@ -809,6 +809,10 @@ class AdamPlan : public torch::CustomClassHolder {
     }
     return true;
   }
+
+  // p.grad without Tensor::grad()'s is_leaf() check, which costs a call per param and warns for a non-leaf param
+  // without a gradient (an idle param may be one).
+  static const at::Tensor& grad_of(const at::Tensor& p) { return p.unsafeGetTensorImpl()->grad(); }
 
   // What collect_grads reads of a param is a chain of dependent pointers (TensorImpl, then its storage and autograd
   // meta, then the grad's TensorImpl and storage), all cold again by the next step. Walked one param at a time, the
