@@ -780,10 +780,10 @@ class AdamPlan : public torch::CustomClassHolder {
     return true;
   }
 
-  // grad_stats over the params' current gradients (every param must have one: check ready() first).
+  // grad_stats over the params' current gradients; an empty tensor when ready() would be false.
   at::Tensor grad_stats() {
     std::vector<const at::Tensor*> grads;
-    TORCH_CHECK(collect_grads(grads), "ort_optim.AdamPlan.grad_stats: a parameter has no gradient");
+    if (!collect_grads(grads)) return at::empty({0}, at::TensorOptions().dtype(at::kFloat));
     return grad_stats_of(grads);
   }
 

@@ -226,9 +226,11 @@ class AdamPlan:
         return self._plan.step(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize,
                                lr_tensor, inv_grad_scale, found_inf)
 
-    def grad_stats(self) -> torch.Tensor:
-        """:func:`grad_stats` of the params' current gradients (every param must have one)."""
-        return self._plan.grad_stats()
+    def grad_stats(self) -> Optional[torch.Tensor]:
+        """:func:`grad_stats` of the params' current gradients; None, like ``ready()`` being False, if a param has no
+        gradient or an idle param has one."""
+        stats = self._plan.grad_stats()
+        return stats if stats.numel() else None
 
 
 def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -515,12 +515,12 @@ class FusedAdam(torch.optim.Optimizer):
                             raise ValueError(f"param_groups[{group_index}]: capturable=True needs lr on the params' "
                                              f"device ({p.device}), got a tensor on {lr.device}")
 
-        launches = self._planned_launches(scaled=grad_scale is not None or self.max_grad_norm is not None)
+        launches = self._planned_launches()
         if launches is None or not self._launch(launches, grad_scale, found_inf):
             self._launch(self._launches_from_grads(), grad_scale, found_inf)
         return loss
 
-    def _planned_launches(self, scaled: bool) -> Optional[list[_Launch]]:
+    def _planned_launches(self) -> Optional[list[_Launch]]:
         """The step's launches through native plans, when every group has them; None when the step must read the
         gradients in Python (first step, a group without plans, or a param whose gradient appeared or went away)."""
         if torch.compiler.is_compiling():
@@ -533,9 +533,9 @@ class FusedAdam(torch.optim.Optimizer):
                     or len(has_grad) != len(group["params"]):  # (params appended to the group's list directly)
                 return None
             launches.extend(_Launch(group_index, group, bucket, None) for bucket in cached.buckets)
-        # A lone launch without scaling checks its gradients itself before writing; otherwise all are checked first,
-        # so that no launch writes before a later one finds a missing or bad gradient.
-        if len(launches) > 1 or scaled:
+        # A lone launch checks its gradients itself before writing (in grad_stats when scaled, else in its step);
+        # several are all checked first, so that no launch writes before a later one finds a missing or bad gradient.
+        if len(launches) > 1:
             try:
                 if not all(launch.bucket.native.ready() for launch in launches):
                     return None
@@ -569,16 +569,19 @@ class FusedAdam(torch.optim.Optimizer):
         self._validate_step([[p.grad for p in group["params"]] for group in self.param_groups], check_overlap=False)
 
     def _launch(self, launches: list[_Launch], grad_scale, found_inf) -> bool:
-        """Runs the launches; False (with nothing written) only when a lone plan launch found a param without a
-        gradient, which _planned_launches leaves to it."""
+        """Runs the launches; False (with nothing written) only when a lone plan launch found that the set of params
+        with gradients changed, which _planned_launches leaves to it."""
         if not launches:
             self._last_found_inf = None
             return True
         try:
-            inv_grad_scale, found_inf = self._scaling(launches, grad_scale, found_inf)
+            scaling = self._scaling(launches, grad_scale, found_inf)
         except RuntimeError:
             self._name_offending_param()
             raise
+        if scaling is None:
+            return False
+        inv_grad_scale, found_inf = scaling
         self._last_found_inf = found_inf
         for launch in launches:
             group, bucket = launch.group, launch.bucket
@@ -609,7 +612,8 @@ class FusedAdam(torch.optim.Optimizer):
         return True
 
     def _scaling(self, launches: list[_Launch], grad_scale, found_inf):
-        """Per-device inverse gradient multiplier (unscale and clip) and the combined skip flag, without host syncs.
+        """Per-device inverse gradient multiplier (unscale and clip) and the combined skip flag, without host syncs;
+        None when a plan launch found that the set of params with gradients changed.
 
         One grad_stats pass per launch gives the global sum of squares and the inf/NaN check; the Adam pass then
         multiplies each gradient by clip_coef / grad_scale. Two passes over the gradients in all. The per-launch
@@ -619,11 +623,11 @@ class FusedAdam(torch.optim.Optimizer):
             return None, found_inf
         devices = list(dict.fromkeys(launch.bucket.params[0].device for launch in launches))
         main = devices[0]
-        stats = sum(
-            (launch.bucket.native.grad_stats() if launch.grads is None else _native.grad_stats(launch.grads))
-            .to(main, non_blocking=True)
-            for launch in launches
-        )
+        per_launch = [launch.bucket.native.grad_stats() if launch.grads is None else _native.grad_stats(launch.grads)
+                      for launch in launches]
+        if any(stats is None for stats in per_launch):
+            return None
+        stats = sum(s.to(main, non_blocking=True) for s in per_launch)
         inv = torch.ones((), dtype=torch.float32, device=main)
         if grad_scale is not None:
             scale = grad_scale.to(main, torch.float32) if isinstance(grad_scale, torch.Tensor) else \

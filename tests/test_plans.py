@@ -79,6 +79,13 @@ SCENARIOS = {
         has_grad=lambda step, index: not (5 <= step < 9 and index == 2) and not (index == 8 and step < 12),
         op_steps=(0, 5, 9, 12),
     ),
+    "one-bucket-scaled-grads-come-and-go": Scenario(  # the lone plan finds the change in grad_stats, before writing
+        lambda g: [{"params": _layouts(g, torch.float32)}],
+        options=dict(max_grad_norm=0.5),
+        step_kwargs=dict(grad_scale=8.0),
+        has_grad=lambda step, index: not (5 <= step < 9 and index == 2),
+        op_steps=(0, 5, 9),
+    ),
     "frozen-params": Scenario(
         lambda g: [{"params": _layouts(g, torch.float32)}, {"params": _layouts(g, torch.bfloat16)}],
         options=dict(max_grad_norm=1.0),
