@@ -101,6 +101,23 @@ def optimizer_snapshot(opt: torch.optim.Optimizer, extra: Iterable[torch.Tensor]
     return snap
 
 
+def assert_tree_bitwise_equal(a, b, where: str = "state") -> None:
+    """Nested dicts/lists/tuples of tensors and plain values: same types and keys everywhere, tensors bit for bit."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert_bitwise_equal(a, b, where)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for k in a:
+            assert_tree_bitwise_equal(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: {len(a)} vs {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_tree_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
 def assert_same_snapshot(a: dict, b: dict) -> None:
     assert a.keys() == b.keys(), f"different entries: {sorted(set(a) ^ set(b))}"
     for key in a:

@@ -18,6 +18,7 @@ from conftest import (
     BACKENDS,
     assert_bitwise_equal,
     assert_same_snapshot,
+    assert_tree_bitwise_equal,
     optimizer_snapshot,
     select_backend,
 )
@@ -136,22 +137,6 @@ def _fresh_like(params, **kwargs):
                                   exp_avg_sq_dtype=torch.float16, **kwargs)
 
 
-def _assert_dict_equal(a, b, where="state_dict"):
-    assert type(a) is type(b), where
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_dict_equal(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_dict_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert_bitwise_equal(a, b, where)
-    else:
-        assert a == b, where
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_load_state_dict_never_writes_to_the_given_dict_not_even_after_later_steps(backend, monkeypatch):
     """traps.md #12: a loader that scaled fp16 states in place (or kept the dict's lr tensor for the scheduler to
@@ -163,12 +148,12 @@ def test_load_state_dict_never_writes_to_the_given_dict_not_even_after_later_ste
     twin_params, twin = _fresh_like(params)
     scheduler = torch.optim.lr_scheduler.StepLR(twin, step_size=1, gamma=0.5)
     twin.load_state_dict(sd)
-    _assert_dict_equal(sd, pristine)
+    assert_tree_bitwise_equal(sd, pristine)
     for step in range(4, 8):
         _set_grads(twin_params, step)
         twin.step()
         scheduler.step()
-    _assert_dict_equal(sd, pristine)
+    assert_tree_bitwise_equal(sd, pristine)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -182,8 +167,8 @@ def test_loading_the_same_dict_twice_equals_loading_it_once(backend, monkeypatch
     twice.load_state_dict(sd)
     twice.load_state_dict(sd)
     _assert_same_optimizers(once_params, once, twice_params, twice)
-    _assert_dict_equal(once.state_dict(), twice.state_dict())
-    _assert_dict_equal(once.state_dict(), sd)
+    assert_tree_bitwise_equal(once.state_dict(), twice.state_dict())
+    assert_tree_bitwise_equal(once.state_dict(), sd)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -449,7 +434,7 @@ def test_a_torch_adamw_checkpoint_loads_into_fused_adam_and_both_stay_equal(vari
     sd = theirs.state_dict()
     pristine = copy.deepcopy(sd)
     ours.load_state_dict(_roundtrip(sd))
-    _assert_dict_equal(sd, pristine)
+    assert_tree_bitwise_equal(sd, pristine)
     group = ours.param_groups[0]
     assert (group["lr"], group["eps"], group["weight_decay"], group["adam_w_mode"]) == (1e-2, 1e-8, 1e-2, 2)
     assert "foreach" not in group and "fused" not in group, "torch's implementation switches are dropped"
@@ -527,7 +512,7 @@ def test_an_ort_fused_adam_checkpoint_loads(mode, backend, monkeypatch):
     pristine = copy.deepcopy(ort_checkpoint)
     opt = FusedAdam(params, adam_w_mode=mode, master_weights=True)
     opt.load_state_dict(_roundtrip(ort_checkpoint))
-    _assert_dict_equal(ort_checkpoint, pristine)
+    assert_tree_bitwise_equal(ort_checkpoint, pristine)
     group = opt.param_groups[0]
     assert group["lr"] == 2e-3 and group["weight_decay"] == 0.01 and group["adam_w_mode"] == mode
     assert "step" not in group, "the per-group step becomes per-parameter steps"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, assert_tree_bitwise_equal
 from ort_optim import FusedAdam
 from ort_optim.fp16_optimizer import FP16_Optimizer, DynamicLossScaler, LossScaleUnderflowError
 
@@ -183,27 +183,11 @@ INNER = {
 def clone_tree(obj):
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, dict):  # keeps the type (an OrderedDict state_dict stays one), as lists and tuples do
+        return type(obj)((k, clone_tree(v)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
         return type(obj)(clone_tree(v) for v in obj)
     return obj
-
-
-def assert_tree_bitwise_equal(a, b, where="state"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert_bitwise_equal(a, b, where)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
-        for k in a:
-            assert_tree_bitwise_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_tree_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def full_snapshot(model, opt):
