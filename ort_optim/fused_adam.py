@@ -528,9 +528,10 @@ class FusedAdam(torch.optim.Optimizer):
         launches = []
         for group_index, group in enumerate(self.param_groups):
             cached = self._plans.get(group_index)
-            amsgrad, has_grad = cached.key if cached is not None else (None, ())
-            if cached is None or not cached.native or amsgrad != bool(group["amsgrad"]) \
-                    or len(has_grad) != len(group["params"]):  # (params appended to the group's list directly)
+            if cached is None or not cached.native:
+                return None
+            amsgrad, has_grad = cached.key
+            if amsgrad != bool(group["amsgrad"]) or len(has_grad) != len(group["params"]):  # (params appended directly)
                 return None
             launches.extend(_Launch(group_index, group, bucket, None) for bucket in cached.buckets)
         # A lone launch checks its gradients itself before writing (in grad_stats when scaled, else in its step);
