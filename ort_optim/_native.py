@@ -187,6 +187,12 @@ def adam_step_(
     )
 
 
+def runs_natively(device: torch.device) -> bool:
+    """Whether the ops for tensors on this device run the native CPU library now: the backend selected at this moment,
+    and not while torch.compile traces (native plans exist only then)."""
+    return device.type == "cpu" and not torch.compiler.is_compiling() and _implementation(device) is torch.ops.ort_optim
+
+
 class AdamPlan:
     """A native handle to one bucket's params and states (the lists of :func:`adam_step_`), kept across steps.
 
@@ -205,8 +211,7 @@ class AdamPlan:
         """A plan over these lists, or None where their steps do not run on the native CPU op (another backend,
         or torch.compile tracing). idle_params: params (of any device) that have no gradient now; the plan steps
         only while that stays so."""
-        device = params[0].device if len(params) else torch.device("cpu")
-        if device.type != "cpu" or torch.compiler.is_compiling() or _implementation(device) is not torch.ops.ort_optim:
+        if not runs_natively(params[0].device if len(params) else torch.device("cpu")):
             return None
         return cls(torch.classes.ort_optim.AdamPlan(
             list(params), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(master_params),

@@ -365,11 +365,6 @@ class FusedAdam(torch.optim.Optimizer):
         """What a group's buckets depend on: which params have gradients, and amsgrad (which adds a state list)."""
         return bool(self.param_groups[group_index]["amsgrad"]), tuple(g is not None for g in grads)
 
-    @staticmethod
-    def _native_validates(bucket: _Bucket) -> bool:
-        """Whether this bucket's op call goes to the native CPU op, which validates all its inputs before writing."""
-        return bucket.params[0].device.type == "cpu" and _native.backend() == "auto" and _native.native_available()
-
     def _plan(self, group_index: int, grads: list[Optional[torch.Tensor]]) -> list[_Bucket]:
         """Builds and caches this group's buckets (step() reuses them, via _cached_plan, until the set of params
         with gradients changes). Runs only after _validate_step, so it creates state but checks nothing."""
@@ -523,7 +518,8 @@ class FusedAdam(torch.optim.Optimizer):
     def _planned_launches(self) -> Optional[list[_Launch]]:
         """The step's launches through native plans, when every group has them; None when the step must read the
         gradients in Python (first step, a group without plans, or a param whose gradient appeared or went away)."""
-        if torch.compiler.is_compiling():
+        # Plans exist only for the native CPU op; the backend can change between steps (ORT_OPTIM_BACKEND).
+        if not _native.runs_natively(torch.device("cpu")):
             return None
         launches = []
         for group_index, group in enumerate(self.param_groups):
@@ -555,7 +551,7 @@ class FusedAdam(torch.optim.Optimizer):
         # input in a later call would surface after earlier calls had written, so Python checks all first.
         stale = any(plan is None for plan in cached)
         calls = [bucket for plan in cached if plan is not None for bucket in plan]
-        if stale or len(calls) != 1 or not self._native_validates(calls[0]):
+        if stale or len(calls) != 1 or not _native.runs_natively(calls[0].params[0].device):
             self._validate_step(all_grads, check_overlap=stale)
         launches = []
         for group_index, (group, grads) in enumerate(zip(self.param_groups, all_grads)):

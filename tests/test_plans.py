@@ -249,3 +249,15 @@ def test_a_param_appended_to_a_group_list_directly_is_not_ignored(monkeypatch):
         p.grad = torch.ones_like(p)
     opt.step()
     assert float(opt.state[late]["step"]) == 1 and (late.detach() < 1).all()
+
+
+def test_plans_are_not_used_once_another_backend_is_selected(monkeypatch):
+    opt, params = _planned_fp32(monkeypatch)
+    select_backend(monkeypatch, "torch")
+    calls = []
+    op = _native.adam_step_
+    monkeypatch.setattr(_native, "adam_step_", lambda *a, **k: calls.append(1) or op(*a, **k))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert calls == [1]
