@@ -2,32 +2,22 @@
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from . import _fallback, _native
+from . import _spec, backends
+from ._spec import LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
+from .backends import reference
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 # State views in one flat buffer start a multiple of this many elements apart (256 bytes for float32).
 _STATE_ALIGN = 64
-SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 CHECKPOINT_KEYS = ("step",) + MOMENT_KEYS + ("master_param",)
 # Group keys that describe how torch.optim ran, not what it computes; dropped when a torch checkpoint is loaded.
 TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
-
-
-class AdamWMode(enum.IntEnum):
-    """Weight-decay variants, with ONNX Runtime's names and values (ops/README.md has the exact math)."""
-
-    ADAM_L2_REGULARIZATION = 0  # g += wd * p before the moments; eps outside the bias-corrected sqrt
-    ADAMW_TRANSFORMERS = 1  # HF transformers AdamW: p -= lr * wd * p after the update (ORT's default)
-    ADAMW_TORCH = 2  # torch.optim.AdamW: p *= 1 - lr * wd before the update; torch's eps placement
 
 
 @dataclass
@@ -45,7 +35,7 @@ class _Bucket:
     max_exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
     steps: Optional[torch.Tensor] = None  # float64 [n]; state[p]["step"] are 0-dim views of it
     whole_group: bool = False  # holds every param of its group, in order (the grads list can be passed as is)
-    native: Optional[_native.AdamPlan] = None  # over the lists above, when its group steps through plans
+    native: Optional[backends.AdamPlan] = None  # over the lists above, when its group steps through plans
 
 
 @dataclass
@@ -338,7 +328,7 @@ class FusedAdam(torch.optim.Optimizer):
             for key, dtype in kinds.items():
                 requests.setdefault((key, p.device, dtype), []).append(i)
                 if dtype == torch.float16:
-                    state[key + "_scale"] = torch.ones(_fallback.num_blocks(p.numel()), device=p.device)
+                    state[key + "_scale"] = torch.ones(_spec.num_blocks(p.numel()), device=p.device)
             states.append(state)
         for (key, device, dtype), indices in requests.items():
             offsets, total = [], 0
@@ -400,7 +390,7 @@ class FusedAdam(torch.optim.Optimizer):
         # gradient, the plans refuse to step and the group is planned again. A group without any gradient has no plan.
         idle = [p for p, g in zip(group["params"], grads) if g is None]
         for bucket in buckets:
-            bucket.native = _native.AdamPlan.create(
+            bucket.native = None if not backends.runs_natively(bucket.params[0].device) else backends.AdamPlan.create(
                 bucket.params, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs, bucket.master_params,
                 bucket.exp_avg_scales, bucket.exp_avg_sq_scales, bucket.max_exp_avg_sq_scales, bucket.steps,
                 idle if bucket is buckets[0] else (),
@@ -519,7 +509,7 @@ class FusedAdam(torch.optim.Optimizer):
         """The step's launches through native plans, when every group has them; None when the step must read the
         gradients in Python (first step, a group without plans, or a param whose gradient appeared or went away)."""
         # Plans exist only for the native CPU op; the backend can change between steps (ORT_OPTIM_BACKEND).
-        if not _native.runs_natively(torch.device("cpu")):
+        if not backends.runs_natively(torch.device("cpu")):
             return None
         launches = []
         for group_index, group in enumerate(self.param_groups):
@@ -551,7 +541,7 @@ class FusedAdam(torch.optim.Optimizer):
         # input in a later call would surface after earlier calls had written, so Python checks all first.
         stale = any(plan is None for plan in cached)
         calls = [bucket for plan in cached if plan is not None for bucket in plan]
-        if stale or len(calls) != 1 or not _native.runs_natively(calls[0].params[0].device):
+        if stale or len(calls) != 1 or not backends.runs_natively(calls[0].params[0].device):
             self._validate_step(all_grads, check_overlap=stale)
         launches = []
         for group_index, (group, grads) in enumerate(zip(self.param_groups, all_grads)):
@@ -598,7 +588,7 @@ class FusedAdam(torch.optim.Optimizer):
                     if not bucket.native.step(**hyper):
                         return False
                 else:
-                    _native.adam_step_(
+                    backends.adam_step_(
                         bucket.params, launch.grads, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs,
                         bucket.master_params, bucket.exp_avg_scales, bucket.exp_avg_sq_scales,
                         bucket.max_exp_avg_sq_scales, bucket.steps, **hyper,
@@ -620,7 +610,7 @@ class FusedAdam(torch.optim.Optimizer):
             return None, found_inf
         devices = list(dict.fromkeys(launch.bucket.params[0].device for launch in launches))
         main = devices[0]
-        per_launch = [launch.bucket.native.grad_stats() if launch.grads is None else _native.grad_stats(launch.grads)
+        per_launch = [launch.bucket.native.grad_stats() if launch.grads is None else backends.grad_stats(launch.grads)
                       for launch in launches]
         if any(stats is None for stats in per_launch):
             return None
@@ -672,7 +662,7 @@ class FusedAdam(torch.optim.Optimizer):
                 continue
             value = state[key]
             if key + "_scale" in state:
-                value = _fallback.dequantize_fp16(value, state[key + "_scale"])
+                value = reference.dequantize_fp16(value, state[key + "_scale"])
             out[key] = value.to(torch.float64 if value.dtype == torch.float64 else torch.float32, copy=True)
         if "master_param" in state:
             out["master_param"] = state["master_param"].detach().clone()
@@ -763,7 +753,7 @@ class FusedAdam(torch.optim.Optimizer):
                 continue
             value = saved[key].detach().to(p.device, torch.float64 if p.dtype == torch.float64 else torch.float32)
             if key + "_scale" in state:
-                codes, scales = _fallback.quantize_fp16(value)
+                codes, scales = reference.quantize_fp16(value)
                 state[key].copy_(codes)
                 state[key + "_scale"].copy_(scales)
             else:
