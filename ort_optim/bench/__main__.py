@@ -24,6 +24,7 @@ from .common import measure_bandwidth
 # returning a list of flat dicts; printed as a table of their keys, saved under "sections" in the JSON and the
 # markdown. Add a section by adding a module and one line here.
 EXTRA_SECTIONS: dict[str, str] = {}
+EXTRA_SECTIONS.update(lowbit="lowbit:run", lowbit_memory="lowbit:run_memory")  # low-bit states (issue 13)
 
 
 def run_extra_section(name: str, quick: bool) -> list[dict]:

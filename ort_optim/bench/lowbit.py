@@ -1,0 +1,392 @@
+"""Low-bit optimizer states: FusedAdam with 8-bit (``torch.uint8``) and 4-bit (``torch.uint4``) moments against its
+own fp32 moments and against torchao's ``AdamW8bit``/``AdamW4bit`` and bitsandbytes' ``AdamW8bit``.
+
+    python -m ort_optim.bench --sections lowbit [--quick]          # step time, bytes/param, loss
+    python -m ort_optim.bench --sections lowbit_memory [--quick]   # bytes/param of every configuration
+
+Two sections of the benchmark (registered in ``EXTRA_SECTIONS`` of ``__main__``):
+
+* ``lowbit``: the step on GPT-2-small parameter shapes and on 2000 x 1K, every implementation on the same kind of
+  params, interleaved (round robin after a warm-up step, which also compiles torchao's kernels), medians; the state's
+  bytes per parameter measured from ``optimizer.state`` (see :func:`state_bytes`); and the mean training loss of the
+  same optimizer configuration on the Zipf bag-of-tokens task (:func:`zipf_task`, one seed): speed and accuracy side
+  by side. Goals (issue 13): 8-bit and 4-bit moments at least 1.2x faster than fp32 moments; 10x the CPU step speed
+  of torchao and bitsandbytes at their accuracy or better.
+* ``lowbit_memory``: params + state bytes per parameter for every configuration (param dtype x moment formats),
+  measured the same way on GPT-2-small shapes.
+
+What is not installed (torchao, bitsandbytes: newest-torch environment only) or not supported by this FusedAdam
+yet becomes a row that says why. The configurations, the bytes counter and the Zipf task are shared with
+``guides/examples/lowbit_quality.py``, the quality harness (3 tasks x 3 seeds).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .common import WORKLOADS, make_params
+
+UINT4 = getattr(torch, "uint4", None)
+
+
+# ---- optimizer configurations ------------------------------------------------------------------------------------
+
+class Unavailable(Exception):
+    """A configuration that cannot run here (library not installed, format not supported): the reason."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One optimizer configuration of the comparison.
+
+    bits: storage bits of the moments (32, 16, 8 or 4): the quality tolerance class (8-bit: 1%, 4-bit: 3%).
+    baseline: the configuration whose loss this one is judged against (fp32 moments, or for bf16 params without
+    master weights the bf16 run with fp32 master weights).
+    """
+
+    name: str
+    library: str  # "ort_optim", "torchao" or "bitsandbytes"
+    bits: int
+    param_dtype: torch.dtype = torch.float32
+    baseline: str = "fp32"
+    options: dict = field(default_factory=dict)  # FusedAdam keyword arguments, or the library's
+    note: str = ""
+
+
+def _fused(name, bits, param_dtype=torch.float32, baseline="fp32", note="", **options) -> Config:
+    return Config(name, "ort_optim", bits, param_dtype, baseline, options, note)
+
+
+CONFIGS: dict[str, Config] = {c.name: c for c in [
+    _fused("fp32", 32, note="fp32 params and moments (the baseline of the low-bit formats)"),
+    _fused("bf16 moments", 16, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
+    _fused("fp16 moments", 16, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16,
+           note="fp16 codes with a power-of-two scale per 1024 elements"),
+    _fused("uint8", 8, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
+    _fused("uint4", 4, exp_avg_dtype=UINT4, exp_avg_sq_dtype=UINT4),
+    _fused("bf16 + fp32 master", 32, torch.bfloat16, "bf16 + fp32 master", master_weights=True,
+           note="bf16 params, fp32 master weights and moments (the baseline of the bf16 configurations)"),
+    _fused("bf16 no master", 32, torch.bfloat16, "bf16 + fp32 master", master_weights=False,
+           note="bf16 params updated in place with round-to-nearest (what stochastic rounding fixes)"),
+    _fused("bf16 SR + uint8", 8, torch.bfloat16, "bf16 + fp32 master", master_weights=False,
+           stochastic_rounding=True, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
+    _fused("bf16 SR + uint4", 4, torch.bfloat16, "bf16 + fp32 master", master_weights=False,
+           stochastic_rounding=True, exp_avg_dtype=UINT4, exp_avg_sq_dtype=UINT4),
+    Config("torchao AdamW8bit", "torchao", 8, options=dict(cls="AdamW8bit")),
+    Config("torchao AdamW4bit", "torchao", 4, options=dict(cls="AdamW4bit")),
+    Config("torchao AdamW8bit bf16 SR", "torchao", 8, torch.bfloat16, "bf16 + fp32 master",
+           options=dict(cls="AdamW8bit", bf16_stochastic_round=True)),
+    Config("bitsandbytes AdamW8bit", "bitsandbytes", 8, options=dict(cls="AdamW8bit")),
+]}
+
+
+def make_optimizer(config: Config, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                   weight_decay: float = 1e-2) -> torch.optim.Optimizer:
+    """The optimizer of a configuration, with torch.optim.AdamW's math (decoupled decay, eps outside the sqrt) in every
+    library. Raises Unavailable with the reason when it cannot run here."""
+    hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if config.library == "ort_optim":
+        from ..fused_adam import AdamWMode, FusedAdam
+
+        if any(v is None for v in config.options.values()):
+            raise Unavailable(f"torch {torch.__version__} has no torch.uint4")
+        try:
+            return FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, **hyper, **config.options)
+        except (TypeError, ValueError) as exc:  # an option this FusedAdam does not have (yet)
+            raise Unavailable(f"FusedAdam does not accept {config.options}: {exc}") from None
+    options = dict(config.options)
+    cls_name = options.pop("cls")
+    if config.library == "torchao":
+        try:
+            import torchao.optim as module
+        except Exception as exc:  # not installed (.venv), or broken against this torch
+            raise Unavailable(f"torchao is not installed here ({type(exc).__name__})") from None
+    elif config.library == "bitsandbytes":
+        try:
+            import bitsandbytes.optim as module
+        except Exception as exc:
+            raise Unavailable(f"bitsandbytes is not installed here ({type(exc).__name__})") from None
+    else:
+        raise ValueError(f"unknown library {config.library!r}")
+    if config.library == "torchao":
+        hyper["lr"] = torch.tensor(lr)  # torchao keeps lr as a tensor (changing it must not recompile)
+    return getattr(module, cls_name)(params, **hyper, **options)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Sets every group's lr, in place where the optimizer keeps it as a tensor (torchao)."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+# ---- bytes ---------------------------------------------------------------------------------------------------------
+
+def _leaf_tensors(value):
+    """The plain tensors that hold a state value: tensor subclasses (torchao's quantised states) are flattened into
+    their inner tensors (codes, scales, code map)."""
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+            names, _ = value.__tensor_flatten__()
+            for name in names:
+                yield from _leaf_tensors(getattr(value, name))
+        else:
+            yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _leaf_tensors(item)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind tensors (each storage counted once, in full: views of one flat buffer,
+    padding included, and shared code maps count once)."""
+    seen: dict[tuple, int] = {}
+    for t in tensors:
+        for leaf in _leaf_tensors(t):
+            storage = leaf.untyped_storage()
+            seen[(leaf.device, storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    return sum(seen.values())
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every storage in optimizer.state except the step counts (issue 13's measure): moments, their scales
+    and code maps, master weights."""
+    return storage_bytes(value for state in optimizer.state.values() for key, value in state.items()
+                         if key != "step" and isinstance(value, torch.Tensor))
+
+
+def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return list({id(p): p for group in optimizer.param_groups for p in group["params"]}.values())
+
+
+def memory(optimizer: torch.optim.Optimizer) -> dict:
+    """Bytes per parameter of the state, of the params, and of both, measured from the optimizer after a step."""
+    params = params_of(optimizer)
+    numel = sum(p.numel() for p in params)
+    state = state_bytes(optimizer)
+    param = storage_bytes(params)
+    return dict(state_bytes_per_param=state / numel, param_bytes_per_param=param / numel,
+                params_and_state_bytes_per_param=(state + param) / numel)
+
+
+# ---- the Zipf bag-of-tokens task ---------------------------------------------------------------------------------
+
+@dataclass
+class TrainingRun:
+    """What one training run needs: the model (params already in the run's dtype), its param groups, one batch per
+    step, the loss, the lr schedule, and the optimizer hyperparameters shared by every configuration."""
+
+    model: torch.nn.Module
+    groups: list
+    batches: list
+    loss: Callable
+    lr_at: Callable[[int], float]
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+ZIPF_SIZES = {
+    # vocabulary, embedding width, classes, tokens per document, batch, steps
+    "quick": dict(vocab=4096, dim=32, classes=8, doc_len=24, batch=64, steps=80),
+    "default": dict(vocab=16384, dim=32, classes=8, doc_len=24, batch=64, steps=300),
+}
+ZIPF_EXPONENT = 1.1
+ZIPF_LR = 1e-2
+
+
+def zipf_task(seed: int, param_dtype: torch.dtype, size: str = "default") -> TrainingRun:
+    """A bag-of-tokens classifier whose token frequencies follow Zipf's law (p(rank r) ~ r^-1.1).
+
+    Documents are ``doc_len`` tokens drawn from the Zipf distribution; token ids are a random permutation of the
+    ranks, so frequent and rare tokens share every quantisation block. The label is the argmax of a hidden random
+    linear function of the bag (a teacher), so every token carries signal. Model: mean-pooled ``EmbeddingBag``, then
+    LayerNorm and a linear layer. Most embedding rows see a gradient only rarely, and tiny when they do: their second
+    moment decays towards zero between visits, which is where a quantised second moment that rounds to zero makes the
+    update explode. Fresh batches every step (training loss = test loss in expectation)."""
+    s = ZIPF_SIZES[size]
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    ranks = torch.arange(1, s["vocab"] + 1, dtype=torch.float64)
+    probs = ranks.pow(-ZIPF_EXPONENT)
+    probs /= probs.sum()
+    token_of_rank = torch.randperm(s["vocab"], generator=gen)
+    teacher = torch.randn(s["vocab"], s["classes"], generator=gen)
+    batches = []
+    for _ in range(s["steps"]):
+        docs = token_of_rank[torch.multinomial(probs, s["batch"] * s["doc_len"], replacement=True, generator=gen)]
+        docs = docs.view(s["batch"], s["doc_len"])
+        labels = teacher[docs].sum(dim=1).argmax(dim=1)
+        batches.append((docs, labels))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.EmbeddingBag(s["vocab"], s["dim"], mode="mean"),
+                                torch.nn.LayerNorm(s["dim"]), torch.nn.Linear(s["dim"], s["classes"]))
+    torch.nn.init.normal_(model[0].weight, std=0.1)
+    model = model.to(param_dtype)
+
+    def loss(m, batch):
+        docs, labels = batch
+        return torch.nn.functional.cross_entropy(m(docs).float(), labels)
+
+    groups = [dict(params=[model[0].weight, model[2].weight], weight_decay=1e-2),
+              dict(params=[model[1].weight, model[1].bias, model[2].bias], weight_decay=0.0)]
+    warmup = max(1, s["steps"] // 20)
+    return TrainingRun(model, groups, batches, loss,
+                       lambda step: ZIPF_LR * min(1.0, (step + 1) / warmup))
+
+
+def train(run: TrainingRun, config: Config) -> dict:
+    """Trains run.model with the configuration's optimizer; the per-step training losses, the state's bytes and the
+    time. A loss that is not finite stops the run (diverged=True)."""
+    optimizer = make_optimizer(config, run.groups, lr=run.lr_at(0), betas=run.betas, eps=run.eps,
+                               weight_decay=0.0)  # weight decay comes from the groups
+    losses = []
+    start = time.perf_counter()
+    for step, batch in enumerate(run.batches):
+        set_lr(optimizer, run.lr_at(step))
+        loss = run.loss(run.model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):
+            break
+    seconds = time.perf_counter() - start
+    diverged = len(losses) < len(run.batches) or not math.isfinite(losses[-1])
+    result = dict(losses=losses, mean_loss=statistics.fmean(losses) if not diverged else float("inf"),
+                  final_loss=statistics.fmean(losses[-max(1, len(losses) // 10):]) if not diverged else float("inf"),
+                  diverged=diverged, seconds=seconds)
+    result.update(memory(optimizer))
+    return result
+
+
+# ---- the benchmark sections --------------------------------------------------------------------------------------
+
+BENCH_CONFIGS = ["fp32", "uint8", "uint4", "bf16 SR + uint8", "bf16 SR + uint4", "torchao AdamW8bit",
+                 "torchao AdamW4bit", "bitsandbytes AdamW8bit"]
+BENCH_HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+SLOW_STEP_S = 1.0  # implementations slower than this per step get fewer timed repetitions (at least 2)
+
+
+def _time_round_robin(steps: dict[str, Callable[[], None]], reps: int, first: dict[str, float]) -> dict[str, float]:
+    """Median seconds per step, round robin (noise hits all alike); a slow implementation (first step over
+    SLOW_STEP_S) is timed at most max(2, 10 s / its step) times."""
+    budget = {name: reps if first[name] < SLOW_STEP_S else max(2, min(reps, int(10.0 / first[name])))
+              for name in steps}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for rep in range(reps):
+        for name, step in steps.items():
+            if rep < budget[name]:
+                start = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _zipf_losses(names: list[str], quick: bool) -> dict[str, dict]:
+    """Mean training loss of each configuration on the Zipf task (seed 0), or the reason it could not run."""
+    out = {}
+    for name in names:
+        config = CONFIGS[name]
+        try:
+            out[name] = train(zipf_task(0, config.param_dtype, "quick" if quick else "default"), config)
+        except Unavailable as exc:
+            out[name] = dict(error=str(exc))
+    return out
+
+
+def run(quick: bool) -> list[dict]:
+    """The ``lowbit`` section: one row per (workload, implementation)."""
+    reps = 3 if quick else 5
+    losses = _zipf_losses(BENCH_CONFIGS, quick)
+    reference_loss = losses["fp32"].get("mean_loss")
+    rows = []
+    for workload in ("gpt2-small", "2000x1K"):
+        shapes = WORKLOADS[workload](quick)
+        param_sets = {dtype: make_params(shapes, dtype) for dtype in {CONFIGS[n].param_dtype for n in BENCH_CONFIGS}}
+        numel = sum(p.numel() for p in param_sets[torch.float32])
+        steps, first, info = {}, {}, {}
+        for name in BENCH_CONFIGS:
+            config = CONFIGS[name]
+            base = dict(workload=workload, tensors=len(shapes), params=numel, implementation=name)
+            try:
+                optimizer = make_optimizer(config, param_sets[config.param_dtype], **BENCH_HYPER)
+            except Unavailable as exc:
+                rows.append(dict(base, skipped=str(exc)))
+                continue
+            start = time.perf_counter()
+            optimizer.step()  # creates the state; torchao compiles its kernels here
+            optimizer.step()
+            first[name] = time.perf_counter() - start
+            steps[name] = optimizer.step
+            info[name] = (base, memory(optimizer))
+        medians = _time_round_robin(steps, reps, first)
+        fp32_ms = medians["fp32"] * 1e3 if "fp32" in medians else None
+        ours_by_bits = {CONFIGS[n].bits: medians[n] * 1e3 for n in ("uint8", "uint4") if n in medians}
+        for name, seconds in medians.items():
+            config = CONFIGS[name]
+            base, mem = info[name]
+            ms = seconds * 1e3
+            loss = losses[name]
+            row = dict(base, median_ms=ms,
+                       speedup_vs_fp32_moments=fp32_ms / ms if fp32_ms else None,
+                       state_bytes_per_param=mem["state_bytes_per_param"],
+                       params_and_state_bytes_per_param=mem["params_and_state_bytes_per_param"],
+                       zipf_mean_loss=loss.get("mean_loss", loss.get("error")),
+                       zipf_loss_vs_fp32=(loss["mean_loss"] / reference_loss - 1.0
+                                          if "mean_loss" in loss and reference_loss else None))
+            if config.library != "ort_optim" and config.bits in ours_by_bits:
+                row["ort_optim_same_bits_speedup"] = ms / ours_by_bits[config.bits]
+            rows.append(row)
+        del steps, info, param_sets
+    return rows
+
+
+MEMORY_MOMENTS = [
+    ("fp32", torch.float32, torch.float32), ("bf16", torch.bfloat16, torch.bfloat16),
+    ("fp16", torch.float16, torch.float16), ("uint8", torch.uint8, torch.uint8), ("uint4", UINT4, UINT4),
+    ("uint8 m + uint4 v", torch.uint8, UINT4), ("uint4 m + uint8 v", UINT4, torch.uint8),
+]
+MEMORY_PARAMS = [("fp32 params", torch.float32, {}), ("bf16 params + fp32 master", torch.bfloat16,
+                                                       dict(master_weights=True)),
+                 ("bf16 params, no master", torch.bfloat16, dict(master_weights=False))]
+
+
+def run_memory(quick: bool) -> list[dict]:
+    """The ``lowbit_memory`` section: bytes per parameter of params and state (no gradients) for every param setup x
+    moment format of FusedAdam, and for torchao's and bitsandbytes' optimizers, after one step on GPT-2-small shapes
+    (amsgrad off). The moment formats an environment does not support are rows that say why."""
+    shapes = WORKLOADS["gpt2-small"](quick)
+    rows = []
+    for setup, dtype, options in MEMORY_PARAMS:
+        params = make_params(shapes, dtype)
+        numel = sum(p.numel() for p in params)
+        for moments, m_dtype, v_dtype in MEMORY_MOMENTS:
+            config = _fused(f"{setup}, {moments} moments", 0, dtype, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype,
+                            **options)
+            row = dict(params=setup, moments=moments, numel=numel)
+            try:
+                optimizer = make_optimizer(config, params, **BENCH_HYPER)
+                optimizer.step()
+                row.update(memory(optimizer))
+            except Unavailable as exc:
+                row["skipped"] = str(exc)
+            rows.append(row)
+            optimizer = None
+    params = make_params(shapes)
+    for name in ("torchao AdamW8bit", "torchao AdamW4bit", "bitsandbytes AdamW8bit"):
+        row = dict(params="fp32 params", moments=name, numel=sum(p.numel() for p in params))
+        try:
+            optimizer = make_optimizer(CONFIGS[name], params, **BENCH_HYPER)
+            optimizer.step()
+            row.update(memory(optimizer))
+        except Unavailable as exc:
+            row["skipped"] = str(exc)
+        rows.append(row)
+    return rows
