@@ -6,7 +6,10 @@ Backends (``ort_optim/backends/``) import this module and never one another; ops
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
+import struct
 
 import torch
 
@@ -18,7 +21,7 @@ FP16_LIMIT = 32768.0
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.uint4)
 
 
 class AdamWMode(enum.IntEnum):
@@ -32,3 +35,99 @@ class AdamWMode(enum.IntEnum):
 def num_blocks(numel: int) -> int:
     """Quantisation blocks (QUANT_BLOCK elements each, the last one partial) of a tensor with numel elements."""
     return (numel + QUANT_BLOCK - 1) // QUANT_BLOCK
+
+
+# ---- block-quantised moments: 8-bit (torch.uint8) and 4-bit (torch.uint4) states (ops/README.md, "low-bit states") --
+
+
+def _f32(x: float) -> float:
+    """x rounded to the nearest float32 (ties to even), as a Python float."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def decade_levels(counts: tuple[int, ...]) -> tuple[float, ...]:
+    """Positive quantisation levels in (0, 1], ascending: a dynamic-exponent map in the spirit of bitsandbytes'
+    ``create_dynamic_map``. Decade i (of len(counts), the last one ending at 1) holds counts[i] levels spread
+    linearly over its upper 90%: ``10**(i - last) * (0.1 + 0.9 * k / counts[i])`` for k = 1..counts[i], rounded to
+    float32. So the top decade has the finest absolute steps and every decade further down keeps a relative
+    resolution: small values neither vanish nor lose all precision."""
+    last = len(counts) - 1
+    levels = []
+    for i, count in enumerate(counts):
+        top = 10.0 ** (i - last)
+        levels.extend(_f32(top * (0.1 + 0.9 * k / count)) for k in range(1, count + 1))
+    return tuple(levels)
+
+
+def midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
+    """The float32 decision thresholds between consecutive levels, ``(a + b) * 0.5`` in float32. A normalised value
+    x gets the level index ``#{j : midpoints[j] <= x}``: nearest level, ties to the larger one."""
+    return tuple(_f32(_f32(a + b) * 0.5) for a, b in zip(levels, levels[1:]))
+
+
+@dataclasses.dataclass(frozen=True)
+class LowBitFormat:
+    """A block-quantised moment format. Per block of ``block`` elements (index // block within the tensor), one scale
+    ``s`` (stored in ``scale_dtype``) and one ``bits``-bit code per element.
+
+    * exp_avg (signed): ``m = sign * exp_avg_levels[magnitude] * s``; the code is sign-magnitude (top bit = sign,
+      set only for a non-zero magnitude), ``exp_avg_levels[0] == 0``.
+    * exp_avg_sq / max_exp_avg_sq: the code stores ``u = sqrt(v)``, ``v = (exp_avg_sq_levels[code] * s) ** 2``; the
+      levels have no zero (Li et al. 2023's zero-point problem: a v rounded to 0 makes m / (sqrt(v) + eps) explode;
+      here a tiny v reads as at least ``exp_avg_sq_levels[0] * s``, which can only shrink its update).
+    * ``s`` = the block's absolute maximum (of m, or of u), rounded up to ``scale_dtype`` (bfloat16: round toward
+      +inf, so every normalised value stays <= 1); a block with inf or NaN gets s = NaN, an all-zero block s = 0.
+    """
+
+    name: str
+    bits: int
+    block: int
+    scale_dtype: torch.dtype
+    exp_avg_levels: tuple[float, ...]
+    exp_avg_sq_levels: tuple[float, ...]
+
+    def num_scales(self, numel: int) -> int:
+        return (numel + self.block - 1) // self.block
+
+    def storage_shape(self, shape: torch.Size) -> tuple[int, ...]:
+        """Shape of the uint8 code tensor of a state for a param of this shape (4-bit: two codes per byte, element
+        2j in the low nibble of byte j, 2j+1 in the high one, flat)."""
+        if self.bits == 8:
+            return tuple(shape)
+        return ((math.prod(shape) + 1) // 2,)
+
+    def bytes_per_element(self) -> float:
+        return self.bits / 8 + self.scale_dtype.itemsize / self.block
+
+
+# 8-bit: bitsandbytes' and torchao's choice, block 256 with a float32 absmax: 2 * (1 + 4/256) = 2.031 bytes/param.
+# exp_avg: 127 magnitudes from 1e-6 to 1 (+ zero, signs); exp_avg_sq: 256 levels of sqrt(v) from 5.5e-8 to 1.
+Q8 = LowBitFormat(
+    name="8-bit", bits=8, block=256, scale_dtype=torch.float32,
+    exp_avg_levels=(0.0,) + decade_levels((1, 2, 4, 8, 16, 32, 64)),
+    exp_avg_sq_levels=decade_levels((2, 2, 4, 8, 16, 32, 64, 128)),
+)
+# 4-bit: Li et al.'s block 128 for both moments, with bfloat16 scales (float32's exponent range, half its bytes):
+# 2 * (0.5 + 2/128) = 1.031 bytes/param. exp_avg: 7 magnitudes 0.01 .. 1 (+ zero, signs; code 8, "-0", is never
+# written); exp_avg_sq: 16 levels of sqrt(v) from 0.001 to 1.
+Q4 = LowBitFormat(
+    name="4-bit", bits=4, block=128, scale_dtype=torch.bfloat16,
+    exp_avg_levels=(0.0,) + decade_levels((1, 2, 4)),
+    exp_avg_sq_levels=decade_levels((1, 2, 4, 9)),
+)
+# The exp_avg_dtype / exp_avg_sq_dtype options that select a low-bit format; their states are stored as uint8 codes.
+LOW_BIT_FORMATS = {torch.uint8: Q8, torch.uint4: Q4}
+
+
+def low_bit_format(scale_dtype: torch.dtype) -> LowBitFormat:
+    """The format of a uint8 state, told by its scales' dtype (float32: 8-bit, bfloat16: 4-bit)."""
+    for fmt in LOW_BIT_FORMATS.values():
+        if fmt.scale_dtype == scale_dtype:
+            return fmt
+    raise ValueError(f"no low-bit state format has {scale_dtype} scales")
+
+
+# fp16 exp_avg_sq / max_exp_avg_sq hold sqrt(v) (the fp16 codes of sqrt(v) with the block rule above): v spans the
+# square of the gradients' range, sqrt(v) the range itself, so an element 1e-7 of its block's largest keeps its v
+# (traps.md #22). v is read back as (code / s) ** 2, exact in float32 (an fp16 code has 11 significant bits).
+FP16_SQRT_SECOND_MOMENT = True

@@ -2,7 +2,9 @@
 unavailable (or with ORT_OPTIM_BACKEND=torch).
 
 It follows the native kernel's order of operations tensor by tensor with torch ops, so results agree within the
-float32 rounding the tests state. It also provides the fp16 block quantiser that the optimizer uses for checkpoints.
+float32 rounding the tests state. It also provides the state quantisers (fp16 blocks, 8-bit and 4-bit codes) that the
+optimizer uses for checkpoints: :func:`encode_state` and :func:`decode_state` are the one definition of every stored
+moment format (ops/README.md, "fp16 states" and "low-bit states").
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import FP16_LIMIT, QUANT_BLOCK, num_blocks
+from .._spec import FP16_LIMIT, LOW_BIT_FORMATS, QUANT_BLOCK, LowBitFormat, low_bit_format, midpoints, num_blocks
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -46,19 +48,121 @@ def dequantize_fp16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return values.view(codes.shape)
 
 
-def _read_state(state: torch.Tensor, scales: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    if scales is not None:
-        return dequantize_fp16(state, scales).to(dtype)
-    return state.to(dtype)
+# ---- 8-bit and 4-bit block-quantised states (ops/README.md, "low-bit states") ------------------------------------
 
 
-def _write_state(values: torch.Tensor, state: torch.Tensor, scales: Optional[torch.Tensor]) -> None:
-    if scales is not None:
-        codes, new_scales = quantize_fp16(values)
-        state.copy_(codes)
-        scales.copy_(new_scales)
-    else:
+def _levels(fmt: LowBitFormat, second_moment: bool) -> tuple[float, ...]:
+    return fmt.exp_avg_sq_levels if second_moment else fmt.exp_avg_levels
+
+
+def decode_table(fmt: LowBitFormat, second_moment: bool) -> torch.Tensor:
+    """float32 [2**bits]: the value of each code relative to its block's scale (sign-magnitude for exp_avg; the
+    code with only the sign bit set, never written, reads as 0)."""
+    levels = torch.tensor(_levels(fmt, second_moment), dtype=torch.float32)
+    if second_moment:
+        return levels
+    return torch.cat([levels, -levels])
+
+
+def _round_up_to(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 values rounded toward +inf to the nearest value of dtype (float32 or bfloat16), as float32."""
+    if dtype == torch.float32:
+        return amax
+    bits = amax.view(torch.int32)
+    up = torch.where((bits & 0xFFFF) != 0, bits + 0x10000, bits) & ~0xFFFF
+    return torch.where(torch.isfinite(amax), up.view(torch.float32), amax)
+
+
+def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 values (v itself for a second moment: its square root is what gets coded) -> (uint8 codes in
+    fmt.storage_shape, scales of fmt.scale_dtype, one per block)."""
+    x = values.detach().float().reshape(-1)
+    n = x.numel()
+    u = x.sqrt() if second_moment else x
+    blocks = torch.nn.functional.pad(u, (0, -n % fmt.block)).view(-1, fmt.block)
+    amax = blocks.abs().amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
+    scales = _round_up_to(amax, fmt.scale_dtype)
+    scales = torch.where(torch.isfinite(scales), scales, torch.full_like(scales, math.nan))
+    usable = (scales > 0) & torch.isfinite(scales)
+    inv = torch.where(usable, 1.0 / torch.where(usable, scales, torch.ones_like(scales)), torch.zeros_like(scales))
+    a = blocks.abs() * inv[:, None]
+    a = torch.where(a < 1.0, a, torch.ones_like(a))
+    thresholds = torch.tensor(midpoints(_levels(fmt, second_moment)), dtype=torch.float32)
+    codes = torch.searchsorted(thresholds, a.reshape(-1).contiguous(), right=True).view_as(a)
+    if not second_moment:
+        codes = codes | (((blocks < 0) & (codes > 0)).long() << (fmt.bits - 1))
+    codes = torch.where(torch.isnan(scales)[:, None], torch.zeros_like(codes), codes)  # a NaN block: all codes 0
+    codes = codes.reshape(-1)[:n].to(torch.uint8)
+    if fmt.bits == 4:
+        codes = torch.nn.functional.pad(codes, (0, n % 2)).view(-1, 2)
+        codes = codes[:, 0] | (codes[:, 1] << 4)
+    return codes.view(fmt.storage_shape(values.shape)), scales.to(fmt.scale_dtype)
+
+
+def dequantize_low_bit(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, second_moment: bool,
+                       shape: torch.Size) -> torch.Tensor:
+    """uint8 codes and block scales -> float32 values of the given shape (v = u * u for a second moment)."""
+    n = math.prod(shape)
+    flat = codes.reshape(-1)
+    if fmt.bits == 4:
+        flat = torch.stack([flat & 0xF, flat >> 4], dim=1).reshape(-1)
+    flat = flat[:n].long()
+    table = decode_table(fmt, second_moment).to(codes.device)
+    values = torch.nn.functional.pad(table[flat], (0, -n % fmt.block)).view(-1, fmt.block)
+    values = (values * scales.float()[:, None]).reshape(-1)[:n]
+    if second_moment:
+        values = values * values
+    return values.view(shape)
+
+
+def state_format(state: torch.Tensor, scales: Optional[torch.Tensor]) -> str:
+    """"plain" (float32/float64/bfloat16, or float16 without scales), "fp16" (scaled codes), or a low-bit format's
+    name: what a state tensor and its scales hold."""
+    if scales is None:
+        return "plain"
+    if state.dtype == torch.float16:
+        return "fp16"
+    return low_bit_format(scales.dtype).name
+
+
+def encode_state(values: torch.Tensor, dtype: torch.dtype, second_moment: bool) -> tuple[torch.Tensor,
+                                                                                            Optional[torch.Tensor]]:
+    """float32/float64 moment values -> (state tensor, scales or None) for the storage dtype that FusedAdam's
+    exp_avg_dtype / exp_avg_sq_dtype option names (torch.uint8 and torch.uint4 are the low-bit formats)."""
+    if dtype in LOW_BIT_FORMATS:
+        return quantize_low_bit(values, LOW_BIT_FORMATS[dtype], second_moment)
+    if dtype == torch.float16:
+        return quantize_fp16(values.float().sqrt() if second_moment else values.float())
+    return values.to(dtype), None
+
+
+def decode_state(state: torch.Tensor, scales: Optional[torch.Tensor], second_moment: bool,
+                 shape: torch.Size) -> torch.Tensor:
+    """A state tensor (and its scales) -> its values: float32 (float64 for float64 states), of the param's shape."""
+    if scales is None:
+        return state.to(torch.float64 if state.dtype == torch.float64 else torch.float32)
+    if state.dtype == torch.float16:
+        u = dequantize_fp16(state, scales)
+        return u * u if second_moment else u
+    return dequantize_low_bit(state, scales, low_bit_format(scales.dtype), second_moment, shape)
+
+
+def _read_state(state: torch.Tensor, scales: Optional[torch.Tensor], dtype: torch.dtype, second_moment: bool,
+                shape: torch.Size) -> torch.Tensor:
+    return decode_state(state, scales, second_moment, shape).to(dtype)
+
+
+def _write_state(values: torch.Tensor, state: torch.Tensor, scales: Optional[torch.Tensor],
+                 second_moment: bool) -> None:
+    if scales is None:
         state.copy_(values)
+        return
+    if state.dtype == torch.float16:
+        codes, new_scales = quantize_fp16(values.float().sqrt() if second_moment else values.float())
+    else:
+        codes, new_scales = quantize_low_bit(values, low_bit_format(scales.dtype), second_moment)
+    state.copy_(codes.view(state.shape))
+    scales.copy_(new_scales)
 
 
 def adam_step_(
@@ -102,8 +206,8 @@ def adam_step_(
         master = optional(master_params, i)
         p = (master if master is not None else param).to(compute, copy=True)
         g = grads[i].to(compute) * grad_mul
-        m = _read_state(exp_avgs[i], optional(exp_avg_scales, i), compute)
-        v = _read_state(exp_avg_sqs[i], optional(exp_avg_sq_scales, i), compute)
+        m = _read_state(exp_avgs[i], optional(exp_avg_scales, i), compute, False, param.shape)
+        v = _read_state(exp_avg_sqs[i], optional(exp_avg_sq_scales, i), compute, True, param.shape)
         if adam_w_mode == 0:
             g = g + weight_decay * p
         if adam_w_mode == 2:
@@ -112,7 +216,8 @@ def adam_step_(
         v = v * beta2 + (1.0 - beta2) * g * g
         v_used = v
         if amsgrad:
-            vmax = torch.maximum(_read_state(max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), compute), v)
+            vmax = torch.maximum(
+                _read_state(max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), compute, True, param.shape), v)
             v_used = vmax
         if adam_w_mode == 2:
             p = p - (lr / bc1) * (m / (v_used.sqrt() / math.sqrt(bc2) + eps))
@@ -120,10 +225,10 @@ def adam_step_(
             p = p - (lr * math.sqrt(bc2) / bc1) * (m / (v_used.sqrt() + eps))
             if adam_w_mode == 1:
                 p = p - (lr * weight_decay) * p
-        _write_state(m, exp_avgs[i], optional(exp_avg_scales, i))
-        _write_state(v, exp_avg_sqs[i], optional(exp_avg_sq_scales, i))
+        _write_state(m, exp_avgs[i], optional(exp_avg_scales, i), False)
+        _write_state(v, exp_avg_sqs[i], optional(exp_avg_sq_scales, i), True)
         if amsgrad:
-            _write_state(vmax, max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i))
+            _write_state(vmax, max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), True)
         if master is not None:
             master.copy_(p)
         param.copy_(p)
