@@ -139,8 +139,8 @@ def test_import_ort_optim_never_imports_triton():
 
 
 from triton_cases import (  # noqa: E402
-    COMBOS, NAMES, assert_bitwise, assert_close_to, check_graph_capture, check_same_stream, clone_case, hyper,
-    make_case, on, raw, reference_step,
+    COMBOS, LOW_BIT_COMBOS, NAMES, U4, U8, assert_bitwise, assert_close_to, check_graph_capture, check_same_stream,
+    clone_case, hyper, make_case, on, raw, reference_step,
 )
 
 
@@ -155,10 +155,14 @@ def run_triton(args, hp):
 
 # ---- the core comparison -----------------------------------------------------------------------------------------
 
+# Every combination x mode x amsgrad for the float formats; for the low-bit ones (slower in the interpreter: a lookup
+# and a binary search per element) three of the six, each mode and amsgrad once.
+CORE_CASES = [(combo, mode, amsgrad) for combo in COMBOS for mode in (0, 1, 2) for amsgrad in (False, True)
+              if combo not in LOW_BIT_COMBOS or (mode, amsgrad) in ((0, False), (1, True), (2, True))]
+
+
 @needs_working_interpreter
-@pytest.mark.parametrize("combo", list(COMBOS))
-@pytest.mark.parametrize("mode", [0, 1, 2])
-@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("combo,mode,amsgrad", CORE_CASES)
 def test_adam_step_matches_reference_native_and_fallback(combo, mode, amsgrad):
     base = make_case(combo, amsgrad, seed=100 * mode + 10 * amsgrad + len(combo))
     tri, ref, nat, fal = clone_case(base, DEVICE), clone_case(base), clone_case(base), clone_case(base)
@@ -219,10 +223,12 @@ def test_found_inf_skips_everything_including_the_step_count(flag):
 
 
 @needs_working_interpreter
-def test_fp16_codes_and_scales_identical_to_the_cpu_kernel():
+@pytest.mark.parametrize("combo", ["fp32-fp16states", "fp32-q8", "fp32-q4"])
+def test_state_codes_and_scales_identical_to_the_cpu_kernel(combo):
     """Where the CPU kernel and the Triton kernel compute the same moment values (a first step from zero moments,
-    or beta1 = beta2 = 0, where no multiply-add can be contracted), the fp16 codes and block scales must be identical:
-    the quantisation rule (power of two, (16384, 32768], zero blocks, clamping, rounding) is the same."""
+    or beta1 = beta2 = 0, where no multiply-add can be contracted), the fp16, 8-bit and 4-bit codes and block scales
+    must be identical: the quantisation rules (fp16: power of two, (16384, 32768], zero blocks, clamping, rounding;
+    low-bit: absmax scales, bfloat16 round-up, nearest level with ties up, NaN blocks) are the same."""
     if not backends.native_available():
         pytest.skip("the native CPU library is not available")
     gen = torch.Generator().manual_seed(11)
@@ -238,14 +244,14 @@ def test_fp16_codes_and_scales_identical_to_the_cpu_kernel():
             flat[2049] = float(np.float32(2.0 ** -10))  # exact powers of two: the f == 0.5 branch
         grads.append(g)
     for hp, zero_start in ((hyper(1), True), (hyper(2, beta1=0.0, beta2=0.0), False)):
-        base = make_case("fp32-fp16states", True, seed=5, shapes=shapes)
+        base = make_case(combo, True, seed=5, shapes=shapes)
         base[1] = grads
-        if zero_start:
+        if zero_start:  # fresh states: zero codes; scales 1 (fp16) or 0 (low-bit)
             for which in (2, 3, 4):
                 for t in base[which]:
                     t.zero_()
                 for s in base[which + 4]:
-                    s.fill_(1.0)
+                    s.fill_(1.0 if combo == "fp32-fp16states" else 0.0)
         tri, nat = clone_case(base, DEVICE), clone_case(base)
         run_triton(tri, hp)
         torch.ops.ort_optim.adam_step_(*nat, **hp)
@@ -254,7 +260,52 @@ def test_fp16_codes_and_scales_identical_to_the_cpu_kernel():
                 for lst in (which, which + 4):
                     a, b = tri[lst][i].cpu(), nat[lst][i]
                     assert torch.equal(raw(a), raw(b)), \
-                        f"{NAMES[lst]}[{i}] differs from the CPU kernel (zero start: {zero_start})"
+                        f"{combo}: {NAMES[lst]}[{i}] differs from the CPU kernel (zero start: {zero_start})"
+
+
+@needs_working_interpreter
+@pytest.mark.parametrize("combo", ["fp32-q8", "fp32-q4"])
+def test_low_bit_edge_values_bitwise(combo):
+    """The low-bit encoders on hand-picked blocks (one 256-element block per entry; two 128-element ones for 4-bit):
+    exact midpoints between levels (ties go up), -0.0, powers of two, subnormal and underflowing values, a v that
+    overflows float32 and a maximum that rounds up to inf in bfloat16 (both: a NaN scale, zero codes), inf, NaN,
+    all-zero blocks; a partial last block and an odd length (4-bit packing). beta1 = beta2 = 0, so m = g and
+    v = g * g reach the encoders unchanged; amsgrad exercises the max_exp_avg_sq encoder too."""
+    from ort_optim._spec import LOW_BIT_FORMATS
+
+    fmt = LOW_BIT_FORMATS[COMBOS[combo][1]]
+    magnitudes = torch.tensor(fmt.exp_avg_levels[1:], dtype=F32)
+    mids = (magnitudes[1:] + magnitudes[:-1]) * 0.5  # float32 midpoints, as the spec's
+    specials = [1.0, 0.5, 2.0 ** -20, 3.0, 1e-20, 1e-30, 1e19, 2e19, 3.395e38, float("inf"), 1e-40, -0.0, 0.0]
+    blocks = []
+    for b, value in enumerate(specials):
+        block = torch.zeros(256)
+        block[0], block[1] = value, -value * 0.75
+        if b % 4 == 0:
+            block[2] = float("nan")
+        blocks.append(block)
+    tie = torch.zeros(256)  # scale 1 (the first entry), then every midpoint, both signs: a == midpoint exactly
+    tie[0] = 1.0
+    tie[1:1 + len(mids)] = mids[:255]
+    tie[128:128 + min(len(mids), 128)] = -mids[:128]
+    blocks.append(tie)
+    g = torch.cat(blocks + [torch.randn(301) * 1e-3])  # a partial last block, odd length
+    base = make_case(combo, True, seed=1, shapes=[tuple(g.shape)])
+    base[1] = [g]
+    hp = hyper(1, beta1=0.0, beta2=0.0)
+    tri, ref = clone_case(base, DEVICE), clone_case(base)
+    run_triton(tri, hp)
+    reference_step(ref, hp)
+    assert_bitwise(tri, ref, f"{combo} edge values")
+    # NaN scales exactly for the blocks with an inf or NaN (in v = g * g: also where it overflows; 4-bit m: also a
+    # maximum above bfloat16's largest finite value, 3.3895e38, which rounds up to inf)
+    per_block = 256 // fmt.block
+    m_scales, v_scales = tri[6][0].float().cpu(), tri[7][0].float().cpu()
+    for b, block in enumerate(blocks[:len(specials)]):
+        m_nan = not bool(block.isfinite().all()) or (fmt.bits == 4 and float(block.abs().max()) > 3.3895314e38)
+        v_nan = not bool((block * block).isfinite().all())
+        assert bool(m_scales[b * per_block].isnan()) == m_nan, (b, specials[b], float(m_scales[b * per_block]))
+        assert bool(v_scales[b * per_block].isnan()) == v_nan, (b, specials[b], float(v_scales[b * per_block]))
 
 
 @needs_working_interpreter

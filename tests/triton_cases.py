@@ -4,7 +4,9 @@ No pytest here: tools/gpu_check.py runs these checks on a GPU machine that may h
 
 * :func:`reference_step` is the op in numpy, float32 (float64 for float64 params), in the CPU kernel's order of
   operations, without fused multiply-adds, with the README's rounding (fp16 RNE, bf16 RNE with NaN -> 0x7FC0) and the
-  fp16 block-scale rule written with Python's frexp/ldexp. The Triton kernels must match it bit for bit.
+  fp16 block-scale rule written with Python's frexp/ldexp (a scaled fp16 second moment holds sqrt(v)). 8-bit and
+  4-bit states are encoded and decoded by the spec's reference quantiser (``reference.quantize_low_bit`` /
+  ``dequantize_low_bit``), the one definition of those formats. The Triton kernels must match it bit for bit.
 * :func:`make_case` builds the op's arguments for every storage combination (COMBOS) with non-trivial states.
 * :func:`check_same_stream` and :func:`check_graph_capture` are the CUDA-only checks (a non-default stream; CUDA graph
   capture and replay of FusedAdam.step with capturable=True).
@@ -17,7 +19,11 @@ import math
 import numpy as np
 import torch
 
+from ort_optim._spec import LOW_BIT_FORMATS, low_bit_format
+from ort_optim.backends.reference import dequantize_low_bit, encode_state, quantize_low_bit
+
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+U8, U4 = torch.uint8, torch.uint4  # the exp_avg_dtype / exp_avg_sq_dtype options of the 8-bit and 4-bit formats
 
 
 # ---- an exact numpy model of ops/README.md ------------------------------------------------------------------------
@@ -83,6 +89,14 @@ def ref_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return codes.astype(np.float32) * np.repeat(inv, 1024)[: codes.size]
 
 
+def canonical_nan(scales: torch.Tensor) -> torch.Tensor:
+    """bfloat16 NaN scales as 0x7FC0, the quiet NaN that the kernels write (as c10::BFloat16(float) does); torch's
+    vectorised float32 -> bfloat16 conversion, which the reference quantiser's .to(bfloat16) uses, gives 0xFFFF."""
+    if scales.dtype != BF16:
+        return scales
+    return torch.where(scales.isnan(), torch.tensor(0x7FC0, dtype=torch.int16).view(BF16), scales)
+
+
 def reference_step(args: list, hp: dict) -> None:
     """The op, in numpy, in place on CPU copies of its arguments (same list layout as adam_step_'s)."""
     params, grads, ms, vs, vmaxs, masters, mss, vss, vmaxss, steps = args
@@ -94,14 +108,23 @@ def reference_step(args: list, hp: dict) -> None:
         (-1.0 if hp["maximize"] else 1.0)
     amsgrad = len(vmaxs) > 0
 
-    def read_state(t, scales):
+    def read_state(t, scales, second, shape):
+        if scales is not None and t.dtype == torch.uint8:
+            return dequantize_low_bit(t.cpu(), scales.cpu(), low_bit_format(scales.dtype), second,
+                                      shape).reshape(-1).numpy()
         if scales is not None:
-            return ref_dequantize(t.cpu().reshape(-1).numpy(), scales.cpu().numpy())
+            u = ref_dequantize(t.cpu().reshape(-1).numpy(), scales.cpu().numpy())
+            return u * u if second else u
         return _to_numpy(t)
 
-    def write_state(values, t, scales):
-        if scales is not None:
-            codes, new_scales = ref_quantize(values)
+    def write_state(values, t, scales, second):
+        if scales is not None and t.dtype == torch.uint8:
+            codes, new_scales = quantize_low_bit(torch.from_numpy(values.astype(np.float32)),
+                                                 low_bit_format(scales.dtype), second)
+            t.copy_(codes.view(t.shape))
+            scales.copy_(canonical_nan(new_scales))
+        elif scales is not None:
+            codes, new_scales = ref_quantize(np.sqrt(values) if second else values)
             t.copy_(torch.from_numpy(codes).reshape(t.shape))
             scales.copy_(torch.from_numpy(new_scales))
         else:
@@ -116,8 +139,8 @@ def reference_step(args: list, hp: dict) -> None:
         master = masters[i] if len(masters) else None
         g = _to_numpy(grads[i]).astype(F) * F(grad_mul)
         p = _to_numpy(master if master is not None else param).astype(F)
-        m = read_state(ms[i], mss[i] if len(mss) else None).astype(F)
-        v = read_state(vs[i], vss[i] if len(vss) else None).astype(F)
+        m = read_state(ms[i], mss[i] if len(mss) else None, False, param.shape).astype(F)
+        v = read_state(vs[i], vss[i] if len(vss) else None, True, param.shape).astype(F)
         with np.errstate(all="ignore"):  # inf and NaN are legitimate IEEE results here
             if mode == 0:
                 g = g + F(wd) * p
@@ -127,7 +150,7 @@ def reference_step(args: list, hp: dict) -> None:
             v = v * F(beta2) + F(1.0 - beta2) * g * g
             v_used = v
             if amsgrad:
-                vmax = read_state(vmaxs[i], vmaxss[i] if len(vmaxss) else None).astype(F)
+                vmax = read_state(vmaxs[i], vmaxss[i] if len(vmaxss) else None, True, param.shape).astype(F)
                 vmax = np.where(vmax < v, v, vmax).astype(F)
                 v_used = vmax
             if mode == 2:
@@ -136,10 +159,10 @@ def reference_step(args: list, hp: dict) -> None:
                 p = p - F(step_size) * (m / (np.sqrt(v_used) + F(eps)))
                 if mode == 1:
                     p = p - F(lr * wd) * p
-        write_state(m, ms[i], mss[i] if len(mss) else None)
-        write_state(v, vs[i], vss[i] if len(vss) else None)
+        write_state(m, ms[i], mss[i] if len(mss) else None, False)
+        write_state(v, vs[i], vss[i] if len(vss) else None, True)
         if amsgrad:
-            write_state(vmax, vmaxs[i], vmaxss[i] if len(vmaxss) else None)
+            write_state(vmax, vmaxs[i], vmaxss[i] if len(vmaxss) else None, True)
         if master is not None:
             master.copy_(torch.from_numpy(p.astype(np.float32)).reshape(master.shape))
         param.copy_(_from_numpy(p, param.dtype, param.shape))
@@ -159,7 +182,14 @@ COMBOS = {
     "bf16": (BF16, BF16, BF16, False),
     "fp16-master-fp16states": (F16, F16, F16, True),
     "fp64": (F64, F64, F64, False),
+    # 8-bit and 4-bit states (uint8 codes with float32 / bfloat16 block scales), alone and mixed with the others
+    "fp32-q8": (F32, U8, U8, False),
+    "fp32-q4": (F32, U4, U4, False),
+    "bf16-master-q8m-q4v": (BF16, U8, U4, True),
+    "bf16-q4m-q8v": (BF16, U4, U8, False),
+    "fp16-master-q4m-fp16v": (F16, U4, F16, True),
 }
+LOW_BIT_COMBOS = [name for name, (_, m, v, _) in COMBOS.items() if m in LOW_BIT_FORMATS or v in LOW_BIT_FORMATS]
 SHAPES = [(2500,), (), (0,), (32, 32), (7,)]  # several blocks with a partial one, 0-dim, empty, exact block, tiny
 
 
@@ -182,10 +212,15 @@ def make_case(combo: str, amsgrad: bool, seed: int, shapes=SHAPES, grad_dtype=No
         v = rand(shape, 1e-2 * 10.0 ** (-j)).abs() ** 2
         if p.numel() > 1500:
             m.view(-1)[1024:2048] = 0.0  # an all-zero block: scale 1
-        for value, dtype, out, outs in ((m, mdt, ms, mss), (v, vdt, vs, vss)) + \
-                (((v * 1.5, vdt, vmaxs, vmaxss),) if amsgrad else ()):
-            if dtype == F16 and scaled:
-                codes, scales = ref_quantize(value.float().reshape(-1).numpy())
+        for value, dtype, out, outs, second in ((m, mdt, ms, mss, False), (v, vdt, vs, vss, True)) + \
+                (((v * 1.5, vdt, vmaxs, vmaxss, True),) if amsgrad else ()):
+            if dtype in LOW_BIT_FORMATS:
+                codes, scales = encode_state(value.float(), dtype, second)
+                out.append(codes)
+                outs.append(scales)
+            elif dtype == F16 and scaled:
+                flat = value.float().reshape(-1).numpy()
+                codes, scales = ref_quantize(np.sqrt(flat) if second else flat)
                 out.append(torch.from_numpy(codes).reshape(shape))
                 outs.append(torch.from_numpy(scales))
             else:
@@ -244,16 +279,26 @@ def assert_bitwise(triton_args, ref_args, what=""):
 
 
 def decoded(args, which: int, i: int) -> torch.Tensor:
-    """Values of state list `which` (2, 3 or 4) of param i, dequantised when scaled."""
+    """Values of state list `which` (2, 3 or 4) of param i, dequantised when scaled (float64, the param's shape)."""
     t = args[which][i].detach().cpu()
     scales = args[which + 4][i].cpu() if len(args[which + 4]) else None
+    shape, second = args[0][i].shape, which > 2
+    if scales is not None and t.dtype == torch.uint8:
+        return dequantize_low_bit(t, scales, low_bit_format(scales.dtype), second, shape).double()
     if scales is not None:
-        return torch.from_numpy(ref_dequantize(t.reshape(-1).numpy(), scales.numpy())).reshape(t.shape).double()
+        u = torch.from_numpy(ref_dequantize(t.reshape(-1).numpy(), scales.numpy())).reshape(shape).double()
+        return u * u if second else u
     return t.double()
 
 
 def ulp_tolerance(dtype):
     return {F32: 4e-6, F64: 1e-13, F16: 2e-3, BF16: 1.6e-2}[dtype]
+
+
+# Low-bit states compared across backends whose float32 arithmetic may differ by an ulp (a contracted multiply-add):
+# a value on a midpoint can then take the neighbouring level. Bounded by the widest gap between neighbouring levels
+# (8-bit: the top decade's 0.9/64 of the block's scale, 4-bit: 0.9/9; squared for v), relative to the tensor's max.
+LOW_BIT_TOLERANCE = {8: 0.03, 4: 0.21}
 
 
 def assert_close_to(triton_args, other_args, what, extra=1.0):
@@ -271,10 +316,16 @@ def assert_close_to(triton_args, other_args, what, extra=1.0):
             dtype = a.dtype if a.dtype != F64 or name == "params" and other_args[0][i].dtype == F64 else F32
             if name.startswith("exp") or name.startswith("max"):
                 dtype = triton_args[{"exp_avg": 2, "exp_avg_sq": 3, "max_exp_avg_sq": 4}[name]][i].dtype
-            tol = ulp_tolerance(dtype) * extra
             a64, b64 = a.double(), b.double()
             scale = b64.abs().max().clamp_min(1e-30)
             err = (a64 - b64).abs()
+            if dtype == torch.uint8:
+                scales = triton_args[{"exp_avg": 6, "exp_avg_sq": 7, "max_exp_avg_sq": 8}[name]][i]
+                tol = LOW_BIT_TOLERANCE[low_bit_format(scales.dtype).bits]
+                assert bool((err <= tol * scale).all()), \
+                    f"{what}: {name}[{i}] max abs diff {float(err.max())} (tolerance {tol} of the largest value)"
+                continue
+            tol = ulp_tolerance(dtype) * extra
             assert bool((err <= tol * b64.abs() + tol * 1e-3 * scale).all()), \
                 f"{what}: {name}[{i}] max abs diff {float(err.max())} (tolerance {tol} relative)"
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 # of storage dtypes, modes and amsgrad that FusedAdam can create.
 ADAM_COMMON = dict(BIAS_CORRECTION=True, HAS_LR_TENSOR=False, HAS_INV_SCALE=False, HAS_FOUND_INF=False, BLOCK=1024,
                    BLOCKS_PER_PROGRAM=1, ALIGNED=True)
-F32, F16, BF16, F64 = 0, 1, 2, 3
+F32, F16, BF16, F64, Q8, Q4 = 0, 1, 2, 3, 4, 5
 COMBOS = {
     "fp32": (F32, F32, F32, F32, False, False, False),
     "fp32-bf16states": (F32, F32, BF16, BF16, False, False, False),
@@ -47,6 +47,11 @@ COMBOS = {
     "bf16": (BF16, BF16, BF16, BF16, False, False, False),
     "fp16-master-fp16states": (F16, F16, F16, F16, True, True, True),
     "fp64": (F64, F64, F64, F64, False, False, False),
+    "fp32-q8": (F32, F32, Q8, Q8, False, True, True),
+    "fp32-q4": (F32, F32, Q4, Q4, False, True, True),
+    "bf16-master-q8m-q4v": (BF16, BF16, Q8, Q4, True, True, True),
+    "bf16-q4m-q8v": (BF16, BF16, Q4, Q8, False, True, True),
+    "fp16-master-q4m-fp16v": (F16, F16, Q4, F16, True, True, True),
 }
 
 
@@ -75,6 +80,10 @@ def variants(full: bool) -> list:
             ("adam-fp16-master-mode2-ams", "adam_kernel", adam_variant("fp16-master", 2, True)),
             ("adam-bf16-mode1-nobc", "adam_kernel", adam_variant("bf16", 1, False, BIAS_CORRECTION=False)),
             ("adam-fp64-mode2-ams", "adam_kernel", adam_variant("fp64", 2, True)),
+            ("adam-fp32-q8-mode2-ams", "adam_kernel", adam_variant("fp32-q8", 2, True)),
+            ("adam-fp32-q4-mode1", "adam_kernel", adam_variant("fp32-q4", 1, False)),
+            ("adam-bf16-master-q8m-q4v-mode0-unaligned", "adam_kernel",
+             adam_variant("bf16-master-q8m-q4v", 0, False, ALIGNED=False, BLOCKS_PER_PROGRAM=2)),
         ]
     out += [
         ("adam-fp32-mode2-unaligned-4blocks", "adam_kernel",
@@ -91,7 +100,8 @@ def variants(full: bool) -> list:
 # Types of the runtime (non-constexpr) arguments, by name.
 ARG_TYPES = {
     "meta_ptr": "*i64", "grads_ptr": "*i64", "work_ptr": "*i64", "steps_ptr": "*fp64", "lr_ptr": "*fp32",
-    "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "lr_bits": "i64", "beta1_bits": "i64",
+    "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "m_lut_ptr": "*fp32", "v_lut_ptr": "*fp32",
+    "lr_bits": "i64", "beta1_bits": "i64",
     "beta2_bits": "i64", "eps_bits": "i64", "wd_bits": "i64", "sign_bits": "i64", "n": "i32",
     "addr_ptr": "*i64", "numel_ptr": "*i64", "partial_ptr": "*fp64", "partial_base": "i32", "out_ptr": "*fp32",
 }

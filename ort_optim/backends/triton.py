@@ -1,9 +1,11 @@
 """Triton implementation of the ort_optim ops (``adam_step_``, ``grad_stats``) for CUDA tensors.
 
 Same semantics as the native CPU kernel (ops/README.md gives the math): every mode, amsgrad, maximize, per-parameter
-steps (read on the device; bias corrections computed in the kernel), master weights, bf16 and block-scaled fp16
-states, in-kernel unscaling, found_inf (read on the device: a skipped step writes nothing, step counts included) and
-lr from ``lr_tensor``.
+steps (read on the device; bias corrections computed in the kernel), master weights, bf16, block-scaled fp16 states
+(sqrt(v) for second moments) and 8-bit / 4-bit block-quantised states (uint8 codes whose scales' dtype names the
+format: float32 for ``_spec.Q8``, bfloat16 for ``_spec.Q4``; the reference's codes and scales bit for bit),
+in-kernel unscaling, found_inf (read on the device: a skipped step writes nothing, step counts included) and lr from
+``lr_tensor``.
 
 How a call runs:
 
@@ -34,7 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import QUANT_BLOCK
+from .._spec import QUANT_BLOCK, Q4, Q8, LowBitFormat, midpoints
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
 BLOCK = 1024
@@ -45,6 +47,8 @@ BLOCKS_PER_PROGRAM = int(os.environ.get("ORT_OPTIM_TRITON_BLOCKS", "0"))
 CACHE_SIZE = 64
 
 _DT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+# Low-bit states are uint8 code tensors; their scales' dtype tells the format (float32: 8-bit, bfloat16: 4-bit).
+_LOW_BIT = {Q8.scale_dtype: (4, Q8), Q4.scale_dtype: (5, Q4)}
 _FLOAT_STORAGE = (torch.float32, torch.float16, torch.bfloat16)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -231,9 +235,9 @@ class _Group:
     """Tensors of one call that share dtypes: one launch."""
 
     __slots__ = ("indices", "meta", "work", "programs", "constexprs", "grads_key", "grads_table", "bpp", "aligned",
-                 "grads_aligned")
+                 "grads_aligned", "luts")
 
-    def __init__(self, indices, meta, work, programs, constexprs, bpp, aligned):
+    def __init__(self, indices, meta, work, programs, constexprs, bpp, aligned, luts=(None, None)):
         self.indices = indices
         self.meta = meta
         self.work = work
@@ -244,6 +248,7 @@ class _Group:
         self.grads_key = None
         self.grads_table = None
         self.grads_aligned = False
+        self.luts = luts  # lookup tables of the low-bit exp_avg / exp_avg_sq formats (None for other states)
 
 
 class _Plan:
@@ -282,24 +287,83 @@ def _check_same(t: torch.Tensor, p: torch.Tensor, name: str, i: int) -> None:
         _fail(f"{name}[{i}] is on {t.device} but params[{i}] is on {p.device}")
 
 
-def _check_state(t: torch.Tensor, p: torch.Tensor, name: str, i: int, is_double: bool) -> None:
-    _check_same(t, p, name, i)
+def _low_bit_format(scales, i: int) -> Optional[LowBitFormat]:
+    """The low-bit format of state i of a list (uint8 codes), told by its scales' dtype; None without scales."""
+    if not len(scales):
+        return None
+    entry = _LOW_BIT.get(scales[i].dtype)
+    return entry[1] if entry is not None else None
+
+
+def _state_code(states, scales, i: int) -> int:
+    """The kernel's dtype code of state i of a list: its float dtype's, or Q8 / Q4 for uint8 codes."""
+    t = states[i]
+    if t.dtype == torch.uint8:
+        return _LOW_BIT[scales[i].dtype][0]
+    return _DT_CODES[t.dtype]
+
+
+_luts: dict = {}
+
+
+def _lut(fmt: LowBitFormat, device: torch.device) -> torch.Tensor:
+    """The float32 lookup table of a low-bit format on a device (layout: triton_kernels, "8-bit and 4-bit
+    states"), built once from _spec's levels and kept (captured CUDA graphs read it at every replay)."""
+    key = (fmt.name, device)
+    table = _luts.get(key)
+    if table is None:
+        bits, m_levels, v_levels = fmt.bits, list(fmt.exp_avg_levels), list(fmt.exp_avg_sq_levels)
+        if len(m_levels) != 1 << (bits - 1) or len(v_levels) != 1 << bits:
+            raise RuntimeError(f"ort_optim: the Triton kernels need 2**(bits-1) exp_avg and 2**bits exp_avg_sq levels "
+                               f"in the {fmt.name} format, got {len(m_levels)} and {len(v_levels)}")
+        inf = float("inf")  # padding of the midpoint lists to 2**k entries: never probed
+        values = (m_levels + [-x for x in m_levels] + v_levels + list(midpoints(tuple(m_levels))) + [inf]
+                  + list(midpoints(tuple(v_levels))) + [inf])
+        host = torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda")
+        table = host.to(device, non_blocking=True) if device.type == "cuda" else host
+        if _capturing(device):
+            _graph_owned.append(host)
+        with _lock:
+            table = _luts.setdefault(key, table)
+    return table
+
+
+def _check_state(t: torch.Tensor, p: torch.Tensor, name: str, i: int, is_double: bool, scales_name: str,
+                 scales) -> None:
+    if t.device != p.device:
+        _fail(f"{name}[{i}] is on {t.device} but params[{i}] is on {p.device}")
     if not t.is_contiguous():
         _fail(f"{name}[{i}] must be contiguous")
+    if t.dtype == torch.uint8 and not is_double:
+        fmt = _low_bit_format(scales, i)
+        if fmt is None:
+            _fail(f"{name}[{i}] holds uint8 codes of a low-bit state, so {scales_name}[{i}] must be its block scales "
+                  f"(float32 for 8-bit, bfloat16 for 4-bit)" + ("" if len(scales) else f"; {scales_name} is empty"))
+        if tuple(t.shape) != fmt.storage_shape(p.shape):
+            _fail(f"{name}[{i}] has shape {list(t.shape)}; {fmt.name} codes of params[{i}] (shape {list(p.shape)}) "
+                  f"have shape {list(fmt.storage_shape(p.shape))}")
+        return
+    if t.shape != p.shape:
+        _fail(f"{name}[{i}] has shape {list(t.shape)} but params[{i}] has shape {list(p.shape)}")
     if (t.dtype != torch.float64) if is_double else (t.dtype not in _FLOAT_STORAGE):
         _fail(f"{name}[{i}] has dtype {t.dtype}" + ("; float64 params need float64 states" if is_double
-                                                    else "; states must be float32, bfloat16 or float16"))
+                                                    else "; states must be float32, bfloat16, float16 or uint8 "
+                                                         "(low-bit codes)"))
 
 
-def _check_scales(scales, states, i: int, name: str) -> None:
+def _check_scales(scales, states, p: torch.Tensor, i: int, name: str) -> None:
     if not len(scales):
         return
     s, state = scales[i], states[i]
-    blocks = (state.numel() + BLOCK - 1) // BLOCK
-    if state.dtype != torch.float16:
-        _fail(f"{name}[{i}] is given but the state it scales is {state.dtype}, not float16")
-    if not (s.dtype == torch.float32 and s.is_contiguous() and s.numel() == blocks and s.device == state.device):
-        _fail(f"{name}[{i}] must be a contiguous float32 tensor of {blocks} block scales on the state's device")
+    if state.dtype == torch.uint8:
+        fmt = _low_bit_format(scales, i)  # not None: _check_state ran first
+        blocks, dtype = fmt.num_scales(p.numel()), fmt.scale_dtype
+    elif state.dtype == torch.float16:
+        blocks, dtype = (state.numel() + BLOCK - 1) // BLOCK, torch.float32
+    else:
+        _fail(f"{name}[{i}] is given but the state it scales is {state.dtype}, not float16 or uint8 codes")
+    if not (s.dtype == dtype and s.is_contiguous() and s.numel() == blocks and s.device == state.device):
+        _fail(f"{name}[{i}] must be a contiguous {dtype} tensor of {blocks} block scales on the state's device")
 
 
 def _validate_static(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
@@ -317,12 +381,14 @@ def _validate_static(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_para
             any_double = True
         else:
             any_single = True
-        _check_state(exp_avgs[i], p, "exp_avgs", i, is_double)
-        _check_state(exp_avg_sqs[i], p, "exp_avg_sqs", i, is_double)
+        _check_state(exp_avgs[i], p, "exp_avgs", i, is_double, "exp_avg_scales", exp_avg_scales)
+        _check_state(exp_avg_sqs[i], p, "exp_avg_sqs", i, is_double, "exp_avg_sq_scales", exp_avg_sq_scales)
         if amsgrad:
-            _check_state(max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i, is_double)
-            if max_exp_avg_sqs[i].dtype != exp_avg_sqs[i].dtype:
-                _fail(f"max_exp_avg_sqs[{i}] must have the dtype of exp_avg_sqs[{i}]")
+            _check_state(max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i, is_double, "max_exp_avg_sq_scales",
+                         max_exp_avg_sq_scales)
+            if _state_code(max_exp_avg_sqs, max_exp_avg_sq_scales, i) != _state_code(exp_avg_sqs, exp_avg_sq_scales,
+                                                                                    i):
+                _fail(f"max_exp_avg_sqs[{i}] must have the storage format of exp_avg_sqs[{i}]")
         if len(master_params):
             if pt not in _LOW_PRECISION:
                 _fail(f"master_params given but params[{i}] is {pt}; master weights are for float16/bfloat16 params")
@@ -330,10 +396,10 @@ def _validate_static(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_para
             _check_same(mp, p, "master_params", i)
             if mp.dtype != torch.float32 or not mp.is_contiguous():
                 _fail(f"master_params[{i}] must be a contiguous float32 tensor")
-        _check_scales(exp_avg_scales, exp_avgs, i, "exp_avg_scales")
-        _check_scales(exp_avg_sq_scales, exp_avg_sqs, i, "exp_avg_sq_scales")
+        _check_scales(exp_avg_scales, exp_avgs, p, i, "exp_avg_scales")
+        _check_scales(exp_avg_sq_scales, exp_avg_sqs, p, i, "exp_avg_sq_scales")
         if amsgrad:
-            _check_scales(max_exp_avg_sq_scales, max_exp_avg_sqs, i, "max_exp_avg_sq_scales")
+            _check_scales(max_exp_avg_sq_scales, max_exp_avg_sqs, p, i, "max_exp_avg_sq_scales")
     if any_double and any_single:
         _fail("float64 params cannot share a call with other dtypes; group them separately")
 
@@ -355,8 +421,8 @@ def _build_groups(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_
     keyed: "OrderedDict[tuple, list]" = OrderedDict()
     for i, p in enumerate(params):
         key = (
-            _DT_CODES[p.dtype], _DT_CODES.get(grads[i].dtype, -1), _DT_CODES[exp_avgs[i].dtype],
-            _DT_CODES[exp_avg_sqs[i].dtype],
+            _DT_CODES[p.dtype], _DT_CODES.get(grads[i].dtype, -1), _state_code(exp_avgs, exp_avg_scales, i),
+            _state_code(exp_avg_sqs, exp_avg_sq_scales, i),
         )
         keyed.setdefault(key, []).append(i)
     groups = []
@@ -386,7 +452,9 @@ def _build_groups(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_
         aligned = all(rows[r * 10 + c] % 16 == 0 for r in range(len(indices)) for c in range(5))
         meta = _upload(rows, device)
         work_t = _upload(work if work else [0, 0], device)
-        groups.append(_Group(indices, meta, work_t, programs, constexprs, bpp, aligned))
+        luts = tuple(_lut(_LOW_BIT[scales[indices[0]].dtype][1], device) if code >= 4 else None
+                     for code, scales in ((m_dt, exp_avg_scales), (v_dt, exp_avg_sq_scales)))
+        groups.append(_Group(indices, meta, work_t, programs, constexprs, bpp, aligned, luts))
     return groups
 
 
@@ -496,6 +564,8 @@ def adam_step_(
                 lr_t if lr_t is not None else dummy,
                 inv_t if inv_t is not None else dummy,
                 found_t if found_t is not None else dummy,
+                group.luts[0] if group.luts[0] is not None else dummy,
+                group.luts[1] if group.luts[1] is not None else dummy,
                 _bits(lr), _bits(beta1), _bits(beta2), _bits(eps), _bits(weight_decay),
                 _bits(-1.0 if maximize else 1.0),
                 MODE=int(adam_w_mode), BIAS_CORRECTION=bool(bias_correction), HAS_LR_TENSOR=lr_t is not None,

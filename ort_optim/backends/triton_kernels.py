@@ -11,7 +11,12 @@ covers any number of tensors. The math is the one of ops/README.md, in the CPU k
   an approximation on NVIDIA GPUs) and the launches pass ``enable_fp_fusion=False``, so no multiply-add is contracted;
 * fp16 rounding is the hardware's round-to-nearest-even; bf16 rounding is done with integer bit operations (the
   interpreter truncates fp32 -> bf16, and bf16 is then never touched as a float type at all);
-* fp16 moment states are quantised per 1024-element block with the power-of-two rule of ops/README.md.
+* fp16 moment states are quantised per 1024-element block with the power-of-two rule of ops/README.md; a scaled
+  fp16 second moment holds sqrt(v) (``_spec.FP16_SQRT_SECOND_MOMENT``);
+* 8-bit and 4-bit moment states (``_spec.Q8``/``Q4``: uint8 codes, one scale per 256 or 128 elements) are decoded
+  with a lookup table and encoded by a binary search over the format's float32 midpoints (the count of midpoints
+  <= the normalised value: the reference's ``searchsorted(..., right=True)``), so the codes and scales are the
+  reference's (``reference.quantize_low_bit``) bit for bit.
 
 Trap-driven choices (see tests/test_triton.py): pointer types are always built from literal dtypes (``tl.pointer_type``
 of a constexpr dtype runs in the interpreter but does not compile with Triton 3.0/3.1); the skip flag is honoured with
@@ -37,8 +42,8 @@ def _device(fn):
     the arithmetic; as plain Python functions they run on the language the kernel already patched."""
     return fn if INTERPRET else triton.jit(fn)
 
-# dtype codes of the constexpr *_DT arguments
-F32, F16, BF16, F64 = 0, 1, 2, 3
+# dtype codes of the constexpr *_DT arguments; Q8 and Q4 are the 8-bit and 4-bit moment formats (uint8 codes)
+F32, F16, BF16, F64, Q8, Q4 = 0, 1, 2, 3, 4, 5
 
 # Columns of the per-tensor table (int64). The addresses of optional tensors are 0 when absent (never read then).
 COL_PARAM, COL_EXP_AVG, COL_EXP_AVG_SQ, COL_MAX_EXP_AVG_SQ, COL_MASTER = 0, 1, 2, 3, 4
@@ -140,23 +145,33 @@ def _fp16_block_scale(amax):
 
 
 @_device
-def _load_state(addr, scale_addr, offs, mask, block_index, DT: tl.constexpr, SCALED: tl.constexpr,
-                ALIGNED: tl.constexpr):
-    if SCALED:
+def _load_state(addr, scale_addr, lut_ptr, offs, mask, block_index, DT: tl.constexpr, SCALED: tl.constexpr,
+                SECOND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """A moment state's values as float32 (float64 for DT == F64). SECOND: a second moment (exp_avg_sq or
+    max_exp_avg_sq), whose scaled fp16 and low-bit codes hold sqrt(v)."""
+    if DT >= 4:
+        x = _load_low_bit(addr, scale_addr, lut_ptr, offs, mask, DT, SECOND, BLOCK)
+    elif SCALED:
         s = tl.load(scale_addr.to(tl.pointer_type(tl.float32)) + block_index)
         # 1/s in float32, correctly rounded: the fp64 quotient rounded to fp32 is (53 >= 2*24 + 2: double rounding
         # is innocuous for division), and it avoids the flush-to-zero fp32 division.
         inv = (1.0 / s.to(tl.float64)).to(tl.float32)
         x = _load(addr, offs, mask, 1, ALIGNED) * inv
+        if SECOND:
+            x = x * x
     else:
         x = _load(addr, offs, mask, DT, ALIGNED)
     return x
 
 
 @_device
-def _store_state(addr, scale_addr, offs, x, mask, block_index, DT: tl.constexpr, SCALED: tl.constexpr,
-                 ALIGNED: tl.constexpr):
-    if SCALED:
+def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, DT: tl.constexpr, SCALED: tl.constexpr,
+                 SECOND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    if DT >= 4:
+        _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, DT, SECOND, BLOCK)
+    elif SCALED:
+        if SECOND:
+            x = _sqrt(x, False)
         # NaNs are left out of the maximum (as std::max in the CPU kernel does), masked lanes too.
         amax = tl.max(tl.where(mask & (x == x), tl.abs(x), 0.0), axis=0)
         s = _fp16_block_scale(amax)
@@ -164,6 +179,104 @@ def _store_state(addr, scale_addr, offs, x, mask, block_index, DT: tl.constexpr,
         tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + block_index, s)
     else:
         _store(addr, offs, x, mask, DT, ALIGNED)
+
+
+# ---- 8-bit and 4-bit states (_spec.Q8, _spec.Q4; reference.quantize_low_bit is the definition) -------------------
+#
+# The lookup table of a format (float32, built by triton.py from _spec's levels), for BITS = 8 or 4:
+#   [0, 2**BITS)                     exp_avg value of each code (sign-magnitude: the top bit negates)
+#   [2**BITS, 2**(BITS+1))           sqrt(v) value of each exp_avg_sq code (relative to the block's scale)
+#   [2**(BITS+1), +2**(BITS-1))      the exp_avg magnitudes' midpoints (2**(BITS-1) - 1 of them, then padding)
+#   [2**(BITS+1) + 2**(BITS-1), +2**BITS)  the exp_avg_sq midpoints (2**BITS - 1, then padding)
+# A full binary tree of 2**k - 1 sorted midpoints: k probes find #{midpoints <= a}.
+
+
+@_device
+def _load_low_bit(addr, scale_addr, lut_ptr, offs, mask, DT: tl.constexpr, SECOND: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Values of an 8-bit (DT == Q8) or 4-bit (DT == Q4) state: table[code] * scale (squared for SECOND). Masked
+    lanes read 0. offs: BLOCK consecutive element indices starting at a multiple of BLOCK."""
+    if DT == 4:
+        codes = tl.load(addr.to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0).to(tl.int32)
+        s = tl.load(scale_addr.to(tl.pointer_type(tl.float32)) + offs // 256, mask=mask, other=0.0)
+        bits = 8
+    else:
+        # two codes per byte: element 2j in the low nibble of byte j, 2j+1 in the high one
+        even_offs, _ = tl.split(tl.reshape(offs, (BLOCK // 2, 2)))
+        even_mask, _ = tl.split(tl.reshape(mask, (BLOCK // 2, 2)))
+        packed = tl.load(addr.to(tl.pointer_type(tl.uint8)) + even_offs // 2, mask=even_mask, other=0).to(tl.int32)
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK,))
+        s_bits = tl.load(scale_addr.to(tl.pointer_type(tl.uint16)) + offs // 128, mask=mask, other=0)
+        s = (s_bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        bits = 4
+    if SECOND:
+        u = tl.load(lut_ptr + (1 << bits) + codes) * s
+        x = u * u
+    else:
+        x = tl.load(lut_ptr + codes) * s
+    return x
+
+
+@_device
+def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, DT: tl.constexpr, SECOND: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Encodes float32 values x (v for SECOND: its square root is coded) into an 8-bit or 4-bit state and its
+    scales, as reference.quantize_low_bit: per block the scale is the absolute maximum (rounded up to bfloat16 for
+    4-bit), NaN for a block with an inf or NaN (whose codes are then 0); the code of a normalised value
+    a = min(|x| * (1/s), 1) is the count of midpoints <= a, with the sign bit for a negative exp_avg."""
+    if DT == 4:
+        QB: tl.constexpr = 256
+        BITS: tl.constexpr = 8
+    else:
+        QB: tl.constexpr = 128
+        BITS: tl.constexpr = 4
+    NB: tl.constexpr = BLOCK // QB
+    if SECOND:
+        u = _sqrt(x, False)
+    else:
+        u = x
+    u2 = tl.reshape(u, (NB, QB))
+    m2 = tl.reshape(mask, (NB, QB))
+    offs2 = tl.reshape(offs, (NB, QB))
+    au = tl.abs(u2)
+    bad = m2 & ((u2 != u2) | (au == float("inf")))
+    block_bad = tl.max(bad.to(tl.int32), axis=1) > 0
+    amax = tl.max(tl.where(m2 & (au == au), au, 0.0), axis=1)
+    if DT == 5:  # round up to bfloat16 (toward +inf; amax >= 0), so every normalised value stays <= 1
+        b = amax.to(tl.int32, bitcast=True)
+        b = tl.where((b & 0xFFFF) != 0, b + 0x10000, b) & -65536
+        amax = b.to(tl.float32, bitcast=True)
+    s = tl.where(block_bad | (amax == float("inf")), float("nan"), amax)
+    usable = s > 0.0  # false for NaN
+    inv = tl.where(usable, (1.0 / tl.where(usable, s, 1.0).to(tl.float64)).to(tl.float32), 0.0)
+    a = au * inv[:, None]
+    a = tl.where(a < 1.0, a, 1.0)
+    if SECOND:
+        LEVEL_BITS: tl.constexpr = BITS
+        THRESHOLDS: tl.constexpr = (2 << BITS) + (1 << (BITS - 1))
+    else:
+        LEVEL_BITS: tl.constexpr = BITS - 1
+        THRESHOLDS: tl.constexpr = 2 << BITS
+    code = tl.zeros((NB, QB), dtype=tl.int32)
+    for level in tl.static_range(LEVEL_BITS):
+        half = 1 << (LEVEL_BITS - 1 - level)
+        probe = tl.load(lut_ptr + THRESHOLDS + code + (half - 1))
+        code = tl.where(probe <= a, code + half, code)
+    if not SECOND:
+        code = tl.where((u2 < 0.0) & (code > 0), code | (1 << (BITS - 1)), code)
+    code = tl.where(block_bad[:, None] | (m2 == 0), 0, code)
+    block_mask = tl.max(m2.to(tl.int32), axis=1) > 0
+    block_index = tl.min(offs2, axis=1) // QB
+    if DT == 4:
+        tl.store(addr.to(tl.pointer_type(tl.uint8)) + offs, tl.reshape(code, (BLOCK,)).to(tl.uint8), mask=mask)
+        tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + block_index, s, mask=block_mask)
+    else:
+        low, high = tl.split(tl.reshape(code, (BLOCK // 2, 2)))
+        even_offs, _ = tl.split(tl.reshape(offs, (BLOCK // 2, 2)))
+        even_mask, _ = tl.split(tl.reshape(mask, (BLOCK // 2, 2)))
+        tl.store(addr.to(tl.pointer_type(tl.uint8)) + even_offs // 2, (low | (high << 4)).to(tl.uint8),
+                 mask=even_mask)
+        tl.store(scale_addr.to(tl.pointer_type(tl.uint16)) + block_index, _bf16_bits(s), mask=block_mask)
 
 
 @_device
@@ -223,20 +336,20 @@ def _powi(base, t):
 @_device
 def _adam_block(
     offs, mask, block_index, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr,
-    grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay,
+    m_lut_ptr, v_lut_ptr, grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay,
     P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr, HAS_MASTER: tl.constexpr,
     M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, AMSGRAD: tl.constexpr, MODE: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One block of 1024 elements (one fp16 quantisation block) of one tensor."""
+    """One block of 1024 elements (one fp16 quantisation block, 4 or 8 low-bit ones) of one tensor."""
     F64: tl.constexpr = P_DT == 3
     g = _load(g_addr, offs, mask, G_DT, ALIGNED) * grad_mul
     if HAS_MASTER:
         p = _load(master_addr, offs, mask, 0, ALIGNED)
     else:
         p = _load(p_addr, offs, mask, P_DT, ALIGNED)
-    m = _load_state(m_addr, ms_addr, offs, mask, block_index, M_DT, M_SCALED, ALIGNED)
-    v = _load_state(v_addr, vs_addr, offs, mask, block_index, V_DT, V_SCALED, ALIGNED)
+    m = _load_state(m_addr, ms_addr, m_lut_ptr, offs, mask, block_index, M_DT, M_SCALED, False, ALIGNED, BLOCK)
+    v = _load_state(v_addr, vs_addr, v_lut_ptr, offs, mask, block_index, V_DT, V_SCALED, True, ALIGNED, BLOCK)
     if MODE == 0:
         g = g + wd * p  # L2: the decay enters the moments
     if MODE == 2:
@@ -244,7 +357,8 @@ def _adam_block(
     m = m + one_minus_b1 * (g - m)  # torch's lerp form of beta1*m + (1-beta1)*g
     v = v * b2 + one_minus_b2 * g * g
     if AMSGRAD:
-        vmax = _load_state(vmax_addr, vmaxs_addr, offs, mask, block_index, V_DT, V_SCALED, ALIGNED)
+        vmax = _load_state(vmax_addr, vmaxs_addr, v_lut_ptr, offs, mask, block_index, V_DT, V_SCALED, True, ALIGNED,
+                           BLOCK)
         vmax = tl.where(vmax < v, v, vmax)  # std::max(vmax, v), NaN behaviour included
         v_used = vmax
     else:
@@ -255,10 +369,11 @@ def _adam_block(
         p = p - step_size * _div(m, _sqrt(v_used, F64) + eps, F64)
         if MODE == 1:
             p = p - hf_decay * p  # HF transformers: decay after the update, with the plain lr
-    _store_state(m_addr, ms_addr, offs, m, mask, block_index, M_DT, M_SCALED, ALIGNED)
-    _store_state(v_addr, vs_addr, offs, v, mask, block_index, V_DT, V_SCALED, ALIGNED)
+    _store_state(m_addr, ms_addr, m_lut_ptr, offs, m, mask, block_index, M_DT, M_SCALED, False, ALIGNED, BLOCK)
+    _store_state(v_addr, vs_addr, v_lut_ptr, offs, v, mask, block_index, V_DT, V_SCALED, True, ALIGNED, BLOCK)
     if AMSGRAD:
-        _store_state(vmax_addr, vmaxs_addr, offs, vmax, mask, block_index, V_DT, V_SCALED, ALIGNED)
+        _store_state(vmax_addr, vmaxs_addr, v_lut_ptr, offs, vmax, mask, block_index, V_DT, V_SCALED, True, ALIGNED,
+                     BLOCK)
     if HAS_MASTER:
         _store(master_addr, offs, p, mask, 0, ALIGNED)
     _store(p_addr, offs, p, mask, P_DT, ALIGNED)
@@ -266,7 +381,7 @@ def _adam_block(
 
 @triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits", "eps_bits", "wd_bits", "sign_bits"])
 def adam_kernel(
-    meta_ptr, grads_ptr, work_ptr, steps_ptr, lr_ptr, inv_scale_ptr, found_inf_ptr,
+    meta_ptr, grads_ptr, work_ptr, steps_ptr, lr_ptr, inv_scale_ptr, found_inf_ptr, m_lut_ptr, v_lut_ptr,
     lr_bits: "int64", beta1_bits: "int64", beta2_bits: "int64", eps_bits: "int64", wd_bits: "int64",
     sign_bits: "int64",
     P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
@@ -276,7 +391,8 @@ def adam_kernel(
 ):
     """One Adam step over every tensor of the tables: program pid does work item pid (BLOCKS_PER_PROGRAM blocks of
     one tensor). Table row (int64): param, exp_avg, exp_avg_sq, max_exp_avg_sq, master, and the three scale
-    addresses, numel, index into steps."""
+    addresses, numel, index into steps. m_lut_ptr / v_lut_ptr: the lookup tables of low-bit exp_avg / exp_avg_sq
+    formats (M_DT / V_DT == Q8 or Q4; any pointer otherwise, never read)."""
     if HAS_FOUND_INF:
         if tl.load(found_inf_ptr) != 0:  # skipped step: nothing is written (read on the device, no host sync)
             return
@@ -339,15 +455,15 @@ def adam_kernel(
     for b in range(0, full_blocks):
         bs = start + b * BLOCK
         _adam_block(bs + lanes, lanes < BLOCK, bs // BLOCK, p_addr, g_addr, m_addr, v_addr,
-                    vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr, grad_mul, b2, one_minus_b1,
-                    one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, P_DT, G_DT, M_DT, V_DT,
-                    HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED)
+                    vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, grad_mul, b2,
+                    one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, P_DT, G_DT, M_DT,
+                    V_DT, HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK)
     if full_end < end:
         offs = full_end + lanes
         _adam_block(offs, offs < end, full_end // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr,
-                    ms_addr, vs_addr, vmaxs_addr, grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size,
-                    bc2_sqrt, torch_decay, hf_decay, P_DT, G_DT, M_DT, V_DT, HAS_MASTER, M_SCALED, V_SCALED,
-                    AMSGRAD, MODE, ALIGNED)
+                    ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, grad_mul, b2, one_minus_b1, one_minus_b2, eps,
+                    wd, step_size, bc2_sqrt, torch_decay, hf_decay, P_DT, G_DT, M_DT, V_DT, HAS_MASTER, M_SCALED,
+                    V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK)
 
 
 @triton.jit
