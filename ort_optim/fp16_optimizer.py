@@ -764,11 +764,11 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
 
     @property
     def master_params(self) -> list[torch.Tensor]:
-        """The fp32 masters of the fp16/bf16 params (FusedAdam: those created so far), in param_groups order."""
+        """The fp32 masters of the fp16/bf16 params created so far, in param_groups order (FusedAdam creates them at a
+        param's first step; the wrapper for params of groups added after wrapping at the next step)."""
         if self._fused:
             return [self.optimizer.state[p]["master_param"] for g in self.param_groups for p in g["params"]
                     if "master_param" in self.optimizer.state.get(p, {})]
-        self._sync_layout()
         return [m for _, m in self._layout.pairs]
 
     # ---- the training step -------------------------------------------------------------------------------------
