@@ -33,7 +33,7 @@ TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable",
 # Every checkpoint of the Adam family has these (ORT's, torch's, ours); the other options default to this
 # optimizer's current values when missing (ORT's FusedAdam saves no adam_w_mode, amsgrad or maximize).
 REQUIRED_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
-BOOL_OPTIONS = ("bias_correction", "amsgrad", "maximize")
+BOOL_OPTIONS = ("bias_correction", "amsgrad", "maximize", "stochastic_rounding")
 # Options of other torch optimizers: a group carrying one comes from an optimizer whose state cannot continue here.
 FOREIGN_OPTION_KEYS = ("momentum", "dampening", "nesterov", "momentum_decay", "rho", "lr_decay",
                        "initial_accumulator_value", "centered", "alpha", "lambd", "t0", "etas", "step_sizes")
@@ -58,58 +58,60 @@ def _show(value: Any) -> str:
 
 
 def storage_layout(state: dict, key: str) -> str:
-    """How ``state[key]`` is stored: "fp16-block-scaled" (float16 codes, one float32 scale per 1024 elements in
-    ``state[key + '_scale']``) or "plain" (the values themselves, in any float dtype)."""
-    return "fp16-block-scaled" if key + "_scale" in state else "plain"
+    """How ``state[key]`` is stored (ops/README.md): "plain" (the values themselves, in any float dtype), "fp16"
+    (float16 codes, one float32 scale per 1024 elements in ``state[key + '_scale']``; exp_avg_sq and max_exp_avg_sq
+    hold sqrt(v)), "8-bit" or "4-bit" (uint8 codes and block scales, see ort_optim._spec.LowBitFormat)."""
+    scales = state.get(key + "_scale")
+    return "plain" if scales is None else reference.state_format(state[key], scales)
 
 
 def canonical_dtype(param: torch.Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
-def to_canonical(state: dict, key: str) -> torch.Tensor:
-    """The moment ``state[key]`` as a fresh unscaled float32 tensor (float64 when stored as float64)."""
-    layout = storage_layout(state, key)
-    value = state[key].detach()
-    if layout == "fp16-block-scaled":
-        value = reference.dequantize_fp16(value, state[key + "_scale"])
-    elif layout != "plain":
-        raise AssertionError(f"unknown storage layout {layout}")
+def to_canonical(state: dict, key: str, shape: torch.Size) -> torch.Tensor:
+    """The moment ``state[key]`` of a param of this shape as a fresh unscaled float32 tensor (float64 when stored as
+    float64). Every layout decodes through reference.decode_state, the one definition of the stored formats."""
+    scales = state.get(key + "_scale")
+    value = reference.decode_state(state[key].detach(), None if scales is None else scales.detach(),
+                                   key != "exp_avg", shape)
     return value.to(torch.float64 if value.dtype == torch.float64 else torch.float32, copy=True)
 
 
 def from_canonical(state: dict, key: str, value: torch.Tensor) -> None:
-    """Writes canonical values (float32/float64, the state's shape and device) into the storage of ``state[key]``
-    (and its companions, such as the block scales), in place."""
+    """Writes canonical values (float32/float64, the param's shape, the state's device) into the storage of
+    ``state[key]`` (and its companions, such as the block scales), in place. Every format is idempotent:
+    from_canonical(to_canonical(state)) writes back the same bits, which is what makes a resume exact."""
     layout = storage_layout(state, key)
-    if layout == "fp16-block-scaled":
-        codes, scales = reference.quantize_fp16(value)
-        state[key].copy_(codes)
-        state[key + "_scale"].copy_(scales)
-    elif layout == "plain":
+    if layout == "plain":
         state[key].copy_(value)
-    else:
-        raise AssertionError(f"unknown storage layout {layout}")
+        return
+    scales = state[key + "_scale"]
+    codes, new_scales = reference.encode_state(value, {"fp16": torch.float16, "8-bit": torch.uint8,
+                                                       "4-bit": torch.uint4}[layout], key != "exp_avg")
+    state[key].copy_(codes.view(state[key].shape))
+    scales.copy_(new_scales)
 
 
 # ---- saving --------------------------------------------------------------------------------------------------------
 
 
-def canonical_state(state: dict) -> dict:
+def canonical_state(state: dict, shape: torch.Size) -> dict:
     """One parameter's state in canonical form: fresh tensors, nothing shared with the optimizer."""
     out = {"step": state["step"].detach().to("cpu", torch.float64, copy=True).reshape(())}
     for key in MOMENT_KEYS:
         if key in state:
-            out[key] = to_canonical(state, key)
+            out[key] = to_canonical(state, key, shape)
     if "master_param" in state:
         out["master_param"] = state["master_param"].detach().clone()
     return out
 
 
-def canonical(state_dict: dict) -> dict:
-    """torch.optim.Optimizer.state_dict()'s output (which shares tensors with the optimizer) made canonical."""
+def canonical(state_dict: dict, shapes: dict) -> dict:
+    """torch.optim.Optimizer.state_dict()'s output (which shares tensors with the optimizer) made canonical; shapes:
+    each saved param index's shape (4-bit codes are stored flat)."""
     # Reading optimizer.state[p] creates an empty entry (it is a defaultdict): such params have no state to save.
-    state = {index: canonical_state(s) for index, s in state_dict["state"].items() if s}
+    state = {index: canonical_state(s, shapes[index]) for index, s in state_dict["state"].items() if s}
     groups = []
     for group in state_dict["param_groups"]:
         # tensor-valued entries (an lr tensor, a scheduler's initial_lr) are copies too: a scheduler that fills the lr
@@ -186,8 +188,11 @@ def check_group_options(group: dict, where: Callable[[str], str]) -> None:
         raise TypeError(f"{where('adam_w_mode')} must be an AdamWMode or the int 0, 1 or 2, got {_show(mode)}")
     if mode not in tuple(AdamWMode):
         raise ValueError(f"{where('adam_w_mode')} must be an AdamWMode (0, 1 or 2), got {mode!r}")
+    seed = group.get("stochastic_rounding_seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"{where('stochastic_rounding_seed')} must be an int in [0, 2**64), got {_show(seed)}")
     for key in BOOL_OPTIONS:
-        if not isinstance(group[key], bool):
+        if key in group and not isinstance(group[key], bool):
             raise TypeError(f"{where(key)} must be True or False (a bool), got {_show(group[key])}; a string such "
                             f"as 'False' from a JSON/YAML export would read as True")
 
@@ -349,7 +354,7 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_step:
         if key in state:
             from_canonical(state, key, values[key])
             # what the storage dtype can hold: a float32 value beyond bfloat16's largest rounds to inf there
-            if not bool(torch.isfinite(to_canonical(state, key)).all()):
+            if not bool(torch.isfinite(to_canonical(state, key, p.shape)).all()):
                 raise ValueError(f"{where}[{key!r}] holds values beyond the range of this optimizer's "
                                  f"{state[key].dtype} {key} storage")
     if "master_param" in state and "master_param" in values:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -9,7 +10,7 @@ import torch
 
 from . import _checkpoint, _spec, backends
 from ._checkpoint import MOMENT_KEYS
-from ._spec import LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
+from ._spec import LOW_BIT_FORMATS, LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
 
 # State views in one flat buffer start a multiple of this many elements apart (256 bytes for float32).
 _STATE_ALIGN = 64
@@ -30,6 +31,7 @@ class _Bucket:
     max_exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
     steps: Optional[torch.Tensor] = None  # float64 [n]; state[p]["step"] are 0-dim views of it
     whole_group: bool = False  # holds every param of its group, in order (the grads list can be passed as is)
+    rounding_keys: Optional[torch.Tensor] = None  # int64 [n] (stochastic rounding of bf16 params), else None
     native: Optional[backends.AdamPlan] = None  # over the lists above, when its group steps through plans
 
 
@@ -54,11 +56,24 @@ class _Launch:
     grads: Optional[list[torch.Tensor]]
 
 
+def _storage_shape(state: dict, key: str, shape: torch.Size) -> tuple:
+    """The shape state[key] has for a param of this shape (4-bit codes are flat, two per byte)."""
+    scales = state.get(key + "_scale")
+    if scales is None or state[key].dtype != torch.uint8:
+        return tuple(shape)
+    return _spec.low_bit_format(scales.dtype).storage_shape(shape)
+
+
 def _describe(group_index: int, index: int, param: torch.Tensor) -> str:
     return f"param_groups[{group_index}]['params'][{index}] (shape {tuple(param.shape)}, {param.dtype})"
 
 
 def _check_hyperparameters(group: dict, where: str) -> None:
+    if not isinstance(group.get("stochastic_rounding", False), bool):
+        raise TypeError(f"{where}: stochastic_rounding must be True or False, got {group['stochastic_rounding']!r}")
+    seed = group.get("stochastic_rounding_seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"{where}: stochastic_rounding_seed must be an int in [0, 2**64), got {seed!r}")
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
@@ -83,7 +98,8 @@ def _check_hyperparameters(group: dict, where: str) -> None:
 
 def _check_dtype_option(name: str, dtype: Optional[torch.dtype]) -> None:
     if dtype is not None and dtype not in STATE_DTYPES:
-        raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
+        raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16, torch.float16, torch.uint8 (8-bit) or "
+                         f"torch.uint4 (4-bit), got {dtype!r}")
 
 
 def _may_overlap_itself(p: torch.Tensor) -> bool:
@@ -234,6 +250,8 @@ class FusedAdam(torch.optim.Optimizer):
         exp_avg_sq_dtype: Optional[torch.dtype] = None,
         max_grad_norm: Optional[float] = None,
         capturable: bool = False,
+        stochastic_rounding: bool = False,
+        stochastic_rounding_seed: int = 0,
     ):
         _check_dtype_option("exp_avg_dtype", exp_avg_dtype)
         _check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
@@ -242,7 +260,12 @@ class FusedAdam(torch.optim.Optimizer):
         defaults = dict(
             lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, adam_w_mode=adam_w_mode,
             weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+            stochastic_rounding=stochastic_rounding, stochastic_rounding_seed=stochastic_rounding_seed,
         )
+        if stochastic_rounding and master_weights:
+            raise ValueError("stochastic_rounding=True is for bfloat16 params without master weights (the update is "
+                             "rounded into the param itself); with master_weights=True the fp32 master keeps it "
+                             "exactly: pass one or the other")
         _check_hyperparameters(defaults, "FusedAdam")
         self.set_grad_none = set_grad_none
         self.master_weights = master_weights
@@ -324,15 +347,21 @@ class FusedAdam(torch.optim.Optimizer):
                 requests.setdefault((key, p.device, dtype), []).append(i)
                 if dtype == torch.float16:
                     state[key + "_scale"] = torch.ones(_spec.num_blocks(p.numel()), device=p.device)
+                elif dtype in LOW_BIT_FORMATS:  # uint8 codes; zero scales read as all-zero moments
+                    fmt = LOW_BIT_FORMATS[dtype]
+                    state[key + "_scale"] = torch.zeros(fmt.num_scales(p.numel()), dtype=fmt.scale_dtype,
+                                                        device=p.device)
             states.append(state)
         for (key, device, dtype), indices in requests.items():
+            fmt = LOW_BIT_FORMATS.get(dtype)
+            shapes = [fmt.storage_shape(params[i].shape) if fmt else params[i].shape for i in indices]
             offsets, total = [], 0
-            for i in indices:
+            for shape in shapes:
                 offsets.append(total)
-                total += -(-params[i].numel() // _STATE_ALIGN) * _STATE_ALIGN
-            flat = torch.zeros(total, dtype=dtype, device=device)
-            for i, offset in zip(indices, offsets):
-                view = flat[offset:offset + params[i].numel()].view(params[i].shape)
+                total += -(-math.prod(shape) // _STATE_ALIGN) * _STATE_ALIGN
+            flat = torch.zeros(total, dtype=torch.uint8 if fmt else dtype, device=device)
+            for i, offset, shape in zip(indices, offsets, shapes):
+                view = flat[offset:offset + math.prod(shape)].view(shape)
                 if key == "master_param":
                     view.copy_(params[i].detach())
                 states[i][key] = view
@@ -381,6 +410,12 @@ class FusedAdam(torch.optim.Optimizer):
         buckets = list(by_key.values())
         for bucket in buckets:
             bucket.whole_group = len(bucket.indices) == len(group["params"])
+            if group["stochastic_rounding"] and bucket.params[0].dtype == torch.bfloat16 and not bucket.master_params:
+                # a stable ordinal per param: its position over all param groups (its id in state_dict())
+                first = sum(len(g["params"]) for g in self.param_groups[:group_index])
+                seed = int(group["stochastic_rounding_seed"])
+                bucket.rounding_keys = torch.tensor([_spec.rounding_key(seed, first + i) for i in bucket.indices],
+                                                    dtype=torch.int64)
         # The first bucket's plan also watches the params without a gradient (frozen ones, say): if one gets a
         # gradient, the plans refuse to step and the group is planned again. A group without any gradient has no plan.
         idle = [p for p, g in zip(group["params"], grads) if g is None]
@@ -416,10 +451,11 @@ class FusedAdam(torch.optim.Optimizer):
                     continue
                 self._check_grad(group_index, index, p, g)
                 state = self.state.get(p)
-                if state and state["exp_avg"].shape != p.shape:
+                if state and state["exp_avg"].shape != _storage_shape(state, "exp_avg", p.shape):
                     raise ValueError(
-                        f"{_describe(group_index, index, p)}: its optimizer state was made for shape "
-                        f"{tuple(state['exp_avg'].shape)}; a parameter cannot change shape under its optimizer"
+                        f"{_describe(group_index, index, p)}: its optimizer state was made for another shape "
+                        f"(exp_avg {tuple(state['exp_avg'].shape)}); a parameter cannot change shape under its "
+                        "optimizer"
                     )
                 if state and (state["exp_avg"].dtype == torch.float64) != (p.dtype == torch.float64):
                     raise ValueError(
@@ -574,7 +610,7 @@ class FusedAdam(torch.optim.Optimizer):
                 lr=0.0 if lr_tensor is not None else float(lr), beta1=float(group["betas"][0]),
                 beta2=float(group["betas"][1]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                 adam_w_mode=int(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
-                maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
+                maximize=bool(group["maximize"]), lr_tensor=lr_tensor, rounding_keys=bucket.rounding_keys,
                 inv_grad_scale=None if inv_grad_scale is None else inv_grad_scale[device],
                 found_inf=None if found_inf is None else found_inf.to(device, non_blocking=True),
             )
@@ -638,7 +674,8 @@ class FusedAdam(torch.optim.Optimizer):
         """torch.optim.AdamW's layout in canonical form: fresh tensors, moments and masters unscaled float32
         (float64 for float64 params), a float64 per-parameter ``step``. It loads into FusedAdam with any state
         dtypes, into torch.optim.AdamW, and with ``torch.load(weights_only=True)``."""
-        return _checkpoint.canonical(super().state_dict())
+        params = [p for group in self.param_groups for p in group["params"]]
+        return _checkpoint.canonical(super().state_dict(), {i: p.shape for i, p in enumerate(params)})
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a FusedAdam, torch.optim.Adam/AdamW or ORT FusedAdam checkpoint, all or nothing.
