@@ -19,6 +19,8 @@
 #include <limits>
 #include <vector>
 
+#include "ort_optim_spec.h"  // generated from ort_optim/_spec.py into the build folder (backends/native.py)
+
 #if defined(__F16C__) && defined(__AVX__)
 #include <immintrin.h>
 #define ORT_OPTIM_F16C 1
@@ -175,6 +177,186 @@ void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_
   *scale_out = s;
 }
 
+
+// ---- low-bit states: 8-bit and 4-bit block-quantised moments (README.md, "low-bit states") ----------------------
+//
+// The formats (block size, scale dtype, code levels) come from ort_optim/_spec.py through ort_optim_spec.h. A value
+// is quantised by normalising it with its block's scale and taking the nearest level (ties to the larger one). The
+// nearest-level search is one table lookup on the float's top bits (exponent and 8 mantissa bits, so no bucket holds
+// two thresholds: checked when the map is built) plus one comparison, instead of a binary search over the levels.
+
+class CodeMap {
+ public:
+  CodeMap(const float* levels, int count, bool is_signed, int bits) : sign_bit_(is_signed ? 1 << (bits - 1) : 0) {
+    TORCH_CHECK(count == (is_signed ? 1 << (bits - 1) : 1 << bits), "ort_optim: code map has ", count, " levels");
+    for (int j = 0; j + 1 < count; ++j) mid_.push_back((levels[j] + levels[j + 1]) * 0.5f);
+    mid_.push_back(std::numeric_limits<float>::infinity());
+    for (int c = 0; c < (1 << bits); ++c) {
+      const int magnitude = is_signed ? c & (sign_bit_ - 1) : c;
+      decode_[c] = (c & sign_bit_) ? -levels[magnitude] : levels[magnitude];
+    }
+    min_bucket_ = float_to_bits(mid_[0]) >> kShift;
+    const uint32_t max_bucket = float_to_bits(1.0f) >> kShift;
+    for (uint32_t b = min_bucket_; b <= max_bucket; ++b) {
+      const float start = bits_to_float(b << kShift), end = bits_to_float((b + 1) << kShift);
+      const int at_or_below = int(std::upper_bound(mid_.begin(), mid_.end(), start) - mid_.begin());
+      const int below_end = int(std::lower_bound(mid_.begin(), mid_.end(), end) - mid_.begin());
+      TORCH_CHECK(below_end - at_or_below <= 1, "ort_optim: two code thresholds within one search bucket");
+      bucket_.push_back(uint8_t(at_or_below));
+    }
+  }
+
+  // The level index of a normalised magnitude a in [0, 1]: #{j : mid[j] <= a}.
+  inline int magnitude_code(float a) const {
+    const int64_t b = int64_t(float_to_bits(a) >> kShift) - int64_t(min_bucket_);
+    const int c = bucket_[b < 0 ? 0 : b];
+    return c + (a >= mid_[c]);
+  }
+
+  int sign_bit() const { return sign_bit_; }
+  const float* decode() const { return decode_; }
+
+ private:
+  static constexpr int kShift = 15;  // keeps the exponent and 8 mantissa bits
+  int sign_bit_;
+  float decode_[256] = {0.0f};
+  std::vector<float> mid_;
+  uint32_t min_bucket_ = 0;
+  std::vector<uint8_t> bucket_;
+};
+
+struct LowBit {
+  int bits, block;
+  bool bf16_scales;
+  CodeMap exp_avg, exp_avg_sq;  // exp_avg_sq's codes hold sqrt(v)
+
+  const CodeMap& map(bool second_moment) const { return second_moment ? exp_avg_sq : exp_avg; }
+  float scale(const void* scales, int64_t block_index) const {
+    return bf16_scales ? bits_to_float(uint32_t(static_cast<const uint16_t*>(scales)[block_index]) << 16)
+                       : static_cast<const float*>(scales)[block_index];
+  }
+};
+
+template <size_t N, size_t M>
+LowBit make_low_bit(int bits, int block, bool bf16_scales, const float (&m_levels)[N], const float (&v_levels)[M]) {
+  return LowBit{bits, block, bf16_scales, CodeMap(m_levels, int(N), true, bits), CodeMap(v_levels, int(M), false, bits)};
+}
+
+const LowBit& q8() {
+  static const LowBit f = make_low_bit(spec::kQ8Bits, spec::kQ8Block, spec::kQ8Bf16Scales, spec::kQ8ExpAvgLevels,
+                                       spec::kQ8ExpAvgSqLevels);
+  return f;
+}
+const LowBit& q4() {
+  static const LowBit f = make_low_bit(spec::kQ4Bits, spec::kQ4Block, spec::kQ4Bf16Scales, spec::kQ4ExpAvgLevels,
+                                       spec::kQ4ExpAvgSqLevels);
+  return f;
+}
+
+// dst[0, n) = the values of elements [off, off + n) (off a multiple of the format's block); v = u * u for a second
+// moment.
+void low_bit_load(const LowBit& f, bool second_moment, const uint8_t* codes, const void* scales, int64_t off,
+                  int64_t n, float* dst) {
+  const float* decode = f.map(second_moment).decode();
+  for (int64_t q = 0; q < n; q += f.block) {
+    const int64_t len = std::min<int64_t>(f.block, n - q);
+    const float s = f.scale(scales, (off + q) / f.block);
+    float* d = dst + q;
+    if (f.bits == 8) {
+      const uint8_t* c = codes + off + q;
+      for (int64_t i = 0; i < len; ++i) d[i] = decode[c[i]] * s;
+    } else {
+      const uint8_t* c = codes + (off + q) / 2;
+      for (int64_t i = 0; i < len; ++i) d[i] = decode[(c[i >> 1] >> ((i & 1) * 4)) & 15] * s;
+    }
+    if (second_moment) {
+      for (int64_t i = 0; i < len; ++i) d[i] = d[i] * d[i];
+    }
+  }
+}
+
+// Writes src[0, n) as the codes and scales of elements [off, off + n).
+void low_bit_store(const LowBit& f, bool second_moment, const float* src, int64_t off, int64_t n, uint8_t* codes,
+                   void* scales) {
+  const CodeMap& map = f.map(second_moment);
+  float u[256];
+  uint8_t c[256];
+  for (int64_t q = 0; q < n; q += f.block) {
+    const int64_t len = std::min<int64_t>(f.block, n - q);
+    const float* x = src + q;
+    uint32_t amax = 0;
+    if (second_moment) {
+      for (int64_t i = 0; i < len; ++i) u[i] = std::sqrt(x[i]);
+    } else {
+      std::memcpy(u, x, len * sizeof(float));
+    }
+    for (int64_t i = 0; i < len; ++i) amax = std::max(amax, float_to_bits(u[i]) & 0x7FFFFFFFu);
+    // The scale: the block's absolute maximum, rounded up to bfloat16 where the format stores bfloat16 scales.
+    if (f.bf16_scales && amax < 0x7F800000u && (amax & 0xFFFFu)) amax = (amax + 0x10000u) & 0xFFFF0000u;
+    float s;
+    if (amax < 0x7F800000u) {
+      s = bits_to_float(amax);
+      const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+      const int sign_bit = map.sign_bit();
+      for (int64_t i = 0; i < len; ++i) {
+        float a = std::fabs(u[i]) * inv;
+        a = a < 1.0f ? a : 1.0f;
+        const int m = map.magnitude_code(a);
+        c[i] = uint8_t(m | ((u[i] < 0.0f && m > 0) ? sign_bit : 0));
+      }
+    } else {  // inf or NaN in the block: it reads back as NaN everywhere (scale NaN, codes 0)
+      s = std::numeric_limits<float>::quiet_NaN();
+      std::memset(c, 0, len);
+    }
+    const int64_t block_index = (off + q) / f.block;
+    if (f.bf16_scales) {
+      static_cast<uint16_t*>(scales)[block_index] = uint16_t(float_to_bits(s) >> 16);
+    } else {
+      static_cast<float*>(scales)[block_index] = s;
+    }
+    if (f.bits == 8) {
+      std::memcpy(codes + off + q, c, len);
+    } else {
+      uint8_t* out = codes + (off + q) / 2;
+      for (int64_t i = 0; i < len; i += 2) out[i >> 1] = uint8_t(c[i] | ((i + 1 < len ? c[i + 1] : 0) << 4));
+    }
+  }
+}
+
+// ---- stochastic rounding of bfloat16 params (README.md, "stochastic rounding") ----------------------------------
+
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+inline uint32_t fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+
+// dst[i] = bf16(src[i]) rounded stochastically: up in magnitude with probability (the dropped 16 bits) / 2^16, from
+// 16 random bits of hash(key, element index off + i). key = splitmix64(rounding key ^ splitmix64(step)). Non-finite
+// values round to nearest (NaN -> 0x7FC0).
+void float_to_bf16_stochastic(const float* src, int64_t n, uint16_t* dst, uint64_t key, int64_t off) {
+  const uint32_t k_lo = uint32_t(key), k_hi = uint32_t(key >> 32);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t e = uint64_t(off + i);
+    const uint32_t r = fmix32(fmix32(uint32_t(e) * 0x9E3779B1u + uint32_t(e >> 32) * 0x85EBCA77u + k_lo) ^ k_hi);
+    const uint32_t b = float_to_bits(src[i]);
+    if ((b & 0x7FFFFFFFu) < 0x7F800000u) {
+      dst[i] = uint16_t((b + (r >> 16)) >> 16);
+    } else {
+      dst[i] = ((b & 0x7FFFFFFFu) > 0x7F800000u) ? uint16_t(0x7FC0) : uint16_t(b >> 16);
+    }
+  }
+}
+
 // ---- the Adam update ------------------------------------------------------------------------------------------
 
 // Per-tensor view of everything the kernel touches, resolved once before the parallel region.
@@ -185,9 +367,13 @@ struct TensorWork {
   void* exp_avg_sq;
   void* max_exp_avg_sq;  // nullptr unless amsgrad
   float* master;         // nullptr unless master weights
-  float* exp_avg_scale;  // nullptr unless exp_avg is an fp16 scaled state; likewise below
-  float* exp_avg_sq_scale;
+  float* exp_avg_scale;  // nullptr unless exp_avg is an fp16 or low-bit state; likewise below (bfloat16 storage for
+  float* exp_avg_sq_scale;  // 4-bit states: read and written through LowBit)
   float* max_exp_avg_sq_scale;
+  const LowBit* exp_avg_low_bit = nullptr;  // the format of a uint8 (low-bit) exp_avg; likewise exp_avg_sq and its max
+  const LowBit* exp_avg_sq_low_bit = nullptr;
+  bool stochastic = false;  // round the bfloat16 param stochastically, with this step's key
+  uint64_t round_key = 0;
   at::ScalarType param_type, grad_type, exp_avg_type, exp_avg_sq_type;
   int64_t numel;
   // Per-step scalars, computed in double from this tensor's own step count (README.md, "Per-step scalars").
@@ -205,17 +391,39 @@ struct Scratch {
   T p[kBlock], g[kBlock], m[kBlock], v[kBlock], vmax[kBlock];
 };
 
+// second_moment: the state is exp_avg_sq or max_exp_avg_sq, whose scaled fp16 and low-bit codes hold sqrt(v).
 template <typename T>
-void load_state(const void* base, at::ScalarType type, const float* scales, int64_t off, int64_t n, T* dst) {
+void load_state(const void* base, at::ScalarType type, const float* scales, int64_t off, int64_t n, T* dst,
+                const LowBit* low_bit = nullptr, bool second_moment = false) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (low_bit) {
+      low_bit_load(*low_bit, second_moment, static_cast<const uint8_t*>(base), scales, off, n, dst);
+      return;
+    }
+  }
   T mul = scales ? T(1) / T(scales[off / kBlock]) : T(1);
   load<T>(static_cast<const char*>(base) + off * c10::elementSize(type), type, n, dst, mul);
+  if (scales && second_moment && spec::kFp16SqrtSecondMoment) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = dst[i] * dst[i];
+  }
 }
 
 template <typename T>
 void store_state(const T* src, void* base, at::ScalarType type, float* scales, int64_t off, int64_t n,
-                 uint32_t amax_bits) {
+                 uint32_t amax_bits, const LowBit* low_bit = nullptr, bool second_moment = false) {
   char* dst = static_cast<char*>(base) + off * c10::elementSize(type);
   if constexpr (std::is_same_v<T, float>) {
+    if (low_bit) {
+      low_bit_store(*low_bit, second_moment, src, off, n, static_cast<uint8_t*>(base), scales);
+      return;
+    }
+    if (scales && second_moment && spec::kFp16SqrtSecondMoment) {
+      float u[kBlock];  // max sqrt(v) = sqrt(max v): sqrt is monotonic and correctly rounded
+      for (int64_t i = 0; i < n; ++i) u[i] = std::sqrt(src[i]);
+      store_fp16_scaled(u, n, reinterpret_cast<uint16_t*>(dst), scales + off / kBlock,
+                        float_to_bits(std::sqrt(bits_to_float(amax_bits))) & 0x7FFFFFFFu);
+      return;
+    }
     if (scales) {
       store_fp16_scaled(src, n, reinterpret_cast<uint16_t*>(dst), scales + off / kBlock, amax_bits);
       return;
@@ -227,11 +435,12 @@ void store_state(const T* src, void* base, at::ScalarType type, float* scales, i
 // The block [off, off + n) of a tensor as T values: the storage itself when it already holds plain T values
 // (fp32 and fp64 tensors are updated in place), else the scratch array filled by conversion.
 template <typename T>
-T* stage(const void* base, at::ScalarType type, const float* scales, int64_t off, int64_t n, T* scratch) {
+T* stage(const void* base, at::ScalarType type, const float* scales, int64_t off, int64_t n, T* scratch,
+         const LowBit* low_bit = nullptr, bool second_moment = false) {
   if (type == c10::CppTypeToScalarType<T>::value && scales == nullptr) {
     return const_cast<T*>(static_cast<const T*>(base)) + off;
   }
-  load_state<T>(base, type, scales, off, n, scratch);
+  load_state<T>(base, type, scales, off, n, scratch, low_bit, second_moment);
   return scratch;
 }
 
@@ -287,9 +496,11 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   T* g = stage<T>(w.grad, w.grad_type, nullptr, off, n, s.g);
   T* p = w.master ? stage<T>(w.master, at::kFloat, nullptr, off, n, s.p)
                   : stage<T>(w.param, w.param_type, nullptr, off, n, s.p);
-  T* m = stage<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m);
-  T* v = stage<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v);
-  T* vmax = kAmsgrad ? stage<T>(w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.vmax) : s.vmax;
+  T* m = stage<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m, w.exp_avg_low_bit, false);
+  T* v = stage<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v, w.exp_avg_sq_low_bit, true);
+  T* vmax = kAmsgrad ? stage<T>(w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.vmax,
+                                w.exp_avg_sq_low_bit, true)
+                     : s.vmax;
   BlockMax max;
   if constexpr (std::is_same_v<T, float>) {
     if (w.exp_avg_scale || w.exp_avg_sq_scale) {
@@ -302,14 +513,24 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   }
 
   // Write back what was staged.
-  if (m == s.m) store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, max.m);
-  if (v == s.v) store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, max.v);
+  if (m == s.m) store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, max.m, w.exp_avg_low_bit, false);
+  if (v == s.v) {
+    store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, max.v, w.exp_avg_sq_low_bit, true);
+  }
   if (kAmsgrad && vmax == s.vmax) {
-    store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, max.vmax);
+    store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, max.vmax,
+                   w.exp_avg_sq_low_bit, true);
   }
   // With a master, p is the master itself (updated in place) and the param receives it rounded.
   if (w.master || p == s.p) {
-    store<T>(p, n, static_cast<char*>(w.param) + off * c10::elementSize(w.param_type), w.param_type);
+    char* dst = static_cast<char*>(w.param) + off * c10::elementSize(w.param_type);
+    if constexpr (std::is_same_v<T, float>) {
+      if (w.stochastic) {
+        float_to_bf16_stochastic(p, n, reinterpret_cast<uint16_t*>(dst), w.round_key, off);
+        return;
+      }
+    }
+    store<T>(p, n, dst, w.param_type);
   }
 }
 
@@ -391,23 +612,58 @@ void check_same_shape(const at::Tensor& t, const at::Tensor& p, const char* name
 }
 
 void check_state(const at::Tensor& t, const at::Tensor& p, const char* name, size_t i, bool is_double) {
-  check_same_shape(t, p, name, i);
+  // uint8 (low-bit) codes have their own shape rules, checked with their scales (check_scales)
+  if (t.scalar_type() != at::kByte || is_double) check_same_shape(t, p, name, i);
   TORCH_CHECK(t.is_contiguous(), "ort_optim::adam_step_: ", name, "[", i, "] must be contiguous");
-  TORCH_CHECK(is_double ? t.scalar_type() == at::kDouble : is_float_storage(t.scalar_type()),
+  TORCH_CHECK(is_double ? t.scalar_type() == at::kDouble
+                        : is_float_storage(t.scalar_type()) || t.scalar_type() == at::kByte,
               "ort_optim::adam_step_: ", name, "[", i, "] has dtype ", t.scalar_type(),
-              is_double ? "; float64 params need float64 states" : "; states must be float32, bfloat16 or float16");
+              is_double ? "; float64 params need float64 states"
+                        : "; states must be float32, bfloat16, float16 or uint8 (low-bit codes)");
 }
 
-void check_scales(const at::TensorList& scales, const at::TensorList& states, size_t i, const char* name) {
-  if (scales.empty()) return;
+// The low-bit format of a uint8 state, told by its scales' dtype: float32 -> 8-bit, bfloat16 -> 4-bit.
+const LowBit* low_bit_of(const at::Tensor& state, const at::Tensor& scales) {
+  if (state.scalar_type() != at::kByte) return nullptr;
+  return scales.scalar_type() == at::kBFloat16 ? &q4() : &q8();
+}
+
+void check_scales(const at::TensorList& scales, const at::TensorList& states, size_t i, const char* name,
+                  const at::Tensor& p) {
+  const at::Tensor& t = states[i];
+  if (scales.empty()) {
+    TORCH_CHECK(t.scalar_type() != at::kByte, "ort_optim::adam_step_: the uint8 (low-bit) state scaled by ", name,
+                "[", i, "] needs its block scales; ", name, " is empty");
+    return;
+  }
   const at::Tensor& s = scales[i];
-  const int64_t blocks = (states[i].numel() + kBlock - 1) / kBlock;
-  TORCH_CHECK(states[i].scalar_type() == at::kHalf, "ort_optim::adam_step_: ", name, "[", i,
-              "] is given but the state it scales is ", states[i].scalar_type(), ", not float16");
-  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == blocks &&
-                  s.device() == states[i].device(),
-              "ort_optim::adam_step_: ", name, "[", i, "] must be a contiguous float32 tensor of ", blocks,
-              " block scales on the state's device");
+  TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kByte, "ort_optim::adam_step_: ", name, "[", i,
+              "] is given but the state it scales is ", t.scalar_type(), ", not float16 or uint8");
+  TORCH_CHECK(s.device() == t.device() && s.is_contiguous(), "ort_optim::adam_step_: ", name, "[", i,
+              "] must be contiguous, on the state's device");
+  if (t.scalar_type() == at::kHalf) {
+    const int64_t blocks = (t.numel() + kBlock - 1) / kBlock;
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.numel() == blocks, "ort_optim::adam_step_: ", name, "[", i,
+                "] must be a float32 tensor of ", blocks, " block scales for a float16 state");
+    return;
+  }
+  TORCH_CHECK(s.scalar_type() == at::kFloat || s.scalar_type() == at::kBFloat16, "ort_optim::adam_step_: ", name,
+              "[", i, "] has dtype ", s.scalar_type(), "; uint8 states take float32 scales (8-bit codes) or ",
+              "bfloat16 scales (4-bit codes, two per byte)");
+  const LowBit& f = *low_bit_of(t, s);
+  const int64_t n = p.numel(), blocks = (n + f.block - 1) / f.block;
+  TORCH_CHECK(s.numel() == blocks, "ort_optim::adam_step_: ", name, "[", i, "] has ", s.numel(), " scales; a ",
+              f.bits, "-bit state of ", n, " elements has ", blocks, " blocks of ", f.block);
+  if (f.bits == 8) {
+    TORCH_CHECK(t.sizes() == p.sizes(), "ort_optim::adam_step_: the 8-bit state scaled by ", name, "[", i,
+                "] has shape ", t.sizes(), " but params[", i, "] has shape ", p.sizes());
+  } else {
+    TORCH_CHECK(t.dim() == 1 && t.numel() == (n + 1) / 2, "ort_optim::adam_step_: the 4-bit state scaled by ", name,
+                "[", i, "] must be a flat uint8 tensor of ", (n + 1) / 2, " bytes (two codes each), got shape ",
+                t.sizes());
+  }
+  TORCH_CHECK(t.device() == p.device(), "ort_optim::adam_step_: the state scaled by ", name, "[", i,
+              "] is on ", t.device(), " but params[", i, "] is on ", p.device());
 }
 
 double scalar_value(const c10::optional<at::Tensor>& t, const char* name) {
@@ -477,9 +733,15 @@ bool check_params_and_states(at::TensorList params, const StateLists& s, const a
       TORCH_CHECK(s.master_params[i].scalar_type() == at::kFloat && s.master_params[i].is_contiguous(),
                   "ort_optim::adam_step_: master_params[", i, "] must be a contiguous float32 tensor");
     }
-    check_scales(s.exp_avg_scales, s.exp_avgs, i, "exp_avg_scales");
-    check_scales(s.exp_avg_sq_scales, s.exp_avg_sqs, i, "exp_avg_sq_scales");
-    if (amsgrad) check_scales(s.max_exp_avg_sq_scales, s.max_exp_avg_sqs, i, "max_exp_avg_sq_scales");
+    check_scales(s.exp_avg_scales, s.exp_avgs, i, "exp_avg_scales", p);
+    check_scales(s.exp_avg_sq_scales, s.exp_avg_sqs, i, "exp_avg_sq_scales", p);
+    if (amsgrad) {
+      check_scales(s.max_exp_avg_sq_scales, s.max_exp_avg_sqs, i, "max_exp_avg_sq_scales", p);
+      TORCH_CHECK(s.max_exp_avg_sq_scales.empty() ||
+                      s.max_exp_avg_sq_scales[i].scalar_type() == s.exp_avg_sq_scales[i].scalar_type(),
+                  "ort_optim::adam_step_: max_exp_avg_sq_scales[", i, "] must have the dtype of exp_avg_sq_scales[",
+                  i, "] (max_exp_avg_sqs share exp_avg_sqs' format)");
+    }
   }
   TORCH_CHECK(!(any_double && any_single), "ort_optim::adam_step_: float64 params cannot share a call with ",
               "other dtypes; group them separately");
@@ -497,10 +759,14 @@ std::vector<TensorWork> state_work(at::TensorList params, const StateLists& s) {
     w.exp_avg_sq = s.exp_avg_sqs[i].data_ptr();
     w.max_exp_avg_sq = s.max_exp_avg_sqs.empty() ? nullptr : s.max_exp_avg_sqs[i].data_ptr();
     w.master = s.master_params.empty() ? nullptr : s.master_params[i].data_ptr<float>();
-    w.exp_avg_scale = s.exp_avg_scales.empty() ? nullptr : s.exp_avg_scales[i].data_ptr<float>();
-    w.exp_avg_sq_scale = s.exp_avg_sq_scales.empty() ? nullptr : s.exp_avg_sq_scales[i].data_ptr<float>();
+    // (bfloat16 scales of 4-bit states are kept as raw pointers too; LowBit reads them as bfloat16)
+    w.exp_avg_scale = s.exp_avg_scales.empty() ? nullptr : static_cast<float*>(s.exp_avg_scales[i].data_ptr());
+    w.exp_avg_sq_scale =
+        s.exp_avg_sq_scales.empty() ? nullptr : static_cast<float*>(s.exp_avg_sq_scales[i].data_ptr());
     w.max_exp_avg_sq_scale =
-        s.max_exp_avg_sq_scales.empty() ? nullptr : s.max_exp_avg_sq_scales[i].data_ptr<float>();
+        s.max_exp_avg_sq_scales.empty() ? nullptr : static_cast<float*>(s.max_exp_avg_sq_scales[i].data_ptr());
+    if (!s.exp_avg_scales.empty()) w.exp_avg_low_bit = low_bit_of(s.exp_avgs[i], s.exp_avg_scales[i]);
+    if (!s.exp_avg_sq_scales.empty()) w.exp_avg_sq_low_bit = low_bit_of(s.exp_avg_sqs[i], s.exp_avg_sq_scales[i]);
     w.exp_avg_type = s.exp_avgs[i].scalar_type();
     w.exp_avg_sq_type = s.exp_avg_sqs[i].scalar_type();
     w.numel = params[i].numel();
@@ -513,13 +779,32 @@ struct StepOptions {
   int64_t mode;
   bool bias_correction, maximize;
   c10::optional<at::Tensor> lr_tensor, inv_grad_scale, found_inf;
+  c10::optional<at::Tensor> rounding_keys;  // stochastic rounding of bfloat16 params (README.md)
 };
+
+// rounding_keys: int64 [n], one key per param; only for bfloat16 params without master weights.
+void check_rounding_keys(const c10::optional<at::Tensor>& keys, const std::vector<const at::Tensor*>& params,
+                         const std::vector<TensorWork>& work) {
+  if (!keys.has_value()) return;
+  const at::Tensor& k = *keys;
+  TORCH_CHECK(k.scalar_type() == at::kLong && k.dim() == 1 && size_t(k.numel()) == params.size() &&
+                  k.is_contiguous() && k.device().is_cpu(),
+              "ort_optim::adam_step_: rounding_keys must be a contiguous int64 CPU tensor of shape [",
+              params.size(), "]");
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(params[i]->scalar_type() == at::kBFloat16 && work[i].master == nullptr,
+                "ort_optim::adam_step_: rounding_keys (stochastic rounding) given but params[", i, "] is ",
+                params[i]->scalar_type(), work[i].master ? " with a master weight" : "",
+                "; stochastic rounding is for bfloat16 params without master weights");
+  }
+}
 
 // The step itself: params[i] and grads[i] are validated, work[i] holds their states. Writes nothing when skipped.
 void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
             const std::vector<const at::Tensor*>& params, const std::vector<const at::Tensor*>& grads,
             double* steps, bool is_double, bool amsgrad, const StepOptions& o) {
   TORCH_CHECK(o.mode >= 0 && o.mode <= 2, "ort_optim::adam_step_: adam_w_mode must be 0, 1 or 2, got ", o.mode);
+  check_rounding_keys(o.rounding_keys, params, work);
   if (o.found_inf.has_value() && scalar_value(o.found_inf, "found_inf") != 0.0) return;  // skipped
   const double grad_mul = (o.inv_grad_scale.has_value() ? scalar_value(o.inv_grad_scale, "inv_grad_scale") : 1.0) *
                           (o.maximize ? -1.0 : 1.0);
@@ -557,6 +842,10 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     }
     w.step_size = step_size;
     w.bc2_sqrt = bc2_sqrt;
+    w.stochastic = o.rounding_keys.has_value();
+    if (w.stochastic) {
+      w.round_key = splitmix64(uint64_t(o.rounding_keys->data_ptr<int64_t>()[i]) ^ splitmix64(uint64_t(t)));
+    }
   }
   const Hyper h{lr, o.beta1, o.beta2, o.eps, o.weight_decay, grad_mul, o.mode};
   if (is_double) {
@@ -587,15 +876,16 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    at::TensorList max_exp_avg_sq_scales, const at::Tensor& steps, double lr, double beta1,
                    double beta2, double eps, double weight_decay, int64_t mode, bool bias_correction,
                    bool maximize, const c10::optional<at::Tensor>& lr_tensor,
-                   const c10::optional<at::Tensor>& inv_grad_scale, const c10::optional<at::Tensor>& found_inf) {
+                   const c10::optional<at::Tensor>& inv_grad_scale, const c10::optional<at::Tensor>& found_inf,
+                   const c10::optional<at::Tensor>& rounding_keys) {
   const StateLists states{exp_avgs,       exp_avg_sqs,       max_exp_avg_sqs,      master_params,
                           exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales};
   check_list_length(grads, params.size(), "grads", false);
   const bool is_double = check_params_and_states(params, states, steps);
   for (size_t i = 0; i < params.size(); ++i) check_grad(grads[i], params[i], i, is_double);
   std::vector<TensorWork> work = state_work(params, states);
-  const StepOptions options{lr,   beta1,    beta2,   eps, weight_decay, mode, bias_correction,
-                            maximize, lr_tensor, inv_grad_scale, found_inf};
+  const StepOptions options{lr,       beta1,     beta2,          eps,       weight_decay, mode, bias_correction,
+                            maximize, lr_tensor, inv_grad_scale, found_inf, rounding_keys};
   update(work, work_items(work), pointers(params), pointers(grads), steps.data_ptr<double>(), is_double,
          !max_exp_avg_sqs.empty(), options);
 }
@@ -770,11 +1060,12 @@ class AdamPlan : public torch::CustomClassHolder {
   // has one.
   bool step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
             bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
-            c10::optional<at::Tensor> inv_grad_scale, c10::optional<at::Tensor> found_inf) {
+            c10::optional<at::Tensor> inv_grad_scale, c10::optional<at::Tensor> found_inf,
+            c10::optional<at::Tensor> rounding_keys) {
     std::vector<const at::Tensor*> grads;
     if (!collect_grads(grads)) return false;
-    const StepOptions options{lr,       beta1,     beta2,          eps,      weight_decay, mode, bias_correction,
-                              maximize, lr_tensor, inv_grad_scale, found_inf};
+    const StepOptions options{lr,       beta1,     beta2,          eps,       weight_decay, mode, bias_correction,
+                              maximize, lr_tensor, inv_grad_scale, found_inf, rounding_keys};
     update(work_, items_, param_pointers_, grads, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
            options);
     return true;

@@ -131,3 +131,25 @@ def low_bit_format(scale_dtype: torch.dtype) -> LowBitFormat:
 # square of the gradients' range, sqrt(v) the range itself, so an element 1e-7 of its block's largest keeps its v
 # (traps.md #22). v is read back as (code / s) ** 2, exact in float32 (an fp16 code has 11 significant bits).
 FP16_SQRT_SECOND_MOMENT = True
+
+
+# ---- stochastic rounding of bfloat16 params (ops/README.md, "stochastic rounding") --------------------------------
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """The splitmix64 finaliser (Steele et al.) on a 64-bit unsigned int: the counter-based hash that turns (seed,
+    param ordinal, step) into the key of a param's random bits."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def rounding_key(seed: int, ordinal: int) -> int:
+    """The op's rounding key of the param at this position of the optimizer (its ordinal over all param groups), as
+    a signed int64 (the op reads its bits): ``splitmix64((seed mod 2**64) ^ splitmix64(ordinal))``. The op mixes in
+    the step: ``splitmix64(key ^ splitmix64(step))``, step counting from 1."""
+    key = splitmix64((seed & _MASK64) ^ splitmix64(ordinal))
+    return key - (1 << 64) if key >= 1 << 63 else key

@@ -8,16 +8,12 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from . import _spec, backends
-from ._spec import LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
-from .backends import reference
+from . import _checkpoint, _spec, backends
+from ._checkpoint import MOMENT_KEYS
+from ._spec import LOW_BIT_FORMATS, LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
 
 # State views in one flat buffer start a multiple of this many elements apart (256 bytes for float32).
 _STATE_ALIGN = 64
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-CHECKPOINT_KEYS = ("step",) + MOMENT_KEYS + ("master_param",)
-# Group keys that describe how torch.optim ran, not what it computes; dropped when a torch checkpoint is loaded.
-TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 
 
 @dataclass
@@ -35,6 +31,7 @@ class _Bucket:
     max_exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
     steps: Optional[torch.Tensor] = None  # float64 [n]; state[p]["step"] are 0-dim views of it
     whole_group: bool = False  # holds every param of its group, in order (the grads list can be passed as is)
+    rounding_keys: Optional[torch.Tensor] = None  # int64 [n] (stochastic rounding of bf16 params), else None
     native: Optional[backends.AdamPlan] = None  # over the lists above, when its group steps through plans
 
 
@@ -59,11 +56,24 @@ class _Launch:
     grads: Optional[list[torch.Tensor]]
 
 
+def _storage_shape(state: dict, key: str, shape: torch.Size) -> tuple:
+    """The shape state[key] has for a param of this shape (4-bit codes are flat, two per byte)."""
+    scales = state.get(key + "_scale")
+    if scales is None or state[key].dtype != torch.uint8:
+        return tuple(shape)
+    return _spec.low_bit_format(scales.dtype).storage_shape(shape)
+
+
 def _describe(group_index: int, index: int, param: torch.Tensor) -> str:
     return f"param_groups[{group_index}]['params'][{index}] (shape {tuple(param.shape)}, {param.dtype})"
 
 
 def _check_hyperparameters(group: dict, where: str) -> None:
+    if not isinstance(group.get("stochastic_rounding", False), bool):
+        raise TypeError(f"{where}: stochastic_rounding must be True or False, got {group['stochastic_rounding']!r}")
+    seed = group.get("stochastic_rounding_seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"{where}: stochastic_rounding_seed must be an int in [0, 2**64), got {seed!r}")
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
@@ -88,7 +98,8 @@ def _check_hyperparameters(group: dict, where: str) -> None:
 
 def _check_dtype_option(name: str, dtype: Optional[torch.dtype]) -> None:
     if dtype is not None and dtype not in STATE_DTYPES:
-        raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
+        raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16, torch.float16, torch.uint8 (8-bit) or "
+                         f"torch.uint4 (4-bit), got {dtype!r}")
 
 
 def _may_overlap_itself(p: torch.Tensor) -> bool:
@@ -239,6 +250,8 @@ class FusedAdam(torch.optim.Optimizer):
         exp_avg_sq_dtype: Optional[torch.dtype] = None,
         max_grad_norm: Optional[float] = None,
         capturable: bool = False,
+        stochastic_rounding: bool = False,
+        stochastic_rounding_seed: int = 0,
     ):
         _check_dtype_option("exp_avg_dtype", exp_avg_dtype)
         _check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
@@ -247,7 +260,12 @@ class FusedAdam(torch.optim.Optimizer):
         defaults = dict(
             lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, adam_w_mode=adam_w_mode,
             weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+            stochastic_rounding=stochastic_rounding, stochastic_rounding_seed=stochastic_rounding_seed,
         )
+        if stochastic_rounding and master_weights:
+            raise ValueError("stochastic_rounding=True is for bfloat16 params without master weights (the update is "
+                             "rounded into the param itself); with master_weights=True the fp32 master keeps it "
+                             "exactly: pass one or the other")
         _check_hyperparameters(defaults, "FusedAdam")
         self.set_grad_none = set_grad_none
         self.master_weights = master_weights
@@ -329,15 +347,21 @@ class FusedAdam(torch.optim.Optimizer):
                 requests.setdefault((key, p.device, dtype), []).append(i)
                 if dtype == torch.float16:
                     state[key + "_scale"] = torch.ones(_spec.num_blocks(p.numel()), device=p.device)
+                elif dtype in LOW_BIT_FORMATS:  # uint8 codes; zero scales read as all-zero moments
+                    fmt = LOW_BIT_FORMATS[dtype]
+                    state[key + "_scale"] = torch.zeros(fmt.num_scales(p.numel()), dtype=fmt.scale_dtype,
+                                                        device=p.device)
             states.append(state)
         for (key, device, dtype), indices in requests.items():
+            fmt = LOW_BIT_FORMATS.get(dtype)
+            shapes = [fmt.storage_shape(params[i].shape) if fmt else params[i].shape for i in indices]
             offsets, total = [], 0
-            for i in indices:
+            for shape in shapes:
                 offsets.append(total)
-                total += -(-params[i].numel() // _STATE_ALIGN) * _STATE_ALIGN
-            flat = torch.zeros(total, dtype=dtype, device=device)
-            for i, offset in zip(indices, offsets):
-                view = flat[offset:offset + params[i].numel()].view(params[i].shape)
+                total += -(-math.prod(shape) // _STATE_ALIGN) * _STATE_ALIGN
+            flat = torch.zeros(total, dtype=torch.uint8 if fmt else dtype, device=device)
+            for i, offset, shape in zip(indices, offsets, shapes):
+                view = flat[offset:offset + math.prod(shape)].view(shape)
                 if key == "master_param":
                     view.copy_(params[i].detach())
                 states[i][key] = view
@@ -386,6 +410,12 @@ class FusedAdam(torch.optim.Optimizer):
         buckets = list(by_key.values())
         for bucket in buckets:
             bucket.whole_group = len(bucket.indices) == len(group["params"])
+            if group["stochastic_rounding"] and bucket.params[0].dtype == torch.bfloat16 and not bucket.master_params:
+                # a stable ordinal per param: its position over all param groups (its id in state_dict())
+                first = sum(len(g["params"]) for g in self.param_groups[:group_index])
+                seed = int(group["stochastic_rounding_seed"])
+                bucket.rounding_keys = torch.tensor([_spec.rounding_key(seed, first + i) for i in bucket.indices],
+                                                    dtype=torch.int64)
         # The first bucket's plan also watches the params without a gradient (frozen ones, say): if one gets a
         # gradient, the plans refuse to step and the group is planned again. A group without any gradient has no plan.
         idle = [p for p, g in zip(group["params"], grads) if g is None]
@@ -421,10 +451,11 @@ class FusedAdam(torch.optim.Optimizer):
                     continue
                 self._check_grad(group_index, index, p, g)
                 state = self.state.get(p)
-                if state and state["exp_avg"].shape != p.shape:
+                if state and state["exp_avg"].shape != _storage_shape(state, "exp_avg", p.shape):
                     raise ValueError(
-                        f"{_describe(group_index, index, p)}: its optimizer state was made for shape "
-                        f"{tuple(state['exp_avg'].shape)}; a parameter cannot change shape under its optimizer"
+                        f"{_describe(group_index, index, p)}: its optimizer state was made for another shape "
+                        f"(exp_avg {tuple(state['exp_avg'].shape)}); a parameter cannot change shape under its "
+                        "optimizer"
                     )
                 if state and (state["exp_avg"].dtype == torch.float64) != (p.dtype == torch.float64):
                     raise ValueError(
@@ -579,7 +610,7 @@ class FusedAdam(torch.optim.Optimizer):
                 lr=0.0 if lr_tensor is not None else float(lr), beta1=float(group["betas"][0]),
                 beta2=float(group["betas"][1]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                 adam_w_mode=int(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
-                maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
+                maximize=bool(group["maximize"]), lr_tensor=lr_tensor, rounding_keys=bucket.rounding_keys,
                 inv_grad_scale=None if inv_grad_scale is None else inv_grad_scale[device],
                 found_inf=None if found_inf is None else found_inf.to(device, non_blocking=True),
             )
@@ -643,124 +674,42 @@ class FusedAdam(torch.optim.Optimizer):
         """torch.optim.AdamW's layout in canonical form: fresh tensors, moments and masters unscaled float32
         (float64 for float64 params), a float64 per-parameter ``step``. It loads into FusedAdam with any state
         dtypes, into torch.optim.AdamW, and with ``torch.load(weights_only=True)``."""
-        sd = super().state_dict()
-        # Reading optimizer.state[p] creates an empty entry (it is a defaultdict): such params have no state to save.
-        sd["state"] = {index: self._canonical(state) for index, state in sd["state"].items() if state}
-        # tensor-valued group entries (an lr tensor, a scheduler's initial_lr) are copies too: a scheduler that fills
-        # the lr in place must not write into a saved checkpoint, nor the checkpoint's user into the optimizer
-        for group in sd["param_groups"]:
-            for key, value in group.items():
-                if isinstance(value, torch.Tensor):
-                    group[key] = value.detach().clone()
-        return sd
-
-    @staticmethod
-    def _canonical(state: dict) -> dict:
-        out = {"step": state["step"].detach().to("cpu", torch.float64, copy=True)}
-        for key in MOMENT_KEYS:
-            if key not in state:
-                continue
-            value = state[key]
-            if key + "_scale" in state:
-                value = reference.dequantize_fp16(value, state[key + "_scale"])
-            out[key] = value.to(torch.float64 if value.dtype == torch.float64 else torch.float32, copy=True)
-        if "master_param" in state:
-            out["master_param"] = state["master_param"].detach().clone()
-        return out
+        params = [p for group in self.param_groups for p in group["params"]]
+        return _checkpoint.canonical(super().state_dict(), {i: p.shape for i, p in enumerate(params)})
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads a FusedAdam, torch.optim.Adam/AdamW or ORT FusedAdam checkpoint.
+        """Loads a FusedAdam, torch.optim.Adam/AdamW or ORT FusedAdam checkpoint, all or nothing.
 
-        Everything is validated first (group and parameter counts, keys, shapes, dtypes, steps); then new state
-        tensors are built as copies. The given dict and its tensors are never written to, so loading the same dict
-        twice equals loading it once. Missing ``master_param`` entries are taken from the current parameters.
+        Every entry is checked before anything changes, strictly: group options must have their types (``maximize``,
+        ``amsgrad`` and ``bias_correction`` real bools: a ``"False"`` from a JSON/YAML export is refused, not read as
+        True; ``adam_w_mode`` an AdamWMode or the int 0/1/2), numbers finite and in range; every parameter id listed
+        once; each state a dict of exactly the Adam keys, its ``step`` a whole number in [0, 2**53] (a number or a
+        one-element tensor), its moments finite floating-point tensors of the parameter's shape (second moments
+        non-negative). A bad entry raises ValueError (bad value) or TypeError (wrong type) naming it, for example
+        ``state_dict['state'][3]['step']``, and leaves the optimizer as it was. Then new state tensors are built as
+        copies in this optimizer's storage dtypes: the given dict and its tensors are never written to, so loading the
+        same dict twice equals loading it once. Missing ``master_param`` entries are taken from the current params.
+
+        Group options missing from the checkpoint keep this optimizer's values (ORT's FusedAdam saves no
+        ``adam_w_mode``, ``amsgrad`` or ``maximize``; torch's no ``adam_w_mode``), and ORT's per-group ``step``
+        becomes every listed parameter's step. torch's implementation switches (``foreach``, ``fused``, ...) are
+        dropped. Other keys (a scheduler's ``initial_lr``, your own tags) are kept, as torch keeps them.
+
+        torch.optim.Adam with ``weight_decay > 0`` is L2 decay with torch's eps placement, which no FusedAdam mode
+        reproduces: its checkpoints are refused where that can be told, that is when the group says
+        ``decoupled_weight_decay=False`` (torch >= 2.5 saves it). Checkpoints of torch 2.4 and earlier cannot be told
+        apart from torch.optim.AdamW's (same keys, same state): they load as decoupled decay with this optimizer's
+        ``adam_w_mode``, so know where yours came from. To load such moments deliberately, put ``adam_w_mode`` in the
+        checkpoint's groups.
         """
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (from optimizer.state_dict())")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"state_dict has {len(saved_groups)} param groups but this optimizer has {len(self.param_groups)}"
-            )
-        id_to_param: dict[Any, torch.Tensor] = {}
-        new_groups = []
-        for group_index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"state_dict's param_groups[{group_index}] has {len(saved['params'])} params but this "
-                    f"optimizer's has {len(group['params'])}"
-                )
-            id_to_param.update(zip(saved["params"], group["params"]))
-            new_group = {key: value for key, value in group.items()}
-            for key, value in saved.items():
-                if key not in ("params", "step") and key not in TORCH_IMPLEMENTATION_KEYS:
-                    # copies of tensors (an lr tensor): the scheduler fills the lr in place, the dict stays untouched
-                    new_group[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
-            _check_hyperparameters(new_group, f"state_dict's param_groups[{group_index}]")
-            new_group["adam_w_mode"] = int(new_group["adam_w_mode"])
-            new_groups.append((new_group, saved.get("step")))
-
-        param_to_group = {}
-        for (new_group, group_step), group in zip(new_groups, self.param_groups):
-            for p in group["params"]:
-                param_to_group[p] = (new_group, group_step)
-        new_state: dict[torch.Tensor, dict] = {}
-        for saved_id, saved_state in state_dict["state"].items():
-            if saved_id not in id_to_param:
-                raise ValueError(f"state_dict has state for parameter id {saved_id!r}, which no param group lists")
-            p = id_to_param[saved_id]
-            new_group, group_step = param_to_group[p]
-            new_state[p] = self._state_from_checkpoint(p, saved_state, new_group, group_step, saved_id)
-
-        for group, (new_group, _) in zip(self.param_groups, new_groups):
+        prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._init_state)
+        for group, new_group in zip(self.param_groups, prepared.groups):
+            params = group["params"]
             group.clear()
-            group.update(new_group)
+            group.update(new_group, params=params)
         self.state.clear()
-        self.state.update(new_state)
+        self.state.update(prepared.state)
         self._plans.clear()
-
-    def _state_from_checkpoint(self, p, saved: dict, group: dict, group_step, saved_id) -> dict:
-        where = f"state_dict['state'][{saved_id!r}] (for a parameter of shape {tuple(p.shape)})"
-        if not isinstance(saved, dict):
-            raise ValueError(f"{where}: expected a dict of state tensors, got {type(saved).__name__}")
-        unknown = set(saved) - set(CHECKPOINT_KEYS)
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected some of {list(CHECKPOINT_KEYS)}")
-        required = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-        for key in required:
-            if key not in saved:
-                raise ValueError(f"{where}: missing '{key}'" + (" (the group has amsgrad=True)"
-                                                                 if key == "max_exp_avg_sq" else ""))
-        for key in MOMENT_KEYS + ("master_param",):
-            value = saved.get(key)
-            if value is None:
-                continue
-            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-                raise ValueError(f"{where}: '{key}' must be a floating-point tensor, got {value!r:.80}")
-            if value.shape != p.shape:
-                raise ValueError(f"{where}: '{key}' has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}")
-        step = saved.get("step", group_step)
-        if step is None:
-            raise ValueError(f"{where}: no 'step' (nor a per-group 'step', as ORT's FusedAdam saves)")
-        step = float(step.item() if isinstance(step, torch.Tensor) else step)
-        if not (math.isfinite(step) and step >= 0 and step == int(step)):
-            raise ValueError(f"{where}: 'step' must be a non-negative whole number, got {step}")
-
-        state = self._init_state(p, group["amsgrad"])
-        state["step"].fill_(step)
-        for key in MOMENT_KEYS:
-            if key not in state:
-                continue
-            value = saved[key].detach().to(p.device, torch.float64 if p.dtype == torch.float64 else torch.float32)
-            if key + "_scale" in state:
-                codes, scales = reference.quantize_fp16(value)
-                state[key].copy_(codes)
-                state[key + "_scale"].copy_(scales)
-            else:
-                state[key].copy_(value)
-        if "master_param" in state and saved.get("master_param") is not None:
-            state["master_param"].copy_(saved["master_param"])
-        return state
 
     # ---- conversion ---------------------------------------------------------------------------------------------
 

@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from .. import _spec
+
 # The checkout's ops/, or the copy a wheel carries (setup.py puts it in ort_optim/_ops).
 _PACKAGE = Path(__file__).resolve().parent.parent
 OPS_DIR = next((d for d in (_PACKAGE.parent / "ops", _PACKAGE / "_ops") if (d / "schema.cpp").exists()),
@@ -41,11 +43,34 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def spec_header() -> str:
+    """ort_optim_spec.h, generated into the build folder from ort_optim/_spec.py: the low-bit formats' block sizes
+    and code levels (exact float32 values as hex literals), so the C++ kernels read the one definition."""
+
+    def array(name: str, values) -> str:
+        return f"constexpr float {name}[] = {{{', '.join(float(v).hex() + 'f' for v in values)}}};"
+
+    lines = ["// Generated from ort_optim/_spec.py by ort_optim/backends/native.py (spec_header); do not edit.",
+             "#pragma once", "namespace ort_optim {", "namespace spec {"]
+    for tag, fmt in (("Q8", _spec.Q8), ("Q4", _spec.Q4)):
+        lines += [
+            f"constexpr int k{tag}Bits = {fmt.bits};",
+            f"constexpr int k{tag}Block = {fmt.block};",
+            f"constexpr bool k{tag}Bf16Scales = {'true' if fmt.scale_dtype == torch.bfloat16 else 'false'};",
+            array(f"k{tag}ExpAvgLevels", fmt.exp_avg_levels),
+            array(f"k{tag}ExpAvgSqLevels", fmt.exp_avg_sq_levels),
+        ]
+    lines += [f"constexpr bool kFp16SqrtSecondMoment = {'true' if _spec.FP16_SQRT_SECOND_MOMENT else 'false'};",
+              "}  // namespace spec", "}  // namespace ort_optim", ""]
+    return "\n".join(lines)
+
+
 def build_dir() -> Path:
-    """Folder of the native library for this torch, these sources and this CPU."""
+    """Folder of the native library for this torch, these sources, the generated spec header and this CPU."""
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((OPS_DIR / name).read_bytes())
+    digest.update(spec_header().encode())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(_cpu_flags().encode())
     cache = Path(os.environ.get("ORT_OPTIM_CACHE", Path.home() / ".cache" / "ort-optim"))
@@ -58,11 +83,13 @@ def build(verbose: bool = False) -> Path:
 
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / "ort_optim_spec.h").write_text(spec_header())
     load(
         name="ort_optim_ops",
         sources=[str(OPS_DIR / name) for name in SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(folder)],
         build_directory=str(folder),
         is_python_module=False,
         verbose=verbose,
@@ -76,7 +103,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("ort_optim::adam_step_")
     def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
           exp_avg_sq_scales, max_exp_avg_sq_scales, steps, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
-          bias_correction, maximize, lr_tensor=None, inv_grad_scale=None, found_inf=None):
+          bias_correction, maximize, lr_tensor=None, inv_grad_scale=None, found_inf=None, rounding_keys=None):
         return None
 
     @torch.library.register_fake("ort_optim::grad_stats")
@@ -142,11 +169,12 @@ class AdamPlan:
 
     def step(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adam_w_mode: int,
              bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
-             inv_grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> bool:
+             inv_grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None,
+             rounding_keys: Optional[torch.Tensor] = None) -> bool:
         """:func:`adam_step_` with the params' current gradients; False, with nothing written, if one has none or an
         idle param has one."""
         return self._plan.step(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize,
-                               lr_tensor, inv_grad_scale, found_inf)
+                               lr_tensor, inv_grad_scale, found_inf, rounding_keys)
 
     def grad_stats(self) -> Optional[torch.Tensor]:
         """:func:`grad_stats` of the params' current gradients; None, like ``ready()`` being False, if a param has no

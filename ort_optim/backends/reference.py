@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import FP16_LIMIT, LOW_BIT_FORMATS, QUANT_BLOCK, LowBitFormat, low_bit_format, midpoints, num_blocks
+from .._spec import (FP16_LIMIT, LOW_BIT_FORMATS, QUANT_BLOCK, LowBitFormat, low_bit_format, midpoints, num_blocks,
+                     splitmix64)
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +52,12 @@ def dequantize_fp16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 # ---- 8-bit and 4-bit block-quantised states (ops/README.md, "low-bit states") ------------------------------------
 
 
+def sqrt_f32(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 square root (torch's own float32 sqrt on the CPU is not: it can differ in the last
+    bit, and a stored sqrt(v) must be the same bits on every backend). Via float64, which is exact here."""
+    return x.double().sqrt().float()
+
+
 def _levels(fmt: LowBitFormat, second_moment: bool) -> tuple[float, ...]:
     return fmt.exp_avg_sq_levels if second_moment else fmt.exp_avg_levels
 
@@ -78,7 +85,7 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
     fmt.storage_shape, scales of fmt.scale_dtype, one per block)."""
     x = values.detach().float().reshape(-1)
     n = x.numel()
-    u = x.sqrt() if second_moment else x
+    u = sqrt_f32(x) if second_moment else x
     blocks = torch.nn.functional.pad(u, (0, -n % fmt.block)).view(-1, fmt.block)
     amax = blocks.abs().amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
     scales = _round_up_to(amax, fmt.scale_dtype)
@@ -132,7 +139,7 @@ def encode_state(values: torch.Tensor, dtype: torch.dtype, second_moment: bool) 
     if dtype in LOW_BIT_FORMATS:
         return quantize_low_bit(values, LOW_BIT_FORMATS[dtype], second_moment)
     if dtype == torch.float16:
-        return quantize_fp16(values.float().sqrt() if second_moment else values.float())
+        return quantize_fp16(sqrt_f32(values.float()) if second_moment else values.float())
     return values.to(dtype), None
 
 
@@ -158,11 +165,44 @@ def _write_state(values: torch.Tensor, state: torch.Tensor, scales: Optional[tor
         state.copy_(values)
         return
     if state.dtype == torch.float16:
-        codes, new_scales = quantize_fp16(values.float().sqrt() if second_moment else values.float())
+        codes, new_scales = quantize_fp16(sqrt_f32(values.float()) if second_moment else values.float())
     else:
         codes, new_scales = quantize_low_bit(values, low_bit_format(scales.dtype), second_moment)
     state.copy_(codes.view(state.shape))
     scales.copy_(new_scales)
+
+
+# ---- stochastic rounding (ops/README.md, "stochastic rounding") -------------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding uint32 values (products wrap; the low 32 bits are kept)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def random_bits(key: int, step: int, numel: int) -> torch.Tensor:
+    """The 32 random bits of each element of a param at this step (step counted from 1), as int64 in [0, 2**32)."""
+    k = splitmix64((key & ((1 << 64) - 1)) ^ splitmix64(step))
+    e = torch.arange(numel, dtype=torch.int64)
+    x = ((e & _MASK32) * 0x9E3779B1 + (e >> 32) * 0x85EBCA77 + (k & _MASK32)) & _MASK32
+    return _fmix32(_fmix32(x) ^ (k >> 32))
+
+
+def round_bf16_stochastic(values: torch.Tensor, key: int, step: int) -> torch.Tensor:
+    """float32 values -> bfloat16, each rounded up in magnitude with probability (dropped bits) / 2**16 using
+    random_bits; inf and NaN round to nearest."""
+    flat = values.float().reshape(-1)
+    b = flat.view(torch.int32).long() & _MASK32
+    stochastic = ((b + (random_bits(key, step, flat.numel()) >> 16)) >> 16) & 0xFFFF
+    nearest = flat.to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
+    out = torch.where((b & 0x7FFFFFFF) < 0x7F800000, stochastic, nearest)
+    return torch.where(out >= 0x8000, out - 0x10000, out).to(torch.int16).view(torch.bfloat16).view(values.shape)
 
 
 def adam_step_(
@@ -188,7 +228,16 @@ def adam_step_(
     lr_tensor: Optional[torch.Tensor] = None,
     inv_grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    rounding_keys: Optional[torch.Tensor] = None,
 ) -> None:
+    if rounding_keys is not None:
+        if rounding_keys.dtype != torch.int64 or rounding_keys.shape != (len(params),):
+            raise RuntimeError(f"ort_optim::adam_step_: rounding_keys must be an int64 tensor of shape [{len(params)}]")
+        for i, param in enumerate(params):
+            if param.dtype != torch.bfloat16 or len(master_params):
+                raise RuntimeError(f"ort_optim::adam_step_: rounding_keys (stochastic rounding) given but params[{i}] "
+                                   f"is {param.dtype}; stochastic rounding is for bfloat16 params without master "
+                                   "weights")
     if found_inf is not None and float(found_inf) != 0.0:
         return
     lr = float(lr_tensor) if lr_tensor is not None else lr
@@ -219,10 +268,11 @@ def adam_step_(
             vmax = torch.maximum(
                 _read_state(max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), compute, True, param.shape), v)
             v_used = vmax
+        root = v_used.sqrt() if compute == torch.float64 else sqrt_f32(v_used)
         if adam_w_mode == 2:
-            p = p - (lr / bc1) * (m / (v_used.sqrt() / math.sqrt(bc2) + eps))
+            p = p - (lr / bc1) * (m / (root / math.sqrt(bc2) + eps))
         else:
-            p = p - (lr * math.sqrt(bc2) / bc1) * (m / (v_used.sqrt() + eps))
+            p = p - (lr * math.sqrt(bc2) / bc1) * (m / (root + eps))
             if adam_w_mode == 1:
                 p = p - (lr * weight_decay) * p
         _write_state(m, exp_avgs[i], optional(exp_avg_scales, i), False)
@@ -231,7 +281,10 @@ def adam_step_(
             _write_state(vmax, max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), True)
         if master is not None:
             master.copy_(p)
-        param.copy_(p)
+        if rounding_keys is not None:
+            param.copy_(round_bf16_stochastic(p, int(rounding_keys[i]), int(t)))
+        else:
+            param.copy_(p)
     steps.add_(1.0)
 
 
