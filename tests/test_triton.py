@@ -210,6 +210,36 @@ def test_options(options, mode):
 
 
 @needs_working_interpreter
+@pytest.mark.parametrize("combo", ["bf16", "bf16-q4m-q8v"])
+@pytest.mark.parametrize("mode", [1, 2])
+def test_stochastic_rounding_bitwise(combo, mode):
+    """bfloat16 params without masters rounded stochastically (rounding_keys): the spec's counter-based hash of
+    (key, step, element), so the same bits as the reference and the CPU kernel, step after step (each param at its
+    own step count); and different keys give different roundings."""
+    from ort_optim._spec import rounding_key
+
+    base = make_case(combo, mode == 2, seed=17, shapes=[(2500,), (7,), ()])
+    keys = torch.tensor([rounding_key(1234, ordinal) for ordinal in range(3)], dtype=torch.int64)
+    hp = hyper(mode, rounding_keys=keys, lr=1e-3)
+    tri, ref, nat = clone_case(base, DEVICE), clone_case(base), clone_case(base)
+    for step in range(2):
+        run_triton(tri, hp)
+        reference_step(ref, hp)
+        assert_bitwise(tri, ref, f"{combo} mode {mode} stochastic rounding, step {step}")
+        if backends.native_available():
+            torch.ops.ort_optim.adam_step_(*nat, **hp)
+            assert torch.equal(raw(tri[0][0]), raw(nat[0][0])), "params differ from the CPU kernel's"
+    nearest = clone_case(base, DEVICE)
+    run_triton(nearest, hyper(mode, lr=1e-3))
+    other = clone_case(base, DEVICE)
+    run_triton(other, hyper(mode, lr=1e-3, rounding_keys=keys + 1))
+    once = clone_case(base, DEVICE)
+    run_triton(once, hp)
+    assert not torch.equal(raw(once[0][0]), raw(nearest[0][0])), "stochastic rounding rounded like nearest"
+    assert not torch.equal(raw(once[0][0]), raw(other[0][0])), "another key gave the same rounding"
+
+
+@needs_working_interpreter
 @pytest.mark.parametrize("flag", [torch.tensor([1.0]), torch.tensor([float("inf")]), torch.tensor([float("nan")]),
                                   torch.tensor(True), torch.tensor([2], dtype=torch.int32)],
                          ids=["one", "inf", "nan", "bool", "int"])
@@ -443,6 +473,27 @@ def test_errors_name_the_argument():
         triton_backend.adam_step_(*base[:9], base[9].float(), **hp)
     with pytest.raises(RuntimeError, match="mode must be"):
         triton_backend.adam_step_(*base, **dict(hp, adam_w_mode=3))
+    with pytest.raises(RuntimeError, match=r"rounding_keys .* params\[0\] is torch.float32"):
+        triton_backend.adam_step_(*base, **dict(hp, rounding_keys=torch.zeros(2, dtype=torch.int64)))
+    with pytest.raises(RuntimeError, match=r"rounding_keys must be an int64 tensor of shape \[2\]"):
+        triton_backend.adam_step_(*base, **dict(hp, rounding_keys=torch.zeros(3, dtype=torch.int64)))
+    low = clone_case(make_case("fp32-q4", False, seed=2, shapes=[(300,)]), DEVICE)
+    bad = list(low)
+    bad[6] = []
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] holds uint8 codes .* exp_avg_scales is empty"):
+        triton_backend.adam_step_(*bad, **hp)
+    bad = list(low)
+    bad[3] = [low[3][0][:-1]]
+    with pytest.raises(RuntimeError, match=r"exp_avg_sqs\[0\] has shape \[149\]; 4-bit codes .* have shape \[150\]"):
+        triton_backend.adam_step_(*bad, **hp)
+    bad = list(low)
+    bad[7] = [low[7][0][:-1]]
+    with pytest.raises(RuntimeError, match=r"exp_avg_sq_scales\[0\] must be a contiguous torch.bfloat16 tensor of 3"):
+        triton_backend.adam_step_(*bad, **hp)
+    bad = list(low)
+    bad[6] = [low[6][0].float()]  # float32 scales name the 8-bit format, whose codes have the param's shape
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] has shape \[150\]; 8-bit codes"):
+        triton_backend.adam_step_(*bad, **hp)
 
 
 # ---- CUDA only: streams and graphs ----------------------------------------------------------------------------------

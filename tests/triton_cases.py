@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ort_optim._spec import LOW_BIT_FORMATS, low_bit_format
-from ort_optim.backends.reference import dequantize_low_bit, encode_state, quantize_low_bit
+from ort_optim.backends.reference import dequantize_low_bit, encode_state, quantize_low_bit, round_bf16_stochastic
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 U8, U4 = torch.uint8, torch.uint4  # the exp_avg_dtype / exp_avg_sq_dtype options of the 8-bit and 4-bit formats
@@ -165,7 +165,11 @@ def reference_step(args: list, hp: dict) -> None:
             write_state(vmax, vmaxs[i], vmaxss[i] if len(vmaxss) else None, True)
         if master is not None:
             master.copy_(torch.from_numpy(p.astype(np.float32)).reshape(master.shape))
-        param.copy_(_from_numpy(p, param.dtype, param.shape))
+        if hp.get("rounding_keys") is not None:  # stochastic rounding: the spec's hash, from the reference
+            param.copy_(round_bf16_stochastic(torch.from_numpy(p.astype(np.float32)), int(hp["rounding_keys"][i]),
+                                              int(t)).reshape(param.shape))
+        else:
+            param.copy_(_from_numpy(p, param.dtype, param.shape))
     steps += 1.0
 
 
@@ -236,7 +240,7 @@ def clone_case(args, device=torch.device("cpu")) -> list:
 
 def hyper(mode: int, **overrides) -> dict:
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, adam_w_mode=mode, bias_correction=True,
-              maximize=False, lr_tensor=None, inv_grad_scale=None, found_inf=None)
+              maximize=False, lr_tensor=None, inv_grad_scale=None, found_inf=None, rounding_keys=None)
     hp.update(overrides)
     return hp
 

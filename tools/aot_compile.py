@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 # Kernel variants: (name, kernel, constexprs). The quick set covers each storage path once; --full every combination
 # of storage dtypes, modes and amsgrad that FusedAdam can create.
 ADAM_COMMON = dict(BIAS_CORRECTION=True, HAS_LR_TENSOR=False, HAS_INV_SCALE=False, HAS_FOUND_INF=False, BLOCK=1024,
-                   BLOCKS_PER_PROGRAM=1, ALIGNED=True)
+                   BLOCKS_PER_PROGRAM=1, ALIGNED=True, HAS_SR=False)
 F32, F16, BF16, F64, Q8, Q4 = 0, 1, 2, 3, 4, 5
 COMBOS = {
     "fp32": (F32, F32, F32, F32, False, False, False),
@@ -71,6 +71,8 @@ def variants(full: bool) -> list:
                 for amsgrad in (False, True):
                     out.append((f"adam-{combo}-mode{mode}{'-ams' if amsgrad else ''}", "adam_kernel",
                                 adam_variant(combo, mode, amsgrad)))
+            if COMBOS[combo][0] == BF16 and not COMBOS[combo][4]:  # bf16 params without masters: stochastic rounding
+                out.append((f"adam-{combo}-mode2-sr", "adam_kernel", adam_variant(combo, 2, False, HAS_SR=True)))
     else:
         out += [
             ("adam-fp32-mode2", "adam_kernel", adam_variant("fp32", 2, False)),
@@ -84,6 +86,7 @@ def variants(full: bool) -> list:
             ("adam-fp32-q4-mode1", "adam_kernel", adam_variant("fp32-q4", 1, False)),
             ("adam-bf16-master-q8m-q4v-mode0-unaligned", "adam_kernel",
              adam_variant("bf16-master-q8m-q4v", 0, False, ALIGNED=False, BLOCKS_PER_PROGRAM=2)),
+            ("adam-bf16-sr-q4m-q8v-mode2", "adam_kernel", adam_variant("bf16-q4m-q8v", 2, False, HAS_SR=True)),
         ]
     out += [
         ("adam-fp32-mode2-unaligned-4blocks", "adam_kernel",
@@ -101,7 +104,7 @@ def variants(full: bool) -> list:
 ARG_TYPES = {
     "meta_ptr": "*i64", "grads_ptr": "*i64", "work_ptr": "*i64", "steps_ptr": "*fp64", "lr_ptr": "*fp32",
     "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "m_lut_ptr": "*fp32", "v_lut_ptr": "*fp32",
-    "lr_bits": "i64", "beta1_bits": "i64",
+    "keys_ptr": "*i64", "lr_bits": "i64", "beta1_bits": "i64",
     "beta2_bits": "i64", "eps_bits": "i64", "wd_bits": "i64", "sign_bits": "i64", "n": "i32",
     "addr_ptr": "*i64", "numel_ptr": "*i64", "partial_ptr": "*fp64", "partial_base": "i32", "out_ptr": "*fp32",
 }

@@ -4,8 +4,8 @@ Same semantics as the native CPU kernel (ops/README.md gives the math): every mo
 steps (read on the device; bias corrections computed in the kernel), master weights, bf16, block-scaled fp16 states
 (sqrt(v) for second moments) and 8-bit / 4-bit block-quantised states (uint8 codes whose scales' dtype names the
 format: float32 for ``_spec.Q8``, bfloat16 for ``_spec.Q4``; the reference's codes and scales bit for bit),
-in-kernel unscaling, found_inf (read on the device: a skipped step writes nothing, step counts included) and lr from
-``lr_tensor``.
+in-kernel unscaling, found_inf (read on the device: a skipped step writes nothing, step counts included), lr from
+``lr_tensor`` and stochastic rounding of bfloat16 params (``rounding_keys``; the same random bits as the CPU kernel).
 
 How a call runs:
 
@@ -481,6 +481,7 @@ def adam_step_(
     lr_tensor: Optional[torch.Tensor] = None,
     inv_grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    rounding_keys: Optional[torch.Tensor] = None,
 ) -> None:
     """ort_optim::adam_step_ (ops/README.md) on CUDA tensors (CPU tensors under TRITON_INTERPRET=1)."""
     n = len(params)
@@ -502,6 +503,14 @@ def adam_step_(
     for name, t in (("lr_tensor", lr_tensor), ("inv_grad_scale", inv_grad_scale), ("found_inf", found_inf)):
         if t is not None and t.numel() != 1:
             _fail(f"{name} must have exactly one element, got {t.numel()}")
+    if rounding_keys is not None:
+        if rounding_keys.dtype != torch.int64 or tuple(rounding_keys.shape) != (n,):
+            _fail(f"rounding_keys must be an int64 tensor of shape [{n}]")
+        for i, p in enumerate(params):
+            if p.dtype != torch.bfloat16 or len(master_params):
+                _fail(f"rounding_keys (stochastic rounding) given but params[{i}] is {p.dtype}"
+                      + (" with master weights" if len(master_params) else "")
+                      + "; stochastic rounding is for bfloat16 params without master weights")
     if n == 0:
         return
     device = params[0].device
@@ -547,6 +556,8 @@ def adam_step_(
         return t.reshape(1)
 
     lr_t, inv_t, found_t = on_device(lr_tensor), on_device(inv_grad_scale), on_device(found_inf)
+    keys_t = None if rounding_keys is None else rounding_keys if rounding_keys.device == device else \
+        rounding_keys.to(device, non_blocking=True)
     steps_dev = steps if steps.device == device else steps.to(device)
     dummy = steps_dev
 
@@ -566,11 +577,13 @@ def adam_step_(
                 found_t if found_t is not None else dummy,
                 group.luts[0] if group.luts[0] is not None else dummy,
                 group.luts[1] if group.luts[1] is not None else dummy,
+                keys_t if keys_t is not None else dummy,
                 _bits(lr), _bits(beta1), _bits(beta2), _bits(eps), _bits(weight_decay),
                 _bits(-1.0 if maximize else 1.0),
                 MODE=int(adam_w_mode), BIAS_CORRECTION=bool(bias_correction), HAS_LR_TENSOR=lr_t is not None,
                 HAS_INV_SCALE=inv_t is not None, HAS_FOUND_INF=found_t is not None, BLOCK=BLOCK,
-                BLOCKS_PER_PROGRAM=group.bpp, ALIGNED=group.aligned and group.grads_aligned, num_warps=NUM_WARPS,
+                BLOCKS_PER_PROGRAM=group.bpp, ALIGNED=group.aligned and group.grads_aligned,
+                HAS_SR=keys_t is not None, num_warps=NUM_WARPS,
                 enable_fp_fusion=False,
                 **group.constexprs,
             )

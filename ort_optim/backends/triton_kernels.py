@@ -331,15 +331,58 @@ def _powi(base, t):
     return result
 
 
+# ---- stochastic rounding of bfloat16 params (ops/README.md, "stochastic rounding"; reference.random_bits) -------
+
+@_device
+def _u64(hi, lo):
+    """A uint64 constant from its two 32-bit halves (Python ints above 2**63 are not Triton literals)."""
+    return (tl.full((), hi, tl.uint64) << 32) | tl.full((), lo, tl.uint64)
+
+
+@_device
+def _splitmix64(x):
+    """splitmix64 on a uint64 (products wrap modulo 2**64), as _spec.splitmix64."""
+    x = x + _u64(0x9E3779B9, 0x7F4A7C15)
+    x = (x ^ (x >> 30)) * _u64(0xBF58476D, 0x1CE4E5B9)
+    x = (x ^ (x >> 27)) * _u64(0x94D049BB, 0x133111EB)
+    return x ^ (x >> 31)
+
+
+@_device
+def _fmix32(x):
+    """murmur3's 32-bit finaliser on uint32 values (products wrap modulo 2**32)."""
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@_device
+def _bf16_bits_stochastic(x, offs, key):
+    """float32 -> bfloat16 bit pattern rounded up in magnitude with probability (the dropped 16 bits) / 2**16, from
+    16 random bits of hash(key, element index); inf and NaN round to nearest (NaN -> 0x7FC0). key: the uint64
+    splitmix64(rounding key ^ splitmix64(step))."""
+    lo = (offs & 0xFFFFFFFF).to(tl.uint32)
+    hi = (offs >> 32).to(tl.uint32)
+    k_lo = (key & 0xFFFFFFFF).to(tl.uint32)
+    k_hi = (key >> 32).to(tl.uint32)
+    r = _fmix32(_fmix32(lo * 0x9E3779B1 + hi * 0x85EBCA77 + k_lo) ^ k_hi)
+    b = x.to(tl.uint32, bitcast=True)
+    stochastic = ((b + (r >> 16)) >> 16) & 0xFFFF
+    finite = (b & 0x7FFFFFFF) < 0x7F800000
+    return tl.where(finite, stochastic.to(tl.uint16), _bf16_bits(x))
+
+
 # ---- the Adam step ---------------------------------------------------------------------------------------------
 
 @_device
 def _adam_block(
     offs, mask, block_index, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr,
-    m_lut_ptr, v_lut_ptr, grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay,
-    P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr, HAS_MASTER: tl.constexpr,
-    M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, AMSGRAD: tl.constexpr, MODE: tl.constexpr,
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    m_lut_ptr, v_lut_ptr, sr_key, grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt,
+    torch_decay, hf_decay, P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
+    HAS_MASTER: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, AMSGRAD: tl.constexpr, MODE: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, HAS_SR: tl.constexpr,
 ):
     """One block of 1024 elements (one fp16 quantisation block, 4 or 8 low-bit ones) of one tensor."""
     F64: tl.constexpr = P_DT == 3
@@ -376,23 +419,31 @@ def _adam_block(
                      BLOCK)
     if HAS_MASTER:
         _store(master_addr, offs, p, mask, 0, ALIGNED)
-    _store(p_addr, offs, p, mask, P_DT, ALIGNED)
+    if HAS_SR:  # bfloat16 params without masters (checked by the host)
+        ptr = p_addr.to(tl.pointer_type(tl.uint16))
+        if ALIGNED:
+            ptr = tl.multiple_of(ptr, 16)
+        tl.store(ptr + offs, _bf16_bits_stochastic(p, offs, sr_key), mask=mask)
+    else:
+        _store(p_addr, offs, p, mask, P_DT, ALIGNED)
 
 
 @triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits", "eps_bits", "wd_bits", "sign_bits"])
 def adam_kernel(
-    meta_ptr, grads_ptr, work_ptr, steps_ptr, lr_ptr, inv_scale_ptr, found_inf_ptr, m_lut_ptr, v_lut_ptr,
+    meta_ptr, grads_ptr, work_ptr, steps_ptr, lr_ptr, inv_scale_ptr, found_inf_ptr, m_lut_ptr, v_lut_ptr, keys_ptr,
     lr_bits: "int64", beta1_bits: "int64", beta2_bits: "int64", eps_bits: "int64", wd_bits: "int64",
     sign_bits: "int64",
     P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
     HAS_MASTER: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, AMSGRAD: tl.constexpr,
     MODE: tl.constexpr, BIAS_CORRECTION: tl.constexpr, HAS_LR_TENSOR: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, ALIGNED: tl.constexpr,
+    HAS_SR: tl.constexpr,
 ):
     """One Adam step over every tensor of the tables: program pid does work item pid (BLOCKS_PER_PROGRAM blocks of
     one tensor). Table row (int64): param, exp_avg, exp_avg_sq, max_exp_avg_sq, master, and the three scale
     addresses, numel, index into steps. m_lut_ptr / v_lut_ptr: the lookup tables of low-bit exp_avg / exp_avg_sq
-    formats (M_DT / V_DT == Q8 or Q4; any pointer otherwise, never read)."""
+    formats (M_DT / V_DT == Q8 or Q4; any pointer otherwise, never read). HAS_SR: round the bfloat16 params
+    stochastically with the int64 rounding key keys_ptr[index into steps] (ops/README.md, "stochastic rounding")."""
     if HAS_FOUND_INF:
         if tl.load(found_inf_ptr) != 0:  # skipped step: nothing is written (read on the device, no host sync)
             return
@@ -446,6 +497,11 @@ def adam_kernel(
     bc2_sqrt = _to_compute(bc2_sqrt64, F64)
     torch_decay = _to_compute(1.0 - lr * wd64, F64)
     hf_decay = _to_compute(lr * wd64, F64)
+    if HAS_SR:  # this step's key: splitmix64(rounding key ^ splitmix64(step)), step counted from 1
+        key = tl.load(keys_ptr + step_index).to(tl.uint64, bitcast=True)
+        sr_key = _splitmix64(key ^ _splitmix64(t.to(tl.uint64)))
+    else:
+        sr_key = 0
 
     # Full blocks without a mask (so that 16-byte accesses are possible), then the tensor's partial last block.
     end = tl.minimum(start + BLOCK * BLOCKS_PER_PROGRAM, numel)
@@ -455,15 +511,15 @@ def adam_kernel(
     for b in range(0, full_blocks):
         bs = start + b * BLOCK
         _adam_block(bs + lanes, lanes < BLOCK, bs // BLOCK, p_addr, g_addr, m_addr, v_addr,
-                    vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, grad_mul, b2,
+                    vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, grad_mul, b2,
                     one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, P_DT, G_DT, M_DT,
-                    V_DT, HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK)
+                    V_DT, HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR)
     if full_end < end:
         offs = full_end + lanes
         _adam_block(offs, offs < end, full_end // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr,
-                    ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, grad_mul, b2, one_minus_b1, one_minus_b2, eps,
-                    wd, step_size, bc2_sqrt, torch_decay, hf_decay, P_DT, G_DT, M_DT, V_DT, HAS_MASTER, M_SCALED,
-                    V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK)
+                    ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, grad_mul, b2, one_minus_b1,
+                    one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, P_DT, G_DT, M_DT, V_DT,
+                    HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR)
 
 
 @triton.jit
