@@ -83,7 +83,6 @@ def variants(full: bool) -> list:
             ("adam-bf16-mode1-nobc", "adam_kernel", adam_variant("bf16", 1, False, BIAS_CORRECTION=False)),
             ("adam-fp64-mode2-ams", "adam_kernel", adam_variant("fp64", 2, True)),
             ("adam-fp32-q8-mode2-ams", "adam_kernel", adam_variant("fp32-q8", 2, True)),
-            ("adam-fp32-q4-mode1", "adam_kernel", adam_variant("fp32-q4", 1, False)),
             ("adam-bf16-master-q8m-q4v-mode0-unaligned", "adam_kernel",
              adam_variant("bf16-master-q8m-q4v", 0, False, ALIGNED=False, BLOCKS_PER_PROGRAM=2)),
             ("adam-bf16-sr-q4m-q8v-mode2", "adam_kernel", adam_variant("bf16-q4m-q8v", 2, False, HAS_SR=True)),

@@ -8,12 +8,14 @@
 Needs only the repository plus torch, triton and numpy (no project venv; pytest is used when installed).
 
 1. Correctness, compiled kernels on CUDA tensors: every storage combination x mode x amsgrad against the exact numpy
-   model of ops/README.md (bit for bit), found_inf skips, grad_stats, the kernels on a non-default stream, and
+   model of ops/README.md (bit for bit; 8-bit and 4-bit states included), stochastic rounding of bf16 params,
+   found_inf skips, grad_stats, the kernels on a non-default stream, and
    FusedAdam(capturable=True).step() captured in a CUDA graph and replayed (== eager, bit for bit). Then
    tests/test_triton.py under pytest, if pytest is installed.
 2. Benchmarks against torch.optim.AdamW (fused=True, foreach=True, foreach=False): 1x1024^2, 32x512^2, 1x4096^2
    (fp32 params; ours with fp16 moments, as the reference numbers in the performance notes, and with fp32 moments),
-   the GPT-2-small parameter shapes and 2000 x 1K (fp32), plus a graph-captured FusedAdam step. Times are medians of
+   the GPT-2-small parameter shapes and 2000 x 1K (fp32), plus a graph-captured FusedAdam step; ours with 8-bit and
+   4-bit moments (torch.uint8 / torch.uint4) on 1x4096^2 and GPT-2 small. Times are medians of
    CUDA-event timings of single steps after warm-up, interleaved; a device-to-device copy measured in the same run
    gives the bandwidth that the "% of copy bandwidth" column refers to (bytes each step must move at least / time).
    A small sweep of the launch parameters (warps, blocks per program) on 1x4096^2 comes last.
@@ -96,7 +98,8 @@ def correctness(device, dry_run: bool, results: dict) -> bool:
         full = False
     except ImportError:
         full = True
-    combos = ["fp32", "fp32-fp16states", "bf16-master-fp16m-bf16v"] if dry_run else list(tc.COMBOS)
+    combos = ["fp32", "fp32-fp16states", "bf16-master-fp16m-bf16v", "bf16-master-q8m-q4v"] if dry_run \
+        else list(tc.COMBOS)
     for c, combo in enumerate(combos):
         for mode in (0, 1, 2):
             for amsgrad in (False, True):
@@ -112,6 +115,19 @@ def correctness(device, dry_run: bool, results: dict) -> bool:
         tc.run_triton(tri, tc.hyper(2, found_inf=torch.ones(1)), device)
         tc.assert_bitwise(tri, base, "skipped step")
     record("found_inf skips everything (steps too)", found_inf_skip)
+
+    def stochastic_rounding():
+        from ort_optim._spec import rounding_key
+
+        base = tc.make_case("bf16-q4m-q8v", False, seed=17, shapes=shapes)
+        keys = torch.tensor([rounding_key(7, i) for i in range(len(shapes))], dtype=torch.int64)
+        tri, ref = tc.clone_case(base, device), tc.clone_case(base)
+        hp = tc.hyper(2, lr=1e-3, rounding_keys=keys)
+        for step in range(2):
+            tc.run_triton(tri, hp, device)
+            tc.reference_step(ref, hp)
+            tc.assert_bitwise(tri, ref, f"stochastic rounding step {step}")
+    record("bitwise stochastic rounding of bf16 params (rounding_keys)", stochastic_rounding)
 
     def grad_stats():
         gen = torch.Generator().manual_seed(2)
@@ -228,10 +244,12 @@ def copy_bandwidth(device, dry_run: bool) -> float:
     return 2 * n * 4 / (statistics.median(times) * 1e-3) / 1e9
 
 
+MOMENT_BYTES = {"fp32": 4, "fp16": 2 + 4 / 1024, "uint8": 1 + 4 / 256, "uint4": 0.5 + 2 / 128}  # codes + scales
+
+
 def min_bytes(numel: int, moments: str) -> int:
     """Bytes one step must move at least: read grad (fp32), read+write param (fp32), read+write both moments."""
-    per = 4 + 8 + (2 * 2 * 2 if moments == "fp16" else 2 * 2 * 4)
-    return numel * per
+    return int(numel * (4 + 8 + 2 * 2 * MOMENT_BYTES[moments]))
 
 
 def benchmarks(device, dry_run: bool, results: dict) -> None:
@@ -271,6 +289,11 @@ def benchmarks(device, dry_run: bool, results: dict) -> None:
             variants.append(("FusedAdam (Triton)", "fp16", lambda: FusedAdam(
                 make_params(shapes), lr=1e-3, adam_w_mode=2, weight_decay=0.01, exp_avg_dtype=torch.float16,
                 exp_avg_sq_dtype=torch.float16)))
+        if name in ("1x4096^2", "GPT-2 small", "1x4096"):
+            for moments, dtype in (("uint8", torch.uint8), ("uint4", torch.uint4)):
+                variants.append(("FusedAdam (Triton)", moments, lambda dt=dtype: FusedAdam(
+                    make_params(shapes), lr=1e-3, adam_w_mode=2, weight_decay=0.01, exp_avg_dtype=dt,
+                    exp_avg_sq_dtype=dt)))
         opts = []
         for label, moments, make in variants:
             try:
