@@ -607,7 +607,10 @@ def test_dispatcher_calling_convention():
     dict(adam_w_mode=2, weight_decay=0.01, amsgrad=True),
     dict(master_weights=True, exp_avg_dtype=F16, exp_avg_sq_dtype=F16, dtype=F16),
     dict(master_weights=True, exp_avg_dtype=BF16, dtype=BF16, max_grad_norm=1.0),
-], ids=["default", "torch-amsgrad", "fp16-master-fp16states", "bf16-master-clip"])
+    dict(adam_w_mode=2, weight_decay=0.01, amsgrad=True, exp_avg_dtype=U8, exp_avg_sq_dtype=U4),
+    dict(exp_avg_dtype=U4, exp_avg_sq_dtype=U8, stochastic_rounding=True, dtype=BF16),
+], ids=["default", "torch-amsgrad", "fp16-master-fp16states", "bf16-master-clip", "torch-amsgrad-q8m-q4v",
+        "bf16-stochastic-rounding-q4m-q8v"])
 def test_fused_adam_through_the_triton_backend(config, monkeypatch):
     """FusedAdam with ORT_OPTIM_BACKEND=triton follows the CPU backend (a short run; `make test-triton` runs the
     whole FusedAdam suite this way)."""

@@ -121,7 +121,7 @@ TASKS = {"gpt": gpt_task, "digits": digits_task, "zipf": lowbit.zipf_task}
 
 # ---- the experiment ------------------------------------------------------------------------------------------------
 
-def run_experiment(tasks, configs, seeds, size: str, log=print) -> dict:
+def run_experiment(tasks, configs, seeds, size: str, log=functools.partial(print, flush=True)) -> dict:
     """Every task x configuration x seed; returns {task: {config: {"runs": {seed: result}} or {"skipped": why}}}."""
     results: dict = {}
     for task in tasks:
