@@ -134,15 +134,15 @@ def assert_same_snapshot(a: dict, b: dict) -> None:
 
 
 def state_values(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> Optional[torch.Tensor]:
-    """A moment's float32/float64 values, dequantising fp16 states stored with block scales."""
+    """A moment's float32/float64 values, decoding fp16 and low-bit states stored with block scales."""
     state = opt.state[p]
     if key not in state:
         return None
     value = state[key]
-    if key + "_scale" in state:
+    if key + "_scale" in state:  # fp16 codes (sqrt(v) for second moments) or low-bit codes (ops/README.md)
         from ort_optim.backends import reference as reference_backend
 
-        return reference_backend.dequantize_fp16(value, state[key + "_scale"])
+        return reference_backend.decode_state(value, state[key + "_scale"], key != "exp_avg", p.shape)
     return value
 
 

@@ -138,8 +138,70 @@ def round_fp16_blocks(x: torch.Tensor) -> torch.Tensor:
     return (codes.float() / s[:, None]).reshape(-1)[:n].double().view(x.shape)
 
 
-def round_state(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def round_state(x: torch.Tensor, dtype: torch.dtype, second_moment: bool = False) -> torch.Tensor:
+    """x (float64) as a state of this storage dtype holds it. fp16 second moments store sqrt(v) (ops/README.md), so
+    v is rounded as sqrt(v) is, then squared (in float32, as the kernels read it); low-bit states (torch.uint8,
+    torch.uint4) as :func:`round_low_bit` describes."""
+    if dtype in LOW_BIT_DTYPES:
+        return round_low_bit(x, dtype, second_moment)
+    if dtype == torch.float16 and second_moment:
+        root = round_fp16_blocks(x.float().double().sqrt().float().double())
+        return (root.float() * root.float()).double()
     return round_fp16_blocks(x) if dtype == torch.float16 else round_to(x, dtype)
+
+
+# ---- low-bit states, from the format's definition (ops/README.md, "low-bit states") -------------------------------
+# The levels and block sizes are the specification's data (ort_optim._spec); the quantiser below is written from
+# the README's rules: scale = block absmax (rounded up to bfloat16 for 4-bit), normalised a = fp32(|u| * fp32(1/s))
+# clamped to 1, the level index = the number of float32 thresholds (a_j + a_(j+1)) * 0.5 that are <= a, signed codes
+# sign-magnitude, exp_avg_sq coding sqrt(v).
+
+LOW_BIT_DTYPES = (torch.uint8, torch.uint4)
+
+
+def _low_bit_spec(dtype: torch.dtype):
+    from ort_optim import _spec
+
+    return _spec.LOW_BIT_FORMATS[dtype]
+
+
+def low_bit_scales(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 per-block scales of float32 values u (flat): each block's absolute maximum, rounded toward +inf to
+    bfloat16 where the format stores bfloat16 scales; NaN for a block holding inf or NaN."""
+    fmt = _low_bit_spec(dtype)
+    scales = []
+    for start in range(0, u.numel(), fmt.block):
+        amax = u[start:start + fmt.block].abs().max().reshape(())
+        if fmt.scale_dtype == torch.bfloat16 and torch.isfinite(amax):
+            rounded = amax.to(torch.bfloat16)
+            if float(rounded) < float(amax):
+                rounded = (rounded.view(torch.int16) + 1).view(torch.bfloat16)  # the next bfloat16 up
+            amax = rounded.float()
+        scales.append(float(amax) if bool(torch.isfinite(amax)) else math.nan)
+    return torch.tensor(scales, dtype=torch.float32)
+
+
+def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool) -> torch.Tensor:
+    """x (float64) as a low-bit state reads back, as float64."""
+    fmt = _low_bit_spec(dtype)
+    levels = torch.tensor(fmt.exp_avg_sq_levels if second_moment else fmt.exp_avg_levels, dtype=torch.float32)
+    thresholds = (levels[:-1] + levels[1:]) * 0.5
+    flat = x.reshape(-1).float()
+    u = flat.double().sqrt().float() if second_moment else flat  # correctly rounded float32 sqrt
+    scales = low_bit_scales(u, dtype)
+    out = torch.empty_like(u)
+    for b, s in enumerate(scales.tolist()):
+        chunk = u[b * fmt.block:(b + 1) * fmt.block]
+        if not math.isfinite(s):
+            out[b * fmt.block:(b + 1) * fmt.block] = math.nan
+            continue
+        inv = torch.tensor(1.0, dtype=torch.float32) / s if s > 0 else torch.tensor(0.0)
+        a = (chunk.abs() * inv).clamp(max=1.0)
+        index = (a[:, None] >= thresholds[None, :]).sum(dim=1)
+        value = levels[index] * torch.tensor(s, dtype=torch.float32)
+        value = torch.where((chunk < 0) & (index > 0), -value, value) if not second_moment else value
+        out[b * fmt.block:(b + 1) * fmt.block] = value * value if second_moment else value
+    return out.double().view(x.shape)
 
 
 def state_layout(
@@ -245,7 +307,7 @@ class ReferenceAdam:
             self.master[i] = round_to(p, self._master_dtype(i))
             if self.round_states:
                 state["m"] = round_state(state["m"], m_dtype)
-                state["v"] = round_state(state["v"], v_dtype)
+                state["v"] = round_state(state["v"], v_dtype, second_moment=True)
                 if hyper["amsgrad"]:
-                    state["vmax"] = round_state(state["vmax"], v_dtype)
+                    state["vmax"] = round_state(state["vmax"], v_dtype, second_moment=True)
         return False
