@@ -186,10 +186,14 @@ def _pct(x) -> str:
     return "" if x is None else f"{100 * x:+.2f}%"
 
 
-def markdown(rows: list[dict], command: str, meta: dict) -> str:
-    lines = [f"Command: `{command}` (torch {meta['torch']}, {meta['threads']} thread(s), {meta['date']}, "
-             f"{meta['seconds']:.0f} s; 1-minute load average {meta['load'][0]:.1f}-{meta['load'][1]:.1f} on "
-             f"{os.cpu_count()} CPUs).", "",
+def describe(command: str, meta: dict) -> str:
+    return (f"Command: `{command}` (torch {meta['torch']}, {meta['threads']} thread(s), {meta['date']}, "
+            f"{meta['seconds']:.0f} s; 1-minute load average {meta['load'][0]:.1f}-{meta['load'][1]:.1f} on "
+            f"{os.cpu_count()} CPUs).")
+
+
+def markdown(rows: list[dict], header: list[str]) -> str:
+    lines = header + ["",
              "| task | configuration | mean loss per seed | mean | vs fp32 moments | vs baseline | tolerance | "
              "within tolerance | within seed spread | final loss | state B/param | params+state B/param |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -233,10 +237,11 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     tasks = [t for t in results if any("runs" in e and e["runs"] for e in results[t].values())]
-    fig, axes = plt.subplots(2, len(tasks), figsize=(5.2 * len(tasks), 7), squeeze=False,
+    fig, axes = plt.subplots(2, len(tasks), figsize=(max(8.0, 5.2 * len(tasks)), 7.5), squeeze=False,
                              gridspec_kw=dict(height_ratios=(3, 2)))
     names = list(dict.fromkeys(n for t in tasks for n in results[t]))
-    colors = {n: plt.cm.tab20(i % 20) for i, n in enumerate(names)}
+    palette = plt.cm.tab10 if len(names) <= 10 else plt.cm.tab20
+    colors = {n: palette(i % palette.N) for i, n in enumerate(names)}
     for col, task in enumerate(tasks):
         top, bottom = axes[0][col], axes[1][col]
         curves = {}
@@ -263,10 +268,35 @@ def plot(results: dict, path: Path) -> None:
         bottom.set_xlabel("step")
         bottom.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=7)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=min(4 if len(tasks) == 1 else 6, len(labels)), fontsize=7)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def report_from_json(paths: list[Path], out: Path) -> int:
+    """The table and the plot of earlier runs' JSON files, merged (same columns as a run's own)."""
+    results: dict = {}
+    header = []
+    for path in paths:
+        saved = json.loads(path.read_text())
+        header.append(describe(saved["command"], saved["meta"]))
+        for task, by_config in saved["results"].items():
+            for name, entry in by_config.items():
+                results.setdefault(task, {})[name] = entry if "skipped" in entry else \
+                    {"runs": {int(seed): r for seed, r in entry["runs"].items()}}
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown(summarize(results), header)
+    (out / "lowbit_quality.md").write_text(text)
+    (out / "lowbit_quality.json").write_text(json.dumps(dict(
+        sources=[str(p) for p in paths], summary=summarize(results),
+        results={t: {c: ({"skipped": e["skipped"]} if "skipped" in e else
+                         {"runs": {str(s): r for s, r in e["runs"].items()}}) for c, e in by.items()}
+                 for t, by in results.items()}), indent=1))
+    plot(results, out / "lowbit_quality.png")
+    print(text)
+    print(f"wrote {out / 'lowbit_quality.json'}, {out / 'lowbit_quality.md'}, {out / 'lowbit_quality.png'}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -283,7 +313,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results", help="folder for lowbit_quality.{json,md,png} (default results/)")
     ap.add_argument("--check", action="store_true",
                     help="exit with status 1 if a configuration that ran is outside its tolerance")
+    ap.add_argument("--from-json", help="comma-separated lowbit_quality.json files of earlier runs: merge them "
+                                        "(later files win per task and configuration) and write the table and plot, "
+                                        "without training")
     args = ap.parse_args(argv)
+    if args.from_json:
+        return report_from_json([Path(p) for p in args.from_json.split(",")], Path(args.out))
     tasks = [t for t in args.tasks.split(",") if t]
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for t in tasks:
@@ -307,7 +342,7 @@ def main(argv=None) -> int:
     command = "python guides/examples/lowbit_quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    text = markdown(rows, command.strip(), meta)
+    text = markdown(rows, [describe(command.strip(), meta)])
     (out / "lowbit_quality.md").write_text(text)
     (out / "lowbit_quality.json").write_text(json.dumps(dict(
         command=command.strip(), size=size, seeds=seeds, tolerance_by_bits=TOLERANCE_BY_BITS,
