@@ -328,7 +328,7 @@ def main(argv=None) -> int:
         if c not in CONFIGS:
             ap.error(f"unknown configuration {c!r}; choose among {', '.join(CONFIGS)}")
     # baselines first: the comparisons need them
-    needed = list(dict.fromkeys([tolerance(c)[1] for c in configs] + ["fp32"]))
+    needed = list(dict.fromkeys(tolerance(c)[1] for c in configs))
     configs = list(dict.fromkeys(needed + configs))
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else ([0] if args.quick else [0, 1, 2])
     size = "quick" if args.quick else "default"

@@ -16,13 +16,16 @@ Two sections of the benchmark (registered in ``EXTRA_SECTIONS`` of ``__main__``)
   measured the same way on GPT-2-small shapes.
 
 What is not installed (torchao, bitsandbytes: newest-torch environment only) or not supported by this FusedAdam
-yet becomes a row that says why. The configurations, the bytes counter and the Zipf task are shared with
+becomes a row that says why. torchao's optimizers are torch.compile'd (minutes of compilation per parameter shape on
+a loaded 2-core machine): with ``TORCHDYNAMO_DISABLE=1`` the ``lowbit`` section skips them (an eager run would
+misstate their speed) and ``lowbit_memory`` counts their bytes eagerly. The configurations, the bytes counter and the Zipf task are shared with
 ``guides/examples/lowbit_quality.py``, the quality harness (3 tasks x 3 seeds).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -87,9 +90,11 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
 
 
 def make_optimizer(config: Config, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                   weight_decay: float = 1e-2) -> torch.optim.Optimizer:
+                   weight_decay: float = 1e-2, eager_ok: bool = False) -> torch.optim.Optimizer:
     """The optimizer of a configuration, with torch.optim.AdamW's math (decoupled decay, eps outside the sqrt) in every
-    library. Raises Unavailable with the reason when it cannot run here."""
+    library. Raises Unavailable with the reason when it cannot run here. torchao's optimizers are torch.compile'd
+    kernels: with compilation disabled (TORCHDYNAMO_DISABLE=1) they run eagerly, many times slower than they are,
+    so they are refused unless eager_ok (what only counts bytes may say so)."""
     hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if config.library == "ort_optim":
         from ..fused_adam import AdamWMode, FusedAdam
@@ -115,6 +120,9 @@ def make_optimizer(config: Config, params, lr: float, betas=(0.9, 0.999), eps: f
     else:
         raise ValueError(f"unknown library {config.library!r}")
     if config.library == "torchao":
+        if os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("", "0") and not eager_ok:
+            raise Unavailable("torchao's optimizers run compiled, and torch.compile is disabled here "
+                              "(TORCHDYNAMO_DISABLE=1): an eager run would misstate them")
         hyper["lr"] = torch.tensor(lr)  # torchao keeps lr as a tensor (changing it must not recompile)
     return getattr(module, cls_name)(params, **hyper, **options)
 
@@ -383,7 +391,7 @@ def run_memory(quick: bool) -> list[dict]:
     for name in ("torchao AdamW8bit", "torchao AdamW4bit", "bitsandbytes AdamW8bit"):
         row = dict(params="fp32 params", moments=name, numel=sum(p.numel() for p in params))
         try:
-            optimizer = make_optimizer(CONFIGS[name], params, **BENCH_HYPER)
+            optimizer = make_optimizer(CONFIGS[name], params, **BENCH_HYPER, eager_ok=True)  # bytes only
             optimizer.step()
             row.update(memory(optimizer))
         except Unavailable as exc:
