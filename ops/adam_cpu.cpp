@@ -187,9 +187,12 @@ void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_
 
 class CodeMap {
  public:
-  CodeMap(const float* levels, int count, bool is_signed, int bits) : sign_bit_(is_signed ? 1 << (bits - 1) : 0) {
+  // thresholds: count - 1 increasing decision thresholds (ort_optim._spec.thresholds); snap: the factor applied to
+  // a normalised magnitude before the search (exp_avg rounds toward zero, EXP_AVG_SNAP; 1 for sqrt(v)).
+  CodeMap(const float* levels, const float* thresholds, int count, bool is_signed, int bits, float snap)
+      : sign_bit_(is_signed ? 1 << (bits - 1) : 0), snap_(snap) {
     TORCH_CHECK(count == (is_signed ? 1 << (bits - 1) : 1 << bits), "ort_optim: code map has ", count, " levels");
-    for (int j = 0; j + 1 < count; ++j) mid_.push_back((levels[j] + levels[j + 1]) * 0.5f);
+    mid_.assign(thresholds, thresholds + count - 1);
     mid_.push_back(std::numeric_limits<float>::infinity());
     for (int c = 0; c < (1 << bits); ++c) {
       const int magnitude = is_signed ? c & (sign_bit_ - 1) : c;
@@ -206,8 +209,10 @@ class CodeMap {
     }
   }
 
-  // The level index of a normalised magnitude a in [0, 1]: #{j : mid[j] <= a}.
+  // The level index of a normalised magnitude a >= 0: #{j : threshold[j] <= min(a * snap, 1)}.
   inline int magnitude_code(float a) const {
+    a = a * snap_;
+    a = a < 1.0f ? a : 1.0f;
     const int64_t b = int64_t(float_to_bits(a) >> kShift) - int64_t(min_bucket_);
     const int c = bucket_[b < 0 ? 0 : b];
     return c + (a >= mid_[c]);
@@ -219,6 +224,7 @@ class CodeMap {
  private:
   static constexpr int kShift = 15;  // keeps the exponent and 8 mantissa bits
   int sign_bit_;
+  float snap_;
   float decode_[256] = {0.0f};
   std::vector<float> mid_;
   uint32_t min_bucket_ = 0;
@@ -238,18 +244,20 @@ struct LowBit {
 };
 
 template <size_t N, size_t M>
-LowBit make_low_bit(int bits, int block, bool bf16_scales, const float (&m_levels)[N], const float (&v_levels)[M]) {
-  return LowBit{bits, block, bf16_scales, CodeMap(m_levels, int(N), true, bits), CodeMap(v_levels, int(M), false, bits)};
+LowBit make_low_bit(int bits, int block, bool bf16_scales, const float (&m_levels)[N], const float (&m_thresholds)[N - 1],
+                    const float (&v_levels)[M], const float (&v_thresholds)[M - 1]) {
+  return LowBit{bits, block, bf16_scales, CodeMap(m_levels, m_thresholds, int(N), true, bits, spec::kExpAvgSnap),
+                CodeMap(v_levels, v_thresholds, int(M), false, bits, 1.0f)};
 }
 
 const LowBit& q8() {
   static const LowBit f = make_low_bit(spec::kQ8Bits, spec::kQ8Block, spec::kQ8Bf16Scales, spec::kQ8ExpAvgLevels,
-                                       spec::kQ8ExpAvgSqLevels);
+                                       spec::kQ8ExpAvgThresholds, spec::kQ8ExpAvgSqLevels, spec::kQ8ExpAvgSqThresholds);
   return f;
 }
 const LowBit& q4() {
   static const LowBit f = make_low_bit(spec::kQ4Bits, spec::kQ4Block, spec::kQ4Bf16Scales, spec::kQ4ExpAvgLevels,
-                                       spec::kQ4ExpAvgSqLevels);
+                                       spec::kQ4ExpAvgThresholds, spec::kQ4ExpAvgSqLevels, spec::kQ4ExpAvgSqThresholds);
   return f;
 }
 
@@ -291,17 +299,17 @@ void low_bit_store(const LowBit& f, bool second_moment, const float* src, int64_
       std::memcpy(u, x, len * sizeof(float));
     }
     for (int64_t i = 0; i < len; ++i) amax = std::max(amax, float_to_bits(u[i]) & 0x7FFFFFFFu);
-    // The scale: the block's absolute maximum, rounded up to bfloat16 where the format stores bfloat16 scales.
-    if (f.bf16_scales && amax < 0x7F800000u && (amax & 0xFFFFu)) amax = (amax + 0x10000u) & 0xFFFF0000u;
+    // The scale: the block's absolute maximum, rounded to nearest even where the format stores bfloat16 scales
+    // (which may overflow to inf: then the block is non-finite, like one holding inf).
+    if (f.bf16_scales && amax < 0x7F800000u) amax = (amax + 0x7FFFu + ((amax >> 16) & 1u)) & 0xFFFF0000u;
+    if (amax < 0x00800000u) amax = 0;  // below float32's smallest normal: a zero block (_spec.MIN_SCALE)
     float s;
     if (amax < 0x7F800000u) {
       s = bits_to_float(amax);
       const float inv = s > 0.0f ? 1.0f / s : 0.0f;
       const int sign_bit = map.sign_bit();
       for (int64_t i = 0; i < len; ++i) {
-        float a = std::fabs(u[i]) * inv;
-        a = a < 1.0f ? a : 1.0f;
-        const int m = map.magnitude_code(a);
+        const int m = map.magnitude_code(std::fabs(u[i]) * inv);
         c[i] = uint8_t(m | ((u[i] < 0.0f && m > 0) ? sign_bit : 0));
       }
     } else {  // inf or NaN in the block: it reads back as NaN everywhere (scale NaN, codes 0)

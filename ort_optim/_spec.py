@@ -65,18 +65,41 @@ def midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(_f32(_f32(a + b) * 0.5) for a, b in zip(levels, levels[1:]))
 
 
+# exp_avg rounds toward zero: the level index of a normalised magnitude a is #{j >= 1 : levels[j] <= a * SNAP}.
+# Toward zero, because nearest rounding makes a decaying moment stick: with zero gradients (a rare embedding row)
+# m * beta1 rounds back to the same level whenever the levels are more than 2 * (1 - beta1) apart, and the row keeps
+# moving at its last speed (measured: 69x fp32 AdamW's drift with 8-bit nearest rounding); rounded toward zero, m
+# decays at least as fast as in fp32, and |m| never grows by quantisation. SNAP = 1 + 2**-20 absorbs the float32
+# rounding of decode-then-encode (a decoded level reads back within 3 * 2**-24 of itself), so encoding stays
+# idempotent. The top level's threshold is EXP_AVG_TOP (not 1): the block's largest element always gets the top
+# code even where its scale was rounded up into bfloat16 (by at most 2**-9), so the scale survives a re-encode.
+EXP_AVG_SNAP = 1.0 + 2.0**-20
+EXP_AVG_TOP = 1.0 - 2.0**-8
+# Blocks whose largest magnitude is below float32's smallest normal (2**-126) are stored as zero blocks (scale 0):
+# 1/s would overflow, and subnormal scales cannot round-trip.
+MIN_SCALE = 2.0**-126
+
+
+def thresholds(levels: tuple[float, ...], second_moment: bool) -> tuple[float, ...]:
+    """The decision thresholds of a code map: midpoints (nearest) for sqrt(v), the levels above zero (toward zero,
+    applied to a * EXP_AVG_SNAP) for exp_avg."""
+    return midpoints(levels) if second_moment else tuple(levels[1:-1]) + (EXP_AVG_TOP,)
+
+
 @dataclasses.dataclass(frozen=True)
 class LowBitFormat:
     """A block-quantised moment format. Per block of ``block`` elements (index // block within the tensor), one scale
     ``s`` (stored in ``scale_dtype``) and one ``bits``-bit code per element.
 
     * exp_avg (signed): ``m = sign * exp_avg_levels[magnitude] * s``; the code is sign-magnitude (top bit = sign,
-      set only for a non-zero magnitude), ``exp_avg_levels[0] == 0``.
+      set only for a non-zero magnitude), ``exp_avg_levels[0] == 0``; magnitudes round toward zero (EXP_AVG_SNAP).
     * exp_avg_sq / max_exp_avg_sq: the code stores ``u = sqrt(v)``, ``v = (exp_avg_sq_levels[code] * s) ** 2``; the
       levels have no zero (Li et al. 2023's zero-point problem: a v rounded to 0 makes m / (sqrt(v) + eps) explode;
-      here a tiny v reads as at least ``exp_avg_sq_levels[0] * s``, which can only shrink its update).
-    * ``s`` = the block's absolute maximum (of m, or of u), rounded up to ``scale_dtype`` (bfloat16: round toward
-      +inf, so every normalised value stays <= 1); a block with inf or NaN gets s = NaN, an all-zero block s = 0.
+      here a tiny v reads as at least ``exp_avg_sq_levels[0] * s``, which can only shrink its update); sqrt(v)
+      rounds to the nearest level (ties up).
+    * ``s`` = the block's absolute maximum (of m, or of u), rounded to nearest even in ``scale_dtype`` (normalised
+      values are clamped to 1); a block with inf or NaN (or a maximum beyond the scale dtype's range) gets
+      s = NaN, an all-zero block s = 0.
     """
 
     name: str

@@ -152,9 +152,8 @@ def round_state(x: torch.Tensor, dtype: torch.dtype, second_moment: bool = False
 
 # ---- low-bit states, from the format's definition (ops/README.md, "low-bit states") -------------------------------
 # The levels and block sizes are the specification's data (ort_optim._spec); the quantiser below is written from
-# the README's rules: scale = block absmax (rounded up to bfloat16 for 4-bit), normalised a = fp32(|u| * fp32(1/s))
-# clamped to 1, the level index = the number of float32 thresholds (a_j + a_(j+1)) * 0.5 that are <= a, signed codes
-# sign-magnitude, exp_avg_sq coding sqrt(v).
+# the README's rules: scale = block absmax (rounded to nearest bfloat16 for 4-bit), normalised a = fp32(|u| * fp32(1/s))
+# clamped to 1; sqrt(v) (exp_avg_sq) takes the nearest level, exp_avg the largest level <= a (toward zero).
 
 LOW_BIT_DTYPES = (torch.uint8, torch.uint4)
 
@@ -166,18 +165,17 @@ def _low_bit_spec(dtype: torch.dtype):
 
 
 def low_bit_scales(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 per-block scales of float32 values u (flat): each block's absolute maximum, rounded toward +inf to
-    bfloat16 where the format stores bfloat16 scales; NaN for a block holding inf or NaN."""
+    """float32 per-block scales of float32 values u (flat): each block's absolute maximum, rounded to nearest even
+    in bfloat16 where the format stores bfloat16 scales; NaN for a block holding inf or NaN."""
     fmt = _low_bit_spec(dtype)
     scales = []
     for start in range(0, u.numel(), fmt.block):
         amax = u[start:start + fmt.block].abs().max().reshape(())
-        if fmt.scale_dtype == torch.bfloat16 and torch.isfinite(amax):
-            rounded = amax.to(torch.bfloat16)
-            if float(rounded) < float(amax):
-                rounded = (rounded.view(torch.int16) + 1).view(torch.bfloat16)  # the next bfloat16 up
-            amax = rounded.float()
-        scales.append(float(amax) if bool(torch.isfinite(amax)) else math.nan)
+        if fmt.scale_dtype == torch.bfloat16:
+            amax = amax.to(torch.bfloat16).float()  # nearest even
+        amax = float(amax)
+        # blocks below float32's smallest normal are zero blocks
+        scales.append(math.nan if not math.isfinite(amax) else 0.0 if amax < 2.0**-126 else amax)
     return torch.tensor(scales, dtype=torch.float32)
 
 
@@ -185,7 +183,11 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool) -> t
     """x (float64) as a low-bit state reads back, as float64."""
     fmt = _low_bit_spec(dtype)
     levels = torch.tensor(fmt.exp_avg_sq_levels if second_moment else fmt.exp_avg_levels, dtype=torch.float32)
-    thresholds = (levels[:-1] + levels[1:]) * 0.5
+    # sqrt(v): nearest level (thresholds halfway); exp_avg: toward zero (thresholds at the levels), after the
+    # factor 1 + 2**-20 that keeps decoded levels on themselves
+    # (exp_avg's top threshold is 1 - 2**-8, so the block's largest element keeps the top code)
+    thresholds = (levels[:-1] + levels[1:]) * 0.5 if second_moment else torch.cat(
+        [levels[1:-1], torch.tensor([1.0 - 2.0**-8])])
     flat = x.reshape(-1).float()
     u = flat.double().sqrt().float() if second_moment else flat  # correctly rounded float32 sqrt
     scales = low_bit_scales(u, dtype)
@@ -196,7 +198,10 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool) -> t
             out[b * fmt.block:(b + 1) * fmt.block] = math.nan
             continue
         inv = torch.tensor(1.0, dtype=torch.float32) / s if s > 0 else torch.tensor(0.0)
-        a = (chunk.abs() * inv).clamp(max=1.0)
+        a = chunk.abs() * inv
+        if not second_moment:
+            a = a * torch.tensor(1.0 + 2.0**-20, dtype=torch.float32)
+        a = a.clamp(max=1.0)
         index = (a[:, None] >= thresholds[None, :]).sum(dim=1)
         value = levels[index] * torch.tensor(s, dtype=torch.float32)
         value = torch.where((chunk < 0) & (index > 0), -value, value) if not second_moment else value

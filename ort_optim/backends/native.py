@@ -59,8 +59,11 @@ def spec_header() -> str:
             f"constexpr bool k{tag}Bf16Scales = {'true' if fmt.scale_dtype == torch.bfloat16 else 'false'};",
             array(f"k{tag}ExpAvgLevels", fmt.exp_avg_levels),
             array(f"k{tag}ExpAvgSqLevels", fmt.exp_avg_sq_levels),
+            array(f"k{tag}ExpAvgThresholds", _spec.thresholds(fmt.exp_avg_levels, False)),
+            array(f"k{tag}ExpAvgSqThresholds", _spec.thresholds(fmt.exp_avg_sq_levels, True)),
         ]
-    lines += [f"constexpr bool kFp16SqrtSecondMoment = {'true' if _spec.FP16_SQRT_SECOND_MOMENT else 'false'};",
+    lines += [f"constexpr float kExpAvgSnap = {_spec.EXP_AVG_SNAP.hex()}f;",
+              f"constexpr bool kFp16SqrtSecondMoment = {'true' if _spec.FP16_SQRT_SECOND_MOMENT else 'false'};",
               "}  // namespace spec", "}  // namespace ort_optim", ""]
     return "\n".join(lines)
 

@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import (FP16_LIMIT, LOW_BIT_FORMATS, QUANT_BLOCK, LowBitFormat, low_bit_format, midpoints, num_blocks,
-                     splitmix64)
+from .._spec import (EXP_AVG_SNAP, MIN_SCALE, FP16_LIMIT, LOW_BIT_FORMATS, QUANT_BLOCK, LowBitFormat, low_bit_format, num_blocks,
+                     splitmix64, thresholds)
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -71,13 +71,9 @@ def decode_table(fmt: LowBitFormat, second_moment: bool) -> torch.Tensor:
     return torch.cat([levels, -levels])
 
 
-def _round_up_to(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 values rounded toward +inf to the nearest value of dtype (float32 or bfloat16), as float32."""
-    if dtype == torch.float32:
-        return amax
-    bits = amax.view(torch.int32)
-    up = torch.where((bits & 0xFFFF) != 0, bits + 0x10000, bits) & ~0xFFFF
-    return torch.where(torch.isfinite(amax), up.view(torch.float32), amax)
+def _round_to(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 values rounded to nearest even in dtype (float32 or bfloat16), as float32."""
+    return amax.to(dtype).float()
 
 
 def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,14 +84,17 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
     u = sqrt_f32(x) if second_moment else x
     blocks = torch.nn.functional.pad(u, (0, -n % fmt.block)).view(-1, fmt.block)
     amax = blocks.abs().amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
-    scales = _round_up_to(amax, fmt.scale_dtype)
+    scales = _round_to(amax, fmt.scale_dtype)
+    scales = torch.where(scales < MIN_SCALE, torch.zeros_like(scales), scales)  # (NaN compares False: kept)
     scales = torch.where(torch.isfinite(scales), scales, torch.full_like(scales, math.nan))
     usable = (scales > 0) & torch.isfinite(scales)
     inv = torch.where(usable, 1.0 / torch.where(usable, scales, torch.ones_like(scales)), torch.zeros_like(scales))
     a = blocks.abs() * inv[:, None]
+    if not second_moment:
+        a = a * EXP_AVG_SNAP  # toward zero, up to float32 noise (ort_optim._spec.EXP_AVG_SNAP)
     a = torch.where(a < 1.0, a, torch.ones_like(a))
-    thresholds = torch.tensor(midpoints(_levels(fmt, second_moment)), dtype=torch.float32)
-    codes = torch.searchsorted(thresholds, a.reshape(-1).contiguous(), right=True).view_as(a)
+    bounds = torch.tensor(thresholds(_levels(fmt, second_moment), second_moment), dtype=torch.float32)
+    codes = torch.searchsorted(bounds, a.reshape(-1).contiguous(), right=True).view_as(a)
     if not second_moment:
         codes = codes | (((blocks < 0) & (codes > 0)).long() << (fmt.bits - 1))
     codes = torch.where(torch.isnan(scales)[:, None], torch.zeros_like(codes), codes)  # a NaN block: all codes 0
