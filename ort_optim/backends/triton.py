@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import QUANT_BLOCK, Q4, Q8, LowBitFormat, midpoints
+from .._spec import EXP_AVG_SNAP, MIN_SCALE, QUANT_BLOCK, Q4, Q8, LowBitFormat, thresholds
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
 BLOCK = 1024
@@ -105,6 +105,11 @@ def warn_unavailable() -> None:
 _kernels_module = None
 
 
+def _check_spec(module) -> None:
+    if (module.EXP_AVG_SNAP.value, module.MIN_SCALE.value) != (EXP_AVG_SNAP, MIN_SCALE):
+        raise RuntimeError("ort_optim: triton_kernels' low-bit constants differ from ort_optim._spec's")
+
+
 def kernels():
     """The module with the @triton.jit kernels (imports triton on first call)."""
     global _kernels_module
@@ -120,6 +125,7 @@ def kernels():
             reason = broken_interpreter_reason()
             if reason is not None:
                 raise RuntimeError(f"ort_optim: refusing to run Triton's interpreter: {reason}")
+        _check_spec(triton_kernels)
         _kernels_module = triton_kernels
     return _kernels_module
 
@@ -317,8 +323,8 @@ def _lut(fmt: LowBitFormat, device: torch.device) -> torch.Tensor:
             raise RuntimeError(f"ort_optim: the Triton kernels need 2**(bits-1) exp_avg and 2**bits exp_avg_sq levels "
                                f"in the {fmt.name} format, got {len(m_levels)} and {len(v_levels)}")
         inf = float("inf")  # padding of the midpoint lists to 2**k entries: never probed
-        values = (m_levels + [-x for x in m_levels] + v_levels + list(midpoints(tuple(m_levels))) + [inf]
-                  + list(midpoints(tuple(v_levels))) + [inf])
+        values = (m_levels + [-x for x in m_levels] + v_levels + list(thresholds(tuple(m_levels), False)) + [inf]
+                  + list(thresholds(tuple(v_levels), True)) + [inf])
         host = torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda")
         table = host.to(device, non_blocking=True) if device.type == "cuda" else host
         if _capturing(device):

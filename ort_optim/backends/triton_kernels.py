@@ -14,7 +14,7 @@ covers any number of tensors. The math is the one of ops/README.md, in the CPU k
 * fp16 moment states are quantised per 1024-element block with the power-of-two rule of ops/README.md; a scaled
   fp16 second moment holds sqrt(v) (``_spec.FP16_SQRT_SECOND_MOMENT``);
 * 8-bit and 4-bit moment states (``_spec.Q8``/``Q4``: uint8 codes, one scale per 256 or 128 elements) are decoded
-  with a lookup table and encoded by a binary search over the format's float32 midpoints (the count of midpoints
+  with a lookup table and encoded by a binary search over the format's float32 thresholds (the count of thresholds
   <= the normalised value: the reference's ``searchsorted(..., right=True)``), so the codes and scales are the
   reference's (``reference.quantize_low_bit``) bit for bit.
 
@@ -44,6 +44,9 @@ def _device(fn):
 
 # dtype codes of the constexpr *_DT arguments; Q8 and Q4 are the 8-bit and 4-bit moment formats (uint8 codes)
 F32, F16, BF16, F64, Q8, Q4 = 0, 1, 2, 3, 4, 5
+# _spec's constants of the low-bit encoders (asserted equal by triton.py)
+EXP_AVG_SNAP = tl.constexpr(1.0 + 2.0**-20)
+MIN_SCALE = tl.constexpr(2.0**-126)
 
 # Columns of the per-tensor table (int64). The addresses of optional tensors are 0 when absent (never read then).
 COL_PARAM, COL_EXP_AVG, COL_EXP_AVG_SQ, COL_MAX_EXP_AVG_SQ, COL_MASTER = 0, 1, 2, 3, 4
@@ -186,9 +189,9 @@ def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, DT: tl.c
 # The lookup table of a format (float32, built by triton.py from _spec's levels), for BITS = 8 or 4:
 #   [0, 2**BITS)                     exp_avg value of each code (sign-magnitude: the top bit negates)
 #   [2**BITS, 2**(BITS+1))           sqrt(v) value of each exp_avg_sq code (relative to the block's scale)
-#   [2**(BITS+1), +2**(BITS-1))      the exp_avg magnitudes' midpoints (2**(BITS-1) - 1 of them, then padding)
-#   [2**(BITS+1) + 2**(BITS-1), +2**BITS)  the exp_avg_sq midpoints (2**BITS - 1, then padding)
-# A full binary tree of 2**k - 1 sorted midpoints: k probes find #{midpoints <= a}.
+#   [2**(BITS+1), +2**(BITS-1))      exp_avg thresholds (_spec.thresholds: 2**(BITS-1) - 1 of them, then padding)
+#   [2**(BITS+1) + 2**(BITS-1), +2**BITS)  exp_avg_sq thresholds (the midpoints: 2**BITS - 1, then padding)
+# A full binary tree of 2**k - 1 sorted thresholds: k probes find #{thresholds <= a}.
 
 
 @_device
@@ -221,9 +224,10 @@ def _load_low_bit(addr, scale_addr, lut_ptr, offs, mask, DT: tl.constexpr, SECON
 def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, DT: tl.constexpr, SECOND: tl.constexpr,
                    BLOCK: tl.constexpr):
     """Encodes float32 values x (v for SECOND: its square root is coded) into an 8-bit or 4-bit state and its
-    scales, as reference.quantize_low_bit: per block the scale is the absolute maximum (rounded up to bfloat16 for
-    4-bit), NaN for a block with an inf or NaN (whose codes are then 0); the code of a normalised value
-    a = min(|x| * (1/s), 1) is the count of midpoints <= a, with the sign bit for a negative exp_avg."""
+    scales, as reference.quantize_low_bit: per block the scale is the absolute maximum (rounded to nearest bfloat16
+    for 4-bit; 0 below float32's smallest normal), NaN for a block with an inf or NaN (whose codes are then 0); the
+    code of a normalised value a = min(|x| * (1/s) (* EXP_AVG_SNAP for exp_avg), 1) is the count of the format's
+    thresholds <= a (_spec.thresholds), with the sign bit for a negative exp_avg."""
     if DT == 4:
         QB: tl.constexpr = 256
         BITS: tl.constexpr = 8
@@ -242,14 +246,15 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, DT: tl.constexpr, S
     bad = m2 & ((u2 != u2) | (au == float("inf")))
     block_bad = tl.max(bad.to(tl.int32), axis=1) > 0
     amax = tl.max(tl.where(m2 & (au == au), au, 0.0), axis=1)
-    if DT == 5:  # round up to bfloat16 (toward +inf; amax >= 0), so every normalised value stays <= 1
-        b = amax.to(tl.int32, bitcast=True)
-        b = tl.where((b & 0xFFFF) != 0, b + 0x10000, b) & -65536
-        amax = b.to(tl.float32, bitcast=True)
+    if DT == 5:  # the scale is stored in bfloat16: rounded to nearest even (may overflow to inf)
+        amax = (_bf16_bits(amax).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    amax = tl.where(amax < MIN_SCALE, 0.0, amax)  # a subnormal maximum: a zero block
     s = tl.where(block_bad | (amax == float("inf")), float("nan"), amax)
     usable = s > 0.0  # false for NaN
     inv = tl.where(usable, (1.0 / tl.where(usable, s, 1.0).to(tl.float64)).to(tl.float32), 0.0)
     a = au * inv[:, None]
+    if not SECOND:
+        a = a * EXP_AVG_SNAP  # exp_avg rounds toward zero, up to float32 noise (_spec.EXP_AVG_SNAP)
     a = tl.where(a < 1.0, a, 1.0)
     if SECOND:
         LEVEL_BITS: tl.constexpr = BITS
