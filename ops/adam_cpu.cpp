@@ -652,7 +652,7 @@ void check_scales(const at::TensorList& scales, const at::TensorList& states, si
   if (t.scalar_type() == at::kHalf) {
     const int64_t blocks = (t.numel() + kBlock - 1) / kBlock;
     TORCH_CHECK(s.scalar_type() == at::kFloat && s.numel() == blocks, "ort_optim::adam_step_: ", name, "[", i,
-                "] must be a float32 tensor of ", blocks, " block scales for a float16 state");
+                "] must be a contiguous float32 tensor of ", blocks, " block scales on the state's device");
     return;
   }
   TORCH_CHECK(s.scalar_type() == at::kFloat || s.scalar_type() == at::kBFloat16, "ort_optim::adam_step_: ", name,

@@ -198,10 +198,23 @@ class FusedAdam(torch.optim.Optimizer):
         maximize: ascend instead of descend (default False).
         master_weights: keep an fp32 master copy (``state['master_param']``) of fp16/bf16 params; the update is done
             on the master and the param receives it rounded to nearest even (default False).
-        exp_avg_dtype, exp_avg_sq_dtype: storage dtype of the moments: torch.float32, torch.bfloat16 or
-            torch.float16 (default None: float32 for fp16/bf16 params with master weights, else the param's dtype;
-            float64 params always keep float64 states). fp16 moments are stored with one power-of-two scale per
-            1024 elements, so they neither overflow nor flush to zero.
+        exp_avg_dtype, exp_avg_sq_dtype: storage dtype of the moments: torch.float32, torch.bfloat16,
+            torch.float16, torch.uint8 (8-bit) or torch.uint4 (4-bit), in any combination (default None: float32 for
+            fp16/bf16 params with master weights, else the param's dtype; float64 params always keep float64
+            states). fp16 moments are stored with one power-of-two scale per 1024 elements (exp_avg_sq as
+            sqrt(v)), so they neither overflow nor flush to zero. 8-bit and 4-bit moments are block-quantised
+            codes (``state[key]``, uint8; 4-bit packed two per byte, flat) with block scales in
+            ``state[key + '_scale']``: m and v together take 2.03 (8-bit) or 1.03 (4-bit) bytes per parameter
+            instead of 8, the second moment can never read as 0 (no exploding updates), exp_avg rounds toward zero
+            (ops/README.md, "low-bit states"). bf16 params without masters + 4-bit moments: 3.03 bytes per
+            parameter in all; + 8-bit: 4.03 (fp32 AdamW: 12 with its params). Checkpoints stay canonical (unscaled
+            float32) and load into any of these formats.
+        stochastic_rounding: round the update of bfloat16 params (without master weights; refused with
+            master_weights=True, no effect on other dtypes) stochastically instead of to nearest, so that updates
+            smaller than half a bfloat16 ulp still accumulate on average (default False; a param-group option).
+            The random bits are a counter-based hash of (stochastic_rounding_seed, the param's step, its position
+            over all param groups, the element index): deterministic, and a resumed run continues exactly.
+        stochastic_rounding_seed: an int in [0, 2**64) (default 0; a param-group option, saved in checkpoints).
         max_grad_norm: when set, clip the gradients by their global L2 norm over all params (default None), inside
             the fused step, after unscaling.
         capturable: promise that step() will be captured in a CUDA graph (default False). Steps and bias
