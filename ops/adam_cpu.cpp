@@ -508,21 +508,29 @@ std::vector<TensorWork> state_work(at::TensorList params, const StateLists& s) {
   return work;
 }
 
+struct Scaling;
+
 struct StepOptions {
   double lr, beta1, beta2, eps, weight_decay;
   int64_t mode;
   bool bias_correction, maximize;
   c10::optional<at::Tensor> lr_tensor, inv_grad_scale, found_inf;
+  // Set by AdamPlan::step_scaled (then inv_grad_scale is empty): the gradients are unscaled and clipped by a
+  // multiplier computed from their statistics, and the step is skipped on inf/NaN (see "gradient statistics").
+  Scaling* scaling = nullptr;
 };
+
+c10::optional<double> scaled_grad_multiplier(Scaling& scaling, const std::vector<TensorWork>& work,
+                                             const std::vector<WorkItem>& items, bool found_inf);
 
 // The step itself: params[i] and grads[i] are validated, work[i] holds their states. Writes nothing when skipped.
 void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
             const std::vector<const at::Tensor*>& params, const std::vector<const at::Tensor*>& grads,
             double* steps, bool is_double, bool amsgrad, const StepOptions& o) {
   TORCH_CHECK(o.mode >= 0 && o.mode <= 2, "ort_optim::adam_step_: adam_w_mode must be 0, 1 or 2, got ", o.mode);
-  if (o.found_inf.has_value() && scalar_value(o.found_inf, "found_inf") != 0.0) return;  // skipped
-  const double grad_mul = (o.inv_grad_scale.has_value() ? scalar_value(o.inv_grad_scale, "inv_grad_scale") : 1.0) *
-                          (o.maximize ? -1.0 : 1.0);
+  const bool found_inf = o.found_inf.has_value() && scalar_value(o.found_inf, "found_inf") != 0.0;
+  if (found_inf && o.scaling == nullptr) return;  // skipped (a scaled step still reports the gradients' norm)
+  double grad_mul = o.inv_grad_scale.has_value() ? scalar_value(o.inv_grad_scale, "inv_grad_scale") : 1.0;
   const double lr = o.lr_tensor.has_value() ? scalar_value(o.lr_tensor, "lr_tensor") : o.lr;
 
   // Non-contiguous params and grads are processed through contiguous copies; params are copied back at the end.
@@ -558,6 +566,12 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     w.step_size = step_size;
     w.bc2_sqrt = bc2_sqrt;
   }
+  if (o.scaling != nullptr) {
+    const c10::optional<double> multiplier = scaled_grad_multiplier(*o.scaling, work, items, found_inf);
+    if (!multiplier.has_value()) return;  // skipped: nothing written, the contiguous copies are dropped
+    grad_mul = *multiplier;
+  }
+  if (o.maximize) grad_mul = -grad_mul;
   const Hyper h{lr, o.beta1, o.beta2, o.eps, o.weight_decay, grad_mul, o.mode};
   if (is_double) {
     dispatch_adam<double>(work, items, h, amsgrad);
@@ -652,15 +666,62 @@ class SquareSum {
 #endif
 };
 
+// The sum of squares of elements [begin, end) of one array of any float dtype, in SquareSum's lanes.
+double square_sum(const void* data, at::ScalarType type, int64_t begin, int64_t end) {
+  SquareSum sum;
+  if (type == at::kDouble) {
+    sum.add(static_cast<const double*>(data) + begin, end - begin);
+  } else if (type == at::kFloat) {
+    sum.add(static_cast<const float*>(data) + begin, end - begin);
+  } else {
+    float buf[kBlock];
+    const char* base = static_cast<const char*>(data);
+    const size_t esize = c10::elementSize(type);
+    for (int64_t off = begin; off < end; off += kBlock) {
+      const int64_t len = std::min(kBlock, end - off);
+      load<float>(base + off * esize, type, len, buf, 1.0f);
+      sum.add(buf, len);
+    }
+  }
+  return sum.total();
+}
+
+// The sum of squares over work items: one SquareSum per item, the items' sums added in item order, so the result
+// depends neither on the thread count nor on who asked (grad_stats, or a plan's scaled step over the same tensors).
+// source(t) gives tensor t's data pointer and dtype.
+template <typename Source>
+double sum_of_squares(const std::vector<WorkItem>& items, Source source) {
+  std::vector<double> partial(items.size(), 0.0);
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const WorkItem& item = items[i];
+      if (i + 1 < end) {
+        const auto [next, next_type] = source(items[i + 1].tensor);
+        prefetch_range(next, c10::elementSize(next_type), items[i + 1].begin, items[i + 1].end);
+      }
+      const auto [data, type] = source(item.tensor);
+      partial[i] = square_sum(data, type, item.begin, item.end);
+    }
+  });
+  double total = 0.0;
+  for (double p : partial) total += p;  // fixed order: deterministic whatever the thread count
+  return total;
+}
+
+// A float64 total as grad_stats' float32 pair: [sum of squares, 1.0 if it is not finite]. A sum above float32's
+// range is +inf (a plain conversion would throw "cannot be converted to type float without overflow" for finite
+// gradients around 2e19 and larger); NaN stays NaN.
+std::pair<float, bool> float_stats(double total) {
+  const float sum = total > double(std::numeric_limits<float>::max()) ? std::numeric_limits<float>::infinity()
+                                                                       : float(total);
+  return {sum, !std::isfinite(total)};
+}
+
 // grad_stats over validated dense CPU tensors of float dtypes.
 at::Tensor grad_stats_of(const std::vector<const at::Tensor*>& tensors) {
   // Resolved before the parallel region, like the Adam step's TensorWork: the loop then reads no tensor metadata.
-  struct Source {
-    const void* data;
-    at::ScalarType type;
-  };
   std::vector<at::Tensor> copies;  // contiguous stand-ins for non-contiguous tensors
-  std::vector<Source> sources;
+  std::vector<std::pair<const void*, at::ScalarType>> sources;
   std::vector<int64_t> numels;
   sources.reserve(tensors.size());
   numels.reserve(tensors.size());
@@ -670,46 +731,46 @@ at::Tensor grad_stats_of(const std::vector<const at::Tensor*>& tensors) {
       copies.push_back(t->contiguous());
       data = copies.back().data_ptr();
     }
-    sources.push_back({data, t->scalar_type()});
+    sources.emplace_back(data, t->scalar_type());
     numels.push_back(t->numel());
   }
-  const std::vector<WorkItem> items = make_work_items(numels);
-  std::vector<double> partial(items.size(), 0.0);
-  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
-    float buf[kBlock];
-    for (int64_t i = begin; i < end; ++i) {
-      const WorkItem& item = items[i];
-      const Source& src = sources[item.tensor];
-      if (i + 1 < end) {
-        const Source& next = sources[items[i + 1].tensor];
-        prefetch_range(next.data, c10::elementSize(next.type), items[i + 1].begin, items[i + 1].end);
-      }
-      SquareSum sum;
-      if (src.type == at::kDouble) {
-        sum.add(static_cast<const double*>(src.data) + item.begin, item.end - item.begin);
-      } else if (src.type == at::kFloat) {
-        sum.add(static_cast<const float*>(src.data) + item.begin, item.end - item.begin);
-      } else {
-        const char* base = static_cast<const char*>(src.data);
-        const size_t esize = c10::elementSize(src.type);
-        for (int64_t off = item.begin; off < item.end; off += kBlock) {
-          const int64_t len = std::min(kBlock, item.end - off);
-          load<float>(base + off * esize, src.type, len, buf, 1.0f);
-          sum.add(buf, len);
-        }
-      }
-      partial[i] = sum.total();
-    }
-  });
-  double total = 0.0;
-  for (double p : partial) total += p;  // fixed order: deterministic whatever the thread count
+  const auto [sum, nonfinite] =
+      float_stats(sum_of_squares(make_work_items(numels), [&](int64_t t) { return sources[t]; }));
   at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kFloat));
-  // A sum above float32's range is +inf (out[0] = total would throw "cannot be converted to type float without
-  // overflow" for finite gradients around 2e19 and larger); NaN stays NaN.
-  float* o = out.data_ptr<float>();
-  o[0] = total > double(std::numeric_limits<float>::max()) ? std::numeric_limits<float>::infinity() : float(total);
-  o[1] = std::isfinite(total) ? 0.0f : 1.0f;
+  out.data_ptr<float>()[0] = sum;
+  out.data_ptr<float>()[1] = nonfinite ? 1.0f : 0.0f;
   return out;
+}
+
+// Loss-scale unscaling, the inf/NaN check and global-norm clipping of a plan's scaled step, computed on the host from
+// the gradients' statistics with no tensor ops. The arithmetic is FusedAdam._scaling's, in float32 and in torch's
+// order (max_norm / x is reciprocal(x) * max_norm there), so both paths multiply the gradients by the same bits.
+struct Scaling {
+  c10::optional<double> grad_scale, max_grad_norm;  // inputs (FusedAdam's step(grad_scale=...) and max_grad_norm)
+  float norm = 0.0f;  // output: the global L2 norm of the unscaled gradients, before clipping
+  bool skip = false;  // output: the step was skipped (inf/NaN gradients, an overflowing unscale, or found_inf)
+};
+
+// The multiplier of every gradient (1/grad_scale times the clip coefficient), or nothing when the step must be
+// skipped; sets scaling's outputs.
+c10::optional<double> scaled_grad_multiplier(Scaling& scaling, const std::vector<TensorWork>& work,
+                                             const std::vector<WorkItem>& items, bool found_inf) {
+  const auto [sum, nonfinite] = float_stats(sum_of_squares(items, [&](int64_t t) {
+    return std::make_pair(work[t].grad, work[t].grad_type);
+  }));
+  float inv = 1.0f;
+  if (scaling.grad_scale.has_value()) inv = 1.0f / float(*scaling.grad_scale);
+  // Every |g| / grad_scale <= norm, so a finite norm proves that unscaling stays finite (traps.md #14). The square
+  // root is torch's own (a one-element tensor op, as in _scaling): torch's CPU float sqrt is not always correctly
+  // rounded (MKL's vector math), and std::sqrt would then differ from it in the last bit.
+  scaling.norm = at::scalar_tensor(sum, at::TensorOptions().dtype(at::kFloat)).sqrt().item<float>() * inv;
+  if (scaling.max_grad_norm.has_value()) {
+    const float coef = (1.0f / (scaling.norm + 1e-6f)) * float(*scaling.max_grad_norm);
+    inv = inv * (coef > 1.0f ? 1.0f : coef);  // torch.clamp(max=1.0): NaN stays NaN (and the step is skipped)
+  }
+  scaling.skip = nonfinite || !std::isfinite(scaling.norm) || found_inf;
+  if (scaling.skip) return c10::nullopt;
+  return double(inv);
 }
 
 at::Tensor grad_stats_cpu(at::TensorList tensors) {
@@ -855,6 +916,29 @@ class AdamPlan : public torch::CustomClassHolder {
   std::vector<WorkItem> items_;
   std::vector<const at::Tensor*> param_pointers_;
   std::vector<int64_t> sizes_, size_offsets_;  // each param's shape when the plan was made
+
+ public:
+  // step() with loss-scale unscaling, the inf/NaN check and global-norm clipping: one call reads the gradients'
+  // metadata once, sums their squares, computes the multiplier on the host (FusedAdam._scaling's float32 math, no
+  // tensor ops) and steps unless it must skip. Returns float32 [unscaled global norm, 1.0 if skipped], or an empty
+  // tensor (nothing written) where ready() would be false.
+  at::Tensor step_scaled(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
+                         bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
+                         c10::optional<double> grad_scale, c10::optional<double> max_grad_norm,
+                         c10::optional<at::Tensor> found_inf) {
+    std::vector<const at::Tensor*> grads;
+    if (!collect_grads(grads)) return at::empty({0}, at::TensorOptions().dtype(at::kFloat));
+    Scaling scaling{grad_scale, max_grad_norm};
+    StepOptions options{lr,       beta1,     beta2,        eps,      weight_decay, mode, bias_correction,
+                        maximize, lr_tensor, c10::nullopt, found_inf};
+    options.scaling = &scaling;
+    update(work_, items_, param_pointers_, grads, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
+           options);
+    at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kFloat));
+    out.data_ptr<float>()[0] = scaling.norm;
+    out.data_ptr<float>()[1] = scaling.skip ? 1.0f : 0.0f;
+    return out;
+  }
 };
 
 }  // namespace
@@ -873,7 +957,8 @@ TORCH_LIBRARY_FRAGMENT(ort_optim, m) {
                        std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, std::vector<at::Tensor>>())
       .def("ready", &AdamPlan::ready)
       .def("step", &AdamPlan::step)
-      .def("grad_stats", &AdamPlan::grad_stats);
+      .def("grad_stats", &AdamPlan::grad_stats)
+      .def("step_scaled", &AdamPlan::step_scaled);
 }
 
 }  // namespace ort_optim

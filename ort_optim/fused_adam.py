@@ -556,6 +556,8 @@ class FusedAdam(torch.optim.Optimizer):
         if not launches:
             self._last_found_inf = None
             return True
+        if self._scaled_in_plan(launches, grad_scale, found_inf):
+            return self._scaled_plan_step(launches[0], grad_scale, found_inf)
         try:
             scaling = self._scaling(launches, grad_scale, found_inf)
         except RuntimeError:
@@ -568,13 +570,8 @@ class FusedAdam(torch.optim.Optimizer):
         for launch in launches:
             group, bucket = launch.group, launch.bucket
             device = bucket.params[0].device
-            lr = group["lr"]
-            lr_tensor = lr if isinstance(lr, torch.Tensor) else None
             hyper = dict(
-                lr=0.0 if lr_tensor is not None else float(lr), beta1=float(group["betas"][0]),
-                beta2=float(group["betas"][1]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                adam_w_mode=int(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
-                maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
+                self._hyperparameters(group),
                 inv_grad_scale=None if inv_grad_scale is None else inv_grad_scale[device],
                 found_inf=None if found_inf is None else found_inf.to(device, non_blocking=True),
             )
@@ -591,6 +588,46 @@ class FusedAdam(torch.optim.Optimizer):
             except RuntimeError:
                 self._name_offending_param()
                 raise
+        return True
+
+    @staticmethod
+    def _hyperparameters(group: dict) -> dict:
+        """A group's hyperparameters as the op's keyword arguments (all but inv_grad_scale and found_inf)."""
+        lr = group["lr"]
+        lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+        return dict(
+            lr=0.0 if lr_tensor is not None else float(lr), beta1=float(group["betas"][0]),
+            beta2=float(group["betas"][1]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+            adam_w_mode=int(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
+            maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
+        )
+
+    def _scaled_in_plan(self, launches: list[_Launch], grad_scale, found_inf) -> bool:
+        """Whether unscaling and clipping can run inside one native plan call (AdamPlan.step_scaled): a lone plan
+        launch, with grad_scale and found_inf on the host. That saves a second pass over the gradients' metadata and
+        _scaling's tensor ops, which with thousands of small tensors cost more than their bytes."""
+        if len(launches) != 1 or launches[0].grads is not None:
+            return False
+        if grad_scale is None and self.max_grad_norm is None:
+            return False
+        return all(not isinstance(t, torch.Tensor) or (t.device.type == "cpu" and t.numel() == 1)
+                   for t in (grad_scale, found_inf))
+
+    def _scaled_plan_step(self, launch: _Launch, grad_scale, found_inf) -> bool:
+        """_launch for a lone plan launch with unscaling or clipping (see _scaled_in_plan): same bits as _scaling
+        followed by the plan's step."""
+        try:
+            result = launch.bucket.native.step_scaled(
+                **self._hyperparameters(launch.group),
+                grad_scale=None if grad_scale is None else float(grad_scale),  # a host value: no device sync
+                max_grad_norm=self.max_grad_norm, found_inf=found_inf,
+            )
+        except RuntimeError:
+            self._name_offending_param()
+            raise
+        if result is None:
+            return False
+        self._last_found_inf = result[1:]
         return True
 
     def _scaling(self, launches: list[_Launch], grad_scale, found_inf):

@@ -148,6 +148,18 @@ class AdamPlan:
         return self._plan.step(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize,
                                lr_tensor, inv_grad_scale, found_inf)
 
+    def step_scaled(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                    adam_w_mode: int, bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
+                    grad_scale: Optional[float] = None, max_grad_norm: Optional[float] = None,
+                    found_inf: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """:meth:`step` that unscales by ``grad_scale``, checks for inf/NaN and clips to ``max_grad_norm`` itself,
+        from one pass of :func:`grad_stats` over the gradients (the multiplier and the skip decision are computed on
+        the host, in FusedAdam's float32 arithmetic). Returns float32 ``[global norm of the unscaled gradients,
+        1.0 if the step was skipped]``, or None, with nothing written, where :meth:`step` would return False."""
+        out = self._plan.step_scaled(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize,
+                                     lr_tensor, grad_scale, max_grad_norm, found_inf)
+        return out if out.numel() else None
+
     def grad_stats(self) -> Optional[torch.Tensor]:
         """:func:`grad_stats` of the params' current gradients; None, like ``ready()`` being False, if a param has no
         gradient or an idle param has one."""
