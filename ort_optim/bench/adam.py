@@ -11,7 +11,7 @@ import torch
 
 from .. import backends
 from ..fused_adam import AdamWMode, FusedAdam
-from .common import WORKLOADS, make_params, rows, time_interleaved
+from .common import WORKLOADS, make_params, rows, time_after_probe, time_interleaved
 
 def _deepspeed_cpu_adam(params) -> Optional[torch.optim.Optimizer]:
     try:
@@ -54,6 +54,10 @@ def bench_mixed(names: list[str], quick: bool, reps: int) -> list[dict]:
     Composite (the usual way with torch ops): copy grads into fp32 master grads, unscale and check with
     torch._amp_foreach_non_finite_check_and_unscale_, clip_grad_norm_(foreach=True), fused AdamW on the masters,
     copy the masters back into the low-precision params.
+
+    Each step runs right after a cold 512 MB ``x.mul_(c)`` probe (bench.common.time_after_probe), as in training,
+    where forward and backward evict the caches; ``of_probe`` is the step's bandwidth at its bytes per element as a
+    fraction of that probe's.
     """
     result = []
     scale = 1024.0
@@ -81,14 +85,17 @@ def bench_mixed(names: list[str], quick: bool, reps: int) -> list[dict]:
                     torch_opt.step()
                     torch._foreach_copy_(params, masters)
 
-            medians = time_interleaved(
-                {"ort_optim.FusedAdam": lambda: ours.step(grad_scale=scale), "torch composite": composite},
-                warmup=2, reps=reps)
             # Fused: read g twice (norm, update) + p16 write + master, m, v read+write = 2*2 + 2 + 24 = 30 B/elem.
             # Composite: grad copy 2+4, unscale 4+4, clip norm 4 + scale 4+4, AdamW 16+12, copy back 4+2 = 60.
-            result += rows(f"mixed {str(dtype).replace('torch.', '')} params", name, len(params), numel, medians,
-                          bytes_per_element={"ort_optim.FusedAdam": 30, "torch composite": 60},
-                          state_bytes={"ort_optim.FusedAdam": 12, "torch composite": 16})
+            moved = {"ort_optim.FusedAdam": 30, "torch composite": 60}
+            medians, of_probe, probe_GBps = time_after_probe(
+                {"ort_optim.FusedAdam": lambda: ours.step(grad_scale=scale), "torch composite": composite},
+                {impl: per_element * numel for impl, per_element in moved.items()}, quick, warmup=2, reps=reps)
+            section = rows(f"mixed {str(dtype).replace('torch.', '')} params", name, len(params), numel, medians,
+                           bytes_per_element=moved, state_bytes={"ort_optim.FusedAdam": 12, "torch composite": 16})
+            for row in section:  # its bandwidth as a fraction of the cold in-place probe's, run just before it
+                row.update(probe_GBps=probe_GBps, of_probe=of_probe[row["impl"]])
+            result += section
     return result
 
 
