@@ -11,13 +11,15 @@ PYTEST_ARGS ?=
 
 setup: setup-ort setup-latest
 
+# Quiet: make_env.sh prints a line per stage (tool output goes to a log under the environment cache) and the build
+# one line, so the recipes themselves are not echoed.
 setup-ort:
-	tools/make_env.sh ort-stack
-	.venv/bin/python -m ort_optim.build
+	@tools/make_env.sh ort-stack
+	@.venv/bin/python -m ort_optim.build
 
 setup-latest:
-	tools/make_env.sh latest
-	.venv-latest/bin/python -m ort_optim.build
+	@tools/make_env.sh latest
+	@.venv-latest/bin/python -m ort_optim.build
 
 demo: setup-ort
 	.venv/bin/python guides/examples/gpt.py

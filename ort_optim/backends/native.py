@@ -8,8 +8,10 @@ between backends is :mod:`ort_optim.backends`' job, not this module's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import io
 import os
 import platform
 import warnings
@@ -54,7 +56,10 @@ def build_dir() -> Path:
 
 def build(verbose: bool = False) -> Path:
     """Compiles ops/ with torch.utils.cpp_extension (idempotent) and returns the library's path."""
-    from torch.utils.cpp_extension import load
+    with contextlib.redirect_stderr(io.StringIO()) if not verbose else contextlib.nullcontext():
+        # Importing cpp_extension on a CUDA build of torch without a GPU prints "No CUDA runtime is found, using
+        # CUDA_HOME=...": noise for a CPU-only library (and the one line beside `make setup`'s own).
+        from torch.utils.cpp_extension import load
 
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
