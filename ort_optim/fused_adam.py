@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
 from . import _checkpoint, _spec, backends
+from ._backward_step import BackwardStep
 from ._checkpoint import MOMENT_KEYS
 from ._spec import LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
 
@@ -234,6 +236,7 @@ class FusedAdam(torch.optim.Optimizer):
         exp_avg_sq_dtype: Optional[torch.dtype] = None,
         max_grad_norm: Optional[float] = None,
         capturable: bool = False,
+        step_in_backward: bool = False,
     ):
         _check_dtype_option("exp_avg_dtype", exp_avg_dtype)
         _check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
@@ -252,11 +255,22 @@ class FusedAdam(torch.optim.Optimizer):
         self.capturable = capturable
         self._plans: dict[int, _GroupPlan] = {}
         self._last_found_inf: Optional[torch.Tensor] = None
+        self.step_in_backward = step_in_backward
+        self._backward: Optional[BackwardStep] = None
+        if step_in_backward and max_grad_norm is not None:
+            raise ValueError(
+                f"max_grad_norm={max_grad_norm} clips by the norm of all gradients, but step_in_backward=True updates "
+                "each parameter as soon as its own gradient is complete, before the others exist. Use "
+                "step_in_backward=False to clip, or leave max_grad_norm=None"
+            )
         super().__init__(params, defaults)
+        if step_in_backward:
+            self._watch_backward()
 
     # Constructor options that torch.optim.Optimizer's pickling (copy.deepcopy, torch.save of the optimizer) would
     # otherwise drop: it keeps only defaults, state and param_groups.
-    _OPTIONS = ("set_grad_none", "master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm", "capturable")
+    _OPTIONS = ("set_grad_none", "master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm", "capturable",
+                "step_in_backward")
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -264,9 +278,42 @@ class FusedAdam(torch.optim.Optimizer):
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state.setdefault("step_in_backward", False)
         super().__setstate__(state)
         self._plans = {}  # caches (native plans cannot be copied): rebuilt at the next step
         self._last_found_inf = None
+        self._backward = None
+        if self.step_in_backward:  # hooks on the copy's own params
+            self._watch_backward()
+
+    def _watch_backward(self) -> None:
+        """step_in_backward: hooks every param (ort_optim/_backward_step.py)."""
+        self._check_no_shared_memory()
+        self._backward = BackwardStep(self)
+        for group_index, group in enumerate(self.param_groups):
+            self._backward.watch(group_index, group)
+
+    def _check_no_shared_memory(self) -> None:
+        """step_in_backward refuses params that share memory up front: per-parameter updates would update the shared
+        elements several times, and no step() sees all gradients at once to check it."""
+        overlap = _find_overlap([(group_index, index, p) for group_index, group in enumerate(self.param_groups)
+                                 for index, p in enumerate(group["params"])])
+        if overlap is not None:
+            raise ValueError(f"{_describe(*overlap[0])} shares memory with "
+                             f"{_describe(*overlap[1]) if overlap[1] else 'itself'}: step_in_backward=True would "
+                             "update the shared elements several times. Give each parameter its own memory")
+
+    def accumulate(self):
+        """A context manager for gradient accumulation with ``step_in_backward=True``: backward calls inside it only
+        accumulate gradients; the next backward outside it updates each parameter with the sum, as ``step()`` would
+        have after all of them. Without step_in_backward it changes nothing (gradients accumulate anyway)::
+
+            for i, batch in enumerate(micro_batches):
+                with optimizer.accumulate() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                    model(batch).loss.backward()
+            optimizer.step()  # updates only the params whose hooks did not fire
+        """
+        return self._backward.accumulate() if self._backward is not None else contextlib.nullcontext()
 
     # ---- configuration ------------------------------------------------------------------------------------------
 
@@ -289,6 +336,13 @@ class FusedAdam(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         self._plans.clear()
+        if self._backward is not None:
+            try:
+                self._check_no_shared_memory()
+            except ValueError:
+                self.param_groups.pop()
+                raise
+            self._backward.watch(group_index, group)
 
     def _state_layout(self, p: torch.Tensor) -> tuple[torch.dtype, torch.dtype, bool]:
         """(exp_avg dtype, exp_avg_sq dtype, has master) for a parameter."""
@@ -481,6 +535,12 @@ class FusedAdam(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
+        if self._backward is not None and (grad_scale is not None or found_inf is not None):
+            raise ValueError(
+                "grad_scale/found_inf (loss scaling, torch.amp.GradScaler) need every gradient before the first "
+                "update, but step_in_backward=True already updated each parameter during backward. Use "
+                "step_in_backward=False with loss scaling (or bf16 autocast, which needs none)"
+            )
         for group_index, group in enumerate(self.param_groups):
             _check_hyperparameters(group, f"param_groups[{group_index}]")
         if self.capturable:  # checked before anything changes (state creation included), like everything else
