@@ -194,6 +194,28 @@ class FusedAdam(torch.optim.Optimizer):
             corrections already live on the device and step() never synchronises; this additionally refuses what a
             graph cannot replay: an lr tensor on another device, a float grad_scale. A float lr is baked into the
             graph at capture: to change it between replays, make it a device tensor and update it in place.
+        step_in_backward: update each parameter during backward, as soon as its gradient is complete, and free the
+            gradient (default False); see below.
+
+    ``step_in_backward=True`` registers a post-accumulate-grad hook on every param that requires a gradient
+    (ort_optim/_backward_step.py). When backward has accumulated a param's gradient, the hook applies this
+    optimizer's update to that param alone (the math above, unchanged: the same kernel, per-tensor step count and
+    bias corrections, fp16 block scales; the results equal step()'s bit for bit) and sets ``p.grad = None``. The
+    model's gradients thus never all exist at once: peak memory drops by up to their size, and the update reads each
+    gradient while it is still in cache. ``step()`` then only updates params whose hook did not fire (gradients set
+    by hand, params made trainable after construction); ``zero_grad()`` is harmless. Works with every option that
+    acts per parameter (modes, amsgrad, maximize, masters, low-precision moments, lr tensors, param groups). What
+    needs every gradient before the first update is refused: ``max_grad_norm`` (ValueError here), ``grad_scale`` and
+    ``found_inf`` (ValueError from step(), which is how ``torch.amp.GradScaler`` and loss scaling come in; note
+    that by then backward has already updated the params with the scaled gradients, so fix the setup rather than
+    catching the error), and params that share memory (ValueError here). Gradient accumulation: run the backward
+    calls of all micro-batches but the last inside :meth:`accumulate`. A bad gradient or hyperparameter raises a
+    ValueError out of backward naming the param, which is left unchanged; params updated earlier in the same
+    backward stay updated. The hooks hold the optimizer weakly: a deleted optimizer updates nothing. Under ORTModule
+    (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in eager PyTorch and the updates are the same, but
+    ORT's backward hands over all the module's gradients at once, so the memory saving is only that no gradient
+    outlives its update. Differs from torch's recipe (a torch optimizer per param, stepped in a hook) in that one
+    optimizer keeps the param groups, the checkpoint layout and ``step()``.
 
     On the CPU, each bucket keeps a native plan (ops/README.md, "AdamPlan") that validated its params and states
     once; from the second step on, steps go through it and read the gradients in C++, so a step over thousands of

@@ -65,6 +65,13 @@ SCENARIOS = {
         step_kwargs=dict(grad_scale=1024.0),
         poison=lambda step, index: step in (7, 8) and index == 2,
     ),
+    "fp32-scaled-by-tensors-maximize-fp16-moments": Scenario(  # a lone plan's scaled step (AdamPlan.step_scaled)
+        lambda g: [{"params": _layouts(g, torch.float32)}],
+        options=dict(max_grad_norm=0.3, maximize=True, amsgrad=True, exp_avg_dtype=torch.float16,
+                     exp_avg_sq_dtype=torch.float16),
+        step_kwargs=dict(grad_scale=torch.tensor(4.0, dtype=torch.float64), found_inf=torch.zeros(1)),
+        poison=lambda step, index: step == 4 and index == 3,
+    ),
     "two-groups-four-buckets": Scenario(
         lambda g: [
             {"params": _layouts(g, torch.float32)[:3] + _layouts(g, torch.float16)[2:]},
@@ -98,8 +105,9 @@ SCENARIOS = {
 }
 
 
-def _run(scenario: Scenario, planned: bool, monkeypatch) -> tuple[FusedAdam, list[int]]:
-    """STEPS steps of the scenario; returns the optimizer and the number of op calls each step made."""
+def _run(scenario: Scenario, planned: bool, monkeypatch, skips: list | None = None) -> tuple[FusedAdam, list[int]]:
+    """STEPS steps of the scenario; returns the optimizer and the number of op calls each step made (and appends
+    each step's last_found_inf to skips, when given)."""
     calls = [0]
     op = backends.adam_step_
 
@@ -124,6 +132,8 @@ def _run(scenario: Scenario, planned: bool, monkeypatch) -> tuple[FusedAdam, lis
         calls.append(0)
         opt.step(**scenario.step_kwargs)
         per_step.append(calls[-1])
+        if skips is not None:
+            skips.append(None if opt.last_found_inf is None else opt.last_found_inf.clone())
     monkeypatch.undo()
     return opt, per_step
 
@@ -138,6 +148,19 @@ def test_steps_through_plans_equal_steps_through_the_op_bit_for_bit(name, monkey
     assert_same_snapshot(optimizer_snapshot(through_op), optimizer_snapshot(planned))
     assert all(calls > 0 for calls in op_calls)
     assert tuple(step for step, calls in enumerate(planned_calls) if calls) == scenario.op_steps, planned_calls
+
+
+@pytest.mark.parametrize("name", ["fp16-scaled-clipped-with-skips", "fp32-scaled-by-tensors-maximize-fp16-moments"])
+def test_a_scaled_step_through_a_plan_reports_its_skips_as_through_the_op(name, monkeypatch):
+    """last_found_inf (the skip flag) is the same tensor, step by step, whichever path unscaled and clipped."""
+    select_backend(monkeypatch, "native")
+    planned, through_op = [], []
+    _run(SCENARIOS[name], planned=True, monkeypatch=monkeypatch, skips=planned)
+    select_backend(monkeypatch, "native")
+    _run(SCENARIOS[name], planned=False, monkeypatch=monkeypatch, skips=through_op)
+    assert [s.tolist() for s in planned] == [s.tolist() for s in through_op]
+    assert [s.dtype for s in planned] == [s.dtype for s in through_op]
+    assert any(s.item() for s in planned)  # the poisoned steps were skipped
 
 
 def test_a_param_given_new_memory_is_updated_there_and_its_old_memory_is_left_alone(monkeypatch):
