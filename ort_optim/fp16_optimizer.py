@@ -410,7 +410,6 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
                     "weights; construct it with master_weights=True before the first step"
                 )
             optimizer.master_weights = True  # state is created lazily, so the masters start with the first step
-            optimizer._plans.clear()
         if max_grad_norm is not None:
             if optimizer.max_grad_norm is not None and optimizer.max_grad_norm != max_grad_norm:
                 raise ValueError(
