@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/csrc/autograd/python_variable.h>  // THPVariable_Unpack: a Python tensor's at::Tensor
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -751,17 +752,6 @@ at::Tensor grad_stats_cpu(at::TensorList tensors) {
 
 // ---- AdamPlan: one bucket's params and states, resolved once for many steps -----------------------------------
 
-// The PyObject that owns a TensorImpl (its Python tensor), whichever of the two accessors this torch has.
-template <typename Slot>
-auto owner_of(const Slot* slot, int) -> decltype(slot->load_pyobj()) {
-  return slot->load_pyobj();
-}
-template <typename Slot>
-auto owner_of(const Slot* slot, long) -> decltype(slot->_unchecked_untagged_pyobj()) {
-  return slot->_unchecked_untagged_pyobj();
-}
-const void* owner_of(const c10::TensorImpl* impl) { return owner_of(impl->pyobj_slot(), 0); }
-
 // With thousands of small tensors, converting and checking four tensor lists per call cost more than the update's
 // bytes: every tensor's metadata is cold again by the next step. A plan validates its tensors once and keeps the
 // states' data pointers, so a step reads only what may have changed. It is a cache that cannot be wrong: check(),
@@ -773,21 +763,20 @@ class AdamPlan : public torch::CustomClassHolder {
   AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
            std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> master_params,
            std::vector<at::Tensor> exp_avg_scales, std::vector<at::Tensor> exp_avg_sq_scales,
-           std::vector<at::Tensor> max_exp_avg_sq_scales, at::Tensor steps, std::vector<at::Tensor> idle_params)
-      : params_(std::move(params)),
-        exp_avgs_(std::move(exp_avgs)),
+           std::vector<at::Tensor> max_exp_avg_sq_scales, at::Tensor steps, std::vector<int64_t> param_objects,
+           std::vector<int64_t> idle_objects)
+      : exp_avgs_(std::move(exp_avgs)),
         exp_avg_sqs_(std::move(exp_avg_sqs)),
         max_exp_avg_sqs_(std::move(max_exp_avg_sqs)),
         master_params_(std::move(master_params)),
         exp_avg_scales_(std::move(exp_avg_scales)),
         exp_avg_sq_scales_(std::move(exp_avg_sq_scales)),
         max_exp_avg_sq_scales_(std::move(max_exp_avg_sq_scales)),
-        steps_(std::move(steps)),
-        idle_params_(std::move(idle_params)) {
+        steps_(std::move(steps)) {
     const StateLists states{exp_avgs_,       exp_avg_sqs_,       max_exp_avg_sqs_,      master_params_,
                             exp_avg_scales_, exp_avg_sq_scales_, max_exp_avg_sq_scales_};
-    is_double_ = check_params_and_states(params_, states, steps_);
-    work_ = state_work(params_, states);
+    is_double_ = check_params_and_states(params, states, steps_);
+    work_ = state_work(params, states);
     items_ = work_items(work_);
     // Per param, its tensors in a fixed order: the param, then its states (see state_slot); then the steps.
     const std::vector<at::Tensor>* lists[] = {&exp_avgs_,       &exp_avg_sqs_,       &max_exp_avg_sqs_, &master_params_,
@@ -796,13 +785,19 @@ class AdamPlan : public torch::CustomClassHolder {
       if (!list->empty()) state_lists_.push_back(list);
     }
     per_param_ = 1 + state_lists_.size();
-    for (size_t i = 0; i < params_.size(); ++i) {
-      watches_.push_back(watch(params_[i]));
+    TORCH_CHECK(param_objects.size() == params.size(), "ort_optim.AdamPlan: one Python object per param");
+    for (size_t i = 0; i < params.size(); ++i) {
+      params_.push_back(reinterpret_cast<PyObject*>(param_objects[i]));
+      TORCH_CHECK(tensor_of(params_[i]).unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl(),
+                  "ort_optim.AdamPlan: param_objects[", i, "] is not params[", i, "]");
+      watches_.push_back(watch(params[i]));
       for (const auto* list : state_lists_) watches_.push_back(watch((*list)[i]));
-      param_pointers_.push_back(&params_[i]);
     }
     watches_.push_back(watch(steps_));
-    for (const at::Tensor& q : idle_params_) idle_owners_.push_back(owner_of(q.unsafeGetTensorImpl()));
+    for (int64_t q : idle_objects) {
+      idle_params_.push_back(reinterpret_cast<PyObject*>(q));
+      idle_impls_.push_back(tensor_of(idle_params_.back()).unsafeGetTensorImpl());
+    }
   }
 
   // Whether this plan can step now: every tensor it holds is as it was (data pointers of storages re-allocated in
@@ -810,26 +805,28 @@ class AdamPlan : public torch::CustomClassHolder {
   // position of the first param that cannot (params.size() + j for idle_params[j]). Writes no tensor. step() and
   // grad_stats() need a successful check() first.
   int64_t check() {
-    checked_ = false;
+    release();
     const size_t n = params_.size();
     for (size_t j = 0; j < idle_params_.size(); ++j) {
-      const c10::TensorImpl* impl = idle_params_[j].unsafeGetTensorImpl();
-      if (owner_of(impl) != idle_owners_[j] || grad_of(idle_params_[j]).defined()) return int64_t(n + j);
+      const at::Tensor& q = tensor_of(idle_params_[j]);
+      if (q.unsafeGetTensorImpl() != idle_impls_[j] || grad_of(q).defined()) return int64_t(n + j);
     }
     grads_.resize(n);
     for (size_t i = 0; i < n; ++i) {
       prefetch_metadata(i);
+      const at::Tensor& p = tensor_of(params_[i]);
       Watch* w = &watches_[i * per_param_];
-      if (!still(w[0])) return int64_t(i);
+      if (p.unsafeGetTensorImpl() != w[0].impl || !still(w[0])) return release(int64_t(i));
       for (size_t k = 1; k < per_param_; ++k) {
-        if (!still(w[k])) return int64_t(i);
+        if (!still(w[k])) return release(int64_t(i));
         if (w[k].moved) resolve_state(i, k - 1, w[k]);
       }
-      const at::Tensor& g = grad_of(params_[i]);
-      if (!usable_grad(g, w[0])) return int64_t(i);
+      const at::Tensor& g = grad_of(p);
+      if (!usable_grad(g, w[0])) return release(int64_t(i));
       grads_[i] = &g;
+      param_pointers_.push_back(&p);
     }
-    if (!still(watches_.back())) return int64_t(n);
+    if (!still(watches_.back())) return release(int64_t(n));
     checked_ = true;
     return -1;
   }
@@ -839,11 +836,11 @@ class AdamPlan : public torch::CustomClassHolder {
             bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
             c10::optional<at::Tensor> inv_grad_scale, c10::optional<at::Tensor> found_inf) {
     TORCH_CHECK(checked_, "ort_optim.AdamPlan: step() needs a successful check() first");
-    checked_ = false;
     const StepOptions options{lr,       beta1,     beta2,          eps,      weight_decay, mode, bias_correction,
                               maximize, lr_tensor, inv_grad_scale, found_inf};
     update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
            options);
+    release();
   }
 
   // grad_stats over the params' current gradients, after a successful check().
@@ -853,13 +850,24 @@ class AdamPlan : public torch::CustomClassHolder {
   }
 
  private:
-  // What a tensor was when the plan was made. The plan holds the tensor (and its storage, so that a storage freed
-  // and another allocated in its place cannot look the same); check() compares the rest at every step.
+  // Forgets what check() resolved for the step; passes a result through.
+  int64_t release(int64_t result = -1) {
+    checked_ = false;
+    param_pointers_.clear();
+    return result;
+  }
+
+  // The tensor of a Python tensor object. The plan may read it: FusedAdam checks a plan only while the group's
+  // params list, which holds these objects, is the one the plan was made from.
+  static const at::Tensor& tensor_of(PyObject* object) { return THPVariable_Unpack(object); }
+
+  // What a tensor was when the plan was made. The plan holds the tensor (params weakly: see params_) and its storage
+  // (so that a storage freed and another allocated in its place cannot look the same); check() compares the rest at
+  // every step.
   struct Watch {
-    const c10::TensorImpl* impl;
-    c10::Storage storage;  // the storage it viewed
-    const void* owner;     // its Python tensor (swap_tensors gives the Python tensor another TensorImpl)
-    const void* data;      // the storage's data when last resolved
+    const c10::TensorImpl* impl;  // (a param's: compared with its Python object's, which swap_tensors changes)
+    c10::Storage storage;         // the storage it viewed
+    const void* data;             // the storage's data when last resolved
     int64_t offset;
     size_t bytes;  // storage bytes the view reaches
     caffe2::TypeMeta dtype;
@@ -870,8 +878,8 @@ class AdamPlan : public torch::CustomClassHolder {
 
   Watch watch(const at::Tensor& t) {
     const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    Watch w{impl,           t.storage(), owner_of(impl), t.storage().data(), t.storage_offset(), bytes_needed(t),
-            t.dtype(),      uint32_t(geometry_.size()),  uint16_t(t.dim())};
+    Watch w{impl,      t.storage(), t.storage().data(), t.storage_offset(), bytes_needed(t), t.dtype(),
+            uint32_t(geometry_.size()), uint16_t(t.dim())};
     geometry_.insert(geometry_.end(), t.sizes().begin(), t.sizes().end());
     geometry_.insert(geometry_.end(), t.strides().begin(), t.strides().end());
     return w;
@@ -883,7 +891,7 @@ class AdamPlan : public torch::CustomClassHolder {
     const c10::TensorImpl* impl = w.impl;
     const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
     if (storage != w.storage.unsafeGetStorageImpl() || impl->storage_offset() != w.offset ||
-        impl->dtype() != w.dtype || owner_of(impl) != w.owner || storage->nbytes() < w.bytes) {
+        impl->dtype() != w.dtype || storage->nbytes() < w.bytes) {
       return false;
     }
     const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
@@ -927,28 +935,30 @@ class AdamPlan : public torch::CustomClassHolder {
   // without a gradient (an idle param may be one).
   static const at::Tensor& grad_of(const at::Tensor& p) { return p.unsafeGetTensorImpl()->grad(); }
 
-  // What check() reads is a chain of dependent pointers per param (TensorImpl, then its storage and autograd meta,
-  // then the grad's TensorImpl and storage; the states' TensorImpls), all cold again by the next step. Walked one
+  // What check() reads is a chain of dependent pointers per param (its Python object, TensorImpl, then its storage
+  // and autograd meta, then the grad's TensorImpl and storage; the states' TensorImpls), all cold by the next step. Walked one
   // param at a time, the core waits on one miss after another; prefetching each link a few params ahead keeps
   // several in flight.
   void prefetch_metadata(size_t i) const {
     const size_t n = params_.size();
+    if (i + 16 < n) prefetch_object(params_[i + 16], 64);
     if (i + 12 < n) {
+      prefetch_object(tensor_of(params_[i + 12]).unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
       const Watch* w = &watches_[(i + 12) * per_param_];
-      for (size_t k = 0; k < per_param_; ++k) prefetch_object(w[k].impl, sizeof(c10::TensorImpl));
+      for (size_t k = 1; k < per_param_; ++k) prefetch_object(w[k].impl, sizeof(c10::TensorImpl));
     }
     if (i + 8 < n) {
-      const c10::TensorImpl* impl = params_[i + 8].unsafeGetTensorImpl();
+      const c10::TensorImpl* impl = tensor_of(params_[i + 8]).unsafeGetTensorImpl();
       prefetch_object(impl->unsafe_storage().unsafeGetStorageImpl(), 64);
       if (const auto* meta = impl->autograd_meta()) prefetch_object(meta, 128);
     }
     if (i + 4 < n) {
-      const auto* meta = params_[i + 4].unsafeGetTensorImpl()->autograd_meta();
+      const auto* meta = tensor_of(params_[i + 4]).unsafeGetTensorImpl()->autograd_meta();
       const at::Tensor* grad = meta ? &meta->grad() : nullptr;
       if (grad && grad->defined()) prefetch_object(grad->unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
     }
     if (i + 2 < n) {
-      const auto* meta = params_[i + 2].unsafeGetTensorImpl()->autograd_meta();
+      const auto* meta = tensor_of(params_[i + 2]).unsafeGetTensorImpl()->autograd_meta();
       const at::Tensor* grad = meta ? &meta->grad() : nullptr;
       if (grad && grad->defined()) {
         prefetch_object(grad->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), 64);
@@ -960,13 +970,17 @@ class AdamPlan : public torch::CustomClassHolder {
     for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(object) + b);
   }
 
-  std::vector<at::Tensor> params_, exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, master_params_, exp_avg_scales_,
+  // The params are known by their Python objects, not held: torch.utils.swap_tensors refuses a tensor that anything
+  // else holds a reference to (strong or weak), and it is how model.to() converts params in place. Each step reads
+  // the param's current tensor from its Python object and compares it with the one planned.
+  std::vector<PyObject*> params_;
+  std::vector<at::Tensor> exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, master_params_, exp_avg_scales_,
       exp_avg_sq_scales_, max_exp_avg_sq_scales_;
   at::Tensor steps_;
   // Params of the same param group that had no gradient when the plan was made (frozen ones, say): the plan is only
   // valid while they still have none.
-  std::vector<at::Tensor> idle_params_;
-  std::vector<const void*> idle_owners_;
+  std::vector<PyObject*> idle_params_;
+  std::vector<const c10::TensorImpl*> idle_impls_;
   bool is_double_ = false;
   bool checked_ = false;
   std::vector<TensorWork> work_;
@@ -991,7 +1005,8 @@ TORCH_LIBRARY_FRAGMENT(ort_optim, m) {
   m.class_<AdamPlan>("AdamPlan")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, std::vector<at::Tensor>>())
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>,
+                       std::vector<int64_t>>())
       .def("check", &AdamPlan::check)
       .def("step", &AdamPlan::step)
       .def("grad_stats", &AdamPlan::grad_stats);

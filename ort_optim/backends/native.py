@@ -132,10 +132,16 @@ class AdamPlan:
                exp_avg_sq_scales, max_exp_avg_sq_scales, steps, idle_params=()) -> "AdamPlan":
         """A plan over these lists (the caller checks that their steps run natively: backends.runs_natively).
         idle_params: params (of any device) that have no gradient now; the plan can step only while that stays so."""
-        return cls(torch.classes.ort_optim.AdamPlan(
-            list(params), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(master_params),
-            list(exp_avg_scales), list(exp_avg_sq_scales), list(max_exp_avg_sq_scales), steps, list(idle_params),
+        params, idle_params = list(params), list(idle_params)
+        plan = cls(torch.classes.ort_optim.AdamPlan(
+            params, list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(master_params),
+            list(exp_avg_scales), list(exp_avg_sq_scales), list(max_exp_avg_sq_scales), steps,
+            [id(p) for p in params], [id(q) for q in idle_params],
         ))
+        # The native plan knows the params by their Python objects (it holds no reference to their tensors, which
+        # torch.utils.swap_tensors would refuse): these lists keep the objects alive as long as the plan.
+        plan._objects = (params, idle_params)
+        return plan
 
     def check(self) -> int:
         """-1 when the plan can step now: every tensor it holds is as it was (storages re-allocated in place are
