@@ -89,23 +89,49 @@ class FusedAdam(torch.optim.Optimizer):
             graph cannot replay: an lr tensor on another device, a float grad_scale. A float lr is baked into the
             graph at capture: to change it between replays, make it a device tensor and update it in place.
 
-    On the CPU, each bucket keeps a native plan (ops/README.md, "AdamPlan") that validated its params and states
-    once; from the second step on, steps go through it and read the gradients in C++, so a step over thousands of
-    small tensors costs their bytes, not their metadata. It is a cache: same checks, same bits as the op, rebuilt
-    whenever the set of params with gradients changes (params that never get one, frozen ones, are fine) or states
-    are replaced.
+    A step is ``plan -> backend op``: the optimizer caches, across steps, its buckets (params grouped by device,
+    dtype, state dtypes and master) with their state tensors and, on the native CPU backend, a native plan per
+    bucket (ops/README.md, "AdamPlan") that holds them and reads each param's ``.grad`` in C++, so a step over
+    thousands of small tensors costs their bytes, not their metadata. The cache cannot be wrong: every step first
+    checks that it still describes the optimizer (ort_optim/_plan.py), and plans again, validating everything, when
+    it does not. It notices, as ``torch.optim.AdamW`` would:
+
+    * any change to ``optimizer.state`` (a container that counts its mutations): ``state.clear()`` or
+      ``del state[p]`` restarts those params at step 1 with fresh moments; tensors assigned to ``state[p][key]``
+      become the state from then on. An assigned moment (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) of the
+      param's shape, device and float64-ness is used as is when it already has the dtype this optimizer keeps for
+      that param (contiguous; for block-scaled fp16 moments, float16 codes with a valid ``<key>_scale``); any other
+      floating-point tensor is taken as the values and adopted, i.e. copied into that layout (quantised with fresh
+      block scales for fp16). An assigned ``step`` (a one-element tensor or a number, a whole number >= 0) is
+      adopted. A missing key, a wrong shape, device or float64-ness, a non-tensor or a freed storage is refused,
+      naming the param and the key. A dict assigned to ``state[p]`` is stored as a copy (mutate
+      ``optimizer.state[p]`` afterwards, not that dict);
+    * params replaced in, appended to, or removed from ``param_groups[i]['params']`` (or a new list put there): new
+      params get fresh state; a group's ``amsgrad`` switched; ``master_weights`` or the state dtype options changed;
+      another backend selected (``ORT_OPTIM_BACKEND``);
+    * per tensor (params, grads, states, masters, scales, steps): a new storage, data pointer, storage size, dtype,
+      shape or strides. A storage re-allocated in place (``untyped_storage().resize_(0)`` then ``resize_(n)``, as
+      CPU offload and FSDP do) is followed: the step writes where the data now is. ``p.data = ...`` and
+      ``torch.utils.swap_tensors`` (``model.to()`` with swap-on-conversion) give the param new data: its state
+      follows the Python param (as in torch), converted as above if its dtype changed.
+
+    Refused before anything is written, naming ``param_groups[i]['params'][j]``: a storage still freed at step time,
+    a param that changed shape or switched to or from float64 under its state, a state with a ``master_param`` for a
+    param that keeps none, and params that overlap (below).
 
     Each parameter has its own step count (as torch), so a parameter that first gets a gradient late gets a correct
     first update; parameters without a gradient are skipped entirely. Parameters must not share memory: overlapping
-    views of one storage (or an ``expand()``-ed param) are refused at the first step, as they would be updated twice;
-    disjoint views of one buffer are fine. A step that raises (bad gradient, bad hyperparameter) changes nothing.
+    views of one storage (or an ``expand()``-ed param) are refused whenever the optimizer plans (at the first step,
+    and after a param gets new data), as they would be updated twice; disjoint views of one buffer are fine. A step
+    that raises (bad gradient, bad hyperparameter, anything above) changes nothing.
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element tensor)
     divides every gradient inside the kernel; ``found_inf`` (one-element tensor) turns the step into a no-op when
     non-zero. When ``grad_scale`` or ``max_grad_norm`` is given, the optimizer also checks the gradients for inf/NaN
     itself and skips the step if it finds any, or if unscaling (dividing by a ``grad_scale`` below 1) would overflow
     (the check is on the global norm of the unscaled gradients, which must stay below float32's range, about 1.8e19);
-    :attr:`last_step_skipped` tells. A skipped step changes nothing: no
+    :attr:`last_step_skipped` tells, and :attr:`last_grad_norm` gives the global norm of the unscaled gradients before
+    clipping (from that same pass; None without it). A skipped step changes nothing: no
     parameter, master, moment or step count. ``torch.amp.GradScaler`` is honoured through its protocol for fused
     optimizers (``_step_supports_amp_scaling``).
     """
