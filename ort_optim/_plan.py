@@ -35,11 +35,10 @@ from typing import Any, Optional
 
 import torch
 
-from . import backends
-from ._spec import LOW_PRECISION, SUPPORTED_PARAM_DTYPES, num_blocks
-from .backends import reference
+from . import _checkpoint, backends
+from ._checkpoint import MOMENT_KEYS
+from ._spec import SUPPORTED_PARAM_DTYPES, num_blocks
 
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 CPU = torch.device("cpu")
 # Element-wise overlap checks (exotic strides only) look at no more elements than this per param.
 MAX_ELEMENTWISE_OVERLAP_CHECK = 1 << 24
@@ -439,7 +438,7 @@ def _check_state(optimizer, p: torch.Tensor, state: ParamState, amsgrad: bool, w
     adoptions += _check_step(p, state, where, optimizer._steps_device(p))
     for key, dtype in (("exp_avg", m_dtype), ("exp_avg_sq", v_dtype), ("max_exp_avg_sq", v_dtype)):
         if key in state and (amsgrad or key != "max_exp_avg_sq"):
-            adoptions += _check_moment(p, state, key, dtype, where)
+            adoptions += _check_moment(optimizer, p, state, key, dtype, where)
     if "master_param" in state:
         if not has_master:
             raise ValueError(
@@ -478,9 +477,10 @@ def _check_tensor_entry(p, state, key, dtype, where) -> list[_Adoption]:
     return [_Adoption(state, key, value.detach().to(dtype, memory_format=torch.contiguous_format, copy=True))]
 
 
-def _check_moment(p, state, key, dtype, where) -> list[_Adoption]:
+def _check_moment(optimizer, p, state, key, dtype, where) -> list[_Adoption]:
     """A moment in the layout this optimizer would create for p now is used as is (float16 ones with valid block
-    scales in state[key + '_scale']); any other floating tensor of p's shape is taken as values and converted."""
+    scales in state[key + '_scale']); any other floating tensor of p's shape is taken as values and converted into
+    that layout, through the checkpoints' conversions (_checkpoint.to_canonical and from_canonical)."""
     value = _state_tensor(p, state, key, where)
     dtype = torch.float64 if p.dtype == torch.float64 else dtype
     scale = state.get(key + "_scale")
@@ -490,13 +490,12 @@ def _check_moment(p, state, key, dtype, where) -> list[_Adoption]:
     if scale is not None and value.dtype == torch.float16 and not scaled:
         raise ValueError(f"{where}: optimizer.state[p][{key + '_scale'!r}] must be a contiguous float32 tensor of "
                          f"{num_blocks(value.numel())} positive block scales on {value.device}")
-    compute = torch.float64 if p.dtype == torch.float64 else torch.float32
-    values = reference.dequantize_fp16(value, scale) if scaled else value.detach().to(compute)
-    if dtype == torch.float16:
-        codes, scales = reference.quantize_fp16(values.contiguous())
-        return [_Adoption(state, key, codes), _Adoption(state, key + "_scale", scales)]
-    adopted = [_Adoption(state, key, values.to(dtype, memory_format=torch.contiguous_format, copy=True))]
-    return adopted + ([_Adoption(state, key + "_scale", None)] if scale is not None else [])
+    values = _checkpoint.to_canonical({key: value, key + "_scale": scale} if scaled else {key: value}, key)
+    fresh = optimizer._init_state(p, amsgrad=key == "max_exp_avg_sq")  # (a state in the layout, to fill)
+    _checkpoint.from_canonical(fresh, key, values)
+    companion = key + "_scale"
+    return [_Adoption(state, key, fresh[key])] + (
+        [_Adoption(state, companion, fresh.get(companion))] if companion in fresh or companion in state else [])
 
 
 def _valid_scale(scale, value: torch.Tensor) -> bool:

@@ -104,7 +104,9 @@ def optimizer_snapshot(opt: torch.optim.Optimizer, extra: Iterable[torch.Tensor]
 def assert_tree_bitwise_equal(a, b, where: str = "state") -> None:
     """Nested dicts/lists/tuples of tensors and plain values: same types and keys everywhere, tensors bit for bit."""
     assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
+    if isinstance(a, torch.Tensor) and (a.is_meta or b.is_meta):  # no data to compare
+        assert (a.device, a.dtype, a.shape) == (b.device, b.dtype, b.shape), f"{where}: {a} vs {b}"
+    elif isinstance(a, torch.Tensor):
         assert_bitwise_equal(a, b, where)
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
@@ -114,6 +116,8 @@ def assert_tree_bitwise_equal(a, b, where: str = "state") -> None:
         assert len(a) == len(b), f"{where}: {len(a)} vs {len(b)} items"
         for i, (x, y) in enumerate(zip(a, b)):
             assert_tree_bitwise_equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert b != b, f"{where}: {a!r} != {b!r}"  # NaN is NaN
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
