@@ -778,7 +778,7 @@ class AdamPlan : public torch::CustomClassHolder {
     is_double_ = check_params_and_states(params, states, steps_);
     work_ = state_work(params, states);
     items_ = work_items(work_);
-    // Per param, its tensors in a fixed order: the param, then its states (see state_slot); then the steps.
+    // Per param, its tensors in a fixed order: the param, then its states (in state_lists_ order); then the steps.
     const std::vector<at::Tensor>* lists[] = {&exp_avgs_,       &exp_avg_sqs_,       &max_exp_avg_sqs_, &master_params_,
                                               &exp_avg_scales_, &exp_avg_sq_scales_, &max_exp_avg_sq_scales_};
     for (const auto* list : lists) {
@@ -936,9 +936,9 @@ class AdamPlan : public torch::CustomClassHolder {
   static const at::Tensor& grad_of(const at::Tensor& p) { return p.unsafeGetTensorImpl()->grad(); }
 
   // What check() reads is a chain of dependent pointers per param (its Python object, TensorImpl, then its storage
-  // and autograd meta, then the grad's TensorImpl and storage; the states' TensorImpls), all cold by the next step. Walked one
-  // param at a time, the core waits on one miss after another; prefetching each link a few params ahead keeps
-  // several in flight.
+  // and autograd meta, then the grad's TensorImpl and storage; the states' TensorImpls), all cold by the next step.
+  // Walked one param at a time, the core waits on one miss after another; prefetching each link a few params ahead
+  // keeps several in flight.
   void prefetch_metadata(size_t i) const {
     const size_t n = params_.size();
     if (i + 16 < n) prefetch_object(params_[i + 16], 64);

@@ -12,8 +12,9 @@ How a call runs:
   work list holds one (tensor, offset) item per program, so the launch covers all tensors of the group. One more tiny
   launch advances the step counts afterwards (unless found_inf says skip).
 * The tables are built once and cached, keyed by every tensor's data_ptr, dtype, shape and strides (all a table
-  holds); they are rebuilt, after validation, only when one of those changes. Gradients get their own small address table, since they
-  change whenever they are set to None: one H2D copy of ``[g.data_ptr() ...]``, non-blocking from pinned memory.
+  holds); they are rebuilt, after validation, only when one of those changes. Gradients get their own small address
+  table, since they change whenever they are set to None: one H2D copy of ``[g.data_ptr() ...]``, non-blocking from
+  pinned memory.
 * Nothing synchronises with the host inside a call, and every kernel runs on ``torch.cuda.current_stream()``, so a
   step can be captured in a CUDA graph (with lr and the loss scale as device tensors if they change between replays).
 * ``triton`` is imported on first use only; ``import ort_optim`` never imports it.
