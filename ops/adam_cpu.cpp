@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/csrc/autograd/python_variable.h>  // THPVariable_Unpack: a Python tensor's at::Tensor
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -383,11 +384,34 @@ void check_list_length(const at::TensorList& list, size_t n, const char* name, b
               list.size(), " tensors but params has ", n, optional ? " (pass n tensors or none)" : "");
 }
 
+// Bytes of its storage a view reaches (0 for an empty tensor): from the storage's start to the end of its last element.
+size_t bytes_needed(int64_t offset, c10::IntArrayRef sizes, c10::IntArrayRef strides, size_t element_size) {
+  int64_t last = offset;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 0) return 0;
+    last += (sizes[d] - 1) * strides[d];
+  }
+  return size_t(last + 1) * element_size;
+}
+
+size_t bytes_needed(const at::Tensor& t) {
+  return bytes_needed(t.storage_offset(), t.sizes(), t.strides(), t.element_size());
+}
+
+// A storage freed or shrunk in place (untyped_storage().resize_(0), as CPU offload and FSDP do) under a tensor that
+// still claims its elements: writing through it would write into freed memory.
+void check_storage(const at::Tensor& t, const char* name, size_t i) {
+  TORCH_CHECK(!t.has_storage() || t.storage().nbytes() >= bytes_needed(t), "ort_optim::adam_step_: ", name, "[", i,
+              "] has a storage of ", t.has_storage() ? t.storage().nbytes() : 0, " bytes but needs ", bytes_needed(t),
+              " (was its storage freed or resized in place?)");
+}
+
 void check_same_shape(const at::Tensor& t, const at::Tensor& p, const char* name, size_t i) {
   TORCH_CHECK(t.sizes() == p.sizes(), "ort_optim::adam_step_: ", name, "[", i, "] has shape ", t.sizes(),
               " but params[", i, "] has shape ", p.sizes());
   TORCH_CHECK(t.device() == p.device(), "ort_optim::adam_step_: ", name, "[", i, "] is on ", t.device(),
               " but params[", i, "] is on ", p.device());
+  check_storage(t, name, i);
 }
 
 void check_state(const at::Tensor& t, const at::Tensor& p, const char* name, size_t i, bool is_double) {
@@ -408,6 +432,7 @@ void check_scales(const at::TensorList& scales, const at::TensorList& states, si
                   s.device() == states[i].device(),
               "ort_optim::adam_step_: ", name, "[", i, "] must be a contiguous float32 tensor of ", blocks,
               " block scales on the state's device");
+  check_storage(s, name, i);
 }
 
 double scalar_value(const c10::optional<at::Tensor>& t, const char* name) {
@@ -431,6 +456,7 @@ bool check_param(const at::Tensor& p, size_t i, bool has_master) {
               "] must be a dense CPU tensor");
   TORCH_CHECK(!has_master || is_low_precision(pt), "ort_optim::adam_step_: master_params given but params[", i,
               "] is ", pt, "; master weights are for float16/bfloat16 params");
+  check_storage(p, "params", i);
   return pt == at::kDouble;
 }
 
@@ -457,6 +483,7 @@ bool check_params_and_states(at::TensorList params, const StateLists& s, const a
   TORCH_CHECK(steps.scalar_type() == at::kDouble && steps.dim() == 1 && size_t(steps.numel()) == n &&
                   steps.is_contiguous() && steps.device().is_cpu(),
               "ort_optim::adam_step_: steps must be a contiguous float64 CPU tensor of shape [", n, "]");
+  check_storage(steps, "steps", 0);
   const bool amsgrad = !s.max_exp_avg_sqs.empty();
   TORCH_CHECK(s.exp_avg_sq_scales.empty() == s.max_exp_avg_sq_scales.empty() || !amsgrad,
               "ort_optim::adam_step_: max_exp_avg_sqs share exp_avg_sqs' dtype, so both or neither need scales");
@@ -787,117 +814,216 @@ at::Tensor grad_stats_cpu(at::TensorList tensors) {
 // ---- AdamPlan: one bucket's params and states, resolved once for many steps -----------------------------------
 
 // With thousands of small tensors, converting and checking four tensor lists per call cost more than the update's
-// bytes: every tensor's metadata is cold again by the next step. A plan validates the params and states once and
-// keeps the states' data pointers, so a step reads only each param and its .grad. It holds references to its
-// tensors; states must not be replaced or resized in place while it lives (FusedAdam drops its plans whenever it
-// replaces states). Params may change (p.data = ...) as long as their shapes and float64-ness do not.
+// bytes: every tensor's metadata is cold again by the next step. A plan validates its tensors once and keeps the
+// states' data pointers, so a step reads only what may have changed. It is a cache that cannot be wrong: check(),
+// before every step, compares each tensor it holds with what it was when the plan was made (Watch) and re-resolves
+// the data pointers of storages that were re-allocated in place; anything else that changed makes check() fail, and
+// FusedAdam plans again (validating everything) before anything is written.
 class AdamPlan : public torch::CustomClassHolder {
  public:
   AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
            std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> master_params,
            std::vector<at::Tensor> exp_avg_scales, std::vector<at::Tensor> exp_avg_sq_scales,
-           std::vector<at::Tensor> max_exp_avg_sq_scales, at::Tensor steps, std::vector<at::Tensor> idle_params)
-      : params_(std::move(params)),
-        exp_avgs_(std::move(exp_avgs)),
+           std::vector<at::Tensor> max_exp_avg_sq_scales, at::Tensor steps, std::vector<int64_t> param_objects,
+           std::vector<int64_t> idle_objects)
+      : exp_avgs_(std::move(exp_avgs)),
         exp_avg_sqs_(std::move(exp_avg_sqs)),
         max_exp_avg_sqs_(std::move(max_exp_avg_sqs)),
         master_params_(std::move(master_params)),
         exp_avg_scales_(std::move(exp_avg_scales)),
         exp_avg_sq_scales_(std::move(exp_avg_sq_scales)),
         max_exp_avg_sq_scales_(std::move(max_exp_avg_sq_scales)),
-        steps_(std::move(steps)),
-        idle_params_(std::move(idle_params)) {
+        steps_(std::move(steps)) {
     const StateLists states{exp_avgs_,       exp_avg_sqs_,       max_exp_avg_sqs_,      master_params_,
                             exp_avg_scales_, exp_avg_sq_scales_, max_exp_avg_sq_scales_};
-    is_double_ = check_params_and_states(params_, states, steps_);
-    work_ = state_work(params_, states);
+    is_double_ = check_params_and_states(params, states, steps_);
+    work_ = state_work(params, states);
     items_ = work_items(work_);
-    for (const at::Tensor& p : params_) {
-      size_offsets_.push_back(int64_t(sizes_.size()));
-      sizes_.insert(sizes_.end(), p.sizes().begin(), p.sizes().end());
+    // Per param, its tensors in a fixed order: the param, then its states (in state_lists_ order); then the steps.
+    const std::vector<at::Tensor>* lists[] = {&exp_avgs_,       &exp_avg_sqs_,       &max_exp_avg_sqs_, &master_params_,
+                                              &exp_avg_scales_, &exp_avg_sq_scales_, &max_exp_avg_sq_scales_};
+    for (const auto* list : lists) {
+      if (!list->empty()) state_lists_.push_back(list);
+    }
+    per_param_ = 1 + state_lists_.size();
+    TORCH_CHECK(param_objects.size() == params.size(), "ort_optim.AdamPlan: one Python object per param");
+    for (size_t i = 0; i < params.size(); ++i) {
+      params_.push_back(reinterpret_cast<PyObject*>(param_objects[i]));
+      TORCH_CHECK(tensor_of(params_[i]).unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl(),
+                  "ort_optim.AdamPlan: param_objects[", i, "] is not params[", i, "]");
+      watches_.push_back(watch(params[i]));
+      for (const auto* list : state_lists_) watches_.push_back(watch((*list)[i]));
+    }
+    watches_.push_back(watch(steps_));
+    for (int64_t q : idle_objects) {
+      idle_params_.push_back(reinterpret_cast<PyObject*>(q));
+      idle_impls_.push_back(tensor_of(idle_params_.back()).unsafeGetTensorImpl());
+    }
+  }
+
+  // Whether this plan can step now: every tensor it holds is as it was (data pointers of storages re-allocated in
+  // place are re-resolved), every param has a usable gradient and no idle param has one. -1 when it can; else the
+  // position of the first param that cannot (params.size() + j for idle_params[j]). Writes no tensor. step() and
+  // grad_stats() need a successful check() first.
+  int64_t check() {
+    release();
+    const size_t n = params_.size();
+    for (size_t j = 0; j < idle_params_.size(); ++j) {
+      const at::Tensor& q = tensor_of(idle_params_[j]);
+      if (q.unsafeGetTensorImpl() != idle_impls_[j] || grad_of(q).defined()) return int64_t(n + j);
+    }
+    grads_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      prefetch_metadata(i);
+      const at::Tensor& p = tensor_of(params_[i]);
+      Watch* w = &watches_[i * per_param_];
+      if (p.unsafeGetTensorImpl() != w[0].impl || !still(w[0])) return release(int64_t(i));
+      for (size_t k = 1; k < per_param_; ++k) {
+        if (!still(w[k])) return release(int64_t(i));
+        if (w[k].moved) resolve_state(i, k - 1, w[k]);
+      }
+      const at::Tensor& g = grad_of(p);
+      if (!usable_grad(g, w[0])) return release(int64_t(i));
+      grads_[i] = &g;
       param_pointers_.push_back(&p);
     }
-    size_offsets_.push_back(int64_t(sizes_.size()));
+    if (!still(watches_.back())) return release(int64_t(n));
+    checked_ = true;
+    return -1;
   }
 
-  // Whether every param has a gradient and no idle param has one (if not, FusedAdam plans again); raises if a
-  // gradient cannot be used.
-  bool ready() {
-    std::vector<const at::Tensor*> grads;
-    return collect_grads(grads);
-  }
-
-  // One step with the params' current gradients; false (and nothing written) if a param has none or an idle one
-  // has one.
-  bool step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
+  // One step with the params' current gradients, after a successful check().
+  void step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
             bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
             c10::optional<at::Tensor> inv_grad_scale, c10::optional<at::Tensor> found_inf) {
-    std::vector<const at::Tensor*> grads;
-    if (!collect_grads(grads)) return false;
+    TORCH_CHECK(checked_, "ort_optim.AdamPlan: step() needs a successful check() first");
     const StepOptions options{lr,       beta1,     beta2,          eps,      weight_decay, mode, bias_correction,
                               maximize, lr_tensor, inv_grad_scale, found_inf};
-    update(work_, items_, param_pointers_, grads, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
+    update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
            options);
-    return true;
+    release();
   }
 
-  // grad_stats over the params' current gradients; an empty tensor when ready() would be false.
+  // grad_stats over the params' current gradients, after a successful check().
   at::Tensor grad_stats() {
-    std::vector<const at::Tensor*> grads;
-    if (!collect_grads(grads)) return at::empty({0}, at::TensorOptions().dtype(at::kFloat));
-    return grad_stats_of(grads);
+    TORCH_CHECK(checked_, "ort_optim.AdamPlan: grad_stats() needs a successful check() first");
+    return grad_stats_of(grads_);
   }
 
  private:
-  bool collect_grads(std::vector<const at::Tensor*>& grads) {
-    for (const at::Tensor& q : idle_params_) {
-      if (grad_of(q).defined()) return false;
+  // Forgets what check() resolved for the step; passes a result through.
+  int64_t release(int64_t result = -1) {
+    checked_ = false;
+    param_pointers_.clear();
+    return result;
+  }
+
+  // The tensor of a Python tensor object. The plan may read it: FusedAdam checks a plan only while the group's
+  // params list, which holds these objects, is the one the plan was made from.
+  static const at::Tensor& tensor_of(PyObject* object) { return THPVariable_Unpack(object); }
+
+  // What a tensor was when the plan was made. The plan holds the tensor (params weakly: see params_) and its storage
+  // (so that a storage freed and another allocated in its place cannot look the same); check() compares the rest at
+  // every step.
+  struct Watch {
+    const c10::TensorImpl* impl;  // (a param's: compared with its Python object's, which swap_tensors changes)
+    c10::Storage storage;         // the storage it viewed
+    const void* data;             // the storage's data when last resolved
+    int64_t offset;
+    size_t bytes;  // storage bytes the view reaches
+    caffe2::TypeMeta dtype;
+    uint32_t geometry;   // its sizes, then its strides: geometry_[geometry, geometry + 2 * dim)
+    uint16_t dim;
+    bool moved = false;  // the storage's data moved (re-allocated in place) at the last check()
+  };
+
+  Watch watch(const at::Tensor& t) {
+    const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    Watch w{impl,      t.storage(), t.storage().data(), t.storage_offset(), bytes_needed(t), t.dtype(),
+            uint32_t(geometry_.size()), uint16_t(t.dim())};
+    geometry_.insert(geometry_.end(), t.sizes().begin(), t.sizes().end());
+    geometry_.insert(geometry_.end(), t.strides().begin(), t.strides().end());
+    return w;
+  }
+
+  // Whether the tensor still views the same storage the same way, and that storage still holds the view; records
+  // whether the storage's data moved (the same storage re-allocated: resize_(0), then resize_(n)).
+  bool still(Watch& w) const {
+    const c10::TensorImpl* impl = w.impl;
+    const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+    if (storage != w.storage.unsafeGetStorageImpl() || impl->storage_offset() != w.offset ||
+        impl->dtype() != w.dtype || storage->nbytes() < w.bytes) {
+      return false;
     }
-    grads.resize(params_.size());
-    for (size_t i = 0; i < params_.size(); ++i) {
-      prefetch_metadata(i);
-      const at::Tensor& p = params_[i];
-      const at::Tensor& g = grad_of(p);
-      if (!g.defined()) return false;
-      // A param may have been given new data since the plan was made: it must still fit its states.
-      TORCH_CHECK(check_param(p, i, !master_params_.empty()) == is_double_ &&
-                      p.sizes() == c10::IntArrayRef(sizes_.data() + size_offsets_[i],
-                                                    size_offsets_[i + 1] - size_offsets_[i]),
-                  "ort_optim::adam_step_: params[", i, "] now has shape ", p.sizes(), " and dtype ",
-                  p.scalar_type(), ", which its optimizer states were not made for");
-      check_grad(g, p, i, is_double_);
-      grads[i] = &g;
+    const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+    const int64_t* geometry = geometry_.data() + w.geometry;
+    if (sizes.size() != w.dim || !std::equal(sizes.begin(), sizes.end(), geometry) ||
+        !std::equal(strides.begin(), strides.end(), geometry + w.dim)) {
+      return false;
     }
+    w.moved = storage->data() != w.data;
+    if (w.moved) w.data = storage->data();
     return true;
+  }
+
+  // A state's storage was re-allocated in place: point the kernel's view at the new memory (same offset).
+  void resolve_state(size_t i, size_t slot, const Watch& w) {
+    const auto* list = state_lists_[slot];
+    void* data = (*list)[i].data_ptr();  // (materialises a copy-on-write storage)
+    TensorWork& tw = work_[i];
+    if (list == &exp_avgs_) tw.exp_avg = data;
+    if (list == &exp_avg_sqs_) tw.exp_avg_sq = data;
+    if (list == &max_exp_avg_sqs_) tw.max_exp_avg_sq = data;
+    if (list == &master_params_) tw.master = static_cast<float*>(data);
+    if (list == &exp_avg_scales_) tw.exp_avg_scale = static_cast<float*>(data);
+    if (list == &exp_avg_sq_scales_) tw.exp_avg_sq_scale = static_cast<float*>(data);
+    if (list == &max_exp_avg_sq_scales_) tw.max_exp_avg_sq_scale = static_cast<float*>(data);
+  }
+
+  // What the op's check_grad accepts, without raising: FusedAdam's own validation names the param when it is not.
+  bool usable_grad(const at::Tensor& g, const Watch& param) const {
+    if (!g.defined() || g.layout() != at::kStrided || !g.device().is_cpu()) return false;
+    const at::ScalarType gt = g.scalar_type();
+    if (!(is_double_ ? gt == at::kDouble : is_float_storage(gt))) return false;
+    const c10::IntArrayRef sizes = g.sizes();
+    if (sizes.size() != param.dim || !std::equal(sizes.begin(), sizes.end(), geometry_.data() + param.geometry)) {
+      return false;
+    }
+    return g.has_storage() && g.storage().nbytes() >= bytes_needed(g);
   }
 
   // p.grad without Tensor::grad()'s is_leaf() check, which costs a call per param and warns for a non-leaf param
   // without a gradient (an idle param may be one).
   static const at::Tensor& grad_of(const at::Tensor& p) { return p.unsafeGetTensorImpl()->grad(); }
 
-  // What collect_grads reads of a param is a chain of dependent pointers (TensorImpl, then its storage and autograd
-  // meta, then the grad's TensorImpl and storage), all cold again by the next step. Walked one param at a time, the
-  // core waits on one miss after another; prefetching each link a few params ahead keeps several in flight.
+  // What check() reads is a chain of dependent pointers per param (its Python object, TensorImpl, then its storage
+  // and autograd meta, then the grad's TensorImpl and storage; the states' TensorImpls), all cold by the next step.
+  // Walked one param at a time, the core waits on one miss after another; prefetching each link a few params ahead
+  // keeps several in flight.
   void prefetch_metadata(size_t i) const {
     const size_t n = params_.size();
-    if (i + 12 < n) prefetch_object(params_[i + 12].unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
+    if (i + 16 < n) prefetch_object(params_[i + 16], 64);
+    if (i + 12 < n) {
+      prefetch_object(tensor_of(params_[i + 12]).unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
+      const Watch* w = &watches_[(i + 12) * per_param_];
+      for (size_t k = 1; k < per_param_; ++k) prefetch_object(w[k].impl, sizeof(c10::TensorImpl));
+    }
     if (i + 8 < n) {
-      const c10::TensorImpl* impl = params_[i + 8].unsafeGetTensorImpl();
+      const c10::TensorImpl* impl = tensor_of(params_[i + 8]).unsafeGetTensorImpl();
       prefetch_object(impl->unsafe_storage().unsafeGetStorageImpl(), 64);
       if (const auto* meta = impl->autograd_meta()) prefetch_object(meta, 128);
     }
     if (i + 4 < n) {
-      const auto* meta = params_[i + 4].unsafeGetTensorImpl()->autograd_meta();
+      const auto* meta = tensor_of(params_[i + 4]).unsafeGetTensorImpl()->autograd_meta();
       const at::Tensor* grad = meta ? &meta->grad() : nullptr;
-      if (grad && grad->defined()) {
-        const c10::TensorImpl* impl = grad->unsafeGetTensorImpl();
-        prefetch_object(impl, sizeof(c10::TensorImpl));
-      }
+      if (grad && grad->defined()) prefetch_object(grad->unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
     }
     if (i + 2 < n) {
-      const auto* meta = params_[i + 2].unsafeGetTensorImpl()->autograd_meta();
+      const auto* meta = tensor_of(params_[i + 2]).unsafeGetTensorImpl()->autograd_meta();
       const at::Tensor* grad = meta ? &meta->grad() : nullptr;
-      if (grad && grad->defined()) prefetch_object(grad->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), 64);
+      if (grad && grad->defined()) {
+        prefetch_object(grad->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), 64);
+      }
     }
   }
 
@@ -905,35 +1031,43 @@ class AdamPlan : public torch::CustomClassHolder {
     for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(object) + b);
   }
 
-  std::vector<at::Tensor> params_, exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, master_params_, exp_avg_scales_,
+  // The params are known by their Python objects, not held: torch.utils.swap_tensors refuses a tensor that anything
+  // else holds a reference to (strong or weak), and it is how model.to() converts params in place. Each step reads
+  // the param's current tensor from its Python object and compares it with the one planned.
+  std::vector<PyObject*> params_;
+  std::vector<at::Tensor> exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, master_params_, exp_avg_scales_,
       exp_avg_sq_scales_, max_exp_avg_sq_scales_;
   at::Tensor steps_;
   // Params of the same param group that had no gradient when the plan was made (frozen ones, say): the plan is only
   // valid while they still have none.
-  std::vector<at::Tensor> idle_params_;
+  std::vector<PyObject*> idle_params_;
+  std::vector<const c10::TensorImpl*> idle_impls_;
   bool is_double_ = false;
+  bool checked_ = false;
   std::vector<TensorWork> work_;
   std::vector<WorkItem> items_;
-  std::vector<const at::Tensor*> param_pointers_;
-  std::vector<int64_t> sizes_, size_offsets_;  // each param's shape when the plan was made
+  std::vector<const at::Tensor*> param_pointers_, grads_;
+  std::vector<const std::vector<at::Tensor>*> state_lists_;  // the non-empty state lists, in the schema's order
+  size_t per_param_ = 1;                                     // watches per param: the param and its states
+  std::vector<Watch> watches_;                               // per param i: [i * per_param_, (i + 1) * per_param_)
+  std::vector<int64_t> geometry_;
 
  public:
-  // step() with loss-scale unscaling, the inf/NaN check and global-norm clipping: one call reads the gradients'
-  // metadata once, sums their squares, computes the multiplier on the host (FusedAdam._scaling's float32 math, no
-  // tensor ops) and steps unless it must skip. Returns float32 [unscaled global norm, 1.0 if skipped], or an empty
-  // tensor (nothing written) where ready() would be false.
+  // step() with loss-scale unscaling, the inf/NaN check and global-norm clipping, after a successful check(): sums
+  // the squares of the gradients check() resolved, computes the multiplier on the host (FusedAdam._scaling's float32
+  // math, no tensor ops) and steps unless it must skip. Returns float32 [unscaled global norm, 1.0 if skipped].
   at::Tensor step_scaled(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
                          bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
                          c10::optional<double> grad_scale, c10::optional<double> max_grad_norm,
                          c10::optional<at::Tensor> found_inf) {
-    std::vector<const at::Tensor*> grads;
-    if (!collect_grads(grads)) return at::empty({0}, at::TensorOptions().dtype(at::kFloat));
+    TORCH_CHECK(checked_, "ort_optim.AdamPlan: step_scaled() needs a successful check() first");
     Scaling scaling{grad_scale, max_grad_norm};
     StepOptions options{lr,       beta1,     beta2,        eps,      weight_decay, mode, bias_correction,
                         maximize, lr_tensor, c10::nullopt, found_inf};
     options.scaling = &scaling;
-    update(work_, items_, param_pointers_, grads, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
+    update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
            options);
+    release();
     at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kFloat));
     out.data_ptr<float>()[0] = scaling.norm;
     out.data_ptr<float>()[1] = scaling.skip ? 1.0f : 0.0f;
@@ -948,14 +1082,15 @@ TORCH_LIBRARY_IMPL(ort_optim, CPU, m) {
   m.impl("grad_stats", &grad_stats_cpu);
 }
 
-// A CPU-only helper class rather than an op: it has no schema of its own, and FusedAdam falls back to the
-// adam_step_ op wherever it is not available (other backends, torch.compile).
+// A CPU-only helper class rather than an op: it has no schema of its own, and FusedAdam calls the adam_step_ op
+// wherever it is not available (other backends, torch.compile).
 TORCH_LIBRARY_FRAGMENT(ort_optim, m) {
   m.class_<AdamPlan>("AdamPlan")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, std::vector<at::Tensor>>())
-      .def("ready", &AdamPlan::ready)
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>,
+                       std::vector<int64_t>>())
+      .def("check", &AdamPlan::check)
       .def("step", &AdamPlan::step)
       .def("grad_stats", &AdamPlan::grad_stats)
       .def("step_scaled", &AdamPlan::step_scaled);

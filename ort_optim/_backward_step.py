@@ -7,20 +7,20 @@ every gradient first cannot run here: FusedAdam refuses ``max_grad_norm`` with s
 refuses ``grad_scale``/``found_inf`` (torch.amp.GradScaler). Gradient accumulation over several backward calls goes
 through :meth:`BackwardStep.accumulate`: backward inside it only accumulates.
 
-On the native CPU backend each parameter keeps a native plan of its own (ops/README.md, "AdamPlan"), valid while
-its state tensors are the ones it was made for: a step through it costs about 10 us, against over 100 us for an op
-call with nine one-tensor lists (torch 2.4.1, 2 cores).
+On the native CPU backend each parameter keeps a native plan of its own (ops/README.md, "AdamPlan"), used while its
+check() passes and the optimizer's state has not changed (``optimizer.state.version``): a step through it costs
+about 10 us, against over 100 us for an op call with nine one-tensor lists (torch 2.4.1, 2 cores).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from . import backends
+from . import _plan, backends
 
 if TYPE_CHECKING:
     from .fused_adam import FusedAdam
@@ -33,7 +33,8 @@ class BackwardStep:
         self._optimizer = weakref.ref(optimizer)
         self._where: dict[torch.Tensor, tuple[int, int, dict]] = {}  # param -> (group index, index, group)
         self._handles: list = []
-        self._plans: dict[torch.Tensor, tuple[tuple, Optional[backends.AdamPlan]]] = {}
+        # param -> (optimizer.state.version, amsgrad, its native plan) when it was planned
+        self._plans: dict[torch.Tensor, tuple[int, bool, backends.AdamPlan]] = {}
         self._accumulating = 0
 
     def watch(self, group_index: int, group: dict) -> None:
@@ -43,10 +44,6 @@ class BackwardStep:
             self._where[p] = (group_index, index, group)
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
-
-    def forget_plans(self) -> None:
-        """Drops the per-param plans (the optimizer replaced its states: load_state_dict)."""
-        self._plans.clear()
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
@@ -66,40 +63,55 @@ class BackwardStep:
         p.grad = None
 
     def _step(self, optimizer: "FusedAdam", p: torch.Tensor) -> None:
-        """The update of one param by its gradient: validated first, so a bad gradient raises (naming the param)
-        with nothing written."""
-        from .fused_adam import _check_hyperparameters, _describe
+        """The update of one param by its gradient. Through the param's native plan while that plan is valid (its
+        check() finds every tensor as it was and the gradient usable, and the optimizer's state was not changed since);
+        otherwise validated first as step() validates (a bad gradient raises naming the param, with nothing
+        written), then planned again or stepped through the op."""
+        from .fused_adam import _check_hyperparameters
 
         group_index, index, group = self._where[p]
         _check_hyperparameters(group, f"param_groups[{group_index}]")
-        grad = p.grad
-        optimizer._check_grad(group_index, index, p, grad)
-        state = optimizer.state[p]
-        if group["amsgrad"] and state and "max_exp_avg_sq" not in state:
-            raise ValueError(f"{_describe(group_index, index, p)}: amsgrad is on but this parameter's state has no max_exp_avg_sq (it was "
-                             "created with amsgrad=False); load a checkpoint made with amsgrad=True")
-        if not state:
-            state.update(optimizer._init_state(p, group["amsgrad"]))
-        lists = _state_lists(state, group["amsgrad"])
         hyper = optimizer._hyperparameters(group)
+        amsgrad = bool(group["amsgrad"])
+        native = backends.runs_natively(p.device)
+        if native:
+            cached = self._plans.get(p)
+            if cached is not None and cached[:2] == (optimizer.state.version, amsgrad) and cached[2].check() < 0:
+                cached[2].step(**hyper)
+                return
+        state = self._validated_state(optimizer, p, group_index, index, amsgrad)
+        lists = _state_lists(state, amsgrad)
         try:
-            if backends.runs_natively(p.device):
-                self._plan(p, state, lists).step(**hyper)
+            if native:
+                plan = backends.AdamPlan.create([p], *lists, state["step"].view(1))
+                if plan.check() >= 0:  # validated above: a plan that cannot step now is a bug, not a user error
+                    raise RuntimeError("ort_optim: a per-param plan could not step right after it was built")
+                self._plans[p] = (optimizer.state.version, amsgrad, plan)
+                plan.step(**hyper)
             else:
-                backends.adam_step_([p], [grad], *lists, state["step"].view(1), **hyper)
-        except RuntimeError as error:  # the op's own checks (a param whose shape changed under its state, ...)
-            raise ValueError(f"{_describe(group_index, index, p)}: {error}") from error
+                backends.adam_step_([p], [p.grad], *lists, state["step"].view(1), **hyper)
+        except RuntimeError as error:
+            raise ValueError(f"{_plan.describe(group_index, index, p)}: {error}") from error
 
-    def _plan(self, p: torch.Tensor, state: dict, lists: list) -> backends.AdamPlan:
-        """p's native plan; rebuilt when the tensors of its state are not the ones it was made for (a step() that
-        planned its bucket gives the states new step views; load_state_dict gives new states)."""
-        key = (state["step"], *(t for tensors in lists for t in tensors))
-        cached = self._plans.get(p)
-        if cached is None or len(cached[0]) != len(key) or any(a is not b for a, b in zip(cached[0], key)):
-            plan = backends.AdamPlan.create([p], *lists, state["step"].view(1))
-            cached = self._plans[p] = (key, plan)
-        return cached[1]
-
+    @staticmethod
+    def _validated_state(optimizer: "FusedAdam", p: torch.Tensor, group_index: int, index: int,
+                         amsgrad: bool) -> dict:
+        """p's state, checked (and adopted into the optimizer's layout) as step() does, or created; raises naming the
+        param before anything is written."""
+        where = _plan.describe(group_index, index, p)
+        problem = _plan._storage_problem(p) or _plan._grad_problem(p.grad, p)
+        if problem is not None:
+            raise ValueError(f"{where}: {problem if problem.startswith('its') else 'it ' + problem}")
+        state = optimizer.state[p]
+        if not state:
+            state.update(optimizer._init_state(p, amsgrad))
+            return state
+        for adoption in _plan._check_state(optimizer, p, state, amsgrad, where):
+            if adoption.value is None:
+                del adoption.state[adoption.key]
+            else:
+                adoption.state[adoption.key] = adoption.value
+        return state
 
 def _state_lists(state: dict, amsgrad: bool) -> list[list[torch.Tensor]]:
     """One param's state as the op's state lists (exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, then the

@@ -187,10 +187,10 @@ def test_what_needs_every_gradient_first_is_refused(options, action, message):
 def test_params_that_share_memory_are_refused_at_construction():
     flat = torch.zeros(10)
     a, b = torch.nn.Parameter(flat[:6]), torch.nn.Parameter(flat[4:])
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*shares memory"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*share memory"):
         FusedAdam([a, b], step_in_backward=True)
     opt = FusedAdam([a], step_in_backward=True)
-    with pytest.raises(ValueError, match="shares memory"):
+    with pytest.raises(ValueError, match="share memory"):
         opt.add_param_group({"params": [b]})
     assert len(opt.param_groups) == 1
 

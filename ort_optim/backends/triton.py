@@ -11,9 +11,10 @@ How a call runs:
   launch of ``adam_kernel``: a device table holds every tensor's addresses (params, moments, masters, scales) and a
   work list holds one (tensor, offset) item per program, so the launch covers all tensors of the group. One more tiny
   launch advances the step counts afterwards (unless found_inf says skip).
-* The tables are built once and cached, keyed by the tensors' data_ptrs (and checked against the tensor objects
-  themselves); they are rebuilt only when those change. Gradients get their own small address table, since they
-  change whenever they are set to None: one H2D copy of ``[g.data_ptr() ...]``, non-blocking from pinned memory.
+* The tables are built once and cached, keyed by every tensor's data_ptr, dtype, shape and strides (all a table
+  holds); they are rebuilt, after validation, only when one of those changes. Gradients get their own small address
+  table, since they change whenever they are set to None: one H2D copy of ``[g.data_ptr() ...]``, non-blocking from
+  pinned memory.
 * Nothing synchronises with the host inside a call, and every kernel runs on ``torch.cuda.current_stream()``, so a
   step can be captured in a CUDA graph (with lr and the loss scale as device tensors if they change between replays).
 * ``triton`` is imported on first use only; ``import ort_optim`` never imports it.
@@ -28,7 +29,6 @@ import os
 import struct
 import threading
 import warnings
-import weakref
 from collections import OrderedDict
 from typing import Optional, Sequence
 
@@ -249,19 +249,12 @@ class _Group:
 class _Plan:
     """The launch plan of one call signature: its groups, plus what identifies the tensors it was built for."""
 
-    __slots__ = ("refs", "groups", "shapes", "devices")
+    __slots__ = ("groups", "shapes", "devices")
 
-    def __init__(self, refs, groups, shapes, devices):
-        self.refs = refs  # weak references to the tensors whose data_ptrs key the plan
+    def __init__(self, groups, shapes, devices):
         self.groups = groups
         self.shapes = shapes  # the params' shapes, as tuples (comparing lists of torch.Size is ~20x slower)
         self.devices = devices  # get_device() of every param
-
-    def matches(self, tensors: list) -> bool:
-        """Same tensor objects as when the plan was built (equal data_ptrs alone could be a new tensor reusing
-        freed memory, with another dtype or size)."""
-        refs = self.refs
-        return len(refs) == len(tensors) and all([ref() is t for ref, t in zip(refs, tensors)])
 
 
 def _fail(msg: str):
@@ -336,6 +329,15 @@ def _validate_static(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_para
             _check_scales(max_exp_avg_sq_scales, max_exp_avg_sqs, i, "max_exp_avg_sq_scales")
     if any_double and any_single:
         _fail("float64 params cannot share a call with other dtypes; group them separately")
+    for name, tensors in (("params", params), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+                          ("max_exp_avg_sqs", max_exp_avg_sqs), ("master_params", master_params),
+                          ("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales),
+                          ("max_exp_avg_sq_scales", max_exp_avg_sq_scales)):
+        for i, t in enumerate(tensors):  # a storage freed in place (resize_(0)) under a tensor: never write into it
+            needed = 0 if t.numel() == 0 else (t.storage_offset() + sum(
+                st * (sz - 1) for st, sz in zip(t.stride(), t.shape)) + 1) * t.element_size()
+            if t.untyped_storage().nbytes() < needed:
+                _fail(f"{name}[{i}] has a storage of {t.untyped_storage().nbytes()} bytes but needs {needed}")
 
 
 def _validate_grads(params, grads, indices) -> None:
@@ -452,16 +454,21 @@ def adam_step_(
     statics = [work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
                exp_avg_sq_scales, max_exp_avg_sq_scales]
     flat = [t for lst in statics for t in lst]
-    key = (device, n, tuple([len(lst) for lst in statics]), tuple([t.data_ptr() for t in flat]),
+    # The tables hold addresses, sizes and dtypes, so the key has every tensor's address, dtype, shape and strides:
+    # whatever tensor now has all four (the same object given new data, or a new tensor in freed memory), the table
+    # describes it exactly. (No references to the tensors are kept: torch.utils.swap_tensors refuses tensors that
+    # anything holds, even weakly.)
+    key = (device, n, tuple([len(lst) for lst in statics]),
+           tuple([(t.data_ptr(), t.dtype, t.shape, t.stride()) for t in flat]),
            tuple([g.dtype for g in work_grads]), BLOCKS_PER_PROGRAM)
     plan = _lookup(_cache, key)
-    if plan is None or not plan.matches(flat):
+    if plan is None:
         _validate_static(work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
                          exp_avg_sq_scales, max_exp_avg_sq_scales, amsgrad)
         _validate_grads(work_params, work_grads, range(n))
         groups = _build_groups(work_params, work_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
                                exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales, device)
-        plan = _Plan([weakref.ref(t) for t in flat], groups, [tuple(p.shape) for p in work_params],
+        plan = _Plan(groups, [tuple(p.shape) for p in work_params],
                      [params[0].get_device()] * n)
         _remember(_cache, key, plan)
     elif ([tuple(g.shape) for g in work_grads] != plan.shapes or [g.get_device() for g in work_grads] != plan.devices

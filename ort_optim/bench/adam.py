@@ -120,27 +120,29 @@ def bench_low_precision_states(names: list[str], quick: bool, reps: int) -> list
 
 def bench_op_overhead(reps: int) -> list[dict]:
     """Where many-tensor steps lose time: 2000 one-element tensors (metadata only), 2000 x 1K and one 2M-element
-    tensor, with warm caches and after a 256 MB pass has evicted them (as other work does in training). Three ways in:
-    the op with its four tensor lists, the native plan FusedAdam steps through (reads each param's .grad itself), and
-    FusedAdam.step() as a whole (the plan plus Python)."""
+    tensor, with warm caches and after a 256 MB pass has evicted them (as other work does in training). Ways in: the op
+    with its four tensor lists, the native plan FusedAdam steps through (reads each param's .grad itself; its check()
+    re-validates every tensor it holds, then it steps), that re-validation alone, and FusedAdam.step() as a whole
+    (the plan plus Python)."""
     evictor = torch.empty(64 * 1024 * 1024)
     result = []
     for workload, shapes in {"2000x1": [(1,)] * 2000, "2000x1K": [(1024,)] * 2000, "1x2M": [(2048 * 1024,)]}.items():
         params = make_params(shapes)
         optimizer = FusedAdam(params)
         optimizer.step()  # creates the state and the plan
-        (bucket,) = optimizer._plans[0].buckets
+        (bucket,) = optimizer._plan.groups[0].buckets
         grads = [p.grad for p in params]
         hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=1,
                      bias_correction=True, maximize=False)
         calls = {
             "op, 4 tensor lists": lambda: backends.adam_step_(
                 bucket.params, grads, bucket.exp_avgs, bucket.exp_avg_sqs, [], [], [], [], [], bucket.steps, **hyper),
-            "plan": lambda: bucket.native.step(**hyper),
+            "plan (check + step)": lambda: bucket.native.check() < 0 and bucket.native.step(**hyper),
+            "plan re-validation (check)": lambda: bucket.native.check(),
             "FusedAdam.step()": optimizer.step,
         }
         if bucket.native is None:  # no native library here: there is no plan to time
-            del calls["plan"]
+            del calls["plan (check + step)"], calls["plan re-validation (check)"]
         for call, run in calls.items():
             for caches in ("warm", "evicted"):
                 times = []
