@@ -272,6 +272,7 @@ def run_leg(leg: str, cfg: dict, args) -> dict:
     from ort_optim import AdamWMode, FusedAdam
 
     groups = param_groups(model)
+    fused = None
     if leg == "eager-adamw":
         optimizer = torch.optim.AdamW(groups, lr=cfg["lr"], betas=BETAS, eps=EPS)
         opt_name = "torch.optim.AdamW"
@@ -314,7 +315,7 @@ def run_leg(leg: str, cfg: dict, args) -> dict:
             group["lr"] = lr
 
     rss_before = rss_mb()
-    losses, val_losses, fwd_bwd_s, opt_s, skipped = [], [], [], [], 0
+    losses, val_losses, fwd_bwd_s, opt_s, skipped, grad_norms = [], [], [], [], 0, []
     from tqdm import tqdm
 
     bar = tqdm(range(cfg["steps"]), desc=f"{leg:<11}", file=sys.stderr, ncols=100, disable=args.no_progress,
@@ -336,11 +337,16 @@ def run_leg(leg: str, cfg: dict, args) -> dict:
         if fp16 and optimizer.overflow:
             skipped += 1
         losses.append(float(loss.detach()))
+        # FusedAdam's global norm of the unscaled gradients, from the pass that unscales them (the fp16 leg: loss
+        # scaling); None where nothing is scaled or clipped.
+        norm = None if fused is None else fused.last_grad_norm
+        grad_norms.append(None if norm is None else float(norm))
         fwd_bwd_s.append(t1 - t0)
         opt_s.append(t2 - t1)
         if cfg["eval_every"] and ((step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]):
             val_losses.append((step + 1, evaluate()))
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", **({} if grad_norms[-1] is None else
+                                                      {"grad_norm": f"{grad_norms[-1]:.3g}"}), refresh=False)
     bar.close()
     wall = time.perf_counter() - t_start
 
@@ -361,6 +367,7 @@ def run_leg(leg: str, cfg: dict, args) -> dict:
         rss_at_start_mb=rss_start, rss_before_training_mb=rss_before, peak_rss_mb=peak_rss_mb(),
         skipped_steps=skipped, final_loss_scale=float(optimizer.loss_scale) if fp16 else None,
         step_in_backward=bool(getattr(optimizer, "step_in_backward", False)), grad_mb=4 * n_params / 2**20,
+        grad_norm=grad_norms if any(n is not None for n in grad_norms) else None,
         # 1-minute load average of the machine at the start and end of the leg: other processes skew the timings.
         load_avg=(load_start, os.getloadavg()[0]), cpus=os.cpu_count(),
     )
