@@ -3,7 +3,8 @@
 ``from ort_optim.fp16_optimizer import FP16_Optimizer`` mirrors ``onnxruntime.training.optim.fp16_optimizer``:
 ``FP16_Optimizer(optimizer, **kwargs)`` accepts
 
-* any ``torch.optim.Optimizer`` (ours or torch's): the result is an :class:`FP16_Optimizer` wrapper that scales the
+* any ``torch.optim.Optimizer`` (ours, torch's, DeepSpeed's plain ones such as ``DeepSpeedCPUAdam``): the result is
+  an :class:`FP16_Optimizer` wrapper (a torch optimizer to hooks, schedulers and checkpoints) that scales the
   loss, keeps fp32 master weights for fp16/bf16 parameters, unscales and checks the gradients with multi-tensor ops,
   clips, and updates or skips (guides/fp16-optimizer.md);
 * a DeepSpeed ZeRO stage 1/2 optimizer (what ``deepspeed.initialize`` returns): its overflow check and gradient-norm

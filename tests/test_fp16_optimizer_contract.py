@@ -339,8 +339,8 @@ def test_closure_that_raises_changes_nothing():
 
 
 def _sparse(indices, values, rows, dtype):
-    return torch.sparse_coo_tensor(torch.tensor([indices]), torch.tensor(values, dtype=torch.float32), (rows, 2)).to(
-        dtype)
+    values = torch.tensor(values, dtype=torch.float32)
+    return torch.sparse_coo_tensor(torch.tensor([indices]), values, (rows, 2), check_invariants=True).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
