@@ -593,13 +593,9 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         self._grad_buffers: dict[int, torch.Tensor] = {}  # id(master) -> persistent fp32 gradient buffer
         self._max_grad_norm: Optional[float] = None
         if fused:
-            low = [p for g in optimizer.param_groups for p in g["params"] if p.dtype in LOW_PRECISION]
-            if not optimizer.master_weights:
-                # Also with no fp16/bf16 param yet: groups added later then get masters too. FusedAdam creates
-                # state lazily, at a param's first step, so masters start there.
-                optimizer.master_weights = True
-                if low:
-                    optimizer._plans.clear()
+            # Also with no fp16/bf16 param yet: groups added later then get masters too. FusedAdam creates state
+            # lazily, at a param's first step, so masters start there (no fp16/bf16 param has state: checked above).
+            optimizer.master_weights = True
             if max_grad_norm is not None:
                 optimizer.max_grad_norm = max_grad_norm
         else:
