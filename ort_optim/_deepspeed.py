@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _native
+from . import backends
 
 # method name -> the parameter names (after self) it must have, with their defaults
 KNOWN_SIGNATURES = {
@@ -128,7 +128,7 @@ def _stats_on(tensors: list[torch.Tensor], device: Any) -> torch.Tensor:
         by_device.setdefault(t.device, []).append(t)
     total = torch.zeros(2, dtype=torch.float32, device=device)
     for group in by_device.values():
-        total = total + _native.grad_stats(group).to(device)
+        total = total + backends.grad_stats(group).to(device)
     return total
 
 

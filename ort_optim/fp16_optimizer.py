@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from . import _native
+from . import backends
 from .fused_adam import FusedAdam
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -856,7 +856,7 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
                         grads_by_device.setdefault(p.grad.device, []).append(p.grad)
             given = torch.zeros((), dtype=torch.float32, device=self._main_device)
             for grads in grads_by_device.values():
-                given = torch.maximum(given, _native.grad_stats(grads)[1].to(self._main_device))
+                given = torch.maximum(given, backends.grad_stats(grads)[1].to(self._main_device))
             given = self._reduce_found_inf(given.reshape(1)).reshape(())
         opt.step(grad_scale=scale, found_inf=given)
         found = opt.last_found_inf
