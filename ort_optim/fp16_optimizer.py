@@ -23,10 +23,9 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -1057,6 +1056,8 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"a load_state_dict pre hook returned {type(state_dict).__name__}, not a dict")
         if state_dict.get("format") != STATE_FORMAT:
             raise ValueError(
                 f"not an FP16_Optimizer state_dict: state_dict['format'] must be {STATE_FORMAT!r}, got "
