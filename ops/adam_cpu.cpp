@@ -1058,10 +1058,18 @@ class AdamPlan : public torch::CustomClassHolder {
   // math, no tensor ops) and steps unless it must skip. Returns float32 [unscaled global norm, 1.0 if skipped].
   at::Tensor step_scaled(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
                          bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
-                         c10::optional<double> grad_scale, c10::optional<double> max_grad_norm,
+                         c10::optional<at::Tensor> grad_scale, c10::optional<double> max_grad_norm,
                          c10::optional<at::Tensor> found_inf) {
     TORCH_CHECK(checked_, "ort_optim.AdamPlan: step_scaled() needs a successful check() first");
-    Scaling scaling{grad_scale, max_grad_norm};
+    // The scale is read here, not in Python: a CPU scalar read by the CPU kernel, like the gradients (FusedAdam
+    // takes this path only when grad_scale lives on the CPU).
+    c10::optional<double> scale;
+    if (grad_scale.has_value()) {
+      TORCH_CHECK(grad_scale->device().is_cpu() && grad_scale->numel() == 1,
+                  "ort_optim.AdamPlan: grad_scale must be a one-element CPU tensor");
+      scale = grad_scale->to(at::kDouble).item<double>();
+    }
+    Scaling scaling{scale, max_grad_norm};
     StepOptions options{lr,       beta1,     beta2,        eps,      weight_decay, mode, bias_correction,
                         maximize, lr_tensor, c10::nullopt, found_inf};
     options.scaling = &scaling;

@@ -467,7 +467,9 @@ class FusedAdam(torch.optim.Optimizer):
         try:
             out = bucket.native.step_scaled(
                 **self._hyperparameters(group),
-                grad_scale=None if grad_scale is None else float(grad_scale),  # a host value: no device sync
+                # A CPU tensor (see _scaled_in_plan), read by the native plan itself.
+                grad_scale=grad_scale if grad_scale is None or isinstance(grad_scale, torch.Tensor)
+                else torch.tensor(float(grad_scale), dtype=torch.float64),
                 max_grad_norm=self.max_grad_norm, found_inf=found_inf,
             )
         except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)

@@ -163,7 +163,7 @@ class AdamPlan:
 
     def step_scaled(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                     adam_w_mode: int, bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
-                    grad_scale: Optional[float] = None, max_grad_norm: Optional[float] = None,
+                    grad_scale: Optional[torch.Tensor] = None, max_grad_norm: Optional[float] = None,
                     found_inf: Optional[torch.Tensor] = None) -> torch.Tensor:
         """:meth:`step` that unscales by ``grad_scale``, checks for inf/NaN and clips to ``max_grad_norm`` itself,
         from one pass of :func:`grad_stats` over the gradients (the multiplier and the skip decision are computed on
