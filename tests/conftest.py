@@ -20,7 +20,7 @@ from ort_optim import backends  # noqa: E402
 # One intra-op thread for the FusedAdam specification tests: on the shared 2-core machines a second OpenMP thread that
 # has to wait for a busy core makes small tensor ops 20x slower. The kernels' results do not depend on the thread
 # count; test_op.py checks that explicitly with 1 and 2 threads. (Other test modules keep torch's default.)
-SINGLE_THREAD_MODULES = {"test_fused_adam", "test_mixed_precision", "test_checkpoints", "test_op"}
+SINGLE_THREAD_MODULES = {"test_fused_adam", "test_mixed_precision", "test_checkpoints", "test_checkpoint_fuzz", "test_op"}
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +66,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     if t.layout != torch.strided:
         t = t.to_dense()
     t = t.contiguous()
+    if t.is_complex():
+        t = torch.view_as_real(t)
     if t.is_floating_point():
         return t.view(_INT_VIEW[t.element_size()])
     return t

@@ -76,7 +76,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("ort_optim::adam_step_")
     def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
           exp_avg_sq_scales, max_exp_avg_sq_scales, steps, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
-          bias_correction, maximize, lr_tensor=None, inv_grad_scale=None, found_inf=None):
+          bias_correction, maximize, lr_tensor=None, inv_grad_scale=None, found_inf=None, grad_scale=None):
         return None
 
     @torch.library.register_fake("ort_optim::grad_stats")
@@ -142,11 +142,12 @@ class AdamPlan:
 
     def step(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adam_w_mode: int,
              bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
-             inv_grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> bool:
-        """:func:`adam_step_` with the params' current gradients; False, with nothing written, if one has none or an
-        idle param has one."""
+             inv_grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None,
+             grad_scale: Optional[torch.Tensor] = None) -> bool:
+        """:func:`adam_step_` with the params' current gradients (written back unscaled when grad_scale is given);
+        False, with nothing written, if one has none or an idle param has one."""
         return self._plan.step(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize,
-                               lr_tensor, inv_grad_scale, found_inf)
+                               lr_tensor, inv_grad_scale, found_inf, grad_scale)
 
     def grad_stats(self) -> Optional[torch.Tensor]:
         """:func:`grad_stats` of the params' current gradients; None, like ``ready()`` being False, if a param has no

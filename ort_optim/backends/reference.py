@@ -84,6 +84,7 @@ def adam_step_(
     lr_tensor: Optional[torch.Tensor] = None,
     inv_grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    grad_scale: Optional[torch.Tensor] = None,
 ) -> None:
     if found_inf is not None and float(found_inf) != 0.0:
         return
@@ -127,6 +128,8 @@ def adam_step_(
         if master is not None:
             master.copy_(p)
         param.copy_(p)
+        if grad_scale is not None:  # the unscaled gradient back into .grad: a division, rounded to its dtype
+            grads[i].copy_(grads[i].to(compute) / grad_scale.to(compute).reshape(()))
     steps.add_(1.0)
 
 
