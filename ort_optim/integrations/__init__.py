@@ -1,0 +1,7 @@
+"""ort_optim's bridges to the engines that run it: torch.distributed (DTensor/FSDP2/tensor parallel, DDP and plain
+process groups, distributed checkpoints) in :mod:`ort_optim.integrations.dtensor`.
+
+Nothing here shards, launches or communicates on its own account: the engines (FSDP2, DTensor, DDP, DCP,
+DeepSpeed) do that. These modules only tell the optimizer what a parameter's local piece is, how to count it in a
+global decision, and how to hand its state back in the engine's own form.
+"""

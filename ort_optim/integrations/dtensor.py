@@ -1,0 +1,198 @@
+"""Everything FusedAdam needs to know about DTensor params (FSDP2, tensor parallel, 2D meshes) and plain process
+groups (DDP), as small functions without state.
+
+* **Local pieces.** A DTensor param (``fully_shard``, ``parallelize_module``, ``distribute_tensor``) is stepped
+  through its local tensor (:func:`local`); FusedAdam keeps its state as plain local tensors shaped like that piece.
+  FSDP2 shards can be empty on some ranks (a dim 0 smaller than the world).
+* **One global decision per step.** The gradient-clipping norm and the inf/NaN skip must be the same on every rank,
+  computed over the whole model. Each rank sums the squares of its local gradient pieces, each piece weighted by
+  ``1 / (number of ranks holding the same piece)`` (:func:`weight`: the product of the mesh sizes of the
+  ``Replicate`` dims; a ``Shard`` dim splits, so counts once), adds an inf/NaN flag, and one ``all_reduce(SUM)`` of
+  those two floats over the group that spans every rank (:func:`reduction_for`, :func:`all_reduce_stats`) gives
+  every rank the global sum of squares and a flag that is non-zero when any rank saw inf/NaN (a SUM of
+  non-negative flags is non-zero exactly when their MAX is). The result stays a device tensor: no host sync.
+  Plain tensors with a ``process_group`` (DDP) are replicas: weight ``1 / group size``.
+* **Checkpoints.** ``state_dict()`` hands each per-element state tensor back as a DTensor laid out like its param
+  (:func:`wrap_like`), so ``torch.distributed.checkpoint`` saves and reshards it like the param itself;
+  ``load_state_dict()`` takes the local piece again (:func:`local_like`), from a DTensor in any layout of the
+  param's mesh, or from a full plain tensor (a one-process checkpoint). FusedAdam's saved form is already
+  per-element and unscaled (no block scale spans shards), which is what makes this resharding exact.
+
+``Partial`` placements (a gradient that still awaits its reduction) are refused: the update of a partial sum would
+be wrong, and so would its norm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+try:  # torch >= 2.5: the public module; torch 2.4: the private one (same classes)
+    from torch.distributed.tensor import DTensor, Replicate
+except ImportError:  # pragma: no cover - depends on the torch version
+    try:
+        from torch.distributed._tensor import DTensor, Replicate
+    except ImportError:  # torch built without distributed support
+        DTensor = Replicate = None
+
+
+def is_dtensor(t: Any) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The tensor this rank stores for t: a DTensor's local piece (a view of its storage, so in-place updates land in
+    the DTensor), t itself for a plain tensor, None for None."""
+    if is_dtensor(t):
+        with torch.no_grad():  # to_local() without autograd is the local tensor itself, not a differentiable alias
+            return t.to_local()
+    return t
+
+
+def describe_layout(t: torch.Tensor) -> str:
+    """A short description of how t is laid out over ranks, for error messages."""
+    if not is_dtensor(t):
+        return "a plain tensor"
+    return f"a DTensor with placements {tuple(t.placements)} on {t.device_mesh}"
+
+
+def check_placements(t: torch.Tensor, where: str) -> None:
+    """Refuses Partial placements (an unreduced gradient) with a ValueError naming `where`."""
+    if is_dtensor(t):
+        for dim, placement in enumerate(t.placements):
+            if placement.is_partial():
+                raise ValueError(
+                    f"{where} is {describe_layout(t)}: mesh dim {dim} holds a partial sum, which FusedAdam cannot "
+                    f"step or count in the global norm; reduce it first (t.redistribute(t.device_mesh, "
+                    f"[Replicate() or Shard(d) per dim]))"
+                )
+
+
+def replicas(t: torch.Tensor) -> int:
+    """How many ranks of t's mesh hold each element of t (1 for plain tensors and fully sharded DTensors)."""
+    if not is_dtensor(t):
+        return 1
+    mesh = t.device_mesh
+    return math.prod(mesh.size(dim) for dim, placement in enumerate(t.placements) if placement.is_replicate())
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """Where a step's [sum of squares, inf flag] is all-reduced: over each of `groups` in turn (None: the default
+    group), `size` ranks in all. One group except for a multi-dimensional mesh that does not span the world, whose
+    dims are reduced one after the other (a sum over a grid is the sum of its rows' sums)."""
+
+    groups: tuple
+    size: int
+
+
+def reduction_for(params: Iterable[torch.Tensor], process_group: Any = None) -> Optional[Reduction]:
+    """The reduction a step over these params needs; None when the decision is local (one process, or plain params
+    without a process_group).
+
+    With ``process_group`` given: that group. Otherwise, for DTensor params: the default group when their meshes
+    span every rank (the usual FSDP2/TP/2D setup, one all-reduce), or the mesh's own group(s) when they all share one
+    mesh over part of the ranks. Params on meshes with different ranks need an explicit ``process_group`` that spans
+    them all (a ValueError says so).
+    """
+    import torch.distributed as dist
+
+    if process_group is not None:
+        size = dist.get_world_size(process_group)
+        return Reduction((process_group,), size) if size > 1 else None
+    meshes = []
+    for p in params:
+        if is_dtensor(p) and not any(p.device_mesh is m for m in meshes):
+            meshes.append(p.device_mesh)
+    if not meshes or not (dist.is_available() and dist.is_initialized()):
+        return None
+    rank_sets = {frozenset(m.mesh.flatten().tolist()) for m in meshes}
+    world = dist.get_world_size()
+    if len(rank_sets) == 1:
+        ranks = next(iter(rank_sets))
+        if len(ranks) == 1:
+            return None
+        if len(ranks) == world:
+            return Reduction((None,), world)
+        mesh = meshes[0]
+        return Reduction(tuple(mesh.get_group(dim) for dim in range(mesh.ndim)), len(ranks))
+    if set().union(*rank_sets) == set(range(world)):
+        return Reduction((None,), world)
+    raise ValueError(
+        f"FusedAdam: the params live on device meshes over different sets of ranks ({sorted(map(sorted, rank_sets))})"
+        " that do not together span the default group; pass process_group= covering all of them, so that the "
+        "gradient norm and the skip decision are global"
+    )
+
+
+def weight(t: torch.Tensor, reduction: Optional[Reduction]) -> float:
+    """The factor for t's local sum of squares in the all-reduced sum: 1 / (ranks of the reduction holding the same
+    elements). A DTensor counts once per distinct piece; a plain tensor is a replica on every rank of the reduction
+    (DDP), unless there is no reduction."""
+    if reduction is None:
+        return 1.0
+    if is_dtensor(t):
+        return 1.0 / replicas(t)
+    return 1.0 / reduction.size
+
+
+def all_reduce_stats(stats: torch.Tensor, reduction: Optional[Reduction]) -> torch.Tensor:
+    """Sums a float32 [sum of squares, inf/NaN flag] tensor over the reduction's ranks, in place, and returns it.
+
+    One collective of two floats (per mesh dim only in the rare case described in :class:`Reduction`); a device
+    tensor in and out, so no host sync (NCCL enqueues on the current stream; gloo runs on the CPU)."""
+    if reduction is None:
+        return stats
+    import torch.distributed as dist
+
+    for group in reduction.groups:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    return stats
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def wrap_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """value (this rank's piece of a per-element state of param) as a DTensor laid out like param; value itself
+    for a plain param. No communication; the DTensor shares value's storage."""
+    if not is_dtensor(param):
+        return value
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=_contiguous_strides(param.shape))
+
+
+def local_like(param: torch.Tensor, value: torch.Tensor, where: str) -> torch.Tensor:
+    """This rank's piece, laid out like param's local tensor, of a checkpointed per-element state: a DTensor on
+    param's mesh in any placements (redistributed when they differ), or a plain tensor of param's full shape (each
+    rank takes its piece, without communication). For a plain param, a DTensor value is gathered whole. Raises a
+    ValueError naming `where` when value cannot be laid out like param."""
+    if not is_dtensor(param):
+        return value.full_tensor() if is_dtensor(value) else value
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(
+            f"{where} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)} (its full shape; this rank "
+            f"holds {tuple(local(param).shape)} of it as {describe_layout(param)})"
+        )
+    with torch.no_grad():
+        if is_dtensor(value):
+            if value.device_mesh != param.device_mesh:
+                raise ValueError(
+                    f"{where} is {describe_layout(value)}, the parameter {describe_layout(param)}: load it through "
+                    "torch.distributed.checkpoint (set_optimizer_state_dict), which reshards onto the param's mesh"
+                )
+            if tuple(value.placements) != tuple(param.placements):
+                value = value.redistribute(param.device_mesh, param.placements)
+            return value.to_local()
+        # a full tensor on every rank (a one-process checkpoint): Replicate -> param's placements slices locally
+        replicated = DTensor.from_local(value.to(local(param).device), param.device_mesh,
+                                        [Replicate()] * param.device_mesh.ndim, run_check=False)
+        return replicated.redistribute(param.device_mesh, param.placements).to_local()

@@ -1,0 +1,63 @@
+"""Multi-process tests in one spawn: every scenario of a test module runs inside the same worker processes.
+
+``run_ranks(scenarios, world_size, tmp_dir)`` starts ``world_size`` processes with ``torch.multiprocessing.spawn``;
+each joins a gloo process group through a ``torch.distributed.FileStore`` in ``tmp_dir`` (no ports, so no port races
+between concurrent test runs), calls ``scenarios(rank, world_size, tmp_dir)`` and saves the dict it returns. The parent
+gets one such dict per rank and does the assertions. Starting processes costs seconds (each imports torch), so a
+module spawns once and its scenarios share the processes; a scenario that raises fails the whole spawn with the
+worker's traceback.
+
+Workers run with one intra-op thread and see the same ``sys.path`` as the parent (spawn copies it), so ``scenarios``
+must be a module-level function of an importable module (a test module is).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+Scenarios = Callable[[int, int, str], dict]
+
+
+def _entry(rank: int, scenarios: Scenarios, world_size: int, tmp_dir: str, env: dict) -> None:
+    import torch.distributed as dist
+
+    # torchrun-style variables, for libraries that read them (DeepSpeed); the rendezvous itself is the FileStore
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      LOCAL_SIZE=str(world_size), **env)
+    torch.set_num_threads(1)
+    store = dist.FileStore(str(Path(tmp_dir) / "store"), world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        result = scenarios(rank, world_size, tmp_dir)
+        torch.save(result, Path(tmp_dir) / f"result{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(scenarios: Scenarios, world_size: int, tmp_dir, env: dict | None = None) -> list[dict]:
+    """Runs scenarios on world_size gloo ranks (see the module docstring); returns each rank's dict, by rank."""
+    import torch.multiprocessing as mp
+
+    tmp_dir = Path(tmp_dir)
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_entry, args=(scenarios, world_size, str(tmp_dir), dict(env or {})), nprocs=world_size)
+    return [torch.load(tmp_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def tree_max_abs_diff(a: Any, b: Any) -> float:
+    """Largest |a - b| over matching tensors of two nested dicts/lists (same structure required)."""
+    if isinstance(a, torch.Tensor):
+        assert a.shape == b.shape, (a.shape, b.shape)
+        return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), (sorted(a), sorted(b))
+        return max((tree_max_abs_diff(a[k], b[k]) for k in a), default=0.0)
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        return max((tree_max_abs_diff(x, y) for x, y in zip(a, b)), default=0.0)
+    assert a == b, (a, b)
+    return 0.0
