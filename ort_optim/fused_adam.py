@@ -206,11 +206,17 @@ class FusedAdam(torch.optim.Optimizer):
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element tensor)
     divides every gradient inside the kernel; ``found_inf`` (one-element tensor) turns the step into a no-op when
-    non-zero. When ``grad_scale`` or ``max_grad_norm`` is given, the optimizer also checks the gradients for inf/NaN
-    itself and skips the step if it finds any, or if unscaling (dividing by a ``grad_scale`` below 1) would overflow
-    (the check is on the global norm of the unscaled gradients, which must stay below float32's range, about 1.8e19);
-    :attr:`last_step_skipped` tells. A skipped step changes nothing: no
-    parameter, master, moment or step count. ``torch.amp.GradScaler`` is honoured through its protocol for fused
+    non-zero. After a step that was taken with a ``grad_scale``, ``p.grad`` holds the unscaled gradient
+    :math:`g / s` (a float32 division, float64 for float64 grads, rounded to the gradient's dtype; written by the
+    fused kernel while the gradient is in registers), exactly what ``torch.optim.AdamW(fused=True)`` leaves there
+    under ``torch.amp.GradScaler``: not negated for ``maximize``, and not clipped: unlike
+    ``torch.nn.utils.clip_grad_norm_``, ``max_grad_norm`` clipping happens inside the step and is not written back.
+    After a skipped step ``p.grad`` keeps the scaled values (as torch's kernel returns early), and without
+    ``grad_scale`` it is never written. When ``grad_scale`` or ``max_grad_norm`` is given, the optimizer also checks
+    the gradients for inf/NaN itself and skips the step if it finds any, or if unscaling (dividing by a
+    ``grad_scale`` below 1) would overflow (the check is on the global norm of the unscaled gradients, which must stay
+    below float32's range, about 1.8e19); :attr:`last_step_skipped` tells. A skipped step changes nothing: no
+    parameter, master, moment, step count or gradient. ``torch.amp.GradScaler`` is honoured through its protocol for fused
     optimizers (``_step_supports_amp_scaling``).
     """
 
