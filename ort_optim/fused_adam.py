@@ -612,7 +612,8 @@ class FusedAdam(torch.optim.Optimizer):
         devices = dict.fromkeys(launch.bucket.params[0].device for launch in launches)
         if isinstance(grad_scale, torch.Tensor):
             return {d: grad_scale.to(d, torch.float32, non_blocking=True).reshape(1) for d in devices}
-        return {d: torch.tensor([float(grad_scale)], dtype=torch.float32, device=d) for d in devices}
+        # (a fill on the device, not a copy from the host: no synchronisation)
+        return {d: torch.full((1,), float(grad_scale), dtype=torch.float32, device=d) for d in devices}
 
     def _scaling(self, launches: list[_Launch], grad_scale, found_inf):
         """Per-device inverse gradient multiplier (unscale and clip) and the combined skip flag, without host syncs;

@@ -16,6 +16,7 @@ and in both cases never write to the given dict; after a refusal the optimizer a
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -29,8 +30,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 # Examples per run (the issue asks for at least 2000 per environment in CI); derandomized, so every run tries the
-# same ones and a failure reproduces.
-EXAMPLES = int(__import__("os").environ.get("FUZZ_EXAMPLES", 2000))
+# same ones and a failure reproduces. FUZZ_EXAMPLES overrides it for a quick local run or a longer hunt.
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "2000"))
 
 # ---- the optimizers under test -------------------------------------------------------------------------------------
 
