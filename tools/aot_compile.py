@@ -80,6 +80,14 @@ def variants(full: bool) -> list:
     out += [
         ("adam-fp32-mode2-unaligned-4blocks", "adam_kernel",
          adam_variant("fp32", 2, False, ALIGNED=False, BLOCKS_PER_PROGRAM=4)),
+        # the loss-scaled step that writes the unscaled gradients back (a correctly rounded division per element)
+        ("adam-fp32-mode2-unscale-grads", "adam_kernel",
+         adam_variant("fp32", 2, False, HAS_INV_SCALE=True, HAS_FOUND_INF=True, UNSCALE_GRADS=True)),
+        ("adam-fp16-master-mode2-unscale-grads", "adam_kernel",
+         adam_variant("fp16-master", 2, False, HAS_INV_SCALE=True, HAS_FOUND_INF=True, UNSCALE_GRADS=True)),
+        ("adam-bf16-master-fp16m-bf16v-mode1-unscale-grads", "adam_kernel",
+         adam_variant("bf16-master-fp16m-bf16v", 1, True, HAS_INV_SCALE=True, HAS_FOUND_INF=True,
+                      UNSCALE_GRADS=True)),
         ("advance_steps", "advance_steps_kernel", dict(HAS_FOUND_INF=True, BLOCK=1024)),
     ]
     for name, dt in (("fp32", F32), ("fp16", F16), ("bf16", BF16), ("fp64", F64)):
