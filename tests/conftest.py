@@ -118,7 +118,7 @@ def assert_tree_bitwise_equal(a, b, where: str = "state") -> None:
         assert len(a) == len(b), f"{where}: {len(a)} vs {len(b)} items"
         for i, (x, y) in enumerate(zip(a, b)):
             assert_tree_bitwise_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and a != a:
+    elif isinstance(a, (float, complex)) and a != a:
         assert b != b, f"{where}: {a!r} != {b!r}"  # NaN is NaN
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
