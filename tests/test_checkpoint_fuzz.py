@@ -205,7 +205,7 @@ def _perturb(value, seed: int):
     if isinstance(value, bool):
         return not value
     if isinstance(value, (int, float)):
-        return value * 0.5 if seed % 2 else type(value)(value + 1)
+        return value * 0.5 if seed % 2 else value + 1  # (an AdamWMode becomes a plain int)
     if isinstance(value, torch.Tensor) and value.is_floating_point() and not value.is_meta:
         g = torch.Generator().manual_seed(seed)
         fresh = torch.rand(value.shape, generator=g, dtype=torch.float64) * 2.0**(seed - 5)
