@@ -6,6 +6,7 @@
 // vectorises; the fp16/bf16 conversions around it are explicit (F16C, bit tricks), because c10::Half in a loop
 // stays scalar and runs at a tenth of memory speed.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -181,7 +182,7 @@ void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_
 // Per-tensor view of everything the kernel touches, resolved once before the parallel region.
 struct TensorWork {
   void* param;
-  const void* grad;
+  void* grad;  // written only when the gradients are unscaled in place (grad_scale given)
   void* exp_avg;
   void* exp_avg_sq;
   void* max_exp_avg_sq;  // nullptr unless amsgrad
@@ -199,6 +200,7 @@ struct TensorWork {
 struct Hyper {
   double lr, beta1, beta2, eps, weight_decay, grad_mul;
   int64_t mode;
+  double grad_scale;  // 0: leave the gradients as they are; else write them back as grad / grad_scale
 };
 
 template <typename T>
@@ -311,6 +313,14 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   // With a master, p is the master itself (updated in place) and the param receives it rounded.
   if (w.master || p == s.p) {
     store<T>(p, n, static_cast<char*>(w.param) + off * c10::elementSize(w.param_type), w.param_type);
+  }
+  // The unscaled gradient back into .grad, as torch's fused AdamW: g / grad_scale (a division, not the multiplication
+  // by inv_grad_scale, which may hold the clip coefficient too), rounded to the gradient's dtype. g still holds the
+  // gradient as loaded (adam_loop only reads it), in L1: the cost is the write.
+  if (h.grad_scale != 0.0) {
+    const T scale = T(h.grad_scale);
+    for (int64_t i = 0; i < n; ++i) g[i] = g[i] / scale;
+    if (g == s.g) store<T>(s.g, n, static_cast<char*>(w.grad) + off * c10::elementSize(w.grad_type), w.grad_type);
   }
 }
 
@@ -535,15 +545,20 @@ std::vector<TensorWork> state_work(at::TensorList params, const StateLists& s) {
   return work;
 }
 
-struct Scaling;
+struct Scaling {
+  c10::optional<double> grad_scale, max_grad_norm;  // inputs (FusedAdam's step(grad_scale=...) and max_grad_norm)
+  float norm = 0.0f;  // output: the global L2 norm of the unscaled gradients, before clipping
+  bool skip = false;  // output: the step was skipped (inf/NaN gradients, an overflowing unscale, or found_inf)
+};
 
 struct StepOptions {
   double lr, beta1, beta2, eps, weight_decay;
   int64_t mode;
   bool bias_correction, maximize;
-  c10::optional<at::Tensor> lr_tensor, inv_grad_scale, found_inf;
-  // Set by AdamPlan::step_scaled (then inv_grad_scale is empty): the gradients are unscaled and clipped by a
-  // multiplier computed from their statistics, and the step is skipped on inf/NaN (see "gradient statistics").
+  c10::optional<at::Tensor> lr_tensor, inv_grad_scale, found_inf, grad_scale;
+  // Set by AdamPlan::step_scaled (then inv_grad_scale and grad_scale are empty): the gradients are unscaled and
+  // clipped by a multiplier computed from their statistics, and the step is skipped on inf/NaN (see "gradient
+  // statistics"); the unscaled gradients are written back as with grad_scale.
   Scaling* scaling = nullptr;
 };
 
@@ -559,10 +574,14 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
   if (found_inf && o.scaling == nullptr) return;  // skipped (a scaled step still reports the gradients' norm)
   double grad_mul = o.inv_grad_scale.has_value() ? scalar_value(o.inv_grad_scale, "inv_grad_scale") : 1.0;
   const double lr = o.lr_tensor.has_value() ? scalar_value(o.lr_tensor, "lr_tensor") : o.lr;
+  double grad_scale = o.grad_scale.has_value() ? scalar_value(o.grad_scale, "grad_scale") : 0.0;
+  if (o.scaling != nullptr && o.scaling->grad_scale.has_value()) grad_scale = *o.scaling->grad_scale;
+  TORCH_CHECK(grad_scale == 0.0 || (std::isfinite(grad_scale) && grad_scale != 0.0),
+              "ort_optim::adam_step_: grad_scale must be finite and non-zero, got ", grad_scale);
 
-  // Non-contiguous params and grads are processed through contiguous copies; params are copied back at the end.
-  std::vector<std::pair<size_t, at::Tensor>> param_copies;
-  std::vector<at::Tensor> grad_copies;
+  // Non-contiguous params and grads are processed through contiguous copies; params (and grads when they are
+  // unscaled in place) are copied back at the end.
+  std::vector<std::pair<size_t, at::Tensor>> param_copies, grad_copies;
   double last_t = -1.0, step_size = 0.0, bc2_sqrt = 1.0;
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = *params[i];
@@ -577,8 +596,11 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     if (g.is_contiguous()) {
       w.grad = g.data_ptr();
     } else {
-      grad_copies.push_back(g.contiguous());
-      w.grad = grad_copies.back().data_ptr();
+      // (checked here, before anything is written: an expand()ed gradient cannot receive one value per element)
+      TORCH_CHECK(grad_scale == 0.0 || at::has_internal_overlap(g) != at::MemOverlap::Yes, "ort_optim::adam_step_: ",
+                  "grads[", i, "] overlaps itself (an expand()ed tensor), so it cannot be unscaled in place");
+      grad_copies.emplace_back(i, g.contiguous());
+      w.grad = grad_copies.back().second.data_ptr();
     }
     w.param_type = p.scalar_type();
     w.grad_type = g.scalar_type();
@@ -599,13 +621,16 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     grad_mul = *multiplier;
   }
   if (o.maximize) grad_mul = -grad_mul;
-  const Hyper h{lr, o.beta1, o.beta2, o.eps, o.weight_decay, grad_mul, o.mode};
+  const Hyper h{lr, o.beta1, o.beta2, o.eps, o.weight_decay, grad_mul, o.mode, grad_scale};
   if (is_double) {
     dispatch_adam<double>(work, items, h, amsgrad);
   } else {
     dispatch_adam<float>(work, items, h, amsgrad);
   }
   for (const auto& [i, copy] : param_copies) params[i]->copy_(copy);
+  if (grad_scale != 0.0) {
+    for (const auto& [i, copy] : grad_copies) grads[i]->copy_(copy);
+  }
   for (size_t i = 0; i < params.size(); ++i) steps[i] += 1.0;
 }
 
@@ -628,15 +653,16 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    at::TensorList max_exp_avg_sq_scales, const at::Tensor& steps, double lr, double beta1,
                    double beta2, double eps, double weight_decay, int64_t mode, bool bias_correction,
                    bool maximize, const c10::optional<at::Tensor>& lr_tensor,
-                   const c10::optional<at::Tensor>& inv_grad_scale, const c10::optional<at::Tensor>& found_inf) {
+                   const c10::optional<at::Tensor>& inv_grad_scale, const c10::optional<at::Tensor>& found_inf,
+                   const c10::optional<at::Tensor>& grad_scale) {
   const StateLists states{exp_avgs,       exp_avg_sqs,       max_exp_avg_sqs,      master_params,
                           exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales};
   check_list_length(grads, params.size(), "grads", false);
   const bool is_double = check_params_and_states(params, states, steps);
   for (size_t i = 0; i < params.size(); ++i) check_grad(grads[i], params[i], i, is_double);
   std::vector<TensorWork> work = state_work(params, states);
-  const StepOptions options{lr,   beta1,    beta2,   eps, weight_decay, mode, bias_correction,
-                            maximize, lr_tensor, inv_grad_scale, found_inf};
+  const StepOptions options{lr,       beta1,     beta2,          eps,       weight_decay, mode, bias_correction,
+                            maximize, lr_tensor, inv_grad_scale, found_inf, grad_scale};
   update(work, work_items(work), pointers(params), pointers(grads), steps.data_ptr<double>(), is_double,
          !max_exp_avg_sqs.empty(), options);
 }
@@ -772,11 +798,6 @@ at::Tensor grad_stats_of(const std::vector<const at::Tensor*>& tensors) {
 // Loss-scale unscaling, the inf/NaN check and global-norm clipping of a plan's scaled step, computed on the host from
 // the gradients' statistics with no tensor ops. The arithmetic is FusedAdam._scaling's, in float32 and in torch's
 // order (max_norm / x is reciprocal(x) * max_norm there), so both paths multiply the gradients by the same bits.
-struct Scaling {
-  c10::optional<double> grad_scale, max_grad_norm;  // inputs (FusedAdam's step(grad_scale=...) and max_grad_norm)
-  float norm = 0.0f;  // output: the global L2 norm of the unscaled gradients, before clipping
-  bool skip = false;  // output: the step was skipped (inf/NaN gradients, an overflowing unscale, or found_inf)
-};
 
 // The multiplier of every gradient (1/grad_scale times the clip coefficient), or nothing when the step must be
 // skipped; sets scaling's outputs.
@@ -895,10 +916,11 @@ class AdamPlan : public torch::CustomClassHolder {
   // One step with the params' current gradients, after a successful check().
   void step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
             bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
-            c10::optional<at::Tensor> inv_grad_scale, c10::optional<at::Tensor> found_inf) {
+            c10::optional<at::Tensor> inv_grad_scale, c10::optional<at::Tensor> found_inf,
+            c10::optional<at::Tensor> grad_scale) {
     TORCH_CHECK(checked_, "ort_optim.AdamPlan: step() needs a successful check() first");
-    const StepOptions options{lr,       beta1,     beta2,          eps,      weight_decay, mode, bias_correction,
-                              maximize, lr_tensor, inv_grad_scale, found_inf};
+    const StepOptions options{lr,       beta1,     beta2,          eps,       weight_decay, mode, bias_correction,
+                              maximize, lr_tensor, inv_grad_scale, found_inf, grad_scale};
     update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
            options);
     release();

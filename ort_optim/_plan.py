@@ -602,6 +602,22 @@ _LIST_ENTRY = re.compile(r"\b(params|grads|exp_avgs|exp_avg_sqs|max_exp_avg_sqs|
                          r"exp_avg_sq_scales|max_exp_avg_sq_scales)\[(\d+)\]")
 
 
+def check_grads_writable(buckets: list) -> None:
+    """Before a step that writes the unscaled gradients back into ``p.grad`` (a grad_scale was given): refuses a
+    gradient whose elements share memory (an ``expand()``ed tensor cannot hold one value per element), naming its
+    param, before any bucket writes. Only non-contiguous gradients can overlap, so the usual cost is one flag read per
+    gradient. (A lone native bucket checks this itself before writing; several buckets need it up front.)"""
+    for group_index, _, bucket in buckets:
+        grads = bucket.grads if bucket.native is None else [p.grad for p in bucket.params]
+        for k, g in enumerate(grads):
+            # (1: torch's MemOverlap::Yes, the same test the native and Triton ops make)
+            if not g.is_contiguous() and torch._debug_has_internal_overlap(g) == 1:
+                raise ValueError(
+                    f"{describe(group_index, bucket.indices[k], bucket.params[k])}'s grad overlaps itself (an "
+                    "expand()ed tensor), so it cannot be unscaled in place: give it its own memory (grad.contiguous())"
+                    " or step without grad_scale")
+
+
 def name_op_error(exc: Exception, group_index: int, bucket: Bucket) -> ValueError:
     """The op's error with each ``list[k]`` it mentions written as the param it stands for."""
 

@@ -146,12 +146,19 @@ class FusedAdam(torch.optim.Optimizer):
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element tensor)
     divides every gradient inside the kernel; ``found_inf`` (one-element tensor) turns the step into a no-op when
-    non-zero. When ``grad_scale`` or ``max_grad_norm`` is given, the optimizer also checks the gradients for inf/NaN
-    itself and skips the step if it finds any, or if unscaling (dividing by a ``grad_scale`` below 1) would overflow
-    (the check is on the global norm of the unscaled gradients, which must stay below float32's range, about 1.8e19);
-    :attr:`last_step_skipped` tells, and :attr:`last_grad_norm` gives the global norm of the unscaled gradients before
-    clipping (from that same pass; None without it). A skipped step changes nothing: no
-    parameter, master, moment or step count. ``torch.amp.GradScaler`` is honoured through its protocol for fused
+    non-zero. After a step that was taken with a ``grad_scale``, ``p.grad`` holds the unscaled gradient
+    :math:`g / s` (a float32 division, float64 for float64 grads, rounded to the gradient's dtype; written by the
+    fused kernel while the gradient is in registers), exactly what ``torch.optim.AdamW(fused=True)`` leaves there
+    under ``torch.amp.GradScaler``: not negated for ``maximize``, and not clipped: unlike
+    ``torch.nn.utils.clip_grad_norm_``, ``max_grad_norm`` clipping happens inside the step and is not written back.
+    After a skipped step ``p.grad`` keeps the scaled values (as torch's kernel returns early), and without
+    ``grad_scale`` it is never written. When ``grad_scale`` or ``max_grad_norm`` is given, the optimizer also checks
+    the gradients for inf/NaN itself and skips the step if it finds any, or if unscaling (dividing by a
+    ``grad_scale`` below 1) would overflow (the check is on the global norm of the unscaled gradients, which must stay
+    below float32's range, about 1.8e19); :attr:`last_step_skipped` tells, and :attr:`last_grad_norm` gives the
+    global norm of the unscaled gradients before clipping (from that same pass; None without it). A skipped step
+    changes nothing: no parameter, master, moment, step count or gradient. ``torch.amp.GradScaler`` is honoured
+    through its protocol for fused
     optimizers (``_step_supports_amp_scaling``).
     """
 
@@ -422,12 +429,16 @@ class FusedAdam(torch.optim.Optimizer):
             return self._scaled_plan_step(buckets[0], grad_scale, found_inf)
         inv_grad_scale, found_inf, self._last_grad_norm = self._scaling(buckets, grad_scale, found_inf)
         self._last_found_inf = found_inf if buckets else None
+        unscaled = self._grad_scale_per_device(buckets, grad_scale)
+        if unscaled is not None and (len(buckets) > 1 or buckets[0][2].native is None):
+            _plan.check_grads_writable(buckets)
         for group_index, group, bucket in buckets:
             device = bucket.params[0].device
             hyper = dict(
                 self._hyperparameters(group),
                 inv_grad_scale=None if inv_grad_scale is None else inv_grad_scale[device],
                 found_inf=None if found_inf is None else found_inf.to(device, non_blocking=True),
+                grad_scale=None if unscaled is None else unscaled[device],
             )
             try:
                 if bucket.native is not None:
@@ -439,7 +450,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     @staticmethod
     def _hyperparameters(group: dict) -> dict:
-        """A group's hyperparameters as the op's keyword arguments (all but inv_grad_scale and found_inf)."""
+        """A group's hyperparameters as the op's keyword arguments (all but inv_grad_scale, found_inf, grad_scale)."""
         lr = group["lr"]
         lr_tensor = lr if isinstance(lr, torch.Tensor) else None
         return dict(
@@ -449,11 +460,25 @@ class FusedAdam(torch.optim.Optimizer):
             maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
         )
 
+    # Private switch for the benchmark that prices the write-back (ort_optim/bench): False leaves p.grad scaled.
+    _unscale_grads = True
+
+    def _grad_scale_per_device(self, buckets: list, grad_scale) -> Optional[dict]:
+        """grad_scale as a one-element float32 tensor per device, for the op to write p.grad back unscaled (as
+        torch's fused AdamW does); None when there is no grad_scale."""
+        if grad_scale is None or not self._unscale_grads:
+            return None
+        devices = dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets)
+        if isinstance(grad_scale, torch.Tensor):
+            return {d: grad_scale.to(d, torch.float32, non_blocking=True).reshape(1) for d in devices}
+        # (a fill on the device, not a copy from the host: no synchronisation)
+        return {d: torch.full((1,), float(grad_scale), dtype=torch.float32, device=d) for d in devices}
+
     def _scaled_in_plan(self, buckets: list, grad_scale, found_inf) -> bool:
         """Whether unscaling and clipping can run inside the one native plan call (AdamPlan.step_scaled): a lone
         bucket with a native plan, grad_scale and found_inf on the host. The multiplier and the skip flag are then
         computed in C++ from the gradients' statistics, without _scaling's tensor ops and a second plan call."""
-        if len(buckets) != 1 or buckets[0][2].native is None:
+        if len(buckets) != 1 or buckets[0][2].native is None or not self._unscale_grads:
             return False
         if grad_scale is None and self.max_grad_norm is None:
             return False

@@ -81,7 +81,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("ort_optim::adam_step_")
     def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
           exp_avg_sq_scales, max_exp_avg_sq_scales, steps, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
-          bias_correction, maximize, lr_tensor=None, inv_grad_scale=None, found_inf=None):
+          bias_correction, maximize, lr_tensor=None, inv_grad_scale=None, found_inf=None, grad_scale=None):
         return None
 
     @torch.library.register_fake("ort_optim::grad_stats")
@@ -156,10 +156,12 @@ class AdamPlan:
 
     def step(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adam_w_mode: int,
              bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
-             inv_grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> None:
-        """:func:`adam_step_` with the params' current gradients, after a successful :meth:`check`."""
+             inv_grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None,
+             grad_scale: Optional[torch.Tensor] = None) -> None:
+        """:func:`adam_step_` with the params' current gradients (written back unscaled when grad_scale is given),
+        after a successful :meth:`check`."""
         self._plan.step(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize, lr_tensor,
-                        inv_grad_scale, found_inf)
+                        inv_grad_scale, found_inf, grad_scale)
 
     def step_scaled(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                     adam_w_mode: int, bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
@@ -167,7 +169,8 @@ class AdamPlan:
                     found_inf: Optional[torch.Tensor] = None) -> torch.Tensor:
         """:meth:`step` that unscales by ``grad_scale``, checks for inf/NaN and clips to ``max_grad_norm`` itself,
         from one pass of :func:`grad_stats` over the gradients (the multiplier and the skip decision are computed on
-        the host, in FusedAdam's float32 arithmetic), after a successful :meth:`check`. Returns float32
+        the host, in FusedAdam's float32 arithmetic), after a successful :meth:`check`; a step taken writes the
+        unscaled gradients back (as :meth:`step` with ``grad_scale``). Returns float32
         ``[global norm of the unscaled gradients, 1.0 if the step was skipped]``."""
         return self._plan.step_scaled(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize,
                                       lr_tensor, grad_scale, max_grad_norm, found_inf)

@@ -415,6 +415,7 @@ def adam_step_(
     lr_tensor: Optional[torch.Tensor] = None,
     inv_grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    grad_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """ort_optim::adam_step_ (ops/README.md) on CUDA tensors (CPU tensors under TRITON_INTERPRET=1)."""
     n = len(params)
@@ -433,7 +434,8 @@ def adam_step_(
         _fail(f"adam_w_mode must be 0, 1 or 2, got {adam_w_mode}")
     if not (steps.dtype == torch.float64 and steps.dim() == 1 and steps.numel() == n and steps.is_contiguous()):
         _fail(f"steps must be a contiguous float64 tensor of shape [{n}]")
-    for name, t in (("lr_tensor", lr_tensor), ("inv_grad_scale", inv_grad_scale), ("found_inf", found_inf)):
+    for name, t in (("lr_tensor", lr_tensor), ("inv_grad_scale", inv_grad_scale), ("found_inf", found_inf),
+                    ("grad_scale", grad_scale)):
         if t is not None and t.numel() != 1:
             _fail(f"{name} must have exactly one element, got {t.numel()}")
     if n == 0:
@@ -442,7 +444,8 @@ def adam_step_(
     _check_device(device, "adam_step_")
     k = kernels()
 
-    # Non-contiguous params and grads go through contiguous copies; params are copied back at the end.
+    # Non-contiguous params and grads go through contiguous copies; params (and grads, when they are unscaled in
+    # place) are copied back at the end.
     work_params = list(params)
     copied = []
     for i, p in enumerate(params):
@@ -450,6 +453,10 @@ def adam_step_(
             work_params[i] = p.contiguous()
             copied.append(i)
     work_grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+    copied_grads = [i for i, g in enumerate(grads) if g is not work_grads[i]] if grad_scale is not None else []
+    for i in copied_grads:  # before anything is written
+        if torch._debug_has_internal_overlap(grads[i]) == 1:
+            _fail(f"grads[{i}] overlaps itself (an expand()ed tensor), so it cannot be unscaled in place")
 
     statics = [work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
                exp_avg_sq_scales, max_exp_avg_sq_scales]
@@ -486,6 +493,7 @@ def adam_step_(
         return t.reshape(1)
 
     lr_t, inv_t, found_t = on_device(lr_tensor), on_device(inv_grad_scale), on_device(found_inf)
+    scale_t = on_device(grad_scale)
     steps_dev = steps if steps.device == device else steps.to(device)
     dummy = steps_dev
 
@@ -503,10 +511,12 @@ def adam_step_(
                 lr_t if lr_t is not None else dummy,
                 inv_t if inv_t is not None else dummy,
                 found_t if found_t is not None else dummy,
+                scale_t if scale_t is not None else dummy,
                 _bits(lr), _bits(beta1), _bits(beta2), _bits(eps), _bits(weight_decay),
                 _bits(-1.0 if maximize else 1.0),
                 MODE=int(adam_w_mode), BIAS_CORRECTION=bool(bias_correction), HAS_LR_TENSOR=lr_t is not None,
-                HAS_INV_SCALE=inv_t is not None, HAS_FOUND_INF=found_t is not None, BLOCK=BLOCK,
+                HAS_INV_SCALE=inv_t is not None, HAS_FOUND_INF=found_t is not None,
+                UNSCALE_GRADS=scale_t is not None, BLOCK=BLOCK,
                 BLOCKS_PER_PROGRAM=group.bpp, ALIGNED=group.aligned and group.grads_aligned, num_warps=NUM_WARPS,
                 enable_fp_fusion=False,
                 **group.constexprs,
@@ -521,6 +531,8 @@ def adam_step_(
         steps.copy_(steps_dev)
     for i in copied:
         params[i].copy_(work_params[i])
+    for i in copied_grads:
+        grads[i].copy_(work_grads[i])
 
 
 # ---- grad_stats -----------------------------------------------------------------------------------------------
