@@ -24,6 +24,7 @@ from conftest import assert_bitwise_equal, assert_same_snapshot, assert_tree_bit
 
 from ort_optim import AdamWMode, FusedAdam
 from ort_optim._checkpoint import entry, to_canonical
+from ort_optim.backends import reference as reference_backend
 
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (in both lock files)")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -36,10 +37,14 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "2000"))
 # ---- the optimizers under test -------------------------------------------------------------------------------------
 
 # Two param groups over tiny params of every dtype; fp16 (block-scaled) first moments, bf16 second moments, fp32
-# masters for the low-precision params: each storage layout is restored.
+# masters for the low-precision params: each storage layout is restored. The optimizer that loads also comes with
+# 8-bit and 4-bit moments (LAYOUTS): the canonical checkpoints are quantised into them, and their own checkpoints
+# must restore them bit for bit.
 SHAPES = [((4,), torch.float32), ((2, 3), torch.bfloat16), ((), torch.float32), ((3,), torch.float16)]
-OPTIONS = dict(lr=1e-2, weight_decay=0.01, master_weights=True, exp_avg_dtype=torch.float16,
-               exp_avg_sq_dtype=torch.bfloat16, adam_w_mode=AdamWMode.ADAMW_TORCH)
+OPTIONS = dict(lr=1e-2, weight_decay=0.01, master_weights=True, adam_w_mode=AdamWMode.ADAMW_TORCH)
+LAYOUTS = {"fp16 m, bf16 v": (torch.float16, torch.bfloat16), "8-bit m, 4-bit v": (torch.uint8, torch.uint4),
+           "4-bit m, 8-bit v": (torch.uint4, torch.uint8)}
+ORIGINAL_LAYOUT = "fp16 m, bf16 v"
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:
@@ -57,9 +62,10 @@ def _grads(params, step: int) -> None:
         p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
 
 
-def _trained(seed: int, steps: int):
+def _trained(seed: int, steps: int, layout: str = ORIGINAL_LAYOUT):
     params = _params(seed)
-    opt = FusedAdam(_groups(params), **OPTIONS)
+    m_dtype, v_dtype = LAYOUTS[layout]
+    opt = FusedAdam(_groups(params), **OPTIONS, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype)
     for step in range(steps):
         _grads(params, step)
         opt.step()
@@ -99,9 +105,9 @@ ORIGINAL = SOURCE.state_dict()
 FOREIGN = {kind: _foreign(kind) for kind in ("sgd", "adam", "adam-l2", "adamw-amsgrad", "ort")}
 
 
-def _fresh_target():
+def _fresh_target(layout: str = ORIGINAL_LAYOUT):
     """The optimizer that loads: trained a step on other params, so a refused load has state to leave alone."""
-    return _trained(seed=2, steps=1)
+    return _trained(seed=2, steps=1, layout=layout)
 
 
 # ---- mutations -----------------------------------------------------------------------------------------------------
@@ -289,7 +295,7 @@ def _step_value(value) -> float:
     return float(value.reshape(()).double()) if isinstance(value, torch.Tensor) else float(value)
 
 
-def _check_restored(target, params, sd) -> None:
+def _check_restored(target, params, sd, layout: str) -> None:
     """The loaded optimizer holds what sd says."""
     ids = {}
     for group, saved in zip(target.param_groups, sd["param_groups"]):
@@ -310,9 +316,16 @@ def _check_restored(target, params, sd) -> None:
         state = target.state[p]
         assert float(state["step"]) == _step_value(saved.get("step", group_step))
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            if key in state:
+            if key in state and state[key].dtype == torch.uint8:
+                # 8-bit/4-bit codes: exactly the reference quantiser's round trip of the saved values
+                dtype = LAYOUTS[layout][key != "exp_avg"]
+                expected = reference_backend.decode_state(
+                    *reference_backend.encode_state(saved[key].float(), dtype, key != "exp_avg"), key != "exp_avg",
+                    p.shape)
+                assert_bitwise_equal(to_canonical(state, key, p.shape), expected, key)
+            elif key in state:
                 expected = saved[key].double()
-                got = to_canonical(state, key).double()
+                got = to_canonical(state, key, p.shape).double()
                 # within the storage dtype's rounding: bf16 keeps 8 bits, block-scaled fp16 11 bits of the block max
                 # (values below float32's normal range may flush or lose bits: 2**-126 absolute)
                 tol = 2.0**-8 if state[key].dtype == torch.bfloat16 else 2.0**-10
@@ -346,11 +359,11 @@ def _same_meaning(a: dict, b: dict) -> bool:
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
-@given(case=mutated_checkpoints())
-def test_every_load_restores_exactly_or_refuses_naming_the_entry_and_changes_nothing(case):
+@given(case=mutated_checkpoints(), layout=st.sampled_from([ORIGINAL_LAYOUT] + list(LAYOUTS)))
+def test_every_load_restores_exactly_or_refuses_naming_the_entry_and_changes_nothing(case, layout):
     sd, touched, description = case
     pristine = _clone(sd)
-    params, target = _fresh_target()
+    params, target = _fresh_target(layout)
     before = optimizer_snapshot(target)
     try:
         target.load_state_dict(sd)
@@ -361,16 +374,16 @@ def test_every_load_restores_exactly_or_refuses_naming_the_entry_and_changes_not
         assert_tree_bitwise_equal(sd, pristine, "the given dict")
         return
     assert_tree_bitwise_equal(sd, pristine, "the given dict")
-    _check_restored(target, params, sd)
+    _check_restored(target, params, sd, layout)
     # its own checkpoint restores it exactly: a twin loaded from it continues bit for bit
     saved = target.state_dict()
-    twin_params, twin = _fresh_target()
+    twin_params, twin = _fresh_target(layout)
     with torch.no_grad():
         for p, q in zip(params, twin_params):
             q.copy_(p)
     twin.load_state_dict(saved)
     assert_tree_bitwise_equal(twin.state_dict(), saved, "twin")
-    if _same_meaning(saved, ORIGINAL):
+    if layout == ORIGINAL_LAYOUT and _same_meaning(saved, ORIGINAL):
         # the checkpoint says what the original said: with the original's model params, the load continues exactly
         # like the original optimizer that wrote it
         original_params, original = copy.deepcopy((SOURCE_PARAMS, SOURCE))
