@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 
 import pytest
 import torch
@@ -494,3 +495,198 @@ def test_the_native_op_validates_low_bit_states_before_writing(damage, monkeypat
     after = [p, *m_list, *v_list, *m_scale_list, *v_scale_list]
     for b, a in zip(before, after):
         assert torch.equal(bits(b), bits(a))
+
+
+# ---- the step cache with low-bit states (issue 11's scenarios, ort_optim/_plan.py) -------------------------------
+
+
+def _stepped(m="u8", v="u4", steps=2, **kwargs):
+    params = _params()
+    opt = _optimizer(params, m, v, **kwargs)
+    _train(params, opt, steps)
+    return params, opt
+
+
+def _codes_of(values, dtype, second_moment):
+    return reference_backend.encode_state(values, dtype, second_moment)
+
+
+# what is assigned to optimizer.state[p] of the 300x7 param of an optimizer with 8-bit exp_avg, 4-bit exp_avg_sq
+ASSIGNED = {
+    "float32 values": ({"exp_avg": lambda p: torch.full(p.shape, 0.25)}, {"exp_avg": torch.full((300, 7), 0.25)}),
+    "4-bit codes into 8-bit": (
+        {"exp_avg": lambda p: _codes_of(torch.full(p.shape, 0.25), torch.uint4, False)[0],
+         "exp_avg_scale": lambda p: _codes_of(torch.full(p.shape, 0.25), torch.uint4, False)[1]},
+        {"exp_avg": torch.full((300, 7), 0.25)}),
+    "8-bit codes into 4-bit": (
+        {"exp_avg_sq": lambda p: _codes_of(torch.full(p.shape, 4e-6), torch.uint8, True)[0],
+         "exp_avg_sq_scale": lambda p: _codes_of(torch.full(p.shape, 4e-6), torch.uint8, True)[1]},
+        {"exp_avg_sq": reference_backend.decode_state(*_codes_of(torch.full((300, 7), 4e-6), torch.uint8, True),
+                                                      True, (300, 7))}),
+}
+
+
+@pytest.mark.parametrize("assigned", ASSIGNED)
+def test_assigned_moments_are_adopted_into_the_low_bit_layout(assigned, backend):
+    """A float tensor, or the codes and scales of the other low-bit format, assigned to a moment: taken as values and
+    quantised into this optimizer's format before the step (exactly as a checkpoint of those values loads)."""
+    params, opt = _stepped()
+    p = params[0]
+    entries, values = ASSIGNED[assigned]
+    for key, make in entries.items():
+        opt.state[p][key] = make(p)
+    expected_params = [torch.nn.Parameter(q.detach().clone()) for q in params]
+    expected = _optimizer(expected_params, "u8", "u4")
+    sd = opt.state_dict()
+    for key, value in values.items():
+        sd["state"][0][key] = value
+    expected.load_state_dict(sd)
+    _train(params, opt, 1, first=2)
+    _train(expected_params, expected, 1, first=2)
+    assert opt.state[p]["exp_avg"].dtype == torch.uint8 and opt.state[p]["exp_avg_scale"].dtype == torch.float32
+    assert opt.state[p]["exp_avg_sq"].shape == (1050,) and opt.state[p]["exp_avg_sq_scale"].dtype == torch.bfloat16
+    assert_same_snapshot(_state_snapshot(opt), _state_snapshot(expected))
+
+
+def test_low_bit_states_in_the_layout_are_used_as_is(backend):
+    """Codes and scales of the optimizer's own format (a moment reset, say) are taken as they are: no copy."""
+    params, opt = _stepped()
+    p = params[1]
+    codes, scales = _codes_of(torch.full(p.shape, -0.5), torch.uint8, False)
+    opt.state[p]["exp_avg"], opt.state[p]["exp_avg_scale"] = codes, scales
+    _train(params, opt, 1, first=2)
+    assert opt.state[p]["exp_avg"] is codes and opt.state[p]["exp_avg_scale"] is scales
+    # m + (1 - beta1) * (g - m) from m = -0.5, in float32, then coded by the 8-bit format
+    g = _grads(params, 2)[1]
+    m = torch.full(p.shape, -0.5)
+    m = m + torch.tensor(1.0 - 0.9, dtype=torch.float32) * (g - m)
+    expected = reference_backend.decode_state(*_codes_of(m, torch.uint8, False), False, p.shape)
+    assert torch.equal(bits(state_values(opt, p, "exp_avg")), bits(expected))
+
+
+def _set(key, make):
+    def damage(opt, p):
+        opt.state[p][key] = make(p)
+    return damage
+
+
+LOW_BIT_REFUSALS = {
+    "codes without scales": (lambda opt, p: opt.state[p].pop("exp_avg_scale"), r"\['exp_avg_scale'\] must hold"),
+    "scales of another count": (_set("exp_avg_scale", lambda p: torch.ones(3)), r"\['exp_avg_scale'\] must be a"),
+    "negative scales": (_set("exp_avg_sq_scale", lambda p: -torch.ones(2, dtype=torch.bfloat16)),
+                        r"\['exp_avg_sq_scale'\] holds negative"),
+    "float64 scales": (_set("exp_avg_scale", lambda p: torch.ones(1, dtype=torch.float64)),
+                       r"\['exp_avg_scale'\] must hold"),
+    "4-bit codes of another size": (_set("exp_avg_sq", lambda p: torch.zeros(p.numel(), dtype=torch.uint8)),
+                                    r"\['exp_avg_sq'\] has shape \(129,\) but 4-bit codes"),
+}
+
+
+@pytest.mark.parametrize("damage", LOW_BIT_REFUSALS)
+def test_low_bit_states_that_cannot_be_honoured_are_refused_naming_the_param_and_key(damage, backend):
+    params, opt = _stepped()
+    for p, g in zip(params, _grads(params, 2)):
+        p.grad = g
+    change, message = LOW_BIT_REFUSALS[damage]
+    change(opt, params[1])
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(shape \(129,\).*" + message):
+        opt.step()
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
+def _reallocate_in_place(t: torch.Tensor, decoys: list) -> None:
+    """untyped_storage().resize_(0) then resize_(n) with the data copied back (CPU offload, FSDP); a decoy allocated
+    in between may take the freed block."""
+    storage = t.untyped_storage()
+    saved, nbytes = torch.empty(0, dtype=torch.uint8).set_(storage.clone()), storage.nbytes()
+    storage.resize_(0)
+    decoys.append(torch.full((nbytes // 4 + 1,), 7.0))
+    storage.resize_(nbytes)
+    torch.empty(0, dtype=torch.uint8).set_(storage).copy_(saved)
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"])
+def test_low_bit_codes_and_scales_reallocated_in_place_are_followed(key, backend):
+    """The plan re-validates the code buffers and their scales at every step: a storage re-allocated in place is
+    written where it now is (bit for bit as without the offload), never into the freed memory."""
+    params, opt = _stepped(amsgrad=True)
+    straight_params, straight = _stepped(amsgrad=True)
+    decoys = []
+    _reallocate_in_place(opt.state[params[1]][key], decoys)
+    _train(params, opt, 2, first=2)
+    _train(straight_params, straight, 2, first=2)
+    assert_same_snapshot(_state_snapshot(opt), _state_snapshot(straight))
+    assert all(bool((decoy == 7.0).all()) for decoy in decoys), "a step wrote into freed memory"
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq_scale"])
+def test_a_low_bit_storage_still_freed_at_step_time_is_refused(key, backend):
+    params, opt = _stepped()
+    for p, g in zip(params, _grads(params, 2)):
+        p.grad = g
+    storage = opt.state[params[0]][key].untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    try:
+        with pytest.raises(ValueError, match=re.escape(f"param_groups[0]['params'][0] (shape (300, 7)") + ".*"
+                           + re.escape(f"['{key}'] has a storage of 0 bytes")):
+            opt.step()
+    finally:
+        storage.resize_(nbytes)
+
+
+def test_stochastic_rounding_keys_follow_the_group_options(backend):
+    """The rounding keys are part of the plan: changing a group's seed between steps takes effect at once."""
+    runs = []
+    for change in (False, True):
+        params = _params(torch.bfloat16)
+        opt = _optimizer(params, "u8", "u4", sr=True, seed=1)
+        _train(params, opt, 2)
+        if change:
+            opt.param_groups[0]["stochastic_rounding_seed"] = 2
+        _train(params, opt, 1, first=2)
+        runs.append(torch.cat([p.detach().float().reshape(-1) for p in params]))
+    fresh_params = _params(torch.bfloat16)
+    fresh = _optimizer(fresh_params, "u8", "u4", sr=True, seed=1)
+    _train(fresh_params, fresh, 2)
+    fresh.load_state_dict(dict(fresh.state_dict(), param_groups=[
+        dict(group, stochastic_rounding_seed=2) for group in fresh.state_dict()["param_groups"]]))
+    _train(fresh_params, fresh, 1, first=2)
+    assert not torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[1], torch.cat([p.detach().float().reshape(-1) for p in fresh_params]))
+
+
+@pytest.mark.parametrize("sr", [False, True], ids=["nearest", "stochastic-rounding"])
+def test_step_in_backward_equals_step_with_low_bit_states(sr, backend):
+    results = []
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Tanh(), torch.nn.Linear(300, 3))
+        model.to(torch.bfloat16)
+        opt = FusedAdam(model.parameters(), lr=1e-2, exp_avg_dtype=torch.uint4, exp_avg_sq_dtype=torch.uint8,
+                        stochastic_rounding=sr, stochastic_rounding_seed=5, step_in_backward=in_backward)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            x = torch.randn(8, 40, generator=g).bfloat16()
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append(optimizer_snapshot(opt))
+    assert_same_snapshot(results[0], results[1])
+
+
+def test_a_scaled_step_writes_the_unscaled_gradients_back_with_low_bit_states(backend):
+    """grad_scale with 8-bit/4-bit moments: the same step as with unscaled gradients (a power-of-two scale divides
+    exactly), and p.grad holds g / grad_scale afterwards."""
+    params, opt = _stepped()
+    twin_params, twin = _stepped()
+    grads = _grads(params, 2)
+    for p, q, g in zip(params, twin_params, grads):
+        p.grad = g * 1024.0
+        q.grad = g.clone()
+    opt.step(grad_scale=1024.0)
+    twin.step()
+    for p, g in zip(params, grads):
+        assert torch.equal(bits(p.grad), bits(g))
+    assert_same_snapshot(_state_snapshot(opt), _state_snapshot(twin))
