@@ -118,14 +118,17 @@ class FusedAdam(torch.optim.Optimizer):
       ``del state[p]`` restarts those params at step 1 with fresh moments; tensors assigned to ``state[p][key]``
       become the state from then on. An assigned moment (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) of the
       param's shape, device and float64-ness is used as is when it already has the dtype this optimizer keeps for
-      that param (contiguous; for block-scaled fp16 moments, float16 codes with a valid ``<key>_scale``); any other
-      floating-point tensor is taken as the values and adopted, i.e. copied into that layout (quantised with fresh
-      block scales for fp16). An assigned ``step`` (a one-element tensor or a number, a whole number >= 0) is
+      that param (contiguous; for block-scaled fp16 moments, float16 codes with a valid ``<key>_scale``; for 8-bit
+      and 4-bit moments, uint8 codes of that format with valid block scales in ``<key>_scale``); any other
+      floating-point tensor, or uint8 codes of the other low-bit format, is taken as the values and adopted, i.e.
+      copied into that layout (quantised with fresh block scales for fp16 and low-bit moments). Low-bit codes whose
+      scales are missing, of another count or negative are refused. An assigned ``step`` (a one-element tensor or a number, a whole number >= 0) is
       adopted. A missing key, a wrong shape, device or float64-ness, a non-tensor or a freed storage is refused,
       naming the param and the key. A dict assigned to ``state[p]`` is stored as a copy (mutate
       ``optimizer.state[p]`` afterwards, not that dict);
     * params replaced in, appended to, or removed from ``param_groups[i]['params']`` (or a new list put there): new
-      params get fresh state; a group's ``amsgrad`` switched; ``master_weights`` or the state dtype options changed;
+      params get fresh state; a group's ``amsgrad``, ``stochastic_rounding`` or ``stochastic_rounding_seed``
+      switched; ``master_weights`` or the state dtype options changed;
       another backend selected (``ORT_OPTIM_BACKEND``);
     * per tensor (params, grads, states, masters, scales, steps): a new storage, data pointer, storage size, dtype,
       shape or strides. A storage re-allocated in place (``untyped_storage().resize_(0)`` then ``resize_(n)``, as
