@@ -39,7 +39,7 @@ TRITON_SUBSET := not 200_steps and not native_op_and_fallback and not adamw_torc
 test-triton:
 	ORT_OPTIM_BACKEND=triton TRITON_INTERPRET=1 .venv-latest/bin/python -m pytest -q -k "$(TRITON_SUBSET)" \
 		tests/test_fused_adam.py tests/test_mixed_precision.py tests/test_checkpoints.py tests/test_unscaled_grads.py \
-		$(PYTEST_ARGS)
+		tests/test_lowbit.py $(PYTEST_ARGS)
 	.venv-latest/bin/python tools/aot_compile.py --check
 
 bench: setup-ort

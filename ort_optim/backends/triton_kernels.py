@@ -421,11 +421,24 @@ def _adam_block(
         p = p - step_size * _div(m, _sqrt(v_used, F64) + eps, F64)
         if MODE == 1:
             p = p - hf_decay * p  # HF transformers: decay after the update, with the plain lr
+    # Without a master, the param first: its registers are then free for the quantisation of the states, which
+    # needs the most of them (sm_80 spilled 116 bytes for bf16 params, 4-bit m, 8-bit v, amsgrad). With a master,
+    # ptxas does better storing it last.
+    if not HAS_MASTER:
+        _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
     _store_state(m_addr, ms_addr, m_lut_ptr, offs, m, mask, block_index, M_DT, M_SCALED, False, ALIGNED, BLOCK)
     _store_state(v_addr, vs_addr, v_lut_ptr, offs, v, mask, block_index, V_DT, V_SCALED, True, ALIGNED, BLOCK)
     if AMSGRAD:
         _store_state(vmax_addr, vmaxs_addr, v_lut_ptr, offs, vmax, mask, block_index, V_DT, V_SCALED, True, ALIGNED,
                      BLOCK)
+    if HAS_MASTER:
+        _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
+
+
+@_device
+def _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT: tl.constexpr, HAS_MASTER: tl.constexpr,
+                 HAS_SR: tl.constexpr, ALIGNED: tl.constexpr):
+    """The new param value into the master (float32) and the param (rounded to P_DT, stochastically with HAS_SR)."""
     if HAS_MASTER:
         _store(master_addr, offs, p, mask, 0, ALIGNED)
     if HAS_SR:  # bfloat16 params without masters (checked by the host)
