@@ -1,4 +1,4 @@
-"""Packaging hook: wheels carry ops/ (the native sources) as ort_optim/_ops, where ort_optim._native finds them
+"""Packaging hook: wheels carry ops/ (the native sources) as ort_optim/_ops, where ort_optim.backends.native finds them
 when it is not running from a checkout. Everything else is in pyproject.toml."""
 
 import shutil

@@ -28,7 +28,7 @@ namespace ort_optim {
 namespace {
 
 // Elements per quantisation block of fp16 states (one scale each) and per scratch block. Must equal
-// QUANT_BLOCK in ort_optim/_native.py and BLOCK in ort_optim/_triton.py (checked by the tests).
+// QUANT_BLOCK in ort_optim/_spec.py and BLOCK in ort_optim/backends/triton.py (checked by the tests).
 constexpr int64_t kBlock = 1024;
 // Elements per parallel work item: big enough to amortise scheduling, small enough to balance 2000 small tensors.
 constexpr int64_t kChunk = 64 * kBlock;

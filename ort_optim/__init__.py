@@ -1,13 +1,13 @@
 """ort-optim: fused, mixed-precision optimizers and ORTModule configuration for ONNX Runtime training.
 
-Nothing native is loaded at import time: the op library is built/loaded on first use (see ort_optim._native).
+Nothing native is loaded at import time: the op library is built/loaded on first use (see ort_optim.backends).
 ORTModuleOptions, wrap and FP16_Optimizer are imported on first access, so `python -m ort_optim.options` and
 `import ort_optim` stay light.
 """
 
 import importlib
 
-from ._native import native_available
+from .backends import native_available
 from .fused_adam import AdamWMode, FusedAdam
 
 _LAZY = {

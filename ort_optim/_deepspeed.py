@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _native
+from . import backends
 
 # Per shape: method name -> the parameter names (after self) it must have, with their defaults; the names the
 # replacements take from the optimizer's own module (so they use exactly what DeepSpeed's code uses) and instance.
@@ -176,7 +176,7 @@ def _stats_on(tensors: list[torch.Tensor], device: Any) -> torch.Tensor:
         by_device.setdefault(t.device, []).append(t)
     total = torch.zeros(2, dtype=torch.float32, device=device)
     for group in by_device.values():
-        total = total + _native.grad_stats(group).to(device)
+        total = total + backends.grad_stats(group).to(device)
     return total
 
 

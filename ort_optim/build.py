@@ -1,14 +1,14 @@
 """Builds (or finds) the native op library for the running torch: ``python -m ort_optim.build [--verbose]``.
 
 The project's setup runs this once per environment; the library lands in a cache folder keyed by torch's version,
-the sources and the CPU flags (see ort_optim._native.build_dir), so a rebuild happens only when one of them changes.
+the sources and the CPU flags (see ort_optim.backends.native.build_dir), so a rebuild happens only when one of them changes.
 """
 
 import argparse
 import sys
 import time
 
-from . import _native
+from . import backends
 
 
 def main(argv=None) -> int:
@@ -16,7 +16,7 @@ def main(argv=None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    path = _native.build(verbose=args.verbose)
+    path = backends.native.build(verbose=args.verbose)
     print(f"ort_optim native ops: {path} ({time.perf_counter() - started:.1f} s)")
     return 0
 

@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import enum
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from . import _fallback, _native
+from . import _checkpoint, _spec, backends
+from ._checkpoint import MOMENT_KEYS
+from ._spec import LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 # State views in one flat buffer start a multiple of this many elements apart (256 bytes for float32).
 _STATE_ALIGN = 64
-SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-CHECKPOINT_KEYS = ("step",) + MOMENT_KEYS + ("master_param",)
-# Group keys that describe how torch.optim ran, not what it computes; dropped when a torch checkpoint is loaded.
-TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
-
-
-class AdamWMode(enum.IntEnum):
-    """Weight-decay variants, with ONNX Runtime's names and values (ops/README.md has the exact math)."""
-
-    ADAM_L2_REGULARIZATION = 0  # g += wd * p before the moments; eps outside the bias-corrected sqrt
-    ADAMW_TRANSFORMERS = 1  # HF transformers AdamW: p -= lr * wd * p after the update (ORT's default)
-    ADAMW_TORCH = 2  # torch.optim.AdamW: p *= 1 - lr * wd before the update; torch's eps placement
 
 
 @dataclass
@@ -45,7 +30,7 @@ class _Bucket:
     max_exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
     steps: Optional[torch.Tensor] = None  # float64 [n]; state[p]["step"] are 0-dim views of it
     whole_group: bool = False  # holds every param of its group, in order (the grads list can be passed as is)
-    native: Optional[_native.AdamPlan] = None  # over the lists above, when its group steps through plans
+    native: Optional[backends.AdamPlan] = None  # over the lists above, when its group steps through plans
 
 
 @dataclass
@@ -338,7 +323,7 @@ class FusedAdam(torch.optim.Optimizer):
             for key, dtype in kinds.items():
                 requests.setdefault((key, p.device, dtype), []).append(i)
                 if dtype == torch.float16:
-                    state[key + "_scale"] = torch.ones(_fallback.num_blocks(p.numel()), device=p.device)
+                    state[key + "_scale"] = torch.ones(_spec.num_blocks(p.numel()), device=p.device)
             states.append(state)
         for (key, device, dtype), indices in requests.items():
             offsets, total = [], 0
@@ -400,7 +385,7 @@ class FusedAdam(torch.optim.Optimizer):
         # gradient, the plans refuse to step and the group is planned again. A group without any gradient has no plan.
         idle = [p for p, g in zip(group["params"], grads) if g is None]
         for bucket in buckets:
-            bucket.native = _native.AdamPlan.create(
+            bucket.native = None if not backends.runs_natively(bucket.params[0].device) else backends.AdamPlan.create(
                 bucket.params, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs, bucket.master_params,
                 bucket.exp_avg_scales, bucket.exp_avg_sq_scales, bucket.max_exp_avg_sq_scales, bucket.steps,
                 idle if bucket is buckets[0] else (),
@@ -519,7 +504,7 @@ class FusedAdam(torch.optim.Optimizer):
         """The step's launches through native plans, when every group has them; None when the step must read the
         gradients in Python (first step, a group without plans, or a param whose gradient appeared or went away)."""
         # Plans exist only for the native CPU op; the backend can change between steps (ORT_OPTIM_BACKEND).
-        if not _native.runs_natively(torch.device("cpu")):
+        if not backends.runs_natively(torch.device("cpu")):
             return None
         launches = []
         for group_index, group in enumerate(self.param_groups):
@@ -551,7 +536,7 @@ class FusedAdam(torch.optim.Optimizer):
         # input in a later call would surface after earlier calls had written, so Python checks all first.
         stale = any(plan is None for plan in cached)
         calls = [bucket for plan in cached if plan is not None for bucket in plan]
-        if stale or len(calls) != 1 or not _native.runs_natively(calls[0].params[0].device):
+        if stale or len(calls) != 1 or not backends.runs_natively(calls[0].params[0].device):
             self._validate_step(all_grads, check_overlap=stale)
         launches = []
         for group_index, (group, grads) in enumerate(zip(self.param_groups, all_grads)):
@@ -598,7 +583,7 @@ class FusedAdam(torch.optim.Optimizer):
                     if not bucket.native.step(**hyper):
                         return False
                 else:
-                    _native.adam_step_(
+                    backends.adam_step_(
                         bucket.params, launch.grads, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs,
                         bucket.master_params, bucket.exp_avg_scales, bucket.exp_avg_sq_scales,
                         bucket.max_exp_avg_sq_scales, bucket.steps, **hyper,
@@ -620,7 +605,7 @@ class FusedAdam(torch.optim.Optimizer):
             return None, found_inf
         devices = list(dict.fromkeys(launch.bucket.params[0].device for launch in launches))
         main = devices[0]
-        per_launch = [launch.bucket.native.grad_stats() if launch.grads is None else _native.grad_stats(launch.grads)
+        per_launch = [launch.bucket.native.grad_stats() if launch.grads is None else backends.grad_stats(launch.grads)
                       for launch in launches]
         if any(stats is None for stats in per_launch):
             return None
@@ -653,124 +638,41 @@ class FusedAdam(torch.optim.Optimizer):
         """torch.optim.AdamW's layout in canonical form: fresh tensors, moments and masters unscaled float32
         (float64 for float64 params), a float64 per-parameter ``step``. It loads into FusedAdam with any state
         dtypes, into torch.optim.AdamW, and with ``torch.load(weights_only=True)``."""
-        sd = super().state_dict()
-        # Reading optimizer.state[p] creates an empty entry (it is a defaultdict): such params have no state to save.
-        sd["state"] = {index: self._canonical(state) for index, state in sd["state"].items() if state}
-        # tensor-valued group entries (an lr tensor, a scheduler's initial_lr) are copies too: a scheduler that fills
-        # the lr in place must not write into a saved checkpoint, nor the checkpoint's user into the optimizer
-        for group in sd["param_groups"]:
-            for key, value in group.items():
-                if isinstance(value, torch.Tensor):
-                    group[key] = value.detach().clone()
-        return sd
-
-    @staticmethod
-    def _canonical(state: dict) -> dict:
-        out = {"step": state["step"].detach().to("cpu", torch.float64, copy=True)}
-        for key in MOMENT_KEYS:
-            if key not in state:
-                continue
-            value = state[key]
-            if key + "_scale" in state:
-                value = _fallback.dequantize_fp16(value, state[key + "_scale"])
-            out[key] = value.to(torch.float64 if value.dtype == torch.float64 else torch.float32, copy=True)
-        if "master_param" in state:
-            out["master_param"] = state["master_param"].detach().clone()
-        return out
+        return _checkpoint.canonical(super().state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads a FusedAdam, torch.optim.Adam/AdamW or ORT FusedAdam checkpoint.
+        """Loads a FusedAdam, torch.optim.Adam/AdamW or ORT FusedAdam checkpoint, all or nothing.
 
-        Everything is validated first (group and parameter counts, keys, shapes, dtypes, steps); then new state
-        tensors are built as copies. The given dict and its tensors are never written to, so loading the same dict
-        twice equals loading it once. Missing ``master_param`` entries are taken from the current parameters.
+        Every entry is checked before anything changes, strictly: group options must have their types (``maximize``,
+        ``amsgrad`` and ``bias_correction`` real bools: a ``"False"`` from a JSON/YAML export is refused, not read as
+        True; ``adam_w_mode`` an AdamWMode or the int 0/1/2), numbers finite and in range; every parameter id listed
+        once; each state a dict of exactly the Adam keys, its ``step`` a whole number in [0, 2**53] (a number or a
+        one-element tensor), its moments finite floating-point tensors of the parameter's shape (second moments
+        non-negative). A bad entry raises ValueError (bad value) or TypeError (wrong type) naming it, for example
+        ``state_dict['state'][3]['step']``, and leaves the optimizer as it was. Then new state tensors are built as
+        copies in this optimizer's storage dtypes: the given dict and its tensors are never written to, so loading the
+        same dict twice equals loading it once. Missing ``master_param`` entries are taken from the current params.
+
+        Group options missing from the checkpoint keep this optimizer's values (ORT's FusedAdam saves no
+        ``adam_w_mode``, ``amsgrad`` or ``maximize``; torch's no ``adam_w_mode``), and ORT's per-group ``step``
+        becomes every listed parameter's step. torch's implementation switches (``foreach``, ``fused``, ...) are
+        dropped. Other keys (a scheduler's ``initial_lr``, your own tags) are kept, as torch keeps them.
+
+        torch.optim.Adam with ``weight_decay > 0`` is L2 decay with torch's eps placement, which no FusedAdam mode
+        reproduces: its checkpoints are refused where that can be told, that is when the group says
+        ``decoupled_weight_decay=False`` (torch >= 2.5 saves it). Checkpoints of torch 2.4 and earlier cannot be told
+        apart from torch.optim.AdamW's (same keys, same state): they load as decoupled decay with this optimizer's
+        ``adam_w_mode``, so know where yours came from. To load such moments deliberately, put ``adam_w_mode`` in the
+        checkpoint's groups.
         """
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (from optimizer.state_dict())")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"state_dict has {len(saved_groups)} param groups but this optimizer has {len(self.param_groups)}"
-            )
-        id_to_param: dict[Any, torch.Tensor] = {}
-        new_groups = []
-        for group_index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"state_dict's param_groups[{group_index}] has {len(saved['params'])} params but this "
-                    f"optimizer's has {len(group['params'])}"
-                )
-            id_to_param.update(zip(saved["params"], group["params"]))
-            new_group = {key: value for key, value in group.items()}
-            for key, value in saved.items():
-                if key not in ("params", "step") and key not in TORCH_IMPLEMENTATION_KEYS:
-                    # copies of tensors (an lr tensor): the scheduler fills the lr in place, the dict stays untouched
-                    new_group[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
-            _check_hyperparameters(new_group, f"state_dict's param_groups[{group_index}]")
-            new_group["adam_w_mode"] = int(new_group["adam_w_mode"])
-            new_groups.append((new_group, saved.get("step")))
-
-        param_to_group = {}
-        for (new_group, group_step), group in zip(new_groups, self.param_groups):
-            for p in group["params"]:
-                param_to_group[p] = (new_group, group_step)
-        new_state: dict[torch.Tensor, dict] = {}
-        for saved_id, saved_state in state_dict["state"].items():
-            if saved_id not in id_to_param:
-                raise ValueError(f"state_dict has state for parameter id {saved_id!r}, which no param group lists")
-            p = id_to_param[saved_id]
-            new_group, group_step = param_to_group[p]
-            new_state[p] = self._state_from_checkpoint(p, saved_state, new_group, group_step, saved_id)
-
-        for group, (new_group, _) in zip(self.param_groups, new_groups):
+        prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._init_state)
+        for group, new_group in zip(self.param_groups, prepared.groups):
+            params = group["params"]
             group.clear()
-            group.update(new_group)
+            group.update(new_group, params=params)
         self.state.clear()
-        self.state.update(new_state)
+        self.state.update(prepared.state)
         self._plans.clear()
-
-    def _state_from_checkpoint(self, p, saved: dict, group: dict, group_step, saved_id) -> dict:
-        where = f"state_dict['state'][{saved_id!r}] (for a parameter of shape {tuple(p.shape)})"
-        if not isinstance(saved, dict):
-            raise ValueError(f"{where}: expected a dict of state tensors, got {type(saved).__name__}")
-        unknown = set(saved) - set(CHECKPOINT_KEYS)
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected some of {list(CHECKPOINT_KEYS)}")
-        required = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-        for key in required:
-            if key not in saved:
-                raise ValueError(f"{where}: missing '{key}'" + (" (the group has amsgrad=True)"
-                                                                 if key == "max_exp_avg_sq" else ""))
-        for key in MOMENT_KEYS + ("master_param",):
-            value = saved.get(key)
-            if value is None:
-                continue
-            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-                raise ValueError(f"{where}: '{key}' must be a floating-point tensor, got {value!r:.80}")
-            if value.shape != p.shape:
-                raise ValueError(f"{where}: '{key}' has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}")
-        step = saved.get("step", group_step)
-        if step is None:
-            raise ValueError(f"{where}: no 'step' (nor a per-group 'step', as ORT's FusedAdam saves)")
-        step = float(step.item() if isinstance(step, torch.Tensor) else step)
-        if not (math.isfinite(step) and step >= 0 and step == int(step)):
-            raise ValueError(f"{where}: 'step' must be a non-negative whole number, got {step}")
-
-        state = self._init_state(p, group["amsgrad"])
-        state["step"].fill_(step)
-        for key in MOMENT_KEYS:
-            if key not in state:
-                continue
-            value = saved[key].detach().to(p.device, torch.float64 if p.dtype == torch.float64 else torch.float32)
-            if key + "_scale" in state:
-                codes, scales = _fallback.quantize_fp16(value)
-                state[key].copy_(codes)
-                state[key + "_scale"].copy_(scales)
-            else:
-                state[key].copy_(value)
-        if "master_param" in state and saved.get("master_param") is not None:
-            state["master_param"].copy_(saved["master_param"])
-        return state
 
     # ---- conversion ---------------------------------------------------------------------------------------------
 

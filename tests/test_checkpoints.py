@@ -24,8 +24,9 @@ from conftest import (
 )
 from reference import ReferenceAdam
 
-from ort_optim import AdamWMode, FusedAdam, _fallback
-from ort_optim._native import QUANT_BLOCK
+from ort_optim import AdamWMode, FusedAdam
+from ort_optim.backends import reference as reference_backend
+from ort_optim._spec import QUANT_BLOCK
 
 
 def _roundtrip(obj):
@@ -94,7 +95,7 @@ def test_state_dict_is_canonical_fresh_unscaled_fp32_and_mutating_it_changes_not
                 assert saved[key].dtype == wide and saved[key].shape == p.shape
                 assert saved[key].data_ptr() != o.state[p][key].data_ptr()
             if p.dtype == torch.float16:  # unscaled: the fp16 codes divided by their block scales
-                expected = _fallback.dequantize_fp16(o.state[p]["exp_avg"], o.state[p]["exp_avg_scale"])
+                expected = reference_backend.dequantize_fp16(o.state[p]["exp_avg"], o.state[p]["exp_avg_scale"])
                 assert_bitwise_equal(saved["exp_avg"], expected, "exp_avg")
         # fresh tensors: writing into the dict (as a careless caller might) does not reach the optimizer
         for saved in sd["state"].values():
@@ -288,7 +289,7 @@ def test_resuming_from_a_checkpoint_equals_never_stopping_bit_for_bit(config, la
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("grad_magnitude", [1e-12, 1e-3, 1.0, 1e4], ids=lambda m: f"grads-{m:g}")
 def test_the_kernels_fp16_states_survive_dequantize_then_quantize_exactly(grad_magnitude, backend, monkeypatch):
-    """After real steps, _fallback.quantize_fp16(dequantize_fp16(codes, scales)) gives back the kernel's own codes
+    """After real steps, reference_backend.quantize_fp16(dequantize_fp16(codes, scales)) gives back the kernel's own codes
     and scales: what makes a checkpoint (saved unscaled) restore bit for bit."""
     select_backend(monkeypatch, backend)
     p = torch.nn.Parameter(torch.randn(3 * QUANT_BLOCK + 17))
@@ -304,7 +305,7 @@ def test_the_kernels_fp16_states_survive_dequantize_then_quantize_exactly(grad_m
         assert codes.dtype == torch.float16 and scales.shape == (4,)
         assert float(scales[1]) == 1.0  # the all-zero block
         assert bool(((scales.log2() % 1) == 0).all()), "scales are powers of two"
-        again_codes, again_scales = _fallback.quantize_fp16(_fallback.dequantize_fp16(codes, scales))
+        again_codes, again_scales = reference_backend.quantize_fp16(reference_backend.dequantize_fp16(codes, scales))
         assert_bitwise_equal(again_codes, codes, f"{key} codes")
         assert_bitwise_equal(again_scales, scales, f"{key} scales")
         # and the block maxima sit in (16384, 32768], the headroom rule
@@ -319,11 +320,11 @@ def test_quantize_fp16_round_trips_exactly_at_every_magnitude(exponent):
     gen = torch.Generator().manual_seed(exponent + 1000)
     x = (torch.rand(5000, generator=gen) * 2 - 1).double() * 2.0**exponent
     x = (x * torch.exp2(-16 * torch.rand(5000, generator=gen).double())).float()
-    codes, scales = _fallback.quantize_fp16(x)
-    again_codes, again_scales = _fallback.quantize_fp16(_fallback.dequantize_fp16(codes, scales))
+    codes, scales = reference_backend.quantize_fp16(x)
+    again_codes, again_scales = reference_backend.quantize_fp16(reference_backend.dequantize_fp16(codes, scales))
     assert_bitwise_equal(again_codes, codes, "codes")
     assert_bitwise_equal(again_scales, scales, "scales")
-    torch.testing.assert_close(_fallback.dequantize_fp16(codes, scales), x, rtol=2.0**-11, atol=0)
+    torch.testing.assert_close(reference_backend.dequantize_fp16(codes, scales), x, rtol=2.0**-11, atol=0)
 
 
 # ---- validation ----------------------------------------------------------------------------------------------------
@@ -355,42 +356,228 @@ def _delete(path):
     return mutate
 
 
+def _swap(a, b):
+    def mutate(sd):
+        def parent(path):
+            target = sd
+            for key in path[:-1]:
+                target = target[key]
+            return target
+        pa, pb = parent(a), parent(b)
+        pa[a[-1]], pb[b[-1]] = pb[b[-1]], pa[a[-1]]
+    return mutate
+
+
+def _to_list(path):
+    def mutate(sd):
+        target = sd
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = list(target[path[-1]].values()) if isinstance(target[path[-1]], dict) else \
+            target[path[-1]].tolist()
+    return mutate
+
+
+# (id, mutation of the trained checkpoint, exception, message): the message names the entry, as an expression
 BAD_CHECKPOINTS = [
-    ("not-a-dict", lambda sd: [sd], r"state_dict must be a dict with 'state' and 'param_groups'"),
-    ("no-param-groups", _bad(_delete(["param_groups"])), r"must be a dict with 'state' and 'param_groups'"),
-    ("extra-group", _bad(lambda sd: sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0]))),
-     r"state_dict has 2 param groups but this optimizer has 1"),
-    ("wrong-param-count", _bad(lambda sd: sd["param_groups"][0]["params"].pop()),
-     r"param_groups\[0\] has 1 params but this optimizer's has 2"),
-    ("wrong-shape", _bad(_set(["state", 1, "exp_avg"], torch.zeros(5))),
-     r"state_dict\['state'\]\[1\] .*'exp_avg' has shape \(5,\), the parameter \(6,\)"),
-    ("unknown-key", _bad(_set(["state", 0, "momentum_buffer"], torch.zeros(1))),
-     r"unknown keys \['momentum_buffer'\]"),
-    ("missing-exp-avg-sq", _bad(_delete(["state", 1, "exp_avg_sq"])), r"state_dict\['state'\]\[1\] .*missing 'exp_avg_sq'"),
-    ("missing-max-exp-avg-sq", _bad(_delete(["state", 0, "max_exp_avg_sq"])),
-     r"missing 'max_exp_avg_sq' \(the group has amsgrad=True\)"),
-    ("negative-step", _bad(_set(["state", 1, "step"], torch.tensor(-1.0))), r"'step' must be a non-negative whole"),
-    ("fractional-step", _bad(_set(["state", 1, "step"], torch.tensor(2.5))), r"'step' must be a non-negative whole"),
-    ("nan-step", _bad(_set(["state", 1, "step"], torch.tensor(float("nan")))), r"'step' must be a non-negative"),
-    ("missing-step", _bad(_delete(["state", 1, "step"])), r"no 'step' \(nor a per-group 'step'"),
-    ("integer-moment", _bad(_set(["state", 1, "exp_avg"], torch.zeros(6, dtype=torch.int32))),
-     r"'exp_avg' must be a floating-point tensor"),
-    ("unknown-param-id", _bad(_set(["state", 17], {})), r"state for parameter id 17, which no param group lists"),
-    ("bad-hyperparameter", _bad(_set(["param_groups", 0, "betas"], (0.9, 1.5))),
-     r"state_dict's param_groups\[0\]: betas\[1\] must be in \[0, 1\)"),
-    ("bad-adam-w-mode", _bad(_set(["param_groups", 0, "adam_w_mode"], 5)), r"adam_w_mode must be an AdamWMode"),
+    # the containers
+    ("not-a-dict", lambda sd: [sd], TypeError, r"state_dict must be a dict with 'state' and 'param_groups'"),
+    ("no-param-groups", _bad(_delete(["param_groups"])), ValueError, r"state_dict\['param_groups'\] is missing"),
+    ("no-state", _bad(_delete(["state"])), ValueError, r"state_dict\['state'\] is missing"),
+    ("unknown-top-level-key", _bad(_set(["scaler"], {})), ValueError, r"state_dict has unknown keys \['scaler'\]"),
+    ("state-is-a-list", _bad(_to_list(["state"])), TypeError,
+     r"state_dict\['state'\] must be a dict from parameter id to state dict, got list"),
+    ("param-groups-is-a-dict", _bad(_set(["param_groups"], {0: {}})), TypeError,
+     r"state_dict\['param_groups'\] must be a list of dicts"),
+    ("group-is-a-list", _bad(_set(["param_groups", 0], [0, 1])), TypeError,
+     r"state_dict\['param_groups'\]\[0\] must be a dict, got list"),
+    ("extra-group", _bad(lambda sd: sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0]))), ValueError,
+     r"state_dict\['param_groups'\] has 2 param groups but this optimizer has 1"),
+    ("group-without-params", _bad(_delete(["param_groups", 0, "params"])), ValueError,
+     r"state_dict\['param_groups'\]\[0\] has no 'params'"),
+    ("group-without-eps", _bad(_delete(["param_groups", 0, "eps"])), ValueError,
+     r"state_dict\['param_groups'\]\[0\] has no 'eps'"),
+    ("params-not-a-list", _bad(_set(["param_groups", 0, "params"], 0)), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['params'\] must be a list of parameter ids, got int"),
+    ("wrong-param-count", _bad(lambda sd: sd["param_groups"][0]["params"].pop()), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['params'\] lists 1 params but this optimizer's param_groups\[0\] has 2"),
+    ("duplicate-param-id", _bad(_set(["param_groups", 0, "params", 1], 0)), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['params'\]\[1\]: parameter id 0 is listed twice"),
+    ("float-param-id", _bad(_set(["param_groups", 0, "params", 1], 1.0)), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['params'\]\[1\] must be a parameter id"),
+    ("unknown-param-id", _bad(_set(["state", 17], {})), ValueError,
+     r"state_dict\['state'\]\[17\]: parameter id 17 is listed in no"),
+    ("sgd-group", _bad(_set(["param_groups", 0, "momentum"], 0.9)), ValueError,
+     r"state_dict\['param_groups'\]\[0\] has \['momentum'\], options of another optimizer"),
+    # group options, strictly typed (traps.md #23)
+    ("maximize-string", _bad(_set(["param_groups", 0, "maximize"], "False")), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['maximize'\] must be True or False \(a bool\), got str 'False'"),
+    ("amsgrad-string", _bad(_set(["param_groups", 0, "amsgrad"], "no")), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['amsgrad'\] must be True or False"),
+    ("maximize-tensor", _bad(_set(["param_groups", 0, "maximize"], torch.tensor([1, 0]))), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['maximize'\] must be True or False \(a bool\), got a torch.int64 tensor"),
+    ("bias-correction-int", _bad(_set(["param_groups", 0, "bias_correction"], 1)), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['bias_correction'\] must be True or False"),
+    ("lr-string", _bad(_set(["param_groups", 0, "lr"], "1e-3")), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['lr'\] must be a number, got str"),
+    ("lr-nan", _bad(_set(["param_groups", 0, "lr"], float("nan"))), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['lr'\] must be finite"),
+    ("lr-negative-tensor", _bad(_set(["param_groups", 0, "lr"], torch.tensor(-1.0))), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['lr'\] must be >= 0"),
+    ("lr-two-elements", _bad(_set(["param_groups", 0, "lr"], torch.tensor([1e-3, 1e-3]))), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['lr'\] must hold exactly one number"),
+    ("eps-inf", _bad(_set(["param_groups", 0, "eps"], float("inf"))), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['eps'\] must be finite"),
+    ("weight-decay-bool", _bad(_set(["param_groups", 0, "weight_decay"], True)), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['weight_decay'\] must be a number, got bool"),
+    ("weight-decay-negative", _bad(_set(["param_groups", 0, "weight_decay"], -0.1)), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['weight_decay'\] must be >= 0"),
+    ("betas-out-of-range", _bad(_set(["param_groups", 0, "betas"], (0.9, 1.5))), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['betas'\]\[1\] must be in \[0, 1\)"),
+    ("betas-three", _bad(_set(["param_groups", 0, "betas"], (0.9, 0.99, 0.5))), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['betas'\] must be a pair"),
+    ("betas-strings", _bad(_set(["param_groups", 0, "betas"], ("0.9", "0.999"))), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['betas'\]\[0\] must be a number"),
+    ("adam-w-mode-5", _bad(_set(["param_groups", 0, "adam_w_mode"], 5)), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['adam_w_mode'\] must be an AdamWMode \(0, 1 or 2\), got 5"),
+    ("adam-w-mode-string", _bad(_set(["param_groups", 0, "adam_w_mode"], "ADAMW_TORCH")), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['adam_w_mode'\] must be an AdamWMode or the int 0, 1 or 2"),
+    ("group-step-list", _bad(_set(["param_groups", 0, "step"], [3])), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['step'\] must be a number, got list"),
+    # per-parameter states
+    ("state-entry-list", _bad(_set(["state", 1], [torch.zeros(6)])), TypeError,
+     r"state_dict\['state'\]\[1\] must be a dict of state tensors, got list"),
+    ("unknown-key", _bad(_set(["state", 0, "momentum_buffer"], torch.zeros(1))), ValueError,
+     r"state_dict\['state'\]\[0\] has unknown keys \['momentum_buffer'\]"),
+    ("missing-exp-avg-sq", _bad(_delete(["state", 1, "exp_avg_sq"])), ValueError,
+     r"state_dict\['state'\]\[1\] has no 'exp_avg_sq'"),
+    ("missing-max-exp-avg-sq", _bad(_delete(["state", 0, "max_exp_avg_sq"])), ValueError,
+     r"state_dict\['state'\]\[0\] has no 'max_exp_avg_sq' \(the group has amsgrad=True\)"),
+    ("missing-step", _bad(_delete(["state", 1, "step"])), ValueError,
+     r"state_dict\['state'\]\[1\] has no 'step' \(nor does its param group"),
+    ("step-list", _bad(_set(["state", 1, "step"], [4.0])), TypeError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be a number, got list"),
+    ("step-two-elements", _bad(_set(["state", 1, "step"], torch.tensor([4.0, 4.0]))), ValueError,
+     r"state_dict\['state'\]\[1\]\['step'\] must hold exactly one number"),
+    ("step-bool-tensor", _bad(_set(["state", 1, "step"], torch.tensor(True))), TypeError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be a real number"),
+    ("negative-step", _bad(_set(["state", 1, "step"], torch.tensor(-1.0))), ValueError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be a whole number in \[0, 2\*\*53\]"),
+    ("fractional-step", _bad(_set(["state", 1, "step"], torch.tensor(2.5))), ValueError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be a whole number"),
+    ("huge-step", _bad(_set(["state", 1, "step"], 1e300)), ValueError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be a whole number in \[0, 2\*\*53\]"),
+    ("nan-step", _bad(_set(["state", 1, "step"], torch.tensor(float("nan")))), ValueError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be finite"),
+    ("moment-not-a-tensor", _bad(_set(["state", 1, "exp_avg"], [0.0] * 6)), TypeError,
+     r"state_dict\['state'\]\[1\]\['exp_avg'\] must be a tensor, got list"),
+    ("wrong-shape", _bad(_set(["state", 1, "exp_avg"], torch.zeros(5))), ValueError,
+     r"state_dict\['state'\]\[1\]\['exp_avg'\] has shape \(5,\), the parameter \(6,\)"),
+    ("integer-moment", _bad(_set(["state", 1, "exp_avg"], torch.zeros(6, dtype=torch.int32))), TypeError,
+     r"state_dict\['state'\]\[1\]\['exp_avg'\] must be a floating-point tensor"),
+    ("meta-moment", _bad(_set(["state", 1, "exp_avg"], torch.zeros(6, device="meta"))), TypeError,
+     r"state_dict\['state'\]\[1\]\['exp_avg'\] must be a dense tensor with data"),
+    ("nan-moment", _bad(_set(["state", 1, "exp_avg"], torch.full((6,), float("nan")))), ValueError,
+     r"state_dict\['state'\]\[1\]\['exp_avg'\] holds inf or NaN"),
+    ("moment-beyond-float32", _bad(_set(["state", 1, "exp_avg"], torch.full((6,), 1e300, dtype=torch.float64))),
+     ValueError, r"state_dict\['state'\]\[1\]\['exp_avg'\] holds inf or NaN once converted to float32"),
+    ("negative-second-moment", _bad(_set(["state", 1, "exp_avg_sq"], -torch.ones(6))), ValueError,
+     r"state_dict\['state'\]\[1\]\['exp_avg_sq'\] holds negative values"),
+    ("master-wrong-shape", _bad(_set(["state", 0, "master_param"], torch.zeros(3))), ValueError,
+     r"state_dict\['state'\]\[0\]\['master_param'\] has shape \(3,\)"),
+    ("swapped-state-and-groups", _bad(_swap(["state"], ["param_groups"])), TypeError,
+     r"state_dict\['param_groups'\] must be a list of dicts, got dict"),
 ]
 
 
-@pytest.mark.parametrize("make_bad,message", [c[1:] for c in BAD_CHECKPOINTS], ids=[c[0] for c in BAD_CHECKPOINTS])
-def test_an_invalid_checkpoint_is_refused_with_a_clear_error_and_changes_nothing(make_bad, message):
+@pytest.mark.parametrize("make_bad,error,message", [c[1:] for c in BAD_CHECKPOINTS], ids=[c[0] for c in BAD_CHECKPOINTS])
+def test_an_invalid_checkpoint_is_refused_with_an_error_naming_the_entry_and_changes_nothing(make_bad, error, message):
     params, opt = _trained_mixed()
     target_params, target = _fresh_like(params)
     _steps(target, target_params, 0, 2)
     before = optimizer_snapshot(target)
-    with pytest.raises(ValueError, match=message):
-        target.load_state_dict(make_bad(opt.state_dict()))
+    bad = make_bad(opt.state_dict())
+    pristine = copy.deepcopy(bad)
+    with pytest.raises(error, match=message):
+        target.load_state_dict(bad)
     assert_same_snapshot(before, optimizer_snapshot(target))
+    assert_tree_bitwise_equal(bad, pristine, "the given dict")
+    _steps(target, target_params, 2, 1)  # and it still steps
+
+
+def test_a_value_beyond_bfloat16s_range_is_refused_for_bf16_storage():
+    """3.4e38 is a finite float32 that rounds to inf in bfloat16: checked in the storage dtype, not only in float32."""
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = FusedAdam([p], exp_avg_dtype=torch.bfloat16)
+    p.grad = torch.ones(4)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg"] = torch.full((4,), 3.4e38)
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"state_dict\['state'\]\[0\]\['exp_avg'\] holds values beyond the range of "
+                                         r"this optimizer's torch.bfloat16 exp_avg storage"):
+        opt.load_state_dict(sd)
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
+# Accepted variations of a checkpoint: what torch and ORT write, and JSON-safe spellings of the same values
+GOOD_VARIATIONS = {
+    "int-step": _set(["state", 1, "step"], 4),
+    "float32-step-tensor": _set(["state", 1, "step"], torch.tensor(4.0)),
+    "one-element-step": _set(["state", 1, "step"], torch.tensor([4.0])),
+    "betas-list": _set(["param_groups", 0, "betas"], [0.9, 0.999]),
+    "adam-w-mode-enum": _set(["param_groups", 0, "adam_w_mode"], AdamWMode.ADAMW_TRANSFORMERS),
+    "extra-group-key": _set(["param_groups", 0, "initial_lr"], 0.01),
+    "tuple-params": lambda sd: sd["param_groups"][0].__setitem__("params", tuple(sd["param_groups"][0]["params"])),
+}
+
+
+@pytest.mark.parametrize("variation", GOOD_VARIATIONS, ids=str)
+def test_equivalent_spellings_load_and_continue_bit_for_bit(variation):
+    params, opt = _trained_mixed()
+    sd = opt.state_dict()
+    varied = copy.deepcopy(sd)
+    GOOD_VARIATIONS[variation](varied)
+    a_params, a = _fresh_like(params)
+    b_params, b = _fresh_like(params)
+    a.load_state_dict(sd)
+    b.load_state_dict(varied)
+    if variation == "extra-group-key":  # kept, as torch keeps a scheduler's keys
+        assert b.param_groups[0].pop("initial_lr") == 0.01
+    _steps(a, a_params, 4, 2)
+    _steps(b, b_params, 4, 2)
+    _assert_same_optimizers(a_params, a, b_params, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_torch_adam_checkpoint_with_l2_decay_is_refused_where_it_can_be_told(backend, monkeypatch):
+    """torch.optim.Adam(weight_decay>0) adds wd*p to the gradient (L2) and keeps torch's eps placement: no FusedAdam
+    mode computes that, so its moments must not continue silently under AdamW math. torch >= 2.5 saves
+    decoupled_weight_decay in each group, which tells; torch 2.4's Adam and AdamW groups have the same keys."""
+    select_backend(monkeypatch, backend)
+    torch_params = _fp32_params()
+    theirs = torch.optim.Adam(torch_params, lr=1e-2, weight_decay=0.1, foreach=False)
+    _steps(theirs, torch_params, 0, 3)
+    sd = theirs.state_dict()
+    params = _clone_params(torch_params)
+    ours = FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8)
+    before = optimizer_snapshot(ours)
+    if "decoupled_weight_decay" not in sd["param_groups"][0]:  # torch < 2.5: indistinguishable from AdamW
+        ours.load_state_dict(sd)
+        assert ours.param_groups[0]["weight_decay"] == 0.1
+        return
+    with pytest.raises(ValueError, match=r"state_dict\['param_groups'\]\[0\] comes from torch\.optim\.Adam with "
+                                         r"weight_decay=0\.1 \(decoupled_weight_decay=False\): L2 decay"):
+        ours.load_state_dict(sd)
+    assert_same_snapshot(before, optimizer_snapshot(ours))
+    # the same checkpoint without decay, or with the mode chosen explicitly, loads
+    explicit = copy.deepcopy(sd)
+    explicit["param_groups"][0]["adam_w_mode"] = int(AdamWMode.ADAMW_TORCH)
+    ours.load_state_dict(explicit)
+    assert ours.param_groups[0]["adam_w_mode"] == AdamWMode.ADAMW_TORCH
+    no_decay = copy.deepcopy(sd)
+    no_decay["param_groups"][0]["weight_decay"] = 0.0
+    ours.load_state_dict(no_decay)
 
 
 # ---- other optimizers' checkpoints ---------------------------------------------------------------------------------

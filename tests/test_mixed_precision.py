@@ -26,7 +26,7 @@ from conftest import (
 from reference import ReferenceAdam
 
 from ort_optim import AdamWMode, FusedAdam
-from ort_optim._native import QUANT_BLOCK
+from ort_optim._spec import QUANT_BLOCK
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PARAM_CASES = {  # name: (param dtype, master_weights)

@@ -4,7 +4,7 @@
 * grad_stats is the float64 sum of squares and the inf/NaN flag, independent of the thread count.
 * The native adam_step_ and the pure-PyTorch fallback agree for every dtype combination; the native result does not
   depend on the thread count; the op validates its inputs before writing anything.
-* The C++ fp16 block size equals ort_optim._native.QUANT_BLOCK.
+* The C++ fp16 block size equals ort_optim._spec.QUANT_BLOCK.
 * FusedAdam refuses params that share memory (traps.md #11) and accepts disjoint views of one buffer.
 * torch.compile of the op and of FusedAdam.step gives eager's result.
 """
@@ -28,13 +28,14 @@ from conftest import (
     select_backend,
 )
 
-from ort_optim import FusedAdam, _fallback, _native
-from ort_optim._native import QUANT_BLOCK
+from ort_optim import FusedAdam, backends
+from ort_optim.backends import reference as reference_backend
+from ort_optim._spec import QUANT_BLOCK
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 requires_native = pytest.mark.skipif(
-    os.environ.get("ORT_OPTIM_NO_NATIVE") == "1" or not _native.native_available(),
+    os.environ.get("ORT_OPTIM_NO_NATIVE") == "1" or not backends.native_available(),
     reason="the native CPU library is not available (test_native_library_builds_and_loads says why)",
 )
 
@@ -42,7 +43,7 @@ requires_native = pytest.mark.skipif(
 def test_native_library_builds_and_loads():
     if os.environ.get("ORT_OPTIM_NO_NATIVE") == "1":
         pytest.skip("ORT_OPTIM_NO_NATIVE=1")
-    assert _native.native_available(), "the native CPU kernels did not build or load; see the RuntimeWarning"
+    assert backends.native_available(), "the native CPU kernels did not build or load; see the RuntimeWarning"
     assert hasattr(torch.ops.ort_optim, "adam_step_") and hasattr(torch.ops.ort_optim, "grad_stats")
 
 
@@ -91,7 +92,7 @@ class Sample:
                     ((self.v_dtype, vmaxs, vmax_scales, 2e-4),) if self.amsgrad else ()):
                 values = rand(shape, magnitude).abs() if magnitude < 1e-2 else rand(shape, magnitude)
                 if dtype == torch.float16:
-                    codes, s = _fallback.quantize_fp16(values)
+                    codes, s = reference_backend.quantize_fp16(values)
                     store.append(codes)
                     scales.append(s)
                 else:
@@ -204,7 +205,7 @@ NON_FINITE = {
 def test_grad_stats_is_the_float64_sum_of_squares(case, backend, monkeypatch):
     select_backend(monkeypatch, backend)
     tensors = GRAD_STATS_CASES[case](torch.Generator().manual_seed(1))
-    stats = _native.grad_stats(tensors)
+    stats = backends.grad_stats(tensors)
     assert stats.dtype == torch.float32 and stats.shape == (2,)
     total, flag = _grad_stats_reference(tensors)
     assert float(stats[1]) == flag == 0.0
@@ -222,21 +223,21 @@ def test_grad_stats_flags_any_inf_or_nan(case, backend, monkeypatch):
         tensors[1][-1] = float("inf")
     else:
         tensors[1][123] = value
-    assert float(_native.grad_stats(tensors)[1]) == 1.0
+    assert float(backends.grad_stats(tensors)[1]) == 1.0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grad_stats_of_no_tensors_is_zero(backend, monkeypatch):
-    """The op itself needs a tensor to dispatch on; ort_optim._native.grad_stats answers [0, 0] for an empty list."""
+    """The op itself needs a tensor to dispatch on; ort_optim.backends.grad_stats answers [0, 0] for an empty list."""
     select_backend(monkeypatch, backend)
-    assert _native.grad_stats([]).tolist() == [0.0, 0.0]
+    assert backends.grad_stats([]).tolist() == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grad_stats_of_a_finite_sum_beyond_float32_is_inf_not_an_error(backend, monkeypatch):
     """grads around 1e20: finite float32 values whose sum of squares exceeds float32's range."""
     select_backend(monkeypatch, backend)
-    stats = _native.grad_stats([torch.full((4,), 1e20)])
+    stats = backends.grad_stats([torch.full((4,), 1e20)])
     assert math.isinf(float(stats[0])) and float(stats[1]) == 0.0
 
 
@@ -293,7 +294,7 @@ def test_native_op_and_fallback_agree_for_every_dtype_combination(sample):
     native_args, fallback_args = _clone_args(args), _clone_args(args)
     for _ in range(3):
         torch.ops.ort_optim.adam_step_(*native_args, **kwargs)
-        _fallback.adam_step_(*fallback_args, **kwargs)
+        reference_backend.adam_step_(*fallback_args, **kwargs)
     (params, _, ms, vs, vmaxs, masters, m_scales, v_scales, vmax_scales, steps) = native_args
     (fparams, _, fms, fvs, fvmaxs, fmasters, fm_scales, fv_scales, fvmax_scales, fsteps) = fallback_args
     assert_bitwise_equal(steps, fsteps, "steps")
@@ -315,7 +316,7 @@ def test_native_op_and_fallback_agree_for_every_dtype_combination(sample):
                                    ("max_exp_avg_sq", vmaxs, fvmaxs, vmax_scales, fvmax_scales)):
         for i, (a, b) in enumerate(zip(nat, fal)):
             if a.dtype == F16:
-                a_values, b_values = _fallback.dequantize_fp16(a, ns[i]), _fallback.dequantize_fp16(b, fs[i])
+                a_values, b_values = reference_backend.dequantize_fp16(a, ns[i]), reference_backend.dequantize_fp16(b, fs[i])
             else:
                 a_values, b_values = a.double(), b.double()
             magnitude = float(b_values.abs().max()) if b_values.numel() else 0.0
@@ -355,7 +356,7 @@ def _without(index):
 OP_ERRORS = [
     ("grads-list-too-short", _without(1), r"grads has 4 tensors but params has 5"),
     ("scales-for-a-non-fp16-state",
-     lambda a, k: a[7].extend(torch.ones(_fallback.num_blocks(p.numel())) for p in a[0]),
+     lambda a, k: a[7].extend(torch.ones(reference_backend.num_blocks(p.numel())) for p in a[0]),
      r"exp_avg_sq_scales\[0\] is given but the state it scales is Float, not float16"),
     ("wrong-number-of-block-scales", lambda a, k: a[6].__setitem__(3, torch.ones(a[6][3].numel() + 1)),
      r"exp_avg_scales\[3\] must be a contiguous float32 tensor of 2 block scales"),
@@ -416,19 +417,19 @@ def test_the_native_fp16_block_size_equals_quant_block(numel):
     torch.ops.ort_optim.adam_step_(*args, **kwargs)
     codes, scales = args[2][0], args[6][0]
     assert scales.shape == (blocks,)
-    assert_bitwise_equal(scales, _fallback.fp16_block_scales(_fallback.dequantize_fp16(codes, scales)), "scales")
+    assert_bitwise_equal(scales, reference_backend.fp16_block_scales(reference_backend.dequantize_fp16(codes, scales)), "scales")
     if blocks > 1:
         assert len(set(scales.tolist())) == blocks
 
 
 def test_the_triton_block_size_equals_quant_block():
     try:
-        from ort_optim import _triton
+        from ort_optim.backends import triton as triton_backend
     except ImportError as exc:  # pragma: no cover - triton is optional
-        pytest.skip(f"ort_optim._triton does not import here: {exc}")
-    if not hasattr(_triton, "BLOCK"):
-        pytest.skip("ort_optim._triton has no BLOCK constant")
-    assert _triton.BLOCK == QUANT_BLOCK
+        pytest.skip(f"ort_optim.backends.triton does not import here: {exc}")
+    if not hasattr(triton_backend, "BLOCK"):
+        pytest.skip("ort_optim.backends.triton has no BLOCK constant")
+    assert triton_backend.BLOCK == QUANT_BLOCK
 
 
 # ---- params that share memory --------------------------------------------------------------------------------------
@@ -572,7 +573,7 @@ def _compare_compiled_with_eager(target, monkeypatch):
 
 
 def test_a_wheel_carries_the_native_sources(tmp_path):
-    """`pip wheel .` ships ops/*.cpp as ort_optim/_ops, where _native looks outside a checkout (setup.py)."""
+    """`pip wheel .` ships ops/*.cpp as ort_optim/_ops, where backends/native.py looks outside a checkout (setup.py)."""
     import subprocess
     import sys
     import zipfile
@@ -587,5 +588,5 @@ def test_a_wheel_carries_the_native_sources(tmp_path):
                     "-w", str(tmp_path)], check=True, cwd=tmp_path)
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for source in _native.SOURCES:
+    for source in backends.native.SOURCES:
         assert f"ort_optim/_ops/{source}" in names

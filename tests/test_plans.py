@@ -1,7 +1,7 @@
 """FusedAdam's native plans, as a specification.
 
 From its second step on, a FusedAdam on the native CPU backend steps through one native plan per bucket
-(``ort_optim._native.AdamPlan``), which validated the params and states once and reads each param's ``.grad`` itself,
+(``ort_optim.backends.AdamPlan``), which validated the params and states once and reads each param's ``.grad`` itself,
 instead of handing four tensor lists to the op. That is a cache, and must be invisible:
 
 * Over many steps, steps through plans give bit-for-bit the params and states that steps through the op give, for
@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import assert_same_snapshot, optimizer_snapshot, select_backend
 
-from ort_optim import AdamWMode, FusedAdam, _native
+from ort_optim import AdamWMode, FusedAdam, backends
 
 STEPS = 30
 
@@ -101,15 +101,15 @@ SCENARIOS = {
 def _run(scenario: Scenario, planned: bool, monkeypatch) -> tuple[FusedAdam, list[int]]:
     """STEPS steps of the scenario; returns the optimizer and the number of op calls each step made."""
     calls = [0]
-    op = _native.adam_step_
+    op = backends.adam_step_
 
     def counting_op(*args, **kwargs):
         calls[-1] += 1
         return op(*args, **kwargs)
 
-    monkeypatch.setattr(_native, "adam_step_", counting_op)
+    monkeypatch.setattr(backends, "adam_step_", counting_op)
     if not planned:
-        monkeypatch.setattr(_native.AdamPlan, "create", classmethod(lambda cls, *lists: None))
+        monkeypatch.setattr(backends.AdamPlan, "create", classmethod(lambda cls, *lists: None))
     g = torch.Generator().manual_seed(0)
     opt = FusedAdam(scenario.make_groups(g), lr=1e-2, **scenario.options)
     params = [p for group in opt.param_groups for p in group["params"]]
@@ -255,8 +255,8 @@ def test_plans_are_not_used_once_another_backend_is_selected(monkeypatch):
     opt, params = _planned_fp32(monkeypatch)
     select_backend(monkeypatch, "torch")
     calls = []
-    op = _native.adam_step_
-    monkeypatch.setattr(_native, "adam_step_", lambda *a, **k: calls.append(1) or op(*a, **k))
+    op = backends.adam_step_
+    monkeypatch.setattr(backends, "adam_step_", lambda *a, **k: calls.append(1) or op(*a, **k))
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()

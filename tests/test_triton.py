@@ -1,8 +1,8 @@
-"""The Triton kernels (ort_optim/_triton.py, _triton_kernels.py) against the CPU kernel, the fallback and an exact
+"""The Triton kernels (ort_optim/backends/triton.py, triton_kernels.py) against the CPU kernel, the fallback and an exact
 numpy model of ops/README.md.
 
 Without a GPU (this project's machines) the kernels run in Triton's interpreter on CPU tensors: this module defines
-them with TRITON_INTERPRET=1 set only while ort_optim._triton_kernels is imported, then restores the environment, so
+them with TRITON_INTERPRET=1 set only while ort_optim.backends.triton_kernels is imported, then restores the environment, so
 the other test files of the same pytest run are untouched. On a machine with CUDA (tools/gpu_check.py runs this file
 there) the same tests run the compiled kernels on CUDA tensors instead.
 
@@ -46,7 +46,7 @@ if not USE_CUDA and IN_PROCESS:
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         triton = pytest.importorskip("triton")
-        importlib.import_module("ort_optim._triton_kernels")
+        importlib.import_module("ort_optim.backends.triton_kernels")
         try:  # triton >= 3.5 imports gluon lazily at the first launch, and gluon checks the mode at import
             importlib.import_module("triton.experimental.gluon")
         except ImportError:
@@ -59,13 +59,14 @@ if not USE_CUDA and IN_PROCESS:
 else:
     triton = pytest.importorskip("triton")
 
-from ort_optim import _fallback, _native, _triton  # noqa: E402
+from ort_optim import _spec, backends  # noqa: E402
+from ort_optim.backends import reference as reference_backend, triton as triton_backend  # noqa: E402
 
-_kernels_module = sys.modules.get("ort_optim._triton_kernels")
+_kernels_module = sys.modules.get("ort_optim.backends.triton_kernels")
 if not USE_CUDA and _kernels_module is not None and not _kernels_module.INTERPRET:
     IN_PROCESS = False  # compiled kernels and no GPU: only the subprocess can test them
 
-BROKEN = _triton.broken_interpreter_reason() if not USE_CUDA else None
+BROKEN = triton_backend.broken_interpreter_reason() if not USE_CUDA else None
 needs_working_interpreter = pytest.mark.skipif(
     BROKEN is not None or not IN_PROCESS,
     reason=f"broken interpreter: {BROKEN}" if BROKEN else "triton was imported before this module could select its "
@@ -111,7 +112,7 @@ def test_interpreter_is_not_the_broken_numpy2_combination():
 def test_interpreter_canary():
     """A tiny kernel through the same path: catches an interpreter that returns wrong numbers."""
     x = torch.arange(3000, dtype=torch.float32, device=DEVICE) / 7.0
-    out = _triton.grad_stats([x])
+    out = triton_backend.grad_stats([x])
     expected = float((x.double() ** 2).sum())
     assert abs(float(out[0]) - expected) <= 1e-6 * expected and float(out[1]) == 0.0
 
@@ -119,15 +120,15 @@ def test_interpreter_canary():
 def test_block_sizes_agree():
     cpu_source = (ROOT / "ops" / "adam_cpu.cpp").read_text()
     assert re.search(r"constexpr int64_t kBlock = 1024;", cpu_source)
-    assert _triton.BLOCK == _native.QUANT_BLOCK == 1024
-    assert _triton.kernels().BLOCK == 1024
+    assert triton_backend.BLOCK == _spec.QUANT_BLOCK == 1024
+    assert triton_backend.kernels().BLOCK == 1024
 
 
 def test_import_ort_optim_never_imports_triton():
     code = (
-        "import sys, ort_optim, ort_optim._triton\n"
-        "from ort_optim import _native\n"
-        "_native.native_available()\n"
+        "import sys, ort_optim, ort_optim.backends.triton\n"
+        "from ort_optim import backends\n"
+        "backends.native_available()\n"
         "assert 'triton' not in sys.modules, 'triton was imported'\n"
         "print('ok')\n"
     )
@@ -145,11 +146,11 @@ from triton_cases import (  # noqa: E402
 
 # Built without multiply-add contraction, the CPU kernel computes exactly the numpy model (checked: every combination
 # of tests/triton_cases.py, bit for bit); with the default C++ contraction it differs by float32 ulps.
-NATIVE_EXACT = "-ffp-contract=off" in _native.CFLAGS
+NATIVE_EXACT = "-ffp-contract=off" in backends.native.CFLAGS
 
 
 def run_triton(args, hp):
-    _triton.adam_step_(*args, **on(DEVICE, hp))
+    triton_backend.adam_step_(*args, **on(DEVICE, hp))
 
 
 # ---- the core comparison -----------------------------------------------------------------------------------------
@@ -166,13 +167,13 @@ def test_adam_step_matches_reference_native_and_fallback(combo, mode, amsgrad):
         run_triton(tri, hp)
         reference_step(ref, hp)
         assert_bitwise(tri, ref, f"{combo} mode {mode} amsgrad {amsgrad} step {step}")
-        _fallback.adam_step_(*fal, **hp)
-        if _native.native_available():
+        reference_backend.adam_step_(*fal, **hp)
+        if backends.native_available():
             torch.ops.ort_optim.adam_step_(*nat, **hp)
     # The compiled CPU kernel may contract multiply-adds and the fallback forms some products differently: a few
     # float32 ulps, at most one unit of a low-precision storage dtype, between them and the Triton kernel.
     assert_close_to(tri, fal, f"{combo} vs fallback", extra=4.0)
-    if _native.native_available():
+    if backends.native_available():
         assert_close_to(tri, nat, f"{combo} vs native", extra=4.0)
         assert torch.equal(tri[9].cpu(), nat[9])
         if NATIVE_EXACT:
@@ -199,7 +200,7 @@ def test_options(options, mode):
     run_triton(tri, hp)
     reference_step(ref, hp)
     assert_bitwise(tri, ref, str(options))
-    if _native.native_available():
+    if backends.native_available():
         torch.ops.ort_optim.adam_step_(*nat, **hp)
         assert_close_to(tri, nat, f"{options} vs native", extra=4.0)
 
@@ -222,7 +223,7 @@ def test_fp16_codes_and_scales_identical_to_the_cpu_kernel():
     """Where the CPU kernel and the Triton kernel compute the same moment values (a first step from zero moments,
     or beta1 = beta2 = 0, where no multiply-add can be contracted), the fp16 codes and block scales must be identical:
     the quantisation rule (power of two, (16384, 32768], zero blocks, clamping, rounding) is the same."""
-    if not _native.native_available():
+    if not backends.native_available():
         pytest.skip("the native CPU library is not available")
     gen = torch.Generator().manual_seed(11)
     shapes = [(3 * 1024 + 5,), (1024,), (2,), ()]
@@ -295,7 +296,7 @@ def test_many_steps_against_float64():
         exact[1] = [g.to(F16).double() for g in grads]
         hp = hyper(2, lr=1e-3)
         run_triton(tri, hp)
-        _fallback.adam_step_(*exact, **hp)
+        reference_backend.adam_step_(*exact, **hp)
     for i in range(2):
         master, ref = tri[5][i].cpu().double(), exact[0][i]
         assert float((master - ref).abs().max()) < 1e-5, f"master {i} drifted from float64"
@@ -304,11 +305,11 @@ def test_many_steps_against_float64():
 @needs_working_interpreter
 def test_blocks_per_program_and_multi_tensor_launch(monkeypatch):
     """Several blocks per program (the kernel's inner loop), one launch for many tensors, cache reuse."""
-    monkeypatch.setattr(_triton, "BLOCKS_PER_PROGRAM", 2)
+    monkeypatch.setattr(triton_backend, "BLOCKS_PER_PROGRAM", 2)
     base = make_case("fp32-fp16states", True, seed=4, shapes=[(3000,), (1024,), (1,), (0,), (2049,)])
     tri, ref = clone_case(base, DEVICE), clone_case(base)
     launches = []
-    kernel = _triton.kernels().adam_kernel
+    kernel = triton_backend.kernels().adam_kernel
     original = type(kernel).__getitem__
 
     def counting(self, grid):
@@ -377,20 +378,20 @@ def test_errors_name_the_argument():
     bad = list(base)
     bad[1] = [base[1][0], base[1][1][:2]]
     with pytest.raises(RuntimeError, match=r"grads\[1\] has shape"):
-        _triton.adam_step_(*bad, **hp)
+        triton_backend.adam_step_(*bad, **hp)
     bad = list(base)
     bad[2] = base[2][:1]
     with pytest.raises(RuntimeError, match="exp_avgs has 1 tensors"):
-        _triton.adam_step_(*bad, **hp)
+        triton_backend.adam_step_(*bad, **hp)
     mixed = clone_case(make_case("fp32", False, seed=2, shapes=[(10,)]), DEVICE)
     dbl = clone_case(make_case("fp64", False, seed=2, shapes=[(10,)]), DEVICE)
     joined = [a + b if isinstance(a, list) else torch.cat([a, b]) for a, b in zip(mixed, dbl)]
     with pytest.raises(RuntimeError, match="float64 params cannot share a call"):
-        _triton.adam_step_(*joined, **hp)
+        triton_backend.adam_step_(*joined, **hp)
     with pytest.raises(RuntimeError, match="steps must be"):
-        _triton.adam_step_(*base[:9], base[9].float(), **hp)
+        triton_backend.adam_step_(*base[:9], base[9].float(), **hp)
     with pytest.raises(RuntimeError, match="mode must be"):
-        _triton.adam_step_(*base, **dict(hp, adam_w_mode=3))
+        triton_backend.adam_step_(*base, **dict(hp, adam_w_mode=3))
 
 
 # ---- CUDA only: streams and graphs ----------------------------------------------------------------------------------
@@ -426,7 +427,7 @@ def test_grad_stats_matches_the_cpu_kernel(special):
         tensors[2][1000] = float("nan")
     elif special == "huge":
         tensors[0][5] = 3e38  # the sum overflows float32 but not float64: reported as inf, flag stays 0
-    out = _triton.grad_stats([t.to(DEVICE) for t in tensors]).cpu()
+    out = triton_backend.grad_stats([t.to(DEVICE) for t in tensors]).cpu()
     expected_sum = sum(float((t.double() ** 2).sum()) for t in tensors)
     assert out.dtype == F32 and out.shape == (2,)
     if special in ("inf", "nan"):
@@ -435,7 +436,7 @@ def test_grad_stats_matches_the_cpu_kernel(special):
         assert float(out[1]) == 0.0
         with np.errstate(over="ignore"):
             assert float(out[0]) == float(np.float32(expected_sum))
-    if _native.native_available():
+    if backends.native_available():
         try:
             native = torch.ops.ort_optim.grad_stats(tensors)
         except RuntimeError as exc:  # a CPU-kernel issue, not this kernel's: reported, compared where it works
@@ -444,20 +445,20 @@ def test_grad_stats_matches_the_cpu_kernel(special):
             assert torch.equal(out.isfinite(), native.isfinite()) and float(out[1]) == float(native[1])
             if special not in ("inf", "nan"):
                 assert torch.equal(out, native)
-    fallback = _fallback.grad_stats(tensors)
+    fallback = reference_backend.grad_stats(tensors)
     assert float(out[1]) == float(fallback[1])
 
 
 @needs_working_interpreter
 def test_grad_stats_empty_inputs():
-    assert torch.equal(_triton.grad_stats([torch.zeros(0, device=DEVICE)]).cpu(), torch.zeros(2))
-    assert torch.equal(_triton.grad_stats([]).cpu(), torch.zeros(2))
+    assert torch.equal(triton_backend.grad_stats([torch.zeros(0, device=DEVICE)]).cpu(), torch.zeros(2))
+    assert torch.equal(triton_backend.grad_stats([]).cpu(), torch.zeros(2))
 
 
 # ---- registration, dispatch, FusedAdam through the Triton backend ---------------------------------------------------
 
 def test_registered_as_the_cuda_kernels():
-    if not _native.native_available():
+    if not backends.native_available():
         pytest.skip("the native library (which declares the op schemas) is not available")
     for op in ("ort_optim::adam_step_", "ort_optim::grad_stats"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), op
@@ -465,27 +466,27 @@ def test_registered_as_the_cuda_kernels():
 
 def test_dispatch_routes_cuda_to_triton_or_warns_and_falls_back(monkeypatch):
     monkeypatch.setenv("ORT_OPTIM_BACKEND", "auto")
-    assert _native._implementation(torch.device("cuda")) is _triton
-    monkeypatch.setattr(_triton, "available", lambda: False)
-    monkeypatch.setattr(_triton, "_warned", False)
+    assert backends.implementation(torch.device("cuda")) is triton_backend
+    monkeypatch.setattr(triton_backend, "available", lambda: False)
+    monkeypatch.setattr(triton_backend, "_warned", False)
     with pytest.warns(RuntimeWarning, match="triton is not installed"):
-        assert _native._implementation(torch.device("cuda")) is _fallback
+        assert backends.implementation(torch.device("cuda")) is reference_backend
     monkeypatch.setenv("ORT_OPTIM_BACKEND", "triton")  # asked for explicitly: no silent fallback
-    assert _native._implementation(torch.device("cuda")) is _triton
+    assert backends.implementation(torch.device("cuda")) is triton_backend
 
 
 @needs_working_interpreter
 def test_dispatcher_calling_convention():
     """The registered Python kernel gets the dispatcher's arguments right (keyword-only scalars, optional tensors):
     checked on CPU by registering it for a copy of the schema in a test namespace."""
-    if not _native.native_available():
+    if not backends.native_available():
         pytest.skip("the native library is not available")
     ns = "ort_optim_triton_test"
     if not hasattr(test_dispatcher_calling_convention, "lib"):
         schema = torch.ops.ort_optim.adam_step_.default._schema
         lib = torch.library.Library(ns, "DEF")
         lib.define(str(schema).split("::", 1)[1])
-        lib.impl("adam_step_", _triton._adam_step_op, "CPU")
+        lib.impl("adam_step_", backends._cuda_adam_step, "CPU")
         test_dispatcher_calling_convention.lib = lib
     base = make_case("fp32-fp16states", True, seed=12, shapes=[(1030,), ()])
     tri, ref = clone_case(base), clone_case(base)
@@ -517,7 +518,7 @@ def test_fused_adam_through_the_triton_backend(config, monkeypatch):
     init = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     grads = [[torch.randn(s, generator=gen).to(dtype) for s in shapes] for _ in range(3)]
     results = {}
-    for backend in ("triton", "native" if _native.native_available() else "torch"):
+    for backend in ("triton", "native" if backends.native_available() else "torch"):
         monkeypatch.setenv("ORT_OPTIM_BACKEND", backend)
         device = DEVICE if backend == "triton" else torch.device("cpu")
         params = [torch.nn.Parameter(p.clone().to(device)) for p in init]
@@ -576,7 +577,7 @@ def test_torch_compile_of_the_native_op():
     Measured: torch 2.4 cannot functionalise a custom op that mutates tensor lists ("Found a custom (non-ATen)
     operator whose output has alias annotations"), so it is skipped there; torch >= 2.5 compiles it. (The op's
     mode argument is named adam_w_mode: a keyword named `mode` collides with torch's redirect_to_mode wrapper.)"""
-    if not _native.native_available():
+    if not backends.native_available():
         pytest.skip("the native library is not available")
     if _torch_version() < (2, 5):
         pytest.skip(f"torch {torch.__version__} cannot functionalise custom ops that mutate tensor lists")

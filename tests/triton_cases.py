@@ -211,9 +211,9 @@ def on(device, hp: dict) -> dict:
 
 
 def run_triton(args, hp, device):
-    from ort_optim import _triton
+    from ort_optim.backends import triton as triton_backend
 
-    _triton.adam_step_(*args, **on(device, hp))
+    triton_backend.adam_step_(*args, **on(device, hp))
 
 
 NAMES = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params", "exp_avg_scales",
@@ -284,7 +284,7 @@ def assert_close_to(triton_args, other_args, what, extra=1.0):
 def check_same_stream(device: torch.device) -> None:
     """The kernels run on the caller's current stream: gradients written on a non-default stream (after a long GPU
     sleep there) must be the ones the step reads. A launch on the default stream would read the old gradients."""
-    from ort_optim import _triton
+    from ort_optim.backends import triton as triton_backend
 
     base = make_case("fp32-fp16states", True, seed=31, shapes=[(1 << 18,), (3000,), ()])
     args, ref = clone_case(base, device), clone_case(base)
@@ -301,7 +301,7 @@ def check_same_stream(device: torch.device) -> None:
         torch.cuda._sleep(100_000_000)  # tens of milliseconds of GPU time before the gradients are written
         for g, s in zip(args[1], staged):
             g.copy_(s)
-        _triton.adam_step_(*args, **dev_hp)
+        triton_backend.adam_step_(*args, **dev_hp)
     torch.cuda.synchronize(device)
     assert_bitwise(args, ref, "step on a non-default stream")
 

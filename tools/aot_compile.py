@@ -191,7 +191,7 @@ def main(argv=None) -> int:
         print("cannot compile ahead of time: no ptxas (set TRITON_PTXAS_PATH)")
         return 3
     os.environ.setdefault("TRITON_PTXAS_PATH", ptxas)
-    from ort_optim import _triton_kernels as k
+    from ort_optim.backends import triton_kernels as k
 
     archs = [int(a) for a in args.arch.split(",")]
     workdir = args.out or Path(os.environ.get("TMPDIR", "/tmp")) / f"ort_optim_aot_{os.getpid()}"

@@ -56,7 +56,7 @@ def log(msg: str) -> None:
 def correctness(device, dry_run: bool, results: dict) -> bool:
     import torch
     import triton_cases as tc
-    from ort_optim import _triton
+    from ort_optim.backends import triton as triton_backend
 
     checks = results.setdefault("checks", [])
     ok = True
@@ -117,11 +117,11 @@ def correctness(device, dry_run: bool, results: dict) -> bool:
         gen = torch.Generator().manual_seed(2)
         ts = [torch.randn(3000, generator=gen), torch.randn(7, 5, generator=gen).half(),
               torch.randn(2100, generator=gen).bfloat16(), torch.randn(9, generator=gen, dtype=torch.float64)]
-        out = _triton.grad_stats([t.to(device) for t in ts]).cpu()
+        out = triton_backend.grad_stats([t.to(device) for t in ts]).cpu()
         expected = sum(float((t.double() ** 2).sum()) for t in ts)
         assert abs(float(out[0]) - expected) <= 1e-6 * expected and float(out[1]) == 0.0, (out, expected)
         ts[2][5] = float("nan")
-        assert float(_triton.grad_stats([t.to(device) for t in ts])[1]) == 1.0
+        assert float(triton_backend.grad_stats([t.to(device) for t in ts])[1]) == 1.0
     record("grad_stats", grad_stats)
 
     if device.type == "cuda":
@@ -237,7 +237,8 @@ def min_bytes(numel: int, moments: str) -> int:
 def benchmarks(device, dry_run: bool, results: dict) -> None:
     import torch
 
-    from ort_optim import FusedAdam, _triton
+    from ort_optim import FusedAdam
+    from ort_optim.backends import triton as triton_backend
 
     timer = Timer(device)
     iters, warmup = (3, 1) if dry_run else (30, 5)
@@ -326,13 +327,13 @@ def benchmarks(device, dry_run: bool, results: dict) -> None:
     # Launch-parameter sweep on the largest single tensor.
     sweep = results.setdefault("sweep", [])
     shape = [(4096,)] if dry_run else [(4096, 4096)]
-    saved = (_triton.NUM_WARPS, _triton.BLOCKS_PER_PROGRAM)
+    saved = (triton_backend.NUM_WARPS, triton_backend.BLOCKS_PER_PROGRAM)
     try:
         for warps in (4, 8):
             for bpp in (1, 2, 4):
                 if left() < 20:
                     break
-                _triton.NUM_WARPS, _triton.BLOCKS_PER_PROGRAM = warps, bpp
+                triton_backend.NUM_WARPS, triton_backend.BLOCKS_PER_PROGRAM = warps, bpp
                 opt = FusedAdam(make_params(shape), lr=1e-3, adam_w_mode=2, exp_avg_dtype=torch.float16,
                                 exp_avg_sq_dtype=torch.float16)
                 opt.step()
@@ -341,8 +342,8 @@ def benchmarks(device, dry_run: bool, results: dict) -> None:
                 sweep.append({"num_warps": warps, "blocks_per_program": bpp, "median_ms": round(med, 4),
                               "pct_of_copy_bw": round(100 * min_bytes(numel, "fp16") / (med * 1e-3) / 1e9 / bw, 1)})
     finally:
-        _triton.NUM_WARPS, _triton.BLOCKS_PER_PROGRAM = saved
-        _triton.clear_caches()
+        triton_backend.NUM_WARPS, triton_backend.BLOCKS_PER_PROGRAM = saved
+        triton_backend.clear_caches()
 
 
 # ---- report ---------------------------------------------------------------------------------------------------------

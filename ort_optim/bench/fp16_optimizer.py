@@ -2,8 +2,8 @@
 
 Command that produced the numbers in guides/fp16-optimizer.md::
 
-    PYTHONPATH=. .venv/bin/python -m ort_optim.bench_fp16          # full
-    PYTHONPATH=. .venv/bin/python -m ort_optim.bench_fp16 --quick  # seconds
+    PYTHONPATH=. .venv/bin/python -m ort_optim.bench.fp16_optimizer          # full
+    PYTHONPATH=. .venv/bin/python -m ort_optim.bench.fp16_optimizer --quick  # seconds
 
 Workloads (CPU tensors; the implementations are timed interleaved, after warm-up, and the median is reported):
 
@@ -31,9 +31,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .bench import gpt2_small_shapes, time_interleaved
-from .fp16_optimizer import FP16_Optimizer
-from .fused_adam import AdamWMode, FusedAdam
+from ..fp16_optimizer import FP16_Optimizer
+from ..fused_adam import AdamWMode, FusedAdam
+from .common import gpt2_small_shapes, time_interleaved
 
 
 def _shapes(quick: bool) -> list[tuple[int, ...]]:
@@ -152,7 +152,7 @@ def _zero_optimizer_stub(grads: list[torch.Tensor]):
 
 
 def bench_deepspeed(quick: bool) -> list[dict]:
-    from . import _deepspeed
+    from .. import _deepspeed
 
     rows = []
     cases = {

@@ -1,4 +1,5 @@
-"""Pure-PyTorch implementation of the ort_optim ops (ops/README.md), used when the native library is unavailable.
+"""The reference backend: the ort_optim ops (ops/README.md) in pure PyTorch, used when the native library is
+unavailable (or with ORT_OPTIM_BACKEND=torch).
 
 It follows the native kernel's order of operations tensor by tensor with torch ops, so results agree within the
 float32 rounding the tests state. It also provides the fp16 block quantiser that the optimizer uses for checkpoints.
@@ -11,14 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._native import QUANT_BLOCK
-
-FP16_LIMIT = 32768.0
-LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def num_blocks(numel: int) -> int:
-    return (numel + QUANT_BLOCK - 1) // QUANT_BLOCK
+from .._spec import FP16_LIMIT, QUANT_BLOCK, num_blocks
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._native import QUANT_BLOCK
+from .._spec import QUANT_BLOCK
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
 BLOCK = 1024
@@ -51,7 +51,6 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _lock = threading.Lock()
 _cache: "OrderedDict[tuple, _Plan]" = OrderedDict()
 _stats_cache: "OrderedDict[tuple, tuple]" = OrderedDict()
-_lib = None
 # Device tables (and pinned host buffers) used by kernels captured in a CUDA graph: a graph replays the launches with
 # the addresses it saw, so what they point to must outlive any cache eviction or table rebuild. One entry per capture.
 _graph_owned: list = []
@@ -107,17 +106,17 @@ def kernels():
     global _kernels_module
     if _kernels_module is None:
         try:
-            from . import _triton_kernels
+            from . import triton_kernels
         except ImportError as exc:  # no triton in this environment
             raise RuntimeError(
                 "ort_optim: the Triton backend needs the `triton` package (pip install triton), which could not be "
                 f"imported ({exc})"
             ) from exc
-        if _triton_kernels.INTERPRET:
+        if triton_kernels.INTERPRET:
             reason = broken_interpreter_reason()
             if reason is not None:
                 raise RuntimeError(f"ort_optim: refusing to run Triton's interpreter: {reason}")
-        _kernels_module = _triton_kernels
+        _kernels_module = triton_kernels
     return _kernels_module
 
 
@@ -577,42 +576,3 @@ def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if _capturing(device):
         _graph_owned.append([(g[2], g[3], g[8]) for g in groups])
     return out
-
-
-# ---- registration as the CUDA kernels of the ops ----------------------------------------------------------------
-
-_ADAM_ARGS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params", "exp_avg_scales",
-              "exp_avg_sq_scales", "max_exp_avg_sq_scales", "steps")
-
-
-def _adam_step_op(*args, **kwargs) -> None:
-    """The dispatcher's calling convention (positional tensor lists, keyword-only scalars) -> adam_step_."""
-    if available():
-        adam_step_(*args, **kwargs)
-    else:
-        from . import _fallback
-
-        warn_unavailable()
-        _fallback.adam_step_(*args, **kwargs)
-
-
-def _grad_stats_op(tensors):
-    if available():
-        return grad_stats(tensors)
-    from . import _fallback
-
-    warn_unavailable()
-    return _fallback.grad_stats(tensors)
-
-
-def register_cuda_kernels() -> None:
-    """Registers the CUDA kernels of the ort_optim ops (needs their schemas, i.e. the native library, loaded):
-    the Triton kernels above, or the pure-PyTorch implementation where triton is not installed. Does not import
-    triton: that happens on the first CUDA call."""
-    global _lib
-    if _lib is not None:
-        return
-    lib = torch.library.Library("ort_optim", "IMPL")
-    lib.impl("adam_step_", _adam_step_op, "CUDA")
-    lib.impl("grad_stats", _grad_stats_op, "CUDA")
-    _lib = lib

@@ -1,0 +1,357 @@
+"""FusedAdam checkpoints: the canonical saved form, strict validation of what is loaded, and the conversions between
+the canonical form and each way a state can be stored.
+
+The canonical form is ``torch.optim.AdamW``'s layout with plain values: per parameter a float64 ``step`` and unscaled
+moments (float32, float64 for float64 params), plus ``master_param`` (float32) where FusedAdam keeps masters. It
+loads into FusedAdam whatever its state dtypes, into torch.optim.AdamW, and with ``torch.load(weights_only=True)``.
+
+Loading is two phases: :func:`prepare_load` checks every entry and builds the new param groups and states as fresh
+tensors without touching the optimizer (or the given dict); the caller then swaps them in. Every error is a
+ValueError (a bad value) or TypeError (a value of the wrong type) whose message starts with the entry it is about,
+written as an expression: ``state_dict['state'][3]['step']``.
+
+One pair of functions converts moments between storage and the canonical form, dispatching on how the state stores
+them (:func:`storage_layout`): :func:`to_canonical` and :func:`from_canonical`. A new storage format extends these
+three functions and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from ._spec import AdamWMode
+from .backends import reference
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+CHECKPOINT_KEYS = ("step",) + MOMENT_KEYS + ("master_param",)
+# Group keys that describe how torch.optim ran, not what it computes: dropped when a torch checkpoint is loaded.
+TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+# Every checkpoint of the Adam family has these (ORT's, torch's, ours); the other options default to this
+# optimizer's current values when missing (ORT's FusedAdam saves no adam_w_mode, amsgrad or maximize).
+REQUIRED_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
+BOOL_OPTIONS = ("bias_correction", "amsgrad", "maximize")
+# Options of other torch optimizers: a group carrying one comes from an optimizer whose state cannot continue here.
+FOREIGN_OPTION_KEYS = ("momentum", "dampening", "nesterov", "momentum_decay", "rho", "lr_decay",
+                       "initial_accumulator_value", "centered", "alpha", "lambd", "t0", "etas", "step_sizes")
+# Steps are counted in float64, exact up to 2**53.
+MAX_STEP = 2.0**53
+
+
+def entry(*keys) -> str:
+    """The expression that names an entry of a checkpoint: entry('state', 3, 'step') == "state_dict['state'][3]['step']"."""
+    return "state_dict" + "".join(f"[{key!r}]" for key in keys)
+
+
+def _show(value: Any) -> str:
+    """A short description of a value for an error message."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+# ---- conversions between storage and the canonical form ------------------------------------------------------------
+
+
+def storage_layout(state: dict, key: str) -> str:
+    """How ``state[key]`` is stored: "fp16-block-scaled" (float16 codes, one float32 scale per 1024 elements in
+    ``state[key + '_scale']``) or "plain" (the values themselves, in any float dtype)."""
+    return "fp16-block-scaled" if key + "_scale" in state else "plain"
+
+
+def canonical_dtype(param: torch.Tensor) -> torch.dtype:
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def to_canonical(state: dict, key: str) -> torch.Tensor:
+    """The moment ``state[key]`` as a fresh unscaled float32 tensor (float64 when stored as float64)."""
+    layout = storage_layout(state, key)
+    value = state[key].detach()
+    if layout == "fp16-block-scaled":
+        value = reference.dequantize_fp16(value, state[key + "_scale"])
+    elif layout != "plain":
+        raise AssertionError(f"unknown storage layout {layout}")
+    return value.to(torch.float64 if value.dtype == torch.float64 else torch.float32, copy=True)
+
+
+def from_canonical(state: dict, key: str, value: torch.Tensor) -> None:
+    """Writes canonical values (float32/float64, the state's shape and device) into the storage of ``state[key]``
+    (and its companions, such as the block scales), in place."""
+    layout = storage_layout(state, key)
+    if layout == "fp16-block-scaled":
+        codes, scales = reference.quantize_fp16(value)
+        state[key].copy_(codes)
+        state[key + "_scale"].copy_(scales)
+    elif layout == "plain":
+        state[key].copy_(value)
+    else:
+        raise AssertionError(f"unknown storage layout {layout}")
+
+
+# ---- saving --------------------------------------------------------------------------------------------------------
+
+
+def canonical_state(state: dict) -> dict:
+    """One parameter's state in canonical form: fresh tensors, nothing shared with the optimizer."""
+    out = {"step": state["step"].detach().to("cpu", torch.float64, copy=True).reshape(())}
+    for key in MOMENT_KEYS:
+        if key in state:
+            out[key] = to_canonical(state, key)
+    if "master_param" in state:
+        out["master_param"] = state["master_param"].detach().clone()
+    return out
+
+
+def canonical(state_dict: dict) -> dict:
+    """torch.optim.Optimizer.state_dict()'s output (which shares tensors with the optimizer) made canonical."""
+    # Reading optimizer.state[p] creates an empty entry (it is a defaultdict): such params have no state to save.
+    state = {index: canonical_state(s) for index, s in state_dict["state"].items() if s}
+    groups = []
+    for group in state_dict["param_groups"]:
+        # tensor-valued entries (an lr tensor, a scheduler's initial_lr) are copies too: a scheduler that fills the lr
+        # in place must not write into a saved checkpoint, nor the checkpoint's user into the optimizer
+        groups.append({key: value.detach().clone() if isinstance(value, torch.Tensor) else value
+                       for key, value in group.items()})
+    return {"state": state, "param_groups": groups}
+
+
+# ---- validation of single values -----------------------------------------------------------------------------------
+
+
+def _require_number(value: Any, where: str) -> float:
+    """A real Python number (bool is not one): its float value, finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where} must be a number, got {_show(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{where} must be finite, got {value!r}")
+    return number
+
+
+def _require_scalar_tensor(value: torch.Tensor, where: str) -> float:
+    """The value of a one-element real tensor (a 0-dim one, or shape [1])."""
+    if value.layout != torch.strided or value.is_meta:
+        raise TypeError(f"{where} must be a dense tensor with data, got {_show(value)}")
+    if value.dtype == torch.bool or value.is_complex():
+        raise TypeError(f"{where} must be a real number, got {_show(value)}")
+    if value.numel() != 1 or value.dim() > 1:
+        raise ValueError(f"{where} must hold exactly one number, got {_show(value)}")
+    number = float(value.detach().reshape(()).double().cpu())
+    if not math.isfinite(number):
+        raise ValueError(f"{where} must be finite, got {number}")
+    return number
+
+
+def check_step(value: Any, where: str) -> float:
+    """A step count: a number or a one-element tensor holding a whole number in [0, 2**53]."""
+    number = _require_scalar_tensor(value, where) if isinstance(value, torch.Tensor) else _require_number(value, where)
+    if not (0 <= number <= MAX_STEP and number == int(number)):
+        raise ValueError(f"{where} must be a whole number in [0, 2**53], got {number!r}")
+    return number
+
+
+def check_group_options(group: dict, where: Callable[[str], str]) -> None:
+    """Every FusedAdam option of a param group, strictly: bools must be bool (a "False" from a JSON or YAML export is
+    truthy), numbers real, finite and in range. where(key) names the entry in errors."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if not lr.is_floating_point():
+            raise TypeError(f"{where('lr')} must be a float or a one-element floating-point tensor, got {_show(lr)}")
+        value = _require_scalar_tensor(lr, where("lr"))
+    else:
+        value = _require_number(lr, where("lr"))
+    if value < 0:
+        raise ValueError(f"{where('lr')} must be >= 0, got {value}")
+    for key in ("eps", "weight_decay"):
+        if _require_number(group[key], where(key)) < 0:
+            raise ValueError(f"{where(key)} must be >= 0, got {group[key]!r}")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)):
+        raise TypeError(f"{where('betas')} must be a pair (beta1, beta2), got {_show(betas)}")
+    if len(betas) != 2:
+        raise ValueError(f"{where('betas')} must be a pair (beta1, beta2), got {len(betas)} values")
+    for i, beta in enumerate(betas):
+        name = f"{where('betas')}[{i}]"
+        if not 0.0 <= _require_number(beta, name) < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
+    mode = group["adam_w_mode"]
+    if isinstance(mode, bool) or not isinstance(mode, int):
+        raise TypeError(f"{where('adam_w_mode')} must be an AdamWMode or the int 0, 1 or 2, got {_show(mode)}")
+    if mode not in tuple(AdamWMode):
+        raise ValueError(f"{where('adam_w_mode')} must be an AdamWMode (0, 1 or 2), got {mode!r}")
+    for key in BOOL_OPTIONS:
+        if not isinstance(group[key], bool):
+            raise TypeError(f"{where(key)} must be True or False (a bool), got {_show(group[key])}; a string such "
+                            f"as 'False' from a JSON/YAML export would read as True")
+
+
+def _check_id(value: Any, where: str) -> None:
+    # torch saves positions (ints); FSDP's full optimizer state dicts key by parameter names (str)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{where} must be a parameter id (an int, as optimizer.state_dict() saves), got {_show(value)}")
+
+
+def _check_moment(value: Any, param: torch.Tensor, key: str, where: str) -> torch.Tensor:
+    """A moment or master of the checkpoint, as a fresh canonical tensor on the param's device."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where} must be a tensor, got {_show(value)}")
+    if value.layout != torch.strided or value.is_meta:
+        raise TypeError(f"{where} must be a dense tensor with data, got {_show(value)}")
+    if not value.is_floating_point():
+        raise TypeError(f"{where} must be a floating-point tensor, got {_show(value)}")
+    if value.shape != param.shape:
+        raise ValueError(f"{where} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
+    dtype = torch.float32 if key == "master_param" else canonical_dtype(param)
+    out = value.detach().to(param.device, dtype, copy=True)
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(f"{where} holds inf or NaN" + (" once converted to float32 (values beyond its range)"
+                                                       if torch.isfinite(value).all() else ""))
+    if key != "exp_avg" and key != "master_param" and bool((out < 0).any()):
+        raise ValueError(f"{where} holds negative values; a second moment is a mean of squares")
+    return out
+
+
+# ---- loading -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PreparedLoad:
+    """What load_state_dict swaps in once everything checked out: new param groups (without the params, which stay
+    the optimizer's own) and new per-parameter states."""
+
+    groups: list[dict]
+    state: dict
+
+
+def _torch_adam_with_l2(saved: dict) -> bool:
+    """A torch.optim.Adam group with L2 weight decay, where that can be told (torch >= 2.5 saves
+    decoupled_weight_decay; earlier torch.optim.Adam and AdamW groups have the same keys)."""
+    return ("adam_w_mode" not in saved and saved.get("decoupled_weight_decay") is False
+            and isinstance(saved.get("weight_decay"), (int, float)) and not isinstance(saved["weight_decay"], bool)
+            and saved["weight_decay"] > 0)
+
+
+def prepare_load(param_groups: list[dict], state_dict: Any, init_state: Callable[[torch.Tensor, bool], dict]
+                 ) -> PreparedLoad:
+    """Checks a checkpoint against the optimizer's param groups and builds the new groups and states (fresh tensors
+    made by init_state(param, amsgrad), then filled). Changes nothing it is given; raises ValueError or TypeError
+    naming the entry."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict with 'state' and 'param_groups' (from optimizer.state_dict()), "
+                        f"got {_show(state_dict)}")
+    for key in ("state", "param_groups"):
+        if key not in state_dict:
+            raise ValueError(f"state_dict must be a dict with 'state' and 'param_groups' (from "
+                             f"optimizer.state_dict()); {entry(key)} is missing")
+    unknown = sorted(map(str, set(state_dict) - {"state", "param_groups"}))
+    if unknown:
+        raise ValueError(f"state_dict has unknown keys {unknown}; an optimizer checkpoint has only 'state' and "
+                         "'param_groups' (pass the optimizer's part of a bigger checkpoint)")
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_groups, (list, tuple)):
+        raise TypeError(f"{entry('param_groups')} must be a list of dicts, got {_show(saved_groups)}")
+    if not isinstance(saved_state, dict):
+        raise TypeError(f"{entry('state')} must be a dict from parameter id to state dict, got {_show(saved_state)}")
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"{entry('param_groups')} has {len(saved_groups)} param groups but this optimizer has "
+                         f"{len(param_groups)}")
+
+    id_to_param: dict[Any, tuple[int, torch.Tensor]] = {}
+    new_groups, group_steps = [], []
+    for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if not isinstance(saved, dict):
+            raise TypeError(f"{entry('param_groups', gi)} must be a dict, got {_show(saved)}")
+        for key in REQUIRED_GROUP_KEYS:
+            if key not in saved:
+                raise ValueError(f"{entry('param_groups', gi)} has no {key!r}; a checkpoint of Adam has "
+                                 f"{', '.join(map(repr, REQUIRED_GROUP_KEYS))}")
+        foreign = [key for key in FOREIGN_OPTION_KEYS if key in saved]
+        if foreign:
+            raise ValueError(f"{entry('param_groups', gi)} has {foreign}, options of another optimizer (SGD, "
+                             "RMSprop, NAdam, ...): its state cannot continue as Adam")
+        ids = saved["params"]
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"{entry('param_groups', gi, 'params')} must be a list of parameter ids, got {_show(ids)}")
+        if len(ids) != len(group["params"]):
+            raise ValueError(f"{entry('param_groups', gi, 'params')} lists {len(ids)} params but this optimizer's "
+                             f"param_groups[{gi}] has {len(group['params'])}")
+        for j, (saved_id, p) in enumerate(zip(ids, group["params"])):
+            _check_id(saved_id, entry("param_groups", gi, "params", j))
+            if saved_id in id_to_param:
+                raise ValueError(f"{entry('param_groups', gi, 'params', j)}: parameter id {saved_id!r} is listed "
+                                 "twice; each parameter has one id")
+            id_to_param[saved_id] = (gi, p)
+        if _torch_adam_with_l2(saved):
+            raise ValueError(
+                f"{entry('param_groups', gi)} comes from torch.optim.Adam with weight_decay={saved['weight_decay']} "
+                "(decoupled_weight_decay=False): L2 decay with torch's eps placement, which no FusedAdam mode "
+                "reproduces, so its moments would continue under different math. Train on with torch.optim.Adam, "
+                "or choose the mode knowingly: add 'adam_w_mode' (AdamWMode.ADAMW_TORCH for decoupled decay, "
+                "AdamWMode.ADAM_L2_REGULARIZATION for ORT's L2) to the checkpoint's param groups"
+            )
+        new_group = {key: value for key, value in group.items()}
+        for key, value in saved.items():
+            if key not in ("params", "step") and key not in TORCH_IMPLEMENTATION_KEYS:
+                # copies of tensors (an lr tensor): the scheduler fills the lr in place, the dict stays untouched
+                new_group[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+        check_group_options(new_group, lambda key, gi=gi: entry("param_groups", gi, key))
+        new_group["adam_w_mode"] = int(new_group["adam_w_mode"])  # a plain int, so checkpoints load with weights_only
+        new_group["betas"] = tuple(new_group["betas"])
+        new_groups.append(new_group)
+        # ORT's FusedAdam keeps one step per group; ours and torch's are per parameter
+        group_steps.append(None if "step" not in saved else check_step(saved["step"], entry("param_groups", gi, "step")))
+
+    new_state: dict[torch.Tensor, dict] = {}
+    for saved_id, saved in saved_state.items():
+        where = entry("state", saved_id)
+        _check_id(saved_id, f"{where} (its key)")
+        if saved_id not in id_to_param:
+            raise ValueError(f"{where}: parameter id {saved_id!r} is listed in no {entry('param_groups')}[i]"
+                             "['params']")
+        gi, p = id_to_param[saved_id]
+        new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], group_steps[gi], where, init_state)
+    for group in new_groups:
+        del group["params"]
+    return PreparedLoad(new_groups, new_state)
+
+
+def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_step: Optional[float], where: str,
+                           init_state: Callable[[torch.Tensor, bool], dict]) -> dict:
+    if not isinstance(saved, dict):
+        raise TypeError(f"{where} must be a dict of state tensors, got {_show(saved)}")
+    unknown = sorted(map(str, set(saved) - set(CHECKPOINT_KEYS)))
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}; an Adam state has some of {list(CHECKPOINT_KEYS)}")
+    required = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+    for key in required:
+        if key not in saved:
+            raise ValueError(f"{where} has no {key!r}" + (" (the group has amsgrad=True)"
+                                                           if key == "max_exp_avg_sq" else ""))
+    if "step" in saved:
+        step = check_step(saved["step"], f"{where}['step']")
+    elif group_step is not None:
+        step = group_step
+    else:
+        raise ValueError(f"{where} has no 'step' (nor does its param group have one, as ORT's FusedAdam saves)")
+    values = {key: _check_moment(saved[key], p, key, f"{where}[{key!r}]")
+              for key in MOMENT_KEYS + ("master_param",) if key in saved}
+
+    state = init_state(p, group["amsgrad"])
+    state["step"].fill_(step)
+    for key in MOMENT_KEYS:
+        if key in state:
+            from_canonical(state, key, values[key])
+            # what the storage dtype can hold: a float32 value beyond bfloat16's largest rounds to inf there
+            if not bool(torch.isfinite(to_canonical(state, key)).all()):
+                raise ValueError(f"{where}[{key!r}] holds values beyond the range of this optimizer's "
+                                 f"{state[key].dtype} {key} storage")
+    if "master_param" in state and "master_param" in values:
+        state["master_param"].copy_(values["master_param"])
+    return state

@@ -1,0 +1,132 @@
+"""The one boundary between ort_optim's Python code and its kernels.
+
+Everything above this package calls :func:`adam_step_`, :func:`grad_stats` and :class:`AdamPlan` from here; this
+module decides who runs them. The backends are modules of this package that implement the same math
+(ops/README.md) from the shared constants of :mod:`ort_optim._spec`, and never import one another:
+
+* :mod:`.native`: the C++ CPU library built from ``ops/`` (``torch.ops.ort_optim``), and its ``AdamPlan`` class;
+* :mod:`.triton`: Triton kernels for CUDA tensors (and, with ``ORT_OPTIM_BACKEND=triton`` and ``TRITON_INTERPRET=1``,
+  for CPU tensors, so the GPU code path can be tested anywhere);
+* :mod:`.reference`: pure PyTorch, when the native library cannot be built or loaded (one warning, same results
+  within the tolerances the tests state), or with ``ORT_OPTIM_BACKEND=torch``.
+
+``ORT_OPTIM_BACKEND=auto|native|torch|triton`` is read at every call, so it can change between steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from . import native, reference
+from . import triton as triton_backend  # imports no triton until its first kernel call
+
+BACKENDS = ("auto", "native", "torch", "triton")
+AdamPlan = native.AdamPlan
+
+
+def backend() -> str:
+    """The backend selected by ORT_OPTIM_BACKEND: auto (default), native, torch or triton."""
+    name = os.environ.get("ORT_OPTIM_BACKEND", "auto").lower()
+    if name not in BACKENDS:
+        raise ValueError(f"ORT_OPTIM_BACKEND={name!r} is not one of {', '.join(BACKENDS)}")
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def native_available() -> bool:
+    """True when the compiled CPU op library is loaded (building it first if needed). Loading it also registers the
+    CUDA kernels of its ops (Triton, or the reference where triton is not installed)."""
+    if not native.available():
+        return False
+    _register_cuda_kernels()
+    return True
+
+
+def _cuda_adam_step(*args, **kwargs) -> None:
+    _cuda_implementation().adam_step_(*args, **kwargs)
+
+
+def _cuda_grad_stats(tensors):
+    return _cuda_implementation().grad_stats(tensors)
+
+
+def _cuda_implementation():
+    if triton_backend.available():
+        return triton_backend
+    triton_backend.warn_unavailable()  # once; CUDA tensors then take the pure-PyTorch path
+    return reference
+
+
+_cuda_library = None
+
+
+def _register_cuda_kernels() -> None:
+    """The CUDA kernels of the ort_optim ops, so torch.ops.ort_optim dispatches CUDA tensors too (needs the schemas,
+    i.e. the native library, loaded). Does not import triton: that happens on the first CUDA call."""
+    global _cuda_library
+    if _cuda_library is None:
+        library = torch.library.Library("ort_optim", "IMPL")
+        library.impl("adam_step_", _cuda_adam_step, "CUDA")
+        library.impl("grad_stats", _cuda_grad_stats, "CUDA")
+        _cuda_library = library
+
+
+def implementation(device: torch.device):
+    """The backend whose adam_step_/grad_stats serve tensors on this device now."""
+    choice = backend()
+    if choice == "triton" or (device.type == "cuda" and choice == "auto"):
+        return triton_backend if choice == "triton" else _cuda_implementation()
+    if choice == "torch" or not native_available():
+        return reference
+    return torch.ops.ort_optim
+
+
+def runs_natively(device: torch.device) -> bool:
+    """Whether the ops for tensors on this device run the native CPU library now: the backend selected at this moment,
+    and not while torch.compile traces (native plans exist only then)."""
+    return device.type == "cpu" and not torch.compiler.is_compiling() and implementation(device) is torch.ops.ort_optim
+
+
+def adam_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    max_exp_avg_sqs: Sequence[torch.Tensor],
+    master_params: Sequence[torch.Tensor],
+    exp_avg_scales: Sequence[torch.Tensor],
+    exp_avg_sq_scales: Sequence[torch.Tensor],
+    max_exp_avg_sq_scales: Sequence[torch.Tensor],
+    steps: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: int,
+    bias_correction: bool,
+    maximize: bool,
+    lr_tensor: Optional[torch.Tensor] = None,
+    inv_grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    """One multi-tensor Adam step (ops/README.md gives the math). Mutates params, states, masters, scales, steps."""
+    impl = implementation(params[0].device if len(params) else torch.device("cpu"))
+    impl.adam_step_(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+        exp_avg_sq_scales, max_exp_avg_sq_scales, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, adam_w_mode=adam_w_mode, bias_correction=bias_correction, maximize=maximize,
+        lr_tensor=lr_tensor, inv_grad_scale=inv_grad_scale, found_inf=found_inf,
+    )
+
+
+def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float32 [2] on the tensors' device: [sum of squares of all elements, 1.0 if any is inf/NaN else 0.0]."""
+    if not len(tensors):
+        return torch.zeros(2, dtype=torch.float32)
+    return implementation(tensors[0].device).grad_stats(tensors)

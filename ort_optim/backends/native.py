@@ -1,0 +1,155 @@
+"""The native backend: builds and loads the C++ CPU library compiled from ``ops/`` (schemas in ``ops/schema.cpp``,
+called through ``torch.ops.ort_optim``), and wraps its ``AdamPlan`` helper class.
+
+The library is built by the project's setup (``python -m ort_optim.build``) into a cache folder keyed by the torch
+version, the sources and the CPU's instruction-set flags, and loaded on first use, never at import time. Dispatch
+between backends is :mod:`ort_optim.backends`' job, not this module's.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+# The checkout's ops/, or the copy a wheel carries (setup.py puts it in ort_optim/_ops).
+_PACKAGE = Path(__file__).resolve().parent.parent
+OPS_DIR = next((d for d in (_PACKAGE.parent / "ops", _PACKAGE / "_ops") if (d / "schema.cpp").exists()),
+               _PACKAGE.parent / "ops")
+SOURCES = ("schema.cpp", "adam_cpu.cpp")
+# -fno-math-errno lets sqrt vectorise; -march=native is safe because the build folder is keyed by the CPU flags;
+# -ffp-contract=off keeps every multiply and add separately rounded, as ops/README.md specifies, so the CPU kernel
+# and the Triton kernels agree bit for bit (the update is memory-bound: FMA would buy nothing). The pure-PyTorch
+# path matches the moments bit for bit but can differ from them in the last bit of a few parameter elements.
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp",
+          "-std=c++17"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_dir() -> Path:
+    """Folder of the native library for this torch, these sources and this CPU."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((OPS_DIR / name).read_bytes())
+    digest.update(" ".join(CFLAGS).encode())
+    digest.update(_cpu_flags().encode())
+    cache = Path(os.environ.get("ORT_OPTIM_CACHE", Path.home() / ".cache" / "ort-optim"))
+    return cache / "ops" / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compiles ops/ with torch.utils.cpp_extension (idempotent) and returns the library's path."""
+    from torch.utils.cpp_extension import load
+
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    load(
+        name="ort_optim_ops",
+        sources=[str(OPS_DIR / name) for name in SOURCES],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return folder / "ort_optim_ops.so"
+
+
+def _register_fakes() -> None:
+    """Fake (meta) kernels, so torch.compile and opcheck can trace the ops without running them."""
+
+    @torch.library.register_fake("ort_optim::adam_step_")
+    def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+          exp_avg_sq_scales, max_exp_avg_sq_scales, steps, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
+          bias_correction, maximize, lr_tensor=None, inv_grad_scale=None, found_inf=None):
+        return None
+
+    @torch.library.register_fake("ort_optim::grad_stats")
+    def _(tensors):
+        device = tensors[0].device if len(tensors) else torch.device("cpu")
+        return torch.empty(2, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_native() -> bool:
+    if os.environ.get("ORT_OPTIM_NO_NATIVE") == "1":
+        return False
+    try:
+        path = build_dir() / "ort_optim_ops.so"
+        if not path.exists():
+            path = build()  # first use on a machine the setup did not prepare: build now (about a minute)
+        else:
+            torch.ops.load_library(str(path))
+        _register_fakes()
+        return True
+    except Exception as exc:  # any build or load failure degrades to the pure-PyTorch path
+        warnings.warn(
+            f"ort_optim: the native CPU kernels could not be built or loaded ({type(exc).__name__}: {exc}); "
+            "falling back to the pure-PyTorch implementation (same results, slower). "
+            "Run `python -m ort_optim.build --verbose` to see why.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+
+
+def available() -> bool:
+    """True when the compiled CPU op library is loaded (building it first if needed)."""
+    return _load_native()
+
+
+class AdamPlan:
+    """A native handle to one bucket's params and states (the lists of :func:`adam_step_`), kept across steps.
+
+    It validates them once and keeps the states' data pointers, so a step converts and checks no tensor lists: it
+    reads each param and its ``.grad`` directly, which with thousands of small tensors is most of the op's cost.
+    Validation and math are the op's own. It holds references to the states, which must not be replaced or resized
+    in place while it lives; params may be given new data of the same shape and float64-ness.
+    """
+
+    def __init__(self, plan) -> None:
+        self._plan = plan
+
+    @classmethod
+    def create(cls, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+               exp_avg_sq_scales, max_exp_avg_sq_scales, steps, idle_params=()) -> Optional["AdamPlan"]:
+        """A plan over these lists (the caller checks that their steps run natively: backends.runs_natively).
+        idle_params: params (of any device) that have no gradient now; the plan steps only while that stays so."""
+        return cls(torch.classes.ort_optim.AdamPlan(
+            list(params), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(master_params),
+            list(exp_avg_scales), list(exp_avg_sq_scales), list(max_exp_avg_sq_scales), steps, list(idle_params),
+        ))
+
+    def ready(self) -> bool:
+        """Whether every param has a gradient and no idle param has one; raises (like the op) if a gradient cannot
+        be used."""
+        return self._plan.ready()
+
+    def step(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adam_w_mode: int,
+             bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
+             inv_grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> bool:
+        """:func:`adam_step_` with the params' current gradients; False, with nothing written, if one has none or an
+        idle param has one."""
+        return self._plan.step(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize,
+                               lr_tensor, inv_grad_scale, found_inf)
+
+    def grad_stats(self) -> Optional[torch.Tensor]:
+        """:func:`grad_stats` of the params' current gradients; None, like ``ready()`` being False, if a param has no
+        gradient or an idle param has one."""
+        stats = self._plan.grad_stats()
+        return stats if stats.numel() else None

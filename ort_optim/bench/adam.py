@@ -1,0 +1,148 @@
+"""FusedAdam's step against torch's AdamW (for-loop, foreach, fused), DeepSpeed's CPU Adam and the torch
+mixed-precision composite; and where many-tensor steps lose time (op overhead)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Optional
+
+import torch
+
+from .. import backends
+from ..fused_adam import AdamWMode, FusedAdam
+from .common import WORKLOADS, make_params, rows, time_interleaved
+
+def _deepspeed_cpu_adam(params) -> Optional[torch.optim.Optimizer]:
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception:  # not installed, or its JIT build failed
+        return None
+    try:
+        return DeepSpeedCPUAdam(params, lr=1e-3, weight_decay=1e-2, adamw_mode=True)
+    except Exception:
+        return None
+
+
+def bench_fp32(names: list[str], quick: bool, reps: int, with_deepspeed: bool) -> list[dict]:
+    """fp32 params, grads and moments: 28 bytes per element (read p, g, m, v; write p, m, v)."""
+    result = []
+    for name in names:
+        params = make_params(WORKLOADS[name](quick))
+        numel = sum(p.numel() for p in params)
+        optimizers: dict[str, torch.optim.Optimizer] = {
+            "ort_optim.FusedAdam": FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2,
+                                             adam_w_mode=AdamWMode.ADAMW_TORCH),
+            "torch AdamW for-loop": torch.optim.AdamW(params, lr=1e-3, foreach=False),
+            "torch AdamW foreach": torch.optim.AdamW(params, lr=1e-3, foreach=True),
+            "torch AdamW fused": torch.optim.AdamW(params, lr=1e-3, fused=True),
+        }
+        if with_deepspeed:
+            ds = _deepspeed_cpu_adam(params)
+            if ds is not None:
+                optimizers["DeepSpeed CPUAdam"] = ds
+        medians = time_interleaved({k: o.step for k, o in optimizers.items()}, warmup=2, reps=reps)
+        result += rows("fp32 AdamW", name, len(params), numel, medians, bytes_per_element=28,
+                      state_bytes={k: 8 for k in medians})
+    return result
+
+
+def bench_mixed(names: list[str], quick: bool, reps: int) -> list[dict]:
+    """fp16/bf16 params and grads, fp32 masters and moments, loss-scale unscale + inf check + clip + update.
+
+    Ours: FusedAdam(master_weights=True, max_grad_norm=1.0).step(grad_scale=S), two passes over the gradients.
+    Composite (the usual way with torch ops): copy grads into fp32 master grads, unscale and check with
+    torch._amp_foreach_non_finite_check_and_unscale_, clip_grad_norm_(foreach=True), fused AdamW on the masters,
+    copy the masters back into the low-precision params.
+    """
+    result = []
+    scale = 1024.0
+    for dtype in (torch.float16, torch.bfloat16):
+        for name in names:
+            params = make_params(WORKLOADS[name](quick), dtype)
+            for p in params:
+                p.grad.mul_(scale)
+            numel = sum(p.numel() for p in params)
+            ours = FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH,
+                             master_weights=True, max_grad_norm=1.0)
+            masters = [p.detach().float() for p in params]
+            for m in masters:
+                m.grad = torch.zeros_like(m)
+            torch_opt = torch.optim.AdamW(masters, lr=1e-3, fused=True)
+            found_inf = torch.zeros(1)
+            inv_scale = torch.full((1,), 1.0 / scale)
+
+            def composite():
+                torch._foreach_copy_([m.grad for m in masters], [p.grad for p in params])
+                found_inf.zero_()
+                torch._amp_foreach_non_finite_check_and_unscale_([m.grad for m in masters], found_inf, inv_scale)
+                if not found_inf.item():
+                    torch.nn.utils.clip_grad_norm_(masters, 1.0, foreach=True)
+                    torch_opt.step()
+                    torch._foreach_copy_(params, masters)
+
+            medians = time_interleaved(
+                {"ort_optim.FusedAdam": lambda: ours.step(grad_scale=scale), "torch composite": composite},
+                warmup=2, reps=reps)
+            # Fused: read g twice (norm, update) + p16 write + master, m, v read+write = 2*2 + 2 + 24 = 30 B/elem.
+            # Composite: grad copy 2+4, unscale 4+4, clip norm 4 + scale 4+4, AdamW 16+12, copy back 4+2 = 60.
+            result += rows(f"mixed {str(dtype).replace('torch.', '')} params", name, len(params), numel, medians,
+                          bytes_per_element={"ort_optim.FusedAdam": 30, "torch composite": 60},
+                          state_bytes={"ort_optim.FusedAdam": 12, "torch composite": 16})
+    return result
+
+
+def bench_low_precision_states(names: list[str], quick: bool, reps: int) -> list[dict]:
+    """fp32 params with fp16 moments (ours, 1024-element block scales) against torch fused AdamW (fp32 moments)."""
+    result = []
+    for name in names:
+        params = make_params(WORKLOADS[name](quick))
+        numel = sum(p.numel() for p in params)
+        medians = time_interleaved({
+            "ort_optim.FusedAdam fp16 moments": FusedAdam(
+                params, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH,
+                exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16).step,
+            "torch AdamW fused": torch.optim.AdamW(params, lr=1e-3, fused=True).step,
+        }, warmup=2, reps=reps)
+        # fp16 moments: p, g, m, v read (4+4+2+2) and p, m, v written (4+2+2) = 20; torch's fp32 moments: 28.
+        result += rows("fp32 params, fp16 moments", name, len(params), numel, medians,
+                      bytes_per_element={"ort_optim.FusedAdam fp16 moments": 20, "torch AdamW fused": 28},
+                      state_bytes={"ort_optim.FusedAdam fp16 moments": 4 + 8 / 1024, "torch AdamW fused": 8})
+    return result
+
+
+def bench_op_overhead(reps: int) -> list[dict]:
+    """Where many-tensor steps lose time: 2000 one-element tensors (metadata only), 2000 x 1K and one 2M-element
+    tensor, with warm caches and after a 256 MB pass has evicted them (as other work does in training). Three ways in:
+    the op with its four tensor lists, the native plan FusedAdam steps through (reads each param's .grad itself), and
+    FusedAdam.step() as a whole (the plan plus Python)."""
+    evictor = torch.empty(64 * 1024 * 1024)
+    result = []
+    for workload, shapes in {"2000x1": [(1,)] * 2000, "2000x1K": [(1024,)] * 2000, "1x2M": [(2048 * 1024,)]}.items():
+        params = make_params(shapes)
+        optimizer = FusedAdam(params)
+        optimizer.step()  # creates the state and the plan
+        (bucket,) = optimizer._plans[0].buckets
+        grads = [p.grad for p in params]
+        hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=1,
+                     bias_correction=True, maximize=False)
+        calls = {
+            "op, 4 tensor lists": lambda: backends.adam_step_(
+                bucket.params, grads, bucket.exp_avgs, bucket.exp_avg_sqs, [], [], [], [], [], bucket.steps, **hyper),
+            "plan": lambda: bucket.native.step(**hyper),
+            "FusedAdam.step()": optimizer.step,
+        }
+        if bucket.native is None:  # no native library here: there is no plan to time
+            del calls["plan"]
+        for call, run in calls.items():
+            for caches in ("warm", "evicted"):
+                times = []
+                for _ in range(3 + 4 * reps):
+                    if caches == "evicted":
+                        evictor.add_(1.0)
+                    start = time.perf_counter()
+                    run()
+                    times.append(time.perf_counter() - start)
+                result.append({"section": "op overhead", "workload": workload, "call": call, "caches": caches,
+                             "tensors": len(shapes), "median_ms": statistics.median(times[3:]) * 1e3})
+    return result

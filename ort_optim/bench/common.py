@@ -1,0 +1,92 @@
+"""What every benchmark section shares: workloads, the bandwidth probe, interleaved timing and result rows."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+MB = 1e6
+
+
+def gpt2_small_shapes(layers: int = 12, dim: int = 768, vocab: int = 50257, context: int = 1024
+                      ) -> list[tuple[int, ...]]:
+    """GPT-2's parameter shapes (tied embeddings): 148 tensors, 124,439,808 parameters at the defaults."""
+    shapes: list[tuple[int, ...]] = [(vocab, dim), (context, dim)]
+    for _ in range(layers):
+        shapes += [(dim,), (dim,), (dim, 3 * dim), (3 * dim,), (dim, dim), (dim,), (dim,), (dim,),
+                   (dim, 4 * dim), (4 * dim,), (4 * dim, dim), (dim,)]
+    return shapes + [(dim,), (dim,)]
+
+
+WORKLOADS: dict[str, Callable[[bool], list[tuple[int, ...]]]] = {
+    "gpt2-small": lambda quick: gpt2_small_shapes() if not quick else [(s[0] // 8,) + s[1:] for s in
+                                                                     gpt2_small_shapes()],
+    "2000x1K": lambda quick: [(1024,)] * 2000,
+    "1x1024^2": lambda quick: [(1024, 1024)],
+    "32x512^2": lambda quick: [(512, 512)] * 32,
+    "1x4096^2": lambda quick: [(4096, 4096)] if not quick else [(2048, 2048)],
+}
+
+
+def measure_bandwidth(quick: bool) -> dict:
+    """Memory bandwidth in GB/s over 64M floats, best of 9 (a ceiling, so the fastest repetition counts): in-place
+    scale (read + write), copy (read + write), triad (two reads + one write) and a read-only sum. ``peak_GBps`` is
+    the largest. Single torch ops keep fewer memory streams in flight than a fused optimizer step (4 reads and 3
+    writes at once), so on some machines the step itself moves more bytes per second than any of these probes."""
+    n = (16 if quick else 64) * 1024 * 1024
+    a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
+    kernels = {
+        "inplace": (lambda: a.mul_(1.0000001), 2),
+        "copy": (lambda: c.copy_(a), 2),
+        "triad": (lambda: torch.add(a, b, alpha=0.5, out=c), 3),
+        "read": (lambda: a.sum(), 1),
+    }
+    result = {}
+    for name, (kernel, arrays) in kernels.items():
+        times = []
+        for _ in range(9):
+            start = time.perf_counter()
+            kernel()
+            times.append(time.perf_counter() - start)
+        result[f"{name}_GBps"] = arrays * 4 * n / min(times) / 1e9
+    result["peak_GBps"] = max(result.values())
+    return result
+
+
+def time_interleaved(candidates: dict[str, Callable[[], None]], warmup: int, reps: int) -> dict[str, float]:
+    """Median seconds per call of each candidate, run round robin so that machine noise hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for rep in range(warmup + reps):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            if rep >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def make_params(shapes, dtype=torch.float32, seed=0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.randn(shape, generator=generator).to(dtype)
+        p.grad = (torch.randn(shape, generator=generator) * 1e-2).to(dtype)
+        params.append(p)
+    return params
+
+
+def rows(section, workload, tensors, numel, medians, bytes_per_element, state_bytes) -> list[dict]:
+    ours = next(v for k, v in medians.items() if k.startswith("ort_optim"))
+    moved = bytes_per_element if isinstance(bytes_per_element, dict) else dict.fromkeys(medians, bytes_per_element)
+    return [
+        {
+            "section": section, "workload": workload, "tensors": tensors, "params": numel, "impl": impl,
+            "median_ms": seconds * 1e3, "ours_speedup": seconds / ours, "bytes_per_element": moved[impl],
+            "effective_GBps": moved[impl] * numel / seconds / 1e9,
+            "optimizer_state_bytes_per_param": state_bytes.get(impl),
+        }
+        for impl, seconds in medians.items()
+    ]
