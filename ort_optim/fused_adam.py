@@ -10,6 +10,7 @@ import torch
 from . import _checkpoint, _spec, backends
 from ._checkpoint import MOMENT_KEYS
 from ._spec import LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
+from .integrations import dtensor
 
 # State views in one flat buffer start a multiple of this many elements apart (256 bytes for float32).
 _STATE_ALIGN = 64
@@ -20,7 +21,7 @@ class _Bucket:
     """Parameters of one param group that share (device, dtype, state dtypes, master): one op call per step."""
 
     indices: list[int]  # positions in group["params"]
-    params: list[torch.Tensor]
+    params: list[torch.Tensor]  # the tensors the op updates: the params, or their local pieces for DTensor params
     exp_avgs: list[torch.Tensor] = field(default_factory=list)
     exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
     max_exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
@@ -204,6 +205,13 @@ class FusedAdam(torch.optim.Optimizer):
     views of one storage (or an ``expand()``-ed param) are refused at the first step, as they would be updated twice;
     disjoint views of one buffer are fine. A step that raises (bad gradient, bad hyperparameter) changes nothing.
 
+    Distributed training (guides/distributed.md): DTensor params (FSDP2 ``fully_shard``, tensor parallel, 2D meshes)
+    are stepped through their local pieces, and the states are local tensors shaped like them; ``state_dict()`` hands
+    them back as DTensors laid out like their params, so ``torch.distributed.checkpoint`` saves and reshards them.
+    The clipping norm and the inf/NaN skip are global: one all-reduce of [sum of squares, inf flag] per step (two
+    floats, no host sync) over the ranks of the params' meshes, each piece counted once however often it is
+    replicated. Plain params replicated by DDP (or any data-parallel scheme) get the same with ``process_group=``.
+
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element tensor)
     divides every gradient inside the kernel; ``found_inf`` (one-element tensor) turns the step into a no-op when
     non-zero. When ``grad_scale`` or ``max_grad_norm`` is given, the optimizer also checks the gradients for inf/NaN
@@ -234,6 +242,7 @@ class FusedAdam(torch.optim.Optimizer):
         exp_avg_sq_dtype: Optional[torch.dtype] = None,
         max_grad_norm: Optional[float] = None,
         capturable: bool = False,
+        process_group: Any = None,
     ):
         _check_dtype_option("exp_avg_dtype", exp_avg_dtype)
         _check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
@@ -250,13 +259,16 @@ class FusedAdam(torch.optim.Optimizer):
         self.exp_avg_sq_dtype = exp_avg_sq_dtype
         self.max_grad_norm = max_grad_norm
         self.capturable = capturable
+        self.process_group = process_group
+        self._has_dtensors = False  # any DTensor param: steps go through local pieces and the global reduction
         self._plans: dict[int, _GroupPlan] = {}
         self._last_found_inf: Optional[torch.Tensor] = None
         super().__init__(params, defaults)
 
     # Constructor options that torch.optim.Optimizer's pickling (copy.deepcopy, torch.save of the optimizer) would
     # otherwise drop: it keeps only defaults, state and param_groups.
-    _OPTIONS = ("set_grad_none", "master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm", "capturable")
+    _OPTIONS = ("set_grad_none", "master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm", "capturable",
+                "process_group", "_has_dtensors")
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -285,9 +297,11 @@ class FusedAdam(torch.optim.Optimizer):
                         f"bfloat16 params; complex or integer params are not supported (use torch.view_as_real for "
                         f"complex ones)"
                     )
+                dtensor.check_placements(p, _describe(group_index, index, p))
         except ValueError:
             self.param_groups.pop()
             raise
+        self._has_dtensors = self._has_dtensors or any(dtensor.is_dtensor(p) for p in group["params"])
         self._plans.clear()
 
     def _state_layout(self, p: torch.Tensor) -> tuple[torch.dtype, torch.dtype, bool]:
@@ -309,7 +323,9 @@ class FusedAdam(torch.optim.Optimizer):
         """Fresh states for params. Each kind of state tensor of params sharing (device, dtype) is a view of one
         flat buffer: the kernel then streams through contiguous memory instead of thousands of small allocations,
         whose cold starts cost more than their bytes. Views start 256 bytes apart (times n) from the buffer's start,
-        which torch's allocator aligns to 64 bytes, so vector loads stay aligned."""
+        which torch's allocator aligns to 64 bytes, so vector loads stay aligned. DTensor params get states shaped
+        like their local pieces."""
+        params = [dtensor.local(p) for p in params]
         states: list[dict[str, Any]] = []
         requests: dict[tuple[str, torch.device, torch.dtype], list[int]] = {}
         for i, p in enumerate(params):
@@ -347,8 +363,14 @@ class FusedAdam(torch.optim.Optimizer):
         return None
 
     def _plan_key(self, group_index: int, grads: list[Optional[torch.Tensor]]) -> tuple:
-        """What a group's buckets depend on: which params have gradients, and amsgrad (which adds a state list)."""
-        return bool(self.param_groups[group_index]["amsgrad"]), tuple(g is not None for g in grads)
+        """What a group's buckets depend on: which params have gradients, and amsgrad (which adds a state list); with
+        DTensor params also which local tensors they hold (an engine may give a DTensor a new local tensor, as FSDP2
+        does at its lazy init; the buckets hold them, so their ids stay unique while compared)."""
+        group = self.param_groups[group_index]
+        key = bool(group["amsgrad"]), tuple(g is not None for g in grads)
+        if self._has_dtensors:
+            key += (tuple(id(dtensor.local(p)) for p in group["params"]),)
+        return key
 
     def _plan(self, group_index: int, grads: list[Optional[torch.Tensor]]) -> list[_Bucket]:
         """Builds and caches this group's buckets (step() reuses them, via _cached_plan, until the set of params
@@ -365,9 +387,9 @@ class FusedAdam(torch.optim.Optimizer):
             key = (p.device, p.dtype, state["exp_avg"].dtype, state["exp_avg_sq"].dtype, "master_param" in state)
             bucket = by_key.setdefault(key, _Bucket(indices=[], params=[]))
             bucket.indices.append(index)
-            bucket.params.append(p)
+            bucket.params.append(dtensor.local(p))
         for bucket in by_key.values():
-            states = [self.state[p] for p in bucket.params]
+            states = [self.state[group["params"][i]] for i in bucket.indices]
             for key in MOMENT_KEYS + ("master_param",):
                 if key == "max_exp_avg_sq" and not group["amsgrad"]:
                     continue
@@ -385,7 +407,9 @@ class FusedAdam(torch.optim.Optimizer):
         # gradient, the plans refuse to step and the group is planned again. A group without any gradient has no plan.
         idle = [p for p, g in zip(group["params"], grads) if g is None]
         for bucket in buckets:
-            bucket.native = None if not backends.runs_natively(bucket.params[0].device) else backends.AdamPlan.create(
+            # (a native plan reads each param's .grad itself: a DTensor's local piece has none, its wrapper holds it)
+            native = backends.runs_natively(bucket.params[0].device) and not self._has_dtensors
+            bucket.native = None if not native else backends.AdamPlan.create(
                 bucket.params, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs, bucket.master_params,
                 bucket.exp_avg_scales, bucket.exp_avg_sq_scales, bucket.max_exp_avg_sq_scales, bucket.steps,
                 idle if bucket is buckets[0] else (),
@@ -405,6 +429,12 @@ class FusedAdam(torch.optim.Optimizer):
             raise ValueError(f"{where}: its gradient is on {g.device}, the parameter on {p.device}")
         if (p.dtype == torch.float64) != (g.dtype == torch.float64) or g.dtype not in SUPPORTED_PARAM_DTYPES:
             raise ValueError(f"{where}: its gradient has dtype {g.dtype}, which cannot update a {p.dtype} param")
+        if dtensor.is_dtensor(p) or dtensor.is_dtensor(g):
+            dtensor.check_placements(g, f"{where}: its gradient")
+            if not (dtensor.is_dtensor(p) and dtensor.is_dtensor(g) and g.device_mesh == p.device_mesh
+                    and tuple(g.placements) == tuple(p.placements)):
+                raise ValueError(f"{where}: the parameter is {dtensor.describe_layout(p)} but its gradient is "
+                                 f"{dtensor.describe_layout(g)}; they must be laid out alike")
 
     def _validate_step(self, all_grads: list[list[Optional[torch.Tensor]]], check_overlap: bool) -> None:
         """Everything that can make a step fail, checked before the step changes anything (state creation
@@ -416,6 +446,7 @@ class FusedAdam(torch.optim.Optimizer):
                     continue
                 self._check_grad(group_index, index, p, g)
                 state = self.state.get(p)
+                p = dtensor.local(p)
                 if state and state["exp_avg"].shape != p.shape:
                     raise ValueError(
                         f"{_describe(group_index, index, p)}: its optimizer state was made for shape "
@@ -511,7 +542,7 @@ class FusedAdam(torch.optim.Optimizer):
             cached = self._plans.get(group_index)
             if cached is None or not cached.native:
                 return None
-            amsgrad, has_grad = cached.key
+            amsgrad, has_grad = cached.key[:2]
             if amsgrad != bool(group["amsgrad"]) or len(has_grad) != len(group["params"]):  # (params appended directly)
                 return None
             launches.extend(_Launch(group_index, group, bucket, None) for bucket in cached.buckets)
@@ -542,6 +573,8 @@ class FusedAdam(torch.optim.Optimizer):
         for group_index, (group, grads) in enumerate(zip(self.param_groups, all_grads)):
             for bucket in cached[group_index] or self._plan(group_index, grads):
                 bucket_grads = grads if bucket.whole_group else [grads[i] for i in bucket.indices]
+                if self._has_dtensors:
+                    bucket_grads = [dtensor.local(g) for g in bucket_grads]
                 launches.append(_Launch(group_index, group, bucket, bucket_grads))
         return launches
 
@@ -555,6 +588,12 @@ class FusedAdam(torch.optim.Optimizer):
         with gradients changed, which _planned_launches leaves to it."""
         if not launches:
             self._last_found_inf = None
+            reduction = self._reduction()
+            if reduction is not None and (grad_scale is not None or self.max_grad_norm is not None):
+                # no gradient here, but the other ranks wait for this rank's share, and their skip decision is ours
+                device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+                stats = dtensor.all_reduce_stats(torch.zeros(2, device=device), reduction)
+                self._last_found_inf = ((stats[1] > 0) | ~torch.isfinite(stats[0])).float().reshape(1)
             return True
         try:
             scaling = self._scaling(launches, grad_scale, found_inf)
@@ -605,11 +644,12 @@ class FusedAdam(torch.optim.Optimizer):
             return None, found_inf
         devices = list(dict.fromkeys(launch.bucket.params[0].device for launch in launches))
         main = devices[0]
-        per_launch = [launch.bucket.native.grad_stats() if launch.grads is None else backends.grad_stats(launch.grads)
-                      for launch in launches]
+        reduction = self._reduction()
+        per_launch = [self._launch_stats(launch, reduction) for launch in launches]
         if any(stats is None for stats in per_launch):
             return None
         stats = sum(s.to(main, non_blocking=True) for s in per_launch)
+        stats = dtensor.all_reduce_stats(stats, reduction)  # the step's one collective, when distributed
         inv = torch.ones((), dtype=torch.float32, device=main)
         if grad_scale is not None:
             scale = grad_scale.to(main, torch.float32) if isinstance(grad_scale, torch.Tensor) else \
@@ -628,6 +668,27 @@ class FusedAdam(torch.optim.Optimizer):
         per_device = {device: inv.to(device, non_blocking=True).reshape(1) for device in devices}
         return per_device, skip.reshape(1)
 
+    def _reduction(self) -> Optional[dtensor.Reduction]:
+        """Where the global norm and skip decision are all-reduced (None: this process decides alone)."""
+        if self.process_group is None and not self._has_dtensors:
+            return None
+        return dtensor.reduction_for((p for group in self.param_groups for p in group["params"]), self.process_group)
+
+    @staticmethod
+    def _launch_stats(launch: _Launch, reduction: Optional[dtensor.Reduction]) -> Optional[torch.Tensor]:
+        """grad_stats of a launch's gradients, each weighted by 1 / (ranks of the reduction holding it)."""
+        if launch.grads is None:  # a native plan: plain params only, all weighted alike
+            stats = launch.bucket.native.grad_stats()
+            if stats is None or reduction is None:
+                return stats
+            return stats * dtensor.weight(launch.bucket.params[0], reduction)
+        if reduction is None:
+            return backends.grad_stats(launch.grads)
+        by_weight: dict[float, list[torch.Tensor]] = {}
+        for i, g in zip(launch.bucket.indices, launch.grads):
+            by_weight.setdefault(dtensor.weight(launch.group["params"][i], reduction), []).append(g)
+        return sum(backends.grad_stats(grads) * w for w, grads in by_weight.items())
+
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Clears the gradients; set_to_none defaults to the constructor's set_grad_none (True, as ORT)."""
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
@@ -637,8 +698,17 @@ class FusedAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch.optim.AdamW's layout in canonical form: fresh tensors, moments and masters unscaled float32
         (float64 for float64 params), a float64 per-parameter ``step``. It loads into FusedAdam with any state
-        dtypes, into torch.optim.AdamW, and with ``torch.load(weights_only=True)``."""
-        return _checkpoint.canonical(super().state_dict())
+        dtypes, into torch.optim.AdamW, and with ``torch.load(weights_only=True)``. The per-element states of
+        DTensor params are DTensors laid out like their params (``step`` stays a plain tensor), which is what
+        ``torch.distributed.checkpoint`` saves and reshards."""
+        sd = _checkpoint.canonical(super().state_dict())
+        if self._has_dtensors:
+            params = [p for group in self.param_groups for p in group["params"]]  # torch's ids are these positions
+            for index, state in sd["state"].items():
+                for key in MOMENT_KEYS + ("master_param",):
+                    if key in state:
+                        state[key] = dtensor.wrap_like(params[index], state[key])
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a FusedAdam, torch.optim.Adam/AdamW or ORT FusedAdam checkpoint, all or nothing.
@@ -665,7 +735,10 @@ class FusedAdam(torch.optim.Optimizer):
         ``adam_w_mode``, so know where yours came from. To load such moments deliberately, put ``adam_w_mode`` in the
         checkpoint's groups.
         """
-        prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._init_state)
+        if self._has_dtensors:
+            prepared = self._prepare_local_load(state_dict)
+        else:
+            prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._init_state)
         for group, new_group in zip(self.param_groups, prepared.groups):
             params = group["params"]
             group.clear()
@@ -673,6 +746,32 @@ class FusedAdam(torch.optim.Optimizer):
         self.state.clear()
         self.state.update(prepared.state)
         self._plans.clear()
+
+    def _prepare_local_load(self, state_dict: Any) -> _checkpoint.PreparedLoad:
+        """prepare_load for DTensor params: each per-element state (a DTensor in any layout of its param's mesh, or a
+        full plain tensor) becomes this rank's piece first, then everything is checked against the local pieces."""
+        try:  # only well-formed parts are converted; prepare_load reports whatever is malformed, by entry
+            pairs = [(saved_id, p) for saved, group in zip(state_dict["param_groups"], self.param_groups)
+                     for saved_id, p in zip(saved["params"], group["params"])]
+            local_state = dict(state_dict["state"])
+            for saved_id, p in pairs:
+                saved = local_state.get(saved_id)
+                if not (dtensor.is_dtensor(p) and isinstance(saved, dict)):
+                    continue
+                saved = dict(saved)
+                for key in MOMENT_KEYS + ("master_param",):
+                    if isinstance(saved.get(key), torch.Tensor):
+                        where = _checkpoint.entry("state", saved_id, key)
+                        saved[key] = dtensor.local_like(p, saved[key], where)
+                local_state[saved_id] = saved
+            state_dict = {**state_dict, "state": local_state}
+        except (KeyError, TypeError, AttributeError):
+            pass
+        locals_ = [{**group, "params": [dtensor.local(p) for p in group["params"]]} for group in self.param_groups]
+        prepared = _checkpoint.prepare_load(locals_, state_dict, self._init_state)
+        param_of = {id(dtensor.local(p)): p for group in self.param_groups for p in group["params"]}
+        prepared.state = {param_of[id(local)]: state for local, state in prepared.state.items()}
+        return prepared
 
     # ---- conversion ---------------------------------------------------------------------------------------------
 
