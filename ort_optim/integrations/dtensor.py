@@ -47,7 +47,13 @@ def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The tensor this rank stores for t: a DTensor's local piece (a view of its storage, so in-place updates land in
     the DTensor), t itself for a plain tensor, None for None."""
     if is_dtensor(t):
-        with torch.no_grad():  # to_local() without autograd is the local tensor itself, not a differentiable alias
+        # The DTensor's own local tensor, the same object at every call (the cached buckets compare identities):
+        # to_local() returns a fresh view for an nn.Parameter(DTensor) in newer torch, and an autograd alias with grad
+        # enabled.
+        local_tensor = getattr(t, "_local_tensor", None)
+        if isinstance(local_tensor, torch.Tensor):
+            return local_tensor
+        with torch.no_grad():
             return t.to_local()
     return t
 

@@ -1,0 +1,404 @@
+"""FusedAdam under torch.distributed: FSDP2, tensor parallel, 2D FSDP x TP, DDP and distributed checkpoints.
+
+One spawn of 4 gloo ranks (tests/distributed_harness.py) runs every scenario; the parent compares. The 4 ranks form a
+2 x 2 mesh ("dp", "tp"); two-rank scenarios run on the mesh's "tp" rows ({0, 1} and {2, 3}) side by side, on the
+same data, so ranks 2 and 3 repeat ranks 0 and 1 (checked). Four-rank scenarios: FSDP2 over all ranks (one rank then
+holds an empty shard), 2D (FSDP on "dp", TP on "tp"), and loading a two-rank checkpoint into four ranks.
+
+Two references:
+* **shadow**: inside the workers, each step's full gradients (``grad.full_tensor()``) also step a FusedAdam over plain
+  full-size copies of the params, in one process. Without clipping the sharded update must equal it bit for bit
+  (the update is per element); with clipping, the norm is summed in another order: within 1e-6.
+* **one process**: the parent trains the same model on the whole batch in one process. The gradients themselves
+  differ in rounding (the engines average the ranks' gradients instead of one batch's), so: within 5e-5 after
+  several clipped steps.
+
+FSDP2 needs torch >= 2.6 (CPU/gloo support): in older torch (the .venv environment) those scenarios skip with the
+reason and the DDP ones run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_harness import run_ranks
+from torch import nn
+
+from ort_optim import AdamWMode, FusedAdam
+from ort_optim.fp16_optimizer import FP16_Optimizer
+
+WORLD = 4
+STEPS = 5
+CLIP = 0.05  # well below the gradients' norm (about 0.3-1): every step clips
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+FSDP2_REASON = None if TORCH_VERSION >= (2, 6) else (
+    f"FSDP2 (fully_shard) on CPU with gloo needs torch >= 2.6; this environment has torch {torch.__version__}")
+
+
+def make_model(dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    # 3 output features: sharded over 4 ranks, the last weight's dim 0 leaves rank 3 an empty shard
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3)).to(dtype)
+
+
+def make_optimizer(params, clip=CLIP, **kwargs) -> FusedAdam:
+    return FusedAdam(params, lr=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=1e-2,
+                     max_grad_norm=clip, **kwargs)
+
+
+def batch(step: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 3, generator=g)
+
+
+def loss_fn(model, x, y):
+    return torch.nn.functional.mse_loss(model(x).float(), y)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from ort_optim.integrations import dtensor
+
+    return (t.full_tensor() if dtensor.is_dtensor(t) else t).detach().clone()
+
+
+def one_process(steps=STEPS, clip=CLIP, dtype=torch.float32, **kwargs) -> list[torch.Tensor]:
+    model = make_model(dtype)
+    opt = make_optimizer(model.parameters(), clip, **kwargs)
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss_fn(model, x.to(dtype), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ---- scenarios (inside the workers) ----------------------------------------------------------------------------------
+
+
+def _train(model, opt, rank_in_group, group_size, shadow=None, data_parallel=True, steps=STEPS, poison=None):
+    """Trains; each rank takes its slice of the batch when data-parallel. shadow: (model, opt) over full plain copies,
+    stepped with the full gradients. poison: (step, rank) whose local gradient gets an inf. Returns the skips."""
+    skipped = []
+    for step in range(steps):
+        x, y = batch(step)
+        dtype = next(model.parameters()).dtype
+        if data_parallel:
+            x, y = x.chunk(group_size)[rank_in_group], y.chunk(group_size)[rank_in_group]
+        opt.zero_grad()
+        loss = loss_fn(model, x.to(dtype), y)
+        if isinstance(opt, FP16_Optimizer):
+            opt.backward(loss)
+        else:
+            loss.backward()
+        if poison is not None and poison[0] == step and poison[1] == rank_in_group:
+            from ort_optim.integrations import dtensor
+
+            g = dtensor.local(next(p for p in model.parameters() if dtensor.local(p).numel()).grad)
+            g.view(-1)[0] = float("inf")
+        if shadow is not None:
+            for p, q in zip(model.parameters(), shadow[0].parameters()):
+                q.grad = full(p.grad)
+            shadow[1].step()
+        opt.step()
+        inner = opt.optimizer if isinstance(opt, FP16_Optimizer) else opt
+        skipped.append(inner.last_step_skipped)
+    return skipped
+
+
+def _shadow_of(model, **opt_kwargs):
+    copy = make_model(next(model.parameters()).dtype)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), copy.parameters()):
+            q.copy_(full(p))
+    return copy, make_optimizer(copy.parameters(), **opt_kwargs)
+
+
+def _fsdp(mesh, dtype=torch.float32, mp=False):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = make_model(dtype)
+    kwargs = {"mesh": mesh}
+    if mp:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _tp(mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = make_model()
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model
+
+
+FSDP_CASES = {  # name: (model kwargs, optimizer kwargs)
+    "fp32-clip": ({}, {}),
+    "fp32-noclip": ({}, {"clip": None}),
+    "mp-bf16-clip": ({"mp": True}, {}),
+    "bf16-masters-lowbit-amsgrad": ({"dtype": torch.bfloat16},
+                                    {"master_weights": True, "exp_avg_dtype": torch.bfloat16,
+                                     "exp_avg_sq_dtype": torch.float16, "amsgrad": True}),
+}
+
+
+def _fsdp_case(mesh, rank, name):
+    model_kwargs, opt_kwargs = FSDP_CASES[name]
+    model = _fsdp(mesh, **model_kwargs)
+    opt = make_optimizer(model.parameters(), **opt_kwargs)
+    shadow = _shadow_of(model, **opt_kwargs)
+    _train(model, opt, rank, mesh.size(), shadow)
+    return {"params": [full(p) for p in model.parameters()], "shadow": [p.detach().clone() for p in shadow[0].parameters()],
+            "local_shapes": [tuple(p.to_local().shape) for p in model.parameters()]}
+
+
+def _checkpoint_case(mesh, rank, tmp_dir, pair):
+    """Train 3 steps, dcp.save, train 3 more (uninterrupted); a fresh model + optimizer loads and trains the same 3."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    opt_kwargs = dict(master_weights=True, exp_avg_sq_dtype=torch.float16)
+    path = str(Path(tmp_dir) / f"ckpt-pair{pair}")
+
+    def fresh():
+        model = _fsdp(mesh, dtype=torch.bfloat16)
+        return model, make_optimizer(model.parameters(), **opt_kwargs)
+
+    model, opt = fresh()
+    _train(model, opt, rank, mesh.size(), steps=3)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    saved = {fqn: {k: full(v) for k, v in s.items()} for fqn, s in state["optim"]["state"].items()}
+    dcp.save(state, checkpoint_id=path, process_group=mesh.get_group())
+    _train(model, opt, rank, mesh.size(), steps=3)
+    uninterrupted = [full(p) for p in model.parameters()]
+
+    model, opt = fresh()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path, process_group=mesh.get_group())
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    loaded = {fqn: {k: full(v) for k, v in s.items()} for fqn, s in get_optimizer_state_dict(model, opt)["state"].items()}
+    _train(model, opt, rank, mesh.size(), steps=3)
+    return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted,
+            "resumed": [full(p) for p in model.parameters()], "path": path}
+
+
+def _reshard_to_world(world_mesh, rank, path):
+    """All ranks load a two-rank checkpoint into FSDP2 over the whole world; returns the full states."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = _fsdp(world_mesh, dtype=torch.bfloat16)
+    opt = make_optimizer(model.parameters(), master_weights=True, exp_avg_sq_dtype=torch.float16)
+    state = {"optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, opt, state["optim"])
+    return {fqn: {k: full(v) for k, v in s.items()} for fqn, s in get_optimizer_state_dict(model, opt)["state"].items()}
+
+
+def _ddp_case(rank, group, poison=None, fp16=False):
+    model = make_model(torch.float16 if fp16 else torch.float32)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+    opt = make_optimizer(ddp.parameters(), process_group=group)
+    if fp16:
+        opt = FP16_Optimizer(opt, init_scale=2.0**8)
+    skipped = _train(ddp, opt, rank, 2, poison=poison)
+    masters = opt.master_params if fp16 else list(model.parameters())
+    return {"params": [m.detach().float().clone() for m in masters], "skipped": skipped}
+
+
+def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
+    import torch.distributed as dist
+
+    out = {"rank": rank}
+    pair_rank = rank % 2
+    pair_ranks = [[0, 1], [2, 3]]
+    pair_groups = [dist.new_group(r) for r in pair_ranks]  # every rank creates every group (collective)
+    pair_group = pair_groups[rank // 2]
+    out["ddp"] = _ddp_case(pair_rank, pair_group)
+    out["ddp-inf"] = _ddp_case(pair_rank, pair_group, poison=(2, 0))
+    out["ddp-fp16-inf"] = _ddp_case(pair_rank, pair_group, poison=(2, 0), fp16=True)
+    if FSDP2_REASON is not None:
+        return out
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    pair_mesh = mesh["tp"]  # ranks {0, 1} and {2, 3}
+    world_mesh = init_device_mesh("cpu", (world,))
+    for name in FSDP_CASES:
+        out[f"fsdp-{name}"] = _fsdp_case(pair_mesh, pair_rank, name)
+    out["fsdp-world"] = _fsdp_case(world_mesh, rank, "fp32-clip")
+
+    model = _fsdp(pair_mesh)
+    out["fsdp-inf"] = _train(model, make_optimizer(model.parameters()), pair_rank, 2, poison=(2, 1))
+    model = _fsdp(pair_mesh)
+    fp16_opt = FP16_Optimizer(make_optimizer(model.parameters()), init_scale=2.0**8)
+    out["fsdp-fp16-optimizer-inf"] = _train(model, fp16_opt, pair_rank, 2, poison=(2, 1))
+    out["fsdp-fp16-optimizer-scale"] = fp16_opt.loss_scale
+
+    model = _tp(pair_mesh)
+    opt = make_optimizer(model.parameters())
+    shadow = _shadow_of(model)
+    _train(model, opt, pair_rank, 2, shadow, data_parallel=False)
+    out["tp"] = {"params": [full(p) for p in model.parameters()],
+                 "shadow": [p.detach().clone() for p in shadow[0].parameters()]}
+
+    model = _tp(mesh["tp"])
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = make_optimizer(model.parameters())
+    shadow = _shadow_of(model)
+    _train(model, opt, rank // 2, 2, shadow)  # data-parallel over "dp"; the two TP ranks of a row share the batch
+    out["2d"] = {"params": [full(p) for p in model.parameters()],
+                 "shadow": [p.detach().clone() for p in shadow[0].parameters()],
+                 "placements": [str(p.placements) for p in model.parameters()]}
+
+    out["checkpoint"] = _checkpoint_case(pair_mesh, pair_rank, tmp_dir, rank // 2)
+    dist.barrier()
+    out["reshard-2-to-4"] = _reshard_to_world(world_mesh, rank, str(Path(tmp_dir) / "ckpt-pair0"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(scenarios, WORLD, tmp_path_factory.mktemp("distributed"))
+
+
+needs_fsdp2 = pytest.mark.skipif(FSDP2_REASON is not None, reason=FSDP2_REASON or "")
+
+
+def assert_close(got, want, tol, what):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape, (what, i)
+        diff = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+        assert diff <= tol, f"{what}: param {i} differs by {diff} (tolerance {tol})"
+
+
+def assert_bitwise(got, want, what):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{what}: param {i} not bit for bit " \
+            f"(max diff {float((a.double() - b.double()).abs().max())})"
+
+
+# ---- DDP (both environments) ---------------------------------------------------------------------------------------
+
+
+def test_ddp_with_process_group_equals_one_process(results):
+    for r in results:
+        assert_bitwise(r["ddp"]["params"], results[0]["ddp"]["params"], f"rank {r['rank']} vs rank 0")
+    # the ranks' averaged gradients vs one batch: float32 rounding through 5 clipped steps
+    assert_close(results[0]["ddp"]["params"], one_process(), 5e-5, "DDP vs one process")
+
+
+@pytest.mark.parametrize("case", ["ddp-inf", "ddp-fp16-inf"])
+def test_ddp_inf_on_one_rank_skips_on_every_rank(results, case):
+    for r in results:
+        assert r[case]["skipped"] == [step == 2 for step in range(STEPS)], (r["rank"], r[case]["skipped"])
+        assert_bitwise(r[case]["params"], results[0][case]["params"], f"rank {r['rank']}")
+
+
+# ---- FSDP2, TP, 2D -------------------------------------------------------------------------------------------------
+
+
+@needs_fsdp2
+@pytest.mark.parametrize("name", list(FSDP_CASES) + ["world"])
+def test_fsdp2_equals_full_tensor_shadow(results, name):
+    for r in results:
+        out = r[f"fsdp-{name}"]
+        if FSDP_CASES.get(name, ({}, {}))[1].get("clip", CLIP) is None:
+            assert_bitwise(out["params"], out["shadow"], f"rank {r['rank']} {name}")  # elementwise: exact
+        else:
+            assert_close(out["params"], out["shadow"], 1e-6, f"rank {r['rank']} {name}")
+        assert_bitwise(out["params"], results[r["rank"] % 2][f"fsdp-{name}"]["params"] if name != "world"
+                       else results[0]["fsdp-world"]["params"], "ranks agree")
+    if name == "world":
+        assert results[3]["fsdp-world"]["local_shapes"][2] == (0, 16)  # an empty shard took part
+
+
+@needs_fsdp2
+@pytest.mark.parametrize("name", ["fp32-clip", "fp32-noclip", "mp-bf16-clip", "world"])
+def test_fsdp2_equals_one_process(results, name):
+    out = results[0][f"fsdp-{name}"]
+    clip = FSDP_CASES.get(name, ({}, {}))[1].get("clip", CLIP)
+    # bf16 compute (MixedPrecisionPolicy) vs fp32 in one process: the forward/backward itself differs
+    tolerance = 2e-2 if name.startswith("mp") else 5e-5
+    assert_close(out["params"], one_process(clip=clip), tolerance, name)
+
+
+@needs_fsdp2
+def test_fsdp2_bf16_params_with_masters_and_low_precision_moments_equal_one_process(results):
+    out = results[0]["fsdp-bf16-masters-lowbit-amsgrad"]
+    _, opt_kwargs = FSDP_CASES["bf16-masters-lowbit-amsgrad"]
+    ref = one_process(dtype=torch.bfloat16, **opt_kwargs)
+    assert_close(out["params"], ref, 2 * 2.0**-8, "bf16 params within two bf16 ulps (of 1)")
+
+
+@needs_fsdp2
+@pytest.mark.parametrize("case", ["tp", "2d"])
+def test_tensor_parallel_and_2d_equal_shadow_and_one_process(results, case):
+    for r in results:
+        assert_close(r[case]["params"], r[case]["shadow"], 1e-6, f"rank {r['rank']} {case} vs shadow")
+        assert_bitwise(r[case]["params"], results[0][case]["params"], "ranks agree")
+    assert_close(results[0][case]["params"], one_process(), 5e-5, f"{case} vs one process")
+    if case == "2d":
+        assert any("_StridedShard" in p or "Shard(dim=1)" in p for p in results[0]["2d"]["placements"])
+
+
+@needs_fsdp2
+@pytest.mark.parametrize("case", ["fsdp-inf", "fsdp-fp16-optimizer-inf"])
+def test_fsdp2_inf_on_one_rank_skips_on_every_rank(results, case):
+    for r in results:
+        assert r[case] == [step == 2 for step in range(STEPS)], (r["rank"], r[case])
+    assert len({r["fsdp-fp16-optimizer-scale"] for r in results}) == 1
+
+
+# ---- distributed checkpoints ----------------------------------------------------------------------------------------
+
+
+@needs_fsdp2
+def test_dcp_resume_is_bit_for_bit(results):
+    for r in results:
+        out = r["checkpoint"]
+        assert_bitwise(out["resumed"], out["uninterrupted"], f"rank {r['rank']}")
+        for fqn, state in out["saved"].items():
+            for key, value in state.items():
+                assert torch.equal(out["loaded"][fqn][key], value), (fqn, key)
+
+
+@needs_fsdp2
+def test_two_rank_checkpoint_loads_into_four_ranks(results):
+    saved = results[0]["checkpoint"]["saved"]
+    for r in results:
+        loaded = r["reshard-2-to-4"]
+        assert loaded.keys() == saved.keys()
+        for fqn in saved:
+            for key, value in saved[fqn].items():
+                assert torch.equal(loaded[fqn][key], value), (r["rank"], fqn, key)
+
+
+@needs_fsdp2
+def test_two_rank_checkpoint_loads_into_one_process(results):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = make_model(torch.bfloat16)
+    opt = make_optimizer(model.parameters(), master_weights=True, exp_avg_sq_dtype=torch.float16)
+    state = {"optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=results[0]["checkpoint"]["path"], no_dist=True)
+    set_optimizer_state_dict(model, opt, state["optim"])
+    loaded = get_optimizer_state_dict(model, opt)["state"]
+    saved = results[0]["checkpoint"]["saved"]
+    assert loaded.keys() == saved.keys()
+    for fqn in saved:
+        for key, value in saved[fqn].items():
+            assert torch.equal(loaded[fqn][key], value), (fqn, key)
