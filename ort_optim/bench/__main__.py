@@ -23,7 +23,7 @@ from .common import measure_bandwidth
 # Sections with their own row format: name -> "module:function" in this package, called as function(quick) and
 # returning a list of flat dicts; printed as a table of their keys, saved under "sections" in the JSON and the
 # markdown. Add a section by adding a module and one line here.
-EXTRA_SECTIONS: dict[str, str] = {}
+EXTRA_SECTIONS: dict[str, str] = {"distributed": "distributed:bench_distributed"}
 
 
 def run_extra_section(name: str, quick: bool) -> list[dict]:
