@@ -193,6 +193,10 @@ class FusedAdam(torch.optim.Optimizer):
             corrections already live on the device and step() never synchronises; this additionally refuses what a
             graph cannot replay: an lr tensor on another device, a float grad_scale. A float lr is baked into the
             graph at capture: to change it between replays, make it a device tensor and update it in place.
+        process_group: a torch.distributed group over which plain (non-DTensor) params are replicas, as under DDP:
+            the clipping norm (counting each replica once) and the inf/NaN skip become one decision for the group, in
+            one all-reduce of two floats per step (default None: each process decides alone, as torch's optimizers;
+            DTensor params are reduced over their meshes' ranks without it). See guides/distributed.md.
 
     On the CPU, each bucket keeps a native plan (ops/README.md, "AdamPlan") that validated its params and states
     once; from the second step on, steps go through it and read the gradients in C++, so a step over thousands of
