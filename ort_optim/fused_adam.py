@@ -271,8 +271,9 @@ class FusedAdam(torch.optim.Optimizer):
 
     # Constructor options that torch.optim.Optimizer's pickling (copy.deepcopy, torch.save of the optimizer) would
     # otherwise drop: it keeps only defaults, state and param_groups.
+    # (process_group is not among them: a process group belongs to its process; a copy decides alone until given one)
     _OPTIONS = ("set_grad_none", "master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm", "capturable",
-                "process_group", "_has_dtensors")
+                "_has_dtensors")
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -282,6 +283,8 @@ class FusedAdam(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._plans = {}  # caches (native plans cannot be copied): rebuilt at the next step
+        self.__dict__.setdefault("process_group", None)
+        self.__dict__.setdefault("_has_dtensors", False)
         self._last_found_inf = None
 
     # ---- configuration ------------------------------------------------------------------------------------------

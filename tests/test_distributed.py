@@ -35,7 +35,8 @@ STEPS = 5
 CLIP = 0.05  # well below the gradients' norm (about 0.3-1): every step clips
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 FSDP2_REASON = None if TORCH_VERSION >= (2, 6) else (
-    f"FSDP2 (fully_shard) on CPU with gloo needs torch >= 2.6; this environment has torch {torch.__version__}")
+    f"FSDP2 (fully_shard) on CPU with gloo needs torch >= 2.6 (these FSDP2/TP/2D/DCP scenarios run together); this "
+    f"environment has torch {torch.__version__}")
 
 
 def make_model(dtype=torch.float32) -> nn.Module:
@@ -212,7 +213,43 @@ def _ddp_case(rank, group, poison=None, fp16=False):
         opt = FP16_Optimizer(opt, init_scale=2.0**8)
     skipped = _train(ddp, opt, rank, 2, poison=poison)
     masters = opt.master_params if fp16 else list(model.parameters())
-    return {"params": [m.detach().float().clone() for m in masters], "skipped": skipped}
+    import copy
+
+    copied = copy.deepcopy(opt.optimizer if fp16 else opt)  # a process group is not copied: the copy decides alone
+    return {"params": [m.detach().float().clone() for m in masters], "skipped": skipped,
+            "copy_has_group": copied.process_group is not None}
+
+
+def _refusals(mesh) -> dict:
+    """Bad distributed input is refused before anything changes, with the param named."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    out = {}
+    for name, grad_placement in (("partial", Partial()), ("layout", Shard(0))):
+        w = nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Replicate()]))
+        w.grad = DTensor.from_local(torch.ones(4, 2) if name == "partial" else torch.ones(2, 2), mesh,
+                                    [grad_placement], run_check=False)
+        opt = make_optimizer([w])
+        try:
+            opt.step()
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+        out[name + "-untouched"] = bool(torch.equal(w.to_local(), torch.ones(4, 2))) and not opt.state.get(w)
+    w = nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    w.grad = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    opt = make_optimizer([w])
+    opt.step()
+    sd = opt.state_dict()
+    before = {k: full(v) for k, v in opt.state[w].items()}
+    sd["state"][0]["exp_avg"] = distribute_tensor(torch.ones(2, 4), mesh, [Shard(0)])  # the wrong full shape
+    try:
+        opt.load_state_dict(sd)
+        out["bad-shape"] = "no error"
+    except ValueError as exc:
+        out["bad-shape"] = str(exc)
+    out["bad-shape-untouched"] = all(torch.equal(full(opt.state[w][k]), v) for k, v in before.items())
+    return out
 
 
 def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
@@ -265,6 +302,7 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
                  "shadow": [p.detach().clone() for p in shadow[0].parameters()],
                  "placements": [str(p.placements) for p in model.parameters()]}
 
+    out["refusals"] = _refusals(pair_mesh)
     out["checkpoint"] = _checkpoint_case(pair_mesh, pair_rank, tmp_dir, rank // 2)
     dist.barrier()
     out["reshard-2-to-4"] = _reshard_to_world(world_mesh, rank, str(Path(tmp_dir) / "ckpt-pair0"))
@@ -296,6 +334,7 @@ def assert_bitwise(got, want, what):
 
 
 def test_ddp_with_process_group_equals_one_process(results):
+    assert not results[0]["ddp"]["copy_has_group"]
     for r in results:
         assert_bitwise(r["ddp"]["params"], results[0]["ddp"]["params"], f"rank {r['rank']} vs rank 0")
     # the ranks' averaged gradients vs one batch: float32 rounding through 5 clipped steps
@@ -404,3 +443,14 @@ def test_two_rank_checkpoint_loads_into_one_process(results):
     for fqn in saved:
         for key, value in saved[fqn].items():
             assert torch.equal(loaded[fqn][key], value), (fqn, key)
+
+
+@needs_fsdp2
+def test_bad_distributed_input_is_refused_naming_the_param_and_changes_nothing(results):
+    for r in results:
+        out = r["refusals"]
+        assert "param_groups[0]['params'][0]" in out["partial"] and "partial sum" in out["partial"], out["partial"]
+        assert "param_groups[0]['params'][0]" in out["layout"] and "laid out alike" in out["layout"], out["layout"]
+        assert "state_dict['state'][0]['exp_avg']" in out["bad-shape"] and "(2, 4)" in out["bad-shape"], \
+            out["bad-shape"]
+        assert out["partial-untouched"] and out["layout-untouched"] and out["bad-shape-untouched"]
