@@ -11,13 +11,15 @@ PYTEST_ARGS ?=
 
 setup: setup-ort setup-latest
 
+# Quiet: make_env.sh prints a line per stage (tool output goes to a log under the environment cache) and the build
+# one line, so the recipes themselves are not echoed.
 setup-ort:
-	tools/make_env.sh ort-stack
-	.venv/bin/python -m ort_optim.build
+	@tools/make_env.sh ort-stack
+	@.venv/bin/python -m ort_optim.build
 
 setup-latest:
-	tools/make_env.sh latest
-	.venv-latest/bin/python -m ort_optim.build
+	@tools/make_env.sh latest
+	@.venv-latest/bin/python -m ort_optim.build
 
 demo: setup-ort
 	.venv/bin/python guides/examples/gpt.py
@@ -36,7 +38,8 @@ test-latest:
 TRITON_SUBSET := not 200_steps and not native_op_and_fallback and not adamw_torch_mode
 test-triton:
 	ORT_OPTIM_BACKEND=triton TRITON_INTERPRET=1 .venv-latest/bin/python -m pytest -q -k "$(TRITON_SUBSET)" \
-		tests/test_fused_adam.py tests/test_mixed_precision.py tests/test_checkpoints.py $(PYTEST_ARGS)
+		tests/test_fused_adam.py tests/test_mixed_precision.py tests/test_checkpoints.py tests/test_unscaled_grads.py \
+		$(PYTEST_ARGS)
 	.venv-latest/bin/python tools/aot_compile.py --check
 
 bench: setup-ort

@@ -6,9 +6,11 @@
 // vectorises; the fp16/bf16 conversions around it are explicit (F16C, bit tricks), because c10::Half in a loop
 // stays scalar and runs at a tenth of memory speed.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/csrc/autograd/python_variable.h>  // THPVariable_Unpack: a Python tensor's at::Tensor
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -180,7 +182,7 @@ void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_
 // Per-tensor view of everything the kernel touches, resolved once before the parallel region.
 struct TensorWork {
   void* param;
-  const void* grad;
+  void* grad;  // written only when the gradients are unscaled in place (grad_scale given)
   void* exp_avg;
   void* exp_avg_sq;
   void* max_exp_avg_sq;  // nullptr unless amsgrad
@@ -198,6 +200,7 @@ struct TensorWork {
 struct Hyper {
   double lr, beta1, beta2, eps, weight_decay, grad_mul;
   int64_t mode;
+  double grad_scale;  // 0: leave the gradients as they are; else write them back as grad / grad_scale
 };
 
 template <typename T>
@@ -311,6 +314,14 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   if (w.master || p == s.p) {
     store<T>(p, n, static_cast<char*>(w.param) + off * c10::elementSize(w.param_type), w.param_type);
   }
+  // The unscaled gradient back into .grad, as torch's fused AdamW: g / grad_scale (a division, not the multiplication
+  // by inv_grad_scale, which may hold the clip coefficient too), rounded to the gradient's dtype. g still holds the
+  // gradient as loaded (adam_loop only reads it), in L1: the cost is the write.
+  if (h.grad_scale != 0.0) {
+    const T scale = T(h.grad_scale);
+    for (int64_t i = 0; i < n; ++i) g[i] = g[i] / scale;
+    if (g == s.g) store<T>(s.g, n, static_cast<char*>(w.grad) + off * c10::elementSize(w.grad_type), w.grad_type);
+  }
 }
 
 struct WorkItem {
@@ -383,11 +394,34 @@ void check_list_length(const at::TensorList& list, size_t n, const char* name, b
               list.size(), " tensors but params has ", n, optional ? " (pass n tensors or none)" : "");
 }
 
+// Bytes of its storage a view reaches (0 for an empty tensor): from the storage's start to the end of its last element.
+size_t bytes_needed(int64_t offset, c10::IntArrayRef sizes, c10::IntArrayRef strides, size_t element_size) {
+  int64_t last = offset;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 0) return 0;
+    last += (sizes[d] - 1) * strides[d];
+  }
+  return size_t(last + 1) * element_size;
+}
+
+size_t bytes_needed(const at::Tensor& t) {
+  return bytes_needed(t.storage_offset(), t.sizes(), t.strides(), t.element_size());
+}
+
+// A storage freed or shrunk in place (untyped_storage().resize_(0), as CPU offload and FSDP do) under a tensor that
+// still claims its elements: writing through it would write into freed memory.
+void check_storage(const at::Tensor& t, const char* name, size_t i) {
+  TORCH_CHECK(!t.has_storage() || t.storage().nbytes() >= bytes_needed(t), "ort_optim::adam_step_: ", name, "[", i,
+              "] has a storage of ", t.has_storage() ? t.storage().nbytes() : 0, " bytes but needs ", bytes_needed(t),
+              " (was its storage freed or resized in place?)");
+}
+
 void check_same_shape(const at::Tensor& t, const at::Tensor& p, const char* name, size_t i) {
   TORCH_CHECK(t.sizes() == p.sizes(), "ort_optim::adam_step_: ", name, "[", i, "] has shape ", t.sizes(),
               " but params[", i, "] has shape ", p.sizes());
   TORCH_CHECK(t.device() == p.device(), "ort_optim::adam_step_: ", name, "[", i, "] is on ", t.device(),
               " but params[", i, "] is on ", p.device());
+  check_storage(t, name, i);
 }
 
 void check_state(const at::Tensor& t, const at::Tensor& p, const char* name, size_t i, bool is_double) {
@@ -408,6 +442,7 @@ void check_scales(const at::TensorList& scales, const at::TensorList& states, si
                   s.device() == states[i].device(),
               "ort_optim::adam_step_: ", name, "[", i, "] must be a contiguous float32 tensor of ", blocks,
               " block scales on the state's device");
+  check_storage(s, name, i);
 }
 
 double scalar_value(const c10::optional<at::Tensor>& t, const char* name) {
@@ -431,6 +466,7 @@ bool check_param(const at::Tensor& p, size_t i, bool has_master) {
               "] must be a dense CPU tensor");
   TORCH_CHECK(!has_master || is_low_precision(pt), "ort_optim::adam_step_: master_params given but params[", i,
               "] is ", pt, "; master weights are for float16/bfloat16 params");
+  check_storage(p, "params", i);
   return pt == at::kDouble;
 }
 
@@ -457,6 +493,7 @@ bool check_params_and_states(at::TensorList params, const StateLists& s, const a
   TORCH_CHECK(steps.scalar_type() == at::kDouble && steps.dim() == 1 && size_t(steps.numel()) == n &&
                   steps.is_contiguous() && steps.device().is_cpu(),
               "ort_optim::adam_step_: steps must be a contiguous float64 CPU tensor of shape [", n, "]");
+  check_storage(steps, "steps", 0);
   const bool amsgrad = !s.max_exp_avg_sqs.empty();
   TORCH_CHECK(s.exp_avg_sq_scales.empty() == s.max_exp_avg_sq_scales.empty() || !amsgrad,
               "ort_optim::adam_step_: max_exp_avg_sqs share exp_avg_sqs' dtype, so both or neither need scales");
@@ -508,26 +545,43 @@ std::vector<TensorWork> state_work(at::TensorList params, const StateLists& s) {
   return work;
 }
 
+struct Scaling {
+  c10::optional<double> grad_scale, max_grad_norm;  // inputs (FusedAdam's step(grad_scale=...) and max_grad_norm)
+  float norm = 0.0f;  // output: the global L2 norm of the unscaled gradients, before clipping
+  bool skip = false;  // output: the step was skipped (inf/NaN gradients, an overflowing unscale, or found_inf)
+};
+
 struct StepOptions {
   double lr, beta1, beta2, eps, weight_decay;
   int64_t mode;
   bool bias_correction, maximize;
-  c10::optional<at::Tensor> lr_tensor, inv_grad_scale, found_inf;
+  c10::optional<at::Tensor> lr_tensor, inv_grad_scale, found_inf, grad_scale;
+  // Set by AdamPlan::step_scaled (then inv_grad_scale and grad_scale are empty): the gradients are unscaled and
+  // clipped by a multiplier computed from their statistics, and the step is skipped on inf/NaN (see "gradient
+  // statistics"); the unscaled gradients are written back as with grad_scale.
+  Scaling* scaling = nullptr;
 };
+
+c10::optional<double> scaled_grad_multiplier(Scaling& scaling, const std::vector<TensorWork>& work,
+                                             const std::vector<WorkItem>& items, bool found_inf);
 
 // The step itself: params[i] and grads[i] are validated, work[i] holds their states. Writes nothing when skipped.
 void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
             const std::vector<const at::Tensor*>& params, const std::vector<const at::Tensor*>& grads,
             double* steps, bool is_double, bool amsgrad, const StepOptions& o) {
   TORCH_CHECK(o.mode >= 0 && o.mode <= 2, "ort_optim::adam_step_: adam_w_mode must be 0, 1 or 2, got ", o.mode);
-  if (o.found_inf.has_value() && scalar_value(o.found_inf, "found_inf") != 0.0) return;  // skipped
-  const double grad_mul = (o.inv_grad_scale.has_value() ? scalar_value(o.inv_grad_scale, "inv_grad_scale") : 1.0) *
-                          (o.maximize ? -1.0 : 1.0);
+  const bool found_inf = o.found_inf.has_value() && scalar_value(o.found_inf, "found_inf") != 0.0;
+  if (found_inf && o.scaling == nullptr) return;  // skipped (a scaled step still reports the gradients' norm)
+  double grad_mul = o.inv_grad_scale.has_value() ? scalar_value(o.inv_grad_scale, "inv_grad_scale") : 1.0;
   const double lr = o.lr_tensor.has_value() ? scalar_value(o.lr_tensor, "lr_tensor") : o.lr;
+  double grad_scale = o.grad_scale.has_value() ? scalar_value(o.grad_scale, "grad_scale") : 0.0;
+  if (o.scaling != nullptr && o.scaling->grad_scale.has_value()) grad_scale = *o.scaling->grad_scale;
+  TORCH_CHECK(grad_scale == 0.0 || (std::isfinite(grad_scale) && grad_scale != 0.0),
+              "ort_optim::adam_step_: grad_scale must be finite and non-zero, got ", grad_scale);
 
-  // Non-contiguous params and grads are processed through contiguous copies; params are copied back at the end.
-  std::vector<std::pair<size_t, at::Tensor>> param_copies;
-  std::vector<at::Tensor> grad_copies;
+  // Non-contiguous params and grads are processed through contiguous copies; params (and grads when they are
+  // unscaled in place) are copied back at the end.
+  std::vector<std::pair<size_t, at::Tensor>> param_copies, grad_copies;
   double last_t = -1.0, step_size = 0.0, bc2_sqrt = 1.0;
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = *params[i];
@@ -542,8 +596,11 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     if (g.is_contiguous()) {
       w.grad = g.data_ptr();
     } else {
-      grad_copies.push_back(g.contiguous());
-      w.grad = grad_copies.back().data_ptr();
+      // (checked here, before anything is written: an expand()ed gradient cannot receive one value per element)
+      TORCH_CHECK(grad_scale == 0.0 || at::has_internal_overlap(g) != at::MemOverlap::Yes, "ort_optim::adam_step_: ",
+                  "grads[", i, "] overlaps itself (an expand()ed tensor), so it cannot be unscaled in place");
+      grad_copies.emplace_back(i, g.contiguous());
+      w.grad = grad_copies.back().second.data_ptr();
     }
     w.param_type = p.scalar_type();
     w.grad_type = g.scalar_type();
@@ -558,13 +615,22 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     w.step_size = step_size;
     w.bc2_sqrt = bc2_sqrt;
   }
-  const Hyper h{lr, o.beta1, o.beta2, o.eps, o.weight_decay, grad_mul, o.mode};
+  if (o.scaling != nullptr) {
+    const c10::optional<double> multiplier = scaled_grad_multiplier(*o.scaling, work, items, found_inf);
+    if (!multiplier.has_value()) return;  // skipped: nothing written, the contiguous copies are dropped
+    grad_mul = *multiplier;
+  }
+  if (o.maximize) grad_mul = -grad_mul;
+  const Hyper h{lr, o.beta1, o.beta2, o.eps, o.weight_decay, grad_mul, o.mode, grad_scale};
   if (is_double) {
     dispatch_adam<double>(work, items, h, amsgrad);
   } else {
     dispatch_adam<float>(work, items, h, amsgrad);
   }
   for (const auto& [i, copy] : param_copies) params[i]->copy_(copy);
+  if (grad_scale != 0.0) {
+    for (const auto& [i, copy] : grad_copies) grads[i]->copy_(copy);
+  }
   for (size_t i = 0; i < params.size(); ++i) steps[i] += 1.0;
 }
 
@@ -587,15 +653,16 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    at::TensorList max_exp_avg_sq_scales, const at::Tensor& steps, double lr, double beta1,
                    double beta2, double eps, double weight_decay, int64_t mode, bool bias_correction,
                    bool maximize, const c10::optional<at::Tensor>& lr_tensor,
-                   const c10::optional<at::Tensor>& inv_grad_scale, const c10::optional<at::Tensor>& found_inf) {
+                   const c10::optional<at::Tensor>& inv_grad_scale, const c10::optional<at::Tensor>& found_inf,
+                   const c10::optional<at::Tensor>& grad_scale) {
   const StateLists states{exp_avgs,       exp_avg_sqs,       max_exp_avg_sqs,      master_params,
                           exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales};
   check_list_length(grads, params.size(), "grads", false);
   const bool is_double = check_params_and_states(params, states, steps);
   for (size_t i = 0; i < params.size(); ++i) check_grad(grads[i], params[i], i, is_double);
   std::vector<TensorWork> work = state_work(params, states);
-  const StepOptions options{lr,   beta1,    beta2,   eps, weight_decay, mode, bias_correction,
-                            maximize, lr_tensor, inv_grad_scale, found_inf};
+  const StepOptions options{lr,       beta1,     beta2,          eps,       weight_decay, mode, bias_correction,
+                            maximize, lr_tensor, inv_grad_scale, found_inf, grad_scale};
   update(work, work_items(work), pointers(params), pointers(grads), steps.data_ptr<double>(), is_double,
          !max_exp_avg_sqs.empty(), options);
 }
@@ -652,15 +719,62 @@ class SquareSum {
 #endif
 };
 
+// The sum of squares of elements [begin, end) of one array of any float dtype, in SquareSum's lanes.
+double square_sum(const void* data, at::ScalarType type, int64_t begin, int64_t end) {
+  SquareSum sum;
+  if (type == at::kDouble) {
+    sum.add(static_cast<const double*>(data) + begin, end - begin);
+  } else if (type == at::kFloat) {
+    sum.add(static_cast<const float*>(data) + begin, end - begin);
+  } else {
+    float buf[kBlock];
+    const char* base = static_cast<const char*>(data);
+    const size_t esize = c10::elementSize(type);
+    for (int64_t off = begin; off < end; off += kBlock) {
+      const int64_t len = std::min(kBlock, end - off);
+      load<float>(base + off * esize, type, len, buf, 1.0f);
+      sum.add(buf, len);
+    }
+  }
+  return sum.total();
+}
+
+// The sum of squares over work items: one SquareSum per item, the items' sums added in item order, so the result
+// depends neither on the thread count nor on who asked (grad_stats, or a plan's scaled step over the same tensors).
+// source(t) gives tensor t's data pointer and dtype.
+template <typename Source>
+double sum_of_squares(const std::vector<WorkItem>& items, Source source) {
+  std::vector<double> partial(items.size(), 0.0);
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const WorkItem& item = items[i];
+      if (i + 1 < end) {
+        const auto [next, next_type] = source(items[i + 1].tensor);
+        prefetch_range(next, c10::elementSize(next_type), items[i + 1].begin, items[i + 1].end);
+      }
+      const auto [data, type] = source(item.tensor);
+      partial[i] = square_sum(data, type, item.begin, item.end);
+    }
+  });
+  double total = 0.0;
+  for (double p : partial) total += p;  // fixed order: deterministic whatever the thread count
+  return total;
+}
+
+// A float64 total as grad_stats' float32 pair: [sum of squares, 1.0 if it is not finite]. A sum above float32's
+// range is +inf (a plain conversion would throw "cannot be converted to type float without overflow" for finite
+// gradients around 2e19 and larger); NaN stays NaN.
+std::pair<float, bool> float_stats(double total) {
+  const float sum = total > double(std::numeric_limits<float>::max()) ? std::numeric_limits<float>::infinity()
+                                                                       : float(total);
+  return {sum, !std::isfinite(total)};
+}
+
 // grad_stats over validated dense CPU tensors of float dtypes.
 at::Tensor grad_stats_of(const std::vector<const at::Tensor*>& tensors) {
   // Resolved before the parallel region, like the Adam step's TensorWork: the loop then reads no tensor metadata.
-  struct Source {
-    const void* data;
-    at::ScalarType type;
-  };
   std::vector<at::Tensor> copies;  // contiguous stand-ins for non-contiguous tensors
-  std::vector<Source> sources;
+  std::vector<std::pair<const void*, at::ScalarType>> sources;
   std::vector<int64_t> numels;
   sources.reserve(tensors.size());
   numels.reserve(tensors.size());
@@ -670,46 +784,41 @@ at::Tensor grad_stats_of(const std::vector<const at::Tensor*>& tensors) {
       copies.push_back(t->contiguous());
       data = copies.back().data_ptr();
     }
-    sources.push_back({data, t->scalar_type()});
+    sources.emplace_back(data, t->scalar_type());
     numels.push_back(t->numel());
   }
-  const std::vector<WorkItem> items = make_work_items(numels);
-  std::vector<double> partial(items.size(), 0.0);
-  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
-    float buf[kBlock];
-    for (int64_t i = begin; i < end; ++i) {
-      const WorkItem& item = items[i];
-      const Source& src = sources[item.tensor];
-      if (i + 1 < end) {
-        const Source& next = sources[items[i + 1].tensor];
-        prefetch_range(next.data, c10::elementSize(next.type), items[i + 1].begin, items[i + 1].end);
-      }
-      SquareSum sum;
-      if (src.type == at::kDouble) {
-        sum.add(static_cast<const double*>(src.data) + item.begin, item.end - item.begin);
-      } else if (src.type == at::kFloat) {
-        sum.add(static_cast<const float*>(src.data) + item.begin, item.end - item.begin);
-      } else {
-        const char* base = static_cast<const char*>(src.data);
-        const size_t esize = c10::elementSize(src.type);
-        for (int64_t off = item.begin; off < item.end; off += kBlock) {
-          const int64_t len = std::min(kBlock, item.end - off);
-          load<float>(base + off * esize, src.type, len, buf, 1.0f);
-          sum.add(buf, len);
-        }
-      }
-      partial[i] = sum.total();
-    }
-  });
-  double total = 0.0;
-  for (double p : partial) total += p;  // fixed order: deterministic whatever the thread count
+  const auto [sum, nonfinite] =
+      float_stats(sum_of_squares(make_work_items(numels), [&](int64_t t) { return sources[t]; }));
   at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kFloat));
-  // A sum above float32's range is +inf (out[0] = total would throw "cannot be converted to type float without
-  // overflow" for finite gradients around 2e19 and larger); NaN stays NaN.
-  float* o = out.data_ptr<float>();
-  o[0] = total > double(std::numeric_limits<float>::max()) ? std::numeric_limits<float>::infinity() : float(total);
-  o[1] = std::isfinite(total) ? 0.0f : 1.0f;
+  out.data_ptr<float>()[0] = sum;
+  out.data_ptr<float>()[1] = nonfinite ? 1.0f : 0.0f;
   return out;
+}
+
+// Loss-scale unscaling, the inf/NaN check and global-norm clipping of a plan's scaled step, computed on the host from
+// the gradients' statistics with no tensor ops. The arithmetic is FusedAdam._scaling's, in float32 and in torch's
+// order (max_norm / x is reciprocal(x) * max_norm there), so both paths multiply the gradients by the same bits.
+
+// The multiplier of every gradient (1/grad_scale times the clip coefficient), or nothing when the step must be
+// skipped; sets scaling's outputs.
+c10::optional<double> scaled_grad_multiplier(Scaling& scaling, const std::vector<TensorWork>& work,
+                                             const std::vector<WorkItem>& items, bool found_inf) {
+  const auto [sum, nonfinite] = float_stats(sum_of_squares(items, [&](int64_t t) {
+    return std::make_pair(work[t].grad, work[t].grad_type);
+  }));
+  float inv = 1.0f;
+  if (scaling.grad_scale.has_value()) inv = 1.0f / float(*scaling.grad_scale);
+  // Every |g| / grad_scale <= norm, so a finite norm proves that unscaling stays finite (traps.md #14). The square
+  // root is torch's own (a one-element tensor op, as in _scaling): torch's CPU float sqrt is not always correctly
+  // rounded (MKL's vector math), and std::sqrt would then differ from it in the last bit.
+  scaling.norm = at::scalar_tensor(sum, at::TensorOptions().dtype(at::kFloat)).sqrt().item<float>() * inv;
+  if (scaling.max_grad_norm.has_value()) {
+    const float coef = (1.0f / (scaling.norm + 1e-6f)) * float(*scaling.max_grad_norm);
+    inv = inv * (coef > 1.0f ? 1.0f : coef);  // torch.clamp(max=1.0): NaN stays NaN (and the step is skipped)
+  }
+  scaling.skip = nonfinite || !std::isfinite(scaling.norm) || found_inf;
+  if (scaling.skip) return c10::nullopt;
+  return double(inv);
 }
 
 at::Tensor grad_stats_cpu(at::TensorList tensors) {
@@ -726,117 +835,217 @@ at::Tensor grad_stats_cpu(at::TensorList tensors) {
 // ---- AdamPlan: one bucket's params and states, resolved once for many steps -----------------------------------
 
 // With thousands of small tensors, converting and checking four tensor lists per call cost more than the update's
-// bytes: every tensor's metadata is cold again by the next step. A plan validates the params and states once and
-// keeps the states' data pointers, so a step reads only each param and its .grad. It holds references to its
-// tensors; states must not be replaced or resized in place while it lives (FusedAdam drops its plans whenever it
-// replaces states). Params may change (p.data = ...) as long as their shapes and float64-ness do not.
+// bytes: every tensor's metadata is cold again by the next step. A plan validates its tensors once and keeps the
+// states' data pointers, so a step reads only what may have changed. It is a cache that cannot be wrong: check(),
+// before every step, compares each tensor it holds with what it was when the plan was made (Watch) and re-resolves
+// the data pointers of storages that were re-allocated in place; anything else that changed makes check() fail, and
+// FusedAdam plans again (validating everything) before anything is written.
 class AdamPlan : public torch::CustomClassHolder {
  public:
   AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
            std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> master_params,
            std::vector<at::Tensor> exp_avg_scales, std::vector<at::Tensor> exp_avg_sq_scales,
-           std::vector<at::Tensor> max_exp_avg_sq_scales, at::Tensor steps, std::vector<at::Tensor> idle_params)
-      : params_(std::move(params)),
-        exp_avgs_(std::move(exp_avgs)),
+           std::vector<at::Tensor> max_exp_avg_sq_scales, at::Tensor steps, std::vector<int64_t> param_objects,
+           std::vector<int64_t> idle_objects)
+      : exp_avgs_(std::move(exp_avgs)),
         exp_avg_sqs_(std::move(exp_avg_sqs)),
         max_exp_avg_sqs_(std::move(max_exp_avg_sqs)),
         master_params_(std::move(master_params)),
         exp_avg_scales_(std::move(exp_avg_scales)),
         exp_avg_sq_scales_(std::move(exp_avg_sq_scales)),
         max_exp_avg_sq_scales_(std::move(max_exp_avg_sq_scales)),
-        steps_(std::move(steps)),
-        idle_params_(std::move(idle_params)) {
+        steps_(std::move(steps)) {
     const StateLists states{exp_avgs_,       exp_avg_sqs_,       max_exp_avg_sqs_,      master_params_,
                             exp_avg_scales_, exp_avg_sq_scales_, max_exp_avg_sq_scales_};
-    is_double_ = check_params_and_states(params_, states, steps_);
-    work_ = state_work(params_, states);
+    is_double_ = check_params_and_states(params, states, steps_);
+    work_ = state_work(params, states);
     items_ = work_items(work_);
-    for (const at::Tensor& p : params_) {
-      size_offsets_.push_back(int64_t(sizes_.size()));
-      sizes_.insert(sizes_.end(), p.sizes().begin(), p.sizes().end());
+    // Per param, its tensors in a fixed order: the param, then its states (in state_lists_ order); then the steps.
+    const std::vector<at::Tensor>* lists[] = {&exp_avgs_,       &exp_avg_sqs_,       &max_exp_avg_sqs_, &master_params_,
+                                              &exp_avg_scales_, &exp_avg_sq_scales_, &max_exp_avg_sq_scales_};
+    for (const auto* list : lists) {
+      if (!list->empty()) state_lists_.push_back(list);
+    }
+    per_param_ = 1 + state_lists_.size();
+    TORCH_CHECK(param_objects.size() == params.size(), "ort_optim.AdamPlan: one Python object per param");
+    for (size_t i = 0; i < params.size(); ++i) {
+      params_.push_back(reinterpret_cast<PyObject*>(param_objects[i]));
+      TORCH_CHECK(tensor_of(params_[i]).unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl(),
+                  "ort_optim.AdamPlan: param_objects[", i, "] is not params[", i, "]");
+      watches_.push_back(watch(params[i]));
+      for (const auto* list : state_lists_) watches_.push_back(watch((*list)[i]));
+    }
+    watches_.push_back(watch(steps_));
+    for (int64_t q : idle_objects) {
+      idle_params_.push_back(reinterpret_cast<PyObject*>(q));
+      idle_impls_.push_back(tensor_of(idle_params_.back()).unsafeGetTensorImpl());
+    }
+  }
+
+  // Whether this plan can step now: every tensor it holds is as it was (data pointers of storages re-allocated in
+  // place are re-resolved), every param has a usable gradient and no idle param has one. -1 when it can; else the
+  // position of the first param that cannot (params.size() + j for idle_params[j]). Writes no tensor. step() and
+  // grad_stats() need a successful check() first.
+  int64_t check() {
+    release();
+    const size_t n = params_.size();
+    for (size_t j = 0; j < idle_params_.size(); ++j) {
+      const at::Tensor& q = tensor_of(idle_params_[j]);
+      if (q.unsafeGetTensorImpl() != idle_impls_[j] || grad_of(q).defined()) return int64_t(n + j);
+    }
+    grads_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      prefetch_metadata(i);
+      const at::Tensor& p = tensor_of(params_[i]);
+      Watch* w = &watches_[i * per_param_];
+      if (p.unsafeGetTensorImpl() != w[0].impl || !still(w[0])) return release(int64_t(i));
+      for (size_t k = 1; k < per_param_; ++k) {
+        if (!still(w[k])) return release(int64_t(i));
+        if (w[k].moved) resolve_state(i, k - 1, w[k]);
+      }
+      const at::Tensor& g = grad_of(p);
+      if (!usable_grad(g, w[0])) return release(int64_t(i));
+      grads_[i] = &g;
       param_pointers_.push_back(&p);
     }
-    size_offsets_.push_back(int64_t(sizes_.size()));
+    if (!still(watches_.back())) return release(int64_t(n));
+    checked_ = true;
+    return -1;
   }
 
-  // Whether every param has a gradient and no idle param has one (if not, FusedAdam plans again); raises if a
-  // gradient cannot be used.
-  bool ready() {
-    std::vector<const at::Tensor*> grads;
-    return collect_grads(grads);
-  }
-
-  // One step with the params' current gradients; false (and nothing written) if a param has none or an idle one
-  // has one.
-  bool step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
+  // One step with the params' current gradients, after a successful check().
+  void step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
             bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
-            c10::optional<at::Tensor> inv_grad_scale, c10::optional<at::Tensor> found_inf) {
-    std::vector<const at::Tensor*> grads;
-    if (!collect_grads(grads)) return false;
-    const StepOptions options{lr,       beta1,     beta2,          eps,      weight_decay, mode, bias_correction,
-                              maximize, lr_tensor, inv_grad_scale, found_inf};
-    update(work_, items_, param_pointers_, grads, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
+            c10::optional<at::Tensor> inv_grad_scale, c10::optional<at::Tensor> found_inf,
+            c10::optional<at::Tensor> grad_scale) {
+    TORCH_CHECK(checked_, "ort_optim.AdamPlan: step() needs a successful check() first");
+    const StepOptions options{lr,       beta1,     beta2,          eps,       weight_decay, mode, bias_correction,
+                              maximize, lr_tensor, inv_grad_scale, found_inf, grad_scale};
+    update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
            options);
-    return true;
+    release();
   }
 
-  // grad_stats over the params' current gradients; an empty tensor when ready() would be false.
+  // grad_stats over the params' current gradients, after a successful check().
   at::Tensor grad_stats() {
-    std::vector<const at::Tensor*> grads;
-    if (!collect_grads(grads)) return at::empty({0}, at::TensorOptions().dtype(at::kFloat));
-    return grad_stats_of(grads);
+    TORCH_CHECK(checked_, "ort_optim.AdamPlan: grad_stats() needs a successful check() first");
+    return grad_stats_of(grads_);
   }
 
  private:
-  bool collect_grads(std::vector<const at::Tensor*>& grads) {
-    for (const at::Tensor& q : idle_params_) {
-      if (grad_of(q).defined()) return false;
+  // Forgets what check() resolved for the step; passes a result through.
+  int64_t release(int64_t result = -1) {
+    checked_ = false;
+    param_pointers_.clear();
+    return result;
+  }
+
+  // The tensor of a Python tensor object. The plan may read it: FusedAdam checks a plan only while the group's
+  // params list, which holds these objects, is the one the plan was made from.
+  static const at::Tensor& tensor_of(PyObject* object) { return THPVariable_Unpack(object); }
+
+  // What a tensor was when the plan was made. The plan holds the tensor (params weakly: see params_) and its storage
+  // (so that a storage freed and another allocated in its place cannot look the same); check() compares the rest at
+  // every step.
+  struct Watch {
+    const c10::TensorImpl* impl;  // (a param's: compared with its Python object's, which swap_tensors changes)
+    c10::Storage storage;         // the storage it viewed
+    const void* data;             // the storage's data when last resolved
+    int64_t offset;
+    size_t bytes;  // storage bytes the view reaches
+    caffe2::TypeMeta dtype;
+    uint32_t geometry;   // its sizes, then its strides: geometry_[geometry, geometry + 2 * dim)
+    uint16_t dim;
+    bool moved = false;  // the storage's data moved (re-allocated in place) at the last check()
+  };
+
+  Watch watch(const at::Tensor& t) {
+    const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    Watch w{impl,      t.storage(), t.storage().data(), t.storage_offset(), bytes_needed(t), t.dtype(),
+            uint32_t(geometry_.size()), uint16_t(t.dim())};
+    geometry_.insert(geometry_.end(), t.sizes().begin(), t.sizes().end());
+    geometry_.insert(geometry_.end(), t.strides().begin(), t.strides().end());
+    return w;
+  }
+
+  // Whether the tensor still views the same storage the same way, and that storage still holds the view; records
+  // whether the storage's data moved (the same storage re-allocated: resize_(0), then resize_(n)).
+  bool still(Watch& w) const {
+    const c10::TensorImpl* impl = w.impl;
+    const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+    if (storage != w.storage.unsafeGetStorageImpl() || impl->storage_offset() != w.offset ||
+        impl->dtype() != w.dtype || storage->nbytes() < w.bytes) {
+      return false;
     }
-    grads.resize(params_.size());
-    for (size_t i = 0; i < params_.size(); ++i) {
-      prefetch_metadata(i);
-      const at::Tensor& p = params_[i];
-      const at::Tensor& g = grad_of(p);
-      if (!g.defined()) return false;
-      // A param may have been given new data since the plan was made: it must still fit its states.
-      TORCH_CHECK(check_param(p, i, !master_params_.empty()) == is_double_ &&
-                      p.sizes() == c10::IntArrayRef(sizes_.data() + size_offsets_[i],
-                                                    size_offsets_[i + 1] - size_offsets_[i]),
-                  "ort_optim::adam_step_: params[", i, "] now has shape ", p.sizes(), " and dtype ",
-                  p.scalar_type(), ", which its optimizer states were not made for");
-      check_grad(g, p, i, is_double_);
-      grads[i] = &g;
+    const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+    const int64_t* geometry = geometry_.data() + w.geometry;
+    if (sizes.size() != w.dim || !std::equal(sizes.begin(), sizes.end(), geometry) ||
+        !std::equal(strides.begin(), strides.end(), geometry + w.dim)) {
+      return false;
     }
+    w.moved = storage->data() != w.data;
+    if (w.moved) w.data = storage->data();
     return true;
+  }
+
+  // A state's storage was re-allocated in place: point the kernel's view at the new memory (same offset).
+  void resolve_state(size_t i, size_t slot, const Watch& w) {
+    const auto* list = state_lists_[slot];
+    void* data = (*list)[i].data_ptr();  // (materialises a copy-on-write storage)
+    TensorWork& tw = work_[i];
+    if (list == &exp_avgs_) tw.exp_avg = data;
+    if (list == &exp_avg_sqs_) tw.exp_avg_sq = data;
+    if (list == &max_exp_avg_sqs_) tw.max_exp_avg_sq = data;
+    if (list == &master_params_) tw.master = static_cast<float*>(data);
+    if (list == &exp_avg_scales_) tw.exp_avg_scale = static_cast<float*>(data);
+    if (list == &exp_avg_sq_scales_) tw.exp_avg_sq_scale = static_cast<float*>(data);
+    if (list == &max_exp_avg_sq_scales_) tw.max_exp_avg_sq_scale = static_cast<float*>(data);
+  }
+
+  // What the op's check_grad accepts, without raising: FusedAdam's own validation names the param when it is not.
+  bool usable_grad(const at::Tensor& g, const Watch& param) const {
+    if (!g.defined() || g.layout() != at::kStrided || !g.device().is_cpu()) return false;
+    const at::ScalarType gt = g.scalar_type();
+    if (!(is_double_ ? gt == at::kDouble : is_float_storage(gt))) return false;
+    const c10::IntArrayRef sizes = g.sizes();
+    if (sizes.size() != param.dim || !std::equal(sizes.begin(), sizes.end(), geometry_.data() + param.geometry)) {
+      return false;
+    }
+    return g.has_storage() && g.storage().nbytes() >= bytes_needed(g);
   }
 
   // p.grad without Tensor::grad()'s is_leaf() check, which costs a call per param and warns for a non-leaf param
   // without a gradient (an idle param may be one).
   static const at::Tensor& grad_of(const at::Tensor& p) { return p.unsafeGetTensorImpl()->grad(); }
 
-  // What collect_grads reads of a param is a chain of dependent pointers (TensorImpl, then its storage and autograd
-  // meta, then the grad's TensorImpl and storage), all cold again by the next step. Walked one param at a time, the
-  // core waits on one miss after another; prefetching each link a few params ahead keeps several in flight.
+  // What check() reads is a chain of dependent pointers per param (its Python object, TensorImpl, then its storage
+  // and autograd meta, then the grad's TensorImpl and storage; the states' TensorImpls), all cold by the next step.
+  // Walked one param at a time, the core waits on one miss after another; prefetching each link a few params ahead
+  // keeps several in flight.
   void prefetch_metadata(size_t i) const {
     const size_t n = params_.size();
-    if (i + 12 < n) prefetch_object(params_[i + 12].unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
+    if (i + 16 < n) prefetch_object(params_[i + 16], 64);
+    if (i + 12 < n) {
+      prefetch_object(tensor_of(params_[i + 12]).unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
+      const Watch* w = &watches_[(i + 12) * per_param_];
+      for (size_t k = 1; k < per_param_; ++k) prefetch_object(w[k].impl, sizeof(c10::TensorImpl));
+    }
     if (i + 8 < n) {
-      const c10::TensorImpl* impl = params_[i + 8].unsafeGetTensorImpl();
+      const c10::TensorImpl* impl = tensor_of(params_[i + 8]).unsafeGetTensorImpl();
       prefetch_object(impl->unsafe_storage().unsafeGetStorageImpl(), 64);
       if (const auto* meta = impl->autograd_meta()) prefetch_object(meta, 128);
     }
     if (i + 4 < n) {
-      const auto* meta = params_[i + 4].unsafeGetTensorImpl()->autograd_meta();
+      const auto* meta = tensor_of(params_[i + 4]).unsafeGetTensorImpl()->autograd_meta();
       const at::Tensor* grad = meta ? &meta->grad() : nullptr;
-      if (grad && grad->defined()) {
-        const c10::TensorImpl* impl = grad->unsafeGetTensorImpl();
-        prefetch_object(impl, sizeof(c10::TensorImpl));
-      }
+      if (grad && grad->defined()) prefetch_object(grad->unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
     }
     if (i + 2 < n) {
-      const auto* meta = params_[i + 2].unsafeGetTensorImpl()->autograd_meta();
+      const auto* meta = tensor_of(params_[i + 2]).unsafeGetTensorImpl()->autograd_meta();
       const at::Tensor* grad = meta ? &meta->grad() : nullptr;
-      if (grad && grad->defined()) prefetch_object(grad->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), 64);
+      if (grad && grad->defined()) {
+        prefetch_object(grad->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), 64);
+      }
     }
   }
 
@@ -844,17 +1053,56 @@ class AdamPlan : public torch::CustomClassHolder {
     for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(object) + b);
   }
 
-  std::vector<at::Tensor> params_, exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, master_params_, exp_avg_scales_,
+  // The params are known by their Python objects, not held: torch.utils.swap_tensors refuses a tensor that anything
+  // else holds a reference to (strong or weak), and it is how model.to() converts params in place. Each step reads
+  // the param's current tensor from its Python object and compares it with the one planned.
+  std::vector<PyObject*> params_;
+  std::vector<at::Tensor> exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, master_params_, exp_avg_scales_,
       exp_avg_sq_scales_, max_exp_avg_sq_scales_;
   at::Tensor steps_;
   // Params of the same param group that had no gradient when the plan was made (frozen ones, say): the plan is only
   // valid while they still have none.
-  std::vector<at::Tensor> idle_params_;
+  std::vector<PyObject*> idle_params_;
+  std::vector<const c10::TensorImpl*> idle_impls_;
   bool is_double_ = false;
+  bool checked_ = false;
   std::vector<TensorWork> work_;
   std::vector<WorkItem> items_;
-  std::vector<const at::Tensor*> param_pointers_;
-  std::vector<int64_t> sizes_, size_offsets_;  // each param's shape when the plan was made
+  std::vector<const at::Tensor*> param_pointers_, grads_;
+  std::vector<const std::vector<at::Tensor>*> state_lists_;  // the non-empty state lists, in the schema's order
+  size_t per_param_ = 1;                                     // watches per param: the param and its states
+  std::vector<Watch> watches_;                               // per param i: [i * per_param_, (i + 1) * per_param_)
+  std::vector<int64_t> geometry_;
+
+ public:
+  // step() with loss-scale unscaling, the inf/NaN check and global-norm clipping, after a successful check(): sums
+  // the squares of the gradients check() resolved, computes the multiplier on the host (FusedAdam._scaling's float32
+  // math, no tensor ops) and steps unless it must skip. Returns float32 [unscaled global norm, 1.0 if skipped].
+  at::Tensor step_scaled(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
+                         bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
+                         c10::optional<at::Tensor> grad_scale, c10::optional<double> max_grad_norm,
+                         c10::optional<at::Tensor> found_inf) {
+    TORCH_CHECK(checked_, "ort_optim.AdamPlan: step_scaled() needs a successful check() first");
+    // The scale is read here, not in Python: a CPU scalar read by the CPU kernel, like the gradients (FusedAdam
+    // takes this path only when grad_scale lives on the CPU).
+    c10::optional<double> scale;
+    if (grad_scale.has_value()) {
+      TORCH_CHECK(grad_scale->device().is_cpu() && grad_scale->numel() == 1,
+                  "ort_optim.AdamPlan: grad_scale must be a one-element CPU tensor");
+      scale = grad_scale->to(at::kDouble).item<double>();
+    }
+    Scaling scaling{scale, max_grad_norm};
+    StepOptions options{lr,       beta1,     beta2,        eps,      weight_decay, mode, bias_correction,
+                        maximize, lr_tensor, c10::nullopt, found_inf};
+    options.scaling = &scaling;
+    update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
+           options);
+    release();
+    at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kFloat));
+    out.data_ptr<float>()[0] = scaling.norm;
+    out.data_ptr<float>()[1] = scaling.skip ? 1.0f : 0.0f;
+    return out;
+  }
 };
 
 }  // namespace
@@ -864,16 +1112,18 @@ TORCH_LIBRARY_IMPL(ort_optim, CPU, m) {
   m.impl("grad_stats", &grad_stats_cpu);
 }
 
-// A CPU-only helper class rather than an op: it has no schema of its own, and FusedAdam falls back to the
-// adam_step_ op wherever it is not available (other backends, torch.compile).
+// A CPU-only helper class rather than an op: it has no schema of its own, and FusedAdam calls the adam_step_ op
+// wherever it is not available (other backends, torch.compile).
 TORCH_LIBRARY_FRAGMENT(ort_optim, m) {
   m.class_<AdamPlan>("AdamPlan")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, std::vector<at::Tensor>>())
-      .def("ready", &AdamPlan::ready)
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>,
+                       std::vector<int64_t>>())
+      .def("check", &AdamPlan::check)
       .def("step", &AdamPlan::step)
-      .def("grad_stats", &AdamPlan::grad_stats);
+      .def("grad_stats", &AdamPlan::grad_stats)
+      .def("step_scaled", &AdamPlan::step_scaled);
 }
 
 }  // namespace ort_optim

@@ -8,13 +8,16 @@ TORCH_LIBRARY(ort_optim, m) {
   // One multi-tensor Adam step over n parameters. Optional per-parameter lists are either empty or of length n:
   // max_exp_avg_sqs (amsgrad), master_params (fp32 masters of fp16/bf16 params), and the per-block scales of fp16
   // moment states. steps holds each parameter's step count (float64, exact to 2**53) and is advanced by one unless
-  // found_inf is non-zero, in which case nothing at all is written.
+  // found_inf is non-zero, in which case nothing at all is written. grad_scale: the loss scale the gradients carry;
+  // when given, every gradient is written back unscaled, grads[i] / grad_scale (as torch's fused AdamW does), while
+  // the update itself uses inv_grad_scale.
   m.def(
-      "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "adam_step_(Tensor(a!)[] params, Tensor(j!)[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, Tensor(f!)[] exp_avg_scales, "
       "Tensor(g!)[] exp_avg_sq_scales, Tensor(h!)[] max_exp_avg_sq_scales, Tensor(i!) steps, *, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, int adam_w_mode, bool bias_correction, "
-      "bool maximize, Tensor? lr_tensor=None, Tensor? inv_grad_scale=None, Tensor? found_inf=None) -> ()");
+      "bool maximize, Tensor? lr_tensor=None, Tensor? inv_grad_scale=None, Tensor? found_inf=None, "
+      "Tensor? grad_scale=None) -> ()");
   // One pass over many gradients: returns float32 [2] = [sum of squares, 1.0 if any element is inf/NaN else 0.0].
   // The sum is accumulated in float64 on the CPU, in a fixed order (deterministic for any thread count).
   m.def("grad_stats(Tensor[] tensors) -> Tensor");

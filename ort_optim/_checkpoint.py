@@ -17,6 +17,7 @@ three functions and nothing else.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -114,9 +115,19 @@ def canonical(state_dict: dict) -> dict:
     for group in state_dict["param_groups"]:
         # tensor-valued entries (an lr tensor, a scheduler's initial_lr) are copies too: a scheduler that fills the lr
         # in place must not write into a saved checkpoint, nor the checkpoint's user into the optimizer
-        groups.append({key: value.detach().clone() if isinstance(value, torch.Tensor) else value
-                       for key, value in group.items()})
+        groups.append({key: value if key == "params" else _copy(value) for key, value in group.items()})
     return {"state": state, "param_groups": groups}
+
+
+def _copy(value: Any) -> Any:
+    """A copy of a group entry: tensors cloned, containers rebuilt, other values shared (they are immutable)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy(item) for item in value) if type(value) in (list, tuple) else copy.deepcopy(value)
+    return value
 
 
 # ---- validation of single values -----------------------------------------------------------------------------------
@@ -250,10 +261,10 @@ def prepare_load(param_groups: list[dict], state_dict: Any, init_state: Callable
         if key not in state_dict:
             raise ValueError(f"state_dict must be a dict with 'state' and 'param_groups' (from "
                              f"optimizer.state_dict()); {entry(key)} is missing")
-    unknown = sorted(map(str, set(state_dict) - {"state", "param_groups"}))
-    if unknown:
-        raise ValueError(f"state_dict has unknown keys {unknown}; an optimizer checkpoint has only 'state' and "
-                         "'param_groups' (pass the optimizer's part of a bigger checkpoint)")
+    for key in state_dict:
+        if key not in ("state", "param_groups"):
+            raise ValueError(f"{entry(key)}: unknown key; an optimizer checkpoint has only 'state' and "
+                             "'param_groups' (pass the optimizer's part of a bigger checkpoint)")
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
     if not isinstance(saved_groups, (list, tuple)):
         raise TypeError(f"{entry('param_groups')} must be a list of dicts, got {_show(saved_groups)}")
@@ -299,8 +310,8 @@ def prepare_load(param_groups: list[dict], state_dict: Any, init_state: Callable
         new_group = {key: value for key, value in group.items()}
         for key, value in saved.items():
             if key not in ("params", "step") and key not in TORCH_IMPLEMENTATION_KEYS:
-                # copies of tensors (an lr tensor): the scheduler fills the lr in place, the dict stays untouched
-                new_group[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+                # copies (an lr tensor: the scheduler fills it in place), so the given dict stays untouched
+                new_group[key] = _copy(value)
         check_group_options(new_group, lambda key, gi=gi: entry("param_groups", gi, key))
         new_group["adam_w_mode"] = int(new_group["adam_w_mode"])  # a plain int, so checkpoints load with weights_only
         new_group["betas"] = tuple(new_group["betas"])
@@ -316,30 +327,32 @@ def prepare_load(param_groups: list[dict], state_dict: Any, init_state: Callable
             raise ValueError(f"{where}: parameter id {saved_id!r} is listed in no {entry('param_groups')}[i]"
                              "['params']")
         gi, p = id_to_param[saved_id]
-        new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], group_steps[gi], where, init_state)
+        new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], gi, group_steps[gi], where, init_state)
     for group in new_groups:
         del group["params"]
     return PreparedLoad(new_groups, new_state)
 
 
-def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_step: Optional[float], where: str,
-                           init_state: Callable[[torch.Tensor, bool], dict]) -> dict:
+def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index: int, group_step: Optional[float],
+                           where: str, init_state: Callable[[torch.Tensor, bool], dict]) -> dict:
     if not isinstance(saved, dict):
         raise TypeError(f"{where} must be a dict of state tensors, got {_show(saved)}")
-    unknown = sorted(map(str, set(saved) - set(CHECKPOINT_KEYS)))
-    if unknown:
-        raise ValueError(f"{where} has unknown keys {unknown}; an Adam state has some of {list(CHECKPOINT_KEYS)}")
+    for key in saved:
+        if key not in CHECKPOINT_KEYS:
+            raise ValueError(f"{where}[{key!r}]: unknown key; an Adam state has some of {list(CHECKPOINT_KEYS)}")
     required = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
     for key in required:
         if key not in saved:
-            raise ValueError(f"{where} has no {key!r}" + (" (the group has amsgrad=True)"
-                                                           if key == "max_exp_avg_sq" else ""))
+            raise ValueError(f"{where} has no {key!r}" + (
+                f", which its group's amsgrad=True needs ({entry('param_groups', group_index, 'amsgrad')}, or this "
+                "optimizer's where the checkpoint has none)" if key == "max_exp_avg_sq" else ""))
     if "step" in saved:
         step = check_step(saved["step"], f"{where}['step']")
     elif group_step is not None:
         step = group_step
     else:
-        raise ValueError(f"{where} has no 'step' (nor does its param group have one, as ORT's FusedAdam saves)")
+        raise ValueError(f"{where} has no 'step' (nor does its param group, {entry('param_groups', group_index)}, "
+                         "have one, as ORT's FusedAdam saves)")
     values = {key: _check_moment(saved[key], p, key, f"{where}[{key!r}]")
               for key in MOMENT_KEYS + ("master_param",) if key in saved}
 

@@ -3,7 +3,8 @@
 ``from ort_optim.fp16_optimizer import FP16_Optimizer`` mirrors ``onnxruntime.training.optim.fp16_optimizer``:
 ``FP16_Optimizer(optimizer, **kwargs)`` accepts
 
-* any ``torch.optim.Optimizer`` (ours or torch's): the result is an :class:`FP16_Optimizer` wrapper that scales the
+* any ``torch.optim.Optimizer`` (ours, torch's, DeepSpeed's plain ones such as ``DeepSpeedCPUAdam``): the result is
+  an :class:`FP16_Optimizer` wrapper (a torch optimizer to hooks, schedulers and checkpoints) that scales the
   loss, keeps fp32 master weights for fp16/bf16 parameters, unscales and checks the gradients with multi-tensor ops,
   clips, and updates or skips (guides/fp16-optimizer.md);
 * a DeepSpeed ZeRO stage 1/2 optimizer (what ``deepspeed.initialize`` returns): its overflow check and gradient-norm
@@ -22,10 +23,9 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -592,13 +592,9 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         self._grad_buffers: dict[int, torch.Tensor] = {}  # id(master) -> persistent fp32 gradient buffer
         self._max_grad_norm: Optional[float] = None
         if fused:
-            low = [p for g in optimizer.param_groups for p in g["params"] if p.dtype in LOW_PRECISION]
-            if not optimizer.master_weights:
-                # Also with no fp16/bf16 param yet: groups added later then get masters too. FusedAdam creates
-                # state lazily, at a param's first step, so masters start there.
-                optimizer.master_weights = True
-                if low:
-                    optimizer._plans.clear()
+            # Also with no fp16/bf16 param yet: groups added later then get masters too. FusedAdam creates state
+            # lazily, at a param's first step, so masters start there (no fp16/bf16 param has state: checked above).
+            optimizer.master_weights = True
             if max_grad_norm is not None:
                 optimizer.max_grad_norm = max_grad_norm
         else:
@@ -1061,6 +1057,8 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"a load_state_dict pre hook returned {type(state_dict).__name__}, not a dict")
         if state_dict.get("format") != STATE_FORMAT:
             raise ValueError(
                 f"not an FP16_Optimizer state_dict: state_dict['format'] must be {STATE_FORMAT!r}, got "

@@ -2,61 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from . import _checkpoint, _spec, backends
+from . import _checkpoint, _plan, _spec, backends
+from ._backward_step import BackwardStep
 from ._checkpoint import MOMENT_KEYS
+from ._plan import describe
 from ._spec import LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
 from .integrations import dtensor
 
 # State views in one flat buffer start a multiple of this many elements apart (256 bytes for float32).
 _STATE_ALIGN = 64
-
-
-@dataclass
-class _Bucket:
-    """Parameters of one param group that share (device, dtype, state dtypes, master): one op call per step."""
-
-    indices: list[int]  # positions in group["params"]
-    params: list[torch.Tensor]  # the tensors the op updates: the params, or their local pieces for DTensor params
-    exp_avgs: list[torch.Tensor] = field(default_factory=list)
-    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
-    max_exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
-    master_params: list[torch.Tensor] = field(default_factory=list)
-    exp_avg_scales: list[torch.Tensor] = field(default_factory=list)
-    exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
-    max_exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
-    steps: Optional[torch.Tensor] = None  # float64 [n]; state[p]["step"] are 0-dim views of it
-    whole_group: bool = False  # holds every param of its group, in order (the grads list can be passed as is)
-    native: Optional[backends.AdamPlan] = None  # over the lists above, when its group steps through plans
-
-
-@dataclass
-class _GroupPlan:
-    """A param group's buckets, valid while key (_plan_key) holds. native: every bucket has a native AdamPlan, and
-    together they check that key still holds (the first also watches the params without a gradient), so a step can go
-    through them without reading any grad in Python."""
-
-    key: tuple
-    buckets: list[_Bucket]
-    native: bool
-
-
-@dataclass
-class _Launch:
-    """One op call of a step: grads is None when the bucket's native plan reads the gradients itself."""
-
-    group_index: int
-    group: dict
-    bucket: _Bucket
-    grads: Optional[list[torch.Tensor]]
-
-
-def _describe(group_index: int, index: int, param: torch.Tensor) -> str:
-    return f"param_groups[{group_index}]['params'][{index}] (shape {tuple(param.shape)}, {param.dtype})"
 
 
 def _check_hyperparameters(group: dict, where: str) -> None:
@@ -85,72 +44,6 @@ def _check_hyperparameters(group: dict, where: str) -> None:
 def _check_dtype_option(name: str, dtype: Optional[torch.dtype]) -> None:
     if dtype is not None and dtype not in STATE_DTYPES:
         raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
-
-
-def _may_overlap_itself(p: torch.Tensor) -> bool:
-    """False when the strides prove that no two elements of p share memory (dims sorted by stride, each stride
-    exceeds the extent of the smaller ones); True when they may (an expand()ed tensor, exotic strides)."""
-    dims = sorted((st, sz) for st, sz in zip(p.stride(), p.shape) if sz > 1)
-    extent = 0
-    for stride, size in dims:
-        if stride <= extent:
-            return True
-        extent += stride * (size - 1)
-    return False
-
-
-def _element_offsets(p: torch.Tensor, base: int) -> torch.Tensor:
-    """Storage offsets (in elements, minus base) of every element of p."""
-    last = p.storage_offset() + sum(st * (sz - 1) for st, sz in zip(p.stride(), p.shape))
-    index = torch.arange(last + 1 - base, dtype=torch.int64)
-    return index.as_strided(p.shape, p.stride(), p.storage_offset() - base).reshape(-1)
-
-
-def _find_overlap(entries: list[tuple[int, int, torch.Tensor]]) -> Optional[tuple[tuple, Optional[tuple]]]:
-    """The first parameter that overlaps itself, (entry, None), or the first pair of overlapping parameters,
-    (entry, entry), among (group_index, index, param) entries; None when all of them own their memory."""
-    by_storage: dict[tuple, list[tuple[int, int, torch.Tensor]]] = {}
-    for entry in entries:
-        p = entry[2]
-        if p.numel() == 0:
-            continue
-        if p.dim() > 0 and not p.is_contiguous() and _may_overlap_itself(p):
-            offsets = _element_offsets(p, p.storage_offset())
-            if offsets.unique().numel() < offsets.numel():
-                return entry, None
-        by_storage.setdefault((p.device, p.untyped_storage().data_ptr()), []).append(entry)
-    for shared in by_storage.values():
-        if len(shared) < 2:
-            continue
-        # byte ranges first: views that split one flat buffer into disjoint pieces need nothing more
-        spans = []
-        for entry in shared:
-            p = entry[2]
-            size = p.element_size()
-            start = p.storage_offset() * size
-            end = start + size * (1 + sum(st * (sz - 1) for st, sz in zip(p.stride(), p.shape)))
-            spans.append((start, end, entry))
-        spans.sort(key=lambda s: s[0])
-        for (s0, e0, a), (s1, e1, b) in zip(spans, spans[1:]):
-            if s1 >= e0:
-                continue
-            pa, pb = a[2], b[2]
-            if pa.element_size() != pb.element_size() or pa.is_contiguous() and pb.is_contiguous():
-                return a, b  # contiguous ranges that intersect, or views of one buffer with different dtypes
-            base = min(pa.storage_offset(), pb.storage_offset())  # interleaved views: compare element by element
-            if torch.isin(_element_offsets(pa, base), _element_offsets(pb, base)).any():
-                return a, b
-        # (a range can also reach past its successor: check every pair whose ranges intersect)
-        for i, (s0, e0, a) in enumerate(spans):
-            for s1, e1, b in spans[i + 2:]:
-                if s1 >= e0:
-                    break
-                pa, pb = a[2], b[2]
-                base = min(pa.storage_offset(), pb.storage_offset())
-                if pa.element_size() != pb.element_size() or torch.isin(
-                        _element_offsets(pa, base), _element_offsets(pb, base)).any():
-                    return a, b
-    return None
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -193,36 +86,104 @@ class FusedAdam(torch.optim.Optimizer):
             corrections already live on the device and step() never synchronises; this additionally refuses what a
             graph cannot replay: an lr tensor on another device, a float grad_scale. A float lr is baked into the
             graph at capture: to change it between replays, make it a device tensor and update it in place.
+        step_in_backward: update each parameter during backward, as soon as its gradient is complete, and free the
+            gradient (default False); see below.
         process_group: a torch.distributed group over which plain (non-DTensor) params are replicas, as under DDP:
             the clipping norm (counting each replica once) and the inf/NaN skip become one decision for the group, in
             one all-reduce of two floats per step (default None: each process decides alone, as torch's optimizers;
-            DTensor params are reduced over their meshes' ranks without it). See guides/distributed.md.
+            DTensor params are reduced over their meshes' ranks without it). See "Distributed training" below.
 
-    On the CPU, each bucket keeps a native plan (ops/README.md, "AdamPlan") that validated its params and states
-    once; from the second step on, steps go through it and read the gradients in C++, so a step over thousands of
-    small tensors costs their bytes, not their metadata. It is a cache: same checks, same bits as the op, rebuilt
-    whenever the set of params with gradients changes (params that never get one, frozen ones, are fine) or states
-    are replaced.
+    A step is ``plan -> backend op``: the optimizer caches, across steps, its buckets (params grouped by device,
+    dtype, state dtypes and master) with their state tensors and, on the native CPU backend, a native plan per
+    bucket (ops/README.md, "AdamPlan") that holds them and reads each param's ``.grad`` in C++, so a step over
+    thousands of small tensors costs their bytes, not their metadata. The cache cannot be wrong: every step first
+    checks that it still describes the optimizer (ort_optim/_plan.py), and plans again, validating everything, when
+    it does not. It notices, as ``torch.optim.AdamW`` would:
+
+    * any change to ``optimizer.state`` (a container that counts its mutations): ``state.clear()`` or
+      ``del state[p]`` restarts those params at step 1 with fresh moments; tensors assigned to ``state[p][key]``
+      become the state from then on. An assigned moment (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) of the
+      param's shape, device and float64-ness is used as is when it already has the dtype this optimizer keeps for
+      that param (contiguous; for block-scaled fp16 moments, float16 codes with a valid ``<key>_scale``); any other
+      floating-point tensor is taken as the values and adopted, i.e. copied into that layout (quantised with fresh
+      block scales for fp16). An assigned ``step`` (a one-element tensor or a number, a whole number >= 0) is
+      adopted. A missing key, a wrong shape, device or float64-ness, a non-tensor or a freed storage is refused,
+      naming the param and the key. A dict assigned to ``state[p]`` is stored as a copy (mutate
+      ``optimizer.state[p]`` afterwards, not that dict);
+    * params replaced in, appended to, or removed from ``param_groups[i]['params']`` (or a new list put there): new
+      params get fresh state; a group's ``amsgrad`` switched; ``master_weights`` or the state dtype options changed;
+      another backend selected (``ORT_OPTIM_BACKEND``);
+    * per tensor (params, grads, states, masters, scales, steps): a new storage, data pointer, storage size, dtype,
+      shape or strides. A storage re-allocated in place (``untyped_storage().resize_(0)`` then ``resize_(n)``, as
+      CPU offload and FSDP do) is followed: the step writes where the data now is. ``p.data = ...`` and
+      ``torch.utils.swap_tensors`` (``model.to()`` with swap-on-conversion) give the param new data: its state
+      follows the Python param (as in torch), converted as above if its dtype changed.
+
+    Refused before anything is written, naming ``param_groups[i]['params'][j]``: a storage still freed at step time,
+    a param that changed shape or switched to or from float64 under its state, a state with a ``master_param`` for a
+    param that keeps none, and params that overlap (below).
 
     Each parameter has its own step count (as torch), so a parameter that first gets a gradient late gets a correct
     first update; parameters without a gradient are skipped entirely. Parameters must not share memory: overlapping
-    views of one storage (or an ``expand()``-ed param) are refused at the first step, as they would be updated twice;
-    disjoint views of one buffer are fine. A step that raises (bad gradient, bad hyperparameter) changes nothing.
+    views of one storage (or an ``expand()``-ed param) are refused whenever the optimizer plans (at the first step,
+    and after a param gets new data), as they would be updated twice; disjoint views of one buffer are fine. A step
+    that raises (bad gradient, bad hyperparameter, anything above) changes nothing.
 
-    Distributed training (guides/distributed.md): DTensor params (FSDP2 ``fully_shard``, tensor parallel, 2D meshes)
-    are stepped through their local pieces, and the states are local tensors shaped like them; ``state_dict()`` hands
-    them back as DTensors laid out like their params, so ``torch.distributed.checkpoint`` saves and reshards them.
-    The clipping norm and the inf/NaN skip are global: one all-reduce of [sum of squares, inf flag] per step (two
-    floats, no host sync) over the ranks of the params' meshes, each piece counted once however often it is
-    replicated. Plain params replicated by DDP (or any data-parallel scheme) get the same with ``process_group=``.
+    ``step_in_backward=True`` registers a post-accumulate-grad hook on every param that requires a gradient
+    (ort_optim/_backward_step.py). When backward has accumulated a param's gradient, the hook applies this
+    optimizer's update to that param alone (the math above, unchanged: the same kernel, per-tensor step count and
+    bias corrections, fp16 block scales; the results equal step()'s bit for bit) and sets ``p.grad = None``. The
+    model's gradients thus never all exist at once: peak memory drops by up to their size, and the update reads each
+    gradient while it is still in cache. ``step()`` then only updates params whose hook did not fire (gradients set
+    by hand, params made trainable after construction); ``zero_grad()`` is harmless. Works with every option that
+    acts per parameter (modes, amsgrad, maximize, masters, low-precision moments, lr tensors, param groups). What
+    needs every gradient before the first update is refused: ``max_grad_norm`` (ValueError here), ``grad_scale`` and
+    ``found_inf`` (ValueError from step(), which is how ``torch.amp.GradScaler`` and loss scaling come in; by then
+    backward has already updated the params with the scaled gradients, so fix the setup rather than catching the
+    error), and params that share memory (ValueError here). Gradient accumulation: run the backward calls of all
+    micro-batches but the last inside :meth:`accumulate`. A bad gradient or hyperparameter raises a ValueError out
+    of backward naming the param, which is left unchanged; params updated earlier in the same backward stay updated.
+    The hooks hold the optimizer weakly: a deleted optimizer updates nothing. Under ORTModule (onnxruntime-training
+    1.19.2, torch 2.4.1) the hooks fire as in eager PyTorch and the updates are the same, but ORT's backward hands
+    over all the module's gradients at once, so the memory saving is only that no gradient outlives its update.
+    Differs from torch's recipe (a torch optimizer per param, stepped in a hook) in that one optimizer keeps the
+    param groups, the checkpoint layout and ``step()``. :attr:`last_grad_norm` and :attr:`last_found_inf` stay None
+    for updates made in backward.
+
+    Distributed training (guides/distributed.md). DTensor params (FSDP2 ``fully_shard`` with or without a
+    ``MixedPrecisionPolicy``, tensor parallel, 2D meshes) are planned and stepped through their local pieces, one op
+    call per bucket as for plain params, with every option above; a gradient must be laid out like its param
+    (``Partial`` gradients are refused, naming the param). The plan holds the local pieces and notices when an engine
+    gives a DTensor another local tensor or frees and re-allocates its storage (FSDP2 does both), as above. The
+    clipping norm, :attr:`last_grad_norm` and the inf/NaN skip are global: when ``max_grad_norm`` or ``grad_scale``
+    is given, each rank sums the squares of its gradient pieces, each weighted by 1 / (the ranks holding the same
+    elements: a replicated TP bias counts once), and one ``all_reduce(SUM)`` of ``[sum of squares, inf flag]`` (two
+    float32s, no host sync) over the params' meshes' ranks makes one decision for all; without either, the step
+    communicates nothing. Plain params replicated over ranks (DDP) get the same with ``process_group=``. Every rank of
+    the group must call ``step()`` (a rank without gradients still takes part). Where this differs from torch:
+    torch's optimizers never communicate (``clip_grad_norm_`` on DTensor gradients gathers the norm separately, and a
+    DDP rank decides its skip alone); ``optimizer.state[p]`` holds plain local tensors shaped like the param's local
+    piece, not DTensors, and ``state_dict()`` hands them back as DTensors laid out like their params (``step`` a plain
+    tensor), so ``torch.distributed.checkpoint`` saves and reshards them as torch's own; ``load_state_dict`` takes a
+    DTensor in any placement of the param's mesh, or a full plain tensor (a one-process checkpoint). The lone-bucket
+    fast path that unscales and clips inside the native plan is not taken when the decision is global.
+    ``step_in_backward`` is refused with DTensor params and with ``process_group``.
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element tensor)
     divides every gradient inside the kernel; ``found_inf`` (one-element tensor) turns the step into a no-op when
-    non-zero. When ``grad_scale`` or ``max_grad_norm`` is given, the optimizer also checks the gradients for inf/NaN
-    itself and skips the step if it finds any, or if unscaling (dividing by a ``grad_scale`` below 1) would overflow
-    (the check is on the global norm of the unscaled gradients, which must stay below float32's range, about 1.8e19);
-    :attr:`last_step_skipped` tells. A skipped step changes nothing: no
-    parameter, master, moment or step count. ``torch.amp.GradScaler`` is honoured through its protocol for fused
+    non-zero. After a step that was taken with a ``grad_scale``, ``p.grad`` holds the unscaled gradient
+    :math:`g / s` (a float32 division, float64 for float64 grads, rounded to the gradient's dtype; written by the
+    fused kernel while the gradient is in registers), exactly what ``torch.optim.AdamW(fused=True)`` leaves there
+    under ``torch.amp.GradScaler``: not negated for ``maximize``, and not clipped: unlike
+    ``torch.nn.utils.clip_grad_norm_``, ``max_grad_norm`` clipping happens inside the step and is not written back.
+    After a skipped step ``p.grad`` keeps the scaled values (as torch's kernel returns early), and without
+    ``grad_scale`` it is never written. When ``grad_scale`` or ``max_grad_norm`` is given, the optimizer also checks
+    the gradients for inf/NaN itself and skips the step if it finds any, or if unscaling (dividing by a
+    ``grad_scale`` below 1) would overflow (the check is on the global norm of the unscaled gradients, which must stay
+    below float32's range, about 1.8e19); :attr:`last_step_skipped` tells, and :attr:`last_grad_norm` gives the
+    global norm of the unscaled gradients before clipping (from that same pass; None without it). A skipped step
+    changes nothing: no parameter, master, moment, step count or gradient. ``torch.amp.GradScaler`` is honoured
+    through its protocol for fused
     optimizers (``_step_supports_amp_scaling``).
     """
 
@@ -246,6 +207,7 @@ class FusedAdam(torch.optim.Optimizer):
         exp_avg_sq_dtype: Optional[torch.dtype] = None,
         max_grad_norm: Optional[float] = None,
         capturable: bool = False,
+        step_in_backward: bool = False,
         process_group: Any = None,
     ):
         _check_dtype_option("exp_avg_dtype", exp_avg_dtype)
@@ -263,17 +225,44 @@ class FusedAdam(torch.optim.Optimizer):
         self.exp_avg_sq_dtype = exp_avg_sq_dtype
         self.max_grad_norm = max_grad_norm
         self.capturable = capturable
+        self._plan: Optional[_plan.Plan] = None  # the step cache (ort_optim/_plan.py)
+        self._last_found_inf: Optional[torch.Tensor] = None
+        self._last_grad_norm: Optional[torch.Tensor] = None
+        self.step_in_backward = step_in_backward
+        self._backward: Optional[BackwardStep] = None
         self.process_group = process_group
         self._has_dtensors = False  # any DTensor param: steps go through local pieces and the global reduction
-        self._plans: dict[int, _GroupPlan] = {}
-        self._last_found_inf: Optional[torch.Tensor] = None
+        if step_in_backward and max_grad_norm is not None:
+            raise ValueError(
+                f"max_grad_norm={max_grad_norm} clips by the norm of all gradients, but step_in_backward=True updates "
+                "each parameter as soon as its own gradient is complete, before the others exist. Use "
+                "step_in_backward=False to clip, or leave max_grad_norm=None"
+            )
+        if step_in_backward and process_group is not None:
+            raise ValueError(
+                "process_group is for params replicated over ranks (DDP), whose gradients are averaged across the "
+                "ranks during backward, after step_in_backward=True would already have updated each param with its "
+                "local gradient. Use step_in_backward=False in distributed training"
+            )
         super().__init__(params, defaults)
+        if step_in_backward:
+            self._watch_backward()
+
+    @property
+    def state(self) -> _plan.OptimizerState:
+        """Per-param state, as torch.optim's ``optimizer.state``: a defaultdict of dicts that counts its mutations,
+        so that the step notices them (see the class docstring)."""
+        return self._state_container
+
+    @state.setter
+    def state(self, value) -> None:
+        self._state_container = value if isinstance(value, _plan.OptimizerState) else _plan.OptimizerState(value)
 
     # Constructor options that torch.optim.Optimizer's pickling (copy.deepcopy, torch.save of the optimizer) would
     # otherwise drop: it keeps only defaults, state and param_groups.
     # (process_group is not among them: a process group belongs to its process; a copy decides alone until given one)
     _OPTIONS = ("set_grad_none", "master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm", "capturable",
-                "_has_dtensors")
+                "step_in_backward", "_has_dtensors")
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -281,11 +270,42 @@ class FusedAdam(torch.optim.Optimizer):
         return state
 
     def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._plans = {}  # caches (native plans cannot be copied): rebuilt at the next step
-        self.__dict__.setdefault("process_group", None)
-        self.__dict__.setdefault("_has_dtensors", False)
+        state.setdefault("step_in_backward", False)
+        state.setdefault("_has_dtensors", False)
+        state.setdefault("process_group", None)
+        super().__setstate__(state)  # (it puts "state" into __dict__, under the property: wrap it)
+        self.state = self.__dict__.pop("state", self.__dict__.get("_state_container", {}))
+        self._plan = None  # the cache (native plans cannot be copied): rebuilt at the next step
         self._last_found_inf = None
+        self._last_grad_norm = None
+        self._backward = None
+        if self.step_in_backward:  # hooks on the copy's own params
+            self._watch_backward()
+
+    def _watch_backward(self) -> None:
+        """step_in_backward: hooks every param (ort_optim/_backward_step.py)."""
+        self._check_no_shared_memory()
+        self._backward = BackwardStep(self)
+        for group_index, group in enumerate(self.param_groups):
+            self._backward.watch(group_index, group)
+
+    def _check_no_shared_memory(self) -> None:
+        """step_in_backward refuses params that share memory up front: per-parameter updates would update the shared
+        elements several times, and no step() sees all gradients at once to check it."""
+        _plan._check_overlap([(group_index, index, p) for group_index, group in enumerate(self.param_groups)
+                              for index, p in enumerate(group["params"])])
+
+    def accumulate(self):
+        """A context manager for gradient accumulation with ``step_in_backward=True``: backward calls inside it only
+        accumulate gradients; the next backward outside it updates each parameter with the sum, as ``step()`` would
+        have after all of them. Without step_in_backward it changes nothing (gradients accumulate anyway)::
+
+            for i, batch in enumerate(micro_batches):
+                with optimizer.accumulate() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                    model(batch).loss.backward()
+            optimizer.step()  # updates only the params whose hooks did not fire
+        """
+        return self._backward.accumulate() if self._backward is not None else contextlib.nullcontext()
 
     # ---- configuration ------------------------------------------------------------------------------------------
 
@@ -300,16 +320,28 @@ class FusedAdam(torch.optim.Optimizer):
             for index, p in enumerate(group["params"]):
                 if p.dtype not in SUPPORTED_PARAM_DTYPES:
                     raise ValueError(
-                        f"{_describe(group_index, index, p)}: FusedAdam supports float32, float64, float16 and "
+                        f"{describe(group_index, index, p)}: FusedAdam supports float32, float64, float16 and "
                         f"bfloat16 params; complex or integer params are not supported (use torch.view_as_real for "
                         f"complex ones)"
                     )
-                dtensor.check_placements(p, _describe(group_index, index, p))
+                dtensor.check_placements(p, describe(group_index, index, p))
+                if dtensor.is_dtensor(p) and self.step_in_backward:
+                    raise ValueError(
+                        f"{describe(group_index, index, p)} is {dtensor.describe_layout(p)}: step_in_backward=True "
+                        "does not support DTensor params (their gradients are completed by the engine's own "
+                        "collectives, not by autograd's accumulation); use step_in_backward=False")
         except ValueError:
             self.param_groups.pop()
             raise
         self._has_dtensors = self._has_dtensors or any(dtensor.is_dtensor(p) for p in group["params"])
-        self._plans.clear()
+        group["params"] = _plan.ParamList(group["params"])
+        if getattr(self, "_backward", None) is not None:
+            try:
+                self._check_no_shared_memory()
+            except ValueError:
+                self.param_groups.pop()
+                raise
+            self._backward.watch(group_index, group)
 
     def _state_layout(self, p: torch.Tensor) -> tuple[torch.dtype, torch.dtype, bool]:
         """(exp_avg dtype, exp_avg_sq dtype, has master) for a parameter."""
@@ -363,135 +395,24 @@ class FusedAdam(torch.optim.Optimizer):
 
     # ---- the step -----------------------------------------------------------------------------------------------
 
-    def _cached_plan(self, group_index: int, grads: list[Optional[torch.Tensor]]) -> Optional[list[_Bucket]]:
-        cached = self._plans.get(group_index)
-        if cached is not None and cached.key == self._plan_key(group_index, grads):
-            return cached.buckets
-        return None
-
-    def _plan_key(self, group_index: int, grads: list[Optional[torch.Tensor]]) -> tuple:
-        """What a group's buckets depend on: which params have gradients, and amsgrad (which adds a state list); with
-        DTensor params also which local tensors they hold (an engine may give a DTensor a new local tensor, as FSDP2
-        does at its lazy init; the buckets hold them, so their ids stay unique while compared)."""
-        group = self.param_groups[group_index]
-        key = bool(group["amsgrad"]), tuple(g is not None for g in grads)
-        if self._has_dtensors:
-            key += (tuple(id(dtensor.local(p)) for p in group["params"]),)
-        return key
-
-    def _plan(self, group_index: int, grads: list[Optional[torch.Tensor]]) -> list[_Bucket]:
-        """Builds and caches this group's buckets (step() reuses them, via _cached_plan, until the set of params
-        with gradients changes). Runs only after _validate_step, so it creates state but checks nothing."""
-        group = self.param_groups[group_index]
-        fresh = [p for p, g in zip(group["params"], grads) if g is not None and not self.state[p]]
-        for p, state in zip(fresh, self._init_states(fresh, group["amsgrad"])):
-            self.state[p].update(state)
-        by_key: dict[tuple, _Bucket] = {}
-        for index, p in enumerate(group["params"]):
-            if grads[index] is None:
-                continue
-            state = self.state[p]
-            key = (p.device, p.dtype, state["exp_avg"].dtype, state["exp_avg_sq"].dtype, "master_param" in state)
-            bucket = by_key.setdefault(key, _Bucket(indices=[], params=[]))
-            bucket.indices.append(index)
-            bucket.params.append(dtensor.local(p))
-        for bucket in by_key.values():
-            states = [self.state[group["params"][i]] for i in bucket.indices]
-            for key in MOMENT_KEYS + ("master_param",):
-                if key == "max_exp_avg_sq" and not group["amsgrad"]:
-                    continue
-                if key in states[0]:
-                    getattr(bucket, key + "s").extend(s[key] for s in states)
-                if key + "_scale" in states[0]:
-                    getattr(bucket, key + "_scales").extend(s[key + "_scale"] for s in states)
-            bucket.steps = torch.stack([s["step"] for s in states]).to(torch.float64)
-            for j, s in enumerate(states):
-                s["step"] = bucket.steps[j]
-        buckets = list(by_key.values())
-        for bucket in buckets:
-            bucket.whole_group = len(bucket.indices) == len(group["params"])
-        # The first bucket's plan also watches the params without a gradient (frozen ones, say): if one gets a
-        # gradient, the plans refuse to step and the group is planned again. A group without any gradient has no plan.
-        idle = [p for p, g in zip(group["params"], grads) if g is None]
-        for bucket in buckets:
-            # (a native plan reads each param's .grad itself: a DTensor's local piece has none, its wrapper holds it)
-            native = backends.runs_natively(bucket.params[0].device) and not self._has_dtensors
-            bucket.native = None if not native else backends.AdamPlan.create(
-                bucket.params, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs, bucket.master_params,
-                bucket.exp_avg_scales, bucket.exp_avg_sq_scales, bucket.max_exp_avg_sq_scales, bucket.steps,
-                idle if bucket is buckets[0] else (),
-            )
-        native = bool(buckets) and all(bucket.native is not None for bucket in buckets) or not group["params"]
-        self._plans[group_index] = _GroupPlan(self._plan_key(group_index, grads), buckets, native)
-        return buckets
-
-    @staticmethod
-    def _check_grad(group_index: int, index: int, p: torch.Tensor, g: torch.Tensor) -> None:
-        where = _describe(group_index, index, p)
-        if g.layout != torch.strided:
-            raise ValueError(f"{where}: its gradient is sparse ({g.layout}); FusedAdam needs dense gradients")
-        if g.shape != p.shape:
-            raise ValueError(f"{where}: its gradient has shape {tuple(g.shape)}, not the parameter's")
-        if g.device != p.device:
-            raise ValueError(f"{where}: its gradient is on {g.device}, the parameter on {p.device}")
-        if (p.dtype == torch.float64) != (g.dtype == torch.float64) or g.dtype not in SUPPORTED_PARAM_DTYPES:
-            raise ValueError(f"{where}: its gradient has dtype {g.dtype}, which cannot update a {p.dtype} param")
-        if dtensor.is_dtensor(p) or dtensor.is_dtensor(g):
-            dtensor.check_placements(g, f"{where}: its gradient")
-            if not (dtensor.is_dtensor(p) and dtensor.is_dtensor(g) and g.device_mesh == p.device_mesh
-                    and tuple(g.placements) == tuple(p.placements)):
-                raise ValueError(f"{where}: the parameter is {dtensor.describe_layout(p)} but its gradient is "
-                                 f"{dtensor.describe_layout(g)}; they must be laid out alike")
-
-    def _validate_step(self, all_grads: list[list[Optional[torch.Tensor]]], check_overlap: bool) -> None:
-        """Everything that can make a step fail, checked before the step changes anything (state creation
-        included): gradients, amsgrad state, and (when the plans change) parameters that share memory."""
-        entries = []
-        for group_index, (group, grads) in enumerate(zip(self.param_groups, all_grads)):
-            for index, (p, g) in enumerate(zip(group["params"], grads)):
-                if g is None:
-                    continue
-                self._check_grad(group_index, index, p, g)
-                state = self.state.get(p)
-                p = dtensor.local(p)
-                if state and state["exp_avg"].shape != p.shape:
-                    raise ValueError(
-                        f"{_describe(group_index, index, p)}: its optimizer state was made for shape "
-                        f"{tuple(state['exp_avg'].shape)}; a parameter cannot change shape under its optimizer"
-                    )
-                if state and (state["exp_avg"].dtype == torch.float64) != (p.dtype == torch.float64):
-                    raise ValueError(
-                        f"{_describe(group_index, index, p)}: its optimizer state is {state['exp_avg'].dtype}; a "
-                        "parameter cannot switch to or from float64 under its optimizer (float64 params keep "
-                        "float64 states)"
-                    )
-                if group["amsgrad"] and state and "max_exp_avg_sq" not in state:
-                    raise ValueError(
-                        f"{_describe(group_index, index, p)}: amsgrad is on but this parameter's state has no "
-                        f"max_exp_avg_sq (it was created with amsgrad=False); load a checkpoint made with amsgrad=True"
-                    )
-                entries.append((group_index, index, p))
-        if check_overlap:
-            overlap = _find_overlap(entries)
-            if overlap is not None:
-                a, b = overlap
-                if b is None:
-                    raise ValueError(
-                        f"{_describe(*a)}: its elements overlap in memory (an expand()ed or otherwise self-overlapping "
-                        "view); FusedAdam would update the shared elements several times. Give it its own memory, "
-                        "e.g. torch.nn.Parameter(t.clone())"
-                    )
-                raise ValueError(
-                    f"{_describe(*a)} and {_describe(*b)} share memory (overlapping views of one storage); FusedAdam "
-                    "would update the shared elements twice. Give each parameter its own memory, e.g. "
-                    "torch.nn.Parameter(t.clone()); disjoint views of one buffer are fine"
-                )
+    def _layout_options(self) -> tuple:
+        """The options that decide how new state is laid out (a plan is valid only while they hold)."""
+        return self.master_weights, self.exp_avg_dtype, self.exp_avg_sq_dtype
 
     @property
     def last_found_inf(self) -> Optional[torch.Tensor]:
         """The last step()'s skip flag as a one-element float32 tensor on the params' device (non-zero: skipped),
         or None when no loss scaling or clipping was involved. Reading it never synchronises."""
         return self._last_found_inf
+
+    @property
+    def last_grad_norm(self) -> Optional[torch.Tensor]:
+        """The global L2 norm of the last step()'s gradients, unscaled (divided by ``grad_scale``) and before
+        clipping, as a 0-dim float32 tensor on the params' device: what ``torch.nn.utils.clip_grad_norm_`` returns
+        as the total norm. It comes from the pass that reads the gradients for unscaling and clipping, so it is None
+        when the step had no such pass (neither ``grad_scale`` nor ``max_grad_norm``). inf or NaN when a gradient
+        is (the step is then skipped). Reading it never synchronises."""
+        return self._last_grad_norm
 
     @property
     def last_step_skipped(self) -> bool:
@@ -519,6 +440,12 @@ class FusedAdam(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
+        if self._backward is not None and (grad_scale is not None or found_inf is not None):
+            raise ValueError(
+                "grad_scale/found_inf (loss scaling, torch.amp.GradScaler) need every gradient before the first "
+                "update, but step_in_backward=True already updated each parameter during backward. Use "
+                "step_in_backward=False with loss scaling (or bf16 autocast, which needs none)"
+            )
         for group_index, group in enumerate(self.param_groups):
             _check_hyperparameters(group, f"param_groups[{group_index}]")
         if self.capturable:  # checked before anything changes (state creation included), like everything else
@@ -532,131 +459,112 @@ class FusedAdam(torch.optim.Optimizer):
                         if p.grad is not None and p.device != lr.device:
                             raise ValueError(f"param_groups[{group_index}]: capturable=True needs lr on the params' "
                                              f"device ({p.device}), got a tensor on {lr.device}")
-
-        launches = self._planned_launches()
-        if launches is None or not self._launch(launches, grad_scale, found_inf):
-            self._launch(self._launches_from_grads(), grad_scale, found_inf)
+        # The one step path: the plan (valid, or built again after validating everything), then the backend ops.
+        plan = self._plan
+        if plan is None or not plan.valid(self):
+            plan = self._plan = _plan.build(self)
+            if not plan.valid(self):  # a plan describes what it was built from: this is a bug, not a user error
+                raise RuntimeError("ort_optim: a FusedAdam plan was not valid right after it was built; please report")
+        self._launch(list(plan.buckets()), grad_scale, found_inf)
         return loss
 
-    def _planned_launches(self) -> Optional[list[_Launch]]:
-        """The step's launches through native plans, when every group has them; None when the step must read the
-        gradients in Python (first step, a group without plans, or a param whose gradient appeared or went away)."""
-        # Plans exist only for the native CPU op; the backend can change between steps (ORT_OPTIM_BACKEND).
-        if not backends.runs_natively(torch.device("cpu")):
-            return None
-        launches = []
-        for group_index, group in enumerate(self.param_groups):
-            cached = self._plans.get(group_index)
-            if cached is None or not cached.native:
-                return None
-            amsgrad, has_grad = cached.key[:2]
-            if amsgrad != bool(group["amsgrad"]) or len(has_grad) != len(group["params"]):  # (params appended directly)
-                return None
-            launches.extend(_Launch(group_index, group, bucket, None) for bucket in cached.buckets)
-        # A lone launch checks its gradients itself before writing (in grad_stats when scaled, else in its step);
-        # several are all checked first, so that no launch writes before a later one finds a missing or bad gradient.
-        if len(launches) > 1:
-            try:
-                if not all(launch.bucket.native.ready() for launch in launches):
-                    return None
-            except RuntimeError:
-                self._name_offending_param()
-                raise
-        return launches
-
-    def _launches_from_grads(self) -> list[_Launch]:
-        """The step's launches with the gradients read in Python; validates everything and (re)plans as needed."""
-        all_grads = [[p.grad for p in group["params"]] for group in self.param_groups]
-        cached = [self._cached_plan(group_index, grads) for group_index, grads in enumerate(all_grads)]
-        # A failed step must change nothing, so everything is validated before the first write (or state creation).
-        # The native CPU op validates its own inputs before writing; when the plans are cached and the step is a single
-        # op call, that is enough (its errors are re-raised with the parameter's name). With several calls, a bad
-        # input in a later call would surface after earlier calls had written, so Python checks all first.
-        stale = any(plan is None for plan in cached)
-        calls = [bucket for plan in cached if plan is not None for bucket in plan]
-        if stale or len(calls) != 1 or not backends.runs_natively(calls[0].params[0].device):
-            self._validate_step(all_grads, check_overlap=stale)
-        launches = []
-        for group_index, (group, grads) in enumerate(zip(self.param_groups, all_grads)):
-            for bucket in cached[group_index] or self._plan(group_index, grads):
-                bucket_grads = grads if bucket.whole_group else [grads[i] for i in bucket.indices]
-                if self._has_dtensors:
-                    bucket_grads = [dtensor.local(g) for g in bucket_grads]
-                launches.append(_Launch(group_index, group, bucket, bucket_grads))
-        return launches
-
-    def _name_offending_param(self) -> None:
-        """Raises the Python-side ValueError that names the parameter behind a native error, if it can find one
-        (the op's own messages only know list indices); the caller re-raises the native error otherwise."""
-        self._validate_step([[p.grad for p in group["params"]] for group in self.param_groups], check_overlap=False)
-
-    def _launch(self, launches: list[_Launch], grad_scale, found_inf) -> bool:
-        """Runs the launches; False (with nothing written) only when a lone plan launch found that the set of params
-        with gradients changed, which _planned_launches leaves to it."""
-        if not launches:
-            self._last_found_inf = None
-            reduction = self._reduction()
-            if reduction is not None and (grad_scale is not None or self.max_grad_norm is not None):
-                # no gradient here, but the other ranks wait for this rank's share, and their skip decision is ours
-                device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
-                stats = dtensor.all_reduce_stats(torch.zeros(2, device=device), reduction)
-                self._last_found_inf = ((stats[1] > 0) | ~torch.isfinite(stats[0])).float().reshape(1)
-            return True
-        try:
-            scaling = self._scaling(launches, grad_scale, found_inf)
-        except RuntimeError:
-            self._name_offending_param()
-            raise
-        if scaling is None:
-            return False
-        inv_grad_scale, found_inf = scaling
-        self._last_found_inf = found_inf
-        for launch in launches:
-            group, bucket = launch.group, launch.bucket
+    def _launch(self, buckets: list, grad_scale, found_inf) -> None:
+        """One op call per bucket (through its native plan on the native CPU backend), after the gradient statistics
+        pass when unscaling or clipping."""
+        reduction = self._reduction()
+        if reduction is None and self._scaled_in_plan(buckets, grad_scale, found_inf):
+            return self._scaled_plan_step(buckets[0], grad_scale, found_inf)
+        inv_grad_scale, found_inf, self._last_grad_norm = self._scaling(buckets, grad_scale, found_inf, reduction)
+        self._last_found_inf = found_inf if buckets or reduction is not None else None
+        unscaled = self._grad_scale_per_device(buckets, grad_scale)
+        if unscaled is not None and (len(buckets) > 1 or buckets[0][2].native is None):
+            _plan.check_grads_writable(buckets)
+        for group_index, group, bucket in buckets:
             device = bucket.params[0].device
-            lr = group["lr"]
-            lr_tensor = lr if isinstance(lr, torch.Tensor) else None
             hyper = dict(
-                lr=0.0 if lr_tensor is not None else float(lr), beta1=float(group["betas"][0]),
-                beta2=float(group["betas"][1]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                adam_w_mode=int(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
-                maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
+                self._hyperparameters(group),
                 inv_grad_scale=None if inv_grad_scale is None else inv_grad_scale[device],
                 found_inf=None if found_inf is None else found_inf.to(device, non_blocking=True),
+                grad_scale=None if unscaled is None else unscaled[device],
             )
             try:
-                if launch.grads is None:
-                    if not bucket.native.step(**hyper):
-                        return False
+                if bucket.native is not None:
+                    bucket.native.step(**hyper)
                 else:
-                    backends.adam_step_(
-                        bucket.params, launch.grads, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs,
-                        bucket.master_params, bucket.exp_avg_scales, bucket.exp_avg_sq_scales,
-                        bucket.max_exp_avg_sq_scales, bucket.steps, **hyper,
-                    )
-            except RuntimeError:
-                self._name_offending_param()
-                raise
-        return True
+                    backends.adam_step_(*bucket.op_lists(), **hyper)
+            except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
+                raise _plan.name_op_error(exc, group_index, bucket) from exc
 
-    def _scaling(self, launches: list[_Launch], grad_scale, found_inf):
-        """Per-device inverse gradient multiplier (unscale and clip) and the combined skip flag, without host syncs;
-        None when a plan launch found that the set of params with gradients changed.
+    @staticmethod
+    def _hyperparameters(group: dict) -> dict:
+        """A group's hyperparameters as the op's keyword arguments (all but inv_grad_scale, found_inf, grad_scale)."""
+        lr = group["lr"]
+        lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+        return dict(
+            lr=0.0 if lr_tensor is not None else float(lr), beta1=float(group["betas"][0]),
+            beta2=float(group["betas"][1]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+            adam_w_mode=int(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
+            maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
+        )
 
-        One grad_stats pass per launch gives the global sum of squares and the inf/NaN check; the Adam pass then
-        multiplies each gradient by clip_coef / grad_scale. Two passes over the gradients in all. The per-launch
-        sums are added in launch order whether a plan or Python read the gradients, so both give the same bits.
-        """
-        if grad_scale is None and self.max_grad_norm is None:
-            return None, found_inf
-        devices = list(dict.fromkeys(launch.bucket.params[0].device for launch in launches))
-        main = devices[0]
-        reduction = self._reduction()
-        per_launch = [self._launch_stats(launch, reduction) for launch in launches]
-        if any(stats is None for stats in per_launch):
+    # Private switch for the benchmark that prices the write-back (ort_optim/bench): False leaves p.grad scaled.
+    _unscale_grads = True
+
+    def _grad_scale_per_device(self, buckets: list, grad_scale) -> Optional[dict]:
+        """grad_scale as a one-element float32 tensor per device, for the op to write p.grad back unscaled (as
+        torch's fused AdamW does); None when there is no grad_scale."""
+        if grad_scale is None or not self._unscale_grads:
             return None
-        stats = sum(s.to(main, non_blocking=True) for s in per_launch)
-        stats = dtensor.all_reduce_stats(stats, reduction)  # the step's one collective, when distributed
+        devices = dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets)
+        if isinstance(grad_scale, torch.Tensor):
+            return {d: grad_scale.to(d, torch.float32, non_blocking=True).reshape(1) for d in devices}
+        # (a fill on the device, not a copy from the host: no synchronisation)
+        return {d: torch.full((1,), float(grad_scale), dtype=torch.float32, device=d) for d in devices}
+
+    def _scaled_in_plan(self, buckets: list, grad_scale, found_inf) -> bool:
+        """Whether unscaling and clipping can run inside the one native plan call (AdamPlan.step_scaled): a lone
+        bucket with a native plan, grad_scale and found_inf on the host. The multiplier and the skip flag are then
+        computed in C++ from the gradients' statistics, without _scaling's tensor ops and a second plan call. Never
+        when the decision is global (DTensor params, process_group): the plan only sees this rank's gradients."""
+        if len(buckets) != 1 or buckets[0][2].native is None or not self._unscale_grads:
+            return False
+        if grad_scale is None and self.max_grad_norm is None:
+            return False
+        return all(not isinstance(t, torch.Tensor) or (t.device.type == "cpu" and t.numel() == 1)
+                   for t in (grad_scale, found_inf))
+
+    def _scaled_plan_step(self, launch: tuple, grad_scale, found_inf) -> None:
+        """_launch for a lone native bucket with unscaling or clipping (see _scaled_in_plan): the same bits as
+        _scaling followed by the plan's step."""
+        group_index, group, bucket = launch
+        try:
+            out = bucket.native.step_scaled(
+                **self._hyperparameters(group),
+                # A CPU tensor (see _scaled_in_plan), read by the native plan itself.
+                grad_scale=grad_scale if grad_scale is None or isinstance(grad_scale, torch.Tensor)
+                else torch.tensor(float(grad_scale), dtype=torch.float64),
+                max_grad_norm=self.max_grad_norm, found_inf=found_inf,
+            )
+        except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
+            raise _plan.name_op_error(exc, group_index, bucket) from exc
+        self._last_grad_norm, self._last_found_inf = out[0], out[1:]
+
+    def _scaling(self, buckets: list, grad_scale, found_inf, reduction: Optional[dtensor.Reduction] = None):
+        """(per-device inverse gradient multiplier for unscaling and clipping, combined skip flag, unscaled global
+        gradient norm), without host syncs; (None, found_inf, None) when neither grad_scale nor max_grad_norm is
+        given.
+
+        One grad_stats pass per bucket gives the global sum of squares and the inf/NaN check; the Adam pass then
+        multiplies each gradient by clip_coef / grad_scale. Two passes over the gradients in all. With a reduction
+        (distributed), the statistics are all-reduced first, so every rank clips by the same global norm and takes
+        the same skip decision; a rank without any gradient still contributes zeros, as the others wait for it.
+        """
+        if (grad_scale is None and self.max_grad_norm is None) or (not buckets and reduction is None):
+            return None, found_inf, None
+        devices = list(dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets)) or [
+            next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)]
+        main = devices[0]
+        stats = self._global_grad_stats(buckets, main, reduction)
         inv = torch.ones((), dtype=torch.float32, device=main)
         if grad_scale is not None:
             scale = grad_scale.to(main, torch.float32) if isinstance(grad_scale, torch.Tensor) else \
@@ -673,28 +581,37 @@ class FusedAdam(torch.optim.Optimizer):
         if found_inf is not None:
             skip = torch.maximum(skip, (found_inf.to(main).reshape(()) != 0).float())
         per_device = {device: inv.to(device, non_blocking=True).reshape(1) for device in devices}
-        return per_device, skip.reshape(1)
+        return per_device, skip.reshape(1), norm
+
+    @staticmethod
+    def _global_grad_stats(buckets: list, device: torch.device, reduction: Optional[dtensor.Reduction] = None
+                           ) -> torch.Tensor:
+        """float32 [2] on device: [sum of squares of every gradient of the step, non-zero if any is inf/NaN], one
+        grad_stats pass per bucket, added in bucket order (deterministic). The one place where the gradients'
+        global statistics are reduced: over the ranks of `reduction` too when there is one, in the step's one
+        collective (integrations/dtensor.py), each gradient weighted by 1 / (the ranks holding the same elements)."""
+        per_bucket = [FusedAdam._bucket_stats(group, bucket, reduction) for _, group, bucket in buckets]
+        stats = sum(s.to(device, non_blocking=True) for s in per_bucket) if per_bucket else torch.zeros(2, device=device)
+        return dtensor.all_reduce_stats(stats, reduction)
+
+    @staticmethod
+    def _bucket_stats(group: dict, bucket: _plan.Bucket, reduction: Optional[dtensor.Reduction]) -> torch.Tensor:
+        """grad_stats of a bucket's gradients (weighted for the reduction, when there is one)."""
+        if bucket.native is not None:  # (plain params only: DTensor buckets have none), so one weight for all
+            stats = bucket.native.grad_stats()
+            return stats if reduction is None else stats * dtensor.weight(bucket.params[0], reduction)
+        if reduction is None:
+            return backends.grad_stats(bucket.grads)
+        by_weight: dict[float, list[torch.Tensor]] = {}
+        for i, g in zip(bucket.indices, bucket.grads):
+            by_weight.setdefault(dtensor.weight(group["params"][i], reduction), []).append(g)
+        return sum(backends.grad_stats(grads) * w for w, grads in by_weight.items())
 
     def _reduction(self) -> Optional[dtensor.Reduction]:
         """Where the global norm and skip decision are all-reduced (None: this process decides alone)."""
         if self.process_group is None and not self._has_dtensors:
             return None
         return dtensor.reduction_for((p for group in self.param_groups for p in group["params"]), self.process_group)
-
-    @staticmethod
-    def _launch_stats(launch: _Launch, reduction: Optional[dtensor.Reduction]) -> Optional[torch.Tensor]:
-        """grad_stats of a launch's gradients, each weighted by 1 / (ranks of the reduction holding it)."""
-        if launch.grads is None:  # a native plan: plain params only, all weighted alike
-            stats = launch.bucket.native.grad_stats()
-            if stats is None or reduction is None:
-                return stats
-            return stats * dtensor.weight(launch.bucket.params[0], reduction)
-        if reduction is None:
-            return backends.grad_stats(launch.grads)
-        by_weight: dict[float, list[torch.Tensor]] = {}
-        for i, g in zip(launch.bucket.indices, launch.grads):
-            by_weight.setdefault(dtensor.weight(launch.group["params"][i], reduction), []).append(g)
-        return sum(backends.grad_stats(grads) * w for w, grads in by_weight.items())
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Clears the gradients; set_to_none defaults to the constructor's set_grad_none (True, as ORT)."""
@@ -751,8 +668,7 @@ class FusedAdam(torch.optim.Optimizer):
             group.clear()
             group.update(new_group, params=params)
         self.state.clear()
-        self.state.update(prepared.state)
-        self._plans.clear()
+        self.state.update(prepared.state)  # (the state's version changes: the next step plans again)
 
     def _prepare_local_load(self, state_dict: Any) -> _checkpoint.PreparedLoad:
         """prepare_load for DTensor params: each per-element state (a DTensor in any layout of its param's mesh, or a

@@ -254,14 +254,38 @@ class _NameSet(_Kind):
         return all(name in self.names for name in raw.split("|"))
 
 
+def _check_text(value: str) -> None:
+    """Text that os.environ can hold: no NUL byte, encodable as the file system encoding (else apply() would fail
+    halfway, in os.environ's setter)."""
+    if "\0" in value:
+        raise _Invalid(f"got {value!r}, which holds a NUL byte (an environment variable cannot)")
+    try:
+        os.fsencode(value)
+    except UnicodeError:
+        raise _Invalid(f"got {value!r}, which cannot be encoded for the environment") from None
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
 class _Path(_Kind):
+    """A path. ``what`` says how ORT uses it: "file" (an input ORT reads: it must exist), "dir" (ORT writes into
+    it without creating it: an existing writable directory), "new dir" (ORT creates it with os.makedirs if needed:
+    a writable directory, or a path whose nearest existing ancestor is one)."""
+
     type_name = "path"
     metavar = "PATH"
 
-    def __init__(self, what: str, must_exist: bool = False):
-        # Only input files are checked for existence: ORT creates or checks directories itself when it needs
-        # them, while a missing input file is ignored silently (TRITON_CONFIG_FILE) or fails late.
-        self.must_exist = must_exist
+    def __init__(self, what: str, use: str):
+        assert use in ("file", "dir", "new dir"), use
+        self.use = use
         self.allowed = what
 
     def parse(self, value: Any) -> str:
@@ -269,8 +293,25 @@ class _Path(_Kind):
             value = os.fspath(value)
         if not isinstance(value, str) or not value:
             raise _Invalid(f"got {value!r}")
-        if self.must_exist and not os.path.isfile(value):
-            raise _Invalid(f"no such file {value!r}")
+        _check_text(value)
+        if self.use == "file":
+            # A missing input file is ignored silently by ORT (TRITON_CONFIG_FILE) or fails late.
+            if not os.path.isfile(value):
+                raise _Invalid(f"no such file {value!r}")
+        elif os.path.isdir(value):
+            if not os.access(value, os.W_OK | os.X_OK):
+                raise _Invalid(f"{value!r} is a directory this process cannot write to")
+        elif os.path.lexists(value):
+            raise _Invalid(f"{value!r} exists and is not a directory")
+        elif self.use == "dir":
+            raise _Invalid(f"no such directory {value!r} (ORT {ORT_VERSION} checks that it is writable and does not "
+                           "create it)")
+        else:
+            ancestor = _nearest_existing(value)
+            if not os.path.isdir(ancestor):
+                raise _Invalid(f"{value!r} cannot be created: {ancestor!r} is not a directory")
+            if not os.access(ancestor, os.W_OK | os.X_OK):
+                raise _Invalid(f"{value!r} cannot be created: {ancestor!r} is not writable")
         return value
 
 
@@ -560,10 +601,12 @@ class ORTModuleOptions:
         "ORTMODULE_ONNX_OPSET_VERSION", _Int(minimum=7, maximum=20, note="torch 2.4's exporter range"), "17",
         "ONNX opset the model is exported with.")
     save_onnx_path: Optional[str] = _option(
-        "ORTMODULE_SAVE_ONNX_PATH", _Path("a writable directory"), "the current directory",
+        "ORTMODULE_SAVE_ONNX_PATH", _Path("an existing directory this process can write to", "dir"),
+        "the current directory",
         "Where the exported ONNX models go when DebugOptions(save_onnx=True).")
     cache_dir: Optional[str] = _option(
-        "ORTMODULE_CACHE_DIR", _Path("a directory"), "unset (no cache)",
+        "ORTMODULE_CACHE_DIR", _Path("a writable directory, or one that can be created", "new dir"),
+        "unset (no cache)",
         "Cache the exported ONNX model in this directory and reuse it across runs.")
     efficient_attention: Optional[bool] = _option(
         "ORTMODULE_USE_EFFICIENT_ATTENTION", _Bool(), "0",
@@ -584,7 +627,7 @@ class ORTModuleOptions:
         "SKIP_CHECK_DEVICE|SKIP_CHECK_BUILD_GRADIENT|SKIP_CHECK_EXECUTION_AGENT",
         "Checks ORT skips after the first step; SKIP_CHECK_DISABLED runs every check on every step.")
     json_config_path: Optional[str] = _option(
-        "ORTMODULE_JSON_CONFIG_PATH", _Path("an existing JSON file", must_exist=True), "unset",
+        "ORTMODULE_JSON_CONFIG_PATH", _Path("an existing JSON file", "file"), "unset",
         "ORTModule settings file read only by ortmodule.experimental.json_config.load_from_json(), where it "
         "overrides the path argument.", read="load_from_json()")
 
@@ -594,7 +637,7 @@ class ORTModuleOptions:
         "Run supported ops with Triton kernels; needs an ORT build with Triton and the triton package (the CPU "
         "wheel has no Triton, so ORT ignores it there).")
     triton_config_file: Optional[str] = _option(
-        "ORTMODULE_TRITON_CONFIG_FILE", _Path("an existing JSON file", must_exist=True),
+        "ORTMODULE_TRITON_CONFIG_FILE", _Path("an existing JSON file", "file"),
         "unset (ORT's built-in op list)",
         "JSON file choosing what Triton fuses (ops, initializer, min_nodes); ORT silently ignores a missing file.")
     triton_debug: Optional[bool] = _option(
@@ -610,7 +653,8 @@ class ORTModuleOptions:
         "ORTMODULE_MAX_TUNING_DURATION_MS", _Int(minimum=0), "0 (no limit)",
         "Time limit for TunableOp tuning, in milliseconds; 0 leaves ORT's default.")
     tuning_results_path: Optional[str] = _option(
-        "ORTMODULE_TUNING_RESULTS_PATH", _Path("a directory"), "unset",
+        "ORTMODULE_TUNING_RESULTS_PATH", _Path("a writable directory, or one that can be created", "new dir"),
+        "unset",
         "TunableOp results directory: saved there when tuning is on, loaded from there when it is off (CUDA only).")
 
     def __post_init__(self) -> None:
@@ -642,7 +686,9 @@ class ORTModuleOptions:
         options = cls(**values)
         options._sources.update(dict.fromkeys(values, "environment"))
         plans = _BY_FIELD["recompute_plans"]
-        if plans.env in environ:
+        if plans.env in environ and _is_canonical_plan_file(environ[plans.env], options.recompute_plans):
+            # The user's file is what ORT will read: keep it. A file whose strings we normalised (spaces, leading
+            # zeros, several plans in one string) is not re-emitted: to_env() writes the normalised plans instead.
             object.__setattr__(options, "_plan_path", environ[plans.env])
         return options
 
@@ -683,14 +729,43 @@ class ORTModuleOptions:
                 env[var.env] = var.kind.to_env(value)
         return env
 
-    def apply(self) -> Dict[str, str]:
-        """Write ``to_env()`` into ``os.environ`` and return it; other variables are left as they are.
+    def _prepare(self) -> Dict[str, str]:
+        """Everything apply() checks before it writes, and the variables it will write.
 
-        Warns (``OptionsTooLateWarning``) for each changed variable ORT has already read in this process: those
-        read at import once onnxruntime.training.ortmodule is imported, the others once an ORTModule exists
-        (constructed by wrap() or directly). The new values still reach ORTModules constructed later.
-        """
-        env = self.to_env()
+        Each set field is validated again (paths can change after construction), then checked against the
+        variables already in ``os.environ`` for the fields this object leaves unset: a value that ORT would ignore
+        given one of them is an error naming both. Nothing is written to os.environ here."""
+        for var in TABLE:
+            value = getattr(self, var.field)
+            if value is not None:
+                var.parse(value)
+        self._check_environment_conflicts(os.environ)
+        return self.to_env()
+
+    def _check_environment_conflicts(self, environ: Mapping[str, str]) -> None:
+        for a, b, conflict, why in _CONFLICTS:
+            values = {a: getattr(self, a), b: getattr(self, b)}
+            if (values[a] is None) == (values[b] is None):
+                continue  # both set here (checked at construction), or neither: the environment's own business
+            mine, other = (a, b) if values[a] is not None else (b, a)
+            var, own = _BY_FIELD[other], _BY_FIELD[mine]
+            if var.env not in environ:
+                continue
+            raw = environ[var.env]
+            given = f"{mine} ({own.env}) = {own.kind.show(values[mine])} given here"
+            try:
+                values[other] = var.parse_env(raw)
+            except ValueError as e:
+                raise ValueError(f"{given} depends on {var.env}={raw!r} in the environment, which ORT cannot read "
+                                 f"as meant: {e} Set {other} here or fix the variable.") from None
+            if conflict(values[a], values[b]):
+                raise ValueError(
+                    f"{given} conflicts with {var.env}={raw!r} in the environment ({other} = "
+                    f"{var.kind.show(values[other])}): {why}. Set {other} here (it then replaces the environment's "
+                    f"value) or unset {var.env}."
+                )
+
+    def _warn_late(self, env: Mapping[str, str]) -> None:
         late = [(name, _BY_ENV[name]) for name, value in env.items()
                 if os.environ.get(name) != value and _already_read(_BY_ENV[name])]
         if late:
@@ -700,24 +775,47 @@ class ORTModuleOptions:
                 "read (ORTModules that already exist, or the whole process for import-time ones):\n"
                 + "\n".join(lines),
                 OptionsTooLateWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        os.environ.update(env)
+
+    @staticmethod
+    def _write_environ(env: Mapping[str, str]) -> Dict[str, Optional[str]]:
+        """Writes env into os.environ, all or nothing; returns the previous values (None: was not set)."""
+        saved = {name: os.environ.get(name) for name in env}
+        try:
+            for name, value in env.items():
+                os.environ[name] = value
+        except BaseException:
+            _restore_environ(saved)
+            raise
+        return saved
+
+    def apply(self) -> Dict[str, str]:
+        """Write ``to_env()`` into ``os.environ`` and return it; other variables are left as they are.
+
+        All or nothing: every field is validated again first (paths writable where ORT writes), and a field whose
+        value ORT would ignore given a variable already in the environment for a field left unset here (say
+        ``recompute_plans`` with ``ORTMODULE_MEMORY_OPT_LEVEL=1`` exported by a job script) raises ``ValueError``
+        naming both; os.environ is then unchanged.
+
+        Warns (``OptionsTooLateWarning``) for each changed variable ORT has already read in this process: those
+        read at import once onnxruntime.training.ortmodule is imported, the others once an ORTModule exists
+        (constructed by wrap() or directly). The new values still reach ORTModules constructed later.
+        """
+        env = self._prepare()
+        self._warn_late(env)
+        self._write_environ(env)
         return env
 
     def __enter__(self) -> "ORTModuleOptions":
-        env = self.to_env()
-        self._saved.append({name: os.environ.get(name) for name in env})
-        self.apply()
+        env = self._prepare()  # raises before anything is written or saved
+        self._warn_late(env)
+        self._saved.append(self._write_environ(env))
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         # Put back each variable apply() wrote: its old value, or remove it if it was not set before.
-        for name, old in self._saved.pop().items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
+        _restore_environ(self._saved.pop())
 
     def describe(self, environ: Optional[Mapping[str, str]] = None) -> str:
         """A text table: every variable, the value ORT will see once applied, and where it comes from."""
@@ -746,6 +844,23 @@ TABLE: Tuple[Variable, ...] = tuple(
 )
 _BY_FIELD: Dict[str, Variable] = {v.field: v for v in TABLE}
 _BY_ENV: Dict[str, Variable] = {v.env: v for v in TABLE}
+
+
+def _restore_environ(saved: Mapping[str, Optional[str]]) -> None:
+    for name, old in saved.items():
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _is_canonical_plan_file(path: str, plans: Tuple[str, ...]) -> bool:
+    """Whether the file holds exactly the normalised plans, one per string (so ORT reads what we validated)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f) == list(plans)
+    except (OSError, ValueError):
+        return False
 
 
 # Settings ORT accepts but silently ignores or overrides; explicit or from the environment, both sides known.

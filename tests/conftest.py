@@ -20,7 +20,7 @@ from ort_optim import backends  # noqa: E402
 # One intra-op thread for the FusedAdam specification tests: on the shared 2-core machines a second OpenMP thread that
 # has to wait for a busy core makes small tensor ops 20x slower. The kernels' results do not depend on the thread
 # count; test_op.py checks that explicitly with 1 and 2 threads. (Other test modules keep torch's default.)
-SINGLE_THREAD_MODULES = {"test_fused_adam", "test_mixed_precision", "test_checkpoints", "test_op"}
+SINGLE_THREAD_MODULES = {"test_fused_adam", "test_mixed_precision", "test_checkpoints", "test_checkpoint_fuzz", "test_op"}
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +66,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     if t.layout != torch.strided:
         t = t.to_dense()
     t = t.contiguous()
+    if t.is_complex():
+        t = torch.view_as_real(t)
     if t.is_floating_point():
         return t.view(_INT_VIEW[t.element_size()])
     return t
@@ -116,7 +118,7 @@ def assert_tree_bitwise_equal(a, b, where: str = "state") -> None:
         assert len(a) == len(b), f"{where}: {len(a)} vs {len(b)} items"
         for i, (x, y) in enumerate(zip(a, b)):
             assert_tree_bitwise_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and a != a:
+    elif isinstance(a, (float, complex)) and a != a:
         assert b != b, f"{where}: {a!r} != {b!r}"  # NaN is NaN
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"

@@ -220,6 +220,24 @@ def _ddp_case(rank, group, poison=None, fp16=False):
             "copy_has_group": copied.process_group is not None}
 
 
+def _replicas_with_own_grads(rank, group, steps=3):
+    """Plain params replicated over a process group whose gradients differ from rank to rank (rank r's are r + 1
+    times larger), in one native bucket: the case where the native plan could unscale and clip by itself
+    (FusedAdam._scaled_in_plan) but must not, as it would clip by this rank's norm instead of the group's."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(64))
+    opt = make_optimizer([p], process_group=group)
+    grads, norms = [], []
+    for step in range(steps):
+        p.grad = torch.randn(64, generator=torch.Generator().manual_seed(100 + step)) * (rank + 1)
+        grads.append(p.grad.clone())
+        opt.step()
+        norms.append(opt.last_grad_norm.clone())
+    lone_native = list(opt._plan.buckets())
+    return {"param": p.detach().clone(), "grads": grads, "norms": norms,
+            "fast_path_eligible": opt._scaled_in_plan(lone_native, None, None)}
+
+
 def _refusals(mesh) -> dict:
     """Bad distributed input is refused before anything changes, with the param named."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -263,6 +281,7 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     out["ddp"] = _ddp_case(pair_rank, pair_group)
     out["ddp-inf"] = _ddp_case(pair_rank, pair_group, poison=(2, 0))
     out["ddp-fp16-inf"] = _ddp_case(pair_rank, pair_group, poison=(2, 0), fp16=True)
+    out["replicas-own-grads"] = _replicas_with_own_grads(pair_rank, pair_group)
     if FSDP2_REASON is not None:
         return out
 
@@ -346,6 +365,29 @@ def test_ddp_inf_on_one_rank_skips_on_every_rank(results, case):
     for r in results:
         assert r[case]["skipped"] == [step == 2 for step in range(STEPS)], (r["rank"], r[case]["skipped"])
         assert_bitwise(r[case]["params"], results[0][case]["params"], f"rank {r['rank']}")
+
+
+def test_clipping_by_the_group_norm_not_the_native_plans_local_one(results):
+    """One native bucket per rank with clipping would unscale and clip inside the plan, by the local norm; with a
+    process_group the norm is the group's (each replica counted once: the mean of the ranks' sums of squares), and
+    each rank's update equals one process stepping its gradient multiplied by that clip coefficient."""
+    pair = [results[0]["replicas-own-grads"], results[1]["replicas-own-grads"]]
+    assert all(out["fast_path_eligible"] for out in pair)  # (so this test would fail if the plan clipped alone)
+    torch.manual_seed(0)
+    init = torch.randn(64)
+    for step in range(len(pair[0]["grads"])):
+        want = (sum(out["grads"][step].double().square().sum() for out in pair) / len(pair)).sqrt()
+        for out in pair:
+            assert abs(float(out["norms"][step]) - float(want)) <= 1e-5 * float(want), (step, out["norms"][step], want)
+    for rank, out in enumerate(pair):
+        p = nn.Parameter(init.clone())
+        opt = make_optimizer([p], clip=None)
+        for step, g in enumerate(out["grads"]):
+            norm = float(out["norms"][step])
+            p.grad = g.clone()
+            opt.step(grad_scale=1.0 / min(1.0, CLIP / (norm + 1e-6)))  # divides by 1 / clip_coef: clips
+        assert_close([out["param"]], [p.detach()], 1e-6, f"rank {rank} vs one process clipped by the group norm")
+        assert_bitwise([results[rank + 2]["replicas-own-grads"]["param"]], [out["param"]], "pairs agree")
 
 
 # ---- FSDP2, TP, 2D -------------------------------------------------------------------------------------------------

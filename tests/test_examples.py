@@ -133,6 +133,23 @@ def test_digits_quick(digits_run):
     assert "fwd+bwd ms" in proc.stdout and "optim %" in proc.stdout
 
 
+def _assert_logs_grad_norms(results: dict, steps_key: str, norms_key: str) -> None:
+    """The fp16 legs (loss scaling) record FusedAdam.last_grad_norm at every step: positive, finite on the steps
+    that were not skipped; the legs without scaling or clipping record none."""
+    for leg, r in results.items():
+        norms = r[norms_key]
+        if leg.endswith("fp16"):
+            assert len(norms) == len(r[steps_key]) and all(n is not None for n in norms), leg
+            assert any(math.isfinite(n) and n > 0 for n in norms), (leg, norms)
+        else:
+            assert norms is None, leg
+
+
+def test_examples_log_the_gradient_norm(gpt_run, digits_run):
+    _assert_logs_grad_norms(gpt_run[1]["results"], "train_loss", "grad_norm")
+    _assert_logs_grad_norms(digits_run[1]["results"], "losses", "grad_norms")
+
+
 def test_digits_ortmodule_legs(digits_run):
     _, summary = digits_run
     if not summary["ortmodule_usable"]:

@@ -65,6 +65,7 @@ class Sample:
     lr_tensor: bool = False
     inv_grad_scale: bool = False
     found_inf: float | None = None
+    grad_scale: float | None = None  # the op writes the grads back divided by it
     shapes: tuple = ((), (7,), (0,), (QUANT_BLOCK + 5,), (3, 4))
     non_contiguous: bool = True
 
@@ -109,6 +110,8 @@ class Sample:
             kwargs["inv_grad_scale"] = torch.tensor([1 / 64.0])
         if self.found_inf is not None:
             kwargs["found_inf"] = torch.tensor([self.found_inf])
+        if self.grad_scale is not None:
+            kwargs["grad_scale"] = torch.tensor([self.grad_scale])
         args = (params, grads, ms, vs, vmaxs, masters, m_scales, v_scales, vmax_scales, steps)
         return args, kwargs
 
@@ -125,6 +128,9 @@ SAMPLES = [
     Sample("bf16-bf16-moments-no-bias-correction", BF16, BF16, BF16, BF16, bias_correction=False),
     Sample("bf16-master-fp32-grads", BF16, F32, F32, F32, master=True, lr_tensor=True),
     Sample("found-inf-skips", F16, F16, F16, F32, master=True, found_inf=1.0, inv_grad_scale=True),
+    Sample("fp32-grads-unscaled-in-place", F32, F32, F32, F32, inv_grad_scale=True, grad_scale=3.0),
+    Sample("bf16-grads-unscaled-master", BF16, BF16, F32, F16, master=True, inv_grad_scale=True, grad_scale=64.0),
+    Sample("found-inf-leaves-grads-scaled", F32, F16, F32, F32, found_inf=1.0, inv_grad_scale=True, grad_scale=64.0),
     Sample("all-empty", F32, F32, F32, F32, shapes=((0,), (0, 3))),
     Sample("no-params", F32, F32, F32, F32, shapes=()),
 ]
@@ -276,6 +282,7 @@ def _dtype_combinations():
                 # rotate the flags through the combinations
                 amsgrad=index % 2 == 0, mode=index % 3, maximize=index % 5 == 1,
                 bias_correction=index % 7 != 3, lr_tensor=index % 4 == 1, inv_grad_scale=index % 3 == 2,
+                grad_scale=(None, 64.0, None, 3.0)[index % 4],
             ))
     cases.append(Sample("float64", F64, F64, F64, F64, amsgrad=True, inv_grad_scale=True))
     cases.append(Sample("float64-L2", F64, F64, F64, F64, mode=0, maximize=True, lr_tensor=True))
@@ -295,9 +302,15 @@ def test_native_op_and_fallback_agree_for_every_dtype_combination(sample):
     for _ in range(3):
         torch.ops.ort_optim.adam_step_(*native_args, **kwargs)
         reference_backend.adam_step_(*fallback_args, **kwargs)
-    (params, _, ms, vs, vmaxs, masters, m_scales, v_scales, vmax_scales, steps) = native_args
-    (fparams, _, fms, fvs, fvmaxs, fmasters, fm_scales, fv_scales, fvmax_scales, fsteps) = fallback_args
+    (params, grads, ms, vs, vmaxs, masters, m_scales, v_scales, vmax_scales, steps) = native_args
+    (fparams, fgrads, fms, fvs, fvmaxs, fmasters, fm_scales, fv_scales, fvmax_scales, fsteps) = fallback_args
     assert_bitwise_equal(steps, fsteps, "steps")
+    for i, (g, fg, g0) in enumerate(zip(grads, fgrads, args[1])):  # unscaled in place three times, or untouched
+        expected = g0
+        for _ in range(3 if "grad_scale" in kwargs else 0):
+            expected = (expected.float() / float(kwargs["grad_scale"])).to(g0.dtype)
+        assert_bitwise_equal(g, expected, f"grads[{i}]")
+        assert_bitwise_equal(fg, expected, f"fallback grads[{i}]")
     assert torch.equal(steps, args[9] + 3)
     # params and masters: float32 rounding of the updates (a few ulps of the largest update, which the random
     # moments of a first step can make much larger than lr) plus the storage roundings that the two computations
@@ -570,23 +583,3 @@ def _compare_compiled_with_eager(target, monkeypatch):
             assert_bitwise_equal(p.detach(), q.detach(), "param")
             for key in opts["eager"].state[p]:
                 assert_bitwise_equal(opts["eager"].state[p][key], opts["compiled"].state[q][key], key)
-
-
-def test_a_wheel_carries_the_native_sources(tmp_path):
-    """`pip wheel .` ships ops/*.cpp as ort_optim/_ops, where backends/native.py looks outside a checkout (setup.py)."""
-    import subprocess
-    import sys
-    import zipfile
-
-    import shutil
-
-    root = Path(__file__).resolve().parent.parent
-    source = tmp_path / "src"  # a copy: setuptools writes build/ and *.egg-info into the tree it builds
-    shutil.copytree(root, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "results",
-                                                                 "__pycache__", ".pytest_cache"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path)], check=True, cwd=tmp_path)
-    (wheel,) = tmp_path.glob("*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    for source in backends.native.SOURCES:
-        assert f"ort_optim/_ops/{source}" in names

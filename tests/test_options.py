@@ -12,6 +12,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import types
 import warnings
 from pathlib import Path
@@ -22,6 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 OPTIONS_PY = ROOT / "ort_optim" / "options.py"
 GUIDE = ROOT / "guides" / "ortmodule-options.md"
 EXISTING_FILE = str(Path(__file__).resolve())  # any file that exists, for the "existing file" kinds
+# ORTMODULE_SAVE_ONNX_PATH must be an existing writable directory (ORT checks os.access(path, W_OK) and does not create
+# it): one with a space in its name, removed when the test process exits.
+_SAVE_DIR = tempfile.TemporaryDirectory(prefix="ort optim onnx ")
+SAVE_DIR = _SAVE_DIR.name
 
 
 def _load_options():
@@ -120,9 +125,10 @@ GOOD = [
     ("log_level", "VERBOSE", "VERBOSE", "VERBOSE"),
     ("onnx_opset_version", 17, 17, "17"),
     ("onnx_opset_version", "20", 20, "20"),
-    ("save_onnx_path", "/tmp/onnx models", "/tmp/onnx models", "/tmp/onnx models"),
-    ("save_onnx_path", Path("/tmp/onnx"), "/tmp/onnx", "/tmp/onnx"),
-    ("cache_dir", "/tmp/ort-cache", "/tmp/ort-cache", "/tmp/ort-cache"),
+    ("save_onnx_path", SAVE_DIR, SAVE_DIR, SAVE_DIR),
+    ("save_onnx_path", Path(SAVE_DIR), SAVE_DIR, SAVE_DIR),
+    ("cache_dir", "/tmp/ort-cache", "/tmp/ort-cache", "/tmp/ort-cache"),  # created by ORT when needed
+    ("cache_dir", SAVE_DIR + "/a/b", SAVE_DIR + "/a/b", SAVE_DIR + "/a/b"),
     ("efficient_attention", True, True, "1"),
     ("aten_sdpa_fallback", True, True, "1"),
     ("aten_sdpa_fallback", "TRUE", True, "1"),
@@ -179,6 +185,14 @@ BAD = [
     ("onnx_opset_version", 21, "got 21"),
     ("onnx_opset_version", "17.0", "got '17.0'"),
     ("save_onnx_path", "", "got ''"),
+    ("save_onnx_path", "/nonexistent/onnx", "no such directory '/nonexistent/onnx' (ORT 1.19.2 checks that it is "
+                                            "writable and does not create it)"),
+    ("save_onnx_path", EXISTING_FILE, "exists and is not a directory"),
+    ("save_onnx_path", SAVE_DIR + "\0x", "holds a NUL byte (an environment variable cannot)"),
+    ("cache_dir", EXISTING_FILE + "/cache", f"cannot be created: {EXISTING_FILE!r} is not a directory"),
+    ("cache_dir", "/tmp/a\0b", "holds a NUL byte"),
+    ("cache_dir", "/tmp/\ud800", "cannot be encoded for the environment"),
+    ("json_config_path", EXISTING_FILE + "\0", "holds a NUL byte"),
     ("cache_dir", 3, "got 3"),
     ("efficient_attention", "sometimes", "got 'sometimes'"),
     ("aten_sdpa_fallback", False, "got False, which ORT 1.19.2 would read as ON; leave it unset (None) for off"),
@@ -196,6 +210,7 @@ BAD = [
     ("max_tuning_duration_ms", -1, "got -1"),
     ("max_tuning_duration_ms", "10ms", "got '10ms'"),
     ("tuning_results_path", "", "got ''"),
+    ("tuning_results_path", EXISTING_FILE, "exists and is not a directory"),
 ]
 
 # variable, text in the environment, value read
@@ -403,10 +418,24 @@ def test_from_env_defaults_to_os_environ_and_ignores_other_names():
 
 def test_from_env_reads_the_plan_file(tmp_path):
     path = tmp_path / "plans.json"
-    path.write_text(json.dumps(["BiasGelu+:1:-1", "FusedMatMul+Add+:1:2,Gelu+:2:-1"]))  # ORT joins with ','
+    path.write_text(json.dumps(["BiasGelu+:1:-1", "FusedMatMul+Add+:1:2"]))
     opts = ORTModuleOptions.from_env({"ORTMODULE_MEMORY_OPT_CONFIG": str(path)})
-    assert opts.recompute_plans == ("BiasGelu+:1:-1", "FusedMatMul+Add+:1:2", "Gelu+:2:-1")
+    assert opts.recompute_plans == ("BiasGelu+:1:-1", "FusedMatMul+Add+:1:2")
     assert opts.to_env() == {"ORTMODULE_MEMORY_OPT_CONFIG": str(path)}  # the user's file stays the file ORT reads
+
+
+@pytest.mark.parametrize("content", [[" BiasGelu+ :1:-1"], ["BiasGelu+:1:05"], ["BiasGelu+:1:-1,Gelu+:2:-1"]])
+def test_plan_file_normalised_on_read_is_re_emitted_normalised(tmp_path, content):
+    """What ORT reads must be what was validated: a file whose strings were normalised (spaces, leading zeros,
+    several plans joined with ',') is replaced by a file holding the normalised plans, one per string."""
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(content))
+    opts = ORTModuleOptions.from_env({"ORTMODULE_MEMORY_OPT_CONFIG": str(path)})
+    emitted = opts.to_env()["ORTMODULE_MEMORY_OPT_CONFIG"]
+    assert emitted != str(path)
+    assert _plans_in(emitted) == list(opts.recompute_plans)
+    assert all(" " not in plan and "," not in plan for plan in _plans_in(emitted))
+    assert json.loads(path.read_text()) == content  # the user's file is left alone
 
 
 @pytest.mark.parametrize(
@@ -698,12 +727,14 @@ def test_cli_prints_export_lines_in_table_order():
 
 def test_cli_writes_the_plan_file_and_quotes_for_the_shell(tmp_path):
     plan_file = tmp_path / "my plans.json"
+    save_dir = tmp_path / "dir with 'quotes'"
+    save_dir.mkdir()
     result = _cli("--recompute-plan", "BiasGelu+:1:-1", "--recompute-plan", "FusedMatMul+Add+:1:-1,Gelu+:1:2",
-                  "--plan-file", str(plan_file), "--save-onnx-path", "/tmp/dir with 'quotes'")
+                  "--plan-file", str(plan_file), "--save-onnx-path", str(save_dir))
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         f"export ORTMODULE_MEMORY_OPT_CONFIG='{plan_file}'",
-        "export ORTMODULE_SAVE_ONNX_PATH='/tmp/dir with '\"'\"'quotes'\"'\"''",
+        f"export ORTMODULE_SAVE_ONNX_PATH='{tmp_path}/dir with '\"'\"'quotes'\"'\"''",
     ]
     assert _plans_in(plan_file) == ["BiasGelu+:1:-1", "FusedMatMul+Add+:1:-1", "Gelu+:1:2"]
     assert "wrote 3 recompute plan(s)" in result.stderr
@@ -720,8 +751,9 @@ def test_cli_default_plan_file_is_kept(tmp_path):
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_cli_output_evaluates_in_bash(tmp_path):
+    (tmp_path / "a b").mkdir()
     script = (
-        f'eval "$({shlex.join(CLI)} --log-level info --save-onnx-path "/tmp/a b" '
+        f'eval "$({shlex.join(CLI)} --log-level info --save-onnx-path "{tmp_path}/a b" '
         f'--plan-file {tmp_path}/p.json --recompute-plan Gelu+:1:-1)" && '
         'printf "%s\\n" "$ORTMODULE_LOG_LEVEL" "$ORTMODULE_SAVE_ONNX_PATH" "$ORTMODULE_MEMORY_OPT_CONFIG"'
     )
@@ -729,7 +761,7 @@ def test_cli_output_evaluates_in_bash(tmp_path):
     env["PYTHONPATH"] = str(ROOT)
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["INFO", "/tmp/a b", f"{tmp_path}/p.json"]
+    assert out.stdout.splitlines() == ["INFO", f"{tmp_path}/a b", f"{tmp_path}/p.json"]
 
 
 def test_cli_rejects_a_bad_flag_value():

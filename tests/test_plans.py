@@ -1,14 +1,15 @@
 """FusedAdam's native plans, as a specification.
 
-From its second step on, a FusedAdam on the native CPU backend steps through one native plan per bucket
-(``ort_optim.backends.AdamPlan``), which validated the params and states once and reads each param's ``.grad`` itself,
-instead of handing four tensor lists to the op. That is a cache, and must be invisible:
+A FusedAdam on the native CPU backend steps through one native plan per bucket (``ort_optim.backends.AdamPlan``),
+which validated the params and states when it was made and reads each param's ``.grad`` itself, instead of handing
+four tensor lists to the op. That is a cache, and must be invisible:
 
 * Over many steps, steps through plans give bit-for-bit the params and states that steps through the op give, for
   every state layout, with loss scaling, clipping and skipped steps, with several buckets and param groups, when
   gradients come and go, and when a param is given new memory.
-* The plans are really used: once planned, a step calls the op only when the set of params with gradients changed
-  (params that never get one, frozen ones say, do not keep a group off its plans).
+* The plans are really used: no step calls the op, and the plan is built again only when the set of params with
+  gradients changed or a param got new memory (params that never get one, frozen ones say, change nothing).
+  (tests/test_soundness.py covers everything else that makes a plan stale.)
 * A bad step raises naming the param and changes nothing, as through the op.
 * An optimizer holding plans can be deep-copied and pickled; the copy keeps its options and steps on its own.
 """
@@ -23,9 +24,9 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import assert_same_snapshot, optimizer_snapshot, select_backend
+from conftest import assert_bitwise_equal, assert_same_snapshot, optimizer_snapshot, select_backend
 
-from ort_optim import AdamWMode, FusedAdam, backends
+from ort_optim import AdamWMode, FusedAdam, _plan, backends
 
 STEPS = 30
 
@@ -38,7 +39,7 @@ class Scenario:
     has_grad: Callable[[int, int], bool] = lambda step, index: True  # (step, flat param index)
     poison: Callable[[int, int], bool] = lambda step, index: False  # an inf in this gradient (a skipped step)
     before_step: Callable[[int, list[torch.Tensor]], None] = lambda step, params: None
-    op_steps: tuple = (0,)  # the steps that call the op: the first, and those where the set of params with grads changed
+    build_steps: tuple = (0,)  # the steps that plan: the first, and those where the set of params with grads changed
 
 
 def _layouts(g: torch.Generator, dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -65,6 +66,13 @@ SCENARIOS = {
         step_kwargs=dict(grad_scale=1024.0),
         poison=lambda step, index: step in (7, 8) and index == 2,
     ),
+    "fp32-scaled-by-tensors-maximize-fp16-moments": Scenario(  # a lone plan's scaled step (AdamPlan.step_scaled)
+        lambda g: [{"params": _layouts(g, torch.float32)}],
+        options=dict(max_grad_norm=0.3, maximize=True, amsgrad=True, exp_avg_dtype=torch.float16,
+                     exp_avg_sq_dtype=torch.float16),
+        step_kwargs=dict(grad_scale=torch.tensor(4.0, dtype=torch.float64), found_inf=torch.zeros(1)),
+        poison=lambda step, index: step == 4 and index == 3,
+    ),
     "two-groups-four-buckets": Scenario(
         lambda g: [
             {"params": _layouts(g, torch.float32)[:3] + _layouts(g, torch.float16)[2:]},
@@ -77,14 +85,14 @@ SCENARIOS = {
         lambda g: [{"params": _layouts(g, torch.float32)}, {"params": _layouts(g, torch.float16)}],
         options=dict(master_weights=True),
         has_grad=lambda step, index: not (5 <= step < 9 and index == 2) and not (index == 8 and step < 12),
-        op_steps=(0, 5, 9, 12),
+        build_steps=(0, 5, 9, 12),
     ),
     "one-bucket-scaled-grads-come-and-go": Scenario(  # the lone plan finds the change in grad_stats, before writing
         lambda g: [{"params": _layouts(g, torch.float32)}],
         options=dict(max_grad_norm=0.5),
         step_kwargs=dict(grad_scale=8.0),
         has_grad=lambda step, index: not (5 <= step < 9 and index == 2),
-        op_steps=(0, 5, 9),
+        build_steps=(0, 5, 9),
     ),
     "frozen-params": Scenario(
         lambda g: [{"params": _layouts(g, torch.float32)}, {"params": _layouts(g, torch.bfloat16)}],
@@ -94,26 +102,34 @@ SCENARIOS = {
     "param-given-new-memory": Scenario(
         lambda g: [{"params": _layouts(g, torch.float32)}],
         before_step=lambda step, params: step == 6 and setattr(params[2], "data", params[2].data.clone()),
+        build_steps=(0, 6),
     ),
 }
 
 
-def _run(scenario: Scenario, planned: bool, monkeypatch) -> tuple[FusedAdam, list[int]]:
-    """STEPS steps of the scenario; returns the optimizer and the number of op calls each step made."""
-    calls = [0]
-    op = backends.adam_step_
+def _run(scenario: Scenario, planned: bool, monkeypatch, skips: list | None = None
+         ) -> tuple[FusedAdam, list[int], list[int]]:
+    """STEPS steps of the scenario; returns the optimizer and, per step, the op calls and the plan builds it made
+    (and appends each step's last_found_inf and last_grad_norm to skips, when given)."""
+    calls, builds = [0], [0]
+    op, build = backends.adam_step_, _plan.build
 
     def counting_op(*args, **kwargs):
         calls[-1] += 1
         return op(*args, **kwargs)
 
+    def counting_build(optimizer):
+        builds[-1] += 1
+        return build(optimizer)
+
     monkeypatch.setattr(backends, "adam_step_", counting_op)
-    if not planned:
-        monkeypatch.setattr(backends.AdamPlan, "create", classmethod(lambda cls, *lists: None))
+    monkeypatch.setattr(_plan, "build", counting_build)
+    if not planned:  # the native op without plans (as while torch.compile traces)
+        monkeypatch.setattr(backends, "runs_natively", lambda device: False)
     g = torch.Generator().manual_seed(0)
     opt = FusedAdam(scenario.make_groups(g), lr=1e-2, **scenario.options)
     params = [p for group in opt.param_groups for p in group["params"]]
-    per_step = []
+    per_step, builds_per_step = [], []
     for step in range(STEPS):
         scenario.before_step(step, params)
         for index, p in enumerate(params):
@@ -122,22 +138,42 @@ def _run(scenario: Scenario, planned: bool, monkeypatch) -> tuple[FusedAdam, lis
                 grad.view(-1)[0] = float("inf")
             p.grad = grad if scenario.has_grad(step, index) else None
         calls.append(0)
+        builds.append(0)
         opt.step(**scenario.step_kwargs)
         per_step.append(calls[-1])
+        builds_per_step.append(builds[-1])
+        if skips is not None:
+            skips.append(tuple(None if t is None else t.clone() for t in (opt.last_found_inf, opt.last_grad_norm)))
     monkeypatch.undo()
-    return opt, per_step
+    return opt, per_step, builds_per_step
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_steps_through_plans_equal_steps_through_the_op_bit_for_bit(name, monkeypatch):
     select_backend(monkeypatch, "native")
     scenario = SCENARIOS[name]
-    planned, planned_calls = _run(scenario, planned=True, monkeypatch=monkeypatch)
+    planned, planned_calls, builds = _run(scenario, planned=True, monkeypatch=monkeypatch)
     select_backend(monkeypatch, "native")
-    through_op, op_calls = _run(scenario, planned=False, monkeypatch=monkeypatch)
+    through_op, op_calls, _ = _run(scenario, planned=False, monkeypatch=monkeypatch)
     assert_same_snapshot(optimizer_snapshot(through_op), optimizer_snapshot(planned))
     assert all(calls > 0 for calls in op_calls)
-    assert tuple(step for step, calls in enumerate(planned_calls) if calls) == scenario.op_steps, planned_calls
+    assert not any(planned_calls), planned_calls
+    assert tuple(step for step, count in enumerate(builds) if count) == scenario.build_steps, builds
+
+
+@pytest.mark.parametrize("name", ["fp16-scaled-clipped-with-skips", "fp32-scaled-by-tensors-maximize-fp16-moments"])
+def test_a_scaled_step_through_a_plan_reports_its_skips_as_through_the_op(name, monkeypatch):
+    """last_found_inf (the skip flag) and last_grad_norm are the same tensors, step by step, whichever path unscaled
+    and clipped (AdamPlan.step_scaled, or _scaling's tensor ops and the op)."""
+    select_backend(monkeypatch, "native")
+    planned, through_op = [], []
+    _run(SCENARIOS[name], planned=True, monkeypatch=monkeypatch, skips=planned)
+    select_backend(monkeypatch, "native")
+    _run(SCENARIOS[name], planned=False, monkeypatch=monkeypatch, skips=through_op)
+    for (skip, norm), (op_skip, op_norm) in zip(planned, through_op):
+        assert_bitwise_equal(skip, op_skip, "last_found_inf")
+        assert_bitwise_equal(norm, op_norm, "last_grad_norm")
+    assert any(skip.item() for skip, _ in planned)  # the poisoned steps were skipped
 
 
 def test_a_param_given_new_memory_is_updated_there_and_its_old_memory_is_left_alone(monkeypatch):
@@ -166,7 +202,7 @@ def _planned_fp32(monkeypatch):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g)
         opt.step()
-    assert opt._plans[0].native
+    assert opt._plan.groups[0].native
     return opt, params
 
 
@@ -205,14 +241,14 @@ def test_a_bad_step_through_a_plan_names_the_param_and_changes_nothing(damage, m
 
 def test_plans_are_native_cpu_only(monkeypatch):
     opt, _ = _planned_fp32(monkeypatch)
-    assert all(bucket.native is not None for bucket in opt._plans[0].buckets)
+    assert all(bucket.native is not None for bucket in opt._plan.groups[0].buckets)
     select_backend(monkeypatch, "torch")
     p = torch.nn.Parameter(torch.ones(3))
     other = FusedAdam([p])
     for _ in range(2):
         p.grad = torch.ones(3)
         other.step()
-    assert not other._plans[0].native and other._plans[0].buckets[0].native is None
+    assert not other._plan.groups[0].native and other._plan.groups[0].buckets[0].native is None
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])

@@ -525,7 +525,7 @@ def test_fused_adam_through_the_triton_backend(config, monkeypatch):
         opt = FusedAdam(params, lr=1e-2, **config)
         for step_grads in grads:
             for p, g in zip(params, step_grads):
-                p.grad = g.to(device)
+                p.grad = g.to(device, copy=True)  # (a scaled step writes the unscaled gradient back into it)
             opt.step(grad_scale=torch.tensor(4.0, device=device) if dtype == F16 else None)
         results[backend] = ([p.detach().cpu() for p in params], opt.state_dict())
     (tp, tsd), (cp, csd) = results.values()

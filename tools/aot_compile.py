@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 # Kernel variants: (name, kernel, constexprs). The quick set covers each storage path once; --full every combination
 # of storage dtypes, modes and amsgrad that FusedAdam can create.
-ADAM_COMMON = dict(BIAS_CORRECTION=True, HAS_LR_TENSOR=False, HAS_INV_SCALE=False, HAS_FOUND_INF=False, BLOCK=1024,
-                   BLOCKS_PER_PROGRAM=1, ALIGNED=True)
+ADAM_COMMON = dict(BIAS_CORRECTION=True, HAS_LR_TENSOR=False, HAS_INV_SCALE=False, HAS_FOUND_INF=False,
+                   UNSCALE_GRADS=False, BLOCK=1024, BLOCKS_PER_PROGRAM=1, ALIGNED=True)
 F32, F16, BF16, F64 = 0, 1, 2, 3
 COMBOS = {
     "fp32": (F32, F32, F32, F32, False, False, False),
@@ -70,7 +70,8 @@ def variants(full: bool) -> list:
         out += [
             ("adam-fp32-mode2", "adam_kernel", adam_variant("fp32", 2, False)),
             ("adam-fp32-fp16states-mode1-ams-scaling", "adam_kernel",
-             adam_variant("fp32-fp16states", 1, True, HAS_LR_TENSOR=True, HAS_INV_SCALE=True, HAS_FOUND_INF=True)),
+             adam_variant("fp32-fp16states", 1, True, HAS_LR_TENSOR=True, HAS_INV_SCALE=True, HAS_FOUND_INF=True,
+                          UNSCALE_GRADS=True)),
             ("adam-bf16-master-fp16m-bf16v-mode0", "adam_kernel", adam_variant("bf16-master-fp16m-bf16v", 0, False)),
             ("adam-fp16-master-mode2-ams", "adam_kernel", adam_variant("fp16-master", 2, True)),
             ("adam-bf16-mode1-nobc", "adam_kernel", adam_variant("bf16", 1, False, BIAS_CORRECTION=False)),
@@ -79,6 +80,14 @@ def variants(full: bool) -> list:
     out += [
         ("adam-fp32-mode2-unaligned-4blocks", "adam_kernel",
          adam_variant("fp32", 2, False, ALIGNED=False, BLOCKS_PER_PROGRAM=4)),
+        # the loss-scaled step that writes the unscaled gradients back (a correctly rounded division per element)
+        ("adam-fp32-mode2-unscale-grads", "adam_kernel",
+         adam_variant("fp32", 2, False, HAS_INV_SCALE=True, HAS_FOUND_INF=True, UNSCALE_GRADS=True)),
+        ("adam-fp16-master-mode2-unscale-grads", "adam_kernel",
+         adam_variant("fp16-master", 2, False, HAS_INV_SCALE=True, HAS_FOUND_INF=True, UNSCALE_GRADS=True)),
+        ("adam-bf16-master-fp16m-bf16v-mode1-unscale-grads", "adam_kernel",
+         adam_variant("bf16-master-fp16m-bf16v", 1, True, HAS_INV_SCALE=True, HAS_FOUND_INF=True,
+                      UNSCALE_GRADS=True)),
         ("advance_steps", "advance_steps_kernel", dict(HAS_FOUND_INF=True, BLOCK=1024)),
     ]
     for name, dt in (("fp32", F32), ("fp16", F16), ("bf16", BF16), ("fp64", F64)):
@@ -91,7 +100,7 @@ def variants(full: bool) -> list:
 # Types of the runtime (non-constexpr) arguments, by name.
 ARG_TYPES = {
     "meta_ptr": "*i64", "grads_ptr": "*i64", "work_ptr": "*i64", "steps_ptr": "*fp64", "lr_ptr": "*fp32",
-    "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "lr_bits": "i64", "beta1_bits": "i64",
+    "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32", "lr_bits": "i64", "beta1_bits": "i64",
     "beta2_bits": "i64", "eps_bits": "i64", "wd_bits": "i64", "sign_bits": "i64", "n": "i32",
     "addr_ptr": "*i64", "numel_ptr": "*i64", "partial_ptr": "*fp64", "partial_base": "i32", "out_ptr": "*fp32",
 }

@@ -91,6 +91,7 @@ def run_leg(leg: str, data, steps: int, seed: int) -> dict:
     model = MLP()
     dtype = torch.float16 if fp16 else torch.float32
     model = model.to(dtype)
+    fused = None
     if leg == BASELINE:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)  # eps=1e-8, weight_decay=1e-2: torch's defaults
         name = "torch.optim.AdamW"
@@ -113,7 +114,7 @@ def run_leg(leg: str, data, steps: int, seed: int) -> dict:
 
     g = torch.Generator().manual_seed(seed + 1)
     batches = torch.randint(0, len(Xtr), (steps, BATCH), generator=g)
-    losses, fwd_bwd, opt_time = [], [], []
+    losses, fwd_bwd, opt_time, grad_norms = [], [], [], []
     model.train()
     for step in range(steps):
         idx = batches[step]
@@ -129,6 +130,10 @@ def run_leg(leg: str, data, steps: int, seed: int) -> dict:
         optimizer.zero_grad()
         t2 = time.perf_counter()
         losses.append(loss.item())
+        # The global norm of the unscaled gradients, from the pass that unscales (fp16: FP16_Optimizer hands FusedAdam
+        # its loss scale); None where nothing is scaled or clipped.
+        norm = None if fused is None else fused.last_grad_norm
+        grad_norms.append(None if norm is None else float(norm))
         fwd_bwd.append(t1 - t0)
         opt_time.append(t2 - t1)
 
@@ -142,7 +147,8 @@ def run_leg(leg: str, data, steps: int, seed: int) -> dict:
                 final_loss=statistics.mean(losses[-max(1, steps // 10):]), test_loss=test_loss, accuracy=accuracy,
                 first_step_s=fwd_bwd[0] + opt_time[0], fwd_bwd_ms=1e3 * fb, optimizer_ms=1e3 * op,
                 optimizer_share=op / (fb + op),
-                skipped_steps=optimizer.skipped_steps if fp16 else 0)
+                skipped_steps=optimizer.skipped_steps if fp16 else 0,
+                grad_norms=grad_norms if any(n is not None for n in grad_norms) else None)
 
 
 def compare(base: dict, r: dict) -> tuple[bool, str]:

@@ -272,13 +272,16 @@ def run_leg(leg: str, cfg: dict, args) -> dict:
     from ort_optim import AdamWMode, FusedAdam
 
     groups = param_groups(model)
+    fused = None
     if leg == "eager-adamw":
         optimizer = torch.optim.AdamW(groups, lr=cfg["lr"], betas=BETAS, eps=EPS)
         opt_name = "torch.optim.AdamW"
     else:
         # FusedAdam with torch's AdamW math; ORT's own defaults (eps=1e-6, ADAMW_TRANSFORMERS) would not match.
+        # --step-in-backward: each param is updated in backward as its gradient completes (not with FP16_Optimizer's
+        # loss scaling, which needs every gradient first).
         fused = FusedAdam(groups, lr=cfg["lr"], betas=BETAS, eps=EPS, adam_w_mode=AdamWMode.ADAMW_TORCH,
-                          master_weights=fp16)
+                          master_weights=fp16, step_in_backward=args.step_in_backward and not fp16)
         if fp16:
             from ort_optim.fp16_optimizer import FP16_Optimizer
 
@@ -312,7 +315,7 @@ def run_leg(leg: str, cfg: dict, args) -> dict:
             group["lr"] = lr
 
     rss_before = rss_mb()
-    losses, val_losses, fwd_bwd_s, opt_s, skipped = [], [], [], [], 0
+    losses, val_losses, fwd_bwd_s, opt_s, skipped, grad_norms = [], [], [], [], 0, []
     from tqdm import tqdm
 
     bar = tqdm(range(cfg["steps"]), desc=f"{leg:<11}", file=sys.stderr, ncols=100, disable=args.no_progress,
@@ -334,11 +337,16 @@ def run_leg(leg: str, cfg: dict, args) -> dict:
         if fp16 and optimizer.overflow:
             skipped += 1
         losses.append(float(loss.detach()))
+        # FusedAdam's global norm of the unscaled gradients, from the pass that unscales them (the fp16 leg: loss
+        # scaling); None where nothing is scaled or clipped.
+        norm = None if fused is None else fused.last_grad_norm
+        grad_norms.append(None if norm is None else float(norm))
         fwd_bwd_s.append(t1 - t0)
         opt_s.append(t2 - t1)
         if cfg["eval_every"] and ((step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]):
             val_losses.append((step + 1, evaluate()))
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", **({} if grad_norms[-1] is None else
+                                                      {"grad_norm": f"{grad_norms[-1]:.3g}"}), refresh=False)
     bar.close()
     wall = time.perf_counter() - t_start
 
@@ -358,6 +366,8 @@ def run_leg(leg: str, cfg: dict, args) -> dict:
         optimizer_share=op / (fb + op), tokens_per_s=tokens / (fb + op), wall_s=wall,
         rss_at_start_mb=rss_start, rss_before_training_mb=rss_before, peak_rss_mb=peak_rss_mb(),
         skipped_steps=skipped, final_loss_scale=float(optimizer.loss_scale) if fp16 else None,
+        step_in_backward=bool(getattr(optimizer, "step_in_backward", False)), grad_mb=4 * n_params / 2**20,
+        grad_norm=grad_norms if any(n is not None for n in grad_norms) else None,
         # 1-minute load average of the machine at the start and end of the leg: other processes skew the timings.
         load_avg=(load_start, os.getloadavg()[0]), cpus=os.cpu_count(),
     )
@@ -377,7 +387,7 @@ def run_leg_subprocess(leg: str, args, log_path: Path | None) -> dict:
         for flag in ("steps", "threads"):
             if getattr(args, flag) is not None:
                 cmd += [f"--{flag}", str(getattr(args, flag))]
-        for flag in ("no_tie", "no_progress", "ort_log_info"):
+        for flag in ("no_tie", "no_progress", "ort_log_info", "step_in_backward"):
             if getattr(args, flag):
                 cmd.append("--" + flag.replace("_", "-"))
         if log_path is None:
@@ -464,6 +474,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ort-log-info", action="store_true",
                     help="ORTModuleOptions(log_level='INFO'): ORT prints its memory optimizer's plans")
     ap.add_argument("--no-tie", action="store_true", help="do not tie the output head to the token embedding")
+    ap.add_argument("--step-in-backward", action="store_true",
+                    help="FusedAdam(step_in_backward=True) in the fp32 FusedAdam legs: each param is updated during "
+                         "backward and its gradient freed (compare peak_rss_mb and step_s with a run without it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--out", default="results", help="folder for gpt_summary.json and gpt_loss.png (default results/)")

@@ -114,14 +114,16 @@ def adam_step_(
     lr_tensor: Optional[torch.Tensor] = None,
     inv_grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    grad_scale: Optional[torch.Tensor] = None,
 ) -> None:
-    """One multi-tensor Adam step (ops/README.md gives the math). Mutates params, states, masters, scales, steps."""
+    """One multi-tensor Adam step (ops/README.md gives the math). Mutates params, states, masters, scales, steps, and
+    the grads when grad_scale is given (written back unscaled)."""
     impl = implementation(params[0].device if len(params) else torch.device("cpu"))
     impl.adam_step_(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
         exp_avg_sq_scales, max_exp_avg_sq_scales, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
         weight_decay=weight_decay, adam_w_mode=adam_w_mode, bias_correction=bias_correction, maximize=maximize,
-        lr_tensor=lr_tensor, inv_grad_scale=inv_grad_scale, found_inf=found_inf,
+        lr_tensor=lr_tensor, inv_grad_scale=inv_grad_scale, found_inf=found_inf, grad_scale=grad_scale,
     )
 
 

@@ -8,8 +8,10 @@ between backends is :mod:`ort_optim.backends`' job, not this module's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import io
 import os
 import platform
 import warnings
@@ -54,7 +56,10 @@ def build_dir() -> Path:
 
 def build(verbose: bool = False) -> Path:
     """Compiles ops/ with torch.utils.cpp_extension (idempotent) and returns the library's path."""
-    from torch.utils.cpp_extension import load
+    with contextlib.redirect_stderr(io.StringIO()) if not verbose else contextlib.nullcontext():
+        # Importing cpp_extension on a CUDA build of torch without a GPU prints "No CUDA runtime is found, using
+        # CUDA_HOME=...": noise for a CPU-only library (and the one line beside `make setup`'s own).
+        from torch.utils.cpp_extension import load
 
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -76,7 +81,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("ort_optim::adam_step_")
     def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
           exp_avg_sq_scales, max_exp_avg_sq_scales, steps, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
-          bias_correction, maximize, lr_tensor=None, inv_grad_scale=None, found_inf=None):
+          bias_correction, maximize, lr_tensor=None, inv_grad_scale=None, found_inf=None, grad_scale=None):
         return None
 
     @torch.library.register_fake("ort_optim::grad_stats")
@@ -114,12 +119,14 @@ def available() -> bool:
 
 
 class AdamPlan:
-    """A native handle to one bucket's params and states (the lists of :func:`adam_step_`), kept across steps.
+    """A native handle to one bucket's params and states (the lists of :func:`adam_step_`), kept across steps
+    (ops/README.md, "AdamPlan").
 
     It validates them once and keeps the states' data pointers, so a step converts and checks no tensor lists: it
     reads each param and its ``.grad`` directly, which with thousands of small tensors is most of the op's cost.
-    Validation and math are the op's own. It holds references to the states, which must not be replaced or resized
-    in place while it lives; params may be given new data of the same shape and float64-ness.
+    Validation and math are the op's own. Before every step, :meth:`check` compares every tensor it holds with what it
+    was at creation (storage, data pointer, storage size, dtype, shape, strides, Python tensor) and re-resolves the
+    data pointers of storages re-allocated in place; :meth:`step` and :meth:`grad_stats` need a successful check.
     """
 
     def __init__(self, plan) -> None:
@@ -127,29 +134,47 @@ class AdamPlan:
 
     @classmethod
     def create(cls, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
-               exp_avg_sq_scales, max_exp_avg_sq_scales, steps, idle_params=()) -> Optional["AdamPlan"]:
+               exp_avg_sq_scales, max_exp_avg_sq_scales, steps, idle_params=()) -> "AdamPlan":
         """A plan over these lists (the caller checks that their steps run natively: backends.runs_natively).
-        idle_params: params (of any device) that have no gradient now; the plan steps only while that stays so."""
-        return cls(torch.classes.ort_optim.AdamPlan(
-            list(params), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(master_params),
-            list(exp_avg_scales), list(exp_avg_sq_scales), list(max_exp_avg_sq_scales), steps, list(idle_params),
+        idle_params: params (of any device) that have no gradient now; the plan can step only while that stays so."""
+        params, idle_params = list(params), list(idle_params)
+        plan = cls(torch.classes.ort_optim.AdamPlan(
+            params, list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(master_params),
+            list(exp_avg_scales), list(exp_avg_sq_scales), list(max_exp_avg_sq_scales), steps,
+            [id(p) for p in params], [id(q) for q in idle_params],
         ))
+        # The native plan knows the params by their Python objects (it holds no reference to their tensors, which
+        # torch.utils.swap_tensors would refuse): these lists keep the objects alive as long as the plan.
+        plan._objects = (params, idle_params)
+        return plan
 
-    def ready(self) -> bool:
-        """Whether every param has a gradient and no idle param has one; raises (like the op) if a gradient cannot
-        be used."""
-        return self._plan.ready()
+    def check(self) -> int:
+        """-1 when the plan can step now: every tensor it holds is as it was (storages re-allocated in place are
+        followed), every param has a usable gradient and no idle param has one. Otherwise the position of the first
+        param that cannot (``len(params) + j`` for ``idle_params[j]``); nothing is written either way."""
+        return self._plan.check()
 
     def step(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adam_w_mode: int,
              bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
-             inv_grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> bool:
-        """:func:`adam_step_` with the params' current gradients; False, with nothing written, if one has none or an
-        idle param has one."""
-        return self._plan.step(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize,
-                               lr_tensor, inv_grad_scale, found_inf)
+             inv_grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None,
+             grad_scale: Optional[torch.Tensor] = None) -> None:
+        """:func:`adam_step_` with the params' current gradients (written back unscaled when grad_scale is given),
+        after a successful :meth:`check`."""
+        self._plan.step(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize, lr_tensor,
+                        inv_grad_scale, found_inf, grad_scale)
 
-    def grad_stats(self) -> Optional[torch.Tensor]:
-        """:func:`grad_stats` of the params' current gradients; None, like ``ready()`` being False, if a param has no
-        gradient or an idle param has one."""
-        stats = self._plan.grad_stats()
-        return stats if stats.numel() else None
+    def step_scaled(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                    adam_w_mode: int, bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
+                    grad_scale: Optional[torch.Tensor] = None, max_grad_norm: Optional[float] = None,
+                    found_inf: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """:meth:`step` that unscales by ``grad_scale``, checks for inf/NaN and clips to ``max_grad_norm`` itself,
+        from one pass of :func:`grad_stats` over the gradients (the multiplier and the skip decision are computed on
+        the host, in FusedAdam's float32 arithmetic), after a successful :meth:`check`; a step taken writes the
+        unscaled gradients back (as :meth:`step` with ``grad_scale``). Returns float32
+        ``[global norm of the unscaled gradients, 1.0 if the step was skipped]``."""
+        return self._plan.step_scaled(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize,
+                                      lr_tensor, grad_scale, max_grad_norm, found_inf)
+
+    def grad_stats(self) -> torch.Tensor:
+        """:func:`grad_stats` of the params' current gradients, after a successful :meth:`check`."""
+        return self._plan.grad_stats()

@@ -84,9 +84,17 @@ def adam_step_(
     lr_tensor: Optional[torch.Tensor] = None,
     inv_grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    grad_scale: Optional[torch.Tensor] = None,
 ) -> None:
     if found_inf is not None and float(found_inf) != 0.0:
         return
+    if grad_scale is not None:  # checked before anything is written, as the native op does
+        if not (math.isfinite(float(grad_scale)) and float(grad_scale) != 0.0):
+            raise RuntimeError(f"ort_optim::adam_step_: grad_scale must be finite and non-zero, got {float(grad_scale)}")
+        for i, g in enumerate(grads):
+            if torch._debug_has_internal_overlap(g) == 1:
+                raise RuntimeError(f"ort_optim::adam_step_: grads[{i}] overlaps itself (an expand()ed tensor), so it "
+                                   "cannot be unscaled in place")
     lr = float(lr_tensor) if lr_tensor is not None else lr
     grad_mul = (float(inv_grad_scale) if inv_grad_scale is not None else 1.0) * (-1.0 if maximize else 1.0)
     amsgrad = len(max_exp_avg_sqs) > 0
@@ -127,6 +135,8 @@ def adam_step_(
         if master is not None:
             master.copy_(p)
         param.copy_(p)
+        if grad_scale is not None:  # the unscaled gradient back into .grad: a division, rounded to its dtype
+            grads[i].copy_(grads[i].to(compute) / grad_scale.to(compute).reshape(()))
     steps.add_(1.0)
 
 

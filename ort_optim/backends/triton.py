@@ -11,9 +11,10 @@ How a call runs:
   launch of ``adam_kernel``: a device table holds every tensor's addresses (params, moments, masters, scales) and a
   work list holds one (tensor, offset) item per program, so the launch covers all tensors of the group. One more tiny
   launch advances the step counts afterwards (unless found_inf says skip).
-* The tables are built once and cached, keyed by the tensors' data_ptrs (and checked against the tensor objects
-  themselves); they are rebuilt only when those change. Gradients get their own small address table, since they
-  change whenever they are set to None: one H2D copy of ``[g.data_ptr() ...]``, non-blocking from pinned memory.
+* The tables are built once and cached, keyed by every tensor's data_ptr, dtype, shape and strides (all a table
+  holds); they are rebuilt, after validation, only when one of those changes. Gradients get their own small address
+  table, since they change whenever they are set to None: one H2D copy of ``[g.data_ptr() ...]``, non-blocking from
+  pinned memory.
 * Nothing synchronises with the host inside a call, and every kernel runs on ``torch.cuda.current_stream()``, so a
   step can be captured in a CUDA graph (with lr and the loss scale as device tensors if they change between replays).
 * ``triton`` is imported on first use only; ``import ort_optim`` never imports it.
@@ -28,7 +29,6 @@ import os
 import struct
 import threading
 import warnings
-import weakref
 from collections import OrderedDict
 from typing import Optional, Sequence
 
@@ -249,19 +249,12 @@ class _Group:
 class _Plan:
     """The launch plan of one call signature: its groups, plus what identifies the tensors it was built for."""
 
-    __slots__ = ("refs", "groups", "shapes", "devices")
+    __slots__ = ("groups", "shapes", "devices")
 
-    def __init__(self, refs, groups, shapes, devices):
-        self.refs = refs  # weak references to the tensors whose data_ptrs key the plan
+    def __init__(self, groups, shapes, devices):
         self.groups = groups
         self.shapes = shapes  # the params' shapes, as tuples (comparing lists of torch.Size is ~20x slower)
         self.devices = devices  # get_device() of every param
-
-    def matches(self, tensors: list) -> bool:
-        """Same tensor objects as when the plan was built (equal data_ptrs alone could be a new tensor reusing
-        freed memory, with another dtype or size)."""
-        refs = self.refs
-        return len(refs) == len(tensors) and all([ref() is t for ref, t in zip(refs, tensors)])
 
 
 def _fail(msg: str):
@@ -336,6 +329,15 @@ def _validate_static(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_para
             _check_scales(max_exp_avg_sq_scales, max_exp_avg_sqs, i, "max_exp_avg_sq_scales")
     if any_double and any_single:
         _fail("float64 params cannot share a call with other dtypes; group them separately")
+    for name, tensors in (("params", params), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+                          ("max_exp_avg_sqs", max_exp_avg_sqs), ("master_params", master_params),
+                          ("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales),
+                          ("max_exp_avg_sq_scales", max_exp_avg_sq_scales)):
+        for i, t in enumerate(tensors):  # a storage freed in place (resize_(0)) under a tensor: never write into it
+            needed = 0 if t.numel() == 0 else (t.storage_offset() + sum(
+                st * (sz - 1) for st, sz in zip(t.stride(), t.shape)) + 1) * t.element_size()
+            if t.untyped_storage().nbytes() < needed:
+                _fail(f"{name}[{i}] has a storage of {t.untyped_storage().nbytes()} bytes but needs {needed}")
 
 
 def _validate_grads(params, grads, indices) -> None:
@@ -413,6 +415,7 @@ def adam_step_(
     lr_tensor: Optional[torch.Tensor] = None,
     inv_grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    grad_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """ort_optim::adam_step_ (ops/README.md) on CUDA tensors (CPU tensors under TRITON_INTERPRET=1)."""
     n = len(params)
@@ -431,7 +434,8 @@ def adam_step_(
         _fail(f"adam_w_mode must be 0, 1 or 2, got {adam_w_mode}")
     if not (steps.dtype == torch.float64 and steps.dim() == 1 and steps.numel() == n and steps.is_contiguous()):
         _fail(f"steps must be a contiguous float64 tensor of shape [{n}]")
-    for name, t in (("lr_tensor", lr_tensor), ("inv_grad_scale", inv_grad_scale), ("found_inf", found_inf)):
+    for name, t in (("lr_tensor", lr_tensor), ("inv_grad_scale", inv_grad_scale), ("found_inf", found_inf),
+                    ("grad_scale", grad_scale)):
         if t is not None and t.numel() != 1:
             _fail(f"{name} must have exactly one element, got {t.numel()}")
     if n == 0:
@@ -440,7 +444,8 @@ def adam_step_(
     _check_device(device, "adam_step_")
     k = kernels()
 
-    # Non-contiguous params and grads go through contiguous copies; params are copied back at the end.
+    # Non-contiguous params and grads go through contiguous copies; params (and grads, when they are unscaled in
+    # place) are copied back at the end.
     work_params = list(params)
     copied = []
     for i, p in enumerate(params):
@@ -448,20 +453,29 @@ def adam_step_(
             work_params[i] = p.contiguous()
             copied.append(i)
     work_grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+    copied_grads = [i for i, g in enumerate(grads) if g is not work_grads[i]] if grad_scale is not None else []
+    for i in copied_grads:  # before anything is written
+        if torch._debug_has_internal_overlap(grads[i]) == 1:
+            _fail(f"grads[{i}] overlaps itself (an expand()ed tensor), so it cannot be unscaled in place")
 
     statics = [work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
                exp_avg_sq_scales, max_exp_avg_sq_scales]
     flat = [t for lst in statics for t in lst]
-    key = (device, n, tuple([len(lst) for lst in statics]), tuple([t.data_ptr() for t in flat]),
+    # The tables hold addresses, sizes and dtypes, so the key has every tensor's address, dtype, shape and strides:
+    # whatever tensor now has all four (the same object given new data, or a new tensor in freed memory), the table
+    # describes it exactly. (No references to the tensors are kept: torch.utils.swap_tensors refuses tensors that
+    # anything holds, even weakly.)
+    key = (device, n, tuple([len(lst) for lst in statics]),
+           tuple([(t.data_ptr(), t.dtype, t.shape, t.stride()) for t in flat]),
            tuple([g.dtype for g in work_grads]), BLOCKS_PER_PROGRAM)
     plan = _lookup(_cache, key)
-    if plan is None or not plan.matches(flat):
+    if plan is None:
         _validate_static(work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
                          exp_avg_sq_scales, max_exp_avg_sq_scales, amsgrad)
         _validate_grads(work_params, work_grads, range(n))
         groups = _build_groups(work_params, work_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
                                exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales, device)
-        plan = _Plan([weakref.ref(t) for t in flat], groups, [tuple(p.shape) for p in work_params],
+        plan = _Plan(groups, [tuple(p.shape) for p in work_params],
                      [params[0].get_device()] * n)
         _remember(_cache, key, plan)
     elif ([tuple(g.shape) for g in work_grads] != plan.shapes or [g.get_device() for g in work_grads] != plan.devices
@@ -479,6 +493,7 @@ def adam_step_(
         return t.reshape(1)
 
     lr_t, inv_t, found_t = on_device(lr_tensor), on_device(inv_grad_scale), on_device(found_inf)
+    scale_t = on_device(grad_scale)
     steps_dev = steps if steps.device == device else steps.to(device)
     dummy = steps_dev
 
@@ -496,10 +511,12 @@ def adam_step_(
                 lr_t if lr_t is not None else dummy,
                 inv_t if inv_t is not None else dummy,
                 found_t if found_t is not None else dummy,
+                scale_t if scale_t is not None else dummy,
                 _bits(lr), _bits(beta1), _bits(beta2), _bits(eps), _bits(weight_decay),
                 _bits(-1.0 if maximize else 1.0),
                 MODE=int(adam_w_mode), BIAS_CORRECTION=bool(bias_correction), HAS_LR_TENSOR=lr_t is not None,
-                HAS_INV_SCALE=inv_t is not None, HAS_FOUND_INF=found_t is not None, BLOCK=BLOCK,
+                HAS_INV_SCALE=inv_t is not None, HAS_FOUND_INF=found_t is not None,
+                UNSCALE_GRADS=scale_t is not None, BLOCK=BLOCK,
                 BLOCKS_PER_PROGRAM=group.bpp, ALIGNED=group.aligned and group.grads_aligned, num_warps=NUM_WARPS,
                 enable_fp_fusion=False,
                 **group.constexprs,
@@ -514,6 +531,8 @@ def adam_step_(
         steps.copy_(steps_dev)
     for i in copied:
         params[i].copy_(work_params[i])
+    for i in copied_grads:
+        grads[i].copy_(work_grads[i])
 
 
 # ---- grad_stats -----------------------------------------------------------------------------------------------

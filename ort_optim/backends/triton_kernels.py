@@ -223,14 +223,17 @@ def _powi(base, t):
 @_device
 def _adam_block(
     offs, mask, block_index, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr,
-    grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay,
+    grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale,
     P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr, HAS_MASTER: tl.constexpr,
     M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, AMSGRAD: tl.constexpr, MODE: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr, UNSCALE_GRADS: tl.constexpr,
 ):
     """One block of 1024 elements (one fp16 quantisation block) of one tensor."""
     F64: tl.constexpr = P_DT == 3
-    g = _load(g_addr, offs, mask, G_DT, ALIGNED) * grad_mul
+    g_loaded = _load(g_addr, offs, mask, G_DT, ALIGNED)
+    if UNSCALE_GRADS:  # the unscaled gradient back into .grad, as torch's fused AdamW: a division, rounded to G_DT
+        _store(g_addr, offs, _div(g_loaded, grad_scale, F64), mask, G_DT, ALIGNED)
+    g = g_loaded * grad_mul
     if HAS_MASTER:
         p = _load(master_addr, offs, mask, 0, ALIGNED)
     else:
@@ -266,13 +269,14 @@ def _adam_block(
 
 @triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits", "eps_bits", "wd_bits", "sign_bits"])
 def adam_kernel(
-    meta_ptr, grads_ptr, work_ptr, steps_ptr, lr_ptr, inv_scale_ptr, found_inf_ptr,
+    meta_ptr, grads_ptr, work_ptr, steps_ptr, lr_ptr, inv_scale_ptr, found_inf_ptr, grad_scale_ptr,
     lr_bits: "int64", beta1_bits: "int64", beta2_bits: "int64", eps_bits: "int64", wd_bits: "int64",
     sign_bits: "int64",
     P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
     HAS_MASTER: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, AMSGRAD: tl.constexpr,
     MODE: tl.constexpr, BIAS_CORRECTION: tl.constexpr, HAS_LR_TENSOR: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, ALIGNED: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, UNSCALE_GRADS: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """One Adam step over every tensor of the tables: program pid does work item pid (BLOCKS_PER_PROGRAM blocks of
     one tensor). Table row (int64): param, exp_avg, exp_avg_sq, max_exp_avg_sq, master, and the three scale
@@ -330,6 +334,10 @@ def adam_kernel(
     bc2_sqrt = _to_compute(bc2_sqrt64, F64)
     torch_decay = _to_compute(1.0 - lr * wd64, F64)
     hf_decay = _to_compute(lr * wd64, F64)
+    if UNSCALE_GRADS:
+        grad_scale = _to_compute(tl.load(grad_scale_ptr), F64)
+    else:
+        grad_scale = eps
 
     # Full blocks without a mask (so that 16-byte accesses are possible), then the tensor's partial last block.
     end = tl.minimum(start + BLOCK * BLOCKS_PER_PROGRAM, numel)
@@ -340,14 +348,14 @@ def adam_kernel(
         bs = start + b * BLOCK
         _adam_block(bs + lanes, lanes < BLOCK, bs // BLOCK, p_addr, g_addr, m_addr, v_addr,
                     vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr, grad_mul, b2, one_minus_b1,
-                    one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, P_DT, G_DT, M_DT, V_DT,
-                    HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED)
+                    one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, P_DT, G_DT, M_DT,
+                    V_DT, HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, UNSCALE_GRADS)
     if full_end < end:
         offs = full_end + lanes
         _adam_block(offs, offs < end, full_end // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr,
                     ms_addr, vs_addr, vmaxs_addr, grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size,
-                    bc2_sqrt, torch_decay, hf_decay, P_DT, G_DT, M_DT, V_DT, HAS_MASTER, M_SCALED, V_SCALED,
-                    AMSGRAD, MODE, ALIGNED)
+                    bc2_sqrt, torch_decay, hf_decay, grad_scale, P_DT, G_DT, M_DT, V_DT, HAS_MASTER, M_SCALED,
+                    V_SCALED, AMSGRAD, MODE, ALIGNED, UNSCALE_GRADS)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from .common import measure_bandwidth
 # Sections with their own row format: name -> "module:function" in this package, called as function(quick) and
 # returning a list of flat dicts; printed as a table of their keys, saved under "sections" in the JSON and the
 # markdown. Add a section by adding a module and one line here.
-EXTRA_SECTIONS: dict[str, str] = {"distributed": "distributed:bench_distributed"}
+EXTRA_SECTIONS: dict[str, str] = {"step_in_backward": "backward:run", "distributed": "distributed:bench_distributed"}
 
 
 def run_extra_section(name: str, quick: bool) -> list[dict]:
@@ -41,13 +41,19 @@ def generic_table(rows: list[dict]) -> list[str]:
         "| " + " | ".join(show(row.get(k, "")) for k in keys) + " |" for row in rows]
 
 def print_table(rows: list[dict], bandwidth: dict) -> None:
-    header = f"{'section':<28} {'workload':<11} {'impl':<34} {'ms':>9} {'ours is':>9} {'GB/s':>7} {'of peak BW':>10}"
+    header = (f"{'section':<28} {'workload':<11} {'impl':<34} {'ms':>9} {'ours is':>9} {'GB/s':>7} {'of peak BW':>10} "
+              f"{'of probe':>9}")
     print(header)
     print("-" * len(header))
     for row in rows:
         fraction = row["effective_GBps"] / bandwidth["peak_GBps"]
         print(f"{row['section']:<28} {row['workload']:<11} {row['impl']:<34} {row['median_ms']:9.2f} "
-              f"{row['ours_speedup']:8.2f}x {row['effective_GBps']:7.1f} {fraction:10.0%}")
+              f"{row['ours_speedup']:8.2f}x {row['effective_GBps']:7.1f} {fraction:10.0%} {_of_probe(row):>9}")
+
+
+def _of_probe(row: dict) -> str:
+    """The row's bandwidth as a fraction of the cold in-place probe run just before it (sections that measure it)."""
+    return f"{row['of_probe']:.0%}" if "of_probe" in row else ""
 
 
 def markdown(rows: list[dict], fp16_rows: list[dict], overhead_rows: list[dict], bandwidth: dict, command: str) -> str:
@@ -57,12 +63,12 @@ def markdown(rows: list[dict], fp16_rows: list[dict], overhead_rows: list[dict],
              f"copy {bandwidth['copy_GBps']:.1f}, triad {bandwidth['triad_GBps']:.1f}, read {bandwidth['read_GBps']:.1f} "
              f"GB/s; 'of peak BW' divides by the largest.", "",
              "| section | workload | implementation | median ms | ort_optim speed-up | GB/s | of peak BW | "
-             "state bytes/param |", "|---|---|---|---|---|---|---|---|"]
+             "of cold probe | state bytes/param |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         state = r["optimizer_state_bytes_per_param"]
         lines.append(f"| {r['section']} | {r['workload']} | {r['impl']} | {r['median_ms']:.2f} | "
                      f"{r['ours_speedup']:.2f}x | {r['effective_GBps']:.1f} | "
-                     f"{r['effective_GBps'] / bandwidth['peak_GBps']:.0%} | "
+                     f"{r['effective_GBps'] / bandwidth['peak_GBps']:.0%} | {_of_probe(r)} | "
                      f"{'' if state is None else f'{state:g}'} |")
     if fp16_rows:
         lines += ["", "| workload | implementation | median ms | time / baseline's |", "|---|---|---|---|"]

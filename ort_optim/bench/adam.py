@@ -11,7 +11,7 @@ import torch
 
 from .. import backends
 from ..fused_adam import AdamWMode, FusedAdam
-from .common import WORKLOADS, make_params, rows, time_interleaved
+from .common import WORKLOADS, make_params, rows, time_after_probe, time_interleaved
 
 def _deepspeed_cpu_adam(params) -> Optional[torch.optim.Optimizer]:
     try:
@@ -50,10 +50,16 @@ def bench_fp32(names: list[str], quick: bool, reps: int, with_deepspeed: bool) -
 def bench_mixed(names: list[str], quick: bool, reps: int) -> list[dict]:
     """fp16/bf16 params and grads, fp32 masters and moments, loss-scale unscale + inf check + clip + update.
 
-    Ours: FusedAdam(master_weights=True, max_grad_norm=1.0).step(grad_scale=S), two passes over the gradients.
+    Ours: FusedAdam(master_weights=True, max_grad_norm=1.0).step(grad_scale=S), two passes over the gradients, the
+    second also writing p.grad back unscaled (as torch's fused AdamW does); the row "p.grad left scaled" is the same
+    step without that write (a private switch), so the two price it.
     Composite (the usual way with torch ops): copy grads into fp32 master grads, unscale and check with
     torch._amp_foreach_non_finite_check_and_unscale_, clip_grad_norm_(foreach=True), fused AdamW on the masters,
     copy the masters back into the low-precision params.
+
+    Each step runs right after a cold 512 MB ``x.mul_(c)`` probe (bench.common.time_after_probe), as in training,
+    where forward and backward evict the caches; ``of_probe`` is the step's bandwidth at its bytes per element as a
+    fraction of that probe's.
     """
     result = []
     scale = 1024.0
@@ -65,6 +71,9 @@ def bench_mixed(names: list[str], quick: bool, reps: int) -> list[dict]:
             numel = sum(p.numel() for p in params)
             ours = FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH,
                              master_weights=True, max_grad_norm=1.0)
+            ours_scaled_grads = FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2,
+                                          adam_w_mode=AdamWMode.ADAMW_TORCH, master_weights=True, max_grad_norm=1.0)
+            ours_scaled_grads._unscale_grads = False
             masters = [p.detach().float() for p in params]
             for m in masters:
                 m.grad = torch.zeros_like(m)
@@ -81,14 +90,25 @@ def bench_mixed(names: list[str], quick: bool, reps: int) -> list[dict]:
                     torch_opt.step()
                     torch._foreach_copy_(params, masters)
 
-            medians = time_interleaved(
-                {"ort_optim.FusedAdam": lambda: ours.step(grad_scale=scale), "torch composite": composite},
-                warmup=2, reps=reps)
-            # Fused: read g twice (norm, update) + p16 write + master, m, v read+write = 2*2 + 2 + 24 = 30 B/elem.
+            # (ours divides the shared grads by the scale in place at every call: bf16 grads of about 2**10 stay
+            # normal floats for 13 calls (2**10 / 1024**13 = 2**-120), fp16 ones convert to normal floats, so with
+            # warmup + reps <= 13 no call pays for subnormals)
+            # Fused: read g twice (norm, update) + write g + p16 write + master, m, v read+write = 2*3 + 2 + 24 = 32
+            # B/elem (30 without the grad write-back).
             # Composite: grad copy 2+4, unscale 4+4, clip norm 4 + scale 4+4, AdamW 16+12, copy back 4+2 = 60.
-            result += rows(f"mixed {str(dtype).replace('torch.', '')} params", name, len(params), numel, medians,
-                          bytes_per_element={"ort_optim.FusedAdam": 30, "torch composite": 60},
-                          state_bytes={"ort_optim.FusedAdam": 12, "torch composite": 16})
+            moved = {"ort_optim.FusedAdam": 32, "ort_optim.FusedAdam, p.grad left scaled": 30, "torch composite": 60}
+            medians, of_probe, probe_GBps = time_after_probe(
+                {"ort_optim.FusedAdam": lambda: ours.step(grad_scale=scale),
+                 "ort_optim.FusedAdam, p.grad left scaled": lambda: ours_scaled_grads.step(grad_scale=scale),
+                 "torch composite": composite},
+                {impl: per_element * numel for impl, per_element in moved.items()}, quick, warmup=2, reps=reps)
+            section = rows(f"mixed {str(dtype).replace('torch.', '')} params", name, len(params), numel, medians,
+                           bytes_per_element=moved,
+                           state_bytes={"ort_optim.FusedAdam": 12, "ort_optim.FusedAdam, p.grad left scaled": 12,
+                                        "torch composite": 16})
+            for row in section:  # its bandwidth as a fraction of the cold in-place probe's, run just before it
+                row.update(probe_GBps=probe_GBps, of_probe=of_probe[row["impl"]])
+            result += section
     return result
 
 
@@ -113,27 +133,29 @@ def bench_low_precision_states(names: list[str], quick: bool, reps: int) -> list
 
 def bench_op_overhead(reps: int) -> list[dict]:
     """Where many-tensor steps lose time: 2000 one-element tensors (metadata only), 2000 x 1K and one 2M-element
-    tensor, with warm caches and after a 256 MB pass has evicted them (as other work does in training). Three ways in:
-    the op with its four tensor lists, the native plan FusedAdam steps through (reads each param's .grad itself), and
-    FusedAdam.step() as a whole (the plan plus Python)."""
+    tensor, with warm caches and after a 256 MB pass has evicted them (as other work does in training). Ways in: the op
+    with its four tensor lists, the native plan FusedAdam steps through (reads each param's .grad itself; its check()
+    re-validates every tensor it holds, then it steps), that re-validation alone, and FusedAdam.step() as a whole
+    (the plan plus Python)."""
     evictor = torch.empty(64 * 1024 * 1024)
     result = []
     for workload, shapes in {"2000x1": [(1,)] * 2000, "2000x1K": [(1024,)] * 2000, "1x2M": [(2048 * 1024,)]}.items():
         params = make_params(shapes)
         optimizer = FusedAdam(params)
         optimizer.step()  # creates the state and the plan
-        (bucket,) = optimizer._plans[0].buckets
+        (bucket,) = optimizer._plan.groups[0].buckets
         grads = [p.grad for p in params]
         hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=1,
                      bias_correction=True, maximize=False)
         calls = {
             "op, 4 tensor lists": lambda: backends.adam_step_(
                 bucket.params, grads, bucket.exp_avgs, bucket.exp_avg_sqs, [], [], [], [], [], bucket.steps, **hyper),
-            "plan": lambda: bucket.native.step(**hyper),
+            "plan (check + step)": lambda: bucket.native.check() < 0 and bucket.native.step(**hyper),
+            "plan re-validation (check)": lambda: bucket.native.check(),
             "FusedAdam.step()": optimizer.step,
         }
         if bucket.native is None:  # no native library here: there is no plan to time
-            del calls["plan"]
+            del calls["plan (check + step)"], calls["plan re-validation (check)"]
         for call, run in calls.items():
             for caches in ("warm", "evicted"):
                 times = []

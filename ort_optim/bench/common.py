@@ -68,6 +68,37 @@ def time_interleaved(candidates: dict[str, Callable[[], None]], warmup: int, rep
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def time_after_probe(candidates: dict[str, Callable[[], None]], moved_bytes: dict[str, float], quick: bool,
+                     warmup: int, reps: int) -> tuple[dict[str, float], dict[str, float], float]:
+    """Times each candidate right after an in-place ``x.mul_(c)`` over 512 MB (256 MB with quick), in one loop:
+    probe, first candidate, probe, second candidate, and so on. The probe evicts the caches, so every candidate runs
+    cold, as an optimizer step does in training (forward and backward evict the last-level cache in between), and
+    it measures the memory bandwidth (8 bytes per element: read and write) at that moment, under the same load.
+
+    Returns (median seconds per candidate; each candidate's bandwidth as a fraction of the probe's, from its
+    ``moved_bytes`` per call: the median over repetitions of the ratio to the probe run just before it; the
+    probe's median GB/s)."""
+    x = torch.rand((64 if quick else 128) * 1024 * 1024)
+    probe_bytes = 8 * x.numel()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    fractions: dict[str, list[float]] = {name: [] for name in candidates}
+    probes: list[float] = []
+    for rep in range(warmup + reps):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            x.mul_(1.0000001)
+            middle = time.perf_counter()
+            fn()
+            end = time.perf_counter()
+            if rep >= warmup:
+                times[name].append(end - middle)
+                fractions[name].append((moved_bytes[name] / (end - middle)) / (probe_bytes / (middle - start)))
+                probes.append(middle - start)
+    return ({name: statistics.median(v) for name, v in times.items()},
+            {name: statistics.median(v) for name, v in fractions.items()},
+            probe_bytes / statistics.median(probes) / 1e9)
+
+
 def make_params(shapes, dtype=torch.float32, seed=0) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     params = []

@@ -1,0 +1,654 @@
+"""FusedAdam's step cache: which params a step updates, in buckets with their state tensors, and the one rule that says
+whether it still holds.
+
+A step walks ``FusedAdam.step -> Plan (valid, or rebuilt by build() after full validation) -> backend op``.
+
+:func:`build` validates everything a step needs (gradients, states, storages, params that share memory) before it
+writes anything, then creates missing state, adopts state tensors assigned by the user, and groups the params of
+each param group into buckets (device, dtype, state dtypes, master): one op call per bucket. On the native CPU
+backend each bucket also gets a native ``AdamPlan`` (ops/README.md) that holds its tensors and reads the gradients
+itself.
+
+:meth:`Plan.valid` is the single validity rule, checked at every step:
+
+* ``optimizer.state`` is an :class:`OptimizerState`: each mutation of it or of a param's state dict bumps its version,
+  and a plan is valid only for the version it was built at (O(1));
+* each ``param_groups[i]['params']`` is a :class:`ParamList` that counts its mutations: the group must still hold that
+  very list (a list put in its place is told by identity), at that count; the group's ``amsgrad`` (it adds a state
+  list), the optimizer's state layout options and the backend (native plans exist only while the native CPU op runs)
+  must be unchanged (O(groups));
+* per tensor (params, grads, states, masters, scales, steps): the same storage, data pointer (a storage re-allocated
+  in place is re-resolved), storage size, dtype, shape, strides and Python tensor (``torch.utils.swap_tensors``), and
+  which params have gradients: in C++ by the native plans, or in Python for buckets on the other backends.
+
+When the rule fails, the step builds a new plan, which raises (naming ``param_groups[i]['params'][j]``) for anything
+that cannot be honoured, before any write.
+
+DTensor params (FSDP2, tensor parallel) are planned and stepped through their local tensors
+(``integrations/dtensor.py``): the buckets hold the local pieces and their gradients' local pieces, validated like
+plain tensors, and the gradient must be laid out like its param. Their buckets take the Python check (a native plan
+reads ``.grad`` from the tensors it holds, and a local piece has none: its DTensor holds it), whose fingerprints
+follow storages that an engine frees and re-allocates, and which reads the local pieces afresh at every step.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from . import _checkpoint, backends
+from ._checkpoint import MOMENT_KEYS
+from ._spec import SUPPORTED_PARAM_DTYPES, num_blocks
+from .integrations import dtensor
+
+CPU = torch.device("cpu")
+# Element-wise overlap checks (exotic strides only) look at no more elements than this per param.
+MAX_ELEMENTWISE_OVERLAP_CHECK = 1 << 24
+
+
+def describe(group_index: int, index: int, param: torch.Tensor) -> str:
+    return f"param_groups[{group_index}]['params'][{index}] (shape {tuple(param.shape)}, {param.dtype})"
+
+
+# ---- containers that count their mutations --------------------------------------------------------------------------
+
+
+class ParamState(dict):
+    """One param's state dict inside an :class:`OptimizerState`: every mutation bumps the owner's version."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: "OptimizerState", items=()):
+        super().__init__(items)
+        self._owner = owner
+
+    def _bump(self) -> None:
+        self._owner.version += 1
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self._bump()
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self._bump()
+
+    def pop(self, *args):
+        self._bump()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._bump()
+        return super().popitem()
+
+    def clear(self) -> None:
+        super().clear()
+        self._bump()
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        self._bump()
+
+    def setdefault(self, key, default=None):
+        self._bump()
+        return super().setdefault(key, default)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def __reduce__(self):  # copies and pickles are plain dicts (the optimizer wraps them again)
+        return dict, (dict(self),)
+
+
+class OptimizerState(collections.defaultdict):
+    """``optimizer.state``: a ``defaultdict(dict)`` of :class:`ParamState` that counts its mutations (``version``).
+
+    Assigning a dict to ``state[p]`` stores a :class:`ParamState` copy of it (a ParamState of this container is stored
+    as is), so later changes must go through ``optimizer.state[p]``, not through the dict that was assigned.
+    """
+
+    def __init__(self, items=()):
+        super().__init__(None)
+        self.version = 0
+        for key, value in dict(items).items():
+            self[key] = value
+
+    def __missing__(self, key) -> ParamState:
+        # an empty state changes no plan: no version bump for reading optimizer.state[p]
+        value = ParamState(self)
+        super().__setitem__(key, value)
+        return value
+
+    def _wrap(self, value) -> ParamState:
+        if isinstance(value, ParamState) and value._owner is self:
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"optimizer.state[p] must be a dict of state entries, got {type(value).__name__}")
+        return ParamState(self, value)
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, self._wrap(value))
+        self.version += 1
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self.version += 1
+
+    def pop(self, *args):
+        self.version += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        self.version += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        super().clear()
+        self.version += 1
+
+    def update(self, *args, **kwargs) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = {} if default is None else default
+        return self[key]
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def copy(self):
+        return collections.defaultdict(dict, self)
+
+    __copy__ = copy
+
+    def __reduce__(self):  # copies and pickles are a plain defaultdict(dict) (the optimizer wraps it again)
+        return collections.defaultdict, (dict,), None, None, iter([(k, dict(v)) for k, v in self.items()])
+
+
+class ParamList(list):
+    """A param group's ``params`` list that counts its mutations (``version``)."""
+
+    def __init__(self, items=()):
+        super().__init__(items)
+        self.version = 0
+
+    def __reduce__(self):  # copies and pickles are plain lists
+        return list, (list(self),)
+
+
+def _counting(method):
+    def mutate(self, *args, **kwargs):
+        self.version += 1
+        return method(self, *args, **kwargs)
+
+    mutate.__name__ = method.__name__
+    return mutate
+
+
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove",
+              "clear", "sort", "reverse"):
+    setattr(ParamList, _name, _counting(getattr(list, _name)))
+del _name
+
+
+# ---- the plan -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Bucket:
+    """Params of one param group that share (device, dtype, state dtypes, master): one op call per step."""
+
+    indices: list[int]  # positions in group["params"]
+    params: list[torch.Tensor]  # the tensors the op updates: the params, or their local pieces for DTensor params
+    exp_avgs: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
+    max_exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
+    master_params: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_scales: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
+    max_exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
+    steps: Optional[torch.Tensor] = None  # float64 [n]; state[p]["step"] are 0-dim views of it
+    native: Optional[backends.AdamPlan] = None  # on the native CPU backend
+    fingerprints: list = field(default_factory=list)  # of every tensor above, for the Python check (other backends)
+    grads: list = field(default_factory=list)  # this step's gradients (other backends; a native plan reads its own)
+    dtensors: bool = False  # params holds DTensors' local pieces
+
+    def state_lists(self) -> list[list[torch.Tensor]]:
+        return [self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs, self.master_params, self.exp_avg_scales,
+                self.exp_avg_sq_scales, self.max_exp_avg_sq_scales]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for lst in [self.params] + self.state_lists() for t in lst] + [self.steps]
+
+    def op_lists(self) -> list:
+        return [self.params, self.grads] + self.state_lists() + [self.steps]
+
+
+@dataclass
+class GroupPlan:
+    group: dict
+    params: ParamList  # the group's list when planned, and its version then
+    params_version: int
+    amsgrad: bool
+    has_grad: tuple  # which params had a gradient
+    buckets: list[Bucket]
+    native: bool  # every bucket has a native plan: they watch the gradients (watchers), Python reads none
+    watchers: list = field(default_factory=list)  # native plans to check(): the buckets', or one over idle params
+    dtensors: bool = False  # the group has DTensor params
+
+    def current(self) -> bool:
+        """The per-tensor part of the rule (see the module docstring). Resolves this step's gradients."""
+        if self.native:
+            return all(w.check() < 0 for w in self.watchers)
+        grads = [p.grad for p in self.params]
+        if tuple(g is not None for g in grads) != self.has_grad:
+            return False
+        if self.dtensors:
+            if any(g is not None and dtensor.layout_problem(p, g) for p, g in zip(self.params, grads)):
+                return False
+            grads = [dtensor.local(g) for g in grads]
+        for bucket in self.buckets:
+            bucket.grads = [grads[i] for i in bucket.indices]
+            if bucket.dtensors and not all(dtensor.local(self.params[i]) is q
+                                           for i, q in zip(bucket.indices, bucket.params)):
+                return False  # (a DTensor given another local tensor: what it holds now is what must be stepped)
+            if bucket.native is not None:
+                if bucket.native.check() >= 0:
+                    return False
+            elif not all(map(_usable_grad, bucket.grads, bucket.params)) or list(
+                    map(fingerprint, bucket.tensors())) != bucket.fingerprints:
+                return False
+        return True
+
+
+@dataclass
+class Plan:
+    groups: list[GroupPlan]
+    state_version: int
+    layout: tuple  # the optimizer's state layout options
+    native: bool  # whether CPU buckets run on the native op (have native plans)
+
+    def valid(self, optimizer) -> bool:
+        """Whether this plan still describes the optimizer (the rule in the module docstring); when it does, the
+        buckets are ready to step (native plans checked, other buckets' gradients read)."""
+        groups = optimizer.param_groups
+        if (self.state_version != optimizer.state.version or self.layout != optimizer._layout_options()
+                or self.native != backends.runs_natively(CPU) or len(groups) != len(self.groups)):
+            return False
+        for group, planned in zip(groups, self.groups):
+            params = group["params"]
+            if params is not planned.params or params.version != planned.params_version or bool(
+                    group["amsgrad"]) != planned.amsgrad:
+                return False
+        return all(planned.current() for planned in self.groups)
+
+    def buckets(self):
+        """(group index, group, bucket) of every op call of a step, in order."""
+        for group_index, planned in enumerate(self.groups):
+            for bucket in planned.buckets:
+                yield group_index, planned.group, bucket
+
+
+def fingerprint(t: torch.Tensor) -> tuple:
+    """What the native plans compare per tensor, in Python: storage (its data pointer and size), offset, dtype, shape
+    and strides."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes(), t.storage_offset(), t.dtype, t.shape, t.stride()
+
+
+def _bytes_needed(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    return (t.storage_offset() + sum(st * (sz - 1) for st, sz in zip(t.stride(), t.shape)) + 1) * t.element_size()
+
+
+def _storage_problem(t: torch.Tensor) -> Optional[str]:
+    nbytes = t.untyped_storage().nbytes()
+    needed = _bytes_needed(t)
+    if nbytes < needed:
+        return (f"has a storage of {nbytes} bytes but needs {needed} (its storage was freed or shrunk in place, "
+                "e.g. by untyped_storage().resize_(0)); give it its memory back before the step")
+    return None
+
+
+def _usable_grad(g: torch.Tensor, p: torch.Tensor) -> bool:
+    return _grad_problem(g, p) is None
+
+
+def _grad_problem(g: torch.Tensor, p: torch.Tensor) -> Optional[str]:
+    if g.layout != torch.strided:
+        return f"its gradient is sparse ({g.layout}); FusedAdam needs dense gradients"
+    if g.shape != p.shape:
+        return f"its gradient has shape {tuple(g.shape)}, not the parameter's"
+    if g.device != p.device:
+        return f"its gradient is on {g.device}, the parameter on {p.device}"
+    if (p.dtype == torch.float64) != (g.dtype == torch.float64) or g.dtype not in SUPPORTED_PARAM_DTYPES:
+        return f"its gradient has dtype {g.dtype}, which cannot update a {p.dtype} param"
+    problem = _storage_problem(g)
+    return None if problem is None else "its gradient " + problem
+
+
+# ---- building a plan ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Adoption:
+    """A state entry to replace once everything is validated: state[key] = value (None: delete the key)."""
+
+    state: ParamState
+    key: str
+    value: Any
+
+
+def build(optimizer) -> Plan:
+    """Validates everything a step needs, then creates and adopts state and buckets the params. Raises ValueError or
+    TypeError naming ``param_groups[i]['params'][j]`` (and the state key) before any write."""
+    groups = optimizer.param_groups
+    for group in groups:
+        if not isinstance(group["params"], ParamList):
+            group["params"] = ParamList(group["params"])
+    all_grads = [[p.grad for p in group["params"]] for group in groups]
+
+    # 1. validate (nothing is written)
+    entries, adoptions = [], []
+    for group_index, (group, grads) in enumerate(zip(groups, all_grads)):
+        for index, (p, g) in enumerate(zip(group["params"], grads)):
+            if g is None:
+                continue
+            where = describe(group_index, index, p)
+            if p.dtype not in SUPPORTED_PARAM_DTYPES:
+                raise ValueError(f"{where}: FusedAdam supports float32, float64, float16 and bfloat16 params")
+            layout = dtensor.layout_problem(p, g)
+            if layout is not None:
+                raise ValueError(f"{where}: {layout}")
+            state = optimizer.state.get(p)
+            p, g = dtensor.local(p), dtensor.local(g)  # (from here on, what this rank stores and updates)
+            problem = _storage_problem(p) or _grad_problem(g, p)
+            if problem is not None:
+                raise ValueError(f"{where}: {problem if problem.startswith('its') else 'it ' + problem}")
+            if state:
+                adoptions += _check_state(optimizer, p, state, bool(group["amsgrad"]), where)
+            entries.append((group_index, index, p))
+    _check_overlap(entries)
+
+    # 2. write: adopt assigned state tensors, create missing state, bucket
+    for adoption in adoptions:
+        if adoption.value is None:
+            del adoption.state[adoption.key]
+        else:
+            adoption.state[adoption.key] = adoption.value
+    native = backends.runs_natively(CPU)
+    planned = [_plan_group(optimizer, group, grads, native) for group, grads in zip(groups, all_grads)]
+    return Plan(planned, optimizer.state.version, optimizer._layout_options(), native)
+
+
+def _plan_group(optimizer, group: dict, grads: list, native: bool) -> GroupPlan:
+    params = group["params"]
+    fresh = [p for p, g in zip(params, grads) if g is not None and not optimizer.state.get(p)]
+    for p, state in zip(fresh, optimizer._init_states(fresh, group["amsgrad"])):
+        optimizer.state[p] = state
+    by_key: dict[tuple, Bucket] = {}
+    for index, (p, g) in enumerate(zip(params, grads)):
+        if g is None:
+            continue
+        state = optimizer.state[p]
+        key = (p.device, p.dtype, state["exp_avg"].dtype, state["exp_avg_sq"].dtype, "master_param" in state,
+               dtensor.is_dtensor(p))
+        bucket = by_key.setdefault(key, Bucket(indices=[], params=[], dtensors=dtensor.is_dtensor(p)))
+        bucket.indices.append(index)
+        bucket.params.append(dtensor.local(p))
+    buckets = list(by_key.values())
+    for bucket in buckets:
+        states = [optimizer.state[params[i]] for i in bucket.indices]
+        for key in MOMENT_KEYS + ("master_param",):
+            if key == "max_exp_avg_sq" and not group["amsgrad"]:
+                continue
+            if key in states[0]:
+                getattr(bucket, key + "s").extend(s[key] for s in states)
+            if key + "_scale" in states[0]:
+                getattr(bucket, key + "_scales").extend(s[key + "_scale"] for s in states)
+        bucket.steps = torch.stack([s["step"] for s in states])
+        for j, s in enumerate(states):
+            s["step"] = bucket.steps[j]
+    idle = [p for p, g in zip(params, grads) if g is None]
+    dtensors = any(dtensor.is_dtensor(p) for p in params)
+    # (a native plan reads .grad from the tensors it holds: a DTensor's local piece has none, the DTensor holds it)
+    all_native = native and not dtensors and all(b.params[0].device.type == "cpu" for b in buckets)
+    for bucket in buckets:
+        if native and bucket.params[0].device.type == "cpu" and not bucket.dtensors:
+            # in a group that steps through native plans alone, the first plan also watches the params without a
+            # gradient (frozen ones, say): when one gets a gradient, the group is planned again
+            watch_idle = idle if all_native and bucket is buckets[0] else ()
+            bucket.native = backends.AdamPlan.create(
+                bucket.params, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs, bucket.master_params,
+                bucket.exp_avg_scales, bucket.exp_avg_sq_scales, bucket.max_exp_avg_sq_scales, bucket.steps,
+                watch_idle)
+        else:
+            bucket.fingerprints = list(map(fingerprint, bucket.tensors()))
+    watchers = [b.native for b in buckets]
+    if all_native and not buckets and params:  # a group without gradients: a plan that only watches
+        watchers = [backends.AdamPlan.create([], [], [], [], [], [], [], [], torch.zeros(0, dtype=torch.float64),
+                                             idle)]
+    return GroupPlan(group, params, params.version, bool(group["amsgrad"]),
+                     tuple(g is not None for g in grads), buckets, all_native, watchers, dtensors)
+
+
+# ---- states: what is used as is, adopted or refused -----------------------------------------------------------------
+
+
+def _check_state(optimizer, p: torch.Tensor, state: ParamState, amsgrad: bool, where: str) -> list[_Adoption]:
+    """Validates a param's existing state; returns the entries to adopt into the optimizer's layout (see FusedAdam's
+    docstring, "optimizer.state")."""
+    m_dtype, v_dtype, has_master = optimizer._state_layout(p)
+    adoptions = []
+    required = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    for key in required:
+        if key not in state:
+            hint = (" (it was created with amsgrad=False: load a checkpoint made with amsgrad=True)"
+                    if key == "max_exp_avg_sq" else "; delete optimizer.state[p] to start the param afresh")
+            if key == "max_exp_avg_sq":
+                raise ValueError(f"{where}: amsgrad is on but this parameter's state has no max_exp_avg_sq{hint}")
+            raise ValueError(f"{where}: its optimizer state has no '{key}'{hint}")
+    adoptions += _check_step(p, state, where, optimizer._steps_device(p))
+    for key, dtype in (("exp_avg", m_dtype), ("exp_avg_sq", v_dtype), ("max_exp_avg_sq", v_dtype)):
+        if key in state and (amsgrad or key != "max_exp_avg_sq"):
+            adoptions += _check_moment(optimizer, p, state, key, dtype, where)
+    if "master_param" in state:
+        if not has_master:
+            raise ValueError(
+                f"{where}: its optimizer state has a 'master_param' but this optimizer keeps none for a {p.dtype} "
+                "param (master weights are for float16/bfloat16 params with master_weights=True)")
+        adoptions += _check_tensor_entry(p, state, "master_param", torch.float32, where)
+    elif has_master:  # (a param that became float16/bfloat16 under its optimizer): its master starts from it
+        adoptions.append(_Adoption(state, "master_param", p.detach().to(torch.float32, copy=True).contiguous()))
+    return adoptions
+
+
+def _state_tensor(p: torch.Tensor, state: ParamState, key: str, where: str) -> torch.Tensor:
+    value = state[key]
+    what = f"{where}: optimizer.state[p][{key!r}]"
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.layout != torch.strided:
+        raise TypeError(f"{what} must be a dense floating-point tensor, got {type(value).__name__}"
+                        + (f" {value.dtype} {value.layout}" if isinstance(value, torch.Tensor) else ""))
+    if value.shape != p.shape:
+        raise ValueError(f"{what} has shape {tuple(value.shape)}: its optimizer state was made for shape "
+                         f"{tuple(value.shape)}; a parameter cannot change shape under its optimizer")
+    if value.device != p.device:
+        raise ValueError(f"{what} is on {value.device}, the parameter on {p.device}")
+    if (value.dtype == torch.float64) != (p.dtype == torch.float64):
+        raise ValueError(f"{what} is {value.dtype} but the parameter is {p.dtype}: a parameter cannot switch to or "
+                         "from float64 under its optimizer (float64 params keep float64 states)")
+    problem = _storage_problem(value)
+    if problem is not None:
+        raise ValueError(f"{what} {problem}")
+    return value
+
+
+def _check_tensor_entry(p, state, key, dtype, where) -> list[_Adoption]:
+    value = _state_tensor(p, state, key, where)
+    if value.dtype == dtype and value.is_contiguous():
+        return []
+    return [_Adoption(state, key, value.detach().to(dtype, memory_format=torch.contiguous_format, copy=True))]
+
+
+def _check_moment(optimizer, p, state, key, dtype, where) -> list[_Adoption]:
+    """A moment in the layout this optimizer would create for p now is used as is (float16 ones with valid block
+    scales in state[key + '_scale']); any other floating tensor of p's shape is taken as values and converted into
+    that layout, through the checkpoints' conversions (_checkpoint.to_canonical and from_canonical)."""
+    value = _state_tensor(p, state, key, where)
+    dtype = torch.float64 if p.dtype == torch.float64 else dtype
+    scale = state.get(key + "_scale")
+    scaled = value.dtype == torch.float16 and _valid_scale(scale, value)
+    if value.dtype == dtype and value.is_contiguous() and (dtype != torch.float16 or scaled):
+        return [] if dtype == torch.float16 or scale is None else [_Adoption(state, key + "_scale", None)]
+    if scale is not None and value.dtype == torch.float16 and not scaled:
+        raise ValueError(f"{where}: optimizer.state[p][{key + '_scale'!r}] must be a contiguous float32 tensor of "
+                         f"{num_blocks(value.numel())} positive block scales on {value.device}")
+    values = _checkpoint.to_canonical({key: value, key + "_scale": scale} if scaled else {key: value}, key)
+    fresh = optimizer._init_state(p, amsgrad=key == "max_exp_avg_sq")  # (a state in the layout, to fill)
+    _checkpoint.from_canonical(fresh, key, values)
+    companion = key + "_scale"
+    return [_Adoption(state, key, fresh[key])] + (
+        [_Adoption(state, companion, fresh.get(companion))] if companion in fresh or companion in state else [])
+
+
+def _valid_scale(scale, value: torch.Tensor) -> bool:
+    return (isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.is_contiguous()
+            and scale.dim() == 1 and scale.numel() == num_blocks(value.numel()) and scale.device == value.device
+            and _storage_problem(scale) is None and bool((scale > 0).all()))
+
+
+def _check_step(p, state, where, device) -> list[_Adoption]:
+    value = state["step"]
+    what = f"{where}: optimizer.state[p]['step']"
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool or value.layout != torch.strided:
+            raise ValueError(f"{what} must be a one-element real tensor or a number, got a {value.dtype} tensor of "
+                             f"shape {tuple(value.shape)}")
+        problem = _storage_problem(value)
+        if problem is not None:
+            raise ValueError(f"{what} {problem}")
+        number = float(value.detach().reshape(()).double().cpu())  # (a host sync, only when planning)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        raise TypeError(f"{what} must be a one-element tensor or a number, got {type(value).__name__}")
+    if not (0 <= number <= 2.0**53 and number == int(number)):
+        raise ValueError(f"{what} must be a whole number in [0, 2**53], got {number!r}")
+    if isinstance(value, torch.Tensor) and value.dtype == torch.float64 and value.dim() == 0 and value.device == device:
+        return []
+    return [_Adoption(state, "step", torch.tensor(number, dtype=torch.float64, device=device))]
+
+
+# ---- params that share memory ---------------------------------------------------------------------------------------
+
+
+def _span(p: torch.Tensor) -> tuple[int, int]:
+    """[start, end) in bytes of p's elements within its storage."""
+    start = p.storage_offset() * p.element_size()
+    return start, start + _bytes_needed(p) - p.storage_offset() * p.element_size()
+
+
+def _proves_no_self_overlap(p: torch.Tensor) -> bool:
+    """True when the strides prove that no two elements of p share memory (dims sorted by stride, each stride exceeds
+    the extent of the smaller ones)."""
+    extent = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(p.stride(), p.shape) if sz > 1):
+        if stride <= extent:
+            return False
+        extent += stride * (size - 1)
+    return True
+
+
+def _offsets(p: torch.Tensor) -> torch.Tensor:
+    """Storage offsets (in elements) of every element of p: p.numel() of them, whatever p's span."""
+    offsets = torch.tensor([p.storage_offset()], dtype=torch.int64)
+    for size, stride in zip(p.shape, p.stride()):
+        offsets = (offsets[:, None] + torch.arange(size, dtype=torch.int64) * stride).reshape(-1)
+    return offsets
+
+
+def _elementwise(*params: torch.Tensor) -> bool:
+    """Whether the params' elements may share memory, element by element; True (refused as may-overlap) when they
+    are too large to check."""
+    if sum(p.numel() for p in params) > MAX_ELEMENTWISE_OVERLAP_CHECK:
+        return True
+    if len({p.element_size() for p in params}) > 1:
+        return True
+    offsets = torch.cat([_offsets(p) for p in params])
+    return offsets.unique().numel() < offsets.numel()
+
+
+def _check_overlap(entries: list[tuple[int, int, torch.Tensor]]) -> None:
+    """Refuses a param whose elements overlap, or two params that share memory, among (group_index, index, param):
+    views of one storage sorted by their byte spans, pairs compared only where spans intersect, element by element
+    only where neither is contiguous (interleaved views), in memory bounded by their sizes."""
+    by_storage: dict[tuple, list] = {}
+    for entry in entries:
+        p = entry[2]
+        if p.numel() == 0:
+            continue
+        if p.dim() > 0 and not p.is_contiguous() and not _proves_no_self_overlap(p) and (
+                any(st == 0 and sz > 1 for st, sz in zip(p.stride(), p.shape)) or _elementwise(p)):
+            raise ValueError(
+                f"{describe(*entry)}: its elements overlap in memory (an expand()ed or otherwise self-overlapping "
+                "view); FusedAdam would update the shared elements several times. Give it its own memory, e.g. "
+                "torch.nn.Parameter(t.clone())")
+        by_storage.setdefault((p.device, p.untyped_storage().data_ptr()), []).append(entry)
+    for shared in by_storage.values():
+        spans = sorted(((*_span(e[2]), e) for e in shared), key=lambda s: s[0])
+        for i, (_, end, a) in enumerate(spans):
+            for start, _, b in spans[i + 1:]:
+                if start >= end:
+                    break
+                pa, pb = a[2], b[2]
+                # a contiguous a holds every byte of its span, b's first element among them
+                if pa.is_contiguous() or _elementwise(pa, pb):
+                    raise ValueError(
+                        f"{describe(*a)} and {describe(*b)} share memory (overlapping views of one storage); "
+                        "FusedAdam would update the shared elements twice. Give each parameter its own memory, e.g. "
+                        "torch.nn.Parameter(t.clone()); disjoint views of one buffer are fine")
+
+
+# ---- naming the param behind an op's error --------------------------------------------------------------------------
+
+_LIST_ENTRY = re.compile(r"\b(params|grads|exp_avgs|exp_avg_sqs|max_exp_avg_sqs|master_params|exp_avg_scales|"
+                         r"exp_avg_sq_scales|max_exp_avg_sq_scales)\[(\d+)\]")
+
+
+def check_grads_writable(buckets: list) -> None:
+    """Before a step that writes the unscaled gradients back into ``p.grad`` (a grad_scale was given): refuses a
+    gradient whose elements share memory (an ``expand()``ed tensor cannot hold one value per element), naming its
+    param, before any bucket writes. Only non-contiguous gradients can overlap, so the usual cost is one flag read per
+    gradient. (A lone native bucket checks this itself before writing; several buckets need it up front.)"""
+    for group_index, _, bucket in buckets:
+        grads = bucket.grads if bucket.native is None else [p.grad for p in bucket.params]
+        for k, g in enumerate(grads):
+            # (1: torch's MemOverlap::Yes, the same test the native and Triton ops make)
+            if not g.is_contiguous() and torch._debug_has_internal_overlap(g) == 1:
+                raise ValueError(
+                    f"{describe(group_index, bucket.indices[k], bucket.params[k])}'s grad overlaps itself (an "
+                    "expand()ed tensor), so it cannot be unscaled in place: give it its own memory (grad.contiguous())"
+                    " or step without grad_scale")
+
+
+def name_op_error(exc: Exception, group_index: int, bucket: Bucket) -> ValueError:
+    """The op's error with each ``list[k]`` it mentions written as the param it stands for."""
+
+    def name(match: re.Match) -> str:
+        k = int(match.group(2))
+        if k >= len(bucket.indices):
+            return match.group(0)
+        where = describe(group_index, bucket.indices[k], bucket.params[k])
+        return where if match.group(1) == "params" else f"{where}'s {match.group(1)[:-1]}"
+
+    return ValueError(_LIST_ENTRY.sub(name, str(exc)))
