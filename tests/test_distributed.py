@@ -81,9 +81,11 @@ def one_process(steps=STEPS, clip=CLIP, dtype=torch.float32, **kwargs) -> list[t
 # ---- scenarios (inside the workers) ----------------------------------------------------------------------------------
 
 
-def _train(model, opt, rank_in_group, group_size, shadow=None, data_parallel=True, steps=STEPS, poison=None):
+def _train(model, opt, rank_in_group, group_size, shadow=None, data_parallel=True, steps=STEPS, poison=None,
+           plans=None):
     """Trains; each rank takes its slice of the batch when data-parallel. shadow: (model, opt) over full plain copies,
-    stepped with the full gradients. poison: (step, rank) whose local gradient gets an inf. Returns the skips."""
+    stepped with the full gradients. poison: (step, rank) whose local gradient gets an inf. plans: a list that gets
+    the optimizer's plan after each step. Returns the skips."""
     skipped = []
     for step in range(steps):
         x, y = batch(step)
@@ -108,6 +110,8 @@ def _train(model, opt, rank_in_group, group_size, shadow=None, data_parallel=Tru
         opt.step()
         inner = opt.optimizer if isinstance(opt, FP16_Optimizer) else opt
         skipped.append(inner.last_step_skipped)
+        if plans is not None:
+            plans.append(inner._plan)
     return skipped
 
 
@@ -155,9 +159,49 @@ def _fsdp_case(mesh, rank, name):
     model = _fsdp(mesh, **model_kwargs)
     opt = make_optimizer(model.parameters(), **opt_kwargs)
     shadow = _shadow_of(model, **opt_kwargs)
-    _train(model, opt, rank, mesh.size(), shadow)
+    plans = []
+    _train(model, opt, rank, mesh.size(), shadow, plans=plans)
     return {"params": [full(p) for p in model.parameters()], "shadow": [p.detach().clone() for p in shadow[0].parameters()],
-            "local_shapes": [tuple(p.to_local().shape) for p in model.parameters()]}
+            "local_shapes": [tuple(p.to_local().shape) for p in model.parameters()],
+            "plans": len({id(plan) for plan in plans})}
+
+
+def _local_tensor_changes(mesh) -> dict:
+    """An engine that gives a DTensor param another local tensor (FSDP2 does at its lazy init) or frees and
+    re-allocates its storage in place between steps: each step must update what the DTensor holds then, as a
+    FusedAdam over the plain shard does (bit for bit: no clipping)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    full_w = torch.randn(4, 6)
+    w = nn.Parameter(distribute_tensor(full_w, mesh, [Shard(0)]))
+    plain = nn.Parameter(w.to_local().clone())
+    opt, plain_opt = make_optimizer([w], clip=None), make_optimizer([plain], clip=None)
+    out = {}
+
+    def step(seed):
+        g = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+        w.grad = distribute_tensor(g, mesh, [Shard(0)])
+        plain.grad = w.grad.to_local().clone()
+        opt.step()
+        plain_opt.step()
+
+    step(1)
+    step(2)
+    old = w._local_tensor
+    w._local_tensor = old.clone()  # a new local tensor, in new memory
+    before = old.clone()
+    step(3)
+    out["old-untouched"] = bool(torch.equal(old, before))
+    out["after-swap"] = bool(torch.equal(w.to_local(), plain.detach()))
+    storage = w._local_tensor.untyped_storage()
+    keep = w._local_tensor.clone()
+    storage.resize_(0)  # freed and re-allocated in place (new memory, same tensor)
+    storage.resize_(keep.numel() * keep.element_size())
+    w._local_tensor.copy_(keep)
+    step(4)
+    out["after-realloc"] = bool(torch.equal(w.to_local(), plain.detach()))
+    return out
 
 
 def _checkpoint_case(mesh, rank, tmp_dir, pair):
@@ -322,6 +366,7 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
                  "placements": [str(p.placements) for p in model.parameters()]}
 
     out["refusals"] = _refusals(pair_mesh)
+    out["local-tensor-changes"] = _local_tensor_changes(pair_mesh)
     out["checkpoint"] = _checkpoint_case(pair_mesh, pair_rank, tmp_dir, rank // 2)
     dist.barrier()
     out["reshard-2-to-4"] = _reshard_to_world(world_mesh, rank, str(Path(tmp_dir) / "ckpt-pair0"))
@@ -404,6 +449,7 @@ def test_fsdp2_equals_full_tensor_shadow(results, name):
             assert_close(out["params"], out["shadow"], 1e-6, f"rank {r['rank']} {name}")
         assert_bitwise(out["params"], results[r["rank"] % 2][f"fsdp-{name}"]["params"] if name != "world"
                        else results[0]["fsdp-world"]["params"], "ranks agree")
+        assert out["plans"] == 1  # planned at the first step, valid at every later one (FSDP2 keeps its shards)
     if name == "world":
         assert results[3]["fsdp-world"]["local_shapes"][2] == (0, 16)  # an empty shard took part
 
@@ -435,6 +481,12 @@ def test_tensor_parallel_and_2d_equal_shadow_and_one_process(results, case):
     assert_close(results[0][case]["params"], one_process(), 5e-5, f"{case} vs one process")
     if case == "2d":
         assert any("_StridedShard" in p or "Shard(dim=1)" in p for p in results[0]["2d"]["placements"])
+
+
+@needs_fsdp2
+def test_steps_follow_a_dtensors_new_local_tensor_and_reallocated_storage(results):
+    for r in results:
+        assert r["local-tensor-changes"] == {"old-untouched": True, "after-swap": True, "after-realloc": True}, r["rank"]
 
 
 @needs_fsdp2
