@@ -311,6 +311,11 @@ def _refusals(mesh) -> dict:
     except ValueError as exc:
         out["bad-shape"] = str(exc)
     out["bad-shape-untouched"] = all(torch.equal(full(opt.state[w][k]), v) for k, v in before.items())
+    try:
+        FusedAdam([w], step_in_backward=True)
+        out["step-in-backward"] = "no error"
+    except ValueError as exc:
+        out["step-in-backward"] = str(exc)
     return out
 
 
@@ -548,3 +553,10 @@ def test_bad_distributed_input_is_refused_naming_the_param_and_changes_nothing(r
         assert "state_dict['state'][0]['exp_avg']" in out["bad-shape"] and "(2, 4)" in out["bad-shape"], \
             out["bad-shape"]
         assert out["partial-untouched"] and out["layout-untouched"] and out["bad-shape-untouched"]
+        assert "param_groups[0]['params'][0]" in out["step-in-backward"] and "DTensor" in out["step-in-backward"]
+
+
+def test_step_in_backward_with_a_process_group_is_refused():
+    # (its per-param updates would run before DDP has averaged the gradients)
+    with pytest.raises(ValueError, match="process_group.*step_in_backward=False"):
+        FusedAdam([nn.Parameter(torch.ones(2))], step_in_backward=True, process_group=object())
