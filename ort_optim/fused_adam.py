@@ -477,7 +477,7 @@ class FusedAdam(torch.optim.Optimizer):
         inv_grad_scale, found_inf, self._last_grad_norm = self._scaling(buckets, grad_scale, found_inf, reduction)
         self._last_found_inf = found_inf if buckets or reduction is not None else None
         unscaled = self._grad_scale_per_device(buckets, grad_scale)
-        if unscaled is not None and (len(buckets) > 1 or buckets[0][2].native is None):
+        if unscaled and (len(buckets) > 1 or buckets[0][2].native is None):  # ({} without any gradient)
             _plan.check_grads_writable(buckets)
         for group_index, group, bucket in buckets:
             device = bucket.params[0].device

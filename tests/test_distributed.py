@@ -19,6 +19,7 @@ reason and the DDP ones run.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -282,6 +283,20 @@ def _replicas_with_own_grads(rank, group, steps=3):
             "fast_path_eligible": opt._scaled_in_plan(lone_native, None, None)}
 
 
+def _rank_without_gradients(rank, group) -> dict:
+    """Rank 1 has no gradient at all; rank 0's step still needs its share of the all-reduce (zeros), and both follow
+    one decision: rank 0's gradient holds an inf at the second step, so both skip it."""
+    p = nn.Parameter(torch.ones(4))
+    opt = make_optimizer([p], process_group=group)
+    skipped, norms = [], []
+    for step in range(2):
+        p.grad = torch.full((4,), float("inf") if step == 1 else 2.0) if rank == 0 else None
+        opt.step(grad_scale=torch.tensor(2.0))
+        skipped.append(opt.last_step_skipped)
+        norms.append(float(opt.last_grad_norm))
+    return {"skipped": skipped, "norms": norms, "param": p.detach().clone()}
+
+
 def _refusals(mesh) -> dict:
     """Bad distributed input is refused before anything changes, with the param named."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -331,6 +346,7 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     out["ddp-inf"] = _ddp_case(pair_rank, pair_group, poison=(2, 0))
     out["ddp-fp16-inf"] = _ddp_case(pair_rank, pair_group, poison=(2, 0), fp16=True)
     out["replicas-own-grads"] = _replicas_with_own_grads(pair_rank, pair_group)
+    out["rank-without-gradients"] = _rank_without_gradients(pair_rank, pair_group)
     if FSDP2_REASON is not None:
         return out
 
@@ -438,6 +454,25 @@ def test_clipping_by_the_group_norm_not_the_native_plans_local_one(results):
             opt.step(grad_scale=1.0 / min(1.0, CLIP / (norm + 1e-6)))  # divides by 1 / clip_coef: clips
         assert_close([out["param"]], [p.detach()], 1e-6, f"rank {rank} vs one process clipped by the group norm")
         assert_bitwise([results[rank + 2]["replicas-own-grads"]["param"]], [out["param"]], "pairs agree")
+
+
+def test_a_rank_without_gradients_joins_the_reduction_and_the_skip(results):
+    for r in results:
+        out = r["rank-without-gradients"]
+        assert out["skipped"] == [False, True], (r["rank"], out)
+        # the unscaled gradient (1.0 x 4 elements on rank 0, counted once for the 2 replicas): sqrt(4 / 2)
+        assert out["norms"][0] == pytest.approx(2**0.5, rel=1e-6), (r["rank"], out)
+        assert not math.isfinite(out["norms"][1]), (r["rank"], out)  # the inf reached rank 1's norm too
+    assert not torch.equal(results[0]["rank-without-gradients"]["param"], torch.ones(4))  # rank 0 stepped once
+    assert torch.equal(results[1]["rank-without-gradients"]["param"], torch.ones(4))  # rank 1 had nothing to step
+
+
+def test_a_step_without_any_gradient_changes_nothing_with_or_without_loss_scaling():
+    p = nn.Parameter(torch.ones(3))
+    for kwargs in ({}, {"grad_scale": torch.tensor(4.0)}, {"grad_scale": 4.0}):
+        opt = make_optimizer([p])
+        opt.step(**kwargs)
+        assert torch.equal(p, torch.ones(3)) and not opt.state.get(p) and not opt.last_step_skipped, kwargs
 
 
 # ---- FSDP2, TP, 2D -------------------------------------------------------------------------------------------------
