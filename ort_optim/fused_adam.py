@@ -591,7 +591,9 @@ class FusedAdam(torch.optim.Optimizer):
         global statistics are reduced: over the ranks of `reduction` too when there is one, in the step's one
         collective (integrations/dtensor.py), each gradient weighted by 1 / (the ranks holding the same elements)."""
         per_bucket = [FusedAdam._bucket_stats(group, bucket, reduction) for _, group, bucket in buckets]
-        stats = sum(s.to(device, non_blocking=True) for s in per_bucket) if per_bucket else torch.zeros(2, device=device)
+        if not per_bucket:  # (a rank without gradients: its share of the reduction)
+            return dtensor.all_reduce_stats(torch.zeros(2, device=device), reduction)
+        stats = sum(s.to(device, non_blocking=True) for s in per_bucket)
         return dtensor.all_reduce_stats(stats, reduction)
 
     @staticmethod

@@ -162,7 +162,8 @@ def _fsdp_case(mesh, rank, name):
     shadow = _shadow_of(model, **opt_kwargs)
     plans = []
     _train(model, opt, rank, mesh.size(), shadow, plans=plans)
-    return {"params": [full(p) for p in model.parameters()], "shadow": [p.detach().clone() for p in shadow[0].parameters()],
+    return {"params": [full(p) for p in model.parameters()],
+            "shadow": [p.detach().clone() for p in shadow[0].parameters()],
             "local_shapes": [tuple(p.to_local().shape) for p in model.parameters()],
             "plans": len({id(plan) for plan in plans})}
 
@@ -231,7 +232,8 @@ def _checkpoint_case(mesh, rank, tmp_dir, pair):
     dcp.load(state, checkpoint_id=path, process_group=mesh.get_group())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
-    loaded = {fqn: {k: full(v) for k, v in s.items()} for fqn, s in get_optimizer_state_dict(model, opt)["state"].items()}
+    loaded = {fqn: {k: full(v) for k, v in s.items()}
+              for fqn, s in get_optimizer_state_dict(model, opt)["state"].items()}
     _train(model, opt, rank, mesh.size(), steps=3)
     return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted,
             "resumed": [full(p) for p in model.parameters()], "path": path}
@@ -526,7 +528,8 @@ def test_tensor_parallel_and_2d_equal_shadow_and_one_process(results, case):
 @needs_fsdp2
 def test_steps_follow_a_dtensors_new_local_tensor_and_reallocated_storage(results):
     for r in results:
-        assert r["local-tensor-changes"] == {"old-untouched": True, "after-swap": True, "after-realloc": True}, r["rank"]
+        want = {"old-untouched": True, "after-swap": True, "after-realloc": True}
+        assert r["local-tensor-changes"] == want, r["rank"]
 
 
 @needs_fsdp2
