@@ -471,7 +471,8 @@ class FusedAdam(torch.optim.Optimizer):
     def _launch(self, buckets: list, grad_scale, found_inf) -> None:
         """One op call per bucket (through its native plan on the native CPU backend), after the gradient statistics
         pass when unscaling or clipping."""
-        reduction = self._reduction()
+        # (the reduction carries the clipping norm and the skip decision: needed only when the step computes them)
+        reduction = self._reduction() if grad_scale is not None or self.max_grad_norm is not None else None
         if reduction is None and self._scaled_in_plan(buckets, grad_scale, found_inf):
             return self._scaled_plan_step(buckets[0], grad_scale, found_inf)
         inv_grad_scale, found_inf, self._last_grad_norm = self._scaling(buckets, grad_scale, found_inf, reduction)
