@@ -231,7 +231,6 @@ class FusedAdam(torch.optim.Optimizer):
         self.step_in_backward = step_in_backward
         self._backward: Optional[BackwardStep] = None
         self.process_group = process_group
-        self._has_dtensors = False  # any DTensor param: steps go through local pieces and the global reduction
         if step_in_backward and max_grad_norm is not None:
             raise ValueError(
                 f"max_grad_norm={max_grad_norm} clips by the norm of all gradients, but step_in_backward=True updates "
@@ -262,7 +261,7 @@ class FusedAdam(torch.optim.Optimizer):
     # otherwise drop: it keeps only defaults, state and param_groups.
     # (process_group is not among them: a process group belongs to its process; a copy decides alone until given one)
     _OPTIONS = ("set_grad_none", "master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm", "capturable",
-                "step_in_backward", "_has_dtensors")
+                "step_in_backward")
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -271,7 +270,6 @@ class FusedAdam(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("step_in_backward", False)
-        state.setdefault("_has_dtensors", False)
         state.setdefault("process_group", None)
         super().__setstate__(state)  # (it puts "state" into __dict__, under the property: wrap it)
         self.state = self.__dict__.pop("state", self.__dict__.get("_state_container", {}))
@@ -333,7 +331,6 @@ class FusedAdam(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
-        self._has_dtensors = self._has_dtensors or any(dtensor.is_dtensor(p) for p in group["params"])
         group["params"] = _plan.ParamList(group["params"])
         if getattr(self, "_backward", None) is not None:
             try:
@@ -357,6 +354,12 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
         return self._init_states([p], amsgrad)[0]
+
+    @property
+    def _has_dtensors(self) -> bool:
+        """Any DTensor param (however it got into param_groups): their states are local pieces, their steps reduce
+        globally."""
+        return any(dtensor.is_dtensor(p) for group in self.param_groups for p in group["params"])
 
     def _init_states(self, params: list[torch.Tensor], amsgrad: bool) -> list[dict]:
         """Fresh states for params. Each kind of state tensor of params sharing (device, dtype) is a view of one

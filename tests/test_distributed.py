@@ -328,6 +328,9 @@ def _refusals(mesh) -> dict:
     except ValueError as exc:
         out["bad-shape"] = str(exc)
     out["bad-shape-untouched"] = all(torch.equal(full(opt.state[w][k]), v) for k, v in before.items())
+    appended = make_optimizer([nn.Parameter(torch.zeros(1))])
+    appended.param_groups[0]["params"].append(w)  # (not through add_param_group)
+    out["appended-dtensor-reduces"] = appended._reduction() is not None
     try:
         FusedAdam([w], step_in_backward=True)
         out["step-in-backward"] = "no error"
@@ -592,6 +595,7 @@ def test_bad_distributed_input_is_refused_naming_the_param_and_changes_nothing(r
             out["bad-shape"]
         assert out["partial-untouched"] and out["layout-untouched"] and out["bad-shape-untouched"]
         assert "param_groups[0]['params'][0]" in out["step-in-backward"] and "DTensor" in out["step-in-backward"]
+        assert out["appended-dtensor-reduces"]
 
 
 def test_step_in_backward_with_a_process_group_is_refused():
