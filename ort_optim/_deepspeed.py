@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stage 1/2: replace the per-parameter overflow check and gradient-norm loops with one fused pass.
+"""DeepSpeed ZeRO stages 1-3: replace the per-parameter overflow check and gradient-norm loops with one fused pass.
 
 DeepSpeed's ``DeepSpeedZeroOptimizer`` (deepspeed/runtime/zero/stage_1_and_2.py) checks every gradient for inf/NaN
 with a few tensor ops per parameter, and computes the global gradient norm with one ``vector_norm`` per parameter.
@@ -16,8 +16,16 @@ text and silently stopped patching after DeepSpeed 0.9.2). The shapes known here
 * ``get_grad_norm_direct(self, gradients, params, norm_type=2)`` -> 0-dim float32 tensor: the L2 norm (other norm
   types keep DeepSpeed's code).
 
-Anything else (a missing method, another signature, a missing helper in the module, ZeRO stage 3) gets one warning per
-class and the optimizer is left exactly as it was.
+ZeRO stage 3 (``DeepSpeedZeroOptimizer_Stage3``, deepspeed/runtime/zero/stage3.py) already checks overflow on its flat
+gradient buffer; what loops per parameter there is:
+
+* ``get_grad_norm_direct(self, gradients, params, norm_type=2)`` -> 0-dim float64 tensor (one ``double().norm(2)``
+  per gradient, summed in float64, -1 for a non-finite norm), used when the optimizer is not offloaded;
+* ``has_overflow_serial(self, params, is_grad_list=False)`` -> Python bool (one host sync per gradient, through a
+  float32 sum that also calls a finite gradient whose sum overflows an overflow; ours checks the elements).
+
+Anything else (a missing method, another signature, a missing helper in the module) gets one warning per class and
+the optimizer is left exactly as it was.
 """
 
 from __future__ import annotations
@@ -33,18 +41,31 @@ import torch
 
 from . import backends
 
-# method name -> the parameter names (after self) it must have, with their defaults
-KNOWN_SIGNATURES = {
-    "has_overflow_serial": (("params", inspect.Parameter.empty),),
-    "has_overflow_partitioned_grads_serial": (),
-    "get_grad_norm_direct": (("gradients", inspect.Parameter.empty), ("params", inspect.Parameter.empty),
-                             ("norm_type", 2)),
-}
-# names the replacements take from the optimizer's own module, so they use exactly what DeepSpeed's code uses
-MODULE_NAMES = ("dist", "get_accelerator", "is_model_parallel_parameter", "mask_nan_or_inf_with_val_inplace",
-                "PIPE_REPLICATED")
-INSTANCE_NAMES = ("averaged_gradients", "bit16_groups", "dp_process_group", "model_parallel_rank",
-                  "_model_parallel_all_reduce", "device")
+# Per shape: method name -> the parameter names (after self) it must have, with their defaults; the names the
+# replacements take from the optimizer's own module (so they use exactly what DeepSpeed's code uses) and instance.
+_STAGE_1_2 = dict(
+    signatures={
+        "has_overflow_serial": (("params", inspect.Parameter.empty),),
+        "has_overflow_partitioned_grads_serial": (),
+        "get_grad_norm_direct": (("gradients", inspect.Parameter.empty), ("params", inspect.Parameter.empty),
+                                 ("norm_type", 2)),
+    },
+    module_names=("dist", "get_accelerator", "is_model_parallel_parameter", "mask_nan_or_inf_with_val_inplace",
+                  "PIPE_REPLICATED"),
+    instance_names=("averaged_gradients", "bit16_groups", "dp_process_group", "model_parallel_rank",
+                    "_model_parallel_all_reduce", "device"),
+)
+_STAGE_3 = dict(
+    signatures={
+        "has_overflow_serial": (("params", inspect.Parameter.empty), ("is_grad_list", False)),
+        "get_grad_norm_direct": (("gradients", inspect.Parameter.empty), ("params", inspect.Parameter.empty),
+                                 ("norm_type", 2)),
+    },
+    module_names=("dist", "get_accelerator", "is_model_parallel_parameter"),
+    instance_names=("dp_process_group", "model_parallel_rank", "_model_parallel_all_reduce", "device"),
+)
+SHAPES = {"ZeRO stage 1/2": _STAGE_1_2, "ZeRO stage 3": _STAGE_3}
+PATCHED_NAMES = ("has_overflow_serial", "has_overflow_partitioned_grads_serial", "get_grad_norm_direct")
 PATCHED_MARK = "_ort_optim_fused_checks"
 _warned: set[str] = set()
 
@@ -64,26 +85,49 @@ def find_zero_optimizer(obj: Any) -> Optional[Any]:
     return None
 
 
-def _signature_mismatch(optimizer: Any) -> Optional[str]:
-    for name, expected in KNOWN_SIGNATURES.items():
+def _undecorated(method: Any, name: str) -> Any:
+    """The function under decorators that do not set __wrapped__ (DeepSpeed's ``instrument_w_nvtx`` wraps stage 3's
+    get_grad_norm_direct in ``(*args, **kwargs)``): the closure's function of the same name, else method itself."""
+    for _ in range(4):
+        inner = [c.cell_contents for c in (getattr(method, "__closure__", None) or ())
+                 if callable(c.cell_contents) and getattr(c.cell_contents, "__name__", None) == name]
+        if not inner:
+            break
+        method = inner[0]
+    return method
+
+
+def _signature_mismatch(optimizer: Any, shape: dict) -> Optional[str]:
+    for name, expected in shape["signatures"].items():
         method = getattr(type(optimizer), name, None)
         if method is None or not callable(method):
             return f"it has no method {name}"
         try:
-            params = list(inspect.signature(method).parameters.values())[1:]
+            params = list(inspect.signature(_undecorated(method, name)).parameters.values())[1:]
         except (TypeError, ValueError):
             return f"the signature of {name} cannot be read"
         got = tuple((p.name, p.default) for p in params)
         if got != expected:
             return f"{name}{tuple(p for p, _ in got)} is not {name}{tuple(p for p, _ in expected)}"
     module = sys.modules.get(type(optimizer).__module__)
-    missing = [n for n in MODULE_NAMES if not hasattr(module, n)]
+    missing = [n for n in shape["module_names"] if not hasattr(module, n)]
     if missing:
         return f"its module lacks {missing}"
-    missing = [n for n in INSTANCE_NAMES if not hasattr(optimizer, n)]
+    missing = [n for n in shape["instance_names"] if not hasattr(optimizer, n)]
     if missing:
         return f"the optimizer lacks the attributes {missing}"
     return None
+
+
+def _known_shape(optimizer: Any) -> tuple[Optional[str], str]:
+    """(name of the first shape optimizer matches, None) or (None, why it matches none)."""
+    reasons = []
+    for name, shape in SHAPES.items():
+        reason = _signature_mismatch(optimizer, shape)
+        if reason is None:
+            return name, ""
+        reasons.append(f"not {name}: {reason}")
+    return None, "; ".join(reasons)
 
 
 def patch_zero_optimizer(optimizer: Any) -> bool:
@@ -93,30 +137,34 @@ def patch_zero_optimizer(optimizer: Any) -> bool:
     """
     if getattr(optimizer, PATCHED_MARK, False):
         return True
-    reason = _signature_mismatch(optimizer)
-    if reason is not None:
+    shape, reason = _known_shape(optimizer)
+    if shape is None:
         key = _qualname(optimizer)
         if key not in _warned:
             _warned.add(key)
             warnings.warn(
-                f"FP16_Optimizer: {key} is not a DeepSpeed ZeRO stage 1/2 optimizer of a known shape ({reason}); "
+                f"FP16_Optimizer: {key} is not a DeepSpeed ZeRO optimizer of a known shape ({reason}); "
                 "it is left unchanged and keeps DeepSpeed's own overflow check and gradient norm.",
                 UserWarning,
                 stacklevel=3,
             )
         return False
     module = sys.modules[type(optimizer).__module__]
-    optimizer.has_overflow_serial = types.MethodType(_make_has_overflow_serial(module), optimizer)
-    optimizer.has_overflow_partitioned_grads_serial = types.MethodType(
-        _make_has_overflow_partitioned_grads_serial(module), optimizer)
-    optimizer.get_grad_norm_direct = types.MethodType(_make_get_grad_norm_direct(module), optimizer)
+    if shape == "ZeRO stage 3":
+        optimizer.has_overflow_serial = types.MethodType(_make_has_overflow_serial_stage3(module), optimizer)
+        optimizer.get_grad_norm_direct = types.MethodType(_make_get_grad_norm_direct_stage3(module), optimizer)
+    else:
+        optimizer.has_overflow_serial = types.MethodType(_make_has_overflow_serial(module), optimizer)
+        optimizer.has_overflow_partitioned_grads_serial = types.MethodType(
+            _make_has_overflow_partitioned_grads_serial(module), optimizer)
+        optimizer.get_grad_norm_direct = types.MethodType(_make_get_grad_norm_direct(module), optimizer)
     setattr(optimizer, PATCHED_MARK, True)
     return True
 
 
 def unpatch_zero_optimizer(optimizer: Any) -> None:
     """Restores DeepSpeed's own methods on an optimizer patched by :func:`patch_zero_optimizer`."""
-    for name in KNOWN_SIGNATURES:
+    for name in PATCHED_NAMES:
         optimizer.__dict__.pop(name, None)
     optimizer.__dict__.pop(PATCHED_MARK, None)
 
@@ -188,5 +236,43 @@ def _make_get_grad_norm_direct(module):
         total_norm = total_norm.pow(1.0 / norm_type)
         mask_nan_or_inf_with_val_inplace(total_norm, device=self.device)
         return total_norm
+
+    return get_grad_norm_direct
+
+
+def _make_has_overflow_serial_stage3(module):
+    get_accelerator = module.get_accelerator
+
+    def has_overflow_serial(self, params, is_grad_list=False):
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return False
+        return bool(_stats_on(grads, get_accelerator().current_device_name())[1] > 0)  # the one host sync
+
+    return has_overflow_serial
+
+
+def _make_get_grad_norm_direct_stage3(module):
+    dist = module.dist
+    get_accelerator = module.get_accelerator
+    is_model_parallel_parameter = module.is_model_parallel_parameter
+
+    def get_grad_norm_direct(self, gradients, params, norm_type=2):
+        if float(norm_type) != 2.0:  # inf and other p-norms: DeepSpeed's own code
+            return type(self).get_grad_norm_direct(self, gradients, params, norm_type)
+        selected = [g for g, p in zip(gradients, params) if is_model_parallel_parameter(p) or
+                    self.model_parallel_rank == 0]
+        device = get_accelerator().device_name()
+        if selected:
+            stats = _stats_on(selected, device)
+            total = torch.where(stats[1] > 0, torch.full_like(stats[0], math.nan), stats[0]).double()
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=device)
+        # DeepSpeed's stage 3 sums and reduces in float64 and returns a float64 norm: so do we
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+        self._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+        total = total.sqrt()
+        err = torch.tensor(-1.0, device=self.device, dtype=torch.float)
+        return torch.where(total.isinf() | total.isnan(), err, total)
 
     return get_grad_norm_direct

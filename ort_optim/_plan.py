@@ -23,6 +23,12 @@ itself.
 
 When the rule fails, the step builds a new plan, which raises (naming ``param_groups[i]['params'][j]``) for anything
 that cannot be honoured, before any write.
+
+DTensor params (FSDP2, tensor parallel) are planned and stepped through their local tensors
+(``integrations/dtensor.py``): the buckets hold the local pieces and their gradients' local pieces, validated like
+plain tensors, and the gradient must be laid out like its param. Their buckets take the Python check (a native plan
+reads ``.grad`` from the tensors it holds, and a local piece has none: its DTensor holds it), whose fingerprints
+follow storages that an engine frees and re-allocates, and which reads the local pieces afresh at every step.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch
 from . import _checkpoint, _spec, backends
 from ._checkpoint import MOMENT_KEYS
 from ._spec import LOW_BIT_FORMATS, SUPPORTED_PARAM_DTYPES, num_blocks
+from .integrations import dtensor
 
 CPU = torch.device("cpu")
 # Element-wise overlap checks (exotic strides only) look at no more elements than this per param.
@@ -201,7 +208,7 @@ class Bucket:
     """Params of one param group that share (device, dtype, state dtypes, master): one op call per step."""
 
     indices: list[int]  # positions in group["params"]
-    params: list[torch.Tensor]
+    params: list[torch.Tensor]  # the tensors the op updates: the params, or their local pieces for DTensor params
     exp_avgs: list[torch.Tensor] = field(default_factory=list)
     exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
     max_exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
@@ -214,6 +221,7 @@ class Bucket:
     native: Optional[backends.AdamPlan] = None  # on the native CPU backend
     fingerprints: list = field(default_factory=list)  # of every tensor above, for the Python check (other backends)
     grads: list = field(default_factory=list)  # this step's gradients (other backends; a native plan reads its own)
+    dtensors: bool = False  # params holds DTensors' local pieces
 
     def state_lists(self) -> list[list[torch.Tensor]]:
         return [self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs, self.master_params, self.exp_avg_scales,
@@ -237,6 +245,7 @@ class GroupPlan:
     buckets: list[Bucket]
     native: bool  # every bucket has a native plan: they watch the gradients (watchers), Python reads none
     watchers: list = field(default_factory=list)  # native plans to check(): the buckets', or one over idle params
+    dtensors: bool = False  # the group has DTensor params
 
     def current(self) -> bool:
         """The per-tensor part of the rule (see the module docstring). Resolves this step's gradients."""
@@ -245,8 +254,15 @@ class GroupPlan:
         grads = [p.grad for p in self.params]
         if tuple(g is not None for g in grads) != self.has_grad:
             return False
+        if self.dtensors:
+            if any(g is not None and dtensor.layout_problem(p, g) for p, g in zip(self.params, grads)):
+                return False
+            grads = [dtensor.local(g) for g in grads]
         for bucket in self.buckets:
             bucket.grads = [grads[i] for i in bucket.indices]
+            if bucket.dtensors and not all(dtensor.local(self.params[i]) is q
+                                           for i, q in zip(bucket.indices, bucket.params)):
+                return False  # (a DTensor given another local tensor: what it holds now is what must be stepped)
             if bucket.native is not None:
                 if bucket.native.check() >= 0:
                     return False
@@ -353,10 +369,14 @@ def build(optimizer) -> Plan:
             where = describe(group_index, index, p)
             if p.dtype not in SUPPORTED_PARAM_DTYPES:
                 raise ValueError(f"{where}: FusedAdam supports float32, float64, float16 and bfloat16 params")
+            layout = dtensor.layout_problem(p, g)
+            if layout is not None:
+                raise ValueError(f"{where}: {layout}")
+            state = optimizer.state.get(p)
+            p, g = dtensor.local(p), dtensor.local(g)  # (from here on, what this rank stores and updates)
             problem = _storage_problem(p) or _grad_problem(g, p)
             if problem is not None:
                 raise ValueError(f"{where}: {problem if problem.startswith('its') else 'it ' + problem}")
-            state = optimizer.state.get(p)
             if state:
                 adoptions += _check_state(optimizer, p, state, bool(group["amsgrad"]), where)
             entries.append((group_index, index, p))
@@ -409,13 +429,13 @@ def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> Group
             continue
         state = optimizer.state[p]
         key = (p.device, p.dtype, _storage_kind(state, "exp_avg"), _storage_kind(state, "exp_avg_sq"),
-               "master_param" in state)
-        bucket = by_key.setdefault(key, Bucket(indices=[], params=[]))
+               "master_param" in state, dtensor.is_dtensor(p))
+        bucket = by_key.setdefault(key, Bucket(indices=[], params=[], dtensors=dtensor.is_dtensor(p)))
         bucket.indices.append(index)
-        bucket.params.append(p)
+        bucket.params.append(dtensor.local(p))
     buckets = list(by_key.values())
     for bucket in buckets:
-        states = [optimizer.state[p] for p in bucket.params]
+        states = [optimizer.state[params[i]] for i in bucket.indices]
         for key in MOMENT_KEYS + ("master_param",):
             if key == "max_exp_avg_sq" and not group["amsgrad"]:
                 continue
@@ -429,9 +449,11 @@ def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> Group
         bucket.rounding_keys = rounding_keys(optimizer, group_index, bucket.indices, bucket.params[0],
                                              bool(bucket.master_params))
     idle = [p for p, g in zip(params, grads) if g is None]
-    all_native = native and all(b.params[0].device.type == "cpu" for b in buckets)
+    dtensors = any(dtensor.is_dtensor(p) for p in params)
+    # (a native plan reads .grad from the tensors it holds: a DTensor's local piece has none, the DTensor holds it)
+    all_native = native and not dtensors and all(b.params[0].device.type == "cpu" for b in buckets)
     for bucket in buckets:
-        if native and bucket.params[0].device.type == "cpu":
+        if native and bucket.params[0].device.type == "cpu" and not bucket.dtensors:
             # in a group that steps through native plans alone, the first plan also watches the params without a
             # gradient (frozen ones, say): when one gets a gradient, the group is planned again
             watch_idle = idle if all_native and bucket is buckets[0] else ()
@@ -446,7 +468,7 @@ def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> Group
         watchers = [backends.AdamPlan.create([], [], [], [], [], [], [], [], torch.zeros(0, dtype=torch.float64),
                                              idle)]
     return GroupPlan(group, params, params.version, bool(group["amsgrad"]), _rounding(group),
-                     tuple(g is not None for g in grads), buckets, all_native, watchers)
+                     tuple(g is not None for g in grads), buckets, all_native, watchers, dtensors)
 
 
 # ---- states: what is used as is, adopted or refused -----------------------------------------------------------------

@@ -845,9 +845,10 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         distributed = self._distributed()
         if not distributed and not any(p.grad is not None for g in opt.param_groups for p in g["params"]):
             raise RuntimeError(NO_GRADIENTS)
-        if distributed:
+        if distributed and opt._reduction() is None:
             # Our own flag, reduced over the ranks, goes in as found_inf (FusedAdam ORs it with its own check, which
-            # also covers a gradient that overflows when unscaled by a scale below 1).
+            # also covers a gradient that overflows when unscaled by a scale below 1). A FusedAdam over DTensor params
+            # or with a process_group decides globally itself, in the all-reduce that also carries its norm.
             grads_by_device: dict[torch.device, list[torch.Tensor]] = {}
             for group in opt.param_groups:
                 for p in group["params"]:

@@ -10,8 +10,10 @@ import torch
 
 from . import _checkpoint, _plan, _spec, backends
 from ._backward_step import BackwardStep
+from ._checkpoint import MOMENT_KEYS
 from ._plan import describe
 from ._spec import LOW_BIT_FORMATS, LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
+from .integrations import dtensor
 
 # State views in one flat buffer start a multiple of this many elements apart (256 bytes for float32).
 _STATE_ALIGN = 64
@@ -106,6 +108,10 @@ class FusedAdam(torch.optim.Optimizer):
             graph at capture: to change it between replays, make it a device tensor and update it in place.
         step_in_backward: update each parameter during backward, as soon as its gradient is complete, and free the
             gradient (default False); see below.
+        process_group: a torch.distributed group over which plain (non-DTensor) params are replicas, as under DDP:
+            the clipping norm (counting each replica once) and the inf/NaN skip become one decision for the group, in
+            one all-reduce of two floats per step (default None: each process decides alone, as torch's optimizers;
+            DTensor params are reduced over their meshes' ranks without it). See "Distributed training" below.
 
     A step is ``plan -> backend op``: the optimizer caches, across steps, its buckets (params grouped by device,
     dtype, state dtypes and master) with their state tensors and, on the native CPU backend, a native plan per
@@ -167,6 +173,25 @@ class FusedAdam(torch.optim.Optimizer):
     param groups, the checkpoint layout and ``step()``. :attr:`last_grad_norm` and :attr:`last_found_inf` stay None
     for updates made in backward.
 
+    Distributed training (guides/distributed.md). DTensor params (FSDP2 ``fully_shard`` with or without a
+    ``MixedPrecisionPolicy``, tensor parallel, 2D meshes) are planned and stepped through their local pieces, one op
+    call per bucket as for plain params, with every option above; a gradient must be laid out like its param
+    (``Partial`` gradients are refused, naming the param). The plan holds the local pieces and notices when an engine
+    gives a DTensor another local tensor or frees and re-allocates its storage (FSDP2 does both), as above. The
+    clipping norm, :attr:`last_grad_norm` and the inf/NaN skip are global: when ``max_grad_norm`` or ``grad_scale``
+    is given, each rank sums the squares of its gradient pieces, each weighted by 1 / (the ranks holding the same
+    elements: a replicated TP bias counts once), and one ``all_reduce(SUM)`` of ``[sum of squares, inf flag]`` (two
+    float32s, no host sync) over the params' meshes' ranks makes one decision for all; without either, the step
+    communicates nothing. Plain params replicated over ranks (DDP) get the same with ``process_group=``. Every rank of
+    the group must call ``step()`` (a rank without gradients still takes part). Where this differs from torch:
+    torch's optimizers never communicate (``clip_grad_norm_`` on DTensor gradients gathers the norm separately, and a
+    DDP rank decides its skip alone); ``optimizer.state[p]`` holds plain local tensors shaped like the param's local
+    piece, not DTensors, and ``state_dict()`` hands them back as DTensors laid out like their params (``step`` a plain
+    tensor), so ``torch.distributed.checkpoint`` saves and reshards them as torch's own; ``load_state_dict`` takes a
+    DTensor in any placement of the param's mesh, or a full plain tensor (a one-process checkpoint). The lone-bucket
+    fast path that unscales and clips inside the native plan is not taken when the decision is global.
+    ``step_in_backward`` is refused with DTensor params and with ``process_group``.
+
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element tensor)
     divides every gradient inside the kernel; ``found_inf`` (one-element tensor) turns the step into a no-op when
     non-zero. After a step that was taken with a ``grad_scale``, ``p.grad`` holds the unscaled gradient
@@ -208,6 +233,7 @@ class FusedAdam(torch.optim.Optimizer):
         step_in_backward: bool = False,
         stochastic_rounding: bool = False,
         stochastic_rounding_seed: int = 0,
+        process_group: Any = None,
     ):
         _check_dtype_option("exp_avg_dtype", exp_avg_dtype)
         _check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
@@ -234,11 +260,18 @@ class FusedAdam(torch.optim.Optimizer):
         self._last_grad_norm: Optional[torch.Tensor] = None
         self.step_in_backward = step_in_backward
         self._backward: Optional[BackwardStep] = None
+        self.process_group = process_group
         if step_in_backward and max_grad_norm is not None:
             raise ValueError(
                 f"max_grad_norm={max_grad_norm} clips by the norm of all gradients, but step_in_backward=True updates "
                 "each parameter as soon as its own gradient is complete, before the others exist. Use "
                 "step_in_backward=False to clip, or leave max_grad_norm=None"
+            )
+        if step_in_backward and process_group is not None:
+            raise ValueError(
+                "process_group is for params replicated over ranks (DDP), whose gradients are averaged across the "
+                "ranks during backward, after step_in_backward=True would already have updated each param with its "
+                "local gradient. Use step_in_backward=False in distributed training"
             )
         super().__init__(params, defaults)
         if step_in_backward:
@@ -256,6 +289,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     # Constructor options that torch.optim.Optimizer's pickling (copy.deepcopy, torch.save of the optimizer) would
     # otherwise drop: it keeps only defaults, state and param_groups.
+    # (process_group is not among them: a process group belongs to its process; a copy decides alone until given one)
     _OPTIONS = ("set_grad_none", "master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm", "capturable",
                 "step_in_backward")
 
@@ -266,6 +300,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("step_in_backward", False)
+        state.setdefault("process_group", None)
         super().__setstate__(state)  # (it puts "state" into __dict__, under the property: wrap it)
         self.state = self.__dict__.pop("state", self.__dict__.get("_state_container", {}))
         self._plan = None  # the cache (native plans cannot be copied): rebuilt at the next step
@@ -317,6 +352,12 @@ class FusedAdam(torch.optim.Optimizer):
                         f"bfloat16 params; complex or integer params are not supported (use torch.view_as_real for "
                         f"complex ones)"
                     )
+                dtensor.check_placements(p, describe(group_index, index, p))
+                if dtensor.is_dtensor(p) and self.step_in_backward:
+                    raise ValueError(
+                        f"{describe(group_index, index, p)} is {dtensor.describe_layout(p)}: step_in_backward=True "
+                        "does not support DTensor params (their gradients are completed by the engine's own "
+                        "collectives, not by autograd's accumulation); use step_in_backward=False")
         except ValueError:
             self.param_groups.pop()
             raise
@@ -344,11 +385,19 @@ class FusedAdam(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
         return self._init_states([p], amsgrad)[0]
 
+    @property
+    def _has_dtensors(self) -> bool:
+        """Any DTensor param (however it got into param_groups): their states are local pieces, their steps reduce
+        globally."""
+        return any(dtensor.is_dtensor(p) for group in self.param_groups for p in group["params"])
+
     def _init_states(self, params: list[torch.Tensor], amsgrad: bool) -> list[dict]:
         """Fresh states for params. Each kind of state tensor of params sharing (device, dtype) is a view of one
         flat buffer: the kernel then streams through contiguous memory instead of thousands of small allocations,
         whose cold starts cost more than their bytes. Views start 256 bytes apart (times n) from the buffer's start,
-        which torch's allocator aligns to 64 bytes, so vector loads stay aligned."""
+        which torch's allocator aligns to 64 bytes, so vector loads stay aligned. DTensor params get states shaped
+        like their local pieces."""
+        params = [dtensor.local(p) for p in params]
         states: list[dict[str, Any]] = []
         requests: dict[tuple[str, torch.device, torch.dtype], list[int]] = {}
         for i, p in enumerate(params):
@@ -461,12 +510,14 @@ class FusedAdam(torch.optim.Optimizer):
     def _launch(self, buckets: list, grad_scale, found_inf) -> None:
         """One op call per bucket (through its native plan on the native CPU backend), after the gradient statistics
         pass when unscaling or clipping."""
-        if self._scaled_in_plan(buckets, grad_scale, found_inf):
+        # (the reduction carries the clipping norm and the skip decision: needed only when the step computes them)
+        reduction = self._reduction() if grad_scale is not None or self.max_grad_norm is not None else None
+        if reduction is None and self._scaled_in_plan(buckets, grad_scale, found_inf):
             return self._scaled_plan_step(buckets[0], grad_scale, found_inf)
-        inv_grad_scale, found_inf, self._last_grad_norm = self._scaling(buckets, grad_scale, found_inf)
-        self._last_found_inf = found_inf if buckets else None
+        inv_grad_scale, found_inf, self._last_grad_norm = self._scaling(buckets, grad_scale, found_inf, reduction)
+        self._last_found_inf = found_inf if buckets or reduction is not None else None
         unscaled = self._grad_scale_per_device(buckets, grad_scale)
-        if unscaled is not None and (len(buckets) > 1 or buckets[0][2].native is None):
+        if unscaled and (len(buckets) > 1 or buckets[0][2].native is None):  # ({} without any gradient)
             _plan.check_grads_writable(buckets)
         for group_index, group, bucket in buckets:
             device = bucket.params[0].device
@@ -514,7 +565,8 @@ class FusedAdam(torch.optim.Optimizer):
     def _scaled_in_plan(self, buckets: list, grad_scale, found_inf) -> bool:
         """Whether unscaling and clipping can run inside the one native plan call (AdamPlan.step_scaled): a lone
         bucket with a native plan, grad_scale and found_inf on the host. The multiplier and the skip flag are then
-        computed in C++ from the gradients' statistics, without _scaling's tensor ops and a second plan call."""
+        computed in C++ from the gradients' statistics, without _scaling's tensor ops and a second plan call. Never
+        when the decision is global (DTensor params, process_group): the plan only sees this rank's gradients."""
         if len(buckets) != 1 or buckets[0][2].native is None or not self._unscale_grads:
             return False
         if grad_scale is None and self.max_grad_norm is None:
@@ -538,19 +590,22 @@ class FusedAdam(torch.optim.Optimizer):
             raise _plan.name_op_error(exc, group_index, bucket) from exc
         self._last_grad_norm, self._last_found_inf = out[0], out[1:]
 
-    def _scaling(self, buckets: list, grad_scale, found_inf):
+    def _scaling(self, buckets: list, grad_scale, found_inf, reduction: Optional[dtensor.Reduction] = None):
         """(per-device inverse gradient multiplier for unscaling and clipping, combined skip flag, unscaled global
         gradient norm), without host syncs; (None, found_inf, None) when neither grad_scale nor max_grad_norm is
         given.
 
         One grad_stats pass per bucket gives the global sum of squares and the inf/NaN check; the Adam pass then
-        multiplies each gradient by clip_coef / grad_scale. Two passes over the gradients in all.
+        multiplies each gradient by clip_coef / grad_scale. Two passes over the gradients in all. With a reduction
+        (distributed), the statistics are all-reduced first, so every rank clips by the same global norm and takes
+        the same skip decision; a rank without any gradient still contributes zeros, as the others wait for it.
         """
-        if (grad_scale is None and self.max_grad_norm is None) or not buckets:
+        if (grad_scale is None and self.max_grad_norm is None) or (not buckets and reduction is None):
             return None, found_inf, None
-        devices = list(dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets))
+        devices = list(dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets)) or [
+            next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)]
         main = devices[0]
-        stats = self._global_grad_stats(buckets, main)
+        stats = self._global_grad_stats(buckets, main, reduction)
         inv = torch.ones((), dtype=torch.float32, device=main)
         if grad_scale is not None:
             scale = grad_scale.to(main, torch.float32) if isinstance(grad_scale, torch.Tensor) else \
@@ -570,13 +625,36 @@ class FusedAdam(torch.optim.Optimizer):
         return per_device, skip.reshape(1), norm
 
     @staticmethod
-    def _global_grad_stats(buckets: list, device: torch.device) -> torch.Tensor:
+    def _global_grad_stats(buckets: list, device: torch.device, reduction: Optional[dtensor.Reduction] = None
+                           ) -> torch.Tensor:
         """float32 [2] on device: [sum of squares of every gradient of the step, non-zero if any is inf/NaN], one
         grad_stats pass per bucket, added in bucket order (deterministic). The one place where the gradients'
-        global statistics are reduced."""
-        per_bucket = [bucket.native.grad_stats() if bucket.native is not None else backends.grad_stats(bucket.grads)
-                      for _, _, bucket in buckets]
-        return sum(stats.to(device, non_blocking=True) for stats in per_bucket)
+        global statistics are reduced: over the ranks of `reduction` too when there is one, in the step's one
+        collective (integrations/dtensor.py), each gradient weighted by 1 / (the ranks holding the same elements)."""
+        per_bucket = [FusedAdam._bucket_stats(group, bucket, reduction) for _, group, bucket in buckets]
+        if not per_bucket:  # (a rank without gradients: its share of the reduction)
+            return dtensor.all_reduce_stats(torch.zeros(2, device=device), reduction)
+        stats = sum(s.to(device, non_blocking=True) for s in per_bucket)
+        return dtensor.all_reduce_stats(stats, reduction)
+
+    @staticmethod
+    def _bucket_stats(group: dict, bucket: _plan.Bucket, reduction: Optional[dtensor.Reduction]) -> torch.Tensor:
+        """grad_stats of a bucket's gradients (weighted for the reduction, when there is one)."""
+        if bucket.native is not None:  # (plain params only: DTensor buckets have none), so one weight for all
+            stats = bucket.native.grad_stats()
+            return stats if reduction is None else stats * dtensor.weight(bucket.params[0], reduction)
+        if reduction is None:
+            return backends.grad_stats(bucket.grads)
+        by_weight: dict[float, list[torch.Tensor]] = {}
+        for i, g in zip(bucket.indices, bucket.grads):
+            by_weight.setdefault(dtensor.weight(group["params"][i], reduction), []).append(g)
+        return sum(backends.grad_stats(grads) * w for w, grads in by_weight.items())
+
+    def _reduction(self) -> Optional[dtensor.Reduction]:
+        """Where the global norm and skip decision are all-reduced (None: this process decides alone)."""
+        if self.process_group is None and not self._has_dtensors:
+            return None
+        return dtensor.reduction_for((p for group in self.param_groups for p in group["params"]), self.process_group)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Clears the gradients; set_to_none defaults to the constructor's set_grad_none (True, as ORT)."""
@@ -587,9 +665,18 @@ class FusedAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch.optim.AdamW's layout in canonical form: fresh tensors, moments and masters unscaled float32
         (float64 for float64 params), a float64 per-parameter ``step``. It loads into FusedAdam with any state
-        dtypes, into torch.optim.AdamW, and with ``torch.load(weights_only=True)``."""
-        params = [p for group in self.param_groups for p in group["params"]]
-        return _checkpoint.canonical(super().state_dict(), {i: p.shape for i, p in enumerate(params)})
+        dtypes, into torch.optim.AdamW, and with ``torch.load(weights_only=True)``. The per-element states of
+        DTensor params are DTensors laid out like their params (``step`` stays a plain tensor), which is what
+        ``torch.distributed.checkpoint`` saves and reshards."""
+        params = [p for group in self.param_groups for p in group["params"]]  # torch's ids are these positions
+        # (4-bit codes are flat: decoding needs each param's shape, its local piece's for DTensor params)
+        sd = _checkpoint.canonical(super().state_dict(), {i: dtensor.local(p).shape for i, p in enumerate(params)})
+        if self._has_dtensors:
+            for index, state in sd["state"].items():
+                for key in MOMENT_KEYS + ("master_param",):
+                    if key in state:
+                        state[key] = dtensor.wrap_like(params[index], state[key])
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a FusedAdam, torch.optim.Adam/AdamW or ORT FusedAdam checkpoint, all or nothing.
@@ -616,13 +703,42 @@ class FusedAdam(torch.optim.Optimizer):
         ``adam_w_mode``, so know where yours came from. To load such moments deliberately, put ``adam_w_mode`` in the
         checkpoint's groups.
         """
-        prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._init_state)
+        if self._has_dtensors:
+            prepared = self._prepare_local_load(state_dict)
+        else:
+            prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._init_state)
         for group, new_group in zip(self.param_groups, prepared.groups):
             params = group["params"]
             group.clear()
             group.update(new_group, params=params)
         self.state.clear()
         self.state.update(prepared.state)  # (the state's version changes: the next step plans again)
+
+    def _prepare_local_load(self, state_dict: Any) -> _checkpoint.PreparedLoad:
+        """prepare_load for DTensor params: each per-element state (a DTensor in any layout of its param's mesh, or a
+        full plain tensor) becomes this rank's piece first, then everything is checked against the local pieces."""
+        try:  # only well-formed parts are converted; prepare_load reports whatever is malformed, by entry
+            pairs = [(saved_id, p) for saved, group in zip(state_dict["param_groups"], self.param_groups)
+                     for saved_id, p in zip(saved["params"], group["params"])]
+            local_state = dict(state_dict["state"])
+            for saved_id, p in pairs:
+                saved = local_state.get(saved_id)
+                if not (dtensor.is_dtensor(p) and isinstance(saved, dict)):
+                    continue
+                saved = dict(saved)
+                for key in MOMENT_KEYS + ("master_param",):
+                    if isinstance(saved.get(key), torch.Tensor):
+                        where = _checkpoint.entry("state", saved_id, key)
+                        saved[key] = dtensor.local_like(p, saved[key], where)
+                local_state[saved_id] = saved
+            state_dict = {**state_dict, "state": local_state}
+        except (KeyError, TypeError, AttributeError):
+            pass
+        locals_ = [{**group, "params": [dtensor.local(p) for p in group["params"]]} for group in self.param_groups]
+        prepared = _checkpoint.prepare_load(locals_, state_dict, self._init_state)
+        param_of = {id(dtensor.local(p)): p for group in self.param_groups for p in group["params"]}
+        prepared.state = {param_of[id(local)]: state for local, state in prepared.state.items()}
+        return prepared
 
     # ---- conversion ---------------------------------------------------------------------------------------------
 

@@ -1,23 +1,28 @@
-"""FP16_Optimizer on DeepSpeed ZeRO stage 1 and 2 (fp16, two CPU processes over gloo).
+"""DeepSpeed 0.16.9 ZeRO stages 1-3 on two CPU processes (gloo), with ort_optim inside.
 
-For each stage, the same training runs twice in each process, once with DeepSpeed as it is and once after
-``FP16_Optimizer(...)`` patched its overflow check and gradient norm: the losses, skipped steps, loss scales, fp32
-partitions and fp16 params must be identical step for step. Before every step of the patched run, the patched
-functions are also called beside DeepSpeed's originals on the same gradients and must return equal tensors.
+Everything runs in one spawn (tests/distributed_harness.py); the parent compares.
 
-Setup facts (torch 2.4.1, DeepSpeed 0.16.9, CPU): DeepSpeed's CPU accelerator refuses fp16 unless
-``is_fp16_supported`` answers True; ``deepspeed_shm_comm`` would be JIT-built (~80 s) unless marked incompatible;
-a custom optimizer under ZeRO needs ``zero_allow_untested_optimizer``.
+* FusedAdam as the client optimizer of ``deepspeed.initialize`` at stages 1, 2 and 3, in fp32 (against one process
+  training the same model with FusedAdam on the concatenated batch, clipping active), bf16 and fp16 (against torch's
+  AdamW as the client under the same config), and with ZeRO-Offload (``offload_optimizer: cpu``, where FusedAdam
+  steps DeepSpeed's fp32 CPU partitions instead of DeepSpeedCPUAdam).
+* FP16_Optimizer around DeepSpeed's ZeRO optimizers at stages 1-3: the same fp16 training with DeepSpeed as it is and
+  after FP16_Optimizer patched its overflow check and gradient norm must agree step for step (bit for bit at stages
+  1/2; stage 3 sums the norm in float64, ours in float32 per chunk, so its clip coefficient may differ in the last
+  bit); before every patched step, the patched functions are compared with DeepSpeed's on the same gradients.
+
+Setup facts (torch 2.4.1, DeepSpeed 0.16.9, CPU accelerator): DeepSpeed refuses fp16 on its CPU accelerator
+(``ValueError: Type fp16 is not supported on your device.``) unless ``is_fp16_supported`` answers True, which these
+tests force to exercise the fp16 loss-scaling code paths; ``deepspeed_shm_comm`` would be JIT-built (~80 s) unless
+marked incompatible; a client optimizer under ZeRO needs ``zero_allow_untested_optimizer``, and under ZeRO-Offload
+also ``zero_force_ds_cpu_optimizer: false``.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import spawn
+from distributed_harness import run_ranks
 
 try:
     import deepspeed  # noqa: F401
@@ -31,38 +36,130 @@ pytestmark = pytest.mark.skipif(
 )
 
 WORLD = 2
+MICRO_BATCH = 4
 STEPS = 7
 OVERFLOW_STEPS = (2, 3, 6)  # rank 0 only; hysteresis 2 absorbs 2 and 6, backs off at 3
+CLIENT_STEPS = 5
+LR, WD, CLIP = 1e-2, 1e-2, 0.5
+
+# (stage, precision, offload) run with FusedAdam as the client optimizer
+CLIENT_CASES = [(stage, precision, False) for stage in (1, 2, 3) for precision in ("fp32", "bf16", "fp16")] + [
+    (2, "fp32", True), (3, "fp32", True), (3, "bf16", True)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def ds_config(stage: int) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": 4,
+def ds_config(stage: int, precision: str = "fp16", offload: bool = False, clip: float = CLIP) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
-        "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2,
-                 "min_loss_scale": 1},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 1e5, "allgather_bucket_size": 1e5},
         "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.5,
+        "gradient_clipping": clip,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if stage == 3:  # every param partitioned, however small
+        config["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=1e5)
+    if precision == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2,
+                          "min_loss_scale": 1}
+    elif precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
 
 
-def _compare_functions(opt, rank) -> list[str]:
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(MICRO_BATCH, 8, generator=g), torch.randn(MICRO_BATCH, 4, generator=g)
+
+
+def make_client(kind: str, params):
+    from ort_optim import AdamWMode, FusedAdam
+
+    if kind == "FusedAdam":
+        return FusedAdam(params, lr=LR, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=WD)
+    return torch.optim.AdamW(params, lr=LR, eps=1e-8, weight_decay=WD)
+
+
+def full_params(engine, stage: int) -> list[torch.Tensor]:
+    """The model's full params as float32 copies. Stage 3 keeps only each rank's partition (``p.ds_tensor``, the
+    flattened param's chunk, zero-padded): gathered here with torch.distributed. (DeepSpeed's own
+    ``GatheredParameters`` gave NaN on one rank in one fp16 run here and could not be reproduced in isolation, so
+    the tests do not depend on it.)"""
+    import torch.distributed as dist
+
+    params = list(engine.module.parameters())
+    if stage != 3:
+        return [p.detach().float().clone() for p in params]
+    out = []
+    for p in params:
+        pieces = [torch.empty_like(p.ds_tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(pieces, p.ds_tensor.detach())
+        out.append(torch.cat(pieces)[:p.ds_numel].view(p.ds_shape).float())
+    return out
+
+
+def fp32_partitions(opt) -> list[torch.Tensor]:
+    flat = getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_partitioned_groups_flat
+    return [t.detach().clone() for t in flat]
+
+
+# ---- scenarios (run inside the worker processes) --------------------------------------------------------------------
+
+
+def _client_run(rank: int, stage: int, precision: str, offload: bool, kind: str) -> dict:
+    import deepspeed
+
+    model = make_model()
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=make_client(kind, model.parameters()),
+                                             config=ds_config(stage, precision, offload))
+    losses = []
+    for step in range(CLIENT_STEPS):
+        x, y = batch(step, rank)
+        loss = torch.nn.functional.mse_loss(engine(x.to(DTYPES[precision])).float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return {"zero": type(opt).__name__, "basic": type(opt.optimizer).__name__, "losses": losses,
+            "params": full_params(engine, stage), "fp32": fp32_partitions(opt)}
+
+
+def _compare_functions(opt, rank: int, stage: int) -> list[str]:
     """Patched vs DeepSpeed's own functions on the gradients present now; returns descriptions of mismatches."""
     cls = type(opt)
     bad = []
-    got, want = opt.has_overflow_partitioned_grads_serial(), cls.has_overflow_partitioned_grads_serial(opt)
-    if not (got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)):
-        bad.append(f"has_overflow_partitioned_grads_serial {got} vs {want}")
-    for i in range(len(opt.bit16_groups)):
-        grads, params = opt.averaged_gradients[i], opt.params_in_partition[i]
+
+    def same(got, want, what):
+        if isinstance(got, bool) or isinstance(want, bool):
+            ok = got == want
+        elif stage == 3:  # float64 sums in DeepSpeed, float32 per chunk in ours: equal within float32 rounding
+            ok = got.dtype == want.dtype and got.shape == want.shape and torch.allclose(got, want, rtol=1e-6, atol=0)
+        else:
+            ok = got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+        if not ok:
+            bad.append(f"{what}: {got!r} vs {want!r}")
+
+    if stage < 3:
+        same(opt.has_overflow_partitioned_grads_serial(), cls.has_overflow_partitioned_grads_serial(opt),
+             "has_overflow_partitioned_grads_serial")
+        groups = [(opt.averaged_gradients[i], opt.params_in_partition[i]) for i in range(len(opt.bit16_groups))]
+    else:
+        # (a dict at stage 3, filled by the backward pass)
+        groups = [(opt.averaged_gradients[i], opt.fp16_groups[i]) for i in range(len(opt.fp16_groups))
+                  if opt.averaged_gradients.get(i)]
+    for i, (grads, params) in enumerate(groups):
         for norm_type in (2, 2.0, float("inf")):
-            got = opt.get_grad_norm_direct(grads, params, norm_type)
-            want = cls.get_grad_norm_direct(opt, grads, params, norm_type)
-            if not (got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)):
-                bad.append(f"get_grad_norm_direct(group {i}, {norm_type}) {got!r} vs {want!r}")
+            same(opt.get_grad_norm_direct(grads, params, norm_type), cls.get_grad_norm_direct(opt, grads, params,
+                                                                                              norm_type),
+                 f"get_grad_norm_direct(group {i}, {norm_type})")
     # crafted gradients: finite, inf, NaN (on one rank: the norm is all-reduced, so both see it)
     g = torch.Generator().manual_seed(7)
     for poison in (None, float("inf"), float("nan")):
@@ -72,25 +169,20 @@ def _compare_functions(opt, rank) -> list[str]:
         holders = [torch.zeros(t.shape, dtype=torch.float16) for t in tensors]
         for h, t in zip(holders, tensors):
             h.grad = t
-        got, want = opt.has_overflow_serial(holders), cls.has_overflow_serial(opt, holders)
-        if not torch.equal(got, want):
-            bad.append(f"has_overflow_serial({poison}) {got} vs {want}")
-        got, want = opt.get_grad_norm_direct(tensors, holders), cls.get_grad_norm_direct(opt, tensors, holders)
-        if not torch.equal(got, want):
-            bad.append(f"get_grad_norm_direct(crafted, {poison}) {got!r} vs {want!r}")
+        same(opt.has_overflow_serial(holders), cls.has_overflow_serial(opt, holders), f"has_overflow_serial({poison})")
+        same(opt.get_grad_norm_direct(tensors, holders), cls.get_grad_norm_direct(opt, tensors, holders),
+             f"get_grad_norm_direct(crafted, {poison})")
     return bad
 
 
-def _train(stage, rank, wrap):
+def _fp16_optimizer_run(rank: int, stage: int, wrap) -> dict:
     import deepspeed
 
     from ort_optim.fp16_optimizer import FP16_Optimizer
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
-                                torch.nn.Linear(32, 4))
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=inner, config=ds_config(stage))
+    model = make_model()
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+                                             config=ds_config(stage))
     mismatches = []
     if wrap == "optimizer":
         assert FP16_Optimizer(opt) is opt
@@ -101,55 +193,120 @@ def _train(stage, rank, wrap):
         assert "get_grad_norm_direct" in vars(opt)
     record = []
     for step in range(STEPS):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x = torch.randn(4, 8, generator=g).half()
-        y = torch.randn(4, 4, generator=g)
+        x, y = batch(step, rank)
+        x = x.half()
         if rank == 0 and step in OVERFLOW_STEPS:
             x[0, 0] = float("inf")
         loss = torch.nn.functional.mse_loss(engine(x).float(), y)
         engine.backward(loss)
         if wrap:
-            mismatches += [f"step {step}: {m}" for m in _compare_functions(opt, rank)]
+            mismatches += [f"step {step}: {m}" for m in _compare_functions(opt, rank, stage)]
         engine.step()
-        record.append({
-            "loss": loss.detach().clone(),
-            "overflow": bool(opt.overflow),
-            "scale": float(opt.loss_scale),
-            "fp32": [t.detach().clone() for t in opt.single_partition_of_fp32_groups],
-            "params": [p.detach().clone() for p in engine.module.parameters()],
-        })
-    return record, mismatches
+        record.append({"loss": loss.detach().clone(), "overflow": bool(opt.overflow), "scale": float(opt.loss_scale),
+                       "fp32": fp32_partitions(opt), "params": full_params(engine, stage)})
+    return {"record": record, "mismatches": mismatches, "patched": "get_grad_norm_direct" in vars(opt)}
 
 
-def _worker(rank, port, outdir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(WORLD))
-    torch.set_num_threads(1)
+def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     import deepspeed
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # else a ~80 s JIT build per process
-    get_accelerator().is_fp16_supported = lambda: True  # the CPU accelerator refuses fp16 otherwise
-    deepspeed.init_distributed(dist_backend="gloo")
-    out = {}
-    for stage, wrap in ((1, "optimizer"), (2, "engine")):
-        out[f"stage{stage}-plain"], _ = _train(stage, rank, None)
-        out[f"stage{stage}-patched"], out[f"stage{stage}-mismatches"] = _train(stage, rank, wrap)
-    torch.save(out, Path(outdir) / f"rank{rank}.pt")
+    accelerator = get_accelerator()
+    fp16_supported = accelerator.is_fp16_supported()
+    accelerator.is_fp16_supported = lambda: True  # the CPU accelerator refuses fp16 otherwise (see the docstring)
+    deepspeed.init_distributed(dist_backend="gloo")  # joins the process group the harness created
+    out = {"fp16_supported": fp16_supported}
+    for stage, precision, offload in CLIENT_CASES:
+        kinds = ("FusedAdam",) if precision == "fp32" else ("FusedAdam", "AdamW")
+        for kind in kinds:
+            out[("client", stage, precision, offload, kind)] = _client_run(rank, stage, precision, offload, kind)
+    for stage, wrap in ((1, "optimizer"), (2, "engine"), (3, "optimizer")):
+        out[("fp16", stage, "plain")] = _fp16_optimizer_run(rank, stage, None)
+        out[("fp16", stage, "patched")] = _fp16_optimizer_run(rank, stage, wrap)
+    return out
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    outdir = tmp_path_factory.mktemp("deepspeed")
-    spawn(_worker, str(outdir), nprocs=WORLD)
-    return [torch.load(outdir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    return run_ranks(scenarios, WORLD, tmp_path_factory.mktemp("deepspeed"))
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+# ---- FusedAdam as DeepSpeed's client optimizer ------------------------------------------------------------------------
+
+
+def one_process_reference() -> tuple[list[float], list[torch.Tensor]]:
+    """FusedAdam on one process, the two ranks' micro-batches concatenated (DeepSpeed averages the ranks'
+    gradients, which equals the gradient of the mean loss over the whole batch), clipping like DeepSpeed."""
+    from ort_optim import AdamWMode, FusedAdam
+
+    model = make_model()
+    opt = FusedAdam(model.parameters(), lr=LR, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=WD,
+                    max_grad_norm=CLIP)
+    losses = []
+    for step in range(CLIENT_STEPS):
+        pieces = [batch(step, rank) for rank in range(WORLD)]
+        x, y = torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+# fp32: the ranks' gradients are averaged by an all-reduce instead of one batch's sum: float32 rounding in another
+# order, carried through 5 clipped Adam steps (measured below 1e-6).
+FP32_TOLERANCE = 5e-6
+# bf16/fp16: FusedAdam vs torch's AdamW on the same fp32 partitions (the same formula, rounded in another order):
+# within float32 rounding of the masters, at most one bf16/fp16 ulp apart in the params.
+PARTITION_TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("stage,precision,offload", [c for c in CLIENT_CASES if c[1] == "fp32"])
+def test_fused_adam_as_deepspeed_client_fp32_equals_one_process(results, stage, precision, offload):
+    ref_losses, ref_params = one_process_reference()
+    ranks = [r[("client", stage, precision, offload, "FusedAdam")] for r in results]
+    assert ranks[0]["basic"] == "FusedAdam"
+    assert ranks[0]["zero"] == ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer")
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
+        assert torch.equal(a, b)  # the ranks agree exactly
+    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
+    assert mean_losses == pytest.approx(ref_losses, rel=1e-5)
+    diff = max(float((got - want).abs().max()) for got, want in zip(ranks[0]["params"], ref_params))
+    assert diff <= FP32_TOLERANCE, diff
+    assert not torch.equal(ranks[0]["params"][0], make_model()[0].weight.detach())  # it trained
+
+
+@pytest.mark.parametrize("stage,precision,offload", [c for c in CLIENT_CASES if c[1] != "fp32"])
+def test_fused_adam_as_deepspeed_client_low_precision_equals_torch_adamw(results, stage, precision, offload):
+    for rank, out in enumerate(results):
+        fused = out[("client", stage, precision, offload, "FusedAdam")]
+        torch_ = out[("client", stage, precision, offload, "AdamW")]
+        assert fused["basic"] == "FusedAdam"
+        diff = max(float((a - b).abs().max()) for a, b in zip(fused["fp32"], torch_["fp32"]))
+        assert diff <= PARTITION_TOLERANCE, (rank, diff)
+        ulp = torch.finfo(DTYPES[precision]).eps
+        for a, b in zip(fused["params"], torch_["params"]):
+            assert torch.allclose(a, b, rtol=ulp, atol=ulp), (rank, float((a - b).abs().max()))
+        assert fused["losses"] == pytest.approx(torch_["losses"], rel=1e-3)
+
+
+# ---- FP16_Optimizer around DeepSpeed's ZeRO optimizers --------------------------------------------------------------
+
+
+def test_deepspeed_cpu_accelerator_refuses_fp16_by_itself(results):
+    # the reason the fp16 runs above override is_fp16_supported; the guide states it
+    assert not results[0]["fp16_supported"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_patched_training_equals_deepspeed_step_for_step(results, stage):
     for rank, out in enumerate(results):
-        plain, patched = out[f"stage{stage}-plain"], out[f"stage{stage}-patched"]
+        plain, patched = out[("fp16", stage, "plain")], out[("fp16", stage, "patched")]
+        assert patched["patched"] and not plain["patched"]
+        plain, patched = plain["record"], patched["record"]
         assert [r["overflow"] for r in plain] == [s in OVERFLOW_STEPS for s in range(STEPS)]
         assert [r["scale"] for r in plain] == [256.0, 512.0, 512.0, 256.0, 256.0, 512.0, 512.0]
         for step, (a, b) in enumerate(zip(plain, patched)):
@@ -157,11 +314,14 @@ def test_patched_training_equals_deepspeed_step_for_step(results, stage):
             assert (a["overflow"], a["scale"]) == (b["overflow"], b["scale"]), where
             assert torch.equal(a["loss"].nan_to_num(), b["loss"].nan_to_num()), where
             for x, y in zip(a["fp32"] + a["params"], b["fp32"] + b["params"]):
-                assert torch.equal(x, y), where
+                if stage < 3:
+                    assert torch.equal(x, y), where
+                else:  # the clip coefficient from a float32 vs float64 sum: equal within float32 rounding
+                    assert torch.allclose(x, y, rtol=0, atol=1e-6), (where, float((x - y).abs().max()))
         assert not torch.equal(plain[0]["params"][0], plain[-1]["params"][0])  # it did train
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_patched_functions_equal_deepspeeds_on_the_same_gradients(results, stage):
     for rank, out in enumerate(results):
-        assert out[f"stage{stage}-mismatches"] == [], f"rank {rank}"
+        assert out[("fp16", stage, "patched")]["mismatches"] == [], f"rank {rank}"

@@ -23,7 +23,7 @@ from .common import measure_bandwidth
 # Sections with their own row format: name -> "module:function" in this package, called as function(quick) and
 # returning a list of flat dicts; printed as a table of their keys, saved under "sections" in the JSON and the
 # markdown. Add a section by adding a module and one line here.
-EXTRA_SECTIONS: dict[str, str] = {"step_in_backward": "backward:run"}
+EXTRA_SECTIONS: dict[str, str] = {"step_in_backward": "backward:run", "distributed": "distributed:bench_distributed"}
 EXTRA_SECTIONS.update(lowbit="lowbit:run", lowbit_memory="lowbit:run_memory")  # low-bit states (issue 13)
 
 

@@ -47,7 +47,13 @@ def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The tensor this rank stores for t: a DTensor's local piece (a view of its storage, so in-place updates land in
     the DTensor), t itself for a plain tensor, None for None."""
     if is_dtensor(t):
-        with torch.no_grad():  # to_local() without autograd is the local tensor itself, not a differentiable alias
+        # The DTensor's own local tensor, the same object at every call (the cached buckets compare identities):
+        # to_local() returns a fresh view for an nn.Parameter(DTensor) in newer torch, and an autograd alias with grad
+        # enabled.
+        local_tensor = getattr(t, "_local_tensor", None)
+        if isinstance(local_tensor, torch.Tensor):
+            return local_tensor
+        with torch.no_grad():
             return t.to_local()
     return t
 
@@ -59,16 +65,36 @@ def describe_layout(t: torch.Tensor) -> str:
     return f"a DTensor with placements {tuple(t.placements)} on {t.device_mesh}"
 
 
-def check_placements(t: torch.Tensor, where: str) -> None:
-    """Refuses Partial placements (an unreduced gradient) with a ValueError naming `where`."""
+def _partial_problem(t: torch.Tensor) -> Optional[str]:
     if is_dtensor(t):
         for dim, placement in enumerate(t.placements):
             if placement.is_partial():
-                raise ValueError(
-                    f"{where} is {describe_layout(t)}: mesh dim {dim} holds a partial sum, which FusedAdam cannot "
-                    f"step or count in the global norm; reduce it first (t.redistribute(t.device_mesh, "
-                    f"[Replicate() or Shard(d) per dim]))"
-                )
+                return (f"is {describe_layout(t)}: mesh dim {dim} holds a partial sum, which FusedAdam cannot step or "
+                        "count in the global norm; reduce it first (t.redistribute(t.device_mesh, [Replicate() or "
+                        "Shard(d) per dim]))")
+    return None
+
+
+def check_placements(t: torch.Tensor, where: str) -> None:
+    """Refuses Partial placements (an unreduced gradient) with a ValueError naming `where`."""
+    problem = _partial_problem(t)
+    if problem is not None:
+        raise ValueError(f"{where} {problem}")
+
+
+def layout_problem(param: torch.Tensor, grad: torch.Tensor) -> Optional[str]:
+    """Why grad cannot update param piece by piece (a Partial gradient, or one laid out unlike its param), as the
+    end of an error message that starts with the param's name; None when it can (always for two plain tensors)."""
+    if not (is_dtensor(param) or is_dtensor(grad)):
+        return None
+    problem = _partial_problem(grad)
+    if problem is not None:
+        return "its gradient " + problem
+    if not (is_dtensor(param) and is_dtensor(grad) and grad.device_mesh == param.device_mesh
+            and tuple(grad.placements) == tuple(param.placements)):
+        return (f"the parameter is {describe_layout(param)} but its gradient is {describe_layout(grad)}; they must "
+                "be laid out alike")
+    return None
 
 
 def replicas(t: torch.Tensor) -> int:
