@@ -222,6 +222,16 @@ class CodeMap {
 
   int sign_bit() const { return sign_bit_; }
   const float* decode() const { return decode_; }
+  // The magnitude code rounded stochastically (exp_avg; _spec.EXP_AVG_SR_ULPS has the rule): from the non-zero level
+  // at or below (magnitude_code), one level up iff (lowered(a) - lo) > (r >> 8) * 2^-24 * (hi - lo). r: 32 random bits.
+  inline int stochastic_magnitude_code(float a, uint32_t r) const {
+    const int m = magnitude_code(a);
+    if (m == 0 || m + 1 >= sign_bit_) return m;  // below the lowest non-zero level (toward zero), or the top one
+    const uint32_t ab = float_to_bits(a);
+    const float lowered = bits_to_float(ab > spec::kExpAvgSrUlps ? ab - spec::kExpAvgSrUlps : 0u);
+    const float lo = decode_[m], hi = decode_[m + 1];
+    return m + ((lowered - lo) > float(r >> 8) * 0x1p-24f * (hi - lo));
+  }
 
  private:
   static constexpr int kShift = 15;  // keeps the exponent and 8 mantissa bits
@@ -285,9 +295,18 @@ void low_bit_load(const LowBit& f, bool second_moment, const uint8_t* codes, con
   }
 }
 
-// Writes src[0, n) as the codes and scales of elements [off, off + n).
+inline uint32_t fmix32(uint32_t x);
+
+// The random bits of exp_avg's stochastic rounding: a hash of the value's float32 bits, its element index e and the
+// step (_spec.EXP_AVG_SR_ULPS).
+inline uint32_t exp_avg_random_bits(float x, uint64_t e, uint32_t step) {
+  return fmix32(fmix32(float_to_bits(x) ^ (uint32_t(e) * 0x9E3779B1u)) ^ (step * 0x85EBCA77u + 0x6A09E667u));
+}
+
+// Writes src[0, n) as the codes and scales of elements [off, off + n). step: the Adam step (from 1) of an exp_avg,
+// mixed into its stochastic rounding.
 void low_bit_store(const LowBit& f, bool second_moment, const float* src, int64_t off, int64_t n, uint8_t* codes,
-                   void* scales) {
+                   void* scales, uint32_t step = 0) {
   const CodeMap& map = f.map(second_moment);
   float u[256];
   uint8_t c[256];
@@ -310,9 +329,14 @@ void low_bit_store(const LowBit& f, bool second_moment, const float* src, int64_
       s = bits_to_float(amax);
       const float inv = s > 0.0f ? 1.0f / s : 0.0f;
       const int sign_bit = map.sign_bit();
-      for (int64_t i = 0; i < len; ++i) {
-        const int m = map.magnitude_code(std::fabs(u[i]) * inv);
-        c[i] = uint8_t(m | ((u[i] < 0.0f && m > 0) ? sign_bit : 0));
+      if (second_moment) {
+        for (int64_t i = 0; i < len; ++i) c[i] = uint8_t(map.magnitude_code(std::fabs(u[i]) * inv));
+      } else {
+        for (int64_t i = 0; i < len; ++i) {
+          const uint32_t r = exp_avg_random_bits(u[i], uint64_t(off + q + i), step);
+          const int m = map.stochastic_magnitude_code(std::fabs(u[i]) * inv, r);
+          c[i] = uint8_t(m | ((u[i] < 0.0f && m > 0) ? sign_bit : 0));
+        }
       }
     } else {  // inf or NaN in the block: it reads back as NaN everywhere (scale NaN, codes 0)
       s = std::numeric_limits<float>::quiet_NaN();
@@ -342,7 +366,7 @@ inline uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-inline uint32_t fmix32(uint32_t x) {
+inline uint32_t fmix32(uint32_t x) {  // murmur3's 32-bit finaliser
   x ^= x >> 16;
   x *= 0x85EBCA6Bu;
   x ^= x >> 13;
@@ -384,6 +408,7 @@ struct TensorWork {
   const LowBit* exp_avg_sq_low_bit = nullptr;
   bool stochastic = false;  // round the bfloat16 param stochastically, with this step's key
   uint64_t round_key = 0;
+  uint32_t step = 0;  // this step's count (from 1), for the stochastic rounding of a low-bit exp_avg
   at::ScalarType param_type, grad_type, exp_avg_type, exp_avg_sq_type;
   int64_t numel;
   // Per-step scalars, computed in double from this tensor's own step count (README.md, "Per-step scalars").
@@ -421,11 +446,11 @@ void load_state(const void* base, at::ScalarType type, const float* scales, int6
 
 template <typename T>
 void store_state(const T* src, void* base, at::ScalarType type, float* scales, int64_t off, int64_t n,
-                 uint32_t amax_bits, const LowBit* low_bit = nullptr, bool second_moment = false) {
+                 uint32_t amax_bits, const LowBit* low_bit = nullptr, bool second_moment = false, uint32_t step = 0) {
   char* dst = static_cast<char*>(base) + off * c10::elementSize(type);
   if constexpr (std::is_same_v<T, float>) {
     if (low_bit) {
-      low_bit_store(*low_bit, second_moment, src, off, n, static_cast<uint8_t*>(base), scales);
+      low_bit_store(*low_bit, second_moment, src, off, n, static_cast<uint8_t*>(base), scales, step);
       return;
     }
     if (scales && second_moment && spec::kFp16SqrtSecondMoment) {
@@ -524,7 +549,9 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   }
 
   // Write back what was staged.
-  if (m == s.m) store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, max.m, w.exp_avg_low_bit, false);
+  if (m == s.m) {
+    store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, max.m, w.exp_avg_low_bit, false, w.step);
+  }
   if (v == s.v) {
     store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, max.v, w.exp_avg_sq_low_bit, true);
   }
@@ -911,6 +938,7 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     }
     w.step_size = step_size;
     w.bc2_sqrt = bc2_sqrt;
+    w.step = uint32_t(uint64_t(t));
     w.stochastic = o.rounding_keys.has_value();
     if (w.stochastic) {
       w.round_key = splitmix64(uint64_t(o.rounding_keys->data_ptr<int64_t>()[i]) ^ splitmix64(uint64_t(t)));

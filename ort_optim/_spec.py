@@ -65,24 +65,40 @@ def midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(_f32(_f32(a + b) * 0.5) for a, b in zip(levels, levels[1:]))
 
 
-# exp_avg rounds toward zero: the level index of a normalised magnitude a is #{j >= 1 : levels[j] <= a * SNAP}.
-# Toward zero, because nearest rounding makes a decaying moment stick: with zero gradients (a rare embedding row)
-# m * beta1 rounds back to the same level whenever the levels are more than 2 * (1 - beta1) apart, and the row keeps
-# moving at its last speed (measured: 69x fp32 AdamW's drift with 8-bit nearest rounding); rounded toward zero, m
-# decays at least as fast as in fp32, and |m| never grows by quantisation. SNAP = 1 + 2**-20 absorbs the float32
-# rounding of decode-then-encode (a decoded level reads back within 3 * 2**-24 of itself), so encoding stays
-# idempotent. The top level's threshold is EXP_AVG_TOP (not 1): the block's largest element always gets the top
-# code even where its scale was rounded up into bfloat16 (by at most 2**-9), so the scale survives a re-encode.
+# exp_avg rounds STOCHASTICALLY to one of its two neighbouring levels, up with probability (a - lo) / (hi - lo): the
+# rounding is unbiased, so a decaying moment (g = 0 on a rare embedding row: m <- beta1 * m) decays like fp32's in
+# expectation and cannot stick. Nearest rounding sticks: m * beta1 rounds back to the same level whenever the levels
+# are more than 2 * (1 - beta1) apart, and the row keeps moving at its last speed (measured: 69x fp32 AdamW's drift
+# with 8-bit nearest rounding); toward zero cures that but biases |m| down (4-bit: a decaying m reaches 0 within 10
+# steps), which cost 3.6% (8-bit) and 44% (4-bit) of loss on digits (guides/low-bit-states.md, "Quality").
+# Exactly, for a normalised magnitude a = |m| / s (float32):
+#   lo = levels[j], j = #{k >= 1 : thresholds[k-1] <= min(a * EXP_AVG_SNAP, 1)} (the toward-zero index: EXP_AVG_SNAP
+#        = 1 + 2**-20 absorbs the float32 noise of decode-then-encode, a decoded level reads back within 3 * 2**-24 of
+#        itself); the top threshold is EXP_AVG_TOP (not 1), so the block's largest element always gets the top code
+#        even where its scale was rounded up into bfloat16 (by at most 2**-9), and the scale survives a re-encode;
+#   between two non-zero levels (1 <= j < top), the code is j + 1 iff  (lowered(a) - lo) > (r >> 8) * 2**-24 * (levels[j+1] - lo)  in float32,
+#        lowered(a) = the float whose bits are bits(a) - EXP_AVG_SR_ULPS (clamped at 0): a value on a level (up to the
+#        decode noise) never moves, so encoding stays idempotent and checkpoints canonical; an integer step, not a
+#        multiplication, so no backend can fuse it into an FMA (the Triton kernels on a GPU would);
+#   below the lowest non-zero level (j = 0) it rounds toward zero: rounding a tiny m up to levels[1] * s would make the
+#        update of an element whose v is tiny too (1e-7 of its block's gradients) explode (measured: 105 lr in one
+#        step; tests/test_lowbit.py bounds it at 4 lr), and a moment that small decays to 0 rather than sticks;
+#   r = 32 random bits: fmix32(fmix32(bits(m) ^ e * 0x9E3779B1) ^ (step * 0x85EBCA77 + 0x6A09E667)) (uint32 arithmetic;
+#        e the element's index in its tensor, step the Adam step from 1, 0 for conversions outside a step). A hash
+#        of the new moment's own float32 bits, not of a seed: it needs no key and no generator state, every backend
+#        computes it from what it already holds, and resume is exact because the bits depend only on the state and
+#        the gradient.
 EXP_AVG_SNAP = 1.0 + 2.0**-20
 EXP_AVG_TOP = 1.0 - 2.0**-8
+EXP_AVG_SR_ULPS = 8
 # Blocks whose largest magnitude is below float32's smallest normal (2**-126) are stored as zero blocks (scale 0):
 # 1/s would overflow, and subnormal scales cannot round-trip.
 MIN_SCALE = 2.0**-126
 
 
 def thresholds(levels: tuple[float, ...], second_moment: bool) -> tuple[float, ...]:
-    """The decision thresholds of a code map: midpoints (nearest) for sqrt(v), the levels above zero (toward zero,
-    applied to a * EXP_AVG_SNAP) for exp_avg."""
+    """The decision thresholds of a code map: midpoints (nearest) for sqrt(v); for exp_avg the levels above zero
+    (applied to a * EXP_AVG_SNAP: the level at or below, from which exp_avg rounds stochastically up or stays)."""
     return midpoints(levels) if second_moment else tuple(levels[1:-1]) + (EXP_AVG_TOP,)
 
 
@@ -92,7 +108,9 @@ class LowBitFormat:
     ``s`` (stored in ``scale_dtype``) and one ``bits``-bit code per element.
 
     * exp_avg (signed): ``m = sign * exp_avg_levels[magnitude] * s``; the code is sign-magnitude (top bit = sign,
-      set only for a non-zero magnitude), ``exp_avg_levels[0] == 0``; magnitudes round toward zero (EXP_AVG_SNAP).
+      set only for a non-zero magnitude), ``exp_avg_levels[0] == 0``; magnitudes between two non-zero levels round
+      stochastically to one of them, unbiased, those below the lowest non-zero level toward zero (EXP_AVG_SR_ULPS
+      states the rule and its random bits).
     * exp_avg_sq / max_exp_avg_sq: the code stores ``u = sqrt(v)``, ``v = (exp_avg_sq_levels[code] * s) ** 2``; the
       levels have no zero (Li et al. 2023's zero-point problem: a v rounded to 0 makes m / (sqrt(v) + eps) explode;
       here a tiny v reads as at least ``exp_avg_sq_levels[0] * s``, which can only shrink its update); sqrt(v)

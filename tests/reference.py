@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 ADAM_L2_REGULARIZATION = 0
@@ -138,12 +139,12 @@ def round_fp16_blocks(x: torch.Tensor) -> torch.Tensor:
     return (codes.float() / s[:, None]).reshape(-1)[:n].double().view(x.shape)
 
 
-def round_state(x: torch.Tensor, dtype: torch.dtype, second_moment: bool = False) -> torch.Tensor:
+def round_state(x: torch.Tensor, dtype: torch.dtype, second_moment: bool = False, step: int = 0) -> torch.Tensor:
     """x (float64) as a state of this storage dtype holds it. fp16 second moments store sqrt(v) (ops/README.md), so
     v is rounded as sqrt(v) is, then squared (in float32, as the kernels read it); low-bit states (torch.uint8,
-    torch.uint4) as :func:`round_low_bit` describes."""
+    torch.uint4) as :func:`round_low_bit` describes (an exp_avg rounded stochastically with this step's bits)."""
     if dtype in LOW_BIT_DTYPES:
-        return round_low_bit(x, dtype, second_moment)
+        return round_low_bit(x, dtype, second_moment, step)
     if dtype == torch.float16 and second_moment:
         root = round_fp16_blocks(x.float().double().sqrt().float().double())
         return (root.float() * root.float()).double()
@@ -153,7 +154,8 @@ def round_state(x: torch.Tensor, dtype: torch.dtype, second_moment: bool = False
 # ---- low-bit states, from the format's definition (ops/README.md, "low-bit states") -------------------------------
 # The levels and block sizes are the specification's data (ort_optim._spec); the quantiser below is written from
 # the README's rules: scale = block absmax (rounded to nearest bfloat16 for 4-bit), normalised a = fp32(|u| * fp32(1/s))
-# clamped to 1; sqrt(v) (exp_avg_sq) takes the nearest level, exp_avg the largest level <= a (toward zero).
+# clamped to 1; sqrt(v) (exp_avg_sq) takes the nearest level, exp_avg the largest level <= a or, stochastically, the
+# next one up (random bits: a hash of the value's float32 bits, its index and the step).
 
 LOW_BIT_DTYPES = (torch.uint8, torch.uint4)
 
@@ -179,18 +181,41 @@ def low_bit_scales(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(scales, dtype=torch.float32)
 
 
-def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool) -> torch.Tensor:
-    """x (float64) as a low-bit state reads back, as float64."""
+def _fmix32(x: np.ndarray) -> np.ndarray:
+    """murmur3's 32-bit finaliser on a uint32 array (numpy's uint32 products wrap)."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> np.uint32(16))
+
+
+def exp_avg_random_bits(values: torch.Tensor, step: int) -> np.ndarray:
+    """uint32 random bits of exp_avg's stochastic rounding: fmix32(fmix32(bits(x[e]) ^ e * 0x9E3779B1) ^
+    (step * 0x85EBCA77 + 0x6A09E667)) for float32 values x (flat), element index e."""
+    with np.errstate(over="ignore"):
+        bits = values.float().numpy().view(np.uint32)
+        e = np.arange(bits.size, dtype=np.uint32)
+        salt = np.uint32((step * 0x85EBCA77 + 0x6A09E667) % 2**32)
+        return _fmix32(_fmix32(bits ^ (e * np.uint32(0x9E3779B1))) ^ salt)
+
+
+def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step: int = 0,
+                  exp_avg_rounding: str = "stochastic") -> torch.Tensor:
+    """x (float64) as a low-bit state reads back, as float64. exp_avg_rounding: "stochastic" (the format's rule,
+    random bits from step), or "down" / "up": the level at or below / the next one up (the two candidates)."""
     fmt = _low_bit_spec(dtype)
     levels = torch.tensor(fmt.exp_avg_sq_levels if second_moment else fmt.exp_avg_levels, dtype=torch.float32)
-    # sqrt(v): nearest level (thresholds halfway); exp_avg: toward zero (thresholds at the levels), after the
-    # factor 1 + 2**-20 that keeps decoded levels on themselves
-    # (exp_avg's top threshold is 1 - 2**-8, so the block's largest element keeps the top code)
+    # sqrt(v): nearest level (thresholds halfway); exp_avg: the level at or below (thresholds at the levels), after
+    # the factor 1 + 2**-20 that keeps decoded levels on themselves (exp_avg's top threshold is 1 - 2**-8, so the
+    # block's largest element keeps the top code), then, from a non-zero level, one up with probability
+    # (a - lo) / (hi - lo)
     thresholds = (levels[:-1] + levels[1:]) * 0.5 if second_moment else torch.cat(
         [levels[1:-1], torch.tensor([1.0 - 2.0**-8])])
     flat = x.reshape(-1).float()
     u = flat.double().sqrt().float() if second_moment else flat  # correctly rounded float32 sqrt
     scales = low_bit_scales(u, dtype)
+    random = torch.from_numpy(exp_avg_random_bits(flat, step).astype(np.int64))
     out = torch.empty_like(u)
     for b, s in enumerate(scales.tolist()):
         chunk = u[b * fmt.block:(b + 1) * fmt.block]
@@ -199,10 +224,19 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool) -> t
             continue
         inv = torch.tensor(1.0, dtype=torch.float32) / s if s > 0 else torch.tensor(0.0)
         a = chunk.abs() * inv
-        if not second_moment:
-            a = a * torch.tensor(1.0 + 2.0**-20, dtype=torch.float32)
-        a = a.clamp(max=1.0)
-        index = (a[:, None] >= thresholds[None, :]).sum(dim=1)
+        snapped = a * torch.tensor(1.0 + 2.0**-20, dtype=torch.float32) if not second_moment else a
+        index = (snapped.clamp(max=1.0)[:, None] >= thresholds[None, :]).sum(dim=1)
+        if not second_moment and exp_avg_rounding != "down":
+            below_top = (index > 0) & (index < len(levels) - 1)  # and above zero: toward zero below levels[1]
+            if exp_avg_rounding == "up":
+                up = below_top
+            else:
+                nxt = levels[(index + 1).clamp(max=len(levels) - 1)]
+                lowered = (a.view(torch.int32) - 8).clamp(min=0).view(torch.float32)  # 8 float32 ulps down
+                r = random[b * fmt.block:(b + 1) * fmt.block]
+                threshold = (r // 256).float() * torch.tensor(2.0**-24) * (nxt - levels[index])
+                up = below_top & ((lowered - levels[index]) > threshold)
+            index = index + up.long()
         value = levels[index] * torch.tensor(s, dtype=torch.float32)
         value = torch.where((chunk < 0) & (index > 0), -value, value) if not second_moment else value
         out[b * fmt.block:(b + 1) * fmt.block] = value * value if second_moment else value

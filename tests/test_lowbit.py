@@ -97,9 +97,17 @@ def test_native_and_reference_backends_agree_bit_for_bit(combo, mode, amsgrad, p
 def _assert_state_rounded_as_specified(got: torch.Tensor, exact: torch.Tensor, dtype, second_moment, what):
     """got: the optimizer's decoded state; exact: the float64 reference's new state before storage rounding. The
     stored value is the reference quantiser's, except where float32 rounding of the inputs made a near-tie go the
-    other way: then it is as close to the exact value as the reference's choice, up to that rounding."""
-    want = reference.round_state(exact, dtype, second_moment)
+    other way: then it is as close to the exact value as the reference's choice, up to that rounding. A low-bit
+    exp_avg rounds stochastically with random bits hashed from its float32 value (which the float64 reference does
+    not reproduce to the bit): it must be one of the two levels around the exact value."""
     slack = 1e-5 * float(exact.abs().max())
+    if dtype in reference.LOW_BIT_DTYPES and not second_moment:
+        down = reference.round_low_bit(exact, dtype, False, exp_avg_rounding="down")
+        up = reference.round_low_bit(exact, dtype, False, exp_avg_rounding="up")
+        between = (got.double() >= torch.minimum(down, up) - slack) & (got.double() <= torch.maximum(down, up) + slack)
+        assert bool(between.all()), f"{what}: stored values outside the two levels around the exact ones"
+        return
+    want = reference.round_state(exact, dtype, second_moment)
     closer = (got.double() - exact).abs() <= (want - exact).abs() + slack
     assert bool(closer.all()), f"{what}: stored values farther from the exact ones than the specified rounding"
     # (a scale one float32 ulp apart changes every value of its block by an ulp, not its codes)
@@ -289,9 +297,59 @@ def test_encode_decode_encode_gives_back_the_same_bits(dtype, second_moment, dat
         fmt = LOW_BIT_FORMATS[dtype]
         gap = max(b - a for a, b in zip(fmt.exp_avg_levels, fmt.exp_avg_levels[1:]))
         scale = scales.float().repeat_interleave(fmt.block)[:x.numel()]
-        # (toward zero: within a gap; blocks below 2**-126 are stored as zero)
+        # (stochastic rounding: within a gap; blocks below 2**-126 are stored as zero)
         ok = ~finite_block | ((decoded - x).abs() <= gap * scale * (1 + 1e-6) + 2.0**-126)
         assert bool(ok.all())
+
+
+# ---- exp_avg's stochastic rounding: unbiased, so a decaying moment decays as fp32's and never sticks --------------
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint4], ids=["8bit", "4bit"])
+def test_exp_avg_rounding_is_unbiased_between_non_zero_levels(dtype):
+    """Values between the lowest non-zero level and 1 (each block anchored at 1) are stored as one of their two
+    neighbouring levels, and the mean error is zero within 4 standard errors. Rounding toward zero (the rule before)
+    fails this by a wide margin, checked too so that the test can fail."""
+    fmt = LOW_BIT_FORMATS[dtype]
+    g = torch.Generator().manual_seed(0)
+    x = fmt.exp_avg_levels[1] + (1.0 - fmt.exp_avg_levels[1]) * torch.rand(200 * fmt.block, generator=g)
+    x[::fmt.block] = 1.0
+    x = torch.where(torch.rand(x.shape, generator=g) < 0.5, -x, x)
+    decoded = reference_backend.decode_state(*reference_backend.encode_state(x, dtype, False), False, x.shape)
+    down = reference.round_low_bit(x.double(), dtype, False, exp_avg_rounding="down")
+    up = reference.round_low_bit(x.double(), dtype, False, exp_avg_rounding="up")
+    assert bool(((decoded.double() == down) | (decoded.double() == up)).all())
+    # each error of a magnitude is a two-point variable with variance <= spacing**2 / 4
+    bound = 4 * float((up - down).pow(2).mean().sqrt()) / 2 / math.sqrt(x.numel())
+    assert abs(float((decoded.double().abs() - x.double().abs()).mean())) <= bound
+    assert abs(float((down.abs() - x.double().abs()).mean())) > 10 * bound  # toward zero: biased
+
+
+@pytest.mark.parametrize("m", ["u8", "u4"])
+def test_a_decaying_exp_avg_decays_like_fp32s_and_never_sticks(m, backend):
+    """Rare rows: elements that see one gradient and then only zeros (m <- beta1 * m), in blocks whose largest
+    moment keeps growing. Nearest rounding let such an m stick at a level (the row kept moving at its last speed:
+    69x fp32 AdamW's drift); toward zero made it decay far too fast (4-bit: to 0 within 10 steps). Rounded
+    stochastically, the rows' mean |m| stays within 15% of fp32's while it is above the lowest non-zero level."""
+    n = 8 * 256
+    g = torch.Generator().manual_seed(0)
+    first = (0.5 + 0.5 * torch.rand(n, generator=g)) * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    rows = torch.ones(n, dtype=torch.bool)
+    rows[::128] = False
+    moments = {}
+    for name, dtypes in (("fp32", ("fp32", "fp32")), ("lowbit", (m, "fp32"))):
+        p = torch.nn.Parameter(torch.zeros(n))
+        opt = _optimizer([p], *dtypes, mode=2, lr=1e-3)
+        moments[name] = []
+        for step in range(30):
+            grad = first.clone() if step == 0 else torch.zeros(n)
+            grad[~rows] = 0.1  # every step: the block's largest moment, 0.1 * (1 - 0.9**t)
+            p.grad = grad
+            opt.step()
+            if step + 1 in (10, 20, 30):
+                moments[name].append(float(state_values(opt, p, "exp_avg")[rows].abs().mean()))
+    ratios = [low / fp32 for low, fp32 in zip(moments["lowbit"], moments["fp32"])]
+    assert all(0.85 <= r <= 1.15 for r in ratios), ratios
 
 
 def test_the_code_maps_are_as_specified():
@@ -560,7 +618,8 @@ def test_low_bit_states_in_the_layout_are_used_as_is(backend):
     g = _grads(params, 2)[1]
     m = torch.full(p.shape, -0.5)
     m = m + torch.tensor(1.0 - 0.9, dtype=torch.float32) * (g - m)
-    expected = reference_backend.decode_state(*_codes_of(m, torch.uint8, False), False, p.shape)
+    # (the third step: its number is mixed into the stochastic rounding)
+    expected = reference_backend.decode_state(*reference_backend.quantize_low_bit(m, Q8, False, step=3), False, p.shape)
     assert torch.equal(bits(state_values(opt, p, "exp_avg")), bits(expected))
 
 

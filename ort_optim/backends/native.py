@@ -65,6 +65,7 @@ def spec_header() -> str:
             array(f"k{tag}ExpAvgSqThresholds", _spec.thresholds(fmt.exp_avg_sq_levels, True)),
         ]
     lines += [f"constexpr float kExpAvgSnap = {_spec.EXP_AVG_SNAP.hex()}f;",
+              f"constexpr uint32_t kExpAvgSrUlps = {_spec.EXP_AVG_SR_ULPS};",
               f"constexpr bool kFp16SqrtSecondMoment = {'true' if _spec.FP16_SQRT_SECOND_MOMENT else 'false'};",
               "}  // namespace spec", "}  // namespace ort_optim", ""]
     return "\n".join(lines)

@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import (EXP_AVG_SNAP, MIN_SCALE, FP16_LIMIT, LOW_BIT_FORMATS, QUANT_BLOCK, LowBitFormat, low_bit_format, num_blocks,
-                     splitmix64, thresholds)
+from .._spec import (EXP_AVG_SNAP, EXP_AVG_SR_ULPS, MIN_SCALE, FP16_LIMIT, LOW_BIT_FORMATS, QUANT_BLOCK, LowBitFormat,
+                     low_bit_format, num_blocks, splitmix64, thresholds)
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -76,9 +76,20 @@ def _round_to(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return amax.to(dtype).float()
 
 
-def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def exp_avg_random_bits(x: torch.Tensor, step: int) -> torch.Tensor:
+    """The 32 random bits of each element of an exp_avg being quantised (float32 x, flat: element e is x[e]), as
+    int64 in [0, 2**32): fmix32(fmix32(bits(x[e]) ^ e * 0x9E3779B1) ^ (step * 0x85EBCA77 + 0x6A09E667)), in uint32
+    arithmetic (_spec.EXP_AVG_SR_ULPS says why the value's own bits)."""
+    b = x.view(torch.int32).long() & _MASK32
+    e = torch.arange(x.numel(), dtype=torch.int64)
+    return _fmix32(_fmix32(b ^ ((e * 0x9E3779B1) & _MASK32)) ^ ((step * 0x85EBCA77 + 0x6A09E667) & _MASK32))
+
+
+def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: bool,
+                     step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 values (v itself for a second moment: its square root is what gets coded) -> (uint8 codes in
-    fmt.storage_shape, scales of fmt.scale_dtype, one per block)."""
+    fmt.storage_shape, scales of fmt.scale_dtype, one per block). step: the Adam step (from 1) whose exp_avg this
+    is, mixed into its stochastic rounding (0 for conversions outside a step)."""
     x = values.detach().float().reshape(-1)
     n = x.numel()
     u = sqrt_f32(x) if second_moment else x
@@ -90,11 +101,22 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
     usable = (scales > 0) & torch.isfinite(scales)
     inv = torch.where(usable, 1.0 / torch.where(usable, scales, torch.ones_like(scales)), torch.zeros_like(scales))
     a = blocks.abs() * inv[:, None]
-    if not second_moment:
-        a = a * EXP_AVG_SNAP  # toward zero, up to float32 noise (ort_optim._spec.EXP_AVG_SNAP)
-    a = torch.where(a < 1.0, a, torch.ones_like(a))
-    bounds = torch.tensor(thresholds(_levels(fmt, second_moment), second_moment), dtype=torch.float32)
-    codes = torch.searchsorted(bounds, a.reshape(-1).contiguous(), right=True).view_as(a)
+    levels = _levels(fmt, second_moment)
+    if second_moment:
+        a = torch.where(a < 1.0, a, torch.ones_like(a))
+        bounds = torch.tensor(thresholds(levels, True), dtype=torch.float32)
+        codes = torch.searchsorted(bounds, a.reshape(-1).contiguous(), right=True).view_as(a)
+    else:  # stochastic rounding between the level at or below and the next one (ort_optim._spec.EXP_AVG_SR_ULPS)
+        a_up = a * EXP_AVG_SNAP
+        a_up = torch.where(a_up < 1.0, a_up, torch.ones_like(a_up))
+        bounds = torch.tensor(thresholds(levels, False), dtype=torch.float32)
+        codes = torch.searchsorted(bounds, a_up.reshape(-1).contiguous(), right=True).view_as(a)
+        table = torch.tensor(levels + (levels[-1],), dtype=torch.float32)
+        lo, hi = table[codes], table[codes + 1]
+        lowered = (a.view(torch.int32) - EXP_AVG_SR_ULPS).clamp_min(0).view(torch.float32)
+        r = exp_avg_random_bits(torch.nn.functional.pad(x, (0, -n % fmt.block)), step).view_as(a)
+        up = (lowered - lo) > (r >> 8).float() * 2.0**-24 * (hi - lo)
+        codes = codes + (up & (codes > 0) & (codes < len(levels) - 1)).long()
     if not second_moment:
         codes = codes | (((blocks < 0) & (codes > 0)).long() << (fmt.bits - 1))
     codes = torch.where(torch.isnan(scales)[:, None], torch.zeros_like(codes), codes)  # a NaN block: all codes 0
@@ -159,14 +181,14 @@ def _read_state(state: torch.Tensor, scales: Optional[torch.Tensor], dtype: torc
 
 
 def _write_state(values: torch.Tensor, state: torch.Tensor, scales: Optional[torch.Tensor],
-                 second_moment: bool) -> None:
+                 second_moment: bool, step: int = 0) -> None:
     if scales is None:
         state.copy_(values)
         return
     if state.dtype == torch.float16:
         codes, new_scales = quantize_fp16(sqrt_f32(values.float()) if second_moment else values.float())
     else:
-        codes, new_scales = quantize_low_bit(values, low_bit_format(scales.dtype), second_moment)
+        codes, new_scales = quantize_low_bit(values, low_bit_format(scales.dtype), second_moment, step)
     state.copy_(codes.view(state.shape))
     scales.copy_(new_scales)
 
@@ -282,7 +304,7 @@ def adam_step_(
             p = p - (lr * math.sqrt(bc2) / bc1) * (m / (root + eps))
             if adam_w_mode == 1:
                 p = p - (lr * weight_decay) * p
-        _write_state(m, exp_avgs[i], optional(exp_avg_scales, i), False)
+        _write_state(m, exp_avgs[i], optional(exp_avg_scales, i), False, int(t))
         _write_state(v, exp_avg_sqs[i], optional(exp_avg_sq_scales, i), True)
         if amsgrad:
             _write_state(vmax, max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), True)

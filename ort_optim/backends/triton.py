@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import EXP_AVG_SNAP, MIN_SCALE, QUANT_BLOCK, Q4, Q8, LowBitFormat, thresholds
+from .._spec import EXP_AVG_SNAP, EXP_AVG_SR_ULPS, MIN_SCALE, QUANT_BLOCK, Q4, Q8, LowBitFormat, thresholds
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
 BLOCK = 1024
@@ -106,7 +106,8 @@ _kernels_module = None
 
 
 def _check_spec(module) -> None:
-    if (module.EXP_AVG_SNAP.value, module.MIN_SCALE.value) != (EXP_AVG_SNAP, MIN_SCALE):
+    if (module.EXP_AVG_SNAP.value, module.MIN_SCALE.value, module.EXP_AVG_SR_ULPS.value) != (EXP_AVG_SNAP, MIN_SCALE,
+                                                                                         EXP_AVG_SR_ULPS):
         raise RuntimeError("ort_optim: triton_kernels' low-bit constants differ from ort_optim._spec's")
 
 

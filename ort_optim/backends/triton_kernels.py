@@ -47,6 +47,7 @@ F32, F16, BF16, F64, Q8, Q4 = 0, 1, 2, 3, 4, 5
 # _spec's constants of the low-bit encoders (asserted equal by triton.py)
 EXP_AVG_SNAP = tl.constexpr(1.0 + 2.0**-20)
 MIN_SCALE = tl.constexpr(2.0**-126)
+EXP_AVG_SR_ULPS = tl.constexpr(8)
 
 # Columns of the per-tensor table (int64). The addresses of optional tensors are 0 when absent (never read then).
 COL_PARAM, COL_EXP_AVG, COL_EXP_AVG_SQ, COL_MAX_EXP_AVG_SQ, COL_MASTER = 0, 1, 2, 3, 4
@@ -168,10 +169,10 @@ def _load_state(addr, scale_addr, lut_ptr, offs, mask, block_index, DT: tl.const
 
 
 @_device
-def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, DT: tl.constexpr, SCALED: tl.constexpr,
+def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, step, DT: tl.constexpr, SCALED: tl.constexpr,
                  SECOND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     if DT >= 4:
-        _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, DT, SECOND, BLOCK)
+        _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT, SECOND, BLOCK)
     elif SCALED:
         if SECOND:
             x = _sqrt(x, False)
@@ -221,13 +222,14 @@ def _load_low_bit(addr, scale_addr, lut_ptr, offs, mask, DT: tl.constexpr, SECON
 
 
 @_device
-def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, DT: tl.constexpr, SECOND: tl.constexpr,
+def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.constexpr, SECOND: tl.constexpr,
                    BLOCK: tl.constexpr):
     """Encodes float32 values x (v for SECOND: its square root is coded) into an 8-bit or 4-bit state and its
     scales, as reference.quantize_low_bit: per block the scale is the absolute maximum (rounded to nearest bfloat16
     for 4-bit; 0 below float32's smallest normal), NaN for a block with an inf or NaN (whose codes are then 0); the
     code of a normalised value a = min(|x| * (1/s) (* EXP_AVG_SNAP for exp_avg), 1) is the count of the format's
-    thresholds <= a (_spec.thresholds), with the sign bit for a negative exp_avg."""
+    thresholds <= a (_spec.thresholds), with the sign bit for a negative exp_avg; an exp_avg between two non-zero
+    levels then rounds stochastically one up (_spec.EXP_AVG_SR_ULPS; step: the uint32 Adam step, from 1)."""
     if DT == 4:
         QB: tl.constexpr = 256
         BITS: tl.constexpr = 8
@@ -252,9 +254,11 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, DT: tl.constexpr, S
     s = tl.where(block_bad | (amax == float("inf")), float("nan"), amax)
     usable = s > 0.0  # false for NaN
     inv = tl.where(usable, (1.0 / tl.where(usable, s, 1.0).to(tl.float64)).to(tl.float32), 0.0)
-    a = au * inv[:, None]
+    a_raw = au * inv[:, None]
     if not SECOND:
-        a = a * EXP_AVG_SNAP  # exp_avg rounds toward zero, up to float32 noise (_spec.EXP_AVG_SNAP)
+        a = a_raw * EXP_AVG_SNAP  # the level at or below, up to float32 noise (_spec.EXP_AVG_SNAP)
+    else:
+        a = a_raw
     a = tl.where(a < 1.0, a, 1.0)
     if SECOND:
         LEVEL_BITS: tl.constexpr = BITS
@@ -267,7 +271,15 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, DT: tl.constexpr, S
         half = 1 << (LEVEL_BITS - 1 - level)
         probe = tl.load(lut_ptr + THRESHOLDS + code + (half - 1))
         code = tl.where(probe <= a, code + half, code)
-    if not SECOND:
+    if not SECOND:  # stochastic rounding from a non-zero level below the top one (_spec.EXP_AVG_SR_ULPS)
+        e = offs2.to(tl.uint32)  # the element index's low 32 bits
+        r = _fmix32(_fmix32(u2.to(tl.uint32, bitcast=True) ^ (e * 0x9E3779B1)) ^ (step * 0x85EBCA77 + 0x6A09E667))
+        ab = a_raw.to(tl.uint32, bitcast=True)
+        lowered = tl.where(ab > EXP_AVG_SR_ULPS, ab - EXP_AVG_SR_ULPS, 0).to(tl.float32, bitcast=True)
+        lo = tl.load(lut_ptr + code)
+        hi = tl.load(lut_ptr + code + 1)
+        up = (lowered - lo) > (r >> 8).to(tl.float32) * 5.9604644775390625e-08 * (hi - lo)  # 2**-24
+        code = tl.where(up & (code > 0) & (code < (1 << (BITS - 1)) - 1), code + 1, code)
         code = tl.where((u2 < 0.0) & (code > 0), code | (1 << (BITS - 1)), code)
     code = tl.where(block_bad[:, None] | (m2 == 0), 0, code)
     block_mask = tl.max(m2.to(tl.int32), axis=1) > 0
@@ -384,7 +396,7 @@ def _bf16_bits_stochastic(x, offs, key):
 @_device
 def _adam_block(
     offs, mask, block_index, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr,
-    m_lut_ptr, v_lut_ptr, sr_key, grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt,
+    m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt,
     torch_decay, hf_decay, grad_scale, P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr,
     V_DT: tl.constexpr, HAS_MASTER: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
     AMSGRAD: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, HAS_SR: tl.constexpr,
@@ -426,10 +438,11 @@ def _adam_block(
     # ptxas does better storing it last.
     if not HAS_MASTER:
         _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
-    _store_state(m_addr, ms_addr, m_lut_ptr, offs, m, mask, block_index, M_DT, M_SCALED, False, ALIGNED, BLOCK)
-    _store_state(v_addr, vs_addr, v_lut_ptr, offs, v, mask, block_index, V_DT, V_SCALED, True, ALIGNED, BLOCK)
+    _store_state(m_addr, ms_addr, m_lut_ptr, offs, m, mask, block_index, m_step, M_DT, M_SCALED, False, ALIGNED,
+                 BLOCK)
+    _store_state(v_addr, vs_addr, v_lut_ptr, offs, v, mask, block_index, m_step, V_DT, V_SCALED, True, ALIGNED, BLOCK)
     if AMSGRAD:
-        _store_state(vmax_addr, vmaxs_addr, v_lut_ptr, offs, vmax, mask, block_index, V_DT, V_SCALED, True, ALIGNED,
+        _store_state(vmax_addr, vmaxs_addr, v_lut_ptr, offs, vmax, mask, block_index, m_step, V_DT, V_SCALED, True, ALIGNED,
                      BLOCK)
     if HAS_MASTER:
         _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
@@ -525,6 +538,7 @@ def adam_kernel(
         sr_key = _splitmix64(key ^ _splitmix64(t.to(tl.uint64)))
     else:
         sr_key = 0
+    m_step = t.to(tl.int64).to(tl.uint32)  # mixed into a low-bit exp_avg's stochastic rounding
     if UNSCALE_GRADS:
         grad_scale = _to_compute(tl.load(grad_scale_ptr), F64)
     else:
@@ -538,14 +552,14 @@ def adam_kernel(
     for b in range(0, full_blocks):
         bs = start + b * BLOCK
         _adam_block(bs + lanes, lanes < BLOCK, bs // BLOCK, p_addr, g_addr, m_addr, v_addr,
-                    vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, grad_mul, b2,
-                    one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, P_DT,
+                    vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul,
+                    b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, P_DT,
                     G_DT, M_DT, V_DT, HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR,
                     UNSCALE_GRADS)
     if full_end < end:
         offs = full_end + lanes
         _adam_block(offs, offs < end, full_end // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr,
-                    ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, grad_mul, b2, one_minus_b1,
+                    ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, one_minus_b1,
                     one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, P_DT, G_DT, M_DT,
                     V_DT, HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR, UNSCALE_GRADS)
 
