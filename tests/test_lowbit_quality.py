@@ -58,13 +58,7 @@ def test_quick_mode_writes_the_json_the_table_and_the_plot(quick_run):
             "quick"]["steps"]
 
 
-# Measured 2026-12-03 after h3a-lowbit's a483caf (exp_avg rounded toward zero): the 4-bit runs of this quick task
-# went from +1.7% to +8.6% of their baseline (digits quick: +44%; 8-bit +3.6%). Strict: passes again -> remove.
-REGRESSED = pytest.mark.xfail(strict=True, reason="4-bit exp_avg rounded toward zero (a483caf): +8.6% on the quick "
-                                                  "Zipf task, over the 3% / 2% tolerance; reported to the coordinator")
-
-
-@pytest.mark.parametrize("config", [pytest.param(c, marks=REGRESSED) if "uint4" in c else c for c in FORMATS])
+@pytest.mark.parametrize("config", list(FORMATS))
 def test_loss_within_tolerance_of_the_baseline(quick_run, config):
     _, _, summary = quick_run
     tolerance, baseline, _ = FORMATS[config]
