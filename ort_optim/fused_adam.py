@@ -90,8 +90,10 @@ class FusedAdam(torch.optim.Optimizer):
             sqrt(v)), so they neither overflow nor flush to zero. 8-bit and 4-bit moments are block-quantised
             codes (``state[key]``, uint8; 4-bit packed two per byte, flat) with block scales in
             ``state[key + '_scale']``: m and v together take 2.03 (8-bit) or 1.03 (4-bit) bytes per parameter
-            instead of 8, the second moment can never read as 0 (no exploding updates), exp_avg rounds toward zero
-            (ops/README.md, "low-bit states"). bf16 params without masters + 4-bit moments: 3.03 bytes per
+            instead of 8, the second moment can never read as 0 (no exploding updates), exp_avg rounds
+            stochastically between its two neighbouring levels (unbiased, so a decaying moment neither sticks nor
+            vanishes early; random bits hashed from the value, its index and the step: no generator state, resume
+            stays exact; ops/README.md, "low-bit states"). bf16 params without masters + 4-bit moments: 3.03 bytes per
             parameter in all; + 8-bit: 4.03 (fp32 AdamW: 12 with its params). Checkpoints stay canonical (unscaled
             float32) and load into any of these formats.
         stochastic_rounding: round the update of bfloat16 params (without master weights; refused with

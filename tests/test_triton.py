@@ -297,7 +297,7 @@ def test_state_codes_and_scales_identical_to_the_cpu_kernel(combo):
 @pytest.mark.parametrize("combo", ["fp32-q8", "fp32-q4"])
 def test_low_bit_edge_values_bitwise(combo):
     """The low-bit encoders on hand-picked blocks (one 256-element block per entry; two 128-element ones for 4-bit):
-    values halfway between levels (exp_avg rounds toward zero, sqrt(v) to nearest), -0.0, powers of two, subnormal and underflowing values, a v that
+    values halfway between levels (exp_avg rounds stochastically, sqrt(v) to nearest), -0.0, powers of two, subnormal and underflowing values, a v that
     overflows float32 and a maximum that rounds to inf in bfloat16 (both: a NaN scale, zero codes), inf, NaN,
     all-zero blocks; a partial last block and an odd length (4-bit packing). beta1 = beta2 = 0, so m = g and
     v = g * g reach the encoders unchanged; amsgrad exercises the max_exp_avg_sq encoder too."""

@@ -117,10 +117,10 @@ def reference_step(args: list, hp: dict) -> None:
             return u * u if second else u
         return _to_numpy(t)
 
-    def write_state(values, t, scales, second):
-        if scales is not None and t.dtype == torch.uint8:
+    def write_state(values, t, scales, second, step):
+        if scales is not None and t.dtype == torch.uint8:  # (step: mixed into exp_avg's stochastic rounding)
             codes, new_scales = quantize_low_bit(torch.from_numpy(values.astype(np.float32)),
-                                                 low_bit_format(scales.dtype), second)
+                                                 low_bit_format(scales.dtype), second, step)
             t.copy_(codes.view(t.shape))
             scales.copy_(canonical_nan(new_scales))
         elif scales is not None:
@@ -159,10 +159,10 @@ def reference_step(args: list, hp: dict) -> None:
                 p = p - F(step_size) * (m / (np.sqrt(v_used) + F(eps)))
                 if mode == 1:
                     p = p - F(lr * wd) * p
-        write_state(m, ms[i], mss[i] if len(mss) else None, False)
-        write_state(v, vs[i], vss[i] if len(vss) else None, True)
+        write_state(m, ms[i], mss[i] if len(mss) else None, False, int(t))
+        write_state(v, vs[i], vss[i] if len(vss) else None, True, int(t))
         if amsgrad:
-            write_state(vmax, vmaxs[i], vmaxss[i] if len(vmaxss) else None, True)
+            write_state(vmax, vmaxs[i], vmaxss[i] if len(vmaxss) else None, True, int(t))
         if master is not None:
             master.copy_(torch.from_numpy(p.astype(np.float32)).reshape(master.shape))
         if hp.get("rounding_keys") is not None:  # stochastic rounding: the spec's hash, from the reference
