@@ -65,18 +65,19 @@ def midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(_f32(_f32(a + b) * 0.5) for a, b in zip(levels, levels[1:]))
 
 
-# exp_avg rounds STOCHASTICALLY to one of its two neighbouring levels, up with probability (a - lo) / (hi - lo): the
+# exp_avg rounds stochastically to one of its two neighbouring levels, up with probability (a - lo) / (hi - lo): the
 # rounding is unbiased, so a decaying moment (g = 0 on a rare embedding row: m <- beta1 * m) decays like fp32's in
 # expectation and cannot stick. Nearest rounding sticks: m * beta1 rounds back to the same level whenever the levels
 # are more than 2 * (1 - beta1) apart, and the row keeps moving at its last speed (measured: 69x fp32 AdamW's drift
 # with 8-bit nearest rounding); toward zero cures that but biases |m| down (4-bit: a decaying m reaches 0 within 10
-# steps), which cost 3.6% (8-bit) and 44% (4-bit) of loss on digits (guides/low-bit-states.md, "Quality").
+# steps), which cost 3.6% (8-bit) and 44% (4-bit) of mean loss on digits (guides/low-bit-states.md, "Quality").
 # Exactly, for a normalised magnitude a = |m| / s (float32):
 #   lo = levels[j], j = #{k >= 1 : thresholds[k-1] <= min(a * EXP_AVG_SNAP, 1)} (the toward-zero index: EXP_AVG_SNAP
 #        = 1 + 2**-20 absorbs the float32 noise of decode-then-encode, a decoded level reads back within 3 * 2**-24 of
 #        itself); the top threshold is EXP_AVG_TOP (not 1), so the block's largest element always gets the top code
 #        even where its scale was rounded up into bfloat16 (by at most 2**-9), and the scale survives a re-encode;
-#   between two non-zero levels (1 <= j < top), the code is j + 1 iff  (lowered(a) - lo) > (r >> 8) * 2**-24 * (levels[j+1] - lo)  in float32,
+#   between two non-zero levels (1 <= j < top), the code is j + 1 iff, in float32,
+#        (lowered(a) - lo) > (r >> 8) * 2**-24 * (levels[j+1] - lo),
 #        lowered(a) = the float whose bits are bits(a) - EXP_AVG_SR_ULPS (clamped at 0): a value on a level (up to the
 #        decode noise) never moves, so encoding stays idempotent and checkpoints canonical; an integer step, not a
 #        multiplication, so no backend can fuse it into an FMA (the Triton kernels on a GPU would);
