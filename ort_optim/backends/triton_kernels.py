@@ -442,8 +442,8 @@ def _adam_block(
                  BLOCK)
     _store_state(v_addr, vs_addr, v_lut_ptr, offs, v, mask, block_index, m_step, V_DT, V_SCALED, True, ALIGNED, BLOCK)
     if AMSGRAD:
-        _store_state(vmax_addr, vmaxs_addr, v_lut_ptr, offs, vmax, mask, block_index, m_step, V_DT, V_SCALED, True, ALIGNED,
-                     BLOCK)
+        _store_state(vmax_addr, vmaxs_addr, v_lut_ptr, offs, vmax, mask, block_index, m_step, V_DT, V_SCALED, True,
+                     ALIGNED, BLOCK)
     if HAS_MASTER:
         _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
 
@@ -551,11 +551,10 @@ def adam_kernel(
     lanes = tl.arange(0, BLOCK)
     for b in range(0, full_blocks):
         bs = start + b * BLOCK
-        _adam_block(bs + lanes, lanes < BLOCK, bs // BLOCK, p_addr, g_addr, m_addr, v_addr,
-                    vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul,
-                    b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, P_DT,
-                    G_DT, M_DT, V_DT, HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR,
-                    UNSCALE_GRADS)
+        _adam_block(bs + lanes, lanes < BLOCK, bs // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr,
+                    ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, one_minus_b1,
+                    one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, P_DT, G_DT, M_DT,
+                    V_DT, HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR, UNSCALE_GRADS)
     if full_end < end:
         offs = full_end + lanes
         _adam_block(offs, offs < end, full_end // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr,
