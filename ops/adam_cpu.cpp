@@ -185,11 +185,11 @@ void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_
 // portable path finds it with one table lookup on the float's top bits (exponent and 8 mantissa bits, so no bucket
 // holds two thresholds: checked when the map is built) plus one comparison, instead of a binary search over the
 // levels. With AVX-512 (ORT_OPTIM_LOW_BIT_AVX512) 16 elements go at once and give the same bits: 8-bit codes decode
-// by a gather from the 256-entry level table and encode by one gather from a packed bucket table (the bucket's code
-// and its threshold's low bits, so the comparison needs no second lookup); 4-bit codes decode by a permute of the
-// 16 levels held in a register and encode by a 4-step binary search over the thresholds in a register. Without
-// these, the scalar step was ten times slower than the fp32-moment step; vectorised, fewer bytes move and it is
-// faster.
+// by permutes of the 256 levels held in registers and encode through a packed bucket table (the bucket's code and
+// its threshold's low bits, so the comparison needs no second lookup) read with scalar loads; 4-bit codes decode by
+// a permute of the 16 levels held in a register and encode by a binary search over the thresholds in registers.
+// The scalar step was about 15x slower than the fp32-moment step; vectorised, 2-4x (guides/low-bit-states.md, "Speed",
+// has the measurements and why the remaining cost is compute, not bytes).
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ORT_OPTIM_LOW_BIT_AVX512 1
