@@ -265,9 +265,11 @@ class CodeMap {
     a = _mm512_min_ps(_mm512_mul_ps(a, _mm512_set1_ps(snap_)), _mm512_set1_ps(1.0f));
     __mmask16 k = _mm512_cmp_ps_mask(a, _mm512_set1_ps(search_[half - 1]), _CMP_GE_OQ);
     __m512i c = _mm512_maskz_mov_epi32(k, _mm512_set1_epi32(half));
-    __m512 t = _mm512_mask_blend_ps(k, _mm512_set1_ps(search_[quarter - 1]), _mm512_set1_ps(search_[half + quarter - 1]));
+    __m512 t = _mm512_mask_blend_ps(k, _mm512_set1_ps(search_[quarter - 1]),
+                                    _mm512_set1_ps(search_[half + quarter - 1]));
     c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, t, _CMP_GE_OQ), c, _mm512_set1_epi32(quarter));
-    for (int step = quarter / 2; step >= 1; step /= 2) {  // c is a multiple of 2 * step: step_[step - 1][c] = T[c + step - 1]
+    // c is a multiple of 2 * step: step_[step - 1][c] = T[c + step - 1]
+    for (int step = quarter / 2; step >= 1; step /= 2) {
       t = _mm512_permutexvar_ps(c, _mm512_load_ps(step_[step - 1]));
       c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, t, _CMP_GE_OQ), c, _mm512_set1_epi32(step));
     }
@@ -658,7 +660,8 @@ struct BlockMax {
 // kRoot: also write sqrt(v) (sqrt(vmax) with amsgrad), which a low-bit second moment stores, to root.
 template <typename T, int64_t kMode, bool kAmsgrad, bool kAmax, bool kRoot = false>
 BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
-                   T* __restrict__ vmax, int64_t n, const TensorWork& w, const Hyper& h, T* __restrict__ root = nullptr) {
+                   T* __restrict__ vmax, int64_t n, const TensorWork& w, const Hyper& h,
+                   T* __restrict__ root = nullptr) {
   const T grad_mul = T(h.grad_mul), b2 = T(h.beta2), one_minus_b1 = T(1.0 - h.beta1),
           one_minus_b2 = T(1.0 - h.beta2);
   const T eps = T(h.eps), wd = T(h.weight_decay), step_size = T(w.step_size), bc2_sqrt = T(w.bc2_sqrt);
