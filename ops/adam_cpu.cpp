@@ -183,9 +183,19 @@ void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_
 // ---- low-bit states: 8-bit and 4-bit block-quantised moments (README.md, "low-bit states") ----------------------
 //
 // The formats (block size, scale dtype, code levels) come from ort_optim/_spec.py through ort_optim_spec.h. A value
-// is quantised by normalising it with its block's scale and taking the nearest level (ties to the larger one). The
-// nearest-level search is one table lookup on the float's top bits (exponent and 8 mantissa bits, so no bucket holds
-// two thresholds: checked when the map is built) plus one comparison, instead of a binary search over the levels.
+// is quantised by normalising it with its block's scale and taking the level index #{j : threshold[j] <= a}. The
+// portable path finds it with one table lookup on the float's top bits (exponent and 8 mantissa bits, so no bucket
+// holds two thresholds: checked when the map is built) plus one comparison, instead of a binary search over the
+// levels. With AVX-512 (ORT_OPTIM_LOW_BIT_AVX512) 16 elements go at once and give the same bits: 8-bit codes decode
+// by permutes of the 256 levels held in registers and encode through a packed bucket table (the bucket's code and
+// its threshold's low bits, so the comparison needs no second lookup) read with scalar loads; 4-bit codes decode by
+// a permute of the 16 levels held in a register and encode by a binary search over the thresholds in registers.
+// The scalar step was about 15x slower than the fp32-moment step; vectorised, 2-4x (guides/low-bit-states.md, "Speed",
+// has the measurements and why the remaining cost is compute, not bytes).
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ORT_OPTIM_LOW_BIT_AVX512 1
+#endif
 
 class CodeMap {
  public:
@@ -200,6 +210,11 @@ class CodeMap {
       const int magnitude = is_signed ? c & (sign_bit_ - 1) : c;
       decode_[c] = (c & sign_bit_) ? -levels[magnitude] : levels[magnitude];
     }
+    // The binary search's table: the thresholds, padded with +inf to 16 (only used for up to 15 thresholds).
+    for (int j = 0; j < 16; ++j) search_[j] = j < count - 1 ? thresholds[j] : std::numeric_limits<float>::infinity();
+    for (int step = 1; step <= 2; ++step) {
+      for (int j = 0; j < 16; ++j) step_[step - 1][j] = j + step - 1 < 16 ? search_[j + step - 1] : search_[15];
+    }
     min_bucket_ = float_to_bits(mid_[0]) >> kShift;
     const uint32_t max_bucket = float_to_bits(1.0f) >> kShift;
     for (uint32_t b = min_bucket_; b <= max_bucket; ++b) {
@@ -208,6 +223,11 @@ class CodeMap {
       const int below_end = int(std::lower_bound(mid_.begin(), mid_.end(), end) - mid_.begin());
       TORCH_CHECK(below_end - at_or_below <= 1, "ort_optim: two code thresholds within one search bucket");
       bucket_.push_back(uint8_t(at_or_below));
+      // mid_[at_or_below] is the first threshold above the bucket's start: if it lies inside the bucket, a value of
+      // the bucket reaches it exactly when its low bits do; if not, never (kNever exceeds every low part).
+      const uint32_t next = float_to_bits(mid_[at_or_below]);
+      const uint32_t low = (next >> kShift) == b ? next & kLowMask : kNever;
+      packed_.push_back(uint32_t(at_or_below) << 16 | low);
     }
   }
 
@@ -219,6 +239,45 @@ class CodeMap {
     const int c = bucket_[b < 0 ? 0 : b];
     return c + (a >= mid_[c]);
   }
+
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+  // magnitude_code of 16 normalised magnitudes (finite, >= 0) by the packed bucket table (8-bit maps), in three
+  // steps so that the table lookups between them can be scalar loads (on AMD Zen 4, 16 scalar loads take about
+  // two thirds of the time of one 16-lane gather): bucket_keys, then entry per element, then codes.
+  inline __m512i bucket_keys(__m512 a) const {
+    a = _mm512_min_ps(_mm512_mul_ps(a, _mm512_set1_ps(snap_)), _mm512_set1_ps(1.0f));
+    // Below the first bucket, every value gets the first bucket's code, as the clamp b < 0 ? 0 does above; its
+    // start has low bits 0, which never reach the first threshold above it.
+    return _mm512_max_epu32(_mm512_castps_si512(a), _mm512_set1_epi32(int(min_bucket_ << kShift)));
+  }
+  inline uint32_t entry(uint32_t key) const { return packed_[(key >> kShift) - min_bucket_]; }
+  static inline __m512i codes_of_entries(__m512i key, __m512i e) {
+    const __m512i c = _mm512_srli_epi32(e, 16);
+    const __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_and_si512(key, _mm512_set1_epi32(kLowMask)),
+                                                 _mm512_and_si512(e, _mm512_set1_epi32(0xFFFF)));
+    return _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
+  }
+
+  // The same by a binary search over the thresholds T (kLevels - 1 of them: 7 or 15) held in registers (4-bit
+  // maps). Its first step compares with a constant, the second picks one of two constants, the others permute.
+  template <int kLevels>
+  inline __m512i magnitude_codes_by_search(__m512 a) const {
+    static_assert(kLevels == 8 || kLevels == 16, "4-bit maps have 8 (signed) or 16 levels");
+    constexpr int half = kLevels / 2, quarter = kLevels / 4;
+    a = _mm512_min_ps(_mm512_mul_ps(a, _mm512_set1_ps(snap_)), _mm512_set1_ps(1.0f));
+    __mmask16 k = _mm512_cmp_ps_mask(a, _mm512_set1_ps(search_[half - 1]), _CMP_GE_OQ);
+    __m512i c = _mm512_maskz_mov_epi32(k, _mm512_set1_epi32(half));
+    __m512 t = _mm512_mask_blend_ps(k, _mm512_set1_ps(search_[quarter - 1]),
+                                    _mm512_set1_ps(search_[half + quarter - 1]));
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, t, _CMP_GE_OQ), c, _mm512_set1_epi32(quarter));
+    // c is a multiple of 2 * step: step_[step - 1][c] = T[c + step - 1]
+    for (int step = quarter / 2; step >= 1; step /= 2) {
+      t = _mm512_permutexvar_ps(c, _mm512_load_ps(step_[step - 1]));
+      c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, t, _CMP_GE_OQ), c, _mm512_set1_epi32(step));
+    }
+    return c;
+  }
+#endif
 
   int sign_bit() const { return sign_bit_; }
   const float* decode() const { return decode_; }
@@ -235,12 +294,16 @@ class CodeMap {
 
  private:
   static constexpr int kShift = 15;  // keeps the exponent and 8 mantissa bits
+  static constexpr uint32_t kLowMask = (1u << kShift) - 1, kNever = 1u << kShift;
   int sign_bit_;
   float snap_;
-  float decode_[256] = {0.0f};
+  alignas(64) float decode_[256] = {0.0f};
+  alignas(64) float search_[16];
+  alignas(64) float step_[2][16];  // the search's tables for steps 1 and 2: step_[s - 1][j] = search_[j + s - 1]
   std::vector<float> mid_;
   uint32_t min_bucket_ = 0;
   std::vector<uint8_t> bucket_;
+  std::vector<uint32_t> packed_;  // per bucket: its code << 16 | the low bits of the threshold inside it, or kNever
 };
 
 struct LowBit {
@@ -273,25 +336,47 @@ const LowBit& q4() {
   return f;
 }
 
-// dst[0, n) = the values of elements [off, off + n) (off a multiple of the format's block); v = u * u for a second
-// moment.
-void low_bit_load(const LowBit& f, bool second_moment, const uint8_t* codes, const void* scales, int64_t off,
-                  int64_t n, float* dst) {
-  const float* decode = f.map(second_moment).decode();
-  for (int64_t q = 0; q < n; q += f.block) {
-    const int64_t len = std::min<int64_t>(f.block, n - q);
-    const float s = f.scale(scales, (off + q) / f.block);
-    float* d = dst + q;
-    if (f.bits == 8) {
-      const uint8_t* c = codes + off + q;
-      for (int64_t i = 0; i < len; ++i) d[i] = decode[c[i]] * s;
-    } else {
-      const uint8_t* c = codes + (off + q) / 2;
-      for (int64_t i = 0; i < len; ++i) d[i] = decode[(c[i >> 1] >> ((i & 1) * 4)) & 15] * s;
+// d[0, len) = the values of one block's codes c (8-bit: one per byte; 4-bit: element 2j in the low nibble of byte
+// j), scale s; v = u * u for a second moment. The scalar loops are the reference and do the vector loops' tails.
+template <int kBits, bool kSecondMoment>
+void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, float* d) {
+  const float* decode = map.decode();
+  int64_t i = 0;
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+  const __m512 s16 = _mm512_set1_ps(s);
+  if constexpr (kBits == 8) {
+    // The 256 levels in 16 registers: eight 2-register permutes look up the code's low 5 bits in each 32-level
+    // eighth of the table, and its top 3 bits pick one of the eight (a gather is twice as slow on AMD Zen 4).
+    __m512 table[16];
+    for (int k = 0; k < 16; ++k) table[k] = _mm512_load_ps(decode + 16 * k);
+    for (; i + 16 <= len; i += 16) {
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
+      __m512 r[8];
+      for (int k = 0; k < 8; ++k) r[k] = _mm512_permutex2var_ps(table[2 * k], idx, table[2 * k + 1]);
+      const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+      const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+      const __mmask16 b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
+      for (int k = 0; k < 4; ++k) r[k] = _mm512_mask_blend_ps(b5, r[2 * k], r[2 * k + 1]);
+      for (int k = 0; k < 2; ++k) r[k] = _mm512_mask_blend_ps(b6, r[2 * k], r[2 * k + 1]);
+      __m512 x = _mm512_mul_ps(_mm512_mask_blend_ps(b7, r[0], r[1]), s16);
+      if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
+      _mm512_storeu_ps(d + i, x);
     }
-    if (second_moment) {
-      for (int64_t i = 0; i < len; ++i) d[i] = d[i] * d[i];
+  } else {
+    const __m512 table = _mm512_load_ps(decode);
+    for (; i + 16 <= len; i += 16) {
+      // 8 bytes -> 16 codes in order: byte j, then byte j >> 4; the permute reads only each lane's low 4 bits
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i / 2));
+      const __m128i codes = _mm_unpacklo_epi8(bytes, _mm_srli_epi16(bytes, 4));
+      __m512 x = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table), s16);
+      if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
+      _mm512_storeu_ps(d + i, x);
     }
+  }
+#endif
+  for (; i < len; ++i) {
+    const float x = (kBits == 8 ? decode[c[i]] : decode[(c[i >> 1] >> ((i & 1) * 4)) & 15]) * s;
+    d[i] = kSecondMoment ? x * x : x;
   }
 }
 
@@ -303,44 +388,146 @@ inline uint32_t exp_avg_random_bits(float x, uint64_t e, uint32_t step) {
   return fmix32(fmix32(float_to_bits(x) ^ (uint32_t(e) * 0x9E3779B1u)) ^ (step * 0x85EBCA77u + 0x6A09E667u));
 }
 
-// Writes src[0, n) as the codes and scales of elements [off, off + n). step: the Adam step (from 1) of an exp_avg,
-// mixed into its stochastic rounding.
-void low_bit_store(const LowBit& f, bool second_moment, const float* src, int64_t off, int64_t n, uint8_t* codes,
-                   void* scales, uint32_t step = 0) {
-  const CodeMap& map = f.map(second_moment);
-  float u[256];
-  uint8_t c[256];
+// dst[0, n) = the values of elements [off, off + n) (off a multiple of the format's block); v = u * u for a second
+// moment.
+template <int kBits, bool kSecondMoment>
+void low_bit_load(const LowBit& f, const uint8_t* codes, const void* scales, int64_t off, int64_t n, float* dst) {
+  const CodeMap& map = f.map(kSecondMoment);
   for (int64_t q = 0; q < n; q += f.block) {
     const int64_t len = std::min<int64_t>(f.block, n - q);
-    const float* x = src + q;
-    uint32_t amax = 0;
-    if (second_moment) {
-      for (int64_t i = 0; i < len; ++i) u[i] = std::sqrt(x[i]);
-    } else {
-      std::memcpy(u, x, len * sizeof(float));
+    const uint8_t* c = kBits == 8 ? codes + off + q : codes + (off + q) / 2;
+    decode_block<kBits, kSecondMoment>(map, c, f.scale(scales, (off + q) / f.block), len, dst + q);
+  }
+}
+
+void low_bit_load(const LowBit& f, bool second_moment, const uint8_t* codes, const void* scales, int64_t off,
+                  int64_t n, float* dst) {
+  if (f.bits == 8) {
+    second_moment ? low_bit_load<8, true>(f, codes, scales, off, n, dst)
+                  : low_bit_load<8, false>(f, codes, scales, off, n, dst);
+  } else {
+    second_moment ? low_bit_load<4, true>(f, codes, scales, off, n, dst)
+                  : low_bit_load<4, false>(f, codes, scales, off, n, dst);
+  }
+}
+
+// Codes of one block of (finite) values u[0, len) with 1 / scale inv, written as the format stores them. Signed:
+// exp_avg's map (sign-magnitude codes).
+template <int kBits, bool kSigned>
+void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, uint8_t* out, uint64_t first_index,
+                  uint32_t step) {
+  const int sign_bit = map.sign_bit();
+  int64_t i = 0;
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+  if constexpr (!kSigned) {  // exp_avg's stochastic rounding is scalar (the loop below) for now
+  const __m512 inv16 = _mm512_set1_ps(inv);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  const int64_t vector_end = len & ~int64_t(15);
+  alignas(64) uint32_t keys[256], entries[256];
+  if constexpr (kBits == 8) {
+    for (; i < vector_end; i += 16) {
+      const __m512 x = _mm512_loadu_ps(u + i);
+      const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
+      _mm512_store_si512(keys + i, map.bucket_keys(a));
     }
-    for (int64_t i = 0; i < len; ++i) amax = std::max(amax, float_to_bits(u[i]) & 0x7FFFFFFFu);
+    for (i = 0; i < vector_end; ++i) {
+      uint32_t key = keys[i];
+#ifdef __GNUC__
+      asm("" : "+r"(key));  // keeps the loop scalar: vectorised, the compiler emulates a gather, slower still
+#endif
+      entries[i] = map.entry(key);
+    }
+  }
+  for (i = 0; i < vector_end; i += 16) {
+    const __m512 x = _mm512_loadu_ps(u + i);
+    __m512i code;
+    if constexpr (kBits == 8) {
+      code = CodeMap::codes_of_entries(_mm512_load_si512(keys + i), _mm512_load_si512(entries + i));
+    } else {
+      const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
+      code = map.magnitude_codes_by_search<kSigned ? 8 : 16>(a);
+    }
+    if constexpr (kSigned) {  // the sign, for a non-zero magnitude of a negative value
+      const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ) &
+                                 _mm512_test_epi32_mask(code, code);
+      code = _mm512_mask_or_epi32(code, negative, code, _mm512_set1_epi32(sign_bit));
+    }
+    const __m128i bytes = _mm512_cvtepi32_epi8(code);
+    if constexpr (kBits == 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), bytes);
+    } else {  // element 2j's code in the low nibble of byte j, 2j + 1's in the high one: c[2j] + 16 * c[2j + 1]
+      const __m128i pairs = _mm_maddubs_epi16(bytes, _mm_set1_epi16(0x1001));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), _mm_packus_epi16(pairs, pairs));
+    }
+  }
+  }
+#endif
+  uint8_t c[256];
+  const int64_t tail = i;  // the scalar loop does what the vector loop left (and everything without AVX-512)
+  for (; i < len; ++i) {
+    const float a = std::fabs(u[i]) * inv;
+    const int m = kSigned ? map.stochastic_magnitude_code(a, exp_avg_random_bits(u[i], first_index + uint64_t(i), step))
+                          : map.magnitude_code(a);
+    c[i - tail] = uint8_t(m | ((kSigned && u[i] < 0.0f && m > 0) ? sign_bit : 0));
+  }
+  if constexpr (kBits == 8) {
+    std::memcpy(out + tail, c, len - tail);
+  } else {
+    uint8_t* o = out + tail / 2;
+    for (int64_t j = 0; j < len - tail; j += 2) o[j >> 1] = uint8_t(c[j] | ((tail + j + 1 < len ? c[j + 1] : 0) << 4));
+  }
+}
+
+// The bits of the largest |x[i]| (abs_bits ordering: a NaN's exceed infinity's); u = sqrt(x) where sqrt is set
+// (u may be x itself then).
+uint32_t block_amax(const float* x, int64_t len, bool sqrt, float* u) {
+  uint32_t amax = 0;
+  int64_t i = 0;
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+  __m512i amax16 = _mm512_setzero_si512();
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  for (; i + 16 <= len; i += 16) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    if (sqrt) {
+      v = _mm512_sqrt_ps(v);
+      _mm512_storeu_ps(u + i, v);
+    }
+    amax16 = _mm512_max_epu32(amax16, _mm512_and_si512(_mm512_castps_si512(v), abs_mask));
+  }
+  amax = _mm512_reduce_max_epu32(amax16);
+#endif
+  for (; i < len; ++i) {
+    const float v = sqrt ? (u[i] = std::sqrt(x[i])) : x[i];
+    amax = std::max(amax, float_to_bits(v) & 0x7FFFFFFFu);
+  }
+  return amax;
+}
+
+// Writes src[0, n) as the codes and scales of elements [off, off + n). root: sqrt(src) when the caller has it (a
+// second moment's codes hold sqrt(v)), else nullptr.
+template <int kBits, bool kSecondMoment>
+void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t off, int64_t n, uint8_t* codes,
+                   void* scales, uint32_t step) {
+  const CodeMap& map = f.map(kSecondMoment);
+  const bool second_moment = kSecondMoment;
+  float sqrt_v[256];
+  for (int64_t q = 0; q < n; q += f.block) {
+    const int64_t len = std::min<int64_t>(f.block, n - q);
+    const bool take_sqrt = second_moment && !root;
+    const float* u = take_sqrt ? sqrt_v : root ? root + q : src + q;
+    uint32_t amax = block_amax(take_sqrt ? src + q : u, len, take_sqrt, sqrt_v);
     // The scale: the block's absolute maximum, rounded to nearest even where the format stores bfloat16 scales
     // (which may overflow to inf: then the block is non-finite, like one holding inf).
     if (f.bf16_scales && amax < 0x7F800000u) amax = (amax + 0x7FFFu + ((amax >> 16) & 1u)) & 0xFFFF0000u;
     if (amax < 0x00800000u) amax = 0;  // below float32's smallest normal: a zero block (_spec.MIN_SCALE)
+    uint8_t* out = kBits == 8 ? codes + off + q : codes + (off + q) / 2;
     float s;
     if (amax < 0x7F800000u) {
       s = bits_to_float(amax);
-      const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-      const int sign_bit = map.sign_bit();
-      if (second_moment) {
-        for (int64_t i = 0; i < len; ++i) c[i] = uint8_t(map.magnitude_code(std::fabs(u[i]) * inv));
-      } else {
-        for (int64_t i = 0; i < len; ++i) {
-          const uint32_t r = exp_avg_random_bits(u[i], uint64_t(off + q + i), step);
-          const int m = map.stochastic_magnitude_code(std::fabs(u[i]) * inv, r);
-          c[i] = uint8_t(m | ((u[i] < 0.0f && m > 0) ? sign_bit : 0));
-        }
-      }
+      encode_block<kBits, !kSecondMoment>(map, u, len, s > 0.0f ? 1.0f / s : 0.0f, out, uint64_t(off + q), step);
     } else {  // inf or NaN in the block: it reads back as NaN everywhere (scale NaN, codes 0)
       s = std::numeric_limits<float>::quiet_NaN();
-      std::memset(c, 0, len);
+      std::memset(out, 0, kBits == 8 ? len : (len + 1) / 2);
     }
     const int64_t block_index = (off + q) / f.block;
     if (f.bf16_scales) {
@@ -348,12 +535,18 @@ void low_bit_store(const LowBit& f, bool second_moment, const float* src, int64_
     } else {
       static_cast<float*>(scales)[block_index] = s;
     }
-    if (f.bits == 8) {
-      std::memcpy(codes + off + q, c, len);
-    } else {
-      uint8_t* out = codes + (off + q) / 2;
-      for (int64_t i = 0; i < len; i += 2) out[i >> 1] = uint8_t(c[i] | ((i + 1 < len ? c[i + 1] : 0) << 4));
-    }
+  }
+}
+
+// step: the Adam step (from 1) of an exp_avg, mixed into its stochastic rounding.
+void low_bit_store(const LowBit& f, bool second_moment, const float* src, const float* root, int64_t off, int64_t n,
+                   uint8_t* codes, void* scales, uint32_t step = 0) {
+  if (f.bits == 8) {
+    second_moment ? low_bit_store<8, true>(f, src, root, off, n, codes, scales, step)
+                  : low_bit_store<8, false>(f, src, root, off, n, codes, scales, step);
+  } else {
+    second_moment ? low_bit_store<4, true>(f, src, root, off, n, codes, scales, step)
+                  : low_bit_store<4, false>(f, src, root, off, n, codes, scales, step);
   }
 }
 
@@ -424,7 +617,7 @@ struct Hyper {
 
 template <typename T>
 struct Scratch {
-  T p[kBlock], g[kBlock], m[kBlock], v[kBlock], vmax[kBlock];
+  T p[kBlock], g[kBlock], m[kBlock], v[kBlock], vmax[kBlock], root[kBlock];
 };
 
 // second_moment: the state is exp_avg_sq or max_exp_avg_sq, whose scaled fp16 and low-bit codes hold sqrt(v).
@@ -446,11 +639,12 @@ void load_state(const void* base, at::ScalarType type, const float* scales, int6
 
 template <typename T>
 void store_state(const T* src, void* base, at::ScalarType type, float* scales, int64_t off, int64_t n,
-                 uint32_t amax_bits, const LowBit* low_bit = nullptr, bool second_moment = false, uint32_t step = 0) {
+                 uint32_t amax_bits, const LowBit* low_bit = nullptr, bool second_moment = false,
+                 const float* root = nullptr, uint32_t step = 0) {
   char* dst = static_cast<char*>(base) + off * c10::elementSize(type);
   if constexpr (std::is_same_v<T, float>) {
     if (low_bit) {
-      low_bit_store(*low_bit, second_moment, src, off, n, static_cast<uint8_t*>(base), scales, step);
+      low_bit_store(*low_bit, second_moment, src, root, off, n, static_cast<uint8_t*>(base), scales, step);
       return;
     }
     if (scales && second_moment && spec::kFp16SqrtSecondMoment) {
@@ -491,9 +685,11 @@ struct BlockMax {
 
 // The update over one staged block. kAmax: also find the block maxima (when a state is stored as scaled fp16),
 // in the same pass rather than in one more pass per state.
-template <typename T, int64_t kMode, bool kAmsgrad, bool kAmax>
+// kRoot: also write sqrt(v) (sqrt(vmax) with amsgrad), which a low-bit second moment stores, to root.
+template <typename T, int64_t kMode, bool kAmsgrad, bool kAmax, bool kRoot = false>
 BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
-                   T* __restrict__ vmax, int64_t n, const TensorWork& w, const Hyper& h) {
+                   T* __restrict__ vmax, int64_t n, const TensorWork& w, const Hyper& h,
+                   T* __restrict__ root = nullptr) {
   const T grad_mul = T(h.grad_mul), b2 = T(h.beta2), one_minus_b1 = T(1.0 - h.beta1),
           one_minus_b2 = T(1.0 - h.beta2);
   const T eps = T(h.eps), wd = T(h.weight_decay), step_size = T(w.step_size), bc2_sqrt = T(w.bc2_sqrt);
@@ -511,10 +707,12 @@ BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m
       vmax[i] = std::max(vmax[i], vi);  // the max of the raw v; bias correction comes after
       vi = vmax[i];
     }
+    const T sqrt_vi = std::sqrt(vi);
+    if constexpr (kRoot) root[i] = sqrt_vi;
     if (kMode == kAdamWTorch) {
-      p[i] = p[i] - step_size * (m[i] / (std::sqrt(vi) / bc2_sqrt + eps));
+      p[i] = p[i] - step_size * (m[i] / (sqrt_vi / bc2_sqrt + eps));
     } else {  // ORT/HF placement: eps outside the corrected sqrt, correction folded into the step size
-      p[i] = p[i] - step_size * (m[i] / (std::sqrt(vi) + eps));
+      p[i] = p[i] - step_size * (m[i] / (sqrt_vi + eps));
       if (kMode == kAdamWTransformers) p[i] = p[i] - hf_decay * p[i];
     }
     if constexpr (kAmax) {
@@ -538,8 +736,15 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
                                 w.exp_avg_sq_low_bit, true)
                      : s.vmax;
   BlockMax max;
+  // A low-bit second moment stores the square root that the update takes: kept (in s.root), it is taken once.
+  const float* root = nullptr;
   if constexpr (std::is_same_v<T, float>) {
-    if (w.exp_avg_scale || w.exp_avg_sq_scale) {
+    const bool amax = (w.exp_avg_scale && !w.exp_avg_low_bit) || (w.exp_avg_sq_scale && !w.exp_avg_sq_low_bit);
+    if (w.exp_avg_sq_low_bit) {
+      root = s.root;
+      max = amax ? adam_loop<T, kMode, kAmsgrad, true, true>(p, g, m, v, vmax, n, w, h, s.root)
+                 : adam_loop<T, kMode, kAmsgrad, false, true>(p, g, m, v, vmax, n, w, h, s.root);
+    } else if (amax) {
       max = adam_loop<T, kMode, kAmsgrad, true>(p, g, m, v, vmax, n, w, h);
     } else {
       max = adam_loop<T, kMode, kAmsgrad, false>(p, g, m, v, vmax, n, w, h);
@@ -550,14 +755,16 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
 
   // Write back what was staged.
   if (m == s.m) {
-    store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, max.m, w.exp_avg_low_bit, false, w.step);
+    store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, max.m, w.exp_avg_low_bit, false, nullptr,
+                   w.step);
   }
   if (v == s.v) {
-    store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, max.v, w.exp_avg_sq_low_bit, true);
+    store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, max.v, w.exp_avg_sq_low_bit, true,
+                   kAmsgrad ? nullptr : root);
   }
   if (kAmsgrad && vmax == s.vmax) {
     store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, max.vmax,
-                   w.exp_avg_sq_low_bit, true);
+                   w.exp_avg_sq_low_bit, true, root);
   }
   // With a master, p is the master itself (updated in place) and the param receives it rounded.
   if (w.master || p == s.p) {
