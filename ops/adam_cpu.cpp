@@ -411,6 +411,16 @@ void low_bit_load(const LowBit& f, bool second_moment, const uint8_t* codes, con
   }
 }
 
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+inline __m512i fmix32x16(__m512i x) {  // fmix32 on 16 lanes
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0x85EBCA6Bu)));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0xC2B2AE35u)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+#endif
+
 // Codes of one block of (finite) values u[0, len) with 1 / scale inv, written as the format stores them. Signed:
 // exp_avg's map (sign-magnitude codes).
 template <int kBits, bool kSigned>
@@ -419,7 +429,6 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   const int sign_bit = map.sign_bit();
   int64_t i = 0;
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
-  if constexpr (!kSigned) {  // exp_avg's stochastic rounding is scalar (the loop below) for now
   const __m512 inv16 = _mm512_set1_ps(inv);
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   const int64_t vector_end = len & ~int64_t(15);
@@ -447,6 +456,24 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
       const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
       code = map.magnitude_codes_by_search<kSigned ? 8 : 16>(a);
     }
+    if constexpr (kSigned) {  // stochastically one level up: CodeMap::stochastic_magnitude_code, 16 lanes
+      const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
+      const __m512 lowered = _mm512_castsi512_ps(_mm512_max_epi32(
+          _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(int(spec::kExpAvgSrUlps))), _mm512_setzero_si512()));
+      const __m512 lo = _mm512_i32gather_ps(code, map.decode(), 4);
+      const __m512 hi = _mm512_i32gather_ps(_mm512_add_epi32(code, _mm512_set1_epi32(1)), map.decode(), 4);
+      const __m512i e = _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(first_index + uint64_t(i)))),
+                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      __m512i r = _mm512_xor_si512(_mm512_castps_si512(x), _mm512_mullo_epi32(e, _mm512_set1_epi32(int(0x9E3779B1u))));
+      r = _mm512_xor_si512(fmix32x16(r), _mm512_set1_epi32(int(step * 0x85EBCA77u + 0x6A09E667u)));
+      r = fmix32x16(r);
+      const __m512 threshold = _mm512_mul_ps(
+          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), _mm512_set1_ps(0x1p-24f)), _mm512_sub_ps(hi, lo));
+      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(lowered, lo), threshold, _CMP_GT_OQ) &
+                           _mm512_cmpgt_epi32_mask(code, _mm512_setzero_si512()) &
+                           _mm512_cmplt_epi32_mask(code, _mm512_set1_epi32(sign_bit - 1));
+      code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
+    }
     if constexpr (kSigned) {  // the sign, for a non-zero magnitude of a negative value
       const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ) &
                                  _mm512_test_epi32_mask(code, code);
@@ -459,7 +486,6 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
       const __m128i pairs = _mm_maddubs_epi16(bytes, _mm_set1_epi16(0x1001));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), _mm_packus_epi16(pairs, pairs));
     }
-  }
   }
 #endif
   uint8_t c[256];
