@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
@@ -91,42 +91,15 @@ def runs_natively(device: torch.device) -> bool:
     return device.type == "cpu" and not torch.compiler.is_compiling() and implementation(device) is torch.ops.ort_optim
 
 
-def adam_step_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    max_exp_avg_sqs: Sequence[torch.Tensor],
-    master_params: Sequence[torch.Tensor],
-    exp_avg_scales: Sequence[torch.Tensor],
-    exp_avg_sq_scales: Sequence[torch.Tensor],
-    max_exp_avg_sq_scales: Sequence[torch.Tensor],
-    steps: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adam_w_mode: int,
-    bias_correction: bool,
-    maximize: bool,
-    lr_tensor: Optional[torch.Tensor] = None,
-    inv_grad_scale: Optional[torch.Tensor] = None,
-    found_inf: Optional[torch.Tensor] = None,
-    grad_scale: Optional[torch.Tensor] = None,
-    rounding_keys: Optional[torch.Tensor] = None,
-) -> None:
-    """One multi-tensor Adam step (ops/README.md gives the math). Mutates params, states, masters, scales, steps, and
-    the grads when grad_scale is given (written back unscaled)."""
+def adam_step_(params: Sequence[torch.Tensor], *lists_and_steps, **options) -> None:
+    """One multi-tensor Adam step through the implementation for the params' device: ``ort_optim::adam_step_``'s
+    arguments in the order and with the names of its schema, declared once in ops/schema.cpp (ops/README.md gives
+    the math and every argument; backends/reference.py spells them out in Python). Mutates params, states, masters,
+    scales, steps, and the grads when grad_scale is given (written back unscaled)."""
+    if options.get("rounding_keys", False) is None:  # (passed only when given, as before the argument existed)
+        del options["rounding_keys"]
     impl = implementation(params[0].device if len(params) else torch.device("cpu"))
-    impl.adam_step_(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
-        exp_avg_sq_scales, max_exp_avg_sq_scales, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, adam_w_mode=adam_w_mode, bias_correction=bias_correction, maximize=maximize,
-        lr_tensor=lr_tensor, inv_grad_scale=inv_grad_scale, found_inf=found_inf, grad_scale=grad_scale,
-        **({} if rounding_keys is None else {"rounding_keys": rounding_keys}),
-    )
+    impl.adam_step_(params, *lists_and_steps, **options)
 
 
 def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
