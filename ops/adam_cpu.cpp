@@ -1649,9 +1649,8 @@ class AdamPlan : public torch::CustomClassHolder {
     // takes this path only when grad_scale lives on the CPU).
     c10::optional<double> scale;
     if (grad_scale.has_value()) {
-      TORCH_CHECK(grad_scale->device().is_cpu() && grad_scale->numel() == 1,
-                  "ort_optim.AdamPlan: grad_scale must be a one-element CPU tensor");
-      scale = grad_scale->to(at::kDouble).item<double>();
+      TORCH_CHECK(grad_scale->device().is_cpu(), "ort_optim.AdamPlan: grad_scale must be a CPU tensor");
+      scale = scalar_value(grad_scale, "grad_scale");
     }
     Scaling scaling{scale, max_grad_norm};
     StepOptions options{lr,       beta1,     beta2,        eps,      weight_decay, mode, bias_correction,
