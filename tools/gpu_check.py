@@ -364,8 +364,22 @@ def benchmarks(device, dry_run: bool, results: dict) -> None:
                 numel = int(torch.Size(shape[0]).numel())
                 sweep.append({"num_warps": warps, "blocks_per_program": bpp, "median_ms": round(med, 4),
                               "pct_of_copy_bw": round(100 * min_bytes(numel, "fp16") / (med * 1e-3) / 1e9 / bw, 1)})
+        # ptxas's own register choice for the quantised-moment kernels (128 registers, a few spilled bytes, 2 CTAs per
+        # SM on sm_80) against no cap (tools/aot_compile.py, spill_limit)
+        triton_backend.NUM_WARPS, triton_backend.BLOCKS_PER_PROGRAM = saved
+        for maxnreg in (None, 255):
+            if left() < 20:
+                break
+            triton_backend.MAXNREG = maxnreg
+            triton_backend.clear_caches()
+            opt = FusedAdam(make_params(shape), lr=1e-3, adam_w_mode=2, amsgrad=True, exp_avg_dtype=torch.uint4,
+                            exp_avg_sq_dtype=torch.uint8)
+            opt.step()
+            med = statistics.median(timer.time(opt.step, iters=iters, warmup=warmup))
+            sweep.append({"moments": "4-bit m, 8-bit v, amsgrad", "maxnreg": maxnreg, "median_ms": round(med, 4)})
     finally:
         triton_backend.NUM_WARPS, triton_backend.BLOCKS_PER_PROGRAM = saved
+        triton_backend.MAXNREG = None
         triton_backend.clear_caches()
 
 

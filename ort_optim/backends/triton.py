@@ -42,6 +42,9 @@ from .._spec import EXP_AVG_SNAP, EXP_AVG_SR_ULPS, MIN_SCALE, QUANT_BLOCK, Q4, Q
 BLOCK = 1024
 assert BLOCK == QUANT_BLOCK
 NUM_WARPS = int(os.environ.get("ORT_OPTIM_TRITON_WARPS", "8"))  # 8: half the registers per thread of 4
+# ptxas's register cap per thread for the Adam kernel; unset, ptxas chooses (128 registers and a few spilled bytes
+# for the quantised-moment variants on sm_80, for 2 CTAs per SM: tools/aot_compile.py, spill_limit).
+MAXNREG = int(os.environ["ORT_OPTIM_TRITON_MAXNREG"]) if os.environ.get("ORT_OPTIM_TRITON_MAXNREG") else None
 # Blocks per program: 0 picks it from the total size (see _blocks_per_program); tests set small values.
 BLOCKS_PER_PROGRAM = int(os.environ.get("ORT_OPTIM_TRITON_BLOCKS", "0"))
 CACHE_SIZE = 64
@@ -608,7 +611,7 @@ def adam_step_(
                 UNSCALE_GRADS=scale_t is not None, BLOCK=BLOCK,
                 BLOCKS_PER_PROGRAM=group.bpp, ALIGNED=group.aligned and group.grads_aligned,
                 HAS_SR=keys_t is not None, num_warps=NUM_WARPS,
-                enable_fp_fusion=False,
+                enable_fp_fusion=False, **({"maxnreg": MAXNREG} if MAXNREG else {}),
                 **group.constexprs,
             )
         k.advance_steps_kernel[((n + BLOCK - 1) // BLOCK,)](
