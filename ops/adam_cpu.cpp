@@ -57,23 +57,30 @@ inline uint32_t float_to_bits(float f) {
 
 // dst[i] = float(src[i]) * mul. The conversion is exact, so this equals converting and then multiplying; fused, the
 // scaled fp16 states take one pass over the block instead of two. 16 lanes with AVX-512, 8 with F16C.
+// kSquare: dst[i] = x * x of that x (a second moment stored as sqrt(v)), still in the one pass.
+template <bool kSquare = false>
 void half_to_float(const uint16_t* src, int64_t n, float* dst, float mul) {
   int64_t i = 0;
 #if defined(ORT_OPTIM_F16C) && defined(__AVX512F__)
   const __m512 mul16 = _mm512_set1_ps(mul);
   for (; i + 16 <= n; i += 16) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(h), mul16));
+    const __m512 x = _mm512_mul_ps(_mm512_cvtph_ps(h), mul16);
+    _mm512_storeu_ps(dst + i, kSquare ? _mm512_mul_ps(x, x) : x);
   }
 #endif
 #ifdef ORT_OPTIM_F16C
   const __m256 mul8 = _mm256_set1_ps(mul);
   for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), mul8));
+    const __m256 x = _mm256_mul_ps(_mm256_cvtph_ps(h), mul8);
+    _mm256_storeu_ps(dst + i, kSquare ? _mm256_mul_ps(x, x) : x);
   }
 #endif
-  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]) * mul;
+  for (; i < n; ++i) {
+    const float x = c10::detail::fp16_ieee_to_fp32_value(src[i]) * mul;
+    dst[i] = kSquare ? x * x : x;
+  }
 }
 
 // dst[i] = fp16(src[i] * mul), the product rounded to float, then to half with round to nearest even (like
@@ -657,10 +664,14 @@ void load_state(const void* base, at::ScalarType type, const float* scales, int6
     }
   }
   T mul = scales ? T(1) / T(scales[off / kBlock]) : T(1);
-  load<T>(static_cast<const char*>(base) + off * c10::elementSize(type), type, n, dst, mul);
-  if (scales && second_moment && spec::kFp16SqrtSecondMoment) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = dst[i] * dst[i];
+  const char* src = static_cast<const char*>(base) + off * c10::elementSize(type);
+  if constexpr (std::is_same_v<T, float>) {
+    if (scales && second_moment && spec::kFp16SqrtSecondMoment) {  // (scales: an fp16 state) v = u * u
+      half_to_float<true>(reinterpret_cast<const uint16_t*>(src), n, dst, mul);
+      return;
+    }
   }
+  load<T>(src, type, n, dst, mul);
 }
 
 template <typename T>
@@ -674,9 +685,14 @@ void store_state(const T* src, void* base, at::ScalarType type, float* scales, i
       return;
     }
     if (scales && second_moment && spec::kFp16SqrtSecondMoment) {
-      float u[kBlock];  // max sqrt(v) = sqrt(max v): sqrt is monotonic and correctly rounded
-      for (int64_t i = 0; i < n; ++i) u[i] = std::sqrt(src[i]);
-      store_fp16_scaled(u, n, reinterpret_cast<uint16_t*>(dst), scales + off / kBlock,
+      // sqrt(v) as the update took it (root), else taken here: the same correctly rounded float32 sqrt either way.
+      // max sqrt(v) = sqrt(max v): sqrt is monotonic and correctly rounded.
+      float u[kBlock];
+      if (root == nullptr) {
+        for (int64_t i = 0; i < n; ++i) u[i] = std::sqrt(src[i]);
+        root = u;
+      }
+      store_fp16_scaled(root, n, reinterpret_cast<uint16_t*>(dst), scales + off / kBlock,
                         float_to_bits(std::sqrt(bits_to_float(amax_bits))) & 0x7FFFFFFFu);
       return;
     }
@@ -762,11 +778,12 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
                                 w.exp_avg_sq_low_bit, true)
                      : s.vmax;
   BlockMax max;
-  // A low-bit second moment stores the square root that the update takes: kept (in s.root), it is taken once.
+  // A low-bit or scaled fp16 second moment stores the square root that the update takes: kept (in s.root), it is
+  // taken once.
   const float* root = nullptr;
   if constexpr (std::is_same_v<T, float>) {
     const bool amax = (w.exp_avg_scale && !w.exp_avg_low_bit) || (w.exp_avg_sq_scale && !w.exp_avg_sq_low_bit);
-    if (w.exp_avg_sq_low_bit) {
+    if (w.exp_avg_sq_low_bit || (w.exp_avg_sq_scale && spec::kFp16SqrtSecondMoment)) {
       root = s.root;
       max = amax ? adam_loop<T, kMode, kAmsgrad, true, true>(p, g, m, v, vmax, n, w, h, s.root)
                  : adam_loop<T, kMode, kAmsgrad, false, true>(p, g, m, v, vmax, n, w, h, s.root);
