@@ -110,10 +110,11 @@ void bf16_to_float(const uint16_t* src, int64_t n, float* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = bits_to_float(uint32_t(src[i]) << 16);
 }
 
-// Round to nearest even, like c10::BFloat16(float); NaN becomes the quiet NaN 0x7FC0.
-void float_to_bf16(const float* src, int64_t n, uint16_t* dst) {
+// dst[i] = bf16(src[i] * mul): the product rounded to float, then to bfloat16 to nearest even, like
+// c10::BFloat16(float); NaN becomes the quiet NaN 0x7FC0.
+void float_to_bf16(const float* src, int64_t n, uint16_t* dst, float mul = 1.0f) {
   for (int64_t i = 0; i < n; ++i) {
-    uint32_t b = float_to_bits(src[i]);
+    uint32_t b = float_to_bits(src[i] * mul);
     uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
     dst[i] = ((b & 0x7FFFFFFFu) > 0x7F800000u) ? uint16_t(0x7FC0) : uint16_t(rounded);
   }
@@ -825,8 +826,25 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   // gradient as loaded (adam_loop only reads it), in L1: the cost is the write.
   if (h.grad_scale != 0.0) {
     const T scale = T(h.grad_scale);
+    char* dst = static_cast<char*>(w.grad) + off * c10::elementSize(w.grad_type);
+    if constexpr (std::is_same_v<T, float>) {
+      // A power-of-two scale (GradScaler's are) has an exact reciprocal, and g * (1 / scale) rounds the same real
+      // number as g / scale, so it gives the same bits: a multiply, fused into the fp16/bf16 conversion.
+      int exponent;
+      if (std::frexp(scale, &exponent) == 0.5f) {
+        const float inv = 1.0f / scale;
+        if (g != s.g) {
+          for (int64_t i = 0; i < n; ++i) g[i] = g[i] * inv;
+        } else if (w.grad_type == at::kHalf) {
+          float_to_half(s.g, n, reinterpret_cast<uint16_t*>(dst), inv);
+        } else {
+          float_to_bf16(s.g, n, reinterpret_cast<uint16_t*>(dst), inv);
+        }
+        return;
+      }
+    }
     for (int64_t i = 0; i < n; ++i) g[i] = g[i] / scale;
-    if (g == s.g) store<T>(s.g, n, static_cast<char*>(w.grad) + off * c10::elementSize(w.grad_type), w.grad_type);
+    if (g == s.g) store<T>(s.g, n, dst, w.grad_type);
   }
 }
 

@@ -68,6 +68,7 @@ def bench_mixed(names: list[str], quick: bool, reps: int) -> list[dict]:
             params = make_params(WORKLOADS[name](quick), dtype)
             for p in params:
                 p.grad.mul_(scale)
+            scaled_grads = [p.grad.clone() for p in params]
             numel = sum(p.numel() for p in params)
             ours = FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH,
                              master_weights=True, max_grad_norm=1.0)
@@ -90,9 +91,10 @@ def bench_mixed(names: list[str], quick: bool, reps: int) -> list[dict]:
                     torch_opt.step()
                     torch._foreach_copy_(params, masters)
 
-            # (ours divides the shared grads by the scale in place at every call: bf16 grads of about 2**10 stay
-            # normal floats for 13 calls (2**10 / 1024**13 = 2**-120), fp16 ones convert to normal floats, so with
-            # warmup + reps <= 13 no call pays for subnormals)
+            # Ours writes the shared grads back divided by the scale, so every call starts from a copy of the scaled
+            # grads (untimed, before the probe). Left divided, each call saw 1024x smaller grads: fp16 ones flushed to
+            # zero after three calls, and bf16 ones made g * g underflow into float32 subnormals from about the
+            # fifth, which slowed the bf16 steps 1.6-1.7x (one thread, AMD EPYC; tiny fp32 grads alone: 1.25x).
             # Fused: read g twice (norm, update) + write g + p16 write + master, m, v read+write = 2*3 + 2 + 24 = 32
             # B/elem (30 without the grad write-back).
             # Composite: grad copy 2+4, unscale 4+4, clip norm 4 + scale 4+4, AdamW 16+12, copy back 4+2 = 60.
@@ -101,7 +103,8 @@ def bench_mixed(names: list[str], quick: bool, reps: int) -> list[dict]:
                 {"ort_optim.FusedAdam": lambda: ours.step(grad_scale=scale),
                  "ort_optim.FusedAdam, p.grad left scaled": lambda: ours_scaled_grads.step(grad_scale=scale),
                  "torch composite": composite},
-                {impl: per_element * numel for impl, per_element in moved.items()}, quick, warmup=2, reps=reps)
+                {impl: per_element * numel for impl, per_element in moved.items()}, quick, warmup=2, reps=reps,
+                prepare=lambda: torch._foreach_copy_([p.grad for p in params], scaled_grads))
             section = rows(f"mixed {str(dtype).replace('torch.', '')} params", name, len(params), numel, medians,
                            bytes_per_element=moved,
                            state_bytes={"ort_optim.FusedAdam": 12, "ort_optim.FusedAdam, p.grad left scaled": 12,

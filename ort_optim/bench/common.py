@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -69,11 +69,13 @@ def time_interleaved(candidates: dict[str, Callable[[], None]], warmup: int, rep
 
 
 def time_after_probe(candidates: dict[str, Callable[[], None]], moved_bytes: dict[str, float], quick: bool,
-                     warmup: int, reps: int) -> tuple[dict[str, float], dict[str, float], float]:
+                     warmup: int, reps: int, prepare: Optional[Callable[[], None]] = None
+                     ) -> tuple[dict[str, float], dict[str, float], float]:
     """Times each candidate right after an in-place ``x.mul_(c)`` over 512 MB (256 MB with quick), in one loop:
     probe, first candidate, probe, second candidate, and so on. The probe evicts the caches, so every candidate runs
     cold, as an optimizer step does in training (forward and backward evict the last-level cache in between), and
     it measures the memory bandwidth (8 bytes per element: read and write) at that moment, under the same load.
+    ``prepare``, if given, runs untimed before each probe (to give every call the same inputs).
 
     Returns (median seconds per candidate; each candidate's bandwidth as a fraction of the probe's, from its
     ``moved_bytes`` per call: the median over repetitions of the ratio to the probe run just before it; the
@@ -85,6 +87,8 @@ def time_after_probe(candidates: dict[str, Callable[[], None]], moved_bytes: dic
     probes: list[float] = []
     for rep in range(warmup + reps):
         for name, fn in candidates.items():
+            if prepare is not None:
+                prepare()
             start = time.perf_counter()
             x.mul_(1.0000001)
             middle = time.perf_counter()
