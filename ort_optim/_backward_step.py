@@ -9,12 +9,15 @@ through :meth:`BackwardStep.accumulate`: backward inside it only accumulates.
 
 On the native CPU backend each parameter keeps a native plan of its own (ops/README.md, "AdamPlan"), used while its
 check() passes and the optimizer's state has not changed (``optimizer.state.version``): a step through it costs
-about 10 us, against over 100 us for an op call with nine one-tensor lists (torch 2.4.1, 2 cores).
+about 10 us, against over 100 us for an op call with nine one-tensor lists (torch 2.4.1, 2 cores). A group's
+hyperparameters are validated and converted once while their values stay the same (a tensor lr: at every hook),
+not at every hook: with those two, a hook costs about 30 us of Python and call overhead instead of about 60.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from typing import TYPE_CHECKING, Iterator, Optional
 
@@ -36,6 +39,8 @@ class BackwardStep:
         # param -> ((optimizer.state.version, amsgrad, the group's rounding options), its native plan, its
         # rounding_keys) when it was planned
         self._plans: dict[torch.Tensor, tuple[tuple, backends.AdamPlan, Optional[torch.Tensor]]] = {}
+        # id(group) -> (the group, _signature(group), its validated hyperparameters as the op's keyword arguments)
+        self._hypers: dict[int, tuple[dict, tuple, dict]] = {}
         self._accumulating = 0
 
     def watch(self, group_index: int, group: dict) -> None:
@@ -59,28 +64,44 @@ class BackwardStep:
         optimizer = self._optimizer()
         if optimizer is None or self._accumulating:
             return
-        with torch.no_grad():
-            self._step(optimizer, p)
+        self._step(optimizer, p)
         p.grad = None
 
     def _step(self, optimizer: "FusedAdam", p: torch.Tensor) -> None:
         """The update of one param by its gradient. Through the param's native plan while that plan is valid (its
-        check() finds every tensor as it was and the gradient usable, and the optimizer's state was not changed since);
-        otherwise validated first as step() validates (a bad gradient raises naming the param, with nothing
-        written), then planned again or stepped through the op."""
+        check() finds every tensor as it was and the gradient usable, and neither the optimizer's state nor the
+        backend choice changed since); otherwise validated first as step() validates (a bad gradient raises naming
+        the param, with nothing written), then planned again or stepped through the op."""
+        group_index, index, group = self._where[p]
+        hyper = self._hyperparameters(optimizer, group_index, group)
+        amsgrad = bool(group["amsgrad"])
+        # (the backend is chosen by ORT_OPTIM_BACKEND at every step: a plan made under another choice is not used)
+        key = (optimizer.state.version, amsgrad, _plan._rounding(group), os.environ.get("ORT_OPTIM_BACKEND"))
+        cached = self._plans.get(p)
+        if (cached is not None and cached[0] == key and not torch.compiler.is_compiling()
+                and cached[1].check() < 0):
+            cached[1].step(**hyper, rounding_keys=cached[2])  # (writes through the plan's pointers: no autograd)
+            return
+        with torch.no_grad():
+            self._step_validated(optimizer, p, group_index, index, group, hyper, amsgrad, key)
+
+    def _hyperparameters(self, optimizer: "FusedAdam", group_index: int, group: dict) -> dict:
+        """The group's hyperparameters as the op's keyword arguments, validated as step() validates them (raising
+        naming the group), or as they were validated at an earlier hook while their values are the same."""
         from .fused_adam import _check_hyperparameters
 
-        group_index, index, group = self._where[p]
+        signature = _signature(group)
+        cached = self._hypers.get(id(group))
+        if signature is not None and cached is not None and cached[0] is group and cached[1] == signature:
+            return cached[2]
         _check_hyperparameters(group, f"param_groups[{group_index}]")
         hyper = optimizer._hyperparameters(group)
-        amsgrad = bool(group["amsgrad"])
+        self._hypers[id(group)] = (group, signature, hyper)
+        return hyper
+
+    def _step_validated(self, optimizer: "FusedAdam", p: torch.Tensor, group_index: int, index: int, group: dict,
+                        hyper: dict, amsgrad: bool, key: tuple) -> None:
         native = backends.runs_natively(p.device)
-        key = (optimizer.state.version, amsgrad, _plan._rounding(group))
-        if native:
-            cached = self._plans.get(p)
-            if cached is not None and cached[0] == key and cached[1].check() < 0:
-                cached[1].step(**hyper, rounding_keys=cached[2])
-                return
         state = self._validated_state(optimizer, p, group_index, index, amsgrad)
         lists = _state_lists(state, amsgrad)
         keys = _plan.rounding_keys(optimizer, group_index, [index], p, "master_param" in state)
@@ -89,7 +110,7 @@ class BackwardStep:
                 plan = backends.AdamPlan.create([p], *lists, state["step"].view(1))
                 if plan.check() >= 0:  # validated above: a plan that cannot step now is a bug, not a user error
                     raise RuntimeError("ort_optim: a per-param plan could not step right after it was built")
-                self._plans[p] = ((optimizer.state.version, amsgrad, _plan._rounding(group)), plan, keys)
+                self._plans[p] = (key, plan, keys)
                 plan.step(**hyper, rounding_keys=keys)
             else:
                 backends.adam_step_([p], [p.grad], *lists, state["step"].view(1), **hyper, rounding_keys=keys)
@@ -115,6 +136,21 @@ class BackwardStep:
             else:
                 adoption.state[adoption.key] = adoption.value
         return state
+
+def _signature(group: dict) -> Optional[tuple]:
+    """The plain values a group's hyperparameters are made of, with their types, to tell whether they changed since
+    they were validated; None when one is not a plain number (a tensor lr, whose value can change in place, is
+    validated at every hook)."""
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)):
+        return None
+    values = (group["lr"], *betas, group["eps"], group["weight_decay"], group["adam_w_mode"], group["bias_correction"],
+              group["maximize"], group["amsgrad"], group.get("stochastic_rounding", False),
+              group.get("stochastic_rounding_seed", 0))
+    if not all(isinstance(v, (int, float)) for v in values):
+        return None
+    return tuple((type(v), v) for v in values)
+
 
 def _state_lists(state: dict, amsgrad: bool) -> list[list[torch.Tensor]]:
     """One param's state as the op's state lists (exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, then the

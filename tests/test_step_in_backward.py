@@ -141,6 +141,34 @@ def test_step_finishes_the_params_whose_hooks_did_not_fire(backend):
     assert_same_snapshot(*results)
 
 
+# Hyperparameters changed between iterations (a schedule), in the ways users change them; the hooks validate a
+# group's values once and reuse them while they stay the same, so each change must still reach the next update.
+SCHEDULES = {
+    "lr float": lambda group, step: group.update(lr=1e-2 / (1 + step)),
+    "lr tensor in place": lambda group, step: group["lr"].fill_(1e-2 / (1 + step)),
+    "betas list in place": lambda group, step: group["betas"].__setitem__(1, 0.99 - 0.01 * step),
+    "weight_decay and eps": lambda group, step: group.update(weight_decay=0.01 * step, eps=10.0 ** -(6 + step % 3)),
+    "adam_w_mode": lambda group, step: group.update(adam_w_mode=AdamWMode(step % 3)),
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_hyperparameters_changed_between_iterations_reach_the_next_update(schedule, backend):
+    results = []
+    for step_in_backward in (False, True):
+        net = Net(torch.Generator().manual_seed(0), torch.float32)
+        lr = torch.tensor(1e-2) if schedule == "lr tensor in place" else 1e-2
+        opt = FusedAdam([{"params": net.parameters(), "lr": lr, "betas": [0.9, 0.99]}],
+                        step_in_backward=step_in_backward)
+        for step in range(6):
+            SCHEDULES[schedule](opt.param_groups[0], step)
+            net(_inputs(step)).backward()
+            opt.step()
+            opt.zero_grad()
+        results.append(optimizer_snapshot(opt))
+    assert_same_snapshot(*results)
+
+
 @pytest.mark.parametrize("name", ["adamw-transformers", "bf16-masters-fp16-moments"])
 def test_backward_inside_accumulate_only_accumulates(name, backend):
     _, stepped = _train(CASES[name], step_in_backward=False, steps=4, micro_batches=3)

@@ -90,7 +90,7 @@ def run(quick: bool) -> list[dict]:
         model = _model(layers, width)
         runs[mode] = (model, FusedAdam(model.parameters(), lr=1e-4, step_in_backward=mode == MODES[1]))
     medians = time_interleaved({mode: lambda m=m, o=o: _iteration(m, o, x) for mode, (m, o) in runs.items()},
-                               warmup=2, reps=3 if quick else 7)
+                               warmup=2, reps=3 if quick else 15)
     params = sum(p.numel() for p in runs[MODES[0]][0].parameters())
     rows = [{"section": "step in backward", "model": f"{layers} x Linear({width}, {width}), batch {batch}",
              "mode": mode, "params": params, "grad_MB": 4 * params / 1e6,
