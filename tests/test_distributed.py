@@ -33,6 +33,7 @@ from ort_optim.fp16_optimizer import FP16_Optimizer
 
 WORLD = 4
 STEPS = 5
+SCALER_INIT = 2.0**8
 CLIP = 0.05  # well below the gradients' norm (about 0.3-1): every step clips
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 FSDP2_REASON = None if TORCH_VERSION >= (2, 6) else (
@@ -68,14 +69,25 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if dtensor.is_dtensor(t) else t).detach().clone()
 
 
-def one_process(steps=STEPS, clip=CLIP, dtype=torch.float32, **kwargs) -> list[torch.Tensor]:
+def one_process(steps=STEPS, clip=CLIP, dtype=torch.float32, grad_scaler=False, inf_step=None,
+                **kwargs) -> list[torch.Tensor]:
+    """The same training in one process. grad_scaler: through torch.amp.GradScaler; inf_step: the step whose first
+    gradient element is set to inf (as the poisoned rank's)."""
     model = make_model(dtype)
     opt = make_optimizer(model.parameters(), clip, **kwargs)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALER_INIT) if grad_scaler else None
     for step in range(steps):
         x, y = batch(step)
         opt.zero_grad()
-        loss_fn(model, x.to(dtype), y).backward()
-        opt.step()
+        loss = loss_fn(model, x.to(dtype), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if step == inf_step:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -83,10 +95,11 @@ def one_process(steps=STEPS, clip=CLIP, dtype=torch.float32, **kwargs) -> list[t
 
 
 def _train(model, opt, rank_in_group, group_size, shadow=None, data_parallel=True, steps=STEPS, poison=None,
-           plans=None):
+           plans=None, scaler=None):
     """Trains; each rank takes its slice of the batch when data-parallel. shadow: (model, opt) over full plain copies,
     stepped with the full gradients. poison: (step, rank) whose local gradient gets an inf. plans: a list that gets
-    the optimizer's plan after each step. Returns the skips."""
+    the optimizer's plan after each step. scaler: a torch.amp.GradScaler that scales the loss and steps opt. Returns
+    the skips."""
     skipped = []
     for step in range(steps):
         x, y = batch(step)
@@ -98,7 +111,7 @@ def _train(model, opt, rank_in_group, group_size, shadow=None, data_parallel=Tru
         if isinstance(opt, FP16_Optimizer):
             opt.backward(loss)
         else:
-            loss.backward()
+            (scaler.scale(loss) if scaler else loss).backward()
         if poison is not None and poison[0] == step and poison[1] == rank_in_group:
             from ort_optim.integrations import dtensor
 
@@ -108,7 +121,11 @@ def _train(model, opt, rank_in_group, group_size, shadow=None, data_parallel=Tru
             for p, q in zip(model.parameters(), shadow[0].parameters()):
                 q.grad = full(p.grad)
             shadow[1].step()
-        opt.step()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         inner = opt.optimizer if isinstance(opt, FP16_Optimizer) else opt
         skipped.append(inner.last_step_skipped)
         if plans is not None:
@@ -370,6 +387,11 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     fp16_opt = FP16_Optimizer(make_optimizer(model.parameters()), init_scale=2.0**8)
     out["fsdp-fp16-optimizer-inf"] = _train(model, fp16_opt, pair_rank, 2, poison=(2, 1))
     out["fsdp-fp16-optimizer-scale"] = fp16_opt.loss_scale
+    model = _fsdp(pair_mesh)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALER_INIT)
+    out["fsdp-grad-scaler-inf"] = _train(model, make_optimizer(model.parameters()), pair_rank, 2, poison=(2, 1),
+                                         scaler=scaler)
+    out["fsdp-grad-scaler"] = {"scale": scaler.get_scale(), "params": [full(p) for p in model.parameters()]}
 
     model = _tp(pair_mesh)
     opt = make_optimizer(model.parameters())
@@ -541,6 +563,19 @@ def test_fsdp2_inf_on_one_rank_skips_on_every_rank(results, case):
     for r in results:
         assert r[case] == [step == 2 for step in range(STEPS)], (r["rank"], r[case])
     assert len({r["fsdp-fp16-optimizer-scale"] for r in results}) == 1
+
+
+@needs_fsdp2
+def test_fsdp2_with_torch_grad_scaler_skips_together_and_equals_one_process(results):
+    """torch.amp.GradScaler drives FusedAdam through grad_scale/found_inf (fused-optimizer protocol). Its found_inf
+    comes from each rank's local shards; FusedAdam's one all-reduce makes the skip global, and the scale is updated
+    alike on every rank (one halving for the one poisoned step)."""
+    for r in results:
+        assert r["fsdp-grad-scaler-inf"] == [step == 2 for step in range(STEPS)], (r["rank"], r["fsdp-grad-scaler-inf"])
+        assert r["fsdp-grad-scaler"]["scale"] == SCALER_INIT / 2
+    want = one_process(grad_scaler=True, inf_step=2)
+    assert_close(results[0]["fsdp-grad-scaler"]["params"], want, 5e-5, "FSDP2 + GradScaler vs one process")
+    assert_bitwise(results[1]["fsdp-grad-scaler"]["params"], results[0]["fsdp-grad-scaler"]["params"], "ranks agree")
 
 
 # ---- distributed checkpoints ----------------------------------------------------------------------------------------
