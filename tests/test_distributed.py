@@ -316,6 +316,38 @@ def _rank_without_gradients(rank, group) -> dict:
     return {"skipped": skipped, "norms": norms, "param": p.detach().clone()}
 
 
+def _pipeline_case(rank, pipeline_group, data_group, poison=None) -> dict:
+    """2 pipeline stages x 2 data-parallel replicas on 4 ranks: stage rank % 2 owns layer 0 or layer 2 (each rank
+    computes the whole small model, which is what the stages together do; only the ownership of params matters to
+    the optimizer), replica rank // 2 takes half the batch and the gradients are averaged over data_group, as DDP
+    does. The clipping norm must cover both stages' params (each replica counted once)."""
+    import torch.distributed as dist
+
+    stage, replica = rank % 2, rank // 2
+    model = make_model()
+    owned = list(model[2 * stage].parameters())
+    opt = make_optimizer(owned, process_group=data_group, pipeline_group=pipeline_group)
+    skipped = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        x, y = x.chunk(2)[replica], y.chunk(2)[replica]
+        opt.zero_grad()
+        model.zero_grad()
+        loss_fn(model, x, y).backward()
+        for q in owned:
+            dist.all_reduce(q.grad, group=data_group)
+            q.grad /= 2
+        if poison is not None and poison == (step, rank):
+            owned[0].grad.view(-1)[0] = float("inf")
+        opt.step()
+        skipped.append(opt.last_step_skipped)
+        for owner in (0, 1):  # the next forward sees both stages' updated layers (as activations would carry them)
+            for q in model[2 * owner].parameters():
+                dist.broadcast(q.data, src=2 * replica + owner, group=pipeline_group)
+    return {"stage": stage, "params": [q.detach().clone() for q in owned], "skipped": skipped,
+            "norm": float(opt.last_grad_norm)}
+
+
 def _refusals(mesh) -> dict:
     """Bad distributed input is refused before anything changes, with the param named."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -369,6 +401,9 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     out["ddp-fp16-inf"] = _ddp_case(pair_rank, pair_group, poison=(2, 0), fp16=True)
     out["replicas-own-grads"] = _replicas_with_own_grads(pair_rank, pair_group)
     out["rank-without-gradients"] = _rank_without_gradients(pair_rank, pair_group)
+    data_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # the two ranks of each pipeline stage
+    out["pipeline"] = _pipeline_case(rank, pair_group, data_groups[rank % 2])
+    out["pipeline-inf"] = _pipeline_case(rank, pair_group, data_groups[rank % 2], poison=(2, 3))
     if FSDP2_REASON is not None:
         return out
 
@@ -492,6 +527,19 @@ def test_a_rank_without_gradients_joins_the_reduction_and_the_skip(results):
         assert not math.isfinite(out["norms"][1]), (r["rank"], out)  # the inf reached rank 1's norm too
     assert not torch.equal(results[0]["rank-without-gradients"]["param"], torch.ones(4))  # rank 0 stepped once
     assert torch.equal(results[1]["rank-without-gradients"]["param"], torch.ones(4))  # rank 1 had nothing to step
+
+
+def test_pipeline_stages_clip_by_the_whole_models_norm_and_skip_together(results):
+    """pipeline_group adds the stages' sums: each stage's params equal the same layer of one process training the
+    whole model (clipped at every step, so a stage-local norm would differ), and an inf on one rank of one stage
+    skips the step on all four ranks."""
+    want = one_process()
+    for r in results:
+        out = r["pipeline"]
+        stage = out["stage"]
+        assert_close(out["params"], want[2 * stage:2 * stage + 2], 5e-5, f"rank {r['rank']} (stage {stage})")
+        assert out["norm"] == pytest.approx(results[0]["pipeline"]["norm"], rel=1e-6)
+        assert r["pipeline-inf"]["skipped"] == [step == 2 for step in range(STEPS)], (r["rank"], r["pipeline-inf"])
 
 
 def test_a_step_without_any_gradient_changes_nothing_with_or_without_loss_scaling():
