@@ -828,11 +828,12 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
     const T scale = T(h.grad_scale);
     char* dst = static_cast<char*>(w.grad) + off * c10::elementSize(w.grad_type);
     if constexpr (std::is_same_v<T, float>) {
-      // A power-of-two scale (GradScaler's are) has an exact reciprocal, and g * (1 / scale) rounds the same real
-      // number as g / scale, so it gives the same bits: a multiply, fused into the fp16/bf16 conversion.
+      // A power-of-two scale (GradScaler's are) has an exact reciprocal (unless the scale is below 2^-127: then it
+      // overflows), and g * (1 / scale) rounds the same real number as g / scale, so it gives the same bits: a
+      // multiply, fused into the fp16/bf16 conversion.
       int exponent;
-      if (std::frexp(scale, &exponent) == 0.5f) {
-        const float inv = 1.0f / scale;
+      const float inv = 1.0f / scale;
+      if (std::frexp(scale, &exponent) == 0.5f && std::isfinite(inv)) {
         if (g != s.g) {
           for (int64_t i = 0; i < n; ++i) g[i] = g[i] * inv;
         } else if (w.grad_type == at::kHalf) {
