@@ -1407,8 +1407,8 @@ class AdamPlan : public torch::CustomClassHolder {
   AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
            std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> master_params,
            std::vector<at::Tensor> exp_avg_scales, std::vector<at::Tensor> exp_avg_sq_scales,
-           std::vector<at::Tensor> max_exp_avg_sq_scales, at::Tensor steps, std::vector<int64_t> param_objects,
-           std::vector<int64_t> idle_objects)
+           std::vector<at::Tensor> max_exp_avg_sq_scales, at::Tensor steps, std::vector<at::Tensor> step_tensors,
+           std::vector<int64_t> param_objects, std::vector<int64_t> idle_objects)
       : exp_avgs_(std::move(exp_avgs)),
         exp_avg_sqs_(std::move(exp_avg_sqs)),
         max_exp_avg_sqs_(std::move(max_exp_avg_sqs)),
@@ -1422,20 +1422,28 @@ class AdamPlan : public torch::CustomClassHolder {
     is_double_ = check_params_and_states(params, states, steps_);
     work_ = state_work(params, states);
     items_ = work_items(work_);
-    // Per param, its tensors in a fixed order: the param, then its states (in state_lists_ order); then the steps.
+    // Per param, its tensors in a fixed order: the param, its states (in state_lists_ order) and its step tensor (the
+    // view of steps_ that optimizer.state[p]['step'] holds: `step.data = t` gives it another storage, which the step
+    // must then honour, as torch.optim does); then the steps.
     const std::vector<at::Tensor>* lists[] = {&exp_avgs_,       &exp_avg_sqs_,       &max_exp_avg_sqs_, &master_params_,
                                               &exp_avg_scales_, &exp_avg_sq_scales_, &max_exp_avg_sq_scales_};
     for (const auto* list : lists) {
       if (!list->empty()) state_lists_.push_back(list);
     }
-    per_param_ = 1 + state_lists_.size();
+    per_param_ = 2 + state_lists_.size();
     TORCH_CHECK(param_objects.size() == params.size(), "ort_optim.AdamPlan: one Python object per param");
+    TORCH_CHECK(step_tensors.size() == params.size(), "ort_optim.AdamPlan: one step tensor per param");
     for (size_t i = 0; i < params.size(); ++i) {
       params_.push_back(reinterpret_cast<PyObject*>(param_objects[i]));
       TORCH_CHECK(tensor_of(params_[i]).unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl(),
                   "ort_optim.AdamPlan: param_objects[", i, "] is not params[", i, "]");
+      const at::Tensor& step = step_tensors[i];
+      TORCH_CHECK(step.numel() == 1 && step.scalar_type() == at::kDouble && step.is_alias_of(steps_) &&
+                      step.storage_offset() == steps_.storage_offset() + int64_t(i) * steps_.stride(0),
+                  "ort_optim.AdamPlan: step_tensors[", i, "] must be a one-element view of steps[", i, "]");
       watches_.push_back(watch(params[i]));
       for (const auto* list : state_lists_) watches_.push_back(watch((*list)[i]));
+      watches_.push_back(watch(step));
     }
     watches_.push_back(watch(steps_));
     for (int64_t q : idle_objects) {
@@ -1463,7 +1471,8 @@ class AdamPlan : public torch::CustomClassHolder {
       if (p.unsafeGetTensorImpl() != w[0].impl || !still(w[0])) return release(int64_t(i));
       for (size_t k = 1; k < per_param_; ++k) {
         if (!still(w[k])) return release(int64_t(i));
-        if (w[k].moved) resolve_state(i, k - 1, w[k]);
+        // (the last watch is the param's step tensor, a view of steps_, whose data step() reads afresh)
+        if (w[k].moved && k + 1 < per_param_) resolve_state(i, k - 1, w[k]);
       }
       const at::Tensor& g = grad_of(p);
       if (!usable_grad(g, w[0])) return release(int64_t(i));
@@ -1632,7 +1641,7 @@ class AdamPlan : public torch::CustomClassHolder {
   std::vector<WorkItem> items_;
   std::vector<const at::Tensor*> param_pointers_, grads_;
   std::vector<const std::vector<at::Tensor>*> state_lists_;  // the non-empty state lists, in the schema's order
-  size_t per_param_ = 1;                                     // watches per param: the param and its states
+  size_t per_param_ = 2;                                     // watches per param: the param, its states, its step
   std::vector<Watch> watches_;                               // per param i: [i * per_param_, (i + 1) * per_param_)
   std::vector<int64_t> geometry_;
 
@@ -1679,8 +1688,8 @@ TORCH_LIBRARY_FRAGMENT(ort_optim, m) {
   m.class_<AdamPlan>("AdamPlan")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>,
-                       std::vector<int64_t>>())
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, std::vector<at::Tensor>,
+                       std::vector<int64_t>, std::vector<int64_t>>())
       .def("check", &AdamPlan::check)
       .def("step", &AdamPlan::step)
       .def("grad_stats", &AdamPlan::grad_stats)
