@@ -1622,36 +1622,29 @@ class AdamPlan : public torch::CustomClassHolder {
   static const at::Tensor& grad_of(const at::Tensor& p) { return p.unsafeGetTensorImpl()->grad(); }
 
   // What check() reads is a chain of dependent pointers per param (its Python object, TensorImpl, then its storage
-  // and autograd meta, then the grad's TensorImpl and storage; the states' TensorImpls and storages), all cold by the
-  // next step. Walked one param at a time, the core waits on one miss after another; prefetching each link a few
-  // params ahead keeps several in flight. What the plan recorded (the Watch array, read in order) gives the TensorImpls
-  // and storages as planned without waiting on the Python object: a prefetch of an address that is no longer valid
-  // is harmless (only prefetched, never read), and still() then reads what is there now. The links that follow
-  // pointers (autograd meta, grad, grad storage) are read from the current tensors, each a few params after the
-  // previous link was requested. (Measured, 2000 x 1K: check() 0.25 -> 0.13 us per tensor warm; see
-  // guides/benchmarks.md.)
+  // and autograd meta, then the grad's TensorImpl and storage; the states' TensorImpls), all cold by the next step.
+  // Walked one param at a time, the core waits on one miss after another; prefetching each link a few params ahead
+  // keeps several in flight.
   void prefetch_metadata(size_t i) const {
     const size_t n = params_.size();
-    if (i + 20 < n) {
-      prefetch_object(params_[i + 20], 64);
-      const Watch* w = &watches_[(i + 20) * per_param_];
-      for (size_t k = 0; k < per_param_; ++k) {
-        prefetch_object(w[k].impl, sizeof(c10::TensorImpl));
-        prefetch_object(w[k].storage.unsafeGetStorageImpl(), 64);
-      }
-    }
+    if (i + 16 < n) prefetch_object(params_[i + 16], 64);
     if (i + 12 < n) {
-      if (const auto* meta = tensor_of(params_[i + 12]).unsafeGetTensorImpl()->autograd_meta()) {
-        prefetch_object(meta, 128);
-      }
+      prefetch_object(tensor_of(params_[i + 12]).unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
+      const Watch* w = &watches_[(i + 12) * per_param_];
+      for (size_t k = 1; k < per_param_; ++k) prefetch_object(w[k].impl, sizeof(c10::TensorImpl));
     }
-    if (i + 6 < n) {
-      const auto* meta = tensor_of(params_[i + 6]).unsafeGetTensorImpl()->autograd_meta();
+    if (i + 8 < n) {
+      const c10::TensorImpl* impl = tensor_of(params_[i + 8]).unsafeGetTensorImpl();
+      prefetch_object(impl->unsafe_storage().unsafeGetStorageImpl(), 64);
+      if (const auto* meta = impl->autograd_meta()) prefetch_object(meta, 128);
+    }
+    if (i + 4 < n) {
+      const auto* meta = tensor_of(params_[i + 4]).unsafeGetTensorImpl()->autograd_meta();
       const at::Tensor* grad = meta ? &meta->grad() : nullptr;
       if (grad && grad->defined()) prefetch_object(grad->unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
     }
-    if (i + 3 < n) {
-      const auto* meta = tensor_of(params_[i + 3]).unsafeGetTensorImpl()->autograd_meta();
+    if (i + 2 < n) {
+      const auto* meta = tensor_of(params_[i + 2]).unsafeGetTensorImpl()->autograd_meta();
       const at::Tensor* grad = meta ? &meta->grad() : nullptr;
       if (grad && grad->defined()) {
         prefetch_object(grad->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), 64);
