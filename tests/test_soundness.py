@@ -291,6 +291,34 @@ def test_master_weights_reallocated_in_place_are_followed(backend):
         assert torch.equal(opts[0].state[a]["master_param"], opts[1].state[b]["master_param"])
 
 
+@pytest.mark.parametrize("key", ["master_param", "step", "exp_avg"])
+def test_data_assigned_to_a_state_tensor_equals_assigning_the_tensor(key, backend):
+    """`state[p][key].data = t` (the tensor object kept, its storage replaced) steps exactly as `state[p][key] = t`
+    (the known-honoured assignment), bit for bit, for a master weight of a bf16 param too."""
+    runs = []
+    for by_data in (True, False):
+        params = _params(dtype=torch.bfloat16)
+        opt = FusedAdam(params, lr=1e-2, master_weights=True)
+        g = torch.Generator().manual_seed(7)
+        for step in range(5):
+            if step == 2:
+                p = params[1]
+                fresh = torch.tensor(1.0, dtype=torch.float64) if key == "step" else torch.full(p.shape, 0.25)
+                if by_data:
+                    opt.state[p][key].data = fresh
+                else:
+                    opt.state[p][key] = fresh
+            for q in params:
+                q.grad = torch.randn(q.shape, generator=g).bfloat16()
+            opt.step()
+        runs.append((params, opt))
+    (ours, opt), (theirs, ref) = runs
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+        for name in ("master_param", "exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[a][name], ref.state[b][name]), name
+
+
 FREED = {
     "exp_avg": ("exp_avg", lambda opt, p: opt.state[p]["exp_avg"]),
     "exp_avg_sq": ("exp_avg_sq", lambda opt, p: opt.state[p]["exp_avg_sq"]),
