@@ -186,13 +186,12 @@ void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_
 // is quantised by normalising it with its block's scale and taking the level index #{j : threshold[j] <= a}. The
 // portable path finds it with one table lookup on the float's top bits (exponent and 8 mantissa bits, so no bucket
 // holds two thresholds: checked when the map is built) plus one comparison, instead of a binary search over the
-// levels. With AVX-512 (ORT_OPTIM_LOW_BIT_AVX512) 16 elements go at once and give the same bits, every table read
-// a permute of registers (a 16-lane gather, or 16 scalar loads from the 20 KB bucket table, cost more than the rest
-// of the encoder on Zen 4): 8-bit codes decode by permutes of the 256 levels and encode by a binary search, one
-// permute and one comparison per code bit; 4-bit codes decode by a permute of the 16 levels held in a register and
-// encode by the same binary search over 7 or 15 thresholds. The scalar step was about 15x slower than the fp32-moment
-// step; vectorised (guides/low-bit-states.md, "Speed", has the measurements and why the remaining cost is compute,
-// not bytes), about 1.5-3x.
+// levels. With AVX-512 (ORT_OPTIM_LOW_BIT_AVX512) 16 elements go at once and give the same bits: 8-bit codes decode
+// by permutes of the 256 levels held in registers and encode through a packed bucket table (the bucket's code and
+// its threshold's low bits, so the comparison needs no second lookup) read with scalar loads; 4-bit codes decode by
+// a permute of the 16 levels held in a register and encode by a binary search over the thresholds in registers.
+// The scalar step was about 15x slower than the fp32-moment step; vectorised, 2-4x (guides/low-bit-states.md, "Speed",
+// has the measurements and why the remaining cost is compute, not bytes).
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ORT_OPTIM_LOW_BIT_AVX512 1
@@ -218,17 +217,6 @@ class CodeMap {
     for (int step = 1; step <= 2; ++step) {
       for (int j = 0; j < 16; ++j) step_[step - 1][j] = j + step - 1 < 16 ? search_[j + step - 1] : search_[15];
     }
-    // The 8-bit search's tables: for each step s = levels / 2, ..., 1 of the binary search, the thresholds it can
-    // compare with, T[2s * k + s - 1] for k = 0, 1, ... (T padded with +inf to the level count), one after another in search8_.
-    if (count > 16) {
-      for (int s = count / 2; s >= 1; s /= 2) {
-        const int entries = count / (2 * s);
-        for (int k = 0; k < std::max(entries, 16); ++k) {
-          const int j = 2 * s * k + s - 1;
-          search8_.push_back(k < entries && j < count - 1 ? thresholds[j] : std::numeric_limits<float>::infinity());
-        }
-      }
-    }
     min_bucket_ = float_to_bits(mid_[0]) >> kShift;
     const uint32_t max_bucket = float_to_bits(1.0f) >> kShift;
     for (uint32_t b = min_bucket_; b <= max_bucket; ++b) {
@@ -237,6 +225,11 @@ class CodeMap {
       const int below_end = int(std::lower_bound(mid_.begin(), mid_.end(), end) - mid_.begin());
       TORCH_CHECK(below_end - at_or_below <= 1, "ort_optim: two code thresholds within one search bucket");
       bucket_.push_back(uint8_t(at_or_below));
+      // mid_[at_or_below] is the first threshold above the bucket's start: if it lies inside the bucket, a value of
+      // the bucket reaches it exactly when its low bits do; if not, never (kNever exceeds every low part).
+      const uint32_t next = float_to_bits(mid_[at_or_below]);
+      const uint32_t low = (next >> kShift) == b ? next & kLowMask : kNever;
+      packed_.push_back(uint32_t(at_or_below) << 16 | low);
     }
   }
 
@@ -250,39 +243,21 @@ class CodeMap {
   }
 
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
-  // The same by a binary search over the thresholds T (kLevels - 1 of them: 127 or 255, 8-bit maps), one step per
-  // code bit: c += s where a >= T[c + s - 1], the threshold read by a permute of the step's table (search8_), so no
-  // table lookup leaves the registers and L1 (the bucket table above is 20 KB and was read with scalar loads).
-  template <int kLevels>
-  inline __m512i magnitude_codes_by_search8(__m512 a) const {
-    static_assert(kLevels == 128 || kLevels == 256, "8-bit maps have 128 (signed) or 256 levels");
+  // magnitude_code of 16 normalised magnitudes (finite, >= 0) by the packed bucket table (8-bit maps), in three
+  // steps so that the table lookups between them can be scalar loads (on AMD Zen 4, 16 scalar loads take about
+  // two thirds of the time of one 16-lane gather): bucket_keys, then entry per element, then codes.
+  inline __m512i bucket_keys(__m512 a) const {
     a = _mm512_min_ps(_mm512_mul_ps(a, _mm512_set1_ps(snap_)), _mm512_set1_ps(1.0f));
-    const float* table = search8_.data();
-    __m512i c = _mm512_setzero_si512();
-    for (int s = kLevels / 2, log2_2s = __builtin_ctz(kLevels); s >= 1; s /= 2, --log2_2s) {
-      const int entries = kLevels / (2 * s);
-      const __m512i k = _mm512_srli_epi32(c, log2_2s);  // c is a multiple of 2s: T[c + s - 1] = table[c / 2s]
-      __m512 t;
-      if (entries <= 16) {
-        t = _mm512_permutexvar_ps(k, _mm512_loadu_ps(table));
-      } else if (entries == 32) {
-        t = _mm512_permutex2var_ps(_mm512_loadu_ps(table), k, _mm512_loadu_ps(table + 16));
-      } else {
-        __m512 r[8];
-        for (int q = 0; q < entries / 32; ++q) {
-          r[q] = _mm512_permutex2var_ps(_mm512_loadu_ps(table + 32 * q), k, _mm512_loadu_ps(table + 32 * q + 16));
-        }
-        const __mmask16 b5 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(32));
-        t = _mm512_mask_blend_ps(b5, r[0], r[1]);
-        if (entries == 128) {
-          const __mmask16 b6 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(64));
-          t = _mm512_mask_blend_ps(b6, t, _mm512_mask_blend_ps(b5, r[2], r[3]));
-        }
-      }
-      c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, t, _CMP_GE_OQ), c, _mm512_set1_epi32(s));
-      table += std::max(entries, 16);
-    }
-    return c;
+    // Below the first bucket, every value gets the first bucket's code, as the clamp b < 0 ? 0 does above; its
+    // start has low bits 0, which never reach the first threshold above it.
+    return _mm512_max_epu32(_mm512_castps_si512(a), _mm512_set1_epi32(int(min_bucket_ << kShift)));
+  }
+  inline uint32_t entry(uint32_t key) const { return packed_[(key >> kShift) - min_bucket_]; }
+  static inline __m512i codes_of_entries(__m512i key, __m512i e) {
+    const __m512i c = _mm512_srli_epi32(e, 16);
+    const __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_and_si512(key, _mm512_set1_epi32(kLowMask)),
+                                                 _mm512_and_si512(e, _mm512_set1_epi32(0xFFFF)));
+    return _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
   }
 
   // The same by a binary search over the thresholds T (kLevels - 1 of them: 7 or 15) held in registers (4-bit
@@ -321,6 +296,7 @@ class CodeMap {
 
  private:
   static constexpr int kShift = 15;  // keeps the exponent and 8 mantissa bits
+  static constexpr uint32_t kLowMask = (1u << kShift) - 1, kNever = 1u << kShift;
   int sign_bit_;
   float snap_;
   alignas(64) float decode_[256] = {0.0f};
@@ -330,7 +306,7 @@ class CodeMap {
   std::vector<float> mid_;
   uint32_t min_bucket_ = 0;
   std::vector<uint8_t> bucket_;
-  std::vector<float> search8_;    // the 8-bit binary search's per-step threshold tables (magnitude_codes_by_search8)
+  std::vector<uint32_t> packed_;  // per bucket: its code << 16 | the low bits of the threshold inside it, or kNever
 };
 
 struct LowBit {
@@ -468,6 +444,21 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   const __m512 inv16 = _mm512_set1_ps(inv);
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   const int64_t vector_end = len & ~int64_t(15);
+  alignas(64) uint32_t keys[256], entries[256];
+  if constexpr (kBits == 8) {
+    for (; i < vector_end; i += 16) {
+      const __m512 x = _mm512_loadu_ps(u + i);
+      const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
+      _mm512_store_si512(keys + i, map.bucket_keys(a));
+    }
+    for (i = 0; i < vector_end; ++i) {
+      uint32_t key = keys[i];
+#ifdef __GNUC__
+      asm("" : "+r"(key));  // keeps the loop scalar: vectorised, the compiler emulates a gather, slower still
+#endif
+      entries[i] = map.entry(key);
+    }
+  }
   // exp_avg's stochastic rounding: its levels and gaps in registers (8 or 1 of each: 128 or 16 entries), and
   // each lane's e * 0x9E3779B1 (e = first_index + i + lane), advanced by 16 * 0x9E3779B1 per iteration.
   constexpr int kTableRegs = kBits == 8 ? 8 : 1;
@@ -486,13 +477,11 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   for (i = 0; i < vector_end; i += 16) {
     const __m512 x = _mm512_loadu_ps(u + i);
     __m512i code;
-    {
+    if constexpr (kBits == 8) {
+      code = CodeMap::codes_of_entries(_mm512_load_si512(keys + i), _mm512_load_si512(entries + i));
+    } else {
       const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
-      if constexpr (kBits == 8) {
-        code = map.magnitude_codes_by_search8<kSigned ? 128 : 256>(a);
-      } else {
-        code = map.magnitude_codes_by_search<kSigned ? 8 : 16>(a);
-      }
+      code = map.magnitude_codes_by_search<kSigned ? 8 : 16>(a);
     }
     if constexpr (kSigned) {  // stochastically one level up: CodeMap::stochastic_magnitude_code, 16 lanes
       const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
