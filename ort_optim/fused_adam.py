@@ -114,6 +114,10 @@ class FusedAdam(torch.optim.Optimizer):
             the clipping norm (counting each replica once) and the inf/NaN skip become one decision for the group, in
             one all-reduce of two floats per step (default None: each process decides alone, as torch's optimizers;
             DTensor params are reduced over their meshes' ranks without it). See "Distributed training" below.
+        pipeline_group: a torch.distributed group over the pipeline stages of one model replica (default None):
+            each rank of it holds other params, so the stages' sums of squares and inf flags are added in one more
+            all-reduce of the same two floats, after the data/tensor-parallel one. With it the clipping norm, the
+            skip and :attr:`last_grad_norm` cover the whole model (as torchtitan's ``clip_grad_norm_(pp_mesh=)``).
 
     A step is ``plan -> backend op``: the optimizer caches, across steps, its buckets (params grouped by device,
     dtype, state dtypes and master) with their state tensors and, on the native CPU backend, a native plan per
@@ -236,6 +240,7 @@ class FusedAdam(torch.optim.Optimizer):
         stochastic_rounding: bool = False,
         stochastic_rounding_seed: int = 0,
         process_group: Any = None,
+        pipeline_group: Any = None,
     ):
         _check_dtype_option("exp_avg_dtype", exp_avg_dtype)
         _check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
@@ -263,6 +268,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.step_in_backward = step_in_backward
         self._backward: Optional[BackwardStep] = None
         self.process_group = process_group
+        self.pipeline_group = pipeline_group
         if step_in_backward and max_grad_norm is not None:
             raise ValueError(
                 f"max_grad_norm={max_grad_norm} clips by the norm of all gradients, but step_in_backward=True updates "
@@ -291,7 +297,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     # Constructor options that torch.optim.Optimizer's pickling (copy.deepcopy, torch.save of the optimizer) would
     # otherwise drop: it keeps only defaults, state and param_groups.
-    # (process_group is not among them: a process group belongs to its process; a copy decides alone until given one)
+    # (process_group and pipeline_group are not among them: a process group belongs to its process; a copy decides
+    # alone until given one)
     _OPTIONS = ("set_grad_none", "master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm", "capturable",
                 "step_in_backward")
 
@@ -303,6 +310,7 @@ class FusedAdam(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         state.setdefault("step_in_backward", False)
         state.setdefault("process_group", None)
+        state.setdefault("pipeline_group", None)
         super().__setstate__(state)  # (it puts "state" into __dict__, under the property: wrap it)
         self.state = self.__dict__.pop("state", self.__dict__.get("_state_container", {}))
         self._plan = None  # the cache (native plans cannot be copied): rebuilt at the next step
@@ -654,9 +662,10 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _reduction(self) -> Optional[dtensor.Reduction]:
         """Where the global norm and skip decision are all-reduced (None: this process decides alone)."""
-        if self.process_group is None and not self._has_dtensors:
+        if self.process_group is None and self.pipeline_group is None and not self._has_dtensors:
             return None
-        return dtensor.reduction_for((p for group in self.param_groups for p in group["params"]), self.process_group)
+        return dtensor.reduction_for((p for group in self.param_groups for p in group["params"]), self.process_group,
+                                     self.pipeline_group)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Clears the gradients; set_to_none defaults to the constructor's set_grad_none (True, as ORT)."""

@@ -33,6 +33,7 @@ from ort_optim.fp16_optimizer import FP16_Optimizer
 
 WORLD = 4
 STEPS = 5
+SCALER_INIT = 2.0**8
 CLIP = 0.05  # well below the gradients' norm (about 0.3-1): every step clips
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 FSDP2_REASON = None if TORCH_VERSION >= (2, 6) else (
@@ -68,14 +69,25 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if dtensor.is_dtensor(t) else t).detach().clone()
 
 
-def one_process(steps=STEPS, clip=CLIP, dtype=torch.float32, **kwargs) -> list[torch.Tensor]:
+def one_process(steps=STEPS, clip=CLIP, dtype=torch.float32, grad_scaler=False, inf_step=None,
+                **kwargs) -> list[torch.Tensor]:
+    """The same training in one process. grad_scaler: through torch.amp.GradScaler; inf_step: the step whose first
+    gradient element is set to inf (as the poisoned rank's)."""
     model = make_model(dtype)
     opt = make_optimizer(model.parameters(), clip, **kwargs)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALER_INIT) if grad_scaler else None
     for step in range(steps):
         x, y = batch(step)
         opt.zero_grad()
-        loss_fn(model, x.to(dtype), y).backward()
-        opt.step()
+        loss = loss_fn(model, x.to(dtype), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if step == inf_step:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -83,10 +95,11 @@ def one_process(steps=STEPS, clip=CLIP, dtype=torch.float32, **kwargs) -> list[t
 
 
 def _train(model, opt, rank_in_group, group_size, shadow=None, data_parallel=True, steps=STEPS, poison=None,
-           plans=None):
+           plans=None, scaler=None):
     """Trains; each rank takes its slice of the batch when data-parallel. shadow: (model, opt) over full plain copies,
     stepped with the full gradients. poison: (step, rank) whose local gradient gets an inf. plans: a list that gets
-    the optimizer's plan after each step. Returns the skips."""
+    the optimizer's plan after each step. scaler: a torch.amp.GradScaler that scales the loss and steps opt. Returns
+    the skips."""
     skipped = []
     for step in range(steps):
         x, y = batch(step)
@@ -98,7 +111,7 @@ def _train(model, opt, rank_in_group, group_size, shadow=None, data_parallel=Tru
         if isinstance(opt, FP16_Optimizer):
             opt.backward(loss)
         else:
-            loss.backward()
+            (scaler.scale(loss) if scaler else loss).backward()
         if poison is not None and poison[0] == step and poison[1] == rank_in_group:
             from ort_optim.integrations import dtensor
 
@@ -108,7 +121,11 @@ def _train(model, opt, rank_in_group, group_size, shadow=None, data_parallel=Tru
             for p, q in zip(model.parameters(), shadow[0].parameters()):
                 q.grad = full(p.grad)
             shadow[1].step()
-        opt.step()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         inner = opt.optimizer if isinstance(opt, FP16_Optimizer) else opt
         skipped.append(inner.last_step_skipped)
         if plans is not None:
@@ -299,6 +316,38 @@ def _rank_without_gradients(rank, group) -> dict:
     return {"skipped": skipped, "norms": norms, "param": p.detach().clone()}
 
 
+def _pipeline_case(rank, pipeline_group, data_group, poison=None) -> dict:
+    """2 pipeline stages x 2 data-parallel replicas on 4 ranks: stage rank % 2 owns layer 0 or layer 2 (each rank
+    computes the whole small model, which is what the stages together do; only the ownership of params matters to
+    the optimizer), replica rank // 2 takes half the batch and the gradients are averaged over data_group, as DDP
+    does. The clipping norm must cover both stages' params (each replica counted once)."""
+    import torch.distributed as dist
+
+    stage, replica = rank % 2, rank // 2
+    model = make_model()
+    owned = list(model[2 * stage].parameters())
+    opt = make_optimizer(owned, process_group=data_group, pipeline_group=pipeline_group)
+    skipped = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        x, y = x.chunk(2)[replica], y.chunk(2)[replica]
+        opt.zero_grad()
+        model.zero_grad()
+        loss_fn(model, x, y).backward()
+        for q in owned:
+            dist.all_reduce(q.grad, group=data_group)
+            q.grad /= 2
+        if poison is not None and poison == (step, rank):
+            owned[0].grad.view(-1)[0] = float("inf")
+        opt.step()
+        skipped.append(opt.last_step_skipped)
+        for owner in (0, 1):  # the next forward sees both stages' updated layers (as activations would carry them)
+            for q in model[2 * owner].parameters():
+                dist.broadcast(q.data, src=2 * replica + owner, group=pipeline_group)
+    return {"stage": stage, "params": [q.detach().clone() for q in owned], "skipped": skipped,
+            "norm": float(opt.last_grad_norm)}
+
+
 def _refusals(mesh) -> dict:
     """Bad distributed input is refused before anything changes, with the param named."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -352,6 +401,9 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     out["ddp-fp16-inf"] = _ddp_case(pair_rank, pair_group, poison=(2, 0), fp16=True)
     out["replicas-own-grads"] = _replicas_with_own_grads(pair_rank, pair_group)
     out["rank-without-gradients"] = _rank_without_gradients(pair_rank, pair_group)
+    data_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # the two ranks of each pipeline stage
+    out["pipeline"] = _pipeline_case(rank, pair_group, data_groups[rank % 2])
+    out["pipeline-inf"] = _pipeline_case(rank, pair_group, data_groups[rank % 2], poison=(2, 3))
     if FSDP2_REASON is not None:
         return out
 
@@ -370,6 +422,11 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     fp16_opt = FP16_Optimizer(make_optimizer(model.parameters()), init_scale=2.0**8)
     out["fsdp-fp16-optimizer-inf"] = _train(model, fp16_opt, pair_rank, 2, poison=(2, 1))
     out["fsdp-fp16-optimizer-scale"] = fp16_opt.loss_scale
+    model = _fsdp(pair_mesh)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALER_INIT)
+    out["fsdp-grad-scaler-inf"] = _train(model, make_optimizer(model.parameters()), pair_rank, 2, poison=(2, 1),
+                                         scaler=scaler)
+    out["fsdp-grad-scaler"] = {"scale": scaler.get_scale(), "params": [full(p) for p in model.parameters()]}
 
     model = _tp(pair_mesh)
     opt = make_optimizer(model.parameters())
@@ -472,6 +529,19 @@ def test_a_rank_without_gradients_joins_the_reduction_and_the_skip(results):
     assert torch.equal(results[1]["rank-without-gradients"]["param"], torch.ones(4))  # rank 1 had nothing to step
 
 
+def test_pipeline_stages_clip_by_the_whole_models_norm_and_skip_together(results):
+    """pipeline_group adds the stages' sums: each stage's params equal the same layer of one process training the
+    whole model (clipped at every step, so a stage-local norm would differ), and an inf on one rank of one stage
+    skips the step on all four ranks."""
+    want = one_process()
+    for r in results:
+        out = r["pipeline"]
+        stage = out["stage"]
+        assert_close(out["params"], want[2 * stage:2 * stage + 2], 5e-5, f"rank {r['rank']} (stage {stage})")
+        assert out["norm"] == pytest.approx(results[0]["pipeline"]["norm"], rel=1e-6)
+        assert r["pipeline-inf"]["skipped"] == [step == 2 for step in range(STEPS)], (r["rank"], r["pipeline-inf"])
+
+
 def test_a_step_without_any_gradient_changes_nothing_with_or_without_loss_scaling():
     p = nn.Parameter(torch.ones(3))
     for kwargs in ({}, {"grad_scale": torch.tensor(4.0)}, {"grad_scale": 4.0}):
@@ -541,6 +611,19 @@ def test_fsdp2_inf_on_one_rank_skips_on_every_rank(results, case):
     for r in results:
         assert r[case] == [step == 2 for step in range(STEPS)], (r["rank"], r[case])
     assert len({r["fsdp-fp16-optimizer-scale"] for r in results}) == 1
+
+
+@needs_fsdp2
+def test_fsdp2_with_torch_grad_scaler_skips_together_and_equals_one_process(results):
+    """torch.amp.GradScaler drives FusedAdam through grad_scale/found_inf (fused-optimizer protocol). Its found_inf
+    comes from each rank's local shards; FusedAdam's one all-reduce makes the skip global, and the scale is updated
+    alike on every rank (one halving for the one poisoned step)."""
+    for r in results:
+        assert r["fsdp-grad-scaler-inf"] == [step == 2 for step in range(STEPS)], (r["rank"], r["fsdp-grad-scaler-inf"])
+        assert r["fsdp-grad-scaler"]["scale"] == SCALER_INIT / 2
+    want = one_process(grad_scaler=True, inf_step=2)
+    assert_close(results[0]["fsdp-grad-scaler"]["params"], want, 5e-5, "FSDP2 + GradScaler vs one process")
+    assert_bitwise(results[1]["fsdp-grad-scaler"]["params"], results[0]["fsdp-grad-scaler"]["params"], "ranks agree")
 
 
 # ---- distributed checkpoints ----------------------------------------------------------------------------------------

@@ -407,7 +407,13 @@ def markdown(results: dict) -> str:
         lines += ["", "Launch sweep, 1x4096^2 fp32 params with fp16 moments:", "",
                   "| num_warps | blocks/program | median ms | % of copy bw |", "|---|---|---|---|"]
         for r in results["sweep"]:
-            lines.append(f"| {r['num_warps']} | {r['blocks_per_program']} | {r['median_ms']} | {r['pct_of_copy_bw']} |")
+            if "num_warps" in r:
+                lines.append(f"| {r['num_warps']} | {r['blocks_per_program']} | {r['median_ms']} | {r['pct_of_copy_bw']} |")
+        lines += ["", "Register cap of the quantised-moment kernel (ORT_OPTIM_TRITON_MAXNREG), same shape:", "",
+                  "| moments | maxnreg | median ms |", "|---|---|---|"]
+        for r in results["sweep"]:
+            if "maxnreg" in r:
+                lines.append(f"| {r['moments']} | {r['maxnreg'] or 'ptxas default'} | {r['median_ms']} |")
     if results["dry_run"]:
         lines += ["", "DRY RUN: CPU tensors through Triton's interpreter; the times above measure nothing useful."]
     return "\n".join(lines) + "\n"

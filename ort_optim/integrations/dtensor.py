@@ -11,7 +11,9 @@ groups (DDP), as small functions without state.
   those two floats over the group that spans every rank (:func:`reduction_for`, :func:`all_reduce_stats`) gives
   every rank the global sum of squares and a flag that is non-zero when any rank saw inf/NaN (a SUM of
   non-negative flags is non-zero exactly when their MAX is). The result stays a device tensor: no host sync.
-  Plain tensors with a ``process_group`` (DDP) are replicas: weight ``1 / group size``.
+  Plain tensors with a ``process_group`` (DDP) are replicas: weight ``1 / group size``. Pipeline stages hold
+  different params, so their sums are added as they are: a ``pipeline_group`` is one more all-reduce of the same
+  two floats after the others (torchtitan's ``clip_grad_norm_(pp_mesh=...)`` does the same for the norm alone).
 * **Checkpoints.** ``state_dict()`` hands each per-element state tensor back as a DTensor laid out like its param
   (:func:`wrap_like`), so ``torch.distributed.checkpoint`` saves and reshards it like the param itself;
   ``load_state_dict()`` takes the local piece again (:func:`local_like`), from a DTensor in any layout of the
@@ -113,17 +115,31 @@ class Reduction:
 
     groups: tuple
     size: int
+    stages: tuple = ()  # then over each of these (pipeline stages: disjoint params, summed with weight 1)
 
 
-def reduction_for(params: Iterable[torch.Tensor], process_group: Any = None) -> Optional[Reduction]:
+def reduction_for(params: Iterable[torch.Tensor], process_group: Any = None,
+                  pipeline_group: Any = None) -> Optional[Reduction]:
     """The reduction a step over these params needs; None when the decision is local (one process, or plain params
-    without a process_group).
+    without a process_group or pipeline_group).
+
+    ``pipeline_group``: the ranks that hold the other pipeline stages of the same model replica; the stage's own
+    reduction (below) runs first, then one all-reduce over it adds the stages' sums.
 
     With ``process_group`` given: that group. Otherwise, for DTensor params: the default group when their meshes
     span every rank (the usual FSDP2/TP/2D setup, one all-reduce), or the mesh's own group(s) when they all share one
     mesh over part of the ranks. Params on meshes with different ranks need an explicit ``process_group`` that spans
     them all (a ValueError says so).
     """
+    import torch.distributed as dist
+
+    within = _stage_reduction(params, process_group)
+    if pipeline_group is None or dist.get_world_size(pipeline_group) == 1:
+        return within
+    return Reduction(within.groups if within else (), within.size if within else 1, (pipeline_group,))
+
+
+def _stage_reduction(params: Iterable[torch.Tensor], process_group: Any) -> Optional[Reduction]:
     import torch.distributed as dist
 
     if process_group is not None:
@@ -174,7 +190,7 @@ def all_reduce_stats(stats: torch.Tensor, reduction: Optional[Reduction]) -> tor
         return stats
     import torch.distributed as dist
 
-    for group in reduction.groups:
+    for group in reduction.groups + reduction.stages:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
     return stats
 
