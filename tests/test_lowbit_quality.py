@@ -104,3 +104,16 @@ def test_the_comparison_can_fail():
     by = {r["config"]: r for r in rows}
     assert by["uint4"]["within_tolerance"] is False and by["uint8"]["within_tolerance"] is True
     assert by["uint8"]["within_seed_spread"] is None  # one seed: no spread to compare with
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({}, 28.0),  # p read + write 8, g 4, m and v read + written in fp32: 16
+    (dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8), 12.0 + 4 * (1 + 4 / 256)),
+    (dict(exp_avg_dtype=torch.uint4, exp_avg_sq_dtype=torch.uint4), 12.0 + 4 * (0.5 + 2 / 128)),
+    (dict(exp_avg_dtype=torch.uint8), 12.0 + 2 * (1 + 4 / 256) + 8.0),
+], ids=["fp32", "uint8", "uint4", "uint8 m only"])
+def test_limit_probe_bytes_per_param(options, expected):
+    """The bytes the limit probe (bench section lowbit_limit) charges a step per fp32 parameter: codes and scales
+    from the format's definition, independently written out here."""
+    config = lowbit_quality.lowbit._fused("probe", 0, **options)
+    assert lowbit_quality.lowbit.moved_bytes_per_param(config) == pytest.approx(expected, rel=1e-12)
