@@ -339,6 +339,17 @@ const LowBit& q4() {
   return f;
 }
 
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+// t[idx] for 16 indices in [0, 128), t in 8 registers: four 2-register permutes on the low 5 bits, bits 5 and 6 pick.
+inline __m512 lookup128(const __m512* t, __m512i idx) {
+  __m512 r[4];
+  for (int k = 0; k < 4; ++k) r[k] = _mm512_permutex2var_ps(t[2 * k], idx, t[2 * k + 1]);
+  const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+  const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+  return _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[0], r[1]), _mm512_mask_blend_ps(b5, r[2], r[3]));
+}
+#endif
+
 // d[0, len) = the values of one block's codes c (8-bit: one per byte; 4-bit: element 2j in the low nibble of byte
 // j), scale s; v = u * u for a second moment. The scalar loops are the reference and do the vector loops' tails.
 template <int kBits, bool kSecondMoment>
@@ -347,7 +358,18 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
   int64_t i = 0;
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
   const __m512 s16 = _mm512_set1_ps(s);
-  if constexpr (kBits == 8) {
+  if constexpr (kBits == 8 && !kSecondMoment) {
+    // exp_avg: sign-magnitude codes, so the 128 magnitudes (lookup128) and the code's top bit as the float's sign
+    const __m512 table[8] = {_mm512_load_ps(decode), _mm512_load_ps(decode + 16), _mm512_load_ps(decode + 32),
+                             _mm512_load_ps(decode + 48), _mm512_load_ps(decode + 64), _mm512_load_ps(decode + 80),
+                             _mm512_load_ps(decode + 96), _mm512_load_ps(decode + 112)};
+    for (; i + 16 <= len; i += 16) {
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
+      const __m512i sign = _mm512_and_si512(_mm512_slli_epi32(idx, 24), _mm512_set1_epi32(int(0x80000000u)));
+      const __m512 x = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(lookup128(table, idx)), sign));
+      _mm512_storeu_ps(d + i, _mm512_mul_ps(x, s16));
+    }
+  } else if constexpr (kBits == 8) {
     // The 256 levels in 16 registers: eight 2-register permutes look up the code's low 5 bits in each 32-level
     // eighth of the table, and its top 3 bits pick one of the eight (a gather is twice as slow on AMD Zen 4).
     __m512 table[16];
@@ -423,14 +445,6 @@ inline __m512i fmix32x16(__m512i x) {  // fmix32 on 16 lanes
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-// t[idx] for 16 indices in [0, 128), t in 8 registers: four 2-register permutes on the low 5 bits, bits 5 and 6 pick.
-inline __m512 lookup128(const __m512* t, __m512i idx) {
-  __m512 r[4];
-  for (int k = 0; k < 4; ++k) r[k] = _mm512_permutex2var_ps(t[2 * k], idx, t[2 * k + 1]);
-  const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
-  const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
-  return _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[0], r[1]), _mm512_mask_blend_ps(b5, r[2], r[3]));
-}
 #endif
 
 // Codes of one block of (finite) values u[0, len) with 1 / scale inv, written as the format stores them. Signed:
