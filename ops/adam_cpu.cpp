@@ -1306,6 +1306,29 @@ class SquareSum {
     for (; j < n; ++j) leftovers_ += double(x[j]) * double(x[j]);
   }
 
+#if defined(__AVX512F__) && defined(ORT_OPTIM_F16C)
+  // add() of fp16 (kBf16 false) or bf16 values, converted in registers: the same lanes and the same bits as
+  // converting them into a float array and adding that (both conversions are exact), without the round trip
+  // through memory, which cost as much as the sum itself.
+  template <bool kBf16>
+  void add_16bit(const uint16_t* x, int64_t n) {
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+      for (int k = 0; k < 4; ++k) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + j + 8 * k));
+        const __m256 f = kBf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                               : _mm256_cvtph_ps(h);
+        const __m512d d = _mm512_cvtps_pd(f);
+        vector_[k] = _mm512_add_pd(vector_[k], _mm512_mul_pd(d, d));
+      }
+    }
+    for (; j < n; ++j) {
+      const double d = kBf16 ? bits_to_float(uint32_t(x[j]) << 16) : c10::detail::fp16_ieee_to_fp32_value(x[j]);
+      leftovers_ += d * d;
+    }
+  }
+#endif
+
   double total() const {
     double lanes[kLanes];
     std::copy(lanes_, lanes_ + kLanes, lanes);
@@ -1336,6 +1359,12 @@ double square_sum(const void* data, at::ScalarType type, int64_t begin, int64_t 
     sum.add(static_cast<const double*>(data) + begin, end - begin);
   } else if (type == at::kFloat) {
     sum.add(static_cast<const float*>(data) + begin, end - begin);
+#if defined(__AVX512F__) && defined(ORT_OPTIM_F16C)
+  } else if (type == at::kHalf) {
+    sum.add_16bit<false>(static_cast<const uint16_t*>(data) + begin, end - begin);
+  } else if (type == at::kBFloat16) {
+    sum.add_16bit<true>(static_cast<const uint16_t*>(data) + begin, end - begin);
+#endif
   } else {
     float buf[kBlock];
     const char* base = static_cast<const char*>(data);
@@ -1455,8 +1484,8 @@ class AdamPlan : public torch::CustomClassHolder {
   AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
            std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> master_params,
            std::vector<at::Tensor> exp_avg_scales, std::vector<at::Tensor> exp_avg_sq_scales,
-           std::vector<at::Tensor> max_exp_avg_sq_scales, at::Tensor steps, std::vector<int64_t> param_objects,
-           std::vector<int64_t> idle_objects)
+           std::vector<at::Tensor> max_exp_avg_sq_scales, at::Tensor steps, std::vector<at::Tensor> step_tensors,
+           std::vector<int64_t> param_objects, std::vector<int64_t> idle_objects)
       : exp_avgs_(std::move(exp_avgs)),
         exp_avg_sqs_(std::move(exp_avg_sqs)),
         max_exp_avg_sqs_(std::move(max_exp_avg_sqs)),
@@ -1470,20 +1499,28 @@ class AdamPlan : public torch::CustomClassHolder {
     is_double_ = check_params_and_states(params, states, steps_);
     work_ = state_work(params, states);
     items_ = work_items(work_);
-    // Per param, its tensors in a fixed order: the param, then its states (in state_lists_ order); then the steps.
+    // Per param, its tensors in a fixed order: the param, its states (in state_lists_ order) and its step tensor (the
+    // view of steps_ that optimizer.state[p]['step'] holds: `step.data = t` gives it another storage, which the step
+    // must then honour, as torch.optim does); then the steps.
     const std::vector<at::Tensor>* lists[] = {&exp_avgs_,       &exp_avg_sqs_,       &max_exp_avg_sqs_, &master_params_,
                                               &exp_avg_scales_, &exp_avg_sq_scales_, &max_exp_avg_sq_scales_};
     for (const auto* list : lists) {
       if (!list->empty()) state_lists_.push_back(list);
     }
-    per_param_ = 1 + state_lists_.size();
+    per_param_ = 2 + state_lists_.size();
     TORCH_CHECK(param_objects.size() == params.size(), "ort_optim.AdamPlan: one Python object per param");
+    TORCH_CHECK(step_tensors.size() == params.size(), "ort_optim.AdamPlan: one step tensor per param");
     for (size_t i = 0; i < params.size(); ++i) {
       params_.push_back(reinterpret_cast<PyObject*>(param_objects[i]));
       TORCH_CHECK(tensor_of(params_[i]).unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl(),
                   "ort_optim.AdamPlan: param_objects[", i, "] is not params[", i, "]");
+      const at::Tensor& step = step_tensors[i];
+      TORCH_CHECK(step.numel() == 1 && step.scalar_type() == at::kDouble && step.is_alias_of(steps_) &&
+                      step.storage_offset() == steps_.storage_offset() + int64_t(i) * steps_.stride(0),
+                  "ort_optim.AdamPlan: step_tensors[", i, "] must be a one-element view of steps[", i, "]");
       watches_.push_back(watch(params[i]));
       for (const auto* list : state_lists_) watches_.push_back(watch((*list)[i]));
+      watches_.push_back(watch(step));
     }
     watches_.push_back(watch(steps_));
     for (int64_t q : idle_objects) {
@@ -1511,7 +1548,8 @@ class AdamPlan : public torch::CustomClassHolder {
       if (p.unsafeGetTensorImpl() != w[0].impl || !still(w[0])) return release(int64_t(i));
       for (size_t k = 1; k < per_param_; ++k) {
         if (!still(w[k])) return release(int64_t(i));
-        if (w[k].moved) resolve_state(i, k - 1, w[k]);
+        // (the last watch is the param's step tensor, a view of steps_, whose data step() reads afresh)
+        if (w[k].moved && k + 1 < per_param_) resolve_state(i, k - 1, w[k]);
       }
       const at::Tensor& g = grad_of(p);
       if (!usable_grad(g, w[0])) return release(int64_t(i));
@@ -1589,12 +1627,17 @@ class AdamPlan : public torch::CustomClassHolder {
     }
     const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
     const int64_t* geometry = geometry_.data() + w.geometry;
-    if (sizes.size() != w.dim || !std::equal(sizes.begin(), sizes.end(), geometry) ||
-        !std::equal(strides.begin(), strides.end(), geometry + w.dim)) {
-      return false;
-    }
+    if (sizes.size() != w.dim || !same(sizes, geometry) || !same(strides, geometry + w.dim)) return false;
     w.moved = storage->data() != w.data;
     if (w.moved) w.data = storage->data();
+    return true;
+  }
+
+  // a == b[0, a.size()): a loop, where std::equal would call memcmp for the one or two dims of a typical tensor.
+  static bool same(c10::IntArrayRef a, const int64_t* b) {
+    for (size_t d = 0; d < a.size(); ++d) {
+      if (a[d] != b[d]) return false;
+    }
     return true;
   }
 
@@ -1618,9 +1661,7 @@ class AdamPlan : public torch::CustomClassHolder {
     const at::ScalarType gt = g.scalar_type();
     if (!(is_double_ ? gt == at::kDouble : is_float_storage(gt))) return false;
     const c10::IntArrayRef sizes = g.sizes();
-    if (sizes.size() != param.dim || !std::equal(sizes.begin(), sizes.end(), geometry_.data() + param.geometry)) {
-      return false;
-    }
+    if (sizes.size() != param.dim || !same(sizes, geometry_.data() + param.geometry)) return false;
     return g.has_storage() && g.storage().nbytes() >= bytes_needed(g);
   }
 
@@ -1680,7 +1721,7 @@ class AdamPlan : public torch::CustomClassHolder {
   std::vector<WorkItem> items_;
   std::vector<const at::Tensor*> param_pointers_, grads_;
   std::vector<const std::vector<at::Tensor>*> state_lists_;  // the non-empty state lists, in the schema's order
-  size_t per_param_ = 1;                                     // watches per param: the param and its states
+  size_t per_param_ = 2;                                     // watches per param: the param, its states, its step
   std::vector<Watch> watches_;                               // per param i: [i * per_param_, (i + 1) * per_param_)
   std::vector<int64_t> geometry_;
 
@@ -1727,8 +1768,8 @@ TORCH_LIBRARY_FRAGMENT(ort_optim, m) {
   m.class_<AdamPlan>("AdamPlan")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>,
-                       std::vector<int64_t>>())
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, std::vector<at::Tensor>,
+                       std::vector<int64_t>, std::vector<int64_t>>())
       .def("check", &AdamPlan::check)
       .def("step", &AdamPlan::step)
       .def("grad_stats", &AdamPlan::grad_stats)

@@ -86,7 +86,7 @@ class BackwardStep:
         keys = _plan.rounding_keys(optimizer, group_index, [index], p, "master_param" in state)
         try:
             if native:
-                plan = backends.AdamPlan.create([p], *lists, state["step"].view(1))
+                plan = backends.AdamPlan.create([p], *lists, state["step"].view(1), step_tensors=[state["step"]])
                 if plan.check() >= 0:  # validated above: a plan that cannot step now is a bug, not a user error
                     raise RuntimeError("ort_optim: a per-param plan could not step right after it was built")
                 self._plans[p] = ((optimizer.state.version, amsgrad, _plan._rounding(group)), plan, keys)

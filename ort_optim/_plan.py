@@ -217,6 +217,7 @@ class Bucket:
     exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
     max_exp_avg_sq_scales: list[torch.Tensor] = field(default_factory=list)
     steps: Optional[torch.Tensor] = None  # float64 [n]; state[p]["step"] are 0-dim views of it
+    step_tensors: list[torch.Tensor] = field(default_factory=list)  # those views (`.data = t` replaces their storage)
     rounding_keys: Optional[torch.Tensor] = None  # int64 [n]: stochastic rounding of bfloat16 params, else None
     native: Optional[backends.AdamPlan] = None  # on the native CPU backend
     fingerprints: list = field(default_factory=list)  # of every tensor above, for the Python check (other backends)
@@ -228,7 +229,7 @@ class Bucket:
                 self.exp_avg_sq_scales, self.max_exp_avg_sq_scales]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for lst in [self.params] + self.state_lists() for t in lst] + [self.steps]
+        return [t for lst in [self.params] + self.state_lists() + [self.step_tensors] for t in lst] + [self.steps]
 
     def op_lists(self) -> list:
         return [self.params, self.grads] + self.state_lists() + [self.steps]
@@ -446,6 +447,7 @@ def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> Group
         bucket.steps = torch.stack([s["step"] for s in states])
         for j, s in enumerate(states):
             s["step"] = bucket.steps[j]
+        bucket.step_tensors = [s["step"] for s in states]
         bucket.rounding_keys = rounding_keys(optimizer, group_index, bucket.indices, bucket.params[0],
                                              bool(bucket.master_params))
     idle = [p for p, g in zip(params, grads) if g is None]
@@ -460,13 +462,13 @@ def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> Group
             bucket.native = backends.AdamPlan.create(
                 bucket.params, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs, bucket.master_params,
                 bucket.exp_avg_scales, bucket.exp_avg_sq_scales, bucket.max_exp_avg_sq_scales, bucket.steps,
-                watch_idle)
+                watch_idle, step_tensors=bucket.step_tensors)
         else:
             bucket.fingerprints = list(map(fingerprint, bucket.tensors()))
     watchers = [b.native for b in buckets]
     if all_native and not buckets and params:  # a group without gradients: a plan that only watches
         watchers = [backends.AdamPlan.create([], [], [], [], [], [], [], [], torch.zeros(0, dtype=torch.float64),
-                                             idle)]
+                                             idle, step_tensors=[])]
     return GroupPlan(group, params, params.version, bool(group["amsgrad"]), _rounding(group),
                      tuple(g is not None for g in grads), buckets, all_native, watchers, dtensors)
 

@@ -146,7 +146,9 @@ class FusedAdam(torch.optim.Optimizer):
       shape or strides. A storage re-allocated in place (``untyped_storage().resize_(0)`` then ``resize_(n)``, as
       CPU offload and FSDP do) is followed: the step writes where the data now is. ``p.data = ...`` and
       ``torch.utils.swap_tensors`` (``model.to()`` with swap-on-conversion) give the param new data: its state
-      follows the Python param (as in torch), converted as above if its dtype changed.
+      follows the Python param (as in torch), converted as above if its dtype changed. ``state[p][key].data = t``
+      (a moment, master or ``step``) is honoured as an assignment of ``t`` is; in-place writes (``fill_``, ``copy_``,
+      ``mul_``) need no re-planning: the step reads the tensors it holds.
 
     Refused before anything is written, naming ``param_groups[i]['params'][j]``: a storage still freed at step time,
     a param that changed shape or switched to or from float64 under its state, a state with a ``master_param`` for a

@@ -6,7 +6,7 @@ as ``torch.optim.AdamW`` does, or is refused before anything is written with an 
 ``param_groups[i]['params'][j]``:
 
 1. ``optimizer.state`` mutated: cleared, an entry deleted, new moment or step tensors assigned (the usual moment
-   reset): honoured as torch honours them; assigned tensors are validated, adopted into the optimizer's layout, or
+   reset), or given new storage through ``.data``, or written in place: honoured as torch honours them; assigned tensors are validated, adopted into the optimizer's layout, or
    refused naming the param and the key.
 2. A storage freed and re-allocated in place (``untyped_storage().resize_(0)`` then ``resize_(n)``: CPU offload,
    FSDP): the step writes into the new memory, never the freed one; a storage still freed at step time is refused.
@@ -117,6 +117,17 @@ STATE_MUTATIONS = {
     "state[p].update(step=...)": lambda opt, params: opt.state[params[2]].update(step=torch.tensor(0.0)),
     "state.pop(p)": lambda opt, params: opt.state.pop(params[2]),
     "moment edited in place": lambda opt, params: opt.state[params[0]]["exp_avg"].mul_(0.5),
+    # `.data = t` keeps the tensor object in the state and gives it t's storage: the next step uses t's value, as
+    # torch's does (the float32 step of torch's AdamW becomes float64 in ours: our steps are float64)
+    "step.data = a new tensor": lambda opt, params: setattr(opt.state[params[0]]["step"], "data", torch.tensor(1.0)),
+    "every step.data = a new tensor": lambda opt, params: [
+        setattr(opt.state[p]["step"], "data", torch.tensor(10.0 + i)) for i, p in enumerate(params)],
+    "step.fill_": lambda opt, params: opt.state[params[1]]["step"].fill_(7),
+    "step.copy_": lambda opt, params: opt.state[params[2]]["step"].copy_(torch.tensor(1.0)),
+    "exp_avg.data = a new tensor": lambda opt, params: setattr(opt.state[params[1]]["exp_avg"], "data",
+                                                               torch.full(params[1].shape, 0.5)),
+    "exp_avg_sq.data = a new tensor": lambda opt, params: setattr(opt.state[params[0]]["exp_avg_sq"], "data",
+                                                                  torch.zeros(params[0].shape)),
 }
 
 
@@ -278,6 +289,34 @@ def test_master_weights_reallocated_in_place_are_followed(backend):
     for a, b in zip(params, reference_params):
         assert torch.equal(a.detach(), b.detach())
         assert torch.equal(opts[0].state[a]["master_param"], opts[1].state[b]["master_param"])
+
+
+@pytest.mark.parametrize("key", ["master_param", "step", "exp_avg"])
+def test_data_assigned_to_a_state_tensor_equals_assigning_the_tensor(key, backend):
+    """`state[p][key].data = t` (the tensor object kept, its storage replaced) steps exactly as `state[p][key] = t`
+    (the known-honoured assignment), bit for bit, for a master weight of a bf16 param too."""
+    runs = []
+    for by_data in (True, False):
+        params = _params(dtype=torch.bfloat16)
+        opt = FusedAdam(params, lr=1e-2, master_weights=True)
+        g = torch.Generator().manual_seed(7)
+        for step in range(5):
+            if step == 2:
+                p = params[1]
+                fresh = torch.tensor(1.0, dtype=torch.float64) if key == "step" else torch.full(p.shape, 0.25)
+                if by_data:
+                    opt.state[p][key].data = fresh
+                else:
+                    opt.state[p][key] = fresh
+            for q in params:
+                q.grad = torch.randn(q.shape, generator=g).bfloat16()
+            opt.step()
+        runs.append((params, opt))
+    (ours, opt), (theirs, ref) = runs
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+        for name in ("master_param", "exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[a][name], ref.state[b][name]), name
 
 
 FREED = {
@@ -475,6 +514,11 @@ REBUILDS = {
     "param list appended": (lambda opt, params: opt.param_groups[0]["params"].append(torch.nn.Parameter(
         torch.ones(2))), 1),
     "param given new memory": (lambda opt, params: setattr(params[1], "data", params[1].data.clone()), 1),
+    "step given new memory": (lambda opt, params: setattr(opt.state[params[2]]["step"], "data", torch.tensor(4.0)),
+                              1),
+    "step edited in place": (lambda opt, params: opt.state[params[2]]["step"].fill_(4), 0),
+    "max_exp_avg_sq given new memory": (lambda opt, params: setattr(
+        opt.state[params[0]]["max_exp_avg_sq"], "data", torch.zeros(5)), 1),
     "master_weights turned on": (lambda opt, params: setattr(opt, "master_weights", True), 1),
 }
 
@@ -526,3 +570,30 @@ def test_last_grad_norm_is_none_without_a_gradient_pass(backend):
         p.grad = torch.ones_like(p)
     opt.step()
     assert opt.last_grad_norm is None and opt.last_found_inf is None
+
+
+# ---- 9. step_in_backward's per-param plans ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mutation", ["step.data = a new tensor", "step.fill_", "exp_avg.data = a new tensor"])
+def test_state_changes_are_honoured_by_the_updates_inside_backward(mutation, backend):
+    """step_in_backward=True updates each param from its own cached plan (ort_optim/_backward_step.py): the same rule
+    holds there."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    twin = Twin(list(model.parameters()), step_in_backward=True)
+    theirs = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        for a, b in zip(theirs.parameters(), twin.theirs):
+            a.copy_(b)
+    twin.ref = torch.optim.AdamW(list(theirs.parameters()), lr=1e-2, eps=1e-8, weight_decay=1e-2, foreach=False)
+    twin.theirs = list(theirs.parameters())
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+    for step in range(6):
+        if step == 3:
+            twin.mutate(STATE_MUTATIONS[mutation])
+        model(x * (step + 1)).square().sum().backward()  # (the hooks update each param)
+        twin.opt.step()
+        theirs(x * (step + 1)).square().sum().backward()
+        twin.ref.step()
+        twin.ref.zero_grad()
+    twin.assert_matches()

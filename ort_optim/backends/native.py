@@ -156,8 +156,9 @@ class AdamPlan:
 
     It validates them once and keeps the states' data pointers, so a step converts and checks no tensor lists: it
     reads each param and its ``.grad`` directly, which with thousands of small tensors is most of the op's cost.
-    Validation and math are the op's own. Before every step, :meth:`check` compares every tensor it holds with what it
-    was at creation (storage, data pointer, storage size, dtype, shape, strides, Python tensor) and re-resolves the
+    Validation and math are the op's own. Before every step, :meth:`check` compares every tensor it holds (the step
+    tensors too) with what it was at creation (storage, data pointer, storage size, dtype, shape, strides, Python
+    tensor) and re-resolves the
     data pointers of storages re-allocated in place; :meth:`step` and :meth:`grad_stats` need a successful check.
     """
 
@@ -166,13 +167,15 @@ class AdamPlan:
 
     @classmethod
     def create(cls, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
-               exp_avg_sq_scales, max_exp_avg_sq_scales, steps, idle_params=()) -> "AdamPlan":
+               exp_avg_sq_scales, max_exp_avg_sq_scales, steps, idle_params=(), *, step_tensors) -> "AdamPlan":
         """A plan over these lists (the caller checks that their steps run natively: backends.runs_natively).
+        step_tensors: per param, the one-element view of ``steps[i]`` that ``optimizer.state[p]['step']`` holds; the
+        plan watches it like the states (``step.data = t`` gives it another storage, which the next step must use).
         idle_params: params (of any device) that have no gradient now; the plan can step only while that stays so."""
         params, idle_params = list(params), list(idle_params)
         plan = cls(torch.classes.ort_optim.AdamPlan(
             params, list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(master_params),
-            list(exp_avg_scales), list(exp_avg_sq_scales), list(max_exp_avg_sq_scales), steps,
+            list(exp_avg_scales), list(exp_avg_sq_scales), list(max_exp_avg_sq_scales), steps, list(step_tensors),
             [id(p) for p in params], [id(q) for q in idle_params],
         ))
         # The native plan knows the params by their Python objects (it holds no reference to their tensors, which
