@@ -198,7 +198,7 @@ void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_
 // by permutes of the 256 levels held in registers and encode through a packed bucket table (the bucket's code and
 // its threshold's low bits, so the comparison needs no second lookup) read with scalar loads; 4-bit codes decode by
 // a permute of the 16 levels held in a register and encode by a binary search over the thresholds in registers.
-// The scalar step was about 15x slower than the fp32-moment step; vectorised, 2-4x (guides/low-bit-states.md, "Speed",
+// The scalar step was about 15x slower than the fp32-moment step; vectorised, 2-5x (guides/low-bit-states.md, "Speed",
 // has the measurements and why the remaining cost is compute, not bytes).
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -218,6 +218,8 @@ class CodeMap {
       const int magnitude = is_signed ? c & (sign_bit_ - 1) : c;
       decode_[c] = (c & sign_bit_) ? -levels[magnitude] : levels[magnitude];
     }
+    // Stochastic rounding's gap to the next level, hi - lo in float32 (as the rule computes it), per magnitude.
+    for (int j = 0; j + 1 < count; ++j) gap_[j] = levels[j + 1] - levels[j];
     // The binary search's table: the thresholds, padded with +inf to 16 (only used for up to 15 thresholds).
     for (int j = 0; j < 16; ++j) search_[j] = j < count - 1 ? thresholds[j] : std::numeric_limits<float>::infinity();
     for (int step = 1; step <= 2; ++step) {
@@ -289,6 +291,7 @@ class CodeMap {
 
   int sign_bit() const { return sign_bit_; }
   const float* decode() const { return decode_; }
+  const float* gap() const { return gap_; }
   // The magnitude code rounded stochastically (exp_avg; _spec.EXP_AVG_SR_ULPS has the rule): from the non-zero level
   // at or below (magnitude_code), one level up iff (lowered(a) - lo) > (r >> 8) * 2^-24 * (hi - lo). r: 32 random bits.
   inline int stochastic_magnitude_code(float a, uint32_t r) const {
@@ -296,8 +299,7 @@ class CodeMap {
     if (m == 0 || m + 1 >= sign_bit_) return m;  // below the lowest non-zero level (toward zero), or the top one
     const uint32_t ab = float_to_bits(a);
     const float lowered = bits_to_float(ab > spec::kExpAvgSrUlps ? ab - spec::kExpAvgSrUlps : 0u);
-    const float lo = decode_[m], hi = decode_[m + 1];
-    return m + ((lowered - lo) > float(r >> 8) * 0x1p-24f * (hi - lo));
+    return m + ((lowered - decode_[m]) > float(r >> 8) * 0x1p-24f * gap_[m]);
   }
 
  private:
@@ -306,6 +308,7 @@ class CodeMap {
   int sign_bit_;
   float snap_;
   alignas(64) float decode_[256] = {0.0f};
+  alignas(64) float gap_[256] = {0.0f};  // gap_[j] = levels[j + 1] - levels[j]; 0 past the top level
   alignas(64) float search_[16];
   alignas(64) float step_[2][16];  // the search's tables for steps 1 and 2: step_[s - 1][j] = search_[j + s - 1]
   std::vector<float> mid_;
@@ -344,6 +347,17 @@ const LowBit& q4() {
   return f;
 }
 
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+// t[idx] for 16 indices in [0, 128), t in 8 registers: four 2-register permutes on the low 5 bits, bits 5 and 6 pick.
+inline __m512 lookup128(const __m512* t, __m512i idx) {
+  __m512 r[4];
+  for (int k = 0; k < 4; ++k) r[k] = _mm512_permutex2var_ps(t[2 * k], idx, t[2 * k + 1]);
+  const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+  const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+  return _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[0], r[1]), _mm512_mask_blend_ps(b5, r[2], r[3]));
+}
+#endif
+
 // d[0, len) = the values of one block's codes c (8-bit: one per byte; 4-bit: element 2j in the low nibble of byte
 // j), scale s; v = u * u for a second moment. The scalar loops are the reference and do the vector loops' tails.
 template <int kBits, bool kSecondMoment>
@@ -352,7 +366,18 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
   int64_t i = 0;
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
   const __m512 s16 = _mm512_set1_ps(s);
-  if constexpr (kBits == 8) {
+  if constexpr (kBits == 8 && !kSecondMoment) {
+    // exp_avg: sign-magnitude codes, so the 128 magnitudes (lookup128) and the code's top bit as the float's sign
+    const __m512 table[8] = {_mm512_load_ps(decode), _mm512_load_ps(decode + 16), _mm512_load_ps(decode + 32),
+                             _mm512_load_ps(decode + 48), _mm512_load_ps(decode + 64), _mm512_load_ps(decode + 80),
+                             _mm512_load_ps(decode + 96), _mm512_load_ps(decode + 112)};
+    for (; i + 16 <= len; i += 16) {
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
+      const __m512i sign = _mm512_and_si512(_mm512_slli_epi32(idx, 24), _mm512_set1_epi32(int(0x80000000u)));
+      const __m512 x = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(lookup128(table, idx)), sign));
+      _mm512_storeu_ps(d + i, _mm512_mul_ps(x, s16));
+    }
+  } else if constexpr (kBits == 8) {
     // The 256 levels in 16 registers: eight 2-register permutes look up the code's low 5 bits in each 32-level
     // eighth of the table, and its top 3 bits pick one of the eight (a gather is twice as slow on AMD Zen 4).
     __m512 table[16];
@@ -427,6 +452,7 @@ inline __m512i fmix32x16(__m512i x) {  // fmix32 on 16 lanes
   x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0xC2B2AE35u)));
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
+
 #endif
 
 // Codes of one block of (finite) values u[0, len) with 1 / scale inv, written as the format stores them. Signed:
@@ -455,6 +481,21 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
       entries[i] = map.entry(key);
     }
   }
+  // exp_avg's stochastic rounding: its levels and gaps in registers (8 or 1 of each: 128 or 16 entries), and
+  // each lane's e * 0x9E3779B1 (e = first_index + i + lane), advanced by 16 * 0x9E3779B1 per iteration.
+  constexpr int kTableRegs = kBits == 8 ? 8 : 1;
+  __m512 level_table[kTableRegs], gap_table[kTableRegs];
+  __m512i e_hash = _mm512_setzero_si512();
+  if constexpr (kSigned) {
+    for (int k = 0; k < kTableRegs; ++k) {
+      level_table[k] = _mm512_load_ps(map.decode() + 16 * k);
+      gap_table[k] = _mm512_load_ps(map.gap() + 16 * k);
+    }
+    e_hash = _mm512_mullo_epi32(
+        _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(first_index))),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        _mm512_set1_epi32(int(0x9E3779B1u)));
+  }
   for (i = 0; i < vector_end; i += 16) {
     const __m512 x = _mm512_loadu_ps(u + i);
     __m512i code;
@@ -468,15 +509,22 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
       const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
       const __m512 lowered = _mm512_castsi512_ps(_mm512_max_epi32(
           _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(int(spec::kExpAvgSrUlps))), _mm512_setzero_si512()));
-      const __m512 lo = _mm512_i32gather_ps(code, map.decode(), 4);
-      const __m512 hi = _mm512_i32gather_ps(_mm512_add_epi32(code, _mm512_set1_epi32(1)), map.decode(), 4);
-      const __m512i e = _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(first_index + uint64_t(i)))),
-                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-      __m512i r = _mm512_xor_si512(_mm512_castps_si512(x), _mm512_mullo_epi32(e, _mm512_set1_epi32(int(0x9E3779B1u))));
+      // lo = levels[code] and hi - lo from registers (permutes, not gathers: a 16-lane gather costs about as much as
+      // the rest of this loop on Zen 4)
+      __m512 lo, gap;
+      if constexpr (kBits == 8) {
+        lo = lookup128(level_table, code);
+        gap = lookup128(gap_table, code);
+      } else {
+        lo = _mm512_permutexvar_ps(code, level_table[0]);
+        gap = _mm512_permutexvar_ps(code, gap_table[0]);
+      }
+      __m512i r = _mm512_xor_si512(_mm512_castps_si512(x), e_hash);  // e * 0x9E3779B1, stepped by addition
+      e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(16u * 0x9E3779B1u)));
       r = _mm512_xor_si512(fmix32x16(r), _mm512_set1_epi32(int(step * 0x85EBCA77u + 0x6A09E667u)));
       r = fmix32x16(r);
       const __m512 threshold = _mm512_mul_ps(
-          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), _mm512_set1_ps(0x1p-24f)), _mm512_sub_ps(hi, lo));
+          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), _mm512_set1_ps(0x1p-24f)), gap);
       const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(lowered, lo), threshold, _CMP_GT_OQ) &
                            _mm512_cmpgt_epi32_mask(code, _mm512_setzero_si512()) &
                            _mm512_cmplt_epi32_mask(code, _mm512_set1_epi32(sign_bit - 1));

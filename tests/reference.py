@@ -154,7 +154,7 @@ def round_state(x: torch.Tensor, dtype: torch.dtype, second_moment: bool = False
 # ---- low-bit states, from the format's definition (ops/README.md, "low-bit states") -------------------------------
 # The levels and block sizes are the specification's data (ort_optim._spec); the quantiser below is written from
 # the README's rules: scale = block absmax (rounded to nearest bfloat16 for 4-bit), normalised a = fp32(|u| * fp32(1/s))
-# clamped to 1; sqrt(v) (exp_avg_sq) takes the nearest level, exp_avg the largest level <= a or, stochastically, the
+# clamped to 1; sqrt(v) (exp_avg_sq) takes the level nearest in 1/sqrt(v), exp_avg the largest level <= a or, stochastically, the
 # next one up (random bits: a hash of the value's float32 bits, its index and the step).
 
 LOW_BIT_DTYPES = (torch.uint8, torch.uint4)
@@ -206,11 +206,13 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
     random bits from step), or "down" / "up": the level at or below / the next one up (the two candidates)."""
     fmt = _low_bit_spec(dtype)
     levels = torch.tensor(fmt.exp_avg_sq_levels if second_moment else fmt.exp_avg_levels, dtype=torch.float32)
-    # sqrt(v): nearest level (thresholds halfway); exp_avg: the level at or below (thresholds at the levels), after
+    # sqrt(v): the nearest level in 1/sqrt(v) (thresholds 2ab / (a + b) between levels a < b, in float64, rounded to
+    # float32); exp_avg: the level at or below (thresholds at the levels), after
     # the factor 1 + 2**-20 that keeps decoded levels on themselves (exp_avg's top threshold is 1 - 2**-8, so the
     # block's largest element keeps the top code), then, from a non-zero level, one up with probability
     # (a - lo) / (hi - lo)
-    thresholds = (levels[:-1] + levels[1:]) * 0.5 if second_moment else torch.cat(
+    low, high = levels[:-1].double(), levels[1:].double()
+    thresholds = (2.0 * low * high / (low + high)).float() if second_moment else torch.cat(
         [levels[1:-1], torch.tensor([1.0 - 2.0**-8])])
     flat = x.reshape(-1).float()
     u = flat.double().sqrt().float() if second_moment else flat  # correctly rounded float32 sqrt

@@ -191,7 +191,7 @@ def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, step, DT
 #   [0, 2**BITS)                     exp_avg value of each code (sign-magnitude: the top bit negates)
 #   [2**BITS, 2**(BITS+1))           sqrt(v) value of each exp_avg_sq code (relative to the block's scale)
 #   [2**(BITS+1), +2**(BITS-1))      exp_avg thresholds (_spec.thresholds: 2**(BITS-1) - 1 of them, then padding)
-#   [2**(BITS+1) + 2**(BITS-1), +2**BITS)  exp_avg_sq thresholds (the midpoints: 2**BITS - 1, then padding)
+#   [2**(BITS+1) + 2**(BITS-1), +2**BITS)  exp_avg_sq thresholds (reciprocal midpoints: 2**BITS - 1, then padding)
 # A full binary tree of 2**k - 1 sorted thresholds: k probes find #{thresholds <= a}.
 
 

@@ -24,7 +24,8 @@ from .common import measure_bandwidth
 # returning a list of flat dicts; printed as a table of their keys, saved under "sections" in the JSON and the
 # markdown. Add a section by adding a module and one line here.
 EXTRA_SECTIONS: dict[str, str] = {"step_in_backward": "backward:run", "distributed": "distributed:bench_distributed"}
-EXTRA_SECTIONS.update(lowbit="lowbit:run", lowbit_memory="lowbit:run_memory")  # low-bit states (issue 13)
+EXTRA_SECTIONS.update(lowbit="lowbit:run", lowbit_memory="lowbit:run_memory",  # low-bit states (issue 13)
+                      lowbit_limit="lowbit:run_limit")
 
 
 def run_extra_section(name: str, quick: bool) -> list[dict]:

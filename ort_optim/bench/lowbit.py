@@ -3,6 +3,7 @@ own fp32 moments and against torchao's ``AdamW8bit``/``AdamW4bit`` and bitsandby
 
     python -m ort_optim.bench --sections lowbit [--quick]          # step time, bytes/param, loss
     python -m ort_optim.bench --sections lowbit_memory [--quick]   # bytes/param of every configuration
+    python -m ort_optim.bench --sections lowbit_limit [--quick]    # where the step's time goes (compute vs bytes)
 
 Two sections of the benchmark (registered in ``EXTRA_SECTIONS`` of ``__main__``):
 
@@ -14,6 +15,9 @@ Two sections of the benchmark (registered in ``EXTRA_SECTIONS`` of ``__main__``)
   of torchao and bitsandbytes at their accuracy or better.
 * ``lowbit_memory``: params + state bytes per parameter for every configuration (param dtype x moment formats),
   measured the same way on GPT-2-small shapes.
+* ``lowbit_limit``: the limit probe (:func:`run_limit`): each format's step cold against the bytes it must move at
+  the bandwidth measured in the same loop, and hot on a cache-resident tensor (its compute alone), so that the table
+  shows with arithmetic why the 1.2x goal is or is not reachable on the machine.
 
 What is not installed (torchao, bitsandbytes: newest-torch environment only) or not supported by this FusedAdam
 becomes a row that says why. torchao's optimizers are torch.compile'd (minutes of compilation per parameter shape on
@@ -353,6 +357,85 @@ def run(quick: bool) -> list[dict]:
                 row["ort_optim_same_bits_speedup"] = ms / ours_by_bits[config.bits]
             rows.append(row)
         del steps, info, param_sets
+    return rows
+
+
+# ---- where the low-bit step's time goes: the limit probe ------------------------------------------------------
+
+LIMIT_CONFIGS = ["fp32", "uint8", "uint4"]
+HOT_NUMEL = 256 * 1024  # one tensor whose step stays in the caches (fp32: 4 MB of p, g, m, v; low-bit: 2.6 MB)
+TINY_NUMEL = 1024  # a step that is all overhead (dispatch, plan), subtracted from the hot step
+
+
+def moved_bytes_per_param(config: Config) -> float:
+    """Bytes a step must move per parameter (fp32 params, no master weights): param read and write 8, gradient read
+    4, and each moment read and written in its storage (fp32: 4 bytes; low-bit: its codes and its block's share of
+    a scale, _spec.LowBitFormat.bytes_per_element)."""
+    from .._spec import LOW_BIT_FORMATS
+
+    def moment(dtype):
+        return LOW_BIT_FORMATS[dtype].bytes_per_element() if dtype in LOW_BIT_FORMATS else 4.0
+
+    return 12.0 + 2 * moment(config.options.get("exp_avg_dtype")) + 2 * moment(config.options.get("exp_avg_sq_dtype"))
+
+
+def run_limit(quick: bool) -> list[dict]:
+    """The ``lowbit_limit`` section: why the low-bit step is (or is not) faster than the fp32-moment step here.
+
+    Per configuration (fp32 params): the bytes its step must move per parameter; its cold time per parameter on
+    GPT-2-small shapes, each step right after an in-place probe that evicts the caches and measures the bandwidth
+    at that moment (common.time_after_probe); the floor those bytes set at the probe's bandwidth; and its hot time
+    per parameter, the same step on one cache-resident tensor (HOT_NUMEL elements, the per-step overhead of a
+    TINY_NUMEL-element step subtracted) on one thread, divided by the thread count: the compute alone. A step cannot
+    beat max(hot, floor), so
+    ``bound_speedup_vs_fp32_cold`` (the fp32-moment step's cold time over that maximum) is the most the format could
+    gain on this machine, and ``hot_ns_needed_for_1.2x`` is the compute budget that issue 13's 1.2x would need."""
+    from .common import time_after_probe
+
+    reps = 3 if quick else 7
+    shapes = WORKLOADS["gpt2-small"](quick)
+    cold_steps, hot_steps, tiny_steps, moved, numel = {}, {}, {}, {}, 0
+    for name in LIMIT_CONFIGS:
+        config = CONFIGS[name]
+        try:
+            params = make_params(shapes)
+            numel = sum(p.numel() for p in params)
+            optimizers = [make_optimizer(config, ps, **BENCH_HYPER)
+                          for ps in (params, make_params([(HOT_NUMEL,)]), make_params([(TINY_NUMEL,)]))]
+        except Unavailable:
+            continue
+        for optimizer in optimizers:
+            optimizer.step()  # creates the state and the plan
+        cold_steps[name], hot_steps[name], tiny_steps[name] = (o.step for o in optimizers)
+        moved[name] = moved_bytes_per_param(config) * numel
+    # The hot steps on one thread: a short parallel region on a shared 2-core machine waits for whichever of its
+    # threads the scheduler took away (measured: a 250 us step took 8-16 ms under load), and compute scales with
+    # the cores, so the bound below divides by the thread count.
+    threads = torch.get_num_threads()
+    hot_reps = 20 if quick else 50
+    torch.set_num_threads(1)
+    try:
+        hot = _time_round_robin(hot_steps, hot_reps, {n: 0.0 for n in hot_steps})
+        tiny = _time_round_robin(tiny_steps, hot_reps, {n: 0.0 for n in tiny_steps})
+    finally:
+        torch.set_num_threads(threads)
+    cold, _, probe_gbps = time_after_probe(cold_steps, moved, quick, warmup=1, reps=reps)
+    fp32_cold_ns = cold["fp32"] * 1e9 / numel if "fp32" in cold else None
+    rows = []
+    for name in cold:
+        bytes_per_param = moved[name] / numel
+        cold_ns = cold[name] * 1e9 / numel
+        hot_ns = max(hot[name] - tiny[name], 0.0) * 1e9 / (HOT_NUMEL - TINY_NUMEL)  # one thread
+        floor_ns = bytes_per_param / probe_gbps
+        row = dict(implementation=name, threads=threads, params=numel,
+                   bytes_moved_per_param=bytes_per_param, probe_GBps=probe_gbps, cold_ns_per_param=cold_ns,
+                   bytes_floor_ns_per_param=floor_ns, hot_ns_per_param_one_thread=hot_ns,
+                   hot_ns_per_param=hot_ns / threads,
+                   cold_speedup_vs_fp32_cold=fp32_cold_ns / cold_ns if fp32_cold_ns else None,
+                   bound_speedup_vs_fp32_cold=fp32_cold_ns / max(hot_ns / threads, floor_ns) if fp32_cold_ns else None)
+        if fp32_cold_ns:
+            row["hot_ns_needed_for_1.2x"] = fp32_cold_ns / 1.2
+        rows.append(row)
     return rows
 
 
