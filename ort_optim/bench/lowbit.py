@@ -5,7 +5,7 @@ own fp32 moments and against torchao's ``AdamW8bit``/``AdamW4bit`` and bitsandby
     python -m ort_optim.bench --sections lowbit_memory [--quick]   # bytes/param of every configuration
     python -m ort_optim.bench --sections lowbit_limit [--quick]    # where the step's time goes (compute vs bytes)
 
-Two sections of the benchmark (registered in ``EXTRA_SECTIONS`` of ``__main__``):
+Three sections of the benchmark (registered in ``EXTRA_SECTIONS`` of ``__main__``):
 
 * ``lowbit``: the step on GPT-2-small parameter shapes and on 2000 x 1K, every implementation on the same kind of
   params, interleaved (round robin after a warm-up step, which also compiles torchao's kernels), medians; the state's
@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .common import WORKLOADS, make_params
+from .common import WORKLOADS, make_params, time_interleaved
 
 UINT4 = getattr(torch, "uint4", None)
 
@@ -415,8 +415,8 @@ def run_limit(quick: bool) -> list[dict]:
     hot_reps = 20 if quick else 50
     torch.set_num_threads(1)
     try:
-        hot = _time_round_robin(hot_steps, hot_reps, {n: 0.0 for n in hot_steps})
-        tiny = _time_round_robin(tiny_steps, hot_reps, {n: 0.0 for n in tiny_steps})
+        hot = time_interleaved(hot_steps, warmup=0, reps=hot_reps)  # (each optimizer stepped once above)
+        tiny = time_interleaved(tiny_steps, warmup=0, reps=hot_reps)
     finally:
         torch.set_num_threads(threads)
     cold, _, probe_gbps = time_after_probe(cold_steps, moved, quick, warmup=1, reps=reps)
