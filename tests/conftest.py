@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Iterable, Optional
@@ -153,25 +152,3 @@ def state_values(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> Optio
 def pytest_report_header(config):
     native = backends.native_available() if os.environ.get("ORT_OPTIM_NO_NATIVE") != "1" else False
     return f"torch {torch.__version__}; ort_optim native CPU library: {'loaded' if native else 'NOT available'}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(worker, outdir: str, nprocs: int) -> None:
-    """torch.multiprocessing.spawn(worker, (port, outdir)) on a free port; once more on a fresh port if the rendezvous
-    failed (another process may take the port between free_port() and the bind), never on any other error."""
-    import torch.multiprocessing as mp
-
-    for attempt in range(2):
-        try:
-            mp.spawn(worker, args=(free_port(), outdir), nprocs=nprocs)
-            return
-        except Exception as exc:  # torch.multiprocessing.ProcessRaisedException
-            text = str(exc)
-            if attempt or not any(s in text for s in ("EADDRINUSE", "Address already in use", "Connection reset",
-                                                       "Connection refused", "Socket Timeout")):
-                raise

@@ -7,13 +7,10 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import spawn
+from distributed_harness import run_ranks
 from torch import nn
 
 from ort_optim import FusedAdam
@@ -43,13 +40,6 @@ def full_batch(step, dtype, n=8 * WORLD):
 
 def loss_of(model, x, y):
     return torch.nn.functional.mse_loss(model(x).float(), y)
-
-
-def _init(rank, port):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
 
 
 INF_CASES = [("FusedAdam", False), ("SGD", False), ("AdamW-fused", True)]
@@ -90,28 +80,19 @@ def _ddp(rank, kind, dtype):
     return {"masters": [m.detach().clone() for m in masters], "skipped": opt.skipped_steps}
 
 
-def _worker(rank, port, outdir):
+def _scenarios(rank, world_size, tmp_dir):
     """Every scenario in one spawn (starting two processes costs several seconds)."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        out = {}
-        for kind, explicit in INF_CASES:
-            out[f"inf-{kind}-{explicit}"] = _inf_one_rank(rank, kind, explicit)
-        for kind, dtype in DDP_CASES:
-            out[f"ddp-{kind}-{dtype}"] = _ddp(rank, kind, dtype)
-        torch.save(out, Path(outdir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    out = {}
+    for kind, explicit in INF_CASES:
+        out[f"inf-{kind}-{explicit}"] = _inf_one_rank(rank, kind, explicit)
+    for kind, dtype in DDP_CASES:
+        out[f"ddp-{kind}-{dtype}"] = _ddp(rank, kind, dtype)
+    return out
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    outdir = tmp_path_factory.mktemp("fp16_distributed")
-    spawn(_worker, str(outdir), nprocs=WORLD)
-    return [torch.load(outdir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    return run_ranks(_scenarios, WORLD, tmp_path_factory.mktemp("fp16_distributed"))
 
 
 @pytest.mark.parametrize("kind,explicit_groups", INF_CASES)
