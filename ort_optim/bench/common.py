@@ -56,8 +56,9 @@ def measure_bandwidth(quick: bool) -> dict:
     return result
 
 
-def time_interleaved(candidates: dict[str, Callable[[], None]], warmup: int, reps: int) -> dict[str, float]:
-    """Median seconds per call of each candidate, run round robin so that machine noise hits all alike."""
+def interleaved_samples(candidates: dict[str, Callable[[], None]], warmup: int, reps: int) -> dict[str, list[float]]:
+    """Seconds of every call of each candidate, run round robin so that machine noise hits all alike: sample i of
+    every candidate comes from the same round (pair them for per-round ratios)."""
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for rep in range(warmup + reps):
         for name, fn in candidates.items():
@@ -65,7 +66,12 @@ def time_interleaved(candidates: dict[str, Callable[[], None]], warmup: int, rep
             fn()
             if rep >= warmup:
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
+
+
+def time_interleaved(candidates: dict[str, Callable[[], None]], warmup: int, reps: int) -> dict[str, float]:
+    """Median seconds per call of each candidate, run round robin (interleaved_samples)."""
+    return {name: statistics.median(values) for name, values in interleaved_samples(candidates, warmup, reps).items()}
 
 
 def time_after_probe(candidates: dict[str, Callable[[], None]], moved_bytes: dict[str, float], quick: bool,
