@@ -55,7 +55,9 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
 
-# Model and run sizes. "demo" is the default; "memopt" is the configuration of the memory-optimizer measurement.
+# Model and run sizes. "demo" is the default; "memopt" is the configuration of the memory-optimizer measurement;
+# "grads" makes the gradients (about 100 MB) dominate the activations (a few MB), to measure step_in_backward's
+# memory saving, which the other configurations hide under their activations.
 CONFIGS = {
     "quick": dict(n_layer=2, d_model=64, n_head=2, block=64, batch=8, steps=16, warmup=4, eval_every=8,
                   eval_batches=2, lr=3e-3),
@@ -63,6 +65,8 @@ CONFIGS = {
                  eval_batches=8, lr=3e-3),
     "memopt": dict(n_layer=4, d_model=256, n_head=4, block=256, batch=16, steps=8, warmup=2, eval_every=0,
                    eval_batches=0, lr=1e-3),
+    "grads": dict(n_layer=8, d_model=512, n_head=8, block=32, batch=2, steps=8, warmup=2, eval_every=0,
+                  eval_batches=0, lr=1e-3),
 }
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -105,7 +109,12 @@ def rss_mb() -> float:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, MB (ru_maxrss is in KB on Linux)."""
+    """Peak resident set size of this process so far, MB: VmHWM, which starts afresh at exec. (ru_maxrss does not:
+    Linux keeps it across execve, so a leg started from a larger parent process would report the parent's peak.)"""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
