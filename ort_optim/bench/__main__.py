@@ -26,6 +26,7 @@ from .common import measure_bandwidth
 EXTRA_SECTIONS: dict[str, str] = {"step_in_backward": "backward:run", "distributed": "distributed:bench_distributed"}
 EXTRA_SECTIONS.update(lowbit="lowbit:run", lowbit_memory="lowbit:run_memory",  # low-bit states (issue 13)
                       lowbit_limit="lowbit:run_limit")
+EXTRA_SECTIONS.update(mixed_limit="adam:run_mixed_limit")  # how far the mixed step is from its targets (issue 14)
 
 
 def run_extra_section(name: str, quick: bool) -> list[dict]:

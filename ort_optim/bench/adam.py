@@ -115,6 +115,73 @@ def bench_mixed(names: list[str], quick: bool, reps: int) -> list[dict]:
     return result
 
 
+MIXED_BYTES_PER_ELEMENT = 32  # ours in bench_mixed: g read twice + g written + p16 written + master, m, v read and written
+MIXED_TARGETS = {"gpt2-small": 0.90, "2000x1K": 0.70}  # issue 14: fractions of the cold in-place probe
+MIXED_HOT_NUMEL = 64 * 1024  # one tensor whose mixed step stays in L2 (16 B per element of state: 1 MB)
+MIXED_TINY_NUMEL = 1024  # a step that is all overhead (dispatch, plan, norm reduction), subtracted from the hot step
+MIXED_HOT_TENSORS = 64  # MIXED_HOT_NUMEL elements as 1K tensors: the cost of each tensor beyond the first
+
+
+def run_mixed_limit(quick: bool) -> list[dict]:
+    """The ``mixed_limit`` section: how close to the cold probe bench_mixed's step (fp16/bf16 params, fp32 masters,
+    unscale, inf check, clip, write-back) can get on this machine, and what stands between it and issue 14's targets.
+
+    Per param dtype, on one thread, with the caches warm (the compute alone):
+    ``hot_ns_per_element``, one MIXED_HOT_NUMEL-element tensor minus a MIXED_TINY_NUMEL-element step (the per-step
+    overhead); ``hot_ns_per_extra_tensor``, MIXED_HOT_TENSORS tensors of 1K against that one tensor.
+    Per workload: the cold step (each right after the in-place probe, common.time_after_probe) and its fraction of
+    the probe; the bytes floor (MIXED_BYTES_PER_ELEMENT at the probe's bandwidth) and the compute floor (numel x
+    hot_ns_per_element + (tensors - 1) x hot_ns_per_extra_tensor, divided by the thread count, which assumes
+    perfect scaling); ``bound_of_probe``, bytes floor / max(both floors): the most the step can reach with its present
+    compute, if memory and compute overlapped perfectly. A bound below the target says the compute (or per-tensor
+    cost) must shrink first; a bound above it with a lower ``of_probe`` says the time goes to memory stalls."""
+    threads = torch.get_num_threads()
+    scale = 1024.0
+    rows_out = []
+    for dtype in (torch.float16, torch.bfloat16):
+        def make(shapes):
+            params = make_params(shapes, dtype)
+            for p in params:
+                p.grad.mul_(scale)
+            grads = [p.grad.clone() for p in params]
+            optimizer = FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH,
+                                  master_weights=True, max_grad_norm=1.0)
+            restore = lambda: torch._foreach_copy_([p.grad for p in params], grads)  # noqa: E731 (see bench_mixed)
+            return (lambda: optimizer.step(grad_scale=scale)), restore, params
+
+        hot = {"one": make([(MIXED_HOT_NUMEL,)]), "tiny": make([(MIXED_TINY_NUMEL,)]),
+               "many": make([(MIXED_HOT_NUMEL // MIXED_HOT_TENSORS,)] * MIXED_HOT_TENSORS)}
+        # Ours writes the grads back unscaled, so each call restores them first; the restore alone is subtracted.
+        candidates = {name: (lambda step=step, restore=restore: (restore(), step()))
+                      for name, (step, restore, _) in hot.items()}
+        candidates.update({f"{name} restore": restore for name, (_, restore, _) in hot.items()})
+        torch.set_num_threads(1)  # (see lowbit.run_limit: a short parallel region waits for a busy core)
+        try:
+            for step in candidates.values():
+                step()  # state and plans
+            hot_s = time_interleaved(candidates, warmup=2, reps=20 if quick else 60)
+        finally:
+            torch.set_num_threads(threads)
+        net = {name: max(hot_s[name] - hot_s[f"{name} restore"], 0.0) for name in hot}
+        per_element = max(net["one"] - net["tiny"], 0.0) / (MIXED_HOT_NUMEL - MIXED_TINY_NUMEL)
+        per_tensor = max(net["many"] - net["one"], 0.0) / (MIXED_HOT_TENSORS - 1)
+        for workload, target in MIXED_TARGETS.items():
+            step, restore, params = make(WORKLOADS[workload](quick))
+            numel = sum(p.numel() for p in params)
+            moved = MIXED_BYTES_PER_ELEMENT * numel
+            medians, of_probe, probe_gbps = time_after_probe({"ours": step}, {"ours": moved}, quick, warmup=1,
+                                                             reps=3 if quick else 7, prepare=restore)
+            bytes_floor = moved / (probe_gbps * 1e9)
+            compute_floor = (numel * per_element + (len(params) - 1) * per_tensor) / threads
+            rows_out.append(dict(
+                params=str(dtype).replace("torch.", ""), workload=workload, threads=threads, elements=numel,
+                tensors=len(params), hot_ns_per_element=per_element * 1e9, hot_ns_per_extra_tensor=per_tensor * 1e9,
+                probe_GBps=probe_gbps, cold_ms=medians["ours"] * 1e3, of_probe=of_probe["ours"],
+                bytes_floor_ms=bytes_floor * 1e3, compute_floor_ms=compute_floor * 1e3,
+                bound_of_probe=bytes_floor / max(bytes_floor, compute_floor), target_of_probe=target))
+    return rows_out
+
+
 def bench_low_precision_states(names: list[str], quick: bool, reps: int) -> list[dict]:
     """fp32 params with fp16 moments (ours, 1024-element block scales) against torch fused AdamW (fp32 moments)."""
     result = []
