@@ -115,7 +115,7 @@ def bench_mixed(names: list[str], quick: bool, reps: int) -> list[dict]:
     return result
 
 
-MIXED_BYTES_PER_ELEMENT = 32  # ours in bench_mixed: g read twice + g written + p16 written + master, m, v read and written
+MIXED_BYTES_PER_ELEMENT = 32  # ours in bench_mixed: g read twice, g and p16 written, master, m, v read and written
 MIXED_TARGETS = {"gpt2-small": 0.90, "2000x1K": 0.70}  # issue 14: fractions of the cold in-place probe
 MIXED_HOT_NUMEL = 64 * 1024  # one tensor whose mixed step stays in L2 (16 B per element of state: 1 MB)
 MIXED_TINY_NUMEL = 1024  # a step that is all overhead (dispatch, plan, norm reduction), subtracted from the hot step
