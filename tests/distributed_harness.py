@@ -9,11 +9,22 @@ worker's traceback.
 
 Workers run with one intra-op thread and see the same ``sys.path`` as the parent (spawn copies it), so ``scenarios``
 must be a module-level function of an importable module (a test module is).
+
+Workers end with ``os._exit`` and never tear their process groups down. With torch 2.4.1,
+``dist.destroy_process_group()`` can deadlock. The destructor of ProcessGroupGloo runs with the GIL held and joins
+its worker threads. One of those threads may still be dropping the last reference to a finished broadcast's
+tensors (DDP's initial broadcast), which needs the GIL to free their Python objects. gdb showed exactly that on a
+4-rank spawn on 2 cores: `make test` hung forever. Instead, every rank records in the FileStore that it has
+returned from its last collective and waits for all the others, then exits without running any destructor. A
+scenario that raises writes its traceback to ``error<rank>.txt`` and exits with status 1. mp.spawn then stops the
+other ranks, and run_ranks raises with that traceback.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,8 +45,19 @@ def _entry(rank: int, scenarios: Scenarios, world_size: int, tmp_dir: str, env: 
     try:
         result = scenarios(rank, world_size, tmp_dir)
         torch.save(result, Path(tmp_dir) / f"result{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        (Path(tmp_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
+        _exit(1)
+    # (see the module docstring: no teardown) The FileStore is a file, so this wait involves no socket
+    store.set(f"harness/done{rank}", "1")
+    store.wait([f"harness/done{r}" for r in range(world_size)])
+    _exit(0)
+
+
+def _exit(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def run_ranks(scenarios: Scenarios, world_size: int, tmp_dir, env: dict | None = None) -> list[dict]:
@@ -44,7 +66,14 @@ def run_ranks(scenarios: Scenarios, world_size: int, tmp_dir, env: dict | None =
 
     tmp_dir = Path(tmp_dir)
     tmp_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_entry, args=(scenarios, world_size, str(tmp_dir), dict(env or {})), nprocs=world_size)
+    try:
+        mp.spawn(_entry, args=(scenarios, world_size, str(tmp_dir), dict(env or {})), nprocs=world_size)
+    except mp.ProcessExitedException as exc:
+        errors = [f"rank {rank}:\n{path.read_text()}" for rank in range(world_size)
+                  if (path := tmp_dir / f"error{rank}.txt").exists()]
+        if errors:
+            raise RuntimeError("a distributed scenario raised\n\n" + "\n".join(errors)) from exc
+        raise
     return [torch.load(tmp_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
