@@ -211,11 +211,12 @@ def main(argv=None) -> int:
             print(json.dumps(summary), flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(summary))
-    finally:
         # With torch 2.4, destroy_process_group() can deadlock if a gloo worker thread is still freeing the tensors
         # of the last collective (DCP's save ends with one): the destructor holds the GIL while it joins that
-        # thread, and the thread needs the GIL. A barrier first lets that thread finish.
+        # thread, and the thread needs the GIL. A barrier first lets that thread finish. (Not in `finally`: after
+        # an error on one rank the others would wait in it.)
         dist.barrier()
+    finally:
         dist.destroy_process_group()
     return 0
 
