@@ -17,13 +17,15 @@ tensors (DDP's initial broadcast), which needs the GIL to free their Python obje
 4-rank spawn on 2 cores: `make test` hung forever. Instead, every rank records in the FileStore that it has
 returned from its last collective and waits for all the others, then exits without running any destructor. A
 scenario that raises writes its traceback to ``error<rank>.txt`` and exits with status 1. mp.spawn then stops the
-other ranks, and run_ranks raises with that traceback.
+other ranks, and run_ranks raises with that traceback. A spawn still running after TIMEOUT_S is killed and raises
+TimeoutError naming the ranks still alive, so a hang fails one test instead of holding CI until its time limit.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +33,9 @@ from typing import Any, Callable
 import torch
 
 Scenarios = Callable[[int, int, str], dict]
+# A spawn that runs longer is a hang: it is killed and fails (the slowest module takes about 60 s on 2 cores),
+# instead of holding CI until its 90-minute limit.
+TIMEOUT_S = 600
 
 
 def _entry(rank: int, scenarios: Scenarios, world_size: int, tmp_dir: str, env: dict) -> None:
@@ -66,8 +71,17 @@ def run_ranks(scenarios: Scenarios, world_size: int, tmp_dir, env: dict | None =
 
     tmp_dir = Path(tmp_dir)
     tmp_dir.mkdir(parents=True, exist_ok=True)
+    context = mp.spawn(_entry, args=(scenarios, world_size, str(tmp_dir), dict(env or {})), nprocs=world_size,
+                       join=False)
+    deadline = time.monotonic() + TIMEOUT_S
     try:
-        mp.spawn(_entry, args=(scenarios, world_size, str(tmp_dir), dict(env or {})), nprocs=world_size)
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                alive = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"ranks {alive} of {world_size} still running after {TIMEOUT_S} s (killed): a hang "
+                                   "(a collective some rank never joined, or a teardown deadlock)")
     except mp.ProcessExitedException as exc:
         errors = [f"rank {rank}:\n{path.read_text()}" for rank in range(world_size)
                   if (path := tmp_dir / f"error{rank}.txt").exists()]
