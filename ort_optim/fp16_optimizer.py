@@ -61,6 +61,14 @@ def _float32(value: float) -> float:
     return float(torch.tensor(value, dtype=torch.float32))
 
 
+def _float32_toward(value: float, toward: float) -> float:
+    """The float32 number nearest to value on the side of toward (value itself when it is a float32 number)."""
+    x = _float32(value)
+    if x != value and (x > value) == (toward < value):
+        x = float(torch.nextafter(torch.tensor(x, dtype=torch.float32), torch.tensor(toward, dtype=torch.float32)))
+    return x
+
+
 def _real(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number (int or float), got {type(value).__name__} {value!r:.60}")
@@ -135,7 +143,9 @@ class DynamicLossScaler:
 
     Every option is checked at construction against the float32/int32 tensors that hold the state (errors name the
     option): ``init_scale``, ``min_scale`` and ``max_scale`` lie in [2**-126, 2**126] (the scale and 1/scale are then
-    normal float32 numbers; the scale never becomes inf or 0), ``min_scale <= init_scale <= max_scale``,
+    normal float32 numbers; the scale never becomes inf or 0), ``min_scale <= init_scale <= max_scale``, and they are
+    kept as float32 numbers like the scale (``min_scale`` rounded up, ``max_scale`` down, ``init_scale`` to the
+    nearest between them),
     ``growth_factor > 1`` and ``0 < backoff_factor < 1`` also after rounding to float32, ``growth_interval`` and
     ``hysteresis`` ints in [1, 2**31 - 1], ``consecutive_hysteresis`` and ``dynamic`` bools.
     """
@@ -162,6 +172,15 @@ class DynamicLossScaler:
         if not min_scale <= init_scale <= max_scale:
             raise ValueError(f"init_scale={init_scale!r} must lie in [min_scale, max_scale] = [{min_scale!r}, "
                              f"{max_scale!r}]")
+        # The scale is a float32 tensor, so its bounds are float32 numbers too: min_scale rounds up and max_scale
+        # down (the scale never leaves the range given), init_scale to the nearest float32 between them. Without
+        # this, init_scale = max_scale = 1.00001 started at 1.0000100136 > max_scale.
+        min32, max32 = _float32_toward(min_scale, math.inf), _float32_toward(max_scale, -math.inf)
+        if min32 > max32:
+            raise ValueError(f"min_scale={min_scale!r} and max_scale={max_scale!r} hold no float32 number between "
+                             "them (the scale is a float32 tensor); widen the range")
+        min_scale, max_scale = min32, max32
+        init_scale = min(max(_float32(init_scale), min_scale), max_scale)
         growth_factor = _real("growth_factor", growth_factor)
         if not 1.0 < _float32(growth_factor) <= FLOAT32_MAX:
             raise ValueError(f"growth_factor must be > 1 in float32 (and finite), got {growth_factor!r}")

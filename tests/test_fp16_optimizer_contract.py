@@ -173,6 +173,17 @@ def test_edge_options_are_accepted_and_stay_finite(kwargs):
     assert math.isfinite(float(opt.scaler.inv_scale())) and float(opt.scaler.inv_scale()) > 0
 
 
+def test_scale_bounds_are_float32_numbers_so_the_scale_never_leaves_the_given_range():
+    # found by the property test below: the float32 scale started at float32(1.00001) = 1.0000100136 > max_scale
+    scaler = DynamicLossScaler(init_scale=1.00001, max_scale=1.00001, min_scale=1.000001)
+    for overflow in (False, True, False):
+        scaler.update(torch.tensor(float(overflow)))
+        assert 1.000001 <= scaler.min_scale <= float(scaler.scale) <= scaler.max_scale <= 1.00001
+    assert scaler.max_scale == float(torch.tensor(scaler.max_scale, dtype=torch.float32))
+    with pytest.raises(ValueError, match="min_scale=1.00000001 and max_scale=1.00000005 hold no float32 number"):
+        DynamicLossScaler(init_scale=1.00000002, min_scale=1.00000001, max_scale=1.00000005)
+
+
 OPTION_NAMES = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
                 "consecutive_hysteresis", "min_scale", "max_scale", "min_scale_action", "dynamic")
 ANY_VALUE = st.one_of(
