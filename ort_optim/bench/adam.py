@@ -11,7 +11,7 @@ import torch
 
 from .. import backends
 from ..fused_adam import AdamWMode, FusedAdam
-from .common import WORKLOADS, make_params, rows, time_after_probe, time_interleaved
+from .common import WORKLOADS, make_params, rows, time_after_probe, time_interleaved, time_interleaved_one_thread
 
 def _deepspeed_cpu_adam(params) -> Optional[torch.optim.Optimizer]:
     try:
@@ -155,13 +155,9 @@ def run_mixed_limit(quick: bool) -> list[dict]:
         candidates = {name: (lambda step=step, restore=restore: (restore(), step()))
                       for name, (step, restore, _) in hot.items()}
         candidates.update({f"{name} restore": restore for name, (_, restore, _) in hot.items()})
-        torch.set_num_threads(1)  # (see lowbit.run_limit: a short parallel region waits for a busy core)
-        try:
-            for step in candidates.values():
-                step()  # state and plans
-            hot_s = time_interleaved(candidates, warmup=2, reps=20 if quick else 60)
-        finally:
-            torch.set_num_threads(threads)
+        for step in candidates.values():
+            step()  # state and plans
+        hot_s = time_interleaved_one_thread(candidates, warmup=2, reps=20 if quick else 60)
         net = {name: max(hot_s[name] - hot_s[f"{name} restore"], 0.0) for name in hot}
         per_element = max(net["one"] - net["tiny"], 0.0) / (MIXED_HOT_NUMEL - MIXED_TINY_NUMEL)
         per_tensor = max(net["many"] - net["one"], 0.0) / (MIXED_HOT_TENSORS - 1)

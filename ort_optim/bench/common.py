@@ -74,6 +74,19 @@ def time_interleaved(candidates: dict[str, Callable[[], None]], warmup: int, rep
     return {name: statistics.median(values) for name, values in interleaved_samples(candidates, warmup, reps).items()}
 
 
+def time_interleaved_one_thread(candidates: dict[str, Callable[[], None]], warmup: int, reps: int
+                                ) -> dict[str, float]:
+    """time_interleaved on one intra-op thread (the thread count is restored after): for hot, cache-resident steps
+    whose compute is divided by the thread count afterwards. A short parallel region on a shared 2-core machine
+    waits for whichever of its threads the scheduler took away (measured: a 250 us step took 8-16 ms under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return time_interleaved(candidates, warmup, reps)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def time_after_probe(candidates: dict[str, Callable[[], None]], moved_bytes: dict[str, float], quick: bool,
                      warmup: int, reps: int, prepare: Optional[Callable[[], None]] = None
                      ) -> tuple[dict[str, float], dict[str, float], float]:

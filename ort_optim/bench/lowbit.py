@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .common import WORKLOADS, make_params, time_interleaved
+from .common import WORKLOADS, make_params, time_interleaved_one_thread
 
 UINT4 = getattr(torch, "uint4", None)
 
@@ -408,17 +408,11 @@ def run_limit(quick: bool) -> list[dict]:
             optimizer.step()  # creates the state and the plan
         cold_steps[name], hot_steps[name], tiny_steps[name] = (o.step for o in optimizers)
         moved[name] = moved_bytes_per_param(config) * numel
-    # The hot steps on one thread: a short parallel region on a shared 2-core machine waits for whichever of its
-    # threads the scheduler took away (measured: a 250 us step took 8-16 ms under load), and compute scales with
-    # the cores, so the bound below divides by the thread count.
+    # The hot steps on one thread; compute scales with the cores, so the bound below divides by the thread count.
     threads = torch.get_num_threads()
     hot_reps = 20 if quick else 50
-    torch.set_num_threads(1)
-    try:
-        hot = time_interleaved(hot_steps, warmup=0, reps=hot_reps)  # (each optimizer stepped once above)
-        tiny = time_interleaved(tiny_steps, warmup=0, reps=hot_reps)
-    finally:
-        torch.set_num_threads(threads)
+    hot = time_interleaved_one_thread(hot_steps, warmup=0, reps=hot_reps)  # (each optimizer stepped once above)
+    tiny = time_interleaved_one_thread(tiny_steps, warmup=0, reps=hot_reps)
     cold, _, probe_gbps = time_after_probe(cold_steps, moved, quick, warmup=1, reps=reps)
     fp32_cold_ns = cold["fp32"] * 1e9 / numel if "fp32" in cold else None
     rows = []
