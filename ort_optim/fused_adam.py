@@ -166,14 +166,18 @@ class FusedAdam(torch.optim.Optimizer):
     bias corrections, fp16 block scales; the results equal step()'s bit for bit) and sets ``p.grad = None``. The
     model's gradients thus never all exist at once: peak memory drops by up to their size, and the update reads each
     gradient while it is still in cache. ``step()`` then only updates params whose hook did not fire (gradients set
-    by hand, params made trainable after construction); ``zero_grad()`` is harmless. Works with every option that
-    acts per parameter (modes, amsgrad, maximize, masters, low-precision moments, lr tensors, param groups). What
-    needs every gradient before the first update is refused: ``max_grad_norm`` (ValueError here), ``grad_scale`` and
-    ``found_inf`` (ValueError from step(), which is how ``torch.amp.GradScaler`` and loss scaling come in; by then
-    backward has already updated the params with the scaled gradients, so fix the setup rather than catching the
-    error), and params that share memory (ValueError here). Gradient accumulation: run the backward calls of all
-    micro-batches but the last inside :meth:`accumulate`. A bad gradient or hyperparameter raises a ValueError out
-    of backward naming the param, which is left unchanged; params updated earlier in the same backward stay updated.
+    by hand, params made trainable after construction); ``zero_grad()`` is harmless. As no gradient is left after
+    backward, code between backward and ``step()`` sees none: ``torch.nn.utils.clip_grad_norm_`` returns 0 and clips
+    nothing, and a param the loss did not use is not updated, even after ``zero_grad(set_to_none=False)`` (where
+    ``step()`` would update it with a zero gradient, its moments still moving it), as in torch's optimizer-in-backward
+    recipe. Works with every option that acts per parameter (modes, amsgrad, maximize, masters, low-precision moments,
+    lr tensors, param groups). What needs every gradient before the first update is refused: ``max_grad_norm``
+    (ValueError here), ``grad_scale`` and ``found_inf`` (ValueError from step(), which is how ``torch.amp.GradScaler``
+    and loss scaling come in; by then backward has already updated the params with the scaled gradients, so fix the
+    setup rather than catching the error), and params that share memory (ValueError here). Gradient accumulation: run
+    the backward calls of all micro-batches but the last inside :meth:`accumulate`. A bad gradient or hyperparameter
+    raises a ValueError out of backward naming the param, which is left unchanged; params updated earlier in the same
+    backward stay updated.
     The hooks hold the optimizer weakly: a deleted optimizer updates nothing. Under ORTModule (onnxruntime-training
     1.19.2, torch 2.4.1) the hooks fire as in eager PyTorch and the updates are the same, but ORT's backward hands
     over all the module's gradients at once, so the memory saving is only that no gradient outlives its update.
@@ -344,6 +348,10 @@ class FusedAdam(torch.optim.Optimizer):
                 with optimizer.accumulate() if i < len(micro_batches) - 1 else contextlib.nullcontext():
                     model(batch).loss.backward()
             optimizer.step()  # updates only the params whose hooks did not fire
+
+        Running every micro-batch's backward inside it works too: then ``step()`` updates each param with the sum,
+        as without step_in_backward (but the gradients all exist at once, as without it). A backward outside it
+        always updates: accumulating without it steps once per backward, as torch's optimizer-in-backward recipe.
         """
         return self._backward.accumulate() if self._backward is not None else contextlib.nullcontext()
 
