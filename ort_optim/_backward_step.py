@@ -35,7 +35,7 @@ class BackwardStep:
     def __init__(self, optimizer: "FusedAdam") -> None:
         self._optimizer = weakref.ref(optimizer)
         self._where: dict[torch.Tensor, tuple[int, int, dict]] = {}  # param -> (group index, index, group)
-        self._handles: list = []
+        self._handles: dict[torch.Tensor, object] = {}  # param -> its hook's handle (one hook per param)
         # param -> ((optimizer.state.version, amsgrad, the group's rounding options), its native plan, its
         # rounding_keys) when it was planned
         self._plans: dict[torch.Tensor, tuple[tuple, backends.AdamPlan, Optional[torch.Tensor]]] = {}
@@ -48,8 +48,14 @@ class BackwardStep:
         updates it, like any param whose hook did not fire)."""
         for index, p in enumerate(group["params"]):
             self._where[p] = (group_index, index, group)
-            if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
+            if p.requires_grad and p not in self._handles:
+                self._handles[p] = p.register_post_accumulate_grad_hook(self._hook)
+
+    def remove(self) -> None:
+        """Removes every hook: backward then only accumulates gradients."""
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
@@ -62,10 +68,34 @@ class BackwardStep:
 
     def _hook(self, p: torch.Tensor) -> None:
         optimizer = self._optimizer()
-        if optimizer is None or self._accumulating:
+        if optimizer is None or self._accumulating or not self._locate(optimizer, p):
             return
+        if p.grad is None:  # (autograd calls this hook with the gradient accumulated: another hook took it)
+            group_index, index, _ = self._where[p]
+            raise ValueError(
+                f"{_plan.describe(group_index, index, p)}: its gradient was taken (set to None) by another "
+                "post-accumulate-grad hook before this optimizer's, such as that of another FusedAdam with "
+                "step_in_backward=True over the same param. Call remove_backward_hooks() on the optimizer you no "
+                "longer use (or delete it, and whatever refers to it)")
         self._step(optimizer, p)
         p.grad = None
+
+    def _locate(self, optimizer: "FusedAdam", p: torch.Tensor) -> bool:
+        """Whether p is still one of the optimizer's params, keeping its (group index, index, group) current: a param
+        removed from param_groups is not updated by its hook any more (it keeps its gradient), as step() would not
+        update it; one moved within param_groups is found where it is now."""
+        group_index, index, group = self._where[p]
+        groups = optimizer.param_groups
+        if group_index < len(groups) and groups[group_index] is group and index < len(group["params"]) \
+                and group["params"][index] is p:
+            return True
+        for group_index, group in enumerate(groups):
+            for index, q in enumerate(group["params"]):
+                if q is p:
+                    self._where[p] = (group_index, index, group)
+                    self._plans.pop(p, None)  # (its rounding keys depend on its position)
+                    return True
+        return False
 
     def _step(self, optimizer: "FusedAdam", p: torch.Tensor) -> None:
         """The update of one param by its gradient. Through the param's native plan while that plan is valid (its

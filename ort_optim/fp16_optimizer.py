@@ -625,6 +625,12 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
 
     @staticmethod
     def _check_fused_adam(optimizer: FusedAdam, max_grad_norm: Optional[float]) -> None:
+        if optimizer.step_in_backward:  # (backward(loss) would update every param with the scaled gradients)
+            raise ValueError(
+                "FP16_Optimizer: this FusedAdam has step_in_backward=True, which updates each param during backward, "
+                "before loss scaling can unscale and check the gradients; construct it with step_in_backward=False "
+                "(or train in bf16, which needs no loss scaling)"
+            )
         if not optimizer.master_weights:
             for gi, group in enumerate(optimizer.param_groups):
                 for j, p in enumerate(group["params"]):

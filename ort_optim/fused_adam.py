@@ -178,7 +178,9 @@ class FusedAdam(torch.optim.Optimizer):
     the backward calls of all micro-batches but the last inside :meth:`accumulate`. A bad gradient or hyperparameter
     raises a ValueError out of backward naming the param, which is left unchanged; params updated earlier in the same
     backward stay updated.
-    The hooks hold the optimizer weakly: a deleted optimizer updates nothing. Under ORTModule (onnxruntime-training
+    The hooks hold the optimizer weakly: a deleted optimizer updates nothing; :meth:`remove_backward_hooks` removes
+    them (backward then only accumulates, for this optimizer's step() or another optimizer). A param removed from
+    ``param_groups`` is no longer updated by its hook. Under ORTModule (onnxruntime-training
     1.19.2, torch 2.4.1) the hooks fire as in eager PyTorch and the updates are the same, but ORT's backward hands
     over all the module's gradients at once, so the memory saving is only that no gradient outlives its update.
     Differs from torch's recipe (a torch optimizer per param, stepped in a hook) in that one optimizer keeps the
@@ -338,6 +340,16 @@ class FusedAdam(torch.optim.Optimizer):
         elements several times, and no step() sees all gradients at once to check it."""
         _plan._check_overlap([(group_index, index, p) for group_index, group in enumerate(self.param_groups)
                               for index, p in enumerate(group["params"])])
+
+    def remove_backward_hooks(self) -> None:
+        """Ends ``step_in_backward``: removes the hooks from the params, so that backward only accumulates gradients
+        again, for this optimizer's ``step()`` (which then works as with ``step_in_backward=False``, loss scaling
+        included) or for another optimizer. Deleting the optimizer does the same only once nothing else refers to
+        it (an lr scheduler does); until then its hooks keep updating the params and freeing their gradients."""
+        if self._backward is not None:
+            self._backward.remove()
+            self._backward = None
+        self.step_in_backward = False
 
     def accumulate(self):
         """A context manager for gradient accumulation with ``step_in_backward=True``: backward calls inside it only

@@ -415,6 +415,73 @@ def test_after_the_optimizer_is_gone_the_model_trains_with_a_plain_torch_optimiz
     assert_same_snapshot(*results)
 
 
+def test_remove_backward_hooks_turns_the_optimizer_back_into_a_plain_one():
+    """3 iterations stepped in backward, then the hooks removed: backward leaves gradients, step() (loss scaling
+    included) updates from them, and the run equals one that never stepped in backward, bit for bit."""
+    case = Case(groups=_decay_groups)
+    _, straight = _train(case, step_in_backward=False, steps=8)
+    model, opt = _train(case, step_in_backward=True, steps=3)
+    opt.remove_backward_hooks()
+    assert not opt.step_in_backward
+    model(_tokens(3), 3).backward()
+    assert model.hidden.weight.grad is not None and int(opt.state[model.hidden.weight]["step"]) == 3
+    opt.step()
+    opt.zero_grad()
+    _train(case, step_in_backward=False, steps=4, first_step=4, model=model, opt=opt)
+    assert_same_snapshot(optimizer_snapshot(straight), optimizer_snapshot(opt))
+    model(_tokens(8), 8).backward()
+    opt.step(grad_scale=1.0)  # refused while stepping in backward; a step like any other now
+    assert float(opt.last_found_inf) == 0
+
+
+def test_a_second_optimizer_stepping_in_backward_over_the_same_params_is_an_error_until_the_first_is_removed():
+    """The first optimizer's hook (registered first) would update the params and take their gradients; the second
+    one's finds none: an error naming the param, instead of silently stepping with the wrong optimizer."""
+    model = TinyLM()
+    first = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1)  # (keeps the first alive after `del first`)
+    second = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[\d\] .*another FusedAdam with "
+                                         r"step_in_backward=True .*remove_backward_hooks\(\)"):
+        model(_tokens(0), 0).backward()
+    first.remove_backward_hooks()
+    del first, scheduler
+    model.zero_grad()
+    before = optimizer_snapshot(second)
+    model(_tokens(1), 1).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert set(_steps_taken(second).values()) == {0, 1}  # (the branch: no gradient at odd steps)
+    assert not torch.equal(before["p0.1"], model.hidden.weight)
+
+
+def test_a_param_removed_from_param_groups_is_not_updated_by_its_hook_and_one_moved_follows_its_new_group():
+    """As step() after backward: the removed param keeps its gradient and is not updated; the param moved into the
+    other group is updated with that group's hyperparameters; bit for bit the same in both modes."""
+    results = []
+    for step_in_backward in (False, True):
+        model = TinyLM()
+        opt = FusedAdam(_decay_groups(model), lr=1e-2, step_in_backward=step_in_backward)
+        _train(Case(), step_in_backward, steps=2, model=model, opt=opt)
+        decay, rest = (group["params"] for group in opt.param_groups)
+        position = {id(p): i for i, p in enumerate(decay)}
+        moved = decay.pop(position[id(model.branch.weight)])
+        removed = decay.pop(position[id(model.hidden.weight)])  # (before the branch: its position still holds)
+        rest.insert(0, moved)  # index 0 of group 1: lr 3e-2, no decay
+        _train(Case(), step_in_backward, steps=3, first_step=2, model=model, opt=opt)
+        assert removed.grad is not None and int(opt.state[removed]["step"]) == 2
+        results.append(optimizer_snapshot(opt, extra=[removed]))
+    assert_same_snapshot(*results)
+
+
+def test_fp16_optimizer_refuses_a_fused_adam_that_steps_in_backward():
+    from ort_optim.fp16_optimizer import FP16_Optimizer
+
+    model = TinyLM(torch.float16)
+    opt = FusedAdam(model.parameters(), master_weights=True, step_in_backward=True)
+    with pytest.raises(ValueError, match="FP16_Optimizer: this FusedAdam has step_in_backward=True"):
+        FP16_Optimizer(opt)
+
+
 def test_under_ortmodule_a_tied_weight_is_updated_once_per_iteration():
     ortmodule = pytest.importorskip("onnxruntime.training.ortmodule",
                                     reason="onnxruntime-training's ORTModule is not installed here")
