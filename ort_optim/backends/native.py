@@ -92,7 +92,9 @@ def build(verbose: bool = False) -> Path:
 
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "ort_optim_spec.h").write_text(spec_header())
+    header, text = folder / "ort_optim_spec.h", spec_header()
+    if not header.exists() or header.read_text() != text:  # (a rewrite makes ninja recompile the kernels: 25-50 s)
+        header.write_text(text)
     load(
         name="ort_optim_ops",
         sources=[str(OPS_DIR / name) for name in SOURCES],
