@@ -42,6 +42,7 @@ class BackwardStep:
         # id(group) -> (the group, _signature(group), its validated hyperparameters as the op's keyword arguments)
         self._hypers: dict[int, tuple[dict, tuple, dict]] = {}
         self._accumulating = 0
+        self._updated: dict[torch.Tensor, None] = {}  # params updated by a hook since the last check_updated_once()
 
     def watch(self, group_index: int, group: dict) -> None:
         """Hooks the group's params that require gradients (a param made trainable later has no hook: step()
@@ -79,6 +80,22 @@ class BackwardStep:
                 "longer use (or delete it, and whatever refers to it)")
         self._step(optimizer, p)
         p.grad = None
+        self._updated[p] = None
+
+    def check_updated_once(self) -> None:
+        """Raises if a param updated by its hook since the last call has a gradient again: something wrote one after
+        autograd's accumulation, and step() would update the param a second time with it. DistributedDataParallel
+        does: it averages the gradients across ranks once autograd has accumulated them, and writes the average
+        back into ``p.grad`` (so the hook updated the param with this rank's gradient alone)."""
+        updated, self._updated = self._updated, {}
+        for p in updated:
+            if p.grad is not None:
+                group_index, index, _ = self._where[p]
+                raise ValueError(
+                    f"{_plan.describe(group_index, index, p)} was updated in backward by step_in_backward=True, and "
+                    "has a gradient again: something wrote it after autograd's accumulation (DistributedDataParallel "
+                    "does, with the gradient averaged across ranks), so the update used another gradient and step() "
+                    "would update it twice. Use step_in_backward=False with DistributedDataParallel")
 
     def _locate(self, optimizer: "FusedAdam", p: torch.Tensor) -> bool:
         """Whether p is still one of the optimizer's params, keeping its (group index, index, group) current: a param

@@ -183,6 +183,9 @@ class FusedAdam(torch.optim.Optimizer):
     ``param_groups`` is no longer updated by its hook. Under ORTModule (onnxruntime-training
     1.19.2, torch 2.4.1) the hooks fire as in eager PyTorch and the updates are the same, but ORT's backward hands
     over all the module's gradients at once, so the memory saving is only that no gradient outlives its update.
+    Not with ``DistributedDataParallel``: it averages the gradients across ranks after autograd has accumulated
+    them (the hooks saw this rank's own) and writes the average back into ``p.grad``; ``step()`` and
+    ``zero_grad()`` refuse a param updated in backward that has a gradient again, instead of updating it twice.
     Differs from torch's recipe (a torch optimizer per param, stepped in a hook) in that one optimizer keeps the
     param groups, the checkpoint layout and ``step()``. :attr:`last_grad_norm` and :attr:`last_found_inf` stay None
     for updates made in backward.
@@ -511,6 +514,8 @@ class FusedAdam(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
+        if self._backward is not None:
+            self._backward.check_updated_once()
         if self._backward is not None and (grad_scale is not None or found_inf is not None):
             raise ValueError(
                 "grad_scale/found_inf (loss scaling, torch.amp.GradScaler) need every gradient before the first "
@@ -696,7 +701,11 @@ class FusedAdam(torch.optim.Optimizer):
                                      self.pipeline_group)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
-        """Clears the gradients; set_to_none defaults to the constructor's set_grad_none (True, as ORT)."""
+        """Clears the gradients; set_to_none defaults to the constructor's set_grad_none (True, as ORT). With
+        step_in_backward, first raises as step() does if a param updated in backward has a gradient again
+        (DistributedDataParallel)."""
+        if self._backward is not None:
+            self._backward.check_updated_once()
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     # ---- checkpoints --------------------------------------------------------------------------------------------

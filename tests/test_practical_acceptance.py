@@ -498,6 +498,30 @@ def test_fp16_optimizer_refuses_a_fused_adam_that_steps_in_backward():
         FP16_Optimizer(opt)
 
 
+@pytest.mark.parametrize("pattern", ["step() after backward", "zero_grad() before backward"])
+def test_under_distributed_data_parallel_a_second_update_is_refused(pattern, tmp_path):
+    """DDP writes the averaged gradient into p.grad after autograd's accumulation, i.e. after the hook updated the
+    param and freed its gradient: step() would update every param twice per iteration. It raises instead, naming
+    the param and DDP (one process, gloo: the average is the rank's own gradient, the mechanism is the same)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed, without a process group already set up")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = TinyLM(branch_every=1)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
+        ddp(_tokens(0), 0).backward()
+        assert set(_steps_taken(opt).values()) == {1}
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[\d\] .* was updated in backward "
+                                             r".*has a gradient again.*DistributedDataParallel"):
+            opt.step() if pattern.startswith("step()") else opt.zero_grad()
+        assert set(_steps_taken(opt).values()) == {1}  # once, never twice
+    finally:
+        dist.destroy_process_group()
+
+
 def test_under_ortmodule_a_tied_weight_is_updated_once_per_iteration():
     ortmodule = pytest.importorskip("onnxruntime.training.ortmodule",
                                     reason="onnxruntime-training's ORTModule is not installed here")
