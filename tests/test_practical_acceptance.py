@@ -26,6 +26,7 @@ Tolerances against torch.optim.AdamW (fp32, ADAMW_TORCH): rtol 1e-5, atol 1e-6 o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -522,7 +523,10 @@ def test_under_distributed_data_parallel_a_second_update_is_refused(pattern, tmp
         dist.destroy_process_group()
 
 
-def test_under_ortmodule_a_tied_weight_is_updated_once_per_iteration():
+def test_under_ortmodule_a_tied_weight_is_updated_once_per_iteration_with_and_without_accumulation():
+    """Two ORTModules over the same init: step() after backward, and step_in_backward (the first of two micro-batches
+    inside accumulate()): every hook fires once per iteration (the tied weight's too), and the params are equal bit
+    for bit."""
     ortmodule = pytest.importorskip("onnxruntime.training.ortmodule",
                                     reason="onnxruntime-training's ORTModule is not installed here")
     if not torch.__version__.startswith("2.4."):
@@ -532,22 +536,22 @@ def test_under_ortmodule_a_tied_weight_is_updated_once_per_iteration():
         def forward(self, tokens):
             return super().forward(tokens, 0)
 
-    eager, ort = Wrapped(), Wrapped()
-    eager_opt = FusedAdam(eager.parameters(), lr=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
-    ort_opt = FusedAdam(ort.parameters(), lr=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH, step_in_backward=True)
-    wrapped = ortmodule.ORTModule(ort)
-    for step in range(3):
-        eager(_tokens(step)).backward()
-        eager_opt.step()
-        eager_opt.zero_grad()
-        wrapped(_tokens(step)).backward()
-        assert all(p.grad is None for p in ort.parameters()), "a hook did not fire under ORTModule"
-        ort_opt.step()
-        ort_opt.zero_grad()
-    assert set(_steps_taken(ort_opt).values()) == {3}  # every trainable param 3 times (the tied one too)
-    assert _steps_taken(ort_opt) == _steps_taken(eager_opt)
-    for (name, p), q in zip(eager.named_parameters(), ort.parameters()):
-        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
+    stepped, in_backward = Wrapped(), Wrapped()
+    opts = [FusedAdam(m.parameters(), lr=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH, step_in_backward=m is in_backward)
+            for m in (stepped, in_backward)]
+    wrapped = [ortmodule.ORTModule(m) for m in (stepped, in_backward)]
+    for step in range(4):
+        micro_batches = 2 if step % 2 else 1
+        for model, opt, ort in zip((stepped, in_backward), opts, wrapped):
+            for micro in range(micro_batches):
+                with opt.accumulate() if micro < micro_batches - 1 else contextlib.nullcontext():
+                    ort(_tokens(10 * step + micro)).backward()
+            if opt.step_in_backward:
+                assert all(p.grad is None for p in model.parameters()), "a hook did not fire under ORTModule"
+            opt.step()
+            opt.zero_grad()
+    assert set(_steps_taken(opts[1]).values()) == {4}  # every trainable param once per iteration (the tied one too)
+    assert_same_snapshot(optimizer_snapshot(opts[0]), optimizer_snapshot(opts[1]))
 
 
 # ---- 4. last_grad_norm and last_found_inf ---------------------------------------------------------------------------
