@@ -281,6 +281,32 @@ def test_steps_in_backward_equal_step_after_backward_bit_for_bit_over_many_steps
                       "branch.bias": used, "norm.weight": STEPS, "norm.bias": STEPS}
 
 
+def test_steps_in_backward_follow_torchs_optimizer_in_backward_recipe():
+    """torch's recipe ("How to save memory by fusing the optimizer step into the backward pass"): a
+    torch.optim.AdamW per param, stepped and zeroed in its post-accumulate-grad hook. FusedAdam in AdamW's mode with
+    step_in_backward=True follows it over many steps (fp32: a few ulps per step apart)."""
+    ours, theirs = TinyLM(), TinyLM()
+    opt = FusedAdam(ours.parameters(), lr=1e-2, eps=1e-8, weight_decay=0.01, adam_w_mode=AdamWMode.ADAMW_TORCH,
+                    step_in_backward=True)
+    per_param = {p: torch.optim.AdamW([p], lr=1e-2, eps=1e-8, weight_decay=0.01, foreach=False)
+                 for p in theirs.parameters() if p.requires_grad}
+
+    def hook(p):
+        per_param[p].step()
+        per_param[p].zero_grad()
+
+    for p in per_param:
+        p.register_post_accumulate_grad_hook(hook)
+    for step in range(STEPS):
+        ours(_tokens(step), step).backward()
+        theirs(_tokens(step), step).backward()
+    assert all(p.grad is None for p in list(ours.parameters()) + list(theirs.parameters()))
+    for (name, p), q in zip(theirs.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+        if p.requires_grad:
+            assert int(opt.state[q]["step"]) == int(per_param[p].state[p]["step"]), name
+
+
 def test_zero_grad_set_to_none_false_with_a_param_unused_in_some_steps_differs_as_documented():
     """step() after zero_grad(set_to_none=False) updates a param the loss did not use with a zero gradient (its
     moments still move it); the hooks freed its gradient at its last update and do not fire without one, so it is
