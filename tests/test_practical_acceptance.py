@@ -5,7 +5,7 @@
    with a stand-in interpreter, so the shared environments are not touched); its last stage is ``pip install -e`` of
    the checkout, and an editable install of this checkout makes ``import ort_optim`` work from any directory (made
    here into a throwaway environment). The wheel (``pip wheel .`` installed elsewhere, native op built and run) is
-   tests/test_install.py's.
+   tests/test_install.py's. ``python -m ort_optim.build`` (run by every ``make setup``) recompiles nothing once built.
 2. ``FusedAdam(step_in_backward=True)`` on real ``torch.nn`` models, as the "optimizer step in backward" recipe
    (``register_post_accumulate_grad_hook``) is used: bit for bit the params and states of ``step()`` after backward
    over many steps (fp32, bf16 with and without master weights, param groups with their own lr and weight decay,
@@ -13,9 +13,12 @@
    ``lr_scheduler.StepLR``); each param updated once per backward (a tied weight too), no gradient left;
    ``step()`` after it changes nothing, ``step()`` without backward neither, a closure works; gradient accumulation
    through ``accumulate()`` (the last backward inside or outside it); checkpoints saved and loaded mid-run; what
-   needs every gradient (GradScaler's recipes) refused; under ORTModule a tied weight updated once per iteration;
-   after the optimizer is gone the model trains with a plain torch optimizer.
-3. ``last_grad_norm`` is ``torch.nn.utils.clip_grad_norm_``'s total norm (2-norm, before clipping) of the unscaled
+   needs every gradient (GradScaler's recipes, FP16_Optimizer) refused; under ORTModule bit for bit as step(), with
+   accumulation; under DistributedDataParallel (which writes gradients after the hooks) a second update refused;
+   torch's recipe (an AdamW per param, stepped in its hook) followed. The hooks go with remove_backward_hooks() or the
+   optimizer (then a plain torch optimizer trains the model); a second in-backward optimizer over the same params, or
+   a param removed from param_groups, is never updated silently by the wrong one.
+4. ``last_grad_norm`` is ``torch.nn.utils.clip_grad_norm_``'s total norm (2-norm, before clipping) of the unscaled
    gradients, a 0-dim float32 tensor on the params' device; with ``max_grad_norm`` the steps follow
    ``clip_grad_norm_`` then ``torch.optim.AdamW``; torch.amp.GradScaler's recipe gives the same norms and skips;
    an inf/NaN gradient sets ``last_found_inf`` to 1 and changes nothing. Both stay None for updates made in backward
@@ -41,7 +44,7 @@ import sysconfig
 import venv
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import pytest
 import torch
@@ -113,7 +116,8 @@ def test_make_env_prints_a_line_per_stage_keeps_the_noise_in_its_log_and_install
 def test_make_env_shows_the_logs_tail_when_a_stage_fails_and_marks_nothing_complete(tmp_path):
     run, root, cache = _sandbox_make_env(tmp_path, fail_on="-r")
     assert run.returncode == 3
-    assert re.search(r"install requirements/latest\.txt \.\.\. FAILED after \d+ s \(exit 3\); the last lines of", run.stderr)
+    assert re.search(r"install requirements/latest\.txt \.\.\. FAILED after \d+ s \(exit 3\); the last lines of",
+                     run.stderr)
     assert "error: the stage broke here" in run.stderr  # the tool's own message, from the log's tail
     assert len(run.stderr.splitlines()) < 80  # the tail, not the whole log
     assert not list(cache.glob("envs/*/.complete")) and not (root / ".venv-latest").exists()
@@ -142,9 +146,9 @@ def test_an_editable_install_of_the_checkout_imports_and_steps_from_any_director
     checkout = tmp_path / "checkout"
     shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "results",
                                                                   "__pycache__", ".pytest_cache", "tests", "guides"))
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-build-isolation",
-                    "--disable-pip-version-check", "-q", "-e", str(checkout)], check=True, cwd=tmp_path,
-                   capture_output=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+                    "--no-build-isolation", "--disable-pip-version-check", "-q", "-e", str(checkout)], check=True,
+                   cwd=tmp_path, capture_output=True, timeout=120)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     shown = subprocess.run([str(python), "-m", "pip", "show", "ort-optim"], cwd=elsewhere, text=True,
@@ -158,9 +162,10 @@ def test_an_editable_install_of_the_checkout_imports_and_steps_from_any_director
         print(json.dumps({"file": ort_optim.__file__, "native": ort_optim.native_available(), "p": p[0].item()}))
         """, elsewhere)
     assert Path(ran["file"]) == checkout / "ort_optim" / "__init__.py"
-    # (ADAMW_TRANSFORMERS, eps=1e-6: the first update is lr * sqrt(1 - beta2) / (1 - beta1) * 0.1 / (sqrt(1e-3) + eps))
-    assert ran["native"] is True and ran["p"] == pytest.approx(1 - 0.5 * 0.1 / (0.001 ** 0.5 + 1e-6) * 0.001 ** 0.5 / 0.1,
-                                                               rel=1e-6)
+    # ADAMW_TRANSFORMERS, eps=1e-6: the first update is lr * sqrt(1 - beta2) / (1 - beta1) * m / (sqrt(v) + eps),
+    # with m = 0.1 and v = 1e-3 for a gradient of ones
+    first_update = 0.5 * 0.001 ** 0.5 / 0.1 * 0.1 / (0.001 ** 0.5 + 1e-6)
+    assert ran["native"] is True and ran["p"] == pytest.approx(1 - first_update, rel=1e-6)
 
 
 @pytest.mark.skipif(os.environ.get("ORT_OPTIM_BACKEND", "auto") not in ("auto", "native"),
