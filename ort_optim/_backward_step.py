@@ -71,6 +71,8 @@ class BackwardStep:
         optimizer = self._optimizer()
         if optimizer is None or self._accumulating or not self._locate(optimizer, p):
             return
+        if optimizer.max_grad_norm is not None:  # (set after construction, which refuses it)
+            raise max_grad_norm_refused(optimizer.max_grad_norm)
         if p.grad is None:  # (autograd calls this hook with the gradient accumulated: another hook took it)
             group_index, index, _ = self._where[p]
             raise ValueError(
@@ -183,6 +185,13 @@ class BackwardStep:
             else:
                 adoption.state[adoption.key] = adoption.value
         return state
+
+def max_grad_norm_refused(max_grad_norm: float) -> ValueError:
+    return ValueError(
+        f"max_grad_norm={max_grad_norm} clips by the norm of all gradients, but step_in_backward=True updates each "
+        "parameter as soon as its own gradient is complete, before the others exist. Use step_in_backward=False to "
+        "clip, or leave max_grad_norm=None")
+
 
 def _signature(group: dict) -> Optional[tuple]:
     """The plain values a group's hyperparameters are made of, with their types, to tell whether they changed since

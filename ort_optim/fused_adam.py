@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 
 from . import _checkpoint, _plan, _spec, backends
-from ._backward_step import BackwardStep
+from ._backward_step import BackwardStep, max_grad_norm_refused
 from ._checkpoint import MOMENT_KEYS
 from ._plan import describe
 from ._spec import LOW_BIT_FORMATS, LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
@@ -281,11 +281,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.process_group = process_group
         self.pipeline_group = pipeline_group
         if step_in_backward and max_grad_norm is not None:
-            raise ValueError(
-                f"max_grad_norm={max_grad_norm} clips by the norm of all gradients, but step_in_backward=True updates "
-                "each parameter as soon as its own gradient is complete, before the others exist. Use "
-                "step_in_backward=False to clip, or leave max_grad_norm=None"
-            )
+            raise max_grad_norm_refused(max_grad_norm)
         if step_in_backward and process_group is not None:
             raise ValueError(
                 "process_group is for params replicated over ranks (DDP), whose gradients are averaged across the "

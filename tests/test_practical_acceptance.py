@@ -521,6 +521,17 @@ def test_a_param_removed_from_param_groups_is_not_updated_by_its_hook_and_one_mo
     assert_same_snapshot(*results)
 
 
+def test_max_grad_norm_set_after_construction_is_refused_by_the_first_hook_before_any_update():
+    model = TinyLM()
+    opt = FusedAdam(model.parameters(), step_in_backward=True)
+    opt.max_grad_norm = 1.0
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"max_grad_norm=1.0 clips by the norm of all gradients.*step_in_backward"):
+        model(_tokens(0), 0).backward()
+    after = optimizer_snapshot(opt)
+    assert_same_snapshot(*({k: v for k, v in snap.items() if not k.endswith(".grad")} for snap in (before, after)))
+
+
 def test_fp16_optimizer_refuses_a_fused_adam_that_steps_in_backward():
     from ort_optim.fp16_optimizer import FP16_Optimizer
 
