@@ -177,18 +177,17 @@ class FusedAdam(torch.optim.Optimizer):
     setup rather than catching the error), and params that share memory (ValueError here). Gradient accumulation: run
     the backward calls of all micro-batches but the last inside :meth:`accumulate`. A bad gradient or hyperparameter
     raises a ValueError out of backward naming the param, which is left unchanged; params updated earlier in the same
-    backward stay updated.
-    The hooks hold the optimizer weakly: a deleted optimizer updates nothing; :meth:`remove_backward_hooks` removes
-    them (backward then only accumulates, for this optimizer's step() or another optimizer). A param removed from
-    ``param_groups`` is no longer updated by its hook. Under ORTModule (onnxruntime-training
-    1.19.2, torch 2.4.1) the hooks fire as in eager PyTorch and the updates are the same, but ORT's backward hands
-    over all the module's gradients at once, so the memory saving is only that no gradient outlives its update.
-    Not with ``DistributedDataParallel``: it averages the gradients across ranks after autograd has accumulated
-    them (the hooks saw this rank's own) and writes the average back into ``p.grad``; ``step()`` and
-    ``zero_grad()`` refuse a param updated in backward that has a gradient again, instead of updating it twice.
-    Differs from torch's recipe (a torch optimizer per param, stepped in a hook) in that one optimizer keeps the
-    param groups, the checkpoint layout and ``step()``. :attr:`last_grad_norm` and :attr:`last_found_inf` stay None
-    for updates made in backward.
+    backward stay updated. The hooks hold the optimizer weakly: a deleted optimizer updates nothing;
+    :meth:`remove_backward_hooks` removes them (backward then only accumulates, for this optimizer's step() or another
+    optimizer). A param removed from ``param_groups`` is no longer updated by its hook. Under ORTModule
+    (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in eager PyTorch and the updates are the same, but
+    ORT's backward hands over all the module's gradients at once, so the memory saving is only that no gradient outlives
+    its update. Not with ``DistributedDataParallel``: it averages the gradients across ranks after autograd has
+    accumulated them (the hooks saw this rank's own) and writes the average back into ``p.grad``; ``step()`` and
+    ``zero_grad()`` refuse a param updated in backward that has a gradient again, instead of updating it twice. Differs
+    from torch's recipe (a torch optimizer per param, stepped in a hook) in that one optimizer keeps the param groups,
+    the checkpoint layout and ``step()``. :attr:`last_grad_norm` and :attr:`last_found_inf` stay None for updates made
+    in backward.
 
     Distributed training (guides/distributed.md). DTensor params (FSDP2 ``fully_shard`` with or without a
     ``MixedPrecisionPolicy``, tensor parallel, 2D meshes) are planned and stepped through their local pieces, one op
