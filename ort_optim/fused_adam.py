@@ -434,8 +434,10 @@ class FusedAdam(torch.optim.Optimizer):
             shapes = [fmt.storage_shape(params[i].shape) if fmt else params[i].shape for i in indices]
             offsets, total = [], 0
             for shape in shapes:
-                offsets.append(total)
-                total += -(-math.prod(shape) // _STATE_ALIGN) * _STATE_ALIGN
+                # each view starts aligned; the buffer ends where the last view does (no padding after it, which a
+                # lone 1001-element param's 8-bit codes would pay 2% for: 2.08 bytes/param instead of 2.03)
+                offsets.append(-(-total // _STATE_ALIGN) * _STATE_ALIGN)
+                total = offsets[-1] + math.prod(shape)
             flat = torch.zeros(total, dtype=torch.uint8 if fmt else dtype, device=device)
             for i, offset, shape in zip(indices, offsets, shapes):
                 view = flat[offset:offset + math.prod(shape)].view(shape)
