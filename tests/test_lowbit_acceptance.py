@@ -457,3 +457,104 @@ def test_from_optimizer_continues_like_the_torch_optimizer(source, combo, backen
     theirs = torch.cat([q.detach().reshape(-1) for q in twin])
     error = float((ours - theirs).norm() / (theirs - start).norm())
     assert error <= MOMENT_ERROR[combo[0]] + MOMENT_ERROR_SQ[combo[1]], error
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["exp_avg_dtype", "exp_avg_sq_dtype"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.uint16, torch.float8_e4m3fn, torch.bool, "uint8"],
+                         ids=["int8", "float64", "uint16", "float8", "bool", "str"])
+def test_unsupported_moment_dtypes_are_refused_naming_the_option(option, dtype):
+    params = _model_params()
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=rf"{option} must be None, torch.float32, .*torch.uint8.*torch.uint4"):
+        FusedAdam(params, **{option: dtype})
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def _damaged(key_path, value):
+    """A change to a checkpoint of _trained("u8", "u4"): state_dict['state'][0][key] = value(the saved entry, the
+    param); value None deletes it."""
+    def damage(sd, params):
+        state = sd["state"][0]
+        if value is None:
+            del state[key_path]
+        else:
+            state[key_path] = value(state.get(key_path), params[0])
+    return damage
+
+
+# what a checkpoint of an optimizer with 8-bit exp_avg and 4-bit exp_avg_sq might be given instead of its own
+CORRUPT_CHECKPOINTS = {
+    # the optimizer's storage instead of the canonical values: 8-bit codes, 4-bit packed codes, their scales
+    "8-bit codes as exp_avg": (_damaged("exp_avg", lambda t, p: torch.zeros(p.shape, dtype=torch.uint8)),
+                               TypeError, r"\['exp_avg'\] must be a floating-point tensor"),
+    "4-bit codes of the wrong shape": (_damaged("exp_avg_sq", lambda t, p: torch.zeros((p.numel() + 1) // 2)),
+                                       ValueError, r"\['exp_avg_sq'\] has shape \(140,\), the parameter \(9, 31\)"),
+    "a block-scale entry": (_damaged("exp_avg_scale", lambda t, p: torch.ones(2)),
+                            ValueError, r"\['exp_avg_scale'\]: unknown key"),
+    "scales of the wrong dtype": (_damaged("exp_avg_sq_scale", lambda t, p: torch.ones(3, dtype=torch.float64)),
+                                  ValueError, r"\['exp_avg_sq_scale'\]: unknown key"),
+    "a missing second moment": (_damaged("exp_avg_sq", None), ValueError, r" has no 'exp_avg_sq'"),
+    "a negative second moment": (_damaged("exp_avg_sq", lambda t, p: -t - 1.0), ValueError,
+                                 r"\['exp_avg_sq'\] holds negative values"),
+    "a NaN moment": (_damaged("exp_avg", lambda t, p: t.index_fill(0, torch.tensor([3]), math.nan)), ValueError,
+                     r"\['exp_avg'\] holds inf or NaN"),
+    "a value beyond float32": (_damaged("exp_avg", lambda t, p: t.double().index_fill(0, torch.tensor([1]), 1e300)),
+                               ValueError, r"\['exp_avg'\] holds inf or NaN once converted"),
+    "a missing step": (_damaged("step", None), ValueError, r" has no 'step'"),
+    "a fractional step": (_damaged("step", lambda t, p: torch.tensor(2.5, dtype=torch.float64)), ValueError,
+                          r"\['step'\] must be a whole number"),
+}
+
+
+@pytest.mark.parametrize("damage", CORRUPT_CHECKPOINTS)
+def test_a_corrupt_checkpoint_is_refused_naming_the_entry_and_changes_nothing(damage):
+    params, opt = _trained("u8", "u4", amsgrad=False)
+    change, error, message = CORRUPT_CHECKPOINTS[damage]
+    sd = opt.state_dict()
+    change(sd, params)
+    given = copy.deepcopy(sd)
+    target_params, target = _trained("u8", "u4", amsgrad=False, steps=2)
+    before = optimizer_snapshot(target)
+    with pytest.raises(error, match=r"state_dict\['state'\]\[0\]" + message):
+        target.load_state_dict(sd)
+    assert_same_snapshot(before, optimizer_snapshot(target))
+    assert_tree_bitwise_equal(sd, given, "the given dict")
+    _train(target_params, target, 1, first=2)  # and it still trains
+
+
+def _set_state(key, make):
+    def damage(opt, p):
+        opt.state[p][key] = make(p)
+    return damage
+
+
+# what may be put into optimizer.state[p] of the (9, 31) param of an optimizer with 8-bit exp_avg, 4-bit exp_avg_sq
+CORRUPT_STATES = {
+    "8-bit codes of the wrong shape": (_set_state("exp_avg", lambda p: torch.zeros(p.numel() - 1, dtype=torch.uint8)),
+                                       r"\['exp_avg'\] has shape"),
+    "4-bit codes unpacked": (_set_state("exp_avg_sq", lambda p: torch.zeros(p.numel(), dtype=torch.uint8)),
+                             r"\['exp_avg_sq'\] has shape \(279,\) but 4-bit codes"),
+    "missing scales": (lambda opt, p: opt.state[p].pop("exp_avg_scale"), r"\['exp_avg_scale'\] must hold"),
+    "scales of the wrong dtype": (_set_state("exp_avg_scale", lambda p: torch.ones(2, dtype=torch.float64)),
+                                  r"\['exp_avg_scale'\] must hold"),
+    "too few scales": (_set_state("exp_avg_sq_scale", lambda p: torch.ones(1, dtype=torch.bfloat16)),
+                       r"\['exp_avg_sq_scale'\] must be a"),
+    "negative scales": (_set_state("exp_avg_scale", lambda p: -torch.ones(2)),
+                                 r"\['exp_avg_scale'\] holds negative"),
+}
+
+
+@pytest.mark.parametrize("damage", CORRUPT_STATES)
+def test_corrupt_low_bit_state_is_refused_at_the_step_naming_the_param_and_changes_nothing(damage, backend):
+    params, opt = _trained("u8", "u4", amsgrad=False)
+    for p, g in zip(params, _grads(params, 4)):
+        p.grad = g
+    change, message = CORRUPT_STATES[damage]
+    change(opt, params[0])
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*" + message):
+        opt.step()
+    assert_same_snapshot(before, optimizer_snapshot(opt))
