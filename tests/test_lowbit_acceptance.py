@@ -147,10 +147,71 @@ def test_every_mode_with_and_without_amsgrad_tracks_torch(combo, mode, amsgrad, 
     _assert_tracks_torch("fp32", *combo, mode=mode, amsgrad=amsgrad)
 
 
+@pytest.mark.parametrize("case", [("u8", "u8", "bf16-master"), ("u4", "u4", "bf16-sr")], ids=["u8", "u4"])
+def test_triton_subset_tracks_torch(case, backend):
+    """Small cases of the two tests above, which ``-k triton_subset`` runs on the Triton kernels."""
+    m, v, param_case = case
+    _assert_tracks_torch(param_case, m, v, amsgrad=True, steps=5)
+
+
 @pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4")], ids=["u8", "u4"])
-def test_triton_subset_tracks_torch(combo, backend):
-    """The smallest case of the two tests above, which ``-k triton_subset`` runs on the Triton kernels."""
-    _assert_tracks_torch("bf16-master", *combo, amsgrad=True, steps=5)
+def test_maximize_param_groups_and_a_tensor_lr_track_torch(combo, backend):
+    """The per-group options torch.optim.AdamW has, with low-bit moments: two groups with their own lr (one a
+    tensor) and weight decay, maximize."""
+    params = _model_params()
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    start = torch.cat([p.detach().reshape(-1).clone() for p in params])
+
+    def groups(ps, lr0):
+        return [{"params": [ps[0]], "lr": lr0, "weight_decay": 0.3}, {"params": [ps[1]], "lr": 2 * LR}]
+
+    opt = FusedAdam(groups(params, torch.tensor(LR)), adam_w_mode=AdamWMode.ADAMW_TORCH, eps=EPS, weight_decay=WD,
+                    maximize=True, exp_avg_dtype=MOMENTS[combo[0]], exp_avg_sq_dtype=MOMENTS[combo[1]])
+    torch_opt = torch.optim.AdamW(groups(twin, LR), eps=EPS, weight_decay=WD, maximize=True)
+    _train(params, opt, 20)
+    _train(twin, torch_opt, 20)
+    ours = torch.cat([p.detach().reshape(-1) for p in params])
+    theirs = torch.cat([q.detach().reshape(-1) for q in twin])
+    assert float((ours - start) @ (theirs - start)) > 0  # (ascending, as torch's)
+    error = float((ours - theirs).norm() / (theirs - start).norm())
+    assert error <= MOMENT_ERROR[combo[0]] + MOMENT_ERROR_SQ[combo[1]], error
+
+
+@pytest.mark.parametrize("combo", [("u8", "u4"), ("u4", "u8")], ids=_ids([("u8", "u4"), ("u4", "u8")]))
+def test_loss_scaling_by_a_power_of_two_gives_the_same_bits(combo, backend):
+    """step(grad_scale=1024) on gradients times 1024 (exact in float32) is the unscaled step, bit for bit; a
+    non-finite scaled gradient skips the step and changes nothing."""
+    runs = []
+    for scale in (None, 1024.0):
+        params = _model_params()
+        opt = _fused(params, *combo)
+        for step in range(4):
+            for p, g in zip(params, _grads(params, step)):
+                p.grad = g if scale is None else g * scale
+            opt.step(grad_scale=scale)
+        runs.append(_snapshot(opt))
+    assert_same_snapshot(runs[0], runs[1])
+    params = _model_params()
+    opt = _fused(params, *combo)
+    _train(params, opt, 2)
+    for p, g in zip(params, _grads(params, 2)):
+        p.grad = g * 1024
+    params[1].grad[2] = math.inf
+    before = optimizer_snapshot(opt)
+    opt.step(grad_scale=1024.0)
+    assert opt.last_step_skipped
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
+@pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4")], ids=["u8", "u4"])
+def test_a_deep_copied_optimizer_continues_with_the_same_bits(combo):
+    params, opt = _trained(*combo)
+    copied = copy.deepcopy(opt)
+    copied_params = copied.param_groups[0]["params"]
+    _train(params, opt, 3, first=4)
+    _train(copied_params, copied, 3, first=4)
+    assert (copied.exp_avg_dtype, copied.exp_avg_sq_dtype) == (MOMENTS[combo[0]], MOMENTS[combo[1]])
+    assert_same_snapshot(_snapshot(copied), _snapshot(opt))
 
 
 # ---- memory -------------------------------------------------------------------------------------------------------
@@ -231,7 +292,7 @@ def test_a_second_moment_that_rounds_to_zero_never_makes_the_update_explode(comb
         change = (p.detach() - before).abs()
         assert bool(torch.isfinite(p).all()), f"step {step}"
         assert float(change.max()) <= 3 * lr, f"step {step}: element {int(change.argmax())} moved {float(change.max())}"
-    assert float(p[0]) == pytest.approx(float(q[0]), rel=0.05)  # the huge one moved as torch's did
+    assert float(p[0].detach()) == pytest.approx(float(q[0].detach()), rel=0.05)  # the huge one moved as torch's did
 
 
 # ---- the lowest-memory configuration ------------------------------------------------------------------------------
@@ -345,6 +406,29 @@ def test_resume_is_bit_for_bit_and_loading_is_pure(case, backend):
     # and the optimizer's own state was never shared with the checkpoint it gave
     _train(params, opt, 1, first=3)
     assert_tree_bitwise_equal(sd, pristine, "the saved dict after the saver stepped on")
+
+
+def test_a_checkpoint_loads_with_weights_only_after_adam_w_mode_was_set_to_an_enum_member():
+    """Assigning ``param_groups[i]['adam_w_mode'] = AdamWMode.ADAMW_TORCH`` (as the constructor accepts) must not
+    put the enum class into the checkpoint: torch.load(weights_only=True) refuses classes it does not know."""
+    params, opt = _trained("u8", "u4", amsgrad=False)
+    opt.param_groups[0]["adam_w_mode"] = AdamWMode.ADAMW_TRANSFORMERS
+    _train(params, opt, 1, first=4)
+    loaded = _saved_and_loaded(opt.state_dict())
+    assert type(loaded["param_groups"][0]["adam_w_mode"]) is int
+    assert loaded["param_groups"][0]["adam_w_mode"] == AdamWMode.ADAMW_TRANSFORMERS
+    assert opt.param_groups[0]["adam_w_mode"] is AdamWMode.ADAMW_TRANSFORMERS  # (the optimizer's own group as set)
+
+
+def test_loading_an_optimizers_own_checkpoint_mid_run_changes_nothing(backend):
+    runs = []
+    for reload in (False, True):
+        params, opt = _trained("u4", "u8")
+        if reload:
+            opt.load_state_dict(opt.state_dict())
+        _train(params, opt, 3, first=4)
+        runs.append(_snapshot(opt))
+    assert_same_snapshot(runs[0], runs[1])
 
 
 def _moments(sd):
