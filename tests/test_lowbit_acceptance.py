@@ -295,6 +295,43 @@ def test_a_second_moment_that_rounds_to_zero_never_makes_the_update_explode(comb
     assert float(p[0].detach()) == pytest.approx(float(q[0].detach()), rel=0.05)  # the huge one moved as torch's did
 
 
+# Steady gradients, 8 blocks of 128 elements: element 0 of each block at 1, the others spread over 1e-4 .. 1 of
+# it; 100 steps. fp32 AdamW moves every element by lr per step whatever its magnitude (Adam is scale-free per
+# element). Block-quantised moments cannot: each element is stored relative to its block's largest. The ranges
+# below are what the formats give (the movement over fp32 AdamW's, per band of gradient / block's largest),
+# measured with 1.2x headroom; they are the formats' documented limits, not targets:
+# * 4-bit exp_avg (smallest non-zero level 0.01, rounded toward zero below it): elements under 1% of their block's
+#   largest barely move (torch: fully); above, exp_avg sits on one of two coarse levels for tens of steps at a time
+#   (the stochastic rounding is unbiased per step, but 0.9 m + 0.1 g mostly rounds back to the level it came from), so
+#   100 steps move 0.5-2.4x of fp32's.
+# * 4-bit sqrt(v) (smallest level 0.001): elements under 1e-3 of their block's largest read a larger sqrt(v) than
+#   theirs and move less (down to 0.11x), never more.
+# * 8-bit: within 0.7-1.6x everywhere, 0.9-1.1x above 1e-2.
+STEADY_BANDS = ((1e-4, 1e-3), (1e-3, 1e-2), (1e-2, 1e-1), (1e-1, 1.01))
+STEADY_MOVEMENT = {  # per band: (least, most) movement over fp32 AdamW's
+    ("u8", "u8"): ((0.55, 1.9), (0.65, 1.45), (0.75, 1.3), (0.75, 1.25)),
+    ("u8", "u4"): ((0.09, 1.2), (0.25, 2.2), (0.4, 1.8), (0.55, 1.55)),
+    ("u4", "u4"): ((0.0, 0.25), (0.0, 0.25), (0.1, 2.9), (0.4, 2.4)),
+}
+
+
+@pytest.mark.parametrize("combo", list(STEADY_MOVEMENT), ids=_ids(STEADY_MOVEMENT))
+def test_steady_gradients_far_below_their_blocks_largest_move_as_the_formats_allow(combo, backend):
+    n, lr, steps = 8 * 128, 1e-3, 100
+    magnitude = torch.logspace(-4, 0, n)
+    magnitude[::128] = 1.0
+    p = torch.nn.Parameter(torch.zeros(n))
+    opt = FusedAdam([p], lr=lr, eps=1e-8, adam_w_mode=AdamWMode.ADAMW_TORCH, exp_avg_dtype=MOMENTS[combo[0]],
+                    exp_avg_sq_dtype=MOMENTS[combo[1]])
+    for _ in range(steps):
+        p.grad = magnitude.clone()
+        opt.step()
+    relative = -p.detach() / (steps * lr)  # fp32 AdamW: 1.0 for every element (to 1e-5)
+    for (lo, hi), (least, most) in zip(STEADY_BANDS, STEADY_MOVEMENT[combo]):
+        band = relative[(magnitude >= lo) & (magnitude < hi)]
+        assert least <= float(band.min()) and float(band.max()) <= most, (lo, float(band.min()), float(band.max()))
+
+
 # ---- the lowest-memory configuration ------------------------------------------------------------------------------
 
 
