@@ -294,6 +294,11 @@ class Plan:
                 return False
         return all(planned.current() for planned in self.groups)
 
+    @property
+    def dtensors(self) -> bool:
+        """Whether any group has DTensor params."""
+        return any(planned.dtensors for planned in self.groups)
+
     def buckets(self):
         """(group index, group, bucket) of every op call of a step, in order."""
         for group_index, planned in enumerate(self.groups):

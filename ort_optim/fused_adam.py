@@ -522,14 +522,17 @@ class FusedAdam(torch.optim.Optimizer):
             plan = self._plan = _plan.build(self)
             if not plan.valid(self):  # a plan describes what it was built from: this is a bug, not a user error
                 raise RuntimeError("ort_optim: a FusedAdam plan was not valid right after it was built; please report")
-        self._launch(list(plan.buckets()), grad_scale, found_inf)
+        self._launch(plan, grad_scale, found_inf)
         return loss
 
-    def _launch(self, buckets: list, grad_scale, found_inf) -> None:
+    def _launch(self, plan: _plan.Plan, grad_scale, found_inf) -> None:
         """One op call per bucket (through its native plan on the native CPU backend), after the gradient statistics
         pass when unscaling or clipping."""
-        # (the reduction carries the clipping norm and the skip decision: needed only when the step computes them)
-        reduction = self._reduction() if grad_scale is not None or self.max_grad_norm is not None else None
+        buckets = list(plan.buckets())
+        # (the reduction carries the clipping norm and the skip decision: needed only when the step computes them;
+        # the valid plan knows whether there are DTensor params, which spares a scan of every param per step)
+        reduction = (self._reduction(has_dtensors=plan.dtensors) if grad_scale is not None or self.max_grad_norm
+                     is not None else None)
         if reduction is None and self._scaled_in_plan(buckets, grad_scale, found_inf):
             return self._scaled_plan_step(buckets[0], grad_scale, found_inf)
         inv_grad_scale, found_inf, self._last_grad_norm = self._scaling(buckets, grad_scale, found_inf, reduction)
@@ -668,9 +671,12 @@ class FusedAdam(torch.optim.Optimizer):
             by_weight.setdefault(dtensor.weight(group["params"][i], reduction), []).append(g)
         return sum(backends.grad_stats(grads) * w for w, grads in by_weight.items())
 
-    def _reduction(self) -> Optional[dtensor.Reduction]:
-        """Where the global norm and skip decision are all-reduced (None: this process decides alone)."""
-        if self.process_group is None and self.pipeline_group is None and not self._has_dtensors:
+    def _reduction(self, has_dtensors: Optional[bool] = None) -> Optional[dtensor.Reduction]:
+        """Where the global norm and skip decision are all-reduced (None: this process decides alone).
+        has_dtensors: whether any param is a DTensor, when the caller knows (a valid plan does)."""
+        if has_dtensors is None:
+            has_dtensors = self._has_dtensors
+        if self.process_group is None and self.pipeline_group is None and not has_dtensors:
             return None
         return dtensor.reduction_for((p for group in self.param_groups for p in group["params"]), self.process_group,
                                      self.pipeline_group)
