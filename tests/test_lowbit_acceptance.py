@@ -5,9 +5,12 @@ optimizers as the reference, and the numbers the issue states.
   and with float32, bfloat16 and float16 moments, for float32, bfloat16 and float16 params with and without master
   weights (and bfloat16 with stochastic rounding), in all three ``adam_w_mode``s, with and without amsgrad: every
   step stays finite and 20 steps track ``torch.optim.AdamW`` (``torch.optim.Adam`` with L2 decay for
-  ``ADAM_L2_REGULARIZATION``) run in float32 on the same gradients, within the per-format tolerance of TRACKING.
+  ``ADAM_L2_REGULARIZATION``) run in float32 on the same gradients, within the per-format tolerances of
+  MOMENT_ERROR; so do maximize, param groups and a tensor lr. Steady gradients far below their block's largest move
+  as far as the formats allow (STEADY_MOVEMENT: a characterisation of 4-bit's limits, which torch does not have).
 * Memory, as the issue counts it: the bytes of every distinct storage in ``optimizer.state[p]`` except ``step``, per
-  parameter: at most 2.05 (8-bit moments) and 1.05 (4-bit) for a 1e5-element and a 1001-element param. Tensors with
+  parameter: at most 2.05 (8-bit moments) and 1.05 (4-bit) for a 1e5-element and a 1001-element param, and for a
+  small MLP's and odd shapes side by side in one optimizer (whose states share buffers). Tensors with
   a handful of elements cannot meet that with any block format (one scale per block: a 3-element param pays a whole
   4-byte scale per moment); there the bound is the format's own arithmetic, codes plus scales, nothing else.
   (torchao's AdamW8bit/4bit and bitsandbytes keep such tensors in float32 instead: 8 bytes per param.)
@@ -18,6 +21,7 @@ optimizers as the reference, and the numbers the issue states.
 * Checkpoints: ``torch.load(weights_only=True)`` round trips; resume bit for bit; loading twice equals loading once;
   the given dict is never changed; 8-bit <-> float32 <-> 4-bit conversions; ``FusedAdam.from_optimizer`` of a stepped
   ``torch.optim.AdamW`` continues like it.
+  Power-of-two loss scaling gives the same bits; a deep copy continues with the same bits.
 * Bad input is refused with a ValueError/TypeError naming the option, checkpoint entry or param, and changes nothing.
 
 The tests that take the ``backend`` fixture run on the native CPU op and the pure-PyTorch reference; with
