@@ -18,6 +18,7 @@ three functions and nothing else.
 from __future__ import annotations
 
 import copy
+import enum
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -122,7 +123,11 @@ def canonical(state_dict: dict, shapes: dict) -> dict:
 
 
 def _copy(value: Any) -> Any:
-    """A copy of a group entry: tensors cloned, containers rebuilt, other values shared (they are immutable)."""
+    """A copy of a group entry: tensors cloned, containers rebuilt, enums as their values (an AdamWMode assigned to
+    param_groups[i]['adam_w_mode'] would make the checkpoint unloadable with weights_only=True), other values shared
+    (they are immutable)."""
+    if isinstance(value, enum.Enum):
+        return value.value
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, dict):
