@@ -928,13 +928,21 @@ void prefetch_item(const TensorWork& w, const WorkItem& item) {
   prefetch_range(w.exp_avg_sq, c10::elementSize(w.exp_avg_sq_type), item.begin, item.end);
 }
 
+double square_sum(const void* data, at::ScalarType type, int64_t begin, int64_t end);
+
+// grad_squares: nullptr, or one slot per work item for the sum of squares of its gradients (as loaded, before any
+// multiplier), taken while the update brings them into the caches anyway: the plain step's gradient norm.
 template <typename T, int64_t kMode, bool kAmsgrad>
-void run_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& items, const Hyper& h) {
+void run_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& items, const Hyper& h,
+              double* grad_squares) {
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch<T> scratch;
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& item = items[i];
       if (i + 1 < end) prefetch_item(work[items[i + 1].tensor], items[i + 1]);
+      if (grad_squares) {
+        grad_squares[i] = square_sum(work[item.tensor].grad, work[item.tensor].grad_type, item.begin, item.end);
+      }
       for (int64_t off = item.begin; off < item.end; off += kBlock) {
         adam_block<T, kMode, kAmsgrad>(work[item.tensor], h, off, std::min(kBlock, item.end - off), scratch);
       }
@@ -944,16 +952,17 @@ void run_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& 
 
 template <typename T>
 void dispatch_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& items, const Hyper& h,
-                   bool amsgrad) {
+                   bool amsgrad, double* grad_squares) {
   switch (h.mode) {
     case kAdamL2:
-      return amsgrad ? run_adam<T, kAdamL2, true>(work, items, h) : run_adam<T, kAdamL2, false>(work, items, h);
+      return amsgrad ? run_adam<T, kAdamL2, true>(work, items, h, grad_squares)
+                     : run_adam<T, kAdamL2, false>(work, items, h, grad_squares);
     case kAdamWTransformers:
-      return amsgrad ? run_adam<T, kAdamWTransformers, true>(work, items, h)
-                     : run_adam<T, kAdamWTransformers, false>(work, items, h);
+      return amsgrad ? run_adam<T, kAdamWTransformers, true>(work, items, h, grad_squares)
+                     : run_adam<T, kAdamWTransformers, false>(work, items, h, grad_squares);
     default:
-      return amsgrad ? run_adam<T, kAdamWTorch, true>(work, items, h)
-                     : run_adam<T, kAdamWTorch, false>(work, items, h);
+      return amsgrad ? run_adam<T, kAdamWTorch, true>(work, items, h, grad_squares)
+                     : run_adam<T, kAdamWTorch, false>(work, items, h, grad_squares);
   }
 }
 
@@ -1183,6 +1192,9 @@ struct StepOptions {
   // clipped by a multiplier computed from their statistics, and the step is skipped on inf/NaN (see "gradient
   // statistics"); the unscaled gradients are written back as with grad_scale.
   Scaling* scaling = nullptr;
+  // Set by AdamPlan::step(grad_norm=true): receives the sum of squares of the gradients the update read, added per
+  // work item in item order like grad_stats (deterministic whatever the thread count); NaN when the step was skipped.
+  double* grad_square_sum = nullptr;
 };
 
 c10::optional<double> scaled_grad_multiplier(Scaling& scaling, const std::vector<TensorWork>& work,
@@ -1212,6 +1224,7 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
   TORCH_CHECK(o.mode >= 0 && o.mode <= 2, "ort_optim::adam_step_: adam_w_mode must be 0, 1 or 2, got ", o.mode);
   check_rounding_keys(o.rounding_keys, params, work);
   const bool found_inf = o.found_inf.has_value() && scalar_value(o.found_inf, "found_inf") != 0.0;
+  if (o.grad_square_sum != nullptr) *o.grad_square_sum = std::numeric_limits<double>::quiet_NaN();
   if (found_inf && o.scaling == nullptr) return;  // skipped (a scaled step still reports the gradients' norm)
   double grad_mul = o.inv_grad_scale.has_value() ? scalar_value(o.inv_grad_scale, "inv_grad_scale") : 1.0;
   const double lr = o.lr_tensor.has_value() ? scalar_value(o.lr_tensor, "lr_tensor") : o.lr;
@@ -1268,10 +1281,17 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
   }
   if (o.maximize) grad_mul = -grad_mul;
   const Hyper h{lr, o.beta1, o.beta2, o.eps, o.weight_decay, grad_mul, o.mode, grad_scale};
+  std::vector<double> grad_squares(o.grad_square_sum != nullptr ? items.size() : 0, 0.0);
+  double* squares = o.grad_square_sum != nullptr ? grad_squares.data() : nullptr;
   if (is_double) {
-    dispatch_adam<double>(work, items, h, amsgrad);
+    dispatch_adam<double>(work, items, h, amsgrad, squares);
   } else {
-    dispatch_adam<float>(work, items, h, amsgrad);
+    dispatch_adam<float>(work, items, h, amsgrad, squares);
+  }
+  if (o.grad_square_sum != nullptr) {
+    double total = 0.0;
+    for (double q : grad_squares) total += q;  // fixed order, as sum_of_squares
+    *o.grad_square_sum = total;
   }
   for (const auto& [i, copy] : param_copies) params[i]->copy_(copy);
   if (grad_scale != 0.0) {
@@ -1597,17 +1617,27 @@ class AdamPlan : public torch::CustomClassHolder {
     return -1;
   }
 
-  // One step with the params' current gradients, after a successful check().
-  void step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
-            bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
-            c10::optional<at::Tensor> inv_grad_scale, c10::optional<at::Tensor> found_inf,
-            c10::optional<at::Tensor> grad_scale, c10::optional<at::Tensor> rounding_keys) {
+  // One step with the params' current gradients, after a successful check(). grad_norm: also return grad_stats'
+  // float32 [sum of squares, 1.0 if not finite] of the gradients as loaded, from the update's own pass (NaN sum when
+  // the step was skipped); else an empty tensor.
+  at::Tensor step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
+                  bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
+                  c10::optional<at::Tensor> inv_grad_scale, c10::optional<at::Tensor> found_inf,
+                  c10::optional<at::Tensor> grad_scale, c10::optional<at::Tensor> rounding_keys, bool grad_norm) {
     TORCH_CHECK(checked_, "ort_optim.AdamPlan: step() needs a successful check() first");
-    const StepOptions options{lr,       beta1,     beta2,          eps,       weight_decay, mode, bias_correction,
-                              maximize, lr_tensor, inv_grad_scale, found_inf, grad_scale, rounding_keys};
+    StepOptions options{lr,       beta1,     beta2,          eps,       weight_decay, mode, bias_correction,
+                        maximize, lr_tensor, inv_grad_scale, found_inf, grad_scale, rounding_keys};
+    double square_sum = 0.0;
+    if (grad_norm) options.grad_square_sum = &square_sum;
     update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
            options);
     release();
+    if (!grad_norm) return at::Tensor();
+    const auto [sum, nonfinite] = float_stats(square_sum);
+    at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kFloat));
+    out.data_ptr<float>()[0] = sum;
+    out.data_ptr<float>()[1] = nonfinite ? 1.0f : 0.0f;
+    return out;
   }
 
   // grad_stats over the params' current gradients, after a successful check().

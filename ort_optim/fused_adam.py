@@ -484,9 +484,13 @@ class FusedAdam(torch.optim.Optimizer):
     def last_grad_norm(self) -> Optional[torch.Tensor]:
         """The global L2 norm of the last step()'s gradients, unscaled (divided by ``grad_scale``) and before
         clipping, as a 0-dim float32 tensor on the params' device: what ``torch.nn.utils.clip_grad_norm_`` returns
-        as the total norm. It comes from the pass that reads the gradients for unscaling and clipping, so it is None
-        when the step had no such pass (neither ``grad_scale`` nor ``max_grad_norm``). inf or NaN when a gradient
-        is (the step is then skipped). Reading it never synchronises."""
+        as the total norm. It comes from a pass that reads the gradients anyway, never from an extra one: the
+        statistics pass of unscaling and clipping (``grad_scale`` or ``max_grad_norm``), or, in a plain step on the
+        native CPU path of one process, the update pass itself (the native plan sums the squares of each work item
+        as it loads it). A plain step elsewhere (CUDA/Triton kernels, DTensor params or a process_group, where the
+        norm would need a collective of its own) leaves it None, as do updates made in backward
+        (step_in_backward). inf or NaN when a gradient is (a step with grad_scale or max_grad_norm is then skipped;
+        a plain step is not, like torch.optim.AdamW). Reading it never synchronises."""
         return self._last_grad_norm
 
     @property
@@ -560,6 +564,9 @@ class FusedAdam(torch.optim.Optimizer):
         unscaled = self._grad_scale_per_device(buckets, grad_scale)
         if unscaled and (len(buckets) > 1 or buckets[0][2].native is None):  # ({} without any gradient)
             _plan.check_grads_writable(buckets)
+        # A plain step reports the norm too where the update's own pass can sum the squares it reads.
+        plain_norm = self._plain_norm_from_update(plan, buckets, grad_scale, found_inf)
+        stats = []
         for group_index, group, bucket in buckets:
             device = bucket.params[0].device
             hyper = dict(
@@ -571,11 +578,22 @@ class FusedAdam(torch.optim.Optimizer):
             )
             try:
                 if bucket.native is not None:
-                    bucket.native.step(**hyper)
+                    stats.append(bucket.native.step(**hyper, grad_norm=plain_norm))
                 else:
                     backends.adam_step_(*bucket.op_lists(), **hyper)
             except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
                 raise _plan.name_op_error(exc, group_index, bucket) from exc
+        if plain_norm:  # the buckets' sums of squares added in bucket order, as _global_grad_stats
+            self._last_grad_norm = sum(stats)[0].sqrt()
+
+    def _plain_norm_from_update(self, plan: _plan.Plan, buckets: list, grad_scale, found_inf) -> bool:
+        """Whether this step's update passes report the gradients' norm (last_grad_norm without a stats pass): a
+        plain step (no grad_scale, max_grad_norm or found_inf) of one process over plain params, every bucket on the
+        native CPU plan, and not the remainder of step_in_backward's updates. Elsewhere (CUDA/Triton, DTensor or
+        process_group steps, whose norm would have to be all-reduced) a plain step leaves last_grad_norm None."""
+        return (grad_scale is None and found_inf is None and self.max_grad_norm is None and self._backward is None
+                and bool(buckets) and all(bucket.native is not None for _, _, bucket in buckets)
+                and self.process_group is None and self.pipeline_group is None and not plan.dtensors)
 
     @staticmethod
     def _hyperparameters(group: dict) -> dict:

@@ -563,13 +563,41 @@ def test_last_grad_norm_is_torchs_total_norm_of_the_unscaled_gradients(options, 
     torch.testing.assert_close(opt.last_grad_norm, expected, rtol=1e-6, atol=0)
 
 
-def test_last_grad_norm_is_none_without_a_gradient_pass(backend):
+def test_a_plain_step_reports_the_norm_from_its_own_update_pass_on_the_native_path(backend):
+    """Without grad_scale or max_grad_norm there is no statistics pass: the native plan sums the squares as the update
+    loads each gradient (every bucket, here fp32 and bf16 params in two groups), the other backends report None."""
+    params = _params(shapes=[(5,), (3, 4), (), (2000,)]) + _params(seed=3, shapes=[(6,)], dtype=torch.bfloat16)
+    opt = FusedAdam([{"params": params[:3]}, {"params": params[3:], "lr": 1e-2}])
+    g = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+        for p, grad in zip(params, grads):
+            p.grad = grad
+        opt.step()
+        if backend != "native":
+            assert opt.last_grad_norm is None and opt.last_found_inf is None
+            continue
+        copies = [torch.nn.Parameter(torch.zeros(p.shape)) for p in params]
+        for c, grad in zip(copies, grads):
+            c.grad = grad.float()
+        expected = torch.nn.utils.clip_grad_norm_(copies, max_norm=1.0)
+        assert opt.last_grad_norm.shape == () and opt.last_found_inf is None
+        torch.testing.assert_close(opt.last_grad_norm, expected, rtol=1e-6, atol=0)
+
+
+def test_a_plain_step_with_found_inf_or_an_inf_gradient_reports_what_it_read(backend):
+    """found_inf without grad_scale skips the step before any pass reads the gradients: no norm. An inf gradient in a
+    plain step is not skipped (torch.optim.AdamW does not check either), and the norm says inf."""
     params = _params()
     opt = FusedAdam(params)
     for p in params:
         p.grad = torch.ones_like(p)
+    opt.step(found_inf=torch.ones(1))
+    assert opt.last_grad_norm is None
+    params[0].grad[0] = float("inf")
     opt.step()
-    assert opt.last_grad_norm is None and opt.last_found_inf is None
+    if backend == "native":
+        assert opt.last_grad_norm == float("inf")
 
 
 # ---- 9. step_in_backward's per-param plans ----------------------------------------------------------------------------

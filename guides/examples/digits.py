@@ -130,8 +130,8 @@ def run_leg(leg: str, data, steps: int, seed: int) -> dict:
         optimizer.zero_grad()
         t2 = time.perf_counter()
         losses.append(loss.item())
-        # The global norm of the unscaled gradients, from the pass that unscales (fp16: FP16_Optimizer hands FusedAdam
-        # its loss scale); None where nothing is scaled or clipped.
+        # The global norm of the unscaled gradients, from a pass that reads them anyway: the one that unscales (fp16:
+        # FP16_Optimizer hands FusedAdam its loss scale), or the update itself (fp32, native CPU plan).
         norm = None if fused is None else fused.last_grad_norm
         grad_norms.append(None if norm is None else float(norm))
         fwd_bwd.append(t1 - t0)

@@ -346,8 +346,8 @@ def run_leg(leg: str, cfg: dict, args) -> dict:
         if fp16 and optimizer.overflow:
             skipped += 1
         losses.append(float(loss.detach()))
-        # FusedAdam's global norm of the unscaled gradients, from the pass that unscales them (the fp16 leg: loss
-        # scaling); None where nothing is scaled or clipped.
+        # FusedAdam's global norm of the unscaled gradients, from a pass that reads them anyway: the one that unscales
+        # them (the fp16 leg: loss scaling), or the update itself (fp32 legs, native CPU plan).
         norm = None if fused is None else fused.last_grad_norm
         grad_norms.append(None if norm is None else float(norm))
         fwd_bwd_s.append(t1 - t0)

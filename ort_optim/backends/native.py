@@ -194,11 +194,15 @@ class AdamPlan:
     def step(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adam_w_mode: int,
              bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
              inv_grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None,
-             grad_scale: Optional[torch.Tensor] = None, rounding_keys: Optional[torch.Tensor] = None) -> None:
+             grad_scale: Optional[torch.Tensor] = None, rounding_keys: Optional[torch.Tensor] = None,
+             grad_norm: bool = False) -> Optional[torch.Tensor]:
         """:func:`adam_step_` with the params' current gradients (written back unscaled when grad_scale is given),
-        after a successful :meth:`check`."""
-        self._plan.step(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize, lr_tensor,
-                        inv_grad_scale, found_inf, grad_scale, rounding_keys)
+        after a successful :meth:`check`. grad_norm: also return :func:`grad_stats` of the gradients as loaded
+        (float32 ``[sum of squares, 1.0 if not finite]``), summed by the update pass itself (NaN when the step was
+        skipped by found_inf); else None."""
+        out = self._plan.step(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize, lr_tensor,
+                              inv_grad_scale, found_inf, grad_scale, rounding_keys, grad_norm)
+        return out if grad_norm else None
 
     def step_scaled(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                     adam_w_mode: int, bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
