@@ -666,6 +666,80 @@ void float_to_bf16_stochastic(const float* src, int64_t n, uint16_t* dst, uint64
   }
 }
 
+// A float64 sum of squares over a sequence of arrays, in 32 fixed lanes plus one for leftovers: element j of an
+// array goes to lane j % 32, except the last n % 32 elements, which go to the leftover lane; at the end the lanes are
+// added in order, then the leftovers. Every lane sees the same additions in the same order whatever the instruction
+// set or thread count, so the result is deterministic and the same on every machine. Four independent vector
+// accumulators keep the adder busy, and keeping them across a work item's blocks pays for the final reduction once
+// per 64K elements instead of once per 1024.
+class SquareSum {
+ public:
+  template <typename T>
+  void add(const T* x, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+      for (; j + kLanes <= n; j += kLanes) {
+        for (int k = 0; k < 4; ++k) {
+          const __m512d d = _mm512_cvtps_pd(_mm256_loadu_ps(x + j + 8 * k));
+          vector_[k] = _mm512_add_pd(vector_[k], _mm512_mul_pd(d, d));
+        }
+      }
+    }
+#endif
+    for (; j + kLanes <= n; j += kLanes) {
+      for (int k = 0; k < kLanes; ++k) lanes_[k] += double(x[j + k]) * double(x[j + k]);
+    }
+    for (; j < n; ++j) leftovers_ += double(x[j]) * double(x[j]);
+  }
+
+#if defined(__AVX512F__) && defined(ORT_OPTIM_F16C)
+  // add() of fp16 (kBf16 false) or bf16 values, converted in registers: the same lanes and the same bits as
+  // converting them into a float array and adding that (both conversions are exact), without the round trip
+  // through memory, which cost as much as the sum itself.
+  template <bool kBf16>
+  void add_16bit(const uint16_t* x, int64_t n) {
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+      for (int k = 0; k < 4; ++k) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + j + 8 * k));
+        const __m256 f = kBf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                               : _mm256_cvtph_ps(h);
+        const __m512d d = _mm512_cvtps_pd(f);
+        vector_[k] = _mm512_add_pd(vector_[k], _mm512_mul_pd(d, d));
+      }
+    }
+    for (; j < n; ++j) {
+      const double d = kBf16 ? bits_to_float(uint32_t(x[j]) << 16) : c10::detail::fp16_ieee_to_fp32_value(x[j]);
+      leftovers_ += d * d;
+    }
+  }
+#endif
+
+  double total() const {
+    double lanes[kLanes];
+    std::copy(lanes_, lanes_ + kLanes, lanes);
+#if defined(__AVX512F__)
+    // On this build float arrays went to vector_ and double arrays to lanes_; an array is all one or the other.
+    double vector_lanes[kLanes];
+    for (int k = 0; k < 4; ++k) _mm512_storeu_pd(vector_lanes + 8 * k, vector_[k]);
+    for (int k = 0; k < kLanes; ++k) lanes[k] += vector_lanes[k];
+#endif
+    double total = 0.0;
+    for (int k = 0; k < kLanes; ++k) total += lanes[k];
+    return total + leftovers_;
+  }
+
+  static constexpr int kLanes = 32;
+
+ private:
+  double lanes_[kLanes] = {0.0};
+  double leftovers_ = 0.0;
+#if defined(__AVX512F__)
+  __m512d vector_[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+#endif
+};
+
 // ---- the Adam update ------------------------------------------------------------------------------------------
 
 // Per-tensor view of everything the kernel touches, resolved once before the parallel region.
@@ -772,6 +846,7 @@ inline uint32_t abs_bits(float x) { return float_to_bits(x) & 0x7FFFFFFFu; }
 // Block maxima of |m|, |v| and |vmax| as abs_bits, for the fp16 quantiser.
 struct BlockMax {
   uint32_t m = 0, v = 0, vmax = 0;
+  double grad_squares = 0.0;  // the block's sum of g * g (the gradients as loaded), in T, summed in vector lanes
 };
 
 // The update over one staged block. kAmax: also find the block maxima (when a state is stored as scaled fp16),
@@ -787,7 +862,12 @@ BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m
   const T torch_decay = T(1.0 - h.lr * h.weight_decay);  // mode 2: p *= 1 - lr*wd, in double like torch
   const T hf_decay = T(h.lr * h.weight_decay);           // mode 1: p -= lr*wd*p after the update
   uint32_t max_m = 0, max_v = 0, max_vmax = 0;
+  // The gradients' sum of squares rides along (the plain step's norm: one multiply-add per element of a loop that
+  // loads g anyway); the simd reduction lets its additions run in vector lanes, as a sum needs reassociating.
+  T squares = T(0);
+#pragma omp simd reduction(+ : squares) reduction(max : max_m, max_v, max_vmax)
   for (int64_t i = 0; i < n; ++i) {
+    squares += g[i] * g[i];
     T gi = g[i] * grad_mul;  // unscale (and negate for maximize)
     if (kMode == kAdamL2) gi = gi + wd * p[i];  // L2: the decay enters the moments (not written back to .grad)
     if (kMode == kAdamWTorch) p[i] = p[i] * torch_decay;
@@ -812,12 +892,13 @@ BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m
       if (kAmsgrad) max_vmax = std::max(max_vmax, abs_bits(vmax[i]));
     }
   }
-  return {max_m, max_v, max_vmax};
+  return {max_m, max_v, max_vmax, double(squares)};
 }
 
 // One block of one tensor: [off, off + n) with off a multiple of kBlock.
+// grad_squares receives the block's sum of squares of the gradients as loaded (adam_loop's).
 template <typename T, int64_t kMode, bool kAmsgrad>
-void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s) {
+void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s, double& grad_squares) {
   T* g = stage<T>(w.grad, w.grad_type, nullptr, off, n, s.g);
   T* p = w.master ? stage<T>(w.master, at::kFloat, nullptr, off, n, s.p)
                   : stage<T>(w.param, w.param_type, nullptr, off, n, s.p);
@@ -844,6 +925,7 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   } else {
     max = adam_loop<T, kMode, kAmsgrad, false>(p, g, m, v, vmax, n, w, h);
   }
+  grad_squares = max.grad_squares;
 
   // Write back what was staged.
   if (m == s.m) {
@@ -928,10 +1010,8 @@ void prefetch_item(const TensorWork& w, const WorkItem& item) {
   prefetch_range(w.exp_avg_sq, c10::elementSize(w.exp_avg_sq_type), item.begin, item.end);
 }
 
-double square_sum(const void* data, at::ScalarType type, int64_t begin, int64_t end);
-
 // grad_squares: nullptr, or one slot per work item for the sum of squares of its gradients (as loaded, before any
-// multiplier), taken while the update brings them into the caches anyway: the plain step's gradient norm.
+// multiplier): the blocks' sums from the update loop, added in block order (the plain step's gradient norm).
 template <typename T, int64_t kMode, bool kAmsgrad>
 void run_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& items, const Hyper& h,
               double* grad_squares) {
@@ -940,12 +1020,14 @@ void run_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& 
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& item = items[i];
       if (i + 1 < end) prefetch_item(work[items[i + 1].tensor], items[i + 1]);
-      if (grad_squares) {
-        grad_squares[i] = square_sum(work[item.tensor].grad, work[item.tensor].grad_type, item.begin, item.end);
-      }
+      double item_squares = 0.0;
       for (int64_t off = item.begin; off < item.end; off += kBlock) {
-        adam_block<T, kMode, kAmsgrad>(work[item.tensor], h, off, std::min(kBlock, item.end - off), scratch);
+        double block_squares;
+        adam_block<T, kMode, kAmsgrad>(work[item.tensor], h, off, std::min(kBlock, item.end - off), scratch,
+                                       block_squares);
+        item_squares += block_squares;
       }
+      if (grad_squares != nullptr) grad_squares[i] = item_squares;
     }
   });
 }
@@ -1334,79 +1416,6 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
 }
 
 // ---- gradient statistics --------------------------------------------------------------------------------------
-
-// A float64 sum of squares over a sequence of arrays, in 32 fixed lanes plus one for leftovers: element j of an
-// array goes to lane j % 32, except the last n % 32 elements, which go to the leftover lane; at the end the lanes are
-// added in order, then the leftovers. Every lane sees the same additions in the same order whatever the instruction
-// set or thread count, so the result is deterministic and the same on every machine. Four independent vector
-// accumulators keep the adder busy, and keeping them across a work item's blocks pays for the final reduction once
-// per 64K elements instead of once per 1024.
-class SquareSum {
- public:
-  template <typename T>
-  void add(const T* x, int64_t n) {
-    int64_t j = 0;
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float>) {
-      for (; j + kLanes <= n; j += kLanes) {
-        for (int k = 0; k < 4; ++k) {
-          const __m512d d = _mm512_cvtps_pd(_mm256_loadu_ps(x + j + 8 * k));
-          vector_[k] = _mm512_add_pd(vector_[k], _mm512_mul_pd(d, d));
-        }
-      }
-    }
-#endif
-    for (; j + kLanes <= n; j += kLanes) {
-      for (int k = 0; k < kLanes; ++k) lanes_[k] += double(x[j + k]) * double(x[j + k]);
-    }
-    for (; j < n; ++j) leftovers_ += double(x[j]) * double(x[j]);
-  }
-
-#if defined(__AVX512F__) && defined(ORT_OPTIM_F16C)
-  // add() of fp16 (kBf16 false) or bf16 values, converted in registers: the same lanes and the same bits as
-  // converting them into a float array and adding that (both conversions are exact), without the round trip
-  // through memory, which cost as much as the sum itself.
-  template <bool kBf16>
-  void add_16bit(const uint16_t* x, int64_t n) {
-    int64_t j = 0;
-    for (; j + kLanes <= n; j += kLanes) {
-      for (int k = 0; k < 4; ++k) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + j + 8 * k));
-        const __m256 f = kBf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-                               : _mm256_cvtph_ps(h);
-        const __m512d d = _mm512_cvtps_pd(f);
-        vector_[k] = _mm512_add_pd(vector_[k], _mm512_mul_pd(d, d));
-      }
-    }
-    for (; j < n; ++j) {
-      const double d = kBf16 ? bits_to_float(uint32_t(x[j]) << 16) : c10::detail::fp16_ieee_to_fp32_value(x[j]);
-      leftovers_ += d * d;
-    }
-  }
-#endif
-
-  double total() const {
-    double lanes[kLanes];
-    std::copy(lanes_, lanes_ + kLanes, lanes);
-#if defined(__AVX512F__)
-    // On this build float arrays went to vector_ and double arrays to lanes_; an array is all one or the other.
-    double vector_lanes[kLanes];
-    for (int k = 0; k < 4; ++k) _mm512_storeu_pd(vector_lanes + 8 * k, vector_[k]);
-    for (int k = 0; k < kLanes; ++k) lanes[k] += vector_lanes[k];
-#endif
-    double total = 0.0;
-    for (int k = 0; k < kLanes; ++k) total += lanes[k];
-    return total + leftovers_;
-  }
-
- private:
-  static constexpr int kLanes = 32;
-  double lanes_[kLanes] = {0.0};
-  double leftovers_ = 0.0;
-#if defined(__AVX512F__)
-  __m512d vector_[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
-#endif
-};
 
 // The sum of squares of elements [begin, end) of one array of any float dtype, in SquareSum's lanes.
 double square_sum(const void* data, at::ScalarType type, int64_t begin, int64_t end) {
