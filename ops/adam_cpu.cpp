@@ -666,80 +666,6 @@ void float_to_bf16_stochastic(const float* src, int64_t n, uint16_t* dst, uint64
   }
 }
 
-// A float64 sum of squares over a sequence of arrays, in 32 fixed lanes plus one for leftovers: element j of an
-// array goes to lane j % 32, except the last n % 32 elements, which go to the leftover lane; at the end the lanes are
-// added in order, then the leftovers. Every lane sees the same additions in the same order whatever the instruction
-// set or thread count, so the result is deterministic and the same on every machine. Four independent vector
-// accumulators keep the adder busy, and keeping them across a work item's blocks pays for the final reduction once
-// per 64K elements instead of once per 1024.
-class SquareSum {
- public:
-  template <typename T>
-  void add(const T* x, int64_t n) {
-    int64_t j = 0;
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float>) {
-      for (; j + kLanes <= n; j += kLanes) {
-        for (int k = 0; k < 4; ++k) {
-          const __m512d d = _mm512_cvtps_pd(_mm256_loadu_ps(x + j + 8 * k));
-          vector_[k] = _mm512_add_pd(vector_[k], _mm512_mul_pd(d, d));
-        }
-      }
-    }
-#endif
-    for (; j + kLanes <= n; j += kLanes) {
-      for (int k = 0; k < kLanes; ++k) lanes_[k] += double(x[j + k]) * double(x[j + k]);
-    }
-    for (; j < n; ++j) leftovers_ += double(x[j]) * double(x[j]);
-  }
-
-#if defined(__AVX512F__) && defined(ORT_OPTIM_F16C)
-  // add() of fp16 (kBf16 false) or bf16 values, converted in registers: the same lanes and the same bits as
-  // converting them into a float array and adding that (both conversions are exact), without the round trip
-  // through memory, which cost as much as the sum itself.
-  template <bool kBf16>
-  void add_16bit(const uint16_t* x, int64_t n) {
-    int64_t j = 0;
-    for (; j + kLanes <= n; j += kLanes) {
-      for (int k = 0; k < 4; ++k) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + j + 8 * k));
-        const __m256 f = kBf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-                               : _mm256_cvtph_ps(h);
-        const __m512d d = _mm512_cvtps_pd(f);
-        vector_[k] = _mm512_add_pd(vector_[k], _mm512_mul_pd(d, d));
-      }
-    }
-    for (; j < n; ++j) {
-      const double d = kBf16 ? bits_to_float(uint32_t(x[j]) << 16) : c10::detail::fp16_ieee_to_fp32_value(x[j]);
-      leftovers_ += d * d;
-    }
-  }
-#endif
-
-  double total() const {
-    double lanes[kLanes];
-    std::copy(lanes_, lanes_ + kLanes, lanes);
-#if defined(__AVX512F__)
-    // On this build float arrays went to vector_ and double arrays to lanes_; an array is all one or the other.
-    double vector_lanes[kLanes];
-    for (int k = 0; k < 4; ++k) _mm512_storeu_pd(vector_lanes + 8 * k, vector_[k]);
-    for (int k = 0; k < kLanes; ++k) lanes[k] += vector_lanes[k];
-#endif
-    double total = 0.0;
-    for (int k = 0; k < kLanes; ++k) total += lanes[k];
-    return total + leftovers_;
-  }
-
-  static constexpr int kLanes = 32;
-
- private:
-  double lanes_[kLanes] = {0.0};
-  double leftovers_ = 0.0;
-#if defined(__AVX512F__)
-  __m512d vector_[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
-#endif
-};
-
 // ---- the Adam update ------------------------------------------------------------------------------------------
 
 // Per-tensor view of everything the kernel touches, resolved once before the parallel region.
@@ -1275,7 +1201,7 @@ struct StepOptions {
   // statistics"); the unscaled gradients are written back as with grad_scale.
   Scaling* scaling = nullptr;
   // Set by AdamPlan::step(grad_norm=true): receives the sum of squares of the gradients the update read, added per
-  // work item in item order like grad_stats (deterministic whatever the thread count); NaN when the step was skipped.
+  // work item in item order (deterministic whatever the thread count); NaN when the step was skipped.
   double* grad_square_sum = nullptr;
 };
 
@@ -1416,6 +1342,79 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
 }
 
 // ---- gradient statistics --------------------------------------------------------------------------------------
+
+// A float64 sum of squares over a sequence of arrays, in 32 fixed lanes plus one for leftovers: element j of an
+// array goes to lane j % 32, except the last n % 32 elements, which go to the leftover lane; at the end the lanes are
+// added in order, then the leftovers. Every lane sees the same additions in the same order whatever the instruction
+// set or thread count, so the result is deterministic and the same on every machine. Four independent vector
+// accumulators keep the adder busy, and keeping them across a work item's blocks pays for the final reduction once
+// per 64K elements instead of once per 1024.
+class SquareSum {
+ public:
+  template <typename T>
+  void add(const T* x, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+      for (; j + kLanes <= n; j += kLanes) {
+        for (int k = 0; k < 4; ++k) {
+          const __m512d d = _mm512_cvtps_pd(_mm256_loadu_ps(x + j + 8 * k));
+          vector_[k] = _mm512_add_pd(vector_[k], _mm512_mul_pd(d, d));
+        }
+      }
+    }
+#endif
+    for (; j + kLanes <= n; j += kLanes) {
+      for (int k = 0; k < kLanes; ++k) lanes_[k] += double(x[j + k]) * double(x[j + k]);
+    }
+    for (; j < n; ++j) leftovers_ += double(x[j]) * double(x[j]);
+  }
+
+#if defined(__AVX512F__) && defined(ORT_OPTIM_F16C)
+  // add() of fp16 (kBf16 false) or bf16 values, converted in registers: the same lanes and the same bits as
+  // converting them into a float array and adding that (both conversions are exact), without the round trip
+  // through memory, which cost as much as the sum itself.
+  template <bool kBf16>
+  void add_16bit(const uint16_t* x, int64_t n) {
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+      for (int k = 0; k < 4; ++k) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + j + 8 * k));
+        const __m256 f = kBf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                               : _mm256_cvtph_ps(h);
+        const __m512d d = _mm512_cvtps_pd(f);
+        vector_[k] = _mm512_add_pd(vector_[k], _mm512_mul_pd(d, d));
+      }
+    }
+    for (; j < n; ++j) {
+      const double d = kBf16 ? bits_to_float(uint32_t(x[j]) << 16) : c10::detail::fp16_ieee_to_fp32_value(x[j]);
+      leftovers_ += d * d;
+    }
+  }
+#endif
+
+  double total() const {
+    double lanes[kLanes];
+    std::copy(lanes_, lanes_ + kLanes, lanes);
+#if defined(__AVX512F__)
+    // On this build float arrays went to vector_ and double arrays to lanes_; an array is all one or the other.
+    double vector_lanes[kLanes];
+    for (int k = 0; k < 4; ++k) _mm512_storeu_pd(vector_lanes + 8 * k, vector_[k]);
+    for (int k = 0; k < kLanes; ++k) lanes[k] += vector_lanes[k];
+#endif
+    double total = 0.0;
+    for (int k = 0; k < kLanes; ++k) total += lanes[k];
+    return total + leftovers_;
+  }
+
+ private:
+  static constexpr int kLanes = 32;
+  double lanes_[kLanes] = {0.0};
+  double leftovers_ = 0.0;
+#if defined(__AVX512F__)
+  __m512d vector_[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+#endif
+};
 
 // The sum of squares of elements [begin, end) of one array of any float dtype, in SquareSum's lanes.
 double square_sum(const void* data, at::ScalarType type, int64_t begin, int64_t end) {
