@@ -15,11 +15,8 @@ from ._plan import describe
 from ._spec import LOW_BIT_FORMATS, LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
 from .integrations import dtensor
 
-# State views in one flat buffer start a multiple of this many elements apart (256 bytes for float32). Low-bit codes
-# (uint8) start 16 bytes apart instead, the alignment the Triton kernels' vector accesses need: 64 bytes between a
-# small MLP's views would cost its 8-bit moments 4% (2.12 bytes/param), over issue 13's 2.05.
+# State views in one flat buffer start a multiple of this many elements apart (256 bytes for float32).
 _STATE_ALIGN = 64
-_CODES_ALIGN = 16
 
 
 def _check_hyperparameters(group: dict, where: str) -> None:
@@ -425,12 +422,15 @@ class FusedAdam(torch.optim.Optimizer):
         return any(dtensor.is_dtensor(p) for group in self.param_groups for p in group["params"])
 
     def _init_states(self, params: list[torch.Tensor], amsgrad: bool) -> list[dict]:
-        """Fresh states for params. Each kind of state tensor of params sharing (device, dtype) is a view of one
-        flat buffer: the kernel then streams through contiguous memory instead of thousands of small allocations,
-        whose cold starts cost more than their bytes. Views start 256 bytes apart (times n; low-bit codes 16 bytes)
-        from the buffer's start, which torch's allocator aligns to 64 bytes, so vector loads stay aligned; the
-        buffer ends with its last view. DTensor params get states shaped
-        like their local pieces."""
+        """Fresh states for params. Each kind of float state tensor of params sharing (device, dtype) is a view of
+        one flat buffer: the kernel then streams through contiguous memory instead of thousands of small
+        allocations, whose cold starts cost more than their bytes. Views start 256 bytes apart (times n) from the
+        buffer's start, which torch's allocator aligns to 64 bytes, so vector loads stay aligned; the buffer ends
+        with its last view. Low-bit codes (8-bit, 4-bit) get a storage per param instead, as their scales do, as in
+        torchao and bitsandbytes: then the bytes of the storages in ``state[p]`` are that param's state exactly
+        (issue 13's measure, 2.03 bytes/param for 8-bit moments), however they are counted, and the low-bit step,
+        bound by its arithmetic, gains nothing from the flat layout. DTensor params get states shaped like their
+        local pieces."""
         params = [dtensor.local(p) for p in params]
         states: list[dict[str, Any]] = []
         requests: dict[tuple[str, torch.device, torch.dtype], list[int]] = {}
@@ -453,14 +453,17 @@ class FusedAdam(torch.optim.Optimizer):
             states.append(state)
         for (key, device, dtype), indices in requests.items():
             fmt = LOW_BIT_FORMATS.get(dtype)
-            shapes = [fmt.storage_shape(params[i].shape) if fmt else params[i].shape for i in indices]
-            offsets, total, align = [], 0, _CODES_ALIGN if fmt else _STATE_ALIGN
+            if fmt:
+                for i in indices:
+                    states[i][key] = torch.zeros(fmt.storage_shape(params[i].shape), dtype=torch.uint8, device=device)
+                continue
+            shapes = [params[i].shape for i in indices]
+            offsets, total = [], 0
             for shape in shapes:
-                # each view starts aligned; the buffer ends where the last view does (no padding after it, which a
-                # lone 1001-element param's 8-bit codes would pay 2% for: 2.08 bytes/param instead of 2.03)
-                offsets.append(-(-total // align) * align)
+                # each view starts aligned; the buffer ends where the last view does (no padding after it)
+                offsets.append(-(-total // _STATE_ALIGN) * _STATE_ALIGN)
                 total = offsets[-1] + math.prod(shape)
-            flat = torch.zeros(total, dtype=torch.uint8 if fmt else dtype, device=device)
+            flat = torch.zeros(total, dtype=dtype, device=device)
             for i, offset, shape in zip(indices, offsets, shapes):
                 view = flat[offset:offset + math.prod(shape)].view(shape)
                 if key == "master_param":

@@ -252,9 +252,10 @@ def test_state_bytes_per_parameter(combo, numel):
 
 
 def test_state_bytes_per_parameter_of_a_model_with_odd_shapes():
-    """Params of awkward sizes side by side in one optimizer, where each kind of state is a view of one buffer: the
-    padding between the views stays within the bounds. The MLP of examples/digits.py (64 -> 32 -> 10) and odd sizes
-    (the views of 8-bit codes 64 bytes apart used to cost the MLP 4%: 2.12 bytes/param)."""
+    """Params of awkward sizes side by side in one optimizer: the MLP of examples/digits.py (64 -> 32 -> 10) and odd
+    sizes. Each param's codes have a storage of their own (views of one buffer 64 bytes apart used to cost the MLP
+    4%: 2.12 bytes/param), so the bytes are exactly the formats' codes and scales, counted per param or per distinct
+    storage alike."""
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, generator=g))
               for shape in ((32, 64), (32,), (10, 32), (10,), (37, 129), (4097,), (1001, 3), (77,))]
@@ -263,6 +264,10 @@ def test_state_bytes_per_parameter_of_a_model_with_odd_shapes():
         _train(params, opt, 1)
         numel = sum(p.numel() for p in params)
         assert state_bytes(opt) / numel <= BYTES_PER_PARAM[combo]
+        assert state_bytes(opt) == sum(FORMAT_BYTES[k](p.numel()) for p in params for k in combo)
+        per_param = sum(t.untyped_storage().nbytes() for p in params for key, t in opt.state[p].items()
+                        if key != "step")
+        assert per_param == state_bytes(opt)
         # (and every view of codes starts 16-byte aligned, as the Triton kernels' vector accesses want)
         assert all(opt.state[p][key].data_ptr() % 16 == 0 for p in params for key in ("exp_avg", "exp_avg_sq"))
 
