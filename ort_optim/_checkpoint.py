@@ -118,22 +118,25 @@ def canonical(state_dict: dict, shapes: dict) -> dict:
     for group in state_dict["param_groups"]:
         # tensor-valued entries (an lr tensor, a scheduler's initial_lr) are copies too: a scheduler that fills the lr
         # in place must not write into a saved checkpoint, nor the checkpoint's user into the optimizer
-        groups.append({key: value if key == "params" else _copy(value) for key, value in group.items()})
+        groups.append({key: value if key == "params" else _copy(value, enums_as_values=True)
+                       for key, value in group.items()})
     return {"state": state, "param_groups": groups}
 
 
-def _copy(value: Any) -> Any:
-    """A copy of a group entry: tensors cloned, containers rebuilt, enums as their values (an AdamWMode assigned to
-    param_groups[i]['adam_w_mode'] would make the checkpoint unloadable with weights_only=True), other values shared
-    (they are immutable)."""
-    if isinstance(value, enum.Enum):
+def _copy(value: Any, enums_as_values: bool = False) -> Any:
+    """A copy of a group entry: tensors cloned, containers rebuilt, other values shared (they are immutable).
+    enums_as_values (saving): enums become their values, since an enum (an AdamWMode assigned to
+    param_groups[i]['adam_w_mode']) makes a checkpoint unloadable with weights_only=True; loading keeps what it is
+    given, as it is given."""
+    if enums_as_values and isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, dict):
-        return {key: _copy(item) for key, item in value.items()}
+        return {key: _copy(item, enums_as_values) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_copy(item) for item in value) if type(value) in (list, tuple) else copy.deepcopy(value)
+        return (type(value)(_copy(item, enums_as_values) for item in value) if type(value) in (list, tuple)
+                else copy.deepcopy(value))
     return value
 
 
