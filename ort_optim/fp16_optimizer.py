@@ -610,6 +610,7 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         self._model_of: dict[int, torch.Tensor] = {}  # id(master) -> its model param
         self._grad_buffers: dict[int, torch.Tensor] = {}  # id(master) -> persistent fp32 gradient buffer
         self._max_grad_norm: Optional[float] = None
+        self._last_grad_norm: Optional[torch.Tensor] = None  # (the master path's, from its clipping)
         if fused:
             # Also with no fp16/bf16 param yet: groups added later then get masters too. FusedAdam creates state
             # lazily, at a param's first step, so masters start there (no fp16/bf16 param has state: checked above).
@@ -772,6 +773,14 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         return float(self.scaler.scale.item())
 
     @property
+    def last_grad_norm(self) -> Optional[torch.Tensor]:
+        """The global L2 norm of the last step()'s unscaled gradients, before clipping, as a 0-dim float32 tensor on
+        the main device (no host sync): FusedAdam's own :attr:`~ort_optim.FusedAdam.last_grad_norm` when it is the
+        wrapped optimizer (every step: the loss scale goes in as its grad_scale); otherwise the norm the clipping
+        computed, so None without max_grad_norm (no pass computes it then). inf or NaN on an overflow."""
+        return self.optimizer.last_grad_norm if self._fused else self._last_grad_norm
+
+    @property
     def overflow(self) -> bool:
         """Whether the last step() found inf/NaN gradients and was skipped (synchronises on CUDA)."""
         return bool(self.scaler.found_inf.item() != 0)
@@ -892,6 +901,7 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
 
     def _step_masters(self) -> bool:
         layout = self._layout
+        self._last_grad_norm = None
         # Read and check every gradient before anything is written (masters' grads attached, grads coalesced).
         low_grads = [(i, p.grad) for i, (p, _) in enumerate(layout.pairs) if p.grad is not None]
         fp32_grads = [(i, p.grad) for i, p in enumerate(layout.fp32) if p.grad is not None]
@@ -990,7 +1000,8 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         for grads in by_device.values():
             norms = torch._foreach_norm(grads, 2.0)
             total = total + torch.stack(norms).float().square().sum().to(self._main_device)
-        coef = torch.clamp(self.max_grad_norm / (total.sqrt() + 1e-6), max=1.0)
+        self._last_grad_norm = total.sqrt()
+        coef = torch.clamp(self.max_grad_norm / (self._last_grad_norm + 1e-6), max=1.0)
         for device, grads in by_device.items():
             torch._foreach_mul_(grads, coef.to(device))
 

@@ -385,6 +385,21 @@ def test_clipping_after_unscaling_exactly_once(inner):
         torch.testing.assert_close(m, r.detach(), rtol=1e-6, atol=1e-7)
     total = math.sqrt(sum(float(v.square().sum()) for v in values))
     assert total > 10  # the clip was active
+    # last_grad_norm: the unscaled norm before clipping, as clip_grad_norm_ returns it (on either path)
+    assert opt.last_grad_norm.shape == () and opt.last_grad_norm.dtype == torch.float32
+    torch.testing.assert_close(float(opt.last_grad_norm), total, rtol=1e-5, atol=0)
+
+
+def test_last_grad_norm_without_clipping_comes_from_fused_adam_only():
+    """With FusedAdam inside the loss scale goes in as its grad_scale, whose pass computes the norm; a torch
+    optimizer inside gets no pass over the gradients without max_grad_norm, so no norm."""
+    for inner, expected_none in (("FusedAdam", False), ("SGD", True)):
+        model = make_model(torch.float16)
+        opt = FP16_Optimizer(INNER[inner](list(model.parameters())))
+        opt.zero_grad()
+        opt.backward(model(torch.randn(4, model[0].in_features, dtype=torch.float16)).float().sum())
+        opt.step()
+        assert (opt.last_grad_norm is None) == expected_none, inner
 
 
 # ---- LR schedulers, the optimizer surface --------------------------------------------------------------------------
