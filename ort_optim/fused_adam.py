@@ -596,7 +596,7 @@ class FusedAdam(torch.optim.Optimizer):
         process_group steps, whose norm would have to be all-reduced) a plain step leaves last_grad_norm None."""
         return (grad_scale is None and found_inf is None and self.max_grad_norm is None and self._backward is None
                 and bool(buckets) and all(bucket.native is not None for _, _, bucket in buckets)
-                and self.process_group is None and self.pipeline_group is None and not plan.dtensors)
+                and self._decides_alone(plan.dtensors))
 
     @staticmethod
     def _hyperparameters(group: dict) -> dict:
@@ -712,12 +712,15 @@ class FusedAdam(torch.optim.Optimizer):
             by_weight.setdefault(dtensor.weight(group["params"][i], reduction), []).append(g)
         return sum(backends.grad_stats(grads) * w for w, grads in by_weight.items())
 
+    def _decides_alone(self, has_dtensors: bool) -> bool:
+        """Whether this process's gradients are all the gradients of the step (no process_group, pipeline_group
+        or DTensor params): their norm and inf/NaN check need no collective."""
+        return self.process_group is None and self.pipeline_group is None and not has_dtensors
+
     def _reduction(self, has_dtensors: Optional[bool] = None) -> Optional[dtensor.Reduction]:
         """Where the global norm and skip decision are all-reduced (None: this process decides alone).
         has_dtensors: whether any param is a DTensor, when the caller knows (a valid plan does)."""
-        if has_dtensors is None:
-            has_dtensors = self._has_dtensors
-        if self.process_group is None and self.pipeline_group is None and not has_dtensors:
+        if self._decides_alone(self._has_dtensors if has_dtensors is None else has_dtensors):
             return None
         return dtensor.reduction_for((p for group in self.param_groups for p in group["params"]), self.process_group,
                                      self.pipeline_group)
