@@ -1473,6 +1473,15 @@ std::pair<float, bool> float_stats(double total) {
   return {sum, !std::isfinite(total)};
 }
 
+// grad_stats' float32 [sum of squares, 1.0 if not finite] of a float64 total of squares.
+at::Tensor stats_tensor(double total) {
+  const auto [sum, nonfinite] = float_stats(total);
+  at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kFloat));
+  out.data_ptr<float>()[0] = sum;
+  out.data_ptr<float>()[1] = nonfinite ? 1.0f : 0.0f;
+  return out;
+}
+
 // grad_stats over validated dense CPU tensors of float dtypes.
 at::Tensor grad_stats_of(const std::vector<const at::Tensor*>& tensors) {
   // Resolved before the parallel region, like the Adam step's TensorWork: the loop then reads no tensor metadata.
@@ -1490,12 +1499,7 @@ at::Tensor grad_stats_of(const std::vector<const at::Tensor*>& tensors) {
     sources.emplace_back(data, t->scalar_type());
     numels.push_back(t->numel());
   }
-  const auto [sum, nonfinite] =
-      float_stats(sum_of_squares(make_work_items(numels), [&](int64_t t) { return sources[t]; }));
-  at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kFloat));
-  out.data_ptr<float>()[0] = sum;
-  out.data_ptr<float>()[1] = nonfinite ? 1.0f : 0.0f;
-  return out;
+  return stats_tensor(sum_of_squares(make_work_items(numels), [&](int64_t t) { return sources[t]; }));
 }
 
 // Loss-scale unscaling, the inf/NaN check and global-norm clipping of a plan's scaled step, computed on the host from
@@ -1640,12 +1644,7 @@ class AdamPlan : public torch::CustomClassHolder {
     update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
            options);
     release();
-    if (!grad_norm) return at::Tensor();
-    const auto [sum, nonfinite] = float_stats(square_sum);
-    at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kFloat));
-    out.data_ptr<float>()[0] = sum;
-    out.data_ptr<float>()[1] = nonfinite ? 1.0f : 0.0f;
-    return out;
+    return grad_norm ? stats_tensor(square_sum) : at::Tensor();
   }
 
   // grad_stats over the params' current gradients, after a successful check().
