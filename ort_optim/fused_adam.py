@@ -488,12 +488,17 @@ class FusedAdam(torch.optim.Optimizer):
         """The global L2 norm of the last step()'s gradients, unscaled (divided by ``grad_scale``) and before
         clipping, as a 0-dim float32 tensor on the params' device: what ``torch.nn.utils.clip_grad_norm_`` returns
         as the total norm. It comes from a pass that reads the gradients anyway, never from an extra one: the
-        statistics pass of unscaling and clipping (``grad_scale`` or ``max_grad_norm``), or, in a plain step on the
-        native CPU path of one process, the update pass itself (the native plan sums the squares of each work item
-        as it loads it). A plain step elsewhere (CUDA/Triton kernels, DTensor params or a process_group, where the
-        norm would need a collective of its own) leaves it None, as do updates made in backward
-        (step_in_backward). inf or NaN when a gradient is (a step with grad_scale or max_grad_norm is then skipped;
-        a plain step is not, like torch.optim.AdamW). Reading it never synchronises."""
+        statistics pass of unscaling and clipping (``grad_scale`` or ``max_grad_norm``), or, in a plain step of one
+        process, the update pass itself: the native CPU plan sums the squares of each work item as it loads it, and
+        the Triton kernels (CUDA) sum the squares of the gradients each program loads into a float64 partial per
+        program, added by one more tiny program in a fixed order (deterministic for a given launch; float32
+        squares, so a plain step's norm above about 1.8e19 reads inf). A plain step on the reference backend
+        (pure PyTorch: ``ORT_OPTIM_BACKEND=torch``, or CUDA without triton), or with DTensor params or a
+        process_group (where the norm would need a collective of its own), leaves it None, and so does a step whose
+        params span several of these paths when one of them cannot report; so do updates made in backward
+        (step_in_backward). Under CUDA graph capture (capturable=True) the norm tensor of the captured step is
+        rewritten by each replay. inf or NaN when a gradient is (a step with grad_scale or max_grad_norm is then
+        skipped; a plain step is not, like torch.optim.AdamW). Reading it never synchronises."""
         return self._last_grad_norm
 
     @property
@@ -582,21 +587,28 @@ class FusedAdam(torch.optim.Optimizer):
             try:
                 if bucket.native is not None:
                     stats.append(bucket.native.step(**hyper, grad_norm=plain_norm))
+                elif plain_norm:  # (the Triton kernels: see _plain_norm_from_update)
+                    stats.append(backends.adam_step_(*bucket.op_lists(), **hyper, grad_norm=True))
                 else:
                     backends.adam_step_(*bucket.op_lists(), **hyper)
             except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
                 raise _plan.name_op_error(exc, group_index, bucket) from exc
         if plain_norm:  # the buckets' sums of squares added in bucket order, as _global_grad_stats
-            self._last_grad_norm = sum(stats)[0].sqrt()
+            # On the first accelerator's device when the buckets span CPU and CUDA: host-to-device copies of the CPU
+            # buckets' sums need no synchronisation, a non-blocking copy the other way would be read unfinished.
+            main = next((s.device for s in stats if s.device.type != "cpu"), stats[0].device)
+            self._last_grad_norm = sum(s.to(main, non_blocking=True) for s in stats)[0].sqrt()
 
     def _plain_norm_from_update(self, plan: _plan.Plan, buckets: list, grad_scale, found_inf) -> bool:
         """Whether this step's update passes report the gradients' norm (last_grad_norm without a stats pass): a
         plain step (no grad_scale, max_grad_norm or found_inf) of one process over plain params, every bucket on the
-        native CPU plan, and not the remainder of step_in_backward's updates. Elsewhere (CUDA/Triton, DTensor or
-        process_group steps, whose norm would have to be all-reduced) a plain step leaves last_grad_norm None."""
+        native CPU plan or the Triton kernels (which sum the squares of the gradients they load), and not the
+        remainder of step_in_backward's updates. Elsewhere (the reference backend, DTensor or process_group steps,
+        whose norm would have to be all-reduced) a plain step leaves last_grad_norm None: all buckets or none."""
         return (grad_scale is None and found_inf is None and self.max_grad_norm is None and self._backward is None
-                and bool(buckets) and all(bucket.native is not None for _, _, bucket in buckets)
-                and self._decides_alone(plan.dtensors))
+                and bool(buckets) and self._decides_alone(plan.dtensors)
+                and all(bucket.native is not None or backends.update_reports_grad_norm(bucket.params[0].device)
+                        for _, _, bucket in buckets))
 
     @staticmethod
     def _hyperparameters(group: dict) -> dict:

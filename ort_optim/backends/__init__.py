@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -91,15 +91,24 @@ def runs_natively(device: torch.device) -> bool:
     return device.type == "cpu" and not torch.compiler.is_compiling() and implementation(device) is torch.ops.ort_optim
 
 
-def adam_step_(params: Sequence[torch.Tensor], *lists_and_steps, **options) -> None:
+def update_reports_grad_norm(device: torch.device) -> bool:
+    """Whether :func:`adam_step_` for tensors on this device takes ``grad_norm=True`` and returns the gradients'
+    [sum of squares, non-finite] from the update's own pass: the Triton kernels (outside torch.compile's tracing).
+    The native CPU op does the same through ``AdamPlan.step(grad_norm=True)``; the reference backend cannot."""
+    return implementation(device) is triton_backend and not torch.compiler.is_compiling()
+
+
+def adam_step_(params: Sequence[torch.Tensor], *lists_and_steps, **options) -> Optional[torch.Tensor]:
     """One multi-tensor Adam step through the implementation for the params' device: ``ort_optim::adam_step_``'s
     arguments in the order and with the names of its schema, declared once in ops/schema.cpp (ops/README.md gives
     the math and every argument; backends/reference.py spells them out in Python). Mutates params, states, masters,
-    scales, steps, and the grads when grad_scale is given (written back unscaled)."""
+    scales, steps, and the grads when grad_scale is given (written back unscaled). ``grad_norm=True``, only where
+    :func:`update_reports_grad_norm` says so (not part of the op's schema), returns the float32 [sum of squares,
+    non-finite] of the gradients as loaded; otherwise returns None."""
     if options.get("rounding_keys", False) is None:  # (passed only when given, as before the argument existed)
         del options["rounding_keys"]
     impl = implementation(params[0].device if len(params) else torch.device("cpu"))
-    impl.adam_step_(params, *lists_and_steps, **options)
+    return impl.adam_step_(params, *lists_and_steps, **options)
 
 
 def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -495,8 +495,18 @@ def adam_step_(
     found_inf: Optional[torch.Tensor] = None,
     grad_scale: Optional[torch.Tensor] = None,
     rounding_keys: Optional[torch.Tensor] = None,
-) -> None:
-    """ort_optim::adam_step_ (ops/README.md) on CUDA tensors (CPU tensors under TRITON_INTERPRET=1)."""
+    grad_norm: bool = False,
+) -> Optional[torch.Tensor]:
+    """ort_optim::adam_step_ (ops/README.md) on CUDA tensors (CPU tensors under TRITON_INTERPRET=1).
+
+    grad_norm (a keyword of this backend only, not of the op's schema; FusedAdam's plain steps pass it): also return
+    :func:`grad_stats`' float32 [sum of squares, 1.0 if not finite] of the gradients as the update loaded them
+    (before any unscaling), summed by the update's own pass: no second read of the gradients, no host sync (as the
+    native plan's ``step(grad_norm=True)``). Each program of the Adam launches writes its float64 partial sum into a
+    buffer allocated here (from the graph's pool while a CUDA graph is captured, so replays rewrite it), then one
+    program adds the partials in a fixed order. The squares are summed in float32 (float64 for float64 params), so
+    unlike grad_stats the flag is also 1 when finite gradients overflow float32 (a norm above about 1.8e19); the sum
+    is NaN when found_inf skips the step. Otherwise returns None."""
     n = len(params)
     _check_lengths(n, {
         "grads": (grads, False), "exp_avgs": (exp_avgs, False), "exp_avg_sqs": (exp_avg_sqs, False),
@@ -526,7 +536,7 @@ def adam_step_(
                       + (" with master weights" if len(master_params) else "")
                       + "; stochastic rounding is for bfloat16 params without master weights")
     if n == 0:
-        return
+        return torch.zeros(2, dtype=torch.float32) if grad_norm else None
     device = params[0].device
     _check_device(device, "adam_step_")
     k = kernels()
@@ -585,6 +595,9 @@ def adam_step_(
         rounding_keys.to(device, non_blocking=True)
     steps_dev = steps if steps.device == device else steps.to(device)
     dummy = steps_dev
+    norm_programs = sum(group.programs for group in plan.groups) if grad_norm else 0
+    norm_partial = torch.empty(norm_programs, dtype=torch.float64, device=device) if norm_programs else None
+    norm_base = 0
 
     with _launch_context(device):
         for group in plan.groups:
@@ -604,16 +617,21 @@ def adam_step_(
                 group.luts[0] if group.luts[0] is not None else dummy,
                 group.luts[1] if group.luts[1] is not None else dummy,
                 keys_t if keys_t is not None else dummy,
+                norm_partial if norm_partial is not None else dummy, norm_base,
                 _bits(lr), _bits(beta1), _bits(beta2), _bits(eps), _bits(weight_decay),
                 _bits(-1.0 if maximize else 1.0),
                 MODE=int(adam_w_mode), BIAS_CORRECTION=bool(bias_correction), HAS_LR_TENSOR=lr_t is not None,
                 HAS_INV_SCALE=inv_t is not None, HAS_FOUND_INF=found_t is not None,
                 UNSCALE_GRADS=scale_t is not None, BLOCK=BLOCK,
                 BLOCKS_PER_PROGRAM=group.bpp, ALIGNED=group.aligned and group.grads_aligned,
-                HAS_SR=keys_t is not None, num_warps=NUM_WARPS,
+                HAS_SR=keys_t is not None, HAS_NORM=norm_partial is not None, num_warps=NUM_WARPS,
                 enable_fp_fusion=False, **({"maxnreg": MAXNREG} if MAXNREG else {}),
                 **group.constexprs,
             )
+            norm_base += group.programs
+        if norm_partial is not None:
+            stats = torch.empty(2, dtype=torch.float32, device=device)
+            k.grad_stats_finish_kernel[(1,)](norm_partial, norm_programs, stats, BLOCK=BLOCK, num_warps=NUM_WARPS)
         k.advance_steps_kernel[((n + BLOCK - 1) // BLOCK,)](
             steps_dev, found_t if found_t is not None else dummy, n, HAS_FOUND_INF=found_t is not None,
             BLOCK=BLOCK, num_warps=NUM_WARPS,
@@ -626,6 +644,9 @@ def adam_step_(
         params[i].copy_(work_params[i])
     for i in copied_grads:
         grads[i].copy_(work_grads[i])
+    if not grad_norm:
+        return None
+    return stats if norm_partial is not None else torch.zeros(2, dtype=torch.float32, device=device)
 
 
 # ---- grad_stats -----------------------------------------------------------------------------------------------

@@ -402,7 +402,8 @@ def _adam_block(
     AMSGRAD: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, HAS_SR: tl.constexpr,
     UNSCALE_GRADS: tl.constexpr,
 ):
-    """One block of 1024 elements (one fp16 quantisation block, 4 or 8 low-bit ones) of one tensor."""
+    """One block of 1024 elements (one fp16 quantisation block, 4 or 8 low-bit ones) of one tensor. Returns the
+    gradient as loaded (before unscaling, in the compute dtype; masked lanes 0), for the kernel's sum of squares."""
     F64: tl.constexpr = P_DT == 3
     g_loaded = _load(g_addr, offs, mask, G_DT, ALIGNED)
     if UNSCALE_GRADS:  # the unscaled gradient back into .grad, as torch's fused AdamW: a division, rounded to G_DT
@@ -446,6 +447,7 @@ def _adam_block(
                      ALIGNED, BLOCK)
     if HAS_MASTER:
         _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
+    return g_loaded
 
 
 @_device
@@ -466,22 +468,32 @@ def _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT: tl.constexpr,
 @triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits", "eps_bits", "wd_bits", "sign_bits"])
 def adam_kernel(
     meta_ptr, grads_ptr, work_ptr, steps_ptr, lr_ptr, inv_scale_ptr, found_inf_ptr, grad_scale_ptr, m_lut_ptr,
-    v_lut_ptr, keys_ptr,
+    v_lut_ptr, keys_ptr, norm_partial_ptr, norm_partial_base,
     lr_bits: "int64", beta1_bits: "int64", beta2_bits: "int64", eps_bits: "int64", wd_bits: "int64",
     sign_bits: "int64",
     P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
     HAS_MASTER: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, AMSGRAD: tl.constexpr,
     MODE: tl.constexpr, BIAS_CORRECTION: tl.constexpr, HAS_LR_TENSOR: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, UNSCALE_GRADS: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCKS_PER_PROGRAM: tl.constexpr, ALIGNED: tl.constexpr, HAS_SR: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr, ALIGNED: tl.constexpr, HAS_SR: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     """One Adam step over every tensor of the tables: program pid does work item pid (BLOCKS_PER_PROGRAM blocks of
     one tensor). Table row (int64): param, exp_avg, exp_avg_sq, max_exp_avg_sq, master, and the three scale
     addresses, numel, index into steps. m_lut_ptr / v_lut_ptr: the lookup tables of low-bit exp_avg / exp_avg_sq
     formats (M_DT / V_DT == Q8 or Q4; any pointer otherwise, never read). HAS_SR: round the bfloat16 params
-    stochastically with the int64 rounding key keys_ptr[index into steps] (ops/README.md, "stochastic rounding")."""
+    stochastically with the int64 rounding key keys_ptr[index into steps] (ops/README.md, "stochastic rounding").
+    HAS_NORM: also norm_partial_ptr[norm_partial_base + pid] (float64) = the sum of squares of the gradients this
+    program loaded, as loaded (before unscaling), NaN when the step is skipped, as the CPU kernel's grad_norm.
+
+    Why per-program partial sums and not tl.atomic_add into one scalar: the order of atomic additions changes from
+    run to run, and so would the norm's last bits; a partial per program summed by one fixed-order program
+    (grad_stats_finish_kernel) gives the same bits for the same launch. Each lane accumulates the squares of its
+    elements over the program's blocks in the compute dtype (a multiply and an add per element: the launches forbid
+    contracting them into an FMA, see aot_compile.py), then one block tree sum per program, rounded to float64."""
     if HAS_FOUND_INF:
         if tl.load(found_inf_ptr) != 0:  # skipped step: nothing is written (read on the device, no host sync)
+            if HAS_NORM:
+                tl.store(norm_partial_ptr + norm_partial_base + tl.program_id(0), float("nan"))
             return
     F64: tl.constexpr = P_DT == 3
     pid = tl.program_id(0).to(tl.int64)
@@ -549,18 +561,29 @@ def adam_kernel(
     full_blocks = (end - start) // BLOCK
     full_end = start + full_blocks * BLOCK
     lanes = tl.arange(0, BLOCK)
+    if HAS_NORM:
+        if F64:
+            squares = tl.zeros((BLOCK,), dtype=tl.float64)
+        else:
+            squares = tl.zeros((BLOCK,), dtype=tl.float32)
     for b in range(0, full_blocks):
         bs = start + b * BLOCK
-        _adam_block(bs + lanes, lanes < BLOCK, bs // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr,
+        g = _adam_block(bs + lanes, lanes < BLOCK, bs // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr,
                     ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, one_minus_b1,
                     one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, P_DT, G_DT, M_DT,
                     V_DT, HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR, UNSCALE_GRADS)
+        if HAS_NORM:
+            squares += g * g
     if full_end < end:
         offs = full_end + lanes
-        _adam_block(offs, offs < end, full_end // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr,
+        g = _adam_block(offs, offs < end, full_end // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr,
                     ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, one_minus_b1,
                     one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, P_DT, G_DT, M_DT,
                     V_DT, HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR, UNSCALE_GRADS)
+        if HAS_NORM:
+            squares += g * g  # (masked lanes loaded 0)
+    if HAS_NORM:
+        tl.store(norm_partial_ptr + norm_partial_base + pid, tl.sum(squares, axis=0).to(tl.float64))
 
 
 @triton.jit
