@@ -139,8 +139,8 @@ def test_import_ort_optim_never_imports_triton():
 
 
 from triton_cases import (  # noqa: E402
-    COMBOS, LOW_BIT_COMBOS, NAMES, U4, U8, assert_bitwise, assert_close_to, check_graph_capture, check_same_stream,
-    clone_case, hyper, make_case, on, raw, reference_step,
+    COMBOS, LOW_BIT_COMBOS, NAMES, U4, U8, assert_bitwise, assert_close_to, check_graph_capture,
+    check_plain_step_norm, check_same_stream, clone_case, hyper, make_case, on, raw, reference_step, total_norm,
 )
 
 
@@ -512,6 +512,11 @@ def test_cuda_graph_capture_and_replay_with_capturable(clip):
     check_graph_capture(DEVICE, clip=clip)
 
 
+@needs_cuda
+def test_plain_step_norm_eagerly_and_from_a_captured_graph():
+    check_plain_step_norm(DEVICE)
+
+
 # ---- grad_stats --------------------------------------------------------------------------------------------------
 
 @needs_working_interpreter
@@ -640,6 +645,122 @@ def test_fused_adam_through_the_triton_backend(config, monkeypatch):
     for index, state in tsd["state"].items():
         for key, value in state.items():
             torch.testing.assert_close(value, csd["state"][index][key], **tol)
+
+
+# ---- the gradients' norm from the update's own pass (adam_step_(grad_norm=True), FusedAdam.last_grad_norm) --------
+
+def _joined(*cases) -> list:
+    """One adam_step_ call over several cases (their tensors side by side): one launch per dtype group."""
+    return [[t for case in cases for t in case[k]] for k in range(9)] + [torch.cat([case[9] for case in cases])]
+
+
+# (cases joined into one call, mode, amsgrad, blocks per program: 0 is the interpreter's default of 64, one program
+# per tensor here; 1 gives the 2500-element tensor three programs and partials)
+NORM_CASES = {
+    "fp32": (("fp32",), 2, False, 0),
+    "fp16-fp16states+bf16-q8m-q4v-1-block": (("fp16-master-fp16states", "bf16-master-q8m-q4v"), 0, True, 1),
+    "fp64": (("fp64",), 1, False, 1),
+}
+
+
+@needs_working_interpreter
+@pytest.mark.parametrize("case", list(NORM_CASES))
+def test_grad_norm_is_summed_by_the_update_pass_and_changes_nothing_else(case, monkeypatch):
+    """adam_step_(grad_norm=True) returns float32 [sum of squares of the gradients as loaded, 0.0] (float64 partials
+    of float32 squares: within float32 rounding of the exact sum) from the same launches, and the update is the same
+    bits as without it; several dtype groups in one call (two launches) share one buffer of partials."""
+    combos, mode, amsgrad, bpp = NORM_CASES[case]
+    monkeypatch.setattr(triton_backend, "BLOCKS_PER_PROGRAM", bpp)
+    base = _joined(*(make_case(combo, amsgrad, seed=40 + i) for i, combo in enumerate(combos)))
+    with_norm, without = clone_case(base, DEVICE), clone_case(base, DEVICE)
+    stats = triton_backend.adam_step_(*with_norm, **on(DEVICE, hyper(mode)), grad_norm=True)
+    assert triton_backend.adam_step_(*without, **on(DEVICE, hyper(mode))) is None
+    assert_bitwise(with_norm, without, "grad_norm=True vs False")
+    assert stats.dtype == F32 and stats.shape == (2,) and stats.device == DEVICE
+    exact = sum(float((g.double() ** 2).sum()) for g in base[1])
+    assert math.isclose(float(stats[0]), exact, rel_tol=2e-6) and float(stats[1]) == 0.0, (stats, exact)
+
+
+@needs_working_interpreter
+@pytest.mark.parametrize("special,expected", [("inf", (math.inf, 1.0)), ("nan", (math.nan, 1.0)),
+                                              ("found_inf", (math.nan, 1.0)), ("no tensors", (0.0, 0.0)),
+                                              ("empty tensors", (0.0, 0.0))])
+def test_grad_norm_of_non_finite_gradients_skipped_and_empty_steps(special, expected):
+    """inf and NaN gradients make the sum inf / NaN (a plain step is still taken); a step skipped by found_inf reads
+    no gradient and reports NaN, as the native plan; no tensors or only empty ones give [0, 0]."""
+    shapes = [(0,), (0,)] if special == "empty tensors" else [(1500,), (3,)]
+    args = clone_case(make_case("fp32", False, seed=44, shapes=shapes), DEVICE)
+    if special == "no tensors":
+        args = [[] for _ in range(9)] + [torch.zeros(0, dtype=F64)]
+    if special in ("inf", "nan"):
+        args[1][0][1200] = float(special)
+    hp = hyper(2, found_inf=torch.ones(1) if special == "found_inf" else None)
+    stats = triton_backend.adam_step_(*args, **on(DEVICE, hp), grad_norm=True).cpu()
+    torch.testing.assert_close(stats, torch.tensor(expected), equal_nan=True, rtol=0, atol=0)
+
+
+# FusedAdam configurations of the plain-step norm: params in two groups (fp32, then bf16 with a higher lr)
+NORM_CONFIGS = {
+    "fp32-moments": dict(),
+    "master-q8m-q4v": dict(master_weights=True, exp_avg_dtype=U8, exp_avg_sq_dtype=U4),
+    "master-fp32-moments-1-block": dict(master_weights=True, blocks_per_program=1),
+}
+
+
+@needs_working_interpreter
+@pytest.mark.parametrize("config", list(NORM_CONFIGS))
+def test_fused_adam_plain_step_norm_is_clip_grad_norms_total_norm(config, monkeypatch):
+    """ORT_OPTIM_BACKEND=triton: a plain step (no grad_scale, max_grad_norm, found_inf) sets last_grad_norm to
+    clip_grad_norm_'s total norm of the gradients (rtol 1e-6), a 0-dim float32 tensor on the params' device, at every
+    step; last_found_inf stays None. An inf gradient gives an inf norm (and the step is taken, like AdamW)."""
+    from ort_optim import FusedAdam
+
+    options = dict(NORM_CONFIGS[config])
+    monkeypatch.setattr(triton_backend, "BLOCKS_PER_PROGRAM", options.pop("blocks_per_program", 0))
+    monkeypatch.setenv("ORT_OPTIM_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(6)
+    shapes, dtypes = [(5,), (3, 4), (), (2100,), (6,)], [F32, F32, F32, BF16, BF16]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dt).to(DEVICE)) for s, dt in zip(shapes, dtypes)]
+    opt = FusedAdam([{"params": params[:3]}, {"params": params[3:], "lr": 1e-2}], **options)
+    for step in range(4):
+        grads = [(torch.randn(p.shape, generator=gen) * 10.0 ** (i - 2)).to(p.dtype) for i, p in enumerate(params)]
+        if step == 3:
+            grads[3][7] = float("inf")
+        for p, g in zip(params, grads):
+            p.grad = g.to(DEVICE)
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        norm = opt.last_grad_norm
+        assert norm.shape == () and norm.dtype == F32 and norm.device == DEVICE and opt.last_found_inf is None
+        if step < 3:
+            torch.testing.assert_close(norm.cpu(), total_norm(grads), rtol=1e-6, atol=0)
+        else:
+            assert float(norm) == math.inf
+            assert not torch.equal(params[0].detach(), before[0]), "a plain step is not skipped"
+
+
+@pytest.mark.parametrize("why", ["reference backend", "update cannot report"])
+def test_plain_step_norm_is_none_where_a_bucket_cannot_report_it(why, monkeypatch):
+    """The pure-PyTorch backend sums no squares in its update: None (no extra pass is made for it). And the rule is
+    all buckets or none (here: the Triton path said unable)."""
+    from ort_optim import FusedAdam
+
+    if why == "reference backend":
+        monkeypatch.setenv("ORT_OPTIM_BACKEND", "torch")
+    else:
+        if BROKEN is not None or not IN_PROCESS:
+            pytest.skip("needs the Triton interpreter in this process")
+        monkeypatch.setenv("ORT_OPTIM_BACKEND", "triton")
+        monkeypatch.setattr(backends, "update_reports_grad_norm", lambda device: False)
+    params = [torch.nn.Parameter(torch.randn(s).to(DEVICE if why != "reference backend" else "cpu"))
+              for s in [(30,), ()]]
+    opt = FusedAdam(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = params[0].detach().clone()
+    opt.step()
+    assert opt.last_grad_norm is None and opt.last_found_inf is None
+    assert not torch.equal(params[0].detach(), before), "the step itself was taken"
 
 
 # ---- ahead-of-time compilation and torch.compile ------------------------------------------------------------------

@@ -9,7 +9,8 @@ No pytest here: tools/gpu_check.py runs these checks on a GPU machine that may h
   ``dequantize_low_bit``), the one definition of those formats. The Triton kernels must match it bit for bit.
 * :func:`make_case` builds the op's arguments for every storage combination (COMBOS) with non-trivial states.
 * :func:`check_same_stream` and :func:`check_graph_capture` are the CUDA-only checks (a non-default stream; CUDA graph
-  capture and replay of FusedAdam.step with capturable=True).
+  capture and replay of FusedAdam.step with capturable=True); :func:`check_plain_step_norm` checks a plain step's
+  last_grad_norm eagerly anywhere and from a captured graph on CUDA.
 """
 
 from __future__ import annotations
@@ -425,3 +426,71 @@ def check_graph_capture(device: torch.device, steps: int = 6, clip: bool = False
         for key in se:
             assert torch.equal(raw(se[key]), raw(sg[key])), f"param {j} state {key}: graph replay differs"
         assert float(sg["step"]) == steps - sum(skips), f"param {j}: step count {float(sg['step'])}"
+
+
+def total_norm(grads) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s total norm of these gradients (as float32 copies, on the CPU)."""
+    copies = [torch.nn.Parameter(torch.zeros(g.shape)) for g in grads]
+    for c, g in zip(copies, grads):
+        c.grad = g.detach().float().cpu()
+    return torch.nn.utils.clip_grad_norm_(copies, max_norm=1.0)
+
+
+def check_plain_step_norm(device: torch.device, shapes=((1000, 1030), (4096,), (), (33, 17)), steps: int = 3) -> None:
+    """FusedAdam.last_grad_norm after plain steps (no grad_scale, max_grad_norm or found_inf) on the Triton path is
+    clip_grad_norm_'s total norm (rtol 1e-6), as a 0-dim float32 tensor on the params' device: fp32 and bf16 params
+    (with master weights) in two groups, 8-bit exp_avg. On CUDA also from a CUDA graph: step() with
+    capturable=True captured once, replayed with new gradients; the captured norm tensor follows each replay."""
+    from ort_optim import FusedAdam
+
+    gen = torch.Generator().manual_seed(41)
+    dtypes = [F32, BF16, F32, BF16][:len(shapes)]
+    init = [torch.randn(s, generator=gen).to(dt) for s, dt in zip(shapes, dtypes)]
+    all_grads = [[torch.randn(s, generator=gen).to(dt) for s, dt in zip(shapes, dtypes)] for _ in range(steps)]
+
+    def make(capturable):
+        params = [torch.nn.Parameter(p.clone().to(device)) for p in init]
+        lr = torch.tensor(1e-3, device=device) if capturable else 1e-3
+        opt = FusedAdam([{"params": params[::2]}, {"params": params[1::2], "weight_decay": 0.0}], lr=lr,
+                        master_weights=True, adam_w_mode=2, weight_decay=0.01, exp_avg_dtype=U8,
+                        capturable=capturable)
+        return params, opt
+
+    def expect(opt, grads, what):
+        norm = opt.last_grad_norm
+        assert norm is not None, f"{what}: last_grad_norm is None"
+        assert norm.shape == () and norm.dtype == F32 and norm.device.type == device.type, (what, norm)
+        assert opt.last_found_inf is None, what
+        expected = total_norm(grads)
+        assert math.isclose(float(norm), float(expected), rel_tol=1e-6), (what, float(norm), float(expected))
+
+    params, opt = make(False)
+    for i in range(steps):
+        for p, g in zip(params, all_grads[i]):
+            p.grad = g.to(device)
+        opt.step()
+        expect(opt, all_grads[i], f"eager step {i}")
+    if device.type != "cuda":
+        return
+
+    params, opt = make(True)
+    static_grads = [g.to(device) for g in all_grads[0]]
+    for p, g in zip(params, static_grads):
+        p.grad = g
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # eagerly once: creates the state, compiles the kernels
+        opt.step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    captured = opt.last_grad_norm
+    for i in range(1, steps):
+        for g, src in zip(static_grads, all_grads[i]):
+            g.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize(device)
+        assert opt.last_grad_norm is captured
+        expect(opt, all_grads[i], f"graph replay {i}")
