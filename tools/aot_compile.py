@@ -37,6 +37,8 @@ sys.path.insert(0, str(ROOT))
 # of storage dtypes, modes and amsgrad that FusedAdam can create.
 ADAM_COMMON = dict(BIAS_CORRECTION=True, HAS_LR_TENSOR=False, HAS_INV_SCALE=False, HAS_FOUND_INF=False,
                    UNSCALE_GRADS=False, BLOCK=1024, BLOCKS_PER_PROGRAM=1, ALIGNED=True, HAS_SR=False)
+# Flags of a loss-scaled or clipped step; FusedAdam's plain steps (none of them) sum the gradients' squares (HAS_NORM).
+SCALED_STEP_FLAGS = ("HAS_INV_SCALE", "HAS_FOUND_INF", "UNSCALE_GRADS")
 F32, F16, BF16, F64, Q8, Q4 = 0, 1, 2, 3, 4, 5
 COMBOS = {
     "fp32": (F32, F32, F32, F32, False, False, False),
@@ -60,6 +62,7 @@ def adam_variant(combo: str, mode: int, amsgrad: bool, **overrides) -> dict:
     c = dict(ADAM_COMMON, P_DT=p, G_DT=g, M_DT=m, V_DT=v, HAS_MASTER=master, M_SCALED=ms, V_SCALED=vs,
              AMSGRAD=amsgrad, MODE=mode)
     c.update(overrides)
+    c.setdefault("HAS_NORM", not any(c[flag] for flag in SCALED_STEP_FLAGS))
     return c
 
 
@@ -91,6 +94,10 @@ def variants(full: bool) -> list:
     out += [
         ("adam-fp32-mode2-unaligned-4blocks", "adam_kernel",
          adam_variant("fp32", 2, False, ALIGNED=False, BLOCKS_PER_PROGRAM=4)),
+        # the raw op without grad_norm (a plain step of FusedAdam always asks for the norm)
+        ("adam-fp32-mode2-no-norm", "adam_kernel", adam_variant("fp32", 2, False, HAS_NORM=False)),
+        ("adam-bf16-master-q8m-q4v-mode0-ams-no-norm", "adam_kernel",
+         adam_variant("bf16-master-q8m-q4v", 0, True, HAS_NORM=False)),
         # the loss-scaled step that writes the unscaled gradients back (a correctly rounded division per element)
         ("adam-fp32-mode2-unscale-grads", "adam_kernel",
          adam_variant("fp32", 2, False, HAS_INV_SCALE=True, HAS_FOUND_INF=True, UNSCALE_GRADS=True)),
@@ -115,7 +122,8 @@ def variants(full: bool) -> list:
 ARG_TYPES = {
     "meta_ptr": "*i64", "grads_ptr": "*i64", "work_ptr": "*i64", "steps_ptr": "*fp64", "lr_ptr": "*fp32",
     "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32", "m_lut_ptr": "*fp32",
-    "v_lut_ptr": "*fp32", "keys_ptr": "*i64", "lr_bits": "i64", "beta1_bits": "i64",
+    "v_lut_ptr": "*fp32", "keys_ptr": "*i64", "norm_partial_ptr": "*fp64", "norm_partial_base": "i32",
+    "lr_bits": "i64", "beta1_bits": "i64",
     "beta2_bits": "i64", "eps_bits": "i64", "wd_bits": "i64", "sign_bits": "i64", "n": "i32",
     "addr_ptr": "*i64", "numel_ptr": "*i64", "partial_ptr": "*fp64", "partial_base": "i32", "out_ptr": "*fp32",
 }

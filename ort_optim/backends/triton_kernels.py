@@ -397,15 +397,19 @@ def _bf16_bits_stochastic(x, offs, key):
 def _adam_block(
     offs, mask, block_index, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr,
     m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt,
-    torch_decay, hf_decay, grad_scale, P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr,
+    torch_decay, hf_decay, grad_scale, squares, P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr,
     V_DT: tl.constexpr, HAS_MASTER: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
     AMSGRAD: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, HAS_SR: tl.constexpr,
-    UNSCALE_GRADS: tl.constexpr,
+    UNSCALE_GRADS: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     """One block of 1024 elements (one fp16 quantisation block, 4 or 8 low-bit ones) of one tensor. Returns the
-    gradient as loaded (before unscaling, in the compute dtype; masked lanes 0), for the kernel's sum of squares."""
+    per-lane sums of squares `squares` plus, with HAS_NORM, the squares of the gradient as loaded (before
+    unscaling; masked lanes load 0). (Added right after the load: the loaded values then die early, which kept
+    ptxas's register count lower than squaring them after the stores.)"""
     F64: tl.constexpr = P_DT == 3
     g_loaded = _load(g_addr, offs, mask, G_DT, ALIGNED)
+    if HAS_NORM:
+        squares = squares + g_loaded * g_loaded
     if UNSCALE_GRADS:  # the unscaled gradient back into .grad, as torch's fused AdamW: a division, rounded to G_DT
         _store(g_addr, offs, _div(g_loaded, grad_scale, F64), mask, G_DT, ALIGNED)
     g = g_loaded * grad_mul
@@ -447,7 +451,7 @@ def _adam_block(
                      ALIGNED, BLOCK)
     if HAS_MASTER:
         _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
-    return g_loaded
+    return squares
 
 
 @_device
@@ -465,7 +469,8 @@ def _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT: tl.constexpr,
         _store(p_addr, offs, p, mask, P_DT, ALIGNED)
 
 
-@triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits", "eps_bits", "wd_bits", "sign_bits"])
+@triton.jit(do_not_specialize=["norm_partial_base", "lr_bits", "beta1_bits", "beta2_bits", "eps_bits", "wd_bits",
+                            "sign_bits"])
 def adam_kernel(
     meta_ptr, grads_ptr, work_ptr, steps_ptr, lr_ptr, inv_scale_ptr, found_inf_ptr, grad_scale_ptr, m_lut_ptr,
     v_lut_ptr, keys_ptr, norm_partial_ptr, norm_partial_base,
@@ -561,27 +566,24 @@ def adam_kernel(
     full_blocks = (end - start) // BLOCK
     full_end = start + full_blocks * BLOCK
     lanes = tl.arange(0, BLOCK)
-    if HAS_NORM:
-        if F64:
-            squares = tl.zeros((BLOCK,), dtype=tl.float64)
-        else:
-            squares = tl.zeros((BLOCK,), dtype=tl.float32)
+    if F64:  # (without HAS_NORM never changed, and compiled away)
+        squares = tl.zeros((BLOCK,), dtype=tl.float64)
+    else:
+        squares = tl.zeros((BLOCK,), dtype=tl.float32)
     for b in range(0, full_blocks):
         bs = start + b * BLOCK
-        g = _adam_block(bs + lanes, lanes < BLOCK, bs // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr,
-                    ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, one_minus_b1,
-                    one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, P_DT, G_DT, M_DT,
-                    V_DT, HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR, UNSCALE_GRADS)
-        if HAS_NORM:
-            squares += g * g
+        squares = _adam_block(
+            bs + lanes, lanes < BLOCK, bs // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr, ms_addr,
+            vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, one_minus_b1, one_minus_b2, eps,
+            wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, squares, P_DT, G_DT, M_DT, V_DT, HAS_MASTER,
+            M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR, UNSCALE_GRADS, HAS_NORM)
     if full_end < end:
         offs = full_end + lanes
-        g = _adam_block(offs, offs < end, full_end // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr,
-                    ms_addr, vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, one_minus_b1,
-                    one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, P_DT, G_DT, M_DT,
-                    V_DT, HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR, UNSCALE_GRADS)
-        if HAS_NORM:
-            squares += g * g  # (masked lanes loaded 0)
+        squares = _adam_block(
+            offs, offs < end, full_end // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr, ms_addr,
+            vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, one_minus_b1, one_minus_b2, eps,
+            wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, squares, P_DT, G_DT, M_DT, V_DT, HAS_MASTER,
+            M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR, UNSCALE_GRADS, HAS_NORM)
     if HAS_NORM:
         tl.store(norm_partial_ptr + norm_partial_base + pid, tl.sum(squares, axis=0).to(tl.float64))
 
