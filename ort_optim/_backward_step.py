@@ -143,7 +143,7 @@ class BackwardStep:
         cached = self._hypers.get(id(group))
         if signature is not None and cached is not None and cached[0] is group and cached[1] == signature:
             return cached[2]
-        _check_hyperparameters(group, f"param_groups[{group_index}]")
+        _check_hyperparameters(group, f"param_groups[{group_index}]", optimizer.master_weights)
         hyper = optimizer._hyperparameters(group)
         self._hypers[id(group)] = (group, signature, hyper)
         return hyper
