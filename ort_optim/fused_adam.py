@@ -195,8 +195,9 @@ class FusedAdam(torch.optim.Optimizer):
     (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in eager PyTorch and the updates are the same, but
     ORT's backward hands over all the module's gradients at once, so the memory saving is only that no gradient outlives
     its update. Not with ``DistributedDataParallel``: it averages the gradients across ranks after autograd has
-    accumulated them (the hooks saw this rank's own) and writes the average back into ``p.grad``; ``step()`` and
-    ``zero_grad()`` refuse a param updated in backward that has a gradient again, instead of updating it twice. Differs
+    accumulated them (the hooks saw this rank's own) and writes the average back into ``p.grad``; the end of that
+    backward raises for a param updated in backward that has a gradient again, and so does every later hook,
+    ``step()`` and ``zero_grad()``, instead of updating it twice. Differs
     from torch's recipe (a torch optimizer per param, stepped in a hook) in that one optimizer keeps the param groups,
     the checkpoint layout and ``step()``. :attr:`last_grad_norm` and :attr:`last_found_inf` stay None for updates made
     in backward.
