@@ -19,7 +19,9 @@ Needs only the repository plus torch, triton and numpy (no project venv; pytest 
    4-bit moments (torch.uint8 / torch.uint4) on 1x4096^2 and GPT-2 small. Times are medians of
    CUDA-event timings of single steps after warm-up, interleaved; a device-to-device copy measured in the same run
    gives the bandwidth that the "% of copy bandwidth" column refers to (bytes each step must move at least / time).
-   A small sweep of the launch parameters (warps, blocks per program) on 1x4096^2 comes last.
+   Then the plain step with and without last_grad_norm (its cost in the Adam kernel), fp32, 8-bit and 4-bit moments,
+   on 1x4096^2 and GPT-2 small. A small sweep of the launch parameters (warps, blocks per program) on 1x4096^2 comes
+   last.
 
 Writes DIR/gpu_check.json (everything), DIR/gpu_check.md (the tables) and DIR/pytest.log, and prints the tables.
 Exit status 0 when every correctness check passed (benchmarks never fail the run), 1 otherwise.
@@ -354,6 +356,39 @@ def benchmarks(device, dry_run: bool, results: dict) -> None:
         del opts
         log(f"benchmarked {name}")
 
+    # What the plain-step norm costs: the same plain step with and without it (FusedAdam._plain_norm), interleaved.
+    # The norm adds a multiply and an add per element and a reduction per program to the Adam kernel, plus one tiny
+    # launch; ptxas gives some variants more registers (tools/aot_compile.py), fewer resident programs for a few
+    # quantised-moment ones, which is what this measures.
+    norm_rows = results.setdefault("plain_norm_cost", [])
+    for name, shapes in ((("1x4096", [(4096,)]), ("20x1K", [(1024,)] * 20)) if dry_run else
+                         (("1x4096^2", [(4096, 4096)]), ("GPT-2 small", GPT2_SMALL))):
+        for moments, dtype in (("fp32", torch.float32), ("uint8", torch.uint8), ("uint4", torch.uint4)):
+            if left() < 30:
+                norm_rows.append({"workload": name, "moments": moments, "skipped": "out of time"})
+                continue
+            try:
+                pair = []
+                for with_norm in (True, False):
+                    opt = FusedAdam(make_params(shapes), lr=1e-3, adam_w_mode=2, weight_decay=0.01,
+                                    exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
+                    opt._plain_norm = with_norm
+                    opt.step()
+                    assert (opt.last_grad_norm is not None) == with_norm
+                    pair.append(opt)
+                times = ([], [])
+                for _ in range(3):
+                    for i, opt in enumerate(pair):
+                        times[i].extend(timer.time(opt.step, iters=iters // 3 or 1, warmup=warmup // 3 or 1))
+                med = [statistics.median(t) for t in times]
+                norm_rows.append({"workload": name, "moments": moments, "with_norm_ms": round(med[0], 4),
+                                  "without_ms": round(med[1], 4), "ratio": round(med[0] / med[1], 3)})
+                del pair
+            except Exception as exc:
+                norm_rows.append({"workload": name, "moments": moments,
+                                  "error": f"{type(exc).__name__}: {exc}"[-500:]})
+    log("priced the plain-step norm")
+
     # Launch-parameter sweep on the largest single tensor.
     sweep = results.setdefault("sweep", [])
     shape = [(4096,)] if dry_run else [(4096, 4096)]
@@ -410,6 +445,13 @@ def markdown(results: dict) -> str:
                          f"{r.get('x_vs_torch_fused')} | {r['pct_of_copy_bw']} |")
         else:
             lines.append(f"| {r['workload']} | | {r.get('optimizer', '')} | | {r.get('error') or r.get('skipped')} | | |")
+    if results.get("plain_norm_cost"):
+        lines += ["", "Plain step with last_grad_norm (summed by the Adam kernel) vs without, interleaved:", "",
+                  "| workload | moments | with norm ms | without ms | ratio |", "|---|---|---|---|---|"]
+        for r in results["plain_norm_cost"]:
+            first = r.get("with_norm_ms", r.get("error") or r.get("skipped"))
+            lines.append(f"| {r['workload']} | {r['moments']} | {first} | {r.get('without_ms', '')} | "
+                         f"{r.get('ratio', '')} |")
     if results.get("sweep"):
         lines += ["", "Launch sweep, 1x4096^2 fp32 params with fp16 moments:", "",
                   "| num_warps | blocks/program | median ms | % of copy bw |", "|---|---|---|---|"]
