@@ -523,6 +523,8 @@ class FusedAdam(torch.optim.Optimizer):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         if self._backward is not None:
+            if not self._backward.setup_checked:  # (once)
+                self._backward.check_setup(self)
             self._backward.check_updated_once()
         if self._backward is not None and (grad_scale is not None or found_inf is not None):
             raise ValueError(
