@@ -109,22 +109,29 @@ class BackwardStep:
         self.setup_checked = True
 
     def _check_not_repointed(self, optimizer: "FusedAdam") -> None:
-        """Called when a hooked param's gradient is complete but the param is no longer in param_groups. Removing a
-        param is fine (it keeps its gradient, as step() would); but param_groups holding tensors this optimizer never
-        hooked means that they were re-pointed to other tensors, as mixed-precision and ZeRO wrappers do (flat fp32
-        partitions or fp32 copies whose gradients they set after backward): no hook would ever update them, and
-        step() would silently take a normal step. Raises then, before any update."""
+        """Called when a hooked param's gradient is complete but the param is no longer in param_groups. Removing
+        params is fine (they keep their gradients, as with step()); but param_groups that hold a tensor this optimizer
+        never hooked, or none of the params it hooked, were re-pointed, as mixed-precision and ZeRO wrappers do (flat
+        fp32 partitions or fp32 copies whose gradients they set after backward; ZeRO stage 3 empties them between
+        steps): no hook could update what they hold, and step() would silently take a normal step. Raises then,
+        before any update."""
+        def repointed(what: str) -> ValueError:
+            return ValueError(
+                f"{what}, while backward completes the gradient of a param it hooked that is no longer in "
+                "param_groups: param_groups were re-pointed, as DeepSpeed's ZeRO and fp16/bf16 optimizers do (flat "
+                "fp32 partitions or fp32 copies, whose gradients they set after backward). No update could run in "
+                "backward, and step() would silently take a normal step. Use step_in_backward=False under such a "
+                "wrapper; to give this optimizer params of your own, use add_param_group(), which hooks them")
+
+        any_hooked = False
         for group_index, group in enumerate(optimizer.param_groups):
             for index, q in enumerate(group["params"]):
                 if q not in self._where:
-                    raise ValueError(
-                        f"{_plan.describe(group_index, index, q)} is a tensor that step_in_backward=True never hooked, "
-                        "while backward completes the gradient of a param it hooked that is no longer in "
-                        "param_groups: param_groups were re-pointed to other tensors, as DeepSpeed's ZeRO and fp16/bf16 "
-                        "optimizers do (flat fp32 partitions or fp32 copies, whose gradients they set after backward). "
-                        "No update could run in backward, and step() would silently take a normal step. Use "
-                        "step_in_backward=False under such a wrapper; to give this optimizer params of your own, use "
-                        "add_param_group(), which hooks them")
+                    raise repointed(f"{_plan.describe(group_index, index, q)} is a tensor that step_in_backward=True "
+                                    "never hooked")
+                any_hooked = True
+        if not any_hooked:
+            raise repointed("param_groups hold none of the params that step_in_backward=True hooked")
 
     def check_updated_once(self) -> None:
         """Raises if a param updated by its hook since the last call has a gradient again: something wrote one after

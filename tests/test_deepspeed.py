@@ -216,8 +216,9 @@ def _fp16_optimizer_run(rank: int, stage: int, wrap) -> dict:
     return {"record": record, "mismatches": mismatches, "patched": "get_grad_norm_direct" in vars(opt)}
 
 
-# FusedAdam(step_in_backward=True) as the client optimizer: (stage, precision, offload) -> where it is refused. DeepSpeed's
-# FP16_UnfusedOptimizer (stage 0 fp16) calls the client's step() once in its constructor, to create the state.
+# FusedAdam(step_in_backward=True) as the client optimizer: (stage, precision, offload) -> where it is refused.
+# DeepSpeed's FP16_UnfusedOptimizer (stage 0 fp16) calls the client's step() once in its constructor (to create the
+# state), which refuses it there.
 IN_BACKWARD_CASES = {
     (0, "fp32", False): "backward",  # the engine all-reduces the gradients after backward
     (0, "bf16", False): "backward",  # BF16_Optimizer (its own step fails on gloo here, also with torch's AdamW)
@@ -423,7 +424,7 @@ def test_patched_functions_equal_deepspeeds_on_the_same_gradients(results, stage
         assert out[("fp16", stage, "patched")]["mismatches"] == [], f"rank {rank}"
 
 
-# ---- FusedAdam(step_in_backward=True) under DeepSpeed: refused before any update --------------------------------------
+# ---- FusedAdam(step_in_backward=True) under DeepSpeed: refused before any update ----------------------------------
 
 
 @pytest.mark.parametrize("stage,precision,offload", IN_BACKWARD_CASES)
@@ -442,7 +443,8 @@ def test_step_in_backward_client_is_refused_before_any_update(results, stage, pr
             assert len(got["before"][key]) == len(got["after"][key]) > 0
             assert all(torch.equal(a, b) for a, b in zip(got["before"][key], got["after"][key])), (rank, key)
         # FP16_Optimizer around the DeepSpeed optimizer and around the engine: refused, nothing patched
-        assert all(r is not None and "has step_in_backward=True" in r for r in got["fp16_refusals"]), got["fp16_refusals"]
+        refusals = got["fp16_refusals"]
+        assert all(r is not None and "has step_in_backward=True" in r for r in refusals), refusals
         assert got["patched"] == []
 
 
