@@ -235,6 +235,7 @@ class BackwardStep:
                 adoption.state[adoption.key] = adoption.value
         return state
 
+
 def deepspeed_refused(holder: object) -> ValueError:
     return ValueError(
         f"FusedAdam(step_in_backward=True) is held by DeepSpeed's {type(holder).__name__} "

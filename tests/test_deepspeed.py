@@ -10,15 +10,15 @@ Everything runs in one spawn (tests/distributed_harness.py); the parent compares
   after FP16_Optimizer patched its overflow check and gradient norm must agree step for step (bit for bit at stages
   1/2; stage 3 sums the norm in float64, ours in float32 per chunk, so its clip coefficient may differ in the last
   bit); before every patched step, the patched functions are compared with DeepSpeed's on the same gradients.
-* FusedAdam(step_in_backward=True) as the client optimizer, at stage 0 (fp32, bf16, fp16), 1, 2 (also offloaded) and 3:
-  refused with a ValueError naming step_in_backward and DeepSpeed before anything is updated (at the first hook, or
-  at ``deepspeed.initialize`` where DeepSpeed steps the optimizer once there), with the params, the tensors the
-  optimizer steps and its state unchanged; FP16_Optimizer around the engine or its optimizer refuses it too, patching
-  nothing. Before this check, stage 0 fp32 updated each rank's params with its own unreduced gradient in backward (the
-  error came at engine.step(), naming DDP), and every other config silently took a normal step (DeepSpeed re-points
-  param_groups to its fp32 partitions or copies, so the hooks found nothing to update): no memory saved, no error.
-  A FusedAdam(step_in_backward=True) that DeepSpeed does not hold (with DeepSpeed's WarmupLR, in the same processes)
-  still steps in backward, bit for bit as step().
+* FusedAdam(step_in_backward=True) as the client optimizer, at stage 0 (fp32, bf16, fp16), 1, 2 (fp16, and offloaded)
+  and 3: refused with a ValueError naming step_in_backward and DeepSpeed before anything is updated (at the first
+  hook, or at ``deepspeed.initialize`` where DeepSpeed steps the optimizer once there), with the params, the tensors
+  the optimizer steps and its state unchanged; FP16_Optimizer around the engine or its optimizer refuses it too,
+  patching nothing. Before this check, stage 0 fp32 updated each rank's params with its own unreduced gradient in
+  backward (the error came at engine.step(), naming DDP), and every other config silently took a normal step
+  (DeepSpeed re-points param_groups to its fp32 partitions or copies, so the hooks found nothing to update): no memory
+  saved, no error. A FusedAdam(step_in_backward=True) that DeepSpeed does not hold (with DeepSpeed's WarmupLR, in the
+  same processes) still steps in backward, bit for bit as step().
 
 Setup facts (torch 2.4.1, DeepSpeed 0.16.9, CPU accelerator): DeepSpeed refuses fp16 on its CPU accelerator
 (``ValueError: Type fp16 is not supported on your device.``) unless ``is_fp16_supported`` answers True, which these
@@ -216,7 +216,8 @@ def _fp16_optimizer_run(rank: int, stage: int, wrap) -> dict:
     return {"record": record, "mismatches": mismatches, "patched": "get_grad_norm_direct" in vars(opt)}
 
 
-# FusedAdam(step_in_backward=True) as the client optimizer: (stage, precision, offload) -> where it is refused.
+# FusedAdam(step_in_backward=True) as the client optimizer: (stage, precision, offload) -> where it is refused. Each
+# stage and each precision once (each costs an engine; ZeRO 1 bf16, 2 fp32 and 3 bf16 behaved the same when tried).
 # DeepSpeed's FP16_UnfusedOptimizer (stage 0 fp16) calls the client's step() once in its constructor (to create the
 # state), which refuses it there.
 IN_BACKWARD_CASES = {
@@ -224,12 +225,9 @@ IN_BACKWARD_CASES = {
     (0, "bf16", False): "backward",  # BF16_Optimizer (its own step fails on gloo here, also with torch's AdamW)
     (0, "fp16", False): "initialize",
     (1, "fp32", False): "backward",
-    (1, "bf16", False): "backward",
-    (2, "fp32", False): "backward",
     (2, "fp16", False): "backward",
     (2, "fp32", True): "backward",
     (3, "fp32", False): "backward",
-    (3, "bf16", False): "backward",
 }
 
 
@@ -278,13 +276,17 @@ def _steps_in_backward_run(rank: int, stage: int, precision: str, offload: bool)
 
 def _not_held_by_deepspeed_run() -> dict:
     """FusedAdam with DeepSpeed's WarmupLR but no engine, in a process where DeepSpeed is imported and
-    torch.distributed initialised: nothing refuses it, and in backward it steps as step() does."""
+    torch.distributed initialised: nothing refuses it, in backward it steps as step() does, and DeepSpeed's holder
+    is looked up once."""
     from deepspeed.runtime.lr_schedules import WarmupLR
 
-    from ort_optim import FusedAdam
+    from ort_optim import FusedAdam, _deepspeed
 
-    out = {}
+    out = {"holder lookups": {}}
+    look_up = _deepspeed.holder_of
     for step_in_backward in (False, True):
+        lookups = []
+        _deepspeed.holder_of = lambda obj: lookups.append(obj) or look_up(obj)
         model = make_model()
         opt = FusedAdam(model.parameters(), lr=LR, weight_decay=WD, step_in_backward=step_in_backward)
         scheduler = WarmupLR(opt, warmup_max_lr=LR, warmup_num_steps=3)
@@ -296,7 +298,9 @@ def _not_held_by_deepspeed_run() -> dict:
             opt.step()
             opt.zero_grad()
             scheduler.step()
+        _deepspeed.holder_of = look_up
         out[step_in_backward] = [p.detach().clone() for p in model.parameters()]
+        out["holder lookups"][step_in_backward] = len(lookups)
     return out
 
 
@@ -453,3 +457,5 @@ def test_step_in_backward_not_held_by_deepspeed_still_steps_in_backward_bit_for_
         stepped, in_backward = out["not held"][False], out["not held"][True]
         assert all(torch.equal(a, b) for a, b in zip(stepped, in_backward))
         assert not torch.equal(stepped[0], make_model()[0].weight.detach())  # it trained
+        # DeepSpeed's holder is looked for once, at the first hook: never per step, never without step_in_backward
+        assert out["not held"]["holder lookups"] == {False: 0, True: 1}
