@@ -44,6 +44,10 @@ class BackwardStep:
         self._accumulating = 0
         self._updated: dict[torch.Tensor, None] = {}  # params updated by a hook since the last check_updated_once()
         self.setup_checked = False  # check_setup() passed (it runs once: at the first hook or step())
+        self._check_queued = False  # whether this backward's end-of-backward check is queued (see _hook)
+        # Once check_updated_once() found a param updated with another gradient, every later hook, step() and
+        # zero_grad() raises the same error (until remove_backward_hooks()): none may update it again.
+        self._refusal: Optional[str] = None
 
     def watch(self, group_index: int, group: dict) -> None:
         """Hooks the group's params that require gradients (a param made trainable later has no hook: step()
@@ -58,6 +62,7 @@ class BackwardStep:
         for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
+        self._refusal = None
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
@@ -79,6 +84,8 @@ class BackwardStep:
         if not self._locate(optimizer, p):
             self._check_not_repointed(optimizer)
             return
+        if self._refusal is not None:
+            raise ValueError(self._refusal)
         if optimizer.max_grad_norm is not None:  # (set after construction, which refuses it)
             raise max_grad_norm_refused(optimizer.max_grad_norm)
         if p.grad is None:  # (autograd calls this hook with the gradient accumulated: another hook took it)
@@ -91,6 +98,28 @@ class BackwardStep:
         self._step(optimizer, p)
         p.grad = None
         self._updated[p] = None
+        if not self._check_queued:
+            self._queue_end_of_backward_check()
+
+    def _queue_end_of_backward_check(self) -> None:
+        """Queues check_updated_once() to run when this backward ends, after the callbacks queued during it
+        (DistributedDataParallel queues the one that writes the averaged gradients back at its last bucket, after
+        this first hook): so a loop that never calls step() or zero_grad() is refused too, at the end of the first
+        backward, instead of updating with DDP's gradients accumulated into the next backward's. Re-queued once from
+        the callback, because the engine runs callbacks in the order they were queued, including those queued while
+        they run. Without autograd's engine (no backward running: a hook called by hand), step() and zero_grad()
+        still check."""
+        engine = torch.autograd.Variable._execution_engine
+
+        def after_other_callbacks() -> None:
+            self._check_queued = False
+            self.check_updated_once()
+
+        try:
+            engine.queue_callback(lambda: engine.queue_callback(after_other_callbacks))
+        except RuntimeError:  # ("Final callbacks can only be installed during backward pass")
+            return
+        self._check_queued = True
 
     def check_setup(self, optimizer: "FusedAdam") -> None:
         """Refuses an optimizer that DeepSpeed holds (a DeepSpeedEngine's optimizer, or the inner optimizer of a ZeRO
@@ -137,16 +166,21 @@ class BackwardStep:
         """Raises if a param updated by its hook since the last call has a gradient again: something wrote one after
         autograd's accumulation, and step() would update the param a second time with it. DistributedDataParallel
         does: it averages the gradients across ranks once autograd has accumulated them, and writes the average
-        back into ``p.grad`` (so the hook updated the param with this rank's gradient alone)."""
+        back into ``p.grad`` (so the hook updated the param with this rank's gradient alone). Runs at the end of
+        every backward that updated a param (_queue_end_of_backward_check), and in step() and zero_grad()."""
+        if self._refusal is not None:
+            raise ValueError(self._refusal)
         updated, self._updated = self._updated, {}
         for p in updated:
             if p.grad is not None:
                 group_index, index, _ = self._where[p]
-                raise ValueError(
+                self._refusal = (
                     f"{_plan.describe(group_index, index, p)} was updated in backward by step_in_backward=True, and "
                     "has a gradient again: something wrote it after autograd's accumulation (DistributedDataParallel "
-                    "does, with the gradient averaged across ranks), so the update used another gradient and step() "
-                    "would update it twice. Use step_in_backward=False with DistributedDataParallel")
+                    "does, with the gradient averaged across ranks), so the update used another gradient, and step() "
+                    "or the next backward would update it again with this one. Use step_in_backward=False with "
+                    "DistributedDataParallel")
+                raise ValueError(self._refusal)
 
     def _locate(self, optimizer: "FusedAdam", p: torch.Tensor) -> bool:
         """Whether p is still one of the optimizer's params, keeping its (group index, index, group) current: a param
@@ -192,7 +226,7 @@ class BackwardStep:
         cached = self._hypers.get(id(group))
         if signature is not None and cached is not None and cached[0] is group and cached[1] == signature:
             return cached[2]
-        _check_hyperparameters(group, f"param_groups[{group_index}]")
+        _check_hyperparameters(group, f"param_groups[{group_index}]", optimizer.master_weights)
         hyper = optimizer._hyperparameters(group)
         self._hypers[id(group)] = (group, signature, hyper)
         return hyper

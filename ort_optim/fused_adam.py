@@ -15,13 +15,25 @@ from ._plan import describe
 from ._spec import LOW_BIT_FORMATS, LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
 from .integrations import dtensor
 
+def stochastic_rounding_refused(where: str) -> ValueError:
+    """The error for a group (or checkpoint group) with stochastic_rounding=True in an optimizer with master weights,
+    whichever way it came in: constructor, add_param_group, a later assignment, load_state_dict."""
+    return ValueError(
+        f"{where}: stochastic_rounding=True is for bfloat16 params without master weights (the update is rounded "
+        "into the param itself); with master_weights=True the fp32 master keeps the update exactly and there is "
+        "nothing to round. Set stochastic_rounding=False for this group (in a checkpoint: in its param_groups) or "
+        "build the optimizer with master_weights=False")
+
+
 # State views in one flat buffer start a multiple of this many elements apart (256 bytes for float32).
 _STATE_ALIGN = 64
 
 
-def _check_hyperparameters(group: dict, where: str) -> None:
+def _check_hyperparameters(group: dict, where: str, master_weights: bool) -> None:
     if not isinstance(group.get("stochastic_rounding", False), bool):
         raise TypeError(f"{where}: stochastic_rounding must be True or False, got {group['stochastic_rounding']!r}")
+    if group.get("stochastic_rounding", False) and master_weights:
+        raise stochastic_rounding_refused(where)
     seed = group.get("stochastic_rounding_seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ValueError(f"{where}: stochastic_rounding_seed must be an int in [0, 2**64), got {seed!r}")
@@ -183,19 +195,20 @@ class FusedAdam(torch.optim.Optimizer):
     (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in eager PyTorch and the updates are the same, but
     ORT's backward hands over all the module's gradients at once, so the memory saving is only that no gradient outlives
     its update. Not with ``DistributedDataParallel``: it averages the gradients across ranks after autograd has
-    accumulated them (the hooks saw this rank's own) and writes the average back into ``p.grad``; ``step()`` and
-    ``zero_grad()`` refuse a param updated in backward that has a gradient again, instead of updating it twice. Not with
-    DeepSpeed either (any ZeRO stage, fp32/fp16/bf16): the engine reduces the gradients after backward and, except at
-    stage 0 in fp32, steps its own fp32 partitions or copies, put in ``param_groups`` in place of the params, so updates
-    in backward would use this rank's unreduced gradient, or silently never happen (a normal step, no memory saved).
-    An optimizer held by a DeepSpeed engine or DeepSpeed optimizer is refused with a ValueError before anything is
-    updated: at its first hook (the first ``engine.backward``), or at its first ``step()`` if that comes first (stage 0
-    fp16: inside ``deepspeed.initialize``). The holder is looked for once, among the garbage collector's referrers, and
-    only where DeepSpeed is imported and torch.distributed initialised. Whatever the wrapper, a hook whose param is no
-    longer in ``param_groups`` while they hold a tensor this optimizer never hooked, or none it hooked, raises too,
-    rather than let step() silently take a normal step. Differs from torch's recipe (a torch optimizer per param,
-    stepped in a hook) in that one optimizer keeps the param groups, the checkpoint layout and ``step()``.
-    :attr:`last_grad_norm` and :attr:`last_found_inf` stay None for updates made in backward.
+    accumulated them (the hooks saw this rank's own) and writes the average back into ``p.grad``; the end of that
+    backward raises for a param updated in backward that has a gradient again, and so does every later hook,
+    ``step()`` and ``zero_grad()``, instead of updating it twice. Not with DeepSpeed either (any ZeRO stage,
+    fp32/fp16/bf16): the engine reduces the gradients after backward and, except at stage 0 in fp32, steps its own
+    fp32 partitions or copies, put in ``param_groups`` in place of the params, so updates in backward would use this
+    rank's unreduced gradient, or silently never happen (a normal step, no memory saved). An optimizer held by a
+    DeepSpeed engine or DeepSpeed optimizer is refused with a ValueError before anything is updated: at its first hook
+    (the first ``engine.backward``), or at its first ``step()`` if that comes first (stage 0 fp16: inside
+    ``deepspeed.initialize``). The holder is looked for once, among the garbage collector's referrers, and only where
+    DeepSpeed is imported and torch.distributed initialised. Whatever the wrapper, a hook whose param is no longer in
+    ``param_groups`` while they hold a tensor this optimizer never hooked, or none it hooked, raises too, rather than
+    let step() silently take a normal step. Differs from torch's recipe (a torch optimizer per param, stepped in a
+    hook) in that one optimizer keeps the param groups, the checkpoint layout and ``step()``. :attr:`last_grad_norm`
+    and :attr:`last_found_inf` stay None for updates made in backward.
 
     Distributed training (guides/distributed.md). DTensor params (FSDP2 ``fully_shard`` with or without a
     ``MixedPrecisionPolicy``, tensor parallel, 2D meshes) are planned and stepped through their local pieces, one op
@@ -269,11 +282,7 @@ class FusedAdam(torch.optim.Optimizer):
             weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
             stochastic_rounding=stochastic_rounding, stochastic_rounding_seed=stochastic_rounding_seed,
         )
-        if stochastic_rounding and master_weights:
-            raise ValueError("stochastic_rounding=True is for bfloat16 params without master weights (the update is "
-                             "rounded into the param itself); with master_weights=True the fp32 master keeps it "
-                             "exactly: pass one or the other")
-        _check_hyperparameters(defaults, "FusedAdam")
+        _check_hyperparameters(defaults, "FusedAdam", master_weights)
         self.set_grad_none = set_grad_none
         self.master_weights = master_weights
         self.exp_avg_dtype = exp_avg_dtype
@@ -381,7 +390,7 @@ class FusedAdam(torch.optim.Optimizer):
         group = self.param_groups[group_index]
         where = f"param_groups[{group_index}]"
         try:
-            _check_hyperparameters(group, where)
+            _check_hyperparameters(group, where, self.master_weights)
             group["adam_w_mode"] = int(group["adam_w_mode"])  # a plain int, so checkpoints load with weights_only
             for index, p in enumerate(group["params"]):
                 if p.dtype not in SUPPORTED_PARAM_DTYPES:
@@ -541,7 +550,7 @@ class FusedAdam(torch.optim.Optimizer):
                 "step_in_backward=False with loss scaling (or bf16 autocast, which needs none)"
             )
         for group_index, group in enumerate(self.param_groups):
-            _check_hyperparameters(group, f"param_groups[{group_index}]")
+            _check_hyperparameters(group, f"param_groups[{group_index}]", self.master_weights)
         if self.capturable:  # checked before anything changes (state creation included), like everything else
             if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
                 raise ValueError("capturable=True: pass grad_scale as a tensor on the params' device (a float is "
@@ -790,6 +799,9 @@ class FusedAdam(torch.optim.Optimizer):
             prepared = self._prepare_local_load(state_dict)
         else:
             prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._init_state)
+        for group_index, new_group in enumerate(prepared.groups):  # (before anything changes)
+            if new_group.get("stochastic_rounding", False) and self.master_weights:
+                raise stochastic_rounding_refused(_checkpoint.entry("param_groups", group_index, "stochastic_rounding"))
         for group, new_group in zip(self.param_groups, prepared.groups):
             params = group["params"]
             group.clear()

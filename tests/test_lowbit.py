@@ -17,6 +17,7 @@ The specification, as tests:
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import re
@@ -518,6 +519,44 @@ def test_stochastic_rounding_is_refused_where_it_means_nothing():
         FusedAdam(_params(torch.bfloat16), stochastic_rounding="yes")
     with pytest.raises(ValueError, match="stochastic_rounding_seed"):
         FusedAdam(_params(torch.bfloat16), stochastic_rounding=True, stochastic_rounding_seed=-1)
+
+
+def _sr_checkpoint() -> dict:
+    """A checkpoint of the lowest-memory configuration (bf16 params, stochastic rounding, no masters)."""
+    params = _params(torch.bfloat16)
+    opt = _optimizer(params, "u8", "u8", sr=True, seed=5)
+    _train(params, opt, 2)
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("route", ["add_param_group", "assigned later", "load_state_dict"])
+def test_stochastic_rounding_with_master_weights_is_refused_whichever_way_it_comes(route):
+    """With master weights the fp32 master keeps the update exactly and stochastic rounding would be ignored: the
+    constructor refuses it, and so do the other ways a group can get it, before anything changes."""
+    params = _params(torch.bfloat16)
+    opt = FusedAdam(params, lr=1e-2, master_weights=True)
+    _train(params, opt, 2)
+    before = optimizer_snapshot(opt)
+    if route == "add_param_group":
+        extra = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match=r"param_groups\[1\]: stochastic_rounding=True .* master weights"):
+            opt.add_param_group({"params": [extra], "stochastic_rounding": True})
+        assert len(opt.param_groups) == 1
+    elif route == "assigned later":
+        opt.param_groups[0]["stochastic_rounding"] = True
+        with pytest.raises(ValueError, match=r"param_groups\[0\]: stochastic_rounding=True .* master weights"):
+            opt.step()
+        opt.param_groups[0]["stochastic_rounding"] = False
+    else:
+        checkpoint = _sr_checkpoint()
+        saved = copy.deepcopy(checkpoint)
+        with pytest.raises(ValueError, match=r"state_dict\['param_groups'\]\[0\]\['stochastic_rounding'\]"):
+            opt.load_state_dict(checkpoint)
+        assert_tree_bitwise_equal(checkpoint, saved, "checkpoint")
+        checkpoint["param_groups"][0]["stochastic_rounding"] = False  # the documented way: say so in the checkpoint
+        opt2 = FusedAdam(_params(torch.bfloat16), lr=1e-2, master_weights=True)
+        opt2.load_state_dict(checkpoint)
+    assert_same_snapshot(optimizer_snapshot(opt), before)
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------------

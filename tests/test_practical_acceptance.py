@@ -541,11 +541,13 @@ def test_fp16_optimizer_refuses_a_fused_adam_that_steps_in_backward():
         FP16_Optimizer(opt)
 
 
-@pytest.mark.parametrize("pattern", ["step() after backward", "zero_grad() before backward"])
+@pytest.mark.parametrize("pattern", ["step() after backward", "zero_grad() before backward", "backward only"])
 def test_under_distributed_data_parallel_a_second_update_is_refused(pattern, tmp_path):
     """DDP writes the averaged gradient into p.grad after autograd's accumulation, i.e. after the hook updated the
-    param and freed its gradient: step() would update every param twice per iteration. It raises instead, naming
-    the param and DDP (one process, gloo: the average is the rank's own gradient, the mechanism is the same)."""
+    param and freed its gradient: step() would update every param twice per iteration, and a loop of backward
+    calls alone would update with DDP's gradient accumulated into the next one's. The end of the first backward
+    raises instead, naming the param and DDP, whatever the loop calls next (one process, gloo: the average is the
+    rank's own gradient, the mechanism is the same)."""
     import torch.distributed as dist
 
     if not dist.is_available() or dist.is_initialized():
@@ -555,11 +557,16 @@ def test_under_distributed_data_parallel_a_second_update_is_refused(pattern, tmp
         model = TinyLM(branch_every=1)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
-        ddp(_tokens(0), 0).backward()
+        refused = r"param_groups\[0\]\['params'\]\[\d\] .* was updated in backward .*has a gradient again.*" \
+                  r"DistributedDataParallel"
+        with pytest.raises(ValueError, match=refused):
+            ddp(_tokens(0), 0).backward()
         assert set(_steps_taken(opt).values()) == {1}
-        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[\d\] .* was updated in backward "
-                                             r".*has a gradient again.*DistributedDataParallel"):
-            opt.step() if pattern.startswith("step()") else opt.zero_grad()
+        with pytest.raises(ValueError, match=refused):  # and whatever comes next, until the hooks are removed
+            if pattern == "backward only":
+                ddp(_tokens(1), 0).backward()
+            else:
+                opt.step() if pattern.startswith("step()") else opt.zero_grad()
         assert set(_steps_taken(opt).values()) == {1}  # once, never twice
     finally:
         dist.destroy_process_group()
