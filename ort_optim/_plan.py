@@ -12,8 +12,11 @@ itself.
 :meth:`Plan.valid` is the single validity rule, checked at every step:
 
 * ``optimizer.state`` is an :class:`OptimizerState`: each mutation of it or of a param's state dict bumps its version,
-  and a plan is valid only for the version it was built at (O(1));
-* each ``param_groups[i]['params']`` is a :class:`ParamList` that counts its mutations: the group must still hold that
+  and a plan is valid only for that very container (one put in its place is told by identity: a new container's
+  count says nothing about the old one's) at the version it was built at (O(1));
+* each param group must still be the dict the plan was built from (a dict put in its place, ``{**group, 'lr': x}``
+  say, is told by identity: the step reads the hyperparameters from the group the plan holds), and each
+  ``param_groups[i]['params']`` is a :class:`ParamList` that counts its mutations: the group must still hold that
   very list (a list put in its place is told by identity), at that count; the group's ``amsgrad`` (it adds a state
   list), the optimizer's state layout options and the backend (native plans exist only while the native CPU op runs)
   must be unchanged (O(groups));
@@ -276,6 +279,7 @@ class GroupPlan:
 @dataclass
 class Plan:
     groups: list[GroupPlan]
+    state: OptimizerState  # the optimizer's state container it was built for
     state_version: int
     layout: tuple  # the optimizer's state layout options
     native: bool  # whether CPU buckets run on the native op (have native plans)
@@ -284,12 +288,13 @@ class Plan:
         """Whether this plan still describes the optimizer (the rule in the module docstring); when it does, the
         buckets are ready to step (native plans checked, other buckets' gradients read)."""
         groups = optimizer.param_groups
-        if (self.state_version != optimizer.state.version or self.layout != optimizer._layout_options()
+        if (optimizer.state is not self.state or self.state_version != optimizer.state.version
+                or self.layout != optimizer._layout_options()
                 or self.native != backends.runs_natively(CPU) or len(groups) != len(self.groups)):
             return False
         for group, planned in zip(groups, self.groups):
             params = group["params"]
-            if params is not planned.params or params.version != planned.params_version or bool(
+            if group is not planned.group or params is not planned.params or params.version != planned.params_version or bool(
                     group["amsgrad"]) != planned.amsgrad or _rounding(group) != planned.rounding:
                 return False
         return all(planned.current() for planned in self.groups)
@@ -396,7 +401,7 @@ def build(optimizer) -> Plan:
             adoption.state[adoption.key] = adoption.value
     native = backends.runs_natively(CPU)
     planned = [_plan_group(optimizer, group_index, grads, native) for group_index, grads in enumerate(all_grads)]
-    return Plan(planned, optimizer.state.version, optimizer._layout_options(), native)
+    return Plan(planned, optimizer.state, optimizer.state.version, optimizer._layout_options(), native)
 
 
 def _rounding(group: dict) -> tuple:

@@ -1,0 +1,327 @@
+"""FusedAdam's step cache under a hostile user: never silently wrong, as a specification.
+
+FusedAdam caches a plan per step configuration (ort_optim/_plan.py; on the native CPU backend, native plans holding
+raw pointers, re-validated by a cheap check() at every step). This module is a black-box audit of that cache: after
+any legal action a user may take between steps, the cached optimizer's next steps must give, bit for bit, what a
+FusedAdam built afresh gives, from copies of the same params, gradients, param_groups options and state (which has no
+cache to be stale); or both must refuse with the same ValueError/TypeError naming ``param_groups[i]['params'][j]``,
+and the refusal must change nothing.
+
+The actions (``ACTIONS``) cover: new data for a param (``.data =``, ``set_``, ``torch.utils.swap_tensors``, another
+dtype, shape or device, ``module.half()``-style conversions, a storage freed and re-allocated in place), gradients
+(non-contiguous, expanded, another dtype, views of one buffer, removed, sparse), ``optimizer.state`` (dicts replaced,
+entries deleted, tensors written in place, replaced by tensors of other dtypes and layouts, ``step`` as a number or a
+tensor, the whole container replaced), ``param_groups`` (lists mutated in place or replaced, group dicts replaced,
+hyperparameters changed, ``amsgrad`` toggled), the optimizer's layout options, ``load_state_dict``. Each runs on every
+state layout (``LAYOUTS``: fp32 with amsgrad, bf16, bf16 and fp16 with fp32 master weights, 8-bit and 4-bit moments)
+and on every CPU backend (the ``backend`` fixture; Triton's interpreter with ``ORT_OPTIM_BACKEND=triton
+TRITON_INTERPRET=1``).
+
+Actions whose result no fresh optimizer can reproduce from copies, because they make two things share memory, are
+refused instead (``SHARING``): the same param twice, one state dict or one state tensor for two params, a state
+tensor viewing a param's memory.
+
+Two bugs this audit found (both fixed in ort_optim/_plan.py, both regression-tested here):
+
+* a param group dict put in place of another (``param_groups[0] = {**param_groups[0], 'lr': 0.5}``) kept the old
+  dict's hyperparameters: the plan held the old dict and its params list, which the new dict shares;
+* a new ``optimizer.state`` container whose mutation count happened to equal the old one's (e.g. a copy of the state
+  with every moment re-assigned) kept the plan: the step went on updating the old container's tensors.
+
+What this does not cover: a gradient that aliases its own param (``p.grad = p.detach()``), where the result depends
+on the order in which a kernel reads and writes, as in torch's own kernels; 4-bit moments are stored flat, so a
+param that changes shape to another with the same number of codes (a (5,) param becoming (6,), say) is not told
+apart by its state.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import re
+
+import pytest
+import torch
+from conftest import assert_same_snapshot, assert_tree_bitwise_equal, bits, optimizer_snapshot, select_backend
+
+from ort_optim import AdamWMode, FusedAdam
+
+SHAPES = [(5,), (3, 3), ()]
+# (param dtype, FusedAdam options)
+LAYOUTS = {
+    "fp32-amsgrad": (torch.float32, dict(amsgrad=True)),
+    "bf16": (torch.bfloat16, {}),
+    "bf16-master": (torch.bfloat16, dict(master_weights=True)),
+    "fp16-master": (torch.float16, dict(master_weights=True)),
+    "8-bit": (torch.float32, dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8, amsgrad=True)),
+    "4-bit": (torch.bfloat16, dict(exp_avg_dtype=torch.uint4, exp_avg_sq_dtype=torch.uint4)),
+}
+# Constructor options that are not param group options (copied onto the fresh optimizer).
+OPTIONS = ("master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm", "capturable")
+NAMES_A_PARAM = r"param_groups\[\d+\]\['params'\]\[\d+\]"
+
+
+def _setup(layout: str):
+    dtype, options = LAYOUTS[layout]
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype)) for shape in SHAPES]
+    opt = FusedAdam(params, lr=1e-2, weight_decay=0.1, **options)
+    return params, opt
+
+
+def _set_grads(opt: FusedAdam, seed: int) -> None:
+    """New gradients (same values for any optimizer over params of the same shapes) for params that have one."""
+    g = torch.Generator().manual_seed(seed)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad = torch.randn(p.shape, generator=g).to(p.grad.dtype)
+
+
+def fresh_copy(opt: FusedAdam) -> FusedAdam:
+    """A new FusedAdam over copies of opt's params (same strides, gradients, requires_grad), with copies of its
+    param_groups options, constructor options and state tensors: what opt describes, without any cache."""
+    copies: dict[int, torch.nn.Parameter] = {}
+    groups = []
+    for group in opt.param_groups:
+        params = []
+        for p in group["params"]:
+            if id(p) not in copies:
+                q = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                if p.grad is not None:
+                    if hasattr(q, "grad_dtype"):  # (torch >= 2.9: a gradient of another dtype must be allowed)
+                        q.grad_dtype = None
+                    q.grad = p.grad.detach().clone()
+                copies[id(p)] = q
+            params.append(copies[id(p)])
+        groups.append({**copy.deepcopy({k: v for k, v in group.items() if k != "params"}), "params": params})
+    new = FusedAdam(groups, **{name: getattr(opt, name) for name in OPTIONS})
+    for p, state in opt.state.items():
+        if id(p) in copies and state:
+            new.state[copies[id(p)]] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                                        for k, v in state.items()}
+    return new
+
+
+def _everything(opt: FusedAdam) -> list:
+    """Every param, gradient and state entry, in param_groups order (raw bits: NaN == NaN, -0.0 != 0.0)."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            out.append([p.detach(), None if p.grad is None else p.grad.detach(),
+                        {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in state.items()}])
+    return out
+
+
+def _meta_safe_snapshot(opt):
+    return {k: ("meta", v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) and v.is_meta else v
+            for k, v in optimizer_snapshot(opt).items()}
+
+
+def assert_steps_like_a_fresh_optimizer(opt: FusedAdam, steps: int = 2) -> None:
+    """The cached opt and a fresh copy step alike, bit for bit, `steps` times; or both refuse the first step with the
+    same error, which names a param, and opt is left as it was."""
+    fresh = fresh_copy(opt)
+    for k in range(steps):
+        if k:
+            _set_grads(opt, 100 + k)
+            _set_grads(fresh, 100 + k)
+        before = _meta_safe_snapshot(opt)
+        errors = []
+        for o in (opt, fresh):
+            try:
+                o.step()
+                errors.append(None)
+            except (ValueError, TypeError) as exc:
+                errors.append(exc)
+        if errors != [None, None]:
+            assert [type(e) for e in errors] == [type(e) for e in reversed(errors)], errors
+            assert str(errors[0]) == str(errors[1]), "the cached and the fresh optimizer refuse differently"
+            assert re.search(NAMES_A_PARAM, str(errors[0])), f"the error names no param: {errors[0]}"
+            assert_same_snapshot(before, _meta_safe_snapshot(opt))
+            return
+        assert_tree_bitwise_equal(_everything(opt), _everything(fresh), f"after step {k + 1}")
+
+
+# ---- the actions ---------------------------------------------------------------------------------------------------
+# Each takes (optimizer, params) after two steps, with this step's gradients set, and does something a user may do.
+
+
+def _retype(p: torch.Tensor, dtype: torch.dtype) -> None:
+    """p and its gradient converted, as module.to(dtype) / module.half() do (without swap-on-conversion)."""
+    g = p.grad
+    p.grad = None
+    p.data = p.data.to(dtype)
+    p.grad = g.to(dtype)
+
+
+def _other_dtype(p):
+    return torch.bfloat16 if p.dtype != torch.bfloat16 else torch.float16
+
+
+def _swap(p: torch.nn.Parameter, data: torch.Tensor, grad: torch.Tensor = None) -> None:
+    other = torch.nn.Parameter(data)
+    other.grad = grad
+    torch.utils.swap_tensors(p, other)
+
+
+@torch.no_grad()
+def _set_(p: torch.Tensor, source: torch.Tensor) -> None:
+    p.set_(source)
+
+
+def _realloc(t: torch.Tensor) -> None:
+    """Frees t's storage and allocates it again, its values restored (CPU offload, FSDP)."""
+    keep = t.detach().clone()
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    storage.resize_(nbytes)
+    t.detach().copy_(keep)
+
+
+def _grad_of_another_dtype(p) -> None:
+    grad = p.grad.to(_other_dtype(p))
+    if hasattr(p, "grad_dtype"):  # torch >= 2.9
+        p.grad_dtype = None
+        p.grad = grad
+    else:
+        p.grad.data = grad
+
+
+def _grads_viewing_one_buffer(opt, params) -> None:
+    buffer = torch.randn(20).to(params[0].dtype)
+    params[0].grad = buffer[:5]
+    params[1].grad = buffer[6:15].view(3, 3)
+
+
+def _new_param(opt, params) -> None:
+    late = torch.nn.Parameter(torch.ones(4, dtype=params[0].dtype))
+    late.grad = torch.full((4,), 0.5, dtype=params[0].dtype)
+    opt.param_groups[0]["params"].append(late)
+
+
+def _second_group(opt, params) -> None:
+    q = torch.nn.Parameter(torch.ones(2, 2, dtype=params[0].dtype))
+    q.grad = torch.ones(2, 2, dtype=params[0].dtype)
+    opt.add_param_group({"params": [q], "lr": 0.02})
+
+
+def _copied_state_container(opt, params) -> None:
+    """A new container with the same entries, then every moment re-assigned: its mutation count equals the old one's
+    (the count a plan was built at), which must not make the plan valid for it."""
+    opt.state = collections.defaultdict(dict, {p: dict(state) for p, state in opt.state.items()})
+    for p in params:
+        opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].clone()
+
+
+def _load_twice(opt, params) -> None:
+    saved = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(saved)
+    opt.load_state_dict(saved)
+
+
+def _load_partial(opt, params) -> None:
+    saved = copy.deepcopy(opt.state_dict())
+    del saved["state"][1]
+    opt.load_state_dict(saved)
+
+
+def _set_item(mapping, key, value):
+    mapping[key] = value
+
+
+ACTIONS = {
+    # params given new data
+    "nothing": lambda opt, ps: None,
+    "p.data = a copy": lambda opt, ps: setattr(ps[0], "data", ps[0].data.clone()),
+    "p.data = a transposed copy": lambda opt, ps: setattr(ps[1], "data", ps[1].data.t().contiguous().t()),
+    "p.data = a copy of another dtype": lambda opt, ps: _retype(ps[0], _other_dtype(ps[0])),
+    "p.data = another shape": lambda opt, ps: (setattr(ps[0], "grad", None), setattr(ps[0], "data", torch.zeros(
+        7, dtype=ps[0].dtype)), setattr(ps[0], "grad", torch.ones(7, dtype=ps[0].dtype))),
+    "p.data = float64": lambda opt, ps: _retype(ps[2], torch.float64),
+    "p.set_(a copy)": lambda opt, ps: _set_(ps[0], ps[0].detach().clone()),
+    "swap_tensors(p, a new param)": lambda opt, ps: _swap(ps[1], ps[1].detach() + 1, ps[1].grad * 2),
+    "swap_tensors(p, a param on meta)": lambda opt, ps: _swap(
+        ps[0], torch.empty(5, dtype=ps[0].dtype, device="meta"), torch.empty(5, dtype=ps[0].dtype, device="meta")),
+    "swap_tensors of two params": lambda opt, ps: torch.utils.swap_tensors(ps[0], ps[2]),
+    "every param to bfloat16": lambda opt, ps: [_retype(p, torch.bfloat16) for p in ps],
+    "every param to float16": lambda opt, ps: [_retype(p, torch.float16) for p in ps],
+    "param storage freed and re-allocated": lambda opt, ps: _realloc(ps[1]),
+    "p.requires_grad_(False)": lambda opt, ps: ps[1].requires_grad_(False),
+    # gradients
+    "grad non-contiguous": lambda opt, ps: setattr(ps[1], "grad", ps[1].grad.t().contiguous().t()),
+    "grad expanded": lambda opt, ps: setattr(ps[0], "grad", ps[0].grad[:1].expand(5)),
+    "grad of another dtype": lambda opt, ps: _grad_of_another_dtype(ps[0]),
+    "grads viewing one buffer": _grads_viewing_one_buffer,
+    "grad storage freed and re-allocated": lambda opt, ps: _realloc(ps[0].grad),
+    "grad = None": lambda opt, ps: setattr(ps[1], "grad", None),
+    "grad sparse": lambda opt, ps: setattr(ps[0], "grad", ps[0].grad.to_sparse()),
+    # optimizer.state
+    "state[p] = a copy of its dict": lambda opt, ps: _set_item(opt.state, ps[0], dict(opt.state[ps[0]])),
+    "state[p] = {}": lambda opt, ps: _set_item(opt.state, ps[1], {}),
+    "del state[p]": lambda opt, ps: opt.state.__delitem__(ps[1]),
+    "state[p] without exp_avg_sq": lambda opt, ps: opt.state[ps[0]].__delitem__("exp_avg_sq"),
+    "state = {}": lambda opt, ps: setattr(opt, "state", {}),
+    "state = defaultdict(dict)": lambda opt, ps: setattr(opt, "state", collections.defaultdict(dict)),
+    "state = deepcopy(state)": lambda opt, ps: setattr(opt, "state", copy.deepcopy(opt.state)),
+    "state = a copy, moments re-assigned": _copied_state_container,
+    "exp_avg.copy_": lambda opt, ps: opt.state[ps[0]]["exp_avg"].copy_(opt.state[ps[0]]["exp_avg"].flip(0)),
+    "exp_avg = float32 values": lambda opt, ps: _set_item(opt.state[ps[0]], "exp_avg", torch.full((5,), 0.25)),
+    "exp_avg_sq = non-contiguous bf16 values": lambda opt, ps: _set_item(
+        opt.state[ps[1]], "exp_avg_sq", torch.arange(9.0).view(3, 3).to(torch.bfloat16).t()),
+    "exp_avg.data = a new tensor": lambda opt, ps: setattr(opt.state[ps[1]]["exp_avg"], "data",
+                                                           opt.state[ps[1]]["exp_avg"].data.clone()),
+    "exp_avg storage freed and re-allocated": lambda opt, ps: _realloc(opt.state[ps[0]]["exp_avg"]),
+    "master_param = float64 values": lambda opt, ps: _set_item(
+        opt.state[ps[0]], "master_param", ps[0].detach().double() + 1),
+    "step = a float": lambda opt, ps: _set_item(opt.state[ps[0]], "step", 2.0),
+    "step = an int": lambda opt, ps: _set_item(opt.state[ps[1]], "step", 5),
+    "step = a float32 tensor": lambda opt, ps: _set_item(opt.state[ps[2]], "step", torch.tensor(3.0)),
+    "step += 1": lambda opt, ps: opt.state[ps[0]].__setitem__("step", opt.state[ps[0]]["step"] + 1),
+    "step.add_ in place": lambda opt, ps: opt.state[ps[1]]["step"].add_(4),
+    "step.data = a new tensor": lambda opt, ps: setattr(opt.state[ps[1]]["step"], "data", torch.tensor(9.0)),
+    "step = 2.5": lambda opt, ps: _set_item(opt.state[ps[0]], "step", 2.5),
+    # param_groups
+    "params appended": _new_param,
+    "params deleted": lambda opt, ps: opt.param_groups[0]["params"].__delitem__(1),
+    "params reversed": lambda opt, ps: opt.param_groups[0]["params"].reverse(),
+    "params list replaced": lambda opt, ps: opt.param_groups[0].__setitem__("params", list(ps[::-1])),
+    "param_groups = a copy of the list": lambda opt, ps: setattr(opt, "param_groups", list(opt.param_groups)),
+    "group dict replaced, lr changed": lambda opt, ps: opt.param_groups.__setitem__(
+        0, {**opt.param_groups[0], "lr": 0.5}),
+    "param_groups = new dicts, betas a list": lambda opt, ps: setattr(
+        opt, "param_groups", [{**g, "betas": [0.5, 0.6]} for g in opt.param_groups]),
+    "add_param_group": _second_group,
+    "lr a tensor": lambda opt, ps: opt.param_groups[0].__setitem__("lr", torch.tensor(0.05)),
+    "amsgrad toggled": lambda opt, ps: opt.param_groups[0].__setitem__("amsgrad", not opt.param_groups[0]["amsgrad"]),
+    "adam_w_mode changed": lambda opt, ps: opt.param_groups[0].__setitem__("adam_w_mode", AdamWMode.ADAMW_TORCH),
+    "weight_decay, maximize changed": lambda opt, ps: opt.param_groups[0].update(weight_decay=0.5, maximize=True),
+    # the optimizer
+    "master_weights toggled": lambda opt, ps: setattr(opt, "master_weights", not opt.master_weights),
+    "exp_avg_dtype = uint8": lambda opt, ps: setattr(opt, "exp_avg_dtype", torch.uint8),
+    "exp_avg_sq_dtype = uint4": lambda opt, ps: setattr(opt, "exp_avg_sq_dtype", torch.uint4),
+    "state dtypes = default": lambda opt, ps: (setattr(opt, "exp_avg_dtype", None),
+                                               setattr(opt, "exp_avg_sq_dtype", None)),
+    "load_state_dict twice": _load_twice,
+    "load_state_dict without one param's state": _load_partial,
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("action", ACTIONS)
+def test_after_any_action_the_step_equals_a_fresh_optimizers(action, layout, backend):
+    params, opt = _setup(layout)
+    for seed in range(2):
+        _set_grads_all(params, seed)
+        opt.step()
+    _set_grads_all(params, 2)
+    ACTIONS[action](opt, params)
+    assert_steps_like_a_fresh_optimizer(opt)
+
+
+def _set_grads_all(params, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
