@@ -75,7 +75,19 @@ def _set_grads(opt: FusedAdam, seed: int) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
             if p.grad is not None:
-                p.grad = torch.randn(p.shape, generator=g).to(p.grad.dtype)
+                assign_grad(p, torch.randn(p.shape, generator=g).to(p.grad.dtype))
+
+
+def assign_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """p.grad = grad, also when grad has another dtype than p (which torch's setter refuses unless told)."""
+    if grad.dtype == p.dtype:
+        p.grad = grad
+    elif hasattr(p, "grad_dtype"):  # torch >= 2.9: allow any gradient dtype
+        p.grad_dtype = None
+        p.grad = grad
+    else:
+        p.grad = grad.to(p.dtype)
+        p.grad.data = grad
 
 
 def fresh_copy(opt: FusedAdam) -> FusedAdam:
@@ -89,9 +101,7 @@ def fresh_copy(opt: FusedAdam) -> FusedAdam:
             if id(p) not in copies:
                 q = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
                 if p.grad is not None:
-                    if hasattr(q, "grad_dtype"):  # (torch >= 2.9: a gradient of another dtype must be allowed)
-                        q.grad_dtype = None
-                    q.grad = p.grad.detach().clone()
+                    assign_grad(q, p.grad.detach().clone())
                 copies[id(p)] = q
             params.append(copies[id(p)])
         groups.append({**copy.deepcopy({k: v for k, v in group.items() if k != "params"}), "params": params})
@@ -181,15 +191,6 @@ def _realloc(t: torch.Tensor) -> None:
     t.detach().copy_(keep)
 
 
-def _grad_of_another_dtype(p) -> None:
-    grad = p.grad.to(_other_dtype(p))
-    if hasattr(p, "grad_dtype"):  # torch >= 2.9
-        p.grad_dtype = None
-        p.grad = grad
-    else:
-        p.grad.data = grad
-
-
 def _grads_viewing_one_buffer(opt, params) -> None:
     buffer = torch.randn(20).to(params[0].dtype)
     params[0].grad = buffer[:5]
@@ -253,7 +254,7 @@ ACTIONS = {
     # gradients
     "grad non-contiguous": lambda opt, ps: setattr(ps[1], "grad", ps[1].grad.t().contiguous().t()),
     "grad expanded": lambda opt, ps: setattr(ps[0], "grad", ps[0].grad[:1].expand(5)),
-    "grad of another dtype": lambda opt, ps: _grad_of_another_dtype(ps[0]),
+    "grad of another dtype": lambda opt, ps: assign_grad(ps[0], ps[0].grad.to(_other_dtype(ps[0]))),
     "grads viewing one buffer": _grads_viewing_one_buffer,
     "grad storage freed and re-allocated": lambda opt, ps: _realloc(ps[0].grad),
     "grad = None": lambda opt, ps: setattr(ps[1], "grad", None),
