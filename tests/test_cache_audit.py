@@ -326,3 +326,78 @@ def _set_grads_all(params, seed):
     g = torch.Generator().manual_seed(seed)
     for p in params:
         p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+# ---- sharing: what no fresh optimizer could reproduce from copies is refused -----------------------------------------
+
+
+def _late_param(opt, params, state=None) -> torch.nn.Parameter:
+    """A new param of params[0]'s shape and dtype, with a gradient, appended to group 0 (state: its state dict)."""
+    q = torch.nn.Parameter(params[0].detach() + 1)
+    q.grad = torch.ones_like(q)
+    opt.param_groups[0]["params"].append(q)
+    if state is not None:
+        opt.state[q] = state
+    return q
+
+
+def _own_copy(state) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _share_a_moment(opt, params) -> None:
+    state = _own_copy(opt.state[params[0]])
+    state["exp_avg_sq"] = opt.state[params[0]]["exp_avg_sq"]
+    _late_param(opt, params, state)
+
+
+def _moment_views_a_param(opt, params) -> None:
+    state = opt.state[params[0]]
+    if state["exp_avg"].dtype != params[2].dtype:
+        pytest.skip("a state kept as is has the layout's dtype; this layout's moments are not the params'")
+    buffer = torch.zeros(6, dtype=params[2].dtype)
+    params[2].data = buffer[5]  # (0-dim param: element 5)
+    opt.state[params[0]]["exp_avg"] = buffer[1:6]  # elements 1..5: the param's memory among them
+
+
+def _moment_views_another_moment(opt, params) -> None:
+    state = _own_copy(opt.state[params[0]])
+    moment = opt.state[params[0]]["exp_avg"]
+    state["exp_avg"] = moment.view(moment.shape)  # another tensor, the same memory
+    _late_param(opt, params, state)
+
+
+def _tied_by_views(opt, params) -> None:
+    """params[0] and params[1] made views of one buffer that overlap in two elements."""
+    buffer = torch.randn(12).to(params[0].dtype)
+    params[0].data = buffer[:5]
+    params[1].data = buffer[3:].view(3, 3)
+
+
+SHARING = {
+    "the same param twice": (lambda opt, ps: opt.param_groups[0]["params"].append(ps[0]), r"share memory"),
+    "two params viewing one storage": (_tied_by_views, r"share memory"),
+    "one state dict for two params": (lambda opt, ps: _late_param(opt, ps, opt.state[ps[0]]), r"one optimizer state"),
+    "one moment for two params": (_share_a_moment, r"\['exp_avg_sq'\] and .*\['exp_avg_sq'\] share memory"),
+    "a moment viewing another's memory": (_moment_views_another_moment, r"\['exp_avg'\] .*share memory"),
+    "a moment viewing a param's memory": (
+        _moment_views_a_param, r" and param_groups\[0\]\['params'\]\[0\] .*'s optimizer.state\[p\]\['exp_avg'\] share memory"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("sharing", SHARING)
+def test_params_or_states_that_share_memory_are_refused_naming_both_and_nothing_changes(sharing, layout, backend):
+    """One step would update the shared memory once per param holding it (torch.optim's loop updates it once per
+    param, one after the other): refused, naming the params, as params that share memory are."""
+    params, opt = _setup(layout)
+    for seed in range(2):
+        _set_grads_all(params, seed)
+        opt.step()
+    _set_grads_all(params, 2)
+    action, message = SHARING[sharing]
+    action(opt, params)
+    before = _meta_safe_snapshot(opt)
+    with pytest.raises(ValueError, match=NAMES_A_PARAM + ".*" + message):
+        opt.step()
+    assert_same_snapshot(before, _meta_safe_snapshot(opt))
