@@ -401,3 +401,45 @@ def test_params_or_states_that_share_memory_are_refused_naming_both_and_nothing_
     with pytest.raises(ValueError, match=NAMES_A_PARAM + ".*" + message):
         opt.step()
     assert_same_snapshot(before, _meta_safe_snapshot(opt))
+
+
+# ---- the backend switched between steps ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_backend_switched_between_steps_steps_like_a_fresh_optimizer_on_it(layout, backend, monkeypatch):
+    """ORT_OPTIM_BACKEND is read at every step: the plan of one backend (native plans holding raw pointers, or Python
+    buckets) must not be used by another. Each step goes through the backend under test, then the reference."""
+    params, opt = _setup(layout)
+    for k, name in enumerate([backend, "torch", backend, "torch", backend]):
+        select_backend(monkeypatch, name)
+        _set_grads_all(params, k)
+        assert_steps_like_a_fresh_optimizer(opt, steps=1)
+
+
+# ---- against torch.optim.AdamW: a group dict put in place of another -----------------------------------------------
+
+
+@pytest.mark.parametrize("replace", ["param_groups[0] = {**group, ...}", "param_groups = [{**group, ...}]"])
+def test_a_group_dict_put_in_place_of_another_is_what_the_step_reads_like_torch(replace, backend):
+    """The regression test of the first bug above, against torch.optim.AdamW (rtol 1e-5, atol 1e-7 over 3 fp32
+    steps): the step must read the hyperparameters of the dict now in param_groups."""
+    g = torch.Generator().manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in SHAPES]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = FusedAdam(ours, lr=1e-2, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, eps=1e-8, weight_decay=1e-2, foreach=False)
+    for k in range(3):
+        if k == 1:
+            for o in (opt, ref):
+                changed = {**o.param_groups[0], "lr": 0.2, "betas": (0.5, 0.6), "weight_decay": 0.3}
+                if replace.startswith("param_groups[0]"):
+                    o.param_groups[0] = changed
+                else:
+                    o.param_groups = [changed]
+        _set_grads_all(ours, k)
+        _set_grads_all(theirs, k)
+        opt.step()
+        ref.step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-7)
