@@ -401,6 +401,11 @@ def build(optimizer) -> Plan:
             del adoption.state[adoption.key]
         else:
             adoption.state[adoption.key] = adoption.value
+    steps = set()
+    for *_, state in stateful:  # a step tensor assigned to two params' states: each gets its own (a plan re-points it)
+        if id(state["step"]) in steps:
+            state["step"] = state["step"].clone()
+        steps.add(id(state["step"]))
     native = backends.runs_natively(CPU)
     planned = [_plan_group(optimizer, group_index, grads, native) for group_index, grads in enumerate(all_grads)]
     return Plan(planned, optimizer.state, optimizer.state.version, optimizer._layout_options(), native)
@@ -458,7 +463,9 @@ def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> Group
                 getattr(bucket, key + "_scales").extend(s[key + "_scale"] for s in states)
         bucket.steps = torch.stack([s["step"] for s in states])
         for j, s in enumerate(states):
-            s["step"] = bucket.steps[j]
+            # the same tensor, now a view of steps: torch's state['step'] is one tensor for a whole run, so code that
+            # holds it keeps reading (and writing) the param's step after the optimizer plans again
+            s["step"].data = bucket.steps[j]
         bucket.step_tensors = [s["step"] for s in states]
         bucket.rounding_keys = rounding_keys(optimizer, group_index, bucket.indices, bucket.params[0],
                                              bool(bucket.master_params))

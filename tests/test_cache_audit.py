@@ -284,6 +284,7 @@ ACTIONS = {
     "step.add_ in place": lambda opt, ps: opt.state[ps[1]]["step"].add_(4),
     "step.data = a new tensor": lambda opt, ps: setattr(opt.state[ps[1]]["step"], "data", torch.tensor(9.0)),
     "step = 2.5": lambda opt, ps: _set_item(opt.state[ps[0]], "step", 2.5),
+    "one step tensor for two params": lambda opt, ps: _set_item(opt.state[ps[1]], "step", opt.state[ps[0]]["step"]),
     # param_groups
     "params appended": _new_param,
     "params deleted": lambda opt, ps: opt.param_groups[0]["params"].__delitem__(1),
@@ -441,5 +442,38 @@ def test_a_group_dict_put_in_place_of_another_is_what_the_step_reads_like_torch(
         _set_grads_all(theirs, k)
         opt.step()
         ref.step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-7)
+
+
+# ---- a step tensor held across a re-plan ---------------------------------------------------------------------------
+
+
+def test_a_step_tensor_held_across_a_new_plan_is_still_the_params_step_like_torch(backend):
+    """torch's state['step'] is one tensor for a whole run: code that holds it (to log it, or to reset it) reads and
+    writes the param's step. A new plan (here: a param appended) must not leave it behind: it counts on, and writing
+    it after that plan is honoured by the next step (against torch.optim.AdamW: steps equal, params within rtol 1e-5,
+    atol 1e-7)."""
+    g = torch.Generator().manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in SHAPES]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = FusedAdam(ours, lr=1e-2, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, eps=1e-8, weight_decay=1e-2, foreach=False)
+    for k in range(5):
+        if k == 2:  # a new plan: a param appended to both
+            for o, params in ((opt, ours), (ref, theirs)):
+                late = torch.nn.Parameter(torch.ones(2))
+                params.append(late)
+                o.param_groups[0]["params"].append(late)
+        _set_grads_all(ours, k)
+        _set_grads_all(theirs, k)
+        opt.step()
+        ref.step()
+        if k == 0:
+            held = [opt.state[ours[0]]["step"], ref.state[theirs[0]]["step"]]
+        if k == 3:
+            for t in held:
+                t.zero_()  # a restart of this param's bias correction, after the new plan
+        assert float(held[0]) == float(held[1]) == float(opt.state[ours[0]]["step"]), f"step {k}"
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-7)
