@@ -3,8 +3,8 @@ whether it still holds.
 
 A step walks ``FusedAdam.step -> Plan (valid, or rebuilt by build() after full validation) -> backend op``.
 
-:func:`build` validates everything a step needs (gradients, states, storages, params that share memory) before it
-writes anything, then creates missing state, adopts state tensors assigned by the user, and groups the params of
+:func:`build` validates everything a step needs (gradients, states, storages, params or states that share memory)
+before it writes anything, then creates missing state, adopts state tensors assigned by the user, and groups the params of
 each param group into buckets (device, dtype, state dtypes, master): one op call per bucket. On the native CPU
 backend each bucket also gets a native ``AdamPlan`` (ops/README.md) that holds its tensors and reads the gradients
 itself.

@@ -275,6 +275,10 @@ ACTIONS = {
     "exp_avg.data = a new tensor": lambda opt, ps: setattr(opt.state[ps[1]]["exp_avg"], "data",
                                                            opt.state[ps[1]]["exp_avg"].data.clone()),
     "exp_avg storage freed and re-allocated": lambda opt, ps: _realloc(opt.state[ps[0]]["exp_avg"]),
+    "exp_avg_scale of another dtype": lambda opt, ps: _set_item(opt.state[ps[1]], "exp_avg_scale", opt.state[
+        ps[1]].get("exp_avg_scale", torch.ones(1)).to(torch.bfloat16 if "exp_avg_scale" not in opt.state[ps[1]] or
+                                                        opt.state[ps[1]]["exp_avg_scale"].dtype == torch.float32
+                                                        else torch.float32)),
     "master_param = float64 values": lambda opt, ps: _set_item(
         opt.state[ps[0]], "master_param", ps[0].detach().double() + 1),
     "step = a float": lambda opt, ps: _set_item(opt.state[ps[0]], "step", 2.0),
@@ -290,6 +294,7 @@ ACTIONS = {
     "params deleted": lambda opt, ps: opt.param_groups[0]["params"].__delitem__(1),
     "params reversed": lambda opt, ps: opt.param_groups[0]["params"].reverse(),
     "params list replaced": lambda opt, ps: opt.param_groups[0].__setitem__("params", list(ps[::-1])),
+    "params list replaced by a tuple": lambda opt, ps: opt.param_groups[0].__setitem__("params", tuple(ps)),
     "param_groups = a copy of the list": lambda opt, ps: setattr(opt, "param_groups", list(opt.param_groups)),
     "group dict replaced, lr changed": lambda opt, ps: opt.param_groups.__setitem__(
         0, {**opt.param_groups[0], "lr": 0.5}),
