@@ -482,3 +482,28 @@ def test_a_step_tensor_held_across_a_new_plan_is_still_the_params_step_like_torc
         assert float(held[0]) == float(held[1]) == float(opt.state[ours[0]]["step"]), f"step {k}"
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-7)
+
+
+def test_updates_in_backward_follow_a_new_state_container_whose_count_equals_the_old_ones(backend):
+    """step_in_backward keeps a native plan per param: like step()'s, it must not survive a new optimizer.state
+    container (here one whose mutation count equals the old one's, each exp_avg a copy). The updates made in backward
+    equal a fresh optimizer's step() with the same gradients, bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = FusedAdam(model.parameters(), lr=0.1, step_in_backward=True)
+    x = torch.randn(4, 3)
+    for _ in range(2):
+        model(x).square().sum().backward()
+    version = opt.state.version
+    opt.state = collections.defaultdict(dict, {p: {**state, "exp_avg": state["exp_avg"].clone()}
+                                               for p, state in opt.state.items()})
+    assert opt.state.version == version  # (the coincidence this test is about)
+    grads = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))  # (no hook fires)
+    fresh = fresh_copy(opt)
+    for q, g in zip(fresh.param_groups[0]["params"], grads):
+        q.grad = g.clone()
+    fresh.step()
+    model(x).square().sum().backward()  # the hooks update model's params and free their gradients
+    for q in fresh.param_groups[0]["params"]:
+        q.grad = None
+    assert_tree_bitwise_equal(_everything(opt), _everything(fresh))
