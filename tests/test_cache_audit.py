@@ -176,6 +176,11 @@ def _swap(p: torch.nn.Parameter, data: torch.Tensor, grad: torch.Tensor = None) 
     torch.utils.swap_tensors(p, other)
 
 
+def _inference_copy(t: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return t.detach().clone()
+
+
 @torch.no_grad()
 def _set_(p: torch.Tensor, source: torch.Tensor) -> None:
     p.set_(source)
@@ -251,6 +256,7 @@ ACTIONS = {
     "every param to float16": lambda opt, ps: [_retype(p, torch.float16) for p in ps],
     "param storage freed and re-allocated": lambda opt, ps: _realloc(ps[1]),
     "p.requires_grad_(False)": lambda opt, ps: ps[1].requires_grad_(False),
+    "p.data = an inference-mode tensor": lambda opt, ps: setattr(ps[0], "data", _inference_copy(ps[0])),
     # gradients
     "grad non-contiguous": lambda opt, ps: setattr(ps[1], "grad", ps[1].grad.t().contiguous().t()),
     "grad expanded": lambda opt, ps: setattr(ps[0], "grad", ps[0].grad[:1].expand(5)),
@@ -258,6 +264,7 @@ ACTIONS = {
     "grads viewing one buffer": _grads_viewing_one_buffer,
     "grad storage freed and re-allocated": lambda opt, ps: _realloc(ps[0].grad),
     "grad = None": lambda opt, ps: setattr(ps[1], "grad", None),
+    "grad an inference-mode tensor": lambda opt, ps: setattr(ps[0], "grad", _inference_copy(ps[0].grad)),
     "grad sparse": lambda opt, ps: setattr(ps[0], "grad", ps[0].grad.to_sparse()),
     # optimizer.state
     "state[p] = a copy of its dict": lambda opt, ps: _set_item(opt.state, ps[0], dict(opt.state[ps[0]])),
@@ -311,6 +318,7 @@ ACTIONS = {
     "exp_avg_sq_dtype = uint4": lambda opt, ps: setattr(opt, "exp_avg_sq_dtype", torch.uint4),
     "state dtypes = default": lambda opt, ps: (setattr(opt, "exp_avg_dtype", None),
                                                setattr(opt, "exp_avg_sq_dtype", None)),
+    "a deep copy made and stepped": lambda opt, ps: copy.deepcopy(opt).step(),
     "load_state_dict twice": _load_twice,
     "load_state_dict without one param's state": _load_partial,
 }
