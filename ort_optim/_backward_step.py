@@ -43,6 +43,7 @@ class BackwardStep:
         self._hypers: dict[int, tuple[dict, tuple, dict]] = {}
         self._accumulating = 0
         self._updated: dict[torch.Tensor, None] = {}  # params updated by a hook since the last check_updated_once()
+        self.setup_checked = False  # check_setup() passed (it runs once: at the first hook or step())
         self._check_queued = False  # whether this backward's end-of-backward check is queued (see _hook)
         # Once check_updated_once() found a param updated with another gradient, every later hook, step() and
         # zero_grad() raises the same error (until remove_backward_hooks()): none may update it again.
@@ -74,7 +75,14 @@ class BackwardStep:
 
     def _hook(self, p: torch.Tensor) -> None:
         optimizer = self._optimizer()
-        if optimizer is None or self._accumulating or not self._locate(optimizer, p):
+        if optimizer is None:
+            return
+        if not self.setup_checked:
+            self.check_setup(optimizer)
+        if self._accumulating:
+            return
+        if not self._locate(optimizer, p):
+            self._check_not_repointed(optimizer)
             return
         if self._refusal is not None:
             raise ValueError(self._refusal)
@@ -112,6 +120,47 @@ class BackwardStep:
         except RuntimeError:  # ("Final callbacks can only be installed during backward pass")
             return
         self._check_queued = True
+
+    def check_setup(self, optimizer: "FusedAdam") -> None:
+        """Refuses an optimizer that DeepSpeed holds (a DeepSpeedEngine's optimizer, or the inner optimizer of a ZeRO
+        or DeepSpeed fp16/bf16 optimizer), before its first update: at the first hook, or at step() if no hook fired.
+        DeepSpeed reduces the gradients across ranks after backward and, except at stage 0 in fp32, steps its own
+        fp32 partitions or copies in place of the params: an update in backward would use this rank's unreduced
+        gradient, or never happen while step() silently took a normal step. Runs once (a heap scan, only where
+        DeepSpeed is imported and torch.distributed initialised: ort_optim/_deepspeed.py, holder_of)."""
+        if self.setup_checked:
+            return
+        from ._deepspeed import holder_of
+
+        holder = holder_of(optimizer)
+        if holder is not None:
+            raise deepspeed_refused(holder)
+        self.setup_checked = True
+
+    def _check_not_repointed(self, optimizer: "FusedAdam") -> None:
+        """Called when a hooked param's gradient is complete but the param is no longer in param_groups. Removing
+        params is fine (they keep their gradients, as with step()); but param_groups that hold a tensor this optimizer
+        never hooked, or none of the params it hooked, were re-pointed, as mixed-precision and ZeRO wrappers do (flat
+        fp32 partitions or fp32 copies whose gradients they set after backward; ZeRO stage 3 empties them between
+        steps): no hook could update what they hold, and step() would silently take a normal step. Raises then,
+        before any update."""
+        def repointed(what: str) -> ValueError:
+            return ValueError(
+                f"{what}, while backward completes the gradient of a param it hooked that is no longer in "
+                "param_groups: param_groups were re-pointed, as DeepSpeed's ZeRO and fp16/bf16 optimizers do (flat "
+                "fp32 partitions or fp32 copies, whose gradients they set after backward). No update could run in "
+                "backward, and step() would silently take a normal step. Use step_in_backward=False under such a "
+                "wrapper; to give this optimizer params of your own, use add_param_group(), which hooks them")
+
+        any_hooked = False
+        for group_index, group in enumerate(optimizer.param_groups):
+            for index, q in enumerate(group["params"]):
+                if q not in self._where:
+                    raise repointed(f"{_plan.describe(group_index, index, q)} is a tensor that step_in_backward=True "
+                                    "never hooked")
+                any_hooked = True
+        if not any_hooked:
+            raise repointed("param_groups hold none of the params that step_in_backward=True hooked")
 
     def check_updated_once(self) -> None:
         """Raises if a param updated by its hook since the last call has a gradient again: something wrote one after
@@ -220,6 +269,17 @@ class BackwardStep:
             else:
                 adoption.state[adoption.key] = adoption.value
         return state
+
+
+def deepspeed_refused(holder: object) -> ValueError:
+    return ValueError(
+        f"FusedAdam(step_in_backward=True) is held by DeepSpeed's {type(holder).__name__} "
+        f"({type(holder).__module__}). DeepSpeed reduces the gradients across ranks after backward (and, with ZeRO or "
+        "its fp16/bf16 optimizers, steps its own flat fp32 partitions or copies in place of the params), so an update "
+        "in backward would use this rank's unreduced gradient, or never run while step() silently took a normal step. "
+        "Nothing was updated. Use step_in_backward=False with DeepSpeed: its own way to bound gradient memory is ZeRO "
+        "stage 2/3 (each rank keeps only its partition of the gradients; overlap_comm reduces them during backward)")
+
 
 def max_grad_norm_refused(max_grad_norm: float) -> ValueError:
     return ValueError(

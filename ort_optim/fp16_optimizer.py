@@ -384,6 +384,23 @@ def _is_deepspeed_engine_or_zero(obj: Any) -> bool:
     return _is_deepspeed_object(obj) and not isinstance(obj, torch.optim.Optimizer)
 
 
+def _fused_adam_inside(obj: Any) -> Optional[FusedAdam]:
+    """The FusedAdam with step_in_backward=True that obj is or wraps through ``.optimizer`` (a DeepSpeed engine holds
+    its ZeRO or fp16 optimizer there, which holds the client optimizer there; accelerate's wrapper adds a level)."""
+    for _ in range(4):
+        if isinstance(obj, FusedAdam):
+            return obj if obj.step_in_backward else None
+        obj = getattr(obj, "optimizer", None)
+    return None
+
+
+def _step_in_backward_refused(what: str) -> ValueError:
+    return ValueError(
+        f"FP16_Optimizer: {what} has step_in_backward=True, which updates each param during backward, before loss "
+        "scaling can unscale and check the gradients (and, inside DeepSpeed, before DeepSpeed reduces them); construct "
+        "it with step_in_backward=False (or train in bf16, which needs no loss scaling)")
+
+
 def _clone_tensors(obj: Any) -> Any:
     """A copy of a nested dict/list structure with every tensor cloned (so loading never aliases the caller's)."""
     if isinstance(obj, torch.Tensor):
@@ -531,6 +548,9 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
                         "clipping stay in charge (configure them in the DeepSpeed config); got "
                         f"{sorted(kwargs) or len(args)}"
                     )
+                if _fused_adam_inside(optimizer) is not None:
+                    raise _step_in_backward_refused(f"the FusedAdam inside this DeepSpeed "
+                                                    f"{type(target if target is not None else optimizer).__name__}")
                 _deepspeed.patch_zero_optimizer(target if target is not None else optimizer)
                 return optimizer
         return super().__new__(cls)
@@ -627,11 +647,7 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
     @staticmethod
     def _check_fused_adam(optimizer: FusedAdam, max_grad_norm: Optional[float]) -> None:
         if optimizer.step_in_backward:  # (backward(loss) would update every param with the scaled gradients)
-            raise ValueError(
-                "FP16_Optimizer: this FusedAdam has step_in_backward=True, which updates each param during backward, "
-                "before loss scaling can unscale and check the gradients; construct it with step_in_backward=False "
-                "(or train in bf16, which needs no loss scaling)"
-            )
+            raise _step_in_backward_refused("this FusedAdam")
         if not optimizer.master_weights:
             for gi, group in enumerate(optimizer.param_groups):
                 for j, p in enumerate(group["params"]):

@@ -203,10 +203,18 @@ class FusedAdam(torch.optim.Optimizer):
     its update. Not with ``DistributedDataParallel``: it averages the gradients across ranks after autograd has
     accumulated them (the hooks saw this rank's own) and writes the average back into ``p.grad``; the end of that
     backward raises for a param updated in backward that has a gradient again, and so does every later hook,
-    ``step()`` and ``zero_grad()``, instead of updating it twice. Differs
-    from torch's recipe (a torch optimizer per param, stepped in a hook) in that one optimizer keeps the param groups,
-    the checkpoint layout and ``step()``. :attr:`last_grad_norm` and :attr:`last_found_inf` stay None for updates made
-    in backward.
+    ``step()`` and ``zero_grad()``, instead of updating it twice. Not with DeepSpeed either (any ZeRO stage,
+    fp32/fp16/bf16): the engine reduces the gradients after backward and, except at stage 0 in fp32, steps its own
+    fp32 partitions or copies, put in ``param_groups`` in place of the params, so updates in backward would use this
+    rank's unreduced gradient, or silently never happen (a normal step, no memory saved). An optimizer held by a
+    DeepSpeed engine or DeepSpeed optimizer is refused with a ValueError before anything is updated: at its first hook
+    (the first ``engine.backward``), or at its first ``step()`` if that comes first (stage 0 fp16: inside
+    ``deepspeed.initialize``). The holder is looked for once, among the garbage collector's referrers, and only where
+    DeepSpeed is imported and torch.distributed initialised. Whatever the wrapper, a hook whose param is no longer in
+    ``param_groups`` while they hold a tensor this optimizer never hooked, or none it hooked, raises too, rather than
+    let step() silently take a normal step. Differs from torch's recipe (a torch optimizer per param, stepped in a
+    hook) in that one optimizer keeps the param groups, the checkpoint layout and ``step()``. :attr:`last_grad_norm`
+    and :attr:`last_found_inf` stay None for updates made in backward.
 
     Distributed training (guides/distributed.md). DTensor params (FSDP2 ``fully_shard`` with or without a
     ``MixedPrecisionPolicy``, tensor parallel, 2D meshes) are planned and stepped through their local pieces, one op
@@ -538,6 +546,8 @@ class FusedAdam(torch.optim.Optimizer):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         if self._backward is not None:
+            if not self._backward.setup_checked:  # (once)
+                self._backward.check_setup(self)
             self._backward.check_updated_once()
         if self._backward is not None and (grad_scale is not None or found_inf is not None):
             raise ValueError(

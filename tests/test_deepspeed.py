@@ -10,6 +10,15 @@ Everything runs in one spawn (tests/distributed_harness.py); the parent compares
   after FP16_Optimizer patched its overflow check and gradient norm must agree step for step (bit for bit at stages
   1/2; stage 3 sums the norm in float64, ours in float32 per chunk, so its clip coefficient may differ in the last
   bit); before every patched step, the patched functions are compared with DeepSpeed's on the same gradients.
+* FusedAdam(step_in_backward=True) as the client optimizer, at stage 0 (fp32, bf16, fp16), 1, 2 (fp16, and offloaded)
+  and 3: refused with a ValueError naming step_in_backward and DeepSpeed before anything is updated (at the first
+  hook, or at ``deepspeed.initialize`` where DeepSpeed steps the optimizer once there), with the params, the tensors
+  the optimizer steps and its state unchanged; FP16_Optimizer around the engine or its optimizer refuses it too,
+  patching nothing. Before this check, stage 0 fp32 updated each rank's params with its own unreduced gradient in
+  backward (the error came at engine.step(), naming DDP), and every other config silently took a normal step
+  (DeepSpeed re-points param_groups to its fp32 partitions or copies, so the hooks found nothing to update): no memory
+  saved, no error. A FusedAdam(step_in_backward=True) that DeepSpeed does not hold (with DeepSpeed's WarmupLR, in the
+  same processes) still steps in backward, bit for bit as step().
 
 Setup facts (torch 2.4.1, DeepSpeed 0.16.9, CPU accelerator): DeepSpeed refuses fp16 on its CPU accelerator
 (``ValueError: Type fp16 is not supported on your device.``) unless ``is_fp16_supported`` answers True, which these
@@ -207,6 +216,94 @@ def _fp16_optimizer_run(rank: int, stage: int, wrap) -> dict:
     return {"record": record, "mismatches": mismatches, "patched": "get_grad_norm_direct" in vars(opt)}
 
 
+# FusedAdam(step_in_backward=True) as the client optimizer: (stage, precision, offload) -> where it is refused. Each
+# stage and each precision once (each costs an engine; ZeRO 1 bf16, 2 fp32 and 3 bf16 behaved the same when tried).
+# DeepSpeed's FP16_UnfusedOptimizer (stage 0 fp16) calls the client's step() once in its constructor (to create the
+# state), which refuses it there.
+IN_BACKWARD_CASES = {
+    (0, "fp32", False): "backward",  # the engine all-reduces the gradients after backward
+    (0, "bf16", False): "backward",  # BF16_Optimizer (its own step fails on gloo here, also with torch's AdamW)
+    (0, "fp16", False): "initialize",
+    (1, "fp32", False): "backward",
+    (2, "fp16", False): "backward",
+    (2, "fp32", True): "backward",
+    (3, "fp32", False): "backward",
+}
+
+
+def _steps_in_backward_run(rank: int, stage: int, precision: str, offload: bool) -> dict:
+    """The first iteration with FusedAdam(step_in_backward=True) as the client: where it raises, what it says, and
+    the model's params and the tensors the optimizer steps (DeepSpeed's fp32 partitions or copies, or the params)
+    before and after."""
+    import deepspeed
+
+    from ort_optim import AdamWMode, FusedAdam
+    from ort_optim.fp16_optimizer import FP16_Optimizer
+
+    model = make_model()
+    opt = FusedAdam(model.parameters(), lr=LR, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=WD,
+                    step_in_backward=True)
+
+    def stepped() -> list[torch.Tensor]:  # (stage 3 puts its fp32 partitions into param_groups only while stepping)
+        tensors = [p for group in opt.param_groups for p in group["params"]]
+        return [p.detach().clone() for p in tensors] if tensors else fp32_partitions(ds_opt)
+
+    try:
+        engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, precision,
+                                                                                                  offload))
+    except ValueError as exc:
+        return {"where": "initialize", "error": str(exc), "state": len(opt.state),
+                "params": [p.detach().float().clone() for p in model.parameters()]}
+    before = {"params": full_params(engine, stage), "stepped": stepped()}
+    fp16_refusals = []
+    for target in (ds_opt, engine):
+        try:
+            FP16_Optimizer(target)
+            fp16_refusals.append(None)
+        except ValueError as exc:
+            fp16_refusals.append(str(exc))
+    patched = [name for name in ("get_grad_norm_direct", "has_overflow_serial") if name in vars(ds_opt)]
+    x, y = batch(0, rank)
+    loss = torch.nn.functional.mse_loss(engine(x.to(DTYPES[precision])).float(), y)
+    where, error = None, None
+    try:
+        engine.backward(loss)
+    except ValueError as exc:
+        where, error = "backward", str(exc)
+    return {"where": where, "error": error, "state": len(opt.state), "before": before, "fp16_refusals": fp16_refusals,
+            "patched": patched, "after": {"params": full_params(engine, stage), "stepped": stepped()}}
+
+
+def _not_held_by_deepspeed_run() -> dict:
+    """FusedAdam with DeepSpeed's WarmupLR but no engine, in a process where DeepSpeed is imported and
+    torch.distributed initialised: nothing refuses it, in backward it steps as step() does, and DeepSpeed's holder
+    is looked up once."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    from ort_optim import FusedAdam, _deepspeed
+
+    out = {"holder lookups": {}}
+    look_up = _deepspeed.holder_of
+    for step_in_backward in (False, True):
+        lookups = []
+        _deepspeed.holder_of = lambda obj: lookups.append(obj) or look_up(obj)
+        model = make_model()
+        opt = FusedAdam(model.parameters(), lr=LR, weight_decay=WD, step_in_backward=step_in_backward)
+        scheduler = WarmupLR(opt, warmup_max_lr=LR, warmup_num_steps=3)
+        for step in range(4):
+            x, y = batch(step, 0)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if step_in_backward:
+                assert all(p.grad is None for p in model.parameters())  # updated in backward
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+        _deepspeed.holder_of = look_up
+        out[step_in_backward] = [p.detach().clone() for p in model.parameters()]
+        out["holder lookups"][step_in_backward] = len(lookups)
+    return out
+
+
 def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     import deepspeed
     import deepspeed.ops
@@ -225,6 +322,10 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     for stage, wrap in ((1, "optimizer"), (2, "engine"), (3, "optimizer")):
         out[("fp16", stage, "plain")] = _fp16_optimizer_run(rank, stage, None)
         out[("fp16", stage, "patched")] = _fp16_optimizer_run(rank, stage, wrap)
+    # (last: these leave an engine in the middle of a backward)
+    out["not held"] = _not_held_by_deepspeed_run()
+    for stage, precision, offload in IN_BACKWARD_CASES:
+        out[("in backward", stage, precision, offload)] = _steps_in_backward_run(rank, stage, precision, offload)
     return out
 
 
@@ -325,3 +426,36 @@ def test_patched_training_equals_deepspeed_step_for_step(results, stage):
 def test_patched_functions_equal_deepspeeds_on_the_same_gradients(results, stage):
     for rank, out in enumerate(results):
         assert out[("fp16", stage, "patched")]["mismatches"] == [], f"rank {rank}"
+
+
+# ---- FusedAdam(step_in_backward=True) under DeepSpeed: refused before any update ----------------------------------
+
+
+@pytest.mark.parametrize("stage,precision,offload", IN_BACKWARD_CASES)
+def test_step_in_backward_client_is_refused_before_any_update(results, stage, precision, offload):
+    for rank, out in enumerate(results):
+        got = out[("in backward", stage, precision, offload)]
+        assert got["where"] == IN_BACKWARD_CASES[(stage, precision, offload)], (rank, got["error"])
+        assert "FusedAdam(step_in_backward=True) is held by DeepSpeed's" in got["error"]
+        assert "Nothing was updated. Use step_in_backward=False with DeepSpeed" in got["error"]
+        assert got["state"] == 0  # no state created, no step taken
+        if got["where"] == "initialize":  # the model as built (DeepSpeed only cast it to fp16)
+            want = [p.detach().to(DTYPES[precision]).float() for p in make_model().parameters()]
+            assert all(torch.equal(a, b) for a, b in zip(got["params"], want))
+            continue
+        for key in ("params", "stepped"):  # the model and the tensors the optimizer steps, bit for bit unchanged
+            assert len(got["before"][key]) == len(got["after"][key]) > 0
+            assert all(torch.equal(a, b) for a, b in zip(got["before"][key], got["after"][key])), (rank, key)
+        # FP16_Optimizer around the DeepSpeed optimizer and around the engine: refused, nothing patched
+        refusals = got["fp16_refusals"]
+        assert all(r is not None and "has step_in_backward=True" in r for r in refusals), refusals
+        assert got["patched"] == []
+
+
+def test_step_in_backward_not_held_by_deepspeed_still_steps_in_backward_bit_for_bit(results):
+    for out in results:
+        stepped, in_backward = out["not held"][False], out["not held"][True]
+        assert all(torch.equal(a, b) for a, b in zip(stepped, in_backward))
+        assert not torch.equal(stepped[0], make_model()[0].weight.detach())  # it trained
+        # DeepSpeed's holder is looked for once, at the first hook: never per step, never without step_in_backward
+        assert out["not held"]["holder lookups"] == {False: 0, True: 1}

@@ -264,6 +264,32 @@ def test_a_bad_step_raises_from_backward_naming_the_param_and_leaves_it_alone(da
                 after[key].equal(before[key]) if isinstance(after[key], torch.Tensor) else after[key] == before[key]), key
 
 
+REPOINTED = {  # how a wrapper re-points param_groups -> what the error names
+    "fp32 copies": (lambda params: [p.detach().clone().requires_grad_(p.requires_grad) for p in params],
+                    r"param_groups\[0\]\['params'\]\[0\] \(shape \(6, 5\).* never hooked"),
+    "emptied": (lambda params: [], r"param_groups hold none of the params that step_in_backward=True hooked"),
+}
+
+
+@pytest.mark.parametrize("name", REPOINTED)
+def test_param_groups_re_pointed_away_from_the_hooked_params_are_refused_by_the_first_hook_with_nothing_written(name):
+    """As mixed-precision and ZeRO wrappers do (DeepSpeed's put fp32 copies or flat fp32 partitions in place of the
+    params and set their gradients after backward; ZeRO stage 3 empties the groups between steps): no hook could
+    update what they hold, and step() would silently take a normal step. The first hook raises instead. (A param
+    merely removed from param_groups keeps its gradient and is not updated, as with step():
+    tests/test_practical_acceptance.py.)"""
+    repoint, message = REPOINTED[name]
+    net = Net(torch.Generator().manual_seed(0), torch.float32)
+    opt = FusedAdam(net.parameters(), step_in_backward=True)
+    params = list(net.parameters())
+    replacements = repoint(params)
+    opt.param_groups[0]["params"] = replacements
+    before = [t.detach().clone() for t in params + replacements]
+    with pytest.raises(ValueError, match=message + r".*re-pointed.*Use step_in_backward=False"):
+        net(_inputs(0)).backward()
+    assert not opt.state and all(torch.equal(a, b) for a, b in zip(before, params + replacements))
+
+
 def test_a_copy_hooks_its_own_params_and_a_deleted_optimizer_none():
     net = Net(torch.Generator().manual_seed(0), torch.float32)
     opt = FusedAdam(net.parameters(), step_in_backward=True)
