@@ -4,8 +4,8 @@ whether it still holds.
 A step walks ``FusedAdam.step -> Plan (valid, or rebuilt by build() after full validation) -> backend op``.
 
 :func:`build` validates everything a step needs (gradients, states, storages, params or states that share memory)
-before it writes anything, then creates missing state, adopts state tensors assigned by the user, and groups the params of
-each param group into buckets (device, dtype, state dtypes, master): one op call per bucket. On the native CPU
+before it writes anything, then creates missing state, adopts state tensors assigned by the user, and groups the
+params of each param group into buckets (device, dtype, state dtypes, master): one op call per bucket. On the native CPU
 backend each bucket also gets a native ``AdamPlan`` (ops/README.md) that holds its tensors and reads the gradients
 itself.
 
@@ -294,8 +294,9 @@ class Plan:
             return False
         for group, planned in zip(groups, self.groups):
             params = group["params"]
-            if group is not planned.group or params is not planned.params or params.version != planned.params_version or bool(
-                    group["amsgrad"]) != planned.amsgrad or _rounding(group) != planned.rounding:
+            if (group is not planned.group or params is not planned.params
+                    or params.version != planned.params_version or bool(group["amsgrad"]) != planned.amsgrad
+                    or _rounding(group) != planned.rounding):
                 return False
         return all(planned.current() for planned in self.groups)
 
