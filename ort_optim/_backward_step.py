@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
@@ -37,8 +37,8 @@ class BackwardStep:
         self._where: dict[torch.Tensor, tuple[int, int, dict]] = {}  # param -> (group index, index, group)
         self._handles: dict[torch.Tensor, object] = {}  # param -> its hook's handle (one hook per param)
         # param -> ((optimizer.state.version, amsgrad, the group's rounding options), its native plan, its
-        # rounding_keys) when it was planned
-        self._plans: dict[torch.Tensor, tuple[tuple, backends.AdamPlan, Optional[torch.Tensor]]] = {}
+        # rounding_keys, the optimizer.state container) when it was planned
+        self._plans: dict[torch.Tensor, tuple[tuple, backends.AdamPlan, Optional[torch.Tensor], Any]] = {}
         # id(group) -> (the group, _signature(group), its validated hyperparameters as the op's keyword arguments)
         self._hypers: dict[int, tuple[dict, tuple, dict]] = {}
         self._accumulating = 0
@@ -210,8 +210,9 @@ class BackwardStep:
         # (the backend is chosen by ORT_OPTIM_BACKEND at every step: a plan made under another choice is not used)
         key = (optimizer.state.version, amsgrad, _plan._rounding(group), os.environ.get("ORT_OPTIM_BACKEND"))
         cached = self._plans.get(p)
-        if (cached is not None and cached[0] == key and not torch.compiler.is_compiling()
-                and cached[1].check() < 0):
+        # (a new optimizer.state container is told by identity: its mutation count says nothing about the old one's)
+        if (cached is not None and cached[0] == key and cached[3] is optimizer.state
+                and not torch.compiler.is_compiling() and cached[1].check() < 0):
             cached[1].step(**hyper, rounding_keys=cached[2])  # (writes through the plan's pointers: no autograd)
             return
         with torch.no_grad():
@@ -242,7 +243,7 @@ class BackwardStep:
                 plan = backends.AdamPlan.create([p], *lists, state["step"].view(1), step_tensors=[state["step"]])
                 if plan.check() >= 0:  # validated above: a plan that cannot step now is a bug, not a user error
                     raise RuntimeError("ort_optim: a per-param plan could not step right after it was built")
-                self._plans[p] = (key, plan, keys)
+                self._plans[p] = (key, plan, keys, optimizer.state)
                 plan.step(**hyper, rounding_keys=keys)
             else:
                 backends.adam_step_([p], [p.grad], *lists, state["step"].view(1), **hyper, rounding_keys=keys)

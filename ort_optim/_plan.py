@@ -3,17 +3,20 @@ whether it still holds.
 
 A step walks ``FusedAdam.step -> Plan (valid, or rebuilt by build() after full validation) -> backend op``.
 
-:func:`build` validates everything a step needs (gradients, states, storages, params that share memory) before it
-writes anything, then creates missing state, adopts state tensors assigned by the user, and groups the params of
-each param group into buckets (device, dtype, state dtypes, master): one op call per bucket. On the native CPU
+:func:`build` validates everything a step needs (gradients, states, storages, params or states that share memory)
+before it writes anything, then creates missing state, adopts state tensors assigned by the user, and groups the
+params of each param group into buckets (device, dtype, state dtypes, master): one op call per bucket. On the native CPU
 backend each bucket also gets a native ``AdamPlan`` (ops/README.md) that holds its tensors and reads the gradients
 itself.
 
 :meth:`Plan.valid` is the single validity rule, checked at every step:
 
 * ``optimizer.state`` is an :class:`OptimizerState`: each mutation of it or of a param's state dict bumps its version,
-  and a plan is valid only for the version it was built at (O(1));
-* each ``param_groups[i]['params']`` is a :class:`ParamList` that counts its mutations: the group must still hold that
+  and a plan is valid only for that very container (one put in its place is told by identity: a new container's
+  count says nothing about the old one's) at the version it was built at (O(1));
+* each param group must still be the dict the plan was built from (a dict put in its place, ``{**group, 'lr': x}``
+  say, is told by identity: the step reads the hyperparameters from the group the plan holds), and each
+  ``param_groups[i]['params']`` is a :class:`ParamList` that counts its mutations: the group must still hold that
   very list (a list put in its place is told by identity), at that count; the group's ``amsgrad`` (it adds a state
   list), the optimizer's state layout options and the backend (native plans exist only while the native CPU op runs)
   must be unchanged (O(groups));
@@ -276,6 +279,7 @@ class GroupPlan:
 @dataclass
 class Plan:
     groups: list[GroupPlan]
+    state: OptimizerState  # the optimizer's state container it was built for
     state_version: int
     layout: tuple  # the optimizer's state layout options
     native: bool  # whether CPU buckets run on the native op (have native plans)
@@ -284,13 +288,15 @@ class Plan:
         """Whether this plan still describes the optimizer (the rule in the module docstring); when it does, the
         buckets are ready to step (native plans checked, other buckets' gradients read)."""
         groups = optimizer.param_groups
-        if (self.state_version != optimizer.state.version or self.layout != optimizer._layout_options()
+        if (optimizer.state is not self.state or self.state_version != optimizer.state.version
+                or self.layout != optimizer._layout_options()
                 or self.native != backends.runs_natively(CPU) or len(groups) != len(self.groups)):
             return False
         for group, planned in zip(groups, self.groups):
             params = group["params"]
-            if params is not planned.params or params.version != planned.params_version or bool(
-                    group["amsgrad"]) != planned.amsgrad or _rounding(group) != planned.rounding:
+            if (group is not planned.group or params is not planned.params
+                    or params.version != planned.params_version or bool(group["amsgrad"]) != planned.amsgrad
+                    or _rounding(group) != planned.rounding):
                 return False
         return all(planned.current() for planned in self.groups)
 
@@ -367,7 +373,7 @@ def build(optimizer) -> Plan:
     all_grads = [[p.grad for p in group["params"]] for group in groups]
 
     # 1. validate (nothing is written)
-    entries, adoptions = [], []
+    entries, adoptions, stateful = [], [], []
     for group_index, (group, grads) in enumerate(zip(groups, all_grads)):
         for index, (p, g) in enumerate(zip(group["params"], grads)):
             if g is None:
@@ -385,8 +391,10 @@ def build(optimizer) -> Plan:
                 raise ValueError(f"{where}: {problem if problem.startswith('its') else 'it ' + problem}")
             if state:
                 adoptions += _check_state(optimizer, p, state, bool(group["amsgrad"]), where)
+                stateful.append((group_index, index, p, state))
             entries.append((group_index, index, p))
     _check_overlap(entries)
+    _check_shared_states(entries, stateful, adoptions)
 
     # 2. write: adopt assigned state tensors, create missing state, bucket
     for adoption in adoptions:
@@ -394,9 +402,14 @@ def build(optimizer) -> Plan:
             del adoption.state[adoption.key]
         else:
             adoption.state[adoption.key] = adoption.value
+    steps = set()
+    for *_, state in stateful:  # a step tensor assigned to two params' states: each gets its own (a plan re-points it)
+        if id(state["step"]) in steps:
+            state["step"] = state["step"].clone()
+        steps.add(id(state["step"]))
     native = backends.runs_natively(CPU)
     planned = [_plan_group(optimizer, group_index, grads, native) for group_index, grads in enumerate(all_grads)]
-    return Plan(planned, optimizer.state.version, optimizer._layout_options(), native)
+    return Plan(planned, optimizer.state, optimizer.state.version, optimizer._layout_options(), native)
 
 
 def _rounding(group: dict) -> tuple:
@@ -451,7 +464,9 @@ def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> Group
                 getattr(bucket, key + "_scales").extend(s[key + "_scale"] for s in states)
         bucket.steps = torch.stack([s["step"] for s in states])
         for j, s in enumerate(states):
-            s["step"] = bucket.steps[j]
+            # the same tensor, now a view of steps: torch's state['step'] is one tensor for a whole run, so code that
+            # holds it keeps reading (and writing) the param's step after the optimizer plans again
+            s["step"].data = bucket.steps[j]
         bucket.step_tensors = [s["step"] for s in states]
         bucket.rounding_keys = rounding_keys(optimizer, group_index, bucket.indices, bucket.params[0],
                                              bool(bucket.master_params))
@@ -629,10 +644,11 @@ def _check_step(p, state, where, device) -> list[_Adoption]:
 # ---- params that share memory ---------------------------------------------------------------------------------------
 
 
-def _span(p: torch.Tensor) -> tuple[int, int]:
-    """[start, end) in bytes of p's elements within its storage."""
-    start = p.storage_offset() * p.element_size()
-    return start, start + _bytes_needed(p) - p.storage_offset() * p.element_size()
+def _span_end(p: torch.Tensor) -> int:
+    """Where p's elements end within its storage, in bytes (they start at its storage offset)."""
+    if p.is_contiguous():  # (the usual case, without a loop over the dims)
+        return (p.storage_offset() + p.numel()) * p.element_size()
+    return _bytes_needed(p)
 
 
 def _proves_no_self_overlap(p: torch.Tensor) -> bool:
@@ -665,11 +681,37 @@ def _elementwise(*params: torch.Tensor) -> bool:
     return offsets.unique().numel() < offsets.numel()
 
 
+def _overlapping_pairs(tensors: list[torch.Tensor]):
+    """The index pairs (i, j) of tensors whose elements may share memory: views of one storage sorted by their byte
+    spans, pairs compared only where spans intersect, element by element only where neither is contiguous
+    (interleaved views), in memory bounded by their sizes. (Plain ints throughout: this runs over every state tensor
+    when planning, and a tuple per tensor would wake the garbage collector, which costs more than the check.)"""
+    by_storage: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() and t.device.type != "meta":  # (meta tensors have no memory to share)
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(i)
+    for members in by_storage.values():
+        if len(members) < 2:
+            continue
+        starts = [tensors[i].storage_offset() * tensors[i].element_size() for i in members]
+        ends = [_span_end(tensors[i]) for i in members]
+        order = sorted(range(len(members)), key=starts.__getitem__)
+        for x, k in enumerate(order):
+            a = tensors[members[k]]
+            for y in range(x + 1, len(order)):
+                m = order[y]
+                if starts[m] >= ends[k]:
+                    break
+                b = tensors[members[m]]
+                # a contiguous a holds every byte of its span, b's first element among them
+                if a.device == b.device and (a.is_contiguous() or _elementwise(a, b)):
+                    yield members[k], members[m]
+
+
 def _check_overlap(entries: list[tuple[int, int, torch.Tensor]]) -> None:
     """Refuses a param whose elements overlap, or two params that share memory, among (group_index, index, param):
     views of one storage sorted by their byte spans, pairs compared only where spans intersect, element by element
     only where neither is contiguous (interleaved views), in memory bounded by their sizes."""
-    by_storage: dict[tuple, list] = {}
     for entry in entries:
         p = entry[2]
         if p.numel() == 0:
@@ -680,20 +722,56 @@ def _check_overlap(entries: list[tuple[int, int, torch.Tensor]]) -> None:
                 f"{describe(*entry)}: its elements overlap in memory (an expand()ed or otherwise self-overlapping "
                 "view); FusedAdam would update the shared elements several times. Give it its own memory, e.g. "
                 "torch.nn.Parameter(t.clone())")
-        by_storage.setdefault((p.device, p.untyped_storage().data_ptr()), []).append(entry)
-    for shared in by_storage.values():
-        spans = sorted(((*_span(e[2]), e) for e in shared), key=lambda s: s[0])
-        for i, (_, end, a) in enumerate(spans):
-            for start, _, b in spans[i + 1:]:
-                if start >= end:
-                    break
-                pa, pb = a[2], b[2]
-                # a contiguous a holds every byte of its span, b's first element among them
-                if pa.is_contiguous() or _elementwise(pa, pb):
-                    raise ValueError(
-                        f"{describe(*a)} and {describe(*b)} share memory (overlapping views of one storage); "
-                        "FusedAdam would update the shared elements twice. Give each parameter its own memory, e.g. "
-                        "torch.nn.Parameter(t.clone()); disjoint views of one buffer are fine")
+    for i, j in _overlapping_pairs([entry[2] for entry in entries]):
+        raise ValueError(
+            f"{describe(*entries[i])} and {describe(*entries[j])} share memory (overlapping views of one storage); "
+            "FusedAdam would update the shared elements twice. Give each parameter its own memory, e.g. "
+            "torch.nn.Parameter(t.clone()); disjoint views of one buffer are fine")
+
+
+# The state entries a step writes (or reads as scales) in place; `step` is not among them: every plan gives each param
+# a step tensor of its own.
+_STATE_TENSOR_KEYS = MOMENT_KEYS + ("master_param",) + tuple(key + "_scale" for key in MOMENT_KEYS)
+
+
+def _check_shared_states(entries: list, stateful: list, adoptions: list) -> None:
+    """Refuses state that a step would update more than once: one state dict for two params (``optimizer.state[q] =
+    optimizer.state[p]``), or state tensors kept as they are (not adopted as copies) that share memory with each other
+    or with a param. torch.optim would update such memory once per param holding it, one after the other; FusedAdam
+    updates the params of a step together, so it refuses them, as it refuses params that share memory.
+    stateful: (group_index, index, param, state) of the params with a gradient and a state."""
+    holders: dict[int, tuple] = {}
+    for group_index, index, p, state in stateful:
+        first = holders.setdefault(id(state), (group_index, index, p))
+        if first[:2] != (group_index, index):
+            raise ValueError(
+                f"{describe(*first)} and {describe(group_index, index, p)} have one optimizer state dict (as after "
+                "optimizer.state[q] = optimizer.state[p]): FusedAdam would update its moments once for each. Give "
+                "each param its own state, e.g. {k: v.clone() for k, v in optimizer.state[p].items()}")
+    replaced = {(id(adoption.state), adoption.key) for adoption in adoptions}
+    # the params, then the state tensors, with (index in stateful, key index) for each state tensor: plain ints
+    tensors = [entry[2] for entry in entries]
+    owners, keys = [], []
+    for owner, (_, _, _, state) in enumerate(stateful):
+        for k, key in enumerate(_STATE_TENSOR_KEYS):
+            value = state.get(key)
+            if isinstance(value, torch.Tensor) and (id(state), key) not in replaced:
+                tensors.append(value)
+                owners.append(owner)
+                keys.append(k)
+
+    def name(i: int) -> str:
+        if i < len(entries):
+            return describe(*entries[i])
+        group_index, index, p, _ = stateful[owners[i - len(entries)]]
+        return f"{describe(group_index, index, p)}'s optimizer.state[p][{_STATE_TENSOR_KEYS[keys[i - len(entries)]]!r}]"
+
+    for i, j in _overlapping_pairs(tensors):
+        if j < len(entries) and i < len(entries):
+            continue  # (two params: _check_overlap's)
+        raise ValueError(
+            f"{name(min(i, j))} and {name(max(i, j))} share memory: FusedAdam would update it once for each. Give "
+            "each state tensor its own memory, e.g. optimizer.state[p][key] = optimizer.state[p][key].clone()")
 
 
 # ---- naming the param behind an op's error --------------------------------------------------------------------------

@@ -149,9 +149,12 @@ class FusedAdam(torch.optim.Optimizer):
       scales are missing, of another count or negative are refused. An assigned ``step`` (a one-element tensor or a number, a whole number >= 0) is
       adopted. A missing key, a wrong shape, device or float64-ness, a non-tensor or a freed storage is refused,
       naming the param and the key. A dict assigned to ``state[p]`` is stored as a copy (mutate
-      ``optimizer.state[p]`` afterwards, not that dict);
+      ``optimizer.state[p]`` afterwards, not that dict); a new container put in ``optimizer.state`` is told from the
+      old one by identity. ``state[p]['step']`` stays the same tensor when the optimizer plans again (as torch's
+      one ``state['step']`` per run), so code that holds it keeps reading and writing the param's step;
     * params replaced in, appended to, or removed from ``param_groups[i]['params']`` (or a new list put there): new
-      params get fresh state; a group's ``amsgrad``, ``stochastic_rounding`` or ``stochastic_rounding_seed``
+      params get fresh state; a group dict put in place of another (``param_groups[0] = {**group, 'lr': x}``):
+      its hyperparameters are used; a group's ``amsgrad``, ``stochastic_rounding`` or ``stochastic_rounding_seed``
       switched; ``master_weights`` or the state dtype options changed;
       another backend selected (``ORT_OPTIM_BACKEND``);
     * per tensor (params, grads, states, masters, scales, steps): a new storage, data pointer, storage size, dtype,
@@ -164,7 +167,10 @@ class FusedAdam(torch.optim.Optimizer):
 
     Refused before anything is written, naming ``param_groups[i]['params'][j]``: a storage still freed at step time,
     a param that changed shape or switched to or from float64 under its state, a state with a ``master_param`` for a
-    param that keeps none, and params that overlap (below).
+    param that keeps none, params that overlap (below), one state dict for two params (``optimizer.state[q] =
+    optimizer.state[p]``), and state tensors kept as they are that share memory with each other or with a param
+    (torch.optim would update such memory once per param, one after the other; a fused step updates the params
+    together). An assigned state that is adopted as a copy shares nothing.
 
     Each parameter has its own step count (as torch), so a parameter that first gets a gradient late gets a correct
     first update; parameters without a gradient are skipped entirely. Parameters must not share memory: overlapping
