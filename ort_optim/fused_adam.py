@@ -521,7 +521,9 @@ class FusedAdam(torch.optim.Optimizer):
         params span several of these paths when one of them cannot report; so do updates made in backward
         (step_in_backward). Under CUDA graph capture (capturable=True) the norm tensor of the captured step is
         rewritten by each replay. inf or NaN when a gradient is (a step with grad_scale or max_grad_norm is then
-        skipped; a plain step is not, like torch.optim.AdamW). Reading it never synchronises."""
+        skipped; a plain step is not, like torch.optim.AdamW). Reading it never synchronises. Always float32,
+        where ``clip_grad_norm_`` returns the gradients' dtype: an fp16 norm overflows at 65504 and a bf16 one keeps
+        three significant digits, while the sums behind this one are taken in float32 or wider."""
         return self._last_grad_norm
 
     @property
