@@ -457,15 +457,21 @@ def test_a_backend_switched_between_steps_steps_like_a_fresh_optimizer_on_it(lay
 # ---- against torch.optim.AdamW: a group dict put in place of another -----------------------------------------------
 
 
-@pytest.mark.parametrize("replace", ["param_groups[0] = {**group, ...}", "param_groups = [{**group, ...}]"])
-def test_a_group_dict_put_in_place_of_another_is_what_the_step_reads_like_torch(replace, backend):
-    """The regression test of the first bug above, against torch.optim.AdamW (rtol 1e-5, atol 1e-7 over 3 fp32
-    steps): the step must read the hyperparameters of the dict now in param_groups."""
+def _fused_and_torch_adamw():
+    """The same fp32 params twice, one copy under FusedAdam in torch's AdamW mode, one under torch.optim.AdamW."""
     g = torch.Generator().manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in SHAPES]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     opt = FusedAdam(ours, lr=1e-2, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
     ref = torch.optim.AdamW(theirs, lr=1e-2, eps=1e-8, weight_decay=1e-2, foreach=False)
+    return ours, theirs, opt, ref
+
+
+@pytest.mark.parametrize("replace", ["param_groups[0] = {**group, ...}", "param_groups = [{**group, ...}]"])
+def test_a_group_dict_put_in_place_of_another_is_what_the_step_reads_like_torch(replace, backend):
+    """The regression test of the first bug above, against torch.optim.AdamW (rtol 1e-5, atol 1e-7 over 3 fp32
+    steps): the step must read the hyperparameters of the dict now in param_groups."""
+    ours, theirs, opt, ref = _fused_and_torch_adamw()
     for k in range(3):
         if k == 1:
             for o in (opt, ref):
@@ -490,11 +496,7 @@ def test_a_step_tensor_held_across_a_new_plan_is_still_the_params_step_like_torc
     writes the param's step. A new plan (here: a param appended) must not leave it behind: it counts on, and writing
     it after that plan is honoured by the next step (against torch.optim.AdamW: steps equal, params within rtol 1e-5,
     atol 1e-7)."""
-    g = torch.Generator().manual_seed(0)
-    ours = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in SHAPES]
-    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    opt = FusedAdam(ours, lr=1e-2, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
-    ref = torch.optim.AdamW(theirs, lr=1e-2, eps=1e-8, weight_decay=1e-2, foreach=False)
+    ours, theirs, opt, ref = _fused_and_torch_adamw()
     for k in range(5):
         if k == 2:  # a new plan: a param appended to both
             for o, params in ((opt, ours), (ref, theirs)):
