@@ -197,8 +197,10 @@ class FusedAdam(torch.optim.Optimizer):
     raises a ValueError out of backward naming the param, which is left unchanged; params updated earlier in the same
     backward stay updated. The hooks hold the optimizer weakly: a deleted optimizer updates nothing;
     :meth:`remove_backward_hooks` removes them (backward then only accumulates, for this optimizer's step() or another
-    optimizer). A param removed from ``param_groups`` is no longer updated by its hook. Under ORTModule
-    (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in eager PyTorch and the updates are the same, but
+    optimizer). A param removed from ``param_groups`` is no longer updated by its hook. With a model compiled by
+    ``torch.compile`` the hooks fire as in eager mode (autograd's engine still accumulates the params' gradients).
+    Under ORTModule (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in eager PyTorch and the updates are
+    the same, but
     ORT's backward hands over all the module's gradients at once, so the memory saving is only that no gradient outlives
     its update. Not with ``DistributedDataParallel``: it averages the gradients across ranks after autograd has
     accumulated them (the hooks saw this rank's own) and writes the average back into ``p.grad``; the end of that
