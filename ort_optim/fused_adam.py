@@ -203,8 +203,8 @@ class FusedAdam(torch.optim.Optimizer):
     the same, but ORT's backward hands over all the module's gradients at once, so the memory saving is only that no
     gradient outlives its update. Not with ``DistributedDataParallel``: it averages the gradients across ranks after
     autograd has accumulated them (the hooks saw this rank's own) and writes the average back into ``p.grad``; the
-    end of that backward raises for a param updated in backward that has a gradient again, and so does every later hook,
-    ``step()`` and ``zero_grad()``, instead of updating it twice. Not with DeepSpeed either (any ZeRO stage,
+    end of that backward raises for a param updated in backward that has a gradient again, and so does every later
+    hook, ``step()`` and ``zero_grad()``, instead of updating it twice. Not with DeepSpeed either (any ZeRO stage,
     fp32/fp16/bf16): the engine reduces the gradients after backward and, except at stage 0 in fp32, steps its own
     fp32 partitions or copies, put in ``param_groups`` in place of the params, so updates in backward would use this
     rank's unreduced gradient, or silently never happen (a normal step, no memory saved). An optimizer held by a
