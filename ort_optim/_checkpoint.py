@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import enum
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -144,8 +145,8 @@ def _copy(value: Any, enums_as_values: bool = False) -> Any:
 
 
 def _require_number(value: Any, where: str) -> float:
-    """A real Python number (bool is not one): its float value, finite."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A real number (Python's or numpy's; bool is not one): its float value, finite."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{where} must be a number, got {_show(value)}")
     try:
         number = float(value)

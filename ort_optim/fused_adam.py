@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
@@ -29,6 +30,12 @@ def stochastic_rounding_refused(where: str) -> ValueError:
 _STATE_ALIGN = 64
 
 
+def _is_number(value: Any) -> bool:
+    """A real number, as torch.optim takes them: Python's, numpy's (an LR scheduler's lambda may return
+    numpy.float32) or any other numbers.Real."""
+    return isinstance(value, numbers.Real)
+
+
 def _check_hyperparameters(group: dict, where: str, master_weights: bool) -> None:
     if not isinstance(group.get("stochastic_rounding", False), bool):
         raise TypeError(f"{where}: stochastic_rounding must be True or False, got {group['stochastic_rounding']!r}")
@@ -37,26 +44,47 @@ def _check_hyperparameters(group: dict, where: str, master_weights: bool) -> Non
     seed = group.get("stochastic_rounding_seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ValueError(f"{where}: stochastic_rounding_seed must be an int in [0, 2**64), got {seed!r}")
+    for name in ("bias_correction", "amsgrad", "maximize"):  # ("False" from a config file would read as True)
+        if not isinstance(group[name], bool):
+            raise TypeError(f"{where}: {name} must be True or False, got {group[name]!r}")
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
             raise ValueError(f"{where}: lr must be a float or a one-element tensor, got shape {tuple(lr.shape)}")
         if lr.device.type == "cpu" and not float(lr) >= 0.0:
             raise ValueError(f"{where}: lr must be >= 0, got {float(lr)}")
-    elif not (isinstance(lr, (int, float)) and lr >= 0.0):
+    elif not (_is_number(lr) and lr >= 0.0):
         raise ValueError(f"{where}: lr must be a float >= 0, got {lr!r}")
-    if not (isinstance(group["eps"], (int, float)) and group["eps"] >= 0.0):
+    if not (_is_number(group["eps"]) and group["eps"] >= 0.0):
         raise ValueError(f"{where}: eps must be a float >= 0, got {group['eps']!r}")
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
     for name, beta in zip(("betas[0]", "betas[1]"), betas):
-        if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
+        if not (_is_number(beta) and 0.0 <= beta < 1.0):
             raise ValueError(f"{where}: {name} must be in [0, 1), got {beta!r}")
-    if not (isinstance(group["weight_decay"], (int, float)) and group["weight_decay"] >= 0.0):
+    if not (_is_number(group["weight_decay"]) and group["weight_decay"] >= 0.0):
         raise ValueError(f"{where}: weight_decay must be a float >= 0, got {group['weight_decay']!r}")
     if group["adam_w_mode"] not in tuple(AdamWMode):
         raise ValueError(f"{where}: adam_w_mode must be an AdamWMode (0, 1 or 2), got {group['adam_w_mode']!r}")
+
+
+def _check_scaling_arguments(grad_scale: Any, found_inf: Any) -> None:
+    """step()'s grad_scale (a real number or a one-element floating-point tensor) and found_inf (a one-element
+    tensor), checked before anything changes."""
+    if grad_scale is not None:
+        if isinstance(grad_scale, torch.Tensor):
+            if grad_scale.numel() != 1 or not grad_scale.is_floating_point():
+                raise ValueError(f"step(): grad_scale must be a float or a one-element floating-point tensor, got a "
+                                 f"{grad_scale.dtype} tensor of shape {tuple(grad_scale.shape)}")
+        elif isinstance(grad_scale, bool) or not _is_number(grad_scale):
+            raise TypeError(f"step(): grad_scale must be a float or a one-element tensor, got {grad_scale!r}")
+        elif not math.isfinite(grad_scale):
+            raise ValueError(f"step(): grad_scale must be finite, got {grad_scale!r}")
+    if found_inf is not None and not isinstance(found_inf, torch.Tensor):
+        raise TypeError(f"step(): found_inf must be a one-element tensor (non-zero: skip the step), got {found_inf!r}")
+    if found_inf is not None and found_inf.numel() != 1:
+        raise ValueError(f"step(): found_inf must be a one-element tensor, got shape {tuple(found_inf.shape)}")
 
 
 def _check_dtype_option(name: str, dtype: Optional[torch.dtype]) -> None:
@@ -94,7 +122,12 @@ class FusedAdam(torch.optim.Optimizer):
         amsgrad: use :math:`\max_{s\le t} v_s` in the denominator (default False).
         maximize: ascend instead of descend (default False).
         master_weights: keep an fp32 master copy (``state['master_param']``) of fp16/bf16 params; the update is done
-            on the master and the param receives it rounded to nearest even (default False).
+            on the master and the param receives it rounded to nearest even (default False). The master, made from
+            the param at its first step, is the value the optimizer updates: a value written into the param itself
+            later (``model.load_state_dict``, ``p.copy_``, ``p.data = ...``) is overwritten by the master at the
+            param's next step. After loading a model-only checkpoint, also load the optimizer's checkpoint (it
+            carries the masters), or copy the params into the masters: ``optimizer.state[p]['master_param'].copy_(p)``
+            for every ``p`` with state.
         exp_avg_dtype, exp_avg_sq_dtype: storage dtype of the moments: torch.float32, torch.bfloat16,
             torch.float16, torch.uint8 (8-bit) or torch.uint4 (4-bit), in any combination (default None: float32 for
             fp16/bf16 params with master weights, else the param's dtype; float64 params always keep float64
@@ -282,14 +315,18 @@ class FusedAdam(torch.optim.Optimizer):
     ):
         _check_dtype_option("exp_avg_dtype", exp_avg_dtype)
         _check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        if max_grad_norm is not None and not (_is_number(max_grad_norm) and max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be None or a float > 0, got {max_grad_norm!r}")
         defaults = dict(
-            lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, adam_w_mode=adam_w_mode,
-            weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+            lr=lr, bias_correction=bias_correction, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
+            eps=eps, adam_w_mode=adam_w_mode, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
             stochastic_rounding=stochastic_rounding, stochastic_rounding_seed=stochastic_rounding_seed,
         )
         _check_hyperparameters(defaults, "FusedAdam", master_weights)
+        for name, value in (("set_grad_none", set_grad_none), ("master_weights", master_weights),
+                            ("capturable", capturable), ("step_in_backward", step_in_backward)):
+            if not isinstance(value, bool):
+                raise TypeError(f"FusedAdam: {name} must be True or False, got {value!r}")
         self.set_grad_none = set_grad_none
         self.master_weights = master_weights
         self.exp_avg_dtype = exp_avg_dtype
@@ -412,7 +449,7 @@ class FusedAdam(torch.optim.Optimizer):
                         f"{describe(group_index, index, p)} is {dtensor.describe_layout(p)}: step_in_backward=True "
                         "does not support DTensor params (their gradients are completed by the engine's own "
                         "collectives, not by autograd's accumulation); use step_in_backward=False")
-        except ValueError:
+        except (ValueError, TypeError):
             self.param_groups.pop()
             raise
         group["params"] = _plan.ParamList(group["params"])
@@ -563,6 +600,7 @@ class FusedAdam(torch.optim.Optimizer):
                 "update, but step_in_backward=True already updated each parameter during backward. Use "
                 "step_in_backward=False with loss scaling (or bf16 autocast, which needs none)"
             )
+        _check_scaling_arguments(grad_scale, found_inf)
         for group_index, group in enumerate(self.param_groups):
             _check_hyperparameters(group, f"param_groups[{group_index}]", self.master_weights)
         if self.capturable:  # checked before anything changes (state creation included), like everything else
@@ -783,15 +821,29 @@ class FusedAdam(torch.optim.Optimizer):
         (float64 for float64 params), a float64 per-parameter ``step``. It loads into FusedAdam with any state
         dtypes, into torch.optim.AdamW, and with ``torch.load(weights_only=True)``. The per-element states of
         DTensor params are DTensors laid out like their params (``step`` stays a plain tensor), which is what
-        ``torch.distributed.checkpoint`` saves and reshards."""
+        ``torch.distributed.checkpoint`` saves and reshards. Hooks registered with ``register_state_dict_pre_hook`` /
+        ``register_state_dict_post_hook`` run as in torch.optim; the post hooks get (and may replace) this canonical
+        form."""
         params = [p for group in self.param_groups for p in group["params"]]  # torch's ids are these positions
+        # torch.optim.Optimizer.state_dict packs and runs the hooks; the post hooks (register_state_dict_post_hook)
+        # must see what this method returns, the canonical form, so they run here, after it is made.
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = type(post_hooks)()
+        try:
+            packed = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
         # (4-bit codes are flat: decoding needs each param's shape, its local piece's for DTensor params)
-        sd = _checkpoint.canonical(super().state_dict(), {i: dtensor.local(p).shape for i, p in enumerate(params)})
+        sd = _checkpoint.canonical(packed, {i: dtensor.local(p).shape for i, p in enumerate(params)})
         if self._has_dtensors:
             for index, state in sd["state"].items():
                 for key in MOMENT_KEYS + ("master_param",):
                     if key in state:
                         state[key] = dtensor.wrap_like(params[index], state[key])
+        for hook in post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -818,7 +870,18 @@ class FusedAdam(torch.optim.Optimizer):
         apart from torch.optim.AdamW's (same keys, same state): they load as decoupled decay with this optimizer's
         ``adam_w_mode``, so know where yours came from. To load such moments deliberately, put ``adam_w_mode`` in the
         checkpoint's groups.
+
+        Hooks registered with ``register_load_state_dict_pre_hook`` (given a shallow copy of ``state_dict``; what
+        one returns is loaded instead) and ``register_load_state_dict_post_hook`` run as in torch.optim.
         """
+        # The hooks of torch.optim.Optimizer.load_state_dict, as it runs them: the pre hooks on a shallow copy (they
+        # may return a new dict), the post hooks after loading.
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         if self._has_dtensors:
             prepared = self._prepare_local_load(state_dict)
         else:
@@ -832,6 +895,8 @@ class FusedAdam(torch.optim.Optimizer):
             group.update(new_group, params=params)
         self.state.clear()
         self.state.update(prepared.state)  # (the state's version changes: the next step plans again)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def _prepare_local_load(self, state_dict: Any) -> _checkpoint.PreparedLoad:
         """prepare_load for DTensor params: each per-element state (a DTensor in any layout of its param's mesh, or a

@@ -1,0 +1,500 @@
+"""FusedAdam as a drop-in (issues 2 and 3), checked from the outside: what a user of ORT's FusedAdam or of
+torch.optim.AdamW relies on without reading our code.
+
+Written from the issues' text, /work/shared/reference/ort-semantics.md and torch.optim's documented behaviour, against
+independent references: torch.optim.AdamW/Adam (``foreach=False``, the plain per-tensor loop) on the same dtype, the
+float64 formulas of ``tests/reference.py``, and ORT 1.19.2's recorded signature. It covers what the other modules
+leave out: ORT's positional order and the types of every option, numpy scalars from LR schedulers, schedulers that
+change ``betas`` at every step (OneCycleLR), torch.optim.Optimizer's hooks (step, state-dict and load hooks),
+``zero_grad`` next to torch's, step()'s ``grad_scale``/``found_inf`` arguments when they are wrong, ``from_optimizer``
+for torch >= 2.5's ``Adam(decoupled_weight_decay=True)`` and named params, and the master weights' contract when a
+model checkpoint is written into the params.
+
+Tolerances, per dtype: float32 runs against torch's float32 AdamW agree bit for bit where both compute the same
+expressions in the same order (a constant lr); with a scheduled lr torch's per-step expressions round differently
+in the last bit, so ``FP32_VS_TORCH`` allows a few float32 ulps of the parameters' magnitude (measured: 6e-8 after
+100 steps). Against the float64 reference, float32 params keep ``FP32_VS_FLOAT64`` (measured: under 1e-7).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from conftest import assert_bitwise_equal, assert_tree_bitwise_equal, optimizer_snapshot
+from ort_optim import AdamWMode, FusedAdam
+from reference import adam_update
+
+FP32_VS_TORCH = dict(rtol=0.0, atol=5e-7)  # parameters of magnitude ~1: a few float32 ulps (2**-23 = 1.2e-7)
+FP32_VS_FLOAT64 = dict(rtol=1e-6, atol=1e-6)
+TORCH_ADAMW = dict(adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=1e-2)  # torch.optim.AdamW's math
+STEPS = 100
+
+# ---- helpers -------------------------------------------------------------------------------------------------------
+
+SHAPES = [(), (0,), (5,), (3, 4), (7,)]  # 0-dim, empty, odd sizes
+
+
+def make_params(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=torch.float64).to(dtype)) for s in SHAPES]
+
+
+def set_grads(params, step, missing=()):
+    """Deterministic gradients for `step`; params whose index is in `missing` get none."""
+    g = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        grad = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
+        p.grad = None if i in missing else grad
+
+
+def run_pair(make_ours, make_theirs, make_scheduler=None, steps=STEPS, dtype=torch.float32, missing=lambda k: ()):
+    """Steps two optimizers over identical params and gradients; returns both param lists."""
+    ours_params, their_params = make_params(dtype), make_params(dtype)
+    ours, theirs = make_ours(ours_params), make_theirs(their_params)
+    schedulers = [make_scheduler(ours), make_scheduler(theirs)] if make_scheduler else []
+    for k in range(steps):
+        set_grads(ours_params, k, missing(k))
+        set_grads(their_params, k, missing(k))
+        ours.step()
+        theirs.step()
+        for s in schedulers:
+            s.step()
+    return ours_params, their_params
+
+
+def assert_params_close(ours, theirs, **tolerance):
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        torch.testing.assert_close(a.detach().double(), b.detach().double(), msg=lambda m: f"param {i}: {m}",
+                                   **tolerance)
+
+
+def one_param_optimizer(**options):
+    p = torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(3)))
+    return p, FusedAdam([p], **options)
+
+
+# ---- the signature: ORT's, positionally ----------------------------------------------------------------------------
+
+# onnxruntime.training.optim.FusedAdam 1.19.2 (ort-semantics.md): names, order and defaults of its eight parameters.
+ORT_SIGNATURE = [
+    ("params", inspect.Parameter.empty),
+    ("lr", 1e-3),
+    ("bias_correction", True),
+    ("betas", (0.9, 0.999)),
+    ("eps", 1e-6),
+    ("adam_w_mode", AdamWMode.ADAMW_TRANSFORMERS),
+    ("weight_decay", 0.0),
+    ("set_grad_none", True),
+]
+
+
+def test_the_first_eight_parameters_are_orts_in_order_with_its_defaults_and_the_rest_are_keyword_only():
+    parameters = list(inspect.signature(FusedAdam).parameters.values())
+    assert [(p.name, p.default) for p in parameters[:8]] == ORT_SIGNATURE
+    assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in parameters[:8])
+    assert all(p.kind == p.KEYWORD_ONLY for p in parameters[8:]), [p.name for p in parameters[8:]]
+    assert {"amsgrad", "maximize"} <= {p.name for p in parameters[8:]}
+
+
+@pytest.mark.parametrize("name,value", [("ADAM_L2_REGULARIZATION", 0), ("ADAMW_TRANSFORMERS", 1), ("ADAMW_TORCH", 2)])
+def test_adamw_mode_has_orts_names_and_int_values(name, value):
+    mode = AdamWMode[name]
+    assert isinstance(mode, int) and mode == value and AdamWMode(value) is mode
+    assert len(AdamWMode) == 3
+
+
+def test_positional_arguments_land_where_orts_would_put_them():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = FusedAdam([p], 0.5, False, (0.8, 0.7), 1e-3, AdamWMode.ADAM_L2_REGULARIZATION, 0.25, False)
+    group = opt.param_groups[0]
+    assert (group["lr"], group["bias_correction"], group["betas"], group["eps"], group["adam_w_mode"],
+            group["weight_decay"], opt.set_grad_none) == (0.5, False, (0.8, 0.7), 1e-3, 0, 0.25, False)
+    with pytest.raises(TypeError):  # a ninth positional argument: the extras are keyword-only
+        FusedAdam([p], 0.5, False, (0.8, 0.7), 1e-3, AdamWMode.ADAM_L2_REGULARIZATION, 0.25, False, True)
+
+
+# ---- option types and values ---------------------------------------------------------------------------------------
+
+# What torch or ORT would take silently and then misread, or what the existing error tables do not list. Each must be
+# refused naming the option. "False" as a string is truthy: taken as is, amsgrad="False" turned amsgrad on.
+BAD_OPTIONS = [
+    ("amsgrad-string", dict(amsgrad="False"), TypeError, r"amsgrad must be True or False, got 'False'"),
+    ("maximize-int", dict(maximize=1), TypeError, r"maximize must be True or False, got 1"),
+    ("bias-correction-string", dict(bias_correction="no"), TypeError, r"bias_correction must be True or False"),
+    ("set-grad-none-string", dict(set_grad_none="False"), TypeError, r"set_grad_none must be True or False"),
+    ("master-weights-string", dict(master_weights="yes"), TypeError, r"master_weights must be True or False"),
+    ("capturable-int", dict(capturable=0), TypeError, r"capturable must be True or False"),
+    ("lr-nan", dict(lr=float("nan")), ValueError, r"lr must be a float >= 0, got nan"),
+    ("lr-string", dict(lr="1e-3"), ValueError, r"lr must be a float >= 0, got '1e-3'"),
+    ("lr-none", dict(lr=None), ValueError, r"lr must be a float >= 0, got None"),
+    ("lr-tensor-nan", dict(lr=torch.tensor(float("nan"))), ValueError, r"lr must be >= 0, got nan"),
+    ("eps-nan", dict(eps=float("nan")), ValueError, r"eps must be a float >= 0, got nan"),
+    ("weight-decay-nan", dict(weight_decay=float("nan")), ValueError, r"weight_decay must be a float >= 0, got nan"),
+    ("beta1-nan", dict(betas=(float("nan"), 0.999)), ValueError, r"betas\[0\] must be in \[0, 1\), got nan"),
+    ("beta2-inf", dict(betas=(0.9, float("inf"))), ValueError, r"betas\[1\] must be in \[0, 1\), got inf"),
+    ("betas-none", dict(betas=None), ValueError, r"betas must be a pair \(beta1, beta2\), got None"),
+    ("betas-three", dict(betas=(0.9, 0.99, 0.999)), ValueError, r"betas must be a pair"),
+    ("max-grad-norm-nan", dict(max_grad_norm=float("nan")), ValueError, r"max_grad_norm must be None or a float > 0"),
+    ("max-grad-norm-string", dict(max_grad_norm="1.0"), ValueError, r"max_grad_norm must be None or a float > 0"),
+]
+
+
+@pytest.mark.parametrize("options,error,message", [c[1:] for c in BAD_OPTIONS], ids=[c[0] for c in BAD_OPTIONS])
+def test_a_bad_option_is_refused_naming_it(options, error, message):
+    with pytest.raises(error, match=message):
+        FusedAdam([torch.nn.Parameter(torch.zeros(3))], **options)
+
+
+GROUP_OPTIONS = [c for c in BAD_OPTIONS if not {"set_grad_none", "master_weights", "capturable", "max_grad_norm"}
+                 & set(c[1])]
+
+
+@pytest.mark.parametrize("options,error,message", [c[1:] for c in GROUP_OPTIONS], ids=[c[0] for c in GROUP_OPTIONS])
+def test_a_bad_group_option_is_refused_by_add_param_group_and_not_kept(options, error, message):
+    p, opt = one_param_optimizer()
+    with pytest.raises(error, match=r"param_groups\[1\]: " + message):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], **options})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("options,error,message", [c[1:] for c in GROUP_OPTIONS], ids=[c[0] for c in GROUP_OPTIONS])
+def test_a_bad_option_put_into_a_group_later_fails_the_step_and_changes_nothing(options, error, message, backend):
+    p, opt = one_param_optimizer(weight_decay=0.1)
+    for _ in range(3):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    opt.param_groups[0].update(options)
+    p.grad = torch.randn_like(p)
+    before = optimizer_snapshot(opt)
+    with pytest.raises(error, match=r"param_groups\[0\]: " + message):
+        opt.step()
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
+NUMPY_OPTIONS = [
+    ("lr", dict(lr=np.float32(1e-2))),
+    ("betas", dict(betas=(np.float32(0.8), np.float64(0.99)))),
+    ("eps", dict(eps=np.float32(1e-8))),
+    ("weight-decay", dict(weight_decay=np.float32(0.5))),
+    ("max-grad-norm", dict(max_grad_norm=np.float32(1.0))),
+]
+
+
+@pytest.mark.parametrize("options", [c[1] for c in NUMPY_OPTIONS], ids=[c[0] for c in NUMPY_OPTIONS])
+def test_numpy_scalars_are_taken_like_the_python_floats_they_equal(options, backend):
+    """torch.optim takes numpy scalars (an LR scheduler's lambda may return numpy.float32, which numpy 2 keeps
+    float32): the same steps as with the float values, bit for bit."""
+    as_floats = {k: (tuple(float(b) for b in v) if isinstance(v, tuple) else float(v)) for k, v in options.items()}
+    ours, theirs = run_pair(lambda ps: FusedAdam(ps, **options), lambda ps: FusedAdam(ps, **as_floats), steps=20)
+    for a, b in zip(ours, theirs):
+        assert_bitwise_equal(a.detach(), b.detach())
+
+
+def test_a_scheduler_returning_numpy_float32_keeps_tracking_torch_adamw(backend):
+    schedule = lambda step: np.float32(0.97) ** step  # noqa: E731  (numpy 2: stays float32)
+    ours, theirs = run_pair(lambda ps: FusedAdam(ps, lr=1e-2, **TORCH_ADAMW),
+                            lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+                            lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule), steps=60)
+    assert_params_close(ours, theirs, **FP32_VS_TORCH)
+
+
+# ---- LR (and momentum) schedulers over many steps ------------------------------------------------------------------
+
+SCHEDULERS = {
+    "StepLR": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5),
+    # cycle_momentum (the default) rewrites group['betas'] at every step: beta1 goes 0.95 -> 0.85 -> 0.95
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=STEPS),
+    "LambdaLR": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.98**step),
+    "CosineAnnealingWarmRestarts": lambda opt: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=7),
+}
+LR_KINDS = {"float": lambda: 1e-2, "tensor": lambda: torch.tensor(1e-2)}
+
+
+@pytest.mark.parametrize("lr_kind", LR_KINDS)
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_torch_schedulers_drive_fused_adam_as_they_drive_torch_adamw(scheduler, lr_kind, backend):
+    ours, theirs = run_pair(lambda ps: FusedAdam(ps, lr=LR_KINDS[lr_kind](), **TORCH_ADAMW),
+                            lambda ps: torch.optim.AdamW(ps, lr=LR_KINDS[lr_kind](), foreach=False),
+                            SCHEDULERS[scheduler])
+    assert_params_close(ours, theirs, **FP32_VS_TORCH)
+
+
+def test_the_scheduler_parity_check_can_fail(backend):
+    """The same run with the scheduler on one side only is far outside FP32_VS_TORCH."""
+    ours, theirs = make_params(), make_params()
+    opt_ours = FusedAdam(ours, lr=1e-2, **TORCH_ADAMW)
+    opt_theirs = torch.optim.AdamW(theirs, lr=1e-2, foreach=False)
+    scheduler = SCHEDULERS["OneCycleLR"](opt_ours)
+    for k in range(STEPS):
+        set_grads(ours, k)
+        set_grads(theirs, k)
+        opt_ours.step()
+        opt_theirs.step()
+        scheduler.step()
+    with pytest.raises(AssertionError):
+        assert_params_close(ours, theirs, **FP32_VS_TORCH)
+
+
+@pytest.mark.parametrize("mode", [AdamWMode.ADAM_L2_REGULARIZATION, AdamWMode.ADAMW_TRANSFORMERS], ids=str)
+def test_ort_modes_read_betas_changed_by_one_cycle_lr_at_every_step(mode, backend):
+    """OneCycleLR moves beta1 every step; each step uses the group's current betas and lr, as the float64 reference
+    of ort-semantics.md does (bias correction 1 - beta^t with the current beta, as torch)."""
+    params = make_params()
+    opt = FusedAdam(params, lr=1e-2, adam_w_mode=mode, weight_decay=0.1)
+    scheduler = SCHEDULERS["OneCycleLR"](opt)
+    expected = [p.detach().double() for p in params]
+    states = [{"step": 0, "m": torch.zeros(p.shape, dtype=torch.float64),
+               "v": torch.zeros(p.shape, dtype=torch.float64)} for p in params]
+    for k in range(STEPS):
+        set_grads(params, k)
+        group = opt.param_groups[0]
+        for i, p in enumerate(params):
+            expected[i] = adam_update(expected[i], p.grad, states[i], lr=float(group["lr"]), beta1=group["betas"][0],
+                                      beta2=group["betas"][1], eps=group["eps"], weight_decay=0.1, mode=int(mode))
+        opt.step()
+        scheduler.step()
+    assert_params_close(params, expected, **FP32_VS_FLOAT64)
+
+
+# ---- optimizer hooks, as torch.optim.Optimizer provides them -------------------------------------------------------
+
+
+def test_step_hooks_per_optimizer_and_global_fire_around_every_step():
+    p, opt = one_param_optimizer()
+    calls = []
+    handles = [
+        opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o is opt))),
+        opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o is opt))),
+        register_optimizer_step_pre_hook(lambda o, args, kwargs: calls.append(("global-pre", o is opt))),
+        register_optimizer_step_post_hook(lambda o, args, kwargs: calls.append(("global-post", o is opt))),
+    ]
+    try:
+        for _ in range(2):
+            p.grad = torch.ones_like(p)
+            opt.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == [("global-pre", True), ("pre", True), ("post", True), ("global-post", True)] * 2
+
+
+def test_state_dict_hooks_run_and_the_post_hook_sees_the_canonical_form():
+    """register_state_dict_post_hook's hook gets what state_dict() returns (here: unscaled float32 moments, no
+    block scales, although the optimizer stores fp16 codes), and what it returns is returned."""
+    p, opt = one_param_optimizer(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    seen = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append("pre"))
+
+    def post(o, sd):
+        seen.append(("post", sorted(sd["state"][0]), sd["state"][0]["exp_avg"].dtype))
+        return {**sd, "param_groups": [{**g, "tag": "mine"} for g in sd["param_groups"]]}
+
+    opt.register_state_dict_post_hook(post)
+    sd = opt.state_dict()
+    assert seen == ["pre", ("post", ["exp_avg", "exp_avg_sq", "step"], torch.float32)]
+    assert sd["param_groups"][0]["tag"] == "mine"
+
+
+def test_load_state_dict_hooks_run_and_what_the_pre_hook_returns_is_loaded(backend):
+    p, opt = one_param_optimizer(**TORCH_ADAMW)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    calls = []
+
+    def pre(o, sd):
+        calls.append("pre")
+        sd["param_groups"] = [{**g, "lr": 0.5} for g in sd["param_groups"]]  # on the copy it is given
+        return sd
+
+    opt.register_load_state_dict_pre_hook(pre)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("post", o.param_groups[0]["lr"])))
+    opt.load_state_dict(saved)
+    assert calls == ["pre", ("post", 0.5)]
+    assert saved["param_groups"][0]["lr"] == 1e-3  # the caller's dict: its top level is not the hook's copy
+    # torch.optim.AdamW does the same with the same hooks
+    their = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone())])
+    their.register_load_state_dict_pre_hook(pre)
+    their.load_state_dict(saved)
+    assert their.param_groups[0]["lr"] == 0.5
+
+
+# ---- zero_grad next to torch's ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("set_grad_none,argument", [(True, None), (False, None), (True, False), (False, True)],
+                         ids=["ort-default", "set_grad_none=False", "set_to_none=False", "set_to_none=True"])
+def test_zero_grad_does_what_torch_zero_grad_does_with_the_same_set_to_none(set_grad_none, argument):
+    """set_to_none defaults to set_grad_none (ORT's option, True by default); given explicitly, it wins. Zeroing
+    keeps the gradient tensor (in place) and detaches one made with create_graph=True, as torch does."""
+    set_to_none = set_grad_none if argument is None else argument
+    results = []
+    for make in (lambda ps: FusedAdam(ps, set_grad_none=set_grad_none),
+                 lambda ps: torch.optim.AdamW(ps)):
+        p = torch.nn.Parameter(torch.ones(3))
+        unused = torch.nn.Parameter(torch.ones(2))
+        opt = make([p, unused])
+        (p**3).sum().backward(create_graph=True)
+        grad = p.grad
+        if isinstance(opt, FusedAdam):
+            opt.zero_grad() if argument is None else opt.zero_grad(set_to_none=argument)
+        else:
+            opt.zero_grad(set_to_none=set_to_none)
+        results.append((p.grad is None, p.grad is grad, None if p.grad is None else p.grad.requires_grad,
+                        None if p.grad is None else p.grad.tolist(), unused.grad))
+    assert results[0] == results[1]
+    assert results[0][0] == set_to_none
+
+
+# ---- step()'s grad_scale and found_inf when they are wrong ---------------------------------------------------------
+
+BAD_STEP_ARGUMENTS = [
+    ("grad-scale-string", dict(grad_scale="2"), TypeError, r"grad_scale must be a float or a one-element tensor"),
+    ("grad-scale-bool", dict(grad_scale=True), TypeError, r"grad_scale must be a float or a one-element tensor"),
+    ("grad-scale-two-elements", dict(grad_scale=torch.tensor([2.0, 2.0])), ValueError,
+     r"grad_scale must be a float or a one-element floating-point tensor, got a torch\.float32 tensor of shape"),
+    ("grad-scale-int-tensor", dict(grad_scale=torch.tensor([2])), ValueError, r"one-element floating-point tensor"),
+    ("grad-scale-nan", dict(grad_scale=float("nan")), ValueError, r"grad_scale must be finite"),
+    ("found-inf-float", dict(found_inf=1.0), TypeError, r"found_inf must be a one-element tensor .*got 1\.0"),
+    ("found-inf-two-elements", dict(found_inf=torch.zeros(2)), ValueError,
+     r"found_inf must be a one-element tensor, got shape \(2,\)"),
+]
+
+
+@pytest.mark.parametrize("arguments,error,message", [c[1:] for c in BAD_STEP_ARGUMENTS],
+                         ids=[c[0] for c in BAD_STEP_ARGUMENTS])
+def test_bad_grad_scale_or_found_inf_is_refused_naming_it_and_changes_nothing(arguments, error, message, backend):
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3).half())]
+    opt = FusedAdam(params, master_weights=True, max_grad_norm=1.0)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = optimizer_snapshot(opt)
+    with pytest.raises(error, match=message):
+        opt.step(**arguments)
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
+# ---- from_optimizer and checkpoints: what torch >= 2.5 adds ---------------------------------------------------------
+
+needs_decoupled_adam = pytest.mark.skipif(
+    "decoupled_weight_decay" not in inspect.signature(torch.optim.Adam).parameters,
+    reason=f"torch.optim.Adam(decoupled_weight_decay=) arrived in torch 2.5; this is torch {torch.__version__}")
+
+
+def _takes_named_params() -> bool:
+    try:
+        torch.optim.SGD([("w", torch.nn.Parameter(torch.zeros(1)))], lr=0.1)
+    except TypeError:
+        return False
+    return True
+
+
+needs_named_params = pytest.mark.skipif(
+    not _takes_named_params(),
+    reason=f"torch.optim takes named parameters from torch 2.6; this is torch {torch.__version__}")
+
+
+@needs_decoupled_adam
+def test_from_optimizer_takes_adam_with_decoupled_weight_decay_and_continues_as_torch_would(backend):
+    """torch >= 2.5: Adam(decoupled_weight_decay=True) is AdamW's math, so it converts (to ADAMW_TORCH) where Adam
+    with L2 decay is refused; two groups, the second with its own lr, amsgrad and maximize."""
+    def make(params):
+        return torch.optim.Adam([{"params": params[:3]}, {"params": params[3:], "lr": 3e-3, "amsgrad": True,
+                                                          "maximize": True}],
+                                lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, foreach=False)
+
+    their_params = make_params(seed=1)
+    theirs = make(their_params)
+    for k in range(5):
+        set_grads(their_params, k)
+        theirs.step()
+    twin_params = [torch.nn.Parameter(p.detach().clone()) for p in their_params]
+    twin = make(twin_params)
+    twin.load_state_dict(theirs.state_dict())
+    ours = FusedAdam.from_optimizer(theirs)  # over their_params
+    assert [g["adam_w_mode"] for g in ours.param_groups] == [AdamWMode.ADAMW_TORCH] * 2
+    for k in range(5, 5 + STEPS):
+        set_grads(their_params, k)
+        set_grads(twin_params, k)
+        ours.step()
+        twin.step()
+    assert_params_close(their_params, twin_params, **FP32_VS_TORCH)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: torch\.optim\.Adam with weight_decay=0\.1 is L2"):
+        FusedAdam.from_optimizer(torch.optim.Adam(make_params(), weight_decay=0.1, decoupled_weight_decay=False))
+
+
+@needs_named_params
+def test_named_params_checkpoints_go_both_ways_with_torch_adamw(backend):
+    model = torch.nn.Linear(3, 2)
+    twin = copy.deepcopy(model)
+    theirs = torch.optim.AdamW(model.named_parameters(), foreach=False)
+    ours = FusedAdam(twin.named_parameters(), **TORCH_ADAMW)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    for optimizer, module in ((theirs, model), (ours, twin)):
+        for _ in range(3):
+            optimizer.zero_grad()
+            module(x).square().sum().backward()
+            optimizer.step()
+    assert ours.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
+    torch_then_ours = FusedAdam(copy.deepcopy(model).named_parameters(), **TORCH_ADAMW)
+    torch_then_ours.load_state_dict(theirs.state_dict())
+    ours_then_torch = torch.optim.AdamW(copy.deepcopy(twin).named_parameters(), foreach=False)
+    ours_then_torch.load_state_dict(ours.state_dict())
+    assert torch_then_ours.param_groups[0]["param_names"] == ours_then_torch.param_groups[0]["param_names"]
+
+
+# ---- master weights (issue 3) --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_master_weights_track_torch_adamw_on_fp32_copies(dtype, backend):
+    """The fp32 master of a low-precision param follows torch.optim.AdamW run on an fp32 copy with the same
+    (low-precision) gradients; the param is its master rounded to nearest even, bit for bit, after every step."""
+    params = make_params(dtype)
+    fp32 = [torch.nn.Parameter(p.detach().float()) for p in params]
+    ours = FusedAdam(params, lr=1e-2, master_weights=True, **TORCH_ADAMW)
+    theirs = torch.optim.AdamW(fp32, lr=1e-2, foreach=False)
+    for k in range(STEPS):
+        set_grads(params, k)
+        for p, q in zip(params, fp32):
+            q.grad = p.grad.float()
+        ours.step()
+        theirs.step()
+        for p in params:
+            assert_bitwise_equal(p.detach(), ours.state[p]["master_param"].to(dtype), f"step {k}")
+    assert_params_close([ours.state[p]["master_param"] for p in params], fp32, **FP32_VS_TORCH)
+
+
+def test_a_value_written_into_a_param_with_a_master_is_overwritten_unless_copied_into_the_master_as_documented(
+        backend):
+    """FusedAdam's docstring (master_weights): the master is what the optimizer updates; after writing the params
+    (a model-only checkpoint) copy them into the masters."""
+    p = torch.nn.Parameter(torch.randn(4).half())
+    opt = FusedAdam([p], master_weights=True, lr=0.0)  # lr 0: a step only writes the master back into the param
+    p.grad = torch.ones_like(p)
+    opt.step()
+    before = p.detach().clone()
+    loaded = torch.full_like(p, 5.0)
+    with torch.no_grad():
+        p.copy_(loaded)
+    opt.step()
+    assert_bitwise_equal(p.detach(), before, "the master wins")
+    with torch.no_grad():
+        p.copy_(loaded)
+        opt.state[p]["master_param"].copy_(p)
+    opt.step()
+    assert_bitwise_equal(p.detach(), loaded, "the documented recipe")
+    assert "model.load_state_dict" in FusedAdam.__doc__ and "['master_param'].copy_(p)" in FusedAdam.__doc__
