@@ -32,8 +32,8 @@ _STATE_ALIGN = 64
 
 def _is_number(value: Any) -> bool:
     """A real number, as torch.optim takes them: Python's, numpy's (an LR scheduler's lambda may return
-    numpy.float32) or any other numbers.Real."""
-    return isinstance(value, numbers.Real)
+    numpy.float32) or any other numbers.Real; but not a bool, which checkpoints refuse (a True there is a mistake)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _check_hyperparameters(group: dict, where: str, master_weights: bool) -> None:
@@ -65,7 +65,7 @@ def _check_hyperparameters(group: dict, where: str, master_weights: bool) -> Non
             raise ValueError(f"{where}: {name} must be in [0, 1), got {beta!r}")
     if not (_is_number(group["weight_decay"]) and group["weight_decay"] >= 0.0):
         raise ValueError(f"{where}: weight_decay must be a float >= 0, got {group['weight_decay']!r}")
-    if group["adam_w_mode"] not in tuple(AdamWMode):
+    if isinstance(group["adam_w_mode"], bool) or group["adam_w_mode"] not in tuple(AdamWMode):
         raise ValueError(f"{where}: adam_w_mode must be an AdamWMode (0, 1 or 2), got {group['adam_w_mode']!r}")
 
 
@@ -77,7 +77,7 @@ def _check_scaling_arguments(grad_scale: Any, found_inf: Any) -> None:
             if grad_scale.numel() != 1 or not grad_scale.is_floating_point():
                 raise ValueError(f"step(): grad_scale must be a float or a one-element floating-point tensor, got a "
                                  f"{grad_scale.dtype} tensor of shape {tuple(grad_scale.shape)}")
-        elif isinstance(grad_scale, bool) or not _is_number(grad_scale):
+        elif not _is_number(grad_scale):
             raise TypeError(f"step(): grad_scale must be a float or a one-element tensor, got {grad_scale!r}")
         elif not math.isfinite(grad_scale):
             raise ValueError(f"step(): grad_scale must be finite, got {grad_scale!r}")

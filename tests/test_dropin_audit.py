@@ -131,6 +131,8 @@ BAD_OPTIONS = [
     ("set-grad-none-string", dict(set_grad_none="False"), TypeError, r"set_grad_none must be True or False"),
     ("master-weights-string", dict(master_weights="yes"), TypeError, r"master_weights must be True or False"),
     ("capturable-int", dict(capturable=0), TypeError, r"capturable must be True or False"),
+    ("lr-bool", dict(lr=True), ValueError, r"lr must be a float >= 0, got True"),
+    ("adam-w-mode-bool", dict(adam_w_mode=True), ValueError, r"adam_w_mode must be an AdamWMode \(0, 1 or 2\), got True"),
     ("lr-nan", dict(lr=float("nan")), ValueError, r"lr must be a float >= 0, got nan"),
     ("lr-string", dict(lr="1e-3"), ValueError, r"lr must be a float >= 0, got '1e-3'"),
     ("lr-none", dict(lr=None), ValueError, r"lr must be a float >= 0, got None"),
@@ -260,6 +262,30 @@ def test_ort_modes_read_betas_changed_by_one_cycle_lr_at_every_step(mode, backen
                                       beta2=group["betas"][1], eps=group["eps"], weight_decay=0.1, mode=int(mode))
         opt.step()
         scheduler.step()
+    assert_params_close(params, expected, **FP32_VS_FLOAT64)
+
+
+# ---- bias_correction=False, per group, in every mode -----------------------------------------------------------
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["plain", "amsgrad"])
+@pytest.mark.parametrize("mode", list(AdamWMode), ids=str)
+def test_bias_correction_off_in_one_group_and_on_in_the_other_matches_the_float64_formulas(mode, amsgrad, backend):
+    """ORT's bias_correction flag (bc1 = bc2 = 1 when off), read per group, in each mode's formula
+    (ort-semantics.md), over 100 steps with gradients that come and go."""
+    params = make_params()
+    opt = FusedAdam([{"params": params[:3], "bias_correction": False}, {"params": params[3:]}], 1e-2,
+                    adam_w_mode=mode, weight_decay=0.1, amsgrad=amsgrad)
+    expected = [p.detach().double() for p in params]
+    states = [{"step": 0, "m": torch.zeros(p.shape, dtype=torch.float64), "v": torch.zeros(p.shape, dtype=torch.float64),
+               "vmax": torch.zeros(p.shape, dtype=torch.float64)} for p in params]
+    for k in range(STEPS):
+        set_grads(params, k, missing={k % 5})
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                expected[i] = adam_update(expected[i], p.grad, states[i], lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6,
+                                          weight_decay=0.1, mode=int(mode), amsgrad=amsgrad,
+                                          bias_correction=i >= 3)
+        opt.step()
     assert_params_close(params, expected, **FP32_VS_FLOAT64)
 
 
@@ -456,6 +482,61 @@ def test_named_params_checkpoints_go_both_ways_with_torch_adamw(backend):
     assert torch_then_ours.param_groups[0]["param_names"] == ours_then_torch.param_groups[0]["param_names"]
 
 
+CHECKPOINT_CONFIGS = {
+    "lr-tensor-amsgrad": dict(lr=torch.tensor(1e-2), amsgrad=True),
+    "ort-l2-mode": dict(adam_w_mode=AdamWMode.ADAM_L2_REGULARIZATION, bias_correction=False),
+    "masters-fp16-moments": dict(master_weights=True, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16),
+    "masters-bf16-moments": dict(master_weights=True, exp_avg_dtype=torch.bfloat16),
+    "8-bit-moments": dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
+}
+
+
+@pytest.mark.parametrize("config", CHECKPOINT_CONFIGS)
+def test_a_checkpoint_through_torch_save_and_weights_only_load_resumes_bit_for_bit(config, backend, tmp_path):
+    """The file a user writes (torch.save of state_dict()) loads with torch.load(weights_only=True) and the run goes
+    on exactly as the uninterrupted one, for every group option and state layout above."""
+    def build(params):
+        options = dict(CHECKPOINT_CONFIGS[config])
+        if isinstance(options.get("lr"), torch.Tensor):
+            options["lr"] = options["lr"].clone()
+        return FusedAdam([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}], **options)
+
+    dtype = torch.bfloat16 if "masters" in config else torch.float32
+    params, resumed_params = make_params(dtype), make_params(dtype)
+    opt, resumed = build(params), build(resumed_params)
+    for k in range(10):
+        set_grads(params, k)
+        opt.step()
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    with torch.no_grad():
+        for p, q in zip(params, resumed_params):
+            q.copy_(p)
+    resumed.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+    for k in range(10, 40):
+        set_grads(params, k)
+        set_grads(resumed_params, k)
+        opt.step()
+        resumed.step()
+    for i, (p, q) in enumerate(zip(params, resumed_params)):
+        assert_bitwise_equal(p.detach(), q.detach(), f"param {i}")
+    assert_tree_bitwise_equal(opt.state_dict(), resumed.state_dict(), "state_dict")
+
+
+def test_steps_keep_counting_exactly_beyond_float32s_2_to_the_24(backend):
+    """Trap 1: a float32 step counter stops at 2**24; FusedAdam's per-param step keeps counting (and the bias
+    corrections stay exact: at such steps they are 1)."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = FusedAdam([p], **TORCH_ADAMW)
+    saved = opt.state_dict()
+    saved["state"] = {0: {"step": torch.tensor(2.0**24, dtype=torch.float64), "exp_avg": torch.full((3,), 0.1),
+                          "exp_avg_sq": torch.full((3,), 0.01)}}
+    opt.load_state_dict(saved)
+    for _ in range(3):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    assert float(opt.state[p]["step"]) == 2.0**24 + 3 == float(opt.state_dict()["state"][0]["step"])
+
+
 # ---- master weights (issue 3) --------------------------------------------------------------------------------------
 
 
@@ -476,6 +557,35 @@ def test_master_weights_track_torch_adamw_on_fp32_copies(dtype, backend):
         for p in params:
             assert_bitwise_equal(p.detach(), ours.state[p]["master_param"].to(dtype), f"step {k}")
     assert_params_close([ours.state[p]["master_param"] for p in params], fp32, **FP32_VS_TORCH)
+
+
+def test_grad_scaler_with_fp16_params_and_masters_equals_grad_scaler_with_torch_adamw_on_fp32_copies(backend):
+    """torch.amp.GradScaler drives FusedAdam(master_weights=True) on an fp16 model through the fused protocol
+    (unscale inside the step, skip on inf) as it drives torch.optim.AdamW on an fp32 copy fed the same gradients: the
+    same skipped steps, the same scale history and step counts, masters within float32 rounding of torch's params."""
+    gen = torch.Generator().manual_seed(5)
+    half = [torch.nn.Parameter(torch.randn(s, generator=gen).half()) for s in [(4,), (2, 3), ()]]
+    fp32 = [torch.nn.Parameter(p.detach().float()) for p in half]
+    ours = FusedAdam(half, lr=1e-2, master_weights=True, **TORCH_ADAMW)
+    theirs = torch.optim.AdamW(fp32, lr=1e-2, foreach=False)
+    # (growth_interval: the scale stays where x * scale fits in fp16; above 65504 the fp16 grads, not the fp32
+    # copy's, would overflow and the two runs would rightly part)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=8) for _ in range(2)]
+    history = []
+    for k in range(40):
+        xs = [torch.randn(p.shape, generator=gen).half() for p in half]
+        if k in (3, 4, 17):
+            xs[k % 3].view(-1)[0] = float("inf") if k != 4 else float("nan")
+        for params, opt, scaler in ((half, ours, scalers[0]), (fp32, theirs, scalers[1])):
+            opt.zero_grad()
+            loss = sum((p * x.to(p.dtype)).sum() for p, x in zip(params, xs))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        history.append((scalers[0].get_scale(), scalers[1].get_scale()))
+    assert all(a == b for a, b in history), history
+    assert [float(ours.state[p]["step"]) for p in half] == [float(theirs.state[q]["step"]) for q in fp32] == [37.0] * 3
+    assert_params_close([ours.state[p]["master_param"] for p in half], fp32, **FP32_VS_TORCH)
 
 
 def test_a_value_written_into_a_param_with_a_master_is_overwritten_unless_copied_into_the_master_as_documented(
