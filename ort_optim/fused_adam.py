@@ -65,7 +65,12 @@ def _check_hyperparameters(group: dict, where: str, master_weights: bool) -> Non
             raise ValueError(f"{where}: {name} must be in [0, 1), got {beta!r}")
     if not (_is_number(group["weight_decay"]) and group["weight_decay"] >= 0.0):
         raise ValueError(f"{where}: weight_decay must be a float >= 0, got {group['weight_decay']!r}")
-    if isinstance(group["adam_w_mode"], bool) or group["adam_w_mode"] not in tuple(AdamWMode):
+    if isinstance(group["adam_w_mode"], bool):  # apex's FusedAdam takes a bool here, with other meanings
+        raise ValueError(
+            f"{where}: adam_w_mode must be an AdamWMode (0, 1 or 2), got {group['adam_w_mode']!r}. apex's "
+            "adam_w_mode=True (decoupled decay, eps added to sqrt(v_hat)) is AdamWMode.ADAMW_TORCH; apex's False "
+            "(L2 decay with that eps placement) has no FusedAdam mode")
+    if group["adam_w_mode"] not in tuple(AdamWMode):
         raise ValueError(f"{where}: adam_w_mode must be an AdamWMode (0, 1 or 2), got {group['adam_w_mode']!r}")
 
 

@@ -132,7 +132,9 @@ BAD_OPTIONS = [
     ("master-weights-string", dict(master_weights="yes"), TypeError, r"master_weights must be True or False"),
     ("capturable-int", dict(capturable=0), TypeError, r"capturable must be True or False"),
     ("lr-bool", dict(lr=True), ValueError, r"lr must be a float >= 0, got True"),
-    ("adam-w-mode-bool", dict(adam_w_mode=True), ValueError, r"adam_w_mode must be an AdamWMode \(0, 1 or 2\), got True"),
+    # apex's FusedAdam has adam_w_mode=True/False; True (decoupled, torch's eps placement) once read as mode 1 (HF's)
+    ("adam-w-mode-apex-bool", dict(adam_w_mode=True), ValueError,
+     r"adam_w_mode must be an AdamWMode \(0, 1 or 2\), got True\. apex's adam_w_mode=True .* is AdamWMode\.ADAMW_TORCH"),
     ("lr-nan", dict(lr=float("nan")), ValueError, r"lr must be a float >= 0, got nan"),
     ("lr-string", dict(lr="1e-3"), ValueError, r"lr must be a float >= 0, got '1e-3'"),
     ("lr-none", dict(lr=None), ValueError, r"lr must be a float >= 0, got None"),
