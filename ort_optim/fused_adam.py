@@ -937,14 +937,22 @@ class FusedAdam(torch.optim.Optimizer):
 
         Both map to ``AdamWMode.ADAMW_TORCH`` (torch's eps placement), so the result continues exactly as torch
         would. torch.optim.Adam with weight_decay > 0 (L2 decay with torch's eps placement) has no FusedAdam mode
-        and is refused rather than converted approximately. Extra keyword arguments (master_weights, ...) are
-        passed to the constructor.
+        and is refused rather than converted approximately. Extra keyword arguments set the options torch's
+        optimizers do not have (master_weights, exp_avg_dtype, max_grad_norm, ...) and are passed to the constructor;
+        the math's options (lr, betas, eps, weight_decay, amsgrad, maximize, adam_w_mode, bias_correction) come from
+        the optimizer and are refused here (change them in ``param_groups`` afterwards if you mean to).
         """
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             raise TypeError(
                 f"FusedAdam.from_optimizer converts torch.optim.Adam and torch.optim.AdamW, got "
                 f"{type(optimizer).__name__}"
             )
+        fixed = sorted(set(kwargs) & {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "adam_w_mode",
+                                      "bias_correction"})
+        if fixed:  # (as defaults they would be silently overridden by the groups' values)
+            raise TypeError(
+                f"FusedAdam.from_optimizer: {', '.join(fixed)} come from the optimizer's param groups, so that the "
+                f"result computes what it computed; set them in the returned optimizer's param_groups instead")
         decoupled = isinstance(optimizer, torch.optim.AdamW)
         groups = []
         for index, group in enumerate(optimizer.param_groups):

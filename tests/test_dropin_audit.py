@@ -464,6 +464,18 @@ def test_from_optimizer_takes_adam_with_decoupled_weight_decay_and_continues_as_
         FusedAdam.from_optimizer(torch.optim.Adam(make_params(), weight_decay=0.1, decoupled_weight_decay=False))
 
 
+@pytest.mark.parametrize("keyword,value", [("lr", 0.5), ("weight_decay", 0.0), ("betas", (0.8, 0.9)), ("eps", 1e-6),
+                                           ("amsgrad", True), ("maximize", True), ("bias_correction", False),
+                                           ("adam_w_mode", AdamWMode.ADAMW_TRANSFORMERS)])
+def test_from_optimizer_refuses_keywords_that_the_groups_would_silently_override(keyword, value):
+    """Passed through to the constructor, these are only defaults, which every converted group overrides with
+    torch's value: FusedAdam.from_optimizer(adamw, weight_decay=0.0) kept weight_decay=0.01 without a word."""
+    torch_optimizer = torch.optim.AdamW(make_params())
+    with pytest.raises(TypeError, match=rf"FusedAdam\.from_optimizer: {keyword} come from the optimizer's param groups"):
+        FusedAdam.from_optimizer(torch_optimizer, **{keyword: value})
+    assert FusedAdam.from_optimizer(torch_optimizer, master_weights=True).master_weights  # the other options pass
+
+
 @needs_named_params
 def test_named_params_checkpoints_go_both_ways_with_torch_adamw(backend):
     model = torch.nn.Linear(3, 2)
