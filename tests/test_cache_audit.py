@@ -15,8 +15,8 @@ tensor, the whole container replaced), ``param_groups`` (lists mutated in place 
 hyperparameters changed, ``amsgrad`` toggled), the optimizer's layout options, ``load_state_dict``. Each runs on every
 state layout (``LAYOUTS``: fp32 with amsgrad, bf16, bf16 and fp16 with fp32 master weights, 8-bit and 4-bit moments)
 and on every CPU backend (the ``backend`` fixture; Triton's interpreter with ``ORT_OPTIM_BACKEND=triton
-TRITON_INTERPRET=1``), followed by plain steps and, on two layouts, by scaled ones (``STEP_KINDS``: ``grad_scale``
-and ``found_inf``, which take another path through the plan).
+TRITON_INTERPRET=1``), followed by plain steps and, on two layouts, by scaled and clipped ones (``STEP_KINDS``: ``grad_scale``,
+``found_inf``, ``max_grad_norm``, which take other paths through the plan).
 
 Actions whose result no fresh optimizer can reproduce from copies, because they make two things share memory, are
 refused instead (``SHARING``): the same param twice, one state dict or one state tensor for two params, a state
@@ -82,6 +82,7 @@ STEP_KINDS = {
     "plain": lambda: {},
     "grad_scale": lambda: dict(grad_scale=8.0),
     "grad_scale and found_inf tensors": lambda: dict(grad_scale=torch.tensor(4.0), found_inf=torch.zeros(1)),
+    "clipped (max_grad_norm)": lambda: {},  # (the optimizer's max_grad_norm is set: see the test)
 }
 
 
@@ -404,6 +405,8 @@ SCALED_LAYOUTS = [] if BACKENDS == ("triton",) else ["fp16-master", "8-bit"]
 @pytest.mark.parametrize("action", ACTIONS)
 def test_after_any_action_a_scaled_step_equals_a_fresh_optimizers(action, layout, step_kind, backend):
     params, opt = _setup(layout)
+    if step_kind == "clipped (max_grad_norm)":
+        opt.max_grad_norm = 0.5
     for seed in range(2):
         _set_grads_all(params, seed)
         opt.step(**STEP_KINDS[step_kind]())
