@@ -291,6 +291,41 @@ def test_bias_correction_off_in_one_group_and_on_in_the_other_matches_the_float6
     assert_params_close(params, expected, **FP32_VS_FLOAT64)
 
 
+@pytest.mark.parametrize("maximize", [False, True], ids=["minimize", "maximize"])
+@pytest.mark.parametrize("mode", list(AdamWMode), ids=str)
+def test_a_step_leaves_the_gradient_as_it_was_in_every_mode(mode, maximize, backend):
+    """ort-semantics.md: ORT's L2 term is not written back to .grad; traps.md 6: maximize negates a copy. (With
+    grad_scale the unscaled gradient is written back, as torch's fused AdamW does: test_unscaled_grads.py.)"""
+    params = make_params()
+    opt = FusedAdam(params, adam_w_mode=mode, weight_decay=0.1, maximize=maximize, amsgrad=True, max_grad_norm=0.5)
+    for k in range(3):
+        set_grads(params, k)
+        grads = [p.grad.clone() for p in params]
+        opt.step()
+        for i, (p, g) in enumerate(zip(params, grads)):
+            assert_bitwise_equal(p.grad, g, f"step {k}, grad {i}")
+
+
+def test_step_runs_the_closure_with_grad_enabled_and_returns_its_loss_as_torch_does(backend):
+    results = []
+    for make in (lambda ps: FusedAdam(ps, **TORCH_ADAMW), lambda ps: torch.optim.AdamW(ps, foreach=False)):
+        params = make_params()
+        opt = make(params)
+        x = torch.linspace(-1, 1, 12).view(3, 4)
+
+        def closure():
+            opt.zero_grad()
+            loss = sum((p * p).sum() for p in params) + (params[3] * x).sum()
+            loss.backward()
+            return loss
+
+        with torch.no_grad():  # step() turns grad mode on for the closure
+            losses = [float(opt.step(closure)) for _ in range(20)]
+        results.append((losses, params))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
+    assert_params_close(results[0][1], results[1][1], **FP32_VS_TORCH)
+
+
 # ---- optimizer hooks, as torch.optim.Optimizer provides them -------------------------------------------------------
 
 
@@ -359,6 +394,7 @@ def test_load_state_dict_hooks_run_and_what_the_pre_hook_returns_is_loaded(backe
 # ---- zero_grad next to torch's ---------------------------------------------------------------------------------
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # (the cycle is what is tested)
 @pytest.mark.parametrize("set_grad_none,argument", [(True, None), (False, None), (True, False), (False, True)],
                          ids=["ort-default", "set_grad_none=False", "set_to_none=False", "set_to_none=True"])
 def test_zero_grad_does_what_torch_zero_grad_does_with_the_same_set_to_none(set_grad_none, argument):
