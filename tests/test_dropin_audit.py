@@ -230,6 +230,24 @@ def test_torch_schedulers_drive_fused_adam_as_they_drive_torch_adamw(scheduler, 
     assert_params_close(ours, theirs, **FP32_VS_TORCH)
 
 
+def test_every_hyperparameter_changed_between_steps_is_read_at_the_next_step_as_torch_reads_it(backend):
+    """lr, betas, eps, weight_decay and maximize rewritten in the group before every step, on both sides."""
+    def change(opt, k):
+        group = opt.param_groups[0]
+        group.update(lr=1e-2 * (1 + k % 3), betas=(0.9 - 0.02 * (k % 5), 0.999 - 0.002 * (k % 2)),
+                     eps=1e-8 * 10 ** (k % 4), weight_decay=0.05 * (k % 4), maximize=k % 10 < 5)
+
+    ours_params, their_params = make_params(), make_params()
+    ours = FusedAdam(ours_params, **TORCH_ADAMW)
+    theirs = torch.optim.AdamW(their_params, foreach=False)
+    for k in range(STEPS):
+        for params, opt in ((ours_params, ours), (their_params, theirs)):
+            change(opt, k)
+            set_grads(params, k)
+            opt.step()
+    assert_params_close(ours_params, their_params, **FP32_VS_TORCH)
+
+
 def test_the_scheduler_parity_check_can_fail(backend):
     """The same run with the scheduler on one side only is far outside FP32_VS_TORCH."""
     ours, theirs = make_params(), make_params()
@@ -394,7 +412,7 @@ def test_load_state_dict_hooks_run_and_what_the_pre_hook_returns_is_loaded(backe
 # ---- zero_grad next to torch's ---------------------------------------------------------------------------------
 
 
-@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # (the cycle is what is tested)
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # (a grad with a graph, on purpose)
 @pytest.mark.parametrize("set_grad_none,argument", [(True, None), (False, None), (True, False), (False, True)],
                          ids=["ort-default", "set_grad_none=False", "set_to_none=False", "set_to_none=True"])
 def test_zero_grad_does_what_torch_zero_grad_does_with_the_same_set_to_none(set_grad_none, argument):
