@@ -656,6 +656,31 @@ def test_grad_scaler_with_fp16_params_and_masters_equals_grad_scaler_with_torch_
     assert_params_close([ours.state[p]["master_param"] for p in half], fp32, **FP32_VS_TORCH)
 
 
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_global_clipping_over_groups_and_dtypes_equals_clip_grad_norm_then_torch_adamw(low, backend):
+    """max_grad_norm clips by the norm over all params of the optimizer (issue 3): here two groups with their own
+    lr and weight decay, fp32 params in one and low-precision params with masters in the other, against
+    clip_grad_norm_ over fp32 copies of all of them followed by torch.optim.AdamW with the same groups. The norm is
+    summed in another order than torch's (the clip coefficient may differ in its last bit), hence FP32_VS_TORCH."""
+    gen = torch.Generator().manual_seed(9)
+    fp32 = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(5,), (3, 4)]]
+    lows = [torch.nn.Parameter(torch.randn(s, generator=gen).to(low)) for s in [(6,), (), (2, 3)]]
+    copies = [torch.nn.Parameter(p.detach().float()) for p in fp32 + lows]
+    groups = lambda a, b: [{"params": a}, {"params": b, "lr": 3e-3, "weight_decay": 0.1}]  # noqa: E731
+    ours = FusedAdam(groups(fp32, lows), lr=1e-2, master_weights=True, max_grad_norm=1.0, **TORCH_ADAMW)
+    theirs = torch.optim.AdamW(groups(copies[:2], copies[2:]), lr=1e-2, foreach=False)
+    clipped = 0
+    for k in range(STEPS):
+        for p, q in zip(fp32 + lows, copies):
+            p.grad = (torch.randn(p.shape, generator=gen) * (0.2 + k % 3)).to(p.dtype)
+            q.grad = p.grad.float().clone()  # (a copy: clip_grad_norm_ below clips it in place)
+        clipped += float(torch.nn.utils.clip_grad_norm_(copies, 1.0)) > 1.0
+        ours.step()
+        theirs.step()
+    assert 0 < clipped < STEPS  # both regimes were exercised
+    assert_params_close(fp32 + [ours.state[p]["master_param"] for p in lows], copies, **FP32_VS_TORCH)
+
+
 def test_a_value_written_into_a_param_with_a_master_is_overwritten_unless_copied_into_the_master_as_documented(
         backend):
     """FusedAdam's docstring (master_weights): the master is what the optimizer updates; after writing the params
