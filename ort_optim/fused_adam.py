@@ -823,7 +823,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """torch.optim.AdamW's layout in canonical form: fresh tensors, moments and masters unscaled float32
-        (float64 for float64 params), a float64 per-parameter ``step``. It loads into FusedAdam with any state
+        (float64 for float64 params), a float64 per-parameter ``step`` (torch's AdamW keeps a float32 one, which stops
+        counting at 2**24; torch loads either and reads it as a number). It loads into FusedAdam with any state
         dtypes, into torch.optim.AdamW, and with ``torch.load(weights_only=True)``. The per-element states of
         DTensor params are DTensors laid out like their params (``step`` stays a plain tensor), which is what
         ``torch.distributed.checkpoint`` saves and reshards. Hooks registered with ``register_state_dict_pre_hook`` /
