@@ -437,6 +437,49 @@ def test_zero_grad_does_what_torch_zero_grad_does_with_the_same_set_to_none(set_
     assert results[0][0] == set_to_none
 
 
+# ---- copies of the optimizer ---------------------------------------------------------------------------------
+
+COPY_SETUPS = {
+    "fp16-masters-fp16-moments-clip": dict(dtype=torch.float16, options=dict(master_weights=True, max_grad_norm=1.0,
+                                                                             exp_avg_dtype=torch.float16)),
+    "step-in-backward": dict(dtype=torch.float32, options=dict(step_in_backward=True)),
+}
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("setup", COPY_SETUPS)
+def test_a_model_and_its_optimizer_copied_together_train_on_exactly_as_the_original(setup, how, backend, tmp_path):
+    """copy.deepcopy((model, optimizer)) or torch.save of both (snapshots, EMA teachers, forked runs): the copy's
+    optimizer holds the copy's params (with step_in_backward: its hooks are on them) and every option, and from
+    then on it steps bit for bit as the original does."""
+    dtype, options = COPY_SETUPS[setup]["dtype"], COPY_SETUPS[setup]["options"]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)).to(dtype)
+    opt = FusedAdam(model.parameters(), lr=torch.tensor(1e-2), amsgrad=True, weight_decay=0.1, **options)
+    x = torch.linspace(-1, 1, 32).view(8, 4).to(dtype)
+
+    def train(m, o, k):
+        o.zero_grad()
+        m(x * (k + 1)).square().mean().backward()
+        if not o.step_in_backward:
+            o.step()
+
+    for k in range(3):
+        train(model, opt, k)
+    if how == "deepcopy":
+        model_copy, opt_copy = copy.deepcopy((model, opt))
+    else:
+        torch.save((model, opt), tmp_path / "both.pt")
+        model_copy, opt_copy = torch.load(tmp_path / "both.pt", weights_only=False)
+    assert all(a is b for a, b in zip(opt_copy.param_groups[0]["params"], model_copy.parameters()))
+    for k in range(3, 13):
+        train(model, opt, k)
+        train(model_copy, opt_copy, k)
+    for a, b in zip(model.parameters(), model_copy.parameters()):
+        assert_bitwise_equal(a.detach(), b.detach())
+    assert_tree_bitwise_equal(opt.state_dict(), opt_copy.state_dict(), "state_dict")
+
+
 # ---- step()'s grad_scale and found_inf when they are wrong ---------------------------------------------------------
 
 BAD_STEP_ARGUMENTS = [
