@@ -95,6 +95,15 @@ ORT_SIGNATURE = [
 ]
 
 
+def test_repr_is_torchs_with_every_group_option():
+    p, opt = one_param_optimizer(lr=0.5, weight_decay=0.25)
+    text = repr(opt)
+    assert text.startswith("FusedAdam (\nParameter Group 0\n")
+    for key, value in opt.param_groups[0].items():
+        if key != "params":
+            assert f"    {key}: {value}\n" in text, key
+
+
 def test_the_first_eight_parameters_are_orts_in_order_with_its_defaults_and_the_rest_are_keyword_only():
     parameters = list(inspect.signature(FusedAdam).parameters.values())
     assert [(p.name, p.default) for p in parameters[:8]] == ORT_SIGNATURE
@@ -591,6 +600,31 @@ def test_named_params_checkpoints_go_both_ways_with_torch_adamw(backend):
     ours_then_torch = torch.optim.AdamW(copy.deepcopy(twin).named_parameters(), foreach=False)
     ours_then_torch.load_state_dict(ours.state_dict())
     assert torch_then_ours.param_groups[0]["param_names"] == ours_then_torch.param_groups[0]["param_names"]
+
+
+@pytest.mark.parametrize("moments", [None, torch.float16, torch.uint8], ids=["fp32-moments", "fp16", "8-bit"])
+def test_a_torch_adamw_state_moved_in_process_is_copied_never_shared(moments, backend):
+    """torch's state_dict() hands out its live state tensors: FusedAdam.load_state_dict must copy them (also when
+    the dtypes match and aliasing would be possible), so that neither optimizer's steps reach the other."""
+    their_params = make_params()
+    theirs = torch.optim.AdamW(their_params, amsgrad=True, foreach=False)
+    for k in range(5):
+        set_grads(their_params, k)
+        theirs.step()
+    ours_params = [torch.nn.Parameter(p.detach().clone()) for p in their_params]
+    ours = FusedAdam(ours_params, amsgrad=True, exp_avg_dtype=moments, exp_avg_sq_dtype=moments, **TORCH_ADAMW)
+    transferred = theirs.state_dict()
+    ours.load_state_dict(transferred)
+    before = optimizer_snapshot(theirs)
+    for k in range(5, 15):
+        set_grads(ours_params, k)
+        ours.step()
+    assert_tree_bitwise_equal(optimizer_snapshot(theirs), before, "torch's optimizer")
+    ours_before = ours.state_dict()
+    for k in range(5, 15):
+        set_grads(their_params, k)
+        theirs.step()
+    assert_tree_bitwise_equal(ours.state_dict(), ours_before, "FusedAdam after torch stepped on")
 
 
 CHECKPOINT_CONFIGS = {
