@@ -119,8 +119,12 @@ def canonical(state_dict: dict, shapes: dict) -> dict:
     for group in state_dict["param_groups"]:
         # tensor-valued entries (an lr tensor, a scheduler's initial_lr) are copies too: a scheduler that fills the lr
         # in place must not write into a saved checkpoint, nor the checkpoint's user into the optimizer
-        groups.append({key: value if key == "params" else _copy(value, enums_as_values=True)
-                       for key, value in group.items()})
+        saved = {key: value if key == "params" else _copy(value, enums_as_values=True) for key, value in group.items()}
+        if saved.get("adam_w_mode") == AdamWMode.ADAMW_TORCH:
+            # torch >= 2.5 reads a group without it as decoupled_weight_decay=False: loaded into
+            # torch.optim.Adam(decoupled_weight_decay=True), torch's AdamW math would silently become L2 decay
+            saved["decoupled_weight_decay"] = True
+        groups.append(saved)
     return {"state": state, "param_groups": groups}
 
 

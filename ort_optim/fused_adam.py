@@ -825,11 +825,12 @@ class FusedAdam(torch.optim.Optimizer):
         """torch.optim.AdamW's layout in canonical form: fresh tensors, moments and masters unscaled float32
         (float64 for float64 params), a float64 per-parameter ``step`` (torch's AdamW keeps a float32 one, which stops
         counting at 2**24; torch loads either and reads it as a number). It loads into FusedAdam with any state
-        dtypes, into torch.optim.AdamW, and with ``torch.load(weights_only=True)``. The per-element states of
-        DTensor params are DTensors laid out like their params (``step`` stays a plain tensor), which is what
-        ``torch.distributed.checkpoint`` saves and reshards. Hooks registered with ``register_state_dict_pre_hook`` /
-        ``register_state_dict_post_hook`` run as in torch.optim; the post hooks get (and may replace) this canonical
-        form."""
+        dtypes, into torch.optim.AdamW (and, as ``ADAMW_TORCH`` groups also save ``decoupled_weight_decay=True``,
+        into torch >= 2.5's ``Adam(decoupled_weight_decay=True)``), and with ``torch.load(weights_only=True)``. The
+        per-element states of DTensor params are DTensors laid out like their params (``step`` stays a plain tensor),
+        which is what ``torch.distributed.checkpoint`` saves and reshards. Hooks registered with
+        ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` run as in torch.optim; the post hooks
+        get (and may replace) this canonical form."""
         params = [p for group in self.param_groups for p in group["params"]]  # torch's ids are these positions
         # torch.optim.Optimizer.state_dict packs and runs the hooks; the post hooks (register_state_dict_post_hook)
         # must see what this method returns, the canonical form, so they run here, after it is made.

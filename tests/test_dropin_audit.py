@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 
 import numpy as np
 import pytest
@@ -112,6 +111,17 @@ def test_the_first_eight_parameters_are_orts_in_order_with_its_defaults_and_the_
     assert {"amsgrad", "maximize"} <= {p.name for p in parameters[8:]}
 
 
+def test_step_takes_a_closure_and_keyword_only_grad_scale_and_found_inf():
+    """Issue 3: ``step(closure=None, *, grad_scale=None, found_inf=None)``."""
+    parameters = list(inspect.signature(FusedAdam.step).parameters.values())[1:]
+    assert [(p.name, p.kind, p.default) for p in parameters] == [
+        ("closure", inspect.Parameter.POSITIONAL_OR_KEYWORD, None),
+        ("grad_scale", inspect.Parameter.KEYWORD_ONLY, None),
+        ("found_inf", inspect.Parameter.KEYWORD_ONLY, None),
+    ]
+    assert FusedAdam._step_supports_amp_scaling is True  # torch.amp.GradScaler's protocol for fused optimizers
+
+
 @pytest.mark.parametrize("name,value", [("ADAM_L2_REGULARIZATION", 0), ("ADAMW_TRANSFORMERS", 1), ("ADAMW_TORCH", 2)])
 def test_adamw_mode_has_orts_names_and_int_values(name, value):
     mode = AdamWMode[name]
@@ -143,7 +153,8 @@ BAD_OPTIONS = [
     ("lr-bool", dict(lr=True), ValueError, r"lr must be a float >= 0, got True"),
     # apex's FusedAdam has adam_w_mode=True/False; True (decoupled, torch's eps placement) once read as mode 1 (HF's)
     ("adam-w-mode-apex-bool", dict(adam_w_mode=True), ValueError,
-     r"adam_w_mode must be an AdamWMode \(0, 1 or 2\), got True\. apex's adam_w_mode=True .* is AdamWMode\.ADAMW_TORCH"),
+     r"adam_w_mode must be an AdamWMode \(0, 1 or 2\), got True\. apex's adam_w_mode=True .* is "
+     r"AdamWMode\.ADAMW_TORCH"),
     ("lr-nan", dict(lr=float("nan")), ValueError, r"lr must be a float >= 0, got nan"),
     ("lr-string", dict(lr="1e-3"), ValueError, r"lr must be a float >= 0, got '1e-3'"),
     ("lr-none", dict(lr=None), ValueError, r"lr must be a float >= 0, got None"),
@@ -305,8 +316,8 @@ def test_bias_correction_off_in_one_group_and_on_in_the_other_matches_the_float6
     opt = FusedAdam([{"params": params[:3], "bias_correction": False}, {"params": params[3:]}], 1e-2,
                     adam_w_mode=mode, weight_decay=0.1, amsgrad=amsgrad)
     expected = [p.detach().double() for p in params]
-    states = [{"step": 0, "m": torch.zeros(p.shape, dtype=torch.float64), "v": torch.zeros(p.shape, dtype=torch.float64),
-               "vmax": torch.zeros(p.shape, dtype=torch.float64)} for p in params]
+    zeros = lambda p: torch.zeros(p.shape, dtype=torch.float64)  # noqa: E731
+    states = [{"step": 0, "m": zeros(p), "v": zeros(p), "vmax": zeros(p)} for p in params]
     for k in range(STEPS):
         set_grads(params, k, missing={k % 5})
         for i, p in enumerate(params):
@@ -570,6 +581,27 @@ def test_from_optimizer_takes_adam_with_decoupled_weight_decay_and_continues_as_
         FusedAdam.from_optimizer(torch.optim.Adam(make_params(), weight_decay=0.1, decoupled_weight_decay=False))
 
 
+@needs_decoupled_adam
+def test_an_adamw_torch_checkpoint_loads_into_adam_with_decoupled_weight_decay_and_continues_as_we_do(backend):
+    """A group saved without decoupled_weight_decay reads as False in torch >= 2.5's Adam: our ADAMW_TORCH groups
+    say True, so torch.optim.Adam(decoupled_weight_decay=True) goes on with AdamW's math, not L2 decay."""
+    ours_params = make_params()
+    ours = FusedAdam(ours_params, lr=1e-2, **{**TORCH_ADAMW, "weight_decay": 0.1})
+    for k in range(5):
+        set_grads(ours_params, k)
+        ours.step()
+    their_params = [torch.nn.Parameter(p.detach().clone()) for p in ours_params]
+    theirs = torch.optim.Adam(their_params, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, foreach=False)
+    theirs.load_state_dict(ours.state_dict())
+    assert theirs.param_groups[0]["decoupled_weight_decay"] is True
+    for k in range(5, 5 + STEPS):
+        set_grads(ours_params, k)
+        set_grads(their_params, k)
+        ours.step()
+        theirs.step()
+    assert_params_close(ours_params, their_params, **FP32_VS_TORCH)
+
+
 @pytest.mark.parametrize("keyword,value", [("lr", 0.5), ("weight_decay", 0.0), ("betas", (0.8, 0.9)), ("eps", 1e-6),
                                            ("amsgrad", True), ("maximize", True), ("bias_correction", False),
                                            ("adam_w_mode", AdamWMode.ADAMW_TRANSFORMERS)])
@@ -577,7 +609,7 @@ def test_from_optimizer_refuses_keywords_that_the_groups_would_silently_override
     """Passed through to the constructor, these are only defaults, which every converted group overrides with
     torch's value: FusedAdam.from_optimizer(adamw, weight_decay=0.0) kept weight_decay=0.01 without a word."""
     torch_optimizer = torch.optim.AdamW(make_params())
-    with pytest.raises(TypeError, match=rf"FusedAdam\.from_optimizer: {keyword} come from the optimizer's param groups"):
+    with pytest.raises(TypeError, match=rf"FusedAdam\.from_optimizer: {keyword} come from the optimizer's param "):
         FusedAdam.from_optimizer(torch_optimizer, **{keyword: value})
     assert FusedAdam.from_optimizer(torch_optimizer, master_weights=True).master_weights  # the other options pass
 
