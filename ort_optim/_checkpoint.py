@@ -119,7 +119,7 @@ def canonical(state_dict: dict, shapes: dict) -> dict:
     for group in state_dict["param_groups"]:
         # tensor-valued entries (an lr tensor, a scheduler's initial_lr) are copies too: a scheduler that fills the lr
         # in place must not write into a saved checkpoint, nor the checkpoint's user into the optimizer
-        saved = {key: value if key == "params" else _copy(value, enums_as_values=True) for key, value in group.items()}
+        saved = {key: value if key == "params" else _copy(value, plain_values=True) for key, value in group.items()}
         if saved.get("adam_w_mode") == AdamWMode.ADAMW_TORCH:
             # torch >= 2.5 reads a group without it as decoupled_weight_decay=False: loaded into
             # torch.optim.Adam(decoupled_weight_decay=True), torch's AdamW math would silently become L2 decay
@@ -128,19 +128,23 @@ def canonical(state_dict: dict, shapes: dict) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def _copy(value: Any, enums_as_values: bool = False) -> Any:
+def _copy(value: Any, plain_values: bool = False) -> Any:
     """A copy of a group entry: tensors cloned, containers rebuilt, other values shared (they are immutable).
-    enums_as_values (saving): enums become their values, since an enum (an AdamWMode assigned to
-    param_groups[i]['adam_w_mode']) makes a checkpoint unloadable with weights_only=True; loading keeps what it is
-    given, as it is given."""
-    if enums_as_values and isinstance(value, enum.Enum):
+    plain_values (saving): enums become their values and numpy scalars Python numbers, since an enum (an AdamWMode
+    assigned to param_groups[i]['adam_w_mode']) or a numpy scalar (the lr of an LR scheduler whose lambda computes
+    with numpy, e.g. a cosine) makes a checkpoint unloadable with weights_only=True; loading keeps what it is given,
+    as it is given."""
+    if plain_values and isinstance(value, enum.Enum):
         return value.value
+    if (plain_values and isinstance(value, numbers.Number) and type(value) not in (bool, int, float, complex)
+            and hasattr(value, "item")):
+        return value.item()
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, dict):
-        return {key: _copy(item, enums_as_values) for key, item in value.items()}
+        return {key: _copy(item, plain_values) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return (type(value)(_copy(item, enums_as_values) for item in value) if type(value) in (list, tuple)
+        return (type(value)(_copy(item, plain_values) for item in value) if type(value) in (list, tuple)
                 else copy.deepcopy(value))
     return value
 

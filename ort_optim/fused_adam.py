@@ -826,7 +826,8 @@ class FusedAdam(torch.optim.Optimizer):
         (float64 for float64 params), a float64 per-parameter ``step`` (torch's AdamW keeps a float32 one, which stops
         counting at 2**24; torch loads either and reads it as a number). It loads into FusedAdam with any state
         dtypes, into torch.optim.AdamW (and, as ``ADAMW_TORCH`` groups also save ``decoupled_weight_decay=True``,
-        into torch >= 2.5's ``Adam(decoupled_weight_decay=True)``), and with ``torch.load(weights_only=True)``. The
+        into torch >= 2.5's ``Adam(decoupled_weight_decay=True)``), and with ``torch.load(weights_only=True)``
+        (numpy scalars that an LR scheduler put into the groups are saved as Python numbers, enums as ints). The
         per-element states of DTensor params are DTensors laid out like their params (``step`` stays a plain tensor),
         which is what ``torch.distributed.checkpoint`` saves and reshards. Hooks registered with
         ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` run as in torch.optim; the post hooks

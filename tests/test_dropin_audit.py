@@ -699,6 +699,28 @@ def test_a_checkpoint_through_torch_save_and_weights_only_load_resumes_bit_for_b
     assert_tree_bitwise_equal(opt.state_dict(), resumed.state_dict(), "state_dict")
 
 
+def test_a_checkpoint_loads_with_weights_only_after_a_scheduler_computed_the_lr_with_numpy(backend, tmp_path):
+    """A cosine LambdaLR written with numpy puts numpy.float64 into group['lr']; torch.save pickles that as a numpy
+    object, which torch.load(weights_only=True) refuses (torch.optim.AdamW's checkpoint then fails to load). The
+    saved form holds Python numbers instead."""
+    params = make_params()
+    opt = FusedAdam(params, betas=(np.float32(0.9), 0.999), **TORCH_ADAMW)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 * (1 + np.cos(np.pi * k / 10)))
+    for k in range(3):
+        set_grads(params, k)
+        opt.step()
+        scheduler.step()
+    assert isinstance(opt.param_groups[0]["lr"], np.floating)
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    loaded = torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    group = loaded["param_groups"][0]
+    assert type(group["lr"]) is float and group["lr"] == opt.param_groups[0]["lr"]
+    assert type(group["betas"][0]) is float and group["betas"][0] == np.float32(0.9)
+    twin = FusedAdam(make_params(), **TORCH_ADAMW)
+    twin.load_state_dict(loaded)
+    assert twin.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
 def test_steps_keep_counting_exactly_beyond_float32s_2_to_the_24(backend):
     """Trap 1: a float32 step counter stops at 2**24; FusedAdam's per-param step keeps counting (and the bias
     corrections stay exact: at such steps they are 1)."""
