@@ -121,7 +121,8 @@ class FusedAdam(torch.optim.Optimizer):
         bias_correction: divide by :math:`1-\beta^t` (default True).
         betas: :math:`(\beta_1, \beta_2)` (default (0.9, 0.999)).
         eps: :math:`\epsilon` (default 1e-6, ORT's real default; torch's AdamW uses 1e-8).
-        adam_w_mode: the weight-decay variant (default ``ADAMW_TRANSFORMERS``, as ORT).
+        adam_w_mode: the weight-decay variant (default ``ADAMW_TRANSFORMERS``, as ORT). A bool, apex's form of this
+            argument, is refused (ORT read True as ``ADAMW_TRANSFORMERS``; apex's True is ``ADAMW_TORCH``'s math).
         weight_decay: :math:`\lambda` (default 0.0, as ORT; torch's AdamW uses 1e-2).
         set_grad_none: ``zero_grad()`` sets gradients to None (default True).
         amsgrad: use :math:`\max_{s\le t} v_s` in the denominator (default False).
