@@ -170,6 +170,11 @@ class FusedAdam(torch.optim.Optimizer):
             all-reduce of the same two floats, after the data/tensor-parallel one. With it the clipping norm, the
             skip and :attr:`last_grad_norm` cover the whole model (as torchtitan's ``clip_grad_norm_(pp_mesh=)``).
 
+    Options are checked at construction, and a group's at every step (add_param_group, a scheduler's or your own
+    writes): flags must be bools (a ``"False"`` from a config file is refused, not read as True), numbers real
+    (Python's or numpy's, not bools), finite where it matters and in range. A bad one raises a ValueError or TypeError
+    naming it, before anything changes.
+
     A step is ``plan -> backend op``: the optimizer caches, across steps, its buckets (params grouped by device,
     dtype, state dtypes and master) with their state tensors and, on the native CPU backend, a native plan per
     bucket (ops/README.md, "AdamPlan") that holds them and reads each param's ``.grad`` in C++, so a step over
