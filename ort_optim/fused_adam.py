@@ -172,8 +172,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     Options are checked at construction, and a group's at every step (add_param_group, a scheduler's or your own
     writes): flags must be bools (a ``"False"`` from a config file is refused, not read as True), numbers real
-    (Python's or numpy's, not bools), finite where it matters and in range. A bad one raises a ValueError or TypeError
-    naming it, before anything changes.
+    (Python's or numpy's, not bools) and in range (lr, eps, weight_decay >= 0, so not NaN; betas in [0, 1)). A bad
+    one raises a ValueError or TypeError naming it, before anything changes.
 
     A step is ``plan -> backend op``: the optimizer caches, across steps, its buckets (params grouped by device,
     dtype, state dtypes and master) with their state tensors and, on the native CPU backend, a native plan per
