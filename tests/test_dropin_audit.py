@@ -107,15 +107,6 @@ ORT_SIGNATURE = [
 ]
 
 
-def test_repr_is_torchs_with_every_group_option():
-    p, opt = one_param_optimizer(lr=0.5, weight_decay=0.25)
-    text = repr(opt)
-    assert text.startswith("FusedAdam (\nParameter Group 0\n")
-    for key, value in opt.param_groups[0].items():
-        if key != "params":
-            assert f"    {key}: {value}\n" in text, key
-
-
 def test_the_first_eight_parameters_are_orts_in_order_with_its_defaults_and_the_rest_are_keyword_only():
     parameters = list(inspect.signature(FusedAdam).parameters.values())
     assert [(p.name, p.default) for p in parameters[:8]] == ORT_SIGNATURE
@@ -133,6 +124,15 @@ def test_step_takes_a_closure_and_keyword_only_grad_scale_and_found_inf():
         ("found_inf", inspect.Parameter.KEYWORD_ONLY, None),
     ]
     assert FusedAdam._step_supports_amp_scaling is True  # torch.amp.GradScaler's protocol for fused optimizers
+
+
+def test_repr_is_torchs_with_every_group_option():
+    p, opt = one_param_optimizer(lr=0.5, weight_decay=0.25)
+    text = repr(opt)
+    assert text.startswith("FusedAdam (\nParameter Group 0\n")
+    for key, value in opt.param_groups[0].items():
+        if key != "params":
+            assert f"    {key}: {value}\n" in text, key
 
 
 @pytest.mark.parametrize("name,value", [("ADAM_L2_REGULARIZATION", 0), ("ADAMW_TRANSFORMERS", 1), ("ADAMW_TORCH", 2)])
@@ -324,7 +324,8 @@ def test_ort_modes_read_betas_changed_by_one_cycle_lr_at_every_step(mode, backen
     assert_params_close(params, expected, **FP32_VS_FLOAT64)
 
 
-# ---- bias_correction=False, per group, in every mode -----------------------------------------------------------
+# ---- bias_correction=False, per group, in every mode ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["plain", "amsgrad"])
 @pytest.mark.parametrize("mode", list(AdamWMode), ids=str)
@@ -448,7 +449,7 @@ def test_load_state_dict_hooks_run_and_what_the_pre_hook_returns_is_loaded(backe
     assert their.param_groups[0]["lr"] == 0.5
 
 
-# ---- zero_grad next to torch's ---------------------------------------------------------------------------------
+# ---- zero_grad next to torch's -------------------------------------------------------------------------------------
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # (a grad with a graph, on purpose)
@@ -476,7 +477,7 @@ def test_zero_grad_does_what_torch_zero_grad_does_with_the_same_set_to_none(set_
     assert results[0][0] == set_to_none
 
 
-# ---- copies of the optimizer ---------------------------------------------------------------------------------
+# ---- copies of the optimizer ---------------------------------------------------------------------------------------
 
 COPY_SETUPS = {
     "fp16-masters-fp16-moments-clip": dict(dtype=torch.float16, options=dict(master_weights=True, max_grad_norm=1.0,
@@ -551,7 +552,7 @@ def test_bad_grad_scale_or_found_inf_is_refused_naming_it_and_changes_nothing(ar
     assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
 
 
-# ---- from_optimizer and checkpoints: what torch >= 2.5 adds ---------------------------------------------------------
+# ---- from_optimizer and checkpoints --------------------------------------------------------------------------------
 
 needs_decoupled_adam = pytest.mark.skipif(
     "decoupled_weight_decay" not in inspect.signature(torch.optim.Adam).parameters,
