@@ -78,8 +78,15 @@ def fused(params, clip=CLIP, **kwargs) -> FusedAdam:
                      **kwargs)
 
 
-def torch_adamw(params) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=WD, foreach=False)
+def torch_adamw(params, **kwargs) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=WD, foreach=False, **kwargs)
+
+
+def groups(model) -> list[dict]:
+    """The usual split: no weight decay for biases, and another lr for them."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if not n.endswith("bias")]},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0, "lr": LR / 2}]
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -136,16 +143,19 @@ FSDP_CASES = {  # name: (fsdp kwargs, train kwargs)
     "fp32-noclip": ({}, {"clip": None}),
     "mp-bf16": ({"mp": True}, {}),
     "grad-accumulation": ({}, {"micro": 2}),
+    "amsgrad-maximize-groups": ({}, {"options": {"amsgrad": True, "maximize": True}, "groups": True}),
 }
 
 
 def _fsdp_vs_torch(rank, name):
-    fsdp_kwargs, train_kwargs = FSDP_CASES[name]
+    fsdp_kwargs, case = FSDP_CASES[name]
+    train_kwargs = {k: v for k, v in case.items() if k not in ("options", "groups")}
+    clip, options = case.get("clip", CLIP), case.get("options", {})
     out = {}
     for kind in ("fused", "torch"):
         model = _fsdp(**fsdp_kwargs)
-        clip = train_kwargs.get("clip", CLIP)
-        opt = fused(model.parameters(), clip=clip) if kind == "fused" else torch_adamw(model.parameters())
+        params = groups(model) if case.get("groups") else model.parameters()
+        opt = fused(params, clip=clip, **options) if kind == "fused" else torch_adamw(params, **options)
         sync = (lambda last: _fsdp_sync(model, last)) if train_kwargs.get("micro", 1) > 1 else None
         norms = _train(model, opt, rank, kind, sync=sync, **train_kwargs)
         out[kind] = {"params": [full(p) for p in model.parameters()], "norms": norms,
@@ -209,6 +219,215 @@ def _ddp_vs_torch(rank):
     return out
 
 
+INF_STEPS = (2, 5)  # an inf in rank 1's gradient shard only, at these steps
+LOSS_SCALE = 2.0**8
+
+
+def _poison(model, rank, step):
+    from ort_optim.integrations import dtensor
+
+    if rank == 1 and step in INF_STEPS:
+        dtensor.local(model.inp.weight.grad).view(-1)[0] = float("inf")
+
+
+def _fp16_optimizer_on_fsdp2(rank):
+    """FP16_Optimizer around torch.optim.AdamW (fp32 masters swapped into its groups) and around FusedAdam (its own
+    masters and fused path), on fp16 params sharded by FSDP2, with clipping and an inf on rank 1 only: every rank
+    skips those steps and backs off its scale alike, and the two wrapped optimizers train alike."""
+    out = {}
+    for kind in ("fused", "torch", "torch-fp32"):
+        model = _fsdp(dtype=torch.float32 if kind == "torch-fp32" else torch.float16)
+        inner = fused(model.parameters(), clip=None) if kind == "fused" else torch_adamw(model.parameters())
+        opt = FP16_Optimizer(inner, init_scale=LOSS_SCALE, max_grad_norm=CLIP)
+        record, norms = [], []
+        for step in range(8):
+            x, y = batch(step)
+            x, y = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
+            opt.zero_grad()
+            opt.backward(torch.nn.functional.mse_loss(model(x.to(next(model.parameters()).dtype), step).float(), y))
+            _poison(model, rank, step)
+            opt.step()
+            record.append((opt.skipped, opt.loss_scale))
+            norms.append(opt.last_grad_norm)
+        out[kind] = {"record": record, "norms": [float(n) for n in norms],
+                     "norm_types": sorted({type(n).__name__ for n in norms}),
+                     "masters": [full(m) for m in opt.master_params],
+                     "params": [full(p) for p in model.parameters()]}
+    # The reference for fp32 params: torch.optim.AdamW + clip_grad_norm_, the same steps skipped by hand (a loss
+    # scale of 2**8 unscales exactly, so the masters' path must agree up to the norm's summation order)
+    model = _fsdp()
+    opt = torch_adamw(model.parameters())
+    norms = []
+    for step in range(8):
+        x, y = batch(step)
+        x, y = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x, step), y).backward()
+        if step in INF_STEPS:
+            norms.append(float("inf"))
+            continue
+        norms.append(float(full(torch.nn.utils.clip_grad_norm_(list(model.parameters()), CLIP, foreach=False))))
+        opt.step()
+    out["reference-fp32"] = {"norms": norms, "params": [full(p) for p in model.parameters()]}
+    return out
+
+
+def _grad_scaler_on_fsdp2(rank):
+    """torch.amp.GradScaler driving FusedAdam and torch's fused AdamW under FSDP2, an inf on rank 1 only."""
+    out = {}
+    for kind in ("fused", "torch-fused"):
+        model = _fsdp()
+        opt = (fused(model.parameters(), clip=None) if kind == "fused"
+               else torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WD, fused=True))
+        scaler = torch.amp.GradScaler("cpu", init_scale=LOSS_SCALE)
+        scales = []
+        for step in range(8):
+            x, y = batch(step)
+            x, y = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(model(x, step), y)).backward()
+            _poison(model, rank, step)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        out[kind] = {"scales": scales, "params": [full(p) for p in model.parameters()]}
+    return out
+
+
+def _dcp_between_fused_adam_and_torch(rank, tmp_dir):
+    """A FusedAdam checkpoint (dcp.save of get_optimizer_state_dict) resumed by torch.optim.AdamW, and the other way
+    round, continues as the uninterrupted run does. Their param_groups hold different options (torch's foreach,
+    fused, ...; FusedAdam's adam_w_mode, ...), so the load needs DefaultLoadPlanner(allow_partial_load=True): the
+    state (step, exp_avg, exp_avg_sq) is the same and loads whole."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def make(kind):
+        model = _fsdp()
+        return model, fused(model.parameters()) if kind == "fused" else torch_adamw(model.parameters())
+
+    out = {}
+    for src, dst in (("fused", "torch"), ("torch", "fused")):
+        path = str(Path(tmp_dir) / f"dcp-{src}-to-{dst}")
+        model, opt = make(src)
+        _train(model, opt, rank, src, steps=4)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        _train(model, opt, rank, src, steps=4, start=4)
+        uninterrupted = [full(p) for p in model.parameters()]
+        model, opt = make(dst)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        try:
+            dcp.load(state, checkpoint_id=path)
+            out[f"{src}-to-{dst}-strict"] = "loaded"
+        except BaseException as exc:  # (dcp's CheckpointException carries every rank's error)
+            out[f"{src}-to-{dst}-strict"] = str(exc)[-300:]
+        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        _train(model, opt, rank, dst, steps=4, start=4)
+        out[f"{src}-to-{dst}"] = {"resumed": [full(p) for p in model.parameters()], "uninterrupted": uninterrupted}
+    return out
+
+
+def _full_state_dict_resume(rank):
+    """The full-state-dict path of torch.distributed.checkpoint.state_dict (what a trainer saves with torch.save):
+    gathered with full_state_dict=True, loaded back from rank 0 alone with broadcast_from_rank0=True, into
+    FusedAdam with bf16 first and block-scaled fp16 second moments; resumes bit for bit."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.float16}
+
+    def make():
+        model = _fsdp()
+        return model, fused(model.parameters(), **options)
+
+    model, opt = make()
+    _train(model, opt, rank, "fused", steps=4)
+    gather = StateDictOptions(full_state_dict=True, cpu_offload=True)  # (rank 0 only keeps it)
+    model_sd, optim_sd = get_model_state_dict(model, options=gather), get_optimizer_state_dict(model, opt,
+                                                                                               options=gather)
+    _train(model, opt, rank, "fused", steps=4, start=4)
+    uninterrupted = [full(p) for p in model.parameters()]
+    model, opt = make()
+    scatter = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, model_sd if rank == 0 else {}, options=scatter)
+    set_optimizer_state_dict(model, opt, optim_sd if rank == 0 else {}, options=scatter)
+    _train(model, opt, rank, "fused", steps=4, start=4)
+    return {"resumed": [full(p) for p in model.parameters()], "uninterrupted": uninterrupted,
+            "gathered": sorted(optim_sd["state"]) if rank == 0 else None}
+
+
+def _one_process_checkpoint_into_two_ranks(rank, tmp_dir):
+    """A one-process FusedAdam checkpoint (dcp.save(no_dist=True), plain params) loads into FSDP2 on 2 ranks: the
+    same full states, and training continues like the one process (fp32 averaging order: 1e-5)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    path = str(Path(tmp_dir) / "one-process")
+    single = make_net()
+    single_opt = fused(single.parameters())
+    for step in range(4):  # the whole batch in one process
+        x, y = batch(step)
+        single_opt.zero_grad()
+        torch.nn.functional.mse_loss(single(x, step), y).backward()
+        single_opt.step()
+    saved = {fqn: {k: full(v) for k, v in s.items()} for fqn, s in single_opt.state_dict()["state"].items()}
+    if rank == 0:
+        dcp.save({"model": get_model_state_dict(single), "optim": get_optimizer_state_dict(single, single_opt)},
+                 checkpoint_id=path, no_dist=True)
+    dist.barrier()
+    model = _fsdp()
+    opt = fused(model.parameters())
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    loaded = {i: {k: full(v) for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+    _train(model, opt, rank, "fused", steps=4, start=4)
+    for step in range(4, 8):
+        x, y = batch(step)
+        single_opt.zero_grad()
+        torch.nn.functional.mse_loss(single(x, step), y).backward()
+        single_opt.step()
+    return {"saved": saved, "loaded": loaded, "params": [full(p) for p in model.parameters()],
+            "single": [p.detach().clone() for p in single.parameters()]}
+
+
+def _refusals(rank):
+    """Unsupported distributed input: a clear error naming the param, and nothing changed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    out = {}
+    mesh = init_device_mesh("cpu", (WORLD,))
+    partial = nn.Parameter(DTensor.from_local(torch.ones(2, 2), mesh, [Partial()], run_check=False))
+    try:
+        fused([nn.Parameter(torch.ones(2)), partial])
+        out["partial-param"] = "no error"
+    except ValueError as exc:
+        out["partial-param"] = str(exc)
+    # FP16_Optimizer's master path (a torch optimizer inside) and a gradient laid out unlike its fp16 param
+    w = nn.Parameter(distribute_tensor(torch.ones(4, 2, dtype=torch.float16), mesh, [Shard(0)]))
+    opt = FP16_Optimizer(torch_adamw([w]), init_scale=LOSS_SCALE)
+    w.grad = DTensor.from_local(torch.ones(4, 1, dtype=torch.float16), mesh, [Shard(1)], run_check=False)
+    master_before = full(opt.master_params[0])
+    try:
+        opt.step()
+        out["fp16-layout"] = "no error"
+    except ValueError as exc:
+        out["fp16-layout"] = str(exc)
+    out["fp16-layout-untouched"] = (torch.equal(full(opt.master_params[0]), master_before)
+                                    and torch.equal(w.to_local(), torch.ones(2, 2, dtype=torch.float16))
+                                    and opt.loss_scale == LOSS_SCALE and not opt.optimizer.state)
+    return out
+
+
 def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     out = {"rank": rank}
     out["ddp"] = _ddp_vs_torch(rank)
@@ -217,6 +436,12 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     for name in FSDP_CASES:
         out[f"fsdp-{name}"] = _fsdp_vs_torch(rank, name)
     out["tp"] = _tp_vs_torch(rank)
+    out["fp16-optimizer"] = _fp16_optimizer_on_fsdp2(rank)
+    out["grad-scaler"] = _grad_scaler_on_fsdp2(rank)
+    out["dcp-cross"] = _dcp_between_fused_adam_and_torch(rank, tmp_dir)
+    out["full-state-dict"] = _full_state_dict_resume(rank)
+    out["one-to-two"] = _one_process_checkpoint_into_two_ranks(rank, tmp_dir)
+    out["refusals"] = _refusals(rank)
     return out
 
 
@@ -259,3 +484,83 @@ def test_fsdp2_equals_torch_adamw_under_fsdp2(results, name):
 def test_tensor_parallel_equals_torch_adamw(results):
     for r in results:
         assert_like_torch(r["tp"], 1e-5, what=f"rank {r['rank']} TP")
+
+
+@needs_fsdp2
+def test_fp16_optimizer_on_fsdp2_skips_together_and_agrees_around_torch_adamw_and_fused_adam(results):
+    """Regression: around torch.optim.AdamW on FSDP2's fp16 DTensor params, FP16_Optimizer's step raised
+    NotImplementedError (DTensor has no sharding rule for _foreach_copy_, used to copy gradients into the fp32
+    masters' buffers and masters back into the params)."""
+    want = [(step in INF_STEPS, LOSS_SCALE / 2 ** sum(s <= step for s in INF_STEPS)) for step in range(8)]
+    for r in results:
+        out = r["fp16-optimizer"]
+        for kind in ("fused", "torch", "torch-fp32"):
+            assert out[kind]["record"] == want, (r["rank"], kind, out[kind]["record"])
+            assert out[kind]["norm_types"] == ["Tensor"], (kind, out[kind]["norm_types"])  # a plain tensor
+        # the same global norm (FusedAdam's one all-reduce; DTensor's norm for the masters' path), clipped alike
+        for step, (a, b) in enumerate(zip(out["fused"]["norms"], out["torch"]["norms"])):
+            if step in INF_STEPS:
+                assert a == b == float("inf"), (step, a, b)
+            else:
+                assert abs(a - b) <= 1e-3 * b, (step, a, b)  # fp16 params: the forward diverges by fp16 roundings
+        assert max_diff(out["fused"]["masters"], out["torch"]["masters"]) <= 2e-3
+        # fp32 params, the master path (torch AdamW inside): torch's own recipe on the same FSDP2 model
+        assert out["torch-fp32"]["record"] == want
+        reference = out["reference-fp32"]
+        for step, (a, b) in enumerate(zip(out["torch-fp32"]["norms"], reference["norms"])):
+            assert a == b == float("inf") if step in INF_STEPS else abs(a - b) <= 1e-6 * b, (step, a, b)
+        assert max_diff(out["torch-fp32"]["params"], reference["params"]) <= 1e-6
+        for a, b in zip(out["torch"]["masters"] + out["torch"]["params"],
+                        results[0]["fp16-optimizer"]["torch"]["masters"] + results[0]["fp16-optimizer"]["torch"]["params"]):
+            assert torch.equal(a, b)  # ranks agree bit for bit
+
+
+@needs_fsdp2
+def test_grad_scaler_under_fsdp2_matches_torch_fused_adamw(results):
+    want = [LOSS_SCALE / 2 ** sum(s <= step for s in INF_STEPS) for step in range(8)]
+    for r in results:
+        out = r["grad-scaler"]
+        assert out["fused"]["scales"] == out["torch-fused"]["scales"] == want, r["rank"]
+        assert max_diff(out["fused"]["params"], out["torch-fused"]["params"]) <= 1e-6
+
+
+@needs_fsdp2
+@pytest.mark.parametrize("direction", ["fused-to-torch", "torch-to-fused"])
+def test_dcp_checkpoint_moves_between_fused_adam_and_torch_adamw(results, direction):
+    for r in results:
+        out = r["dcp-cross"]
+        # the strict load names the option torch's or FusedAdam's groups lack (the guide gives the recipe)
+        assert "Missing key in checkpoint state_dict" in out[f"{direction}-strict"], out[f"{direction}-strict"]
+        diff = max_diff(out[direction]["resumed"], out[direction]["uninterrupted"])
+        assert diff <= 1e-6, (r["rank"], direction, diff)
+
+
+@needs_fsdp2
+def test_full_state_dict_broadcast_from_rank0_resumes_bit_for_bit(results):
+    assert results[0]["full-state-dict"]["gathered"]
+    for r in results:
+        out = r["full-state-dict"]
+        for a, b in zip(out["resumed"], out["uninterrupted"]):
+            assert torch.equal(a, b), r["rank"]
+
+
+@needs_fsdp2
+def test_one_process_checkpoint_loads_into_two_ranks(results):
+    for r in results:
+        out = r["one-to-two"]
+        assert out["loaded"].keys() == out["saved"].keys()
+        for i in out["saved"]:
+            for key, value in out["saved"][i].items():
+                assert torch.equal(out["loaded"][i][key], value), (r["rank"], i, key)
+        assert max_diff(out["params"], out["single"]) <= 1e-5
+
+
+@needs_fsdp2
+def test_unsupported_distributed_input_is_refused_naming_the_param(results):
+    for r in results:
+        out = r["refusals"]
+        assert "param_groups[0]['params'][1]" in out["partial-param"] and "partial sum" in out["partial-param"], \
+            out["partial-param"]
+        assert "param_groups[0]['params'][0]" in out["fp16-layout"] and "laid out alike" in out["fp16-layout"], \
+            out["fp16-layout"]
+        assert out["fp16-layout-untouched"]
