@@ -972,11 +972,13 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
                 if device in copy_src:  # (DTensors: their local pieces, laid out alike: checked above)
                     torch._foreach_copy_(_locals(copy_dst[device]), _locals(copy_src[device]))
                 dev_found = torch.zeros((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, dev_found, inv_scale.to(device))
+                # (DTensor gradients: each rank checks its pieces; the flag is all-reduced below)
+                pieces = _locals(grads)
+                torch._amp_foreach_non_finite_check_and_unscale_(pieces, dev_found, inv_scale.to(device))
                 if self.scaler.min_scale < 1.0:
                     # torch's op checks before multiplying; with 1/scale > 1 the product itself can overflow: check
                     # the unscaled values once more (an inv_scale of 1 makes the op check only).
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, dev_found, torch.ones((), device=device))
+                    torch._amp_foreach_non_finite_check_and_unscale_(pieces, dev_found, torch.ones((), device=device))
                 found_inf = torch.maximum(found_inf, dev_found.to(self._main_device))
             found_inf = self._reduce_found_inf(found_inf.reshape(1)).reshape(())
 

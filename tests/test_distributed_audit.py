@@ -176,20 +176,31 @@ class _fsdp_sync:  # noqa: N801 (a context manager used like DDP's no_sync)
         self.model.set_requires_gradient_sync(True)
 
 
-def _tp_vs_torch(rank):
+def _tp(dtype=torch.float32) -> nn.Module:
+    """Tensor parallel on the 2 ranks: a column-wise Linear (6 rows: 3 + 3) then a row-wise one, whose bias is
+    replicated (each rank holds all of it: the global norm must count it once). Every rank sees the same batch."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.GELU(), nn.Linear(6, 3)).to(dtype)
+    return parallelize_module(model, init_device_mesh("cpu", (WORLD,)), {"0": ColwiseParallel(),
+                                                                         "2": RowwiseParallel()})
+
+
+def tp_batch(step: int):
+    g = torch.Generator().manual_seed(900 + step)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _tp_vs_torch(rank):
     out = {}
     for kind in ("fused", "torch"):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 6), nn.GELU(), nn.Linear(6, 3))
-        parallelize_module(model, init_device_mesh("cpu", (WORLD,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        model = _tp()
         opt = fused(model.parameters()) if kind == "fused" else torch_adamw(model.parameters())
         norms = []
         for step in range(STEPS):
-            g = torch.Generator().manual_seed(900 + step)
-            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)  # the same batch on both ranks
+            x, y = tp_batch(step)
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             if kind == "torch":
@@ -230,45 +241,63 @@ def _poison(model, rank, step):
         dtensor.local(model.inp.weight.grad).view(-1)[0] = float("inf")
 
 
-def _fp16_optimizer_on_fsdp2(rank):
-    """FP16_Optimizer around torch.optim.AdamW (fp32 masters swapped into its groups) and around FusedAdam (its own
-    masters and fused path), on fp16 params sharded by FSDP2, with clipping and an inf on rank 1 only: every rank
-    skips those steps and backs off its scale alike, and the two wrapped optimizers train alike."""
-    out = {}
-    for kind in ("fused", "torch", "torch-fp32"):
-        model = _fsdp(dtype=torch.float32 if kind == "torch-fp32" else torch.float16)
-        inner = fused(model.parameters(), clip=None) if kind == "fused" else torch_adamw(model.parameters())
-        opt = FP16_Optimizer(inner, init_scale=LOSS_SCALE, max_grad_norm=CLIP)
-        record, norms = [], []
-        for step in range(8):
+def _fp16_optimizer_run(rank, engine: str, kind: str) -> dict:
+    """FP16_Optimizer on DTensor params (engine 'fsdp2': data parallel, the Net; 'tp': the same batch everywhere),
+    with clipping and an inf in rank 1's local gradient only. kind: 'fused' (FusedAdam inside: its masters and fused
+    path), 'torch' (torch.optim.AdamW inside: fp32 masters swapped into its groups), 'torch-fp32' (the same on fp32
+    params, where only the scaling, the skip and the clipping remain); the first two on fp16 params."""
+    from ort_optim.integrations import dtensor
+
+    dtype = torch.float32 if kind == "torch-fp32" else torch.float16
+    model = _fsdp(dtype=dtype) if engine == "fsdp2" else _tp(dtype)
+    inner = fused(model.parameters(), clip=None) if kind == "fused" else torch_adamw(model.parameters())
+    opt = FP16_Optimizer(inner, init_scale=LOSS_SCALE, max_grad_norm=CLIP)
+    first = next(model.parameters())
+    record, norms = [], []
+    for step in range(8):
+        opt.zero_grad()
+        if engine == "fsdp2":
             x, y = batch(step)
             x, y = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
-            opt.zero_grad()
-            opt.backward(torch.nn.functional.mse_loss(model(x.to(next(model.parameters()).dtype), step).float(), y))
-            _poison(model, rank, step)
-            opt.step()
-            record.append((opt.skipped, opt.loss_scale))
-            norms.append(opt.last_grad_norm)
-        out[kind] = {"record": record, "norms": [float(n) for n in norms],
-                     "norm_types": sorted({type(n).__name__ for n in norms}),
-                     "masters": [full(m) for m in opt.master_params],
-                     "params": [full(p) for p in model.parameters()]}
-    # The reference for fp32 params: torch.optim.AdamW + clip_grad_norm_, the same steps skipped by hand (a loss
-    # scale of 2**8 unscales exactly, so the masters' path must agree up to the norm's summation order)
-    model = _fsdp()
+            opt.backward(torch.nn.functional.mse_loss(model(x.to(dtype), step).float(), y))
+        else:
+            x, y = tp_batch(step)
+            opt.backward(torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y))
+        if rank == 1 and step in INF_STEPS:
+            dtensor.local(first.grad).view(-1)[0] = float("inf")
+        opt.step()
+        record.append((opt.skipped, opt.loss_scale))
+        norms.append(opt.last_grad_norm)
+    return {"record": record, "norms": [float(n) for n in norms], "norm_types": sorted({type(n).__name__ for n in norms}),
+            "masters": [full(m) for m in opt.master_params], "params": [full(p) for p in model.parameters()]}
+
+
+def _clipped_torch_reference(rank, engine: str) -> dict:
+    """torch.optim.AdamW + clip_grad_norm_ on the fp32 model of _fp16_optimizer_run, the poisoned steps skipped by
+    hand: what FP16_Optimizer around torch.optim.AdamW must equal on fp32 params (a loss scale of 2**8 unscales
+    exactly; the norm's summation order differs)."""
+    model = _fsdp() if engine == "fsdp2" else _tp()
     opt = torch_adamw(model.parameters())
     norms = []
     for step in range(8):
-        x, y = batch(step)
-        x, y = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x, step), y).backward()
+        if engine == "fsdp2":
+            x, y = batch(step)
+            torch.nn.functional.mse_loss(model(x.chunk(WORLD)[rank], step), y.chunk(WORLD)[rank]).backward()
+        else:
+            x, y = tp_batch(step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
         if step in INF_STEPS:
             norms.append(float("inf"))
             continue
         norms.append(float(full(torch.nn.utils.clip_grad_norm_(list(model.parameters()), CLIP, foreach=False))))
         opt.step()
-    out["reference-fp32"] = {"norms": norms, "params": [full(p) for p in model.parameters()]}
+    return {"norms": norms, "params": [full(p) for p in model.parameters()]}
+
+
+def _fp16_optimizer_on(rank, engine: str) -> dict:
+    out = {kind: _fp16_optimizer_run(rank, engine, kind) for kind in ("fused", "torch", "torch-fp32")}
+    out["reference-fp32"] = _clipped_torch_reference(rank, engine)
     return out
 
 
@@ -402,7 +431,11 @@ def _one_process_checkpoint_into_two_ranks(rank, tmp_dir):
 def _refusals(rank):
     """Unsupported distributed input: a clear error naming the param, and nothing changed."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    try:  # torch >= 2.5; torch 2.4's private module has the same classes
+        from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+    except ImportError:
+        from torch.distributed._tensor import DTensor, Partial, Shard, distribute_tensor
 
     out = {}
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -431,17 +464,18 @@ def _refusals(rank):
 def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     out = {"rank": rank}
     out["ddp"] = _ddp_vs_torch(rank)
+    out["tp"] = _tp_vs_torch(rank)
+    out["fp16-optimizer-tp"] = _fp16_optimizer_on(rank, "tp")
+    out["refusals"] = _refusals(rank)
     if FSDP2_REASON is not None:
         return out
     for name in FSDP_CASES:
         out[f"fsdp-{name}"] = _fsdp_vs_torch(rank, name)
-    out["tp"] = _tp_vs_torch(rank)
-    out["fp16-optimizer"] = _fp16_optimizer_on_fsdp2(rank)
+    out["fp16-optimizer-fsdp2"] = _fp16_optimizer_on(rank, "fsdp2")
     out["grad-scaler"] = _grad_scaler_on_fsdp2(rank)
     out["dcp-cross"] = _dcp_between_fused_adam_and_torch(rank, tmp_dir)
     out["full-state-dict"] = _full_state_dict_resume(rank)
     out["one-to-two"] = _one_process_checkpoint_into_two_ranks(rank, tmp_dir)
-    out["refusals"] = _refusals(rank)
     return out
 
 
@@ -480,39 +514,36 @@ def test_fsdp2_equals_torch_adamw_under_fsdp2(results, name):
     assert results[1][f"fsdp-{name}"]["fused"]["local"][2] == (0, 5)  # rank 1's head shard is empty
 
 
-@needs_fsdp2
 def test_tensor_parallel_equals_torch_adamw(results):
     for r in results:
         assert_like_torch(r["tp"], 1e-5, what=f"rank {r['rank']} TP")
 
 
-@needs_fsdp2
-def test_fp16_optimizer_on_fsdp2_skips_together_and_agrees_around_torch_adamw_and_fused_adam(results):
-    """Regression: around torch.optim.AdamW on FSDP2's fp16 DTensor params, FP16_Optimizer's step raised
+@pytest.mark.parametrize("engine", [pytest.param("fsdp2", marks=needs_fsdp2), "tp"])
+def test_fp16_optimizer_on_dtensors_skips_together_and_agrees_around_torch_adamw_and_fused_adam(results, engine):
+    """Regression: around torch.optim.AdamW on DTensor fp16 params (FSDP2, TP), FP16_Optimizer's step raised
     NotImplementedError (DTensor has no sharding rule for _foreach_copy_, used to copy gradients into the fp32
-    masters' buffers and masters back into the params)."""
+    masters' buffers and masters back into the params); its last_grad_norm was a DTensor, and master_params were
+    DTensors around torch's optimizer but FusedAdam's local pieces around FusedAdam."""
     want = [(step in INF_STEPS, LOSS_SCALE / 2 ** sum(s <= step for s in INF_STEPS)) for step in range(8)]
+    first = results[0][f"fp16-optimizer-{engine}"]
     for r in results:
-        out = r["fp16-optimizer"]
+        out = r[f"fp16-optimizer-{engine}"]
         for kind in ("fused", "torch", "torch-fp32"):
-            assert out[kind]["record"] == want, (r["rank"], kind, out[kind]["record"])
+            assert out[kind]["record"] == want, (r["rank"], kind, out[kind]["record"])  # one decision, one scale
             assert out[kind]["norm_types"] == ["Tensor"], (kind, out[kind]["norm_types"])  # a plain tensor
-        # the same global norm (FusedAdam's one all-reduce; DTensor's norm for the masters' path), clipped alike
+            for a, b in zip(out[kind]["masters"] + out[kind]["params"], first[kind]["masters"] + first[kind]["params"]):
+                assert torch.equal(a, b)  # ranks agree bit for bit
+        # fp16 params: the same global norm (FusedAdam's one all-reduce; DTensor's norm on the masters' path) and the
+        # same training, up to fp16 roundings in the forward that the small differences of the updates flip
         for step, (a, b) in enumerate(zip(out["fused"]["norms"], out["torch"]["norms"])):
-            if step in INF_STEPS:
-                assert a == b == float("inf"), (step, a, b)
-            else:
-                assert abs(a - b) <= 1e-3 * b, (step, a, b)  # fp16 params: the forward diverges by fp16 roundings
+            assert a == b == float("inf") if step in INF_STEPS else abs(a - b) <= 1e-3 * b, (step, a, b)
         assert max_diff(out["fused"]["masters"], out["torch"]["masters"]) <= 2e-3
-        # fp32 params, the master path (torch AdamW inside): torch's own recipe on the same FSDP2 model
-        assert out["torch-fp32"]["record"] == want
+        # fp32 params (torch AdamW inside): torch's own recipe on the same model, clip_grad_norm_ included
         reference = out["reference-fp32"]
         for step, (a, b) in enumerate(zip(out["torch-fp32"]["norms"], reference["norms"])):
             assert a == b == float("inf") if step in INF_STEPS else abs(a - b) <= 1e-6 * b, (step, a, b)
         assert max_diff(out["torch-fp32"]["params"], reference["params"]) <= 1e-6
-        for a, b in zip(out["torch"]["masters"] + out["torch"]["params"],
-                        results[0]["fp16-optimizer"]["torch"]["masters"] + results[0]["fp16-optimizer"]["torch"]["params"]):
-            assert torch.equal(a, b)  # ranks agree bit for bit
 
 
 @needs_fsdp2
@@ -555,7 +586,6 @@ def test_one_process_checkpoint_loads_into_two_ranks(results):
         assert max_diff(out["params"], out["single"]) <= 1e-5
 
 
-@needs_fsdp2
 def test_unsupported_distributed_input_is_refused_naming_the_param(results):
     for r in results:
         out = r["refusals"]
