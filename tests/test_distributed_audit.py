@@ -461,12 +461,76 @@ def _refusals(rank):
     return out
 
 
+try:
+    import deepspeed  # noqa: F401
+
+    DEEPSPEED_REASON = None
+except Exception as exc:  # not installed (the torch 2.13 environment), or a missing dependency of it
+    DEEPSPEED_REASON = f"DeepSpeed is not importable here ({type(exc).__name__}: {exc})"
+DS_STAGES = (1, 2, 3)
+DS_STEPS = 4  # optimizer steps, of 2 accumulated micro-batches each
+DS_KINDS = ("torch", "fused", "fused-pipeline-group", "fused-refused")
+
+
+def _deepspeed_run(rank, stage: int, kind: str) -> dict:
+    """DeepSpeed ZeRO `stage` (fp32, 2 accumulated micro-batches per step) with a client optimizer. torch: torch's
+    AdamW, DeepSpeed's gradient_clipping; fused: FusedAdam, the same; fused-pipeline-group: FusedAdam clipping by
+    itself with pipeline_group over the ZeRO partitions' group (here the world); fused-refused: FusedAdam(max_grad_norm)
+    alone, which would clip by this rank's partition: refused at the first step, nothing updated."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from test_deepspeed import full_params
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3))
+    clip_in_fused = kind in ("fused-pipeline-group", "fused-refused")
+    if kind == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WD)
+    else:
+        opt = fused(model.parameters(), clip=CLIP if clip_in_fused else None,
+                    pipeline_group=dist.group.WORLD if kind == "fused-pipeline-group" else None)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 1e5, "allgather_bucket_size": 1e5},
+              "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0 if clip_in_fused else CLIP,
+              "steps_per_print": 10**9}
+    if stage == 3:
+        config["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=1e5)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    before = full_params(engine, stage)
+    error = None
+    for step in range(DS_STEPS):
+        g = torch.Generator().manual_seed(700 + step)
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+        for micro in range(2):  # rank r's micro-batches: rows [4r, 4r + 4) of the step's batch, 2 at a time
+            rows = slice(4 * rank + 2 * micro, 4 * rank + 2 * micro + 2)
+            engine.backward(torch.nn.functional.mse_loss(engine(x[rows]), y[rows]))
+            try:
+                engine.step()
+            except ValueError as exc:
+                error = str(exc)
+                break
+        if error is not None:
+            break
+    return {"params": full_params(engine, stage), "before": before, "error": error,
+            "state": sum(len(s) for s in opt.state.values())}
+
+
 def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     out = {"rank": rank}
     out["ddp"] = _ddp_vs_torch(rank)
     out["tp"] = _tp_vs_torch(rank)
     out["fp16-optimizer-tp"] = _fp16_optimizer_on(rank, "tp")
     out["refusals"] = _refusals(rank)
+    if DEEPSPEED_REASON is None:
+        import deepspeed
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # else a ~80 s JIT build per process
+        deepspeed.init_distributed(dist_backend="gloo")  # joins the process group the harness created
+        for stage in DS_STAGES:
+            for kind in DS_KINDS:
+                out[("deepspeed", stage, kind)] = _deepspeed_run(rank, stage, kind)
     if FSDP2_REASON is not None:
         return out
     for name in FSDP_CASES:
@@ -594,3 +658,33 @@ def test_unsupported_distributed_input_is_refused_naming_the_param(results):
         assert "param_groups[0]['params'][0]" in out["fp16-layout"] and "laid out alike" in out["fp16-layout"], \
             out["fp16-layout"]
         assert out["fp16-layout-untouched"]
+
+
+needs_deepspeed = pytest.mark.skipif(DEEPSPEED_REASON is not None, reason=DEEPSPEED_REASON or "")
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", DS_STAGES)
+def test_fused_adam_as_deepspeed_client_equals_torch_adamw_with_accumulation_and_clipping(results, stage):
+    for r in results:
+        want = r[("deepspeed", stage, "torch")]
+        assert want["error"] is None
+        for kind in ("fused", "fused-pipeline-group"):
+            got = r[("deepspeed", stage, kind)]
+            assert got["error"] is None, got["error"]
+            diff = max_diff(got["params"], want["params"])
+            assert diff <= 1e-6, (r["rank"], kind, diff)  # fp32: the update's float32 operation order, the norm's
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", DS_STAGES)
+def test_max_grad_norm_on_deepspeed_partitions_is_refused_before_anything_changes(results, stage):
+    """Regression: FusedAdam(max_grad_norm) as a ZeRO client clipped each rank by the norm of its own partition of
+    the gradients (5e-3 away from DeepSpeed's gradient_clipping after 5 steps on 2 ranks)."""
+    for r in results:
+        got = r[("deepspeed", stage, "fused-refused")]
+        assert got["error"] is not None and "partition" in got["error"], got["error"]
+        assert "gradient_clipping" in got["error"] and "pipeline_group" in got["error"], got["error"]
+        assert got["state"] == 0
+        for a, b in zip(got["params"], got["before"]):
+            assert torch.equal(a, b)
