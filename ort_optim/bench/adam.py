@@ -11,6 +11,7 @@ import torch
 
 from .. import backends
 from ..fused_adam import AdamWMode, FusedAdam
+from . import probes
 from .common import WORKLOADS, make_params, rows, time_after_probe, time_interleaved, time_interleaved_one_thread
 
 def _deepspeed_cpu_adam(params) -> Optional[torch.optim.Optimizer]:
@@ -119,6 +120,7 @@ MIXED_BYTES_PER_ELEMENT = 32  # ours in bench_mixed: g read twice, g and p16 wri
 MIXED_TARGETS = {"gpt2-small": 0.90, "2000x1K": 0.70}  # issue 14: fractions of the cold in-place probe
 MIXED_HOT_NUMEL = 64 * 1024  # one tensor whose mixed step stays in L2 (16 B per element of state: 1 MB)
 MIXED_TINY_NUMEL = 1024  # a step that is all overhead (dispatch, plan, norm reduction), subtracted from the hot step
+MIXED_FLOOR_PREFETCH = (0, 2)  # probes.MixedFloorStep variants: work items prefetched ahead (0: none)
 MIXED_HOT_TENSORS = 64  # MIXED_HOT_NUMEL elements as 1K tensors: the cost of each tensor beyond the first
 
 
@@ -134,7 +136,11 @@ def run_mixed_limit(quick: bool) -> list[dict]:
     hot_ns_per_element + (tensors - 1) x hot_ns_per_extra_tensor, divided by the thread count, which assumes
     perfect scaling); ``bound_of_probe``, bytes floor / max(both floors): the most the step can reach with its present
     compute, if memory and compute overlapped perfectly. A bound below the target says the compute (or per-tensor
-    cost) must shrink first; a bound above it with a lower ``of_probe`` says the time goes to memory stalls."""
+    cost) must shrink first; a bound above it with a lower ``of_probe`` says the time goes to memory stalls.
+    ``floor_probe_of_probe``: :class:`probes.MixedFloorStep` timed the same way over the same layout (fp16 params,
+    28 bytes per element, one multiply-add per array and no other work), the best of its MIXED_FLOOR_PREFETCH
+    variants (whole work items prefetched that far ahead, or not at all): a floor far below the target says the
+    layout, not our kernel, keeps any step from it."""
     threads = torch.get_num_threads()
     scale = 1024.0
     rows_out = []
@@ -165,8 +171,17 @@ def run_mixed_limit(quick: bool) -> list[dict]:
             step, restore, params = make(WORKLOADS[workload](quick))
             numel = sum(p.numel() for p in params)
             moved = MIXED_BYTES_PER_ELEMENT * numel
-            medians, of_probe, probe_gbps = time_after_probe({"ours": step}, {"ours": moved}, quick, warmup=1,
+            candidates, moved_by = {"ours": step}, {"ours": moved}
+            try:  # the same bytes over the same layout with no arithmetic: what any kernel could reach here
+                for ahead in MIXED_FLOOR_PREFETCH:
+                    candidates[f"floor {ahead}"] = probes.MixedFloorStep(
+                        make_params(WORKLOADS[workload](quick), torch.float16), prefetch_ahead=ahead)
+                    moved_by[f"floor {ahead}"] = probes.MixedFloorStep.BYTES_PER_ELEMENT * numel
+            except probes.ProbeUnavailable as reason:
+                print(f"mixed_limit: no floor probe ({reason})")
+            medians, of_probe, probe_gbps = time_after_probe(candidates, moved_by, quick, warmup=1,
                                                              reps=3 if quick else 7, prepare=restore)
+            floor = max((name for name in medians if name != "ours"), key=of_probe.get, default=None)
             bytes_floor = moved / (probe_gbps * 1e9)
             compute_floor = (numel * per_element + (len(params) - 1) * per_tensor) / threads
             rows_out.append(dict(
@@ -174,7 +189,10 @@ def run_mixed_limit(quick: bool) -> list[dict]:
                 tensors=len(params), hot_ns_per_element=per_element * 1e9, hot_ns_per_extra_tensor=per_tensor * 1e9,
                 probe_GBps=probe_gbps, cold_ms=medians["ours"] * 1e3, of_probe=of_probe["ours"],
                 bytes_floor_ms=bytes_floor * 1e3, compute_floor_ms=compute_floor * 1e3,
-                bound_of_probe=bytes_floor / max(bytes_floor, compute_floor), target_of_probe=target))
+                bound_of_probe=bytes_floor / max(bytes_floor, compute_floor), target_of_probe=target,
+                floor_probe_cold_ms=medians[floor] * 1e3 if floor else None,
+                floor_probe_of_probe=of_probe[floor] if floor else None,
+                floor_probe_prefetch_ahead=int(floor.split()[1]) if floor else None))
     return rows_out
 
 

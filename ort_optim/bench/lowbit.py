@@ -37,6 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import probes
 from .common import WORKLOADS, make_params, time_interleaved_one_thread
 
 UINT4 = getattr(torch, "uint4", None)
@@ -363,6 +364,7 @@ def run(quick: bool) -> list[dict]:
 # ---- where the low-bit step's time goes: the limit probe ------------------------------------------------------
 
 LIMIT_CONFIGS = ["fp32", "uint8", "uint4"]
+FLOOR_NAMES = {8: "linear 8-bit floor", 4: "linear 4-bit floor"}  # probes.LowBitFloorStep: bounds, not formats
 HOT_NUMEL = 256 * 1024  # one tensor whose step stays in the caches (fp32: 4 MB of p, g, m, v; low-bit: 2.6 MB)
 TINY_NUMEL = 1024  # a step that is all overhead (dispatch, plan), subtracted from the hot step
 
@@ -389,7 +391,12 @@ def run_limit(quick: bool) -> list[dict]:
     TINY_NUMEL-element step subtracted) on one thread, divided by the thread count: the compute alone. A step cannot
     beat max(hot, floor), so
     ``bound_speedup_vs_fp32_cold`` (the fp32-moment step's cold time over that maximum) is the most the format could
-    gain on this machine, and ``hot_ns_needed_for_1.2x`` is the compute budget that issue 13's 1.2x would need."""
+    gain on this machine, and ``hot_ns_needed_for_1.2x`` is the compute budget that issue 13's 1.2x would need.
+
+    Two more rows (``kind`` "floor probe") time :class:`probes.LowBitFloorStep` the same ways: the cheapest
+    block-quantised step of each width (linear codes, round to nearest, no tables). Their cold speed-up says what
+    ANY 8-bit or 4-bit block format could reach here; a floor well inside the budget, with our step outside it,
+    says the cost is our format's encoder and decoder, not the machine."""
     from .common import time_after_probe
 
     reps = 3 if quick else 7
@@ -408,6 +415,19 @@ def run_limit(quick: bool) -> list[dict]:
             optimizer.step()  # creates the state and the plan
         cold_steps[name], hot_steps[name], tiny_steps[name] = (o.step for o in optimizers)
         moved[name] = moved_bytes_per_param(config) * numel
+    # The floor probes: the cheapest block-quantised step of each width over the same shapes (probes.LowBitFloorStep).
+    for bits in (8, 4):
+        try:
+            floors = [probes.LowBitFloorStep(make_params(s), bits) for s in (shapes, [(HOT_NUMEL,)], [(TINY_NUMEL,)])]
+        except probes.ProbeUnavailable as reason:
+            print(f"lowbit_limit: no floor probe rows ({reason})")
+            break
+        name = FLOOR_NAMES[bits]
+        for floor in floors:
+            floor()
+        cold_steps[name], hot_steps[name], tiny_steps[name] = floors
+        block = 256 if bits == 8 else 128  # the probe's float32 scales: 4 bytes per block
+        moved[name] = (12.0 + 4 * (bits / 8 + 4 / block)) * numel
     # The hot steps on one thread; compute scales with the cores, so the bound below divides by the thread count.
     threads = torch.get_num_threads()
     hot_reps = 20 if quick else 50
@@ -421,7 +441,8 @@ def run_limit(quick: bool) -> list[dict]:
         cold_ns = cold[name] * 1e9 / numel
         hot_ns = max(hot[name] - tiny[name], 0.0) * 1e9 / (HOT_NUMEL - TINY_NUMEL)  # one thread
         floor_ns = bytes_per_param / probe_gbps
-        row = dict(implementation=name, threads=threads, params=numel,
+        row = dict(implementation=name, kind="floor probe" if name in FLOOR_NAMES.values() else "step",
+                   threads=threads, params=numel,
                    bytes_moved_per_param=bytes_per_param, probe_GBps=probe_gbps, cold_ns_per_param=cold_ns,
                    bytes_floor_ns_per_param=floor_ns, hot_ns_per_param_one_thread=hot_ns,
                    hot_ns_per_param=hot_ns / threads,

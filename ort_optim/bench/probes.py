@@ -1,0 +1,84 @@
+"""Floor probes: the least work a step of one kind can do over the same tensors (``ops/bench_probes.cpp``).
+
+They answer, in the same run as the step they bound, whether a speed target is out of the machine's reach or only
+out of our kernel's. Built on first use with torch.utils.cpp_extension into its own folder of the cache (about a
+minute), with the native library's compiler flags; never part of the optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import io
+import os
+from pathlib import Path
+
+import torch
+
+from ..backends import native
+
+
+class ProbeUnavailable(RuntimeError):
+    """The probe library could not be built here (no compiler, no sources in this install): the reason."""
+
+
+@functools.lru_cache(maxsize=None)
+def library():
+    """The probe module (``lowbit_floor_step``, ``mixed_floor_step``); raises ProbeUnavailable with the reason."""
+    source = native.OPS_DIR / "bench_probes.cpp"
+    if not source.exists():
+        raise ProbeUnavailable(f"{source} is not in this install")
+    digest = hashlib.sha256(source.read_bytes() + " ".join(native.CFLAGS).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("ORT_OPTIM_CACHE", Path.home() / ".cache" / "ort-optim"))
+    folder = cache / "bench-probes" / f"torch-{torch.__version__}-{digest}"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # cpp_extension's "No CUDA runtime" line, as in native.build
+            from torch.utils.cpp_extension import load
+
+            return load(name="ort_optim_bench_probes", sources=[str(source)], extra_cflags=native.CFLAGS,
+                        extra_ldflags=["-fopenmp"], build_directory=str(folder))
+    except Exception as error:  # a compiler error is a reason to skip the probe rows, not to stop the benchmark
+        raise ProbeUnavailable(f"building {source.name} failed: {error}") from error
+
+
+class LowBitFloorStep:
+    """A step callable of :func:`library`'s ``lowbit_floor_step`` over fp32 params with linear ``bits``-bit codes:
+    the cheapest block-quantised Adam step (decode, update, block maximum, encode; no tables, no stochastic
+    rounding). A lower bound on the compute of any such format, not a usable format (see bench_probes.cpp)."""
+
+    def __init__(self, params: list[torch.Tensor], bits: int):
+        self.lib, self.bits, self.steps = library(), bits, 0
+        block = 256 if bits == 8 else 128
+        self.params = params
+        self.grads = [p.grad for p in params]
+        code_bytes = [p.numel() if bits == 8 else (p.numel() + 1) // 2 for p in params]
+        self.codes_m = [torch.full((n,), 0 if bits == 8 else 8, dtype=torch.uint8) for n in code_bytes]
+        self.codes_u = [torch.zeros(n, dtype=torch.uint8) for n in code_bytes]
+        self.scales_m = [torch.zeros((p.numel() + block - 1) // block) for p in params]
+        self.scales_u = [torch.zeros((p.numel() + block - 1) // block) for p in params]
+
+    def __call__(self) -> None:
+        self.steps += 1
+        self.lib.lowbit_floor_step(self.params, self.grads, self.codes_m, self.codes_u, self.scales_m, self.scales_u,
+                                   self.bits, 1e-3, 0.9, 0.999, 1e-8, 1e-2, self.steps)
+
+
+class MixedFloorStep:
+    """A step callable of ``mixed_floor_step`` over fp16 params and gradients with fp32 masters and moments: the
+    mixed step's bytes (``BYTES_PER_ELEMENT``: gradient read once, param written, master and both moments read and
+    written) with one multiply-add per array, in one parallel region over (tensor, chunk) work items like ours."""
+
+    BYTES_PER_ELEMENT = 28
+
+    def __init__(self, params: list[torch.Tensor], prefetch_ahead: int = 0):
+        self.lib, self.prefetch_ahead = library(), prefetch_ahead
+        self.params, self.grads = params, [p.grad for p in params]
+        self.masters = [p.float() for p in params]
+        self.exp_avgs = [torch.zeros_like(m) for m in self.masters]
+        self.exp_avg_sqs = [torch.zeros_like(m) for m in self.masters]
+
+    def __call__(self) -> None:
+        self.lib.mixed_floor_step(self.params, self.grads, self.masters, self.exp_avgs, self.exp_avg_sqs, 0.5,
+                                  self.prefetch_ahead)
