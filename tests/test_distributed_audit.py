@@ -390,6 +390,38 @@ def _full_state_dict_resume(rank):
             "gathered": sorted(optim_sd["state"]) if rank == 0 else None}
 
 
+def _flattened_dcp_resume(rank, tmp_dir):
+    """dcp.save/load with StateDictOptions(flatten_optimizer_state_dict=True) (torchtitan's default), FusedAdam with
+    8-bit first and block-scaled fp16 second moments and amsgrad: resumes bit for bit. Regression: the load raised
+    "state_dict['state']['inp.weight']['exp_avg_sq_scale']: unknown key", as torch unflattens by the keys of the
+    live optimizer.state (which holds the block scales) and fills a key missing from the checkpoint with {}."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    path = str(Path(tmp_dir) / "flattened")
+
+    def make():
+        model = _fsdp()
+        return model, fused(model.parameters(), amsgrad=True, exp_avg_dtype=torch.uint8,
+                            exp_avg_sq_dtype=torch.float16)
+
+    model, opt = make()
+    _train(model, opt, rank, "fused", steps=4)
+    model_sd, optim_sd = get_state_dict(model, opt, options=options)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    _train(model, opt, rank, "fused", steps=4, start=4)
+    uninterrupted = [full(p) for p in model.parameters()]
+    model, opt = make()
+    model_sd, optim_sd = get_state_dict(model, opt, options=options)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    _train(model, opt, rank, "fused", steps=4, start=4)
+    return {"resumed": [full(p) for p in model.parameters()], "uninterrupted": uninterrupted,
+            "flat": all(isinstance(k, str) and k.startswith(("state.", "param_groups.")) for k in optim_sd)}
+
+
 def _one_process_checkpoint_into_two_ranks(rank, tmp_dir):
     """A one-process FusedAdam checkpoint (dcp.save(no_dist=True), plain params) loads into FSDP2 on 2 ranks: the
     same full states, and training continues like the one process (fp32 averaging order: 1e-5)."""
@@ -586,6 +618,7 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     out["dcp-cross"] = _dcp_between_fused_adam_and_torch(rank, tmp_dir)
     out["full-state-dict"] = _full_state_dict_resume(rank)
     out["one-to-two"] = _one_process_checkpoint_into_two_ranks(rank, tmp_dir)
+    out["flattened-dcp"] = _flattened_dcp_resume(rank, tmp_dir)
     out["fp16-optimizer-dcp"] = _fp16_optimizer_dcp_resume(rank, tmp_dir)
     return out
 
@@ -682,6 +715,15 @@ def test_full_state_dict_broadcast_from_rank0_resumes_bit_for_bit(results):
     assert results[0]["full-state-dict"]["gathered"]
     for r in results:
         out = r["full-state-dict"]
+        for a, b in zip(out["resumed"], out["uninterrupted"]):
+            assert torch.equal(a, b), r["rank"]
+
+
+@needs_fsdp2
+def test_flattened_optimizer_state_dict_resumes_bit_for_bit(results):
+    for r in results:
+        out = r["flattened-dcp"]
+        assert out["flat"]
         for a, b in zip(out["resumed"], out["uninterrupted"]):
             assert torch.equal(a, b), r["rank"]
 
