@@ -132,6 +132,7 @@ class FusedAdam(torch.optim.Optimizer):
             skip and :attr:`last_grad_norm` cover the whole model (as torchtitan's ``clip_grad_norm_(pp_mesh=)``).
             The same holds for DeepSpeed's ZeRO partitions (stages 1-3), which are disjoint too: as a ZeRO client,
             ``max_grad_norm`` needs ``pipeline_group=`` the ZeRO data-parallel group, and is refused without it
+            (with or without ``process_group``, which would count the partitions as replicas)
             (ValueError at the first step, nothing updated: it would clip each rank by its own partition's norm);
             DeepSpeed's own ``gradient_clipping`` config is the usual way.
 
@@ -582,8 +583,7 @@ class FusedAdam(torch.optim.Optimizer):
                         if p.grad is not None and p.device != lr.device:
                             raise ValueError(f"param_groups[{group_index}]: capturable=True needs lr on the params' "
                                              f"device ({p.device}), got a tensor on {lr.device}")
-        if self.max_grad_norm is not None and not self._partitions_checked and self.pipeline_group is None \
-                and self._decides_alone(self._has_dtensors):
+        if self.max_grad_norm is not None and not self._partitions_checked and self.pipeline_group is None:
             self._check_clipping_sees_every_partition()
         # The one step path: the plan (valid, or built again after validating everything), then the backend ops.
         plan = self._plan
@@ -598,8 +598,9 @@ class FusedAdam(torch.optim.Optimizer):
         """Refuses max_grad_norm in an optimizer that DeepSpeed steps on this rank's partition only (ZeRO stages 1-3,
         BF16_Optimizer), before anything changes: it would clip each rank by the norm of its own slice of the
         gradients, and skip alone on an inf/NaN, where the model's norm is the sum over the partitions (measured,
-        2 ranks, 5 steps: 5e-3 away from DeepSpeed's own gradient_clipping). Runs once, a heap scan, only where
-        DeepSpeed is imported and torch.distributed initialised (ort_optim/_deepspeed.py)."""
+        2 ranks, 5 steps: 5e-3 away from DeepSpeed's own gradient_clipping); a process_group would count the
+        partitions as replicas. Runs once, a heap scan, only where DeepSpeed is imported and torch.distributed
+        initialised (ort_optim/_deepspeed.py)."""
         from ._deepspeed import partitioning_holder
 
         scanned, holder = partitioning_holder(self)

@@ -547,14 +547,15 @@ except Exception as exc:  # not installed (the torch 2.13 environment), or a mis
     DEEPSPEED_REASON = f"DeepSpeed is not importable here ({type(exc).__name__}: {exc})"
 DS_STAGES = (1, 2, 3)
 DS_STEPS = 4  # optimizer steps, of 2 accumulated micro-batches each
-DS_KINDS = ("torch", "fused", "fused-pipeline-group", "fused-refused")
+DS_KINDS = ("torch", "fused", "fused-pipeline-group", "fused-refused", "fused-process-group-refused")
 
 
 def _deepspeed_run(rank, stage: int, kind: str) -> dict:
     """DeepSpeed ZeRO `stage` (fp32, 2 accumulated micro-batches per step) with a client optimizer. torch: torch's
     AdamW, DeepSpeed's gradient_clipping; fused: FusedAdam, the same; fused-pipeline-group: FusedAdam clipping by
     itself with pipeline_group over the ZeRO partitions' group (here the world); fused-refused: FusedAdam(max_grad_norm)
-    alone, which would clip by this rank's partition: refused at the first step, nothing updated."""
+    alone, which would clip by this rank's partition: refused at the first step, nothing updated; so is it with a
+    process_group (which would count the partitions as replicas)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -562,12 +563,13 @@ def _deepspeed_run(rank, stage: int, kind: str) -> dict:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3))
-    clip_in_fused = kind in ("fused-pipeline-group", "fused-refused")
+    clip_in_fused = kind in ("fused-pipeline-group", "fused-refused", "fused-process-group-refused")
     if kind == "torch":
         opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WD)
     else:
         opt = fused(model.parameters(), clip=CLIP if clip_in_fused else None,
-                    pipeline_group=dist.group.WORLD if kind == "fused-pipeline-group" else None)
+                    pipeline_group=dist.group.WORLD if kind == "fused-pipeline-group" else None,
+                    process_group=dist.group.WORLD if kind == "fused-process-group-refused" else None)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 1e5, "allgather_bucket_size": 1e5},
               "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0 if clip_in_fused else CLIP,
@@ -779,8 +781,8 @@ def test_fused_adam_as_deepspeed_client_equals_torch_adamw_with_accumulation_and
 def test_max_grad_norm_on_deepspeed_partitions_is_refused_before_anything_changes(results, stage):
     """Regression: FusedAdam(max_grad_norm) as a ZeRO client clipped each rank by the norm of its own partition of
     the gradients (5e-3 away from DeepSpeed's gradient_clipping after 5 steps on 2 ranks)."""
-    for r in results:
-        got = r[("deepspeed", stage, "fused-refused")]
+    for r, kind in ((r, kind) for r in results for kind in ("fused-refused", "fused-process-group-refused")):
+        got = r[("deepspeed", stage, kind)]
         assert got["error"] is not None and "partition" in got["error"], got["error"]
         assert "gradient_clipping" in got["error"] and "pipeline_group" in got["error"], got["error"]
         assert got["state"] == 0
