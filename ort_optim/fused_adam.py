@@ -132,9 +132,9 @@ class FusedAdam(torch.optim.Optimizer):
             skip and :attr:`last_grad_norm` cover the whole model (as torchtitan's ``clip_grad_norm_(pp_mesh=)``).
             The same holds for DeepSpeed's ZeRO partitions (stages 1-3), which are disjoint too: as a ZeRO client,
             ``max_grad_norm`` needs ``pipeline_group=`` the ZeRO data-parallel group, and is refused without it
-            (with or without ``process_group``, which would count the partitions as replicas)
-            (ValueError at the first step, nothing updated: it would clip each rank by its own partition's norm);
-            DeepSpeed's own ``gradient_clipping`` config is the usual way.
+            (a ValueError at the first step, nothing updated: alone it would clip each rank by its own partition's
+            norm, and a ``process_group`` would count the partitions as replicas); DeepSpeed's own
+            ``gradient_clipping`` config is the usual way.
 
     A step is ``plan -> backend op``: the optimizer caches, across steps, its buckets (params grouped by device,
     dtype, state dtypes and master) with their state tensors and, on the native CPU backend, a native plan per
