@@ -299,11 +299,12 @@ def _fp16_optimizer_on(rank, engine: str) -> dict:
 
 
 def _grad_scaler_on_fsdp2(rank):
-    """torch.amp.GradScaler driving FusedAdam and torch's fused AdamW under FSDP2, an inf on rank 1 only."""
+    """torch.amp.GradScaler driving FusedAdam and torch's fused AdamW under FSDP2, an inf on rank 1 only; as is, and
+    with AMP's clipping recipe (scaler.unscale_(opt), clip_grad_norm_, scaler.step(opt))."""
     out = {}
-    for kind in ("fused", "torch-fused"):
+    for kind in ("fused", "torch-fused", "fused-unscale-clip", "torch-fused-unscale-clip"):
         model = _fsdp()
-        opt = (fused(model.parameters(), clip=None) if kind == "fused"
+        opt = (fused(model.parameters(), clip=None) if kind.startswith("fused")
                else torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WD, fused=True))
         scaler = torch.amp.GradScaler("cpu", init_scale=LOSS_SCALE)
         scales = []
@@ -313,6 +314,9 @@ def _grad_scaler_on_fsdp2(rank):
             opt.zero_grad()
             scaler.scale(torch.nn.functional.mse_loss(model(x, step), y)).backward()
             _poison(model, rank, step)
+            if kind.endswith("unscale-clip"):
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(list(model.parameters()), CLIP, foreach=False)
             scaler.step(opt)
             scaler.update()
             scales.append(scaler.get_scale())
@@ -695,8 +699,10 @@ def test_grad_scaler_under_fsdp2_matches_torch_fused_adamw(results):
     want = [LOSS_SCALE / 2 ** sum(s <= step for s in INF_STEPS) for step in range(8)]
     for r in results:
         out = r["grad-scaler"]
-        assert out["fused"]["scales"] == out["torch-fused"]["scales"] == want, r["rank"]
-        assert max_diff(out["fused"]["params"], out["torch-fused"]["params"]) <= 1e-6
+        for recipe in ("", "-unscale-clip"):
+            fused_, torch_ = out["fused" + recipe], out["torch-fused" + recipe]
+            assert fused_["scales"] == torch_["scales"] == want, (r["rank"], recipe)
+            assert max_diff(fused_["params"], torch_["params"]) <= 1e-6, recipe
 
 
 @needs_fsdp2
