@@ -415,8 +415,9 @@ def _clone_tensors(obj: Any) -> Any:
 
 
 def _locals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The local pieces of DTensors (FSDP2, tensor parallel), plain tensors as they are: DTensor has no sharding rule
-    for ``_foreach_copy_``, and a copy between a param and its master (laid out alike) is one of their pieces."""
+    """The local pieces of DTensors (FSDP2, tensor parallel), plain tensors as they are. DTensor has no sharding rule
+    for ``_foreach_copy_`` (nor, in torch 2.4, for the unscale-and-check op); between tensors laid out alike (a param
+    and its master, a gradient and its buffer) a copy is a copy of the local pieces."""
     return [dtensor.local(t) for t in tensors]
 
 
