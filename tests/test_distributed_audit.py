@@ -6,7 +6,8 @@ inside the same engine, from the same seed, over many steps, and with torch's ow
 
 * FSDP2 (``fully_shard``): fp32 and ``MixedPrecisionPolicy(param_dtype=bf16)``, ``reshard_after_forward`` both ways,
   uneven shards (dims not divisible by 2, a layer whose shard is empty on rank 1), a param that gets no gradient on
-  odd steps, and gradient accumulation through ``set_requires_gradient_sync(False)``;
+  odd steps, gradient accumulation through ``set_requires_gradient_sync(False)``, amsgrad/maximize/param groups,
+  and HSDP (params replicated over a mesh dim);
 * tensor parallel (``ColwiseParallel``/``RowwiseParallel``, whose row-wise bias is replicated: counted once);
 * DDP with ``process_group=`` and gradient accumulation under ``no_sync()``;
 * ``last_grad_norm`` equal on every rank to the total norm ``clip_grad_norm_`` returns for the whole model;
@@ -122,12 +123,16 @@ def _train(model, opt, rank, kind, steps=STEPS, clip=CLIP, micro=1, sync=None, s
     return norms
 
 
-def _fsdp(reshard=True, mp=False, dtype=torch.float32):
+def _fsdp(reshard=True, mp=False, dtype=torch.float32, hsdp=False):
+    """FSDP2 over the 2 ranks; hsdp: HSDP on a (replicate 2, shard 1) mesh, whose params are Replicate on the first
+    dim (the norm must count each replica once)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = make_net(dtype)
-    kwargs = {"mesh": init_device_mesh("cpu", (WORLD,)), "reshard_after_forward": reshard}
+    mesh = (init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard")) if hsdp
+            else init_device_mesh("cpu", (WORLD,)))
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard}
     if mp:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in (model.inp, model.head):
@@ -143,6 +148,7 @@ FSDP_CASES = {  # name: (fsdp kwargs, train kwargs)
     "mp-bf16": ({"mp": True}, {}),
     "grad-accumulation": ({}, {"micro": 2}),
     "amsgrad-maximize-groups": ({}, {"options": {"amsgrad": True, "maximize": True}, "groups": True}),
+    "hsdp": ({"hsdp": True}, {}),
 }
 
 
@@ -158,7 +164,8 @@ def _fsdp_vs_torch(rank, name):
         sync = (lambda last: _fsdp_sync(model, last)) if train_kwargs.get("micro", 1) > 1 else None
         norms = _train(model, opt, rank, kind, sync=sync, **train_kwargs)
         out[kind] = {"params": [full(p) for p in model.parameters()], "norms": norms,
-                     "local": [tuple(p.to_local().shape) for p in model.parameters()]}
+                     "local": [tuple(p.to_local().shape) for p in model.parameters()],
+                     "placements": {str(tuple(p.placements)) for p in model.parameters()}}
     return out
 
 
@@ -659,7 +666,10 @@ def test_fsdp2_equals_torch_adamw_under_fsdp2(results, name):
     tol = 1e-4 if name.startswith("mp") else 1e-6
     for r in results:
         assert_like_torch(r[f"fsdp-{name}"], tol, what=f"rank {r['rank']} {name}")
-    assert results[1][f"fsdp-{name}"]["fused"]["local"][2] == (0, 5)  # rank 1's head shard is empty
+    if name == "hsdp":  # replicated over the 2 ranks: each replica's sum of squares counted once
+        assert results[0]["fsdp-hsdp"]["fused"]["placements"] == {"(Replicate(), Shard(dim=0))"}
+    else:
+        assert results[1][f"fsdp-{name}"]["fused"]["local"][2] == (0, 5)  # rank 1's head shard is empty
 
 
 def test_tensor_parallel_equals_torch_adamw(results):
