@@ -272,7 +272,8 @@ def _fp16_optimizer_run(rank, engine: str, kind: str) -> dict:
         opt.step()
         record.append((opt.skipped, opt.loss_scale))
         norms.append(opt.last_grad_norm)
-    return {"record": record, "norms": [float(n) for n in norms], "norm_types": sorted({type(n).__name__ for n in norms}),
+    return {"record": record, "norms": [float(n) for n in norms],
+            "norm_types": sorted({type(n).__name__ for n in norms}),
             "masters": [full(m) for m in opt.master_params], "params": [full(p) for p in model.parameters()]}
 
 
