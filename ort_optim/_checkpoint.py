@@ -31,6 +31,11 @@ from .backends import reference
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 CHECKPOINT_KEYS = ("step",) + MOMENT_KEYS + ("master_param",)
+# torch.distributed.checkpoint's flattened optimizer state dict (StateDictOptions(flatten_optimizer_state_dict=True),
+# torchtitan's default) is unflattened by the keys of the live optimizer.state[p], which holds the block scales of
+# fp16 and low-bit moments next to them: a key the canonical checkpoint never has comes back as an empty dict. Only
+# that placeholder is ignored, and only for these keys.
+UNFLATTEN_PLACEHOLDER_KEYS = tuple(f"{key}_scale" for key in MOMENT_KEYS)
 # Group keys that describe how torch.optim ran, not what it computes: dropped when a torch checkpoint is loaded.
 TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 # Every checkpoint of the Adam family has these (ORT's, torch's, ours); the other options default to this
@@ -360,6 +365,8 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
     if not isinstance(saved, dict):
         raise TypeError(f"{where} must be a dict of state tensors, got {_show(saved)}")
     for key in saved:
+        if key in UNFLATTEN_PLACEHOLDER_KEYS and isinstance(saved[key], dict) and not saved[key]:
+            continue
         if key not in CHECKPOINT_KEYS:
             raise ValueError(f"{where}[{key!r}]: unknown key; an Adam state has some of {list(CHECKPOINT_KEYS)}")
     required = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())

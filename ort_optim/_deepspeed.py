@@ -109,6 +109,23 @@ def holder_of(obj: Any) -> Optional[Any]:
     return found
 
 
+def partitioning_holder(obj: Any) -> tuple[bool, Optional[Any]]:
+    """(whether DeepSpeed could hold obj here, the DeepSpeed optimizer that holds obj and steps it on this rank's
+    partition only, or None). Partitioning: the ZeRO optimizers (stages 1-3) and BF16_Optimizer, which keep a
+    ``partition_count`` over a ``dp_process_group`` of more than one rank; obj then sees only this rank's slice of
+    the flat gradients. Whether DeepSpeed could hold obj is False until DeepSpeed is imported and torch.distributed
+    initialised (then no heap scan ran: ask again later); otherwise one :func:`holder_of` scan."""
+    if "deepspeed" not in sys.modules or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False, None
+    holder = holder_of(obj)
+    for candidate in (holder, getattr(holder, "optimizer", None)):
+        group = getattr(candidate, "dp_process_group", None)
+        if candidate is not None and hasattr(candidate, "partition_count") and group is not None \
+                and torch.distributed.get_world_size(group) > 1:
+            return True, candidate
+    return True, None
+
+
 def _undecorated(method: Any, name: str) -> Any:
     """The function under decorators that do not set __wrapped__ (DeepSpeed's ``instrument_w_nvtx`` wraps stage 3's
     get_grad_norm_direct in ``(*args, **kwargs)``): the closure's function of the same name, else method itself."""

@@ -31,6 +31,7 @@ import torch
 
 from . import backends
 from .fused_adam import FusedAdam
+from .integrations import dtensor
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 MIN_SCALE_ACTIONS = ("raise", "clamp")
@@ -411,6 +412,13 @@ def _clone_tensors(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_clone_tensors(v) for v in obj)
     return obj
+
+
+def _locals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The local pieces of DTensors (FSDP2, tensor parallel), plain tensors as they are. DTensor has no sharding rule
+    for ``_foreach_copy_`` (nor, in torch 2.4, for the unscale-and-check op); between tensors laid out alike (a param
+    and its master, a gradient and its buffer) a copy is a copy of the local pieces."""
+    return [dtensor.local(t) for t in tensors]
 
 
 def _step_needs_closure(optimizer: torch.optim.Optimizer) -> bool:
@@ -811,10 +819,12 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
     @property
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 masters of the fp16/bf16 params created so far, in param_groups order (FusedAdam creates them at a
-        param's first step; the wrapper for params of groups added after wrapping at the next step)."""
+        param's first step; the wrapper for params of groups added after wrapping at the next step). For DTensor
+        params (FSDP2, tensor parallel) each master is a DTensor laid out like its param, whichever optimizer is
+        wrapped (FusedAdam keeps the local piece in its state; this is a DTensor view of it)."""
         if self._fused:
-            return [self.optimizer.state[p]["master_param"] for g in self.param_groups for p in g["params"]
-                    if "master_param" in self.optimizer.state.get(p, {})]
+            return [dtensor.wrap_like(p, self.optimizer.state[p]["master_param"]) for g in self.param_groups
+                    for p in g["params"] if "master_param" in self.optimizer.state.get(p, {})]
         return [m for _, m in self._layout.pairs]
 
     # ---- the training step -------------------------------------------------------------------------------------
@@ -921,11 +931,15 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         # Read and check every gradient before anything is written (masters' grads attached, grads coalesced).
         low_grads = [(i, p.grad) for i, (p, _) in enumerate(layout.pairs) if p.grad is not None]
         fp32_grads = [(i, p.grad) for i, p in enumerate(layout.fp32) if p.grad is not None]
-        for grads, where in ((low_grads, layout.pair_where), (fp32_grads, layout.fp32_where)):
+        for grads, where, params in ((low_grads, layout.pair_where, [p for p, _ in layout.pairs]),
+                                     (fp32_grads, layout.fp32_where, layout.fp32)):
             for i, g in grads:
                 if g.layout not in (torch.strided, torch.sparse_coo):
                     raise ValueError(f"FP16_Optimizer: the gradient of {where[i]} has layout {g.layout}; dense and "
                                      "sparse COO gradients are supported")
+                problem = dtensor.layout_problem(params[i], g)
+                if problem is not None:
+                    raise ValueError(f"FP16_Optimizer: {where[i]}: {problem}")
         if not low_grads and not fp32_grads and not self._distributed():
             raise RuntimeError(NO_GRADIENTS)
 
@@ -956,14 +970,16 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
             by_device.setdefault(g.device, []).append(g._values() if g.layout == torch.sparse_coo else g)
         try:
             for device, grads in by_device.items():
-                if device in copy_src:
-                    torch._foreach_copy_(copy_dst[device], copy_src[device])
+                if device in copy_src:  # (DTensors: their local pieces, laid out alike: checked above)
+                    torch._foreach_copy_(_locals(copy_dst[device]), _locals(copy_src[device]))
                 dev_found = torch.zeros((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, dev_found, inv_scale.to(device))
+                # (DTensor gradients: each rank checks its pieces; the flag is all-reduced below)
+                pieces = _locals(grads)
+                torch._amp_foreach_non_finite_check_and_unscale_(pieces, dev_found, inv_scale.to(device))
                 if self.scaler.min_scale < 1.0:
                     # torch's op checks before multiplying; with 1/scale > 1 the product itself can overflow: check
                     # the unscaled values once more (an inv_scale of 1 makes the op check only).
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, dev_found, torch.ones((), device=device))
+                    torch._amp_foreach_non_finite_check_and_unscale_(pieces, dev_found, torch.ones((), device=device))
                 found_inf = torch.maximum(found_inf, dev_found.to(self._main_device))
             found_inf = self._reduce_found_inf(found_inf.reshape(1)).reshape(())
 
@@ -1002,7 +1018,7 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
                     dst.append(p)
                     src.append(master)
                 for dst, src in by_dev_params.values():
-                    torch._foreach_copy_(dst, src)
+                    torch._foreach_copy_(_locals(dst), _locals(src))
         finally:
             for i in stepped:
                 layout.pairs[i][1].grad = None
@@ -1016,8 +1032,11 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         for grads in by_device.values():
             norms = torch._foreach_norm(grads, 2.0)
             total = total + torch.stack(norms).float().square().sum().to(self._main_device)
-        self._last_grad_norm = total.sqrt()
-        coef = torch.clamp(self.max_grad_norm / (self._last_grad_norm + 1e-6), max=1.0)
+        norm = total.sqrt()
+        if dtensor.is_dtensor(norm):  # DTensor gradients (FSDP2, TP): their global norm, a plain tensor as elsewhere
+            norm = norm.full_tensor()
+        self._last_grad_norm = norm
+        coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         for device, grads in by_device.items():
             torch._foreach_mul_(grads, coef.to(device))
 

@@ -169,6 +169,11 @@ class FusedAdam(torch.optim.Optimizer):
             each rank of it holds other params, so the stages' sums of squares and inf flags are added in one more
             all-reduce of the same two floats, after the data/tensor-parallel one. With it the clipping norm, the
             skip and :attr:`last_grad_norm` cover the whole model (as torchtitan's ``clip_grad_norm_(pp_mesh=)``).
+            The same holds for DeepSpeed's ZeRO partitions (stages 1-3), which are disjoint too: as a ZeRO client,
+            ``max_grad_norm`` needs ``pipeline_group=`` the ZeRO data-parallel group, and is refused without it
+            (a ValueError at the first step, nothing updated: alone it would clip each rank by its own partition's
+            norm, and a ``process_group`` would count the partitions as replicas); DeepSpeed's own
+            ``gradient_clipping`` config is the usual way.
 
     Options are checked at construction, and a group's at every step (add_param_group, a scheduler's or your own
     writes): flags must be bools (a ``"False"`` from a config file is refused, not read as True), numbers real
@@ -349,6 +354,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._last_grad_norm: Optional[torch.Tensor] = None
         self.step_in_backward = step_in_backward
         self._backward: Optional[BackwardStep] = None
+        self._partitions_checked = False  # (max_grad_norm under a partitioning DeepSpeed optimizer: once)
         self.process_group = process_group
         self.pipeline_group = pipeline_group
         if step_in_backward and max_grad_norm is not None:
@@ -392,6 +398,7 @@ class FusedAdam(torch.optim.Optimizer):
         super().__setstate__(state)  # (it puts "state" into __dict__, under the property: wrap it)
         self.state = self.__dict__.pop("state", self.__dict__.get("_state_container", {}))
         self._plan = None  # the cache (native plans cannot be copied): rebuilt at the next step
+        self._partitions_checked = False
         self._last_found_inf = None
         self._last_grad_norm = None
         self._backward = None
@@ -625,6 +632,8 @@ class FusedAdam(torch.optim.Optimizer):
                         if p.grad is not None and p.device != lr.device:
                             raise ValueError(f"param_groups[{group_index}]: capturable=True needs lr on the params' "
                                              f"device ({p.device}), got a tensor on {lr.device}")
+        if self.max_grad_norm is not None and not self._partitions_checked and self.pipeline_group is None:
+            self._check_clipping_sees_every_partition()
         # The one step path: the plan (valid, or built again after validating everything), then the backend ops.
         plan = self._plan
         if plan is None or not plan.valid(self):
@@ -633,6 +642,26 @@ class FusedAdam(torch.optim.Optimizer):
                 raise RuntimeError("ort_optim: a FusedAdam plan was not valid right after it was built; please report")
         self._launch(plan, grad_scale, found_inf)
         return loss
+
+    def _check_clipping_sees_every_partition(self) -> None:
+        """Refuses max_grad_norm in an optimizer that DeepSpeed steps on this rank's partition only (ZeRO stages 1-3,
+        BF16_Optimizer), before anything changes: it would clip each rank by the norm of its own slice of the
+        gradients, and skip alone on an inf/NaN, where the model's norm is the sum over the partitions (measured,
+        2 ranks, 5 steps: 5e-3 away from DeepSpeed's own gradient_clipping); a process_group would count the
+        partitions as replicas. Runs once, a heap scan, only where DeepSpeed is imported and torch.distributed
+        initialised (ort_optim/_deepspeed.py)."""
+        from ._deepspeed import partitioning_holder
+
+        scanned, holder = partitioning_holder(self)
+        if holder is not None:
+            raise ValueError(
+                f"FusedAdam(max_grad_norm={self.max_grad_norm}) is stepped by DeepSpeed's {type(holder).__name__} "
+                "on this rank's partition of the gradients only, so it would clip every rank by the norm of its own "
+                "partition, not the model's. Nothing was updated. Leave max_grad_norm=None and set DeepSpeed's "
+                "\"gradient_clipping\" in its config (DeepSpeed clips the partitions by the global norm), or pass "
+                "pipeline_group=<the ZeRO data-parallel group> (engine.optimizer.dp_process_group): the partitions "
+                "are disjoint, like pipeline stages, and their sums of squares are then added")
+        self._partitions_checked = scanned
 
     def _launch(self, plan: _plan.Plan, grad_scale, found_inf) -> None:
         """One op call per bucket (through its native plan on the native CPU backend), after the gradient statistics
