@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -44,7 +45,9 @@ class BackwardStep:
         self._accumulating = 0
         self._updated: dict[torch.Tensor, None] = {}  # params updated by a hook since the last check_updated_once()
         self.setup_checked = False  # check_setup() passed (it runs once: at the first hook or step())
-        self._check_queued = False  # whether this backward's end-of-backward check is queued (see _hook)
+        # The autograd graph task whose end-of-backward check is queued (see _hook), None when none is: an id, not a
+        # flag, because a backward that raises never runs its callbacks, and the next backward must queue its own.
+        self._check_queued: Optional[int] = None
         # Once check_updated_once() found a param updated with another gradient, every later hook, step() and
         # zero_grad() raises the same error (until remove_backward_hooks()): none may update it again.
         self._refusal: Optional[str] = None
@@ -95,13 +98,28 @@ class BackwardStep:
                 "post-accumulate-grad hook before this optimizer's, such as that of another FusedAdam with "
                 "step_in_backward=True over the same param. Call remove_backward_hooks() on the optimizer you no "
                 "longer use (or delete it, and whatever refers to it)")
+        if _in_nested_backward():
+            group_index, index, _ = self._where[p]
+            raise ValueError(
+                f"{_plan.describe(group_index, index, p)}: its gradient was accumulated by a backward run inside a "
+                "node of another backward (torch.utils.checkpoint(..., use_reentrant=True) runs one per segment, as "
+                "does any autograd Function whose backward calls backward), so the outer backward may still add to "
+                "it: an update now could step the param twice, each time with part of its gradient. This param was "
+                "not updated (params the outer backward completed before it were). Use "
+                "torch.utils.checkpoint(..., use_reentrant=False), or step_in_backward=False")
         self._step(optimizer, p)
+        # Our kernels write through data pointers, unseen by autograd: mark p modified in place, so that a backward
+        # still holding its old value (a second backward over a retained graph, a saved p.detach()) raises autograd's
+        # "modified by an inplace operation" error, as with torch's in-place updates, instead of silently using the
+        # updated one.
+        torch.autograd.graph.increment_version(p)
         p.grad = None
         self._updated[p] = None
-        if not self._check_queued:
-            self._queue_end_of_backward_check()
+        task = torch._C._current_graph_task_id()
+        if self._check_queued != task:
+            self._queue_end_of_backward_check(task)
 
-    def _queue_end_of_backward_check(self) -> None:
+    def _queue_end_of_backward_check(self, task: int) -> None:
         """Queues check_updated_once() to run when this backward ends, after the callbacks queued during it
         (DistributedDataParallel queues the one that writes the averaged gradients back at its last bucket, after
         this first hook): so a loop that never calls step() or zero_grad() is refused too, at the end of the first
@@ -112,14 +130,14 @@ class BackwardStep:
         engine = torch.autograd.Variable._execution_engine
 
         def after_other_callbacks() -> None:
-            self._check_queued = False
+            self._check_queued = None
             self.check_updated_once()
 
         try:
             engine.queue_callback(lambda: engine.queue_callback(after_other_callbacks))
         except RuntimeError:  # ("Final callbacks can only be installed during backward pass")
             return
-        self._check_queued = True
+        self._check_queued = task
 
     def check_setup(self, optimizer: "FusedAdam") -> None:
         """Refuses an optimizer that DeepSpeed holds (a DeepSpeedEngine's optimizer, or the inner optimizer of a ZeRO
@@ -269,6 +287,24 @@ class BackwardStep:
             else:
                 adoption.state[adoption.key] = adoption.value
         return state
+
+
+# The frame in which autograd runs the backward of a custom autograd Function (torch/autograd/function.py).
+_FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
+
+
+def _in_nested_backward() -> bool:
+    """Whether the running hook was called by a backward that runs inside a node of another backward: the backward
+    of an autograd Function (torch.utils.checkpoint's reentrant variant recomputes its segment and runs backward over
+    it there). The engine runs a nested backward on the thread of the node that started it, so the hook's Python
+    frames then pass through that Function's backward; a top-level backward's pass through none (on CPU they lead
+    back to the caller of backward, on an accelerator's engine thread to nothing)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _FUNCTION_BACKWARD:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def deepspeed_refused(holder: object) -> ValueError:
