@@ -37,8 +37,8 @@ class BackwardStep:
         self._optimizer = weakref.ref(optimizer)
         self._where: dict[torch.Tensor, tuple[int, int, dict]] = {}  # param -> (group index, index, group)
         self._handles: dict[torch.Tensor, object] = {}  # param -> its hook's handle (one hook per param)
-        # param -> ((optimizer.state.version, amsgrad, the group's rounding options), its native plan, its
-        # rounding_keys, the optimizer.state container) when it was planned
+        # param -> ((optimizer.state.version, amsgrad, the group's rounding options, the backend choice, the layout
+        # options), its native plan, its rounding_keys, the optimizer.state container) when it was planned
         self._plans: dict[torch.Tensor, tuple[tuple, backends.AdamPlan, Optional[torch.Tensor], Any]] = {}
         # id(group) -> (the group, _signature(group), its validated hyperparameters as the op's keyword arguments)
         self._hypers: dict[int, tuple[dict, tuple, dict]] = {}
@@ -225,8 +225,10 @@ class BackwardStep:
         group_index, index, group = self._where[p]
         hyper = self._hyperparameters(optimizer, group_index, group)
         amsgrad = bool(group["amsgrad"])
-        # (the backend is chosen by ORT_OPTIM_BACKEND at every step: a plan made under another choice is not used)
-        key = (optimizer.state.version, amsgrad, _plan._rounding(group), os.environ.get("ORT_OPTIM_BACKEND"))
+        # (the backend is chosen by ORT_OPTIM_BACKEND at every step: a plan made under another choice is not used;
+        # nor one made before master_weights or a state dtype option changed, whose states step() would convert)
+        key = (optimizer.state.version, amsgrad, _plan._rounding(group), os.environ.get("ORT_OPTIM_BACKEND"),
+               optimizer._layout_options())
         cached = self._plans.get(p)
         # (a new optimizer.state container is told by identity: its mutation count says nothing about the old one's)
         if (cached is not None and cached[0] == key and cached[3] is optimizer.state

@@ -274,6 +274,17 @@ def _deepcopy_between_backward_and_step(net, opt, step, in_backward):
         _normal(twin["net"], twin["opt"], step, in_backward)
 
 
+def _option_changed(name: str, value):
+    def loop(net, opt, step, in_backward):
+        """An option that decides the states' layout changed after two steps: the states are converted, as step()
+        converts them (found by this audit: the hooks' cached per-param plans kept the old layout on the native
+        backend, silently)."""
+        if step == 2:
+            setattr(opt, name, value)
+        _normal(net, opt, step, in_backward)
+    return loop
+
+
 @dataclass
 class Scenario:
     loop: Callable
@@ -306,6 +317,10 @@ SCENARIOS = {
     "bf16 params without masters, ADAMW_TORCH": Scenario(
         _requires_grad_toggled, dict(adam_w_mode=AdamWMode.ADAMW_TORCH, weight_decay=0.1), torch.bfloat16,
         params=lambda net: [*_trained(net), net.spare.bias.requires_grad_(False)]),
+    "exp_avg_dtype switched to bf16 after two steps": Scenario(_option_changed("exp_avg_dtype", torch.bfloat16)),
+    "exp_avg_sq_dtype switched to 8-bit after two steps": Scenario(_option_changed("exp_avg_sq_dtype", torch.uint8)),
+    "master_weights switched on after two steps (bf16 params)": Scenario(_option_changed("master_weights", True),
+                                                                         dtype=torch.bfloat16),
     "state_dict() between backward and step(), loaded back later": Scenario(_state_dict_between_backward_and_step),
     "load_state_dict() between backward and step()": Scenario(_load_state_dict_between_backward_and_step),
     "deepcopy between backward and step()": Scenario(_deepcopy_between_backward_and_step,
@@ -387,6 +402,19 @@ def test_a_layer_in_two_reentrant_checkpoint_segments_is_not_stepped_twice():
             assert_tree_bitwise_equal(value, after[key], key)
     assert {int(opt.state[p]["step"]) for p in net.head.parameters()} == {1}
     assert not any(p in opt.state for p in [*net.a.parameters(), *net.b.parameters()])
+
+
+def test_master_weights_switched_off_under_masters_is_refused_by_the_first_hook_with_nothing_written(backend):
+    """As step() refuses it (a state with a master_param for a param that keeps none), naming the param."""
+    net = Net(torch.bfloat16)
+    opt = FusedAdam(_trained(net), lr=1e-2, master_weights=True, step_in_backward=True)
+    _normal(net, opt, 0, True)
+    opt.master_weights = False
+    before = _snapshot_without_grads(opt)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[5\] .*has a 'master_param' but this "
+                                         r"optimizer keeps none"):
+        net(_x(1)).backward()
+    assert_same_snapshot(before, _snapshot_without_grads(opt))
 
 
 def _saved_detach(net: Net, step: int) -> torch.Tensor:
