@@ -193,9 +193,20 @@ class FusedAdam(torch.optim.Optimizer):
     (ValueError here), ``grad_scale`` and ``found_inf`` (ValueError from step(), which is how ``torch.amp.GradScaler``
     and loss scaling come in; by then backward has already updated the params with the scaled gradients, so fix the
     setup rather than catching the error), and params that share memory (ValueError here). Gradient accumulation: run
-    the backward calls of all micro-batches but the last inside :meth:`accumulate`. A bad gradient or hyperparameter
-    raises a ValueError out of backward naming the param, which is left unchanged; params updated earlier in the same
-    backward stay updated. The hooks hold the optimizer weakly: a deleted optimizer updates nothing;
+    the backward calls of all micro-batches but the last inside :meth:`accumulate`; so for two losses backpropagated
+    one after the other over a retained graph. Reentrant activation checkpointing
+    (``torch.utils.checkpoint(..., use_reentrant=True)``) runs a backward per segment inside a node of the outer one,
+    where a param's gradient may not be complete yet (a layer in two segments would be stepped twice, each time with
+    part of its gradient): a hook that fires in such a nested backward raises a ValueError naming the param and
+    ``use_reentrant=False``, which works as eager code does (a reentrant one works with every backward inside
+    :meth:`accumulate`, without the memory saving). Each update in backward marks the param as modified in place (its
+    autograd version counter), as torch's in-place updates do, so a backward that still needs the param's old value
+    (a second backward over a retained graph outside :meth:`accumulate`, a saved ``p.detach()``) raises autograd's
+    "modified by an inplace operation" error, as torch's optimizer-in-backward recipe does, instead of computing
+    with the updated value. A bad gradient or hyperparameter raises a ValueError out of backward naming the param,
+    which is left unchanged; params updated earlier in the same backward stay updated. So with any exception out of
+    backward (a NaN check in a hook): the params completed before it are updated, once, the others not; the next
+    backward steps each param as usual. The hooks hold the optimizer weakly: a deleted optimizer updates nothing;
     :meth:`remove_backward_hooks` removes them (backward then only accumulates, for this optimizer's step() or another
     optimizer). A param removed from ``param_groups`` is no longer updated by its hook. With a model compiled by
     ``torch.compile`` the hooks fire as in eager mode (autograd's engine still accumulates the params' gradients).

@@ -86,7 +86,7 @@ def _assert_same(stepped: FusedAdam, in_backward: FusedAdam) -> None:
     assert_tree_bitwise_equal(stepped.state_dict(), in_backward.state_dict(), "state_dict")
 
 
-# ---- scenarios whose result must equal the normal loop, bit for bit ---------------------------------------------------
+# ---- scenarios whose result must equal the normal loop, bit for bit ------------------------------------------------
 
 def _normal(net, opt, step, in_backward):
     net(_x(step)).backward()
@@ -366,7 +366,7 @@ def test_autograd_grad_updates_nothing():
     assert_same_snapshot(before, optimizer_snapshot(opt))
 
 
-# ---- refused: an error, with nothing stepped that cannot be stepped right ----------------------------------------------
+# ---- refused: an error, with nothing stepped that cannot be stepped right -------------------------------------------
 
 def _snapshot_without_grads(opt: FusedAdam) -> dict:
     return {k: v for k, v in optimizer_snapshot(opt).items() if not k.endswith(".grad")}
@@ -376,7 +376,8 @@ def test_a_reentrant_checkpoint_of_the_whole_model_is_refused_before_any_update(
     net = Net()
     opt = FusedAdam(_trained(net), lr=1e-2, step_in_backward=True)
     before = _snapshot_without_grads(opt)
-    x = _x(0).requires_grad_(True)  # (a reentrant checkpoint gives its params gradients only through an input that has one)
+    # (a reentrant checkpoint gives its params gradients only through an input that has one)
+    x = _x(0).requires_grad_(True)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[\d\] .*a backward run inside a node of "
                                          r"another backward.*use_reentrant=False"):
         checkpoint(net, x, use_reentrant=True).backward()
