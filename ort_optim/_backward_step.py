@@ -91,6 +91,10 @@ class BackwardStep:
             raise ValueError(self._refusal)
         if optimizer.max_grad_norm is not None:  # (set after construction, which refuses it)
             raise max_grad_norm_refused(optimizer.max_grad_norm)
+        # torch.amp.GradScaler hands these to step() as attributes, and leaves them there when step() refuses them:
+        # a loop that caught that error would go on updating with scaled gradients here.
+        if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+            raise loss_scaling_refused()
         if p.grad is None:  # (autograd calls this hook with the gradient accumulated: another hook took it)
             group_index, index, _ = self._where[p]
             raise ValueError(
@@ -324,6 +328,13 @@ def max_grad_norm_refused(max_grad_norm: float) -> ValueError:
         f"max_grad_norm={max_grad_norm} clips by the norm of all gradients, but step_in_backward=True updates each "
         "parameter as soon as its own gradient is complete, before the others exist. Use step_in_backward=False to "
         "clip, or leave max_grad_norm=None")
+
+
+def loss_scaling_refused() -> ValueError:
+    return ValueError(
+        "grad_scale/found_inf (loss scaling, torch.amp.GradScaler) need every gradient before the first update, but "
+        "step_in_backward=True already updated each parameter during backward. Use step_in_backward=False with loss "
+        "scaling (or bf16 autocast, which needs none)")
 
 
 def _signature(group: dict) -> Optional[tuple]:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 
 from . import _checkpoint, _plan, _spec, backends
-from ._backward_step import BackwardStep, max_grad_norm_refused
+from ._backward_step import BackwardStep, loss_scaling_refused, max_grad_norm_refused
 from ._checkpoint import MOMENT_KEYS
 from ._plan import describe
 from ._spec import LOW_BIT_FORMATS, LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
@@ -192,7 +192,8 @@ class FusedAdam(torch.optim.Optimizer):
     lr tensors, param groups). What needs every gradient before the first update is refused: ``max_grad_norm``
     (ValueError here), ``grad_scale`` and ``found_inf`` (ValueError from step(), which is how ``torch.amp.GradScaler``
     and loss scaling come in; by then backward has already updated the params with the scaled gradients, so fix the
-    setup rather than catching the error), and params that share memory (ValueError here). Gradient accumulation: run
+    setup rather than catching the error: GradScaler leaves the two attributes set when step() raises, and every
+    later hook raises too, before updating), and params that share memory (ValueError here). Gradient accumulation: run
     the backward calls of all micro-batches but the last inside :meth:`accumulate`; so for two losses backpropagated
     one after the other over a retained graph. Reentrant activation checkpointing
     (``torch.utils.checkpoint(..., use_reentrant=True)``) runs a backward per segment inside a node of the outer one,
@@ -569,11 +570,7 @@ class FusedAdam(torch.optim.Optimizer):
                 self._backward.check_setup(self)
             self._backward.check_updated_once()
         if self._backward is not None and (grad_scale is not None or found_inf is not None):
-            raise ValueError(
-                "grad_scale/found_inf (loss scaling, torch.amp.GradScaler) need every gradient before the first "
-                "update, but step_in_backward=True already updated each parameter during backward. Use "
-                "step_in_backward=False with loss scaling (or bf16 autocast, which needs none)"
-            )
+            raise loss_scaling_refused()
         for group_index, group in enumerate(self.param_groups):
             _check_hyperparameters(group, f"param_groups[{group_index}]", self.master_weights)
         if self.capturable:  # checked before anything changes (state creation included), like everything else

@@ -20,13 +20,16 @@ repeated here.
   bf16 after the optimizer was made (``p.data`` and, where torch has it, swap_tensors); fp16 params with fp32
   masters, 8-bit moments, amsgrad and maximize; bf16 params without masters; a reentrant checkpoint with every
   backward inside accumulate(); state_dict(), load_state_dict() and a deepcopy taken between backward and step()
-  (the update in backward comes first: the oracle takes them after its step()).
+  and an lr scheduler stepped between backward and step() (the update in backward comes first: the oracle takes them
+  after its step()).
 * torch.autograd.grad updates nothing (it accumulates no ``.grad``).
 * Refused: a reentrant checkpoint (``use_reentrant=True``) whose segments' params would be updated from a nested
   backward with part of their gradient, then again (found: a silent double step); a second backward over a retained
   graph, and a saved ``p.detach()`` read after p's update, raise autograd's "modified by an inplace operation" error,
   as with torch's own optimizer-in-backward recipe (found: the native kernels did not bump the version counter, so
-  both silently used the updated values).
+  both silently used the updated values); after GradScaler's recipe was refused by step() (its first backward
+  already updated with the scaled gradients, as documented), the next backward's hooks (found: they went on updating
+  with scaled gradients).
 * A backward that raises midway (a NaN check in a module's backward hook) leaves the params it completed updated
   once and the others untouched; the loop then continues, and the end-of-backward check still runs in the next
   backward (found: it was never queued again after a backward that raised).
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -241,6 +245,22 @@ def _state_dict_between_backward_and_step(net, opt, step, in_backward):
         opt.load_state_dict(opt._audit_saved[0])
 
 
+def _scheduler_between_backward_and_step(net, opt, step, in_backward):
+    """An lr scheduler stepped between backward and step() reaches the next backward's updates (the update in
+    backward came first): as a scheduler stepped after step() in the normal loop."""
+    if step == 0:
+        opt.__dict__["_audit_scheduler"] = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    net(_x(step)).backward()
+    if in_backward:
+        with warnings.catch_warnings():  # (torch warns of a scheduler stepped before any step(): the hooks stepped)
+            warnings.simplefilter("ignore", UserWarning)
+            opt._audit_scheduler.step()
+    opt.step()
+    if not in_backward:
+        opt._audit_scheduler.step()
+    opt.zero_grad()
+
+
 def _load_state_dict_between_backward_and_step(net, opt, step, in_backward):
     """load_state_dict between backward and step() after an in-backward update equals load_state_dict after the
     normal step(): nothing is stepped again on top of the loaded state."""
@@ -322,6 +342,7 @@ SCENARIOS = {
     "master_weights switched on after two steps (bf16 params)": Scenario(_option_changed("master_weights", True),
                                                                          dtype=torch.bfloat16),
     "state_dict() between backward and step(), loaded back later": Scenario(_state_dict_between_backward_and_step),
+    "an lr scheduler stepped between backward and step()": Scenario(_scheduler_between_backward_and_step),
     "load_state_dict() between backward and step()": Scenario(_load_state_dict_between_backward_and_step),
     "deepcopy between backward and step()": Scenario(_deepcopy_between_backward_and_step,
                                                      compare=lambda opt: opt._audit_twin["opt"]),
@@ -415,6 +436,25 @@ def test_master_weights_switched_off_under_masters_is_refused_by_the_first_hook_
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[5\] .*has a 'master_param' but this "
                                          r"optimizer keeps none"):
         net(_x(1)).backward()
+    assert_same_snapshot(before, _snapshot_without_grads(opt))
+
+
+def test_after_gradscaler_was_refused_the_next_backward_updates_nothing():
+    """GradScaler's recipe is refused by step(), after its first backward updated the params with the scaled
+    gradients (documented); GradScaler leaves optimizer.grad_scale and found_inf set when step() raises. Found by
+    this audit: a loop that caught the error went on updating with scaled gradients in every later backward. Now
+    the hooks refuse while those are set, before updating anything."""
+    if not hasattr(torch.amp, "GradScaler"):
+        pytest.skip("torch.amp.GradScaler is not in this torch")
+    net = Net()
+    opt = FusedAdam(_trained(net), lr=1e-2, step_in_backward=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    scaler.scale(net(_x(0))).backward()
+    with pytest.raises(ValueError, match=r"grad_scale/found_inf .*step_in_backward=True"):
+        scaler.step(opt)
+    before = _snapshot_without_grads(opt)
+    with pytest.raises(ValueError, match=r"grad_scale/found_inf .*step_in_backward=True"):
+        scaler.scale(net(_x(1))).backward()
     assert_same_snapshot(before, _snapshot_without_grads(opt))
 
 
