@@ -15,7 +15,8 @@ tensor, the whole container replaced), ``param_groups`` (lists mutated in place 
 hyperparameters changed, ``amsgrad`` toggled), the optimizer's layout options, ``load_state_dict``. Each runs on every
 state layout (``LAYOUTS``: fp32 with amsgrad, bf16, bf16 and fp16 with fp32 master weights, 8-bit and 4-bit moments)
 and on every CPU backend (the ``backend`` fixture; Triton's interpreter with ``ORT_OPTIM_BACKEND=triton
-TRITON_INTERPRET=1``).
+TRITON_INTERPRET=1``), followed by plain steps and, on two layouts, by scaled and clipped ones (``STEP_KINDS``: ``grad_scale``,
+``found_inf``, ``max_grad_norm``, which take other paths through the plan).
 
 Actions whose result no fresh optimizer can reproduce from copies, because they make two things share memory, are
 refused instead (``SHARING``): the same param twice, one state dict or one state tensor for two params, a state
@@ -32,7 +33,11 @@ What this audit found, fixed (ort_optim/_plan.py, _backward_step.py) and regress
   internal error (and updated the shared moments twice on the other backends); state tensors sharing memory with
   each other or with a param were updated once per param: both are now refused, naming the params;
 * a re-plan put a new tensor in ``state[p]['step']``: code holding the old one (as torch's one tensor per run allows)
-  read a frozen count, and its writes were ignored.
+  read a frozen count, and its writes were ignored;
+* (the scaled steps, ``STEP_KINDS``) on the reference backend, state tensors or a gradient made under
+  ``torch.inference_mode()`` (a checkpoint loaded there) failed halfway through the step with torch's "Inplace update
+  to inference tensor" error, naming no param, some moments already written; the native and Triton kernels write
+  them. The reference backend now writes them too.
 
 What this does not cover: a gradient that aliases its own param (``p.grad = p.detach()``), where the result depends
 on the order in which a kernel reads and writes, as in torch's own kernels; 4-bit moments are stored flat, so a
@@ -71,6 +76,16 @@ NAMES_A_PARAM = r"param_groups\[\d+\]\['params'\]\[\d+\]"
 NAMES_A_PARAM_OR_GROUP = r"param_groups\[\d+\]"
 
 
+# The kinds of step a cached plan is made for: plain, and the scaled ones (unscale, inf/NaN check, skip), which take
+# another path through the plan (one native call that unscales in the update, or a statistics pass first).
+STEP_KINDS = {
+    "plain": lambda: {},
+    "grad_scale": lambda: dict(grad_scale=8.0),
+    "grad_scale and found_inf tensors": lambda: dict(grad_scale=torch.tensor(4.0), found_inf=torch.zeros(1)),
+    "clipped (max_grad_norm)": lambda: {},  # (the optimizer's max_grad_norm is set: see the test)
+}
+
+
 def _setup(layout: str):
     dtype, options = LAYOUTS[layout]
     g = torch.Generator().manual_seed(0)
@@ -100,6 +115,16 @@ def assign_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
         p.grad.data = grad
 
 
+def faithful_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t as it is laid out: its storage copied and viewed with t's sizes, strides and offset (clone() makes
+    an expand()ed tensor dense), and an inference tensor if t is one (a clone outside inference mode is not). Sparse
+    and meta tensors, which have no storage to copy, are cloned."""
+    if t.layout != torch.strided or t.is_meta:
+        return t.clone()
+    with torch.inference_mode(t.is_inference()):
+        return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+
+
 def fresh_copy(opt: FusedAdam) -> FusedAdam:
     """A new FusedAdam over copies of opt's params (same strides, gradients, requires_grad), with copies of its
     param_groups options, constructor options and state tensors: what opt describes, without any cache."""
@@ -111,7 +136,7 @@ def fresh_copy(opt: FusedAdam) -> FusedAdam:
             if id(p) not in copies:
                 q = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
                 if p.grad is not None:
-                    assign_grad(q, p.grad.detach().clone())
+                    assign_grad(q, faithful_copy(p.grad.detach()))
                 copies[id(p)] = q
             params.append(copies[id(p)])
         groups.append({**copy.deepcopy({k: v for k, v in group.items() if k != "params"}), "params": params})
@@ -139,16 +164,18 @@ def _meta_safe_snapshot(opt):
             for k, v in optimizer_snapshot(opt).items()}
 
 
-def assert_steps_like_a_fresh_optimizer(opt: FusedAdam, steps: int = 2) -> None:
-    """The cached opt and a fresh copy step alike, bit for bit, `steps` times; or both refuse the first step with the
-    same error, which names a param (or its group), and opt is left as it was. (A group option that no optimizer
-    accepts is refused by the fresh one's constructor: the cached step must refuse it with the same words.)"""
+def assert_steps_like_a_fresh_optimizer(opt: FusedAdam, steps: int = 2, step_kind: str = "plain") -> None:
+    """The cached opt and a fresh copy step alike, bit for bit, `steps` times (each a step of ``STEP_KINDS[step_kind]``);
+    or both refuse the first step with the same error, which names a param (or its group), and opt is left as it was.
+    (A group option that no optimizer accepts is refused by the fresh one's constructor: the cached step must refuse
+    it with the same words.)"""
+    step_arguments = STEP_KINDS[step_kind]
     try:
         fresh = fresh_copy(opt)
     except (ValueError, TypeError) as exc:
         before = _meta_safe_snapshot(opt)
         with pytest.raises(type(exc), match=re.escape(str(exc))):
-            opt.step()
+            opt.step(**step_arguments())
         assert_same_snapshot(before, _meta_safe_snapshot(opt))
         return
     for k in range(steps):
@@ -159,7 +186,7 @@ def assert_steps_like_a_fresh_optimizer(opt: FusedAdam, steps: int = 2) -> None:
         errors = []
         for o in (opt, fresh):
             try:
-                o.step()
+                o.step(**step_arguments())
                 errors.append(None)
             except (ValueError, TypeError) as exc:
                 errors.append(exc)
@@ -246,6 +273,13 @@ def _load_twice(opt, params) -> None:
     opt.load_state_dict(saved)
 
 
+def _load_in_inference_mode(opt) -> None:
+    """A checkpoint loaded where an evaluation script runs: its state tensors are made as inference tensors."""
+    saved = copy.deepcopy(opt.state_dict())
+    with torch.inference_mode():
+        opt.load_state_dict(saved)
+
+
 def _load_partial(opt, params) -> None:
     saved = copy.deepcopy(opt.state_dict())
     del saved["state"][1]
@@ -297,6 +331,9 @@ ACTIONS = {
     "exp_avg = float32 values": lambda opt, ps: _set_item(opt.state[ps[0]], "exp_avg", torch.full((5,), 0.25)),
     "exp_avg_sq = non-contiguous bf16 values": lambda opt, ps: _set_item(
         opt.state[ps[1]], "exp_avg_sq", torch.arange(9.0).view(3, 3).to(torch.bfloat16).t()),
+    "exp_avg an inference-mode tensor": lambda opt, ps: _set_item(
+        opt.state[ps[1]], "exp_avg", _inference_copy(opt.state[ps[1]]["exp_avg"])),
+    "state loaded under inference_mode": lambda opt, ps: _load_in_inference_mode(opt),
     "exp_avg.data = a new tensor": lambda opt, ps: setattr(opt.state[ps[1]]["exp_avg"], "data",
                                                            opt.state[ps[1]]["exp_avg"].data.clone()),
     "exp_avg storage freed and re-allocated": lambda opt, ps: _realloc(opt.state[ps[0]]["exp_avg"]),
@@ -356,6 +393,26 @@ def test_after_any_action_the_step_equals_a_fresh_optimizers(action, layout, bac
     _set_grads_all(params, 2)
     ACTIONS[action](opt, params)
     assert_steps_like_a_fresh_optimizer(opt)
+
+
+# The scaled steps on the layouts whose plans differ most (fp32 master weights beside fp16 params; 8-bit codes), on
+# the native and reference backends (the actions' Python path is the same under Triton's interpreter).
+SCALED_LAYOUTS = [] if BACKENDS == ("triton",) else ["fp16-master", "8-bit"]
+
+
+@pytest.mark.parametrize("step_kind", [kind for kind in STEP_KINDS if kind != "plain"])
+@pytest.mark.parametrize("layout", SCALED_LAYOUTS)
+@pytest.mark.parametrize("action", ACTIONS)
+def test_after_any_action_a_scaled_step_equals_a_fresh_optimizers(action, layout, step_kind, backend):
+    params, opt = _setup(layout)
+    if step_kind == "clipped (max_grad_norm)":
+        opt.max_grad_norm = 0.5
+    for seed in range(2):
+        _set_grads_all(params, seed)
+        opt.step(**STEP_KINDS[step_kind]())
+    _set_grads_all(params, 2)
+    ACTIONS[action](opt, params)
+    assert_steps_like_a_fresh_optimizer(opt, step_kind=step_kind)
 
 
 def _set_grads_all(params, seed):

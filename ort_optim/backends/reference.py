@@ -9,6 +9,7 @@ moment format (ops/README.md, "fp16 states" and "low-bit states").
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional, Sequence
 
@@ -276,47 +277,56 @@ def adam_step_(
     def optional(items: Sequence[torch.Tensor], i: int) -> Optional[torch.Tensor]:
         return items[i] if len(items) else None
 
-    for i, param in enumerate(params):
-        compute = torch.float64 if param.dtype == torch.float64 else torch.float32
-        t = float(steps[i]) + 1.0
-        bc1 = 1.0 - beta1**t if bias_correction else 1.0
-        bc2 = 1.0 - beta2**t if bias_correction else 1.0
-        master = optional(master_params, i)
-        p = (master if master is not None else param).to(compute, copy=True)
-        g = grads[i].to(compute) * grad_mul
-        m = _read_state(exp_avgs[i], optional(exp_avg_scales, i), compute, False, param.shape)
-        v = _read_state(exp_avg_sqs[i], optional(exp_avg_sq_scales, i), compute, True, param.shape)
-        if adam_w_mode == 0:
-            g = g + weight_decay * p
-        if adam_w_mode == 2:
-            p = p * (1.0 - lr * weight_decay)
-        m = m + (1.0 - beta1) * (g - m)
-        v = v * beta2 + (1.0 - beta2) * g * g
-        v_used = v
-        if amsgrad:
-            vmax = torch.maximum(
-                _read_state(max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), compute, True, param.shape), v)
-            v_used = vmax
-        root = v_used.sqrt() if compute == torch.float64 else sqrt_f32(v_used)
-        if adam_w_mode == 2:
-            p = p - (lr / bc1) * (m / (root / math.sqrt(bc2) + eps))
-        else:
-            p = p - (lr * math.sqrt(bc2) / bc1) * (m / (root + eps))
-            if adam_w_mode == 1:
-                p = p - (lr * weight_decay) * p
-        _write_state(m, exp_avgs[i], optional(exp_avg_scales, i), False, int(t))
-        _write_state(v, exp_avg_sqs[i], optional(exp_avg_sq_scales, i), True)
-        if amsgrad:
-            _write_state(vmax, max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), True)
-        if master is not None:
-            master.copy_(p)
-        if rounding_keys is not None:
-            param.copy_(round_bf16_stochastic(p, int(rounding_keys[i]), int(t)))
-        else:
-            param.copy_(p)
-        if grad_scale is not None:  # the unscaled gradient back into .grad: a division, rounded to its dtype
-            grads[i].copy_(grads[i].to(compute) / grad_scale.to(compute).reshape(()))
-    steps.add_(1.0)
+    def update() -> None:
+        for i, param in enumerate(params):
+            compute = torch.float64 if param.dtype == torch.float64 else torch.float32
+            t = float(steps[i]) + 1.0
+            bc1 = 1.0 - beta1**t if bias_correction else 1.0
+            bc2 = 1.0 - beta2**t if bias_correction else 1.0
+            master = optional(master_params, i)
+            p = (master if master is not None else param).to(compute, copy=True)
+            g = grads[i].to(compute) * grad_mul
+            m = _read_state(exp_avgs[i], optional(exp_avg_scales, i), compute, False, param.shape)
+            v = _read_state(exp_avg_sqs[i], optional(exp_avg_sq_scales, i), compute, True, param.shape)
+            if adam_w_mode == 0:
+                g = g + weight_decay * p
+            if adam_w_mode == 2:
+                p = p * (1.0 - lr * weight_decay)
+            m = m + (1.0 - beta1) * (g - m)
+            v = v * beta2 + (1.0 - beta2) * g * g
+            v_used = v
+            if amsgrad:
+                vmax = torch.maximum(
+                    _read_state(max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), compute, True, param.shape), v)
+                v_used = vmax
+            root = v_used.sqrt() if compute == torch.float64 else sqrt_f32(v_used)
+            if adam_w_mode == 2:
+                p = p - (lr / bc1) * (m / (root / math.sqrt(bc2) + eps))
+            else:
+                p = p - (lr * math.sqrt(bc2) / bc1) * (m / (root + eps))
+                if adam_w_mode == 1:
+                    p = p - (lr * weight_decay) * p
+            _write_state(m, exp_avgs[i], optional(exp_avg_scales, i), False, int(t))
+            _write_state(v, exp_avg_sqs[i], optional(exp_avg_sq_scales, i), True)
+            if amsgrad:
+                _write_state(vmax, max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), True)
+            if master is not None:
+                master.copy_(p)
+            if rounding_keys is not None:
+                param.copy_(round_bf16_stochastic(p, int(rounding_keys[i]), int(t)))
+            else:
+                param.copy_(p)
+            if grad_scale is not None:  # the unscaled gradient back into .grad: a division, rounded to its dtype
+                grads[i].copy_(grads[i].to(compute) / grad_scale.to(compute).reshape(()))
+        steps.add_(1.0)
+
+    # A tensor made under torch.inference_mode() (a checkpoint loaded there, say) can be written in place only inside
+    # it. The native and Triton kernels write through pointers either way; so does this path, instead of failing
+    # halfway with some tensors written.
+    written = [*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs, *master_params, *exp_avg_scales,
+               *exp_avg_sq_scales, *max_exp_avg_sq_scales, steps, *(grads if grad_scale is not None else ())]
+    with torch.inference_mode() if any(t.is_inference() for t in written) else contextlib.nullcontext():
+        update()
 
 
 def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
