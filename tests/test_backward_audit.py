@@ -19,9 +19,9 @@ repeated here.
   add_param_group between backward and step(); two in-backward optimizers over disjoint params; the model cast to
   bf16 after the optimizer was made (``p.data`` and, where torch has it, swap_tensors); fp16 params with fp32
   masters, 8-bit moments, amsgrad and maximize; bf16 params without masters; a reentrant checkpoint with every
-  backward inside accumulate(); state_dict(), load_state_dict() and a deepcopy taken between backward and step()
-  and an lr scheduler stepped between backward and step() (the update in backward comes first: the oracle takes them
-  after its step()).
+  backward inside accumulate(); master_weights or a state dtype option switched mid-run; state_dict(),
+  load_state_dict(), a deepcopy, a torch.save/load round trip and an lr scheduler's step taken between backward and
+  step() (the update in backward comes first: the oracle takes them after its step()).
 * torch.autograd.grad updates nothing (it accumulates no ``.grad``).
 * Refused: a reentrant checkpoint (``use_reentrant=True``) whose segments' params would be updated from a nested
   backward with part of their gradient, then again (found: a silent double step); a second backward over a retained
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -279,19 +280,28 @@ def _load_state_dict_between_backward_and_step(net, opt, step, in_backward):
     opt.zero_grad()
 
 
-def _deepcopy_between_backward_and_step(net, opt, step, in_backward):
-    """At step 1 a deepcopy of model and optimizer is taken after backward (after step() in the normal loop); both
-    the copy and the original train on, the copy compared (its own hooks on its own params)."""
-    net(_x(step)).backward()
-    if step == 1 and in_backward:
-        opt.__dict__["_audit_twin"] = copy.deepcopy({"net": net, "opt": opt})
-    opt.step()
-    opt.zero_grad()
-    if step == 1 and not in_backward:
-        opt.__dict__["_audit_twin"] = copy.deepcopy({"net": net, "opt": opt})
-    twin = opt.__dict__.get("_audit_twin")
-    if twin is not None and step > 1:
-        _normal(twin["net"], twin["opt"], step, in_backward)
+def _copied_between_backward_and_step(copier: Callable):
+    def loop(net, opt, step, in_backward):
+        """At step 1, model and optimizer are copied together after backward (after step() in the normal loop); the
+        copy trains on (its own hooks on its own params) and is compared."""
+        net(_x(step)).backward()
+        if step == 1 and in_backward:
+            opt.__dict__["_audit_twin"] = copier({"net": net, "opt": opt})
+        opt.step()
+        opt.zero_grad()
+        if step == 1 and not in_backward:
+            opt.__dict__["_audit_twin"] = copier({"net": net, "opt": opt})
+        twin = opt.__dict__.get("_audit_twin")
+        if twin is not None and step > 1:
+            _normal(twin["net"], twin["opt"], step, in_backward)
+    return loop
+
+
+def _pickled(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
 
 
 def _option_changed(name: str, value):
@@ -344,8 +354,10 @@ SCENARIOS = {
     "state_dict() between backward and step(), loaded back later": Scenario(_state_dict_between_backward_and_step),
     "an lr scheduler stepped between backward and step()": Scenario(_scheduler_between_backward_and_step),
     "load_state_dict() between backward and step()": Scenario(_load_state_dict_between_backward_and_step),
-    "deepcopy between backward and step()": Scenario(_deepcopy_between_backward_and_step,
+    "deepcopy between backward and step()": Scenario(_copied_between_backward_and_step(copy.deepcopy),
                                                      compare=lambda opt: opt._audit_twin["opt"]),
+    "torch.save/torch.load between backward and step()": Scenario(_copied_between_backward_and_step(_pickled),
+                                                                  compare=lambda opt: opt._audit_twin["opt"]),
 }
 
 
