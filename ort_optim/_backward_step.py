@@ -43,7 +43,7 @@ class BackwardStep:
         # id(group) -> (the group, _signature(group), its validated hyperparameters as the op's keyword arguments)
         self._hypers: dict[int, tuple[dict, tuple, dict]] = {}
         self._accumulating = 0
-        self._updated: dict[torch.Tensor, None] = {}  # params updated by a hook since the last check_updated_once()
+        self._updated: dict[torch.Tensor, None] = {}  # params updated by a hook since the last step()/zero_grad()
         self.setup_checked = False  # check_setup() passed (it runs once: at the first hook or step())
         # The autograd graph task whose end-of-backward check is queued (see _hook), None when none is: an id, not a
         # flag, because a backward that raises never runs its callbacks, and the next backward must queue its own.
@@ -82,7 +82,8 @@ class BackwardStep:
             return
         if not self.setup_checked:
             self.check_setup(optimizer)
-        if self._accumulating:
+        if self._accumulating:  # (a gradient accumulated for the next update, not written after this one)
+            self._updated.pop(p, None)
             return
         if not self._locate(optimizer, p):
             self._check_not_repointed(optimizer)
@@ -135,7 +136,7 @@ class BackwardStep:
 
         def after_other_callbacks() -> None:
             self._check_queued = None
-            self.check_updated_once()
+            self.check_updated_once(forget=False)
 
         try:
             engine.queue_callback(lambda: engine.queue_callback(after_other_callbacks))
@@ -184,24 +185,30 @@ class BackwardStep:
         if not any_hooked:
             raise repointed("param_groups hold none of the params that step_in_backward=True hooked")
 
-    def check_updated_once(self) -> None:
-        """Raises if a param updated by its hook since the last call has a gradient again: something wrote one after
-        autograd's accumulation, and step() would update the param a second time with it. DistributedDataParallel
-        does: it averages the gradients across ranks once autograd has accumulated them, and writes the average
-        back into ``p.grad`` (so the hook updated the param with this rank's gradient alone). Runs at the end of
-        every backward that updated a param (_queue_end_of_backward_check), and in step() and zero_grad()."""
+    def check_updated_once(self, forget: bool = True) -> None:
+        """Raises if a param updated by its hook since the last step() or zero_grad() has a gradient again: something
+        wrote one after autograd's accumulation, and step() would update the param a second time with it. Code after
+        backward may (a gradient set by hand, where the normal loop would have stepped once with it); so does
+        DistributedDataParallel: it averages the gradients across ranks once autograd has accumulated them, and
+        writes the average back into ``p.grad`` (so the hook updated the param with this rank's gradient alone).
+        Runs at the end of every backward that updated a param (_queue_end_of_backward_check), which keeps the
+        record of the updated params (forget=False: a gradient written after this backward must still be found by
+        step()), and in step() and zero_grad(), which clear it."""
         if self._refusal is not None:
             raise ValueError(self._refusal)
-        updated, self._updated = self._updated, {}
+        updated = self._updated
+        if forget:
+            self._updated = {}
         for p in updated:
             if p.grad is not None:
                 group_index, index, _ = self._where[p]
                 self._refusal = (
                     f"{_plan.describe(group_index, index, p)} was updated in backward by step_in_backward=True, and "
-                    "has a gradient again: something wrote it after autograd's accumulation (DistributedDataParallel "
-                    "does, with the gradient averaged across ranks), so the update used another gradient, and step() "
-                    "or the next backward would update it again with this one. Use step_in_backward=False with "
-                    "DistributedDataParallel")
+                    "has a gradient again: something wrote it after autograd's accumulation (code after backward, or "
+                    "DistributedDataParallel, with the gradient averaged across ranks), so the update used another "
+                    "gradient, and step() or the next backward would update it again with this one. Use "
+                    "step_in_backward=False with DistributedDataParallel; to change a gradient, do it in a hook that "
+                    "runs before the update (p.register_hook)")
                 raise ValueError(self._refusal)
 
     def _locate(self, optimizer: "FusedAdam", p: torch.Tensor) -> bool:

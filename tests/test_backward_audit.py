@@ -18,7 +18,7 @@ repeated here.
   with ``inputs=``; two losses over a retained graph, the first inside accumulate(); a layer added with
   add_param_group between backward and step(); two in-backward optimizers over disjoint params; the model cast to
   bf16 after the optimizer was made (``p.data`` and, where torch has it, swap_tensors); fp16 params with fp32
-  masters, 8-bit moments, amsgrad and maximize; bf16 params without masters; a reentrant checkpoint with every
+  masters, 8-bit moments, amsgrad and maximize; accumulate() with a layer only an early micro-batch uses; bf16 params without masters; a reentrant checkpoint with every
   backward inside accumulate(); master_weights or a state dtype option switched mid-run; state_dict(),
   load_state_dict(), a deepcopy, a torch.save/load round trip and an lr scheduler's step taken between backward and
   step() (the update in backward comes first: the oracle takes them after its step()).
@@ -29,7 +29,8 @@ repeated here.
   as with torch's own optimizer-in-backward recipe (found: the native kernels did not bump the version counter, so
   both silently used the updated values); after GradScaler's recipe was refused by step() (its first backward
   already updated with the scaled gradients, as documented), the next backward's hooks (found: they went on updating
-  with scaled gradients).
+  with scaled gradients); a gradient written after backward for a param its hook updated, refused by step() (found:
+  step() updated the param a second time with it).
 * A backward that raises midway (a NaN check in a module's backward hook) leaves the params it completed updated
   once and the others untouched; the loop then continues, and the end-of-backward check still runs in the next
   backward (found: it was never queued again after a backward that raised).
@@ -190,6 +191,18 @@ def _two_losses_over_a_retained_graph(net, opt, step, in_backward):
     opt.zero_grad()
 
 
+def _accumulate_a_branch_used_only_early(net, opt, step, in_backward):
+    """Three micro-batches, the first two inside accumulate(); the spare layer is used only by the first: its hook
+    does not fire in the last backward, so step() updates it with what was accumulated."""
+    for micro in range(3):
+        x = _x(10 * step + micro)
+        loss = net(x) + (net.spare(x).pow(2).mean() if micro == 0 else 0)
+        with opt.accumulate() if micro < 2 else contextlib.nullcontext():
+            loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def _add_param_group_between_backward_and_step(net, opt, step, in_backward):
     """spare (not in the optimizer until step 1) gets gradients in backward without a hook; added between backward
     and step(), step() updates it, and its hooks do from then on."""
@@ -337,6 +350,8 @@ SCENARIOS = {
     "gradient penalty: autograd.grad(create_graph=True), then backward": Scenario(_gradient_penalty),
     "backward(inputs=some params)": Scenario(_backward_with_inputs),
     "two losses over a retained graph, the first inside accumulate()": Scenario(_two_losses_over_a_retained_graph),
+    "accumulate(): a layer used only by an early micro-batch": Scenario(
+        _accumulate_a_branch_used_only_early, params=lambda net: list(net.parameters())),
     "add_param_group between backward and step()": Scenario(_add_param_group_between_backward_and_step),
     "two in-backward optimizers over disjoint params": Scenario(_two_optimizers),
     "model.to(bfloat16) after the optimizer (p.data)": Scenario(_cast_after_the_optimizer(swap=False)),
@@ -436,6 +451,21 @@ def test_a_layer_in_two_reentrant_checkpoint_segments_is_not_stepped_twice():
             assert_tree_bitwise_equal(value, after[key], key)
     assert {int(opt.state[p]["step"]) for p in net.head.parameters()} == {1}
     assert not any(p in opt.state for p in [*net.a.parameters(), *net.b.parameters()])
+
+
+def test_a_gradient_written_after_backward_for_a_param_updated_in_it_is_refused_by_step_with_nothing_written():
+    """A gradient added by hand after backward (a regulariser's) would have been summed into the step in the normal
+    loop; the hooks already updated the param with backward's gradient alone, so step() would update it a second
+    time. step() raises instead, naming the param, before writing anything. (Found by this audit: the end of
+    backward cleared the record of updated params, so step() found nothing and stepped the param twice.)"""
+    net = Net()
+    opt = FusedAdam(_trained(net), lr=1e-2, step_in_backward=True)
+    net(_x(0)).backward()
+    net.head.bias.grad = torch.ones_like(net.head.bias)
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[5\] .*has a gradient again"):
+        opt.step()
+    assert_same_snapshot(before, optimizer_snapshot(opt))
 
 
 def test_master_weights_switched_off_under_masters_is_refused_by_the_first_hook_with_nothing_written(backend):
