@@ -48,6 +48,7 @@ class BackwardStep:
         # The autograd graph task whose end-of-backward check is queued (see _hook), None when none is: an id, not a
         # flag, because a backward that raises never runs its callbacks, and the next backward must queue its own.
         self._check_queued: Optional[int] = None
+        self._task: tuple[Optional[int], bool] = (None, False)  # (the last hook's graph task, whether it is nested)
         # Once check_updated_once() found a param updated with another gradient, every later hook, step() and
         # zero_grad() raises the same error (until remove_backward_hooks()): none may update it again.
         self._refusal: Optional[str] = None
@@ -103,7 +104,10 @@ class BackwardStep:
                 "post-accumulate-grad hook before this optimizer's, such as that of another FusedAdam with "
                 "step_in_backward=True over the same param. Call remove_backward_hooks() on the optimizer you no "
                 "longer use (or delete it, and whatever refers to it)")
-        if _in_nested_backward():
+        task = torch._C._current_graph_task_id()  # (-1 outside backward: a hook called by hand)
+        if task != self._task[0]:  # (whether a backward is nested does not change while it runs: looked up once)
+            self._task = (task, _in_nested_backward())
+        if self._task[1]:
             group_index, index, _ = self._where[p]
             raise ValueError(
                 f"{_plan.describe(group_index, index, p)}: its gradient was accumulated by a backward run inside a "
@@ -120,7 +124,6 @@ class BackwardStep:
         torch.autograd.graph.increment_version(p)
         p.grad = None
         self._updated[p] = None
-        task = torch._C._current_graph_task_id()
         if self._check_queued != task:
             self._queue_end_of_backward_check(task)
 
