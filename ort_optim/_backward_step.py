@@ -37,6 +37,7 @@ class BackwardStep:
         self._optimizer = weakref.ref(optimizer)
         self._where: dict[torch.Tensor, tuple[int, int, dict]] = {}  # param -> (group index, index, group)
         self._handles: dict[torch.Tensor, object] = {}  # param -> its hook's handle (one hook per param)
+        self._impls: dict[torch.Tensor, int] = {}  # param -> its C++ tensor (p._cdata) when its hook was connected
         # param -> ((optimizer.state.version, amsgrad, the group's rounding options, the backend choice, the layout
         # options), its native plan, its rounding_keys, the optimizer.state container) when it was planned
         self._plans: dict[torch.Tensor, tuple[tuple, backends.AdamPlan, Optional[torch.Tensor], Any]] = {}
@@ -60,12 +61,30 @@ class BackwardStep:
             self._where[p] = (group_index, index, group)
             if p.requires_grad and p not in self._handles:
                 self._handles[p] = p.register_post_accumulate_grad_hook(self._hook)
+                self._impls[p] = p._cdata
+
+    def restore_hooks(self) -> None:
+        """Connects the hooks again of params whose tensor was swapped under them. torch.utils.swap_tensors
+        (``model.to()`` with torch.__future__.set_swap_module_params_on_conversion(True)) gives the param object
+        another C++ tensor; the hooks are kept in the old one's autograd metadata, so none fires any more (the
+        param's dict of hooks stays on the Python object, disconnected), and a backward would silently leave the
+        gradients to step(). Setting that dict again connects it: this optimizer's hook and any other. Runs in step()
+        and zero_grad(): backward calls after such a conversion, before either, do not update."""
+        for p, impl in self._impls.items():
+            if p._cdata == impl:
+                continue
+            hooks = p._post_accumulate_grad_hooks
+            if hooks is None or self._handles[p].id not in hooks:
+                self._handles[p] = p.register_post_accumulate_grad_hook(self._hook)
+            p._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
+            self._impls[p] = p._cdata
 
     def remove(self) -> None:
         """Removes every hook: backward then only accumulates gradients."""
         for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
+        self._impls.clear()
         self._refusal = None
 
     @contextlib.contextmanager

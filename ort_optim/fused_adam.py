@@ -211,19 +211,21 @@ class FusedAdam(torch.optim.Optimizer):
     NaN check in a hook): the params completed before it are updated, once, the others not; the next backward steps each
     param as usual. The hooks hold the optimizer weakly: a deleted optimizer updates nothing;
     :meth:`remove_backward_hooks` removes them (backward then only accumulates, for this optimizer's step() or another
-    optimizer). A param removed from ``param_groups`` is no longer updated by its hook. With a model compiled by
-    ``torch.compile`` the hooks fire as in eager mode (autograd's engine still accumulates the params' gradients). Under
-    ORTModule (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in eager PyTorch and the updates are the
-    same, but ORT's backward hands over all the module's gradients at once, so the memory saving is only that no
-    gradient outlives its update. Not with ``DistributedDataParallel``: it averages the gradients across ranks after
-    autograd has accumulated them (the hooks saw this rank's own) and writes the average back into ``p.grad``; the end
-    of that backward raises for a param updated in backward that has a gradient again, and so does every later hook,
-    ``step()`` and ``zero_grad()``, instead of updating it twice. Not with DeepSpeed either (any ZeRO stage,
-    fp32/fp16/bf16): the engine reduces the gradients after backward and, except at stage 0 in fp32, steps its own fp32
-    partitions or copies, put in ``param_groups`` in place of the params, so updates in backward would use this rank's
-    unreduced gradient, or silently never happen (a normal step, no memory saved). An optimizer held by a DeepSpeed
-    engine or DeepSpeed optimizer is refused with a ValueError before anything is updated: at its first hook (the first
-    ``engine.backward``), or at its first ``step()`` if that comes first (stage 0 fp16: inside
+    optimizer). A param removed from ``param_groups`` is no longer updated by its hook. ``torch.utils.swap_tensors``
+    (``model.to()`` with swap-on-conversion) gives each param another tensor, whose autograd metadata holds none of its
+    hooks: the next ``step()`` or ``zero_grad()`` connects them again (a backward before either leaves its gradients to
+    ``step()``). With a model compiled by ``torch.compile`` the hooks fire as in eager mode (autograd's engine still
+    accumulates the params' gradients). Under ORTModule (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in
+    eager PyTorch and the updates are the same, but ORT's backward hands over all the module's gradients at once, so the
+    memory saving is only that no gradient outlives its update. Not with ``DistributedDataParallel``: it averages the
+    gradients across ranks after autograd has accumulated them (the hooks saw this rank's own) and writes the average
+    back into ``p.grad``; the end of that backward raises for a param updated in backward that has a gradient again, and
+    so does every later hook, ``step()`` and ``zero_grad()``, instead of updating it twice. Not with DeepSpeed either
+    (any ZeRO stage, fp32/fp16/bf16): the engine reduces the gradients after backward and, except at stage 0 in fp32,
+    steps its own fp32 partitions or copies, put in ``param_groups`` in place of the params, so updates in backward
+    would use this rank's unreduced gradient, or silently never happen (a normal step, no memory saved). An optimizer
+    held by a DeepSpeed engine or DeepSpeed optimizer is refused with a ValueError before anything is updated: at its
+    first hook (the first ``engine.backward``), or at its first ``step()`` if that comes first (stage 0 fp16: inside
     ``deepspeed.initialize``). The holder is looked for once, among the garbage collector's referrers, and only where
     DeepSpeed is imported and torch.distributed initialised. Whatever the wrapper, a hook whose param is no longer in
     ``param_groups`` while they hold a tensor this optimizer never hooked, or none it hooked, raises too, rather than
@@ -571,6 +573,7 @@ class FusedAdam(torch.optim.Optimizer):
             if not self._backward.setup_checked:  # (once)
                 self._backward.check_setup(self)
             self._backward.check_updated_once()
+            self._backward.restore_hooks()
         if self._backward is not None and (grad_scale is not None or found_inf is not None):
             raise loss_scaling_refused()
         for group_index, group in enumerate(self.param_groups):
@@ -781,9 +784,10 @@ class FusedAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Clears the gradients; set_to_none defaults to the constructor's set_grad_none (True, as ORT). With
         step_in_backward, first raises as step() does if a param updated in backward has a gradient again
-        (DistributedDataParallel)."""
+        (DistributedDataParallel), and connects the hooks of params swapped by torch.utils.swap_tensors again."""
         if self._backward is not None:
             self._backward.check_updated_once()
+            self._backward.restore_hooks()
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     # ---- checkpoints --------------------------------------------------------------------------------------------

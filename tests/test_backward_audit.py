@@ -12,28 +12,30 @@ repeated here.
 
 * Equal to the normal loop: a layer used in two forward passes of one backward; requires_grad toggled between
   iterations (a hooked param frozen and unfrozen, a param trainable only after construction); non-reentrant
-  activation checkpointing with a layer used in two segments; a forward partly under no_grad; backward called under
-  no_grad; gradients assigned before backward (backward accumulates into them); zero_grad(set_to_none=False) before
-  backward; a gradient penalty (autograd.grad with create_graph, whose gradients no hook sees, then backward); backward
-  with ``inputs=``; two losses over a retained graph, the first inside accumulate(); a layer added with
-  add_param_group between backward and step(); two in-backward optimizers over disjoint params; the model cast to
-  bf16 after the optimizer was made (``p.data`` and, where torch has it, swap_tensors); fp16 params with fp32
-  masters, 8-bit moments, amsgrad and maximize; accumulate() with a layer only an early micro-batch uses; bf16 params without masters; a reentrant checkpoint with every
-  backward inside accumulate(); master_weights or a state dtype option switched mid-run; state_dict(),
+  activation checkpointing with a layer used in two segments, and a reentrant one with every backward inside
+  accumulate(); a forward partly under no_grad; backward called under no_grad; gradients assigned before backward
+  (backward accumulates into them); zero_grad(set_to_none=False) before backward; a gradient penalty (autograd.grad
+  with create_graph, whose gradients no hook sees, then backward); backward with ``inputs=``; two losses over a
+  retained graph, the first inside accumulate(); accumulate() with a layer only an early micro-batch uses; a layer
+  added with add_param_group between backward and step(); two in-backward optimizers over disjoint params; the model
+  cast to bf16 after the optimizer was made (``p.data``, and swap_tensors where torch has it); fp16 params with fp32
+  masters, 8-bit moments, amsgrad and maximize; bf16 params without masters; master_weights or a state dtype option
+  switched mid-run (found: the hooks' cached plans kept the old layout on the native backend); state_dict(),
   load_state_dict(), a deepcopy, a torch.save/load round trip and an lr scheduler's step taken between backward and
   step() (the update in backward comes first: the oracle takes them after its step()).
-* torch.autograd.grad updates nothing (it accumulates no ``.grad``).
-* Refused: a reentrant checkpoint (``use_reentrant=True``) whose segments' params would be updated from a nested
-  backward with part of their gradient, then again (found: a silent double step); a second backward over a retained
-  graph, and a saved ``p.detach()`` read after p's update, raise autograd's "modified by an inplace operation" error,
-  as with torch's own optimizer-in-backward recipe (found: the native kernels did not bump the version counter, so
-  both silently used the updated values); after GradScaler's recipe was refused by step() (its first backward
-  already updated with the scaled gradients, as documented), the next backward's hooks (found: they went on updating
-  with scaled gradients); a gradient written after backward for a param its hook updated, refused by step() (found:
-  step() updated the param a second time with it).
-* A backward that raises midway (a NaN check in a module's backward hook) leaves the params it completed updated
-  once and the others untouched; the loop then continues, and the end-of-backward check still runs in the next
-  backward (found: it was never queued again after a backward that raised).
+* torch.autograd.grad updates nothing. After model.to() with swap-on-conversion, step() or zero_grad() connects the
+  hooks again (found: none fired any more, silently).
+* Refused, naming the param, before what cannot be stepped right is written: a reentrant checkpoint
+  (``use_reentrant=True``), whose nested backward would complete part of a param's gradient (found: a layer in two
+  segments was stepped twice per backward, each time with part of its gradient); a gradient written after backward
+  for a param its hook updated (found: step() updated it a second time); the hooks, once step() refused GradScaler's
+  recipe (found: a loop that caught the error went on updating with scaled gradients). A second backward over a
+  retained graph, and a saved ``p.detach()`` read after p's update, raise autograd's "modified by an inplace
+  operation" error, as with torch's own optimizer-in-backward recipe (found: the native kernels did not bump the
+  version counter, so both silently used the updated values).
+* A backward that raises midway (a NaN check in a gradient hook) leaves the params it completed updated once and
+  the others untouched; the loop then continues, and the end-of-backward check still runs in the next backward
+  (found: it was never queued again after a backward that raised).
 """
 
 from __future__ import annotations
@@ -393,6 +395,34 @@ def test_step_in_backward_equals_the_normal_loop_bit_for_bit(name, backend):
         stepped, in_backward = scenario.compare(stepped), scenario.compare(in_backward)
     _assert_same(stepped, in_backward)
     assert in_backward.state, "nothing was stepped"
+
+
+@pytest.mark.parametrize("call", ["step", "zero_grad"])
+def test_params_swapped_by_model_to_are_hooked_again_by_step_or_zero_grad(call):
+    """Found by this audit: model.to() with swap-on-conversion (torch.utils.swap_tensors) gives each param object
+    another C++ tensor, and the hooks live in the old one's autograd metadata: none fired any more, so backward left
+    every gradient for step() (memory saving silently gone), and a loop of backward calls alone updated nothing.
+    The next step() or zero_grad() connects them again (documented: a backward before either does not update)."""
+    if not hasattr(torch.__future__, "set_swap_module_params_on_conversion"):
+        pytest.skip("torch.__future__.set_swap_module_params_on_conversion is not in this torch")
+    net = Net()
+    user_hook_calls = []  # (a hook of the user's, registered before the optimizer's: it sees the gradient)
+    net.a.weight.register_post_accumulate_grad_hook(lambda p: user_hook_calls.append(p.grad is not None))
+    opt = FusedAdam(_trained(net), lr=1e-2, step_in_backward=True)
+    _normal(net, opt, 0, True)
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        net.to(torch.bfloat16)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    net(_x(1)).backward()
+    assert all(p.grad is not None for p in _trained(net))  # (not hooked until step() or zero_grad())
+    getattr(opt, call)()
+    steps = [int(opt.state[p]["step"]) for p in _trained(net)]
+    net(_x(2)).backward()
+    assert all(p.grad is None for p in _trained(net))
+    assert [int(opt.state[p]["step"]) for p in _trained(net)] == [s + 1 for s in steps]
+    assert user_hook_calls == [True, True]  # (steps 0 and 2: connected again too, still first)
 
 
 def test_the_oracle_can_fail():
