@@ -124,9 +124,10 @@ class BackwardStep:
                 "step_in_backward=True over the same param. Call remove_backward_hooks() on the optimizer you no "
                 "longer use (or delete it, and whatever refers to it)")
         task = torch._C._current_graph_task_id()  # (-1 outside backward: a hook called by hand)
-        if task != self._task[0]:  # (whether a backward is nested does not change while it runs: looked up once)
-            self._task = (task, _in_nested_backward())
-        if self._task[1]:
+        seen = self._task
+        if task != seen[0]:  # (whether a backward is nested does not change while it runs: looked up once)
+            seen = self._task = (task, _in_nested_backward())
+        if seen[1]:
             group_index, index, _ = self._where[p]
             raise ValueError(
                 f"{_plan.describe(group_index, index, p)}: its gradient was accumulated by a backward run inside a "
