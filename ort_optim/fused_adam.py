@@ -206,26 +206,30 @@ class FusedAdam(torch.optim.Optimizer):
     (its autograd version counter), as torch's in-place updates do, so a backward that still needs the param's old value
     (a second backward over a retained graph outside :meth:`accumulate`, a saved ``p.detach()``) raises autograd's
     "modified by an inplace operation" error, as torch's optimizer-in-backward recipe does, instead of computing with
-    the updated value. A bad gradient or hyperparameter raises a ValueError out of backward naming the param, which is
-    left unchanged; params updated earlier in the same backward stay updated. So with any exception out of backward (a
-    NaN check in a hook): the params completed before it are updated, once, the others not; the next backward steps each
-    param as usual. The hooks hold the optimizer weakly: a deleted optimizer updates nothing;
-    :meth:`remove_backward_hooks` removes them (backward then only accumulates, for this optimizer's step() or another
-    optimizer). A param removed from ``param_groups`` is no longer updated by its hook. ``torch.utils.swap_tensors``
-    (``model.to()`` with swap-on-conversion) gives each param another tensor, whose autograd metadata holds none of its
-    hooks: the next ``step()`` or ``zero_grad()`` connects them again (a backward before either leaves its gradients to
-    ``step()``). With a model compiled by ``torch.compile`` the hooks fire as in eager mode (autograd's engine still
-    accumulates the params' gradients). Under ORTModule (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in
-    eager PyTorch and the updates are the same, but ORT's backward hands over all the module's gradients at once, so the
-    memory saving is only that no gradient outlives its update. Not with ``DistributedDataParallel``: it averages the
-    gradients across ranks after autograd has accumulated them (the hooks saw this rank's own) and writes the average
-    back into ``p.grad``; the end of that backward raises for a param updated in backward that has a gradient again, and
-    so does every later hook, ``step()`` and ``zero_grad()``, instead of updating it twice. Not with DeepSpeed either
-    (any ZeRO stage, fp32/fp16/bf16): the engine reduces the gradients after backward and, except at stage 0 in fp32,
-    steps its own fp32 partitions or copies, put in ``param_groups`` in place of the params, so updates in backward
-    would use this rank's unreduced gradient, or silently never happen (a normal step, no memory saved). An optimizer
-    held by a DeepSpeed engine or DeepSpeed optimizer is refused with a ValueError before anything is updated: at its
-    first hook (the first ``engine.backward``), or at its first ``step()`` if that comes first (stage 0 fp16: inside
+    the updated value. What no version counter can tell: activation checkpointing recomputes a segment during backward
+    from the params' current values, so a segment that reads a param outside that param's gradient path (``p.detach()``,
+    under ``torch.no_grad()``) is recomputed with its updated value if the param's gradient was complete before the
+    segment's backward (the normal loop would recompute with the old one); keep such reads out of checkpointed segments.
+    A bad gradient or hyperparameter raises a ValueError out of backward naming the param, which is left unchanged;
+    params updated earlier in the same backward stay updated. So with any exception out of backward (a NaN check in a
+    hook): the params completed before it are updated, once, the others not; the next backward steps each param as
+    usual. The hooks hold the optimizer weakly: a deleted optimizer updates nothing; :meth:`remove_backward_hooks`
+    removes them (backward then only accumulates, for this optimizer's step() or another optimizer). A param removed
+    from ``param_groups`` is no longer updated by its hook. ``torch.utils.swap_tensors`` (``model.to()`` with
+    swap-on-conversion) gives each param another tensor, whose autograd metadata holds none of its hooks: the next
+    ``step()`` or ``zero_grad()`` connects them again (a backward before either leaves its gradients to ``step()``).
+    With a model compiled by ``torch.compile`` the hooks fire as in eager mode (autograd's engine still accumulates the
+    params' gradients). Under ORTModule (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in eager PyTorch
+    and the updates are the same, but ORT's backward hands over all the module's gradients at once, so the memory saving
+    is only that no gradient outlives its update. Not with ``DistributedDataParallel``: it averages the gradients across
+    ranks after autograd has accumulated them (the hooks saw this rank's own) and writes the average back into
+    ``p.grad``; the end of that backward raises for a param updated in backward that has a gradient again, and so does
+    every later hook, ``step()`` and ``zero_grad()``, instead of updating it twice. Not with DeepSpeed either (any ZeRO
+    stage, fp32/fp16/bf16): the engine reduces the gradients after backward and, except at stage 0 in fp32, steps its
+    own fp32 partitions or copies, put in ``param_groups`` in place of the params, so updates in backward would use this
+    rank's unreduced gradient, or silently never happen (a normal step, no memory saved). An optimizer held by a
+    DeepSpeed engine or DeepSpeed optimizer is refused with a ValueError before anything is updated: at its first hook
+    (the first ``engine.backward``), or at its first ``step()`` if that comes first (stage 0 fp16: inside
     ``deepspeed.initialize``). The holder is looked for once, among the garbage collector's referrers, and only where
     DeepSpeed is imported and torch.distributed initialised. Whatever the wrapper, a hook whose param is no longer in
     ``param_groups`` while they hold a tensor this optimizer never hooked, or none it hooked, raises too, rather than

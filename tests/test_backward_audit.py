@@ -23,6 +23,8 @@ repeated here.
   switched mid-run (found: the hooks' cached plans kept the old layout on the native backend); state_dict(),
   load_state_dict(), a deepcopy, a torch.save/load round trip and an lr scheduler's step taken between backward and
   step() (the update in backward comes first: the oracle takes them after its step()).
+* A known, documented limitation (a strict xfail): a checkpointed segment that reads a param outside its gradient
+  path (``p.detach()``, under no_grad) is recomputed with the value updated by then.
 * torch.autograd.grad updates nothing. After model.to() with swap-on-conversion, step() or zero_grad() connects the
   hooks again (found: none fired any more, silently).
 * Refused, naming the param, before what cannot be stepped right is written: a reentrant checkpoint
@@ -432,6 +434,24 @@ def test_the_oracle_can_fail():
     net(_x(STEPS)).backward()
     with pytest.raises(AssertionError, match="not bit-for-bit equal"):
         _assert_same(stepped, in_backward)
+
+
+@pytest.mark.xfail(strict=True, reason="documented limitation: a checkpointed segment recomputed in backward reads "
+                   "the current value of a param it uses outside its gradient path, already updated by then")
+def test_a_checkpointed_segment_that_reads_a_param_without_its_gradient_recomputes_with_the_old_value(backend):
+    """Layer b's weight is read through .detach() inside the first segment (no gradient from there) and used with
+    its gradient in the second: its hook updates it when the second segment's backward is done, before the first
+    segment is recomputed, which then reads the new value (no saved tensor, so no version check can tell). The
+    normal loop recomputes with the old one. Nothing in the hooks can see a future recomputation: documented."""
+    def loop(net, opt, step, in_backward):
+        h = checkpoint(lambda t: torch.tanh(net.a(t) * net.b.weight.detach()[0]), _x(step), use_reentrant=False)
+        net.loss(checkpoint(lambda t: torch.tanh(net.b(t)), h, use_reentrant=False)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    _, stepped = _run(Scenario(loop), in_backward=False)
+    _, in_backward = _run(Scenario(loop), in_backward=True)
+    _assert_same(stepped, in_backward)
 
 
 def test_autograd_grad_updates_nothing():
