@@ -5,7 +5,10 @@ The update of one parameter is the op's update of that tensor alone (the same ke
 and bias corrections, the same fp16 block scales), so the params come out bit for bit as from ``step()``. What needs
 every gradient first cannot run here: FusedAdam refuses ``max_grad_norm`` with step_in_backward, and ``step()``
 refuses ``grad_scale``/``found_inf`` (torch.amp.GradScaler). Gradient accumulation over several backward calls goes
-through :meth:`BackwardStep.accumulate`: backward inside it only accumulates.
+through :meth:`BackwardStep.accumulate`: backward inside it only accumulates. A hook in a backward nested in another
+(reentrant activation checkpointing), where the gradient may be incomplete, refuses; each update bumps the param's
+autograd version counter, as torch's in-place updates do; step() and zero_grad() connect again the hooks of params
+that torch.utils.swap_tensors gave another tensor.
 
 On the native CPU backend each parameter keeps a native plan of its own (ops/README.md, "AdamPlan"), used while its
 check() passes and the optimizer's state has not changed (``optimizer.state.version``): a step through it costs
