@@ -19,7 +19,8 @@ repeated here.
   retained graph, the first inside accumulate(); accumulate() with a layer only an early micro-batch uses; a layer
   added with add_param_group between backward and step(); two in-backward optimizers over disjoint params; the model
   cast to bf16 after the optimizer was made (``p.data``, and swap_tensors where torch has it); fp16 params with fp32
-  masters, 8-bit moments, amsgrad and maximize; bf16 params without masters; master_weights or a state dtype option
+  masters, 8-bit moments, amsgrad and maximize; bf16 params without masters; a NaN gradient with amsgrad in one
+  group and maximize in another; master_weights or a state dtype option
   switched mid-run (found: the hooks' cached plans kept the old layout on the native backend); state_dict(),
   load_state_dict(), a deepcopy, a torch.save/load round trip and an lr scheduler's step taken between backward and
   step() (the update in backward comes first: the oracle takes them after its step()).
@@ -321,6 +322,17 @@ def _pickled(obj):
     return torch.load(buffer, weights_only=False)
 
 
+def _a_nan_gradient(net, opt, step, in_backward):
+    """A NaN in one row of a's output gradient at step 1: a plain step does not skip (as torch.optim.AdamW), so NaN
+    reaches a's params and moments the same way in both loops."""
+    h = torch.tanh(net.a(_x(step)))
+    if step == 1:
+        h = h * torch.tensor([float("nan")] + [1.0] * (WIDTH - 1))
+    net.loss(torch.tanh(net.b(h))).backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def _option_changed(name: str, value):
     def loop(net, opt, step, in_backward):
         """An option that decides the states' layout changed after two steps: the states are converted, as step()
@@ -370,6 +382,9 @@ SCENARIOS = {
     "exp_avg_sq_dtype switched to 8-bit after two steps": Scenario(_option_changed("exp_avg_sq_dtype", torch.uint8)),
     "master_weights switched on after two steps (bf16 params)": Scenario(_option_changed("master_weights", True),
                                                                          dtype=torch.bfloat16),
+    "a NaN gradient; amsgrad in one group, maximize in another": Scenario(_a_nan_gradient, params=lambda net: [
+        {"params": list(net.a.parameters()), "amsgrad": True},
+        {"params": [*net.b.parameters(), *net.head.parameters()], "maximize": True, "lr": 3e-2}]),
     "state_dict() between backward and step(), loaded back later": Scenario(_state_dict_between_backward_and_step),
     "an lr scheduler stepped between backward and step()": Scenario(_scheduler_between_backward_and_step),
     "load_state_dict() between backward and step()": Scenario(_load_state_dict_between_backward_and_step),
