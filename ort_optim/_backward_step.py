@@ -58,8 +58,9 @@ class BackwardStep:
         self._refusal: Optional[str] = None
 
     def watch(self, group_index: int, group: dict) -> None:
-        """Hooks the group's params that require gradients (a param made trainable later has no hook: step()
-        updates it, like any param whose hook did not fire)."""
+        """Hooks the group's params that require gradients (a param made trainable later is hooked by the next
+        step() or zero_grad(), restore_hooks(); until then step() updates it, like any param whose hook did not
+        fire)."""
         for index, p in enumerate(group["params"]):
             self._where[p] = (group_index, index, group)
             if p.requires_grad and p not in self._handles:
@@ -71,8 +72,16 @@ class BackwardStep:
         (``model.to()`` with torch.__future__.set_swap_module_params_on_conversion(True)) gives the param object
         another C++ tensor; the hooks are kept in the old one's autograd metadata, so none fires any more (the
         param's dict of hooks stays on the Python object, disconnected), and a backward would silently leave the
-        gradients to step(). Setting that dict again connects it: this optimizer's hook and any other. Runs in step()
-        and zero_grad(): backward calls after such a conversion, before either, do not update."""
+        gradients to step(). Setting that dict again connects it: this optimizer's hook and any other. Hooks too the
+        params given to this optimizer that did not require gradients then and do now. Runs in step() and
+        zero_grad(): backward calls after such a conversion or change, before either, do not update those params.
+        (Only params this optimizer was given: tensors put in param_groups by hand or by a wrapper are not hooked,
+        see _check_not_repointed.)"""
+        for group in self._optimizer().param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p not in self._handles and p in self._where:
+                    self._handles[p] = p.register_post_accumulate_grad_hook(self._hook)
+                    self._impls[p] = p._cdata
         for p, impl in self._impls.items():
             if p._cdata == impl:
                 continue

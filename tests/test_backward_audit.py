@@ -27,7 +27,7 @@ repeated here.
 * A known, documented limitation (a strict xfail): a checkpointed segment that reads a param outside its gradient
   path (``p.detach()``, under no_grad) is recomputed with the value updated by then.
 * torch.autograd.grad updates nothing. After model.to() with swap-on-conversion, step() or zero_grad() connects the
-  hooks again (found: none fired any more, silently).
+  hooks again (found: none fired any more, silently); they also hook a param made trainable after construction.
 * Refused, naming the param, before what cannot be stepped right is written: a reentrant checkpoint
   (``use_reentrant=True``), whose nested backward would complete part of a param's gradient (found: a layer in two
   segments was stepped twice per backward, each time with part of its gradient); a gradient written after backward
@@ -440,6 +440,23 @@ def test_params_swapped_by_model_to_are_hooked_again_by_step_or_zero_grad(call):
     assert all(p.grad is None for p in _trained(net))
     assert [int(opt.state[p]["step"]) for p in _trained(net)] == [s + 1 for s in steps]
     assert user_hook_calls == [True, True]  # (steps 0 and 2: connected again too, still first)
+
+
+@pytest.mark.parametrize("call", ["step", "zero_grad"])
+def test_a_param_made_trainable_after_construction_is_hooked_by_the_next_step_or_zero_grad(call):
+    """It had no hook (it required no gradient then): its first gradient is left for step(), as documented; from the
+    next step() or zero_grad() on, its hook updates it in backward (before this audit it never got one, so a loop
+    of backward calls alone never updated it)."""
+    net = Net()
+    opt = FusedAdam([*_trained(net), net.spare.bias.requires_grad_(False)], lr=1e-2, step_in_backward=True)
+    net.spare.bias.requires_grad_(True)
+    (net(_x(0)) + net.spare.bias.sum()).backward()
+    assert net.spare.bias.grad is not None and net.head.bias.grad is None
+    getattr(opt, call)()
+    steps = int(opt.state[net.spare.bias]["step"]) if net.spare.bias in opt.state else 0
+    assert steps == (1 if call == "step" else 0)
+    (net(_x(1)) + net.spare.bias.sum()).backward()
+    assert net.spare.bias.grad is None and int(opt.state[net.spare.bias]["step"]) == steps + 1
 
 
 def test_the_oracle_can_fail():
