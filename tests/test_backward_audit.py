@@ -114,7 +114,7 @@ def _two_forward_passes(net, opt, step, in_backward):
 
 def _requires_grad_toggled(net, opt, step, in_backward):
     """Layer a (hooked) frozen at steps 1-2 and trainable again from 3; spare.bias (not trainable when the optimizer
-    was made: no hook) trainable from step 2, so step() updates it."""
+    was made: no hook) trainable from step 2: step() updates it and hooks it, its hook from step 3 on."""
     net.a.requires_grad_(step not in (1, 2))
     if step == 2:
         net.spare.bias.requires_grad_(True)
