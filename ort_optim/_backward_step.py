@@ -41,6 +41,7 @@ class BackwardStep:
         self._where: dict[torch.Tensor, tuple[int, int, dict]] = {}  # param -> (group index, index, group)
         self._handles: dict[torch.Tensor, object] = {}  # param -> its hook's handle (one hook per param)
         self._impls: dict[torch.Tensor, int] = {}  # param -> its C++ tensor (p._cdata) when its hook was connected
+        self._unhooked: dict[torch.Tensor, None] = {}  # params given without requires_grad (not hooked yet)
         # param -> ((optimizer.state.version, amsgrad, the group's rounding options, the backend choice, the layout
         # options), its native plan, its rounding_keys, the optimizer.state container) when it was planned
         self._plans: dict[torch.Tensor, tuple[tuple, backends.AdamPlan, Optional[torch.Tensor], Any]] = {}
@@ -66,6 +67,8 @@ class BackwardStep:
             if p.requires_grad and p not in self._handles:
                 self._handles[p] = p.register_post_accumulate_grad_hook(self._hook)
                 self._impls[p] = p._cdata
+            elif not p.requires_grad:
+                self._unhooked[p] = None
 
     def restore_hooks(self) -> None:
         """Connects the hooks again of params whose tensor was swapped under them. torch.utils.swap_tensors
@@ -75,13 +78,13 @@ class BackwardStep:
         gradients to step(). Setting that dict again connects it: this optimizer's hook and any other. Hooks too the
         params given to this optimizer that did not require gradients then and do now. Runs in step() and
         zero_grad(): backward calls after such a conversion or change, before either, do not update those params.
-        (Only params this optimizer was given: tensors put in param_groups by hand or by a wrapper are not hooked,
-        see _check_not_repointed.)"""
-        for group in self._optimizer().param_groups:
-            for p in group["params"]:
-                if p.requires_grad and p not in self._handles and p in self._where:
-                    self._handles[p] = p.register_post_accumulate_grad_hook(self._hook)
-                    self._impls[p] = p._cdata
+        (Only params this optimizer was given, as watch() saw them: tensors put in param_groups by hand or by a
+        wrapper are not hooked, see _check_not_repointed.)"""
+        for p in [p for p in self._unhooked if p.requires_grad]:
+            del self._unhooked[p]
+            if p not in self._handles:
+                self._handles[p] = p.register_post_accumulate_grad_hook(self._hook)
+                self._impls[p] = p._cdata
         for p, impl in self._impls.items():
             if p._cdata == impl:
                 continue
@@ -97,6 +100,7 @@ class BackwardStep:
             handle.remove()
         self._handles.clear()
         self._impls.clear()
+        self._unhooked.clear()
         self._refusal = None
 
     @contextlib.contextmanager
