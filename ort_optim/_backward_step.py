@@ -5,7 +5,10 @@ The update of one parameter is the op's update of that tensor alone (the same ke
 and bias corrections, the same fp16 block scales), so the params come out bit for bit as from ``step()``. What needs
 every gradient first cannot run here: FusedAdam refuses ``max_grad_norm`` with step_in_backward, and ``step()``
 refuses ``grad_scale``/``found_inf`` (torch.amp.GradScaler). Gradient accumulation over several backward calls goes
-through :meth:`BackwardStep.accumulate`: backward inside it only accumulates.
+through :meth:`BackwardStep.accumulate`: backward inside it only accumulates. A hook in a backward nested in another
+(reentrant activation checkpointing), where the gradient may be incomplete, refuses; each update bumps the param's
+autograd version counter, as torch's in-place updates do; step() and zero_grad() connect again the hooks of params
+that torch.utils.swap_tensors gave another tensor.
 
 On the native CPU backend each parameter keeps a native plan of its own (ops/README.md, "AdamPlan"), used while its
 check() passes and the optimizer's state has not changed (``optimizer.state.version``): a step through it costs
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -36,32 +40,67 @@ class BackwardStep:
         self._optimizer = weakref.ref(optimizer)
         self._where: dict[torch.Tensor, tuple[int, int, dict]] = {}  # param -> (group index, index, group)
         self._handles: dict[torch.Tensor, object] = {}  # param -> its hook's handle (one hook per param)
-        # param -> ((optimizer.state.version, amsgrad, the group's rounding options), its native plan, its
-        # rounding_keys, the optimizer.state container) when it was planned
+        self._impls: dict[torch.Tensor, int] = {}  # param -> its C++ tensor (p._cdata) when its hook was connected
+        self._unhooked: dict[torch.Tensor, None] = {}  # params given without requires_grad (not hooked yet)
+        # param -> ((optimizer.state.version, amsgrad, the group's rounding options, the backend choice, the layout
+        # options), its native plan, its rounding_keys, the optimizer.state container) when it was planned
         self._plans: dict[torch.Tensor, tuple[tuple, backends.AdamPlan, Optional[torch.Tensor], Any]] = {}
         # id(group) -> (the group, _signature(group), its validated hyperparameters as the op's keyword arguments)
         self._hypers: dict[int, tuple[dict, tuple, dict]] = {}
         self._accumulating = 0
-        self._updated: dict[torch.Tensor, None] = {}  # params updated by a hook since the last check_updated_once()
+        self._updated: dict[torch.Tensor, None] = {}  # params updated by a hook since the last step()/zero_grad()
         self.setup_checked = False  # check_setup() passed (it runs once: at the first hook or step())
-        self._check_queued = False  # whether this backward's end-of-backward check is queued (see _hook)
+        # The autograd graph task whose end-of-backward check is queued (see _hook), None when none is: an id, not a
+        # flag, because a backward that raises never runs its callbacks, and the next backward must queue its own.
+        self._check_queued: Optional[int] = None
+        self._task: tuple[Optional[int], bool] = (None, False)  # (the last hook's graph task, whether it is nested)
         # Once check_updated_once() found a param updated with another gradient, every later hook, step() and
         # zero_grad() raises the same error (until remove_backward_hooks()): none may update it again.
         self._refusal: Optional[str] = None
 
     def watch(self, group_index: int, group: dict) -> None:
-        """Hooks the group's params that require gradients (a param made trainable later has no hook: step()
-        updates it, like any param whose hook did not fire)."""
+        """Hooks the group's params that require gradients (a param made trainable later is hooked by the next
+        step() or zero_grad(), restore_hooks(); until then step() updates it, like any param whose hook did not
+        fire)."""
         for index, p in enumerate(group["params"]):
             self._where[p] = (group_index, index, group)
             if p.requires_grad and p not in self._handles:
                 self._handles[p] = p.register_post_accumulate_grad_hook(self._hook)
+                self._impls[p] = p._cdata
+            elif not p.requires_grad:
+                self._unhooked[p] = None
+
+    def restore_hooks(self) -> None:
+        """Connects the hooks again of params whose tensor was swapped under them. torch.utils.swap_tensors
+        (``model.to()`` with torch.__future__.set_swap_module_params_on_conversion(True)) gives the param object
+        another C++ tensor; the hooks are kept in the old one's autograd metadata, so none fires any more (the
+        param's dict of hooks stays on the Python object, disconnected), and a backward would silently leave the
+        gradients to step(). Setting that dict again connects it: this optimizer's hook and any other. Hooks too the
+        params given to this optimizer that did not require gradients then and do now. Runs in step() and
+        zero_grad(): backward calls after such a conversion or change, before either, do not update those params.
+        (Only params this optimizer was given, as watch() saw them: tensors put in param_groups by hand or by a
+        wrapper are not hooked, see _check_not_repointed.)"""
+        for p in [p for p in self._unhooked if p.requires_grad]:
+            del self._unhooked[p]
+            if p not in self._handles:
+                self._handles[p] = p.register_post_accumulate_grad_hook(self._hook)
+                self._impls[p] = p._cdata
+        for p, impl in self._impls.items():
+            if p._cdata == impl:
+                continue
+            hooks = p._post_accumulate_grad_hooks
+            if hooks is None or self._handles[p].id not in hooks:
+                self._handles[p] = p.register_post_accumulate_grad_hook(self._hook)
+            p._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
+            self._impls[p] = p._cdata
 
     def remove(self) -> None:
         """Removes every hook: backward then only accumulates gradients."""
         for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
+        self._impls.clear()
+        self._unhooked.clear()
         self._refusal = None
 
     @contextlib.contextmanager
@@ -79,7 +118,8 @@ class BackwardStep:
             return
         if not self.setup_checked:
             self.check_setup(optimizer)
-        if self._accumulating:
+        if self._accumulating:  # (a gradient accumulated for the next update, not written after this one)
+            self._updated.pop(p, None)
             return
         if not self._locate(optimizer, p):
             self._check_not_repointed(optimizer)
@@ -88,6 +128,10 @@ class BackwardStep:
             raise ValueError(self._refusal)
         if optimizer.max_grad_norm is not None:  # (set after construction, which refuses it)
             raise max_grad_norm_refused(optimizer.max_grad_norm)
+        # torch.amp.GradScaler hands these to step() as attributes, and leaves them there when step() refuses them:
+        # a loop that caught that error would go on updating with scaled gradients here.
+        if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+            raise loss_scaling_refused()
         if p.grad is None:  # (autograd calls this hook with the gradient accumulated: another hook took it)
             group_index, index, _ = self._where[p]
             raise ValueError(
@@ -95,13 +139,31 @@ class BackwardStep:
                 "post-accumulate-grad hook before this optimizer's, such as that of another FusedAdam with "
                 "step_in_backward=True over the same param. Call remove_backward_hooks() on the optimizer you no "
                 "longer use (or delete it, and whatever refers to it)")
+        task = torch._C._current_graph_task_id()  # (-1 outside backward: a hook called by hand)
+        seen = self._task
+        if task != seen[0]:  # (whether a backward is nested does not change while it runs: looked up once)
+            seen = self._task = (task, _in_nested_backward())
+        if seen[1]:
+            group_index, index, _ = self._where[p]
+            raise ValueError(
+                f"{_plan.describe(group_index, index, p)}: its gradient was accumulated by a backward run inside a "
+                "node of another backward (torch.utils.checkpoint(..., use_reentrant=True) runs one per segment, as "
+                "does any autograd Function whose backward calls backward), so the outer backward may still add to "
+                "it: an update now could step the param twice, each time with part of its gradient. This param was "
+                "not updated (params the outer backward completed before it were). Use "
+                "torch.utils.checkpoint(..., use_reentrant=False), or step_in_backward=False")
         self._step(optimizer, p)
+        # Our kernels write through data pointers, unseen by autograd: mark p modified in place, so that a backward
+        # still holding its old value (a second backward over a retained graph, a saved p.detach()) raises autograd's
+        # "modified by an inplace operation" error, as with torch's in-place updates, instead of silently using the
+        # updated one.
+        torch.autograd.graph.increment_version(p)
         p.grad = None
         self._updated[p] = None
-        if not self._check_queued:
-            self._queue_end_of_backward_check()
+        if self._check_queued != task:
+            self._queue_end_of_backward_check(task)
 
-    def _queue_end_of_backward_check(self) -> None:
+    def _queue_end_of_backward_check(self, task: int) -> None:
         """Queues check_updated_once() to run when this backward ends, after the callbacks queued during it
         (DistributedDataParallel queues the one that writes the averaged gradients back at its last bucket, after
         this first hook): so a loop that never calls step() or zero_grad() is refused too, at the end of the first
@@ -112,14 +174,14 @@ class BackwardStep:
         engine = torch.autograd.Variable._execution_engine
 
         def after_other_callbacks() -> None:
-            self._check_queued = False
-            self.check_updated_once()
+            self._check_queued = None
+            self.check_updated_once(forget=False)
 
         try:
             engine.queue_callback(lambda: engine.queue_callback(after_other_callbacks))
         except RuntimeError:  # ("Final callbacks can only be installed during backward pass")
             return
-        self._check_queued = True
+        self._check_queued = task
 
     def check_setup(self, optimizer: "FusedAdam") -> None:
         """Refuses an optimizer that DeepSpeed holds (a DeepSpeedEngine's optimizer, or the inner optimizer of a ZeRO
@@ -162,24 +224,30 @@ class BackwardStep:
         if not any_hooked:
             raise repointed("param_groups hold none of the params that step_in_backward=True hooked")
 
-    def check_updated_once(self) -> None:
-        """Raises if a param updated by its hook since the last call has a gradient again: something wrote one after
-        autograd's accumulation, and step() would update the param a second time with it. DistributedDataParallel
-        does: it averages the gradients across ranks once autograd has accumulated them, and writes the average
-        back into ``p.grad`` (so the hook updated the param with this rank's gradient alone). Runs at the end of
-        every backward that updated a param (_queue_end_of_backward_check), and in step() and zero_grad()."""
+    def check_updated_once(self, forget: bool = True) -> None:
+        """Raises if a param updated by its hook since the last step() or zero_grad() has a gradient again: something
+        wrote one after autograd's accumulation, and step() would update the param a second time with it. Code after
+        backward may (a gradient set by hand, where the normal loop would have stepped once with it); so does
+        DistributedDataParallel: it averages the gradients across ranks once autograd has accumulated them, and
+        writes the average back into ``p.grad`` (so the hook updated the param with this rank's gradient alone).
+        Runs at the end of every backward that updated a param (_queue_end_of_backward_check), which keeps the
+        record of the updated params (forget=False: a gradient written after this backward must still be found by
+        step()), and in step() and zero_grad(), which clear it."""
         if self._refusal is not None:
             raise ValueError(self._refusal)
-        updated, self._updated = self._updated, {}
+        updated = self._updated
+        if forget:
+            self._updated = {}
         for p in updated:
             if p.grad is not None:
                 group_index, index, _ = self._where[p]
                 self._refusal = (
                     f"{_plan.describe(group_index, index, p)} was updated in backward by step_in_backward=True, and "
-                    "has a gradient again: something wrote it after autograd's accumulation (DistributedDataParallel "
-                    "does, with the gradient averaged across ranks), so the update used another gradient, and step() "
-                    "or the next backward would update it again with this one. Use step_in_backward=False with "
-                    "DistributedDataParallel")
+                    "has a gradient again: something wrote it after autograd's accumulation (code after backward, or "
+                    "DistributedDataParallel, with the gradient averaged across ranks), so the update used another "
+                    "gradient, and step() or the next backward would update it again with this one. Use "
+                    "step_in_backward=False with DistributedDataParallel; to change a gradient, do it in a hook that "
+                    "runs before the update (p.register_hook)")
                 raise ValueError(self._refusal)
 
     def _locate(self, optimizer: "FusedAdam", p: torch.Tensor) -> bool:
@@ -207,8 +275,10 @@ class BackwardStep:
         group_index, index, group = self._where[p]
         hyper = self._hyperparameters(optimizer, group_index, group)
         amsgrad = bool(group["amsgrad"])
-        # (the backend is chosen by ORT_OPTIM_BACKEND at every step: a plan made under another choice is not used)
-        key = (optimizer.state.version, amsgrad, _plan._rounding(group), os.environ.get("ORT_OPTIM_BACKEND"))
+        # (the backend is chosen by ORT_OPTIM_BACKEND at every step: a plan made under another choice is not used;
+        # nor one made before master_weights or a state dtype option changed, whose states step() would convert)
+        key = (optimizer.state.version, amsgrad, _plan._rounding(group), os.environ.get("ORT_OPTIM_BACKEND"),
+               optimizer._layout_options())
         cached = self._plans.get(p)
         # (a new optimizer.state container is told by identity: its mutation count says nothing about the old one's)
         if (cached is not None and cached[0] == key and cached[3] is optimizer.state
@@ -271,6 +341,24 @@ class BackwardStep:
         return state
 
 
+# The frame in which autograd runs the backward of a custom autograd Function (torch/autograd/function.py).
+_FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
+
+
+def _in_nested_backward() -> bool:
+    """Whether the running hook was called by a backward that runs inside a node of another backward: the backward
+    of an autograd Function (torch.utils.checkpoint's reentrant variant recomputes its segment and runs backward over
+    it there). The engine runs a nested backward on the thread of the node that started it, so the hook's Python
+    frames then pass through that Function's backward; a top-level backward's pass through none (on CPU they lead
+    back to the caller of backward, on an accelerator's engine thread to nothing)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _FUNCTION_BACKWARD:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def deepspeed_refused(holder: object) -> ValueError:
     return ValueError(
         f"FusedAdam(step_in_backward=True) is held by DeepSpeed's {type(holder).__name__} "
@@ -286,6 +374,13 @@ def max_grad_norm_refused(max_grad_norm: float) -> ValueError:
         f"max_grad_norm={max_grad_norm} clips by the norm of all gradients, but step_in_backward=True updates each "
         "parameter as soon as its own gradient is complete, before the others exist. Use step_in_backward=False to "
         "clip, or leave max_grad_norm=None")
+
+
+def loss_scaling_refused() -> ValueError:
+    return ValueError(
+        "grad_scale/found_inf (loss scaling, torch.amp.GradScaler) need every gradient before the first update, but "
+        "step_in_backward=True already updated each parameter during backward. Use step_in_backward=False with loss "
+        "scaling (or bf16 autocast, which needs none)")
 
 
 def _signature(group: dict) -> Optional[tuple]:

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 
 from . import _checkpoint, _plan, _spec, backends
-from ._backward_step import BackwardStep, max_grad_norm_refused
+from ._backward_step import BackwardStep, loss_scaling_refused, max_grad_norm_refused
 from ._checkpoint import MOMENT_KEYS
 from ._plan import describe
 from ._spec import LOW_BIT_FORMATS, LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
@@ -228,43 +228,63 @@ class FusedAdam(torch.optim.Optimizer):
     that raises (bad gradient, bad hyperparameter, anything above) changes nothing.
 
     ``step_in_backward=True`` registers a post-accumulate-grad hook on every param that requires a gradient
-    (ort_optim/_backward_step.py). When backward has accumulated a param's gradient, the hook applies this
-    optimizer's update to that param alone (the math above, unchanged: the same kernel, per-tensor step count and
-    bias corrections, fp16 block scales; the results equal step()'s bit for bit) and sets ``p.grad = None``. The
-    model's gradients thus never all exist at once: peak memory drops by up to their size, and the update reads each
-    gradient while it is still in cache. ``step()`` then only updates params whose hook did not fire (gradients set
-    by hand, params made trainable after construction); ``zero_grad()`` is harmless. As no gradient is left after
-    backward, code between backward and ``step()`` sees none: ``torch.nn.utils.clip_grad_norm_`` returns 0 and clips
-    nothing, and a param the loss did not use is not updated, even after ``zero_grad(set_to_none=False)`` (where
-    ``step()`` would update it with a zero gradient, its moments still moving it), as in torch's optimizer-in-backward
-    recipe. Works with every option that acts per parameter (modes, amsgrad, maximize, masters, low-precision moments,
-    lr tensors, param groups). What needs every gradient before the first update is refused: ``max_grad_norm``
-    (ValueError here), ``grad_scale`` and ``found_inf`` (ValueError from step(), which is how ``torch.amp.GradScaler``
-    and loss scaling come in; by then backward has already updated the params with the scaled gradients, so fix the
-    setup rather than catching the error), and params that share memory (ValueError here). Gradient accumulation: run
-    the backward calls of all micro-batches but the last inside :meth:`accumulate`. A bad gradient or hyperparameter
-    raises a ValueError out of backward naming the param, which is left unchanged; params updated earlier in the same
-    backward stay updated. The hooks hold the optimizer weakly: a deleted optimizer updates nothing;
+    (ort_optim/_backward_step.py). When backward has accumulated a param's gradient, the hook applies this optimizer's
+    update to that param alone (the math above, unchanged: the same kernel, per-tensor step count and bias corrections,
+    fp16 block scales; the results equal step()'s bit for bit) and sets ``p.grad = None``. The model's gradients thus
+    never all exist at once: peak memory drops by up to their size, and the update reads each gradient while it is still
+    in cache. ``step()`` then only updates params whose hook did not fire (gradients set by hand; a param made trainable
+    after construction, until the next ``step()`` or ``zero_grad()`` hooks it); ``zero_grad()`` is harmless. A gradient
+    written after backward for a param its hook updated (where the normal loop would have stepped once, with it) is
+    refused by ``step()`` and ``zero_grad()``, naming the param, before anything is written: change gradients in a hook
+    that runs before the update (``p.register_hook``). As no gradient is left after backward, code between backward and
+    ``step()`` sees none: ``torch.nn.utils.clip_grad_norm_`` returns 0 and clips nothing, and a param the loss did not
+    use is not updated, even after ``zero_grad(set_to_none=False)`` (where ``step()`` would update it with a zero
+    gradient, its moments still moving it), as in torch's optimizer-in-backward recipe. Works with every option that
+    acts per parameter (modes, amsgrad, maximize, masters, low-precision moments, lr tensors, param groups). What needs
+    every gradient before the first update is refused: ``max_grad_norm`` (ValueError here), ``grad_scale`` and
+    ``found_inf`` (ValueError from step(), which is how ``torch.amp.GradScaler`` and loss scaling come in; by then
+    backward has already updated the params with the scaled gradients, so fix the setup rather than catching the error:
+    GradScaler leaves the two attributes set when step() raises, and every later hook raises too, before updating), and
+    params that share memory (ValueError here). Gradient accumulation: run the backward calls of all micro-batches but
+    the last inside :meth:`accumulate`; so for two losses backpropagated one after the other over a retained graph.
+    Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``) runs a backward per segment
+    inside a node of the outer one, where a param's gradient may not be complete yet (a layer in two segments would be
+    stepped twice, each time with part of its gradient): a hook that fires in such a nested backward raises a ValueError
+    naming the param and ``use_reentrant=False``, which works as eager code does (a reentrant one works with every
+    backward inside :meth:`accumulate`, without the memory saving). Each update in backward marks the param as modified
+    in place (its autograd version counter), as torch's in-place updates do, so a backward that still needs the param's
+    old value (a second backward over a retained graph outside :meth:`accumulate`, a saved ``p.detach()``) raises
+    autograd's "modified by an inplace operation" error, as torch's optimizer-in-backward recipe does, instead of
+    computing with the updated value. What no version counter can tell: activation checkpointing recomputes a segment
+    during backward from the params' current values, so a segment that reads a param outside that param's gradient path
+    (``p.detach()``, under ``torch.no_grad()``) is recomputed with its updated value if the param's gradient was
+    complete before the segment's backward (the normal loop would recompute with the old one); keep such reads out of
+    checkpointed segments. A bad gradient or hyperparameter raises a ValueError out of backward naming the param, which
+    is left unchanged; params updated earlier in the same backward stay updated. So with any exception out of backward
+    (a NaN check in a hook): the params completed before it are updated, once, the others not; the next backward steps
+    each param as usual. The hooks hold the optimizer weakly: a deleted optimizer updates nothing;
     :meth:`remove_backward_hooks` removes them (backward then only accumulates, for this optimizer's step() or another
-    optimizer). A param removed from ``param_groups`` is no longer updated by its hook. With a model compiled by
-    ``torch.compile`` the hooks fire as in eager mode (autograd's engine still accumulates the params' gradients).
-    Under ORTModule (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in eager PyTorch and the updates are
-    the same, but ORT's backward hands over all the module's gradients at once, so the memory saving is only that no
-    gradient outlives its update. Not with ``DistributedDataParallel``: it averages the gradients across ranks after
-    autograd has accumulated them (the hooks saw this rank's own) and writes the average back into ``p.grad``; the
-    end of that backward raises for a param updated in backward that has a gradient again, and so does every later
-    hook, ``step()`` and ``zero_grad()``, instead of updating it twice. Not with DeepSpeed either (any ZeRO stage,
-    fp32/fp16/bf16): the engine reduces the gradients after backward and, except at stage 0 in fp32, steps its own
-    fp32 partitions or copies, put in ``param_groups`` in place of the params, so updates in backward would use this
-    rank's unreduced gradient, or silently never happen (a normal step, no memory saved). An optimizer held by a
-    DeepSpeed engine or DeepSpeed optimizer is refused with a ValueError before anything is updated: at its first hook
-    (the first ``engine.backward``), or at its first ``step()`` if that comes first (stage 0 fp16: inside
+    optimizer). A param removed from ``param_groups`` is no longer updated by its hook. ``torch.utils.swap_tensors``
+    (``model.to()`` with swap-on-conversion) gives each param another tensor, whose autograd metadata holds none of its
+    hooks: the next ``step()`` or ``zero_grad()`` connects them again (a backward before either leaves its gradients to
+    ``step()``). With a model compiled by ``torch.compile`` the hooks fire as in eager mode (autograd's engine still
+    accumulates the params' gradients). Under ORTModule (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in
+    eager PyTorch and the updates are the same, but ORT's backward hands over all the module's gradients at once, so the
+    memory saving is only that no gradient outlives its update. Not with ``DistributedDataParallel``: it averages the
+    gradients across ranks after autograd has accumulated them (the hooks saw this rank's own) and writes the average
+    back into ``p.grad``; the end of that backward raises for a param updated in backward that has a gradient again, and
+    so does every later hook, ``step()`` and ``zero_grad()``, instead of updating it twice. Not with DeepSpeed either
+    (any ZeRO stage, fp32/fp16/bf16): the engine reduces the gradients after backward and, except at stage 0 in fp32,
+    steps its own fp32 partitions or copies, put in ``param_groups`` in place of the params, so updates in backward
+    would use this rank's unreduced gradient, or silently never happen (a normal step, no memory saved). An optimizer
+    held by a DeepSpeed engine or DeepSpeed optimizer is refused with a ValueError before anything is updated: at its
+    first hook (the first ``engine.backward``), or at its first ``step()`` if that comes first (stage 0 fp16: inside
     ``deepspeed.initialize``). The holder is looked for once, among the garbage collector's referrers, and only where
     DeepSpeed is imported and torch.distributed initialised. Whatever the wrapper, a hook whose param is no longer in
     ``param_groups`` while they hold a tensor this optimizer never hooked, or none it hooked, raises too, rather than
-    let step() silently take a normal step. Differs from torch's recipe (a torch optimizer per param, stepped in a
-    hook) in that one optimizer keeps the param groups, the checkpoint layout and ``step()``. :attr:`last_grad_norm`
-    and :attr:`last_found_inf` stay None for updates made in backward.
+    let step() silently take a normal step. Differs from torch's recipe (a torch optimizer per param, stepped in a hook)
+    in that one optimizer keeps the param groups, the checkpoint layout and ``step()``. :attr:`last_grad_norm` and
+    :attr:`last_found_inf` stay None for updates made in backward.
 
     Distributed training (guides/distributed.md). DTensor params (FSDP2 ``fully_shard`` with or without a
     ``MixedPrecisionPolicy``, tensor parallel, 2D meshes) are planned and stepped through their local pieces, one op
@@ -612,12 +632,9 @@ class FusedAdam(torch.optim.Optimizer):
             if not self._backward.setup_checked:  # (once)
                 self._backward.check_setup(self)
             self._backward.check_updated_once()
+            self._backward.restore_hooks()
         if self._backward is not None and (grad_scale is not None or found_inf is not None):
-            raise ValueError(
-                "grad_scale/found_inf (loss scaling, torch.amp.GradScaler) need every gradient before the first "
-                "update, but step_in_backward=True already updated each parameter during backward. Use "
-                "step_in_backward=False with loss scaling (or bf16 autocast, which needs none)"
-            )
+            raise loss_scaling_refused()
         _check_scaling_arguments(grad_scale, found_inf)
         for group_index, group in enumerate(self.param_groups):
             _check_hyperparameters(group, f"param_groups[{group_index}]", self.master_weights)
@@ -849,9 +866,10 @@ class FusedAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Clears the gradients; set_to_none defaults to the constructor's set_grad_none (True, as ORT). With
         step_in_backward, first raises as step() does if a param updated in backward has a gradient again
-        (DistributedDataParallel)."""
+        (DistributedDataParallel), and connects the hooks of params swapped by torch.utils.swap_tensors again."""
         if self._backward is not None:
             self._backward.check_updated_once()
+            self._backward.restore_hooks()
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
