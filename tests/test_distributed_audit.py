@@ -727,22 +727,23 @@ def test_dcp_checkpoint_moves_between_fused_adam_and_torch_adamw(results, direct
         assert diff <= 1e-6, (r["rank"], direction, diff)
 
 
+def assert_resumed_bit_for_bit(results, scenario: str) -> None:
+    for r in results:
+        out = r[scenario]
+        for a, b in zip(out["resumed"], out["uninterrupted"]):
+            assert torch.equal(a, b), r["rank"]
+
+
 @needs_fsdp2
 def test_full_state_dict_broadcast_from_rank0_resumes_bit_for_bit(results):
     assert results[0]["full-state-dict"]["gathered"]
-    for r in results:
-        out = r["full-state-dict"]
-        for a, b in zip(out["resumed"], out["uninterrupted"]):
-            assert torch.equal(a, b), r["rank"]
+    assert_resumed_bit_for_bit(results, "full-state-dict")
 
 
 @needs_fsdp2
 def test_flattened_optimizer_state_dict_resumes_bit_for_bit(results):
-    for r in results:
-        out = r["flattened-dcp"]
-        assert out["flat"]
-        for a, b in zip(out["resumed"], out["uninterrupted"]):
-            assert torch.equal(a, b), r["rank"]
+    assert all(r["flattened-dcp"]["flat"] for r in results)
+    assert_resumed_bit_for_bit(results, "flattened-dcp")
 
 
 @needs_fsdp2
