@@ -6,9 +6,10 @@ and bias corrections, the same fp16 block scales), so the params come out bit fo
 every gradient first cannot run here: FusedAdam refuses ``max_grad_norm`` with step_in_backward, and ``step()``
 refuses ``grad_scale``/``found_inf`` (torch.amp.GradScaler). Gradient accumulation over several backward calls goes
 through :meth:`BackwardStep.accumulate`: backward inside it only accumulates. A hook in a backward nested in another
-(reentrant activation checkpointing), where the gradient may be incomplete, refuses; each update bumps the param's
-autograd version counter, as torch's in-place updates do; step() and zero_grad() connect again the hooks of params
-that torch.utils.swap_tensors gave another tensor.
+(reentrant activation checkpointing), where the gradient may be incomplete, refuses; each update bumps the autograd
+version counters of what it wrote (the param, its states), as torch's in-place updates and step() do
+(ort_optim/_versions.py); step() and zero_grad() connect again the hooks of params that torch.utils.swap_tensors gave
+another tensor.
 
 On the native CPU backend each parameter keeps a native plan of its own (ops/README.md, "AdamPlan"), used while its
 check() passes and the optimizer's state has not changed (``optimizer.state.version``): a step through it costs
@@ -152,12 +153,8 @@ class BackwardStep:
                 "it: an update now could step the param twice, each time with part of its gradient. This param was "
                 "not updated (params the outer backward completed before it were). Use "
                 "torch.utils.checkpoint(..., use_reentrant=False), or step_in_backward=False")
+        # (the step marks what it wrote as modified in place for autograd, as step() does: ort_optim/_versions.py)
         self._step(optimizer, p)
-        # Our kernels write through data pointers, unseen by autograd: mark p modified in place, so that a backward
-        # still holding its old value (a second backward over a retained graph, a saved p.detach()) raises autograd's
-        # "modified by an inplace operation" error, as with torch's in-place updates, instead of silently using the
-        # updated one.
-        torch.autograd.graph.increment_version(p)
         p.grad = None
         self._updated[p] = None
         if self._check_queued != task:
@@ -283,7 +280,7 @@ class BackwardStep:
         # (a new optimizer.state container is told by identity: its mutation count says nothing about the old one's)
         if (cached is not None and cached[0] == key and cached[3] is optimizer.state
                 and not torch.compiler.is_compiling() and cached[1].check() < 0):
-            cached[1].step(**hyper, rounding_keys=cached[2])  # (writes through the plan's pointers: no autograd)
+            cached[1].step(**hyper, rounding_keys=cached[2])  # (through the plan's pointers; it marks what it wrote)
             return
         with torch.no_grad():
             self._step_validated(optimizer, p, group_index, index, group, hyper, amsgrad, key)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from . import _checkpoint, _plan, _spec, backends
+from . import _checkpoint, _plan, _spec, _versions, backends
 from ._backward_step import BackwardStep, loss_scaling_refused, max_grad_norm_refused
 from ._checkpoint import MOMENT_KEYS
 from ._plan import describe
@@ -716,6 +716,10 @@ class FusedAdam(torch.optim.Optimizer):
                     backends.adam_step_(*bucket.op_lists(), **hyper)
             except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
                 raise _plan.name_op_error(exc, group_index, bucket) from exc
+            if bucket.native is None and _versions.step_taken(hyper["found_inf"]):
+                # (the op marked what it was given; state[p]['step'] keeps a version counter of its own, see
+                # ort_optim/_versions.py: a native plan marks it, here it is marked after the op)
+                _versions.mark_modified(bucket.step_tensors)
         if plain_norm:  # the buckets' sums of squares added in bucket order, as _global_grad_stats
             # On the first accelerator's device when the buckets span CPU and CUDA: host-to-device copies of the CPU
             # buckets' sums need no synchronisation, a non-blocking copy the other way would be read unfinished.
