@@ -108,7 +108,7 @@ class BackwardStep:
         params given to this optimizer that did not require gradients then and do now. Runs in step() and
         zero_grad(): backward calls after such a conversion or change, before either, do not update those params.
         (Only params this optimizer was given, as watch() saw them: tensors put in param_groups by hand or by a
-        wrapper are not hooked, see _check_not_repointed.)"""
+        wrapper are not hooked, see _check_not_repointed.) First removes the setup hooks, once check_setup() passed."""
         self.remove_setup_hooks()
         for p in [p for p in self._unhooked if p.requires_grad]:
             del self._unhooked[p]
