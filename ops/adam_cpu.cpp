@@ -18,7 +18,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <unordered_set>
 #include <vector>
 
 #include "ort_optim_spec.h"  // generated from ort_optim/_spec.py into the build folder (backends/native.py)
@@ -1225,10 +1227,54 @@ void check_rounding_keys(const c10::optional<at::Tensor>& keys, const std::vecto
   }
 }
 
-// The step itself: params[i] and grads[i] are validated, work[i] holds their states. Writes nothing when skipped.
+// ---- autograd's version counters ------------------------------------------------------------------------------
+
+// The kernels write through data pointers, which autograd does not see. A step marks every tensor it wrote as
+// modified in place, as torch's own in-place ops do (torch.optim.AdamW's foreach and for-loop steps): it bumps the
+// tensor's version counter, so that a backward still needing the old value (a second backward over a retained graph
+// that saved a param, a p.detach() saved by a later forward) raises autograd's "modified by an inplace operation"
+// error instead of silently computing with the new one. update() marks them once it knows that the step is taken,
+// before the kernel runs (a skipped step writes nothing and marks nothing). Tensors without a version counter (made
+// under torch.inference_mode()) are skipped, as torch.autograd.graph.increment_version skips them. Views of one
+// buffer share one counter (FusedAdam's flat state buffers): consecutive tensors with the same counter are bumped
+// once, so a bucket's moments cost one atomic increment, not one per param.
+static_assert(sizeof(c10::VariableVersion) == sizeof(void*), "c10::VariableVersion is one intrusive_ptr");
+
+// The counter object a tensor's version counter points to (shared by a view and its base); nullptr without one.
+inline const void* counter_of(const c10::TensorImpl* impl) {
+  return *reinterpret_cast<const void* const*>(&impl->version_counter());
+}
+
+// Brings a tensor's counter into the cache ahead of its bump (with the intent to write it).
+inline void prefetch_counter(const c10::TensorImpl* impl) {
+  if (const void* counter = counter_of(impl)) __builtin_prefetch(static_cast<const char*>(counter) + 16, 1);
+}
+
+class VersionBumps {
+ public:
+  void add(const at::Tensor& t) { add(t.unsafeGetTensorImpl()); }
+  void add(c10::TensorImpl* impl) {
+    const void* counter = counter_of(impl);
+    if (counter == nullptr || counter == last_) return;  // (an inference tensor; or a view of the last one's base)
+    last_ = counter;
+    impl->bump_version();
+  }
+  void add(at::TensorList tensors) {
+    for (const at::Tensor& t : tensors) add(t);
+  }
+
+ private:
+  const void* last_ = nullptr;
+};
+
+// Called by update() once the step is known to be taken, with whether it unscales the gradients in place too.
+using MarkWritten = std::function<void(bool grads)>;
+
+// The step itself: params[i] and grads[i] are validated, work[i] holds their states. Writes nothing when skipped;
+// otherwise calls mark_written first (see "autograd's version counters").
 void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
             const std::vector<const at::Tensor*>& params, const std::vector<const at::Tensor*>& grads,
-            double* steps, bool is_double, bool amsgrad, const StepOptions& o) {
+            double* steps, bool is_double, bool amsgrad, const StepOptions& o, const MarkWritten& mark_written) {
   TORCH_CHECK(o.mode >= 0 && o.mode <= 2, "ort_optim::adam_step_: adam_w_mode must be 0, 1 or 2, got ", o.mode);
   check_rounding_keys(o.rounding_keys, params, work);
   const bool found_inf = o.found_inf.has_value() && scalar_value(o.found_inf, "found_inf") != 0.0;
@@ -1288,6 +1334,7 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     grad_mul = *multiplier;
   }
   if (o.maximize) grad_mul = -grad_mul;
+  mark_written(grad_scale != 0.0);
   const Hyper h{lr, o.beta1, o.beta2, o.eps, o.weight_decay, grad_mul, o.mode, grad_scale};
   std::vector<double> grad_squares(o.grad_square_sum != nullptr ? items.size() : 0, 0.0);
   double* squares = o.grad_square_sum != nullptr ? grad_squares.data() : nullptr;
@@ -1338,7 +1385,16 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   const StepOptions options{lr,       beta1,     beta2,          eps,       weight_decay, mode, bias_correction,
                             maximize, lr_tensor, inv_grad_scale, found_inf, grad_scale, rounding_keys};
   update(work, work_items(work), pointers(params), pointers(grads), steps.data_ptr<double>(), is_double,
-         !max_exp_avg_sqs.empty(), options);
+         !max_exp_avg_sqs.empty(), options, [&](bool unscaled_grads) {
+           VersionBumps bumps;
+           bumps.add(params);
+           if (unscaled_grads) bumps.add(grads);
+           for (at::TensorList list : {exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+                                       exp_avg_sq_scales, max_exp_avg_sq_scales}) {
+             bumps.add(list);
+           }
+           bumps.add(steps);
+         });
 }
 
 // ---- gradient statistics --------------------------------------------------------------------------------------
@@ -1590,6 +1646,21 @@ class AdamPlan : public torch::CustomClassHolder {
       for (const auto* list : state_lists_) watches_.push_back(watch((*list)[i]));
       watches_.push_back(watch(step));
     }
+    // One tensor per version counter among the states, step tensors and steps, for mark_written(): views of one
+    // flat buffer (FusedAdam's moments and masters of a bucket) share their base's counter. (A tensor's counter is
+    // its own for life: `t.data = x` keeps it.)
+    std::unordered_set<const void*> seen;
+    auto add_counter = [&](const at::Tensor& t) {
+      c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      const void* counter = counter_of(impl);
+      if (counter != nullptr && seen.insert(counter).second) state_counters_.push_back(impl);  // (none: inference)
+    };
+    for (const auto* list : state_lists_) {
+      for (const at::Tensor& t : *list) add_counter(t);
+    }
+    for (const at::Tensor& t : step_tensors) add_counter(t);
+    add_counter(steps_);
+    step_tensors_ = std::move(step_tensors);
     watches_.push_back(watch(steps_));
     for (int64_t q : idle_objects) {
       idle_params_.push_back(reinterpret_cast<PyObject*>(q));
@@ -1642,7 +1713,7 @@ class AdamPlan : public torch::CustomClassHolder {
     double square_sum = 0.0;
     if (grad_norm) options.grad_square_sum = &square_sum;
     update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
-           options);
+           options, [this](bool unscaled_grads) { mark_written(unscaled_grads); });
     release();
     return grad_norm ? stats_tensor(square_sum) : at::Tensor();
   }
@@ -1654,6 +1725,27 @@ class AdamPlan : public torch::CustomClassHolder {
   }
 
  private:
+  // Bumps the version counters of what a step writes (see VersionBumps), called by update() before its kernel runs:
+  // the params (as check() resolved them), the gradients when they are unscaled in place, then the states, step
+  // tensors and steps, one tensor per counter (state_counters_). Each counter is an allocation of its own, cold by
+  // now: they are prefetched a few tensors ahead.
+  void mark_written(bool unscaled_grads) {
+    VersionBumps bumps;
+    const size_t n = param_pointers_.size(), m = state_counters_.size();
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kCounterLookahead < n) prefetch_counter(param_pointers_[i + kCounterLookahead]->unsafeGetTensorImpl());
+      bumps.add(*param_pointers_[i]);
+    }
+    if (unscaled_grads) {
+      for (const at::Tensor* g : grads_) bumps.add(*g);
+    }
+    for (size_t i = 0; i < m; ++i) {
+      if (i + kCounterLookahead < m) prefetch_counter(state_counters_[i + kCounterLookahead]);
+      bumps.add(state_counters_[i]);
+    }
+  }
+  static constexpr size_t kCounterLookahead = 8;
+
   // Forgets what check() resolved for the step; passes a result through.
   int64_t release(int64_t result = -1) {
     checked_ = false;
@@ -1784,6 +1876,8 @@ class AdamPlan : public torch::CustomClassHolder {
   std::vector<at::Tensor> exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, master_params_, exp_avg_scales_,
       exp_avg_sq_scales_, max_exp_avg_sq_scales_;
   at::Tensor steps_;
+  std::vector<at::Tensor> step_tensors_;  // per param, the view of steps_ that optimizer.state[p]['step'] holds
+  std::vector<c10::TensorImpl*> state_counters_;  // what mark_written() bumps besides the params and grads
   // Params of the same param group that had no gradient when the plan was made (frozen ones, say): the plan is only
   // valid while they still have none.
   std::vector<PyObject*> idle_params_;
@@ -1819,7 +1913,7 @@ class AdamPlan : public torch::CustomClassHolder {
                         maximize, lr_tensor, c10::nullopt, found_inf, c10::nullopt, rounding_keys};
     options.scaling = &scaling;
     update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
-           options);
+           options, [this](bool unscaled_grads) { mark_written(unscaled_grads); });
     release();
     at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kFloat));
     out.data_ptr<float>()[0] = scaling.norm;

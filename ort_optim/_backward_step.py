@@ -6,9 +6,10 @@ and bias corrections, the same fp16 block scales), so the params come out bit fo
 every gradient first cannot run here: FusedAdam refuses ``max_grad_norm`` with step_in_backward, and ``step()``
 refuses ``grad_scale``/``found_inf`` (torch.amp.GradScaler). Gradient accumulation over several backward calls goes
 through :meth:`BackwardStep.accumulate`: backward inside it only accumulates. A hook in a backward nested in another
-(reentrant activation checkpointing), where the gradient may be incomplete, refuses; each update bumps the param's
-autograd version counter, as torch's in-place updates do; step() and zero_grad() connect again the hooks of params
-that torch.utils.swap_tensors gave another tensor.
+(reentrant activation checkpointing), where the gradient may be incomplete, refuses; each update bumps the autograd
+version counters of what it wrote (the param, its states), as torch's in-place updates and step() do
+(ort_optim/_versions.py); step() and zero_grad() connect again the hooks of params that torch.utils.swap_tensors gave
+another tensor.
 
 On the native CPU backend each parameter keeps a native plan of its own (ops/README.md, "AdamPlan"), used while its
 check() passes and the optimizer's state has not changed (``optimizer.state.version``): a step through it costs
@@ -20,6 +21,7 @@ not at every hook: with those two, a hook costs about 30 us of Python and call o
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import weakref
@@ -49,7 +51,11 @@ class BackwardStep:
         self._hypers: dict[int, tuple[dict, tuple, dict]] = {}
         self._accumulating = 0
         self._updated: dict[torch.Tensor, None] = {}  # params updated by a hook since the last step()/zero_grad()
-        self.setup_checked = False  # check_setup() passed (it runs once: at the first hook or step())
+        self.setup_checked = False  # check_setup() passed (it runs once: before the first update, or at step())
+        # param -> the handle of its setup hook (_setup_hook): a tensor hook that runs check_setup() before autograd
+        # accumulates the param's first gradient, so that a refused setup leaves the gradients untouched too. Removed
+        # once the check passed (at the end of that backward, or by step()/zero_grad()).
+        self._setup_handles: dict[torch.Tensor, object] = {}
         # The autograd graph task whose end-of-backward check is queued (see _hook), None when none is: an id, not a
         # flag, because a backward that raises never runs its callbacks, and the next backward must queue its own.
         self._check_queued: Optional[int] = None
@@ -67,8 +73,31 @@ class BackwardStep:
             if p.requires_grad and p not in self._handles:
                 self._handles[p] = p.register_post_accumulate_grad_hook(self._hook)
                 self._impls[p] = p._cdata
+                if not self.setup_checked:
+                    self._setup_handles[p] = p.register_hook(self._setup_hook())
             elif not p.requires_grad:
                 self._unhooked[p] = None
+
+    def _setup_hook(self):
+        """A tensor hook for a param (it runs before autograd accumulates the param's gradient): check_setup() before
+        the first gradient of this optimizer's params is accumulated; then nothing, until it is removed."""
+        step = weakref.ref(self)
+
+        @torch.utils.hooks.unserializable_hook  # (torch.save of the model: not saved, without a warning)
+        def setup_hook(grad: torch.Tensor) -> None:
+            this = step()
+            optimizer = this._optimizer() if this is not None else None
+            if optimizer is not None and not this.setup_checked:
+                this.check_setup(optimizer)
+
+        return setup_hook
+
+    def remove_setup_hooks(self) -> None:
+        """Removes the setup hooks once check_setup() passed (never while backward runs them)."""
+        if self.setup_checked and self._setup_handles:
+            for handle in self._setup_handles.values():
+                handle.remove()
+            self._setup_handles.clear()
 
     def restore_hooks(self) -> None:
         """Connects the hooks again of params whose tensor was swapped under them. torch.utils.swap_tensors
@@ -79,7 +108,8 @@ class BackwardStep:
         params given to this optimizer that did not require gradients then and do now. Runs in step() and
         zero_grad(): backward calls after such a conversion or change, before either, do not update those params.
         (Only params this optimizer was given, as watch() saw them: tensors put in param_groups by hand or by a
-        wrapper are not hooked, see _check_not_repointed.)"""
+        wrapper are not hooked, see _check_not_repointed.) First removes the setup hooks, once check_setup() passed."""
+        self.remove_setup_hooks()
         for p in [p for p in self._unhooked if p.requires_grad]:
             del self._unhooked[p]
             if p not in self._handles:
@@ -96,9 +126,10 @@ class BackwardStep:
 
     def remove(self) -> None:
         """Removes every hook: backward then only accumulates gradients."""
-        for handle in self._handles.values():
+        for handle in [*self._handles.values(), *self._setup_handles.values()]:
             handle.remove()
         self._handles.clear()
+        self._setup_handles.clear()
         self._impls.clear()
         self._unhooked.clear()
         self._refusal = None
@@ -152,12 +183,8 @@ class BackwardStep:
                 "it: an update now could step the param twice, each time with part of its gradient. This param was "
                 "not updated (params the outer backward completed before it were). Use "
                 "torch.utils.checkpoint(..., use_reentrant=False), or step_in_backward=False")
+        # (the step marks what it wrote as modified in place for autograd, as step() does: ort_optim/_versions.py)
         self._step(optimizer, p)
-        # Our kernels write through data pointers, unseen by autograd: mark p modified in place, so that a backward
-        # still holding its old value (a second backward over a retained graph, a saved p.detach()) raises autograd's
-        # "modified by an inplace operation" error, as with torch's in-place updates, instead of silently using the
-        # updated one.
-        torch.autograd.graph.increment_version(p)
         p.grad = None
         self._updated[p] = None
         if self._check_queued != task:
@@ -175,6 +202,7 @@ class BackwardStep:
 
         def after_other_callbacks() -> None:
             self._check_queued = None
+            self.remove_setup_hooks()
             self.check_updated_once(forget=False)
 
         try:
@@ -184,12 +212,20 @@ class BackwardStep:
         self._check_queued = task
 
     def check_setup(self, optimizer: "FusedAdam") -> None:
-        """Refuses an optimizer that DeepSpeed holds (a DeepSpeedEngine's optimizer, or the inner optimizer of a ZeRO
-        or DeepSpeed fp16/bf16 optimizer), before its first update: at the first hook, or at step() if no hook fired.
-        DeepSpeed reduces the gradients across ranks after backward and, except at stage 0 in fp32, steps its own
-        fp32 partitions or copies in place of the params: an update in backward would use this rank's unreduced
-        gradient, or never happen while step() silently took a normal step. Runs once (a heap scan, only where
-        DeepSpeed is imported and torch.distributed initialised: ort_optim/_deepspeed.py, holder_of)."""
+        """Refuses what reduces the gradients across ranks after autograd has accumulated them, before anything
+        changes: when the first backward is about to accumulate the first gradient of one of the optimizer's params
+        (its setup hook), or at step() if that comes first. Runs once; only where torch.distributed is initialised
+        (neither can exist without it), a heap scan each:
+
+        * an optimizer that DeepSpeed holds (a DeepSpeedEngine's optimizer, or the inner optimizer of a ZeRO or
+          DeepSpeed fp16/bf16 optimizer). DeepSpeed reduces the gradients after backward and, except at stage 0 in
+          fp32, steps its own fp32 partitions or copies in place of the params: an update in backward would use this
+          rank's unreduced gradient, or never happen while step() silently took a normal step
+          (ort_optim/_deepspeed.py, holder_of; only where DeepSpeed is imported);
+        * params whose gradients a DistributedDataParallel reduces (:func:`ddp_reducing`): it writes the average
+          into ``p.grad`` after autograd's accumulation, so an update in backward would use this rank's own gradient
+          (and step() would update again with the average). The end-of-backward check (check_updated_once) stays as
+          the backstop for a DistributedDataParallel made after this check ran."""
         if self.setup_checked:
             return
         from ._deepspeed import holder_of
@@ -197,6 +233,9 @@ class BackwardStep:
         holder = holder_of(optimizer)
         if holder is not None:
             raise deepspeed_refused(holder)
+        found = ddp_reducing(optimizer)
+        if found is not None:
+            raise ddp_refused(*found)
         self.setup_checked = True
 
     def _check_not_repointed(self, optimizer: "FusedAdam") -> None:
@@ -283,7 +322,7 @@ class BackwardStep:
         # (a new optimizer.state container is told by identity: its mutation count says nothing about the old one's)
         if (cached is not None and cached[0] == key and cached[3] is optimizer.state
                 and not torch.compiler.is_compiling() and cached[1].check() < 0):
-            cached[1].step(**hyper, rounding_keys=cached[2])  # (writes through the plan's pointers: no autograd)
+            cached[1].step(**hyper, rounding_keys=cached[2])  # (through the plan's pointers; it marks what it wrote)
             return
         with torch.no_grad():
             self._step_validated(optimizer, p, group_index, index, group, hyper, amsgrad, key)
@@ -357,6 +396,52 @@ def _in_nested_backward() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def ddp_reducing(optimizer: "FusedAdam") -> Optional[tuple[object, int, int, torch.Tensor]]:
+    """(the DistributedDataParallel, group index, index, param) for the first of the optimizer's params whose gradient
+    a torch.nn.parallel.DistributedDataParallel reduces (its ``_module_parameters``: the module's params that required
+    gradients when it was made, less ``_ddp_params_and_buffers_to_ignore``; torch's composable ``replicate()`` keeps
+    one too), or None. Answers None at once unless torch.distributed is initialised, which DDP needs; otherwise one
+    pass over the garbage collector's objects, each told by its type (about 20-50 ms with torch loaded, 2 cores), so
+    ask once, not per step."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ddp_type = getattr(sys.modules.get("torch.nn.parallel.distributed"), "DistributedDataParallel", None)
+    if not isinstance(ddp_type, type):
+        return None
+    kinds, pending = set(), [ddp_type]
+    while pending:  # DDP and its subclasses, so that each object costs a set lookup (an isinstance costs 3x that)
+        kind = pending.pop()
+        if kind not in kinds:
+            kinds.add(kind)
+            pending.extend(kind.__subclasses__())
+    instances = [o for o in gc.get_objects() if type(o) in kinds]
+    if not instances:
+        return None
+    where = {id(p): (group_index, index, p) for group_index, group in enumerate(optimizer.param_groups)
+             for index, p in enumerate(group["params"])}
+    for ddp in instances:
+        reduced = getattr(ddp, "_module_parameters", None)
+        if reduced is None:  # (a torch without it: the module's params less those DDP was told to ignore)
+            ignored = getattr(ddp, "parameters_to_ignore", ())
+            reduced = [p for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored]
+        for p in reduced:
+            if id(p) in where:
+                return (ddp, *where[id(p)])
+    return None
+
+
+def ddp_refused(ddp: object, group_index: int, index: int, p: torch.Tensor) -> ValueError:
+    module = getattr(ddp, "module", None)
+    return ValueError(
+        f"{_plan.describe(group_index, index, p)} is reduced by {type(ddp).__name__} (torch.nn.parallel."
+        f"DistributedDataParallel over a {type(module).__name__}): DDP averages each gradient across the ranks after "
+        "autograd has accumulated it and writes the average into p.grad, so FusedAdam(step_in_backward=True) would "
+        "update the param with this rank's own gradient, and step() again with the average. Nothing was updated (no "
+        "gradient accumulated either). Use step_in_backward=False with DistributedDataParallel (its "
+        "gradient_as_bucket_view=True keeps the gradients in DDP's buckets, without a second copy)")
 
 
 def deepspeed_refused(holder: object) -> ValueError:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from . import _checkpoint, _plan, _spec, backends
+from . import _checkpoint, _plan, _spec, _versions, backends
 from ._backward_step import BackwardStep, loss_scaling_refused, max_grad_norm_refused
 from ._checkpoint import MOMENT_KEYS
 from ._plan import describe
@@ -227,6 +227,15 @@ class FusedAdam(torch.optim.Optimizer):
     and after a param gets new data), as they would be updated twice; disjoint views of one buffer are fine. A step
     that raises (bad gradient, bad hyperparameter, anything above) changes nothing.
 
+    A step marks every tensor it writes as modified in place for autograd (it bumps their version counters), as
+    ``torch.optim.AdamW``'s foreach and for-loop steps do: the params, moments, masters, block scales and
+    ``state[p]['step']``, and the gradients when ``grad_scale`` has them written back unscaled; a skipped step marks
+    nothing. So a backward that still needs a param's old value (a second backward over a retained graph that saved
+    it, a ``p.detach()`` saved by a forward before the step) raises autograd's "modified by an inplace operation"
+    error instead of silently computing with the new value (torch's fused kernel marks nothing: with ``fused=True``
+    such a backward computes silently). On every backend; tensors made under ``torch.inference_mode()`` have no
+    version counter and are stepped unmarked (ort_optim/_versions.py).
+
     ``step_in_backward=True`` registers a post-accumulate-grad hook on every param that requires a gradient
     (ort_optim/_backward_step.py). When backward has accumulated a param's gradient, the hook applies this optimizer's
     update to that param alone (the math above, unchanged: the same kernel, per-tensor step count and bias corrections,
@@ -251,18 +260,18 @@ class FusedAdam(torch.optim.Optimizer):
     inside a node of the outer one, where a param's gradient may not be complete yet (a layer in two segments would be
     stepped twice, each time with part of its gradient): a hook that fires in such a nested backward raises a ValueError
     naming the param and ``use_reentrant=False``, which works as eager code does (a reentrant one works with every
-    backward inside :meth:`accumulate`, without the memory saving). Each update in backward marks the param as modified
-    in place (its autograd version counter), as torch's in-place updates do, so a backward that still needs the param's
-    old value (a second backward over a retained graph outside :meth:`accumulate`, a saved ``p.detach()``) raises
-    autograd's "modified by an inplace operation" error, as torch's optimizer-in-backward recipe does, instead of
-    computing with the updated value. What no version counter can tell: activation checkpointing recomputes a segment
-    during backward from the params' current values, so a segment that reads a param outside that param's gradient path
-    (``p.detach()``, under ``torch.no_grad()``) is recomputed with its updated value if the param's gradient was
-    complete before the segment's backward (the normal loop would recompute with the old one); keep such reads out of
-    checkpointed segments. A bad gradient or hyperparameter raises a ValueError out of backward naming the param, which
-    is left unchanged; params updated earlier in the same backward stay updated. So with any exception out of backward
-    (a NaN check in a hook): the params completed before it are updated, once, the others not; the next backward steps
-    each param as usual. The hooks hold the optimizer weakly: a deleted optimizer updates nothing;
+    backward inside :meth:`accumulate`, without the memory saving). Each update in backward marks the param and its
+    states as modified in place (their autograd version counters), as step() and torch's in-place updates do, so a
+    backward that still needs the param's old value (a second backward over a retained graph outside :meth:`accumulate`,
+    a saved ``p.detach()``) raises autograd's "modified by an inplace operation" error, as torch's optimizer-in-backward
+    recipe does, instead of computing with the updated value. What no version counter can tell: activation checkpointing
+    recomputes a segment during backward from the params' current values, so a segment that reads a param outside that
+    param's gradient path (``p.detach()``, under ``torch.no_grad()``) is recomputed with its updated value if the
+    param's gradient was complete before the segment's backward (the normal loop would recompute with the old one); keep
+    such reads out of checkpointed segments. A bad gradient or hyperparameter raises a ValueError out of backward naming
+    the param, which is left unchanged; params updated earlier in the same backward stay updated. So with any exception
+    out of backward (a NaN check in a hook): the params completed before it are updated, once, the others not; the next
+    backward steps each param as usual. The hooks hold the optimizer weakly: a deleted optimizer updates nothing;
     :meth:`remove_backward_hooks` removes them (backward then only accumulates, for this optimizer's step() or another
     optimizer). A param removed from ``param_groups`` is no longer updated by its hook. ``torch.utils.swap_tensors``
     (``model.to()`` with swap-on-conversion) gives each param another tensor, whose autograd metadata holds none of its
@@ -271,20 +280,26 @@ class FusedAdam(torch.optim.Optimizer):
     accumulates the params' gradients). Under ORTModule (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in
     eager PyTorch and the updates are the same, but ORT's backward hands over all the module's gradients at once, so the
     memory saving is only that no gradient outlives its update. Not with ``DistributedDataParallel``: it averages the
-    gradients across ranks after autograd has accumulated them (the hooks saw this rank's own) and writes the average
-    back into ``p.grad``; the end of that backward raises for a param updated in backward that has a gradient again, and
-    so does every later hook, ``step()`` and ``zero_grad()``, instead of updating it twice. Not with DeepSpeed either
-    (any ZeRO stage, fp32/fp16/bf16): the engine reduces the gradients after backward and, except at stage 0 in fp32,
-    steps its own fp32 partitions or copies, put in ``param_groups`` in place of the params, so updates in backward
-    would use this rank's unreduced gradient, or silently never happen (a normal step, no memory saved). An optimizer
-    held by a DeepSpeed engine or DeepSpeed optimizer is refused with a ValueError before anything is updated: at its
-    first hook (the first ``engine.backward``), or at its first ``step()`` if that comes first (stage 0 fp16: inside
-    ``deepspeed.initialize``). The holder is looked for once, among the garbage collector's referrers, and only where
-    DeepSpeed is imported and torch.distributed initialised. Whatever the wrapper, a hook whose param is no longer in
-    ``param_groups`` while they hold a tensor this optimizer never hooked, or none it hooked, raises too, rather than
-    let step() silently take a normal step. Differs from torch's recipe (a torch optimizer per param, stepped in a hook)
-    in that one optimizer keeps the param groups, the checkpoint layout and ``step()``. :attr:`last_grad_norm` and
-    :attr:`last_found_inf` stay None for updates made in backward.
+    gradients across ranks after autograd has accumulated them and writes the average into ``p.grad``, so the hooks
+    would update with this rank's own gradient. The first backward (or ``step()``, if it comes first) raises a
+    ValueError naming the param and DDP before anything changes: the setup check runs from a tensor hook on each param
+    before autograd accumulates the first gradient, and looks, once, for a ``DistributedDataParallel`` that reduces one
+    of the optimizer's params (a pass over the garbage collector's objects, only where torch.distributed is
+    initialised); params, gradients and state stay bit for bit as they were, whichever of DDP and the optimizer was made
+    first. Use ``step_in_backward=False`` with DDP (its ``gradient_as_bucket_view=True`` saves the gradients' second
+    copy). A DDP made after that first backward is caught at the end of the next one: it raises for a param updated in
+    backward that has a gradient again, and so does every later hook, ``step()`` and ``zero_grad()``, instead of
+    updating it twice. Not with DeepSpeed either (any ZeRO stage, fp32/fp16/bf16): the engine reduces the gradients
+    after backward and, except at stage 0 in fp32, steps its own fp32 partitions or copies, put in ``param_groups`` in
+    place of the params, so updates in backward would use this rank's unreduced gradient, or silently never happen (a
+    normal step, no memory saved). An optimizer held by a DeepSpeed engine or DeepSpeed optimizer is refused with a
+    ValueError before anything is updated: at its setup check (the first ``engine.backward``), or at its first
+    ``step()`` if that comes first (stage 0 fp16: inside ``deepspeed.initialize``). The holder is looked for once, among
+    the garbage collector's referrers, and only where DeepSpeed is imported and torch.distributed initialised. Whatever
+    the wrapper, a hook whose param is no longer in ``param_groups`` while they hold a tensor this optimizer never
+    hooked, or none it hooked, raises too, rather than let step() silently take a normal step. Differs from torch's
+    recipe (a torch optimizer per param, stepped in a hook) in that one optimizer keeps the param groups, the checkpoint
+    layout and ``step()``. :attr:`last_grad_norm` and :attr:`last_found_inf` stay None for updates made in backward.
 
     Distributed training (guides/distributed.md). DTensor params (FSDP2 ``fully_shard`` with or without a
     ``MixedPrecisionPolicy``, tensor parallel, 2D meshes) are planned and stepped through their local pieces, one op
@@ -716,6 +731,10 @@ class FusedAdam(torch.optim.Optimizer):
                     backends.adam_step_(*bucket.op_lists(), **hyper)
             except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
                 raise _plan.name_op_error(exc, group_index, bucket) from exc
+            if bucket.native is None and _versions.step_taken(hyper["found_inf"]):
+                # (the op marked what it was given; state[p]['step'] keeps a version counter of its own, see
+                # ort_optim/_versions.py: a native plan marks it, here it is marked after the op)
+                _versions.mark_modified(bucket.step_tensors)
         if plain_norm:  # the buckets' sums of squares added in bucket order, as _global_grad_stats
             # On the first accelerator's device when the buckets span CPU and CUDA: host-to-device copies of the CPU
             # buckets' sums need no synchronisation, a non-blocking copy the other way would be read unfinished.

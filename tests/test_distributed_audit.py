@@ -33,6 +33,7 @@ gloo; in older torch (the .venv environment) those skip with the reason, and DDP
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 
 import pytest
@@ -232,6 +233,43 @@ def _ddp_vs_torch(rank):
                        sync=lambda last: contextlib.nullcontext() if last else ddp.no_sync())
         out[kind] = {"params": [full(p) for p in model.parameters()], "norms": norms}
     return out
+
+
+DDP_ORDERS = ("DDP made first", "optimizer made first", "DDP made after the first backward")
+
+
+def _step_in_backward_under_ddp(rank, order: str) -> dict:
+    """FusedAdam(step_in_backward=True) over the params of a DistributedDataParallel (its own process group). The
+    optimizer resumes from a checkpoint (non-empty state) and the gradients hold zeros (zero_grad(set_to_none=False)),
+    so that 'unchanged' means something. Returns the first backward's error and snapshots of params, gradients and
+    optimizer state before and after it. 'DDP made after the first backward': that backward (without DDP) passes the
+    setup check, so the end-of-backward check of the next one refuses (the backstop): params updated once."""
+    import torch.distributed as dist
+
+    from conftest import optimizer_snapshot
+
+    group = dist.new_group([0, 1])  # (every rank calls it, in the same order)
+    model = make_net()
+    plain = fused(model.parameters(), clip=None)
+    _train(model, plain, rank, "fused", steps=2, clip=None)  # (this rank's own data: a checkpoint to resume from)
+    opt = fused(model.parameters(), clip=None, step_in_backward=True)
+    opt.load_state_dict(plain.state_dict())
+    opt.zero_grad(set_to_none=False)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group) if order == "DDP made first" else None
+    x, y = batch(100)
+    x, y = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
+    if order == "DDP made after the first backward":
+        torch.nn.functional.mse_loss(model(x, 0), y).backward()
+        opt.zero_grad(set_to_none=False)
+    if ddp is None:
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+    before = optimizer_snapshot(opt)
+    try:
+        torch.nn.functional.mse_loss(ddp(x, 0), y).backward()
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return {"error": error, "before": before, "after": optimizer_snapshot(opt)}
 
 
 INF_STEPS = (2, 5)  # an inf in rank 1's gradient shard only, at these steps
@@ -608,6 +646,8 @@ def _deepspeed_run(rank, stage: int, kind: str) -> dict:
 def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     out = {"rank": rank}
     out["ddp"] = _ddp_vs_torch(rank)
+    for order in DDP_ORDERS:
+        out[("step_in_backward", order)] = _step_in_backward_under_ddp(rank, order)
     out["tp"] = _tp_vs_torch(rank)
     out["fp16-optimizer-tp"] = _fp16_optimizer_on(rank, "tp")
     out["refusals"] = _refusals(rank)
@@ -652,6 +692,34 @@ def assert_like_torch(out, tol, norm_rtol=1e-5, what=""):
     for step, (a, b) in enumerate(zip(out["fused"]["norms"], out["torch"]["norms"])):
         assert abs(float(a) - float(b)) <= norm_rtol * float(b), (what, step, float(a), float(b))
     assert len(out["fused"]["norms"]) == len(out["torch"]["norms"])
+
+
+@pytest.mark.parametrize("order", DDP_ORDERS[:2])
+def test_step_in_backward_under_ddp_is_refused_before_anything_changes(results, order):
+    """DDP averages each gradient across the ranks after autograd has accumulated it: updates in backward would use
+    this rank's own gradient. The first backward refuses before the first gradient is accumulated, whichever was
+    made first, naming the param and DDP and saying what to do: params, gradients (zeros here) and the optimizer's
+    state (resumed from a checkpoint) are bit for bit as before, on both ranks."""
+    from conftest import assert_same_snapshot
+
+    for rank, out in enumerate(results):
+        got = out[("step_in_backward", order)]
+        assert got["error"] is not None, f"rank {rank}: not refused"
+        assert re.fullmatch(r"param_groups\[0\]\['params'\]\[\d\] \(shape .*\) is reduced by DistributedDataParallel "
+                            r".*Nothing was updated \(no gradient accumulated either\)\. Use step_in_backward=False "
+                            r"with DistributedDataParallel .*", got["error"], re.S), got["error"]
+        assert_same_snapshot(got["before"], got["after"])
+
+
+def test_step_in_backward_under_ddp_made_after_the_first_backward_is_refused_at_the_end_of_the_next(results):
+    """The setup check runs once, at the first backward: a DDP made later is caught by the end-of-backward check (the
+    backstop), which refuses once DDP has written its average into a gradient that the update in backward freed:
+    each param updated once (by its hook, with this rank's gradient), never twice."""
+    for rank, out in enumerate(results):
+        got = out[("step_in_backward", DDP_ORDERS[2])]
+        assert got["error"] is not None and "has a gradient again" in got["error"], (rank, got["error"])
+        steps = {k: float(v) for k, v in got["after"].items() if k.endswith(".step")}
+        assert steps and all(s == float(got["before"][k]) + 1 for k, s in steps.items()), steps
 
 
 def test_ddp_no_sync_accumulation_with_process_group_equals_torch_adamw(results):

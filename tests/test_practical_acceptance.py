@@ -541,13 +541,13 @@ def test_fp16_optimizer_refuses_a_fused_adam_that_steps_in_backward():
         FP16_Optimizer(opt)
 
 
-@pytest.mark.parametrize("pattern", ["step() after backward", "zero_grad() before backward", "backward only"])
-def test_under_distributed_data_parallel_a_second_update_is_refused(pattern, tmp_path):
-    """DDP writes the averaged gradient into p.grad after autograd's accumulation, i.e. after the hook updated the
-    param and freed its gradient: step() would update every param twice per iteration, and a loop of backward
-    calls alone would update with DDP's gradient accumulated into the next one's. The end of the first backward
-    raises instead, naming the param and DDP, whatever the loop calls next (one process, gloo: the average is the
-    rank's own gradient, the mechanism is the same)."""
+@pytest.mark.parametrize("order", ["DDP made first", "optimizer made first"])
+def test_under_distributed_data_parallel_the_first_backward_is_refused_before_any_update(order, tmp_path):
+    """DDP writes the averaged gradient into p.grad after autograd's accumulation, i.e. after a hook would have
+    updated the param with this rank's own gradient. The first backward refuses before the first gradient is even
+    accumulated (the optimizer's setup check, whichever was made first), naming the param and DDP; so do step() and
+    every later backward, while nothing is updated (one process, gloo: the mechanism is the same as on many ranks,
+    which tests/test_distributed_audit.py runs)."""
     import torch.distributed as dist
 
     if not dist.is_available() or dist.is_initialized():
@@ -555,19 +555,52 @@ def test_under_distributed_data_parallel_a_second_update_is_refused(pattern, tmp
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = TinyLM(branch_every=1)
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model) if order == "DDP made first" else None
         opt = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
+        ddp = ddp or torch.nn.parallel.DistributedDataParallel(model)
+        before = optimizer_snapshot(opt)
+        refused = r"param_groups\[0\]\['params'\]\[\d\] .* is reduced by DistributedDataParallel .*Nothing was " \
+                  r"updated .*Use step_in_backward=False with DistributedDataParallel"
+        with pytest.raises(ValueError, match=refused):
+            ddp(_tokens(0), 0).backward()
+        assert_same_snapshot(before, optimizer_snapshot(opt))
+        with pytest.raises(ValueError, match=refused):
+            opt.step()
+        opt.zero_grad()
+        with pytest.raises(ValueError, match=refused):
+            model(_tokens(1), 0).backward()  # (the module itself too: its params are DDP's)
+        assert set(_steps_taken(opt).values()) == {0}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("pattern", ["step() after backward", "zero_grad() before backward", "backward only"])
+def test_under_distributed_data_parallel_made_after_the_first_backward_a_second_update_is_refused(pattern, tmp_path):
+    """The setup check runs at the first backward; a DDP made after it is caught by the end-of-backward check (the
+    backstop): step() would update every param twice per iteration, and a loop of backward calls alone would update
+    with DDP's gradient accumulated into the next one's. The end of the first backward under DDP raises instead,
+    naming the param and DDP, whatever the loop calls next."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed, without a process group already set up")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = TinyLM(branch_every=1)
+        opt = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
+        model(_tokens(5), 0).backward()  # (no DDP yet: the setup check passes)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
         refused = r"param_groups\[0\]\['params'\]\[\d\] .* was updated in backward .*has a gradient again.*" \
                   r"DistributedDataParallel"
         with pytest.raises(ValueError, match=refused):
             ddp(_tokens(0), 0).backward()
-        assert set(_steps_taken(opt).values()) == {1}
+        assert set(_steps_taken(opt).values()) == {2}
         with pytest.raises(ValueError, match=refused):  # and whatever comes next, until the hooks are removed
             if pattern == "backward only":
                 ddp(_tokens(1), 0).backward()
             else:
                 opt.step() if pattern.startswith("step()") else opt.zero_grad()
-        assert set(_steps_taken(opt).values()) == {1}  # once, never twice
+        assert set(_steps_taken(opt).values()) == {2}  # once per backward, never twice
     finally:
         dist.destroy_process_group()
 

@@ -102,7 +102,8 @@ def adam_step_(params: Sequence[torch.Tensor], *lists_and_steps, **options) -> O
     """One multi-tensor Adam step through the implementation for the params' device: ``ort_optim::adam_step_``'s
     arguments in the order and with the names of its schema, declared once in ops/schema.cpp (ops/README.md gives
     the math and every argument; backends/reference.py spells them out in Python). Mutates params, states, masters,
-    scales, steps, and the grads when grad_scale is given (written back unscaled). ``grad_norm=True``, only where
+    scales, steps, and the grads when grad_scale is given (written back unscaled), and marks what it wrote as
+    modified in place for autograd, on every backend (ort_optim/_versions.py). ``grad_norm=True``, only where
     :func:`update_reports_grad_norm` says so (not part of the op's schema), returns the float32 [sum of squares,
     non-finite] of the gradients as loaded; otherwise returns None."""
     if options.get("rounding_keys", False) is None:  # (passed only when given, as before the argument existed)

@@ -322,7 +322,8 @@ def adam_step_(
 
     # A tensor made under torch.inference_mode() (a checkpoint loaded there, say) can be written in place only inside
     # it. The native and Triton kernels write through pointers either way; so does this path, instead of failing
-    # halfway with some tensors written.
+    # halfway with some tensors written. Its in-place torch ops mark what they write for autograd (version counters,
+    # inside inference_mode too, for every tensor that has one), as the other backends do (ort_optim/_versions.py).
     written = [*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs, *master_params, *exp_avg_scales,
                *exp_avg_sq_scales, *max_exp_avg_sq_scales, steps, *(grads if grad_scale is not None else ())]
     with torch.inference_mode() if any(t.is_inference() for t in written) else contextlib.nullcontext():

@@ -6,6 +6,7 @@ steps (read on the device; bias corrections computed in the kernel), master weig
 format: float32 for ``_spec.Q8``, bfloat16 for ``_spec.Q4``; the reference's codes and scales bit for bit),
 in-kernel unscaling, found_inf (read on the device: a skipped step writes nothing, step counts included), lr from
 ``lr_tensor`` and stochastic rounding of bfloat16 params (``rounding_keys``; the same random bits as the CPU kernel).
+Like the CPU kernel, a call marks what it wrote as modified in place for autograd (ort_optim/_versions.py).
 
 How a call runs:
 
@@ -37,6 +38,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._spec import EXP_AVG_SNAP, EXP_AVG_SR_ULPS, MIN_SCALE, QUANT_BLOCK, Q4, Q8, LowBitFormat, thresholds
+from .._versions import mark_modified, step_taken
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
 BLOCK = 1024
@@ -644,6 +646,11 @@ def adam_step_(
         params[i].copy_(work_params[i])
     for i in copied_grads:
         grads[i].copy_(work_grads[i])
+    # Autograd's version counters (ort_optim/_versions.py): a step skipped by a host-side found_inf wrote nothing; one
+    # on the device is not read here (no synchronisation), so those steps mark what they may have written.
+    if step_taken(found_inf):
+        mark_modified([*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs, *master_params, *exp_avg_scales,
+                       *exp_avg_sq_scales, *max_exp_avg_sq_scales, steps, *(grads if grad_scale is not None else ())])
     if not grad_norm:
         return None
     return stats if norm_partial is not None else torch.zeros(2, dtype=torch.float32, device=device)
