@@ -4,6 +4,9 @@ promised users, probed where the other low-bit modules (test_lowbit.py, test_low
 * A step taken with ``grad_scale`` leaves the unscaled gradient ``g / grad_scale`` in ``p.grad`` for every param,
   bfloat16 params rounded stochastically included (as ``torch.optim.AdamW(fused=True)`` under GradScaler), with
   and without ``max_grad_norm``, and the step itself equals the unscaled one bit for bit.
+* amsgrad with a NaN gradient and nothing to skip the step (no grad_scale, no max_grad_norm): the kernels and the
+  pure-PyTorch reference keep the same bits (the running maximum ignores a NaN ``v``, as ``std::max``), in every
+  moment format.
 
 The tests that take the ``backend`` fixture run on the native CPU op and the pure-PyTorch reference; with
 ``ORT_OPTIM_BACKEND=triton TRITON_INTERPRET=1`` on the Triton kernels. Tensors are tiny: the module runs in seconds.
@@ -11,10 +14,12 @@ The tests that take the ``backend`` fixture run on the native CPU op and the pur
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from conftest import assert_same_snapshot, bits, optimizer_snapshot
+from conftest import assert_same_snapshot, bits, optimizer_snapshot, select_backend
 from ort_optim import AdamWMode, FusedAdam
 
 MOMENTS = {"u8": torch.uint8, "u4": torch.uint4, "fp32": torch.float32, "bf16": torch.bfloat16}
@@ -52,4 +57,38 @@ def test_a_scaled_step_with_stochastic_rounding_leaves_the_unscaled_gradients(mo
             for i, (p, g) in enumerate(zip(params, grads)):
                 assert torch.equal(bits(p.grad), bits(g)), f"param {i}: p.grad is not g / grad_scale after step {step}"
         runs.append(optimizer_snapshot(opt))
+    assert_same_snapshot(runs[0], runs[1])
+
+
+# ---- the backends agree ----------------------------------------------------------------------------------------------
+
+# the kernel that ships here (the Triton one under ORT_OPTIM_BACKEND=triton), checked against the reference
+KERNEL = "triton" if os.environ.get("ORT_OPTIM_BACKEND") == "triton" else "native"
+
+
+def _snapshot_nan_equal(opt):
+    """optimizer_snapshot with every NaN made the same NaN (their sign and payload bits are not specified)."""
+    snap = optimizer_snapshot(opt)
+    return {key: torch.where(value.isnan(), torch.full_like(value, float("nan")).abs(), value)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() else value for key, value in snap.items()}
+
+
+@pytest.mark.parametrize("moments", ["u8", "u4", "fp32", "bf16"])
+def test_amsgrad_after_a_nan_gradient_keeps_the_same_bits_on_every_backend(moments, monkeypatch):
+    """With amsgrad, a gradient holding a NaN that nothing skips (no grad_scale, no max_grad_norm: as torch, the
+    step is taken) leaves every backend with the same params and states, the running maximum included."""
+    runs = []
+    for backend in ("torch", KERNEL):
+        select_backend(monkeypatch, backend)
+        g = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(300, generator=g)), torch.nn.Parameter(torch.randn(7, 5, generator=g))]
+        opt = FusedAdam(params, lr=1e-2, amsgrad=True, exp_avg_dtype=MOMENTS[moments],
+                        exp_avg_sq_dtype=MOMENTS[moments])
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            if step == 1:
+                params[0].grad[3] = float("nan")
+            opt.step()
+        runs.append(_snapshot_nan_equal(opt))
     assert_same_snapshot(runs[0], runs[1])
