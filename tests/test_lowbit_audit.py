@@ -4,6 +4,8 @@ promised users, probed where the other low-bit modules (test_lowbit.py, test_low
 * A step taken with ``grad_scale`` leaves the unscaled gradient ``g / grad_scale`` in ``p.grad`` for every param,
   bfloat16 params rounded stochastically included (as ``torch.optim.AdamW(fused=True)`` under GradScaler), with
   and without ``max_grad_norm``, and the step itself equals the unscaled one bit for bit.
+* ``step_in_backward=True`` with stochastic rounding equals ``step()`` bit for bit after params are added to or
+  removed from an earlier param group (which moves the later params' positions, and so their rounding keys).
 * amsgrad with a NaN gradient and nothing to skip the step (no grad_scale, no max_grad_norm): the kernels and the
   pure-PyTorch reference keep the same bits (the running maximum ignores a NaN ``v``, as ``std::max``), in every
   moment format.
@@ -58,6 +60,49 @@ def test_a_scaled_step_with_stochastic_rounding_leaves_the_unscaled_gradients(mo
                 assert torch.equal(bits(p.grad), bits(g)), f"param {i}: p.grad is not g / grad_scale after step {step}"
         runs.append(optimizer_snapshot(opt))
     assert_same_snapshot(runs[0], runs[1])
+
+
+# ---- step_in_backward --------------------------------------------------------------------------------------------
+
+
+def _insert_first(opt, params, extra):
+    opt.param_groups[0]["params"].insert(0, extra)
+
+
+def _append(opt, params, extra):
+    opt.param_groups[0]["params"].append(extra)
+
+
+def _remove(opt, params, extra):
+    opt.param_groups[0]["params"].remove(params[0])
+
+
+@pytest.mark.parametrize("change", [_insert_first, _append, _remove], ids=["inserted", "appended", "removed"])
+@pytest.mark.parametrize("moments", ["u8", "u4"])
+def test_step_in_backward_with_stochastic_rounding_follows_params_moved_by_an_earlier_group(moments, change,
+                                                                                          backend):
+    """Two param groups of bf16 params with stochastic rounding; after two steps a param is put into (or taken out of)
+    the first group, which moves every param of the second one over all groups. Updating in backward
+    (step_in_backward=True, then step() for params without a hook yet) gives step()'s bits for every param."""
+    runs = []
+    for in_backward in (False, True):
+        params = _bf16_params(shapes=((300,), (7, 5), (2, 150)))
+        extra = torch.nn.Parameter(torch.linspace(-1, 1, 40).to(torch.bfloat16))
+        opt = FusedAdam([{"params": params[:1]}, {"params": params[1:]}], lr=1e-3, exp_avg_dtype=MOMENTS[moments],
+                        exp_avg_sq_dtype=MOMENTS[moments], stochastic_rounding=True, stochastic_rounding_seed=9,
+                        step_in_backward=in_backward)
+        for step in range(4):
+            if step == 2:
+                change(opt, params, extra)
+            trained = [p for group in opt.param_groups for p in group["params"]]
+            g = torch.Generator().manual_seed(step)
+            loss = sum((p.float() * torch.randn(p.shape, generator=g)).sum() for p in trained)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in params + [extra]])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(bits(a), bits(b)), f"param {i}: step_in_backward differs from step()"
 
 
 # ---- the backends agree ----------------------------------------------------------------------------------------------
