@@ -298,6 +298,8 @@ class BackwardStep:
         from .fused_adam import _check_hyperparameters
 
         signature = _signature(group)
+        if signature is not None:  # (stochastic_rounding is refused with master weights, which may be switched on later)
+            signature = (signature, optimizer.master_weights)
         cached = self._hypers.get(id(group))
         if signature is not None and cached is not None and cached[0] is group and cached[1] == signature:
             return cached[2]

@@ -6,6 +6,8 @@ promised users, probed where the other low-bit modules (test_lowbit.py, test_low
   and without ``max_grad_norm``, and the step itself equals the unscaled one bit for bit.
 * ``step_in_backward=True`` with stochastic rounding equals ``step()`` bit for bit after params are added to or
   removed from an earlier param group (which moves the later params' positions, and so their rounding keys).
+  Switching ``master_weights`` on under a group with stochastic rounding is refused by the update in backward as by
+  ``step()``, before anything changes.
 * amsgrad with a NaN gradient and nothing to skip the step (no grad_scale, no max_grad_norm): the kernels and the
   pure-PyTorch reference keep the same bits (the running maximum ignores a NaN ``v``, as ``std::max``), in every
   moment format.
@@ -103,6 +105,25 @@ def test_step_in_backward_with_stochastic_rounding_follows_params_moved_by_an_ea
         runs.append([p.detach().clone() for p in params + [extra]])
     for i, (a, b) in enumerate(zip(*runs)):
         assert torch.equal(bits(a), bits(b)), f"param {i}: step_in_backward differs from step()"
+
+
+def test_master_weights_switched_on_under_stochastic_rounding_is_refused_in_backward(backend):
+    """optimizer.master_weights = True after steps with stochastic_rounding=True and step_in_backward=True: the next
+    update in backward raises the ValueError step() raises, naming the group and the option, and changes nothing
+    (no master appears, the param keeps its bits)."""
+    params = _bf16_params()
+    opt = FusedAdam(params, lr=1e-2, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint4,
+                    stochastic_rounding=True, step_in_backward=True)
+    for step in range(2):
+        sum(p.float().sum() * (step + 1) for p in params).backward()
+        opt.zero_grad()
+    opt.master_weights = True
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: stochastic_rounding=True .* master weights"):
+        sum(p.float().sum() for p in params).backward()
+    for p in params:
+        p.grad = None  # (the gradients the refused update left)
+    assert_same_snapshot(before, optimizer_snapshot(opt))
 
 
 # ---- the backends agree ----------------------------------------------------------------------------------------------
