@@ -8,9 +8,9 @@ promised users, probed where the other low-bit modules (test_lowbit.py, test_low
   removed from an earlier param group (which moves the later params' positions, and so their rounding keys).
   Switching ``master_weights`` on under a group with stochastic rounding is refused by the update in backward as by
   ``step()``, before anything changes.
-* amsgrad with a NaN gradient and nothing to skip the step (no grad_scale, no max_grad_norm): the kernels and the
-  pure-PyTorch reference keep the same bits (the running maximum ignores a NaN ``v``, as ``std::max``), in every
-  moment format.
+* A NaN gradient that nothing skips (no grad_scale, no max_grad_norm): the kernels and the pure-PyTorch reference
+  keep the same bits in every moment format (amsgrad's running maximum ignores a NaN ``v``, as ``std::max``; an
+  fp16 moment's block that holds the NaN gets scale 1, as any non-finite block).
 
 The tests that take the ``backend`` fixture run on the native CPU op and the pure-PyTorch reference; with
 ``ORT_OPTIM_BACKEND=triton TRITON_INTERPRET=1`` on the Triton kernels. Tensors are tiny: the module runs in seconds.
@@ -26,7 +26,8 @@ import torch
 from conftest import assert_same_snapshot, bits, optimizer_snapshot, select_backend
 from ort_optim import AdamWMode, FusedAdam
 
-MOMENTS = {"u8": torch.uint8, "u4": torch.uint4, "fp32": torch.float32, "bf16": torch.bfloat16}
+MOMENTS = {"u8": torch.uint8, "u4": torch.uint4, "fp32": torch.float32, "bf16": torch.bfloat16,
+           "fp16": torch.float16}
 
 
 def _bf16_params(seed=0, shapes=((7, 37), (5,), ())):
@@ -139,17 +140,21 @@ def _snapshot_nan_equal(opt):
             if isinstance(value, torch.Tensor) and value.is_floating_point() else value for key, value in snap.items()}
 
 
-@pytest.mark.parametrize("moments", ["u8", "u4", "fp32", "bf16"])
-def test_amsgrad_after_a_nan_gradient_keeps_the_same_bits_on_every_backend(moments, monkeypatch):
-    """With amsgrad, a gradient holding a NaN that nothing skips (no grad_scale, no max_grad_norm: as torch, the
-    step is taken) leaves every backend with the same params and states, the running maximum included."""
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("moments", [("u8", "u8"), ("u4", "u4"), ("fp16", "u4"), ("u8", "fp16"), ("fp32", "bf16")],
+                         ids="-".join)
+def test_a_nan_gradient_that_nothing_skips_leaves_the_same_bits_on_every_backend(moments, amsgrad, monkeypatch):
+    """A gradient holding a NaN that nothing skips (no grad_scale, no max_grad_norm: as torch, the step is taken)
+    leaves the kernel and the reference with the same params and states: amsgrad's running maximum (a NaN v keeps
+    the old maximum, as std::max), and the block scale of an fp16 moment whose block holds the NaN (1, as for any
+    non-finite block)."""
     runs = []
     for backend in ("torch", KERNEL):
         select_backend(monkeypatch, backend)
         g = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(300, generator=g)), torch.nn.Parameter(torch.randn(7, 5, generator=g))]
-        opt = FusedAdam(params, lr=1e-2, amsgrad=True, exp_avg_dtype=MOMENTS[moments],
-                        exp_avg_sq_dtype=MOMENTS[moments])
+        opt = FusedAdam(params, lr=1e-2, amsgrad=amsgrad, exp_avg_dtype=MOMENTS[moments[0]],
+                        exp_avg_sq_dtype=MOMENTS[moments[1]])
         for step in range(3):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=g)
