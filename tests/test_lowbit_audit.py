@@ -35,9 +35,9 @@ def _bf16_params(seed=0, shapes=((7, 37), (5,), ())):
     return [torch.nn.Parameter(torch.randn(shape, generator=g).to(torch.bfloat16)) for shape in shapes]
 
 
-def _grads(params, step, scale=1.0):
+def _grads(params, step):
     g = torch.Generator().manual_seed(1000 + step)
-    return [(torch.randn(p.shape, generator=g) * scale).to(p.dtype) for p in params]
+    return [torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
 
 
 # ---- loss scaling with stochastic rounding -------------------------------------------------------------------------
