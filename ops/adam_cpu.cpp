@@ -871,13 +871,14 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   // With a master, p is the master itself (updated in place) and the param receives it rounded.
   if (w.master || p == s.p) {
     char* dst = static_cast<char*>(w.param) + off * c10::elementSize(w.param_type);
+    bool stored = false;
     if constexpr (std::is_same_v<T, float>) {
-      if (w.stochastic) {
+      if (w.stochastic) {  // (and then on to the gradient's write-back below, as for every other param)
         float_to_bf16_stochastic(p, n, reinterpret_cast<uint16_t*>(dst), w.round_key, off);
-        return;
+        stored = true;
       }
     }
-    store<T>(p, n, dst, w.param_type);
+    if (!stored) store<T>(p, n, dst, w.param_type);
   }
   // The unscaled gradient back into .grad, as torch's fused AdamW: g / grad_scale (a division, not the multiplication
   // by inv_grad_scale, which may hold the clip coefficient too), rounded to the gradient's dtype. g still holds the

@@ -316,7 +316,11 @@ class BackwardStep:
         amsgrad = bool(group["amsgrad"])
         # (the backend is chosen by ORT_OPTIM_BACKEND at every step: a plan made under another choice is not used;
         # nor one made before master_weights or a state dtype option changed, whose states step() would convert)
-        key = (optimizer.state.version, amsgrad, _plan._rounding(group), os.environ.get("ORT_OPTIM_BACKEND"),
+        rounding = _plan._rounding(group)
+        # (stochastic rounding keys come from the param's position over all groups: params added to or removed from
+        # an earlier group move it, with nothing here to notice but the position itself)
+        position = sum(len(g["params"]) for g in optimizer.param_groups[:group_index]) + index if rounding[0] else None
+        key = (optimizer.state.version, amsgrad, rounding, position, os.environ.get("ORT_OPTIM_BACKEND"),
                optimizer._layout_options())
         cached = self._plans.get(p)
         # (a new optimizer.state container is told by identity: its mutation count says nothing about the old one's)
@@ -333,6 +337,8 @@ class BackwardStep:
         from .fused_adam import _check_hyperparameters
 
         signature = _signature(group)
+        if signature is not None:  # (stochastic_rounding is refused with master weights, which may be switched on later)
+            signature = (signature, optimizer.master_weights)
         cached = self._hypers.get(id(group))
         if signature is not None and cached is not None and cached[0] is group and cached[1] == signature:
             return cached[2]

@@ -296,8 +296,10 @@ def adam_step_(
             v = v * beta2 + (1.0 - beta2) * g * g
             v_used = v
             if amsgrad:
-                vmax = torch.maximum(
-                    _read_state(max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), compute, True, param.shape), v)
+                old = _read_state(max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), compute, True, param.shape)
+                # std::max(old, v) as the kernels compute it: a NaN v keeps the old maximum, a NaN maximum stays
+                # (torch.maximum would propagate either)
+                vmax = torch.where(old < v, v, old)
                 v_used = vmax
             root = v_used.sqrt() if compute == torch.float64 else sqrt_f32(v_used)
             if adam_w_mode == 2:

@@ -176,9 +176,12 @@ def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, step, DT
     elif SCALED:
         if SECOND:
             x = _sqrt(x, False)
-        # NaNs are left out of the maximum (as std::max in the CPU kernel does), masked lanes too.
+        # A block holding a NaN is non-finite and gets s = 1, as in the CPU kernel (whose maximum over |x|'s bits
+        # puts NaN above inf) and the reference (torch's amax propagates NaN): flagged apart, since a float max
+        # would keep or drop the NaN depending on where it runs. Masked lanes are left out.
         amax = tl.max(tl.where(mask & (x == x), tl.abs(x), 0.0), axis=0)
-        s = _fp16_block_scale(amax)
+        has_nan = tl.max((mask & (x != x)).to(tl.int32), axis=0) > 0
+        s = tl.where(has_nan, 1.0, _fp16_block_scale(amax))
         _store(addr, offs, x * s, mask, 1, ALIGNED)
         tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + block_index, s)
     else:
