@@ -317,7 +317,8 @@ class FusedAdam(torch.optim.Optimizer):
     the gradients for inf/NaN itself and skips the step if it finds any, or if unscaling (dividing by a
     ``grad_scale`` below 1) would overflow (the check is on the global norm of the unscaled gradients, which must stay
     below float32's range, about 1.8e19); :attr:`last_step_skipped` tells, and :attr:`last_grad_norm` gives the
-    global norm of the unscaled gradients before clipping (from that same pass; None without it). A skipped step
+    global norm of the unscaled gradients before clipping (from that same pass; its property says what other steps
+    report). A skipped step
     changes nothing: no parameter, master, moment, step count or gradient. ``torch.amp.GradScaler`` is honoured
     through its protocol for fused
     optimizers (``_step_supports_amp_scaling``).
@@ -579,7 +580,9 @@ class FusedAdam(torch.optim.Optimizer):
     @property
     def last_found_inf(self) -> Optional[torch.Tensor]:
         """The last step()'s skip flag as a one-element float32 tensor on the params' device (non-zero: skipped),
-        or None when no loss scaling or clipping was involved. Reading it never synchronises."""
+        or None when no loss scaling, clipping or ``found_inf`` was involved. A ``found_inf`` passed to step() is not
+        handed back: this is a tensor of its own, 1.0 where it was non-zero, 0.0 elsewhere (so zeroing that buffer for
+        the next iteration does not change it). Reading it never synchronises."""
         return self._last_found_inf
 
     @property
@@ -597,7 +600,11 @@ class FusedAdam(torch.optim.Optimizer):
         params span several of these paths when one of them cannot report; so do updates made in backward
         (step_in_backward). Under CUDA graph capture (capturable=True) the norm tensor of the captured step is
         rewritten by each replay. inf or NaN when a gradient is (a step with grad_scale or max_grad_norm is then
-        skipped; a plain step is not, like torch.optim.AdamW). Reading it never synchronises. Always float32,
+        skipped; a plain step is not, like torch.optim.AdamW). A step given ``found_inf`` alone (torch.amp.GradScaler
+        after ``scaler.unscale_(optimizer)``, an apex-style overflow flag) reports the norm of the gradients as its
+        update pass reads them, so after the caller's own unscaling and clipping (``clip_grad_norm_`` returned the
+        norm from before its clipping), and NaN when found_inf skips the step (the skipped pass reads no gradient).
+        Reading it never synchronises. Always float32,
         where ``clip_grad_norm_`` returns the gradients' dtype: an fp16 norm overflows at 65504 and a bf16 one keeps
         three significant digits, while the sums behind this one are taken in float32 or wider."""
         return self._last_grad_norm
@@ -691,7 +698,13 @@ class FusedAdam(torch.optim.Optimizer):
         if reduction is None and self._scaled_in_plan(buckets, grad_scale, found_inf):
             return self._scaled_plan_step(buckets[0], grad_scale, found_inf)
         inv_grad_scale, found_inf, self._last_grad_norm = self._scaling(buckets, grad_scale, found_inf, reduction)
-        self._last_found_inf = found_inf if buckets or reduction is not None else None
+        if found_inf is not None and inv_grad_scale is None and buckets:
+            # The caller's own tensor (any dtype, 0-dim or not, a buffer it may zero for the next iteration, as apex's
+            # overflow buffer is): last_found_inf is this step's verdict as a float32 [1] of its own on the params'
+            # device, computed there (no host sync), so a reference kept to it does not change with the buffer.
+            self._last_found_inf = (found_inf.to(buckets[0][2].params[0].device).reshape(()) != 0).float().reshape(1)
+        else:
+            self._last_found_inf = found_inf if buckets or reduction is not None else None
         unscaled = self._grad_scale_per_device(buckets, grad_scale)
         if unscaled and (len(buckets) > 1 or buckets[0][2].native is None):  # ({} without any gradient)
             _plan.check_grads_writable(buckets)
@@ -724,11 +737,12 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _plain_norm_from_update(self, plan: _plan.Plan, buckets: list, grad_scale, found_inf) -> bool:
         """Whether this step's update passes report the gradients' norm (last_grad_norm without a stats pass): a
-        plain step (no grad_scale, max_grad_norm or found_inf) of one process over plain params, every bucket on the
-        native CPU plan or the Triton kernels (which sum the squares of the gradients they load), and not the
-        remainder of step_in_backward's updates. Elsewhere (the reference backend, DTensor or process_group steps,
-        whose norm would have to be all-reduced) a plain step leaves last_grad_norm None: all buckets or none."""
-        return (self._plain_norm and grad_scale is None and found_inf is None and self.max_grad_norm is None
+        plain step (no grad_scale or max_grad_norm; a found_inf alone is fine: a pass it skips reports NaN) of one
+        process over plain params, every bucket on the native CPU plan or the Triton kernels (which sum the squares
+        of the gradients they load), and not the remainder of step_in_backward's updates. Elsewhere (the reference
+        backend, DTensor or process_group steps, whose norm would have to be all-reduced) a plain step leaves
+        last_grad_norm None: all buckets or none."""
+        return (self._plain_norm and grad_scale is None and self.max_grad_norm is None
                 and self._backward is None and bool(buckets) and self._decides_alone(plan.dtensors)
                 and all(bucket.native is not None or backends.update_reports_grad_norm(bucket.params[0].device)
                         for _, _, bucket in buckets))

@@ -1,0 +1,112 @@
+"""Issue 14 (practical use), items 1 and 4, audited from the outside: what tests/test_practical_acceptance.py and
+tests/test_install.py leave out, as a user of torch's and apex's recipes, or a packager, would run into it.
+
+1. Packaging. An sdist (``python -m build``, ``pip download``, ``pip install <sdist>``) carries the native sources
+   (ops/*.cpp, MANIFEST.in), so the wheel built from it carries them as ort_optim/_ops like ``pip wheel .`` does; a
+   build that cannot find them fails loudly instead of producing a wheel that silently falls back to pure PyTorch.
+   The native library's cache folder is keyed by everything the library is compiled against: torch's version and
+   C++ ABI, and the Python ABI (ops/adam_cpu.cpp unpacks Python tensors through the Python C API), so two
+   environments sharing ``~/.cache/ort-optim`` with the same torch version on another Python never load each
+   other's library.
+4. Telemetry with a caller's ``found_inf`` and no ``grad_scale`` (torch.amp.GradScaler after
+   ``scaler.unscale_(optimizer)``: torch's recipe for clipping under AMP; apex-style overflow buffers):
+   ``last_found_inf`` is a float32 [1] of the optimizer's own, 1.0/0.0, on the params' device (not the caller's
+   buffer, which it may zero for the next iteration), and ``last_grad_norm`` the norm of the gradients the update
+   pass read (NaN for a step that found_inf skipped: that pass reads nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_same_snapshot, optimizer_snapshot
+
+from ort_optim import AdamWMode, FusedAdam, backends
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = torch.nn.Linear(6, 12)
+        self.b = torch.nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _loss(model, step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    return model(torch.randn(5, 6, generator=g)).square().mean() * 50
+
+
+# ---- 4. found_inf without grad_scale ----------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not hasattr(torch.amp, "GradScaler"), reason="torch.amp.GradScaler is not in this torch")
+def test_gradscaler_with_unscale_reports_the_norm_the_step_read_and_nan_for_a_skipped_step(backend):
+    """torch's AMP clipping recipe: scale, backward, ``scaler.unscale_(opt)``, ``clip_grad_norm_``, ``scaler.step``.
+    GradScaler then hands the step found_inf alone (the gradients are unscaled already). The update pass reads them:
+    last_grad_norm is their norm (clip_grad_norm_'s total where it did not clip, max_norm where it did),
+    last_found_inf 0.0; an overflow skips the step with last_found_inf 1.0, last_grad_norm NaN and nothing changed.
+    The pure-PyTorch backend reports no plain-step norm (None), as for any plain step."""
+    model = Tiny()
+    opt = FusedAdam(model.parameters(), lr=1e-2, eps=1e-8, weight_decay=0.01, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    max_norms = [1e9, 1e9, 0.5, 1e9, 0.5]
+    for step, max_norm in enumerate(max_norms):
+        scaler.scale(_loss(model, step)).backward()
+        if step == 3:
+            model.a.weight.grad[0, 0] = float("inf")
+        scaler.unscale_(opt)
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)
+        before = optimizer_snapshot(opt)
+        scaler.step(opt)
+        scaler.update()
+        flag = opt.last_found_inf
+        assert flag is not None and flag.shape == (1,) and flag.dtype == torch.float32
+        if step == 3:
+            assert float(flag) == 1 and opt.last_step_skipped
+            assert_same_snapshot(before, optimizer_snapshot(opt))
+            assert backend == "torch" or torch.isnan(opt.last_grad_norm)
+        else:
+            assert float(flag) == 0 and not opt.last_step_skipped
+            if backend == "torch":
+                assert opt.last_grad_norm is None
+            else:
+                norm = opt.last_grad_norm
+                assert norm.shape == () and norm.dtype == torch.float32
+                torch.testing.assert_close(norm, torch.clamp(total, max=max_norm), rtol=1e-5, atol=0)
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.bool], ids=str)
+def test_last_found_inf_is_a_float32_flag_of_its_own_not_the_callers_found_inf(dtype, backend):
+    """apex's pattern: one overflow buffer, written by the overflow check, read by the step, zeroed before the next
+    iteration. last_found_inf is this step's verdict as the docstring says (float32, shape [1], params' device),
+    and keeps it after the caller zeroes or reuses the buffer."""
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = FusedAdam([p], lr=0.1)
+    overflow = torch.zeros((), dtype=dtype)
+    verdicts = []
+    for step, value in enumerate([1, 0, 1, 0]):
+        p.grad = torch.full_like(p, 0.5)
+        overflow.fill_(value)
+        opt.step(found_inf=overflow)
+        flag = opt.last_found_inf
+        assert flag is not overflow and flag.dtype == torch.float32 and flag.shape == (1,) and flag.device == p.device
+        assert opt.last_step_skipped == bool(value)
+        verdicts.append(flag)
+        overflow.zero_()  # (the next iteration's buffer)
+        assert float(flag) == value, step
+    assert [float(f) for f in verdicts] == [1.0, 0.0, 1.0, 0.0]
+    assert int(opt.state[p]["step"]) == 2
