@@ -50,6 +50,56 @@ def _loss(model, step: int):
     return model(torch.randn(5, 6, generator=g)).square().mean() * 50
 
 
+# ---- 1. packaging ---------------------------------------------------------------------------------------------------
+
+def _copy_checkout(tmp_path: Path, without: tuple = ()) -> Path:
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "build", "dist", "*.egg-info", "results", "__pycache__", ".pytest_cache", "guides", *without))
+    return source
+
+
+def _build(kind: str, source: Path, out: Path) -> subprocess.CompletedProcess:
+    """setuptools' PEP 517 backend, as pip and `python -m build` call it (with this environment's setuptools: no
+    isolation, nothing downloaded)."""
+    out.mkdir(parents=True, exist_ok=True)
+    code = f"from setuptools import build_meta; print(build_meta.build_{kind}({str(out)!r}))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code], cwd=source, env=env, text=True, capture_output=True,
+                          timeout=180)
+
+
+@pytest.mark.install
+def test_an_sdist_carries_the_native_sources_and_the_wheel_built_from_it_does_too(tmp_path):
+    """`python -m build` (and `pip install` of an sdist) builds the wheel from the sdist, not from the checkout: the
+    sdist must carry ops/*.cpp for that wheel to hold ort_optim/_ops, where an installed ort_optim finds them."""
+    sdist_run = _build("sdist", _copy_checkout(tmp_path), tmp_path / "dist")
+    assert sdist_run.returncode == 0, sdist_run.stderr[-3000:]
+    (sdist,) = (tmp_path / "dist").glob("*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+        archive.extractall(tmp_path / "unpacked", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    for source in backends.native.SOURCES:
+        assert f"ops/{source}" in names, sorted(names)
+    (unpacked,) = (tmp_path / "unpacked").iterdir()
+    wheel_run = _build("wheel", unpacked, tmp_path / "wheel")
+    assert wheel_run.returncode == 0, wheel_run.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    carried = set(zipfile.ZipFile(wheel).namelist())
+    for source in backends.native.SOURCES:
+        assert f"ort_optim/_ops/{source}" in carried
+        assert zipfile.ZipFile(wheel).read(f"ort_optim/_ops/{source}") == (ROOT / "ops" / source).read_bytes()
+
+
+@pytest.mark.install
+def test_a_wheel_build_without_the_native_sources_fails_naming_them(tmp_path):
+    """Rather than a wheel that installs fine and then runs the pure-PyTorch fallback everywhere."""
+    run = _build("wheel", _copy_checkout(tmp_path, without=("ops",)), tmp_path / "wheel")
+    assert run.returncode != 0
+    assert "schema.cpp" in run.stderr and "adam_cpu.cpp" in run.stderr
+    assert not list((tmp_path / "wheel").glob("*.whl"))
+
+
 # ---- 4. found_inf without grad_scale ----------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not hasattr(torch.amp, "GradScaler"), reason="torch.amp.GradScaler is not in this torch")
