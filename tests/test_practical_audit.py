@@ -160,3 +160,25 @@ def test_last_found_inf_is_a_float32_flag_of_its_own_not_the_callers_found_inf(d
         assert float(flag) == value, step
     assert [float(f) for f in verdicts] == [1.0, 0.0, 1.0, 0.0]
     assert int(opt.state[p]["step"]) == 2
+
+
+# ---- 1. the native library's cache key --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("other", ["python", "torch_cxx11_abi"])
+def test_the_library_cache_is_keyed_by_the_python_and_cxx_abis_it_is_compiled_against(other, monkeypatch):
+    """Two environments that share ~/.cache/ort-optim (ORT_OPTIM_CACHE) with the same torch version, one on another
+    Python (the library calls the Python C API: ops/adam_cpu.cpp) or with a torch built with the other C++ ABI, get
+    folders of their own: neither loads the other's library (an import error at best, a crash at worst)."""
+    here = backends.native.build_dir()
+    assert here.name.startswith(f"torch-{torch.__version__}-")
+    if other == "python":
+        real = backends.native.sysconfig.get_config_var
+        monkeypatch.setattr(backends.native.sysconfig, "get_config_var", lambda name: (
+            ".cpython-399-x86_64-linux-gnu.so" if name == "EXT_SUFFIX" else real(name)))
+    else:
+        abi = torch.compiled_with_cxx11_abi()
+        monkeypatch.setattr(torch, "compiled_with_cxx11_abi", lambda: not abi)
+    elsewhere = backends.native.build_dir()
+    assert elsewhere.parent == here.parent and elsewhere != here
+    monkeypatch.undo()
+    assert backends.native.build_dir() == here  # (and the same environment keeps its folder)
