@@ -224,6 +224,11 @@ class BackwardStep:
         if not any_hooked:
             raise repointed("param_groups hold none of the params that step_in_backward=True hooked")
 
+    @property
+    def updated_any(self) -> bool:
+        """Whether a hook updated a param since the last step() or zero_grad()."""
+        return bool(self._updated)
+
     def check_updated_once(self, forget: bool = True) -> None:
         """Raises if a param updated by its hook since the last step() or zero_grad() has a gradient again: something
         wrote one after autograd's accumulation, and step() would update the param a second time with it. Code after

@@ -284,7 +284,9 @@ class FusedAdam(torch.optim.Optimizer):
     ``param_groups`` while they hold a tensor this optimizer never hooked, or none it hooked, raises too, rather than
     let step() silently take a normal step. Differs from torch's recipe (a torch optimizer per param, stepped in a hook)
     in that one optimizer keeps the param groups, the checkpoint layout and ``step()``. :attr:`last_grad_norm` and
-    :attr:`last_found_inf` stay None for updates made in backward.
+    :attr:`last_found_inf` stay None for updates made in backward. (A ``step()`` after backward calls that all ran
+    inside :meth:`accumulate` updates every param, as without step_in_backward, and reports the norm as a plain step
+    does; the next one that finishes updates made in backward leaves it None again.)
 
     Distributed training (guides/distributed.md). DTensor params (FSDP2 ``fully_shard`` with or without a
     ``MixedPrecisionPolicy``, tensor parallel, 2D meshes) are planned and stepped through their local pieces, one op
@@ -373,6 +375,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._plan: Optional[_plan.Plan] = None  # the step cache (ort_optim/_plan.py)
         self._last_found_inf: Optional[torch.Tensor] = None
         self._last_grad_norm: Optional[torch.Tensor] = None
+        self._finishes_backward = False  # (step(): backward updated params since the last step() or zero_grad())
         self.step_in_backward = step_in_backward
         self._backward: Optional[BackwardStep] = None
         self._partitions_checked = False  # (max_grad_norm under a partitioning DeepSpeed optimizer: once)
@@ -598,7 +601,8 @@ class FusedAdam(torch.optim.Optimizer):
         (pure PyTorch: ``ORT_OPTIM_BACKEND=torch``, or CUDA without triton), or with DTensor params or a
         process_group (where the norm would need a collective of its own), leaves it None, and so does a step whose
         params span several of these paths when one of them cannot report; so do updates made in backward
-        (step_in_backward). Under CUDA graph capture (capturable=True) the norm tensor of the captured step is
+        (step_in_backward: a step() after a backward that updated params, which finishes only the rest; not one
+        after backward calls that all ran inside accumulate(), a normal step over every gradient). Under CUDA graph capture (capturable=True) the norm tensor of the captured step is
         rewritten by each replay. inf or NaN when a gradient is (a step with grad_scale or max_grad_norm is then
         skipped; a plain step is not, like torch.optim.AdamW). A step given ``found_inf`` alone (torch.amp.GradScaler
         after ``scaler.unscale_(optimizer)``, an apex-style overflow flag) reports the norm of the gradients as its
@@ -635,6 +639,10 @@ class FusedAdam(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
+        # Whether backward updated params since the last step() or zero_grad(): this step() then finishes only the
+        # rest, and its norm would be of that rest alone (last_grad_norm stays None). After backward calls that all
+        # ran inside accumulate(), it is a normal step over every gradient, and reports their norm.
+        self._finishes_backward = self._backward is not None and self._backward.updated_any
         if self._backward is not None:
             if not self._backward.setup_checked:  # (once)
                 self._backward.check_setup(self)
@@ -739,11 +747,12 @@ class FusedAdam(torch.optim.Optimizer):
         """Whether this step's update passes report the gradients' norm (last_grad_norm without a stats pass): a
         plain step (no grad_scale or max_grad_norm; a found_inf alone is fine: a pass it skips reports NaN) of one
         process over plain params, every bucket on the native CPU plan or the Triton kernels (which sum the squares
-        of the gradients they load), and not the remainder of step_in_backward's updates. Elsewhere (the reference
+        of the gradients they load), and not the remainder of updates that step_in_backward made in backward since the last step() or
+        zero_grad() (its norm would be of that remainder only). Elsewhere (the reference
         backend, DTensor or process_group steps, whose norm would have to be all-reduced) a plain step leaves
         last_grad_norm None: all buckets or none."""
         return (self._plain_norm and grad_scale is None and self.max_grad_norm is None
-                and self._backward is None and bool(buckets) and self._decides_alone(plan.dtensors)
+                and not self._finishes_backward and bool(buckets) and self._decides_alone(plan.dtensors)
                 and all(bucket.native is not None or backends.update_reports_grad_norm(bucket.params[0].device)
                         for _, _, bucket in buckets))
 

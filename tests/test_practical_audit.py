@@ -17,6 +17,7 @@ tests/test_install.py leave out, as a user of torch's and apex's recipes, or a p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -182,3 +183,38 @@ def test_the_library_cache_is_keyed_by_the_python_and_cxx_abis_it_is_compiled_ag
     assert elsewhere.parent == here.parent and elsewhere != here
     monkeypatch.undo()
     assert backends.native.build_dir() == here  # (and the same environment keeps its folder)
+
+
+# ---- 4. last_grad_norm with step_in_backward ------------------------------------------------------------------------
+
+def test_with_step_in_backward_a_step_after_accumulate_reports_the_norm_and_one_after_updates_in_backward_none(
+        backend):
+    """Every micro-batch's backward inside accumulate(): step() is a normal step over every gradient (bit for bit the
+    optimizer without step_in_backward's), and reports the same last_grad_norm (clip_grad_norm_'s total). An
+    iteration whose last backward updates the params in backward leaves it None again: never the previous
+    iteration's norm, never the norm of the few params step() finished."""
+    models = [Tiny(), Tiny()]
+    opts = [FusedAdam(m.parameters(), lr=1e-2, step_in_backward=in_backward) for m, in_backward in
+            zip(models, (False, True))]
+    for iteration in range(4):
+        accumulate_all = iteration % 2 == 0
+        for micro in range(2):
+            for model, opt in zip(models, opts):
+                outside = micro == 1 and not accumulate_all
+                with opt.accumulate() if not outside else contextlib.nullcontext():
+                    _loss(model, 2 * iteration + micro).backward()
+        total = (torch.nn.utils.get_total_norm if hasattr(torch.nn.utils, "get_total_norm") else
+                 lambda grads: torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))(
+            [p.grad for p in models[0].parameters()])
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        assert_same_snapshot(optimizer_snapshot(opts[0]), optimizer_snapshot(opts[1]))
+        reference, in_backward = (opt.last_grad_norm for opt in opts)
+        if backend == "torch":
+            assert reference is None and in_backward is None
+        elif accumulate_all:
+            assert torch.equal(in_backward, reference), iteration
+            torch.testing.assert_close(in_backward, total, rtol=1e-6, atol=0)
+        else:
+            assert in_backward is None, iteration
