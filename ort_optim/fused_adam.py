@@ -268,7 +268,10 @@ class FusedAdam(torch.optim.Optimizer):
     (``model.to()`` with swap-on-conversion) gives each param another tensor, whose autograd metadata holds none of its
     hooks: the next ``step()`` or ``zero_grad()`` connects them again (a backward before either leaves its gradients to
     ``step()``). With a model compiled by ``torch.compile`` the hooks fire as in eager mode (autograd's engine still
-    accumulates the params' gradients). Under ORTModule (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in
+    accumulates the params' gradients). So do they under ``torch.compile`` of a function that calls backward() (the
+    hooks are kept out of TorchDynamo's tracing). A backward run by compiled autograd
+    (``torch._dynamo.compiled_autograd``), which replaces autograd's engine, is refused: a ValueError from the first
+    hook, before any update. Under ORTModule (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in
     eager PyTorch and the updates are the same, but ORT's backward hands over all the module's gradients at once, so the
     memory saving is only that no gradient outlives its update. Not with ``DistributedDataParallel``: it averages the
     gradients across ranks after autograd has accumulated them (the hooks saw this rank's own) and writes the average

@@ -218,3 +218,60 @@ def test_with_step_in_backward_a_step_after_accumulate_reports_the_norm_and_one_
             torch.testing.assert_close(in_backward, total, rtol=1e-6, atol=0)
         else:
             assert in_backward is None, iteration
+
+
+# ---- 2. step_in_backward under TorchDynamo ---------------------------------------------------------------------------
+
+def _train_step(model, opt, compile_step: bool):
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+    # (backend="eager": what matters is TorchDynamo's tracing of the Python code, not inductor's kernels)
+    return torch.compile(step, backend="eager") if compile_step else step
+
+
+def test_torch_compile_of_a_function_that_calls_backward_updates_in_backward_bit_for_bit(backend):
+    """torch.compile of a whole training step: TorchDynamo breaks the graph at backward(), which autograd's engine
+    then runs, calling the hooks from inside the compiled function. The hooks run eagerly, not traced: each param
+    updated once per backward, bit for bit as step() after the same compiled step without step_in_backward."""
+    torch._dynamo.reset()
+    try:
+        models = [Tiny(), Tiny()]
+        opts = [FusedAdam(m.parameters(), lr=1e-2, weight_decay=0.1, step_in_backward=in_backward)
+                for m, in_backward in zip(models, (False, True))]
+        steps = [_train_step(m, opt, compile_step=True) for m, opt in zip(models, opts)]
+        for i in range(3):
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(i))
+            for model, opt, step in zip(models, opts, steps):
+                step(x)
+                if opt.step_in_backward:
+                    assert all(p.grad is None for p in model.parameters())
+                opt.step()
+                opt.zero_grad()
+        assert {int(s["step"]) for s in opts[1].state.values()} == {3}
+        assert_same_snapshot(optimizer_snapshot(opts[0]), optimizer_snapshot(opts[1]))
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_backward_run_by_compiled_autograd_is_refused_by_the_first_hook_with_nothing_updated():
+    """Compiled autograd replaces autograd's engine by a traced graph (whose hooks' order and end-of-backward
+    callbacks the updates in backward cannot rely on): the first hook raises a ValueError naming it, before any
+    update; no param, state or step count changes."""
+    from torch._dynamo import compiled_autograd
+
+    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
+    torch._dynamo.reset()
+    try:
+        model = Tiny()
+        opt = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = _loss(model, 0)
+        with pytest.raises(ValueError, match="compiled autograd"):
+            with enable(torch.compile(backend="eager")):
+                loss.backward()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        assert not opt.state or all("step" not in s for s in opt.state.values())
+    finally:
+        torch._dynamo.reset()
