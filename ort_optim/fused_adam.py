@@ -605,7 +605,9 @@ class FusedAdam(torch.optim.Optimizer):
         process_group (where the norm would need a collective of its own), leaves it None, and so does a step whose
         params span several of these paths when one of them cannot report; so do updates made in backward
         (step_in_backward: a step() after a backward that updated params, which finishes only the rest; not one
-        after backward calls that all ran inside accumulate(), a normal step over every gradient). Under CUDA graph capture (capturable=True) the norm tensor of the captured step is
+        after backward calls that all ran inside accumulate(), a normal step over every gradient). A step without any
+        gradient reports 0.0 where one with gradients would report their norm (clip_grad_norm_ returns 0 for no
+        gradients), and leaves last_found_inf None (nothing was checked). Under CUDA graph capture (capturable=True) the norm tensor of the captured step is
         rewritten by each replay. inf or NaN when a gradient is (a step with grad_scale or max_grad_norm is then
         skipped; a plain step is not, like torch.optim.AdamW). A step given ``found_inf`` alone (torch.amp.GradScaler
         after ``scaler.unscale_(optimizer)``, an apex-style overflow flag) reports the norm of the gradients as its
@@ -708,6 +710,16 @@ class FusedAdam(torch.optim.Optimizer):
                      is not None else None)
         if reduction is None and self._scaled_in_plan(buckets, grad_scale, found_inf):
             return self._scaled_plan_step(buckets[0], grad_scale, found_inf)
+        if not buckets and reduction is None:
+            # No gradient at all: nothing to update or check. The norm is 0, as clip_grad_norm_ returns for no
+            # gradients, wherever a step with gradients would report one (not the rest of updates in backward).
+            self._last_found_inf = None
+            device = next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)
+            reports = grad_scale is not None or self.max_grad_norm is not None or (
+                self._plain_norm and not self._finishes_backward and self._decides_alone(plan.dtensors)
+                and (backends.runs_natively(device) or backends.update_reports_grad_norm(device)))
+            self._last_grad_norm = torch.zeros((), dtype=torch.float32, device=device) if reports else None
+            return
         inv_grad_scale, found_inf, self._last_grad_norm = self._scaling(buckets, grad_scale, found_inf, reduction)
         if found_inf is not None and inv_grad_scale is None and buckets:
             # The caller's own tensor (any dtype, 0-dim or not, a buffer it may zero for the next iteration, as apex's

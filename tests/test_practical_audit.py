@@ -275,3 +275,32 @@ def test_a_backward_run_by_compiled_autograd_is_refused_by_the_first_hook_with_n
         assert not opt.state or all("step" not in s for s in opt.state.values())
     finally:
         torch._dynamo.reset()
+
+
+# ---- 4. last_grad_norm of a step without gradients -------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["plain", "max_grad_norm", "grad_scale"])
+def test_a_step_without_any_gradient_reports_a_zero_norm_as_clip_grad_norm_does(how, backend):
+    """Every param without a gradient (a frozen phase, an empty param group beside them): nothing is updated or
+    checked, and the norm is clip_grad_norm_'s for no gradients, 0.0 (float32, params' device), not None and not
+    the previous step's; last_found_inf None. (A plain step on the pure-PyTorch backend reports no norm at all.)"""
+    params = [torch.nn.Parameter(torch.randn(7)), torch.nn.Parameter(torch.randn(3, dtype=torch.bfloat16))]
+    opt = FusedAdam([{"params": params}, {"params": []}], lr=1e-2, master_weights=True,
+                    max_grad_norm=1.0 if how == "max_grad_norm" else None)
+    kwargs = dict(grad_scale=8.0) if how == "grad_scale" else {}
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step(**kwargs)
+    for p in params:
+        p.grad = None
+    before = optimizer_snapshot(opt)
+    opt.step(**kwargs)
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+    expected = torch.nn.utils.clip_grad_norm_(params, max_norm=1.0)
+    if backend == "torch" and how == "plain":
+        assert opt.last_grad_norm is None
+    else:
+        norm = opt.last_grad_norm
+        assert norm.shape == () and norm.dtype == torch.float32 and norm.device == params[0].device
+        assert float(norm) == float(expected) == 0.0
+    assert opt.last_found_inf is None
