@@ -1,4 +1,4 @@
-"""Issue 14 (practical use), items 1 and 4, audited from the outside: what tests/test_practical_acceptance.py and
+"""Issue 14 (practical use), items 1, 2 and 4, audited from the outside: what tests/test_practical_acceptance.py and
 tests/test_install.py leave out, as a user of torch's and apex's recipes, or a packager, would run into it.
 
 1. Packaging. An sdist (``python -m build``, ``pip download``, ``pip install <sdist>``) carries the native sources
@@ -8,11 +8,17 @@ tests/test_install.py leave out, as a user of torch's and apex's recipes, or a p
    C++ ABI, and the Python ABI (ops/adam_cpu.cpp unpacks Python tensors through the Python C API), so two
    environments sharing ``~/.cache/ort-optim`` with the same torch version on another Python never load each
    other's library.
+2. ``step_in_backward`` under TorchDynamo: ``torch.compile`` of a function that calls ``backward()`` makes the
+   engine call the hooks from inside a compiled frame; they run eagerly, not traced, and update bit for bit as
+   ``step()``. Compiled autograd, which replaces autograd's engine, is refused by the first hook before any update.
 4. Telemetry with a caller's ``found_inf`` and no ``grad_scale`` (torch.amp.GradScaler after
    ``scaler.unscale_(optimizer)``: torch's recipe for clipping under AMP; apex-style overflow buffers):
    ``last_found_inf`` is a float32 [1] of the optimizer's own, 1.0/0.0, on the params' device (not the caller's
    buffer, which it may zero for the next iteration), and ``last_grad_norm`` the norm of the gradients the update
-   pass read (NaN for a step that found_inf skipped: that pass reads nothing).
+   pass read (NaN for a step that found_inf skipped: that pass reads nothing). With ``step_in_backward``, a step()
+   after backward calls that all ran inside ``accumulate()`` is a normal step and reports the norm; one that
+   finishes updates made in backward reports None (never a stale or partial norm). A step without any gradient
+   reports 0.0, as ``clip_grad_norm_`` does for no gradients.
 """
 
 from __future__ import annotations
