@@ -63,6 +63,10 @@ class BackwardStep:
         # Once check_updated_once() found a param updated with another gradient, every later hook, step() and
         # zero_grad() raises the same error (until remove_backward_hooks()): none may update it again.
         self._refusal: Optional[str] = None
+        # TorchDynamo must not trace the hook: torch.compile of a function that calls backward() would compile the
+        # hooks that the engine calls from it (measured before this wrapper, torch 2.4.1 and 2.13: an error out of
+        # tracing, or another param's state looked up for a param). It runs eagerly, as autograd's engine calls it.
+        self._eager_hook = torch._dynamo.disable(self._hook)
 
     def watch(self, group_index: int, group: dict) -> None:
         """Hooks the group's params that require gradients (a param made trainable later is hooked by the next
@@ -71,7 +75,7 @@ class BackwardStep:
         for index, p in enumerate(group["params"]):
             self._where[p] = (group_index, index, group)
             if p.requires_grad and p not in self._handles:
-                self._handles[p] = p.register_post_accumulate_grad_hook(self._hook)
+                self._handles[p] = p.register_post_accumulate_grad_hook(self._eager_hook)
                 self._impls[p] = p._cdata
                 if not self.setup_checked:
                     self._setup_handles[p] = p.register_hook(self._setup_hook())
@@ -113,14 +117,14 @@ class BackwardStep:
         for p in [p for p in self._unhooked if p.requires_grad]:
             del self._unhooked[p]
             if p not in self._handles:
-                self._handles[p] = p.register_post_accumulate_grad_hook(self._hook)
+                self._handles[p] = p.register_post_accumulate_grad_hook(self._eager_hook)
                 self._impls[p] = p._cdata
         for p, impl in self._impls.items():
             if p._cdata == impl:
                 continue
             hooks = p._post_accumulate_grad_hooks
             if hooks is None or self._handles[p].id not in hooks:
-                self._handles[p] = p.register_post_accumulate_grad_hook(self._hook)
+                self._handles[p] = p.register_post_accumulate_grad_hook(self._eager_hook)
             p._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
             self._impls[p] = p._cdata
 
@@ -147,6 +151,8 @@ class BackwardStep:
         optimizer = self._optimizer()
         if optimizer is None:
             return
+        if _compiled_autograd():  # (before anything: the refusal must find every tensor as it was)
+            raise compiled_autograd_refused()
         if not self.setup_checked:
             self.check_setup(optimizer)
         if self._accumulating:  # (a gradient accumulated for the next update, not written after this one)
@@ -262,6 +268,11 @@ class BackwardStep:
                 any_hooked = True
         if not any_hooked:
             raise repointed("param_groups hold none of the params that step_in_backward=True hooked")
+
+    @property
+    def updated_any(self) -> bool:
+        """Whether a hook updated a param since the last step() or zero_grad()."""
+        return bool(self._updated)
 
     def check_updated_once(self, forget: bool = True) -> None:
         """Raises if a param updated by its hook since the last step() or zero_grad() has a gradient again: something
@@ -448,6 +459,31 @@ def ddp_refused(ddp: object, group_index: int, index: int, p: torch.Tensor) -> V
         "update the param with this rank's own gradient, and step() again with the average. Nothing was updated (no "
         "gradient accumulated either). Use step_in_backward=False with DistributedDataParallel (its "
         "gradient_as_bucket_view=True keeps the gradients in DDP's buckets, without a second copy)")
+
+
+def _compiled_autograd() -> bool:
+    """Whether the hook runs in a backward that compiled autograd runs (``torch._dynamo.compiled_autograd``, the
+    ``torch._dynamo.config.compiled_autograd`` option), which replaces autograd's engine by a traced graph: the
+    engine callback that checks the end of backward is not supported there, and the hooks' order and the gradients'
+    lifetimes are the compiled graph's (measured before this refusal, torch 2.4.1 and 2.13: errors out of the graph
+    after a param was updated and others' gradients were dropped). Refused rather than trusted without a test of
+    every case step_in_backward covers. A model compiled with torch.compile alone is not this: autograd's engine
+    still runs its backward and calls the hooks eagerly; neither is torch.compile of a function that calls backward()
+    (the hooks are kept out of TorchDynamo's tracing: BackwardStep._eager_hook)."""
+    if torch.compiler.is_compiling():
+        return True
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and bool(getattr(module, "in_compiled_autograd_region", False)
+                                       or getattr(module, "compiled_autograd_enabled", False))
+
+
+def compiled_autograd_refused() -> ValueError:
+    return ValueError(
+        "FusedAdam(step_in_backward=True) does not update params in a backward run by compiled autograd "
+        "(torch._dynamo.compiled_autograd, torch._dynamo.config.compiled_autograd=True): it replaces autograd's "
+        "eager engine, whose order of hooks and end-of-backward callback the updates in backward rely on. Nothing was "
+        "updated by this hook. Run backward without compiled autograd (torch.compile of the model, or of a function "
+        "that calls backward(), is fine), or use step_in_backward=False")
 
 
 def deepspeed_refused(holder: object) -> ValueError:

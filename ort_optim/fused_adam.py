@@ -277,7 +277,10 @@ class FusedAdam(torch.optim.Optimizer):
     (``model.to()`` with swap-on-conversion) gives each param another tensor, whose autograd metadata holds none of its
     hooks: the next ``step()`` or ``zero_grad()`` connects them again (a backward before either leaves its gradients to
     ``step()``). With a model compiled by ``torch.compile`` the hooks fire as in eager mode (autograd's engine still
-    accumulates the params' gradients). Under ORTModule (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in
+    accumulates the params' gradients). So do they under ``torch.compile`` of a function that calls backward() (the
+    hooks are kept out of TorchDynamo's tracing). A backward run by compiled autograd
+    (``torch._dynamo.compiled_autograd``), which replaces autograd's engine, is refused: a ValueError from the first
+    hook, before any update. Under ORTModule (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in
     eager PyTorch and the updates are the same, but ORT's backward hands over all the module's gradients at once, so the
     memory saving is only that no gradient outlives its update. Not with ``DistributedDataParallel``: it averages the
     gradients across ranks after autograd has accumulated them and writes the average into ``p.grad``, so the hooks
@@ -300,6 +303,9 @@ class FusedAdam(torch.optim.Optimizer):
     hooked, or none it hooked, raises too, rather than let step() silently take a normal step. Differs from torch's
     recipe (a torch optimizer per param, stepped in a hook) in that one optimizer keeps the param groups, the checkpoint
     layout and ``step()``. :attr:`last_grad_norm` and :attr:`last_found_inf` stay None for updates made in backward.
+    (A ``step()`` after backward calls that all ran inside :meth:`accumulate` updates every param, as without
+    step_in_backward, and reports the norm as a plain step does; the next one that finishes updates made in backward
+    leaves it None again.)
 
     Distributed training (guides/distributed.md). DTensor params (FSDP2 ``fully_shard`` with or without a
     ``MixedPrecisionPolicy``, tensor parallel, 2D meshes) are planned and stepped through their local pieces, one op
@@ -332,7 +338,8 @@ class FusedAdam(torch.optim.Optimizer):
     the gradients for inf/NaN itself and skips the step if it finds any, or if unscaling (dividing by a
     ``grad_scale`` below 1) would overflow (the check is on the global norm of the unscaled gradients, which must stay
     below float32's range, about 1.8e19); :attr:`last_step_skipped` tells, and :attr:`last_grad_norm` gives the
-    global norm of the unscaled gradients before clipping (from that same pass; None without it). A skipped step
+    global norm of the unscaled gradients before clipping (from that same pass; its property says what other steps
+    report). A skipped step
     changes nothing: no parameter, master, moment, step count or gradient. ``torch.amp.GradScaler`` is honoured
     through its protocol for fused
     optimizers (``_step_supports_amp_scaling``).
@@ -387,6 +394,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._plan: Optional[_plan.Plan] = None  # the step cache (ort_optim/_plan.py)
         self._last_found_inf: Optional[torch.Tensor] = None
         self._last_grad_norm: Optional[torch.Tensor] = None
+        self._finishes_backward = False  # (step(): backward updated params since the last step() or zero_grad())
         self.step_in_backward = step_in_backward
         self._backward: Optional[BackwardStep] = None
         self._partitions_checked = False  # (max_grad_norm under a partitioning DeepSpeed optimizer: once)
@@ -594,7 +602,9 @@ class FusedAdam(torch.optim.Optimizer):
     @property
     def last_found_inf(self) -> Optional[torch.Tensor]:
         """The last step()'s skip flag as a one-element float32 tensor on the params' device (non-zero: skipped),
-        or None when no loss scaling or clipping was involved. Reading it never synchronises."""
+        or None when no loss scaling, clipping or ``found_inf`` was involved. A ``found_inf`` passed to step() is not
+        handed back: this is a tensor of its own, 1.0 where it was non-zero, 0.0 elsewhere (so zeroing that buffer for
+        the next iteration does not change it). Reading it never synchronises."""
         return self._last_found_inf
 
     @property
@@ -610,9 +620,16 @@ class FusedAdam(torch.optim.Optimizer):
         (pure PyTorch: ``ORT_OPTIM_BACKEND=torch``, or CUDA without triton), or with DTensor params or a
         process_group (where the norm would need a collective of its own), leaves it None, and so does a step whose
         params span several of these paths when one of them cannot report; so do updates made in backward
-        (step_in_backward). Under CUDA graph capture (capturable=True) the norm tensor of the captured step is
+        (step_in_backward: a step() after a backward that updated params, which finishes only the rest; not one
+        after backward calls that all ran inside accumulate(), a normal step over every gradient). A step without any
+        gradient reports 0.0 where one with gradients would report their norm (clip_grad_norm_ returns 0 for no
+        gradients), and leaves last_found_inf None (nothing was checked). Under CUDA graph capture (capturable=True) the norm tensor of the captured step is
         rewritten by each replay. inf or NaN when a gradient is (a step with grad_scale or max_grad_norm is then
-        skipped; a plain step is not, like torch.optim.AdamW). Reading it never synchronises. Always float32,
+        skipped; a plain step is not, like torch.optim.AdamW). A step given ``found_inf`` alone (torch.amp.GradScaler
+        after ``scaler.unscale_(optimizer)``, an apex-style overflow flag) reports the norm of the gradients as its
+        update pass reads them, so after the caller's own unscaling and clipping (``clip_grad_norm_`` returned the
+        norm from before its clipping), and NaN when found_inf skips the step (the skipped pass reads no gradient).
+        Reading it never synchronises. Always float32,
         where ``clip_grad_norm_`` returns the gradients' dtype: an fp16 norm overflows at 65504 and a bf16 one keeps
         three significant digits, while the sums behind this one are taken in float32 or wider."""
         return self._last_grad_norm
@@ -643,6 +660,10 @@ class FusedAdam(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
+        # Whether backward updated params since the last step() or zero_grad(): this step() then finishes only the
+        # rest, and its norm would be of that rest alone (last_grad_norm stays None). After backward calls that all
+        # ran inside accumulate(), it is a normal step over every gradient, and reports their norm.
+        self._finishes_backward = self._backward is not None and self._backward.updated_any
         if self._backward is not None:
             if not self._backward.setup_checked:  # (once)
                 self._backward.check_setup(self)
@@ -705,8 +726,24 @@ class FusedAdam(torch.optim.Optimizer):
                      is not None else None)
         if reduction is None and self._scaled_in_plan(buckets, grad_scale, found_inf):
             return self._scaled_plan_step(buckets[0], grad_scale, found_inf)
+        if not buckets and reduction is None:
+            # No gradient at all: nothing to update or check. The norm is 0, as clip_grad_norm_ returns for no
+            # gradients, wherever a step with gradients would report one (not the rest of updates in backward).
+            self._last_found_inf = None
+            device = next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)
+            reports = grad_scale is not None or self.max_grad_norm is not None or (
+                self._plain_norm and not self._finishes_backward and self._decides_alone(plan.dtensors)
+                and (backends.runs_natively(device) or backends.update_reports_grad_norm(device)))
+            self._last_grad_norm = torch.zeros((), dtype=torch.float32, device=device) if reports else None
+            return
         inv_grad_scale, found_inf, self._last_grad_norm = self._scaling(buckets, grad_scale, found_inf, reduction)
-        self._last_found_inf = found_inf if buckets or reduction is not None else None
+        if found_inf is not None and inv_grad_scale is None and buckets:
+            # The caller's own tensor (any dtype, 0-dim or not, a buffer it may zero for the next iteration, as apex's
+            # overflow buffer is): last_found_inf is this step's verdict as a float32 [1] of its own on the params'
+            # device, computed there (no host sync), so a reference kept to it does not change with the buffer.
+            self._last_found_inf = (found_inf.to(buckets[0][2].params[0].device).reshape(()) != 0).float().reshape(1)
+        else:
+            self._last_found_inf = found_inf if buckets or reduction is not None else None
         unscaled = self._grad_scale_per_device(buckets, grad_scale)
         if unscaled and (len(buckets) > 1 or buckets[0][2].native is None):  # ({} without any gradient)
             _plan.check_grads_writable(buckets)
@@ -743,12 +780,14 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _plain_norm_from_update(self, plan: _plan.Plan, buckets: list, grad_scale, found_inf) -> bool:
         """Whether this step's update passes report the gradients' norm (last_grad_norm without a stats pass): a
-        plain step (no grad_scale, max_grad_norm or found_inf) of one process over plain params, every bucket on the
-        native CPU plan or the Triton kernels (which sum the squares of the gradients they load), and not the
-        remainder of step_in_backward's updates. Elsewhere (the reference backend, DTensor or process_group steps,
-        whose norm would have to be all-reduced) a plain step leaves last_grad_norm None: all buckets or none."""
-        return (self._plain_norm and grad_scale is None and found_inf is None and self.max_grad_norm is None
-                and self._backward is None and bool(buckets) and self._decides_alone(plan.dtensors)
+        plain step (no grad_scale or max_grad_norm; a found_inf alone is fine: a pass it skips reports NaN) of one
+        process over plain params, every bucket on the native CPU plan or the Triton kernels (which sum the squares
+        of the gradients they load), and not the remainder of updates that step_in_backward made in backward since the last step() or
+        zero_grad() (its norm would be of that remainder only). Elsewhere (the reference
+        backend, DTensor or process_group steps, whose norm would have to be all-reduced) a plain step leaves
+        last_grad_norm None: all buckets or none."""
+        return (self._plain_norm and grad_scale is None and self.max_grad_norm is None
+                and not self._finishes_backward and bool(buckets) and self._decides_alone(plan.dtensors)
                 and all(bucket.native is not None or backends.update_reports_grad_norm(bucket.params[0].device)
                         for _, _, bucket in buckets))
 

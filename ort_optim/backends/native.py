@@ -2,7 +2,7 @@
 called through ``torch.ops.ort_optim``), and wraps its ``AdamPlan`` helper class.
 
 The library is built by the project's setup (``python -m ort_optim.build``) into a cache folder keyed by the torch
-version, the sources and the CPU's instruction-set flags, and loaded on first use, never at import time. Dispatch
+version and C++ ABI, the Python ABI, the sources and the CPU's instruction-set flags, and loaded on first use, never at import time. Dispatch
 between backends is :mod:`ort_optim.backends`' job, not this module's.
 """
 
@@ -14,6 +14,7 @@ import hashlib
 import io
 import os
 import platform
+import sysconfig
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -71,14 +72,23 @@ def spec_header() -> str:
     return "\n".join(lines)
 
 
+def _abi() -> str:
+    """What the library is compiled against besides torch's version: the Python ABI (adam_cpu.cpp unpacks Python
+    tensors through the Python C API: its extension-module suffix names the version, build flags and platform) and
+    torch's C++ ABI (a source build or conda torch may differ from the PyPI wheel of the same version)."""
+    return f"{sysconfig.get_config_var('EXT_SUFFIX')} cxx11abi={int(torch.compiled_with_cxx11_abi())}"
+
+
 def build_dir() -> Path:
-    """Folder of the native library for this torch, these sources, the generated spec header and this CPU."""
+    """Folder of the native library for this torch (version and C++ ABI), this Python ABI, these sources, the
+    generated spec header and this CPU: environments that share the cache never load each other's library."""
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((OPS_DIR / name).read_bytes())
     digest.update(spec_header().encode())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(_cpu_flags().encode())
+    digest.update(_abi().encode())
     cache = Path(os.environ.get("ORT_OPTIM_CACHE", Path.home() / ".cache" / "ort-optim"))
     return cache / "ops" / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
 
