@@ -620,16 +620,16 @@ class FusedAdam(torch.optim.Optimizer):
         (pure PyTorch: ``ORT_OPTIM_BACKEND=torch``, or CUDA without triton), or with DTensor params or a
         process_group (where the norm would need a collective of its own), leaves it None, and so does a step whose
         params span several of these paths when one of them cannot report; so do updates made in backward
-        (step_in_backward: a step() after a backward that updated params, which finishes only the rest; not one
-        after backward calls that all ran inside accumulate(), a normal step over every gradient). A step without any
-        gradient reports 0.0 where one with gradients would report their norm (clip_grad_norm_ returns 0 for no
-        gradients), and leaves last_found_inf None (nothing was checked). Under CUDA graph capture (capturable=True) the norm tensor of the captured step is
-        rewritten by each replay. inf or NaN when a gradient is (a step with grad_scale or max_grad_norm is then
-        skipped; a plain step is not, like torch.optim.AdamW). A step given ``found_inf`` alone (torch.amp.GradScaler
-        after ``scaler.unscale_(optimizer)``, an apex-style overflow flag) reports the norm of the gradients as its
-        update pass reads them, so after the caller's own unscaling and clipping (``clip_grad_norm_`` returned the
-        norm from before its clipping), and NaN when found_inf skips the step (the skipped pass reads no gradient).
-        Reading it never synchronises. Always float32,
+        (step_in_backward: a step() after a backward that updated params, which finishes only the rest; not one after
+        backward calls that all ran inside accumulate(), a normal step over every gradient). A step without any gradient
+        reports 0.0 where one with gradients would report their norm (clip_grad_norm_ returns 0 for no gradients), and
+        leaves last_found_inf None (nothing was checked). Under CUDA graph capture (capturable=True) the norm tensor of
+        the captured step is rewritten by each replay. inf or NaN when a gradient is (a step with grad_scale or
+        max_grad_norm is then skipped; a plain step is not, like torch.optim.AdamW). A step given ``found_inf`` alone
+        (torch.amp.GradScaler after ``scaler.unscale_(optimizer)``, an apex-style overflow flag) reports the norm of the
+        gradients as its update pass reads them, so after the caller's own unscaling and clipping (``clip_grad_norm_``
+        returned the norm from before its clipping), and NaN when found_inf skips the step (the skipped pass reads no
+        gradient). Reading it never synchronises. Always float32,
         where ``clip_grad_norm_`` returns the gradients' dtype: an fp16 norm overflows at 65504 and a bf16 one keeps
         three significant digits, while the sums behind this one are taken in float32 or wider."""
         return self._last_grad_norm
@@ -781,11 +781,11 @@ class FusedAdam(torch.optim.Optimizer):
     def _plain_norm_from_update(self, plan: _plan.Plan, buckets: list, grad_scale, found_inf) -> bool:
         """Whether this step's update passes report the gradients' norm (last_grad_norm without a stats pass): a
         plain step (no grad_scale or max_grad_norm; a found_inf alone is fine: a pass it skips reports NaN) of one
-        process over plain params, every bucket on the native CPU plan or the Triton kernels (which sum the squares
-        of the gradients they load), and not the remainder of updates that step_in_backward made in backward since the last step() or
-        zero_grad() (its norm would be of that remainder only). Elsewhere (the reference
-        backend, DTensor or process_group steps, whose norm would have to be all-reduced) a plain step leaves
-        last_grad_norm None: all buckets or none."""
+        process over plain params, every bucket on the native CPU plan or the Triton kernels (which sum the squares of
+        the gradients they load), and not the remainder of updates that step_in_backward made in backward since the last
+        step() or zero_grad() (its norm would be of that remainder only). Elsewhere (the reference backend, DTensor or
+        process_group steps, whose norm would have to be all-reduced) a plain step leaves last_grad_norm None: all
+        buckets or none."""
         return (self._plain_norm and grad_scale is None and self.max_grad_norm is None
                 and not self._finishes_backward and bool(buckets) and self._decides_alone(plan.dtensors)
                 and all(bucket.native is not None or backends.update_reports_grad_norm(bucket.params[0].device)

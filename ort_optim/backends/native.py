@@ -2,8 +2,8 @@
 called through ``torch.ops.ort_optim``), and wraps its ``AdamPlan`` helper class.
 
 The library is built by the project's setup (``python -m ort_optim.build``) into a cache folder keyed by the torch
-version and C++ ABI, the Python ABI, the sources and the CPU's instruction-set flags, and loaded on first use, never at import time. Dispatch
-between backends is :mod:`ort_optim.backends`' job, not this module's.
+version and C++ ABI, the Python ABI, the sources and the CPU's instruction-set flags, and loaded on first use, never at
+import time. Dispatch between backends is :mod:`ort_optim.backends`' job, not this module's.
 """
 
 from __future__ import annotations
