@@ -313,10 +313,10 @@ NON_FINITE = {
     "nan-with-grad-scale-tensor": (float("nan"), dict(grad_scale=torch.tensor(256.0)), {}),
     "-inf-with-clipping": (float("-inf"), {}, dict(max_grad_norm=1.0)),
     "nan-with-clipping-and-grad-scale": (float("nan"), dict(grad_scale=8.0), dict(max_grad_norm=1.0)),
-    # traps.md #14: the check is on the unscaled grads; with grad_scale < 1, unscaling a finite fp32 grad overflows
+    # the check is on the unscaled grads: with grad_scale < 1, unscaling a finite fp32 grad overflows
     "finite-grad-that-overflows-when-unscaled": (3e38, dict(grad_scale=0.25), {}),
     # the global norm is formed in float32: beyond about 1.8e19 it is inf; skipping beats a clip coefficient of 0
-    # (which would turn the step into weight decay alone) - documented in FusedAdam's docstring
+    # (which would turn the step into weight decay alone), as guides/fused-adam.md documents
     "finite-grad-whose-norm-exceeds-float32-with-clipping": (1e20, {}, dict(max_grad_norm=1.0)),
 }
 
