@@ -180,7 +180,8 @@ def low_bit_format(scale_dtype: torch.dtype) -> LowBitFormat:
 
 # fp16 exp_avg_sq / max_exp_avg_sq hold sqrt(v) (the fp16 codes of sqrt(v) with the block rule above): v spans the
 # square of the gradients' range, sqrt(v) the range itself, so an element 1e-7 of its block's largest keeps its v
-# (traps.md #22). v is read back as (code / s) ** 2, exact in float32 (an fp16 code has 11 significant bits).
+# (stored as v, its v would be 1e-14 of the block's largest: below fp16's range, 0). v is read back as
+# (code / s) ** 2, exact in float32 (an fp16 code has 11 significant bits).
 FP16_SQRT_SECOND_MOMENT = True
 
 

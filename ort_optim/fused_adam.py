@@ -384,7 +384,7 @@ class FusedAdam(torch.optim.Optimizer):
         buffer's start, which torch's allocator aligns to 64 bytes, so vector loads stay aligned; the buffer ends
         with its last view. Low-bit codes (8-bit, 4-bit) get a storage per param instead, as their scales do, as in
         torchao and bitsandbytes: then the bytes of the storages in ``state[p]`` are that param's state exactly
-        (issue 13's measure, 2.03 bytes/param for 8-bit moments), however they are counted, and the low-bit step,
+        (2.03 bytes/param for 8-bit moments), however they are counted, and the low-bit step,
         bound by its arithmetic, gains nothing from the flat layout. DTensor params get states shaped like their
         local pieces."""
         params = [dtensor.local(p) for p in params]
