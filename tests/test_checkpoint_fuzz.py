@@ -1,4 +1,4 @@
-"""Property-based fuzzing of FusedAdam.load_state_dict (issue 11, traps.md #12 and #23).
+"""Property-based fuzzing of FusedAdam.load_state_dict.
 
 Valid checkpoints are mutated (values of the wrong type, shape, dtype or device; NaN, inf and huge numbers; keys
 deleted and added; containers converted or swapped; other optimizers' checkpoints: torch SGD, Adam and AdamW, ORT's

@@ -1,4 +1,4 @@
-"""FusedAdam checkpoints, as a specification (traps.md #12).
+"""FusedAdam checkpoints, as a specification.
 
 * The saved form is canonical: fresh tensors, moments and masters unscaled float32 (float64 for float64 params), a
   float64 step per parameter, loadable with torch.load(weights_only=True), into FusedAdam with any state dtypes and
@@ -139,8 +139,8 @@ def _fresh_like(params, **kwargs):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_load_state_dict_never_writes_to_the_given_dict_not_even_after_later_steps(backend, monkeypatch):
-    """traps.md #12: a loader that scaled fp16 states in place (or kept the dict's lr tensor for the scheduler to
-    fill) corrupted the checkpoint it was given."""
+    """A loader that scaled fp16 states in place (or kept the dict's lr tensor for the scheduler to fill) would
+    corrupt the checkpoint it was given."""
     select_backend(monkeypatch, backend)
     params, opt = _trained_mixed()
     sd = opt.state_dict()
@@ -408,7 +408,7 @@ BAD_CHECKPOINTS = [
      r"state_dict\['state'\]\[17\]: parameter id 17 is listed in no"),
     ("sgd-group", _bad(_set(["param_groups", 0, "momentum"], 0.9)), ValueError,
      r"state_dict\['param_groups'\]\[0\] has \['momentum'\], options of another optimizer"),
-    # group options, strictly typed (traps.md #23)
+    # group options, strictly typed (a "False" from a config file is not True)
     ("maximize-string", _bad(_set(["param_groups", 0, "maximize"], "False")), TypeError,
      r"state_dict\['param_groups'\]\[0\]\['maximize'\] must be True or False \(a bool\), got str 'False'"),
     ("amsgrad-string", _bad(_set(["param_groups", 0, "amsgrad"], "no")), TypeError,

@@ -1,7 +1,7 @@
 """FusedAdam as a drop-in (issues 2 and 3), checked from the outside: what a user of ORT's FusedAdam or of
 torch.optim.AdamW relies on without reading our code.
 
-Written from the issues' text, /work/shared/reference/ort-semantics.md and torch.optim's documented behaviour, against
+Written from ORT's and torch.optim's documented behaviour, against
 independent references: torch.optim.AdamW/Adam (``foreach=False``, the plain per-tensor loop) on the same dtype or on
 fp32 copies, torch.nn.utils.clip_grad_norm_, torch.amp.GradScaler, the float64 formulas of ``tests/reference.py``,
 and ORT 1.19.2's recorded signature. It covers what the other modules leave out:
@@ -352,7 +352,7 @@ def test_bias_correction_off_in_one_group_and_on_in_the_other_matches_the_float6
 @pytest.mark.parametrize("maximize", [False, True], ids=["minimize", "maximize"])
 @pytest.mark.parametrize("mode", list(AdamWMode), ids=str)
 def test_a_step_leaves_the_gradient_as_it_was_in_every_mode(mode, maximize, backend):
-    """ort-semantics.md: ORT's L2 term is not written back to .grad; traps.md 6: maximize negates a copy. (With
+    """ORT's L2 term is not written back to .grad; maximize negates a copy of the gradient. (With
     grad_scale the unscaled gradient is written back, as torch's fused AdamW does: test_unscaled_grads.py.)"""
     params = make_params()
     opt = FusedAdam(params, adam_w_mode=mode, weight_decay=0.1, maximize=maximize, amsgrad=True, max_grad_norm=0.5)

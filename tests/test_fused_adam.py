@@ -49,7 +49,7 @@ def lr_lambda(step: int) -> float:
 
 
 def make_params(dtype: torch.dtype, seed: int = 0) -> list[tuple[str, torch.nn.Parameter]]:
-    """Named params covering the layouts that fused optimizers got wrong (traps.md #7, #8)."""
+    """Named params covering the layouts that fused optimizers get wrong (strided, channels-last, empty)."""
     g = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -67,7 +67,8 @@ def make_params(dtype: torch.dtype, seed: int = 0) -> list[tuple[str, torch.nn.P
         ("transposed", torch.nn.Parameter(randn(5, 4).t())),
         ("strided-slice", torch.nn.Parameter(big[:, ::2])),  # non-contiguous view of a bigger buffer
         ("channels-last", torch.nn.Parameter(randn(2, 3, 4, 3).to(memory_format=torch.channels_last))),
-        ("empty-last", torch.nn.Parameter(randn(0, 3))),  # an empty tensor LAST in the list (traps.md #7)
+        # an empty tensor LAST in the list: a multi-tensor kernel can drop the others
+        ("empty-last", torch.nn.Parameter(randn(0, 3))),
     ]
 
 
@@ -347,7 +348,7 @@ def _two_params(dtype=torch.float32):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_param_frozen_for_10_steps_then_unfrozen_gets_torchs_first_update(backend, monkeypatch):
-    """traps.md #2: the late param's first update is bias-corrected with its own t=1, as torch does (ORT's per-group
+    """The late param's first update is bias-corrected with its own t=1, as torch does (ORT's per-group
     step would make it about 3x too large)."""
     select_backend(monkeypatch, backend)
     ours = _two_params()
@@ -411,7 +412,7 @@ def test_params_without_grad_get_no_state_and_no_step(backend, monkeypatch):
     for _ in range(3):
         with_grad.grad = torch.ones_like(with_grad)
         opt.step()
-    assert not opt.state.get(never), "traps.md #10: no state for a param that never had a gradient"
+    assert not opt.state.get(never), "no state for a param that never had a gradient"
     assert torch.equal(never, before), "and no weight decay either"
     assert set(opt.state_dict()["state"]) == {0}
     assert float(opt.state[with_grad]["step"]) == 3

@@ -2,8 +2,8 @@
 
 * The project's environments have ort_optim installed (``make setup`` runs ``pip install -e`` of the checkout into
   both), so their interpreter imports it from any directory, without PYTHONPATH.
-* ``pip wheel .`` carries the native sources (ops/*.cpp and ops/*.h as ort_optim/_ops, setup.py), and the wheel installed into
-  another environment keeps building, loading and running the native op from those sources.
+* ``pip wheel .`` carries the native sources (ops/*.cpp and ops/*.h as ort_optim/_ops, setup.py), and the wheel
+  installed into another environment keeps building, loading and running the native op from those sources.
 
 The wheel test builds a wheel and a virtual environment (about 20 s): marked ``install`` so that CI runs it once per
 environment; the suite's runs through other backends (ORT_OPTIM_BACKEND=triton or torch) skip it.
@@ -43,7 +43,7 @@ def _run_python(python, code: str, cwd: Path) -> dict:
 
 def test_the_environment_imports_ort_optim_from_any_directory(tmp_path):
     """An editable install (PEP 660) of a checkout: the import works from a directory with nothing in it and finds
-    the checkout's package. In a helper's worktree the shared environment may point at another checkout, so the test
+    the checkout's package. In a git worktree the shared environment may point at another checkout, so the test
     asserts the mechanism (an editable install of a checkout that holds the imported package), not the path."""
     found = _run_python(sys.executable, """if True:
         import json, importlib.metadata as metadata
@@ -75,8 +75,8 @@ def wheel(tmp_path_factory) -> Path:
 
 @pytest.mark.install
 def test_a_wheel_carries_every_module_and_the_native_sources(wheel):
-    """The wheel ships every module of the package (subpackages included) and ops/*.cpp and ops/*.h as ort_optim/_ops, where
-    backends/native.py looks outside a checkout (setup.py)."""
+    """The wheel ships every module of the package (subpackages included) and ops/*.cpp and ops/*.h as
+    ort_optim/_ops, where backends/native.py looks outside a checkout (setup.py)."""
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {path.relative_to(ROOT).as_posix() for path in (ROOT / "ort_optim").rglob("*.py")}
     assert modules - names == set()

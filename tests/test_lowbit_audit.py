@@ -1,5 +1,5 @@
-"""An adversarial audit of 8-bit/4-bit moments and bfloat16 stochastic rounding (h19), black box: what the issue
-promised users, probed where the other low-bit modules (test_lowbit.py, test_lowbit_acceptance.py) do not go.
+"""8-bit/4-bit moments and bfloat16 stochastic rounding, black box, adversarially: what the formats promise users,
+probed where the other low-bit modules (test_lowbit.py, test_lowbit_acceptance.py) do not go.
 
 * A step taken with ``grad_scale`` leaves the unscaled gradient ``g / grad_scale`` in ``p.grad`` for every param,
   bfloat16 params rounded stochastically included (as ``torch.optim.AdamW(fused=True)`` under GradScaler), with

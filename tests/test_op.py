@@ -5,7 +5,7 @@
 * The native adam_step_ and the pure-PyTorch fallback agree for every dtype combination; the native result does not
   depend on the thread count; the op validates its inputs before writing anything.
 * The C++ fp16 block size equals ort_optim._spec.QUANT_BLOCK.
-* FusedAdam refuses params that share memory (traps.md #11) and accepts disjoint views of one buffer.
+* FusedAdam refuses params that share memory and accepts disjoint views of one buffer.
 * torch.compile of the op and of FusedAdam.step gives eager's result.
 """
 
@@ -479,7 +479,7 @@ OVERLAPPING = _overlapping_cases()
 @pytest.mark.parametrize("backend", ("auto",) + BACKENDS)
 @pytest.mark.parametrize("case", OVERLAPPING, ids=str)
 def test_params_that_share_memory_are_refused_naming_both(case, backend, monkeypatch):
-    """traps.md #11: a multi-tensor step would update shared elements twice (or race). Refused at the first step
+    """A multi-tensor step would update shared elements twice (or race). Refused at the first step
     with both params named, before anything changes."""
     if backend == "auto":
         monkeypatch.delenv("ORT_OPTIM_BACKEND", raising=False)

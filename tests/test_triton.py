@@ -409,7 +409,7 @@ def test_blocks_per_program_and_multi_tensor_launch(monkeypatch):
 
 @needs_working_interpreter
 def test_an_empty_tensor_last_does_not_drop_the_others():
-    """traps.md #7: an empty tensor at the end of the list must not cost the tensors before it their update."""
+    """An empty tensor at the end of the list must not cost the tensors before it their update."""
     base = make_case("fp32-fp16states", False, seed=13, shapes=[(1500,), (3,), (0,)])
     tri, ref = clone_case(base, DEVICE), clone_case(base)
     run_triton(tri, hyper(1))

@@ -1,4 +1,4 @@
-"""What ``p.grad`` holds after a scaled step (issue 11, traps.md #21), as a specification.
+"""What ``p.grad`` holds after a scaled step, as a specification.
 
 * After a TAKEN step with ``grad_scale`` (given to step(), or by torch.amp.GradScaler's protocol), ``p.grad`` holds
   ``g / grad_scale``: a float32 division (float64 for float64 grads) rounded to the gradient's own dtype, neither
