@@ -30,7 +30,7 @@ hypothesis = pytest.importorskip("hypothesis", reason="the fuzz tests need hypot
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-# Examples per run (the issue asks for at least 2000 per environment in CI); derandomized, so every run tries the
+# Examples per run (at least 2000 per environment in CI); derandomized, so every run tries the
 # same ones and a failure reproduces. FUZZ_EXAMPLES overrides it for a quick local run or a longer hunt.
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "2000"))
 

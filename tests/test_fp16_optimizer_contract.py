@@ -436,7 +436,7 @@ def test_max_grad_norm_set_after_construction_is_honoured(inner):
     assert later.max_grad_norm == 0.5
 
 
-# ---- load_state_dict: every entry checked before anything changes (issue 11, item 5) --------------------------------
+# ---- load_state_dict: every entry checked before anything changes -------------------------------------------------
 
 
 def _trained(inner):

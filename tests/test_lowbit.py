@@ -594,7 +594,7 @@ def test_the_native_op_validates_low_bit_states_before_writing(damage, monkeypat
         assert torch.equal(bits(b), bits(a))
 
 
-# ---- the step cache with low-bit states (issue 11's scenarios, ort_optim/_plan.py) -------------------------------
+# ---- the step cache with low-bit states (ort_optim/_plan.py) -----------------------------------------------------
 
 
 def _stepped(m="u8", v="u4", steps=2, **kwargs):

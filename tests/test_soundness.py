@@ -1,4 +1,4 @@
-"""FusedAdam's step cache cannot be wrong (issue 11), as a specification.
+"""FusedAdam's step cache cannot be wrong, as a specification.
 
 FusedAdam caches, across steps, its buckets of params and state tensors and, on the native CPU backend, native plans
 that hold those tensors (ort_optim/_plan.py). Whatever real training code does between steps, a step either behaves
@@ -151,8 +151,8 @@ def test_a_cleared_state_starts_again_at_step_1_with_fresh_moments(backend):
 
 
 def test_state_dict_shows_what_the_step_updates_after_a_reset(backend):
-    """The issue's symptom: after a reset by assignment the cache kept updating the old tensors, and state_dict()
-    (which reads optimizer.state) lost the moments."""
+    """A cache that kept updating the old tensors after a reset by assignment would leave state_dict() (which reads
+    optimizer.state) without the moments."""
     twin = Twin()
     twin.step(3)
     twin.mutate(_reset_moments)
