@@ -9,8 +9,8 @@
 // by permutes of the 256 levels held in registers and encode through a packed bucket table (the bucket's code and
 // its threshold's low bits, so the comparison needs no second lookup) read with scalar loads; 4-bit codes decode by
 // a permute of the 16 levels held in a register and encode by a binary search over the thresholds in registers.
-// The scalar step was about 15x slower than the fp32-moment step; vectorised, 2-5x (guides/low-bit-states.md, "Speed",
-// has the measurements and why the remaining cost is compute, not bytes).
+// The scalar path takes about 15x the fp32-moment step's time, the vectorised one 2-5x (guides/low-bit-states.md,
+// "Speed", has the measurements and why the remaining cost is compute, not bytes).
 
 #include "low_bit.h"
 
