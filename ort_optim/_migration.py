@@ -51,8 +51,9 @@ BNB_GROUP_OPTIONS = {
     "min_8bit_size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
     "is_paged": (lambda v: isinstance(v, bool), "True or False (paging moves the state, not the math)"),
 }
-# The powers of two a bitsandbytes block size can be (256 since 0.45; 2048 before): the absmax count tells which.
-BNB_BLOCK_SIZES = tuple(2**k for k in range(6, 17))
+# The block sizes of bitsandbytes' blockwise 8-bit optimizer states (256 in 0.50, 2048 in earlier versions): the
+# absmax count tells which.
+BNB_BLOCK_SIZES = (256, 2048)
 
 
 class ForeignLayout:
@@ -263,13 +264,11 @@ def _bnb_group(group: dict, gi: int) -> dict:
 
 
 def _bnb_block_size(n: int, blocks: int, where: str) -> int:
-    if blocks == 1 and 0 < n <= BNB_BLOCK_SIZES[-1]:
-        return n  # one block, whatever its nominal size
     sizes = [b for b in BNB_BLOCK_SIZES if -(-n // b) == blocks]
-    if n == 0 or len(sizes) != 1:
+    if not sizes:
         raise ValueError(f"{where}: {blocks} block scales for {n} elements fit no bitsandbytes block size "
-                         f"(a power of two from {BNB_BLOCK_SIZES[0]} to {BNB_BLOCK_SIZES[-1]})")
-    return sizes[0]
+                         f"({' or '.join(map(str, BNB_BLOCK_SIZES))} elements per block)")
+    return sizes[0]  # (where both fit, all n elements are one block)
 
 
 def _bnb_decode(quant: dict, i: int, where: str) -> torch.Tensor:
