@@ -28,7 +28,7 @@ import torch
 from ._checkpoint import _show, entry
 from ._spec import AdamWMode
 
-TORCHAO_STATES = {  # class name -> what it is (torchao/optim/subclass_*.py)
+TORCHAO_STATES = {  # class name -> what it is (the classes of torchao.optim.subclass_8bit, _4bit, _fp8)
     "OptimState8bit": "8-bit codes with a 256-value map (AdamW8bit)",
     "OptimState4bit": "4-bit codes, two per byte, with a 16-value map (AdamW4bit)",
     "OptimStateFp8": "float8_e4m3fn codes (AdamWFp8)",
@@ -56,24 +56,26 @@ BNB_GROUP_OPTIONS = {
 BNB_BLOCK_SIZES = (256, 2048)
 
 
-class ForeignLayout:
-    """Names of the layouts this module reads, for messages and documentation."""
-
-    TORCHAO = "torchao (AdamW8bit, AdamW4bit, AdamWFp8)"
-    BITSANDBYTES = "bitsandbytes (Adam8bit, AdamW8bit, PagedAdam8bit, PagedAdamW8bit)"
+READ_LAYOUTS = ("torchao's AdamW8bit, AdamW4bit, AdamWFp8 and bitsandbytes' Adam8bit, AdamW8bit, PagedAdam8bit, "
+                "PagedAdamW8bit")
 
 
 def _is_torchao(value: Any) -> bool:
     return type(value).__module__.split(".")[0] == "torchao"
 
 
-def _is_unknown_subclass(value: Any) -> bool:
-    """A tensor subclass that wraps other tensors (as torchao's, DTensor's) and is none this module reads; DTensors
-    are FusedAdam's own distributed states, read elsewhere."""
+def _unreadable(value: Any) -> Optional[str]:
+    """What a state value is when it is a tensor subclass wrapping other tensors (as torchao's) that no check can
+    read, else None. DTensors are FusedAdam's own distributed states, read elsewhere, unless they wrap such a
+    subclass (torchao's states of FSDP2 params)."""
     kind = type(value)
     if kind in (torch.Tensor, torch.nn.Parameter) or not hasattr(kind, "__tensor_flatten__"):
-        return False
-    return not (kind.__name__ == "DTensor" and kind.__module__.startswith("torch.distributed"))
+        return None
+    if kind.__name__ == "DTensor" and kind.__module__.startswith("torch.distributed"):
+        local = getattr(value, "_local_tensor", None)
+        inner = _unreadable(local)
+        return None if inner is None else f"a DTensor whose local tensor is {inner} (a sharded param's state)"
+    return f"a {kind.__module__}.{kind.__name__}"
 
 
 def source_of(state_dict: Any) -> Optional[str]:
@@ -119,11 +121,11 @@ def _refuse_unknown_subclasses(state_dict: Any) -> None:
         if not isinstance(state, dict):
             continue
         for key, value in state.items():
-            if _is_unknown_subclass(value):
-                raise TypeError(f"{entry('state', pid, key)} is a {type(value).__module__}.{type(value).__name__}, "
-                                "a tensor subclass whose layout ort_optim does not read. FusedAdam reads plain "
-                                f"tensors and the low-bit states of {ForeignLayout.TORCHAO} and "
-                                f"{ForeignLayout.BITSANDBYTES}; convert this state to plain tensors first")
+            what = _unreadable(value)
+            if what is not None:
+                raise TypeError(f"{entry('state', pid, key)} is {what}, a tensor subclass whose layout ort_optim does "
+                                f"not read. FusedAdam reads plain tensors and the states of {READ_LAYOUTS} (of "
+                                "unsharded params); convert this state to plain tensors first")
 
 
 def _check_top_level(state_dict: dict, source: str) -> None:
@@ -165,10 +167,10 @@ def _adam_group(group: dict, gi: int, lr: Any) -> dict:
 
 def _torchao_group(group: dict, gi: int) -> dict:
     """torchao's AdamW* groups: lr (a float32 tensor: their compiled step needs one; a float here), betas, eps,
-    weight_decay, amsgrad. Their update is torch's AdamW (torchao/optim/adam.py, single_param_adam). torchao's
+    weight_decay, amsgrad. Their update is torch's AdamW (torchao.optim.adam.single_param_adam). torchao's
     Adam8bit/4bit/Fp8 (L2 decay) save the same groups: with weight_decay 0 they compute the same."""
     lr = group.get("lr")
-    if isinstance(lr, torch.Tensor) and not _is_unknown_subclass(lr) and lr.numel() == 1 and lr.is_floating_point():
+    if type(lr) is torch.Tensor and lr.numel() == 1 and lr.is_floating_point():
         lr = float(lr.detach().reshape(()).double().cpu())
     return _adam_group(group, gi, lr)
 
@@ -178,9 +180,9 @@ def _torchao_state(state: dict, where: str) -> dict:
     for key, value in state.items():
         if _is_torchao(value):
             out[key] = _torchao_values(value, f"{where}[{key!r}]")
-        elif _is_unknown_subclass(value):
-            raise TypeError(f"{where}[{key!r}] is a {type(value).__module__}.{type(value).__name__}, a tensor subclass "
-                            "ort_optim does not read, in a torchao optimizer state")
+        elif _unreadable(value) is not None:
+            raise TypeError(f"{where}[{key!r}] is {_unreadable(value)}, a tensor subclass ort_optim does not read, in "
+                            f"a torchao optimizer state (it reads the states of {READ_LAYOUTS}, of unsharded params)")
         else:  # the step (a float32 tensor), or the plain moments of a param under 4096 elements (its dtype): as
             out[key] = value  # they are; the usual checks read them (and copy, never write)
     return out
@@ -242,7 +244,7 @@ def _torchao_values(value: Any, where: str) -> torch.Tensor:
 
 def _bnb_group(group: dict, gi: int) -> dict:
     """bitsandbytes' Adam groups: lr, betas, eps, weight_decay and AdEMAMix's alpha, t_alpha, t_beta3. Adam8bit and
-    AdamW8bit run the same step ("adam"): on CPU (bitsandbytes/backends/cpu/ops.py) exactly torch's AdamW (p *= 1 -
+    AdamW8bit run the same step ("adam"): on CPU (bitsandbytes.backends.cpu.ops) exactly torch's AdamW (p *= 1 -
     lr * wd, then p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)); the CUDA kernel applies the decay after the
     update instead, which differs by lr * wd times the update. No amsgrad."""
     out = dict(group)

@@ -97,7 +97,7 @@ def torchao_4bit(shape, signed: bool, seed: int, real: bool):
     g = torch.Generator().manual_seed(seed)
     n = math.prod(shape)
     elements = torch.randint(0, 16, (n,), generator=g, dtype=torch.uint8)  # one code per element, in order
-    packed = (elements[::2] << 4) | elements[1::2]  # torchao's packing (subclass_4bit.py, aten.copy_)
+    packed = (elements[::2] << 4) | elements[1::2]  # torchao's packing (torchao.optim.subclass_4bit, its aten.copy_)
     scale = torch.rand(n // 128, generator=g) + 0.5
     qmap = dynamic_map(signed, 16, seed) if signed else torch.linspace(0, 1, 17)[1:]
     expected = blockwise(elements.view(shape), qmap, scale, 128)
@@ -360,6 +360,17 @@ def test_bitsandbytes_groups_map_to_torchs_adamw_update():
     assert group["adam_w_mode"] == AdamWMode.ADAMW_TORCH
     assert not {"alpha", "t_alpha", "t_beta3"} & set(group)
     assert all(float(s["step"]) == 12.0 for s in opt.state.values())
+
+
+def test_a_bitsandbytes_state_dict_saved_before_its_first_step_loads_its_groups():
+    """No state yet: AdEMAMix's keys in the groups still tell bitsandbytes' layout (they would read as RMSprop's
+    alpha otherwise)."""
+    sd, _ = bnb_state_dict()
+    sd["state"] = {}
+    opt = FusedAdam(bnb_params())
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["adam_w_mode"] == AdamWMode.ADAMW_TORCH and opt.param_groups[0]["lr"] == 2e-3
+    assert not any(opt.state.values())
 
 
 NEUTRAL = {"alpha": 0.0, "t_alpha": None, "t_beta3": None, "max_unorm": 0.0, "percentile_clipping": 100,
