@@ -492,6 +492,37 @@ def test_unknown_layouts_are_refused_by_name_and_change_nothing(case):
     assert_tree_same(given, tree_bits(sd))
 
 
+@pytest.mark.skipif(TORCHAO_MISSING is not None, reason=TORCHAO_MISSING or "")
+def test_torchao_states_of_sharded_params_are_refused_by_name(tmp_path):
+    """torchao's states of FSDP2 params are DTensors around its subclasses: not read (gather them first), and said
+    so (one process, gloo, a one-rank mesh)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed, without a process group already set up")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sd, _ = torchao_state_dict("8bit", real=True)
+        for state in sd["state"].values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = DTensor.from_local(state[key], mesh, [Replicate()], run_check=False)
+        params = make_params(seed=3)
+        opt = FusedAdam(params)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        before = optimizer_snapshot(opt)
+        with pytest.raises(TypeError, match=r"^state_dict\['state'\]\[0\]\['exp_avg'\] is a DTensor whose local "
+                                            r"tensor is a torchao\.optim\.subclass_8bit\.OptimState8bit"):
+            opt.load_state_dict(sd)
+        assert_same_snapshot(before, optimizer_snapshot(opt))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_loading_leaves_the_given_state_dict_as_it_was():
     for sd, make in (bnb_state_dict()[0:1] + (bnb_params,), torchao_state_dict("4bit", real=False)[0:1] + (make_params,)):
         given = tree_bits(sd)
@@ -536,7 +567,7 @@ def _sources():
     for name in ("AdamW8bit", "AdamW4bit", "AdamWFp8"):
         out.append(pytest.param("torchao", name, id=f"torchao-{name}",
                                 marks=pytest.mark.skipif(TORCHAO_MISSING is not None, reason=TORCHAO_MISSING or "")))
-    for name in ("Adam8bit", "AdamW8bit", "PagedAdamW8bit"):
+    for name in ("Adam8bit", "AdamW8bit", "PagedAdamW8bit", "AdamW32bit"):  # (32-bit: plain state1/state2)
         out.append(pytest.param("bitsandbytes", name, id=f"bitsandbytes-{name}",
                                 marks=pytest.mark.skipif(BNB_MISSING is not None, reason=BNB_MISSING or "")))
     return out
