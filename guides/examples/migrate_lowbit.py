@@ -112,7 +112,8 @@ def main() -> int:
             distances[leg] = sum(abs(a - b) for a, b in zip(ours, theirs)) / AFTER
         rows.append((label, theirs[-1], distances))
 
-    print(f"\n{BEFORE} steps with the source optimizer, then {AFTER} more: mean |loss - source's continuation| per step")
+    print(f"\n{BEFORE} steps with the source optimizer, then {AFTER} more: "
+          "mean |loss - the source's continuation| per step")
     print(f"{'source':<30}{'final loss':>11}{'fp32 moments':>14}{'8-bit moments':>15}{'restart':>10}")
     for label, final, d in rows:
         print(f"{label:<30}{final:>11.4f}{d['fp32 moments']:>14.5f}{d['8-bit moments']:>15.5f}{d['restart']:>10.5f}")
