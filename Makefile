@@ -34,12 +34,13 @@ test-latest:
 	.venv-latest/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # The FusedAdam spec suites again, through the Triton kernels on CPU tensors (Triton's interpreter), minus the
-# long parity runs, which take over 15 minutes in the interpreter (tests/test_triton.py covers their math bit for bit).
+# long parity runs, which take over 15 minutes in the interpreter (tests/triton_backend/test_triton.py covers their
+# math bit for bit).
 TRITON_SUBSET := not 200_steps and not native_op_and_fallback and not adamw_torch_mode
 test-triton:
-	ORT_OPTIM_BACKEND=triton TRITON_INTERPRET=1 .venv-latest/bin/python -m pytest -q -k "$(TRITON_SUBSET)" \
-		tests/test_fused_adam.py tests/test_mixed_precision.py tests/test_checkpoints.py tests/test_unscaled_grads.py \
-		tests/test_lowbit.py $(PYTEST_ARGS)
+	ORT_OPTIM_BACKEND=triton TRITON_INTERPRET=1 .venv-latest/bin/python -m pytest -q -m "not no_interpreter" -k "$(TRITON_SUBSET)" \
+		tests/fused_adam/test_update_rule.py tests/fused_adam/test_mixed_precision.py tests/fused_adam/test_checkpoints.py \
+		tests/fused_adam/test_scaling.py tests/fused_adam/test_low_bit.py $(PYTEST_ARGS)
 	.venv-latest/bin/python tools/aot_compile.py --check
 
 # The ORTModule stack times the single-process sections (DeepSpeed's CPU Adam is there); the newest torch the

@@ -91,6 +91,25 @@ def run_ranks(scenarios: Scenarios, world_size: int, tmp_dir, env: dict | None =
     return [torch.load(tmp_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
+_SESSION_RUNS: dict = {}
+
+
+def run_once(scenarios: Scenarios, world_size: int, tmp_path_factory, env: dict | None = None) -> list[dict]:
+    """run_ranks, once per test session for these scenarios: several test modules read one spawn's results (a spawn
+    costs seconds; the scenarios of one set share their processes). A spawn that failed fails every reader alike
+    without starting again."""
+    key = (scenarios.__module__, scenarios.__qualname__, world_size)
+    if key not in _SESSION_RUNS:
+        try:
+            _SESSION_RUNS[key] = run_ranks(scenarios, world_size, tmp_path_factory.mktemp(scenarios.__module__), env)
+        except Exception as exc:
+            _SESSION_RUNS[key] = exc
+    outcome = _SESSION_RUNS[key]
+    if isinstance(outcome, Exception):
+        raise RuntimeError(f"the spawn of {scenarios.__module__}.{scenarios.__qualname__} failed") from outcome
+    return outcome
+
+
 def tree_max_abs_diff(a: Any, b: Any) -> float:
     """Largest |a - b| over matching tensors of two nested dicts/lists (same structure required)."""
     if isinstance(a, torch.Tensor):

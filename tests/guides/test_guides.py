@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.examples
+
+ROOT = Path(__file__).resolve().parents[2]
 GUIDES = ROOT / "guides"
 MIGRATION = GUIDES / "migration.md"
 SCRIPTS = sorted((GUIDES / "examples").glob("migrate_*.py"))

@@ -1,12 +1,17 @@
 """ort_optim installs like a package, as a specification.
 
-* The project's environments have ort_optim installed (``make setup`` runs ``pip install -e`` of the checkout into
-  both), so their interpreter imports it from any directory, without PYTHONPATH.
 * ``pip wheel .`` carries the native sources (ops/*.cpp as ort_optim/_ops, setup.py), and the wheel installed into
   another environment keeps building, loading and running the native op from those sources.
+* An sdist (``python -m build``, ``pip download``, ``pip install <sdist>``) carries the native sources (ops/*.cpp,
+  MANIFEST.in), so the wheel built from it carries them as ort_optim/_ops like ``pip wheel .`` does; a build that
+  cannot find them fails loudly instead of producing a wheel that silently falls back to pure PyTorch.
+* The native library's cache folder is keyed by everything the library is compiled against: torch's version and C++
+  ABI, and the Python ABI (ops/*.cpp unpack Python tensors through the Python C API), so two environments sharing
+  ``~/.cache/ort-optim`` with the same torch version on another Python never load each other's library; building it
+  again (``python -m ort_optim.build``, run by every ``make setup``) compiles nothing.
 
-The wheel test builds a wheel and a virtual environment (about 20 s): marked ``install`` so that CI runs it once per
-environment; the suite's runs through other backends (ORT_OPTIM_BACKEND=triton or torch) skip it.
+The wheel and sdist tests build a wheel and a virtual environment (about 20 s each): marked ``install``; the suite's
+runs through other backends (ORT_OPTIM_BACKEND=triton or torch) skip them.
 """
 
 from __future__ import annotations
@@ -18,17 +23,18 @@ import site
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import venv
 import zipfile
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import pytest
 import torch
+from conftest import ROOT
 
 from ort_optim import AdamWMode, FusedAdam, backends
 
-ROOT = Path(__file__).resolve().parent.parent
+
 
 
 def _run_python(python, code: str, cwd: Path) -> dict:
@@ -38,25 +44,6 @@ def _run_python(python, code: str, cwd: Path) -> dict:
     proc = subprocess.run([str(python), "-c", code], cwd=cwd, env=env, text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0, f"{python} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def test_the_environment_imports_ort_optim_from_any_directory(tmp_path):
-    """An editable install (PEP 660) of a checkout: the import works from a directory with nothing in it and finds
-    the checkout's package. In a helper's worktree the shared environment may point at another checkout, so the test
-    asserts the mechanism (an editable install of a checkout that holds the imported package), not the path."""
-    found = _run_python(sys.executable, """if True:
-        import json, importlib.metadata as metadata
-        import ort_optim
-        direct_url = metadata.distribution("ort-optim").read_text("direct_url.json")
-        print(json.dumps({"file": ort_optim.__file__, "has_fused_adam": hasattr(ort_optim, "FusedAdam"),
-                          "direct_url": json.loads(direct_url) if direct_url else None}))
-        """, cwd=tmp_path)
-    assert found["has_fused_adam"]
-    assert found["direct_url"] is not None, "ort-optim is installed, but not from a local checkout (no direct_url.json)"
-    assert found["direct_url"].get("dir_info", {}).get("editable") is True, found["direct_url"]
-    checkout = Path(unquote(urlparse(found["direct_url"]["url"]).path))
-    assert (checkout / "ops" / "schema.cpp").exists(), f"{checkout} is not an ort-optim checkout"
-    assert Path(found["file"]).resolve() == (checkout / "ort_optim" / "__init__.py").resolve()
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +137,95 @@ def test_the_wheel_installed_elsewhere_builds_and_runs_the_native_op_from_its_ow
         reference.step()
     assert ran["param"] == p.detach().tolist()
     torch.testing.assert_close(torch.tensor(ran["param"]), q.detach(), rtol=1e-6, atol=1e-6)
+
+
+# ---- sdists, and the native library's cache --------------------------------------------------------------------------
+
+# ---- 1. packaging ---------------------------------------------------------------------------------------------------
+
+def _copy_checkout(tmp_path: Path, without: tuple = ()) -> Path:
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "build", "dist", "*.egg-info", "results", "__pycache__", ".pytest_cache", "guides", *without))
+    return source
+
+
+def _build(kind: str, source: Path, out: Path) -> subprocess.CompletedProcess:
+    """setuptools' PEP 517 backend, as pip and `python -m build` call it (with this environment's setuptools: no
+    isolation, nothing downloaded)."""
+    out.mkdir(parents=True, exist_ok=True)
+    code = f"from setuptools import build_meta; print(build_meta.build_{kind}({str(out)!r}))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code], cwd=source, env=env, text=True, capture_output=True,
+                          timeout=180)
+
+
+@pytest.mark.install
+def test_an_sdist_carries_the_native_sources_and_the_wheel_built_from_it_does_too(tmp_path):
+    """`python -m build` (and `pip install` of an sdist) builds the wheel from the sdist, not from the checkout: the
+    sdist must carry ops/*.cpp for that wheel to hold ort_optim/_ops, where an installed ort_optim finds them."""
+    sdist_run = _build("sdist", _copy_checkout(tmp_path), tmp_path / "dist")
+    assert sdist_run.returncode == 0, sdist_run.stderr[-3000:]
+    (sdist,) = (tmp_path / "dist").glob("*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+        archive.extractall(tmp_path / "unpacked", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    for source in backends.native.SOURCES:
+        assert f"ops/{source}" in names, sorted(names)
+    (unpacked,) = (tmp_path / "unpacked").iterdir()
+    wheel_run = _build("wheel", unpacked, tmp_path / "wheel")
+    assert wheel_run.returncode == 0, wheel_run.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    carried = set(zipfile.ZipFile(wheel).namelist())
+    for source in backends.native.SOURCES:
+        assert f"ort_optim/_ops/{source}" in carried
+        assert zipfile.ZipFile(wheel).read(f"ort_optim/_ops/{source}") == (ROOT / "ops" / source).read_bytes()
+
+
+@pytest.mark.install
+def test_a_wheel_build_without_the_native_sources_fails_naming_them(tmp_path):
+    """Rather than a wheel that installs fine and then runs the pure-PyTorch fallback everywhere."""
+    run = _build("wheel", _copy_checkout(tmp_path, without=("ops",)), tmp_path / "wheel")
+    assert run.returncode != 0
+    assert "schema.cpp" in run.stderr and "adam_cpu.cpp" in run.stderr
+    assert not list((tmp_path / "wheel").glob("*.whl"))
+
+
+# ---- 1. the native library's cache key --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("other", ["python", "torch_cxx11_abi"])
+def test_the_library_cache_is_keyed_by_the_python_and_cxx_abis_it_is_compiled_against(other, monkeypatch):
+    """Two environments that share ~/.cache/ort-optim (ORT_OPTIM_CACHE) with the same torch version, one on another
+    Python (the library calls the Python C API: ops/adam_cpu.cpp) or with a torch built with the other C++ ABI, get
+    folders of their own: neither loads the other's library (an import error at best, a crash at worst)."""
+    here = backends.native.build_dir()
+    assert here.name.startswith(f"torch-{torch.__version__}-")
+    if other == "python":
+        real = backends.native.sysconfig.get_config_var
+        monkeypatch.setattr(backends.native.sysconfig, "get_config_var", lambda name: (
+            ".cpython-399-x86_64-linux-gnu.so" if name == "EXT_SUFFIX" else real(name)))
+    else:
+        abi = torch.compiled_with_cxx11_abi()
+        monkeypatch.setattr(torch, "compiled_with_cxx11_abi", lambda: not abi)
+    elsewhere = backends.native.build_dir()
+    assert elsewhere.parent == here.parent and elsewhere != here
+    monkeypatch.undo()
+    assert backends.native.build_dir() == here  # (and the same environment keeps its folder)
+
+
+# ---- building again --------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(os.environ.get("ORT_OPTIM_BACKEND", "auto") not in ("auto", "native"),
+                    reason="the native library's build: once per environment, not again for every backend")
+def test_building_the_native_library_again_compiles_nothing():
+    """`python -m ort_optim.build` runs at every `make setup` (so before every `make test`, `demo` and `bench`): with
+    the library built, it finds every object up to date instead of recompiling the kernels (25-50 s on 2 cores)."""
+    from ort_optim import backends
+
+    if not backends.native_available():
+        pytest.fail("the native library cannot be built here: `python -m ort_optim.build --verbose` tells why")
+    folder = backends.native.build().parent  # (up to date first: an older checkout may have touched the header)
+    built = {path.name: path.stat().st_mtime_ns for path in folder.iterdir() if path.suffix in (".o", ".so", ".h")}
+    assert "ort_optim_ops.so" in built
+    backends.native.build()
+    assert {name: (folder / name).stat().st_mtime_ns for name in built} == built
