@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import site
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -157,6 +159,15 @@ def state_values(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> Optio
 
         return reference_backend.decode_state(value, state[key + "_scale"], key != "exp_avg", p.shape)
     return value
+
+
+def site_packages() -> list[str]:
+    """This interpreter's site-packages folders, in order: its own and those its .pth files add (a clone's .venv is
+    layered on the shared environment that way, tools/make_env.sh). For environments made in tests that must see
+    this one's packages (torch, pip, setuptools) as plain paths, whose .pth files do not run."""
+    folders = site.getsitepackages() + [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    folders += [path for path in sys.path if Path(path).name in ("site-packages", "dist-packages")]
+    return list(dict.fromkeys(folders))
 
 
 def pytest_report_header(config):

@@ -375,6 +375,7 @@ def test_under_ortmodule_the_hooks_fire_and_steps_equal_step():
         assert torch.equal(p, q)
 
 
+@pytest.mark.slow
 def test_under_torch_compile_the_hooks_fire_and_steps_equal_step(tmp_path, monkeypatch):
     """A model compiled with torch.compile (its backward an AOTAutograd graph): the params' gradients are still
     accumulated by autograd's engine, so the hooks fire, and the steps equal step()'s after the same compiled model

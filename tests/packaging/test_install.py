@@ -19,10 +19,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import site
 import subprocess
 import sys
-import sysconfig
 import tarfile
 import venv
 import zipfile
@@ -30,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, site_packages
 
 from ort_optim import AdamWMode, FusedAdam, backends
 
@@ -97,11 +95,13 @@ def test_the_wheel_installed_elsewhere_builds_and_runs_the_native_op_from_its_ow
     system's, with the wheel installed into it and run from a directory outside the checkout: it imports its own copy,
     finds the native sources in that copy, loads the library built from them and steps like the checkout does.
 
-    The library cache (ORT_OPTIM_CACHE) is keyed by a hash of the sources, so the wheel's copy of ops/ lands on the
-    library this checkout already built (no minutes-long compile in the suite); a wheel whose sources differed would
-    get a folder of its own, built from them."""
+    The wheel and the checkout share the library cache (ORT_OPTIM_CACHE), keyed by the sources' contents: the wheel's
+    copy of ops/ lands on the library this checkout built, and loading it there rebuilds nothing (the build compiles
+    the folder's own copy of the sources, so the paths torch's build records are the same for both)."""
     if not backends.native_available():
         pytest.fail("the native library cannot be built here: `python -m ort_optim.build --verbose` tells why")
+    ours = backends.native.build()
+    before = {path.name: path.stat().st_mtime_ns for path in ours.parent.iterdir() if path.is_file()}
     env_dir = tmp_path / "env"
     venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
@@ -109,8 +109,7 @@ def test_the_wheel_installed_elsewhere_builds_and_runs_the_native_op_from_its_ow
                                cwd=tmp_path))
     # This interpreter's site-packages after the new environment's own: plain paths, so the .pth files there (this
     # environment's editable install of the checkout) are not run, and the only ort_optim importable is the wheel's.
-    ours = dict.fromkeys(site.getsitepackages() + [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
-    (purelib / "_parent_environment.pth").write_text("".join(f"{path}\n" for path in ours))
+    (purelib / "_parent_environment.pth").write_text("".join(f"{path}\n" for path in site_packages()))
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
                     "--ignore-installed", "--disable-pip-version-check", "-q", str(wheel)], check=True, cwd=tmp_path)
 
@@ -122,7 +121,8 @@ def test_the_wheel_installed_elsewhere_builds_and_runs_the_native_op_from_its_ow
     assert Path(ran["ops_dir"]) == installed / "_ops"
     assert ran["native"] is True
     assert ran["loaded"] == [str(Path(ran["build_dir"]) / "ort_optim_ops.so")]
-    assert Path(ran["build_dir"]).name == backends.native.build_dir().name  # same sources, same library
+    assert Path(ran["build_dir"]) == ours.parent  # same sources, same library
+    assert {path.name: path.stat().st_mtime_ns for path in ours.parent.iterdir() if path.is_file()} == before
 
     # The same three steps here, from the checkout: bit for bit, and close to torch.optim.AdamW's.
     torch.manual_seed(0)
@@ -139,9 +139,7 @@ def test_the_wheel_installed_elsewhere_builds_and_runs_the_native_op_from_its_ow
     torch.testing.assert_close(torch.tensor(ran["param"]), q.detach(), rtol=1e-6, atol=1e-6)
 
 
-# ---- sdists, and the native library's cache --------------------------------------------------------------------------
-
-# ---- 1. packaging ---------------------------------------------------------------------------------------------------
+# ---- sdists ----------------------------------------------------------------------------------------------------------
 
 def _copy_checkout(tmp_path: Path, without: tuple = ()) -> Path:
     source = tmp_path / "src"
@@ -191,7 +189,7 @@ def test_a_wheel_build_without_the_native_sources_fails_naming_them(tmp_path):
     assert not list((tmp_path / "wheel").glob("*.whl"))
 
 
-# ---- 1. the native library's cache key --------------------------------------------------------------------------------
+# ---- the native library's cache key ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("other", ["python", "torch_cxx11_abi"])
 def test_the_library_cache_is_keyed_by_the_python_and_cxx_abis_it_is_compiled_against(other, monkeypatch):
@@ -211,6 +209,20 @@ def test_the_library_cache_is_keyed_by_the_python_and_cxx_abis_it_is_compiled_ag
     assert elsewhere.parent == here.parent and elsewhere != here
     monkeypatch.undo()
     assert backends.native.build_dir() == here  # (and the same environment keeps its folder)
+
+
+def test_the_library_cache_is_keyed_by_the_sources_not_where_they_are(tmp_path, monkeypatch):
+    """A checkout, another clone and an installed wheel (its copy of ops/ in ort_optim/_ops) with the same sources share
+    one folder; changed sources get another. (The build compiles the copy inside the folder: the wheel test below
+    checks that switching between them rebuilds nothing.)"""
+    here = backends.native.build_dir()
+    copy = tmp_path / "_ops"
+    shutil.copytree(backends.native.OPS_DIR, copy)
+    monkeypatch.setattr(backends.native, "OPS_DIR", copy)
+    assert backends.native.build_dir() == here
+    (copy / backends.native.SOURCES[-1]).write_bytes((copy / backends.native.SOURCES[-1]).read_bytes() + b"\n")
+    changed = backends.native.build_dir()
+    assert changed.parent == here.parent and changed != here
 
 
 # ---- building again --------------------------------------------------------------------------------------------------
