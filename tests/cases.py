@@ -3,6 +3,8 @@
 * ``TinyLM``: an embedding tied to its output head, a branch used on even steps only, a frozen layer and a LayerNorm;
   ``LMCase`` and ``train_lm`` run it with ``step_in_backward`` on or off, for the modules that compare the two.
 * ``Tiny``: a two-layer MLP and its seeded loss ``tiny_loss``.
+* ``STATE_DTYPES``: the moment storage dtypes by their short names; ``PARAM_CASES``: param dtype, master weights and
+  stochastic rounding by name.
 """
 
 from __future__ import annotations
@@ -14,6 +16,19 @@ import torch
 import torch.nn.functional as F
 
 from ort_optim import FusedAdam
+
+# Moment storage dtypes (exp_avg_dtype, exp_avg_sq_dtype) by short name: 8-bit and 4-bit codes, fp32, bf16, fp16.
+STATE_DTYPES = {"u8": torch.uint8, "u4": torch.uint4, "fp32": torch.float32, "bf16": torch.bfloat16,
+                "fp16": torch.float16}
+# name: (param dtype, master_weights, stochastic_rounding)
+PARAM_CASES = {
+    "fp32": (torch.float32, False, False),
+    "bf16-master": (torch.bfloat16, True, False),
+    "bf16": (torch.bfloat16, False, False),
+    "bf16-sr": (torch.bfloat16, False, True),
+    "fp16-master": (torch.float16, True, False),
+    "fp16": (torch.float16, False, False),
+}
 
 LM_STEPS = 16  # iterations of train_lm
 LM_VOCAB, LM_WIDTH = 11, 8

@@ -76,19 +76,17 @@ from conftest import (
     fuzz_examples,
 )
 from hypothesis import HealthCheck, given, settings, strategies as st
+from cases import PARAM_CASES, STATE_DTYPES
 
 from ort_optim import FusedAdam, AdamWMode
 from ort_optim._spec import LOW_BIT_FORMATS, Q4, Q8
 from ort_optim.backends import reference as reference_backend
 
-STATE_DTYPES = {"u8": torch.uint8, "u4": torch.uint4, "fp16": torch.float16, "bf16": torch.bfloat16,
-                "fp32": torch.float32}
 # (exp_avg, exp_avg_sq): both low-bit formats alone and mixed, and each beside every other storage dtype
 COMBOS = [("u8", "u8"), ("u4", "u4"), ("u8", "u4"), ("u4", "u8"), ("u8", "fp32"), ("fp32", "u4"), ("u4", "bf16"),
           ("fp16", "u8")]
-# param dtype, master weights, stochastic rounding
-PARAM_CASES = {"fp32": (torch.float32, False, False), "bf16-master": (torch.bfloat16, True, False),
-               "bf16": (torch.bfloat16, False, False), "bf16-sr": (torch.bfloat16, False, True)}
+# bf16 and fp32 params of cases.PARAM_CASES: (param dtype, master weights, stochastic rounding)
+BF16_PARAM_CASES = {name: PARAM_CASES[name] for name in ("fp32", "bf16-master", "bf16", "bf16-sr")}
 
 
 def _params(dtype=torch.float32, seed=0):
@@ -123,12 +121,12 @@ def _train(params, opt, steps, first=0):
 # ---- the two backends agree bit for bit ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("param_case", PARAM_CASES)
+@pytest.mark.parametrize("param_case", BF16_PARAM_CASES)
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("combo", COMBOS, ids=["-".join(c) for c in COMBOS])
 def test_native_and_reference_backends_agree_bit_for_bit(combo, mode, amsgrad, param_case, monkeypatch):
-    dtype, master, sr = PARAM_CASES[param_case]
+    dtype, master, sr = BF16_PARAM_CASES[param_case]
     snapshots = {}
     for name in ("native", "torch"):
         select_backend(monkeypatch, name)
@@ -839,20 +837,9 @@ def test_a_scaled_step_writes_the_unscaled_gradients_back_with_low_bit_states(ba
 
 # ---- against torch.optim.AdamW, through the public API ---------------------------------------------------------------
 
-MOMENT_DTYPES = {"u8": torch.uint8, "u4": torch.uint4, "fp32": torch.float32, "bf16": torch.bfloat16,
-           "fp16": torch.float16}
 LOW_BIT = ("u8", "u4")
 # every (exp_avg, exp_avg_sq) pair with at least one low-bit moment: 16 pairs
-LOW_BIT_PAIRS = [(m, v) for m, v in itertools.product(MOMENT_DTYPES, MOMENT_DTYPES) if m in LOW_BIT or v in LOW_BIT]
-# param dtype, master_weights, stochastic_rounding
-PARAMS = {
-    "fp32": (torch.float32, False, False),
-    "bf16-master": (torch.bfloat16, True, False),
-    "bf16": (torch.bfloat16, False, False),
-    "bf16-sr": (torch.bfloat16, False, True),
-    "fp16-master": (torch.float16, True, False),
-    "fp16": (torch.float16, False, False),
-}
+LOW_BIT_PAIRS = [(m, v) for m, v in itertools.product(STATE_DTYPES, STATE_DTYPES) if m in LOW_BIT or v in LOW_BIT]
 LR, WD, EPS = 1e-2, 0.1, 1e-8
 
 
@@ -874,7 +861,7 @@ def _randn_grads(params, step):
 
 def _fused(params, m, v, *, mode=AdamWMode.ADAMW_TORCH, amsgrad=False, master=False, sr=False, seed=0, lr=LR):
     return FusedAdam(params, lr=lr, adam_w_mode=mode, weight_decay=WD, eps=EPS, amsgrad=amsgrad,
-                     master_weights=master, exp_avg_dtype=MOMENT_DTYPES[m], exp_avg_sq_dtype=MOMENT_DTYPES[v],
+                     master_weights=master, exp_avg_dtype=STATE_DTYPES[m], exp_avg_sq_dtype=STATE_DTYPES[v],
                      stochastic_rounding=sr, stochastic_rounding_seed=seed)
 
 
@@ -912,7 +899,7 @@ PARAM_ROUNDING = {"fp32": 0.0, "bf16-master": 0.04, "bf16": 0.3, "bf16-sr": 0.25
 
 
 def _assert_tracks_torch(param_case, m, v, mode=AdamWMode.ADAMW_TORCH, amsgrad=False, steps=20):
-    dtype, master, sr = PARAMS[param_case]
+    dtype, master, sr = PARAM_CASES[param_case]
     params = _model_params(dtype)
     start = torch.cat([p.detach().float().reshape(-1) for p in params])
     opt = _fused(params, m, v, mode=mode, amsgrad=amsgrad, master=master, sr=sr)
@@ -933,7 +920,7 @@ def _assert_tracks_torch(param_case, m, v, mode=AdamWMode.ADAMW_TORCH, amsgrad=F
 
 
 @pytest.mark.no_interpreter
-@pytest.mark.parametrize("param_case", PARAMS)
+@pytest.mark.parametrize("param_case", PARAM_CASES)
 @pytest.mark.parametrize("combo", LOW_BIT_PAIRS, ids=_ids(LOW_BIT_PAIRS))
 def test_every_moment_combination_and_param_dtype_tracks_torch_adamw(combo, param_case, backend):
     _assert_tracks_torch(param_case, *combo)
@@ -971,7 +958,7 @@ def test_maximize_param_groups_and_a_tensor_lr_track_torch(combo, backend):
         return [{"params": [ps[0]], "lr": lr0, "weight_decay": 0.3}, {"params": [ps[1]], "lr": 2 * LR}]
 
     opt = FusedAdam(groups(params, torch.tensor(LR)), adam_w_mode=AdamWMode.ADAMW_TORCH, eps=EPS, weight_decay=WD,
-                    maximize=True, exp_avg_dtype=MOMENT_DTYPES[combo[0]], exp_avg_sq_dtype=MOMENT_DTYPES[combo[1]])
+                    maximize=True, exp_avg_dtype=STATE_DTYPES[combo[0]], exp_avg_sq_dtype=STATE_DTYPES[combo[1]])
     torch_opt = torch.optim.AdamW(groups(twin, LR), eps=EPS, weight_decay=WD, maximize=True)
     _train_steps(params, opt, 20)
     _train_steps(twin, torch_opt, 20)
@@ -1017,7 +1004,7 @@ def test_a_deep_copied_optimizer_continues_with_the_same_bits(combo):
     copied_params = copied.param_groups[0]["params"]
     _train_steps(params, opt, 3, first=4)
     _train_steps(copied_params, copied, 3, first=4)
-    assert (copied.exp_avg_dtype, copied.exp_avg_sq_dtype) == (MOMENT_DTYPES[combo[0]], MOMENT_DTYPES[combo[1]])
+    assert (copied.exp_avg_dtype, copied.exp_avg_sq_dtype) == (STATE_DTYPES[combo[0]], STATE_DTYPES[combo[1]])
     assert_same_snapshot(_snapshot(copied), _snapshot(opt))
 
 
@@ -1093,7 +1080,7 @@ def test_a_second_moment_that_rounds_to_zero_never_makes_the_update_explode(comb
     lr = 1e-3
     p, q = torch.nn.Parameter(torch.zeros(128)), torch.nn.Parameter(torch.zeros(128))
     opt = FusedAdam([p], lr=lr, eps=eps, adam_w_mode=AdamWMode.ADAMW_TORCH, amsgrad=amsgrad, weight_decay=0.0,
-                    exp_avg_dtype=MOMENT_DTYPES[combo[0]], exp_avg_sq_dtype=MOMENT_DTYPES[combo[1]])
+                    exp_avg_dtype=STATE_DTYPES[combo[0]], exp_avg_sq_dtype=STATE_DTYPES[combo[1]])
     torch_opt = torch.optim.AdamW([q], lr=lr, eps=eps, amsgrad=amsgrad, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     for step in range(30):
@@ -1137,8 +1124,8 @@ def test_steady_gradients_far_below_their_blocks_largest_move_as_the_formats_all
     magnitude = torch.logspace(-4, 0, n)
     magnitude[::128] = 1.0
     p = torch.nn.Parameter(torch.zeros(n))
-    opt = FusedAdam([p], lr=lr, eps=1e-8, adam_w_mode=AdamWMode.ADAMW_TORCH, exp_avg_dtype=MOMENT_DTYPES[combo[0]],
-                    exp_avg_sq_dtype=MOMENT_DTYPES[combo[1]])
+    opt = FusedAdam([p], lr=lr, eps=1e-8, adam_w_mode=AdamWMode.ADAMW_TORCH, exp_avg_dtype=STATE_DTYPES[combo[0]],
+                    exp_avg_sq_dtype=STATE_DTYPES[combo[1]])
     for _ in range(steps):
         p.grad = magnitude.clone()
         opt.step()
@@ -1217,7 +1204,7 @@ RESUME_CASES = {
 
 def _checkpoint_optimizer(case, params=None):
     m, v, param_case, amsgrad = RESUME_CASES[case]
-    dtype, master, sr = PARAMS[param_case]
+    dtype, master, sr = PARAM_CASES[param_case]
     params = _model_params(dtype) if params is None else params
     return params, _fused(params, m, v, amsgrad=amsgrad, master=master, sr=sr, seed=3)
 
@@ -1381,8 +1368,8 @@ def test_from_optimizer_continues_like_the_torch_optimizer(source, combo, backen
     twin_opt = make(twin)
     twin_opt.load_state_dict(torch_opt.state_dict())
 
-    fused = FusedAdam.from_optimizer(torch_opt, exp_avg_dtype=MOMENT_DTYPES[combo[0]],
-                                     exp_avg_sq_dtype=MOMENT_DTYPES[combo[1]])
+    fused = FusedAdam.from_optimizer(torch_opt, exp_avg_dtype=STATE_DTYPES[combo[0]],
+                                     exp_avg_sq_dtype=STATE_DTYPES[combo[1]])
     group = fused.param_groups[0]
     assert (group["lr"], tuple(group["betas"]), group["eps"], group["amsgrad"]) == (LR, (0.8, 0.99), EPS, amsgrad)
     assert group["weight_decay"] == (0.0 if source == "Adam" else WD)
@@ -1522,7 +1509,7 @@ def test_a_scaled_step_with_stochastic_rounding_leaves_the_unscaled_gradients(mo
     for scale in (1.0, 256.0):
         params = _bf16_params()
         opt = FusedAdam(params, lr=1e-2, weight_decay=0.1, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8,
-                        exp_avg_dtype=MOMENT_DTYPES[moments], exp_avg_sq_dtype=MOMENT_DTYPES[moments],
+                        exp_avg_dtype=STATE_DTYPES[moments], exp_avg_sq_dtype=STATE_DTYPES[moments],
                         stochastic_rounding=True, stochastic_rounding_seed=5, max_grad_norm=max_grad_norm)
         for step in range(2):
             grads = _randn_grads(params, step)
@@ -1562,8 +1549,8 @@ def test_step_in_backward_with_stochastic_rounding_follows_params_moved_by_an_ea
     for in_backward in (False, True):
         params = _bf16_params(shapes=((300,), (7, 5), (2, 150)))
         extra = torch.nn.Parameter(torch.linspace(-1, 1, 40).to(torch.bfloat16))
-        opt = FusedAdam([{"params": params[:1]}, {"params": params[1:]}], lr=1e-3, exp_avg_dtype=MOMENT_DTYPES[moments],
-                        exp_avg_sq_dtype=MOMENT_DTYPES[moments], stochastic_rounding=True, stochastic_rounding_seed=9,
+        opt = FusedAdam([{"params": params[:1]}, {"params": params[1:]}], lr=1e-3, exp_avg_dtype=STATE_DTYPES[moments],
+                        exp_avg_sq_dtype=STATE_DTYPES[moments], stochastic_rounding=True, stochastic_rounding_seed=9,
                         step_in_backward=in_backward)
         for step in range(4):
             if step == 2:
@@ -1626,8 +1613,8 @@ def test_a_nan_gradient_that_nothing_skips_leaves_the_same_bits_on_every_backend
         select_backend(monkeypatch, backend)
         g = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(300, generator=g)), torch.nn.Parameter(torch.randn(7, 5, generator=g))]
-        opt = FusedAdam(params, lr=1e-2, amsgrad=amsgrad, exp_avg_dtype=MOMENT_DTYPES[moments[0]],
-                        exp_avg_sq_dtype=MOMENT_DTYPES[moments[1]])
+        opt = FusedAdam(params, lr=1e-2, amsgrad=amsgrad, exp_avg_dtype=STATE_DTYPES[moments[0]],
+                        exp_avg_sq_dtype=STATE_DTYPES[moments[1]])
         for step in range(3):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=g)
