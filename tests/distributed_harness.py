@@ -1,11 +1,12 @@
-"""Multi-process tests in one spawn: every scenario of a test module runs inside the same worker processes.
+"""Multi-process tests in one spawn: every scenario of a set runs inside the same worker processes.
 
 ``run_ranks(scenarios, world_size, tmp_dir)`` starts ``world_size`` processes with ``torch.multiprocessing.spawn``;
 each joins a gloo process group through a ``torch.distributed.FileStore`` in ``tmp_dir`` (no ports, so no port races
 between concurrent test runs), calls ``scenarios(rank, world_size, tmp_dir)`` and saves the dict it returns. The parent
 gets one such dict per rank and does the assertions. Starting processes costs seconds (each imports torch), so a
-module spawns once and its scenarios share the processes; a scenario that raises fails the whole spawn with the
-worker's traceback.
+set of scenarios spawns once and its scenarios share the processes; a scenario that raises fails the whole spawn with
+the worker's traceback. ``run_once`` spawns a set once per test session for the several test modules that read it
+(tests/distributed/: mesh_scenarios.py and torch_scenarios.py).
 
 Workers run with one intra-op thread and see the same ``sys.path`` as the parent (spawn copies it), so ``scenarios``
 must be a module-level function of an importable module (a test module is).

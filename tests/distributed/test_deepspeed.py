@@ -1,6 +1,9 @@
-"""DeepSpeed 0.16.9 ZeRO stages 1-3 on two CPU processes (gloo), with ort_optim inside.
+"""DeepSpeed 0.16.9 ZeRO stages 1-3 on two CPU processes (gloo), with ort_optim inside, as a specification.
 
-Everything runs in one spawn (tests/distributed_harness.py); the parent compares.
+This module's scenarios run in one spawn (tests/distributed_harness.py); the parent compares. The last section reads
+torch_scenarios.py's spawn: FusedAdam as the client against torch's AdamW as the client under the same config, with
+gradient accumulation and clipping (within 1e-6 at stages 1-3), and ``max_grad_norm`` on DeepSpeed's partitions
+refused before anything changes.
 
 * FusedAdam as the client optimizer of ``deepspeed.initialize`` at stages 1, 2 and 3, in fp32 (against one process
   training the same model with FusedAdam on the concatenated batch, clipping active), bf16 and fp16 (against torch's
@@ -15,10 +18,9 @@ Everything runs in one spawn (tests/distributed_harness.py); the parent compares
   and 3: refused with a ValueError naming step_in_backward and DeepSpeed before anything is updated (at the first
   hook, or at ``deepspeed.initialize`` where DeepSpeed steps the optimizer once there), with the params, the tensors
   the optimizer steps and its state unchanged; FP16_Optimizer around the engine or its optimizer refuses it too,
-  patching nothing. Before this check, stage 0 fp32 updated each rank's params with its own unreduced gradient in
-  backward (the error came at engine.step(), naming DDP), and every other config silently took a normal step
-  (DeepSpeed re-points param_groups to its fp32 partitions or copies, so the hooks found nothing to update): no memory
-  saved, no error. A FusedAdam(step_in_backward=True) that DeepSpeed does not hold (with DeepSpeed's WarmupLR, in the
+  patching nothing. Without that check, stage 0 fp32 would update each rank's params with its own unreduced gradient
+  in backward, and every other config would silently take a normal step (DeepSpeed re-points param_groups to its fp32
+  partitions or copies, so the hooks find nothing to update): no memory saved, no error. A FusedAdam(step_in_backward=True) that DeepSpeed does not hold (with DeepSpeed's WarmupLR, in the
   same processes) still steps in backward, bit for bit as step().
 
 Setup facts (torch 2.4.1, DeepSpeed 0.16.9, CPU accelerator): DeepSpeed refuses fp16 on its CPU accelerator

@@ -25,6 +25,8 @@ from urllib.parse import unquote, urlparse
 import pytest
 from conftest import ROOT, site_packages
 
+from ort_optim import backends
+
 
 def _run_python(python, code: str, cwd: Path) -> dict:
     """Runs code with python in cwd, without PYTHONPATH (so only what is installed is importable); returns the JSON
@@ -205,7 +207,9 @@ def _python_json(python, code: str, cwd: Path) -> dict:
 def test_an_editable_install_of_the_checkout_imports_and_steps_from_any_directory(tmp_path):
     """What make_env.sh's last stage does, into a throwaway environment that sees this one's packages (torch,
     setuptools) as plain paths: `pip show` names the checkout, and from an empty directory without PYTHONPATH the
-    package imported is the checkout's and its native op steps."""
+    package imported is the checkout's and its native op steps (the library this environment built: same sources)."""
+    if not backends.native_available():
+        pytest.fail("the native library cannot be built here: `python -m ort_optim.build --verbose` tells why")
     env_dir = tmp_path / "env"
     venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
