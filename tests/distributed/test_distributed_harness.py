@@ -11,6 +11,8 @@ import torch.distributed as dist
 import distributed_harness
 from distributed_harness import run_ranks
 
+pytestmark = pytest.mark.distributed
+
 
 def _rank_one_raises(rank, world_size, tmp_dir):
     if rank == 1:

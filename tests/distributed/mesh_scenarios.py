@@ -1,6 +1,9 @@
-"""FusedAdam under torch.distributed: FSDP2, tensor parallel, 2D FSDP x TP, DDP and distributed checkpoints.
+"""FusedAdam under torch.distributed against itself: the scenarios (FSDP2, tensor parallel, 2D FSDP x TP, DDP, pipeline
+process groups and distributed checkpoints) and references that test_ddp.py, test_fsdp2.py, test_tensor_parallel.py
+and test_dcp.py compare.
 
-One spawn of 4 gloo ranks (tests/distributed_harness.py) runs every scenario; the parent compares. The 4 ranks form a
+One spawn of 4 gloo ranks (tests/distributed_harness.py, once per test session whichever of those modules run) runs
+every scenario; the parent compares. The 4 ranks form a
 2 x 2 mesh ("dp", "tp"); two-rank scenarios run on the mesh's "tp" rows ({0, 1} and {2, 3}) side by side, on the
 same data, so ranks 2 and 3 repeat ranks 0 and 1 (checked). Four-rank scenarios: FSDP2 over all ranks (one rank then
 holds an empty shard), 2D (FSDP on "dp", TP on "tp"), and loading a two-rank checkpoint into four ranks.
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import run_ranks
+from distributed_harness import run_once
 from torch import nn
 
 from ort_optim import AdamWMode, FusedAdam
@@ -456,9 +459,10 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_ranks(scenarios, WORLD, tmp_path_factory.mktemp("distributed"))
+def results(tmp_path_factory) -> list[dict]:
+    """Every scenario's results, one dict per rank, from one spawn per test session (several test modules read
+    them)."""
+    return run_once(scenarios, WORLD, tmp_path_factory)
 
 
 needs_fsdp2 = pytest.mark.skipif(FSDP2_REASON is not None, reason=FSDP2_REASON or "")
@@ -475,213 +479,3 @@ def assert_bitwise(got, want, what):
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{what}: param {i} not bit for bit " \
             f"(max diff {float((a.double() - b.double()).abs().max())})"
-
-
-# ---- DDP (both environments) ---------------------------------------------------------------------------------------
-
-
-def test_ddp_with_process_group_equals_one_process(results):
-    assert not results[0]["ddp"]["copy_has_group"]
-    for r in results:
-        assert_bitwise(r["ddp"]["params"], results[0]["ddp"]["params"], f"rank {r['rank']} vs rank 0")
-    # the ranks' averaged gradients vs one batch: float32 rounding through 5 clipped steps
-    assert_close(results[0]["ddp"]["params"], one_process(), 5e-5, "DDP vs one process")
-
-
-@pytest.mark.parametrize("case", ["ddp-inf", "ddp-fp16-inf"])
-def test_ddp_inf_on_one_rank_skips_on_every_rank(results, case):
-    for r in results:
-        assert r[case]["skipped"] == [step == 2 for step in range(STEPS)], (r["rank"], r[case]["skipped"])
-        assert_bitwise(r[case]["params"], results[0][case]["params"], f"rank {r['rank']}")
-
-
-def test_clipping_by_the_group_norm_not_the_native_plans_local_one(results):
-    """One native bucket per rank with clipping would unscale and clip inside the plan, by the local norm; with a
-    process_group the norm is the group's (each replica counted once: the mean of the ranks' sums of squares), and
-    each rank's update equals one process stepping its gradient multiplied by that clip coefficient."""
-    pair = [results[0]["replicas-own-grads"], results[1]["replicas-own-grads"]]
-    assert all(out["fast_path_eligible"] for out in pair)  # (so this test would fail if the plan clipped alone)
-    torch.manual_seed(0)
-    init = torch.randn(64)
-    for step in range(len(pair[0]["grads"])):
-        want = (sum(out["grads"][step].double().square().sum() for out in pair) / len(pair)).sqrt()
-        for out in pair:
-            assert abs(float(out["norms"][step]) - float(want)) <= 1e-5 * float(want), (step, out["norms"][step], want)
-    for rank, out in enumerate(pair):
-        p = nn.Parameter(init.clone())
-        opt = make_optimizer([p], clip=None)
-        for step, g in enumerate(out["grads"]):
-            norm = float(out["norms"][step])
-            p.grad = g.clone()
-            opt.step(grad_scale=1.0 / min(1.0, CLIP / (norm + 1e-6)))  # divides by 1 / clip_coef: clips
-        assert_close([out["param"]], [p.detach()], 1e-6, f"rank {rank} vs one process clipped by the group norm")
-        assert_bitwise([results[rank + 2]["replicas-own-grads"]["param"]], [out["param"]], "pairs agree")
-
-
-def test_a_rank_without_gradients_joins_the_reduction_and_the_skip(results):
-    for r in results:
-        out = r["rank-without-gradients"]
-        assert out["skipped"] == [False, True], (r["rank"], out)
-        # the unscaled gradient (1.0 x 4 elements on rank 0, counted once for the 2 replicas): sqrt(4 / 2)
-        assert out["norms"][0] == pytest.approx(2**0.5, rel=1e-6), (r["rank"], out)
-        assert not math.isfinite(out["norms"][1]), (r["rank"], out)  # the inf reached rank 1's norm too
-    assert not torch.equal(results[0]["rank-without-gradients"]["param"], torch.ones(4))  # rank 0 stepped once
-    assert torch.equal(results[1]["rank-without-gradients"]["param"], torch.ones(4))  # rank 1 had nothing to step
-
-
-def test_pipeline_stages_clip_by_the_whole_models_norm_and_skip_together(results):
-    """pipeline_group adds the stages' sums: each stage's params equal the same layer of one process training the
-    whole model (clipped at every step, so a stage-local norm would differ), and an inf on one rank of one stage
-    skips the step on all four ranks."""
-    want = one_process()
-    for r in results:
-        out = r["pipeline"]
-        stage = out["stage"]
-        assert_close(out["params"], want[2 * stage:2 * stage + 2], 5e-5, f"rank {r['rank']} (stage {stage})")
-        assert out["norm"] == pytest.approx(results[0]["pipeline"]["norm"], rel=1e-6)
-        assert r["pipeline-inf"]["skipped"] == [step == 2 for step in range(STEPS)], (r["rank"], r["pipeline-inf"])
-
-
-def test_a_step_without_any_gradient_changes_nothing_with_or_without_loss_scaling():
-    p = nn.Parameter(torch.ones(3))
-    for kwargs in ({}, {"grad_scale": torch.tensor(4.0)}, {"grad_scale": 4.0}):
-        opt = make_optimizer([p])
-        opt.step(**kwargs)
-        assert torch.equal(p, torch.ones(3)) and not opt.state.get(p) and not opt.last_step_skipped, kwargs
-
-
-# ---- FSDP2, TP, 2D -------------------------------------------------------------------------------------------------
-
-
-@needs_fsdp2
-@pytest.mark.parametrize("name", list(FSDP_CASES) + ["world"])
-def test_fsdp2_equals_full_tensor_shadow(results, name):
-    for r in results:
-        out = r[f"fsdp-{name}"]
-        if FSDP_CASES.get(name, ({}, {}))[1].get("clip", CLIP) is None:
-            assert_bitwise(out["params"], out["shadow"], f"rank {r['rank']} {name}")  # elementwise: exact
-        else:
-            assert_close(out["params"], out["shadow"], 1e-6, f"rank {r['rank']} {name}")
-        assert_bitwise(out["params"], results[r["rank"] % 2][f"fsdp-{name}"]["params"] if name != "world"
-                       else results[0]["fsdp-world"]["params"], "ranks agree")
-        assert out["plans"] == 1  # planned at the first step, valid at every later one (FSDP2 keeps its shards)
-    if name == "world":
-        assert results[3]["fsdp-world"]["local_shapes"][2] == (0, 16)  # an empty shard took part
-
-
-@needs_fsdp2
-@pytest.mark.parametrize("name", ["fp32-clip", "fp32-noclip", "mp-bf16-clip", "world"])
-def test_fsdp2_equals_one_process(results, name):
-    out = results[0][f"fsdp-{name}"]
-    clip = FSDP_CASES.get(name, ({}, {}))[1].get("clip", CLIP)
-    # bf16 compute (MixedPrecisionPolicy) vs fp32 in one process: the forward/backward itself differs
-    tolerance = 2e-2 if name.startswith("mp") else 5e-5
-    assert_close(out["params"], one_process(clip=clip), tolerance, name)
-
-
-@needs_fsdp2
-def test_fsdp2_bf16_params_with_masters_and_low_precision_moments_equal_one_process(results):
-    out = results[0]["fsdp-bf16-masters-lowbit-amsgrad"]
-    _, opt_kwargs = FSDP_CASES["bf16-masters-lowbit-amsgrad"]
-    ref = one_process(dtype=torch.bfloat16, **opt_kwargs)
-    assert_close(out["params"], ref, 2 * 2.0**-8, "bf16 params within two bf16 ulps (of 1)")
-
-
-@needs_fsdp2
-@pytest.mark.parametrize("case", ["tp", "2d"])
-def test_tensor_parallel_and_2d_equal_shadow_and_one_process(results, case):
-    for r in results:
-        assert_close(r[case]["params"], r[case]["shadow"], 1e-6, f"rank {r['rank']} {case} vs shadow")
-        assert_bitwise(r[case]["params"], results[0][case]["params"], "ranks agree")
-    assert_close(results[0][case]["params"], one_process(), 5e-5, f"{case} vs one process")
-    if case == "2d":
-        assert any("_StridedShard" in p or "Shard(dim=1)" in p for p in results[0]["2d"]["placements"])
-
-
-@needs_fsdp2
-def test_steps_follow_a_dtensors_new_local_tensor_and_reallocated_storage(results):
-    for r in results:
-        want = {"old-untouched": True, "after-swap": True, "after-realloc": True}
-        assert r["local-tensor-changes"] == want, r["rank"]
-
-
-@needs_fsdp2
-@pytest.mark.parametrize("case", ["fsdp-inf", "fsdp-fp16-optimizer-inf"])
-def test_fsdp2_inf_on_one_rank_skips_on_every_rank(results, case):
-    for r in results:
-        assert r[case] == [step == 2 for step in range(STEPS)], (r["rank"], r[case])
-    assert len({r["fsdp-fp16-optimizer-scale"] for r in results}) == 1
-
-
-@needs_fsdp2
-def test_fsdp2_with_torch_grad_scaler_skips_together_and_equals_one_process(results):
-    """torch.amp.GradScaler drives FusedAdam through grad_scale/found_inf (fused-optimizer protocol). Its found_inf
-    comes from each rank's local shards; FusedAdam's one all-reduce makes the skip global, and the scale is updated
-    alike on every rank (one halving for the one poisoned step)."""
-    for r in results:
-        assert r["fsdp-grad-scaler-inf"] == [step == 2 for step in range(STEPS)], (r["rank"], r["fsdp-grad-scaler-inf"])
-        assert r["fsdp-grad-scaler"]["scale"] == SCALER_INIT / 2
-    want = one_process(grad_scaler=True, inf_step=2)
-    assert_close(results[0]["fsdp-grad-scaler"]["params"], want, 5e-5, "FSDP2 + GradScaler vs one process")
-    assert_bitwise(results[1]["fsdp-grad-scaler"]["params"], results[0]["fsdp-grad-scaler"]["params"], "ranks agree")
-
-
-# ---- distributed checkpoints ----------------------------------------------------------------------------------------
-
-
-@needs_fsdp2
-def test_dcp_resume_is_bit_for_bit(results):
-    for r in results:
-        out = r["checkpoint"]
-        assert_bitwise(out["resumed"], out["uninterrupted"], f"rank {r['rank']}")
-        for fqn, state in out["saved"].items():
-            for key, value in state.items():
-                assert torch.equal(out["loaded"][fqn][key], value), (fqn, key)
-
-
-@needs_fsdp2
-def test_two_rank_checkpoint_loads_into_four_ranks(results):
-    saved = results[0]["checkpoint"]["saved"]
-    for r in results:
-        loaded = r["reshard-2-to-4"]
-        assert loaded.keys() == saved.keys()
-        for fqn in saved:
-            for key, value in saved[fqn].items():
-                assert torch.equal(loaded[fqn][key], value), (r["rank"], fqn, key)
-
-
-@needs_fsdp2
-def test_two_rank_checkpoint_loads_into_one_process(results):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    model = make_model(torch.bfloat16)
-    opt = make_optimizer(model.parameters(), master_weights=True, exp_avg_sq_dtype=torch.float16)
-    state = {"optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=results[0]["checkpoint"]["path"], no_dist=True)
-    set_optimizer_state_dict(model, opt, state["optim"])
-    loaded = get_optimizer_state_dict(model, opt)["state"]
-    saved = results[0]["checkpoint"]["saved"]
-    assert loaded.keys() == saved.keys()
-    for fqn in saved:
-        for key, value in saved[fqn].items():
-            assert torch.equal(loaded[fqn][key], value), (fqn, key)
-
-
-@needs_fsdp2
-def test_bad_distributed_input_is_refused_naming_the_param_and_changes_nothing(results):
-    for r in results:
-        out = r["refusals"]
-        assert "param_groups[0]['params'][0]" in out["partial"] and "partial sum" in out["partial"], out["partial"]
-        assert "param_groups[0]['params'][0]" in out["layout"] and "laid out alike" in out["layout"], out["layout"]
-        assert "state_dict['state'][0]['exp_avg']" in out["bad-shape"] and "(2, 4)" in out["bad-shape"], \
-            out["bad-shape"]
-        assert out["partial-untouched"] and out["layout-untouched"] and out["bad-shape-untouched"]
-        assert "param_groups[0]['params'][0]" in out["step-in-backward"] and "DTensor" in out["step-in-backward"]
-        assert out["appended-dtensor-reduces"]
-
-
-def test_step_in_backward_with_a_process_group_is_refused():
-    # (its per-param updates would run before DDP has averaged the gradients)
-    with pytest.raises(ValueError, match="process_group.*step_in_backward=False"):
-        FusedAdam([nn.Parameter(torch.ones(2))], step_in_backward=True, process_group=object())

@@ -254,7 +254,7 @@ def test_clipping_fp16_and_bf16_grads_matches_the_float64_reference(dtype, backe
 def test_grad_scale_divides_the_grads_inside_the_kernel(scale, scale_kind, backend, monkeypatch):
     """step(grad_scale=s) on grads * s == step() on grads: bit for bit when s is a power of two (fp16 grads with
     fp32 masters; unscaling is exact), to float32 rounding otherwise (fp32 grads). The stored .grad is unscaled, as
-    torch's fused AdamW leaves it (tests/test_unscaled_grads.py)."""
+    torch's fused AdamW leaves it (tests/fused_adam/test_scaling.py)."""
     select_backend(monkeypatch, backend)
     exact = math.log2(scale).is_integer()
     ours = _params(torch.float16 if exact else torch.float32, seed=3)

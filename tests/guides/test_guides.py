@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GUIDES = ROOT / "guides"
 MIGRATION = GUIDES / "migration.md"
 SCRIPTS = sorted((GUIDES / "examples").glob("migrate_*.py"))
@@ -65,6 +65,7 @@ def test_every_diff_names_an_existing_script():
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
+@pytest.mark.examples
 def test_migration_script_runs(script: Path, tmp_path: Path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,

@@ -1,6 +1,9 @@
-"""DeepSpeed 0.16.9 ZeRO stages 1-3 on two CPU processes (gloo), with ort_optim inside.
+"""DeepSpeed 0.16.9 ZeRO stages 1-3 on two CPU processes (gloo), with ort_optim inside, as a specification.
 
-Everything runs in one spawn (tests/distributed_harness.py); the parent compares.
+This module's scenarios run in one spawn (tests/distributed_harness.py); the parent compares. The last section reads
+torch_scenarios.py's spawn: FusedAdam as the client against torch's AdamW as the client under the same config, with
+gradient accumulation and clipping (within 1e-6 at stages 1-3), and ``max_grad_norm`` on DeepSpeed's partitions
+refused before anything changes.
 
 * FusedAdam as the client optimizer of ``deepspeed.initialize`` at stages 1, 2 and 3, in fp32 (against one process
   training the same model with FusedAdam on the concatenated batch, clipping active), bf16 and fp16 (against torch's
@@ -15,10 +18,9 @@ Everything runs in one spawn (tests/distributed_harness.py); the parent compares
   and 3: refused with a ValueError naming step_in_backward and DeepSpeed before anything is updated (at the first
   hook, or at ``deepspeed.initialize`` where DeepSpeed steps the optimizer once there), with the params, the tensors
   the optimizer steps and its state unchanged; FP16_Optimizer around the engine or its optimizer refuses it too,
-  patching nothing. Before this check, stage 0 fp32 updated each rank's params with its own unreduced gradient in
-  backward (the error came at engine.step(), naming DDP), and every other config silently took a normal step
-  (DeepSpeed re-points param_groups to its fp32 partitions or copies, so the hooks found nothing to update): no memory
-  saved, no error. A FusedAdam(step_in_backward=True) that DeepSpeed does not hold (with DeepSpeed's WarmupLR, in the
+  patching nothing. Without that check, stage 0 fp32 would update each rank's params with its own unreduced gradient
+  in backward, and every other config would silently take a normal step (DeepSpeed re-points param_groups to its fp32
+  partitions or copies, so the hooks find nothing to update): no memory saved, no error. A FusedAdam(step_in_backward=True) that DeepSpeed does not hold (with DeepSpeed's WarmupLR, in the
   same processes) still steps in backward, bit for bit as step().
 
 Setup facts (torch 2.4.1, DeepSpeed 0.16.9, CPU accelerator): DeepSpeed refuses fp16 on its CPU accelerator
@@ -32,7 +34,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch_scenarios as against_torch
 from distributed_harness import run_ranks
+from torch_scenarios import full_params
 
 try:
     import deepspeed  # noqa: F401
@@ -41,9 +45,9 @@ try:
 except Exception as exc:  # not installed (the torch 2.13 env), or a missing dependency of it
     DEEPSPEED_ERROR = f"{type(exc).__name__}: {exc}"
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.distributed, pytest.mark.skipif(
     DEEPSPEED_ERROR is not None, reason=f"DeepSpeed is not importable here ({DEEPSPEED_ERROR})"
-)
+)]
 
 WORLD = 2
 MICRO_BATCH = 4
@@ -104,24 +108,6 @@ def make_client(kind: str, params):
     if kind == "FusedAdam":
         return FusedAdam(params, lr=LR, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=WD)
     return torch.optim.AdamW(params, lr=LR, eps=1e-8, weight_decay=WD)
-
-
-def full_params(engine, stage: int) -> list[torch.Tensor]:
-    """The model's full params as float32 copies. Stage 3 keeps only each rank's partition (``p.ds_tensor``, the
-    flattened param's chunk, zero-padded): gathered here with torch.distributed. (DeepSpeed's own
-    ``GatheredParameters`` gave NaN on one rank in one fp16 run here and could not be reproduced in isolation, so
-    the tests do not depend on it.)"""
-    import torch.distributed as dist
-
-    params = list(engine.module.parameters())
-    if stage != 3:
-        return [p.detach().float().clone() for p in params]
-    out = []
-    for p in params:
-        pieces = [torch.empty_like(p.ds_tensor) for _ in range(dist.get_world_size())]
-        dist.all_gather(pieces, p.ds_tensor.detach())
-        out.append(torch.cat(pieces)[:p.ds_numel].view(p.ds_shape).float())
-    return out
 
 
 def fp32_partitions(opt) -> list[torch.Tensor]:
@@ -478,3 +464,39 @@ def test_step_in_backward_not_held_by_deepspeed_still_steps_in_backward_bit_for_
         assert not torch.equal(stepped[0], make_model()[0].weight.detach())  # it trained
         # DeepSpeed's holder is looked for once, at the first hook: never per step, never without step_in_backward
         assert out["not held"]["holder lookups"] == {False: 0, True: 1}
+
+
+# ---- against torch.optim.AdamW as the client under the same config ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torch_results(tmp_path_factory):
+    """torch_scenarios on 2 ranks, against torch.optim.AdamW in the same engine (one spawn per session)."""
+    return against_torch.results(tmp_path_factory)
+
+
+@against_torch.needs_deepspeed
+@pytest.mark.parametrize("stage", against_torch.DS_STAGES)
+def test_fused_adam_as_deepspeed_client_equals_torch_adamw_with_accumulation_and_clipping(torch_results, stage):
+    for r in torch_results:
+        want = r[("deepspeed", stage, "torch")]
+        assert want["error"] is None
+        for kind in ("fused", "fused-pipeline-group"):
+            got = r[("deepspeed", stage, kind)]
+            assert got["error"] is None, got["error"]
+            diff = against_torch.max_diff(got["params"], want["params"])
+            assert diff <= 1e-6, (r["rank"], kind, diff)  # fp32: the update's float32 operation order, the norm's
+
+
+@against_torch.needs_deepspeed
+@pytest.mark.parametrize("stage", against_torch.DS_STAGES)
+def test_max_grad_norm_on_deepspeed_partitions_is_refused_before_anything_changes(torch_results, stage):
+    """Regression: FusedAdam(max_grad_norm) as a ZeRO client clipped each rank by the norm of its own partition of
+    the gradients (5e-3 away from DeepSpeed's gradient_clipping after 5 steps on 2 ranks)."""
+    for r, kind in ((r, kind) for r in torch_results for kind in ("fused-refused", "fused-process-group-refused")):
+        got = r[("deepspeed", stage, kind)]
+        assert got["error"] is not None and "partition" in got["error"], got["error"]
+        assert "gradient_clipping" in got["error"] and "pipeline_group" in got["error"], got["error"]
+        assert got["state"] == 0
+        for a, b in zip(got["params"], got["before"]):
+            assert torch.equal(a, b)

@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/triton_cases.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/triton_cases.py
 
 USE_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 DEVICE = torch.device("cuda") if USE_CUDA else torch.device("cpu")

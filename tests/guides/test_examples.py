@@ -4,6 +4,12 @@ Each script runs once per test session (module-scoped fixtures); the tests then 
 ONNX export per construction, so the quick runs construct as few as possible: gpt.py 2 (ort-fp32, ort-fp16),
 digits.py 2, memory_optimizer.py 2. Where ORTModule is not usable (.venv-latest: torch 2.13), the scripts run their
 eager legs by themselves and the ORT checks skip with the reason.
+
+guides/examples/distributed.py runs under torchrun, as the guide launches it: gpt.py's GPT trained by FSDP2 on 2 CPU
+ranks with FusedAdam (torch >= 2.6), saved with torch.distributed.checkpoint and resumed in one process; where FSDP2
+cannot run (torch 2.4, .venv), the DDP mode instead.
+
+Every test here is marked ``examples`` (tens of seconds each): ``make check`` leaves them out, ``make test`` runs them.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.examples
+
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "guides" / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
@@ -179,3 +187,30 @@ def test_memory_optimizer_quick(tmp_path):
     assert any(p["plan"].startswith("Gelu+") for p in level1["plans"])
     # recomputation changes memory, not results
     assert result["max_loss_diff_between_levels"] <= 1e-5
+
+
+# ---- distributed.py under torchrun -----------------------------------------------------------------------------------
+
+EXAMPLE = ROOT / "guides" / "examples" / "distributed.py"
+FSDP2 = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
+
+
+def torchrun(tmp_path: Path, nproc: int, *args: str) -> dict:
+    out = tmp_path / f"summary-{len(list(tmp_path.glob('summary-*')))}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
+           *args, "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.distributed
+def test_example_trains_saves_and_resumes_on_another_world_size(tmp_path):
+    parallel = ["--parallel", "fsdp2", "--model", "gpt"] if FSDP2 else ["--parallel", "ddp"]
+    first = torchrun(tmp_path, 2, *parallel, "--steps", "8", "--save", str(tmp_path / "ckpt"))
+    assert first["world"] == 2 and first["finite"]
+    assert first["final_loss"] < first["first_loss"]
+    resumed = torchrun(tmp_path, 1, *parallel, "--steps", "2", "--load", str(tmp_path / "ckpt"))
+    assert resumed["start"] == 8 and resumed["world"] == 1 and math.isfinite(resumed["final_loss"])
+    # the optimizer state came back: the resumed loss continues from where training stopped, not from scratch
+    assert resumed["first_loss"] < first["first_loss"]

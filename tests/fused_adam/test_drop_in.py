@@ -1,7 +1,7 @@
-"""FusedAdam as a drop-in (issues 2 and 3), checked from the outside: what a user of ORT's FusedAdam or of
-torch.optim.AdamW relies on without reading our code.
+"""Migrating to FusedAdam, as a specification: FusedAdam as a drop-in for ORT's FusedAdam and torch.optim.AdamW,
+checked from the outside: what their users rely on without reading our code.
 
-Written from the issues' text, /work/shared/reference/ort-semantics.md and torch.optim's documented behaviour, against
+Written from ORT's FusedAdam and torch.optim's documented behaviour, against
 independent references: torch.optim.AdamW/Adam (``foreach=False``, the plain per-tensor loop) on the same dtype or on
 fp32 copies, torch.nn.utils.clip_grad_norm_, torch.amp.GradScaler, the float64 formulas of ``tests/reference.py``,
 and ORT 1.19.2's recorded signature. It covers what the other modules leave out:
@@ -116,7 +116,7 @@ def test_the_first_eight_parameters_are_orts_in_order_with_its_defaults_and_the_
 
 
 def test_step_takes_a_closure_and_keyword_only_grad_scale_and_found_inf():
-    """Issue 3: ``step(closure=None, *, grad_scale=None, found_inf=None)``."""
+    """``step(closure=None, *, grad_scale=None, found_inf=None)``."""
     parameters = list(inspect.signature(FusedAdam.step).parameters.values())[1:]
     assert [(p.name, p.kind, p.default) for p in parameters] == [
         ("closure", inspect.Parameter.POSITIONAL_OR_KEYWORD, None),
@@ -353,7 +353,7 @@ def test_bias_correction_off_in_one_group_and_on_in_the_other_matches_the_float6
 @pytest.mark.parametrize("mode", list(AdamWMode), ids=str)
 def test_a_step_leaves_the_gradient_as_it_was_in_every_mode(mode, maximize, backend):
     """ort-semantics.md: ORT's L2 term is not written back to .grad; traps.md 6: maximize negates a copy. (With
-    grad_scale the unscaled gradient is written back, as torch's fused AdamW does: test_unscaled_grads.py.)"""
+    grad_scale the unscaled gradient is written back, as torch's fused AdamW does: test_scaling.py.)"""
     params = make_params()
     opt = FusedAdam(params, adam_w_mode=mode, weight_decay=0.1, maximize=maximize, amsgrad=True, max_grad_norm=0.5)
     for k in range(3):
@@ -756,7 +756,7 @@ def test_steps_keep_counting_exactly_beyond_float32s_2_to_the_24(backend):
     assert float(opt.state[p]["step"]) == 2.0**24 + 3 == float(opt.state_dict()["state"][0]["step"])
 
 
-# ---- master weights (issue 3) --------------------------------------------------------------------------------------
+# ---- master weights ----------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -809,7 +809,7 @@ def test_grad_scaler_with_fp16_params_and_masters_equals_grad_scaler_with_torch_
 
 @pytest.mark.parametrize("low", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_global_clipping_over_groups_and_dtypes_equals_clip_grad_norm_then_torch_adamw(low, backend):
-    """max_grad_norm clips by the norm over all params of the optimizer (issue 3): here two groups with their own
+    """max_grad_norm clips by the norm over all params of the optimizer: here two groups with their own
     lr and weight decay, fp32 params in one and low-precision params with masters in the other, against
     clip_grad_norm_ over fp32 copies of all of them followed by torch.optim.AdamW with the same groups. The norm is
     summed in another order than torch's (the clip coefficient may differ in its last bit), hence FP32_VS_TORCH."""

@@ -16,6 +16,8 @@ from torch import nn
 from ort_optim import FusedAdam
 from ort_optim.fp16_optimizer import FP16_Optimizer
 
+pytestmark = pytest.mark.distributed
+
 WORLD = 2
 STEPS = 5
 
