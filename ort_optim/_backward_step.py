@@ -227,14 +227,14 @@ class BackwardStep:
           DeepSpeed fp16/bf16 optimizer). DeepSpeed reduces the gradients after backward and, except at stage 0 in
           fp32, steps its own fp32 partitions or copies in place of the params: an update in backward would use this
           rank's unreduced gradient, or never happen while step() silently took a normal step
-          (ort_optim/_deepspeed.py, holder_of; only where DeepSpeed is imported);
+          (ort_optim/integrations/deepspeed.py, holder_of; only where DeepSpeed is imported);
         * params whose gradients a DistributedDataParallel reduces (:func:`ddp_reducing`): it writes the average
           into ``p.grad`` after autograd's accumulation, so an update in backward would use this rank's own gradient
           (and step() would update again with the average). The end-of-backward check (check_updated_once) stays as
           the backstop for a DistributedDataParallel made after this check ran."""
         if self.setup_checked:
             return
-        from ._deepspeed import holder_of
+        from .integrations.deepspeed import holder_of
 
         holder = holder_of(optimizer)
         if holder is not None:
