@@ -11,8 +11,9 @@ bytes saved instead of about 95%, and a steady RSS above step()'s).
 ``malloc_trim(0)`` hands the whole free pages inside the heap back to the system (madvise), whatever blocks are still
 alive around them; the addresses stay the heap's, and a later allocation there gets fresh zero pages. Calling it once
 per :data:`TRIM_EVERY_BYTES` of freed gradients bounds the memory kept free but resident to about that much, at the
-cost of one call (about 1 ms on a heap of a few hundred MB) and of refaulting the pages that get reused. Other
-allocators (jemalloc, tcmalloc preloaded, other C libraries) return memory in their own way: nothing is called there.
+cost of one call (about 1 ms on a heap of a few hundred MB) and of refaulting the pages that get reused. An allocator
+preloaded in glibc's place (jemalloc, tcmalloc) returns memory its own way, and glibc's malloc_trim finds none of its
+blocks; on other C libraries nothing is called.
 """
 
 from __future__ import annotations
