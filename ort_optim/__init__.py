@@ -15,8 +15,8 @@ _LAZY = {
     "OptionsTooLateWarning": "ort_optim.options",
     "wrap": "ort_optim.options",
     "FP16_Optimizer": "ort_optim.fp16_optimizer",
-    "DynamicLossScaler": "ort_optim.fp16_optimizer",
-    "LossScaleUnderflowError": "ort_optim.fp16_optimizer",
+    "DynamicLossScaler": "ort_optim.loss_scaler",
+    "LossScaleUnderflowError": "ort_optim.loss_scaler",
 }
 
 __all__ = ["AdamWMode", "FusedAdam", "native_available", *_LAZY]

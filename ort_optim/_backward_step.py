@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
-from . import _plan, backends
+from . import _heap, _plan, backends
 
 if TYPE_CHECKING:
     from .fused_adam import FusedAdam
@@ -67,6 +67,7 @@ class BackwardStep:
         # hooks that the engine calls from it (measured before this wrapper, torch 2.4.1 and 2.13: an error out of
         # tracing, or another param's state looked up for a param). It runs eagerly, as autograd's engine calls it.
         self._eager_hook = torch._dynamo.disable(self._hook)
+        self._freed = _heap.FreedMemory()  # gives the freed gradients' memory back (glibc's heap, ort_optim/_heap.py)
 
     def watch(self, group_index: int, group: dict) -> None:
         """Hooks the group's params that require gradients (a param made trainable later is hooked by the next
@@ -191,7 +192,7 @@ class BackwardStep:
                 "torch.utils.checkpoint(..., use_reentrant=False), or step_in_backward=False")
         # (the step marks what it wrote as modified in place for autograd, as step() does: ort_optim/_versions.py)
         self._step(optimizer, p)
-        p.grad = None
+        self._freed.drop_grad(p)  # p.grad = None
         self._updated[p] = None
         if self._check_queued != task:
             self._queue_end_of_backward_check(task)
@@ -227,14 +228,14 @@ class BackwardStep:
           DeepSpeed fp16/bf16 optimizer). DeepSpeed reduces the gradients after backward and, except at stage 0 in
           fp32, steps its own fp32 partitions or copies in place of the params: an update in backward would use this
           rank's unreduced gradient, or never happen while step() silently took a normal step
-          (ort_optim/_deepspeed.py, holder_of; only where DeepSpeed is imported);
+          (ort_optim/integrations/deepspeed.py, holder_of; only where DeepSpeed is imported);
         * params whose gradients a DistributedDataParallel reduces (:func:`ddp_reducing`): it writes the average
           into ``p.grad`` after autograd's accumulation, so an update in backward would use this rank's own gradient
           (and step() would update again with the average). The end-of-backward check (check_updated_once) stays as
           the backstop for a DistributedDataParallel made after this check ran."""
         if self.setup_checked:
             return
-        from ._deepspeed import holder_of
+        from .integrations.deepspeed import holder_of
 
         holder = holder_of(optimizer)
         if holder is not None:

@@ -536,8 +536,8 @@ class FusedAdam(torch.optim.Optimizer):
         gradients, and skip alone on an inf/NaN, where the model's norm is the sum over the partitions (measured,
         2 ranks, 5 steps: 5e-3 away from DeepSpeed's own gradient_clipping); a process_group would count the
         partitions as replicas. Runs once, a heap scan, only where DeepSpeed is imported and torch.distributed
-        initialised (ort_optim/_deepspeed.py)."""
-        from ._deepspeed import partitioning_holder
+        initialised (ort_optim/integrations/deepspeed.py)."""
+        from .integrations.deepspeed import partitioning_holder
 
         scanned, holder = partitioning_holder(self)
         if holder is not None:

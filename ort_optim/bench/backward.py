@@ -2,9 +2,8 @@
 
 Model: a stack of Linear(d, d) + tanh layers with a small batch, so that parameters, gradients and optimizer states
 dominate the memory (activations are small). Each configuration runs in a process of its own (the peak resident set
-size, VmHWM, is per process), with glibc told to give every allocation of 64 KB or more back to the system
-when it is freed (MALLOC_MMAP_THRESHOLD_), so the peak follows the bytes that are alive at once rather than the
-allocator's reuse; the two configurations alternate, twice each. ``saved / grad bytes`` is the drop in peak RSS as a
+size, VmHWM, is per process), with the C library's allocator at its defaults, as users run it (step_in_backward gives
+the freed gradients' heap pages back itself: ort_optim/_heap.py); the two configurations alternate, twice each. ``saved / grad bytes`` is the drop in peak RSS as a
 fraction of the gradients' bytes (what step_in_backward can save at most). Time per iteration is measured with both
 configurations interleaved in one process. An iteration's time swings by more than the difference between the two
 on a shared machine (measured on 2 cores: a quarter of the rounds differ by over 15% either way), so the ratio is
@@ -79,7 +78,7 @@ def run(quick: bool) -> list[dict]:
     from .common import interleaved_samples
 
     layers, width, batch, steps = (8, 512, 8, 4) if quick else (24, 1024, 8, 4)
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(64 * 1024))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # glibc's defaults
     peaks: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(2):
         for mode in MODES:

@@ -152,7 +152,7 @@ def _zero_optimizer_stub(grads: list[torch.Tensor]):
 
 
 def bench_deepspeed(quick: bool) -> list[dict]:
-    from .. import _deepspeed
+    from ..integrations import deepspeed as _deepspeed
 
     rows = []
     cases = {

@@ -283,7 +283,8 @@ def _not_held_by_deepspeed_run() -> dict:
     is looked up once."""
     from deepspeed.runtime.lr_schedules import WarmupLR
 
-    from ort_optim import FusedAdam, _deepspeed
+    from ort_optim import FusedAdam
+    from ort_optim.integrations import deepspeed as _deepspeed
 
     out = {"holder lookups": {}}
     look_up = _deepspeed.holder_of

@@ -156,3 +156,170 @@ def test_lr_scheduler_and_hooks_together():
         opt.step()
         sched.step()
     assert post == [0.1, 0.05, 0.025]
+
+
+# FP16_Optimizer when a step raises: after an exception from the wrapped optimizer (a step pre or post hook, or its
+# step), the loss scale and every gradient are left so that a retry updates as torch.amp.GradScaler's retry does,
+# whichever way the fp32 masters are kept (FusedAdam's own, or the wrapper's around any torch optimizer).
+SCALE = 1024.0
+LR = 0.1
+X = torch.tensor([1.0, 0.5])  # the gradient of both params (of the unscaled loss)
+POINTS = ("inner pre-hook", "inner step", "inner post-hook", "wrapper pre-hook", "wrapper post-hook")
+# How many updates a failure at each point followed by one retry makes: a post hook fails after its step updated.
+UPDATES = {"inner pre-hook": 1, "inner step": 1, "inner post-hook": 2, "wrapper pre-hook": 1, "wrapper post-hook": 2}
+# name -> (the optimizer FP16_Optimizer wraps, the one torch.amp.GradScaler drives on fp32 copies of the params)
+OPTIMIZERS = {
+    "SGD (the wrapper keeps the masters)": (lambda params: torch.optim.SGD(params, lr=LR),
+                                            lambda params: torch.optim.SGD(params, lr=LR)),
+    "FusedAdam (keeps its own masters)": (lambda params: FusedAdam(params, lr=LR),
+                                          lambda params: torch.optim.Adam(params, lr=LR, foreach=False)),
+}
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def _fail_once(point: str, inner: torch.optim.Optimizer, outer: torch.optim.Optimizer) -> None:
+    """Makes `point` raise Injected the first time it runs. `outer` is what the training loop steps: the
+    FP16_Optimizer, or, for torch.amp.GradScaler, the optimizer itself (whose hooks then stand for the wrapper's)."""
+    left = [1]
+
+    def maybe_fail(*_):
+        if left[0]:
+            left[0] -= 1
+            raise Injected(point)
+
+    if point == "inner step":
+        step = inner.step
+
+        def failing_step(*args, **kwargs):
+            maybe_fail()
+            return step(*args, **kwargs)
+
+        inner.step = failing_step
+    else:
+        target = inner if point.startswith("inner") else outer
+        if point.endswith("pre-hook"):
+            target.register_step_pre_hook(maybe_fail)
+        else:
+            target.register_step_post_hook(maybe_fail)
+
+
+def _loss(w16: torch.Tensor, w32: torch.Tensor) -> torch.Tensor:
+    return (w16.float() * X).sum() + (w32 * X).sum()
+
+
+def _ours(make, point: str):
+    w16 = torch.nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float16))
+    w32 = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    inner = make([w16, w32])
+    opt = FP16_Optimizer(inner, init_scale=SCALE)
+    _fail_once(point, inner, opt)
+    opt.backward(_loss(w16, w32))
+    with pytest.raises(Injected):
+        opt.step()
+    after_failure = {"loss_scale": opt.loss_scale, "skipped_steps": opt.skipped_steps}
+    opt.step()  # the retry
+    return w16.detach().float(), w32.detach().clone(), after_failure, opt
+
+
+def _grad_scaler(make, point: str):
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))  # fp32 stand-ins for both params
+    v = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = make([w, v])
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    _fail_once(point.replace("wrapper", "inner") if point != "inner step" else point, opt, opt)
+    scaler.scale(_loss(w, v)).backward()
+    with pytest.raises(Injected):
+        scaler.step(opt)
+    scaler.step(opt)  # the retry
+    scaler.update()
+    return w.detach().clone(), v.detach().clone()
+
+
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_retry_after_an_exception_updates_as_grad_scalers_retry(name, point):
+    make, make_reference = OPTIMIZERS[name]
+    w16, w32, after_failure, _ = _ours(make, point)
+    ref16, ref32 = _grad_scaler(make_reference, point)
+    # fp32 param: as GradScaler's (SGD: the same float32 operations; FusedAdam's Adam against torch's, a few ulps)
+    torch.testing.assert_close(w32, ref32, rtol=1e-5, atol=1e-5)
+    # fp16 param: its fp32 master took the same updates, rounded to fp16 (one fp16 ulp at 1-2: 2**-10 to 2**-9)
+    torch.testing.assert_close(w16, ref16.half().float(), rtol=0, atol=2.0**-9)
+    if name.startswith("SGD"):  # the issue's numbers: every update moves each param by lr * its gradient
+        expected = torch.tensor([1.0, 2.0]) - UPDATES[point] * LR * X
+        torch.testing.assert_close(w32, expected)
+        torch.testing.assert_close(w16, expected.half().float())
+    # a failed step changed neither the loss scale nor the skip count (a wrapper post hook runs after a whole step)
+    assert after_failure == {"loss_scale": SCALE, "skipped_steps": 0}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_new_gradients_after_a_failed_step_are_unscaled_afresh(name):
+    """zero_grad() and a new backward after the failure: the step equals one that never failed."""
+    make = OPTIMIZERS[name][0]
+    results = []
+    for fail in (True, False):
+        w16 = torch.nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float16))
+        w32 = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+        inner = make([w16, w32])
+        opt = FP16_Optimizer(inner, init_scale=SCALE)
+        if fail:
+            _fail_once("inner pre-hook", inner, opt)
+            opt.backward(_loss(w16, w32))
+            with pytest.raises(Injected):
+                opt.step()
+            opt.zero_grad()
+        opt.backward(_loss(w16, w32))
+        opt.step()
+        results.append((w16.detach().clone(), w32.detach().clone(), opt.loss_scale))
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+def test_new_gradients_set_by_the_model_after_a_failed_step_are_unscaled_afresh():
+    """model.zero_grad() (not the wrapper's) and a new backward: the gradients are new tensors, unscaled once."""
+    w16 = torch.nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float16))
+    w32 = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    inner = torch.optim.SGD([w16, w32], lr=LR)
+    opt = FP16_Optimizer(inner, init_scale=SCALE)
+    _fail_once("inner step", inner, opt)
+    opt.backward(_loss(w16, w32))
+    with pytest.raises(Injected):
+        opt.step()
+    w16.grad = w32.grad = None
+    opt.backward(_loss(w16, w32))
+    opt.step()
+    expected = torch.tensor([1.0, 2.0]) - LR * X
+    torch.testing.assert_close(w32.detach(), expected)
+    torch.testing.assert_close(w16.detach().float(), expected.half().float())
+
+
+def test_a_step_that_raised_while_unscaling_refuses_the_gradients_it_left_until_they_are_new():
+    """An exception inside the unscale pass (here: the overflow flag's all-reduce) leaves the fp32 gradients unscaled or
+    not: the next step() refuses them, changing nothing, until zero_grad() and a new backward."""
+    w16 = torch.nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float16))
+    w32 = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = FP16_Optimizer(torch.optim.SGD([w16, w32], lr=LR), init_scale=SCALE)
+    reduce = opt._reduce_found_inf
+
+    def failing_reduce(found_inf):
+        opt._reduce_found_inf = reduce
+        raise Injected("all-reduce")
+
+    opt._reduce_found_inf = failing_reduce
+    opt.backward(_loss(w16, w32))
+    with pytest.raises(Injected):
+        opt.step()
+    before = (w16.detach().clone(), w32.detach().clone(), w32.grad.clone())
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[1\].*zero_grad\(\)"):
+        opt.step()
+    torch.testing.assert_close((w16.detach(), w32.detach(), w32.grad), before, rtol=0, atol=0)
+    assert opt.loss_scale == SCALE
+    opt.zero_grad()
+    opt.backward(_loss(w16, w32))
+    opt.step()
+    expected = torch.tensor([1.0, 2.0]) - LR * X
+    torch.testing.assert_close(w32.detach(), expected)
+    torch.testing.assert_close(w16.detach().float(), expected.half().float())

@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import backends
+from .. import backends
 
 # Per shape: method name -> the parameter names (after self) it must have, with their defaults; the names the
 # replacements take from the optimizer's own module (so they use exactly what DeepSpeed's code uses) and instance.
@@ -84,6 +84,27 @@ def find_zero_optimizer(obj: Any) -> Optional[Any]:
                 and hasattr(candidate, "get_grad_norm_direct"):
             return candidate
     return None
+
+
+def is_engine_or_zero(obj: Any) -> bool:
+    """A DeepSpeed object that is not a torch.optim.Optimizer: an engine, a ZeRO optimizer, DeepSpeed's own
+    FP16_Optimizer/BF16_Optimizer. DeepSpeed's plain optimizers (DeepSpeedCPUAdam, deepspeed.ops.adam.FusedAdam,
+    FusedLamb, ...) are torch.optim.Optimizers."""
+    return type(obj).__module__.split(".")[0] == "deepspeed" and not isinstance(obj, torch.optim.Optimizer)
+
+
+def loss_scaling_target(obj: Any) -> Optional[Any]:
+    """What ``FP16_Optimizer(obj)`` hands to DeepSpeed instead of wrapping obj: the ZeRO stage 1/2 optimizer obj is or
+    holds (patched), or the DeepSpeed object that is not a torch optimizer that obj is or holds through
+    ``.optimizer`` (an engine, accelerate's wrapper of one: patched when it is a known ZeRO shape, else a warning);
+    None for anything else (a torch optimizer, wrapped)."""
+    target = find_zero_optimizer(obj)
+    if target is not None:
+        return target
+    inner = getattr(obj, "optimizer", None)
+    if is_engine_or_zero(inner):
+        return inner
+    return obj if is_engine_or_zero(obj) else None
 
 
 def holder_of(obj: Any) -> Optional[Any]:
