@@ -629,8 +629,9 @@ CORRUPT_CHECKPOINTS = {
     "a missing second moment": (_damaged("exp_avg_sq", None), ValueError, r" has no 'exp_avg_sq'"),
     "a negative second moment": (_damaged("exp_avg_sq", lambda t, p: -t - 1.0), ValueError,
                                  r"\['exp_avg_sq'\] holds negative values"),
-    "a NaN moment": (_damaged("exp_avg", lambda t, p: t.index_fill(0, torch.tensor([3]), math.nan)), ValueError,
-                     r"\['exp_avg'\] holds inf or NaN"),
+    "a NaN moment that 8-bit storage cannot hold": (
+        _damaged("exp_avg", lambda t, p: t.index_fill(0, torch.tensor([3]), math.nan)), ValueError,
+        r"\['exp_avg'\] holds values beyond the range of this optimizer's torch.uint8 exp_avg storage"),
     "a value beyond float32": (_damaged("exp_avg", lambda t, p: t.double().index_fill(0, torch.tensor([1]), 1e300)),
                                ValueError, r"\['exp_avg'\] holds inf or NaN once converted"),
     "a missing step": (_damaged("step", None), ValueError, r" has no 'step'"),
