@@ -693,6 +693,8 @@ class FusedAdam(torch.optim.Optimizer):
             plan = self._plan = _plan.build(self)
             if not plan.valid(self):  # a plan describes what it was built from: this is a bug, not a user error
                 raise RuntimeError("ort_optim: a FusedAdam plan was not valid right after it was built; please report")
+        if plan.dtensors:  # (gradients laid out unlike their DTensor params: to the params' layout, once per step)
+            plan.resolve_grads(writes_grads=grad_scale is not None and self._unscale_grads)
         self._launch(plan, grad_scale, found_inf)
         return loss
 
