@@ -644,8 +644,10 @@ def _low_bit_state(p: torch.Tensor, state: ParamState, key: str, where: str) -> 
         problem = _storage_problem(tensor)
         if problem is not None:
             raise ValueError(f"{name} {problem}")
-    if bool((scale < 0).any()):  # (NaN scales are legal: a block that held inf/NaN)
-        raise ValueError(f"{scale_what} holds negative block scales; scales are block maxima (>= 0)")
+    # (NaN scales are legal: a block that held inf/NaN; so are a second moment's negative ones: the sign bit marks a
+    # block whose overflowed v reads back as inf, ops/README.md)
+    if key == "exp_avg" and bool((scale < 0).any()):
+        raise ValueError(f"{scale_what} holds negative block scales; exp_avg's scales are block maxima (>= 0)")
     return value, fmt
 
 

@@ -195,7 +195,8 @@ class FusedAdam(torch.optim.Optimizer):
       and 4-bit moments, uint8 codes of that format with valid block scales in ``<key>_scale``); any other
       floating-point tensor, or uint8 codes of the other low-bit format, is taken as the values and adopted, i.e.
       copied into that layout (quantised with fresh block scales for fp16 and low-bit moments). Low-bit codes whose
-      scales are missing, of another count or negative are refused. An assigned ``step`` (a one-element tensor or a number, a whole number >= 0) is
+      scales are missing or of another count are refused, and so are negative exp_avg scales (a second moment's
+      scale with its sign bit set marks a block holding an overflowed v, ops/README.md). An assigned ``step`` (a one-element tensor or a number, a whole number >= 0) is
       adopted. A missing key, a wrong shape, device or float64-ness, a non-tensor or a freed storage is refused,
       naming the param and the key. A dict assigned to ``state[p]`` is stored as a copy (mutate
       ``optimizer.state[p]`` afterwards, not that dict); a new container put in ``optimizer.state`` is told from the
@@ -309,8 +310,13 @@ class FusedAdam(torch.optim.Optimizer):
 
     Distributed training (guides/distributed.md). DTensor params (FSDP2 ``fully_shard`` with or without a
     ``MixedPrecisionPolicy``, tensor parallel, 2D meshes) are planned and stepped through their local pieces, one op
-    call per bucket as for plain params, with every option above; a gradient must be laid out like its param
-    (``Partial`` gradients are refused, naming the param). The plan holds the local pieces and notices when an engine
+    call per bucket as for plain params, with every option above. A gradient laid out unlike its param (tensor
+    parallelism's ``Replicate`` gradient of a ``Shard(0)`` embedding, ``SequenceParallel``'s ``Partial`` gradient of a
+    ``Replicate`` norm weight) is brought to the param's layout once per step, as DTensor does for torch's
+    optimizers: a local slice where that suffices (no communication), else ``DTensor.redistribute``; with
+    ``grad_scale`` its ``p.grad`` then stays scaled, as torch's fused AdamW leaves it. A plain gradient for a DTensor
+    param, one on another mesh or of another global shape, and ``Partial`` params are refused, naming the param. The
+    plan holds the local pieces and notices when an engine
     gives a DTensor another local tensor or frees and re-allocates its storage (FSDP2 does both), as above. The
     clipping norm, :attr:`last_grad_norm` and the inf/NaN skip are global: when ``max_grad_norm`` or ``grad_scale``
     is given, each rank sums the squares of its gradient pieces, each weighted by 1 / (the ranks holding the same

@@ -755,6 +755,8 @@ MOMENT_LAYOUTS = {  # what training with an overflowed second moment leaves in e
     "bf16": {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
     "fp16": {"exp_avg_dtype": torch.float16, "exp_avg_sq_dtype": torch.float16},
     "amsgrad": {"amsgrad": True},
+    "8-bit": {"exp_avg_dtype": torch.uint8, "exp_avg_sq_dtype": torch.uint8, "amsgrad": True},
+    "4-bit": {"exp_avg_dtype": torch.uint4, "exp_avg_sq_dtype": torch.uint4},
 }
 
 
