@@ -91,7 +91,7 @@ def reciprocal_midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
 #        multiplication, so no backend can fuse it into an FMA (the Triton kernels on a GPU would);
 #   below the lowest non-zero level (j = 0) it rounds toward zero: rounding a tiny m up to levels[1] * s would make the
 #        update of an element whose v is tiny too (1e-7 of its block's gradients) explode (measured: 105 lr in one
-#        step; tests/test_lowbit.py bounds it at 4 lr), and a moment that small decays to 0 rather than sticks;
+#        step; tests/fused_adam/test_low_bit.py bounds it at 4 lr), and a moment that small decays to 0 rather than sticks;
 #   r = 32 random bits: fmix32(fmix32(bits(m) ^ e * 0x9E3779B1) ^ (step * 0x85EBCA77 + 0x6A09E667)) (uint32 arithmetic;
 #        e the element's index in its tensor, step the Adam step from 1, 0 for conversions outside a step). A hash
 #        of the new moment's own float32 bits, not of a seed: it needs no key and no generator state, every backend

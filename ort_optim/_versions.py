@@ -19,7 +19,7 @@ What a step writes: the params, their moments, masters, block scales and step co
 unscales them in place (``grad_scale``). A step skipped by ``found_inf`` writes nothing and marks nothing (on CUDA,
 where the flag stays on the device, the Triton path marks them anyway rather than wait for it). Tensors made under
 ``torch.inference_mode()`` have no version counter and are skipped, as ``torch.autograd.graph.increment_version``
-skips them (torch's foreach step refuses such params; ours updates them, see tests/test_cache_audit.py).
+skips them (torch's foreach step refuses such params; ours updates them, see tests/fused_adam/test_state_cache.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from . import _checkpoint, _plan, _spec, _versions, backends
+from . import _checkpoint, _migration, _plan, _spec, _versions, backends
 from ._backward_step import BackwardStep, loss_scaling_refused, max_grad_norm_refused
 from ._checkpoint import MOMENT_KEYS
 from ._plan import describe
@@ -974,7 +974,8 @@ class FusedAdam(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads a FusedAdam, torch.optim.Adam/AdamW or ORT FusedAdam checkpoint, all or nothing.
+        """Loads a FusedAdam, torch.optim.Adam/AdamW or ORT FusedAdam checkpoint, or one of torchao's or
+        bitsandbytes' low-bit Adam optimizers, all or nothing.
 
         Every entry is checked before anything changes, strictly: group options must have their types (``maximize``,
         ``amsgrad`` and ``bias_correction`` real bools: a ``"False"`` from a JSON/YAML export is refused, not read as
@@ -1006,6 +1007,24 @@ class FusedAdam(torch.optim.Optimizer):
         ``adam_w_mode``, so know where yours came from. To load such moments deliberately, put ``adam_w_mode`` in the
         checkpoint's groups.
 
+        Low-bit optimizers of other libraries (ort_optim/_migration.py, guides/low-bit-states.md "Migrating from
+        torchao and bitsandbytes"): the state_dicts of torchao's ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8``
+        (torchao 0.18) and of bitsandbytes' ``Adam8bit``, ``AdamW8bit`` and their paged variants (bitsandbytes 0.50)
+        are recognised and read as canonical checkpoints first. Each moment is decoded exactly as its library does,
+        ``value = qmap[code] * scale[block]`` in float32 (fp8 codes are their own values; params under 4096
+        elements have plain float32 moments), and then stored as every checkpoint is, in this optimizer's moment dtypes
+        (8-bit and 4-bit moments are quantised once more, in their own formats). Steps are kept; lr, betas, eps,
+        weight_decay (and torchao's amsgrad) are taken from the groups, with ``adam_w_mode=ADAMW_TORCH``,
+        ``bias_correction=True`` and ``maximize=False``: both libraries' update is torch.optim.AdamW's (bitsandbytes'
+        Adam8bit too: its step decays like AdamW's; its CUDA kernel decays after the update, a difference of lr * wd
+        times the update). bitsandbytes' extra group options (AdEMAMix's ``alpha``, ``t_alpha``, ``t_beta3``;
+        ``max_unorm``, ``percentile_clipping``, ...) are accepted only at the value that leaves Adam's step as it is
+        (``alpha=0``, ``t_alpha=None``, ...) and refused otherwise, naming the key. A layout that is not exactly one
+        of these (another torchao state class, a bitsandbytes key of another optimizer or version, codes without
+        their ``qmap``, any other tensor subclass) is refused naming the entry, and nothing changes. torchao's
+        Adam8bit/4bit/Fp8 save the same layout as its AdamW classes and load as AdamW: with weight_decay > 0 their
+        L2 decay cannot be told from the checkpoint.
+
         Hooks registered with ``register_load_state_dict_pre_hook`` (given a shallow copy of ``state_dict``; what
         one returns is loaded instead) and ``register_load_state_dict_post_hook`` run as in torch.optim.
         """
@@ -1017,6 +1036,7 @@ class FusedAdam(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict = _migration.canonical_checkpoint(state_dict)  # torchao's, bitsandbytes': read as canonical
         if self._has_dtensors:
             prepared = self._prepare_local_load(state_dict)
         else:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import site
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -18,10 +20,10 @@ from ort_optim import backends  # noqa: E402
 
 # One intra-op thread for the FusedAdam specification tests: on the shared 2-core machines a second OpenMP thread that
 # has to wait for a busy core makes small tensor ops 20x slower. The kernels' results do not depend on the thread
-# count; test_op.py checks that explicitly with 1 and 2 threads. (Other test modules keep torch's default.)
+# count; op/test_op.py checks that explicitly with 1 and 2 threads. (Other test modules keep torch's default.)
 SINGLE_THREAD_MODULES = {
-    "test_fused_adam", "test_mixed_precision", "test_checkpoints", "test_checkpoint_fuzz", "test_op", "test_lowbit",
-    "test_lowbit_acceptance", "test_cache_audit", "test_dropin_audit", "test_lowbit_audit",
+    "test_update_rule", "test_mixed_precision", "test_checkpoints", "test_op", "test_low_bit", "test_state_cache",
+    "test_migration", "test_drop_in",
 }
 
 
@@ -36,6 +38,15 @@ def _one_intra_op_thread(request):
         yield
     finally:
         torch.set_num_threads(previous)
+
+# Examples per hypothesis property. Each property states the count that `make test` (and CI) runs; the environment
+# variable ORT_OPTIM_FUZZ_EXAMPLES replaces every count: `make check` sets a few for its fast tier, and a long fuzzing
+# run sets many (ORT_OPTIM_FUZZ_EXAMPLES=100000). The properties are derandomized or seeded per test, so a failure
+# reproduces with the same count.
+def fuzz_examples(thorough: int) -> int:
+    value = os.environ.get("ORT_OPTIM_FUZZ_EXAMPLES")
+    return int(value) if value else thorough
+
 
 # The CPU backends every FusedAdam test runs on: the compiled op (ops/) and the pure-PyTorch fallback
 # (ort_optim/backends/reference.py). ORT_OPTIM_BACKEND is read at every step, so monkeypatch.setenv switches per test.
@@ -148,6 +159,15 @@ def state_values(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> Optio
 
         return formats.decode_state(value, state[key + "_scale"], key != "exp_avg", p.shape)
     return value
+
+
+def site_packages() -> list[str]:
+    """This interpreter's site-packages folders, in order: its own and those its .pth files add (a clone's .venv is
+    layered on the shared environment that way, tools/make_env.sh). For environments made in tests that must see
+    this one's packages (torch, pip, setuptools) as plain paths, whose .pth files do not run."""
+    folders = site.getsitepackages() + [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    folders += [path for path in sys.path if Path(path).name in ("site-packages", "dist-packages")]
+    return list(dict.fromkeys(folders))
 
 
 def pytest_report_header(config):

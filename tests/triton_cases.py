@@ -1,4 +1,4 @@
-"""Cases and an exact numpy model of ops/README.md, shared by tests/test_triton.py and tools/gpu_check.py.
+"""Cases and an exact numpy model of ops/README.md, shared by tests/triton_backend/test_triton.py and tools/gpu_check.py.
 
 No pytest here: tools/gpu_check.py runs these checks on a GPU machine that may have nothing but torch and triton.
 

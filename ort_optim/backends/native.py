@@ -2,8 +2,8 @@
 called through ``torch.ops.ort_optim``), and wraps its ``AdamPlan`` helper class.
 
 The library is built by the project's setup (``python -m ort_optim.build``) into a cache folder keyed by the torch
-version and C++ ABI, the Python ABI, the sources and the CPU's instruction-set flags, and loaded on first use, never at
-import time. Dispatch between backends is :mod:`ort_optim.backends`' job, not this module's.
+version, C++ ABI and location, the Python ABI, the sources and the CPU's instruction-set flags, from a copy of the
+sources in that folder, and loaded on first use, never at import time. Dispatch between backends is :mod:`ort_optim.backends`' job, not this module's.
 """
 
 from __future__ import annotations
@@ -83,16 +83,26 @@ def _abi() -> str:
     return f"{sysconfig.get_config_var('EXT_SUFFIX')} cxx11abi={int(torch.compiled_with_cxx11_abi())}"
 
 
+def _source_files() -> list[Path]:
+    """The library's sources and the headers they include."""
+    return [OPS_DIR / name for name in SOURCES]
+
+
 def build_dir() -> Path:
-    """Folder of the native library for this torch (version and C++ ABI), this Python ABI, these sources, the
-    generated spec header and this CPU: environments that share the cache never load each other's library."""
+    """Folder of the native library for this torch (version, C++ ABI and location), this Python ABI, these sources,
+    the generated spec header and this CPU: environments that share the cache never load each other's library, and
+    clones, worktrees and installed wheels with the same sources share one build. torch's build records the paths of
+    the sources and of torch's headers in the folder's build.ninja, and recompiles when they change: so the sources
+    are compiled from a copy inside the folder (build()), never from where they were found, and torch's location is
+    part of the key."""
     digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update((OPS_DIR / name).read_bytes())
+    for path in _source_files():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(spec_header().encode())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(_cpu_flags().encode())
     digest.update(_abi().encode())
+    digest.update(str(Path(torch.__file__).resolve().parent).encode())
     cache = Path(os.environ.get("ORT_OPTIM_CACHE", Path.home() / ".cache" / "ort-optim"))
     return cache / "ops" / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
 
@@ -105,13 +115,18 @@ def build(verbose: bool = False) -> Path:
         from torch.utils.cpp_extension import load
 
     folder = build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    sources = folder / "src"  # (compiler messages name these copies: the same files as ops/, by the folder's key)
+    sources.mkdir(parents=True, exist_ok=True)
+    for path in _source_files():
+        copy = sources / path.name
+        if not copy.exists() or copy.read_bytes() != path.read_bytes():  # (a rewrite would make ninja recompile)
+            copy.write_bytes(path.read_bytes())
     header, text = folder / "ort_optim_spec.h", spec_header()
     if not header.exists() or header.read_text() != text:  # (a rewrite makes ninja recompile the kernels: 25-50 s)
         header.write_text(text)
     load(
         name="ort_optim_ops",
-        sources=[str(OPS_DIR / name) for name in SOURCES if name.endswith(".cpp")],
+        sources=[str(sources / name) for name in SOURCES if name.endswith(".cpp")],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(folder)],

@@ -18,7 +18,7 @@ covers any number of tensors. The math is the one of ops/README.md, in the CPU k
   <= the normalised value: the reference's ``searchsorted(..., right=True)``), so the codes and scales are the
   reference's (``formats.quantize_low_bit``) bit for bit.
 
-Trap-driven choices (see tests/test_triton.py): pointer types are always built from literal dtypes (``tl.pointer_type``
+Trap-driven choices (see tests/triton_backend/test_triton.py): pointer types are always built from literal dtypes (``tl.pointer_type``
 of a constexpr dtype runs in the interpreter but does not compile with Triton 3.0/3.1); the skip flag is honoured with
 an early ``return`` (``mask & (scalar == 0)`` trips the interpreter); NaNs are kept out of block maxima explicitly
 (GPU ``max`` ignores them, numpy propagates them).
