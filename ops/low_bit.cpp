@@ -109,7 +109,15 @@ void low_bit_load(const LowBit& f, const uint8_t* codes, const void* scales, int
   for (int64_t q = 0; q < n; q += f.block) {
     const int64_t len = std::min<int64_t>(f.block, n - q);
     const uint8_t* c = kBits == 8 ? codes + off + q : codes + (off + q) / 2;
-    decode_block<kBits, kSecondMoment>(map, c, f.scale(scales, (off + q) / f.block), len, dst + q);
+    const float s = f.scale(scales, (off + q) / f.block);
+    decode_block<kBits, kSecondMoment>(map, c, s, len, dst + q);
+    if (kSecondMoment && std::signbit(s) && !std::isnan(s)) {
+      // a block holding an overflowed v (_spec.LowBitFormat): its code 0 reads as v = inf
+      for (int64_t i = 0; i < len; ++i) {
+        const int code = kBits == 8 ? c[i] : (c[i >> 1] >> ((i & 1) * 4)) & 15;
+        if (code == 0) dst[q + i] = std::numeric_limits<float>::infinity();
+      }
+    }
   }
 }
 
@@ -267,6 +275,20 @@ void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t
     const bool take_sqrt = second_moment && !root;
     const float* u = take_sqrt ? sqrt_v : root ? root + q : src + q;
     uint32_t amax = block_amax(take_sqrt ? src + q : u, len, take_sqrt, sqrt_v);
+    // sqrt(v) = inf and no NaN (whose bits exceed inf's): v overflowed float32, as torch's AdamW keeps it. The block
+    // is coded by its finite values (codes >= 1), the overflowed ones take code 0, and the scale its sign bit
+    // (_spec.LowBitFormat): one element never makes its block's scale inf or NaN.
+    float finite_u[256];
+    const bool overflowed = kSecondMoment && amax == 0x7F800000u;
+    if (overflowed) {
+      amax = 0;
+      for (int64_t i = 0; i < len; ++i) {
+        const uint32_t b = float_to_bits(u[i]) & 0x7FFFFFFFu;
+        finite_u[i] = b < 0x7F800000u ? u[i] : 0.0f;
+        amax = std::max(amax, b < 0x7F800000u ? b : 0u);
+      }
+      u = finite_u;
+    }
     // The scale: the block's absolute maximum, rounded to nearest even where the format stores bfloat16 scales
     // (which may overflow to inf: then the block is non-finite, like one holding inf).
     if (f.bf16_scales && amax < 0x7F800000u) amax = (amax + 0x7FFFu + ((amax >> 16) & 1u)) & 0xFFFF0000u;
@@ -276,6 +298,17 @@ void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t
     if (amax < 0x7F800000u) {
       s = bits_to_float(amax);
       encode_block<kBits, !kSecondMoment>(map, u, len, s > 0.0f ? 1.0f / s : 0.0f, out, uint64_t(off + q), step);
+      if (overflowed) {
+        const float* v_root = take_sqrt ? sqrt_v : root ? root + q : src + q;
+        for (int64_t i = 0; i < len; ++i) {
+          const int shift = kBits == 8 ? 0 : int(i & 1) * 4;
+          uint8_t& byte = kBits == 8 ? out[i] : out[i >> 1];
+          const int code = (byte >> shift) & (kBits == 8 ? 0xFF : 0xF);
+          const int fixed = std::isinf(v_root[i]) ? 0 : std::max(code, 1);
+          byte = uint8_t((byte & ~((kBits == 8 ? 0xFF : 0xF) << shift)) | (fixed << shift));
+        }
+        s = -s;  // (-0.0 for a zero block)
+      }
     } else {  // inf or NaN in the block: it reads back as NaN everywhere (scale NaN, codes 0)
       s = std::numeric_limits<float>::quiet_NaN();
       std::memset(out, 0, kBits == 8 ? len : (len + 1) / 2);

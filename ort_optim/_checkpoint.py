@@ -237,7 +237,13 @@ def _check_id(value: Any, where: str) -> None:
 
 
 def _check_moment(value: Any, param: torch.Tensor, key: str, where: str) -> torch.Tensor:
-    """A moment or master of the checkpoint, as a fresh canonical tensor on the param's device."""
+    """A moment or master of the checkpoint, as a fresh canonical tensor on the param's device.
+
+    What is refused is what training cannot produce: a tensor that is not a dense floating-point one of the param's
+    shape, a finite value that overflows when converted to float32 (a foreign float64 checkpoint), and a negative
+    second moment (a mean of squares; -inf included). inf and NaN are values training does produce (a second moment
+    whose square overflowed float32, as torch.optim.AdamW keeps it; the moments and masters of a diverged run): they
+    load as they are, and load_state_dict warns (:func:`warn_nonfinite`)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where} must be a tensor, got {_show(value)}")
     if value.layout != torch.strided or value.is_meta:
@@ -248,12 +254,30 @@ def _check_moment(value: Any, param: torch.Tensor, key: str, where: str) -> torc
         raise ValueError(f"{where} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
     dtype = torch.float32 if key == "master_param" else canonical_dtype(param)
     out = value.detach().to(param.device, dtype, copy=True)
-    if not bool(torch.isfinite(out).all()):
-        raise ValueError(f"{where} holds inf or NaN" + (" once converted to float32 (values beyond its range)"
-                                                       if torch.isfinite(value).all() else ""))
+    if bool((torch.isfinite(value.detach().to(param.device)) & ~torch.isfinite(out)).any()):
+        raise ValueError(f"{where} holds inf or NaN once converted to float32 (values beyond its range)")
     if key != "exp_avg" and key != "master_param" and bool((out < 0).any()):
         raise ValueError(f"{where} holds negative values; a second moment is a mean of squares")
     return out
+
+
+def nonfinite_entries(values: dict, where: str) -> list[str]:
+    """The entries (``where[key]``) among a state's checked moments and master that hold inf or NaN."""
+    return [f"{where}[{key!r}]" for key, value in values.items() if not bool(torch.isfinite(value).all())]
+
+
+def warn_nonfinite(entries: list[str]) -> None:
+    """The warning of a load whose moments or masters hold inf or NaN (loaded as they are, see :func:`_check_moment`)."""
+    if not entries:
+        return
+    import warnings
+
+    shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+    warnings.warn(
+        f"load_state_dict: {shown} {'holds' if len(entries) == 1 else 'hold'} inf or NaN; loaded as they are, so training continues exactly as it would "
+        "have without the checkpoint (a second moment whose square overflowed float32 stays inf, as in "
+        "torch.optim.AdamW, and its element's update stays 0; NaN moments or masters mean the run had diverged "
+        "before it was saved)", RuntimeWarning, stacklevel=3)
 
 
 # ---- loading -------------------------------------------------------------------------------------------------------
@@ -266,6 +290,7 @@ class PreparedLoad:
 
     groups: list[dict]
     state: dict
+    nonfinite: list[str]  # the entries holding inf or NaN, loaded as they are (warn_nonfinite once the load is done)
 
 
 def _torch_adam_with_l2(saved: dict) -> bool:
@@ -347,6 +372,7 @@ def prepare_load(param_groups: list[dict], state_dict: Any, init_state: Callable
         group_steps.append(None if "step" not in saved else check_step(saved["step"], entry("param_groups", gi, "step")))
 
     new_state: dict[torch.Tensor, dict] = {}
+    nonfinite: list[str] = []
     for saved_id, saved in saved_state.items():
         where = entry("state", saved_id)
         _check_id(saved_id, f"{where} (its key)")
@@ -354,14 +380,15 @@ def prepare_load(param_groups: list[dict], state_dict: Any, init_state: Callable
             raise ValueError(f"{where}: parameter id {saved_id!r} is listed in no {entry('param_groups')}[i]"
                              "['params']")
         gi, p = id_to_param[saved_id]
-        new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], gi, group_steps[gi], where, init_state)
+        new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], gi, group_steps[gi], where, init_state,
+                                              nonfinite)
     for group in new_groups:
         del group["params"]
-    return PreparedLoad(new_groups, new_state)
+    return PreparedLoad(new_groups, new_state, nonfinite)
 
 
 def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index: int, group_step: Optional[float],
-                           where: str, init_state: Callable[[torch.Tensor, bool], dict]) -> dict:
+                           where: str, init_state: Callable[[torch.Tensor, bool], dict], nonfinite: list[str]) -> dict:
     if not isinstance(saved, dict):
         raise TypeError(f"{where} must be a dict of state tensors, got {_show(saved)}")
     for key in saved:
@@ -384,14 +411,17 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
                          "have one, as ORT's FusedAdam saves)")
     values = {key: _check_moment(saved[key], p, key, f"{where}[{key!r}]")
               for key in MOMENT_KEYS + ("master_param",) if key in saved}
+    nonfinite += nonfinite_entries(values, where)
 
     state = init_state(p, group["amsgrad"])
     state["step"].fill_(step)
     for key in MOMENT_KEYS:
         if key in state:
             from_canonical(state, key, values[key])
-            # what the storage dtype can hold: a float32 value beyond bfloat16's largest rounds to inf there
-            if not bool(torch.isfinite(to_canonical(state, key, p.shape)).all()):
+            # what the storage dtype can hold: a float32 value beyond bfloat16's largest rounds to inf there (inf and
+            # NaN that the checkpoint holds stay what they are; a finite value must stay finite)
+            stored = to_canonical(state, key, p.shape)
+            if bool((torch.isfinite(values[key]) & ~torch.isfinite(stored)).any()):
                 raise ValueError(f"{where}[{key!r}] holds values beyond the range of this optimizer's "
                                  f"{state[key].dtype} {key} storage")
     if "master_param" in state and "master_param" in values:

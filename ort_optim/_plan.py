@@ -29,7 +29,8 @@ that cannot be honoured, before any write.
 
 DTensor params (FSDP2, tensor parallel) are planned and stepped through their local tensors
 (``integrations/dtensor.py``): the buckets hold the local pieces and their gradients' local pieces, validated like
-plain tensors, and the gradient must be laid out like its param. Their buckets take the Python check (a native plan
+plain tensors; a gradient laid out unlike its param is brought to the param's layout once per step after the rule
+held (:meth:`Plan.resolve_grads`: a local slice, or DTensor's redistribution). Their buckets take the Python check (a native plan
 reads ``.grad`` from the tensors it holds, and a local piece has none: its DTensor holds it), whose fingerprints
 follow storages that an engine frees and re-allocates, and which reads the local pieces afresh at every step.
 """
@@ -225,6 +226,7 @@ class Bucket:
     native: Optional[backends.AdamPlan] = None  # on the native CPU backend
     fingerprints: list = field(default_factory=list)  # of every tensor above, for the Python check (other backends)
     grads: list = field(default_factory=list)  # this step's gradients (other backends; a native plan reads its own)
+    pending: list = field(default_factory=list)  # (slot, DTensor gradient) to redistribute into grads this step
     dtensors: bool = False  # params holds DTensors' local pieces
 
     def state_lists(self) -> list[list[torch.Tensor]]:
@@ -258,19 +260,23 @@ class GroupPlan:
         grads = [p.grad for p in self.params]
         if tuple(g is not None for g in grads) != self.has_grad:
             return False
+        pending = {}  # position: gradient to redistribute (Plan.resolve_grads, once the plan holds)
         if self.dtensors:
-            if any(g is not None and dtensor.layout_problem(p, g) for p, g in zip(self.params, grads)):
+            if any(g is not None and dtensor.gradient_problem(p, g) for p, g in zip(self.params, grads)):
                 return False
-            grads = [dtensor.local(g) for g in grads]
+            pending = {i: g for i, (p, g) in enumerate(zip(self.params, grads))
+                       if g is not None and dtensor.needs_redistribution(p, g)}
+            grads = [None if i in pending else dtensor.local(g) for i, g in enumerate(grads)]
         for bucket in self.buckets:
             bucket.grads = [grads[i] for i in bucket.indices]
+            bucket.pending = [(slot, pending[i]) for slot, i in enumerate(bucket.indices) if i in pending]
             if bucket.dtensors and not all(dtensor.local(self.params[i]) is q
                                            for i, q in zip(bucket.indices, bucket.params)):
                 return False  # (a DTensor given another local tensor: what it holds now is what must be stepped)
             if bucket.native is not None:
                 if bucket.native.check() >= 0:
                     return False
-            elif not all(map(_usable_grad, bucket.grads, bucket.params)) or list(
+            elif not all(g is None or _usable_grad(g, p) for g, p in zip(bucket.grads, bucket.params)) or list(
                     map(fingerprint, bucket.tensors())) != bucket.fingerprints:
                 return False
         return True
@@ -305,6 +311,27 @@ class Plan:
         """Whether any group has DTensor params."""
         return any(planned.dtensors for planned in self.groups)
 
+    def resolve_grads(self, writes_grads: bool) -> None:
+        """Brings the gradients laid out unlike their DTensor params to the params' layout (dtensor.local_grad), once
+        per step, after valid(): every rank runs the same collectives in the same order, whether or not its plan was
+        rebuilt. writes_grads: the step writes the gradients back unscaled; a piece that is a view of the gradient
+        is then copied, so p.grad stays as it was, as torch's fused AdamW leaves it for a redistributed gradient
+        (a replicated gradient unscaled in one rank's slice only would no longer be replicated). Raises ValueError
+        naming the param if a piece cannot update it (nothing has been written)."""
+        for group_index, planned in enumerate(self.groups):
+            for bucket in planned.buckets:
+                for slot, g in bucket.pending:
+                    p = planned.params[bucket.indices[slot]]
+                    piece = dtensor.local_grad(p, g)
+                    if writes_grads and piece.untyped_storage().data_ptr() == dtensor.local(g).untyped_storage(
+                            ).data_ptr():
+                        piece = piece.clone()
+                    problem = _grad_problem(piece, bucket.params[slot])
+                    if problem is not None:
+                        raise ValueError(f"{describe(group_index, bucket.indices[slot], p)}: {problem} (once "
+                                         f"redistributed from {dtensor.describe_layout(g)})")
+                    bucket.grads[slot] = piece
+
     def buckets(self):
         """(group index, group, bucket) of every op call of a step, in order."""
         for group_index, planned in enumerate(self.groups):
@@ -338,10 +365,12 @@ def _usable_grad(g: torch.Tensor, p: torch.Tensor) -> bool:
     return _grad_problem(g, p) is None
 
 
-def _grad_problem(g: torch.Tensor, p: torch.Tensor) -> Optional[str]:
+def _grad_problem(g: torch.Tensor, p: torch.Tensor, same_shape: bool = True) -> Optional[str]:
+    """Why g cannot update p; same_shape=False: g is the local piece of a gradient still to be redistributed
+    (Plan.resolve_grads), whose shape becomes p's."""
     if g.layout != torch.strided:
         return f"its gradient is sparse ({g.layout}); FusedAdam needs dense gradients"
-    if g.shape != p.shape:
+    if same_shape and g.shape != p.shape:
         return f"its gradient has shape {tuple(g.shape)}, not the parameter's"
     if g.device != p.device:
         return f"its gradient is on {g.device}, the parameter on {p.device}"
@@ -381,12 +410,13 @@ def build(optimizer) -> Plan:
             where = describe(group_index, index, p)
             if p.dtype not in SUPPORTED_PARAM_DTYPES:
                 raise ValueError(f"{where}: FusedAdam supports float32, float64, float16 and bfloat16 params")
-            layout = dtensor.layout_problem(p, g)
+            layout = dtensor.gradient_problem(p, g)
             if layout is not None:
                 raise ValueError(f"{where}: {layout}")
             state = optimizer.state.get(p)
+            same_layout = not dtensor.needs_redistribution(p, g)  # (else brought to p's at each step: resolve_grads)
             p, g = dtensor.local(p), dtensor.local(g)  # (from here on, what this rank stores and updates)
-            problem = _storage_problem(p) or _grad_problem(g, p)
+            problem = _storage_problem(p) or _grad_problem(g, p, same_shape=same_layout)
             if problem is not None:
                 raise ValueError(f"{where}: {problem if problem.startswith('its') else 'it ' + problem}")
             if state:
@@ -614,8 +644,10 @@ def _low_bit_state(p: torch.Tensor, state: ParamState, key: str, where: str) -> 
         problem = _storage_problem(tensor)
         if problem is not None:
             raise ValueError(f"{name} {problem}")
-    if bool((scale < 0).any()):  # (NaN scales are legal: a block that held inf/NaN)
-        raise ValueError(f"{scale_what} holds negative block scales; scales are block maxima (>= 0)")
+    # (NaN scales are legal: a block that held inf/NaN; so are a second moment's negative ones: the sign bit marks a
+    # block whose overflowed v reads back as inf, ops/README.md)
+    if key == "exp_avg" and bool((scale < 0).any()):
+        raise ValueError(f"{scale_what} holds negative block scales; exp_avg's scales are block maxima (>= 0)")
     return value, fmt
 
 

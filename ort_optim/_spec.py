@@ -128,6 +128,12 @@ class LowBitFormat:
     * ``s`` = the block's absolute maximum (of m, or of u), rounded to nearest even in ``scale_dtype`` (normalised
       values are clamped to 1); a block with inf or NaN (or a maximum beyond the scale dtype's range) gets
       s = NaN, an all-zero block s = 0.
+    * Except a second moment whose v overflowed float32 (one gradient element above about 5.8e20 at beta2 = 0.999
+      makes (1 - beta2) * g * g inf, and torch.optim.AdamW keeps that v = inf): such an element takes code 0 and
+      reads back as v = inf, the block's other elements are coded as if it were absent (with codes >= 1: one on
+      level 0 moves up to level 1, which can only shrink its update), and ``s`` is their maximum with the sign bit
+      set (-0.0 when they are all zero), which marks the block. One element never makes its block's scale inf or
+      NaN, so it never poisons its block's other params; a NaN still does (its block reads back as NaN, as before).
     """
 
     name: str

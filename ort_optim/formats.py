@@ -112,10 +112,16 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
     n = x.numel()
     u = sqrt_f32(x) if second_moment else x
     blocks = torch.nn.functional.pad(u, (0, -n % fmt.block)).view(-1, fmt.block)
-    amax = blocks.abs().amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
+    # A second moment whose v overflowed float32 (sqrt(v) = inf; torch's AdamW keeps that v = inf): the element gets
+    # code 0, which reads back as inf in a block whose scale has its sign bit set; the block's other elements are
+    # coded by their own maximum, with codes >= 1 (_spec.LowBitFormat).
+    overflowed = torch.isposinf(blocks) if second_moment else torch.zeros_like(blocks, dtype=torch.bool)
+    finite = torch.where(overflowed, torch.zeros_like(blocks), blocks)
+    amax = finite.abs().amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
     scales = _round_to(amax, fmt.scale_dtype)
     scales = torch.where(scales < MIN_SCALE, torch.zeros_like(scales), scales)  # (NaN compares False: kept)
     scales = torch.where(torch.isfinite(scales), scales, torch.full_like(scales, math.nan))
+    flagged = overflowed.any(dim=1) & ~torch.isnan(scales)
     usable = (scales > 0) & torch.isfinite(scales)
     inv = torch.where(usable, 1.0 / torch.where(usable, scales, torch.ones_like(scales)), torch.zeros_like(scales))
     a = blocks.abs() * inv[:, None]
@@ -137,6 +143,8 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
         codes = codes + (up & (codes > 0) & (codes < len(levels) - 1)).long()
     if not second_moment:
         codes = codes | (((blocks < 0) & (codes > 0)).long() << (fmt.bits - 1))
+    codes = torch.where(flagged[:, None], torch.where(overflowed, torch.zeros_like(codes), codes.clamp(min=1)), codes)
+    scales = torch.where(flagged, -scales, scales)  # (-0.0 for a zero block)
     codes = torch.where(torch.isnan(scales)[:, None], torch.zeros_like(codes), codes)  # a NaN block: all codes 0
     codes = codes.reshape(-1)[:n].to(torch.uint8)
     if fmt.bits == 4:
@@ -156,8 +164,9 @@ def dequantize_low_bit(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFor
     table = decode_table(fmt, second_moment).to(codes.device)
     values = torch.nn.functional.pad(table[flat], (0, -n % fmt.block)).view(-1, fmt.block)
     values = (values * scales.float()[:, None]).reshape(-1)[:n]
-    if second_moment:
-        values = values * values
+    if second_moment:  # code 0 in a block whose scale has its sign bit set (and is no NaN): an overflowed v, inf
+        flagged = (torch.signbit(scales.float()) & ~torch.isnan(scales.float())).repeat_interleave(fmt.block)[:n]
+        values = torch.where(flagged & (flat == 0), torch.full_like(values, math.inf), values * values)
     return values.view(shape)
 
 

@@ -527,6 +527,8 @@ class FusedAdam(torch.optim.Optimizer):
             plan = self._plan = _plan.build(self)
             if not plan.valid(self):  # a plan describes what it was built from: this is a bug, not a user error
                 raise RuntimeError("ort_optim: a FusedAdam plan was not valid right after it was built; please report")
+        if plan.dtensors:  # (gradients laid out unlike their DTensor params: to the params' layout, once per step)
+            plan.resolve_grads(writes_grads=grad_scale is not None and self._unscale_grads)
         self._launch(plan, grad_scale, found_inf)
         return loss
 
@@ -807,9 +809,17 @@ class FusedAdam(torch.optim.Optimizer):
         ``amsgrad`` and ``bias_correction`` real bools: a ``"False"`` from a JSON/YAML export is refused, not read as
         True; ``adam_w_mode`` an AdamWMode or the int 0/1/2), numbers finite and in range; every parameter id listed
         once; each state a dict of exactly the Adam keys, its ``step`` a whole number in [0, 2**53] (a number or a
-        one-element tensor), its moments finite floating-point tensors of the parameter's shape (second moments
-        non-negative). A bad entry raises ValueError (bad value) or TypeError (wrong type) naming it, for example
-        ``state_dict['state'][3]['step']``, and leaves the optimizer as it was. Then new state tensors are built as
+        one-element tensor), its moments and master floating-point tensors of the parameter's shape (second moments
+        non-negative; finite values that overflow when converted to float32 are refused). A bad entry raises
+        ValueError (bad value) or TypeError (wrong type) naming it, for example ``state_dict['state'][3]['step']``,
+        and leaves the optimizer as it was.
+
+        A checkpoint this optimizer saved always loads, and resuming from it equals not stopping, bit for bit: the
+        checks refuse malformed input, not values training produces. inf and NaN in moments and masters load as they
+        are, with a RuntimeWarning naming the entries: a second moment whose square overflowed float32 is inf, as
+        torch.optim.AdamW keeps it (that element's update stays 0, in fp32 and low-bit moments alike), and a run
+        that diverged before it was saved has inf/NaN moments or masters (torch loads them too). A finite value
+        that this optimizer's storage dtype cannot hold (beyond bfloat16's range, say) is refused. Then new state tensors are built as
         copies in this optimizer's storage dtypes: the given dict and its tensors are never written to, so loading the
         same dict twice equals loading it once. Missing ``master_param`` entries are taken from the current params.
 
@@ -868,6 +878,7 @@ class FusedAdam(torch.optim.Optimizer):
             group.update(new_group, params=params)
         self.state.clear()
         self.state.update(prepared.state)  # (the state's version changes: the next step plans again)
+        _checkpoint.warn_nonfinite(prepared.nonfinite)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

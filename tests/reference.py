@@ -154,8 +154,9 @@ def round_state(x: torch.Tensor, dtype: torch.dtype, second_moment: bool = False
 # ---- low-bit states, from the format's definition (ops/README.md, "low-bit states") -------------------------------
 # The levels and block sizes are the specification's data (ort_optim._spec); the quantiser below is written from
 # the README's rules: scale = block absmax (rounded to nearest bfloat16 for 4-bit), normalised a = fp32(|u| * fp32(1/s))
-# clamped to 1; sqrt(v) (exp_avg_sq) takes the level nearest in 1/sqrt(v), exp_avg the largest level <= a or, stochastically, the
-# next one up (random bits: a hash of the value's float32 bits, its index and the step).
+# clamped to 1; sqrt(v) (exp_avg_sq) takes the level nearest in 1/sqrt(v), exp_avg the largest level <= a or,
+# stochastically, the next one up (random bits: a hash of the value's float32 bits, its index and the step). A second
+# moment's overflowed v (sqrt(v) = inf) reads back as inf, and its block is quantised by its other values.
 
 LOW_BIT_DTYPES = (torch.uint8, torch.uint4)
 
@@ -221,7 +222,12 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
     out = torch.empty_like(u)
     for b, s in enumerate(scales.tolist()):
         chunk = u[b * fmt.block:(b + 1) * fmt.block]
-        if not math.isfinite(s):
+        overflowed = torch.isposinf(chunk) if second_moment else torch.zeros_like(chunk, dtype=torch.bool)
+        if second_moment and bool(overflowed.any()) and not bool(chunk.isnan().any()):
+            # v overflowed float32 (as torch.optim.AdamW keeps it, inf): that element reads back as inf; the block
+            # is quantised by its finite values, which take a level >= levels[1] (level 0 is the overflow's code)
+            s = float(low_bit_scales(torch.where(overflowed, torch.zeros_like(chunk), chunk), dtype)[0])
+        elif not math.isfinite(s):
             out[b * fmt.block:(b + 1) * fmt.block] = math.nan
             continue
         inv = torch.tensor(1.0, dtype=torch.float32) / s if s > 0 else torch.tensor(0.0)
@@ -239,7 +245,10 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
                 threshold = (r // 256).float() * torch.tensor(2.0**-24) * (nxt - levels[index])
                 up = below_top & ((lowered - levels[index]) > threshold)
             index = index + up.long()
+        if bool(overflowed.any()):
+            index = index.clamp(min=1)
         value = levels[index] * torch.tensor(s, dtype=torch.float32)
+        value = torch.where(overflowed, torch.full_like(value, math.inf), value)
         value = torch.where((chunk < 0) & (index > 0), -value, value) if not second_moment else value
         out[b * fmt.block:(b + 1) * fmt.block] = value * value if second_moment else value
     return out.double().view(x.shape)

@@ -219,6 +219,9 @@ def _load_low_bit(addr, scale_addr, lut_ptr, offs, mask, DT: tl.constexpr, SECON
     if SECOND:
         u = tl.load(lut_ptr + (1 << bits) + codes) * s
         x = u * u
+        # a negative scale (its sign bit: -0.0 too; a NaN's sign means nothing) marks a block with overflowed v:
+        # there code 0 reads as v = inf
+        x = tl.where((s.to(tl.int32, bitcast=True) < 0) & (s == s) & (codes == 0), float("inf"), x)
     else:
         x = tl.load(lut_ptr + codes) * s
     return x
@@ -229,7 +232,9 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
                    BLOCK: tl.constexpr):
     """Encodes float32 values x (v for SECOND: its square root is coded) into an 8-bit or 4-bit state and its
     scales, as formats.quantize_low_bit: per block the scale is the absolute maximum (rounded to nearest bfloat16
-    for 4-bit; 0 below float32's smallest normal), NaN for a block with an inf or NaN (whose codes are then 0); the
+    for 4-bit; 0 below float32's smallest normal), NaN for a block with an inf or NaN (whose codes are then 0), except
+    a second moment's overflowed v (sqrt(v) = inf): the maximum of the finite ones with the sign bit set, code 0 for
+    the overflowed elements and codes >= 1 for the others; the
     code of a normalised value a = min(|x| * (1/s) (* EXP_AVG_SNAP for exp_avg), 1) is the count of the format's
     thresholds <= a (_spec.thresholds), with the sign bit for a negative exp_avg; an exp_avg between two non-zero
     levels then rounds stochastically one up (_spec.EXP_AVG_SR_ULPS; step: the uint32 Adam step, from 1)."""
@@ -248,9 +253,14 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
     m2 = tl.reshape(mask, (NB, QB))
     offs2 = tl.reshape(offs, (NB, QB))
     au = tl.abs(u2)
-    bad = m2 & ((u2 != u2) | (au == float("inf")))
+    if SECOND:  # sqrt(v) = inf: v overflowed float32 (a flagged block, see reference.quantize_low_bit); NaN: bad
+        overflowed = m2 & (au == float("inf"))
+        bad = m2 & (u2 != u2)
+        flagged = tl.max(overflowed.to(tl.int32), axis=1) > 0
+    else:
+        bad = m2 & ((u2 != u2) | (au == float("inf")))
     block_bad = tl.max(bad.to(tl.int32), axis=1) > 0
-    amax = tl.max(tl.where(m2 & (au == au), au, 0.0), axis=1)
+    amax = tl.max(tl.where(m2 & (au == au) & (au != float("inf")), au, 0.0), axis=1)
     if DT == 5:  # the scale is stored in bfloat16: rounded to nearest even (may overflow to inf)
         amax = (_bf16_bits(amax).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     amax = tl.where(amax < MIN_SCALE, 0.0, amax)  # a subnormal maximum: a zero block
@@ -284,6 +294,9 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
         up = (lowered - lo) > (r >> 8).to(tl.float32) * 5.9604644775390625e-08 * (hi - lo)  # 2**-24
         code = tl.where(up & (code > 0) & (code < (1 << (BITS - 1)) - 1), code + 1, code)
         code = tl.where((u2 < 0.0) & (code > 0), code | (1 << (BITS - 1)), code)
+    if SECOND:  # in a flagged block code 0 means v = inf; finite values take codes >= 1, the scale its sign bit
+        code = tl.where(flagged[:, None], tl.where(overflowed, 0, tl.maximum(code, 1)), code)
+        s = tl.where(flagged & (s == s), s * -1.0, s)  # (-0.0 for a zero block: the interpreter's -s is 0 - s)
     code = tl.where(block_bad[:, None] | (m2 == 0), 0, code)
     block_mask = tl.max(m2.to(tl.int32), axis=1) > 0
     block_index = tl.min(offs2, axis=1) // QB

@@ -20,8 +20,16 @@ groups (DDP), as small functions without state.
   param's mesh, or from a full plain tensor (a one-process checkpoint). FusedAdam's saved form is already
   per-element and unscaled (no block scale spans shards), which is what makes this resharding exact.
 
-``Partial`` placements (a gradient that still awaits its reduction) are refused: the update of a partial sum would
-be wrong, and so would its norm.
+* **Gradients laid out unlike their params.** Tensor parallelism leaves some gradients in another layout than their
+  param: a ``Shard(0)`` embedding whose gradient is ``Replicate`` (``RowwiseParallel`` on an embedding), a
+  ``Replicate`` norm weight whose gradient is ``Partial`` (``SequenceParallel``). torch's optimizers step them
+  because DTensor redistributes the gradient to the param's placements; FusedAdam does the same, once per step, in
+  the cheapest way (:func:`local_grad`): where the gradient is ``Replicate`` and the param ``Shard`` on the mesh
+  dims that differ, this rank's piece is a slice of the gradient's local tensor (a view, no communication, no copy);
+  otherwise ``DTensor.redistribute`` (a ``Partial`` gradient is reduced: all-reduce or reduce-scatter). Everything
+  after that (the update, the norm, the skip) sees a gradient laid out like its param, so each element counts once in
+  the global norm. A gradient on another mesh, of another global shape, or a plain tensor for a DTensor param (or the
+  reverse) is refused (:func:`gradient_problem`). A ``Partial`` *param* is refused too (:func:`check_placements`).
 """
 
 from __future__ import annotations
@@ -33,12 +41,12 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 try:  # torch >= 2.5: the public module; torch 2.4: the private one (same classes)
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # pragma: no cover - depends on the torch version
     try:
-        from torch.distributed._tensor import DTensor, Replicate
+        from torch.distributed._tensor import DTensor, Replicate, Shard
     except ImportError:  # torch built without distributed support
-        DTensor = Replicate = None
+        DTensor = Replicate = Shard = None
 
 
 def is_dtensor(t: Any) -> bool:
@@ -84,19 +92,74 @@ def check_placements(t: torch.Tensor, where: str) -> None:
         raise ValueError(f"{where} {problem}")
 
 
-def layout_problem(param: torch.Tensor, grad: torch.Tensor) -> Optional[str]:
-    """Why grad cannot update param piece by piece (a Partial gradient, or one laid out unlike its param), as the
-    end of an error message that starts with the param's name; None when it can (always for two plain tensors)."""
+def gradient_problem(param: torch.Tensor, grad: torch.Tensor) -> Optional[str]:
+    """Why grad cannot be brought to param's layout (:func:`local_grad`), as the end of an error message that starts
+    with the param's name; None when it can (always for two plain tensors, and for a DTensor gradient of the param's
+    global shape on the param's mesh, in any placements)."""
     if not (is_dtensor(param) or is_dtensor(grad)):
         return None
+    if not (is_dtensor(param) and is_dtensor(grad)):
+        return (f"the parameter is {describe_layout(param)} but its gradient is {describe_layout(grad)}; a DTensor "
+                "param needs a DTensor gradient on its mesh, and a plain param a plain gradient")
+    if grad.device_mesh != param.device_mesh:
+        return (f"the parameter is {describe_layout(param)} but its gradient is {describe_layout(grad)}: a gradient "
+                "on another device mesh")
+    if tuple(grad.shape) != tuple(param.shape):
+        return f"its gradient has the global shape {tuple(grad.shape)}, not the parameter's {tuple(param.shape)}"
+    return None
+
+
+def layout_problem(param: torch.Tensor, grad: torch.Tensor) -> Optional[str]:
+    """Why grad cannot update param piece by piece as it is (a Partial gradient, or one laid out unlike its param, or
+    any :func:`gradient_problem`), as the end of an error message that starts with the param's name; None when it
+    can. For code that pairs local pieces without redistributing (FusedAdam redistributes: :func:`local_grad`)."""
+    problem = gradient_problem(param, grad)
+    if problem is not None or not is_dtensor(param):
+        return problem
     problem = _partial_problem(grad)
     if problem is not None:
         return "its gradient " + problem
-    if not (is_dtensor(param) and is_dtensor(grad) and grad.device_mesh == param.device_mesh
-            and tuple(grad.placements) == tuple(param.placements)):
+    if tuple(grad.placements) != tuple(param.placements):
         return (f"the parameter is {describe_layout(param)} but its gradient is {describe_layout(grad)}; they must "
                 "be laid out alike")
     return None
+
+
+def needs_redistribution(param: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether grad (a DTensor of param's mesh and shape, see :func:`gradient_problem`) is laid out unlike param."""
+    return is_dtensor(grad) and tuple(grad.placements) != tuple(param.placements)
+
+
+def _sliced(param: torch.Tensor, grad: torch.Tensor) -> Optional[torch.Tensor]:
+    """grad's piece laid out like param's local tensor as a view of grad's local tensor (no communication), where
+    on every mesh dim they differ grad is Replicate and param a plain Shard(d) of a tensor dim d that no other mesh
+    dim shards (so the piece is one contiguous range of d: torch.chunk's, as DTensor's Shard); None elsewhere."""
+    placements, piece = tuple(param.placements), local(grad)
+    for mesh_dim, (want, have) in enumerate(zip(placements, grad.placements)):
+        if want == have:
+            continue
+        if not (have.is_replicate() and type(want) is Shard
+                and sum(isinstance(other, Shard) and other.dim == want.dim for other in placements) == 1):
+            return None
+        size, parts = piece.shape[want.dim], param.device_mesh.size(mesh_dim)
+        chunk = -(-size // parts)
+        start = min(chunk * param.device_mesh.get_local_rank(mesh_dim), size)
+        piece = piece.narrow(want.dim, start, max(0, min(chunk, size - start)))
+    return piece if piece.shape == local(param).shape else None
+
+
+def local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of grad laid out like param's local tensor (grad as it is for plain tensors): the gradient's
+    own local tensor when laid out alike; a slice of it where DTensor's Replicate -> Shard is a local slice
+    (:func:`_sliced`: a view, no copy, no communication); else ``grad.redistribute`` to param's placements, a
+    collective (every rank must take this step: FusedAdam does it for every param, in order, once per step)."""
+    if not needs_redistribution(param, grad):
+        return local(grad)
+    piece = _sliced(param, grad)
+    if piece is not None:
+        return piece
+    with torch.no_grad():
+        return grad.redistribute(param.device_mesh, param.placements).to_local()
 
 
 def replicas(t: torch.Tensor) -> int:

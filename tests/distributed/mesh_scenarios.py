@@ -351,15 +351,15 @@ def _pipeline_case(rank, pipeline_group, data_group, poison=None) -> dict:
             "norm": float(opt.last_grad_norm)}
 
 
-def _refusals(mesh) -> dict:
+def _refusals(mesh, other_mesh) -> dict:
     """Bad distributed input is refused before anything changes, with the param named."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     out = {}
-    for name, grad_placement in (("partial", Partial()), ("layout", Shard(0))):
+    for name in ("plain-grad", "mesh"):  # (gradients in other placements are redistributed: test_tensor_parallel.py)
         w = nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Replicate()]))
-        w.grad = DTensor.from_local(torch.ones(4, 2) if name == "partial" else torch.ones(2, 2), mesh,
-                                    [grad_placement], run_check=False)
+        w.grad = torch.ones(4, 2) if name == "plain-grad" else DTensor.from_local(torch.ones(4, 2), other_mesh,
+                                                                                  [Replicate()], run_check=False)
         opt = make_optimizer([w])
         try:
             opt.step()
@@ -451,7 +451,7 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
                  "shadow": [p.detach().clone() for p in shadow[0].parameters()],
                  "placements": [str(p.placements) for p in model.parameters()]}
 
-    out["refusals"] = _refusals(pair_mesh)
+    out["refusals"] = _refusals(pair_mesh, world_mesh)
     out["local-tensor-changes"] = _local_tensor_changes(pair_mesh)
     out["checkpoint"] = _checkpoint_case(pair_mesh, pair_rank, tmp_dir, rank // 2)
     dist.barrier()

@@ -113,11 +113,11 @@ def test_fsdp2_with_torch_grad_scaler_skips_together_and_equals_one_process(mesh
 def test_bad_distributed_input_is_refused_naming_the_param_and_changes_nothing(mesh_results):
     for r in mesh_results:
         out = r["refusals"]
-        assert "param_groups[0]['params'][0]" in out["partial"] and "partial sum" in out["partial"], out["partial"]
-        assert "param_groups[0]['params'][0]" in out["layout"] and "laid out alike" in out["layout"], out["layout"]
+        assert "param_groups[0]['params'][0]" in out["plain-grad"] and "needs a DTensor gradient" in out["plain-grad"]
+        assert "param_groups[0]['params'][0]" in out["mesh"] and "on another device mesh" in out["mesh"], out["mesh"]
         assert "state_dict['state'][0]['exp_avg']" in out["bad-shape"] and "(2, 4)" in out["bad-shape"], \
             out["bad-shape"]
-        assert out["partial-untouched"] and out["layout-untouched"] and out["bad-shape-untouched"]
+        assert out["plain-grad-untouched"] and out["mesh-untouched"] and out["bad-shape-untouched"]
         assert "param_groups[0]['params'][0]" in out["step-in-backward"] and "DTensor" in out["step-in-backward"]
         assert out["appended-dtensor-reduces"]
 

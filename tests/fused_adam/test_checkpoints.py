@@ -489,8 +489,6 @@ BAD_CHECKPOINTS = [
      r"state_dict\['state'\]\[1\]\['exp_avg'\] must be a floating-point tensor"),
     ("meta-moment", _bad(_set(["state", 1, "exp_avg"], torch.zeros(6, device="meta"))), TypeError,
      r"state_dict\['state'\]\[1\]\['exp_avg'\] must be a dense tensor with data"),
-    ("nan-moment", _bad(_set(["state", 1, "exp_avg"], torch.full((6,), float("nan")))), ValueError,
-     r"state_dict\['state'\]\[1\]\['exp_avg'\] holds inf or NaN"),
     ("moment-beyond-float32", _bad(_set(["state", 1, "exp_avg"], torch.full((6,), 1e300, dtype=torch.float64))),
      ValueError, r"state_dict\['state'\]\[1\]\['exp_avg'\] holds inf or NaN once converted to float32"),
     ("negative-second-moment", _bad(_set(["state", 1, "exp_avg_sq"], -torch.ones(6))), ValueError,
@@ -745,6 +743,107 @@ def test_state_dict_ignores_the_empty_entries_that_reading_optimizer_state_creat
     saved = opt.state_dict()
     assert list(saved["state"]) == [0]
     FusedAdam(params).load_state_dict(saved)
+
+
+# ---- values training produces load as they are ---------------------------------------------------------------------
+
+# (1 - beta2) * g * g overflows float32 for |g| above about 5.8e20: v = inf for that element, as torch.optim.AdamW keeps
+# it (its update is m / inf = 0 from then on); every other element trains on.
+OVERFLOWING_GRAD = 6e20
+OVERFLOW_STEP = 2
+
+
+def _overflowing_steps(opt, params, first, count):
+    """_steps, with the gradient of params[1][5] set to OVERFLOWING_GRAD at OVERFLOW_STEP."""
+    for step in range(first, first + count):
+        _set_grads(params, step)
+        if step == OVERFLOW_STEP:
+            params[1].grad[5] = OVERFLOWING_GRAD
+        opt.step()
+
+
+MOMENT_LAYOUTS = {  # what training with an overflowed second moment leaves in every storage dtype
+    "fp32": {},
+    "bf16": {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
+    "fp16": {"exp_avg_dtype": torch.float16, "exp_avg_sq_dtype": torch.float16},
+    "amsgrad": {"amsgrad": True},
+    "8-bit": {"exp_avg_dtype": torch.uint8, "exp_avg_sq_dtype": torch.uint8, "amsgrad": True},
+    "4-bit": {"exp_avg_dtype": torch.uint4, "exp_avg_sq_dtype": torch.uint4},
+}
+
+
+@pytest.mark.parametrize("layout", MOMENT_LAYOUTS)
+def test_a_checkpoint_holding_an_overflowed_second_moment_loads_with_a_warning_and_resumes_bit_for_bit(layout, backend):
+    options = dict(lr=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH, weight_decay=1e-2, **MOMENT_LAYOUTS[layout])
+    params = _fp32_params()
+    opt = FusedAdam(params, **options)
+    _overflowing_steps(opt, params, 0, 4)
+    saved = _roundtrip(opt.state_dict())
+    assert torch.isinf(saved["state"][1]["exp_avg_sq"][5]) and torch.isfinite(saved["state"][1]["exp_avg"]).all()
+    assert all(bool(torch.isfinite(p).all()) for p in params)
+
+    resumed_params = _clone_params(params)
+    resumed = FusedAdam(resumed_params, **options)
+    with pytest.warns(RuntimeWarning, match=r"state_dict\['state'\]\[1\]\['exp_avg_sq'\].* holds? inf or NaN; loaded "):
+        resumed.load_state_dict(saved)
+    assert_tree_bitwise_equal(resumed.state_dict(), opt.state_dict(), "loaded")
+    _overflowing_steps(opt, params, 4, 3)
+    _overflowing_steps(resumed, resumed_params, 4, 3)
+    for p, q in zip(params, resumed_params):
+        assert_bitwise_equal(q.detach(), p.detach(), "resumed param")
+    assert_tree_bitwise_equal(resumed.state_dict(), opt.state_dict(), "resumed state")
+
+
+def test_training_through_an_overflowed_second_moment_equals_torch_adamw_and_their_checkpoints_cross_load():
+    params = _fp32_params()
+    torch_params = _clone_params(params)
+    opt = FusedAdam(params, lr=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH, weight_decay=1e-2)
+    torch_opt = torch.optim.AdamW(torch_params, lr=1e-2, weight_decay=1e-2, foreach=False)
+    _overflowing_steps(opt, params, 0, 6)
+    _overflowing_steps(torch_opt, torch_params, 0, 6)
+    for p, q in zip(params, torch_params):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-6)
+    assert float(params[1][5].detach()) == pytest.approx(float(torch_params[1][5].detach()), rel=1e-6)  # (its updates are 0 after it)
+    assert torch.isinf(torch_opt.state_dict()["state"][1]["exp_avg_sq"][5])
+    with pytest.warns(RuntimeWarning, match="holds? inf or NaN"):
+        FusedAdam(_clone_params(params)).load_state_dict(torch_opt.state_dict())
+    torch.optim.AdamW(_clone_params(params)).load_state_dict(opt.state_dict())
+
+
+def test_a_diverged_runs_checkpoint_with_inf_masters_loads_and_resumes_bit_for_bit(backend):
+    """No skip without grad_scale or max_grad_norm: an inf gradient makes the masters (and params) inf or NaN, as it
+    makes torch's params; that run's checkpoint still loads and continues exactly."""
+    options = dict(master_weights=True, lr=1e-2)
+    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _fp32_params()]
+    opt = FusedAdam(params, **options)
+    _steps(opt, params, 0, 2)
+    _set_grads(params, 2)
+    params[0].grad[0, 0] = float("inf")
+    opt.step()
+    saved = opt.state_dict()
+    assert not torch.isfinite(saved["state"][0]["master_param"]).all()
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = FusedAdam(resumed_params, **options)
+    with pytest.warns(RuntimeWarning, match=r"state_dict\['state'\]\[0\]\['exp_avg'\].*\['master_param'\]"):
+        resumed.load_state_dict(saved)
+    _steps(opt, params, 3, 2)
+    _steps(resumed, resumed_params, 3, 2)
+    for p, q in zip(params, resumed_params):
+        assert_bitwise_equal(q.detach(), p.detach(), "resumed param")
+    assert_tree_bitwise_equal(resumed.state_dict(), opt.state_dict(), "resumed state")
+
+
+@pytest.mark.parametrize("value", [-1.0, float("-inf")], ids=["negative", "-inf"])
+def test_what_training_cannot_produce_stays_refused_a_negative_second_moment(value):
+    params = _fp32_params()
+    opt = FusedAdam(params)
+    _steps(opt, params, 0, 1)
+    sd = opt.state_dict()
+    sd["state"][1]["exp_avg_sq"][7] = value
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"state_dict\['state'\]\[1\]\['exp_avg_sq'\] holds negative values"):
+        opt.load_state_dict(sd)
+    assert_same_snapshot(before, optimizer_snapshot(opt))
 
 
 # ---- any checkpoint, fuzzed: restored exactly or refused naming the entry --------------------------------------------
@@ -1051,7 +1150,9 @@ def _check_restored(target, params, sd, layout: str) -> None:
                 tol = 2.0**-8 if state[key].dtype == torch.bfloat16 else 2.0**-10
                 bound = tol * (expected.abs() + (expected.abs().max() if state[key].dtype == torch.float16 else 0))
                 bound = bound + 2.0**-126
-                assert bool(((got - expected).abs() <= bound).all()), key
+                same = (got - expected).abs() <= bound
+                same |= (got == expected) | (got.isnan() & expected.isnan())  # (inf and NaN load as they are)
+                assert bool(same.all()), key
         if "master_param" in state and "master_param" in saved:
             assert_bitwise_equal(state["master_param"], saved["master_param"].float(), "master_param")
 

@@ -298,7 +298,8 @@ def test_state_codes_and_scales_identical_to_the_cpu_kernel(combo):
 def test_low_bit_edge_values_bitwise(combo):
     """The low-bit encoders on hand-picked blocks (one 256-element block per entry; two 128-element ones for 4-bit):
     values halfway between levels (exp_avg rounds stochastically, sqrt(v) to nearest), -0.0, powers of two, subnormal and underflowing values, a v that
-    overflows float32 and a maximum that rounds to inf in bfloat16 (both: a NaN scale, zero codes), inf, NaN,
+    overflows float32 (its block: a negative scale) and a maximum that rounds to inf in bfloat16 (a NaN scale, zero
+    codes), inf, NaN,
     all-zero blocks; a partial last block and an odd length (4-bit packing). beta1 = beta2 = 0, so m = g and
     v = g * g reach the encoders unchanged; amsgrad exercises the max_exp_avg_sq encoder too."""
     from ort_optim._spec import LOW_BIT_FORMATS
@@ -327,15 +328,17 @@ def test_low_bit_edge_values_bitwise(combo):
     run_triton(tri, hp)
     reference_step(ref, hp)
     assert_bitwise(tri, ref, f"{combo} edge values")
-    # NaN scales exactly for the blocks with an inf or NaN (in v = g * g: also where it overflows; 4-bit m: also a
-    # maximum that rounds to inf in bfloat16)
+    # NaN scales exactly for the blocks with an inf or NaN (4-bit m: also a maximum that rounds to inf in bfloat16),
+    # except where v = g * g overflows without a NaN: a scale with its sign bit set (that v reads back as inf)
     per_block = 256 // fmt.block
     m_scales, v_scales = tri[6][0].float().cpu(), tri[7][0].float().cpu()
     for b, block in enumerate(blocks[:len(specials)]):
         m_nan = not bool(block.isfinite().all()) or (fmt.bits == 4 and bool(block.abs().max().to(BF16).isinf()))
-        v_nan = not bool((block * block).isfinite().all())
+        v_nan = bool((block * block).isnan().any())
+        v_overflow = not v_nan and bool((block * block).isinf().any())
+        s = v_scales[b * per_block]
         assert bool(m_scales[b * per_block].isnan()) == m_nan, (b, specials[b], float(m_scales[b * per_block]))
-        assert bool(v_scales[b * per_block].isnan()) == v_nan, (b, specials[b], float(v_scales[b * per_block]))
+        assert bool(s.isnan()) == v_nan and bool(torch.signbit(s)) == v_overflow, (b, specials[b], float(s))
 
 
 @needs_working_interpreter
