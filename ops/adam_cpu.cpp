@@ -634,6 +634,123 @@ void low_bit_store(const LowBit& f, bool second_moment, const float* src, const 
   }
 }
 
+// ---- fp8 states: float8_e4m3fn / float8_e5m2 codes, a power-of-two scale per 256 elements (README.md, "fp8 states")
+//
+// Decoded and encoded by exponent and mantissa arithmetic on the bits (no tables, no search), in branch-free loops
+// over one block that the compiler vectorises; ort_optim/_spec.py (Fp8Format) states the rules and
+// reference.quantize_fp8 is the definition, bit for bit.
+
+struct Fp8 {
+  int mantissa_bits, bias, emax, max_code;
+};
+const Fp8 kFp8E4M3{3, 7, 8, 0x7E};
+const Fp8 kFp8E5M2{2, 15, 15, 0x7B};
+constexpr int kFp8Block = spec::kFp8Block;
+
+const Fp8* fp8_of(at::ScalarType t) {
+  return t == at::kFloat8_e4m3fn ? &kFp8E4M3 : t == at::kFloat8_e5m2 ? &kFp8E5M2 : nullptr;
+}
+
+// y >= 0 (finite, below 2**(emax + 1)) rounded to nearest even in the format, as a code (not saturated): normal values
+// by rounding the float32 mantissa to kMb bits, subnormal ones by adding and subtracting 2**23 to y * 2**(bias - 1 +
+// kMb) (< 9: the float32 addition rounds to nearest even at integers; the build forbids contracting or
+// reassociating it).
+template <int kMb, int kBias>
+inline int32_t fp8_round(float y) {
+  constexpr int kShift = 23 - kMb;
+  const uint32_t b = float_to_bits(y);
+  const int32_t normal = int32_t((b + (1u << (kShift - 1)) - 1u + ((b >> kShift) & 1u)) >> kShift) -
+                         ((127 - kBias) << kMb);
+  const float scaled = y * bits_to_float(uint32_t(127 + kBias - 1 + kMb) << 23);
+  const int32_t subnormal = int32_t((scaled + 8388608.0f) - 8388608.0f);
+  return y < bits_to_float(uint32_t(127 + 1 - kBias) << 23) ? subnormal : normal;
+}
+
+// dst[0, n) = the values of elements [off, off + n) (off a multiple of kFp8Block): code * scale, squared for a
+// second moment (which holds sqrt(v)).
+template <int kMb, int kBias, bool kSecondMoment>
+void fp8_load(const uint8_t* codes, const float* scales, int64_t off, int64_t n, float* dst) {
+  const float sub_ulp = bits_to_float(uint32_t(127 + 1 - kBias - kMb) << 23);
+  for (int64_t q = 0; q < n; q += kFp8Block) {
+    const int64_t len = std::min<int64_t>(kFp8Block, n - q);
+    const float s = scales[(off + q) / kFp8Block];
+    const uint8_t* c = codes + off + q;
+    float* d = dst + q;
+    for (int64_t i = 0; i < len; ++i) {
+      const uint32_t code = c[i], mag = code & 0x7Fu;
+      const float normal = bits_to_float((mag << (23 - kMb)) + (uint32_t(127 - kBias) << 23));
+      const float u = (mag >> kMb) == 0 ? float(int32_t(mag)) * sub_ulp : normal;
+      const float x = bits_to_float(float_to_bits(u) | ((code & 0x80u) << 24)) * s;
+      d[i] = kSecondMoment ? x * x : x;
+    }
+  }
+}
+
+// Writes src[0, n) (v for a second moment; root: sqrt(v) when the caller has it) as the codes and scales of elements
+// [off, off + n).
+template <int kMb, int kBias, int kEmax, int kMaxCode, bool kSecondMoment>
+void fp8_store(const float* src, const float* root, int64_t off, int64_t n, uint8_t* codes, float* scales) {
+  float sqrt_v[kFp8Block];
+  for (int64_t q = 0; q < n; q += kFp8Block) {
+    const int64_t len = std::min<int64_t>(kFp8Block, n - q);
+    const bool take_sqrt = kSecondMoment && !root;
+    const float* u = take_sqrt ? sqrt_v : root ? root + q : src + q;
+    const uint32_t amax = block_amax(take_sqrt ? src + q : u, len, take_sqrt, sqrt_v);
+    uint8_t* out = codes + off + q;
+    float s;
+    if (amax >= 0x7F800000u) {  // inf or NaN in the block: it reads back as NaN everywhere (scale NaN, codes 0)
+      s = std::numeric_limits<float>::quiet_NaN();
+      std::memset(out, 0, len);
+    } else {
+      // k: the smallest with amax / 2**k rounding to at most the largest finite code (amax's mantissa at 2**emax
+      // tells whether its exponent suffices), capped at 127 - emax; below the smallest exponent, a zero block.
+      const int32_t e = int32_t(amax >> 23) - 127;
+      const float top = bits_to_float((amax & 0x7FFFFFu) | (uint32_t(kEmax + 127) << 23));
+      const int32_t k = std::min(e - kEmax + (fp8_round<kMb, kBias>(top) > kMaxCode ? 1 : 0), 127 - kEmax);
+      if (amax == 0 || k < spec::kFp8MinExponent) {
+        s = 0.0f;
+        std::memset(out, 0, len);
+      } else {
+        s = bits_to_float(uint32_t(k + 127) << 23);
+        const float inv = bits_to_float(uint32_t(127 - k) << 23);
+        for (int64_t i = 0; i < len; ++i) {
+          const uint32_t b = float_to_bits(u[i]);
+          int32_t code = std::min(fp8_round<kMb, kBias>(bits_to_float(b & 0x7FFFFFFFu) * inv), kMaxCode);
+          if constexpr (kSecondMoment) {
+            code = std::max(code, 1);  // no zero level for sqrt(v) (the zero-point problem)
+          } else {
+            code = (b >> 31) != 0 && code > 0 ? code | 0x80 : code;  // the sign, never on a zero (no -0)
+          }
+          out[i] = uint8_t(code);
+        }
+      }
+    }
+    scales[(off + q) / kFp8Block] = s;
+  }
+}
+
+void fp8_load(const Fp8& f, bool second_moment, const void* codes, const float* scales, int64_t off, int64_t n,
+              float* dst) {
+  const uint8_t* c = static_cast<const uint8_t*>(codes);
+  if (f.mantissa_bits == 3) {
+    second_moment ? fp8_load<3, 7, true>(c, scales, off, n, dst) : fp8_load<3, 7, false>(c, scales, off, n, dst);
+  } else {
+    second_moment ? fp8_load<2, 15, true>(c, scales, off, n, dst) : fp8_load<2, 15, false>(c, scales, off, n, dst);
+  }
+}
+
+void fp8_store(const Fp8& f, bool second_moment, const float* src, const float* root, int64_t off, int64_t n,
+               void* codes, float* scales) {
+  uint8_t* c = static_cast<uint8_t*>(codes);
+  if (f.mantissa_bits == 3) {
+    second_moment ? fp8_store<3, 7, 8, 0x7E, true>(src, root, off, n, c, scales)
+                  : fp8_store<3, 7, 8, 0x7E, false>(src, root, off, n, c, scales);
+  } else {
+    second_moment ? fp8_store<2, 15, 15, 0x7B, true>(src, root, off, n, c, scales)
+                  : fp8_store<2, 15, 15, 0x7B, false>(src, root, off, n, c, scales);
+  }
+}
+
 // ---- stochastic rounding of bfloat16 params (README.md, "stochastic rounding") ----------------------------------
 
 inline uint64_t splitmix64(uint64_t x) {
@@ -683,6 +800,8 @@ struct TensorWork {
   float* max_exp_avg_sq_scale;
   const LowBit* exp_avg_low_bit = nullptr;  // the format of a uint8 (low-bit) exp_avg; likewise exp_avg_sq and its max
   const LowBit* exp_avg_sq_low_bit = nullptr;
+  const Fp8* exp_avg_fp8 = nullptr;  // the format of an fp8 exp_avg; likewise exp_avg_sq and its max
+  const Fp8* exp_avg_sq_fp8 = nullptr;
   bool stochastic = false;  // round the bfloat16 param stochastically, with this step's key
   uint64_t round_key = 0;
   uint32_t step = 0;  // this step's count (from 1), for the stochastic rounding of a low-bit exp_avg
@@ -707,8 +826,12 @@ struct Scratch {
 // second_moment: the state is exp_avg_sq or max_exp_avg_sq, whose scaled fp16 and low-bit codes hold sqrt(v).
 template <typename T>
 void load_state(const void* base, at::ScalarType type, const float* scales, int64_t off, int64_t n, T* dst,
-                const LowBit* low_bit = nullptr, bool second_moment = false) {
+                const LowBit* low_bit = nullptr, bool second_moment = false, const Fp8* fp8 = nullptr) {
   if constexpr (std::is_same_v<T, float>) {
+    if (fp8) {
+      fp8_load(*fp8, second_moment, base, scales, off, n, dst);
+      return;
+    }
     if (low_bit) {
       low_bit_load(*low_bit, second_moment, static_cast<const uint8_t*>(base), scales, off, n, dst);
       return;
@@ -728,9 +851,13 @@ void load_state(const void* base, at::ScalarType type, const float* scales, int6
 template <typename T>
 void store_state(const T* src, void* base, at::ScalarType type, float* scales, int64_t off, int64_t n,
                  uint32_t amax_bits, const LowBit* low_bit = nullptr, bool second_moment = false,
-                 const float* root = nullptr, uint32_t step = 0) {
+                 const float* root = nullptr, uint32_t step = 0, const Fp8* fp8 = nullptr) {
   char* dst = static_cast<char*>(base) + off * c10::elementSize(type);
   if constexpr (std::is_same_v<T, float>) {
+    if (fp8) {
+      fp8_store(*fp8, second_moment, src, root, off, n, base, scales);
+      return;
+    }
     if (low_bit) {
       low_bit_store(*low_bit, second_moment, src, root, off, n, static_cast<uint8_t*>(base), scales, step);
       return;
@@ -759,11 +886,11 @@ void store_state(const T* src, void* base, at::ScalarType type, float* scales, i
 // (fp32 and fp64 tensors are updated in place), else the scratch array filled by conversion.
 template <typename T>
 T* stage(const void* base, at::ScalarType type, const float* scales, int64_t off, int64_t n, T* scratch,
-         const LowBit* low_bit = nullptr, bool second_moment = false) {
+         const LowBit* low_bit = nullptr, bool second_moment = false, const Fp8* fp8 = nullptr) {
   if (type == c10::CppTypeToScalarType<T>::value && scales == nullptr) {
     return const_cast<T*>(static_cast<const T*>(base)) + off;
   }
-  load_state<T>(base, type, scales, off, n, scratch, low_bit, second_moment);
+  load_state<T>(base, type, scales, off, n, scratch, low_bit, second_moment, fp8);
   return scratch;
 }
 
@@ -830,17 +957,20 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   T* g = stage<T>(w.grad, w.grad_type, nullptr, off, n, s.g);
   T* p = w.master ? stage<T>(w.master, at::kFloat, nullptr, off, n, s.p)
                   : stage<T>(w.param, w.param_type, nullptr, off, n, s.p);
-  T* m = stage<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m, w.exp_avg_low_bit, false);
-  T* v = stage<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v, w.exp_avg_sq_low_bit, true);
+  T* m = stage<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m, w.exp_avg_low_bit, false, w.exp_avg_fp8);
+  T* v = stage<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v, w.exp_avg_sq_low_bit, true,
+                  w.exp_avg_sq_fp8);
   T* vmax = kAmsgrad ? stage<T>(w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.vmax,
-                                w.exp_avg_sq_low_bit, true)
+                                w.exp_avg_sq_low_bit, true, w.exp_avg_sq_fp8)
                      : s.vmax;
   BlockMax max;
   // A low-bit or scaled fp16 second moment stores the square root that the update takes: kept (in s.root), it is
   // taken once.
   const float* root = nullptr;
   if constexpr (std::is_same_v<T, float>) {
-    const bool amax = (w.exp_avg_scale && !w.exp_avg_low_bit) || (w.exp_avg_sq_scale && !w.exp_avg_sq_low_bit);
+    // (the block maxima are the fp16 quantiser's; low-bit and fp8 states find their own per block)
+    const bool amax = (w.exp_avg_scale && !w.exp_avg_low_bit && !w.exp_avg_fp8) ||
+                      (w.exp_avg_sq_scale && !w.exp_avg_sq_low_bit && !w.exp_avg_sq_fp8);
     if (w.exp_avg_sq_low_bit || (w.exp_avg_sq_scale && spec::kFp16SqrtSecondMoment)) {
       root = s.root;
       max = amax ? adam_loop<T, kMode, kAmsgrad, true, true>(p, g, m, v, vmax, n, w, h, s.root)
@@ -858,15 +988,15 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   // Write back what was staged.
   if (m == s.m) {
     store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, max.m, w.exp_avg_low_bit, false, nullptr,
-                   w.step);
+                   w.step, w.exp_avg_fp8);
   }
   if (v == s.v) {
     store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, max.v, w.exp_avg_sq_low_bit, true,
-                   kAmsgrad ? nullptr : root);
+                   kAmsgrad ? nullptr : root, 0, w.exp_avg_sq_fp8);
   }
   if (kAmsgrad && vmax == s.vmax) {
     store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, max.vmax,
-                   w.exp_avg_sq_low_bit, true, root);
+                   w.exp_avg_sq_low_bit, true, root, 0, w.exp_avg_sq_fp8);
   }
   // With a master, p is the master itself (updated in place) and the param receives it rounded.
   if (w.master || p == s.p) {
@@ -1026,10 +1156,11 @@ void check_state(const at::Tensor& t, const at::Tensor& p, const char* name, siz
   }
   TORCH_CHECK(t.is_contiguous(), "ort_optim::adam_step_: ", name, "[", i, "] must be contiguous");
   TORCH_CHECK(is_double ? t.scalar_type() == at::kDouble
-                        : is_float_storage(t.scalar_type()) || t.scalar_type() == at::kByte,
+                        : is_float_storage(t.scalar_type()) || t.scalar_type() == at::kByte || fp8_of(t.scalar_type()),
               "ort_optim::adam_step_: ", name, "[", i, "] has dtype ", t.scalar_type(),
               is_double ? "; float64 params need float64 states"
-                        : "; states must be float32, bfloat16, float16 or uint8 (low-bit codes)");
+                        : "; states must be float32, bfloat16, float16, uint8 (low-bit codes) or float8_e4m3fn / "
+                          "float8_e5m2 (fp8 codes)");
 }
 
 // The low-bit format of a uint8 state, told by its scales' dtype: float32 -> 8-bit, bfloat16 -> 4-bit.
@@ -1044,11 +1175,22 @@ void check_scales(const at::TensorList& scales, const at::TensorList& states, si
   if (scales.empty()) {
     TORCH_CHECK(t.scalar_type() != at::kByte, "ort_optim::adam_step_: the uint8 (low-bit) state scaled by ", name,
                 "[", i, "] needs its block scales; ", name, " is empty");
+    TORCH_CHECK(!fp8_of(t.scalar_type()), "ort_optim::adam_step_: the ", t.scalar_type(), " (fp8) state scaled by ",
+                name, "[", i, "] needs its block scales; ", name, " is empty");
     return;
   }
   const at::Tensor& s = scales[i];
+  if (fp8_of(t.scalar_type())) {  // (its shape is the param's: check_state)
+    const int64_t blocks = (p.numel() + kFp8Block - 1) / kFp8Block;
+    TORCH_CHECK(s.device() == t.device() && s.is_contiguous() && s.scalar_type() == at::kFloat &&
+                    s.numel() == blocks,
+                "ort_optim::adam_step_: ", name, "[", i, "] must be a contiguous float32 tensor of ", blocks,
+                " block scales on the state's device (", t.scalar_type(), " codes, one scale per ", kFp8Block, ")");
+    check_storage(s, name, i);
+    return;
+  }
   TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kByte, "ort_optim::adam_step_: ", name, "[", i,
-              "] is given but the state it scales is ", t.scalar_type(), ", not float16 or uint8");
+              "] is given but the state it scales is ", t.scalar_type(), ", not float16, uint8 or fp8");
   TORCH_CHECK(s.device() == t.device() && s.is_contiguous(), "ort_optim::adam_step_: ", name, "[", i,
               "] must be contiguous, on the state's device");
   check_storage(s, name, i);
@@ -1180,6 +1322,8 @@ std::vector<TensorWork> state_work(at::TensorList params, const StateLists& s) {
         s.max_exp_avg_sq_scales.empty() ? nullptr : static_cast<float*>(s.max_exp_avg_sq_scales[i].data_ptr());
     if (!s.exp_avg_scales.empty()) w.exp_avg_low_bit = low_bit_of(s.exp_avgs[i], s.exp_avg_scales[i]);
     if (!s.exp_avg_sq_scales.empty()) w.exp_avg_sq_low_bit = low_bit_of(s.exp_avg_sqs[i], s.exp_avg_sq_scales[i]);
+    w.exp_avg_fp8 = fp8_of(s.exp_avgs[i].scalar_type());
+    w.exp_avg_sq_fp8 = fp8_of(s.exp_avg_sqs[i].scalar_type());
     w.exp_avg_type = s.exp_avgs[i].scalar_type();
     w.exp_avg_sq_type = s.exp_avg_sqs[i].scalar_type();
     w.numel = params[i].numel();

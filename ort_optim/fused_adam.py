@@ -13,7 +13,7 @@ from . import _checkpoint, _plan, _spec, _versions, backends
 from ._backward_step import BackwardStep, loss_scaling_refused, max_grad_norm_refused
 from ._checkpoint import MOMENT_KEYS
 from ._plan import describe
-from ._spec import LOW_BIT_FORMATS, LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
+from ._spec import FP8_FORMATS, LOW_BIT_FORMATS, LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
 from .integrations import dtensor
 
 def stochastic_rounding_refused(where: str) -> ValueError:
@@ -94,8 +94,8 @@ def _check_scaling_arguments(grad_scale: Any, found_inf: Any) -> None:
 
 def _check_dtype_option(name: str, dtype: Optional[torch.dtype]) -> None:
     if dtype is not None and dtype not in STATE_DTYPES:
-        raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16, torch.float16, torch.uint8 (8-bit) or "
-                         f"torch.uint4 (4-bit), got {dtype!r}")
+        raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16, torch.float16, torch.uint8 (8-bit), "
+                         f"torch.uint4 (4-bit), torch.float8_e4m3fn or torch.float8_e5m2 (fp8), got {dtype!r}")
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -568,16 +568,17 @@ class FusedAdam(torch.optim.Optimizer):
                 requests.setdefault((key, p.device, dtype), []).append(i)
                 if dtype == torch.float16:
                     state[key + "_scale"] = torch.ones(_spec.num_blocks(p.numel()), device=p.device)
-                elif dtype in LOW_BIT_FORMATS:  # uint8 codes; zero scales read as all-zero moments
-                    fmt = LOW_BIT_FORMATS[dtype]
+                elif dtype in LOW_BIT_FORMATS or dtype in FP8_FORMATS:  # codes; zero scales: all-zero moments
+                    fmt = LOW_BIT_FORMATS.get(dtype) or FP8_FORMATS[dtype]
                     state[key + "_scale"] = torch.zeros(fmt.num_scales(p.numel()), dtype=fmt.scale_dtype,
                                                         device=p.device)
             states.append(state)
         for (key, device, dtype), indices in requests.items():
-            fmt = LOW_BIT_FORMATS.get(dtype)
+            fmt = LOW_BIT_FORMATS.get(dtype) or FP8_FORMATS.get(dtype)
             if fmt:
                 for i in indices:
-                    states[i][key] = torch.zeros(fmt.storage_shape(params[i].shape), dtype=torch.uint8, device=device)
+                    codes = torch.zeros(fmt.storage_shape(params[i].shape), dtype=torch.uint8, device=device)
+                    states[i][key] = codes.view(dtype) if dtype in FP8_FORMATS else codes  # (torch 2.4 cannot fill fp8)
                 continue
             shapes = [params[i].shape for i in indices]
             offsets, total = [], 0

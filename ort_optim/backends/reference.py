@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import (EXP_AVG_SNAP, EXP_AVG_SR_ULPS, MIN_SCALE, FP16_LIMIT, LOW_BIT_FORMATS, QUANT_BLOCK, LowBitFormat,
-                     low_bit_format, num_blocks, splitmix64, thresholds)
+from .._spec import (EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_FORMATS, MIN_SCALE, FP16_LIMIT, LOW_BIT_FORMATS, QUANT_BLOCK,
+                     Fp8Format, LowBitFormat, low_bit_format, num_blocks, splitmix64, thresholds)
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -144,6 +144,78 @@ def dequantize_low_bit(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFor
     return values.view(shape)
 
 
+# ---- fp8 states (ort_optim._spec.Fp8Format, ops/README.md "fp8 states") -------------------------------------------
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The bits of float32 values as int64 in [0, 2**32)."""
+    return x.contiguous().view(torch.int32).long() & _MASK32
+
+
+def _from_bits(b: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) as the float32 values with those bits."""
+    return torch.where(b >= 2**31, b - 2**32, b).to(torch.int32).view(torch.float32)
+
+
+def fp8_round(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Non-negative float32 values (finite, below 2**(emax + 1)) rounded to nearest even in fmt, as int64 codes
+    (exponent << mantissa_bits | mantissa; not saturated: a code above fmt.max_code means the value rounded beyond
+    the largest finite one). Normal values: the float32 mantissa rounded to mantissa_bits (add half an ulp of the
+    target minus one, plus the lowest kept bit: ties go to even) and the exponent rebased; below the smallest normal
+    (2**(1 - bias)) the count of subnormal steps, rint(y * 2**(bias - 1 + mantissa_bits)), exact to the
+    multiplication (a power of two)."""
+    shift = 23 - fmt.mantissa_bits
+    b = _bits(y)
+    normal = ((b + (1 << (shift - 1)) - 1 + ((b >> shift) & 1)) >> shift) - ((127 - fmt.bias) << fmt.mantissa_bits)
+    subnormal = torch.round(y * 2.0 ** (fmt.bias - 1 + fmt.mantissa_bits)).long()
+    return torch.where(y < 2.0 ** (1 - fmt.bias), subnormal, normal)
+
+
+def fp8_block_exponents(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Each block's k (int64) for its largest magnitude amax (finite, non-negative float32): the smallest k with
+    fp8_round(amax * 2**-k) <= fmt.max_code, capped at 127 - emax (ort_optim._spec.Fp8Format)."""
+    b = _bits(amax)
+    e = ((b >> 23) & 0xFF) - 127
+    top = _from_bits((b & 0x807FFFFF) | ((fmt.emax + 127) << 23))  # amax * 2**-(e - emax): its mantissa at 2**emax
+    k = e - fmt.emax + (fp8_round(top, fmt) > fmt.max_code).long()
+    return k.clamp_max(127 - fmt.emax)
+
+
+def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 values (v itself for a second moment: its square root is what gets coded) -> (fmt.dtype codes of the
+    values' shape, float32 power-of-two scales, one per block of fmt.block)."""
+    x = values.detach().float().reshape(-1)
+    n = x.numel()
+    u = sqrt_f32(x) if second_moment else x
+    blocks = torch.nn.functional.pad(u, (0, -n % fmt.block)).view(-1, fmt.block)
+    a = blocks.abs()
+    amax = a.amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
+    finite = torch.isfinite(amax)
+    k = fp8_block_exponents(torch.where(finite, amax, torch.zeros_like(amax)), fmt)
+    usable = finite & (amax > 0) & (k >= fmt.min_exponent)
+    k = torch.where(usable, k, torch.zeros_like(k))
+    scales = torch.where(usable, _from_bits((k + 127) << 23), torch.where(finite, 0.0, math.nan))
+    inverse = _from_bits((127 - k) << 23)
+    y = torch.where(usable[:, None], a * inverse[:, None], torch.zeros_like(a))
+    codes = fp8_round(y, fmt).clamp_max(fmt.max_code)
+    if second_moment:
+        codes = torch.where(usable[:, None], codes.clamp_min(1), codes)
+    else:
+        codes = codes | (((blocks < 0) & (codes > 0)).long() << 7)
+    codes = codes.reshape(-1)[:n].to(torch.uint8).view(fmt.dtype)
+    return codes.view(values.shape), scales
+
+
+def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format, second_moment: bool,
+                   shape: torch.Size) -> torch.Tensor:
+    """fp8 codes and their power-of-two block scales -> float32 values of the given shape (v = u * u for a second
+    moment). torch's own float8 -> float32 conversion reads the codes (exact: every fp8 value is a float32)."""
+    n = math.prod(shape)
+    u = torch.nn.functional.pad(codes.reshape(-1).float(), (0, -n % fmt.block)).view(-1, fmt.block)
+    u = (u * scales.float()[:, None]).reshape(-1)[:n]
+    return (u * u if second_moment else u).view(shape)
+
+
 def state_format(state: torch.Tensor, scales: Optional[torch.Tensor]) -> str:
     """"plain" (float32/float64/bfloat16, or float16 without scales), "fp16" (scaled codes), or a low-bit format's
     name: what a state tensor and its scales hold."""
@@ -151,6 +223,8 @@ def state_format(state: torch.Tensor, scales: Optional[torch.Tensor]) -> str:
         return "plain"
     if state.dtype == torch.float16:
         return "fp16"
+    if state.dtype in FP8_FORMATS:
+        return FP8_FORMATS[state.dtype].name
     return low_bit_format(scales.dtype).name
 
 
@@ -160,6 +234,8 @@ def encode_state(values: torch.Tensor, dtype: torch.dtype, second_moment: bool) 
     exp_avg_dtype / exp_avg_sq_dtype option names (torch.uint8 and torch.uint4 are the low-bit formats)."""
     if dtype in LOW_BIT_FORMATS:
         return quantize_low_bit(values, LOW_BIT_FORMATS[dtype], second_moment)
+    if dtype in FP8_FORMATS:
+        return quantize_fp8(values, FP8_FORMATS[dtype], second_moment)
     if dtype == torch.float16:
         return quantize_fp16(sqrt_f32(values.float()) if second_moment else values.float())
     return values.to(dtype), None
@@ -173,6 +249,8 @@ def decode_state(state: torch.Tensor, scales: Optional[torch.Tensor], second_mom
     if state.dtype == torch.float16:
         u = dequantize_fp16(state, scales)
         return u * u if second_moment else u
+    if state.dtype in FP8_FORMATS:
+        return dequantize_fp8(state, scales, FP8_FORMATS[state.dtype], second_moment, shape)
     return dequantize_low_bit(state, scales, low_bit_format(scales.dtype), second_moment, shape)
 
 
@@ -188,6 +266,8 @@ def _write_state(values: torch.Tensor, state: torch.Tensor, scales: Optional[tor
         return
     if state.dtype == torch.float16:
         codes, new_scales = quantize_fp16(sqrt_f32(values.float()) if second_moment else values.float())
+    elif state.dtype in FP8_FORMATS:
+        codes, new_scales = quantize_fp8(values, FP8_FORMATS[state.dtype], second_moment)
     else:
         codes, new_scales = quantize_low_bit(values, low_bit_format(scales.dtype), second_moment, step)
     state.copy_(codes.view(state.shape))
