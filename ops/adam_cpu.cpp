@@ -666,6 +666,20 @@ inline int32_t fp8_round(float y) {
   return y < bits_to_float(uint32_t(127 + 1 - kBias) << 23) ? subnormal : normal;
 }
 
+// y as fp8_round, but rounded stochastically with the random bits r: their top 23 - kMb bits added below the kept ones
+// (normal: to the float32 bits; subnormal: to y in fixed point with as many fraction bits, truncated from
+// min(y, the smallest normal) * 2**(bias + 22)), then truncated: up with probability equal to the dropped fraction.
+template <int kMb, int kBias>
+inline int32_t fp8_round_stochastic(float y, uint32_t r) {
+  constexpr int kShift = 23 - kMb;
+  const float min_normal = bits_to_float(uint32_t(127 + 1 - kBias) << 23);
+  const uint32_t add = r >> (32 - kShift);
+  const int32_t normal = int32_t((float_to_bits(y) + add) >> kShift) - ((127 - kBias) << kMb);
+  const int32_t fixed = int32_t(std::min(y, min_normal) * bits_to_float(uint32_t(127 + kBias + 22) << 23));
+  const int32_t subnormal = int32_t((uint32_t(fixed) + add) >> kShift);
+  return y < min_normal ? subnormal : normal;
+}
+
 // dst[0, n) = the values of elements [off, off + n) (off a multiple of kFp8Block): code * scale, squared for a
 // second moment (which holds sqrt(v)).
 template <int kMb, int kBias, bool kSecondMoment>
@@ -687,9 +701,12 @@ void fp8_load(const uint8_t* codes, const float* scales, int64_t off, int64_t n,
 }
 
 // Writes src[0, n) (v for a second moment; root: sqrt(v) when the caller has it) as the codes and scales of elements
-// [off, off + n).
+// [off, off + n). step: the Adam step (from 1): the codes round stochastically (random bits: exp_avg_random_bits of
+// src), except each block's largest magnitudes, which round to nearest even (the scale survives a decode and
+// re-encode); 0: to nearest even.
 template <int kMb, int kBias, int kEmax, int kMaxCode, bool kSecondMoment>
-void fp8_store(const float* src, const float* root, int64_t off, int64_t n, uint8_t* codes, float* scales) {
+void fp8_store(const float* src, const float* root, int64_t off, int64_t n, uint8_t* codes, float* scales,
+               uint32_t step) {
   float sqrt_v[kFp8Block];
   for (int64_t q = 0; q < n; q += kFp8Block) {
     const int64_t len = std::min<int64_t>(kFp8Block, n - q);
@@ -713,9 +730,14 @@ void fp8_store(const float* src, const float* root, int64_t off, int64_t n, uint
       } else {
         s = bits_to_float(uint32_t(k + 127) << 23);
         const float inv = bits_to_float(uint32_t(127 - k) << 23);
+        const float* x = src + q;
         for (int64_t i = 0; i < len; ++i) {
           const uint32_t b = float_to_bits(u[i]);
-          int32_t code = std::min(fp8_round<kMb, kBias>(bits_to_float(b & 0x7FFFFFFFu) * inv), kMaxCode);
+          const float y = bits_to_float(b & 0x7FFFFFFFu) * inv;
+          const uint32_t r = exp_avg_random_bits(x[i], uint64_t(off + q + i), step);
+          int32_t code = step != 0 && (b & 0x7FFFFFFFu) != amax ? fp8_round_stochastic<kMb, kBias>(y, r)
+                                                                 : fp8_round<kMb, kBias>(y);
+          code = std::min(code, kMaxCode);
           if constexpr (kSecondMoment) {
             code = std::max(code, 1);  // no zero level for sqrt(v) (the zero-point problem)
           } else {
@@ -740,14 +762,14 @@ void fp8_load(const Fp8& f, bool second_moment, const void* codes, const float* 
 }
 
 void fp8_store(const Fp8& f, bool second_moment, const float* src, const float* root, int64_t off, int64_t n,
-               void* codes, float* scales) {
+               void* codes, float* scales, uint32_t step) {
   uint8_t* c = static_cast<uint8_t*>(codes);
   if (f.mantissa_bits == 3) {
-    second_moment ? fp8_store<3, 7, 8, 0x7E, true>(src, root, off, n, c, scales)
-                  : fp8_store<3, 7, 8, 0x7E, false>(src, root, off, n, c, scales);
+    second_moment ? fp8_store<3, 7, 8, 0x7E, true>(src, root, off, n, c, scales, step)
+                  : fp8_store<3, 7, 8, 0x7E, false>(src, root, off, n, c, scales, step);
   } else {
-    second_moment ? fp8_store<2, 15, 15, 0x7B, true>(src, root, off, n, c, scales)
-                  : fp8_store<2, 15, 15, 0x7B, false>(src, root, off, n, c, scales);
+    second_moment ? fp8_store<2, 15, 15, 0x7B, true>(src, root, off, n, c, scales, step)
+                  : fp8_store<2, 15, 15, 0x7B, false>(src, root, off, n, c, scales, step);
   }
 }
 
@@ -855,7 +877,7 @@ void store_state(const T* src, void* base, at::ScalarType type, float* scales, i
   char* dst = static_cast<char*>(base) + off * c10::elementSize(type);
   if constexpr (std::is_same_v<T, float>) {
     if (fp8) {
-      fp8_store(*fp8, second_moment, src, root, off, n, base, scales);
+      fp8_store(*fp8, second_moment, src, root, off, n, base, scales, step);
       return;
     }
     if (low_bit) {
@@ -992,11 +1014,11 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   }
   if (v == s.v) {
     store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, max.v, w.exp_avg_sq_low_bit, true,
-                   kAmsgrad ? nullptr : root, 0, w.exp_avg_sq_fp8);
+                   kAmsgrad ? nullptr : root, w.step, w.exp_avg_sq_fp8);
   }
   if (kAmsgrad && vmax == s.vmax) {
     store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, max.vmax,
-                   w.exp_avg_sq_low_bit, true, root, 0, w.exp_avg_sq_fp8);
+                   w.exp_avg_sq_low_bit, true, root, w.step, w.exp_avg_sq_fp8);
   }
   // With a master, p is the master itself (updated in place) and the param receives it rounded.
   if (w.master || p == s.p) {

@@ -125,7 +125,7 @@ def reference_step(args: list, hp: dict) -> None:
     def write_state(values, t, scales, second, step):
         if scales is not None and t.dtype in FP8_FORMATS:
             codes, new_scales = quantize_fp8(torch.from_numpy(values.astype(np.float32)), FP8_FORMATS[t.dtype],
-                                             second)
+                                             second, step)
             t.copy_(codes.view(t.shape))
             scales.copy_(canonical_nan(new_scales))
         elif scales is not None and t.dtype == torch.uint8:  # (step: mixed into exp_avg's stochastic rounding)

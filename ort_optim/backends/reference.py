@@ -157,18 +157,29 @@ def _from_bits(b: torch.Tensor) -> torch.Tensor:
     return torch.where(b >= 2**31, b - 2**32, b).to(torch.int32).view(torch.float32)
 
 
-def fp8_round(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """Non-negative float32 values (finite, below 2**(emax + 1)) rounded to nearest even in fmt, as int64 codes
-    (exponent << mantissa_bits | mantissa; not saturated: a code above fmt.max_code means the value rounded beyond
-    the largest finite one). Normal values: the float32 mantissa rounded to mantissa_bits (add half an ulp of the
-    target minus one, plus the lowest kept bit: ties go to even) and the exponent rebased; below the smallest normal
-    (2**(1 - bias)) the count of subnormal steps, rint(y * 2**(bias - 1 + mantissa_bits)), exact to the
-    multiplication (a power of two)."""
+def fp8_round(y: torch.Tensor, fmt: Fp8Format, random: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Non-negative float32 values (finite, below 2**(emax + 1)) rounded in fmt, as int64 codes (exponent <<
+    mantissa_bits | mantissa; not saturated: a code above fmt.max_code means the value rounded beyond the largest
+    finite one). To nearest even where random is None or negative: normal values by rounding the float32 mantissa
+    to mantissa_bits (add half an ulp of the target minus one, plus the lowest kept bit) with the exponent rebased;
+    below the smallest normal (2**(1 - bias)) the count of subnormal steps, rint(y * 2**(bias - 1 +
+    mantissa_bits)), exact to the multiplication (a power of two). Stochastically where random (int64 in [0,
+    2**32)) is given and >= 0: up with probability equal to the dropped fraction, by adding its top
+    23 - mantissa_bits bits below the kept ones (normal: to the float32 bits; subnormal: to the value in fixed point
+    with as many fraction bits, truncated from y * 2**(bias + 22), exact to the truncation) and truncating."""
     shift = 23 - fmt.mantissa_bits
     b = _bits(y)
-    normal = ((b + (1 << (shift - 1)) - 1 + ((b >> shift) & 1)) >> shift) - ((127 - fmt.bias) << fmt.mantissa_bits)
-    subnormal = torch.round(y * 2.0 ** (fmt.bias - 1 + fmt.mantissa_bits)).long()
-    return torch.where(y < 2.0 ** (1 - fmt.bias), subnormal, normal)
+    sub = y < 2.0 ** (1 - fmt.bias)
+    nearest_normal = ((b + (1 << (shift - 1)) - 1 + ((b >> shift) & 1)) >> shift)
+    nearest = torch.where(sub, torch.round(y * 2.0 ** (fmt.bias - 1 + fmt.mantissa_bits)).long(),
+                          nearest_normal - ((127 - fmt.bias) << fmt.mantissa_bits))
+    if random is None:
+        return nearest
+    add = random >> (32 - shift)
+    fixed = (y * 2.0 ** (fmt.bias + 22)).long()  # (< 2**(mantissa_bits + shift): int64 is ample)
+    stochastic = torch.where(sub, (fixed + add) >> shift,
+                             ((b + add) >> shift) - ((127 - fmt.bias) << fmt.mantissa_bits))
+    return torch.where(random >= 0, stochastic, nearest)
 
 
 def fp8_block_exponents(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
@@ -181,9 +192,13 @@ def fp8_block_exponents(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     return k.clamp_max(127 - fmt.emax)
 
 
-def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool,
+                 step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 values (v itself for a second moment: its square root is what gets coded) -> (fmt.dtype codes of the
-    values' shape, float32 power-of-two scales, one per block of fmt.block)."""
+    values' shape, float32 power-of-two scales, one per block of fmt.block). step: the Adam step (from 1) that
+    produced the values, whose codes then round stochastically (random bits: exp_avg_random_bits of the values, the
+    rule of the 8-bit exp_avg), except each block's largest magnitudes, which round to nearest even (so that the
+    scale survives a decode and re-encode); 0 for conversions outside a step: to nearest even."""
     x = values.detach().float().reshape(-1)
     n = x.numel()
     u = sqrt_f32(x) if second_moment else x
@@ -197,7 +212,11 @@ def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool) -> t
     scales = torch.where(usable, _from_bits((k + 127) << 23), torch.where(finite, 0.0, math.nan))
     inverse = _from_bits((127 - k) << 23)
     y = torch.where(usable[:, None], a * inverse[:, None], torch.zeros_like(a))
-    codes = fp8_round(y, fmt).clamp_max(fmt.max_code)
+    random = None
+    if step:
+        r = exp_avg_random_bits(torch.nn.functional.pad(x, (0, -n % fmt.block)), step).view_as(a)
+        random = torch.where(a == amax[:, None], -1, r)
+    codes = fp8_round(y, fmt, random).clamp_max(fmt.max_code)
     if second_moment:
         codes = torch.where(usable[:, None], codes.clamp_min(1), codes)
     else:
@@ -267,7 +286,7 @@ def _write_state(values: torch.Tensor, state: torch.Tensor, scales: Optional[tor
     if state.dtype == torch.float16:
         codes, new_scales = quantize_fp16(sqrt_f32(values.float()) if second_moment else values.float())
     elif state.dtype in FP8_FORMATS:
-        codes, new_scales = quantize_fp8(values, FP8_FORMATS[state.dtype], second_moment)
+        codes, new_scales = quantize_fp8(values, FP8_FORMATS[state.dtype], second_moment, step)
     else:
         codes, new_scales = quantize_low_bit(values, low_bit_format(scales.dtype), second_moment, step)
     state.copy_(codes.view(state.shape))
@@ -389,9 +408,9 @@ def adam_step_(
                 if adam_w_mode == 1:
                     p = p - (lr * weight_decay) * p
             _write_state(m, exp_avgs[i], optional(exp_avg_scales, i), False, int(t))
-            _write_state(v, exp_avg_sqs[i], optional(exp_avg_sq_scales, i), True)
+            _write_state(v, exp_avg_sqs[i], optional(exp_avg_sq_scales, i), True, int(t))
             if amsgrad:
-                _write_state(vmax, max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), True)
+                _write_state(vmax, max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), True, int(t))
             if master is not None:
                 master.copy_(p)
             if rounding_keys is not None:

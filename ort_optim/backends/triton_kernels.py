@@ -179,7 +179,7 @@ def _load_state(addr, scale_addr, lut_ptr, offs, mask, block_index, DT: tl.const
 def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, step, DT: tl.constexpr, SCALED: tl.constexpr,
                  SECOND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     if DT >= 6:
-        _store_fp8(addr, scale_addr, offs, x, mask, DT, SECOND, BLOCK)
+        _store_fp8(addr, scale_addr, offs, x, mask, step, DT, SECOND, BLOCK)
     elif DT >= 4:
         _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT, SECOND, BLOCK)
     elif SCALED:
@@ -328,6 +328,20 @@ def _fp8_round(y, MB: tl.constexpr, BIAS: tl.constexpr):
 
 
 @_device
+def _fp8_round_stochastic(y, r, MB: tl.constexpr, BIAS: tl.constexpr):
+    """y rounded stochastically with the uint32 random bits r, as reference.fp8_round with random bits: their top
+    23 - MB bits added below the kept ones (normal: to the float32 bits; subnormal: to y in fixed point, truncated
+    from min(y, the smallest normal) * 2**(BIAS + 22)), then truncated."""
+    SHIFT: tl.constexpr = 23 - MB
+    min_normal = _pow2(tl.full(y.shape, 1 - BIAS, tl.int32))
+    add = (r >> (32 - SHIFT)).to(tl.int32)
+    normal = ((y.to(tl.int32, bitcast=True) + add) >> SHIFT) - ((127 - BIAS) << MB)
+    fixed = (tl.minimum(y, min_normal) * _pow2(tl.full(y.shape, BIAS + 22, tl.int32))).to(tl.int32)
+    subnormal = (fixed + add) >> SHIFT
+    return tl.where(y < min_normal, subnormal, normal)
+
+
+@_device
 def _load_fp8(addr, scale_addr, offs, mask, DT: tl.constexpr, SECOND: tl.constexpr):
     """Values of an fp8 state: code * scale (squared for SECOND), the code's value from its bits (normal: exponent
     and mantissa shifted into a float32, the exponent rebased; subnormal: mantissa * 2**(1 - bias - MB)). Masked
@@ -351,13 +365,14 @@ def _load_fp8(addr, scale_addr, offs, mask, DT: tl.constexpr, SECOND: tl.constex
 
 
 @_device
-def _store_fp8(addr, scale_addr, offs, x, mask, DT: tl.constexpr, SECOND: tl.constexpr, BLOCK: tl.constexpr):
+def _store_fp8(addr, scale_addr, offs, x, mask, step, DT: tl.constexpr, SECOND: tl.constexpr, BLOCK: tl.constexpr):
     """Encodes float32 values x (v for SECOND: its square root is coded) into an fp8 state and its scales, as
     reference.quantize_fp8: per block of 256 the scale 2**k, k the smallest with the block's largest magnitude
-    divided by 2**k rounding to at most the largest finite code (capped at 127 - emax); NaN for a block with inf
-    or NaN (codes 0); 0 for an all-zero block or one with k < FP8_MIN_EXPONENT. Codes round to nearest even,
-    saturate at the largest finite one; exp_avg keeps its sign (never -0), sqrt(v) gets at least the smallest
-    subnormal code in a usable block."""
+    divided by 2**k rounding to nearest even to at most the largest finite code (capped at 127 - emax); NaN for a
+    block with inf or NaN (codes 0); 0 for an all-zero block or one with k < FP8_MIN_EXPONENT. Codes round
+    stochastically (random bits: the 8-bit exp_avg's hash of x, the element index and step, the uint32 Adam step)
+    except the block's largest magnitudes, which round to nearest even; they saturate at the largest finite code;
+    exp_avg keeps its sign (never -0), sqrt(v) gets at least the smallest subnormal code in a usable block."""
     if DT == 6:
         MB: tl.constexpr = 3
         BIAS: tl.constexpr = 7
@@ -390,7 +405,11 @@ def _store_fp8(addr, scale_addr, offs, x, mask, DT: tl.constexpr, SECOND: tl.con
     k = tl.where(usable, k, 0)
     s = tl.where(usable, _pow2(k), tl.where(block_bad, float("nan"), 0.0))
     y = tl.where(usable[:, None], au * _pow2(-k)[:, None], 0.0)
-    code = tl.minimum(_fp8_round(y, MB, BIAS), MAX_CODE)
+    e = offs2.to(tl.uint32)  # the element index's low 32 bits
+    x2 = tl.reshape(x, (NB, QB))
+    r = _fmix32(_fmix32(x2.to(tl.uint32, bitcast=True) ^ (e * 0x9E3779B1)) ^ (step * 0x85EBCA77 + 0x6A09E667))
+    code = tl.where(au == amax[:, None], _fp8_round(y, MB, BIAS), _fp8_round_stochastic(y, r, MB, BIAS))
+    code = tl.minimum(code, MAX_CODE)
     if SECOND:
         code = tl.where(usable[:, None], tl.maximum(code, 1), code)
     else:
