@@ -21,7 +21,7 @@ from ort_optim import backends  # noqa: E402
 # count; test_op.py checks that explicitly with 1 and 2 threads. (Other test modules keep torch's default.)
 SINGLE_THREAD_MODULES = {
     "test_fused_adam", "test_mixed_precision", "test_checkpoints", "test_checkpoint_fuzz", "test_op", "test_lowbit",
-    "test_lowbit_acceptance", "test_cache_audit", "test_dropin_audit", "test_lowbit_audit",
+    "test_lowbit_acceptance", "test_cache_audit", "test_dropin_audit", "test_lowbit_audit", "test_low_bit",
 }
 
 
