@@ -666,20 +666,6 @@ inline int32_t fp8_round(float y) {
   return y < bits_to_float(uint32_t(127 + 1 - kBias) << 23) ? subnormal : normal;
 }
 
-// y as fp8_round, but rounded stochastically with the random bits r: their top 23 - kMb bits added below the kept ones
-// (normal: to the float32 bits; subnormal: to y in fixed point with as many fraction bits, truncated from
-// min(y, the smallest normal) * 2**(bias + 22)), then truncated: up with probability equal to the dropped fraction.
-template <int kMb, int kBias>
-inline int32_t fp8_round_stochastic(float y, uint32_t r) {
-  constexpr int kShift = 23 - kMb;
-  const float min_normal = bits_to_float(uint32_t(127 + 1 - kBias) << 23);
-  const uint32_t add = r >> (32 - kShift);
-  const int32_t normal = int32_t((float_to_bits(y) + add) >> kShift) - ((127 - kBias) << kMb);
-  const int32_t fixed = int32_t(std::min(y, min_normal) * bits_to_float(uint32_t(127 + kBias + 22) << 23));
-  const int32_t subnormal = int32_t((uint32_t(fixed) + add) >> kShift);
-  return y < min_normal ? subnormal : normal;
-}
-
 // dst[0, n) = the values of elements [off, off + n) (off a multiple of kFp8Block): code * scale, squared for a
 // second moment (which holds sqrt(v)).
 template <int kMb, int kBias, bool kSecondMoment>
@@ -700,13 +686,27 @@ void fp8_load(const uint8_t* codes, const float* scales, int64_t off, int64_t n,
   }
 }
 
+// The random bits of the fp8 states of elements [off, off + n) in a step, from the step's new exp_avg m:
+// fmix32(bits(m[i]) ^ (off + i) * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)); an fp8 exp_avg rounds with the top
+// 16 bits, an fp8 second moment with the low 16 (reference.fp8_random_bits).
+void fp8_random_bits(const float* m, int64_t off, int64_t n, uint32_t step, uint32_t* r) {
+  const uint32_t e0 = uint32_t(off) * 0x9E3779B1u, step_hash = step * 0x85EBCA77u + 0x6A09E667u;
+  for (int64_t i = 0; i < n; ++i) r[i] = fmix32(float_to_bits(m[i]) ^ (e0 + uint32_t(i) * 0x9E3779B1u) ^ step_hash);
+}
+
 // Writes src[0, n) (v for a second moment; root: sqrt(v) when the caller has it) as the codes and scales of elements
-// [off, off + n). step: the Adam step (from 1): the codes round stochastically (random bits: exp_avg_random_bits of
-// src), except each block's largest magnitudes, which round to nearest even (the scale survives a decode and
-// re-encode); 0: to nearest even.
+// [off, off + n), in a step. The codes round stochastically: 16 random bits (rnd, from fp8_random_bits) are added
+// right below the kept bits (normal values: to the float32 bits; subnormal ones: to the value in fixed point with as
+// many fraction bits, truncated from min(y, the smallest normal) * 2**(bias + 22)) and truncated. The block's
+// largest magnitudes (always normal) add half an ulp minus one plus the lowest kept bit instead: to nearest even, so
+// that the scale survives a decode and re-encode. One formula for every element, without branches: the loop
+// vectorises.
 template <int kMb, int kBias, int kEmax, int kMaxCode, bool kSecondMoment>
 void fp8_store(const float* src, const float* root, int64_t off, int64_t n, uint8_t* codes, float* scales,
-               uint32_t step) {
+               const uint32_t* rnd) {
+  constexpr int kShift = 23 - kMb;
+  const float min_normal = bits_to_float(uint32_t(127 + 1 - kBias) << 23);
+  const float to_fixed = bits_to_float(uint32_t(127 + kBias + 22) << 23);
   float sqrt_v[kFp8Block];
   for (int64_t q = 0; q < n; q += kFp8Block) {
     const int64_t len = std::min<int64_t>(kFp8Block, n - q);
@@ -730,14 +730,17 @@ void fp8_store(const float* src, const float* root, int64_t off, int64_t n, uint
       } else {
         s = bits_to_float(uint32_t(k + 127) << 23);
         const float inv = bits_to_float(uint32_t(127 - k) << 23);
-        const float* x = src + q;
+        const uint32_t* r = rnd + q;
         for (int64_t i = 0; i < len; ++i) {
-          const uint32_t b = float_to_bits(u[i]);
-          const float y = bits_to_float(b & 0x7FFFFFFFu) * inv;
-          const uint32_t r = exp_avg_random_bits(x[i], uint64_t(off + q + i), step);
-          int32_t code = step != 0 && (b & 0x7FFFFFFFu) != amax ? fp8_round_stochastic<kMb, kBias>(y, r)
-                                                                 : fp8_round<kMb, kBias>(y);
-          code = std::min(code, kMaxCode);
+          const uint32_t b = float_to_bits(u[i]), ab = b & 0x7FFFFFFFu;
+          const float y = bits_to_float(ab) * inv;
+          const uint32_t yb = float_to_bits(y);
+          const uint32_t random = (kSecondMoment ? r[i] & 0xFFFFu : r[i] >> 16) << (kShift - 16);
+          const uint32_t add = ab == amax ? (1u << (kShift - 1)) - 1u + ((yb >> kShift) & 1u) : random;
+          const int32_t normal = int32_t((yb + add) >> kShift) - ((127 - kBias) << kMb);
+          const int32_t fixed = int32_t(std::min(y, min_normal) * to_fixed);
+          const int32_t subnormal = int32_t((uint32_t(fixed) + add) >> kShift);
+          int32_t code = std::min(y < min_normal ? subnormal : normal, kMaxCode);
           if constexpr (kSecondMoment) {
             code = std::max(code, 1);  // no zero level for sqrt(v) (the zero-point problem)
           } else {
@@ -762,14 +765,14 @@ void fp8_load(const Fp8& f, bool second_moment, const void* codes, const float* 
 }
 
 void fp8_store(const Fp8& f, bool second_moment, const float* src, const float* root, int64_t off, int64_t n,
-               void* codes, float* scales, uint32_t step) {
+               void* codes, float* scales, const uint32_t* rnd) {
   uint8_t* c = static_cast<uint8_t*>(codes);
   if (f.mantissa_bits == 3) {
-    second_moment ? fp8_store<3, 7, 8, 0x7E, true>(src, root, off, n, c, scales, step)
-                  : fp8_store<3, 7, 8, 0x7E, false>(src, root, off, n, c, scales, step);
+    second_moment ? fp8_store<3, 7, 8, 0x7E, true>(src, root, off, n, c, scales, rnd)
+                  : fp8_store<3, 7, 8, 0x7E, false>(src, root, off, n, c, scales, rnd);
   } else {
-    second_moment ? fp8_store<2, 15, 15, 0x7B, true>(src, root, off, n, c, scales, step)
-                  : fp8_store<2, 15, 15, 0x7B, false>(src, root, off, n, c, scales, step);
+    second_moment ? fp8_store<2, 15, 15, 0x7B, true>(src, root, off, n, c, scales, rnd)
+                  : fp8_store<2, 15, 15, 0x7B, false>(src, root, off, n, c, scales, rnd);
   }
 }
 
@@ -843,6 +846,7 @@ struct Hyper {
 template <typename T>
 struct Scratch {
   T p[kBlock], g[kBlock], m[kBlock], v[kBlock], vmax[kBlock], root[kBlock];
+  uint32_t fp8_rnd[kBlock];  // the random bits of fp8 states (fp8_random_bits)
 };
 
 // second_moment: the state is exp_avg_sq or max_exp_avg_sq, whose scaled fp16 and low-bit codes hold sqrt(v).
@@ -873,11 +877,12 @@ void load_state(const void* base, at::ScalarType type, const float* scales, int6
 template <typename T>
 void store_state(const T* src, void* base, at::ScalarType type, float* scales, int64_t off, int64_t n,
                  uint32_t amax_bits, const LowBit* low_bit = nullptr, bool second_moment = false,
-                 const float* root = nullptr, uint32_t step = 0, const Fp8* fp8 = nullptr) {
+                 const float* root = nullptr, uint32_t step = 0, const Fp8* fp8 = nullptr,
+                 const uint32_t* fp8_rnd = nullptr) {
   char* dst = static_cast<char*>(base) + off * c10::elementSize(type);
   if constexpr (std::is_same_v<T, float>) {
     if (fp8) {
-      fp8_store(*fp8, second_moment, src, root, off, n, base, scales, step);
+      fp8_store(*fp8, second_moment, src, root, off, n, base, scales, fp8_rnd);
       return;
     }
     if (low_bit) {
@@ -1006,19 +1011,22 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
     max = adam_loop<T, kMode, kAmsgrad, false>(p, g, m, v, vmax, n, w, h);
   }
   grad_squares = max.grad_squares;
+  if constexpr (std::is_same_v<T, float>) {
+    if (w.exp_avg_fp8 || w.exp_avg_sq_fp8) fp8_random_bits(m, off, n, w.step, s.fp8_rnd);
+  }
 
   // Write back what was staged.
   if (m == s.m) {
     store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, max.m, w.exp_avg_low_bit, false, nullptr,
-                   w.step, w.exp_avg_fp8);
+                   w.step, w.exp_avg_fp8, s.fp8_rnd);
   }
   if (v == s.v) {
     store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, max.v, w.exp_avg_sq_low_bit, true,
-                   kAmsgrad ? nullptr : root, w.step, w.exp_avg_sq_fp8);
+                   kAmsgrad ? nullptr : root, w.step, w.exp_avg_sq_fp8, s.fp8_rnd);
   }
   if (kAmsgrad && vmax == s.vmax) {
     store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, max.vmax,
-                   w.exp_avg_sq_low_bit, true, root, w.step, w.exp_avg_sq_fp8);
+                   w.exp_avg_sq_low_bit, true, root, w.step, w.exp_avg_sq_fp8, s.fp8_rnd);
   }
   // With a master, p is the master itself (updated in place) and the param receives it rounded.
   if (w.master || p == s.p) {

@@ -122,10 +122,10 @@ def reference_step(args: list, hp: dict) -> None:
             return u * u if second else u
         return _to_numpy(t)
 
-    def write_state(values, t, scales, second, step):
-        if scales is not None and t.dtype in FP8_FORMATS:
+    def write_state(values, t, scales, second, step, m=None):
+        if scales is not None and t.dtype in FP8_FORMATS:  # (m: the step's exp_avg, whose hash rounds both moments)
             codes, new_scales = quantize_fp8(torch.from_numpy(values.astype(np.float32)), FP8_FORMATS[t.dtype],
-                                             second, step)
+                                             second, step, None if m is None else torch.from_numpy(m.astype(np.float32)))
             t.copy_(codes.view(t.shape))
             scales.copy_(canonical_nan(new_scales))
         elif scales is not None and t.dtype == torch.uint8:  # (step: mixed into exp_avg's stochastic rounding)
@@ -170,9 +170,9 @@ def reference_step(args: list, hp: dict) -> None:
                 if mode == 1:
                     p = p - F(lr * wd) * p
         write_state(m, ms[i], mss[i] if len(mss) else None, False, int(t))
-        write_state(v, vs[i], vss[i] if len(vss) else None, True, int(t))
+        write_state(v, vs[i], vss[i] if len(vss) else None, True, int(t), m)
         if amsgrad:
-            write_state(vmax, vmaxs[i], vmaxss[i] if len(vmaxss) else None, True, int(t))
+            write_state(vmax, vmaxs[i], vmaxss[i] if len(vmaxss) else None, True, int(t), m)
         if master is not None:
             master.copy_(torch.from_numpy(p.astype(np.float32)).reshape(master.shape))
         if hp.get("rounding_keys") is not None:  # stochastic rounding: the spec's hash, from the reference

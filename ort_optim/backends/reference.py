@@ -163,23 +163,36 @@ def fp8_round(y: torch.Tensor, fmt: Fp8Format, random: Optional[torch.Tensor] = 
     finite one). To nearest even where random is None or negative: normal values by rounding the float32 mantissa
     to mantissa_bits (add half an ulp of the target minus one, plus the lowest kept bit) with the exponent rebased;
     below the smallest normal (2**(1 - bias)) the count of subnormal steps, rint(y * 2**(bias - 1 +
-    mantissa_bits)), exact to the multiplication (a power of two). Stochastically where random (int64 in [0,
-    2**32)) is given and >= 0: up with probability equal to the dropped fraction, by adding its top
-    23 - mantissa_bits bits below the kept ones (normal: to the float32 bits; subnormal: to the value in fixed point
-    with as many fraction bits, truncated from y * 2**(bias + 22), exact to the truncation) and truncating."""
+    mantissa_bits)), exact to the multiplication (a power of two). Stochastically where random (16 random bits, int64
+    in [0, 2**16)) is given and >= 0: up with probability equal to the dropped fraction (to 2**-16), by adding
+    random << (7 - mantissa_bits), the random bits right below the kept ones (normal: to the float32 bits;
+    subnormal: to the value in fixed point with as many fraction bits, truncated from min(y, 2**(1 - bias)) *
+    2**(bias + 22), exact to the truncation), and truncating."""
     shift = 23 - fmt.mantissa_bits
     b = _bits(y)
-    sub = y < 2.0 ** (1 - fmt.bias)
+    min_normal = 2.0 ** (1 - fmt.bias)
+    sub = y < min_normal
     nearest_normal = ((b + (1 << (shift - 1)) - 1 + ((b >> shift) & 1)) >> shift)
     nearest = torch.where(sub, torch.round(y * 2.0 ** (fmt.bias - 1 + fmt.mantissa_bits)).long(),
                           nearest_normal - ((127 - fmt.bias) << fmt.mantissa_bits))
     if random is None:
         return nearest
-    add = random >> (32 - shift)
-    fixed = (y * 2.0 ** (fmt.bias + 22)).long()  # (< 2**(mantissa_bits + shift): int64 is ample)
+    add = random.clamp_min(0) << (shift - 16)
+    fixed = (y.clamp_max(min_normal) * 2.0 ** (fmt.bias + 22)).long()
     stochastic = torch.where(sub, (fixed + add) >> shift,
                              ((b + add) >> shift) - ((127 - fmt.bias) << fmt.mantissa_bits))
     return torch.where(random >= 0, stochastic, nearest)
+
+
+def fp8_random_bits(exp_avg: torch.Tensor, step: int) -> torch.Tensor:
+    """The random bits of an fp8 state's stochastic rounding in a step, from the step's new exp_avg (float32 m, flat:
+    element e is m[e]), as int64 in [0, 2**32): fmix32(bits(m[e]) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667))
+    in uint32 arithmetic. One hash per element serves both moments: an fp8 exp_avg takes its top 16 bits, an fp8
+    exp_avg_sq (and max_exp_avg_sq) its low 16 (two moments of one element never share random bits, and the step
+    hashes once per element, not once per moment)."""
+    b = _bits(exp_avg.float())
+    e = torch.arange(exp_avg.numel(), dtype=torch.int64)
+    return _fmix32(b ^ ((e * 0x9E3779B1) & _MASK32) ^ ((step * 0x85EBCA77 + 0x6A09E667) & _MASK32))
 
 
 def fp8_block_exponents(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
@@ -192,13 +205,14 @@ def fp8_block_exponents(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     return k.clamp_max(127 - fmt.emax)
 
 
-def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool,
-                 step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool, step: int = 0,
+                 exp_avg: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 values (v itself for a second moment: its square root is what gets coded) -> (fmt.dtype codes of the
     values' shape, float32 power-of-two scales, one per block of fmt.block). step: the Adam step (from 1) that
-    produced the values, whose codes then round stochastically (random bits: exp_avg_random_bits of the values, the
-    rule of the 8-bit exp_avg), except each block's largest magnitudes, which round to nearest even (so that the
-    scale survives a decode and re-encode); 0 for conversions outside a step: to nearest even."""
+    produced the values, whose codes then round stochastically (random bits: fp8_random_bits of that step's exp_avg,
+    the values themselves for exp_avg, required for a second moment), except each block's largest magnitudes, which
+    round to nearest even (so that the scale survives a decode and re-encode); 0 for conversions outside a step: to
+    nearest even."""
     x = values.detach().float().reshape(-1)
     n = x.numel()
     u = sqrt_f32(x) if second_moment else x
@@ -214,7 +228,10 @@ def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool,
     y = torch.where(usable[:, None], a * inverse[:, None], torch.zeros_like(a))
     random = None
     if step:
-        r = exp_avg_random_bits(torch.nn.functional.pad(x, (0, -n % fmt.block)), step).view_as(a)
+        if second_moment and (exp_avg is None or exp_avg.numel() != n):
+            raise ValueError("quantize_fp8: a second moment's stochastic rounding (step > 0) needs the step's exp_avg")
+        r = fp8_random_bits(x if not second_moment else exp_avg.detach().float().reshape(-1), step)
+        r = torch.nn.functional.pad(r & 0xFFFF if second_moment else r >> 16, (0, -n % fmt.block)).view_as(a)
         random = torch.where(a == amax[:, None], -1, r)
     codes = fp8_round(y, fmt, random).clamp_max(fmt.max_code)
     if second_moment:
@@ -279,14 +296,14 @@ def _read_state(state: torch.Tensor, scales: Optional[torch.Tensor], dtype: torc
 
 
 def _write_state(values: torch.Tensor, state: torch.Tensor, scales: Optional[torch.Tensor],
-                 second_moment: bool, step: int = 0) -> None:
+                 second_moment: bool, step: int = 0, exp_avg: Optional[torch.Tensor] = None) -> None:
     if scales is None:
         state.copy_(values)
         return
     if state.dtype == torch.float16:
         codes, new_scales = quantize_fp16(sqrt_f32(values.float()) if second_moment else values.float())
     elif state.dtype in FP8_FORMATS:
-        codes, new_scales = quantize_fp8(values, FP8_FORMATS[state.dtype], second_moment, step)
+        codes, new_scales = quantize_fp8(values, FP8_FORMATS[state.dtype], second_moment, step, exp_avg)
     else:
         codes, new_scales = quantize_low_bit(values, low_bit_format(scales.dtype), second_moment, step)
     state.copy_(codes.view(state.shape))
@@ -408,9 +425,9 @@ def adam_step_(
                 if adam_w_mode == 1:
                     p = p - (lr * weight_decay) * p
             _write_state(m, exp_avgs[i], optional(exp_avg_scales, i), False, int(t))
-            _write_state(v, exp_avg_sqs[i], optional(exp_avg_sq_scales, i), True, int(t))
+            _write_state(v, exp_avg_sqs[i], optional(exp_avg_sq_scales, i), True, int(t), m)
             if amsgrad:
-                _write_state(vmax, max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), True, int(t))
+                _write_state(vmax, max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), True, int(t), m)
             if master is not None:
                 master.copy_(p)
             if rounding_keys is not None:

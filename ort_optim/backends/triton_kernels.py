@@ -177,9 +177,9 @@ def _load_state(addr, scale_addr, lut_ptr, offs, mask, block_index, DT: tl.const
 
 @_device
 def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, step, DT: tl.constexpr, SCALED: tl.constexpr,
-                 SECOND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    if DT >= 6:
-        _store_fp8(addr, scale_addr, offs, x, mask, step, DT, SECOND, BLOCK)
+                 SECOND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, rnd=0):
+    if DT >= 6:  # (rnd: _fp8_random_bits of this step's exp_avg)
+        _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT, SECOND, BLOCK)
     elif DT >= 4:
         _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT, SECOND, BLOCK)
     elif SCALED:
@@ -328,13 +328,22 @@ def _fp8_round(y, MB: tl.constexpr, BIAS: tl.constexpr):
 
 
 @_device
-def _fp8_round_stochastic(y, r, MB: tl.constexpr, BIAS: tl.constexpr):
-    """y rounded stochastically with the uint32 random bits r, as reference.fp8_round with random bits: their top
-    23 - MB bits added below the kept ones (normal: to the float32 bits; subnormal: to y in fixed point, truncated
-    from min(y, the smallest normal) * 2**(BIAS + 22)), then truncated."""
+def _fp8_random_bits(m, offs, step):
+    """The random bits of the fp8 states of these elements in a step, from the step's new exp_avg m, as
+    reference.fp8_random_bits: fmix32(bits(m) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) (uint32; e the
+    element index's low 32 bits); exp_avg rounds with the top 16, a second moment with the low 16."""
+    e = offs.to(tl.uint32)
+    return _fmix32(m.to(tl.uint32, bitcast=True) ^ (e * 0x9E3779B1) ^ (step * 0x85EBCA77 + 0x6A09E667))
+
+
+@_device
+def _fp8_round_stochastic(y, r16, MB: tl.constexpr, BIAS: tl.constexpr):
+    """y rounded stochastically with 16 random bits r16, as reference.fp8_round with random bits: added right below
+    the kept bits (normal: to the float32 bits; subnormal: to y in fixed point, truncated from min(y, the smallest
+    normal) * 2**(BIAS + 22)), then truncated."""
     SHIFT: tl.constexpr = 23 - MB
     min_normal = _pow2(tl.full(y.shape, 1 - BIAS, tl.int32))
-    add = (r >> (32 - SHIFT)).to(tl.int32)
+    add = (r16 << (SHIFT - 16)).to(tl.int32)
     normal = ((y.to(tl.int32, bitcast=True) + add) >> SHIFT) - ((127 - BIAS) << MB)
     fixed = (tl.minimum(y, min_normal) * _pow2(tl.full(y.shape, BIAS + 22, tl.int32))).to(tl.int32)
     subnormal = (fixed + add) >> SHIFT
@@ -365,13 +374,14 @@ def _load_fp8(addr, scale_addr, offs, mask, DT: tl.constexpr, SECOND: tl.constex
 
 
 @_device
-def _store_fp8(addr, scale_addr, offs, x, mask, step, DT: tl.constexpr, SECOND: tl.constexpr, BLOCK: tl.constexpr):
+def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: tl.constexpr, BLOCK: tl.constexpr):
     """Encodes float32 values x (v for SECOND: its square root is coded) into an fp8 state and its scales, as
     reference.quantize_fp8: per block of 256 the scale 2**k, k the smallest with the block's largest magnitude
     divided by 2**k rounding to nearest even to at most the largest finite code (capped at 127 - emax); NaN for a
     block with inf or NaN (codes 0); 0 for an all-zero block or one with k < FP8_MIN_EXPONENT. Codes round
-    stochastically (random bits: the 8-bit exp_avg's hash of x, the element index and step, the uint32 Adam step)
-    except the block's largest magnitudes, which round to nearest even; they saturate at the largest finite code;
+    stochastically (rnd: _fp8_random_bits of the step's exp_avg; the top 16 bits for exp_avg, the low 16 for a
+    second moment) except the block's largest magnitudes, which round to nearest even; they saturate at the largest
+    finite code;
     exp_avg keeps its sign (never -0), sqrt(v) gets at least the smallest subnormal code in a usable block."""
     if DT == 6:
         MB: tl.constexpr = 3
@@ -405,10 +415,12 @@ def _store_fp8(addr, scale_addr, offs, x, mask, step, DT: tl.constexpr, SECOND: 
     k = tl.where(usable, k, 0)
     s = tl.where(usable, _pow2(k), tl.where(block_bad, float("nan"), 0.0))
     y = tl.where(usable[:, None], au * _pow2(-k)[:, None], 0.0)
-    e = offs2.to(tl.uint32)  # the element index's low 32 bits
-    x2 = tl.reshape(x, (NB, QB))
-    r = _fmix32(_fmix32(x2.to(tl.uint32, bitcast=True) ^ (e * 0x9E3779B1)) ^ (step * 0x85EBCA77 + 0x6A09E667))
-    code = tl.where(au == amax[:, None], _fp8_round(y, MB, BIAS), _fp8_round_stochastic(y, r, MB, BIAS))
+    r2 = tl.reshape(rnd, (NB, QB))
+    if SECOND:
+        r16 = r2 & 0xFFFF
+    else:
+        r16 = r2 >> 16
+    code = tl.where(au == amax[:, None], _fp8_round(y, MB, BIAS), _fp8_round_stochastic(y, r16, MB, BIAS))
     code = tl.minimum(code, MAX_CODE)
     if SECOND:
         code = tl.where(usable[:, None], tl.maximum(code, 1), code)
@@ -570,12 +582,17 @@ def _adam_block(
     # ptxas does better storing it last.
     if not HAS_MASTER:
         _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
+    if M_DT >= 6 or V_DT >= 6:  # one hash per element for both fp8 moments
+        rnd = _fp8_random_bits(m, offs, m_step)
+    else:
+        rnd = 0
     _store_state(m_addr, ms_addr, m_lut_ptr, offs, m, mask, block_index, m_step, M_DT, M_SCALED, False, ALIGNED,
-                 BLOCK)
-    _store_state(v_addr, vs_addr, v_lut_ptr, offs, v, mask, block_index, m_step, V_DT, V_SCALED, True, ALIGNED, BLOCK)
+                 BLOCK, rnd)
+    _store_state(v_addr, vs_addr, v_lut_ptr, offs, v, mask, block_index, m_step, V_DT, V_SCALED, True, ALIGNED, BLOCK,
+                 rnd)
     if AMSGRAD:
         _store_state(vmax_addr, vmaxs_addr, v_lut_ptr, offs, vmax, mask, block_index, m_step, V_DT, V_SCALED, True,
-                     ALIGNED, BLOCK)
+                     ALIGNED, BLOCK, rnd)
     if HAS_MASTER:
         _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
     return squares

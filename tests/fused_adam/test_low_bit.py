@@ -107,7 +107,8 @@ def test_encoding_is_idempotent_so_checkpoints_are_canonical(dtype, second):
     """decode -> encode gives the same codes and scales, after a conversion and after a step's stochastic rounding."""
     fmt = FP8_FORMATS[dtype]
     for step in (0, 1, 7):
-        codes, scales = reference.quantize_fp8(_test_tensor(second, seed=step), fmt, second, step)
+        x = _test_tensor(second, seed=step)
+        codes, scales = reference.quantize_fp8(x, fmt, second, step, exp_avg=torch.randn(x.shape))
         again = reference.quantize_fp8(reference.decode_state(codes, scales, second, codes.shape), fmt, second)
         assert torch.equal(again[0].view(torch.uint8), codes.view(torch.uint8))
         assert torch.equal(bits(again[1]), bits(scales))
@@ -366,3 +367,73 @@ def test_quality_within_one_percent(tmp_path):
         if row["config"] in ("fp8", "bf16 SR + fp8"):
             assert not row["diverged"]
             assert abs(row["rel_diff_vs_baseline"]) <= row["tolerance"], row
+
+
+# ---- FSDP2 and torch.distributed.checkpoint ---------------------------------------------------------------------
+
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _fsdp_fp8_scenarios(rank, world_size, tmp_dir):
+    """FSDP2 (2 ranks, uneven shards) with fp8 moments (e4m3fn m, e5m2 v, amsgrad): the states are fp8 pieces of
+    each rank's shard; a dcp.save / dcp.load checkpoint at the same world size resumes bit for bit; the saved moments
+    are the decoded float32 values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ort_optim.integrations import dtensor
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 301), torch.nn.GELU(), torch.nn.Linear(301, 3))
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, FusedAdam(model.parameters(), lr=1e-2, amsgrad=True, adam_w_mode=AdamWMode.ADAMW_TORCH,
+                                exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2)
+
+    def train(model, opt, steps, start):
+        for step in range(start, start + steps):
+            g = torch.Generator().manual_seed(100 + step)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+            opt.step()
+
+    def full(t):
+        return (t.full_tensor() if dtensor.is_dtensor(t) else t).detach().clone()
+
+    path = str(Path(tmp_dir) / "fp8")
+    model, opt = make()
+    train(model, opt, 3, 0)
+    first = next(iter(model.parameters()))
+    local_state = opt.state[first]
+    dtypes = (local_state["exp_avg"].dtype, local_state["exp_avg_sq"].dtype, local_state["max_exp_avg_sq"].dtype)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    saved_dtypes = sorted({str(v.dtype) for s in optim_sd["state"].values() for k, v in s.items() if k != "step"})
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    train(model, opt, 3, 3)
+    uninterrupted = [full(p) for p in model.parameters()]
+    model, opt = make()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    train(model, opt, 3, 3)
+    return {"dtypes": [str(d) for d in dtypes], "saved_dtypes": saved_dtypes, "uninterrupted": uninterrupted,
+            "resumed": [full(p) for p in model.parameters()]}
+
+
+@pytest.mark.skipif(TORCH_VERSION < (2, 6), reason=f"FSDP2 and torch.distributed.checkpoint on CPU with gloo need "
+                    f"torch >= 2.6; this environment has torch {torch.__version__}")
+def test_fsdp2_fp8_states_and_dcp_resume_bit_for_bit(tmp_path):
+    from distributed_harness import run_ranks
+
+    for rank, out in enumerate(run_ranks(_fsdp_fp8_scenarios, 2, tmp_path)):
+        assert out["dtypes"] == ["torch.float8_e4m3fn", "torch.float8_e5m2", "torch.float8_e5m2"], (rank, out)
+        assert "torch.float32" in out["saved_dtypes"] and not any("float8" in d for d in out["saved_dtypes"])
+        for a, b in zip(out["resumed"], out["uninterrupted"]):
+            assert torch.equal(bits(a), bits(b)), rank
