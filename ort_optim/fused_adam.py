@@ -135,7 +135,8 @@ class FusedAdam(torch.optim.Optimizer):
             carries the masters), or copy the params into the masters: ``optimizer.state[p]['master_param'].copy_(p)``
             for every ``p`` with state.
         exp_avg_dtype, exp_avg_sq_dtype: storage dtype of the moments: torch.float32, torch.bfloat16,
-            torch.float16, torch.uint8 (8-bit) or torch.uint4 (4-bit), in any combination (default None: float32 for
+            torch.float16, torch.uint8 (8-bit), torch.uint4 (4-bit), torch.float8_e4m3fn or torch.float8_e5m2
+            (fp8), in any combination (default None: float32 for
             fp16/bf16 params with master weights, else the param's dtype; float64 params always keep float64
             states). fp16 moments are stored with one power-of-two scale per 1024 elements (exp_avg_sq as
             sqrt(v)), so they neither overflow nor flush to zero. 8-bit and 4-bit moments are block-quantised
@@ -145,8 +146,13 @@ class FusedAdam(torch.optim.Optimizer):
             stochastically between its two neighbouring levels (unbiased, so a decaying moment neither sticks nor
             vanishes early; random bits hashed from the value, its index and the step: no generator state, resume
             stays exact; ops/README.md, "low-bit states"). bf16 params without masters + 4-bit moments: 3.03 bytes per
-            parameter in all; + 8-bit: 4.03 (fp32 AdamW: 12 with its params). Checkpoints stay canonical (unscaled
-            float32) and load into any of these formats.
+            parameter in all; + 8-bit: 4.03 (fp32 AdamW: 12 with its params). fp8 moments are float8 codes
+            (``state[key]``, the param's shape) with one power-of-two float32 scale per 256 elements in
+            ``state[key + '_scale']`` (2.03 bytes per parameter for both; exp_avg_sq as sqrt(v), never read as 0),
+            encoded by exponent and mantissa arithmetic and rounded stochastically in a step (one hash of the new
+            exp_avg, the element and the step: resume stays exact), to nearest even in conversions; e4m3fn for
+            both moments trains best (guides/low-bit-states.md). Checkpoints stay canonical (unscaled float32) and
+            load into any of these formats.
         stochastic_rounding: round the update of bfloat16 params (without master weights; refused with
             master_weights=True, no effect on other dtypes) stochastically instead of to nearest, so that updates
             smaller than half a bfloat16 ulp still accumulate on average (default False; a param-group option).
