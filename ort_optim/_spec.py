@@ -1,7 +1,7 @@
 """The numeric specification every backend shares (ops/README.md states the math): one place for its constants.
 
-Backends (``ort_optim/backends/``) import this module and never one another; ops/adam_cpu.cpp mirrors these values
-(``kBlock``, ``kFp16Limit``), and the tests check that the native library agrees.
+Backends (``ort_optim/backends/``) import this module and never one another; the C++ kernels mirror these values
+(``kBlock`` in ops/adam_kernel.h, ``kFp16Limit`` in ops/conversions.h), and the tests check that the native library agrees.
 """
 
 from __future__ import annotations

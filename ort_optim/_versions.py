@@ -7,7 +7,7 @@ value (a second backward over a retained graph that saved a param, a ``p.detach(
 computing with the new one. Kernels that write through pointers are invisible to it, so every ort_optim step marks
 what it wrote, whichever backend runs it and whoever calls it (``FusedAdam.step()``, step_in_backward's hooks):
 
-* the native CPU op and its plans, in C++ (ops/adam_cpu.cpp, "autograd's version counters": about 4000 atomic
+* the native CPU op and its plans, in C++ (ops/step.h, "autograd's version counters": about 4000 atomic
   increments for 2000 params, instead of a Python call per tensor);
 * the Triton kernels, through :func:`mark_modified`;
 * the reference backend writes with torch ops (``copy_``, ``add_``), which mark their outputs themselves;

@@ -37,7 +37,7 @@ def _one_intra_op_thread(request):
     finally:
         torch.set_num_threads(previous)
 
-# The CPU backends every FusedAdam test runs on: the compiled op (ops/adam_cpu.cpp) and the pure-PyTorch fallback
+# The CPU backends every FusedAdam test runs on: the compiled op (ops/) and the pure-PyTorch fallback
 # (ort_optim/backends/reference.py). ORT_OPTIM_BACKEND is read at every step, so monkeypatch.setenv switches per test.
 # `make test-triton` runs the suite with ORT_OPTIM_BACKEND=triton (and TRITON_INTERPRET=1): then every
 # backend-parametrised test goes through the Triton kernels instead.
@@ -144,9 +144,9 @@ def state_values(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> Optio
         return None
     value = state[key]
     if key + "_scale" in state:  # fp16 codes (sqrt(v) for second moments) or low-bit codes (ops/README.md)
-        from ort_optim.backends import reference as reference_backend
+        from ort_optim import formats
 
-        return reference_backend.decode_state(value, state[key + "_scale"], key != "exp_avg", p.shape)
+        return formats.decode_state(value, state[key + "_scale"], key != "exp_avg", p.shape)
     return value
 
 

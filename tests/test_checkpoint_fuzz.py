@@ -24,7 +24,7 @@ from conftest import assert_bitwise_equal, assert_same_snapshot, assert_tree_bit
 
 from ort_optim import AdamWMode, FusedAdam
 from ort_optim._checkpoint import entry, to_canonical
-from ort_optim.backends import reference as reference_backend
+from ort_optim import formats
 
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (in both lock files)")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -319,8 +319,8 @@ def _check_restored(target, params, sd, layout: str) -> None:
             if key in state and state[key].dtype == torch.uint8:
                 # 8-bit/4-bit codes: exactly the reference quantiser's round trip of the saved values
                 dtype = LAYOUTS[layout][key != "exp_avg"]
-                expected = reference_backend.decode_state(
-                    *reference_backend.encode_state(saved[key].float(), dtype, key != "exp_avg"), key != "exp_avg",
+                expected = formats.decode_state(
+                    *formats.encode_state(saved[key].float(), dtype, key != "exp_avg"), key != "exp_avg",
                     p.shape)
                 assert_bitwise_equal(to_canonical(state, key, p.shape), expected, key)
             elif key in state:

@@ -24,8 +24,7 @@ from conftest import (
 )
 from reference import ReferenceAdam
 
-from ort_optim import AdamWMode, FusedAdam
-from ort_optim.backends import reference as reference_backend
+from ort_optim import AdamWMode, FusedAdam, formats
 from ort_optim._spec import QUANT_BLOCK
 
 
@@ -95,7 +94,7 @@ def test_state_dict_is_canonical_fresh_unscaled_fp32_and_mutating_it_changes_not
                 assert saved[key].dtype == wide and saved[key].shape == p.shape
                 assert saved[key].data_ptr() != o.state[p][key].data_ptr()
             if p.dtype == torch.float16:  # unscaled: the fp16 codes divided by their block scales
-                expected = reference_backend.dequantize_fp16(o.state[p]["exp_avg"], o.state[p]["exp_avg_scale"])
+                expected = formats.dequantize_fp16(o.state[p]["exp_avg"], o.state[p]["exp_avg_scale"])
                 assert_bitwise_equal(saved["exp_avg"], expected, "exp_avg")
         # fresh tensors: writing into the dict (as a careless caller might) does not reach the optimizer
         for saved in sd["state"].values():
@@ -289,7 +288,7 @@ def test_resuming_from_a_checkpoint_equals_never_stopping_bit_for_bit(config, la
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("grad_magnitude", [1e-12, 1e-3, 1.0, 1e4], ids=lambda m: f"grads-{m:g}")
 def test_the_kernels_fp16_states_survive_dequantize_then_quantize_exactly(grad_magnitude, backend, monkeypatch):
-    """After real steps, reference_backend.quantize_fp16(dequantize_fp16(codes, scales)) gives back the kernel's own codes
+    """After real steps, formats.quantize_fp16(dequantize_fp16(codes, scales)) gives back the kernel's own codes
     and scales: what makes a checkpoint (saved unscaled) restore bit for bit."""
     select_backend(monkeypatch, backend)
     p = torch.nn.Parameter(torch.randn(3 * QUANT_BLOCK + 17))
@@ -305,7 +304,7 @@ def test_the_kernels_fp16_states_survive_dequantize_then_quantize_exactly(grad_m
         assert codes.dtype == torch.float16 and scales.shape == (4,)
         assert float(scales[1]) == 1.0  # the all-zero block
         assert bool(((scales.log2() % 1) == 0).all()), "scales are powers of two"
-        again_codes, again_scales = reference_backend.quantize_fp16(reference_backend.dequantize_fp16(codes, scales))
+        again_codes, again_scales = formats.quantize_fp16(formats.dequantize_fp16(codes, scales))
         assert_bitwise_equal(again_codes, codes, f"{key} codes")
         assert_bitwise_equal(again_scales, scales, f"{key} scales")
         # and the block maxima sit in (16384, 32768], the headroom rule
@@ -320,11 +319,11 @@ def test_quantize_fp16_round_trips_exactly_at_every_magnitude(exponent):
     gen = torch.Generator().manual_seed(exponent + 1000)
     x = (torch.rand(5000, generator=gen) * 2 - 1).double() * 2.0**exponent
     x = (x * torch.exp2(-16 * torch.rand(5000, generator=gen).double())).float()
-    codes, scales = reference_backend.quantize_fp16(x)
-    again_codes, again_scales = reference_backend.quantize_fp16(reference_backend.dequantize_fp16(codes, scales))
+    codes, scales = formats.quantize_fp16(x)
+    again_codes, again_scales = formats.quantize_fp16(formats.dequantize_fp16(codes, scales))
     assert_bitwise_equal(again_codes, codes, "codes")
     assert_bitwise_equal(again_scales, scales, "scales")
-    torch.testing.assert_close(reference_backend.dequantize_fp16(codes, scales), x, rtol=2.0**-11, atol=0)
+    torch.testing.assert_close(formats.dequantize_fp16(codes, scales), x, rtol=2.0**-11, atol=0)
 
 
 # ---- validation ----------------------------------------------------------------------------------------------------

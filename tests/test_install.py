@@ -2,7 +2,7 @@
 
 * The project's environments have ort_optim installed (``make setup`` runs ``pip install -e`` of the checkout into
   both), so their interpreter imports it from any directory, without PYTHONPATH.
-* ``pip wheel .`` carries the native sources (ops/*.cpp as ort_optim/_ops, setup.py), and the wheel installed into
+* ``pip wheel .`` carries the native sources (ops/*.cpp and ops/*.h as ort_optim/_ops, setup.py), and the wheel installed into
   another environment keeps building, loading and running the native op from those sources.
 
 The wheel test builds a wheel and a virtual environment (about 20 s): marked ``install`` so that CI runs it once per
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -74,7 +75,7 @@ def wheel(tmp_path_factory) -> Path:
 
 @pytest.mark.install
 def test_a_wheel_carries_every_module_and_the_native_sources(wheel):
-    """The wheel ships every module of the package (subpackages included) and ops/*.cpp as ort_optim/_ops, where
+    """The wheel ships every module of the package (subpackages included) and ops/*.cpp and ops/*.h as ort_optim/_ops, where
     backends/native.py looks outside a checkout (setup.py)."""
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {path.relative_to(ROOT).as_posix() for path in (ROOT / "ort_optim").rglob("*.py")}
@@ -150,3 +151,27 @@ def test_the_wheel_installed_elsewhere_builds_and_runs_the_native_op_from_its_ow
         reference.step()
     assert ran["param"] == p.detach().tolist()
     torch.testing.assert_close(torch.tensor(ran["param"]), q.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_the_library_is_built_from_every_native_source_and_its_cache_key_covers_each(tmp_path, monkeypatch):
+    """backends.native.SOURCES names every file of ops/ that goes into the library (the .cpp files it compiles and
+    the headers they include; ops/bench_probes.cpp is the benchmark's, built apart), so that the build, the cache key
+    and the wheel (setup.py reads the same list) all see them; and editing any one of them changes the build folder,
+    so an edited header never gets a library built from the old one."""
+    native = backends.native
+    in_ops = {p.name for p in (ROOT / "ops").iterdir() if p.suffix in (".cpp", ".h")} - {"bench_probes.cpp"}
+    assert set(native.SOURCES) == in_ops
+    included = set()
+    for name in native.SOURCES:
+        included |= set(re.findall(r'#include "([^"]+)"', (ROOT / "ops" / name).read_text()))
+    assert included - {"ort_optim_spec.h"} <= set(native.SOURCES)  # (the spec header is generated into the key)
+    shutil.copytree(ROOT / "ops", tmp_path / "ops")
+    monkeypatch.setattr(native, "OPS_DIR", tmp_path / "ops")
+    unchanged = native.build_dir()
+    for name in native.SOURCES:
+        source = tmp_path / "ops" / name
+        text = source.read_bytes()
+        source.write_bytes(text + b"\n// edited\n")
+        assert native.build_dir() != unchanged, f"editing ops/{name} leaves the library's cache key as it was"
+        source.write_bytes(text)
+    assert native.build_dir() == unchanged

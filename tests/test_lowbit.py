@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 import reference
 from conftest import (assert_same_snapshot, assert_tree_bitwise_equal, bits, optimizer_snapshot, select_backend,
                       state_values)
-from ort_optim import FusedAdam
+from ort_optim import FusedAdam, formats
 from ort_optim._spec import LOW_BIT_FORMATS, Q4, Q8
 from ort_optim.backends import reference as reference_backend
 
@@ -278,9 +278,9 @@ def _blocks_of_values(draw, second_moment: bool):
 @given(data=st.data())
 def test_encode_decode_encode_gives_back_the_same_bits(dtype, second_moment, data):
     x = data.draw(_blocks_of_values(second_moment))
-    codes, scales = reference_backend.encode_state(x, dtype, second_moment)
-    decoded = reference_backend.decode_state(codes, scales, second_moment, x.shape)
-    again, again_scales = reference_backend.encode_state(decoded, dtype, second_moment)
+    codes, scales = formats.encode_state(x, dtype, second_moment)
+    decoded = formats.decode_state(codes, scales, second_moment, x.shape)
+    again, again_scales = formats.encode_state(decoded, dtype, second_moment)
     if dtype == torch.float16:  # fp16 codes are values: NaN stays NaN, its payload is not kept
         torch.testing.assert_close(again, codes, rtol=0, atol=0, equal_nan=True)
     else:
@@ -316,7 +316,7 @@ def test_exp_avg_rounding_is_unbiased_between_non_zero_levels(dtype):
     x = fmt.exp_avg_levels[1] + (1.0 - fmt.exp_avg_levels[1]) * torch.rand(200 * fmt.block, generator=g)
     x[::fmt.block] = 1.0
     x = torch.where(torch.rand(x.shape, generator=g) < 0.5, -x, x)
-    decoded = reference_backend.decode_state(*reference_backend.encode_state(x, dtype, False), False, x.shape)
+    decoded = formats.decode_state(*formats.encode_state(x, dtype, False), False, x.shape)
     down = reference.round_low_bit(x.double(), dtype, False, exp_avg_rounding="down")
     up = reference.round_low_bit(x.double(), dtype, False, exp_avg_rounding="up")
     assert bool(((decoded.double() == down) | (decoded.double() == up)).all())
@@ -436,7 +436,7 @@ def test_an_8bit_checkpoint_loads_into_fp32_moments_dequantised_and_back_quantis
     quantised = _optimizer([torch.nn.Parameter(torch.randn(600))], "u8", "u8")
     quantised.load_state_dict(fresh.state_dict())
     p, q = fresh.param_groups[0]["params"][0], quantised.param_groups[0]["params"][0]
-    codes, scales = reference_backend.encode_state(fresh.state[p]["exp_avg_sq"], torch.uint8, True)
+    codes, scales = formats.encode_state(fresh.state[p]["exp_avg_sq"], torch.uint8, True)
     assert torch.equal(quantised.state[q]["exp_avg_sq"], codes) and torch.equal(quantised.state[q]["exp_avg_sq_scale"],
                                                                                   scales)
 
@@ -572,8 +572,8 @@ def test_the_native_op_validates_low_bit_states_before_writing(damage, monkeypat
     select_backend(monkeypatch, "native")
     p = torch.randn(300)
     g = torch.randn(300)
-    m, m_scales = reference_backend.encode_state(torch.randn(300), torch.uint8, False)
-    v, v_scales = reference_backend.encode_state(torch.rand(300), torch.uint4, True)
+    m, m_scales = formats.encode_state(torch.randn(300), torch.uint8, False)
+    v, v_scales = formats.encode_state(torch.rand(300), torch.uint4, True)
     m_list, m_scale_list, v_list, v_scale_list = [m], [m_scales], [v], [v_scales]
     if damage == "no-scales":
         m_scale_list = []
@@ -605,7 +605,7 @@ def _stepped(m="u8", v="u4", steps=2, **kwargs):
 
 
 def _codes_of(values, dtype, second_moment):
-    return reference_backend.encode_state(values, dtype, second_moment)
+    return formats.encode_state(values, dtype, second_moment)
 
 
 # what is assigned to optimizer.state[p] of the 300x7 param of an optimizer with 8-bit exp_avg, 4-bit exp_avg_sq
@@ -618,7 +618,7 @@ ASSIGNED = {
     "8-bit codes into 4-bit": (
         {"exp_avg_sq": lambda p: _codes_of(torch.full(p.shape, 4e-6), torch.uint8, True)[0],
          "exp_avg_sq_scale": lambda p: _codes_of(torch.full(p.shape, 4e-6), torch.uint8, True)[1]},
-        {"exp_avg_sq": reference_backend.decode_state(*_codes_of(torch.full((300, 7), 4e-6), torch.uint8, True),
+        {"exp_avg_sq": formats.decode_state(*_codes_of(torch.full((300, 7), 4e-6), torch.uint8, True),
                                                       True, (300, 7))}),
 }
 
@@ -658,7 +658,7 @@ def test_low_bit_states_in_the_layout_are_used_as_is(backend):
     m = torch.full(p.shape, -0.5)
     m = m + torch.tensor(1.0 - 0.9, dtype=torch.float32) * (g - m)
     # (the third step: its number is mixed into the stochastic rounding)
-    expected = reference_backend.decode_state(*reference_backend.quantize_low_bit(m, Q8, False, step=3), False, p.shape)
+    expected = formats.decode_state(*formats.quantize_low_bit(m, Q8, False, step=3), False, p.shape)
     assert torch.equal(bits(state_values(opt, p, "exp_avg")), bits(expected))
 
 

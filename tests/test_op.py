@@ -28,7 +28,7 @@ from conftest import (
     select_backend,
 )
 
-from ort_optim import FusedAdam, backends
+from ort_optim import FusedAdam, backends, formats
 from ort_optim.backends import reference as reference_backend
 from ort_optim._spec import QUANT_BLOCK
 
@@ -93,7 +93,7 @@ class Sample:
                     ((self.v_dtype, vmaxs, vmax_scales, 2e-4),) if self.amsgrad else ()):
                 values = rand(shape, magnitude).abs() if magnitude < 1e-2 else rand(shape, magnitude)
                 if dtype == torch.float16:
-                    codes, s = reference_backend.quantize_fp16(values)
+                    codes, s = formats.quantize_fp16(values)
                     store.append(codes)
                     scales.append(s)
                 else:
@@ -329,7 +329,7 @@ def test_native_op_and_fallback_agree_for_every_dtype_combination(sample):
                                    ("max_exp_avg_sq", vmaxs, fvmaxs, vmax_scales, fvmax_scales)):
         for i, (a, b) in enumerate(zip(nat, fal)):
             if a.dtype == F16:
-                a_values, b_values = reference_backend.dequantize_fp16(a, ns[i]), reference_backend.dequantize_fp16(b, fs[i])
+                a_values, b_values = formats.dequantize_fp16(a, ns[i]), formats.dequantize_fp16(b, fs[i])
             else:
                 a_values, b_values = a.double(), b.double()
             magnitude = float(b_values.abs().max()) if b_values.numel() else 0.0
@@ -369,7 +369,7 @@ def _without(index):
 OP_ERRORS = [
     ("grads-list-too-short", _without(1), r"grads has 4 tensors but params has 5"),
     ("scales-for-a-non-fp16-state",
-     lambda a, k: a[7].extend(torch.ones(reference_backend.num_blocks(p.numel())) for p in a[0]),
+     lambda a, k: a[7].extend(torch.ones(formats.num_blocks(p.numel())) for p in a[0]),
      r"exp_avg_sq_scales\[0\] is given but the state it scales is Float, not float16"),
     ("wrong-number-of-block-scales", lambda a, k: a[6].__setitem__(3, torch.ones(a[6][3].numel() + 1)),
      r"exp_avg_scales\[3\] must be a contiguous float32 tensor of 2 block scales"),
@@ -430,7 +430,7 @@ def test_the_native_fp16_block_size_equals_quant_block(numel):
     torch.ops.ort_optim.adam_step_(*args, **kwargs)
     codes, scales = args[2][0], args[6][0]
     assert scales.shape == (blocks,)
-    assert_bitwise_equal(scales, reference_backend.fp16_block_scales(reference_backend.dequantize_fp16(codes, scales)), "scales")
+    assert_bitwise_equal(scales, formats.fp16_block_scales(formats.dequantize_fp16(codes, scales)), "scales")
     if blocks > 1:
         assert len(set(scales.tolist())) == blocks
 

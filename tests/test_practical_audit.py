@@ -5,7 +5,7 @@ tests/test_install.py leave out, as a user of torch's and apex's recipes, or a p
    (ops/*.cpp, MANIFEST.in), so the wheel built from it carries them as ort_optim/_ops like ``pip wheel .`` does; a
    build that cannot find them fails loudly instead of producing a wheel that silently falls back to pure PyTorch.
    The native library's cache folder is keyed by everything the library is compiled against: torch's version and
-   C++ ABI, and the Python ABI (ops/adam_cpu.cpp unpacks Python tensors through the Python C API), so two
+   C++ ABI, and the Python ABI (ops/adam_plan.cpp unpacks Python tensors through the Python C API), so two
    environments sharing ``~/.cache/ort-optim`` with the same torch version on another Python never load each
    other's library.
 2. ``step_in_backward`` under TorchDynamo: ``torch.compile`` of a function that calls ``backward()`` makes the
@@ -103,7 +103,7 @@ def test_a_wheel_build_without_the_native_sources_fails_naming_them(tmp_path):
     """Rather than a wheel that installs fine and then runs the pure-PyTorch fallback everywhere."""
     run = _build("wheel", _copy_checkout(tmp_path, without=("ops",)), tmp_path / "wheel")
     assert run.returncode != 0
-    assert "schema.cpp" in run.stderr and "adam_cpu.cpp" in run.stderr
+    assert "schema.cpp" in run.stderr and "adam_kernel.cpp" in run.stderr
     assert not list((tmp_path / "wheel").glob("*.whl"))
 
 
@@ -174,7 +174,7 @@ def test_last_found_inf_is_a_float32_flag_of_its_own_not_the_callers_found_inf(d
 @pytest.mark.parametrize("other", ["python", "torch_cxx11_abi"])
 def test_the_library_cache_is_keyed_by_the_python_and_cxx_abis_it_is_compiled_against(other, monkeypatch):
     """Two environments that share ~/.cache/ort-optim (ORT_OPTIM_CACHE) with the same torch version, one on another
-    Python (the library calls the Python C API: ops/adam_cpu.cpp) or with a torch built with the other C++ ABI, get
+    Python (the library calls the Python C API: ops/adam_plan.cpp) or with a torch built with the other C++ ABI, get
     folders of their own: neither loads the other's library (an import error at best, a crash at worst)."""
     here = backends.native.build_dir()
     assert here.name.startswith(f"torch-{torch.__version__}-")

@@ -27,7 +27,11 @@ from .. import _spec
 _PACKAGE = Path(__file__).resolve().parent.parent
 OPS_DIR = next((d for d in (_PACKAGE.parent / "ops", _PACKAGE / "_ops") if (d / "schema.cpp").exists()),
                _PACKAGE.parent / "ops")
-SOURCES = ("schema.cpp", "adam_cpu.cpp")
+# The files the library is built from (ops/README.md, "Files"): its translation units (.cpp, compiled) and the headers
+# they share (.h); all of them go into the cache key and into a wheel. ops/bench_probes.cpp is not one of them.
+SOURCES = ("schema.cpp", "registration.cpp", "step.cpp", "adam_kernel.cpp", "adam_kernel.h", "validation.cpp",
+           "validation.h", "grad_stats.cpp", "grad_stats.h", "adam_plan.cpp", "adam_plan.h", "low_bit.cpp",
+           "low_bit.h", "fp8.cpp", "fp8.h", "conversions.h", "rounding.h", "step.h")
 # -fno-math-errno lets sqrt vectorise; -march=native is safe because the build folder is keyed by the CPU flags;
 # -ffp-contract=off keeps every multiply and add separately rounded, as ops/README.md specifies, so the CPU kernel
 # and the Triton kernels agree bit for bit (the update is memory-bound: FMA would buy nothing). The pure-PyTorch
@@ -75,7 +79,7 @@ def spec_header() -> str:
 
 
 def _abi() -> str:
-    """What the library is compiled against besides torch's version: the Python ABI (adam_cpu.cpp unpacks Python
+    """What the library is compiled against besides torch's version: the Python ABI (adam_plan.cpp unpacks Python
     tensors through the Python C API: its extension-module suffix names the version, build flags and platform) and
     torch's C++ ABI (a source build or conda torch may differ from the PyPI wheel of the same version)."""
     return f"{sysconfig.get_config_var('EXT_SUFFIX')} cxx11abi={int(torch.compiled_with_cxx11_abi())}"
@@ -109,7 +113,7 @@ def build(verbose: bool = False) -> Path:
         header.write_text(text)
     load(
         name="ort_optim_ops",
-        sources=[str(OPS_DIR / name) for name in SOURCES],
+        sources=[str(OPS_DIR / name) for name in SOURCES if name.endswith(".cpp")],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(folder)],

@@ -16,9 +16,9 @@ covers any number of tensors. The math is the one of ops/README.md, in the CPU k
 * 8-bit and 4-bit moment states (``_spec.Q8``/``Q4``: uint8 codes, one scale per 256 or 128 elements) are decoded
   with a lookup table and encoded by a binary search over the format's float32 thresholds (the count of thresholds
   <= the normalised value: the reference's ``searchsorted(..., right=True)``), so the codes and scales are the
-  reference's (``reference.quantize_low_bit``) bit for bit;
+  reference's (``formats.quantize_low_bit``) bit for bit;
 * fp8 moment states (``_spec.Fp8Format``: float8_e4m3fn / float8_e5m2 codes, a power-of-two scale per 256 elements)
-  are encoded and decoded by exponent and mantissa arithmetic on the bits (``reference.quantize_fp8``), no tables.
+  are encoded and decoded by exponent and mantissa arithmetic on the bits (``formats.quantize_fp8``), no tables.
 
 Trap-driven choices (see tests/test_triton.py): pointer types are always built from literal dtypes (``tl.pointer_type``
 of a constexpr dtype runs in the interpreter but does not compile with Triton 3.0/3.1); the skip flag is honoured with
@@ -197,7 +197,7 @@ def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, step, DT
         _store(addr, offs, x, mask, DT, ALIGNED)
 
 
-# ---- 8-bit and 4-bit states (_spec.Q8, _spec.Q4; reference.quantize_low_bit is the definition) -------------------
+# ---- 8-bit and 4-bit states (_spec.Q8, _spec.Q4; formats.quantize_low_bit is the definition) -------------------
 #
 # The lookup table of a format (float32, built by triton.py from _spec's levels), for BITS = 8 or 4:
 #   [0, 2**BITS)                     exp_avg value of each code (sign-magnitude: the top bit negates)
@@ -237,7 +237,7 @@ def _load_low_bit(addr, scale_addr, lut_ptr, offs, mask, DT: tl.constexpr, SECON
 def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.constexpr, SECOND: tl.constexpr,
                    BLOCK: tl.constexpr):
     """Encodes float32 values x (v for SECOND: its square root is coded) into an 8-bit or 4-bit state and its
-    scales, as reference.quantize_low_bit: per block the scale is the absolute maximum (rounded to nearest bfloat16
+    scales, as formats.quantize_low_bit: per block the scale is the absolute maximum (rounded to nearest bfloat16
     for 4-bit; 0 below float32's smallest normal), NaN for a block with an inf or NaN (whose codes are then 0); the
     code of a normalised value a = min(|x| * (1/s) (* EXP_AVG_SNAP for exp_avg), 1) is the count of the format's
     thresholds <= a (_spec.thresholds), with the sign bit for a negative exp_avg; an exp_avg between two non-zero
@@ -308,7 +308,7 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
         tl.store(scale_addr.to(tl.pointer_type(tl.uint16)) + block_index, _bf16_bits(s), mask=block_mask)
 
 
-# ---- fp8 states (_spec.Fp8Format; reference.quantize_fp8 is the definition) ------------------------------------
+# ---- fp8 states (_spec.Fp8Format; formats.quantize_fp8 is the definition) ------------------------------------
 # DT == FP8_E4M3: 3 mantissa bits, bias 7, largest finite 448 = 1.75 * 2**8 (code 0x7E); FP8_E5M2: 2 mantissa bits,
 # bias 15, largest finite 57344 = 1.75 * 2**15 (code 0x7B). One float32 scale 2**k per 256 elements.
 
@@ -316,7 +316,7 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
 @_device
 def _fp8_round(y, MB: tl.constexpr, BIAS: tl.constexpr):
     """Non-negative float32 values y (below 2**(emax + 1)) rounded to nearest even in the fp8 format, as int32 codes
-    (not saturated), as reference.fp8_round: normal values by rounding the float32 mantissa to MB bits, subnormal
+    (not saturated), as formats.fp8_round: normal values by rounding the float32 mantissa to MB bits, subnormal
     ones by adding and subtracting 2**23 to y * 2**(BIAS - 1 + MB) (< 9: the float32 addition rounds to nearest
     even at integers; the launches forbid contracting it)."""
     SHIFT: tl.constexpr = 23 - MB
@@ -330,7 +330,7 @@ def _fp8_round(y, MB: tl.constexpr, BIAS: tl.constexpr):
 @_device
 def _fp8_random_bits(m, offs, step):
     """The random bits of the fp8 states of these elements in a step, from the step's new exp_avg m, as
-    reference.fp8_random_bits: fmix32(bits(m) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) (uint32; e the
+    formats.fp8_random_bits: fmix32(bits(m) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) (uint32; e the
     element index's low 32 bits); exp_avg rounds with the top 16, a second moment with the low 16."""
     e = offs.to(tl.uint32)
     return _fmix32(m.to(tl.uint32, bitcast=True) ^ (e * 0x9E3779B1) ^ (step * 0x85EBCA77 + 0x6A09E667))
@@ -338,7 +338,7 @@ def _fp8_random_bits(m, offs, step):
 
 @_device
 def _fp8_round_stochastic(y, r16, MB: tl.constexpr, BIAS: tl.constexpr):
-    """y rounded stochastically with 16 random bits r16, as reference.fp8_round with random bits: added right below
+    """y rounded stochastically with 16 random bits r16, as formats.fp8_round with random bits: added right below
     the kept bits (normal: to the float32 bits; subnormal: to y in fixed point, truncated from min(y, the smallest
     normal) * 2**(BIAS + 22)), then truncated."""
     SHIFT: tl.constexpr = 23 - MB
@@ -376,7 +376,7 @@ def _load_fp8(addr, scale_addr, offs, mask, DT: tl.constexpr, SECOND: tl.constex
 @_device
 def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: tl.constexpr, BLOCK: tl.constexpr):
     """Encodes float32 values x (v for SECOND: its square root is coded) into an fp8 state and its scales, as
-    reference.quantize_fp8: per block of 256 the scale 2**k, k the smallest with the block's largest magnitude
+    formats.quantize_fp8: per block of 256 the scale 2**k, k the smallest with the block's largest magnitude
     divided by 2**k rounding to nearest even to at most the largest finite code (capped at 127 - emax); NaN for a
     block with inf or NaN (codes 0); 0 for an all-zero block or one with k < FP8_MIN_EXPONENT. Codes round
     stochastically (rnd: _fp8_random_bits of the step's exp_avg; the top 16 bits for exp_avg, the low 16 for a

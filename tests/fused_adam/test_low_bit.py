@@ -33,7 +33,7 @@ import torch
 from conftest import assert_tree_bitwise_equal, bits, optimizer_snapshot, assert_same_snapshot
 from ort_optim import AdamWMode, FusedAdam
 from ort_optim._spec import FP8_FORMATS, Q8
-from ort_optim.backends import reference
+from ort_optim import formats
 
 FP8 = list(FP8_FORMATS)
 FP8_IDS = ["e4m3fn", "e5m2"]
@@ -62,10 +62,10 @@ def _test_tensor(second: bool, seed: int = 0) -> torch.Tensor:
 def test_conversion_is_torchs_float8_conversion_of_the_values_over_a_power_of_two(dtype, second):
     fmt = FP8_FORMATS[dtype]
     x = _test_tensor(second)
-    codes, scales = reference.quantize_fp8(x, fmt, second)
+    codes, scales = formats.quantize_fp8(x, fmt, second)
     assert codes.dtype == dtype and codes.shape == x.shape
     assert scales.dtype == torch.float32 and scales.numel() == math.ceil(x.numel() / 256)
-    u = reference.sqrt_f32(x) if second else x
+    u = formats.sqrt_f32(x) if second else x
     amax = torch.nn.functional.pad(u.reshape(-1).abs(), (0, -u.numel() % 256)).view(-1, 256).amax(dim=1)
     usable = scales > 0
     mantissa, exponent = torch.frexp(scales[usable])
@@ -96,7 +96,7 @@ def test_conversion_is_torchs_float8_conversion_of_the_values_over_a_power_of_tw
     assert torch.equal(got[in_usable], expected[in_usable])
     assert bool((got[~in_usable] == 0).all())
     # decoding is the float8 value times the scale, exactly
-    values = reference.decode_state(codes, scales, second, x.shape)
+    values = formats.decode_state(codes, scales, second, x.shape)
     u_back = codes.float().reshape(-1) * scales.repeat_interleave(256)[: x.numel()]
     assert torch.equal(bits(values.reshape(-1)), bits(u_back * u_back if second else u_back))  # (NaN blocks too)
 
@@ -108,8 +108,8 @@ def test_encoding_is_idempotent_so_checkpoints_are_canonical(dtype, second):
     fmt = FP8_FORMATS[dtype]
     for step in (0, 1, 7):
         x = _test_tensor(second, seed=step)
-        codes, scales = reference.quantize_fp8(x, fmt, second, step, exp_avg=torch.randn(x.shape))
-        again = reference.quantize_fp8(reference.decode_state(codes, scales, second, codes.shape), fmt, second)
+        codes, scales = formats.quantize_fp8(x, fmt, second, step, exp_avg=torch.randn(x.shape))
+        again = formats.quantize_fp8(formats.decode_state(codes, scales, second, codes.shape), fmt, second)
         assert torch.equal(again[0].view(torch.uint8), codes.view(torch.uint8))
         assert torch.equal(bits(again[1]), bits(scales))
 
@@ -120,14 +120,14 @@ def test_a_steps_rounding_is_stochastic_between_the_two_neighbours_and_unbiased(
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(256, generator=gen)
     x[0] = 4.0  # the block's largest: rounds to nearest
-    nearest_codes, scales = reference.quantize_fp8(x, fmt, False)
+    nearest_codes, scales = formats.quantize_fp8(x, fmt, False)
     s = float(scales[0])
     y = x / s
     # the format's non-negative finite values (torch's decoding of every code), and |y|'s neighbours among them
     grid = torch.arange(fmt.max_code + 1, dtype=torch.uint8).view(dtype).float()
     upper = grid[torch.searchsorted(grid, y.abs())]
     lower = grid[torch.searchsorted(grid, y.abs(), right=True) - 1]
-    draws = torch.stack([reference.quantize_fp8(x, fmt, False, step)[0].float().abs() for step in range(1, 401)])
+    draws = torch.stack([formats.quantize_fp8(x, fmt, False, step)[0].float().abs() for step in range(1, 401)])
     assert bool(((draws == lower) | (draws == upper)).all()), "every code is one of the two neighbours"
     assert bool((draws[:, 0] == nearest_codes.float()[0]).all()), "the block's largest rounds to nearest"
     # unbiased: the mean of 400 draws within 4 standard errors of |y| (Bernoulli spread (upper - lower) / 2 at most)
@@ -247,10 +247,10 @@ def test_nan_and_inf_blocks_read_as_nan_and_tiny_v_never_as_zero():
     x[3] = float("nan")
     x[300] = float("inf")
     x[600] = 1e-12  # sqrt(v) 1e-6 below its block's largest: rounds up to the smallest code, never to 0
-    codes, scales = reference.quantize_fp8(x, fmt, True)
+    codes, scales = formats.quantize_fp8(x, fmt, True)
     assert bool(scales[:2].isnan().all()) and bool((scales[2:] > 0).all())
     assert bool((codes.view(torch.uint8)[:512] == 0).all())
-    values = reference.decode_state(codes, scales, True, x.shape)
+    values = formats.decode_state(codes, scales, True, x.shape)
     assert bool(values[:512].isnan().all())
     assert float(values[600]) > 0.0
 
@@ -291,7 +291,7 @@ def test_from_an_fp32_checkpoint_and_from_optimizer():
     state = opt.state[p2]
     fmt = FP8_FORMATS[torch.float8_e4m3fn]
     for key, second in (("exp_avg", False), ("exp_avg_sq", True)):
-        codes, scales = reference.quantize_fp8(torch_opt.state[p][key], fmt, second)
+        codes, scales = formats.quantize_fp8(torch_opt.state[p][key], fmt, second)
         assert torch.equal(state[key].view(torch.uint8), codes.view(torch.uint8))
         assert torch.equal(state[key + "_scale"], scales)
     converted = FusedAdam.from_optimizer(torch_opt, exp_avg_dtype=torch.float8_e4m3fn,
@@ -319,8 +319,8 @@ def test_8bit_conversion_rounds_to_nearest_no_worse_than_bitsandbytes():
     most bitsandbytes' blockwise dynamic quantizer's on the same tensor (block 256, as its 8-bit optimizers), and
     below 0.011 (bitsandbytes' own test bound) where bitsandbytes is absent."""
     x = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
-    codes, scales = reference.encode_state(x, torch.uint8, False)
-    values = reference.decode_state(codes, scales, False, x.shape)
+    codes, scales = formats.encode_state(x, torch.uint8, False)
+    values = formats.decode_state(codes, scales, False, x.shape)
     ours = float((values - x).abs().mean())
     levels = torch.tensor(Q8.exp_avg_levels)
     levels = torch.cat([-levels.flip(0), levels])
@@ -335,9 +335,9 @@ def test_8bit_conversion_rounds_to_nearest_no_worse_than_bitsandbytes():
 def test_8bit_step_rounding_stays_stochastic():
     """Inside a step exp_avg still rounds stochastically: the same values give different codes at different steps."""
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 0.3
-    a = reference.quantize_low_bit(x, Q8, False, step=1)[0]
-    b = reference.quantize_low_bit(x, Q8, False, step=2)[0]
-    c = reference.quantize_low_bit(x, Q8, False, step=0)[0]
+    a = formats.quantize_low_bit(x, Q8, False, step=1)[0]
+    b = formats.quantize_low_bit(x, Q8, False, step=2)[0]
+    c = formats.quantize_low_bit(x, Q8, False, step=0)[0]
     assert not torch.equal(a, b) and not torch.equal(a, c)
 
 
