@@ -108,7 +108,10 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
                      step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 values (v itself for a second moment: its square root is what gets coded) -> (uint8 codes in
     fmt.storage_shape, scales of fmt.scale_dtype, one per block). step: the Adam step (from 1) whose exp_avg this
-    is, mixed into its stochastic rounding (0 for conversions outside a step)."""
+    is, mixed into its stochastic rounding; 0 for conversions outside a step (checkpoint loads, from_optimizer),
+    where exp_avg rounds to its nearest level instead (ties up), as bitsandbytes' and torchao's quantizers do: the
+    smallest error of a one-off conversion (the step's stochastic rounding is unbiased over steps, but its error on
+    one tensor is a third larger: 0.0114 against 0.0086 mean absolute error on randn(1024, 1024))."""
     x = values.detach().float().reshape(-1)
     n = x.numel()
     u = sqrt_f32(x) if second_moment else x
@@ -132,10 +135,13 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
         codes = torch.searchsorted(bounds, a_up.reshape(-1).contiguous(), right=True).view_as(a)
         table = torch.tensor(levels + (levels[-1],), dtype=torch.float32)
         lo, hi = table[codes], table[codes + 1]
-        lowered = (a.view(torch.int32) - EXP_AVG_SR_ULPS).clamp_min(0).view(torch.float32)
-        r = exp_avg_random_bits(torch.nn.functional.pad(x, (0, -n % fmt.block)), step).view_as(a)
-        up = (lowered - lo) > (r >> 8).float() * 2.0**-24 * (hi - lo)
-        codes = codes + (up & (codes > 0) & (codes < len(levels) - 1)).long()
+        if step:
+            lowered = (a.view(torch.int32) - EXP_AVG_SR_ULPS).clamp_min(0).view(torch.float32)
+            r = exp_avg_random_bits(torch.nn.functional.pad(x, (0, -n % fmt.block)), step).view_as(a)
+            up = (lowered - lo) > (r >> 8).float() * 2.0**-24 * (hi - lo)
+            codes = codes + (up & (codes > 0) & (codes < len(levels) - 1)).long()
+        else:  # a conversion: the nearest level (a value on a level, up to the decode noise, stays: idempotent)
+            codes = codes + (((a - lo) >= (hi - a)) & (codes < len(levels) - 1)).long()
     if not second_moment:
         codes = codes | (((blocks < 0) & (codes > 0)).long() << (fmt.bits - 1))
     codes = torch.where(torch.isnan(scales)[:, None], torch.zeros_like(codes), codes)  # a NaN block: all codes 0
