@@ -593,8 +593,8 @@ def test_from_optimizer_continues_like_the_torch_optimizer(source, combo, backen
 
 
 @pytest.mark.parametrize("option", ["exp_avg_dtype", "exp_avg_sq_dtype"])
-@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.uint16, torch.float8_e4m3fn, torch.bool, "uint8"],
-                         ids=["int8", "float64", "uint16", "float8", "bool", "str"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.uint16, torch.float8_e4m3fnuz, torch.bool, "uint8"],
+                         ids=["int8", "float64", "uint16", "float8_e4m3fnuz", "bool", "str"])
 def test_unsupported_moment_dtypes_are_refused_naming_the_option(option, dtype):
     params = _model_params()
     before = [p.detach().clone() for p in params]
