@@ -96,13 +96,18 @@ BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m
 template <typename T>
 struct Scratch {
   T p[kBlock], g[kBlock], m[kBlock], v[kBlock], vmax[kBlock], root[kBlock];
+  uint32_t fp8_rnd[kBlock];  // the random bits of fp8 states (fp8_random_bits)
 };
 
 // second_moment: the state is exp_avg_sq or max_exp_avg_sq, whose scaled fp16 and low-bit codes hold sqrt(v).
 template <typename T>
 void load_state(const void* base, at::ScalarType type, const float* scales, int64_t off, int64_t n, T* dst,
-                const LowBit* low_bit = nullptr, bool second_moment = false) {
+                const LowBit* low_bit = nullptr, bool second_moment = false, const Fp8* fp8 = nullptr) {
   if constexpr (std::is_same_v<T, float>) {
+    if (fp8) {
+      fp8_load(*fp8, second_moment, base, scales, off, n, dst);
+      return;
+    }
     if (low_bit) {
       low_bit_load(*low_bit, second_moment, static_cast<const uint8_t*>(base), scales, off, n, dst);
       return;
@@ -122,9 +127,14 @@ void load_state(const void* base, at::ScalarType type, const float* scales, int6
 template <typename T>
 void store_state(const T* src, void* base, at::ScalarType type, float* scales, int64_t off, int64_t n,
                  uint32_t amax_bits, const LowBit* low_bit = nullptr, bool second_moment = false,
-                 const float* root = nullptr, uint32_t step = 0) {
+                 const float* root = nullptr, uint32_t step = 0, const Fp8* fp8 = nullptr,
+                 const uint32_t* fp8_rnd = nullptr) {
   char* dst = static_cast<char*>(base) + off * c10::elementSize(type);
   if constexpr (std::is_same_v<T, float>) {
+    if (fp8) {
+      fp8_store(*fp8, second_moment, src, root, off, n, base, scales, fp8_rnd);
+      return;
+    }
     if (low_bit) {
       low_bit_store(*low_bit, second_moment, src, root, off, n, static_cast<uint8_t*>(base), scales, step);
       return;
@@ -153,11 +163,11 @@ void store_state(const T* src, void* base, at::ScalarType type, float* scales, i
 // (fp32 and fp64 tensors are updated in place), else the scratch array filled by conversion.
 template <typename T>
 T* stage(const void* base, at::ScalarType type, const float* scales, int64_t off, int64_t n, T* scratch,
-         const LowBit* low_bit = nullptr, bool second_moment = false) {
+         const LowBit* low_bit = nullptr, bool second_moment = false, const Fp8* fp8 = nullptr) {
   if (type == c10::CppTypeToScalarType<T>::value && scales == nullptr) {
     return const_cast<T*>(static_cast<const T*>(base)) + off;
   }
-  load_state<T>(base, type, scales, off, n, scratch, low_bit, second_moment);
+  load_state<T>(base, type, scales, off, n, scratch, low_bit, second_moment, fp8);
   return scratch;
 }
 
@@ -168,17 +178,20 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   T* g = stage<T>(w.grad, w.grad_type, nullptr, off, n, s.g);
   T* p = w.master ? stage<T>(w.master, at::kFloat, nullptr, off, n, s.p)
                   : stage<T>(w.param, w.param_type, nullptr, off, n, s.p);
-  T* m = stage<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m, w.exp_avg_low_bit, false);
-  T* v = stage<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v, w.exp_avg_sq_low_bit, true);
+  T* m = stage<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m, w.exp_avg_low_bit, false, w.exp_avg_fp8);
+  T* v = stage<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v, w.exp_avg_sq_low_bit, true,
+                  w.exp_avg_sq_fp8);
   T* vmax = kAmsgrad ? stage<T>(w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.vmax,
-                                w.exp_avg_sq_low_bit, true)
+                                w.exp_avg_sq_low_bit, true, w.exp_avg_sq_fp8)
                      : s.vmax;
   BlockMax max;
   // A low-bit or scaled fp16 second moment stores the square root that the update takes: kept (in s.root), it is
   // taken once.
   const float* root = nullptr;
   if constexpr (std::is_same_v<T, float>) {
-    const bool amax = (w.exp_avg_scale && !w.exp_avg_low_bit) || (w.exp_avg_sq_scale && !w.exp_avg_sq_low_bit);
+    // (the block maxima are the fp16 quantiser's; low-bit and fp8 states find their own per block)
+    const bool amax = (w.exp_avg_scale && !w.exp_avg_low_bit && !w.exp_avg_fp8) ||
+                      (w.exp_avg_sq_scale && !w.exp_avg_sq_low_bit && !w.exp_avg_sq_fp8);
     if (w.exp_avg_sq_low_bit || (w.exp_avg_sq_scale && spec::kFp16SqrtSecondMoment)) {
       root = s.root;
       max = amax ? adam_loop<T, kMode, kAmsgrad, true, true>(p, g, m, v, vmax, n, w, h, s.root)
@@ -192,19 +205,22 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
     max = adam_loop<T, kMode, kAmsgrad, false>(p, g, m, v, vmax, n, w, h);
   }
   grad_squares = max.grad_squares;
+  if constexpr (std::is_same_v<T, float>) {  // one hash per element for both fp8 moments
+    if (w.exp_avg_fp8 || w.exp_avg_sq_fp8) fp8_random_bits(m, off, n, w.step, s.fp8_rnd);
+  }
 
   // Write back what was staged.
   if (m == s.m) {
     store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, max.m, w.exp_avg_low_bit, false, nullptr,
-                   w.step);
+                   w.step, w.exp_avg_fp8, s.fp8_rnd);
   }
   if (v == s.v) {
     store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, max.v, w.exp_avg_sq_low_bit, true,
-                   kAmsgrad ? nullptr : root);
+                   kAmsgrad ? nullptr : root, w.step, w.exp_avg_sq_fp8, s.fp8_rnd);
   }
   if (kAmsgrad && vmax == s.vmax) {
     store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, max.vmax,
-                   w.exp_avg_sq_low_bit, true, root);
+                   w.exp_avg_sq_low_bit, true, root, w.step, w.exp_avg_sq_fp8, s.fp8_rnd);
   }
   // With a master, p is the master itself (updated in place) and the param receives it rounded.
   if (w.master || p == s.p) {

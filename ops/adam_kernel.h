@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "fp8.h"
 #include "low_bit.h"
 
 namespace ort_optim {
@@ -34,6 +35,8 @@ struct TensorWork {
   float* max_exp_avg_sq_scale;
   const LowBit* exp_avg_low_bit = nullptr;  // the format of a uint8 (low-bit) exp_avg; likewise exp_avg_sq and its max
   const LowBit* exp_avg_sq_low_bit = nullptr;
+  const Fp8* exp_avg_fp8 = nullptr;  // the format of an fp8 exp_avg; likewise exp_avg_sq and its max
+  const Fp8* exp_avg_sq_fp8 = nullptr;
   bool stochastic = false;  // round the bfloat16 param stochastically, with this step's key
   uint64_t round_key = 0;
   uint32_t step = 0;  // this step's count (from 1), for the stochastic rounding of a low-bit exp_avg

@@ -26,6 +26,8 @@ std::vector<TensorWork> state_work(at::TensorList params, const StateLists& s) {
         s.max_exp_avg_sq_scales.empty() ? nullptr : static_cast<float*>(s.max_exp_avg_sq_scales[i].data_ptr());
     if (!s.exp_avg_scales.empty()) w.exp_avg_low_bit = low_bit_of(s.exp_avgs[i], s.exp_avg_scales[i]);
     if (!s.exp_avg_sq_scales.empty()) w.exp_avg_sq_low_bit = low_bit_of(s.exp_avg_sqs[i], s.exp_avg_sq_scales[i]);
+    w.exp_avg_fp8 = fp8_of(s.exp_avgs[i].scalar_type());
+    w.exp_avg_sq_fp8 = fp8_of(s.exp_avg_sqs[i].scalar_type());
     w.exp_avg_type = s.exp_avgs[i].scalar_type();
     w.exp_avg_sq_type = s.exp_avg_sqs[i].scalar_type();
     w.numel = params[i].numel();

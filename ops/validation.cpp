@@ -1,6 +1,8 @@
 // Validation of adam_step_'s inputs (declarations and the public checks in validation.h).
 #include "validation.h"
 
+#include "fp8.h"
+
 namespace ort_optim {
 
 void check_list_length(const at::TensorList& list, size_t n, const char* name, bool optional) {
@@ -48,10 +50,11 @@ void check_state(const at::Tensor& t, const at::Tensor& p, const char* name, siz
   }
   TORCH_CHECK(t.is_contiguous(), "ort_optim::adam_step_: ", name, "[", i, "] must be contiguous");
   TORCH_CHECK(is_double ? t.scalar_type() == at::kDouble
-                        : is_float_storage(t.scalar_type()) || t.scalar_type() == at::kByte,
+                        : is_float_storage(t.scalar_type()) || t.scalar_type() == at::kByte || fp8_of(t.scalar_type()),
               "ort_optim::adam_step_: ", name, "[", i, "] has dtype ", t.scalar_type(),
               is_double ? "; float64 params need float64 states"
-                        : "; states must be float32, bfloat16, float16 or uint8 (low-bit codes)");
+                        : "; states must be float32, bfloat16, float16, uint8 (low-bit codes) or float8_e4m3fn / "
+                          "float8_e5m2 (fp8 codes)");
 }
 
 }  // namespace
@@ -69,11 +72,23 @@ void check_scales(const at::TensorList& scales, const at::TensorList& states, si
   if (scales.empty()) {
     TORCH_CHECK(t.scalar_type() != at::kByte, "ort_optim::adam_step_: the uint8 (low-bit) state scaled by ", name,
                 "[", i, "] needs its block scales; ", name, " is empty");
+    TORCH_CHECK(!fp8_of(t.scalar_type()), "ort_optim::adam_step_: the ", t.scalar_type(), " (fp8) state scaled by ",
+                name, "[", i, "] needs its block scales; ", name, " is empty");
     return;
   }
   const at::Tensor& s = scales[i];
+  if (fp8_of(t.scalar_type())) {  // (its shape is the param's: check_state)
+    const int64_t blocks = (p.numel() + spec::kFp8Block - 1) / spec::kFp8Block;
+    TORCH_CHECK(s.device() == t.device() && s.is_contiguous() && s.scalar_type() == at::kFloat &&
+                    s.numel() == blocks,
+                "ort_optim::adam_step_: ", name, "[", i, "] must be a contiguous float32 tensor of ", blocks,
+                " block scales on the state's device (", t.scalar_type(), " codes, one scale per ", spec::kFp8Block,
+                ")");
+    check_storage(s, name, i);
+    return;
+  }
   TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kByte, "ort_optim::adam_step_: ", name, "[", i,
-              "] is given but the state it scales is ", t.scalar_type(), ", not float16 or uint8");
+              "] is given but the state it scales is ", t.scalar_type(), ", not float16, uint8 or fp8");
   TORCH_CHECK(s.device() == t.device() && s.is_contiguous(), "ort_optim::adam_step_: ", name, "[", i,
               "] must be contiguous, on the state's device");
   check_storage(s, name, i);

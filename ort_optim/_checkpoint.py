@@ -68,7 +68,8 @@ def _show(value: Any) -> str:
 def storage_layout(state: dict, key: str) -> str:
     """How ``state[key]`` is stored (ops/README.md): "plain" (the values themselves, in any float dtype), "fp16"
     (float16 codes, one float32 scale per 1024 elements in ``state[key + '_scale']``; exp_avg_sq and max_exp_avg_sq
-    hold sqrt(v)), "8-bit" or "4-bit" (uint8 codes and block scales, see ort_optim._spec.LowBitFormat)."""
+    hold sqrt(v)), "8-bit" or "4-bit" (uint8 codes and block scales, see ort_optim._spec.LowBitFormat), "fp8 e4m3" or
+    "fp8 e5m2" (float8 codes and power-of-two block scales, ort_optim._spec.Fp8Format)."""
     scales = state.get(key + "_scale")
     return "plain" if scales is None else formats.state_format(state[key], scales)
 
@@ -95,8 +96,9 @@ def from_canonical(state: dict, key: str, value: torch.Tensor) -> None:
         state[key].copy_(value)
         return
     scales = state[key + "_scale"]
-    codes, new_scales = formats.encode_state(value, {"fp16": torch.float16, "8-bit": torch.uint8,
-                                                       "4-bit": torch.uint4}[layout], key != "exp_avg")
+    codes, new_scales = formats.encode_state(value, {"fp16": torch.float16, "8-bit": torch.uint8, "4-bit": torch.uint4,
+                                                     "fp8 e4m3": torch.float8_e4m3fn,
+                                                     "fp8 e5m2": torch.float8_e5m2}[layout], key != "exp_avg")
     state[key].copy_(codes.view(state[key].shape))
     scales.copy_(new_scales)
 

@@ -47,7 +47,7 @@ import torch
 
 from . import _checkpoint, _spec, backends
 from ._checkpoint import MOMENT_KEYS
-from ._spec import LOW_BIT_FORMATS, SUPPORTED_PARAM_DTYPES, num_blocks
+from ._spec import FP8_FORMATS, LOW_BIT_FORMATS, SUPPORTED_PARAM_DTYPES, num_blocks
 from .integrations import dtensor
 
 CPU = torch.device("cpu")
@@ -593,10 +593,15 @@ def _check_moment(optimizer, p, state, key, dtype, where) -> list[_Adoption]:
         if LOW_BIT_FORMATS.get(dtype) is fmt and value.is_contiguous():
             return []
         scaled = True
+    elif isinstance(state[key], torch.Tensor) and state[key].dtype in FP8_FORMATS and scale is not None:
+        value = _fp8_state(p, state, key, where)
+        if value.dtype == dtype and value.is_contiguous():
+            return []
+        scaled = True
     else:
         value = _state_tensor(p, state, key, where)
         scaled = value.dtype == torch.float16 and _valid_scale(scale, value)
-        if value.dtype == dtype and value.is_contiguous() and (dtype != torch.float16 or scaled):
+        if value.dtype == dtype and value.is_contiguous() and (dtype not in (torch.float16, *FP8_FORMATS) or scaled):
             return [] if dtype == torch.float16 or scale is None else [_Adoption(state, key + "_scale", None)]
         if scale is not None and value.dtype == torch.float16 and not scaled:
             raise ValueError(f"{where}: optimizer.state[p][{key + '_scale'!r}] must be a contiguous float32 tensor of "
@@ -649,6 +654,38 @@ def _low_bit_state(p: torch.Tensor, state: ParamState, key: str, where: str) -> 
     if key == "exp_avg" and bool((scale < 0).any()):
         raise ValueError(f"{scale_what} holds negative block scales; exp_avg's scales are block maxima (>= 0)")
     return value, fmt
+
+
+def _fp8_state(p: torch.Tensor, state: ParamState, key: str, where: str) -> torch.Tensor:
+    """Validates fp8 codes in state[key] (float8_e4m3fn or float8_e5m2, the param's shape) and their block scales in
+    state[key + '_scale'] (float32, one per block; powers of two, 0 or NaN: ort_optim._spec.Fp8Format); returns the
+    codes."""
+    value, scale = state[key], state[key + "_scale"]
+    fmt = FP8_FORMATS[value.dtype]
+    what, scale_what = f"{where}: optimizer.state[p][{key!r}]", f"{where}: optimizer.state[p][{key + '_scale'!r}]"
+    if p.dtype == torch.float64:
+        raise ValueError(f"{what} holds {value.dtype} (fp8) codes but the parameter is float64: float64 params keep "
+                         "float64 states")
+    if value.layout != torch.strided or value.device != p.device or value.shape != p.shape:
+        raise ValueError(f"{what} must be a dense {value.dtype} tensor of the parameter's shape {tuple(p.shape)} on "
+                         f"{p.device}, got shape {tuple(value.shape)} on {value.device}")
+    blocks = fmt.num_scales(p.numel())
+    if not (isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.layout == torch.strided
+            and scale.dim() == 1 and scale.numel() == blocks and scale.is_contiguous() and scale.device == p.device):
+        raise ValueError(f"{scale_what} must be a contiguous 1-d float32 tensor of {blocks} block scales on "
+                         f"{p.device} ({fmt.name} codes), got " + (f"a {scale.dtype} tensor of shape "
+                         f"{tuple(scale.shape)} on {scale.device}" if isinstance(scale, torch.Tensor)
+                                                                   else type(scale).__name__))
+    for name, tensor in ((what, value), (scale_what, scale)):
+        problem = _storage_problem(tensor)
+        if problem is not None:
+            raise ValueError(f"{name} {problem}")
+    mantissa, exponent = torch.frexp(scale)
+    power = (mantissa == 0.5) & (exponent - 1 >= fmt.min_exponent) & (exponent - 1 <= 127 - fmt.emax)
+    if not bool((power | (scale == 0) | torch.isnan(scale)).all()):
+        raise ValueError(f"{scale_what} holds block scales that are not powers of two in [2**{fmt.min_exponent}, "
+                         f"2**{127 - fmt.emax}], 0 or NaN: they are not {fmt.name} block scales")
+    return value
 
 
 def _check_step(p, state, where, device) -> list[_Adoption]:

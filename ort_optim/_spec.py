@@ -21,7 +21,8 @@ FP16_LIMIT = 32768.0
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.uint4)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.uint4, torch.float8_e4m3fn,
+                torch.float8_e5m2)
 
 
 class AdamWMode(enum.IntEnum):
@@ -182,6 +183,73 @@ def low_bit_format(scale_dtype: torch.dtype) -> LowBitFormat:
         if fmt.scale_dtype == scale_dtype:
             return fmt
     raise ValueError(f"no low-bit state format has {scale_dtype} scales")
+
+
+# ---- fp8 moments: float8_e4m3fn / float8_e5m2 codes with a power-of-two scale per block (ops/README.md, "fp8 states")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Format:
+    """A block-scaled fp8 moment format: the state is a tensor of ``dtype`` (float8_e4m3fn or float8_e5m2) of the
+    param's shape, ``state[key + '_scale']`` one float32 scale ``s = 2**k`` per block of ``block`` elements. The
+    value of an element is ``code * s`` (exact in float32: a power-of-two scale only moves the exponent), for
+    exp_avg_sq / max_exp_avg_sq that of ``u = sqrt(v)``: ``v = (code * s) ** 2``, as the other scaled formats.
+
+    * ``k`` is the smallest integer for which the block's largest magnitude ``amax`` (of m, or of u), divided by
+      ``2**k`` and rounded to nearest even in the format, does not exceed the format's largest finite value
+      (``max_value``: 448 for e4m3fn, 57344 for e5m2). It is ``E - emax`` or ``E - emax + 1`` for ``amax = 1.f *
+      2**E``: read from amax's exponent bits, no logarithm, no search. Rounding is monotone and scale-invariant on
+      normal values, so a decoded block, whose largest value is a code times ``2**k``, gets the same k again: encoding
+      is idempotent and a resume exact. k is capped at ``127 - emax`` (the largest code times 2**k stays finite;
+      codes then saturate at max_value, only for |values| near float32's largest).
+    * Every element is ``x * 2**-k`` (exact) rounded to nearest even in the format by exponent and mantissa
+      arithmetic on its float32 bits (subnormal codes by ``rint(y * 2**(bias - 1 + mantissa_bits))``), saturating
+      at max_value. exp_avg keeps its sign (never -0); u rounds up to the smallest subnormal code instead of 0 in
+      a non-zero block: a v that would read as 0 reads as the smallest level of its block instead, which can only
+      shrink its update (the zero-point problem, as in the low-bit formats).
+    * A block with inf or NaN gets s = NaN and codes 0 (it reads back as NaN, as an fp32 moment would); a block
+      whose k would be below ``min_exponent`` (amax under about 2**-102 for e4m3fn, 2**-95 for e5m2) is a zero block,
+      s = 0: so every decoded value is a normal float32 (no backend flushes it differently).
+    """
+
+    name: str
+    dtype: torch.dtype
+    mantissa_bits: int
+    bias: int
+    block: int = 256
+    scale_dtype: torch.dtype = torch.float32
+    min_exponent: int = -110
+
+    @property
+    def max_code(self) -> int:
+        """The code of the largest finite magnitude, 1.75 * 2**emax (e4m3fn: 0x7E, its 0x7F is NaN; e5m2: 0x7B)."""
+        return 0x7E if self.mantissa_bits == 3 else 0x7B
+
+    @property
+    def emax(self) -> int:
+        """The exponent of the largest finite value (1.75 * 2**emax: 448 = 1.75 * 2**8, 57344 = 1.75 * 2**15)."""
+        return 8 if self.mantissa_bits == 3 else 15
+
+    @property
+    def max_value(self) -> float:
+        return 1.75 * 2.0**self.emax
+
+    def num_scales(self, numel: int) -> int:
+        return (numel + self.block - 1) // self.block
+
+    def storage_shape(self, shape: torch.Size) -> tuple[int, ...]:
+        return tuple(shape)
+
+    def bytes_per_element(self) -> float:
+        return 1 + self.scale_dtype.itemsize / self.block
+
+
+# torchao's AdamWFp8 layout (float8_e4m3fn, one float32 scale per block of 256): 2 * (1 + 4/256) = 2.031 bytes/param
+# for both moments. e4m3fn: 3 mantissa bits (relative steps of 6.25-12.5%), 2**-9 .. 448 (17.8 binades);
+# e5m2: 2 mantissa bits, 2**-16 .. 57344 (31.8 binades).
+FP8_E4M3 = Fp8Format(name="fp8 e4m3", dtype=torch.float8_e4m3fn, mantissa_bits=3, bias=7)
+FP8_E5M2 = Fp8Format(name="fp8 e5m2", dtype=torch.float8_e5m2, mantissa_bits=2, bias=15)
+FP8_FORMATS = {torch.float8_e4m3fn: FP8_E4M3, torch.float8_e5m2: FP8_E5M2}
 
 
 # fp16 exp_avg_sq / max_exp_avg_sq hold sqrt(v) (the fp16 codes of sqrt(v) with the block rule above): v spans the

@@ -13,7 +13,7 @@ from . import _checkpoint, _migration, _plan, _spec, _versions, backends
 from ._backward_step import BackwardStep, loss_scaling_refused, max_grad_norm_refused
 from ._checkpoint import MOMENT_KEYS
 from ._plan import describe
-from ._spec import LOW_BIT_FORMATS, LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
+from ._spec import FP8_FORMATS, LOW_BIT_FORMATS, LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
 from .integrations import dtensor
 
 def stochastic_rounding_refused(where: str) -> ValueError:
@@ -94,8 +94,8 @@ def _check_scaling_arguments(grad_scale: Any, found_inf: Any) -> None:
 
 def _check_dtype_option(name: str, dtype: Optional[torch.dtype]) -> None:
     if dtype is not None and dtype not in STATE_DTYPES:
-        raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16, torch.float16, torch.uint8 (8-bit) or "
-                         f"torch.uint4 (4-bit), got {dtype!r}")
+        raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16, torch.float16, torch.uint8 (8-bit), "
+                         f"torch.uint4 (4-bit), torch.float8_e4m3fn or torch.float8_e5m2 (fp8), got {dtype!r}")
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -139,7 +139,8 @@ class FusedAdam(torch.optim.Optimizer):
             carries the masters), or copy the params into the masters: ``optimizer.state[p]['master_param'].copy_(p)``
             for every ``p`` with state.
         exp_avg_dtype, exp_avg_sq_dtype: storage dtype of the moments: torch.float32, torch.bfloat16,
-            torch.float16, torch.uint8 (8-bit) or torch.uint4 (4-bit), in any combination (default None: float32 for
+            torch.float16, torch.uint8 (8-bit), torch.uint4 (4-bit), torch.float8_e4m3fn or torch.float8_e5m2
+            (fp8), in any combination (default None: float32 for
             fp16/bf16 params with master weights, else the param's dtype; float64 params always keep float64
             states). fp16 moments are stored with one power-of-two scale per 1024 elements (exp_avg_sq as
             sqrt(v)), so they neither overflow nor flush to zero. 8-bit and 4-bit moments are block-quantised
@@ -147,7 +148,10 @@ class FusedAdam(torch.optim.Optimizer):
             ``state[key + '_scale']``: m and v together take 2.03 (8-bit) or 1.03 (4-bit) bytes per parameter
             instead of 8; exp_avg rounds stochastically between its two neighbouring levels (ops/README.md,
             "low-bit states"; guides/low-bit-states.md). Checkpoints stay canonical (unscaled float32) and load into
-            any of these formats.
+            any of these formats. fp8 moments are float8 codes (``state[key]``, the param's shape) with one
+            power-of-two float32 scale per 256 elements in ``state[key + '_scale']`` (2.03 bytes per parameter for
+            both; exp_avg_sq as sqrt(v), never read as 0), encoded by exponent and mantissa arithmetic, rounded
+            stochastically in a step and to nearest even in conversions; e4m3fn for both moments trains best.
         stochastic_rounding: round the update of bfloat16 params (without master weights; refused with
             master_weights=True, no effect on other dtypes) stochastically instead of to nearest, so that updates
             smaller than half a bfloat16 ulp still accumulate on average (default False; a param-group option).
@@ -402,16 +406,17 @@ class FusedAdam(torch.optim.Optimizer):
                 requests.setdefault((key, p.device, dtype), []).append(i)
                 if dtype == torch.float16:
                     state[key + "_scale"] = torch.ones(_spec.num_blocks(p.numel()), device=p.device)
-                elif dtype in LOW_BIT_FORMATS:  # uint8 codes; zero scales read as all-zero moments
-                    fmt = LOW_BIT_FORMATS[dtype]
+                elif dtype in LOW_BIT_FORMATS or dtype in FP8_FORMATS:  # codes; zero scales: all-zero moments
+                    fmt = LOW_BIT_FORMATS.get(dtype) or FP8_FORMATS[dtype]
                     state[key + "_scale"] = torch.zeros(fmt.num_scales(p.numel()), dtype=fmt.scale_dtype,
                                                         device=p.device)
             states.append(state)
         for (key, device, dtype), indices in requests.items():
-            fmt = LOW_BIT_FORMATS.get(dtype)
+            fmt = LOW_BIT_FORMATS.get(dtype) or FP8_FORMATS.get(dtype)
             if fmt:
                 for i in indices:
-                    states[i][key] = torch.zeros(fmt.storage_shape(params[i].shape), dtype=torch.uint8, device=device)
+                    codes = torch.zeros(fmt.storage_shape(params[i].shape), dtype=torch.uint8, device=device)
+                    states[i][key] = codes.view(dtype) if dtype in FP8_FORMATS else codes  # (torch 2.4 cannot fill fp8)
                 continue
             shapes = [params[i].shape for i in indices]
             offsets, total = [], 0

@@ -204,7 +204,8 @@ def exp_avg_random_bits(values: torch.Tensor, step: int) -> np.ndarray:
 def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step: int = 0,
                   exp_avg_rounding: str = "stochastic") -> torch.Tensor:
     """x (float64) as a low-bit state reads back, as float64. exp_avg_rounding: "stochastic" (the format's rule,
-    random bits from step), or "down" / "up": the level at or below / the next one up (the two candidates)."""
+    random bits from step; step 0, a conversion outside a step: the nearest level, ties up), or "down" / "up": the
+    level at or below / the next one up (the two candidates)."""
     fmt = _low_bit_spec(dtype)
     levels = torch.tensor(fmt.exp_avg_sq_levels if second_moment else fmt.exp_avg_levels, dtype=torch.float32)
     # sqrt(v): the nearest level in 1/sqrt(v) (thresholds 2ab / (a + b) between levels a < b, in float64, rounded to
@@ -238,6 +239,9 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
             below_top = (index > 0) & (index < len(levels) - 1)  # and above zero: toward zero below levels[1]
             if exp_avg_rounding == "up":
                 up = below_top
+            elif step == 0:  # a conversion outside a step (checkpoint loads, from_optimizer): the nearest level
+                nxt = levels[(index + 1).clamp(max=len(levels) - 1)]
+                up = (index < len(levels) - 1) & ((a - levels[index]) >= (nxt - a))
             else:
                 nxt = levels[(index + 1).clamp(max=len(levels) - 1)]
                 lowered = (a.view(torch.int32) - 8).clamp(min=0).view(torch.float32)  # 8 float32 ulps down

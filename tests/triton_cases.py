@@ -20,12 +20,13 @@ import math
 import numpy as np
 import torch
 
-from ort_optim._spec import LOW_BIT_FORMATS, low_bit_format
+from ort_optim._spec import FP8_FORMATS, LOW_BIT_FORMATS, low_bit_format
 from ort_optim.backends.reference import round_bf16_stochastic
-from ort_optim.formats import dequantize_low_bit, encode_state, quantize_low_bit
+from ort_optim.formats import dequantize_fp8, dequantize_low_bit, encode_state, quantize_fp8, quantize_low_bit
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 U8, U4 = torch.uint8, torch.uint4  # the exp_avg_dtype / exp_avg_sq_dtype options of the 8-bit and 4-bit formats
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2  # the fp8 formats
 
 
 # ---- an exact numpy model of ops/README.md ------------------------------------------------------------------------
@@ -111,6 +112,8 @@ def reference_step(args: list, hp: dict) -> None:
     amsgrad = len(vmaxs) > 0
 
     def read_state(t, scales, second, shape):
+        if scales is not None and t.dtype in FP8_FORMATS:
+            return dequantize_fp8(t.cpu(), scales.cpu(), FP8_FORMATS[t.dtype], second, shape).reshape(-1).numpy()
         if scales is not None and t.dtype == torch.uint8:
             return dequantize_low_bit(t.cpu(), scales.cpu(), low_bit_format(scales.dtype), second,
                                       shape).reshape(-1).numpy()
@@ -119,8 +122,13 @@ def reference_step(args: list, hp: dict) -> None:
             return u * u if second else u
         return _to_numpy(t)
 
-    def write_state(values, t, scales, second, step):
-        if scales is not None and t.dtype == torch.uint8:  # (step: mixed into exp_avg's stochastic rounding)
+    def write_state(values, t, scales, second, step, m=None):
+        if scales is not None and t.dtype in FP8_FORMATS:  # (m: the step's exp_avg, whose hash rounds both moments)
+            codes, new_scales = quantize_fp8(torch.from_numpy(values.astype(np.float32)), FP8_FORMATS[t.dtype],
+                                             second, step, None if m is None else torch.from_numpy(m.astype(np.float32)))
+            t.copy_(codes.view(t.shape))
+            scales.copy_(canonical_nan(new_scales))
+        elif scales is not None and t.dtype == torch.uint8:  # (step: mixed into exp_avg's stochastic rounding)
             codes, new_scales = quantize_low_bit(torch.from_numpy(values.astype(np.float32)),
                                                  low_bit_format(scales.dtype), second, step)
             t.copy_(codes.view(t.shape))
@@ -162,9 +170,9 @@ def reference_step(args: list, hp: dict) -> None:
                 if mode == 1:
                     p = p - F(lr * wd) * p
         write_state(m, ms[i], mss[i] if len(mss) else None, False, int(t))
-        write_state(v, vs[i], vss[i] if len(vss) else None, True, int(t))
+        write_state(v, vs[i], vss[i] if len(vss) else None, True, int(t), m)
         if amsgrad:
-            write_state(vmax, vmaxs[i], vmaxss[i] if len(vmaxss) else None, True, int(t))
+            write_state(vmax, vmaxs[i], vmaxss[i] if len(vmaxss) else None, True, int(t), m)
         if master is not None:
             master.copy_(torch.from_numpy(p.astype(np.float32)).reshape(master.shape))
         if hp.get("rounding_keys") is not None:  # stochastic rounding: the spec's hash, from the reference
@@ -194,8 +202,16 @@ COMBOS = {
     "bf16-master-q8m-q4v": (BF16, U8, U4, True),
     "bf16-q4m-q8v": (BF16, U4, U8, False),
     "fp16-master-q4m-fp16v": (F16, U4, F16, True),
+    # fp8 states (float8 codes with float32 power-of-two block scales), alone and mixed with the others
+    "fp32-fp8": (F32, E4M3, E4M3, False),
+    "fp32-e5m2": (F32, E5M2, E5M2, False),
+    "bf16-master-fp8m-e5m2v": (BF16, E4M3, E5M2, True),
+    "bf16-e5m2m-fp8v": (BF16, E5M2, E4M3, False),
+    "fp16-master-fp8m-q8v": (F16, E4M3, U8, True),
 }
-LOW_BIT_COMBOS = [name for name, (_, m, v, _) in COMBOS.items() if m in LOW_BIT_FORMATS or v in LOW_BIT_FORMATS]
+QUANTISED = {**LOW_BIT_FORMATS, **FP8_FORMATS}
+LOW_BIT_COMBOS = [name for name, (_, m, v, _) in COMBOS.items() if m in QUANTISED or v in QUANTISED]
+FP8_COMBOS = [name for name, (_, m, v, _) in COMBOS.items() if m in FP8_FORMATS or v in FP8_FORMATS]
 SHAPES = [(2500,), (), (0,), (32, 32), (7,)]  # several blocks with a partial one, 0-dim, empty, exact block, tiny
 
 
@@ -220,7 +236,7 @@ def make_case(combo: str, amsgrad: bool, seed: int, shapes=SHAPES, grad_dtype=No
             m.view(-1)[1024:2048] = 0.0  # an all-zero block: scale 1
         for value, dtype, out, outs, second in ((m, mdt, ms, mss, False), (v, vdt, vs, vss, True)) + \
                 (((v * 1.5, vdt, vmaxs, vmaxss, True),) if amsgrad else ()):
-            if dtype in LOW_BIT_FORMATS:
+            if dtype in QUANTISED:
                 codes, scales = encode_state(value.float(), dtype, second)
                 out.append(codes)
                 outs.append(scales)
@@ -289,6 +305,8 @@ def decoded(args, which: int, i: int) -> torch.Tensor:
     t = args[which][i].detach().cpu()
     scales = args[which + 4][i].cpu() if len(args[which + 4]) else None
     shape, second = args[0][i].shape, which > 2
+    if scales is not None and t.dtype in FP8_FORMATS:
+        return dequantize_fp8(t, scales, FP8_FORMATS[t.dtype], second, shape).double()
     if scales is not None and t.dtype == torch.uint8:
         return dequantize_low_bit(t, scales, low_bit_format(scales.dtype), second, shape).double()
     if scales is not None:
@@ -330,6 +348,11 @@ def assert_close_to(triton_args, other_args, what, extra=1.0):
                 tol = LOW_BIT_TOLERANCE[low_bit_format(scales.dtype).bits]
                 assert bool((err <= tol * scale).all()), \
                     f"{what}: {name}[{i}] max abs diff {float(err.max())} (tolerance {tol} of the largest value)"
+                continue
+            if dtype in FP8_FORMATS:  # one float32 ulp at a tie: the neighbouring code, 2**-mantissa_bits relative
+                tol = 2.0 ** -FP8_FORMATS[dtype].mantissa_bits * (3.0 if name != "exp_avg" else 1.0)
+                assert bool((err <= tol * b64.abs() + 1e-4 * scale).all()), \
+                    f"{what}: {name}[{i}] max abs diff {float(err.max())} (tolerance {tol} of each value)"
                 continue
             tol = ulp_tolerance(dtype) * extra
             assert bool((err <= tol * b64.abs() + tol * 1e-3 * scale).all()), \

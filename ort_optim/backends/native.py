@@ -31,7 +31,7 @@ OPS_DIR = next((d for d in (_PACKAGE.parent / "ops", _PACKAGE / "_ops") if (d / 
 # they share (.h); all of them go into the cache key and into a wheel. ops/bench_probes.cpp is not one of them.
 SOURCES = ("schema.cpp", "registration.cpp", "step.cpp", "adam_kernel.cpp", "adam_kernel.h", "validation.cpp",
            "validation.h", "grad_stats.cpp", "grad_stats.h", "adam_plan.cpp", "adam_plan.h", "low_bit.cpp",
-           "low_bit.h", "conversions.h", "rounding.h", "step.h")
+           "low_bit.h", "fp8.cpp", "fp8.h", "conversions.h", "rounding.h", "step.h")
 # -fno-math-errno lets sqrt vectorise; -march=native is safe because the build folder is keyed by the CPU flags;
 # -ffp-contract=off keeps every multiply and add separately rounded, as ops/README.md specifies, so the CPU kernel
 # and the Triton kernels agree bit for bit (the update is memory-bound: FMA would buy nothing). The pure-PyTorch
@@ -72,6 +72,8 @@ def spec_header() -> str:
     lines += [f"constexpr float kExpAvgSnap = {_spec.EXP_AVG_SNAP.hex()}f;",
               f"constexpr uint32_t kExpAvgSrUlps = {_spec.EXP_AVG_SR_ULPS};",
               f"constexpr bool kFp16SqrtSecondMoment = {'true' if _spec.FP16_SQRT_SECOND_MOMENT else 'false'};",
+              f"constexpr int kFp8Block = {_spec.FP8_E4M3.block};",
+              f"constexpr int kFp8MinExponent = {_spec.FP8_E4M3.min_exponent};",
               "}  // namespace spec", "}  // namespace ort_optim", ""]
     return "\n".join(lines)
 

@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import low_bit_format, splitmix64
-from ..formats import MASK32, decode_state, fmix32, quantize_fp16, quantize_low_bit, sqrt_f32
+from .._spec import FP8_FORMATS, low_bit_format, splitmix64
+from ..formats import MASK32, decode_state, fmix32, quantize_fp8, quantize_fp16, quantize_low_bit, sqrt_f32
 
 
 def _read_state(state: torch.Tensor, scales: Optional[torch.Tensor], dtype: torch.dtype, second_moment: bool,
@@ -24,12 +24,14 @@ def _read_state(state: torch.Tensor, scales: Optional[torch.Tensor], dtype: torc
 
 
 def _write_state(values: torch.Tensor, state: torch.Tensor, scales: Optional[torch.Tensor],
-                 second_moment: bool, step: int = 0) -> None:
+                 second_moment: bool, step: int = 0, exp_avg: Optional[torch.Tensor] = None) -> None:
     if scales is None:
         state.copy_(values)
         return
     if state.dtype == torch.float16:
         codes, new_scales = quantize_fp16(sqrt_f32(values.float()) if second_moment else values.float())
+    elif state.dtype in FP8_FORMATS:
+        codes, new_scales = quantize_fp8(values, FP8_FORMATS[state.dtype], second_moment, step, exp_avg)
     else:
         codes, new_scales = quantize_low_bit(values, low_bit_format(scales.dtype), second_moment, step)
     state.copy_(codes.view(state.shape))
@@ -140,9 +142,9 @@ def adam_step_(
                 if adam_w_mode == 1:
                     p = p - (lr * weight_decay) * p
             _write_state(m, exp_avgs[i], optional(exp_avg_scales, i), False, int(t))
-            _write_state(v, exp_avg_sqs[i], optional(exp_avg_sq_scales, i), True)
+            _write_state(v, exp_avg_sqs[i], optional(exp_avg_sq_scales, i), True, int(t), m)
             if amsgrad:
-                _write_state(vmax, max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), True)
+                _write_state(vmax, max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), True, int(t), m)
             if master is not None:
                 master.copy_(p)
             if rounding_keys is not None:

@@ -37,7 +37,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import EXP_AVG_SNAP, EXP_AVG_SR_ULPS, MIN_SCALE, QUANT_BLOCK, Q4, Q8, LowBitFormat, thresholds
+from .._spec import (EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_FORMATS, MIN_SCALE, QUANT_BLOCK, Q4, Q8,
+                     LowBitFormat, thresholds)
 from .._versions import mark_modified, step_taken
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
@@ -54,6 +55,8 @@ CACHE_SIZE = 64
 _DT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 # Low-bit states are uint8 code tensors; their scales' dtype tells the format (float32: 8-bit, bfloat16: 4-bit).
 _LOW_BIT = {Q8.scale_dtype: (4, Q8), Q4.scale_dtype: (5, Q4)}
+# fp8 states hold their codes in the float8 dtypes themselves, with float32 power-of-two scales (_spec.Fp8Format).
+_FP8 = {torch.float8_e4m3fn: 6, torch.float8_e5m2: 7}
 _FLOAT_STORAGE = (torch.float32, torch.float16, torch.bfloat16)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -111,8 +114,8 @@ _kernels_module = None
 
 
 def _check_spec(module) -> None:
-    if (module.EXP_AVG_SNAP.value, module.MIN_SCALE.value, module.EXP_AVG_SR_ULPS.value) != (EXP_AVG_SNAP, MIN_SCALE,
-                                                                                         EXP_AVG_SR_ULPS):
+    if (module.EXP_AVG_SNAP.value, module.MIN_SCALE.value, module.EXP_AVG_SR_ULPS.value,
+            module.FP8_MIN_EXPONENT.value) != (EXP_AVG_SNAP, MIN_SCALE, EXP_AVG_SR_ULPS, FP8_E4M3.min_exponent):
         raise RuntimeError("ort_optim: triton_kernels' low-bit constants differ from ort_optim._spec's")
 
 
@@ -305,6 +308,8 @@ def _state_code(states, scales, i: int) -> int:
     t = states[i]
     if t.dtype == torch.uint8:
         return _LOW_BIT[scales[i].dtype][0]
+    if t.dtype in _FP8:
+        return _FP8[t.dtype]
     return _DT_CODES[t.dtype]
 
 
@@ -350,6 +355,11 @@ def _check_state(t: torch.Tensor, p: torch.Tensor, name: str, i: int, is_double:
         return
     if t.shape != p.shape:
         _fail(f"{name}[{i}] has shape {list(t.shape)} but params[{i}] has shape {list(p.shape)}")
+    if t.dtype in _FP8 and not is_double:
+        if not len(scales):
+            _fail(f"{name}[{i}] holds {t.dtype} (fp8) codes, so {scales_name}[{i}] must be its float32 block scales; "
+                  f"{scales_name} is empty")
+        return
     if (t.dtype != torch.float64) if is_double else (t.dtype not in _FLOAT_STORAGE):
         _fail(f"{name}[{i}] has dtype {t.dtype}" + ("; float64 params need float64 states" if is_double
                                                     else "; states must be float32, bfloat16, float16 or uint8 "
@@ -363,10 +373,12 @@ def _check_scales(scales, states, p: torch.Tensor, i: int, name: str) -> None:
     if state.dtype == torch.uint8:
         fmt = _low_bit_format(scales, i)  # not None: _check_state ran first
         blocks, dtype = fmt.num_scales(p.numel()), fmt.scale_dtype
+    elif state.dtype in _FP8:
+        blocks, dtype = FP8_FORMATS[state.dtype].num_scales(p.numel()), torch.float32
     elif state.dtype == torch.float16:
         blocks, dtype = (state.numel() + BLOCK - 1) // BLOCK, torch.float32
     else:
-        _fail(f"{name}[{i}] is given but the state it scales is {state.dtype}, not float16 or uint8 codes")
+        _fail(f"{name}[{i}] is given but the state it scales is {state.dtype}, not float16, uint8 or fp8 codes")
     if not (s.dtype == dtype and s.is_contiguous() and s.numel() == blocks and s.device == state.device):
         _fail(f"{name}[{i}] must be a contiguous {dtype} tensor of {blocks} block scales on the state's device")
 
@@ -466,7 +478,7 @@ def _build_groups(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_
         aligned = all(rows[r * 10 + c] % 16 == 0 for r in range(len(indices)) for c in range(5))
         meta = _upload(rows, device)
         work_t = _upload(work if work else [0, 0], device)
-        luts = tuple(_lut(_LOW_BIT[scales[indices[0]].dtype][1], device) if code >= 4 else None
+        luts = tuple(_lut(_LOW_BIT[scales[indices[0]].dtype][1], device) if code in (4, 5) else None
                      for code, scales in ((m_dt, exp_avg_scales), (v_dt, exp_avg_sq_scales)))
         groups.append(_Group(indices, meta, work_t, programs, constexprs, bpp, aligned, luts))
     return groups

@@ -16,7 +16,9 @@ covers any number of tensors. The math is the one of ops/README.md, in the CPU k
 * 8-bit and 4-bit moment states (``_spec.Q8``/``Q4``: uint8 codes, one scale per 256 or 128 elements) are decoded
   with a lookup table and encoded by a binary search over the format's float32 thresholds (the count of thresholds
   <= the normalised value: the reference's ``searchsorted(..., right=True)``), so the codes and scales are the
-  reference's (``formats.quantize_low_bit``) bit for bit.
+  reference's (``formats.quantize_low_bit``) bit for bit;
+* fp8 moment states (``_spec.Fp8Format``: float8_e4m3fn / float8_e5m2 codes, a power-of-two scale per 256 elements)
+  are encoded and decoded by exponent and mantissa arithmetic on the bits (``formats.quantize_fp8``), no tables.
 
 Trap-driven choices (see tests/triton_backend/test_triton.py): pointer types are always built from literal dtypes (``tl.pointer_type``
 of a constexpr dtype runs in the interpreter but does not compile with Triton 3.0/3.1); the skip flag is honoured with
@@ -42,8 +44,11 @@ def _device(fn):
     the arithmetic; as plain Python functions they run on the language the kernel already patched."""
     return fn if INTERPRET else triton.jit(fn)
 
-# dtype codes of the constexpr *_DT arguments; Q8 and Q4 are the 8-bit and 4-bit moment formats (uint8 codes)
-F32, F16, BF16, F64, Q8, Q4 = 0, 1, 2, 3, 4, 5
+# dtype codes of the constexpr *_DT arguments; Q8 and Q4 are the 8-bit and 4-bit moment formats (uint8 codes),
+# FP8_E4M3 and FP8_E5M2 the fp8 ones
+F32, F16, BF16, F64, Q8, Q4, FP8_E4M3, FP8_E5M2 = 0, 1, 2, 3, 4, 5, 6, 7
+# _spec.Fp8Format's smallest block exponent (asserted equal by triton.py)
+FP8_MIN_EXPONENT = tl.constexpr(-110)
 # _spec's constants of the low-bit encoders (asserted equal by triton.py)
 EXP_AVG_SNAP = tl.constexpr(1.0 + 2.0**-20)
 MIN_SCALE = tl.constexpr(2.0**-126)
@@ -153,7 +158,9 @@ def _load_state(addr, scale_addr, lut_ptr, offs, mask, block_index, DT: tl.const
                 SECOND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """A moment state's values as float32 (float64 for DT == F64). SECOND: a second moment (exp_avg_sq or
     max_exp_avg_sq), whose scaled fp16 and low-bit codes hold sqrt(v)."""
-    if DT >= 4:
+    if DT >= 6:
+        x = _load_fp8(addr, scale_addr, offs, mask, DT, SECOND)
+    elif DT >= 4:
         x = _load_low_bit(addr, scale_addr, lut_ptr, offs, mask, DT, SECOND, BLOCK)
     elif SCALED:
         s = tl.load(scale_addr.to(tl.pointer_type(tl.float32)) + block_index)
@@ -170,8 +177,10 @@ def _load_state(addr, scale_addr, lut_ptr, offs, mask, block_index, DT: tl.const
 
 @_device
 def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, step, DT: tl.constexpr, SCALED: tl.constexpr,
-                 SECOND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    if DT >= 4:
+                 SECOND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, rnd=0):
+    if DT >= 6:  # (rnd: _fp8_random_bits of this step's exp_avg)
+        _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT, SECOND, BLOCK)
+    elif DT >= 4:
         _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT, SECOND, BLOCK)
     elif SCALED:
         if SECOND:
@@ -310,6 +319,131 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
         tl.store(addr.to(tl.pointer_type(tl.uint8)) + even_offs // 2, (low | (high << 4)).to(tl.uint8),
                  mask=even_mask)
         tl.store(scale_addr.to(tl.pointer_type(tl.uint16)) + block_index, _bf16_bits(s), mask=block_mask)
+
+
+# ---- fp8 states (_spec.Fp8Format; formats.quantize_fp8 is the definition) ------------------------------------
+# DT == FP8_E4M3: 3 mantissa bits, bias 7, largest finite 448 = 1.75 * 2**8 (code 0x7E); FP8_E5M2: 2 mantissa bits,
+# bias 15, largest finite 57344 = 1.75 * 2**15 (code 0x7B). One float32 scale 2**k per 256 elements.
+
+
+@_device
+def _fp8_round(y, MB: tl.constexpr, BIAS: tl.constexpr):
+    """Non-negative float32 values y (below 2**(emax + 1)) rounded to nearest even in the fp8 format, as int32 codes
+    (not saturated), as formats.fp8_round: normal values by rounding the float32 mantissa to MB bits, subnormal
+    ones by adding and subtracting 2**23 to y * 2**(BIAS - 1 + MB) (< 9: the float32 addition rounds to nearest
+    even at integers; the launches forbid contracting it)."""
+    SHIFT: tl.constexpr = 23 - MB
+    b = y.to(tl.int32, bitcast=True)
+    normal = ((b + ((1 << (SHIFT - 1)) - 1) + ((b >> SHIFT) & 1)) >> SHIFT) - ((127 - BIAS) << MB)
+    scaled = y * _pow2(tl.full(y.shape, BIAS - 1 + MB, tl.int32))
+    subnormal = ((scaled + 8388608.0) - 8388608.0).to(tl.int32)
+    return tl.where(y < _pow2(tl.full(y.shape, 1 - BIAS, tl.int32)), subnormal, normal)
+
+
+@_device
+def _fp8_random_bits(m, offs, step):
+    """The random bits of the fp8 states of these elements in a step, from the step's new exp_avg m, as
+    formats.fp8_random_bits: fmix32(bits(m) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) (uint32; e the
+    element index's low 32 bits); exp_avg rounds with the top 16, a second moment with the low 16."""
+    e = offs.to(tl.uint32)
+    return _fmix32(m.to(tl.uint32, bitcast=True) ^ (e * 0x9E3779B1) ^ (step * 0x85EBCA77 + 0x6A09E667))
+
+
+@_device
+def _fp8_round_stochastic(y, r16, MB: tl.constexpr, BIAS: tl.constexpr):
+    """y rounded stochastically with 16 random bits r16, as formats.fp8_round with random bits: added right below
+    the kept bits (normal: to the float32 bits; subnormal: to y in fixed point, truncated from min(y, the smallest
+    normal) * 2**(BIAS + 22)), then truncated."""
+    SHIFT: tl.constexpr = 23 - MB
+    min_normal = _pow2(tl.full(y.shape, 1 - BIAS, tl.int32))
+    add = (r16 << (SHIFT - 16)).to(tl.int32)
+    normal = ((y.to(tl.int32, bitcast=True) + add) >> SHIFT) - ((127 - BIAS) << MB)
+    fixed = (tl.minimum(y, min_normal) * _pow2(tl.full(y.shape, BIAS + 22, tl.int32))).to(tl.int32)
+    subnormal = (fixed + add) >> SHIFT
+    return tl.where(y < min_normal, subnormal, normal)
+
+
+@_device
+def _load_fp8(addr, scale_addr, offs, mask, DT: tl.constexpr, SECOND: tl.constexpr):
+    """Values of an fp8 state: code * scale (squared for SECOND), the code's value from its bits (normal: exponent
+    and mantissa shifted into a float32, the exponent rebased; subnormal: mantissa * 2**(1 - bias - MB)). Masked
+    lanes read 0."""
+    if DT == 6:
+        MB: tl.constexpr = 3
+        BIAS: tl.constexpr = 7
+    else:
+        MB: tl.constexpr = 2
+        BIAS: tl.constexpr = 15
+    code = tl.load(addr.to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0).to(tl.int32)
+    s = tl.load(scale_addr.to(tl.pointer_type(tl.float32)) + offs // 256, mask=mask, other=0.0)
+    c = code & 0x7F
+    normal = ((c << (23 - MB)) + ((127 - BIAS) << 23)).to(tl.float32, bitcast=True)
+    subnormal = (c & ((1 << MB) - 1)).to(tl.float32) * _pow2(tl.full(c.shape, 1 - BIAS - MB, tl.int32))
+    u = tl.where((c >> MB) == 0, subnormal, normal)
+    u = tl.where((code & 0x80) != 0, -u, u) * s
+    if SECOND:
+        u = u * u
+    return u
+
+
+@_device
+def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: tl.constexpr, BLOCK: tl.constexpr):
+    """Encodes float32 values x (v for SECOND: its square root is coded) into an fp8 state and its scales, as
+    formats.quantize_fp8: per block of 256 the scale 2**k, k the smallest with the block's largest magnitude
+    divided by 2**k rounding to nearest even to at most the largest finite code (capped at 127 - emax); NaN for a
+    block with inf or NaN (codes 0); 0 for an all-zero block or one with k < FP8_MIN_EXPONENT. Codes round
+    stochastically (rnd: _fp8_random_bits of the step's exp_avg; the top 16 bits for exp_avg, the low 16 for a
+    second moment) except the block's largest magnitudes, which round to nearest even; they saturate at the largest
+    finite code;
+    exp_avg keeps its sign (never -0), sqrt(v) gets at least the smallest subnormal code in a usable block."""
+    if DT == 6:
+        MB: tl.constexpr = 3
+        BIAS: tl.constexpr = 7
+        EMAX: tl.constexpr = 8
+        MAX_CODE: tl.constexpr = 0x7E
+    else:
+        MB: tl.constexpr = 2
+        BIAS: tl.constexpr = 15
+        EMAX: tl.constexpr = 15
+        MAX_CODE: tl.constexpr = 0x7B
+    QB: tl.constexpr = 256
+    NB: tl.constexpr = BLOCK // QB
+    if SECOND:
+        u = _sqrt(x, False)
+    else:
+        u = x
+    u2 = tl.reshape(u, (NB, QB))
+    m2 = tl.reshape(mask, (NB, QB))
+    offs2 = tl.reshape(offs, (NB, QB))
+    au = tl.abs(u2)
+    bad = m2 & ((u2 != u2) | (au == float("inf")))
+    block_bad = tl.max(bad.to(tl.int32), axis=1) > 0
+    amax = tl.max(tl.where(m2 & (au == au), au, 0.0), axis=1)
+    b = amax.to(tl.int32, bitcast=True)
+    e = ((b >> 23) & 0xFF) - 127
+    top = ((b & 0x7FFFFF) | ((EMAX + 127) << 23)).to(tl.float32, bitcast=True)  # (amax >= 0: no sign bit)
+    k = e - EMAX + (_fp8_round(top, MB, BIAS) > MAX_CODE).to(tl.int32)
+    k = tl.minimum(k, 127 - EMAX)
+    usable = (block_bad == 0) & (amax > 0.0) & (k >= FP8_MIN_EXPONENT)
+    k = tl.where(usable, k, 0)
+    s = tl.where(usable, _pow2(k), tl.where(block_bad, float("nan"), 0.0))
+    y = tl.where(usable[:, None], au * _pow2(-k)[:, None], 0.0)
+    r2 = tl.reshape(rnd, (NB, QB))
+    if SECOND:
+        r16 = r2 & 0xFFFF
+    else:
+        r16 = r2 >> 16
+    code = tl.where(au == amax[:, None], _fp8_round(y, MB, BIAS), _fp8_round_stochastic(y, r16, MB, BIAS))
+    code = tl.minimum(code, MAX_CODE)
+    if SECOND:
+        code = tl.where(usable[:, None], tl.maximum(code, 1), code)
+    else:
+        code = tl.where((u2 < 0.0) & (code > 0), code | 0x80, code)
+    code = tl.where(m2, code, 0)
+    block_mask = tl.max(m2.to(tl.int32), axis=1) > 0
+    block_index = tl.min(offs2, axis=1) // QB
+    tl.store(addr.to(tl.pointer_type(tl.uint8)) + offs, tl.reshape(code, (BLOCK,)).to(tl.uint8), mask=mask)
+    tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + block_index, s, mask=block_mask)
 
 
 @_device
@@ -461,12 +595,17 @@ def _adam_block(
     # ptxas does better storing it last.
     if not HAS_MASTER:
         _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
+    if M_DT >= 6 or V_DT >= 6:  # one hash per element for both fp8 moments
+        rnd = _fp8_random_bits(m, offs, m_step)
+    else:
+        rnd = 0
     _store_state(m_addr, ms_addr, m_lut_ptr, offs, m, mask, block_index, m_step, M_DT, M_SCALED, False, ALIGNED,
-                 BLOCK)
-    _store_state(v_addr, vs_addr, v_lut_ptr, offs, v, mask, block_index, m_step, V_DT, V_SCALED, True, ALIGNED, BLOCK)
+                 BLOCK, rnd)
+    _store_state(v_addr, vs_addr, v_lut_ptr, offs, v, mask, block_index, m_step, V_DT, V_SCALED, True, ALIGNED, BLOCK,
+                 rnd)
     if AMSGRAD:
         _store_state(vmax_addr, vmaxs_addr, v_lut_ptr, offs, vmax, mask, block_index, m_step, V_DT, V_SCALED, True,
-                     ALIGNED, BLOCK)
+                     ALIGNED, BLOCK, rnd)
     if HAS_MASTER:
         _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
     return squares

@@ -1,4 +1,5 @@
-"""Low-bit optimizer states: FusedAdam with 8-bit (``torch.uint8``) and 4-bit (``torch.uint4``) moments against its
+"""Low-bit optimizer states: FusedAdam with 8-bit (``torch.uint8``), 4-bit (``torch.uint4``) and fp8
+(``torch.float8_e4m3fn`` / ``float8_e5m2``) moments against its
 own fp32 moments and against torchao's ``AdamW8bit``/``AdamW4bit`` and bitsandbytes' ``AdamW8bit``.
 
     python -m ort_optim.bench --sections lowbit [--quick]          # step time, bytes/param, loss
@@ -78,6 +79,10 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
            note="fp16 codes with a power-of-two scale per 1024 elements"),
     _fused("uint8", 8, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
     _fused("uint4", 4, exp_avg_dtype=UINT4, exp_avg_sq_dtype=UINT4),
+    _fused("fp8", 8, exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn,
+           note="float8_e4m3fn codes with a power-of-two scale per 256 elements, sqrt(v) for the second moment"),
+    _fused("fp8 e5m2", 8, exp_avg_dtype=torch.float8_e5m2, exp_avg_sq_dtype=torch.float8_e5m2),
+    _fused("fp8 e4m3 m + e5m2 v", 8, exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2),
     _fused("bf16 + fp32 master", 32, torch.bfloat16, "bf16 + fp32 master", master_weights=True,
            note="bf16 params, fp32 master weights and moments (the baseline of the bf16 configurations)"),
     _fused("bf16 no master", 32, torch.bfloat16, "bf16 + fp32 master", master_weights=False,
@@ -86,6 +91,8 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
            stochastic_rounding=True, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
     _fused("bf16 SR + uint4", 4, torch.bfloat16, "bf16 + fp32 master", master_weights=False,
            stochastic_rounding=True, exp_avg_dtype=UINT4, exp_avg_sq_dtype=UINT4),
+    _fused("bf16 SR + fp8", 8, torch.bfloat16, "bf16 + fp32 master", master_weights=False,
+           stochastic_rounding=True, exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn),
     Config("torchao AdamW8bit", "torchao", 8, options=dict(cls="AdamW8bit")),
     Config("torchao AdamW4bit", "torchao", 4, options=dict(cls="AdamW4bit")),
     Config("torchao AdamW8bit bf16 SR", "torchao", 8, torch.bfloat16, "bf16 + fp32 master",
@@ -281,8 +288,8 @@ def train(run: TrainingRun, config: Config) -> dict:
 
 # ---- the benchmark sections --------------------------------------------------------------------------------------
 
-BENCH_CONFIGS = ["fp32", "uint8", "uint4", "bf16 SR + uint8", "bf16 SR + uint4", "torchao AdamW8bit",
-                 "torchao AdamW4bit", "bitsandbytes AdamW8bit"]
+BENCH_CONFIGS = ["fp32", "uint8", "uint4", "fp8", "bf16 SR + uint8", "bf16 SR + uint4", "bf16 SR + fp8",
+                 "torchao AdamW8bit", "torchao AdamW4bit", "bitsandbytes AdamW8bit"]
 BENCH_HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 SLOW_STEP_S = 1.0  # implementations slower than this per step get fewer timed repetitions (at least 2)
 
@@ -363,7 +370,7 @@ def run(quick: bool) -> list[dict]:
 
 # ---- where the low-bit step's time goes: the limit probe ------------------------------------------------------
 
-LIMIT_CONFIGS = ["fp32", "uint8", "uint4"]
+LIMIT_CONFIGS = ["fp32", "uint8", "uint4", "fp8"]  # (fp8 moves the bytes of uint8: the 8-bit floor probe is its floor)
 FLOOR_NAMES = {8: "linear 8-bit floor", 4: "linear 4-bit floor"}  # probes.LowBitFloorStep: bounds, not formats
 HOT_NUMEL = 256 * 1024  # one tensor whose step stays in the caches (fp32: 4 MB of p, g, m, v; low-bit: 2.6 MB)
 TINY_NUMEL = 1024  # a step that is all overhead (dispatch, plan), subtracted from the hot step
@@ -372,11 +379,12 @@ TINY_NUMEL = 1024  # a step that is all overhead (dispatch, plan), subtracted fr
 def moved_bytes_per_param(config: Config) -> float:
     """Bytes a step must move per parameter (fp32 params, no master weights): param read and write 8, gradient read
     4, and each moment read and written in its storage (fp32: 4 bytes; low-bit: its codes and its block's share of
-    a scale, _spec.LowBitFormat.bytes_per_element)."""
-    from .._spec import LOW_BIT_FORMATS
+    a scale, _spec.LowBitFormat.bytes_per_element and _spec.Fp8Format.bytes_per_element)."""
+    from .._spec import FP8_FORMATS, LOW_BIT_FORMATS
 
     def moment(dtype):
-        return LOW_BIT_FORMATS[dtype].bytes_per_element() if dtype in LOW_BIT_FORMATS else 4.0
+        fmt = LOW_BIT_FORMATS.get(dtype) or FP8_FORMATS.get(dtype)
+        return fmt.bytes_per_element() if fmt else 4.0
 
     return 12.0 + 2 * moment(config.options.get("exp_avg_dtype")) + 2 * moment(config.options.get("exp_avg_sq_dtype"))
 
@@ -450,6 +458,10 @@ def run_limit(quick: bool) -> list[dict]:
                    bound_speedup_vs_fp32_cold=fp32_cold_ns / max(hot_ns / threads, floor_ns) if fp32_cold_ns else None)
         if fp32_cold_ns:
             row["hot_ns_needed_for_1.2x"] = fp32_cold_ns / 1.2
+        # the step's cold time over the floor probe's of its width, in the same run (fp8 moves 8-bit's bytes)
+        width = {"uint8": 8, "fp8": 8, "uint4": 4}.get(name)
+        if width and FLOOR_NAMES[width] in cold:
+            row["cold_vs_floor_probe"] = cold[name] / cold[FLOOR_NAMES[width]]
         rows.append(row)
     return rows
 
@@ -458,6 +470,8 @@ MEMORY_MOMENTS = [
     ("fp32", torch.float32, torch.float32), ("bf16", torch.bfloat16, torch.bfloat16),
     ("fp16", torch.float16, torch.float16), ("uint8", torch.uint8, torch.uint8), ("uint4", UINT4, UINT4),
     ("uint8 m + uint4 v", torch.uint8, UINT4), ("uint4 m + uint8 v", UINT4, torch.uint8),
+    ("fp8 (e4m3fn)", torch.float8_e4m3fn, torch.float8_e4m3fn),
+    ("fp8 e4m3fn m + e5m2 v", torch.float8_e4m3fn, torch.float8_e5m2),
 ]
 MEMORY_PARAMS = [("fp32 params", torch.float32, {}), ("bf16 params + fp32 master", torch.bfloat16,
                                                        dict(master_weights=True)),

@@ -342,6 +342,40 @@ def test_low_bit_edge_values_bitwise(combo):
 
 
 @needs_working_interpreter
+@pytest.mark.parametrize("combo", ["fp32-fp8", "fp32-e5m2"])
+def test_fp8_edge_values_bitwise(combo):
+    """The fp8 encoders on hand-picked 256-element blocks, against the reference and the CPU kernel bit for bit:
+    maxima at and around the largest finite code (448 / 57344 and the ties above them, where the scale's exponent
+    steps), powers of two, float32 subnormals, values that underflow the format (and the smallest-code floor of
+    sqrt(v)), a block whose scale falls below the smallest exponent (a zero block), -0.0, inf and NaN (NaN scale, zero
+    codes), a v that overflows float32; a partial last block. beta1 = beta2 = 0: m = g and v = g * g reach the
+    encoders unchanged; amsgrad exercises the max_exp_avg_sq encoder too."""
+    fmt = _spec.FP8_FORMATS[COMBOS[combo][1]]
+    top, half = fmt.max_value, 2.0 ** (fmt.emax - fmt.mantissa_bits - 1)
+    specials = [1.0, top, top + half, top + half * 1.01, top * 0.999, 2.0 ** -20, 1e-40, 1e-33, 3.4e38, 2e19,
+                float("inf"), float("nan"), -0.0, 0.0]
+    blocks = []
+    for b, value in enumerate(specials):
+        block = torch.randn(256, generator=torch.Generator().manual_seed(b)) * 1e-3 * (abs(value) or 1.0)
+        block[0], block[1], block[2], block[3] = value, -value * 0.75, value * 2.0 ** -12, value * 1e-9
+        blocks.append(block)
+    g = torch.cat(blocks + [torch.randn(301) * 1e-3])
+    base = make_case(combo, True, seed=1, shapes=[tuple(g.shape)])
+    base[1] = [g]
+    hp = hyper(1, beta1=0.0, beta2=0.0)
+    tri, ref, nat = clone_case(base, DEVICE), clone_case(base), clone_case(base)
+    run_triton(tri, hp)
+    reference_step(ref, hp)
+    assert_bitwise(tri, ref, f"{combo} edge values")
+    if backends.native_available() and NATIVE_EXACT:
+        torch.ops.ort_optim.adam_step_(*nat, **hp)
+        assert_bitwise(tri, nat, f"{combo} edge values vs native")
+    m_scales = tri[6][0].cpu()
+    for b, value in enumerate(specials):
+        assert bool(m_scales[b].isnan()) == (not math.isfinite(value)), (b, value, float(m_scales[b]))
+
+
+@needs_working_interpreter
 def test_quantisation_edge_values_bitwise():
     """The scale rule on hand-picked maxima: powers of two, values that round up to 32768, subnormals, inf, NaN."""
     specials = [1.0, 0.5, 2.0 ** -20, 1.99999988, 3.0, 16384.0, 32767.0, 32768.0, 65504.0, 1e-40, 1e-45, 1e38,
@@ -617,8 +651,10 @@ def test_dispatcher_calling_convention():
     dict(master_weights=True, exp_avg_dtype=BF16, dtype=BF16, max_grad_norm=1.0),
     dict(adam_w_mode=2, weight_decay=0.01, amsgrad=True, exp_avg_dtype=U8, exp_avg_sq_dtype=U4),
     dict(exp_avg_dtype=U4, exp_avg_sq_dtype=U8, stochastic_rounding=True, dtype=BF16),
+    dict(adam_w_mode=2, weight_decay=0.01, amsgrad=True, exp_avg_dtype=torch.float8_e4m3fn,
+         exp_avg_sq_dtype=torch.float8_e5m2),
 ], ids=["default", "torch-amsgrad", "fp16-master-fp16states", "bf16-master-clip", "torch-amsgrad-q8m-q4v",
-        "bf16-stochastic-rounding-q4m-q8v"])
+        "bf16-stochastic-rounding-q4m-q8v", "torch-amsgrad-fp8"])
 def test_fused_adam_through_the_triton_backend(config, monkeypatch):
     """FusedAdam with ORT_OPTIM_BACKEND=triton follows the CPU backend (a short run; `make test-triton` runs the
     whole FusedAdam suite this way)."""

@@ -1,0 +1,38 @@
+// fp8 states: float8_e4m3fn / float8_e5m2 codes with a power-of-two float32 scale per 256 elements (ops/README.md,
+// "fp8 states"; ort_optim/_spec.py, Fp8Format, states the rules and ort_optim/formats.py's quantize_fp8 is the
+// definition, bit for bit). Decoded and encoded by exponent and mantissa arithmetic on the bits (no tables, no
+// search), in branch-free loops over one block that the compiler vectorises; the Adam kernel calls the loads and
+// stores per block, as the low-bit formats'.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+#include "ort_optim_spec.h"  // generated from ort_optim/_spec.py into the build folder (backends/native.py)
+
+namespace ort_optim {
+
+struct Fp8 {
+  int mantissa_bits, bias, emax, max_code;
+};
+
+// The fp8 format of a state dtype, or nullptr.
+const Fp8* fp8_of(at::ScalarType t);
+
+// The random bits of the fp8 states of elements [off, off + n) in a step, from the step's new exp_avg m:
+// fmix32(bits(m[i]) ^ (off + i) * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)); an fp8 exp_avg rounds with the top
+// 16 bits, an fp8 second moment with the low 16 (formats.fp8_random_bits).
+void fp8_random_bits(const float* m, int64_t off, int64_t n, uint32_t step, uint32_t* r);
+
+// dst[0, n) = the values of elements [off, off + n) (off a multiple of spec::kFp8Block): code * scale, squared for a
+// second moment (which holds sqrt(v)).
+void fp8_load(const Fp8& f, bool second_moment, const void* codes, const float* scales, int64_t off, int64_t n,
+              float* dst);
+
+// Writes src[0, n) (v for a second moment; root: sqrt(v) when the caller has it) as the codes and scales of elements
+// [off, off + n), rounding stochastically with rnd (fp8_random_bits of this step's exp_avg).
+void fp8_store(const Fp8& f, bool second_moment, const float* src, const float* root, int64_t off, int64_t n,
+               void* codes, float* scales, const uint32_t* rnd);
+
+}  // namespace ort_optim
