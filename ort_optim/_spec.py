@@ -160,19 +160,11 @@ Q8 = LowBitFormat(
 )
 # 4-bit: Li et al.'s block 128 for both moments, with bfloat16 scales (float32's exponent range, half its bytes):
 # 2 * (0.5 + 2/128) = 1.031 bytes/param. exp_avg: 7 magnitudes 0.01 .. 1 (+ zero, signs; code 8, "-0", is never
-# written); exp_avg_sq: 16 levels of sqrt(v) from 0.001 to 1. With so few levels their placement decides the
-# quality: most of a block's elements lie between 5% and 50% of its largest, where a decade map (0.1, 0.325, ...)
-# leaves its widest relative gaps, and exp_avg's stochastic rounding adds noise in proportion to the gap around each
-# value, at every step. These levels are spaced nearly geometrically over that range (ratios 1.6-2.4; the update
-# m / sqrt(v) has the same relative error for a large and a small element of a block); they cut the update-space
-# rounding error (sum of E[(delta update)^2] over sum of update^2, on the moments of fp32 runs) from 0.14 to 0.088
-# (exp_avg) and from 0.023 to 0.015 (sqrt(v)), within 6% and 14% of the levels a numerical optimisation of that
-# error gives (guides/low-bit-states.md, "Quality", has the tables that chose them).
+# written); exp_avg_sq: 16 levels of sqrt(v) from 0.001 to 1.
 Q4 = LowBitFormat(
     name="4-bit", bits=4, block=128, scale_dtype=torch.bfloat16,
-    exp_avg_levels=tuple(_f32(x) for x in (0.0, 0.01, 0.05, 0.12, 0.22, 0.38, 0.62, 1.0)),
-    exp_avg_sq_levels=tuple(_f32(x) for x in (0.001, 0.004, 0.01, 0.02, 0.04, 0.07, 0.1, 0.14, 0.19, 0.26, 0.34, 0.44,
-                                               0.56, 0.7, 0.85, 1.0)),
+    exp_avg_levels=(0.0,) + decade_levels((1, 2, 4)),
+    exp_avg_sq_levels=decade_levels((1, 2, 4, 9)),
 )
 # The exp_avg_dtype / exp_avg_sq_dtype options that select a low-bit format; their states are stored as uint8 codes.
 LOW_BIT_FORMATS = {torch.uint8: Q8, torch.uint4: Q4}
