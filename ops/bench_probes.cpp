@@ -25,7 +25,7 @@
 
 namespace {
 
-constexpr int64_t kChunk = 64 * 1024;  // elements per parallel work item (the step's own chunking: ops/adam_cpu.cpp)
+constexpr int64_t kChunk = 64 * 1024;  // elements per parallel work item (the step's own chunking: kChunk in ops/adam_kernel.h)
 
 struct Item {
   int64_t tensor, begin, end;

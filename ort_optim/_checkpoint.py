@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ._spec import AdamWMode
-from .backends import reference
+from . import formats
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 CHECKPOINT_KEYS = ("step",) + MOMENT_KEYS + ("master_param",)
@@ -70,7 +70,7 @@ def storage_layout(state: dict, key: str) -> str:
     (float16 codes, one float32 scale per 1024 elements in ``state[key + '_scale']``; exp_avg_sq and max_exp_avg_sq
     hold sqrt(v)), "8-bit" or "4-bit" (uint8 codes and block scales, see ort_optim._spec.LowBitFormat)."""
     scales = state.get(key + "_scale")
-    return "plain" if scales is None else reference.state_format(state[key], scales)
+    return "plain" if scales is None else formats.state_format(state[key], scales)
 
 
 def canonical_dtype(param: torch.Tensor) -> torch.dtype:
@@ -79,9 +79,9 @@ def canonical_dtype(param: torch.Tensor) -> torch.dtype:
 
 def to_canonical(state: dict, key: str, shape: torch.Size) -> torch.Tensor:
     """The moment ``state[key]`` of a param of this shape as a fresh unscaled float32 tensor (float64 when stored as
-    float64). Every layout decodes through reference.decode_state, the one definition of the stored formats."""
+    float64). Every layout decodes through formats.decode_state, the one definition of the stored formats."""
     scales = state.get(key + "_scale")
-    value = reference.decode_state(state[key].detach(), None if scales is None else scales.detach(),
+    value = formats.decode_state(state[key].detach(), None if scales is None else scales.detach(),
                                    key != "exp_avg", shape)
     return value.to(torch.float64 if value.dtype == torch.float64 else torch.float32, copy=True)
 
@@ -95,7 +95,7 @@ def from_canonical(state: dict, key: str, value: torch.Tensor) -> None:
         state[key].copy_(value)
         return
     scales = state[key + "_scale"]
-    codes, new_scales = reference.encode_state(value, {"fp16": torch.float16, "8-bit": torch.uint8,
+    codes, new_scales = formats.encode_state(value, {"fp16": torch.float16, "8-bit": torch.uint8,
                                                        "4-bit": torch.uint4}[layout], key != "exp_avg")
     state[key].copy_(codes.view(state[key].shape))
     scales.copy_(new_scales)

@@ -1,7 +1,7 @@
 """The numeric specification every backend shares (ops/README.md states the math): one place for its constants.
 
-Backends (``ort_optim/backends/``) import this module and never one another; ops/adam_cpu.cpp mirrors these values
-(``kBlock``, ``kFp16Limit``), and the tests check that the native library agrees.
+Backends (``ort_optim/backends/``) import this module and never one another; the C++ kernels mirror these values
+(``kBlock`` in ops/adam_kernel.h, ``kFp16Limit`` in ops/conversions.h), and the tests check that the native library agrees.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def reciprocal_midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
 #        multiplication, so no backend can fuse it into an FMA (the Triton kernels on a GPU would);
 #   below the lowest non-zero level (j = 0) it rounds toward zero: rounding a tiny m up to levels[1] * s would make the
 #        update of an element whose v is tiny too (1e-7 of its block's gradients) explode (measured: 105 lr in one
-#        step; tests/test_lowbit.py bounds it at 4 lr), and a moment that small decays to 0 rather than sticks;
+#        step; tests/fused_adam/test_low_bit.py bounds it at 4 lr), and a moment that small decays to 0 rather than sticks;
 #   r = 32 random bits: fmix32(fmix32(bits(m) ^ e * 0x9E3779B1) ^ (step * 0x85EBCA77 + 0x6A09E667)) (uint32 arithmetic;
 #        e the element's index in its tensor, step the Adam step from 1, 0 for conversions outside a step). A hash
 #        of the new moment's own float32 bits, not of a seed: it needs no key and no generator state, every backend
@@ -180,7 +180,8 @@ def low_bit_format(scale_dtype: torch.dtype) -> LowBitFormat:
 
 # fp16 exp_avg_sq / max_exp_avg_sq hold sqrt(v) (the fp16 codes of sqrt(v) with the block rule above): v spans the
 # square of the gradients' range, sqrt(v) the range itself, so an element 1e-7 of its block's largest keeps its v
-# (traps.md #22). v is read back as (code / s) ** 2, exact in float32 (an fp16 code has 11 significant bits).
+# (stored as v, its v would be 1e-14 of the block's largest: below fp16's range, 0). v is read back as
+# (code / s) ** 2, exact in float32 (an fp16 code has 11 significant bits).
 FP16_SQRT_SECOND_MOMENT = True
 
 

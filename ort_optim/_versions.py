@@ -7,7 +7,7 @@ value (a second backward over a retained graph that saved a param, a ``p.detach(
 computing with the new one. Kernels that write through pointers are invisible to it, so every ort_optim step marks
 what it wrote, whichever backend runs it and whoever calls it (``FusedAdam.step()``, step_in_backward's hooks):
 
-* the native CPU op and its plans, in C++ (ops/adam_cpu.cpp, "autograd's version counters": about 4000 atomic
+* the native CPU op and its plans, in C++ (ops/step.h, "autograd's version counters": about 4000 atomic
   increments for 2000 params, instead of a Python call per tensor);
 * the Triton kernels, through :func:`mark_modified`;
 * the reference backend writes with torch ops (``copy_``, ``add_``), which mark their outputs themselves;
@@ -19,7 +19,7 @@ What a step writes: the params, their moments, masters, block scales and step co
 unscales them in place (``grad_scale``). A step skipped by ``found_inf`` writes nothing and marks nothing (on CUDA,
 where the flag stays on the device, the Triton path marks them anyway rather than wait for it). Tensors made under
 ``torch.inference_mode()`` have no version counter and are skipped, as ``torch.autograd.graph.increment_version``
-skips them (torch's foreach step refuses such params; ours updates them, see tests/test_cache_audit.py).
+skips them (torch's foreach step refuses such params; ours updates them, see tests/fused_adam/test_state_cache.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from . import _checkpoint, _plan, _spec, _versions, backends
+from . import _checkpoint, _migration, _plan, _spec, _versions, backends
 from ._backward_step import BackwardStep, loss_scaling_refused, max_grad_norm_refused
 from ._checkpoint import MOMENT_KEYS
 from ._plan import describe
@@ -115,6 +115,10 @@ class FusedAdam(torch.optim.Optimizer):
     * ``ADAM_L2_REGULARIZATION``: :math:`g_t \leftarrow g_t + \lambda p` first, then the ``ADAMW_TRANSFORMERS``
       update without the decay term.
 
+    With amsgrad, :math:`\max_{s\le t} v_s` replaces :math:`v_t` in the denominator; with maximize, :math:`-g_t`
+    replaces :math:`g_t`. Each parameter has its own step count :math:`t`; parameters without a gradient are skipped.
+    ops/README.md gives the exact order of operations and roundings every backend follows.
+
     Args:
         params: parameters or param groups (dicts), as for any torch optimizer.
         lr: learning rate :math:`\eta` (default 1e-3); a float or a one-element tensor.
@@ -141,12 +145,9 @@ class FusedAdam(torch.optim.Optimizer):
             sqrt(v)), so they neither overflow nor flush to zero. 8-bit and 4-bit moments are block-quantised
             codes (``state[key]``, uint8; 4-bit packed two per byte, flat) with block scales in
             ``state[key + '_scale']``: m and v together take 2.03 (8-bit) or 1.03 (4-bit) bytes per parameter
-            instead of 8, the second moment can never read as 0 (no exploding updates), exp_avg rounds
-            stochastically between its two neighbouring levels (unbiased, so a decaying moment neither sticks nor
-            vanishes early; random bits hashed from the value, its index and the step: no generator state, resume
-            stays exact; ops/README.md, "low-bit states"). bf16 params without masters + 4-bit moments: 3.03 bytes per
-            parameter in all; + 8-bit: 4.03 (fp32 AdamW: 12 with its params). Checkpoints stay canonical (unscaled
-            float32) and load into any of these formats.
+            instead of 8; exp_avg rounds stochastically between its two neighbouring levels (ops/README.md,
+            "low-bit states"; guides/low-bit-states.md). Checkpoints stay canonical (unscaled float32) and load into
+            any of these formats.
         stochastic_rounding: round the update of bfloat16 params (without master weights; refused with
             master_weights=True, no effect on other dtypes) stochastically instead of to nearest, so that updates
             smaller than half a bfloat16 ulp still accumulate on average (default False; a param-group option).
@@ -160,189 +161,22 @@ class FusedAdam(torch.optim.Optimizer):
             graph cannot replay: an lr tensor on another device, a float grad_scale. A float lr is baked into the
             graph at capture: to change it between replays, make it a device tensor and update it in place.
         step_in_backward: update each parameter during backward, as soon as its gradient is complete, and free the
-            gradient (default False); see below.
+            gradient (default False).
         process_group: a torch.distributed group over which plain (non-DTensor) params are replicas, as under DDP:
-            the clipping norm (counting each replica once) and the inf/NaN skip become one decision for the group, in
-            one all-reduce of two floats per step (default None: each process decides alone, as torch's optimizers;
-            DTensor params are reduced over their meshes' ranks without it). See "Distributed training" below.
-        pipeline_group: a torch.distributed group over the pipeline stages of one model replica (default None):
-            each rank of it holds other params, so the stages' sums of squares and inf flags are added in one more
-            all-reduce of the same two floats, after the data/tensor-parallel one. With it the clipping norm, the
-            skip and :attr:`last_grad_norm` cover the whole model (as torchtitan's ``clip_grad_norm_(pp_mesh=)``).
-            The same holds for DeepSpeed's ZeRO partitions (stages 1-3), which are disjoint too: as a ZeRO client,
-            ``max_grad_norm`` needs ``pipeline_group=`` the ZeRO data-parallel group, and is refused without it
-            (a ValueError at the first step, nothing updated: alone it would clip each rank by its own partition's
-            norm, and a ``process_group`` would count the partitions as replicas); DeepSpeed's own
-            ``gradient_clipping`` config is the usual way.
-
-    Options are checked at construction, and a group's at every step (add_param_group, a scheduler's or your own
-    writes): flags must be bools (a ``"False"`` from a config file is refused, not read as True), numbers real
-    (Python's or numpy's, not bools) and in range (lr, eps, weight_decay >= 0, so not NaN; betas in [0, 1)). A bad
-    one raises a ValueError or TypeError naming it, before anything changes.
-
-    A step is ``plan -> backend op``: the optimizer caches, across steps, its buckets (params grouped by device,
-    dtype, state dtypes and master) with their state tensors and, on the native CPU backend, a native plan per
-    bucket (ops/README.md, "AdamPlan") that holds them and reads each param's ``.grad`` in C++, so a step over
-    thousands of small tensors costs their bytes, not their metadata. The cache cannot be wrong: every step first
-    checks that it still describes the optimizer (ort_optim/_plan.py), and plans again, validating everything, when
-    it does not. It notices, as ``torch.optim.AdamW`` would:
-
-    * any change to ``optimizer.state`` (a container that counts its mutations): ``state.clear()`` or
-      ``del state[p]`` restarts those params at step 1 with fresh moments; tensors assigned to ``state[p][key]``
-      become the state from then on. An assigned moment (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) of the
-      param's shape, device and float64-ness is used as is when it already has the dtype this optimizer keeps for
-      that param (contiguous; for block-scaled fp16 moments, float16 codes with a valid ``<key>_scale``; for 8-bit
-      and 4-bit moments, uint8 codes of that format with valid block scales in ``<key>_scale``); any other
-      floating-point tensor, or uint8 codes of the other low-bit format, is taken as the values and adopted, i.e.
-      copied into that layout (quantised with fresh block scales for fp16 and low-bit moments). Low-bit codes whose
-      scales are missing, of another count or negative are refused. An assigned ``step`` (a one-element tensor or a number, a whole number >= 0) is
-      adopted. A missing key, a wrong shape, device or float64-ness, a non-tensor or a freed storage is refused,
-      naming the param and the key. A dict assigned to ``state[p]`` is stored as a copy (mutate
-      ``optimizer.state[p]`` afterwards, not that dict); a new container put in ``optimizer.state`` is told from the
-      old one by identity. ``state[p]['step']`` stays the same tensor when the optimizer plans again (as torch's
-      one ``state['step']`` per run), so code that holds it keeps reading and writing the param's step;
-    * params replaced in, appended to, or removed from ``param_groups[i]['params']`` (or a new list put there): new
-      params get fresh state; a group dict put in place of another (``param_groups[0] = {**group, 'lr': x}``):
-      its hyperparameters are used; a group's ``amsgrad``, ``stochastic_rounding`` or ``stochastic_rounding_seed``
-      switched; ``master_weights`` or the state dtype options changed;
-      another backend selected (``ORT_OPTIM_BACKEND``);
-    * per tensor (params, grads, states, masters, scales, steps): a new storage, data pointer, storage size, dtype,
-      shape or strides. A storage re-allocated in place (``untyped_storage().resize_(0)`` then ``resize_(n)``, as
-      CPU offload and FSDP do) is followed: the step writes where the data now is. ``p.data = ...`` and
-      ``torch.utils.swap_tensors`` (``model.to()`` with swap-on-conversion) give the param new data: its state
-      follows the Python param (as in torch), converted as above if its dtype changed. ``state[p][key].data = t``
-      (a moment, master or ``step``) is honoured as an assignment of ``t`` is; in-place writes (``fill_``, ``copy_``,
-      ``mul_``) need no re-planning: the step reads the tensors it holds.
-
-    Refused before anything is written, naming ``param_groups[i]['params'][j]``: a storage still freed at step time,
-    a param that changed shape or switched to or from float64 under its state, a state with a ``master_param`` for a
-    param that keeps none, params that overlap (below), one state dict for two params (``optimizer.state[q] =
-    optimizer.state[p]``), and state tensors kept as they are that share memory with each other or with a param
-    (torch.optim would update such memory once per param, one after the other; a fused step updates the params
-    together). An assigned state that is adopted as a copy shares nothing.
-
-    Each parameter has its own step count (as torch), so a parameter that first gets a gradient late gets a correct
-    first update; parameters without a gradient are skipped entirely. Parameters must not share memory: overlapping
-    views of one storage (or an ``expand()``-ed param) are refused whenever the optimizer plans (at the first step,
-    and after a param gets new data), as they would be updated twice; disjoint views of one buffer are fine. A step
-    that raises (bad gradient, bad hyperparameter, anything above) changes nothing.
-
-    A step marks every tensor it writes as modified in place for autograd (it bumps their version counters), as
-    ``torch.optim.AdamW``'s foreach and for-loop steps do: the params, moments, masters, block scales and
-    ``state[p]['step']``, and the gradients when ``grad_scale`` has them written back unscaled; a skipped step marks
-    nothing. So a backward that still needs a param's old value (a second backward over a retained graph that saved
-    it, a ``p.detach()`` saved by a forward before the step) raises autograd's "modified by an inplace operation"
-    error instead of silently computing with the new value (torch's fused kernel marks nothing: with ``fused=True``
-    such a backward computes silently). On every backend; tensors made under ``torch.inference_mode()`` have no
-    version counter and are stepped unmarked (ort_optim/_versions.py).
-
-    ``step_in_backward=True`` registers a post-accumulate-grad hook on every param that requires a gradient
-    (ort_optim/_backward_step.py). When backward has accumulated a param's gradient, the hook applies this optimizer's
-    update to that param alone (the math above, unchanged: the same kernel, per-tensor step count and bias corrections,
-    fp16 block scales; the results equal step()'s bit for bit) and sets ``p.grad = None``. The model's gradients thus
-    never all exist at once: peak memory drops by up to their size, and the update reads each gradient while it is still
-    in cache. ``step()`` then only updates params whose hook did not fire (gradients set by hand; a param made trainable
-    after construction, until the next ``step()`` or ``zero_grad()`` hooks it); ``zero_grad()`` is harmless. A gradient
-    written after backward for a param its hook updated (where the normal loop would have stepped once, with it) is
-    refused by ``step()`` and ``zero_grad()``, naming the param, before anything is written: change gradients in a hook
-    that runs before the update (``p.register_hook``). As no gradient is left after backward, code between backward and
-    ``step()`` sees none: ``torch.nn.utils.clip_grad_norm_`` returns 0 and clips nothing, and a param the loss did not
-    use is not updated, even after ``zero_grad(set_to_none=False)`` (where ``step()`` would update it with a zero
-    gradient, its moments still moving it), as in torch's optimizer-in-backward recipe. Works with every option that
-    acts per parameter (modes, amsgrad, maximize, masters, low-precision moments, lr tensors, param groups). What needs
-    every gradient before the first update is refused: ``max_grad_norm`` (ValueError here), ``grad_scale`` and
-    ``found_inf`` (ValueError from step(), which is how ``torch.amp.GradScaler`` and loss scaling come in; by then
-    backward has already updated the params with the scaled gradients, so fix the setup rather than catching the error:
-    GradScaler leaves the two attributes set when step() raises, and every later hook raises too, before updating), and
-    params that share memory (ValueError here). Gradient accumulation: run the backward calls of all micro-batches but
-    the last inside :meth:`accumulate`; so for two losses backpropagated one after the other over a retained graph.
-    Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``) runs a backward per segment
-    inside a node of the outer one, where a param's gradient may not be complete yet (a layer in two segments would be
-    stepped twice, each time with part of its gradient): a hook that fires in such a nested backward raises a ValueError
-    naming the param and ``use_reentrant=False``, which works as eager code does (a reentrant one works with every
-    backward inside :meth:`accumulate`, without the memory saving). Each update in backward marks the param and its
-    states as modified in place (their autograd version counters), as step() and torch's in-place updates do, so a
-    backward that still needs the param's old value (a second backward over a retained graph outside :meth:`accumulate`,
-    a saved ``p.detach()``) raises autograd's "modified by an inplace operation" error, as torch's optimizer-in-backward
-    recipe does, instead of computing with the updated value. What no version counter can tell: activation checkpointing
-    recomputes a segment during backward from the params' current values, so a segment that reads a param outside that
-    param's gradient path (``p.detach()``, under ``torch.no_grad()``) is recomputed with its updated value if the
-    param's gradient was complete before the segment's backward (the normal loop would recompute with the old one); keep
-    such reads out of checkpointed segments. A bad gradient or hyperparameter raises a ValueError out of backward naming
-    the param, which is left unchanged; params updated earlier in the same backward stay updated. So with any exception
-    out of backward (a NaN check in a hook): the params completed before it are updated, once, the others not; the next
-    backward steps each param as usual. The hooks hold the optimizer weakly: a deleted optimizer updates nothing;
-    :meth:`remove_backward_hooks` removes them (backward then only accumulates, for this optimizer's step() or another
-    optimizer). A param removed from ``param_groups`` is no longer updated by its hook. ``torch.utils.swap_tensors``
-    (``model.to()`` with swap-on-conversion) gives each param another tensor, whose autograd metadata holds none of its
-    hooks: the next ``step()`` or ``zero_grad()`` connects them again (a backward before either leaves its gradients to
-    ``step()``). With a model compiled by ``torch.compile`` the hooks fire as in eager mode (autograd's engine still
-    accumulates the params' gradients). So do they under ``torch.compile`` of a function that calls backward() (the
-    hooks are kept out of TorchDynamo's tracing). A backward run by compiled autograd
-    (``torch._dynamo.compiled_autograd``), which replaces autograd's engine, is refused: a ValueError from the first
-    hook, before any update. Under ORTModule (onnxruntime-training 1.19.2, torch 2.4.1) the hooks fire as in
-    eager PyTorch and the updates are the same, but ORT's backward hands over all the module's gradients at once, so the
-    memory saving is only that no gradient outlives its update. Not with ``DistributedDataParallel``: it averages the
-    gradients across ranks after autograd has accumulated them and writes the average into ``p.grad``, so the hooks
-    would update with this rank's own gradient. The first backward (or ``step()``, if it comes first) raises a
-    ValueError naming the param and DDP before anything changes: the setup check runs from a tensor hook on each param
-    before autograd accumulates the first gradient, and looks, once, for a ``DistributedDataParallel`` that reduces one
-    of the optimizer's params (a pass over the garbage collector's objects, only where torch.distributed is
-    initialised); params, gradients and state stay bit for bit as they were, whichever of DDP and the optimizer was made
-    first. Use ``step_in_backward=False`` with DDP (its ``gradient_as_bucket_view=True`` saves the gradients' second
-    copy). A DDP made after that first backward is caught at the end of the next one: it raises for a param updated in
-    backward that has a gradient again, and so does every later hook, ``step()`` and ``zero_grad()``, instead of
-    updating it twice. Not with DeepSpeed either (any ZeRO stage, fp32/fp16/bf16): the engine reduces the gradients
-    after backward and, except at stage 0 in fp32, steps its own fp32 partitions or copies, put in ``param_groups`` in
-    place of the params, so updates in backward would use this rank's unreduced gradient, or silently never happen (a
-    normal step, no memory saved). An optimizer held by a DeepSpeed engine or DeepSpeed optimizer is refused with a
-    ValueError before anything is updated: at its setup check (the first ``engine.backward``), or at its first
-    ``step()`` if that comes first (stage 0 fp16: inside ``deepspeed.initialize``). The holder is looked for once, among
-    the garbage collector's referrers, and only where DeepSpeed is imported and torch.distributed initialised. Whatever
-    the wrapper, a hook whose param is no longer in ``param_groups`` while they hold a tensor this optimizer never
-    hooked, or none it hooked, raises too, rather than let step() silently take a normal step. Differs from torch's
-    recipe (a torch optimizer per param, stepped in a hook) in that one optimizer keeps the param groups, the checkpoint
-    layout and ``step()``. :attr:`last_grad_norm` and :attr:`last_found_inf` stay None for updates made in backward.
-    (A ``step()`` after backward calls that all ran inside :meth:`accumulate` updates every param, as without
-    step_in_backward, and reports the norm as a plain step does; the next one that finishes updates made in backward
-    leaves it None again.)
-
-    Distributed training (guides/distributed.md). DTensor params (FSDP2 ``fully_shard`` with or without a
-    ``MixedPrecisionPolicy``, tensor parallel, 2D meshes) are planned and stepped through their local pieces, one op
-    call per bucket as for plain params, with every option above; a gradient must be laid out like its param
-    (``Partial`` gradients are refused, naming the param). The plan holds the local pieces and notices when an engine
-    gives a DTensor another local tensor or frees and re-allocates its storage (FSDP2 does both), as above. The
-    clipping norm, :attr:`last_grad_norm` and the inf/NaN skip are global: when ``max_grad_norm`` or ``grad_scale``
-    is given, each rank sums the squares of its gradient pieces, each weighted by 1 / (the ranks holding the same
-    elements: a replicated TP bias counts once), and one ``all_reduce(SUM)`` of ``[sum of squares, inf flag]`` (two
-    float32s, no host sync) over the params' meshes' ranks makes one decision for all; without either, the step
-    communicates nothing. Plain params replicated over ranks (DDP) get the same with ``process_group=``. Every rank of
-    the group must call ``step()`` (a rank without gradients still takes part). Where this differs from torch:
-    torch's optimizers never communicate (``clip_grad_norm_`` on DTensor gradients gathers the norm separately, and a
-    DDP rank decides its skip alone); ``optimizer.state[p]`` holds plain local tensors shaped like the param's local
-    piece, not DTensors, and ``state_dict()`` hands them back as DTensors laid out like their params (``step`` a plain
-    tensor), so ``torch.distributed.checkpoint`` saves and reshards them as torch's own; ``load_state_dict`` takes a
-    DTensor in any placement of the param's mesh, or a full plain tensor (a one-process checkpoint). The lone-bucket
-    fast path that unscales and clips inside the native plan is not taken when the decision is global.
-    ``step_in_backward`` is refused with DTensor params and with ``process_group``.
+            the clipping norm and the inf/NaN skip become one decision for the group, in one all-reduce of two
+            floats per step (default None: each process decides alone, as torch's optimizers).
+        pipeline_group: a torch.distributed group over ranks that hold different params of one model (pipeline
+            stages, or DeepSpeed's ZeRO partitions), whose sums of squares and inf flags are added in one more
+            all-reduce of the same two floats (default None). A DeepSpeed ZeRO client with ``max_grad_norm`` needs
+            it (the ZeRO data-parallel group).
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element tensor)
-    divides every gradient inside the kernel; ``found_inf`` (one-element tensor) turns the step into a no-op when
-    non-zero. After a step that was taken with a ``grad_scale``, ``p.grad`` holds the unscaled gradient
-    :math:`g / s` (a float32 division, float64 for float64 grads, rounded to the gradient's dtype; written by the
-    fused kernel while the gradient is in registers), exactly what ``torch.optim.AdamW(fused=True)`` leaves there
-    under ``torch.amp.GradScaler``: not negated for ``maximize``, and not clipped: unlike
-    ``torch.nn.utils.clip_grad_norm_``, ``max_grad_norm`` clipping happens inside the step and is not written back.
-    After a skipped step ``p.grad`` keeps the scaled values (as torch's kernel returns early), and without
-    ``grad_scale`` it is never written. When ``grad_scale`` or ``max_grad_norm`` is given, the optimizer also checks
-    the gradients for inf/NaN itself and skips the step if it finds any, or if unscaling (dividing by a
-    ``grad_scale`` below 1) would overflow (the check is on the global norm of the unscaled gradients, which must stay
-    below float32's range, about 1.8e19); :attr:`last_step_skipped` tells, and :attr:`last_grad_norm` gives the
-    global norm of the unscaled gradients before clipping (from that same pass; its property says what other steps
-    report). A skipped step
-    changes nothing: no parameter, master, moment, step count or gradient. ``torch.amp.GradScaler`` is honoured
-    through its protocol for fused
-    optimizers (``_step_supports_amp_scaling``).
+    divides every gradient inside the kernel, and the step leaves the unscaled gradient in ``p.grad``; ``found_inf``
+    (one-element tensor) turns the step into a no-op when non-zero. With ``grad_scale`` or ``max_grad_norm`` the step
+    also skips itself on inf/NaN gradients (:attr:`last_step_skipped`, :attr:`last_grad_norm`).
+
+    guides/fused-adam.md holds the rest of the contract: the step's cache and what it notices, what is refused, the
+    autograd version counters, loss scaling and skipped steps, ``step_in_backward``, and distributed training.
     """
 
     _step_supports_amp_scaling = True
@@ -415,7 +249,7 @@ class FusedAdam(torch.optim.Optimizer):
     @property
     def state(self) -> _plan.OptimizerState:
         """Per-param state, as torch.optim's ``optimizer.state``: a defaultdict of dicts that counts its mutations,
-        so that the step notices them (see the class docstring)."""
+        so that the step notices them (guides/fused-adam.md)."""
         return self._state_container
 
     @state.setter
@@ -550,7 +384,7 @@ class FusedAdam(torch.optim.Optimizer):
         buffer's start, which torch's allocator aligns to 64 bytes, so vector loads stay aligned; the buffer ends
         with its last view. Low-bit codes (8-bit, 4-bit) get a storage per param instead, as their scales do, as in
         torchao and bitsandbytes: then the bytes of the storages in ``state[p]`` are that param's state exactly
-        (issue 13's measure, 2.03 bytes/param for 8-bit moments), however they are counted, and the low-bit step,
+        (2.03 bytes/param for 8-bit moments), however they are counted, and the low-bit step,
         bound by its arithmetic, gains nothing from the flat layout. DTensor params get states shaped like their
         local pieces."""
         params = [dtensor.local(p) for p in params]
@@ -966,7 +800,8 @@ class FusedAdam(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads a FusedAdam, torch.optim.Adam/AdamW or ORT FusedAdam checkpoint, all or nothing.
+        """Loads a FusedAdam, torch.optim.Adam/AdamW or ORT FusedAdam checkpoint, or one of torchao's or
+        bitsandbytes' low-bit Adam optimizers, all or nothing.
 
         Every entry is checked before anything changes, strictly: group options must have their types (``maximize``,
         ``amsgrad`` and ``bias_correction`` real bools: a ``"False"`` from a JSON/YAML export is refused, not read as
@@ -990,6 +825,24 @@ class FusedAdam(torch.optim.Optimizer):
         ``adam_w_mode``, so know where yours came from. To load such moments deliberately, put ``adam_w_mode`` in the
         checkpoint's groups.
 
+        Low-bit optimizers of other libraries (ort_optim/_migration.py, guides/low-bit-states.md "Migrating from
+        torchao and bitsandbytes"): the state_dicts of torchao's ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8``
+        (torchao 0.18) and of bitsandbytes' ``Adam8bit``, ``AdamW8bit`` and their paged variants (bitsandbytes 0.50)
+        are recognised and read as canonical checkpoints first. Each moment is decoded exactly as its library does,
+        ``value = qmap[code] * scale[block]`` in float32 (fp8 codes are their own values; params under 4096
+        elements have plain float32 moments), and then stored as every checkpoint is, in this optimizer's moment dtypes
+        (8-bit and 4-bit moments are quantised once more, in their own formats). Steps are kept; lr, betas, eps,
+        weight_decay (and torchao's amsgrad) are taken from the groups, with ``adam_w_mode=ADAMW_TORCH``,
+        ``bias_correction=True`` and ``maximize=False``: both libraries' update is torch.optim.AdamW's (bitsandbytes'
+        Adam8bit too: its step decays like AdamW's; its CUDA kernel decays after the update, a difference of lr * wd
+        times the update). bitsandbytes' extra group options (AdEMAMix's ``alpha``, ``t_alpha``, ``t_beta3``;
+        ``max_unorm``, ``percentile_clipping``, ...) are accepted only at the value that leaves Adam's step as it is
+        (``alpha=0``, ``t_alpha=None``, ...) and refused otherwise, naming the key. A layout that is not exactly one
+        of these (another torchao state class, a bitsandbytes key of another optimizer or version, codes without
+        their ``qmap``, any other tensor subclass) is refused naming the entry, and nothing changes. torchao's
+        Adam8bit/4bit/Fp8 save the same layout as its AdamW classes and load as AdamW: with weight_decay > 0 their
+        L2 decay cannot be told from the checkpoint.
+
         Hooks registered with ``register_load_state_dict_pre_hook`` (given a shallow copy of ``state_dict``; what
         one returns is loaded instead) and ``register_load_state_dict_post_hook`` run as in torch.optim.
         """
@@ -1001,6 +854,7 @@ class FusedAdam(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict = _migration.canonical_checkpoint(state_dict)  # torchao's, bitsandbytes': read as canonical
         if self._has_dtensors:
             prepared = self._prepare_local_load(state_dict)
         else:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import site
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -18,10 +20,10 @@ from ort_optim import backends  # noqa: E402
 
 # One intra-op thread for the FusedAdam specification tests: on the shared 2-core machines a second OpenMP thread that
 # has to wait for a busy core makes small tensor ops 20x slower. The kernels' results do not depend on the thread
-# count; test_op.py checks that explicitly with 1 and 2 threads. (Other test modules keep torch's default.)
+# count; op/test_op.py checks that explicitly with 1 and 2 threads. (Other test modules keep torch's default.)
 SINGLE_THREAD_MODULES = {
-    "test_fused_adam", "test_mixed_precision", "test_checkpoints", "test_checkpoint_fuzz", "test_op", "test_lowbit",
-    "test_lowbit_acceptance", "test_cache_audit", "test_dropin_audit", "test_lowbit_audit",
+    "test_update_rule", "test_mixed_precision", "test_checkpoints", "test_op", "test_low_bit", "test_state_cache",
+    "test_migration", "test_drop_in",
 }
 
 
@@ -37,7 +39,16 @@ def _one_intra_op_thread(request):
     finally:
         torch.set_num_threads(previous)
 
-# The CPU backends every FusedAdam test runs on: the compiled op (ops/adam_cpu.cpp) and the pure-PyTorch fallback
+# Examples per hypothesis property. Each property states the count that `make test` (and CI) runs; the environment
+# variable ORT_OPTIM_FUZZ_EXAMPLES replaces every count: `make check` sets a few for its fast tier, and a long fuzzing
+# run sets many (ORT_OPTIM_FUZZ_EXAMPLES=100000). The properties are derandomized or seeded per test, so a failure
+# reproduces with the same count.
+def fuzz_examples(thorough: int) -> int:
+    value = os.environ.get("ORT_OPTIM_FUZZ_EXAMPLES")
+    return int(value) if value else thorough
+
+
+# The CPU backends every FusedAdam test runs on: the compiled op (ops/) and the pure-PyTorch fallback
 # (ort_optim/backends/reference.py). ORT_OPTIM_BACKEND is read at every step, so monkeypatch.setenv switches per test.
 # `make test-triton` runs the suite with ORT_OPTIM_BACKEND=triton (and TRITON_INTERPRET=1): then every
 # backend-parametrised test goes through the Triton kernels instead.
@@ -144,10 +155,19 @@ def state_values(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> Optio
         return None
     value = state[key]
     if key + "_scale" in state:  # fp16 codes (sqrt(v) for second moments) or low-bit codes (ops/README.md)
-        from ort_optim.backends import reference as reference_backend
+        from ort_optim import formats
 
-        return reference_backend.decode_state(value, state[key + "_scale"], key != "exp_avg", p.shape)
+        return formats.decode_state(value, state[key + "_scale"], key != "exp_avg", p.shape)
     return value
+
+
+def site_packages() -> list[str]:
+    """This interpreter's site-packages folders, in order: its own and those its .pth files add (a clone's .venv is
+    layered on the shared environment that way, tools/make_env.sh). For environments made in tests that must see
+    this one's packages (torch, pip, setuptools) as plain paths, whose .pth files do not run."""
+    folders = site.getsitepackages() + [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    folders += [path for path in sys.path if Path(path).name in ("site-packages", "dist-packages")]
+    return list(dict.fromkeys(folders))
 
 
 def pytest_report_header(config):

@@ -1,11 +1,12 @@
-"""Multi-process tests in one spawn: every scenario of a test module runs inside the same worker processes.
+"""Multi-process tests in one spawn: every scenario of a set runs inside the same worker processes.
 
 ``run_ranks(scenarios, world_size, tmp_dir)`` starts ``world_size`` processes with ``torch.multiprocessing.spawn``;
 each joins a gloo process group through a ``torch.distributed.FileStore`` in ``tmp_dir`` (no ports, so no port races
 between concurrent test runs), calls ``scenarios(rank, world_size, tmp_dir)`` and saves the dict it returns. The parent
 gets one such dict per rank and does the assertions. Starting processes costs seconds (each imports torch), so a
-module spawns once and its scenarios share the processes; a scenario that raises fails the whole spawn with the
-worker's traceback.
+set of scenarios spawns once and its scenarios share the processes; a scenario that raises fails the whole spawn with
+the worker's traceback. ``run_once`` spawns a set once per test session for the several test modules that read it
+(tests/distributed/: mesh_scenarios.py and torch_scenarios.py).
 
 Workers run with one intra-op thread and see the same ``sys.path`` as the parent (spawn copies it), so ``scenarios``
 must be a module-level function of an importable module (a test module is).
@@ -89,6 +90,25 @@ def run_ranks(scenarios: Scenarios, world_size: int, tmp_dir, env: dict | None =
             raise RuntimeError("a distributed scenario raised\n\n" + "\n".join(errors)) from exc
         raise
     return [torch.load(tmp_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+_SESSION_RUNS: dict = {}
+
+
+def run_once(scenarios: Scenarios, world_size: int, tmp_path_factory, env: dict | None = None) -> list[dict]:
+    """run_ranks, once per test session for these scenarios: several test modules read one spawn's results (a spawn
+    costs seconds; the scenarios of one set share their processes). A spawn that failed fails every reader alike
+    without starting again."""
+    key = (scenarios.__module__, scenarios.__qualname__, world_size)
+    if key not in _SESSION_RUNS:
+        try:
+            _SESSION_RUNS[key] = run_ranks(scenarios, world_size, tmp_path_factory.mktemp(scenarios.__module__), env)
+        except Exception as exc:
+            _SESSION_RUNS[key] = exc
+    outcome = _SESSION_RUNS[key]
+    if isinstance(outcome, Exception):
+        raise RuntimeError(f"the spawn of {scenarios.__module__}.{scenarios.__qualname__} failed") from outcome
+    return outcome
 
 
 def tree_max_abs_diff(a: Any, b: Any) -> float:

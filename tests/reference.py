@@ -1,7 +1,7 @@
 """Float64 reference implementations of what FusedAdam computes, written from the formulas, not from the kernel.
 
-Sources: /work/shared/reference/ort-semantics.md (the three AdamWMode formulas as ORT, HF and torch define them),
-torch.optim.AdamW (amsgrad, maximize, per-parameter steps), torch.nn.utils.clip_grad_norm_ (clipping) and
+Sources: the three AdamWMode formulas as ORT (onnxruntime-training's FusedAdam), HF transformers' AdamW and torch
+define them, torch.optim.AdamW (amsgrad, maximize, per-parameter steps), torch.nn.utils.clip_grad_norm_ (clipping) and
 ops/README.md (the fp16 block scale rule, the storage dtypes). Everything here is deliberately plain: one parameter at
 a time, one formula per line, float64 throughout, and no code shared with ort_optim.
 

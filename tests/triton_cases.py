@@ -1,11 +1,11 @@
-"""Cases and an exact numpy model of ops/README.md, shared by tests/test_triton.py and tools/gpu_check.py.
+"""Cases and an exact numpy model of ops/README.md, shared by tests/triton_backend/test_triton.py and tools/gpu_check.py.
 
 No pytest here: tools/gpu_check.py runs these checks on a GPU machine that may have nothing but torch and triton.
 
 * :func:`reference_step` is the op in numpy, float32 (float64 for float64 params), in the CPU kernel's order of
   operations, without fused multiply-adds, with the README's rounding (fp16 RNE, bf16 RNE with NaN -> 0x7FC0) and the
   fp16 block-scale rule written with Python's frexp/ldexp (a scaled fp16 second moment holds sqrt(v)). 8-bit and
-  4-bit states are encoded and decoded by the spec's reference quantiser (``reference.quantize_low_bit`` /
+  4-bit states are encoded and decoded by the spec's quantiser (``ort_optim.formats.quantize_low_bit`` /
   ``dequantize_low_bit``), the one definition of those formats. The Triton kernels must match it bit for bit.
 * :func:`make_case` builds the op's arguments for every storage combination (COMBOS) with non-trivial states.
 * :func:`check_same_stream` and :func:`check_graph_capture` are the CUDA-only checks (a non-default stream; CUDA graph
@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from ort_optim._spec import LOW_BIT_FORMATS, low_bit_format
-from ort_optim.backends.reference import dequantize_low_bit, encode_state, quantize_low_bit, round_bf16_stochastic
+from ort_optim.backends.reference import round_bf16_stochastic
+from ort_optim.formats import dequantize_low_bit, encode_state, quantize_low_bit
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 U8, U4 = torch.uint8, torch.uint4  # the exp_avg_dtype / exp_avg_sq_dtype options of the 8-bit and 4-bit formats

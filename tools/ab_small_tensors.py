@@ -1,4 +1,4 @@
-"""Interleaved A/B of FusedAdam's many-small-tensor steps across checkouts (guides/benchmarks.md, the h9 note).
+"""Interleaved A/B of FusedAdam's many-small-tensor steps across checkouts (the 2000 x 1K rows of guides/benchmarks.md).
 
     python tools/ab_small_tensors.py CHECKOUT [CHECKOUT ...] [--rounds 4] [--reps 25] [--what fp32,check,fp16,bf16]
 

@@ -12,7 +12,7 @@ Needs only the repository plus torch, triton and numpy (no project venv; pytest 
    found_inf skips, grad_stats, the kernels on a non-default stream,
    FusedAdam(capturable=True).step() captured in a CUDA graph and replayed (== eager, bit for bit), and a plain
    step's last_grad_norm (summed by the Adam kernels) against clip_grad_norm_, eagerly and from graph replays. Then
-   tests/test_triton.py under pytest, if pytest is installed.
+   tests/triton_backend/test_triton.py under pytest, if pytest is installed.
 2. Benchmarks against torch.optim.AdamW (fused=True, foreach=True, foreach=False): 1x1024^2, 32x512^2, 1x4096^2
    (fp32 params; ours with fp16 moments, as the reference numbers in the performance notes, and with fp32 moments),
    the GPT-2-small parameter shapes and 2000 x 1K (fp32), plus a graph-captured FusedAdam step; ours with 8-bit and
@@ -94,7 +94,7 @@ def correctness(device, dry_run: bool, results: dict) -> bool:
                 tc.assert_bitwise(tri, ref, f"{combo} mode {mode} amsgrad {amsgrad} step {step}")
         return run
 
-    # Every combination x mode x amsgrad when pytest is missing; otherwise (tests/test_triton.py runs them all next)
+    # Every combination x mode x amsgrad when pytest is missing; otherwise (tests/triton_backend/test_triton.py runs them all next)
     # two per combination, to leave the time budget to the benchmarks (each variant is a compilation).
     try:
         import pytest  # noqa: F401
@@ -171,7 +171,7 @@ def run_pytest(out: Path, dry_run: bool, results: dict) -> bool:
     if dry_run:
         env["TRITON_INTERPRET"] = "1"
         cmd += ["-k", "canary or block_sizes or found_inf or grad_stats_empty or grad_norm_of"]
-    log(f"pytest tests/test_triton.py (timeout {timeout:.0f}s)")
+    log(f"pytest tests/triton_backend/test_triton.py (timeout {timeout:.0f}s)")
     t = time.time()
     try:
         proc = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=timeout)

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Create (or reuse) one of the project's two Python environments, link it into the repo and install ort_optim
-# into it (editable, pointing at this checkout), so `import ort_optim` works from anywhere with that interpreter.
+# Create (or reuse) one of the project's two Python environments and give this clone its own interpreter layered on
+# it, with ort_optim installed editable from this clone, so `import ort_optim` works from anywhere with it.
 #   tools/make_env.sh ort-stack   -> .venv         (torch 2.4.1 + onnxruntime-training-cpu 1.19.2, ORT extensions built)
 #   tools/make_env.sh latest      -> .venv-latest  (torch 2.13.0, no ORTModule)
 # Environments live outside the clone, under $ORT_OPTIM_CACHE (default ~/.cache/ort-optim), in a folder named by the
 # hash of the lock files and this script, so a warm run reuses them and a changed lock builds a fresh one.
 # A folder is only marked complete (.complete) after every stage succeeded; an interrupted build is redone.
+# The shared environment never holds ort_optim: several clones may use it at once. Each clone's .venv/.venv-latest is
+# a small virtual environment of its own (no pip, a second to make) whose site-packages adds the shared environment's
+# (a .pth file) and holds the editable install of that clone, so each clone's interpreter imports that clone.
 # Quiet by design: one line per stage with its duration; the tools' output goes to <env>.log and its tail is
 # printed when a stage fails.
 set -euo pipefail
@@ -21,6 +24,8 @@ lock=$root/requirements/$name.txt
 nodeps=$root/requirements/$name-nodeps.txt
 hash=$(cat "$lock" "$nodeps" "$root/tools/make_env.sh" | sha256sum | cut -c1-16)
 cache=${ORT_OPTIM_CACHE:-$HOME/.cache/ort-optim}
+mkdir -p "$cache/envs"
+cache=$(cd "$cache" && pwd)  # absolute: the clone's environment names the shared one by this path
 env=$cache/envs/$name-$hash
 log=$env.log
 
@@ -40,7 +45,6 @@ stage() {
   fi
 }
 
-mkdir -p "$cache/envs"
 if [ ! -f "$env/.complete" ]; then
   rm -rf "$env"
   : >"$log"
@@ -60,7 +64,20 @@ if [ ! -f "$env/.complete" ]; then
 else
   echo "[make_env] $name: reusing $env" >&2
 fi
-ln -sfn "$env" "$root/$link"
-# Every run: the environment may be shared by several clones; the editable install points it at this one.
+# Every run: this clone's own environment, made afresh on top of the shared one. (A link from an older setup is
+# removed, never followed: `venv --clear` through it would empty the shared environment.)
+layer=$root/$link
+layered() {
+  if [ -L "$layer" ]; then rm "$layer"; fi
+  "$env/bin/python" -m venv --clear --without-pip "$layer" || return
+  local shared_site site
+  shared_site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return
+  site=$("$layer/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return
+  case $shared_site in *"'"* | *\\*) echo "cannot name $shared_site in a .pth file (a quote or backslash)"; return 1 ;; esac
+  # site.addsitedir, not a plain path: it also runs the shared environment's own .pth files
+  echo "import site; site.addsitedir('$shared_site')" >"$site/_ort_optim_shared_env.pth"
+  echo "$env" >"$layer/shared-environment"
+}
+stage "make $link, layered on $env" layered
 stage "install ort_optim from $root (editable)" \
-  "$env/bin/python" -m pip install --no-deps --no-build-isolation --disable-pip-version-check -e "$root"
+  "$layer/bin/python" -m pip install --no-deps --no-build-isolation --disable-pip-version-check -e "$root"

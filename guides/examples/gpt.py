@@ -76,7 +76,7 @@ ORT_LEGS = ("eager-adamw", "ort-fp32", "ort-fp16")
 NO_ORT_LEGS = ("eager-adamw", "eager-fused", "eager-fp16")
 BASELINE = "eager-adamw"
 # How closely ort-fp32 must track eager-adamw: same init, same batches, same optimizer math; only the kernels'
-# floating-point order differs, and the difference grows with training. Checked by tests/test_examples.py.
+# floating-point order differs, and the difference grows with training. Checked by tests/guides/test_examples.py.
 PARITY_STEPS = 5  # the first steps compared
 PARITY_ATOL_FIRST = 2e-3  # max |loss difference| over the first PARITY_STEPS steps (nats)
 PARITY_RTOL_FINAL = 0.03  # |final train loss difference| / baseline's, averaged over the last 10% of steps

@@ -58,7 +58,7 @@ DEFAULT_CONFIGS = ["fp32", "fp16 moments", "uint8", "uint4", "bf16 + fp32 master
                    "torchao AdamW8bit bf16 SR", "bitsandbytes AdamW8bit"]
 TASK_NAMES = ("gpt", "digits", "zipf")
 # Relative tolerance on the seed-averaged mean training loss against the baseline, by moment bits; bf16 params
-# without master weights against the bf16 run with fp32 master weights (issue 13: 2% on the GPT example).
+# without master weights against the bf16 run with fp32 master weights (2% on the GPT example).
 TOLERANCE_BY_BITS = {16: 0.01, 8: 0.01, 4: 0.03}
 TOLERANCE_NO_MASTER = 0.02
 

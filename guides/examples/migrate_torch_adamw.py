@@ -12,7 +12,7 @@ FusedAdam's defaults are ONNX Runtime's (which follow Hugging Face's AdamW), not
 
 So a plain rename changes the training. This script trains two copies of a model for STEPS steps, one with
 torch.optim.AdamW and one with FusedAdam(adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=1e-2), and
-asserts that parameters and losses agree within RTOL/ATOL at every step (the tolerances tests/test_fused_adam.py
+asserts that parameters and losses agree within RTOL/ATOL at every step (the tolerances tests/fused_adam/test_update_rule.py
 uses for fp32); it also shows that FusedAdam with its defaults does NOT match, and that FusedAdam.from_optimizer()
 converts a torch AdamW in the middle of training, state included.
 """

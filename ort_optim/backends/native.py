@@ -2,8 +2,8 @@
 called through ``torch.ops.ort_optim``), and wraps its ``AdamPlan`` helper class.
 
 The library is built by the project's setup (``python -m ort_optim.build``) into a cache folder keyed by the torch
-version and C++ ABI, the Python ABI, the sources and the CPU's instruction-set flags, and loaded on first use, never at
-import time. Dispatch between backends is :mod:`ort_optim.backends`' job, not this module's.
+version, C++ ABI and location, the Python ABI, the sources and the CPU's instruction-set flags, from a copy of the
+sources in that folder, and loaded on first use, never at import time. Dispatch between backends is :mod:`ort_optim.backends`' job, not this module's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ from .. import _spec
 _PACKAGE = Path(__file__).resolve().parent.parent
 OPS_DIR = next((d for d in (_PACKAGE.parent / "ops", _PACKAGE / "_ops") if (d / "schema.cpp").exists()),
                _PACKAGE.parent / "ops")
-SOURCES = ("schema.cpp", "adam_cpu.cpp")
+# The files the library is built from (ops/README.md, "Files"): its translation units (.cpp, compiled) and the headers
+# they share (.h); all of them go into the cache key and into a wheel. ops/bench_probes.cpp is not one of them.
+SOURCES = ("schema.cpp", "registration.cpp", "step.cpp", "adam_kernel.cpp", "adam_kernel.h", "validation.cpp",
+           "validation.h", "grad_stats.cpp", "grad_stats.h", "adam_plan.cpp", "adam_plan.h", "low_bit.cpp",
+           "low_bit.h", "conversions.h", "rounding.h", "step.h")
 # -fno-math-errno lets sqrt vectorise; -march=native is safe because the build folder is keyed by the CPU flags;
 # -ffp-contract=off keeps every multiply and add separately rounded, as ops/README.md specifies, so the CPU kernel
 # and the Triton kernels agree bit for bit (the update is memory-bound: FMA would buy nothing). The pure-PyTorch
@@ -73,22 +77,32 @@ def spec_header() -> str:
 
 
 def _abi() -> str:
-    """What the library is compiled against besides torch's version: the Python ABI (adam_cpu.cpp unpacks Python
+    """What the library is compiled against besides torch's version: the Python ABI (adam_plan.cpp unpacks Python
     tensors through the Python C API: its extension-module suffix names the version, build flags and platform) and
     torch's C++ ABI (a source build or conda torch may differ from the PyPI wheel of the same version)."""
     return f"{sysconfig.get_config_var('EXT_SUFFIX')} cxx11abi={int(torch.compiled_with_cxx11_abi())}"
 
 
+def _source_files() -> list[Path]:
+    """The library's sources and the headers they include."""
+    return [OPS_DIR / name for name in SOURCES]
+
+
 def build_dir() -> Path:
-    """Folder of the native library for this torch (version and C++ ABI), this Python ABI, these sources, the
-    generated spec header and this CPU: environments that share the cache never load each other's library."""
+    """Folder of the native library for this torch (version, C++ ABI and location), this Python ABI, these sources,
+    the generated spec header and this CPU: environments that share the cache never load each other's library, and
+    clones, worktrees and installed wheels with the same sources share one build. torch's build records the paths of
+    the sources and of torch's headers in the folder's build.ninja, and recompiles when they change: so the sources
+    are compiled from a copy inside the folder (build()), never from where they were found, and torch's location is
+    part of the key."""
     digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update((OPS_DIR / name).read_bytes())
+    for path in _source_files():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(spec_header().encode())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(_cpu_flags().encode())
     digest.update(_abi().encode())
+    digest.update(str(Path(torch.__file__).resolve().parent).encode())
     cache = Path(os.environ.get("ORT_OPTIM_CACHE", Path.home() / ".cache" / "ort-optim"))
     return cache / "ops" / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
 
@@ -101,13 +115,18 @@ def build(verbose: bool = False) -> Path:
         from torch.utils.cpp_extension import load
 
     folder = build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    sources = folder / "src"  # (compiler messages name these copies: the same files as ops/, by the folder's key)
+    sources.mkdir(parents=True, exist_ok=True)
+    for path in _source_files():
+        copy = sources / path.name
+        if not copy.exists() or copy.read_bytes() != path.read_bytes():  # (a rewrite would make ninja recompile)
+            copy.write_bytes(path.read_bytes())
     header, text = folder / "ort_optim_spec.h", spec_header()
     if not header.exists() or header.read_text() != text:  # (a rewrite makes ninja recompile the kernels: 25-50 s)
         header.write_text(text)
     load(
         name="ort_optim_ops",
-        sources=[str(OPS_DIR / name) for name in SOURCES],
+        sources=[str(sources / name) for name in SOURCES if name.endswith(".cpp")],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(folder)],

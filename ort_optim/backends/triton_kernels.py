@@ -16,9 +16,9 @@ covers any number of tensors. The math is the one of ops/README.md, in the CPU k
 * 8-bit and 4-bit moment states (``_spec.Q8``/``Q4``: uint8 codes, one scale per 256 or 128 elements) are decoded
   with a lookup table and encoded by a binary search over the format's float32 thresholds (the count of thresholds
   <= the normalised value: the reference's ``searchsorted(..., right=True)``), so the codes and scales are the
-  reference's (``reference.quantize_low_bit``) bit for bit.
+  reference's (``formats.quantize_low_bit``) bit for bit.
 
-Trap-driven choices (see tests/test_triton.py): pointer types are always built from literal dtypes (``tl.pointer_type``
+Trap-driven choices (see tests/triton_backend/test_triton.py): pointer types are always built from literal dtypes (``tl.pointer_type``
 of a constexpr dtype runs in the interpreter but does not compile with Triton 3.0/3.1); the skip flag is honoured with
 an early ``return`` (``mask & (scalar == 0)`` trips the interpreter); NaNs are kept out of block maxima explicitly
 (GPU ``max`` ignores them, numpy propagates them).
@@ -188,7 +188,7 @@ def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, step, DT
         _store(addr, offs, x, mask, DT, ALIGNED)
 
 
-# ---- 8-bit and 4-bit states (_spec.Q8, _spec.Q4; reference.quantize_low_bit is the definition) -------------------
+# ---- 8-bit and 4-bit states (_spec.Q8, _spec.Q4; formats.quantize_low_bit is the definition) -------------------
 #
 # The lookup table of a format (float32, built by triton.py from _spec's levels), for BITS = 8 or 4:
 #   [0, 2**BITS)                     exp_avg value of each code (sign-magnitude: the top bit negates)
@@ -228,7 +228,7 @@ def _load_low_bit(addr, scale_addr, lut_ptr, offs, mask, DT: tl.constexpr, SECON
 def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.constexpr, SECOND: tl.constexpr,
                    BLOCK: tl.constexpr):
     """Encodes float32 values x (v for SECOND: its square root is coded) into an 8-bit or 4-bit state and its
-    scales, as reference.quantize_low_bit: per block the scale is the absolute maximum (rounded to nearest bfloat16
+    scales, as formats.quantize_low_bit: per block the scale is the absolute maximum (rounded to nearest bfloat16
     for 4-bit; 0 below float32's smallest normal), NaN for a block with an inf or NaN (whose codes are then 0); the
     code of a normalised value a = min(|x| * (1/s) (* EXP_AVG_SNAP for exp_avg), 1) is the count of the format's
     thresholds <= a (_spec.thresholds), with the sign bit for a negative exp_avg; an exp_avg between two non-zero

@@ -24,9 +24,9 @@ from .common import measure_bandwidth
 # returning a list of flat dicts; printed as a table of their keys, saved under "sections" in the JSON and the
 # markdown. Add a section by adding a module and one line here.
 EXTRA_SECTIONS: dict[str, str] = {"step_in_backward": "backward:run", "distributed": "distributed:bench_distributed"}
-EXTRA_SECTIONS.update(lowbit="lowbit:run", lowbit_memory="lowbit:run_memory",  # low-bit states (issue 13)
+EXTRA_SECTIONS.update(lowbit="lowbit:run", lowbit_memory="lowbit:run_memory",  # low-bit states
                       lowbit_limit="lowbit:run_limit")
-EXTRA_SECTIONS.update(mixed_limit="adam:run_mixed_limit")  # how far the mixed step is from its targets (issue 14)
+EXTRA_SECTIONS.update(mixed_limit="adam:run_mixed_limit")  # how far the mixed step is from its targets
 
 
 def run_extra_section(name: str, quick: bool) -> list[dict]:

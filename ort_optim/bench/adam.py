@@ -117,7 +117,7 @@ def bench_mixed(names: list[str], quick: bool, reps: int) -> list[dict]:
 
 
 MIXED_BYTES_PER_ELEMENT = 32  # ours in bench_mixed: g read twice, g and p16 written, master, m, v read and written
-MIXED_TARGETS = {"gpt2-small": 0.90, "2000x1K": 0.70}  # issue 14: fractions of the cold in-place probe
+MIXED_TARGETS = {"gpt2-small": 0.90, "2000x1K": 0.70}  # targets: fractions of the cold in-place probe
 MIXED_HOT_NUMEL = 64 * 1024  # one tensor whose mixed step stays in L2 (16 B per element of state: 1 MB)
 MIXED_TINY_NUMEL = 1024  # a step that is all overhead (dispatch, plan, norm reduction), subtracted from the hot step
 MIXED_FLOOR_PREFETCH = (0, 2)  # probes.MixedFloorStep variants: work items prefetched ahead (0: none)
@@ -126,7 +126,7 @@ MIXED_HOT_TENSORS = 64  # MIXED_HOT_NUMEL elements as 1K tensors: the cost of ea
 
 def run_mixed_limit(quick: bool) -> list[dict]:
     """The ``mixed_limit`` section: how close to the cold probe bench_mixed's step (fp16/bf16 params, fp32 masters,
-    unscale, inf check, clip, write-back) can get on this machine, and what stands between it and issue 14's targets.
+    unscale, inf check, clip, write-back) can get on this machine, and what stands between it and MIXED_TARGETS.
 
     Per param dtype, on one thread, with the caches warm (the compute alone):
     ``hot_ns_per_element``, one MIXED_HOT_NUMEL-element tensor minus a MIXED_TINY_NUMEL-element step (the per-step

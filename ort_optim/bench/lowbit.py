@@ -11,7 +11,7 @@ Three sections of the benchmark (registered in ``EXTRA_SECTIONS`` of ``__main__`
   params, interleaved (round robin after a warm-up step, which also compiles torchao's kernels), medians; the state's
   bytes per parameter measured from ``optimizer.state`` (see :func:`state_bytes`); and the mean training loss of the
   same optimizer configuration on the Zipf bag-of-tokens task (:func:`zipf_task`, one seed): speed and accuracy side
-  by side. Goals (issue 13): 8-bit and 4-bit moments at least 1.2x faster than fp32 moments; 10x the CPU step speed
+  by side. Targets: 8-bit and 4-bit moments at least 1.2x faster than fp32 moments; 10x the CPU step speed
   of torchao and bitsandbytes at their accuracy or better.
 * ``lowbit_memory``: params + state bytes per parameter for every configuration (param dtype x moment formats),
   measured the same way on GPT-2-small shapes.
@@ -170,7 +170,7 @@ def storage_bytes(tensors) -> int:
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every storage in optimizer.state except the step counts (issue 13's measure): moments, their scales
+    """Bytes of every storage in optimizer.state except the step counts (the bytes the targets count): moments, their scales
     and code maps, master weights."""
     return storage_bytes(value for state in optimizer.state.values() for key, value in state.items()
                          if key != "step" and isinstance(value, torch.Tensor))
@@ -391,7 +391,7 @@ def run_limit(quick: bool) -> list[dict]:
     TINY_NUMEL-element step subtracted) on one thread, divided by the thread count: the compute alone. A step cannot
     beat max(hot, floor), so
     ``bound_speedup_vs_fp32_cold`` (the fp32-moment step's cold time over that maximum) is the most the format could
-    gain on this machine, and ``hot_ns_needed_for_1.2x`` is the compute budget that issue 13's 1.2x would need.
+    gain on this machine, and ``hot_ns_needed_for_1.2x`` is the compute budget that the 1.2x target would need.
 
     Two more rows (``kind`` "floor probe") time :class:`probes.LowBitFloorStep` the same ways: the cheapest
     block-quantised step of each width (linear codes, round to nearest, no tables). Their cold speed-up says what

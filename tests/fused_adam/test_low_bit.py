@@ -1,19 +1,1636 @@
-"""How much the low-bit moment formats (ort_optim._spec.Q8 and Q4) change Adam's update, as a bound per format.
+"""8-bit and 4-bit moments, fp16 second moments stored as sqrt(v), and stochastic rounding of bfloat16 params
+(ops/README.md, "low-bit states" and "stochastic rounding"), as a specification.
 
-The update-space error: the expected squared change of the update m / sqrt(v) that storing one moment causes
-(exp_avg rounded stochastically, sqrt(v) to its level nearest in 1/sqrt(v)), over the update's own squared size, on
-block data shaped like Adam's moments (per block a scale over four decades, most elements between 5% and 50% of
-their block's largest, a heavy tail). It has no training noise, so it tells a change of the levels from a lucky seed;
-guides/low-bit-states.md ("Candidate 4-bit levels") has what it did and did not predict about training loss.
+Against the float64 reference and between backends:
+
+* Every format combination, mode, amsgrad and master-weight setting: the native op and the pure-PyTorch reference
+  backend agree bit for bit (params, codes, scales, steps), and every step matches the float64 reference
+  (tests/reference.py) whose independent quantiser rounds the new state the way the README says: a code may differ
+  only where float32 rounding puts a value on the other side of a threshold.
+* Quantisation is idempotent (hypothesis over zeros, subnormals, huge values, inf and NaN), so checkpoints (saved as
+  unscaled float32) resume bit for bit; conversions between formats are explicit.
+* Stochastic rounding is unbiased, deterministic for a seed, and resumes exactly.
+* A NaN gradient that nothing skips (no grad_scale, no max_grad_norm): the kernels and the pure-PyTorch reference
+  keep the same bits in every moment format (amsgrad's running maximum ignores a NaN ``v``, as ``std::max``; an fp16
+  moment's block that holds the NaN gets scale 1, as any non-finite block).
+
+Against torch's own optimizers, through the public API only:
+
+* ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` = ``torch.uint8`` / ``torch.uint4``, in every combination with each other
+  and with float32, bfloat16 and float16 moments, for float32, bfloat16 and float16 params with and without master
+  weights (and bfloat16 with stochastic rounding), in all three ``adam_w_mode``s, with and without amsgrad: every
+  step stays finite and 20 steps track ``torch.optim.AdamW`` (``torch.optim.Adam`` with L2 decay for
+  ``ADAM_L2_REGULARIZATION``) run in float32 on the same gradients, within the per-format tolerances of
+  MOMENT_ERROR; so do maximize, param groups and a tensor lr. Steady gradients far below their block's largest move
+  as far as the formats allow (STEADY_MOVEMENT: a characterisation of 4-bit's limits, which torch does not have).
+  Power-of-two loss scaling gives the same bits; a deep copy continues with the same bits.
+* Memory, counted as the bytes of every distinct storage in ``optimizer.state[p]`` except ``step``, per parameter:
+  at most 2.05 (8-bit moments) and 1.05 (4-bit), for a GPT-2-like model, a 1e5-element and a 1001-element param,
+  and a small MLP's and odd shapes side by side in one optimizer (whose states share buffers). Tensors with a
+  handful of elements cannot meet that with any block format (one scale per block: a 3-element param pays a whole
+  4-byte scale per moment); there the bound is the format's own arithmetic, codes plus scales, nothing else.
+  (torchao's AdamW8bit/4bit and bitsandbytes keep such tensors in float32 instead: 8 bytes per param.)
+* The zero-point problem: a block with one huge gradient and the rest 1e-8 (or a tiny, rare gradient) never makes any
+  small element's update exceed a few lr, even with eps = 0.
+* The lowest-memory configuration (bf16 params, no masters, ``stochastic_rounding=True``): 3-4 bytes per param of
+  params and state, deterministic for its seed, the seed saved in the checkpoint, resume bit for bit.
+* Checkpoints: ``torch.load(weights_only=True)`` round trips; resume bit for bit; loading twice equals loading once;
+  the given dict is never changed; 8-bit <-> float32 <-> 4-bit conversions; ``FusedAdam.from_optimizer`` of a stepped
+  ``torch.optim.AdamW`` continues like it; a low-bit checkpoint loads into ``torch.optim.AdamW``.
+* Bad input is refused with a ValueError/TypeError naming the option, checkpoint entry or param, and changes nothing.
+
+With loss scaling and step_in_backward:
+
+* A step taken with ``grad_scale`` leaves the unscaled gradient ``g / grad_scale`` in ``p.grad`` for every param,
+  bfloat16 params rounded stochastically included (as ``torch.optim.AdamW(fused=True)`` under GradScaler), with
+  and without ``max_grad_norm``, and the step itself equals the unscaled one bit for bit.
+* ``step_in_backward=True`` with stochastic rounding equals ``step()`` bit for bit after params are added to or
+  removed from an earlier param group (which moves the later params' positions, and so their rounding keys).
+  Switching ``master_weights`` on under a group with stochastic rounding is refused by the update in backward as by
+  ``step()``, before anything changes.
+
+The tests that take the ``backend`` fixture run on the native CPU op and the pure-PyTorch reference; with
+``ORT_OPTIM_BACKEND=triton TRITON_INTERPRET=1`` (``make test-triton``) on the Triton kernels, for which
+``-k triton_subset`` selects the few cases small enough for the interpreter.
 """
 
 from __future__ import annotations
 
-import pytest
-import torch
+import copy
+import io
+import itertools
+import math
+import os
+import re
 
-from ort_optim._spec import Q4, Q8
+import pytest
+import reference
+import torch
+from conftest import (
+    assert_same_snapshot,
+    assert_tree_bitwise_equal,
+    bits,
+    optimizer_snapshot,
+    select_backend,
+    state_values,
+    fuzz_examples,
+)
+from hypothesis import HealthCheck, given, settings, strategies as st
+from cases import PARAM_CASES, STATE_DTYPES
+
+from ort_optim import AdamWMode, FusedAdam, formats
+from ort_optim._spec import LOW_BIT_FORMATS, Q4, Q8
 from ort_optim.backends import reference as reference_backend
+
+# (exp_avg, exp_avg_sq): both low-bit formats alone and mixed, and each beside every other storage dtype
+COMBOS = [("u8", "u8"), ("u4", "u4"), ("u8", "u4"), ("u4", "u8"), ("u8", "fp32"), ("fp32", "u4"), ("u4", "bf16"),
+          ("fp16", "u8")]
+# bf16 and fp32 params of cases.PARAM_CASES: (param dtype, master weights, stochastic rounding)
+BF16_PARAM_CASES = {name: PARAM_CASES[name] for name in ("fp32", "bf16-master", "bf16", "bf16-sr")}
+
+
+def _params(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(300, 7), (129,), (5,), (), (1,)]  # several blocks with a partial last one, odd 4-bit sizes, 0-dim
+    return [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype)) for shape in shapes]
+
+
+def _grads(params, step, seed=1):
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    out = []
+    for p in params:
+        # magnitudes over eight decades, so that blocks hold large and tiny moments side by side
+        scale = torch.logspace(-8, 0, max(p.numel(), 1), dtype=torch.float32)[:p.numel()].view(p.shape)
+        out.append((torch.randn(p.shape, generator=g) * scale).to(p.dtype))
+    return out
+
+
+def _optimizer(params, m, v, *, mode=2, amsgrad=False, master=False, sr=False, seed=0, lr=1e-2):
+    return FusedAdam(params, lr=lr, adam_w_mode=mode, weight_decay=0.1, eps=1e-8, amsgrad=amsgrad,
+                     master_weights=master, exp_avg_dtype=STATE_DTYPES[m], exp_avg_sq_dtype=STATE_DTYPES[v],
+                     stochastic_rounding=sr, stochastic_rounding_seed=seed)
+
+
+def _train(params, opt, steps, first=0):
+    for step in range(first, first + steps):
+        for p, g in zip(params, _grads(params, step)):
+            p.grad = g
+        opt.step()
+
+
+# ---- the two backends agree bit for bit ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("param_case", BF16_PARAM_CASES)
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("combo", COMBOS, ids=["-".join(c) for c in COMBOS])
+def test_native_and_reference_backends_agree_bit_for_bit(combo, mode, amsgrad, param_case, monkeypatch):
+    dtype, master, sr = BF16_PARAM_CASES[param_case]
+    snapshots = {}
+    for name in ("native", "torch"):
+        select_backend(monkeypatch, name)
+        params = _params(dtype)
+        opt = _optimizer(params, *combo, mode=mode, amsgrad=amsgrad, master=master, sr=sr)
+        _train(params, opt, 4)
+        snapshots[name] = optimizer_snapshot(opt)
+    assert_same_snapshot(snapshots["native"], snapshots["torch"])
+
+
+# ---- each step against the float64 reference --------------------------------------------------------------------
+
+
+def _assert_state_rounded_as_specified(got: torch.Tensor, exact: torch.Tensor, dtype, second_moment, what):
+    """got: the optimizer's decoded state; exact: the float64 reference's new state before storage rounding. The
+    stored value is the reference quantiser's, except where float32 rounding of the inputs made a near-tie go the
+    other way: then it is as close to the exact value as the reference's choice, up to that rounding. A low-bit
+    exp_avg rounds stochastically with random bits hashed from its float32 value (which the float64 reference does
+    not reproduce to the bit): it must be one of the two levels around the exact value."""
+    slack = 1e-5 * float(exact.abs().max())
+    if dtype in reference.LOW_BIT_DTYPES and not second_moment:
+        down = reference.round_low_bit(exact, dtype, False, exp_avg_rounding="down")
+        up = reference.round_low_bit(exact, dtype, False, exp_avg_rounding="up")
+        between = (got.double() >= torch.minimum(down, up) - slack) & (got.double() <= torch.maximum(down, up) + slack)
+        assert bool(between.all()), f"{what}: stored values outside the two levels around the exact ones"
+        return
+    want = reference.round_state(exact, dtype, second_moment)
+    closer = (got.double() - exact).abs() <= (want - exact).abs() + slack
+    assert bool(closer.all()), f"{what}: stored values farther from the exact ones than the specified rounding"
+    # (a scale one float32 ulp apart changes every value of its block by an ulp, not its codes)
+    other_code = (got.double() - want).abs() > 1e-5 * want.abs() + 1e-30
+    assert float(other_code.double().mean()) <= 0.02, f"{what}: too many codes differ from the reference"
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4"), ("u4", "u8")], ids=["u8-u8", "u4-u4", "u4-u8"])
+def test_every_step_matches_the_float64_reference_that_quantises_the_same_way(combo, mode, amsgrad, backend,
+                                                                              monkeypatch):
+    params = _params()
+    opt = _optimizer(params, *combo, mode=mode, amsgrad=amsgrad)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, mode=mode, amsgrad=amsgrad)
+    m_dtype, v_dtype = STATE_DTYPES[combo[0]], STATE_DTYPES[combo[1]]
+    for step in range(5):
+        grads = _grads(params, step)
+        before = []
+        for p in params:
+            state = {"step": step, "m": torch.zeros(p.shape, dtype=torch.float64),
+                     "v": torch.zeros(p.shape, dtype=torch.float64), "vmax": torch.zeros(p.shape, dtype=torch.float64)}
+            if opt.state.get(p):
+                for key, ref_key in (("exp_avg", "m"), ("exp_avg_sq", "v"), ("max_exp_avg_sq", "vmax")):
+                    if key in opt.state[p]:
+                        state[ref_key] = state_values(opt, p, key).double()
+            before.append((p.detach().double().clone(), state))
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        for i, (p, g, (p0, state)) in enumerate(zip(params, grads, before)):
+            expected = reference.adam_update(p0, g, state, **hyper)
+            # the update uses this step's unquantised float32 moments: float32 rounding only
+            torch.testing.assert_close(p.double(), expected, rtol=2e-6, atol=1e-2 * 1e-5)
+            _assert_state_rounded_as_specified(state_values(opt, p, "exp_avg"), state["m"], m_dtype, False,
+                                               f"step {step} params[{i}] exp_avg")
+            _assert_state_rounded_as_specified(state_values(opt, p, "exp_avg_sq"), state["v"], v_dtype, True,
+                                               f"step {step} params[{i}] exp_avg_sq")
+            if amsgrad:
+                _assert_state_rounded_as_specified(state_values(opt, p, "max_exp_avg_sq"), state["vmax"], v_dtype,
+                                                   True, f"step {step} params[{i}] max_exp_avg_sq")
+
+
+# ---- memory -------------------------------------------------------------------------------------------------------
+
+
+def _gpt2_like_params(dtype):
+    # a GPT-2 block's shapes, scaled down 4x in width: large matrices, where per-tensor padding does not count
+    g = torch.Generator().manual_seed(0)
+    shapes = [(192, 576), (576,), (192, 192), (192,), (768, 192), (768,), (192, 768), (192,), (1000, 192)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def state_bytes_per_param(opt) -> float:
+    """Bytes of every distinct storage in optimizer.state (but step), per parameter."""
+    storages = {}
+    for state in opt.state.values():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) / sum(p.numel() for group in opt.param_groups for p in group["params"])
+
+
+# configuration: (param dtype, exp_avg, exp_avg_sq, master, stochastic rounding, bound on the state's bytes per param)
+MEMORY = {
+    "fp32-params-fp32-moments": (torch.float32, "fp32", "fp32", False, False, 8.01),
+    "fp32-params-8bit": (torch.float32, "u8", "u8", False, False, 2.05),
+    "fp32-params-4bit": (torch.float32, "u4", "u4", False, False, 1.05),
+    "fp32-params-8bit-m-4bit-v": (torch.float32, "u8", "u4", False, False, 1.55),
+    "bf16-params-fp32-master-8bit": (torch.bfloat16, "u8", "u8", True, False, 6.05),
+    "bf16-params-sr-8bit": (torch.bfloat16, "u8", "u8", False, True, 2.05),
+    "bf16-params-sr-4bit": (torch.bfloat16, "u4", "u4", False, True, 1.05),
+}
+
+
+@pytest.mark.parametrize("config", MEMORY)
+def test_state_bytes_per_parameter(config):
+    dtype, m, v, master, sr, bound = MEMORY[config]
+    params = _gpt2_like_params(dtype)
+    opt = _optimizer(params, m, v, master=master, sr=sr)
+    _train(params, opt, 1)
+    measured = state_bytes_per_param(opt)
+    assert measured <= bound, f"{config}: {measured:.4f} bytes/param of state, more than {bound}"
+    # the formats' own arithmetic: codes plus one scale per block
+    expected = sum(LOW_BIT_FORMATS[STATE_DTYPES[k]].bytes_per_element() if STATE_DTYPES[k] in LOW_BIT_FORMATS
+                   else STATE_DTYPES[k].itemsize for k in (m, v)) + (4 if master else 0)
+    assert measured == pytest.approx(expected, rel=2e-3)
+    if sr:  # the lowest-memory configuration: params + state within 3-4 bytes per param (+ the scales)
+        assert 3.0 <= measured + 2 <= 4.04
+
+
+# ---- no explosion for tiny and rare gradients -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v", ["u8", "u4"])
+@pytest.mark.parametrize("m", ["u8", "u4"])
+def test_tiny_and_rare_gradients_never_make_the_update_explode(m, v, backend):
+    """Per block, one element with gradients ~1, the others 1e-7 of it (their v is 1e-14 of the block's largest);
+    and 'rare rows' that see a gradient every 25th step and exact zeros in between. After 200 steps every element
+    moved at most a bounded multiple of fp32 AdamW's movement, and no step moved any element by more than 4 lr."""
+    n, lr = 2 * 256, 1e-3
+    runs = {}
+    for name, dtypes in (("fp32", ("fp32", "fp32")), ("lowbit", (m, v))):
+        p = torch.nn.Parameter(torch.zeros(n))
+        opt = _optimizer([p], *dtypes, mode=2, lr=lr)
+        g = torch.Generator().manual_seed(5)
+        largest_step = 0.0
+        for step in range(200):
+            grad = torch.randn(n, generator=g) * 1e-7
+            grad[::128] = torch.randn(n // 128, generator=g).sign()
+            rare = slice(300, 340)
+            grad[rare] = torch.randn(40, generator=g) * 1e-3 if step % 25 == 0 else 0.0
+            before = p.detach().clone()
+            p.grad = grad
+            opt.step()
+            largest_step = max(largest_step, float((p.detach() - before).abs().max()))
+        assert bool(torch.isfinite(p).all())
+        runs[name] = (p.detach().abs(), largest_step)
+    moved, largest = runs["lowbit"]
+    fp32_moved, _ = runs["fp32"]
+    assert largest <= 4 * lr
+    assert bool((moved <= 2.0 * fp32_moved + 10 * lr).all()), float((moved / fp32_moved.clamp_min(1e-30)).max())
+
+
+@pytest.mark.parametrize("moment_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_an_element_with_a_gradient_1e7_of_its_blocks_largest_moves_like_fp32_adamw(moment_dtype, backend):
+    """fp16 second moments hold sqrt(v), so an element whose v is 1e-14 of its block's largest keeps it; after 200
+    steps it has moved within 10% of fp32 AdamW (with v itself stored, v reads as 0 and it moves 5.1x)."""
+    moved = {}
+    for name, dtype in (("fp32", torch.float32), ("low", moment_dtype)):
+        p = torch.nn.Parameter(torch.zeros(1024))
+        opt = FusedAdam([p], lr=1e-3, eps=1e-12, adam_w_mode=2, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(200):
+            grad = torch.randn(1024, generator=g).abs() + 0.5
+            grad[7] = grad[7] * 1e-7
+            p.grad = grad
+            opt.step()
+        moved[name] = float(p[7].detach().abs())
+    assert moved["low"] == pytest.approx(moved["fp32"], rel=0.1)
+
+
+# ---- idempotent quantisation: what makes a canonical checkpoint resume exactly ----------------------------------
+
+_SPECIAL = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e-45, -3e-42, 1e-39]
+
+
+@st.composite
+def _blocks_of_values(draw, second_moment: bool):
+    """Float32 values: normal magnitudes from 2**-50 to 2**100, zeros, subnormals, inf and NaN; each block starts with
+    an anchor (a normal value or a special one), so that a block's scale is normal, zero or non-finite. (A block of
+    nothing but subnormals is the one case where a re-encode may move a code; README, "low-bit states".)"""
+    normal = st.floats(min_value=2.0**-50, max_value=2.0**100, width=32)
+    element = st.one_of(st.sampled_from(_SPECIAL), normal, normal.map(lambda x: -x))
+    values = draw(st.lists(element, min_size=1, max_size=300))
+    anchor = st.one_of(normal, st.sampled_from([0.0, math.nan, math.inf]))
+    for start in range(0, len(values), 128):
+        values[start] = draw(anchor)
+    x = torch.tensor(values, dtype=torch.float32)
+    return x.abs() if second_moment else x
+
+
+@pytest.mark.parametrize("second_moment", [False, True], ids=["exp_avg", "exp_avg_sq"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint4, torch.float16], ids=["8bit", "4bit", "fp16"])
+@settings(max_examples=fuzz_examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_encode_decode_encode_gives_back_the_same_bits(dtype, second_moment, data):
+    x = data.draw(_blocks_of_values(second_moment))
+    codes, scales = formats.encode_state(x, dtype, second_moment)
+    decoded = formats.decode_state(codes, scales, second_moment, x.shape)
+    again, again_scales = formats.encode_state(decoded, dtype, second_moment)
+    if dtype == torch.float16:  # fp16 codes are values: NaN stays NaN, its payload is not kept
+        torch.testing.assert_close(again, codes, rtol=0, atol=0, equal_nan=True)
+    else:
+        assert torch.equal(bits(again), bits(codes))
+    assert torch.equal(bits(again_scales), bits(scales))
+    # a block with inf or NaN reads back as NaN; a finite block stays finite (values beyond the format's scale
+    # dtype excepted: none here)
+    block = LOW_BIT_FORMATS[dtype].block if dtype in LOW_BIT_FORMATS else 1024
+    padded = torch.nn.functional.pad(x, (0, -x.numel() % block)).view(-1, block)
+    finite_block = torch.isfinite(padded).all(dim=1).repeat_interleave(block)[:x.numel()]
+    if dtype in LOW_BIT_FORMATS:
+        assert bool((torch.isfinite(decoded) == finite_block).all())
+    # precision: each finite element within half a level spacing of its block's scale times the largest spacing
+    if dtype in LOW_BIT_FORMATS and second_moment is False:
+        fmt = LOW_BIT_FORMATS[dtype]
+        gap = max(b - a for a, b in zip(fmt.exp_avg_levels, fmt.exp_avg_levels[1:]))
+        scale = scales.float().repeat_interleave(fmt.block)[:x.numel()]
+        # (stochastic rounding: within a gap; blocks below 2**-126 are stored as zero)
+        ok = ~finite_block | ((decoded - x).abs() <= gap * scale * (1 + 1e-6) + 2.0**-126)
+        assert bool(ok.all())
+
+
+# ---- exp_avg's stochastic rounding: unbiased, so a decaying moment decays as fp32's and never sticks --------------
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint4], ids=["8bit", "4bit"])
+def test_exp_avg_rounding_is_unbiased_between_non_zero_levels(dtype):
+    """Values between the lowest non-zero level and 1 (each block anchored at 1) are stored as one of their two
+    neighbouring levels, and the mean error is zero within 4 standard errors. Rounding toward zero (the rule before)
+    fails this by a wide margin, checked too so that the test can fail."""
+    fmt = LOW_BIT_FORMATS[dtype]
+    g = torch.Generator().manual_seed(0)
+    x = fmt.exp_avg_levels[1] + (1.0 - fmt.exp_avg_levels[1]) * torch.rand(200 * fmt.block, generator=g)
+    x[::fmt.block] = 1.0
+    x = torch.where(torch.rand(x.shape, generator=g) < 0.5, -x, x)
+    decoded = formats.decode_state(*formats.encode_state(x, dtype, False), False, x.shape)
+    down = reference.round_low_bit(x.double(), dtype, False, exp_avg_rounding="down")
+    up = reference.round_low_bit(x.double(), dtype, False, exp_avg_rounding="up")
+    assert bool(((decoded.double() == down) | (decoded.double() == up)).all())
+    # each error of a magnitude is a two-point variable with variance <= spacing**2 / 4
+    bound = 4 * float((up - down).pow(2).mean().sqrt()) / 2 / math.sqrt(x.numel())
+    assert abs(float((decoded.double().abs() - x.double().abs()).mean())) <= bound
+    assert abs(float((down.abs() - x.double().abs()).mean())) > 10 * bound  # toward zero: biased
+
+
+@pytest.mark.parametrize("m", ["u8", "u4"])
+def test_a_decaying_exp_avg_decays_like_fp32s_and_never_sticks(m, backend):
+    """Rare rows: elements that see one gradient and then only zeros (m <- beta1 * m), in blocks whose largest
+    moment keeps growing. Nearest rounding let such an m stick at a level (the row kept moving at its last speed:
+    69x fp32 AdamW's drift); toward zero made it decay far too fast (4-bit: to 0 within 10 steps). Rounded
+    stochastically, the rows' mean |m| stays within 15% of fp32's while it is above the lowest non-zero level."""
+    n = 8 * 256
+    g = torch.Generator().manual_seed(0)
+    first = (0.5 + 0.5 * torch.rand(n, generator=g)) * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    rows = torch.ones(n, dtype=torch.bool)
+    rows[::128] = False
+    moments = {}
+    for name, dtypes in (("fp32", ("fp32", "fp32")), ("lowbit", (m, "fp32"))):
+        p = torch.nn.Parameter(torch.zeros(n))
+        opt = _optimizer([p], *dtypes, mode=2, lr=1e-3)
+        moments[name] = []
+        for step in range(30):
+            grad = first.clone() if step == 0 else torch.zeros(n)
+            grad[~rows] = 0.1  # every step: the block's largest moment, 0.1 * (1 - 0.9**t)
+            p.grad = grad
+            opt.step()
+            if step + 1 in (10, 20, 30):
+                moments[name].append(float(state_values(opt, p, "exp_avg")[rows].abs().mean()))
+    ratios = [low / fp32 for low, fp32 in zip(moments["lowbit"], moments["fp32"])]
+    assert all(0.85 <= r <= 1.15 for r in ratios), ratios
+
+
+def test_the_code_maps_are_as_specified():
+    for fmt in (Q8, Q4):
+        for levels, signed in ((fmt.exp_avg_levels, True), (fmt.exp_avg_sq_levels, False)):
+            assert list(levels) == sorted(set(levels)) and levels[-1] == 1.0
+            assert len(levels) == (2 ** (fmt.bits - 1) if signed else 2 ** fmt.bits)
+        assert fmt.exp_avg_levels[0] == 0.0, "exp_avg needs an exact zero (params without gradient stay put)"
+        assert fmt.exp_avg_sq_levels[0] > 0.0, "no zero level for sqrt(v): the zero-point problem"
+    assert Q8.bytes_per_element() * 2 <= 2.05 and Q4.bytes_per_element() * 2 <= 1.05
+
+
+# ---- checkpoints --------------------------------------------------------------------------------------------------
+
+CHECKPOINT_CASES = {
+    "8bit-amsgrad": dict(m="u8", v="u8", amsgrad=True),
+    "4bit": dict(m="u4", v="u4"),
+    "8bit-m-fp16-v": dict(m="u8", v="fp16", amsgrad=True),
+    "bf16-sr-4bit": dict(m="u4", v="u4", sr=True, seed=7, dtype=torch.bfloat16),
+    "bf16-master-4bit-m": dict(m="u4", v="fp32", master=True, dtype=torch.bfloat16),
+}
+
+
+def _state_snapshot(opt) -> dict:
+    """optimizer_snapshot without the gradients (a resumed optimizer's params have none yet)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = None
+    return optimizer_snapshot(opt)
+
+
+def _saved_and_loaded(sd):
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("case", CHECKPOINT_CASES)
+def test_resuming_from_a_checkpoint_equals_never_stopping_bit_for_bit(case, backend):
+    kwargs = dict(CHECKPOINT_CASES[case])
+    dtype = kwargs.pop("dtype", torch.float32)
+    straight_params = _params(dtype)
+    straight = _optimizer(straight_params, **kwargs)
+    _train(straight_params, straight, 6)
+
+    params = _params(dtype)
+    opt = _optimizer(params, **kwargs)
+    _train(params, opt, 3)
+    sd = _saved_and_loaded(opt.state_dict())
+    for key, value in sd["state"][0].items():
+        assert value.dtype in (torch.float32, torch.float64), f"{key} saved as {value.dtype}: not canonical"
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = _optimizer(resumed_params, **kwargs)
+    original = _saved_and_loaded(sd)
+    resumed.load_state_dict(sd)
+    assert_tree_bitwise_equal(sd, original, "the loaded dict")  # loading never changes the given dict
+    twice = _optimizer([torch.nn.Parameter(p.detach().clone()) for p in params], **kwargs)
+    twice.load_state_dict(sd)
+    twice.load_state_dict(sd)
+    assert_same_snapshot(_state_snapshot(twice), _state_snapshot(resumed))  # loading twice == once
+    assert_same_snapshot(_state_snapshot(resumed), _state_snapshot(opt))  # the state restored bit for bit
+    _train(resumed_params, resumed, 3, first=3)
+    assert_same_snapshot(_state_snapshot(resumed), _state_snapshot(straight))
+
+
+def test_an_8bit_checkpoint_loads_into_fp32_moments_dequantised_and_back_quantised(backend):
+    params = _params()
+    eight = _optimizer(params, "u8", "u4", amsgrad=True)
+    _train(params, eight, 3)
+    fp32 = _optimizer([torch.nn.Parameter(p.detach().clone()) for p in params], "fp32", "fp32", amsgrad=True)
+    fp32.load_state_dict(eight.state_dict())
+    for p, q in zip(params, fp32.param_groups[0]["params"]):
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert fp32.state[q][key].dtype == torch.float32
+            assert torch.equal(fp32.state[q][key], state_values(eight, p, key)), key
+    back = _optimizer([torch.nn.Parameter(p.detach().clone()) for p in params], "u8", "u4", amsgrad=True)
+    back.load_state_dict(fp32.state_dict())
+    assert_same_snapshot(_state_snapshot(back), _state_snapshot(eight))
+    # fp32 moments that never were 8-bit are quantised as the format says
+    fresh = _optimizer([torch.nn.Parameter(torch.randn(600))], "fp32", "fp32")
+    _train(fresh.param_groups[0]["params"], fresh, 2)
+    quantised = _optimizer([torch.nn.Parameter(torch.randn(600))], "u8", "u8")
+    quantised.load_state_dict(fresh.state_dict())
+    p, q = fresh.param_groups[0]["params"][0], quantised.param_groups[0]["params"][0]
+    codes, scales = formats.encode_state(fresh.state[p]["exp_avg_sq"], torch.uint8, True)
+    assert torch.equal(quantised.state[q]["exp_avg_sq"], codes) and torch.equal(quantised.state[q]["exp_avg_sq_scale"],
+                                                                                  scales)
+
+
+def _train_randn(params, opt, steps, first=0):
+    for step in range(first, first + steps):
+        g = torch.Generator().manual_seed(step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+def test_from_torch_adamw_into_8bit_moments(backend):
+    params = _params()
+    torch_opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-8)
+    _train_randn(params, torch_opt, 3)
+    fused = FusedAdam.from_optimizer(torch_opt, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+    for p in params:
+        state = fused.state[p]
+        assert state["exp_avg"].dtype == torch.uint8 and state["exp_avg_scale"].dtype == torch.float32
+        for key in ("exp_avg", "exp_avg_sq"):
+            expected = reference.round_state(torch_opt.state[p][key].double(), torch.uint8, key == "exp_avg_sq")
+            assert torch.equal(state_values(fused, p, key).double(), expected), key
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin_opt = torch.optim.AdamW(twin, lr=1e-2, weight_decay=0.1, eps=1e-8)
+    twin_opt.load_state_dict(torch_opt.state_dict())
+    _train_randn(params, fused, 3, first=3)
+    _train_randn(twin, twin_opt, 3, first=3)
+    for p, q in zip(params, twin):  # 8-bit moments continue close to torch's fp32 ones (3 steps of lr 1e-2)
+        torch.testing.assert_close(p, q, rtol=0, atol=3e-3)
+
+
+# ---- stochastic rounding ------------------------------------------------------------------------------------------
+
+
+def test_stochastic_rounding_is_unbiased():
+    """Values a third of the way between two bfloat16 neighbours: over many elements and steps, the rounded mean is
+    the value (within 4 standard errors), while round-to-nearest is off by a third of an ulp."""
+    x = torch.full((4096,), 1.0 + 2.0**-7 / 3)  # bf16's ulp at 1 is 2**-7
+    ulp = 2.0**-7
+    samples = torch.stack([reference_backend.round_bf16_stochastic(x, key=123, step=s).float() for s in range(1, 9)])
+    assert set(samples.unique().tolist()) == {1.0, 1.0 + ulp}
+    error = float(samples.double().mean()) - float(x[0])
+    standard_error = ulp * math.sqrt(1 / 3 * 2 / 3) / math.sqrt(samples.numel())
+    assert abs(error) < 4 * standard_error
+    assert abs(float(x.to(torch.bfloat16).float().mean()) - float(x[0])) > 0.3 * ulp
+
+
+def test_stochastic_rounding_lets_updates_below_half_an_ulp_accumulate(backend):
+    """lr far below half a bfloat16 ulp: round-to-nearest never moves the param; stochastic rounding moves it by the
+    fp32 amount on average."""
+    moved = {}
+    for sr in (False, True):
+        p = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+        opt = FusedAdam([p], lr=2.0**-7 / 20, adam_w_mode=2, stochastic_rounding=sr, stochastic_rounding_seed=3)
+        for _ in range(40):
+            p.grad = torch.ones_like(p)
+            opt.step()
+        moved[sr] = 1.0 - float(p.detach().float().mean())
+    fp32_moved = 40 * 2.0**-7 / 20  # each step's update is lr (m/sqrt(v) = 1 for a constant gradient)
+    assert moved[False] == 0.0
+    assert moved[True] == pytest.approx(fp32_moved, rel=0.05)
+
+
+def test_stochastic_rounding_is_deterministic_for_a_seed(backend):
+    runs = []
+    for seed in (0, 0, 1):
+        params = _params(torch.bfloat16)
+        opt = _optimizer(params, "u8", "u8", sr=True, seed=seed)
+        _train(params, opt, 3)
+        runs.append(torch.cat([p.detach().float().reshape(-1) for p in params]))
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+def test_stochastic_rounding_is_refused_where_it_means_nothing():
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        FusedAdam(_params(torch.bfloat16), master_weights=True, stochastic_rounding=True)
+    with pytest.raises(TypeError, match="stochastic_rounding"):
+        FusedAdam(_params(torch.bfloat16), stochastic_rounding="yes")
+    with pytest.raises(ValueError, match="stochastic_rounding_seed"):
+        FusedAdam(_params(torch.bfloat16), stochastic_rounding=True, stochastic_rounding_seed=-1)
+
+
+def _sr_checkpoint() -> dict:
+    """A checkpoint of the lowest-memory configuration (bf16 params, stochastic rounding, no masters)."""
+    params = _params(torch.bfloat16)
+    opt = _optimizer(params, "u8", "u8", sr=True, seed=5)
+    _train(params, opt, 2)
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("route", ["add_param_group", "assigned later", "load_state_dict"])
+def test_stochastic_rounding_with_master_weights_is_refused_whichever_way_it_comes(route):
+    """With master weights the fp32 master keeps the update exactly and stochastic rounding would be ignored: the
+    constructor refuses it, and so do the other ways a group can get it, before anything changes."""
+    params = _params(torch.bfloat16)
+    opt = FusedAdam(params, lr=1e-2, master_weights=True)
+    _train(params, opt, 2)
+    before = optimizer_snapshot(opt)
+    if route == "add_param_group":
+        extra = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match=r"param_groups\[1\]: stochastic_rounding=True .* master weights"):
+            opt.add_param_group({"params": [extra], "stochastic_rounding": True})
+        assert len(opt.param_groups) == 1
+    elif route == "assigned later":
+        opt.param_groups[0]["stochastic_rounding"] = True
+        with pytest.raises(ValueError, match=r"param_groups\[0\]: stochastic_rounding=True .* master weights"):
+            opt.step()
+        opt.param_groups[0]["stochastic_rounding"] = False
+    else:
+        checkpoint = _sr_checkpoint()
+        saved = copy.deepcopy(checkpoint)
+        with pytest.raises(ValueError, match=r"state_dict\['param_groups'\]\[0\]\['stochastic_rounding'\]"):
+            opt.load_state_dict(checkpoint)
+        assert_tree_bitwise_equal(checkpoint, saved, "checkpoint")
+        checkpoint["param_groups"][0]["stochastic_rounding"] = False  # the documented way: say so in the checkpoint
+        opt2 = FusedAdam(_params(torch.bfloat16), lr=1e-2, master_weights=True)
+        opt2.load_state_dict(checkpoint)
+    assert_same_snapshot(optimizer_snapshot(opt), before)
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+
+def test_unknown_state_dtypes_are_refused():
+    with pytest.raises(ValueError, match="exp_avg_dtype"):
+        FusedAdam(_params(), exp_avg_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("damage", ["no-scales", "scale-count", "scale-dtype", "4bit-size"])
+def test_the_native_op_validates_low_bit_states_before_writing(damage, monkeypatch):
+    select_backend(monkeypatch, "native")
+    p = torch.randn(300)
+    g = torch.randn(300)
+    m, m_scales = formats.encode_state(torch.randn(300), torch.uint8, False)
+    v, v_scales = formats.encode_state(torch.rand(300), torch.uint4, True)
+    m_list, m_scale_list, v_list, v_scale_list = [m], [m_scales], [v], [v_scales]
+    if damage == "no-scales":
+        m_scale_list = []
+    elif damage == "scale-count":
+        m_scale_list = [m_scales[:1]]
+    elif damage == "scale-dtype":
+        m_scale_list = [m_scales.double()]
+    else:
+        v_list = [torch.zeros(300, dtype=torch.uint8)]
+    before = [t.clone() for t in (p, *m_list, *v_list, *m_scale_list, *v_scale_list)]
+    with pytest.raises(RuntimeError, match="exp_avg|state"):
+        torch.ops.ort_optim.adam_step_([p], [g], m_list, v_list, [], [], m_scale_list, v_scale_list, [],
+                                       torch.zeros(1, dtype=torch.float64), lr=1e-3, beta1=0.9, beta2=0.999,
+                                       eps=1e-8, weight_decay=0.0, adam_w_mode=2, bias_correction=True,
+                                       maximize=False)
+    after = [p, *m_list, *v_list, *m_scale_list, *v_scale_list]
+    for b, a in zip(before, after):
+        assert torch.equal(bits(b), bits(a))
+
+
+# ---- the step cache with low-bit states (ort_optim/_plan.py) -----------------------------------------------------
+
+
+def _stepped(m="u8", v="u4", steps=2, **kwargs):
+    params = _params()
+    opt = _optimizer(params, m, v, **kwargs)
+    _train(params, opt, steps)
+    return params, opt
+
+
+def _codes_of(values, dtype, second_moment):
+    return formats.encode_state(values, dtype, second_moment)
+
+
+# what is assigned to optimizer.state[p] of the 300x7 param of an optimizer with 8-bit exp_avg, 4-bit exp_avg_sq
+ASSIGNED = {
+    "float32 values": ({"exp_avg": lambda p: torch.full(p.shape, 0.25)}, {"exp_avg": torch.full((300, 7), 0.25)}),
+    "4-bit codes into 8-bit": (
+        {"exp_avg": lambda p: _codes_of(torch.full(p.shape, 0.25), torch.uint4, False)[0],
+         "exp_avg_scale": lambda p: _codes_of(torch.full(p.shape, 0.25), torch.uint4, False)[1]},
+        {"exp_avg": torch.full((300, 7), 0.25)}),
+    "8-bit codes into 4-bit": (
+        {"exp_avg_sq": lambda p: _codes_of(torch.full(p.shape, 4e-6), torch.uint8, True)[0],
+         "exp_avg_sq_scale": lambda p: _codes_of(torch.full(p.shape, 4e-6), torch.uint8, True)[1]},
+        {"exp_avg_sq": formats.decode_state(*_codes_of(torch.full((300, 7), 4e-6), torch.uint8, True),
+                                                      True, (300, 7))}),
+}
+
+
+@pytest.mark.parametrize("assigned", ASSIGNED)
+def test_assigned_moments_are_adopted_into_the_low_bit_layout(assigned, backend):
+    """A float tensor, or the codes and scales of the other low-bit format, assigned to a moment: taken as values and
+    quantised into this optimizer's format before the step (exactly as a checkpoint of those values loads)."""
+    params, opt = _stepped()
+    p = params[0]
+    entries, values = ASSIGNED[assigned]
+    for key, make in entries.items():
+        opt.state[p][key] = make(p)
+    expected_params = [torch.nn.Parameter(q.detach().clone()) for q in params]
+    expected = _optimizer(expected_params, "u8", "u4")
+    sd = opt.state_dict()
+    for key, value in values.items():
+        sd["state"][0][key] = value
+    expected.load_state_dict(sd)
+    _train(params, opt, 1, first=2)
+    _train(expected_params, expected, 1, first=2)
+    assert opt.state[p]["exp_avg"].dtype == torch.uint8 and opt.state[p]["exp_avg_scale"].dtype == torch.float32
+    assert opt.state[p]["exp_avg_sq"].shape == (1050,) and opt.state[p]["exp_avg_sq_scale"].dtype == torch.bfloat16
+    assert_same_snapshot(_state_snapshot(opt), _state_snapshot(expected))
+
+
+def test_low_bit_states_in_the_layout_are_used_as_is(backend):
+    """Codes and scales of the optimizer's own format (a moment reset, say) are taken as they are: no copy."""
+    params, opt = _stepped()
+    p = params[1]
+    codes, scales = _codes_of(torch.full(p.shape, -0.5), torch.uint8, False)
+    opt.state[p]["exp_avg"], opt.state[p]["exp_avg_scale"] = codes, scales
+    _train(params, opt, 1, first=2)
+    assert opt.state[p]["exp_avg"] is codes and opt.state[p]["exp_avg_scale"] is scales
+    # m + (1 - beta1) * (g - m) from m = -0.5, in float32, then coded by the 8-bit format
+    g = _grads(params, 2)[1]
+    m = torch.full(p.shape, -0.5)
+    m = m + torch.tensor(1.0 - 0.9, dtype=torch.float32) * (g - m)
+    # (the third step: its number is mixed into the stochastic rounding)
+    expected = formats.decode_state(*formats.quantize_low_bit(m, Q8, False, step=3), False, p.shape)
+    assert torch.equal(bits(state_values(opt, p, "exp_avg")), bits(expected))
+
+
+def _set(key, make):
+    def damage(opt, p):
+        opt.state[p][key] = make(p)
+    return damage
+
+
+LOW_BIT_REFUSALS = {
+    "codes without scales": (lambda opt, p: opt.state[p].pop("exp_avg_scale"), r"\['exp_avg_scale'\] must hold"),
+    "scales of another count": (_set("exp_avg_scale", lambda p: torch.ones(3)), r"\['exp_avg_scale'\] must be a"),
+    "negative scales": (_set("exp_avg_sq_scale", lambda p: -torch.ones(2, dtype=torch.bfloat16)),
+                        r"\['exp_avg_sq_scale'\] holds negative"),
+    "float64 scales": (_set("exp_avg_scale", lambda p: torch.ones(1, dtype=torch.float64)),
+                       r"\['exp_avg_scale'\] must hold"),
+    "4-bit codes of another size": (_set("exp_avg_sq", lambda p: torch.zeros(p.numel(), dtype=torch.uint8)),
+                                    r"\['exp_avg_sq'\] has shape \(129,\) but 4-bit codes"),
+}
+
+
+@pytest.mark.parametrize("damage", LOW_BIT_REFUSALS)
+def test_low_bit_states_that_cannot_be_honoured_are_refused_naming_the_param_and_key(damage, backend):
+    params, opt = _stepped()
+    for p, g in zip(params, _grads(params, 2)):
+        p.grad = g
+    change, message = LOW_BIT_REFUSALS[damage]
+    change(opt, params[1])
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(shape \(129,\).*" + message):
+        opt.step()
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
+def _reallocate_in_place(t: torch.Tensor, decoys: list) -> None:
+    """untyped_storage().resize_(0) then resize_(n) with the data copied back (CPU offload, FSDP); a decoy allocated
+    in between may take the freed block."""
+    storage = t.untyped_storage()
+    saved, nbytes = torch.empty(0, dtype=torch.uint8).set_(storage.clone()), storage.nbytes()
+    storage.resize_(0)
+    decoys.append(torch.full((nbytes // 4 + 1,), 7.0))
+    storage.resize_(nbytes)
+    torch.empty(0, dtype=torch.uint8).set_(storage).copy_(saved)
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"])
+def test_low_bit_codes_and_scales_reallocated_in_place_are_followed(key, backend):
+    """The plan re-validates the code buffers and their scales at every step: a storage re-allocated in place is
+    written where it now is (bit for bit as without the offload), never into the freed memory."""
+    params, opt = _stepped(amsgrad=True)
+    straight_params, straight = _stepped(amsgrad=True)
+    decoys = []
+    _reallocate_in_place(opt.state[params[1]][key], decoys)
+    _train(params, opt, 2, first=2)
+    _train(straight_params, straight, 2, first=2)
+    assert_same_snapshot(_state_snapshot(opt), _state_snapshot(straight))
+    assert all(bool((decoy == 7.0).all()) for decoy in decoys), "a step wrote into freed memory"
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq_scale"])
+def test_a_low_bit_storage_still_freed_at_step_time_is_refused(key, backend):
+    params, opt = _stepped()
+    for p, g in zip(params, _grads(params, 2)):
+        p.grad = g
+    storage = opt.state[params[0]][key].untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    try:
+        with pytest.raises(ValueError, match=re.escape(f"param_groups[0]['params'][0] (shape (300, 7)") + ".*"
+                           + re.escape(f"['{key}'] has a storage of 0 bytes")):
+            opt.step()
+    finally:
+        storage.resize_(nbytes)
+
+
+def test_stochastic_rounding_keys_follow_the_group_options(backend):
+    """The rounding keys are part of the plan: changing a group's seed between steps takes effect at once."""
+    runs = []
+    for change in (False, True):
+        params = _params(torch.bfloat16)
+        opt = _optimizer(params, "u8", "u4", sr=True, seed=1)
+        _train(params, opt, 2)
+        if change:
+            opt.param_groups[0]["stochastic_rounding_seed"] = 2
+        _train(params, opt, 1, first=2)
+        runs.append(torch.cat([p.detach().float().reshape(-1) for p in params]))
+    fresh_params = _params(torch.bfloat16)
+    fresh = _optimizer(fresh_params, "u8", "u4", sr=True, seed=1)
+    _train(fresh_params, fresh, 2)
+    fresh.load_state_dict(dict(fresh.state_dict(), param_groups=[
+        dict(group, stochastic_rounding_seed=2) for group in fresh.state_dict()["param_groups"]]))
+    _train(fresh_params, fresh, 1, first=2)
+    assert not torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[1], torch.cat([p.detach().float().reshape(-1) for p in fresh_params]))
+
+
+@pytest.mark.parametrize("sr", [False, True], ids=["nearest", "stochastic-rounding"])
+def test_step_in_backward_equals_step_with_low_bit_states(sr, backend):
+    results = []
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Tanh(), torch.nn.Linear(300, 3))
+        model.to(torch.bfloat16)
+        opt = FusedAdam(model.parameters(), lr=1e-2, exp_avg_dtype=torch.uint4, exp_avg_sq_dtype=torch.uint8,
+                        stochastic_rounding=sr, stochastic_rounding_seed=5, step_in_backward=in_backward)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            x = torch.randn(8, 40, generator=g).bfloat16()
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append(optimizer_snapshot(opt))
+    assert_same_snapshot(results[0], results[1])
+
+
+def test_a_scaled_step_writes_the_unscaled_gradients_back_with_low_bit_states(backend):
+    """grad_scale with 8-bit/4-bit moments: the same step as with unscaled gradients (a power-of-two scale divides
+    exactly), and p.grad holds g / grad_scale afterwards."""
+    params, opt = _stepped()
+    twin_params, twin = _stepped()
+    grads = _grads(params, 2)
+    for p, q, g in zip(params, twin_params, grads):
+        p.grad = g * 1024.0
+        q.grad = g.clone()
+    opt.step(grad_scale=1024.0)
+    twin.step()
+    for p, g in zip(params, grads):
+        assert torch.equal(bits(p.grad), bits(g))
+    assert_same_snapshot(_state_snapshot(opt), _state_snapshot(twin))
+
+
+# ---- against torch.optim.AdamW, through the public API ---------------------------------------------------------------
+
+LOW_BIT = ("u8", "u4")
+# every (exp_avg, exp_avg_sq) pair with at least one low-bit moment: 16 pairs
+LOW_BIT_PAIRS = [(m, v) for m, v in itertools.product(STATE_DTYPES, STATE_DTYPES) if m in LOW_BIT or v in LOW_BIT]
+LR, WD, EPS = 1e-2, 0.1, 1e-8
+
+
+def _ids(combos):
+    return ["-".join(c) for c in combos]
+
+
+def _model_params(dtype=torch.float32, seed=0):
+    """A weight of two 4-bit blocks and a partial third (odd element count: the last byte holds one code) and a
+    bias of 5."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype)) for shape in ((9, 31), (5,))]
+
+
+def _randn_grads(params, step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+
+
+def _fused(params, m, v, *, mode=AdamWMode.ADAMW_TORCH, amsgrad=False, master=False, sr=False, seed=0, lr=LR):
+    return FusedAdam(params, lr=lr, adam_w_mode=mode, weight_decay=WD, eps=EPS, amsgrad=amsgrad,
+                     master_weights=master, exp_avg_dtype=STATE_DTYPES[m], exp_avg_sq_dtype=STATE_DTYPES[v],
+                     stochastic_rounding=sr, stochastic_rounding_seed=seed)
+
+
+def _torch_twin(params, mode, amsgrad):
+    """torch's optimizer with the same math in float32 (eps is negligible at 1e-8, so its placement is too)."""
+    twin = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    if mode == AdamWMode.ADAM_L2_REGULARIZATION:
+        return twin, torch.optim.Adam(twin, lr=LR, weight_decay=WD, eps=EPS, amsgrad=amsgrad)
+    return twin, torch.optim.AdamW(twin, lr=LR, weight_decay=WD, eps=EPS, amsgrad=amsgrad)
+
+
+def _step(params, opt, step):
+    for p, g in zip(params, _randn_grads(params, step)):
+        p.grad = g
+    opt.step()
+
+
+def _train_steps(params, opt, steps, first=0):
+    for step in range(first, first + steps):
+        _step(params, opt, step)
+
+
+# ---- every combination trains like torch.optim.AdamW ------------------------------------------------------------
+
+# How far 20 steps may end from torch's: ||p - p_torch|| / ||p_torch - p_0|| over all elements (L2), at most
+# PARAM_ROUNDING[param case] + MOMENT_ERROR[exp_avg] + MOMENT_ERROR_SQ[exp_avg_sq]. Measured over three seeds with
+# these i.i.d. gradients (noise: no signal for the moments to keep, the hardest case for a coarse exp_avg), with
+# about 1.3x headroom: 8-bit exp_avg 0.02, 4-bit exp_avg 0.29-0.37 (7 magnitudes per sign, rounded stochastically:
+# each step's update carries its rounding noise), 4-bit sqrt(v) 0.05-0.065, 8-bit sqrt(v) 0.004; bfloat16 params
+# without masters 0.19-0.22 with any moments (round to nearest drops updates below half an ulp; stochastic rounding
+# 0.17-0.19), with fp32 masters 0.03.
+MOMENT_ERROR = {"u8": 0.04, "u4": 0.5, "fp32": 0.0, "bf16": 0.01, "fp16": 0.005}
+MOMENT_ERROR_SQ = {"u8": 0.01, "u4": 0.1, "fp32": 0.0, "bf16": 0.01, "fp16": 0.005}
+PARAM_ROUNDING = {"fp32": 0.0, "bf16-master": 0.04, "bf16": 0.3, "bf16-sr": 0.25, "fp16-master": 0.01, "fp16": 0.03}
+
+
+def _assert_tracks_torch(param_case, m, v, mode=AdamWMode.ADAMW_TORCH, amsgrad=False, steps=20):
+    dtype, master, sr = PARAM_CASES[param_case]
+    params = _model_params(dtype)
+    start = torch.cat([p.detach().float().reshape(-1) for p in params])
+    opt = _fused(params, m, v, mode=mode, amsgrad=amsgrad, master=master, sr=sr)
+    twin, torch_opt = _torch_twin(params, mode, amsgrad)
+    for step in range(steps):
+        _step(params, opt, step)
+        for q, p in zip(twin, params):
+            q.grad = p.grad.float()  # the same gradient values
+        torch_opt.step()
+        assert all(bool(torch.isfinite(p).all()) for p in params), f"step {step}: a param is not finite"
+    ours = torch.cat([p.detach().float().reshape(-1) for p in params])
+    theirs = torch.cat([q.detach().reshape(-1) for q in twin])
+    moved = float((theirs - start).norm())
+    assert moved > 0.1 * steps * LR * math.sqrt(start.numel())  # (it trained)
+    error = float((ours - theirs).norm()) / moved
+    tolerance = PARAM_ROUNDING[param_case] + MOMENT_ERROR[m] + MOMENT_ERROR_SQ[v]
+    assert error <= tolerance, f"{error:.4f} of torch's movement away from torch's params, allowed {tolerance}"
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("param_case", PARAM_CASES)
+@pytest.mark.parametrize("combo", LOW_BIT_PAIRS, ids=_ids(LOW_BIT_PAIRS))
+def test_every_moment_combination_and_param_dtype_tracks_torch_adamw(combo, param_case, backend):
+    _assert_tracks_torch(param_case, *combo)
+
+
+MODE_COMBOS = [("u8", "u8"), ("u4", "u4"), ("u8", "u4")]
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("mode", list(AdamWMode), ids=[m.name for m in AdamWMode])
+@pytest.mark.parametrize("combo", MODE_COMBOS, ids=_ids(MODE_COMBOS))
+def test_every_mode_with_and_without_amsgrad_tracks_torch(combo, mode, amsgrad, backend):
+    _assert_tracks_torch("fp32", *combo, mode=mode, amsgrad=amsgrad)
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("case", [("u8", "u8", "bf16-master"), ("u4", "u4", "bf16-sr")], ids=["u8", "u4"])
+def test_triton_subset_tracks_torch(case, backend):
+    """Small cases of the two tests above, which ``-k triton_subset`` runs on the Triton kernels."""
+    m, v, param_case = case
+    _assert_tracks_torch(param_case, m, v, amsgrad=True, steps=5)
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4")], ids=["u8", "u4"])
+def test_maximize_param_groups_and_a_tensor_lr_track_torch(combo, backend):
+    """The per-group options torch.optim.AdamW has, with low-bit moments: two groups with their own lr (one a
+    tensor) and weight decay, maximize."""
+    params = _model_params()
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    start = torch.cat([p.detach().reshape(-1).clone() for p in params])
+
+    def groups(ps, lr0):
+        return [{"params": [ps[0]], "lr": lr0, "weight_decay": 0.3}, {"params": [ps[1]], "lr": 2 * LR}]
+
+    opt = FusedAdam(groups(params, torch.tensor(LR)), adam_w_mode=AdamWMode.ADAMW_TORCH, eps=EPS, weight_decay=WD,
+                    maximize=True, exp_avg_dtype=STATE_DTYPES[combo[0]], exp_avg_sq_dtype=STATE_DTYPES[combo[1]])
+    torch_opt = torch.optim.AdamW(groups(twin, LR), eps=EPS, weight_decay=WD, maximize=True)
+    _train_steps(params, opt, 20)
+    _train_steps(twin, torch_opt, 20)
+    ours = torch.cat([p.detach().reshape(-1) for p in params])
+    theirs = torch.cat([q.detach().reshape(-1) for q in twin])
+    assert float((ours - start) @ (theirs - start)) > 0  # (ascending, as torch's)
+    error = float((ours - theirs).norm() / (theirs - start).norm())
+    assert error <= MOMENT_ERROR[combo[0]] + MOMENT_ERROR_SQ[combo[1]], error
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("combo", [("u8", "u4"), ("u4", "u8")], ids=_ids([("u8", "u4"), ("u4", "u8")]))
+def test_loss_scaling_by_a_power_of_two_gives_the_same_bits(combo, backend):
+    """step(grad_scale=1024) on gradients times 1024 (exact in float32) is the unscaled step, bit for bit; a
+    non-finite scaled gradient skips the step and changes nothing."""
+    runs = []
+    for scale in (None, 1024.0):
+        params = _model_params()
+        opt = _fused(params, *combo)
+        for step in range(4):
+            for p, g in zip(params, _randn_grads(params, step)):
+                p.grad = g if scale is None else g * scale
+            opt.step(grad_scale=scale)
+        runs.append(_snapshot(opt))
+    assert_same_snapshot(runs[0], runs[1])
+    params = _model_params()
+    opt = _fused(params, *combo)
+    _train_steps(params, opt, 2)
+    for p, g in zip(params, _randn_grads(params, 2)):
+        p.grad = g * 1024
+    params[1].grad[2] = math.inf
+    before = optimizer_snapshot(opt)
+    opt.step(grad_scale=1024.0)
+    assert opt.last_step_skipped
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4")], ids=["u8", "u4"])
+def test_a_deep_copied_optimizer_continues_with_the_same_bits(combo):
+    params, opt = _trained(*combo)
+    copied = copy.deepcopy(opt)
+    copied_params = copied.param_groups[0]["params"]
+    _train_steps(params, opt, 3, first=4)
+    _train_steps(copied_params, copied, 3, first=4)
+    assert (copied.exp_avg_dtype, copied.exp_avg_sq_dtype) == (STATE_DTYPES[combo[0]], STATE_DTYPES[combo[1]])
+    assert_same_snapshot(_snapshot(copied), _snapshot(opt))
+
+
+# ---- memory -------------------------------------------------------------------------------------------------------
+
+
+def state_bytes(opt) -> int:
+    """Bytes of every distinct storage held in optimizer.state except the step counts (a storage shared by several
+    state tensors counted once, whole: what the allocator holds, padding included)."""
+    storages = {}
+    for state in opt.state.values():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, torch.Tensor):
+                storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+BYTES_PER_PARAM = {("u8", "u8"): 2.05, ("u4", "u4"): 1.05, ("u8", "u4"): 1.55, ("u4", "u8"): 1.55}
+# codes plus scales of one moment with n elements: the formats' own arithmetic (8-bit: a byte per element and a
+# float32 per 256; 4-bit: two codes per byte and a bfloat16 per 128)
+FORMAT_BYTES = {"u8": lambda n: n + 4 * -(-n // 256), "u4": lambda n: (n + 1) // 2 + 2 * -(-n // 128)}
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("numel", [100_000, 1001, 3, 1])
+@pytest.mark.parametrize("combo", list(BYTES_PER_PARAM), ids=_ids(BYTES_PER_PARAM))
+def test_state_bytes_per_parameter_of_one_param_of_any_size(combo, numel):
+    p = torch.nn.Parameter(torch.randn(numel))
+    opt = _fused([p], *combo)
+    p.grad = torch.randn(numel)
+    opt.step()
+    measured = state_bytes(opt)
+    assert measured == sum(FORMAT_BYTES[k](numel) for k in combo)  # nothing but codes and scales
+    if numel >= 1000:  # (a few elements pay a whole block scale: 4.67 bytes/param for 3 elements in 8 bits)
+        assert measured / numel <= BYTES_PER_PARAM[combo]
+
+
+@pytest.mark.no_interpreter
+def test_state_bytes_per_parameter_of_a_model_with_odd_shapes():
+    """Params of awkward sizes side by side in one optimizer: the MLP of examples/digits.py (64 -> 32 -> 10) and odd
+    sizes. Each param's codes have a storage of their own (views of one buffer 64 bytes apart used to cost the MLP
+    4%: 2.12 bytes/param), so the bytes are exactly the formats' codes and scales, counted per param or per distinct
+    storage alike."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g))
+              for shape in ((32, 64), (32,), (10, 32), (10,), (37, 129), (4097,), (1001, 3), (77,))]
+    for combo in (("u8", "u8"), ("u4", "u4")):
+        opt = _fused(params, *combo)
+        _train_steps(params, opt, 1)
+        numel = sum(p.numel() for p in params)
+        assert state_bytes(opt) / numel <= BYTES_PER_PARAM[combo]
+        assert state_bytes(opt) == sum(FORMAT_BYTES[k](p.numel()) for p in params for k in combo)
+        per_param = sum(t.untyped_storage().nbytes() for p in params for key, t in opt.state[p].items()
+                        if key != "step")
+        assert per_param == state_bytes(opt)
+        # (and every view of codes starts 16-byte aligned, as the Triton kernels' vector accesses want)
+        assert all(opt.state[p][key].data_ptr() % 16 == 0 for p in params for key in ("exp_avg", "exp_avg_sq"))
+
+
+# ---- the zero-point problem: no exploding updates ----------------------------------------------------------------
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("eps", [1e-8, 0.0], ids=["eps1e-8", "eps0"])
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4"), ("fp32", "u4"), ("fp32", "u8")],
+                         ids=_ids([("u8", "u8"), ("u4", "u4"), ("fp32", "u4"), ("fp32", "u8")]))
+def test_a_second_moment_that_rounds_to_zero_never_makes_the_update_explode(combo, amsgrad, eps, backend):
+    """One block of 128 elements (one 8-bit block, one 4-bit block): element 0 gets gradients of 1e4, the others
+    1e-8 (their v is 1e-24 of the block's largest, below any code's resolution). torch's AdamW moves every element by
+    about lr per step; every step of ours moves each element by at most 3 lr (Adam's own bound for a sudden gradient
+    is (1 - beta1) / sqrt(1 - beta2) = 3.2 lr), for 20 steps, then again when the huge gradient stops."""
+    lr = 1e-3
+    p, q = torch.nn.Parameter(torch.zeros(128)), torch.nn.Parameter(torch.zeros(128))
+    opt = FusedAdam([p], lr=lr, eps=eps, adam_w_mode=AdamWMode.ADAMW_TORCH, amsgrad=amsgrad, weight_decay=0.0,
+                    exp_avg_dtype=STATE_DTYPES[combo[0]], exp_avg_sq_dtype=STATE_DTYPES[combo[1]])
+    torch_opt = torch.optim.AdamW([q], lr=lr, eps=eps, amsgrad=amsgrad, weight_decay=0.0)
+    g = torch.Generator().manual_seed(0)
+    for step in range(30):
+        grad = torch.randn(128, generator=g) * 1e-8
+        if step < 20:
+            grad[0] = 1e4
+        before = p.detach().clone()
+        p.grad, q.grad = grad, grad.clone()
+        opt.step()
+        torch_opt.step()
+        change = (p.detach() - before).abs()
+        assert bool(torch.isfinite(p).all()), f"step {step}"
+        assert float(change.max()) <= 3 * lr, f"step {step}: element {int(change.argmax())} moved {float(change.max())}"
+    assert float(p[0].detach()) == pytest.approx(float(q[0].detach()), rel=0.05)  # the huge one moved as torch's did
+
+
+# Steady gradients, 8 blocks of 128 elements: element 0 of each block at 1, the others spread over 1e-4 .. 1 of
+# it; 100 steps. fp32 AdamW moves every element by lr per step whatever its magnitude (Adam is scale-free per
+# element). Block-quantised moments cannot: each element is stored relative to its block's largest. The ranges
+# below are what the formats give (the movement over fp32 AdamW's, per band of gradient / block's largest),
+# measured with 1.2x headroom; they are the formats' documented limits, not targets:
+# * 4-bit exp_avg (smallest non-zero level 0.01, rounded toward zero below it): elements under 1% of their block's
+#   largest barely move (torch: fully); above, exp_avg sits on one of two coarse levels for tens of steps at a time
+#   (the stochastic rounding is unbiased per step, but 0.9 m + 0.1 g mostly rounds back to the level it came from), so
+#   100 steps move 0.5-2.4x of fp32's.
+# * 4-bit sqrt(v) (smallest level 0.001): elements under 1e-3 of their block's largest read a larger sqrt(v) than
+#   theirs and move less (down to 0.11x), never more.
+# * 8-bit: within 0.7-1.6x everywhere, 0.9-1.1x above 1e-2.
+STEADY_BANDS = ((1e-4, 1e-3), (1e-3, 1e-2), (1e-2, 1e-1), (1e-1, 1.01))
+STEADY_MOVEMENT = {  # per band: (least, most) movement over fp32 AdamW's
+    ("u8", "u8"): ((0.55, 1.9), (0.65, 1.45), (0.75, 1.3), (0.75, 1.25)),
+    ("u8", "u4"): ((0.09, 1.2), (0.25, 2.2), (0.4, 1.8), (0.55, 1.55)),
+    ("u4", "u4"): ((0.0, 0.25), (0.0, 0.25), (0.1, 2.9), (0.4, 2.4)),
+}
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("combo", list(STEADY_MOVEMENT), ids=_ids(STEADY_MOVEMENT))
+def test_steady_gradients_far_below_their_blocks_largest_move_as_the_formats_allow(combo, backend):
+    n, lr, steps = 8 * 128, 1e-3, 100
+    magnitude = torch.logspace(-4, 0, n)
+    magnitude[::128] = 1.0
+    p = torch.nn.Parameter(torch.zeros(n))
+    opt = FusedAdam([p], lr=lr, eps=1e-8, adam_w_mode=AdamWMode.ADAMW_TORCH, exp_avg_dtype=STATE_DTYPES[combo[0]],
+                    exp_avg_sq_dtype=STATE_DTYPES[combo[1]])
+    for _ in range(steps):
+        p.grad = magnitude.clone()
+        opt.step()
+    relative = -p.detach() / (steps * lr)  # fp32 AdamW: 1.0 for every element (to 1e-5)
+    for (lo, hi), (least, most) in zip(STEADY_BANDS, STEADY_MOVEMENT[combo]):
+        band = relative[(magnitude >= lo) & (magnitude < hi)]
+        assert least <= float(band.min()) and float(band.max()) <= most, (lo, float(band.min()), float(band.max()))
+
+
+# ---- the lowest-memory configuration ------------------------------------------------------------------------------
+
+
+def _lowest(params, combo, seed):
+    return _fused(params, *combo, sr=True, seed=seed)
+
+
+def _snapshot(opt) -> dict:
+    """Params and every state tensor, bit for bit (gradients dropped: a resumed optimizer's params have none)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = None
+    return optimizer_snapshot(opt)
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4")], ids=["u8", "u4"])
+def test_lowest_memory_configuration_fits_3_to_4_bytes_per_param(combo):
+    p = torch.nn.Parameter(torch.randn(100_000).to(torch.bfloat16))
+    opt = _lowest([p], combo, seed=0)
+    p.grad = torch.randn(100_000).to(torch.bfloat16)
+    opt.step()
+    total = (state_bytes(opt) + p.untyped_storage().nbytes()) / p.numel()
+    assert 3.0 <= total <= {"u8": 4.05, "u4": 3.05}[combo[0]]
+    assert "master_param" not in opt.state[p]
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4")], ids=["u8", "u4"])
+def test_lowest_memory_configuration_is_deterministic_and_resumes_exactly_with_its_seed(combo, backend):
+    """Same seed, same bits; another seed, other bits. The seed is saved in the checkpoint (weights_only-loadable)
+    and wins over the resumed optimizer's own: 3 steps, save, 3 more equals 6 straight, bit for bit."""
+    runs = []
+    for seed in (7, 7, 8):
+        params = _model_params(torch.bfloat16)
+        opt = _lowest(params, combo, seed)
+        _train_steps(params, opt, 6)
+        runs.append(_snapshot(opt))
+    assert_same_snapshot(runs[0], runs[1])
+    assert any(not torch.equal(runs[0][k], runs[2][k]) for k in ("p0.0", "p0.1"))
+
+    params = _model_params(torch.bfloat16)
+    opt = _lowest(params, combo, seed=7)
+    _train_steps(params, opt, 3)
+    sd = _saved_and_loaded(opt.state_dict())
+    assert [group["stochastic_rounding_seed"] for group in sd["param_groups"]] == [7]
+    assert [group["stochastic_rounding"] for group in sd["param_groups"]] == [True]
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = _lowest(resumed_params, combo, seed=12345)  # (the checkpoint's seed replaces it)
+    resumed.load_state_dict(sd)
+    assert resumed.param_groups[0]["stochastic_rounding_seed"] == 7
+    _train_steps(resumed_params, resumed, 3, first=3)
+    assert_same_snapshot(_snapshot(resumed), runs[0])
+
+
+# ---- checkpoints --------------------------------------------------------------------------------------------------
+
+# (exp_avg, exp_avg_sq, param case, amsgrad)
+RESUME_CASES = {
+    "u8-fp32-params": ("u8", "u8", "fp32", False),
+    "u4-amsgrad": ("u4", "u4", "fp32", True),
+    "u8-u4-bf16-master": ("u8", "u4", "bf16-master", False),
+    "u4-bf16-bf16-sr": ("u4", "bf16", "bf16-sr", True),
+    "fp16-u8-fp16": ("fp16", "u8", "fp16", False),
+}
+
+
+def _checkpoint_optimizer(case, params=None):
+    m, v, param_case, amsgrad = RESUME_CASES[case]
+    dtype, master, sr = PARAM_CASES[param_case]
+    params = _model_params(dtype) if params is None else params
+    return params, _fused(params, m, v, amsgrad=amsgrad, master=master, sr=sr, seed=3)
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("case", RESUME_CASES)
+def test_resume_is_bit_for_bit_and_loading_is_pure(case, backend):
+    """Train 3, save through torch.save / torch.load(weights_only=True), continue 3: equal to 6 straight. Loading
+    twice equals loading once, and the loaded dict is deep-equal to what it was before (nothing written into it)."""
+    straight_params, straight = _checkpoint_optimizer(case)
+    _train_steps(straight_params, straight, 6)
+
+    params, opt = _checkpoint_optimizer(case)
+    _train_steps(params, opt, 3)
+    sd = opt.state_dict()
+    loaded = _saved_and_loaded(sd)
+    assert_tree_bitwise_equal(loaded, sd, "the round trip")
+    pristine = copy.deepcopy(loaded)
+
+    resumed_params, resumed = _checkpoint_optimizer(case, [torch.nn.Parameter(p.detach().clone()) for p in params])
+    resumed.load_state_dict(loaded)
+    assert_tree_bitwise_equal(loaded, pristine, "the loaded dict")
+    assert_same_snapshot(_snapshot(resumed), _snapshot(opt))  # the state restored bit for bit
+
+    twice_params, twice = _checkpoint_optimizer(case, [torch.nn.Parameter(p.detach().clone()) for p in params])
+    twice.load_state_dict(loaded)
+    twice.load_state_dict(loaded)
+    assert_same_snapshot(_snapshot(twice), _snapshot(resumed))
+    assert_tree_bitwise_equal(loaded, pristine, "the dict loaded twice")
+
+    _train_steps(resumed_params, resumed, 3, first=3)
+    _train_steps(twice_params, twice, 3, first=3)
+    assert_same_snapshot(_snapshot(resumed), _snapshot(straight))
+    assert_same_snapshot(_snapshot(twice), _snapshot(straight))
+    # and the optimizer's own state was never shared with the checkpoint it gave
+    _train_steps(params, opt, 1, first=3)
+    assert_tree_bitwise_equal(sd, pristine, "the saved dict after the saver stepped on")
+
+
+@pytest.mark.no_interpreter
+def test_a_checkpoint_loads_with_weights_only_after_adam_w_mode_was_set_to_an_enum_member():
+    """Assigning ``param_groups[i]['adam_w_mode'] = AdamWMode.ADAMW_TORCH`` (as the constructor accepts) must not
+    put the enum class into the checkpoint: torch.load(weights_only=True) refuses classes it does not know."""
+    params, opt = _trained("u8", "u4", amsgrad=False)
+    opt.param_groups[0]["adam_w_mode"] = AdamWMode.ADAMW_TRANSFORMERS
+    _train_steps(params, opt, 1, first=4)
+    loaded = _saved_and_loaded(opt.state_dict())
+    assert type(loaded["param_groups"][0]["adam_w_mode"]) is int
+    assert loaded["param_groups"][0]["adam_w_mode"] == AdamWMode.ADAMW_TRANSFORMERS
+    assert opt.param_groups[0]["adam_w_mode"] is AdamWMode.ADAMW_TRANSFORMERS  # (the optimizer's own group as set)
+
+
+@pytest.mark.no_interpreter
+def test_loading_an_optimizers_own_checkpoint_mid_run_changes_nothing(backend):
+    runs = []
+    for reload in (False, True):
+        params, opt = _trained("u4", "u8")
+        if reload:
+            opt.load_state_dict(opt.state_dict())
+        _train_steps(params, opt, 3, first=4)
+        runs.append(_snapshot(opt))
+    assert_same_snapshot(runs[0], runs[1])
+
+
+def _moments(sd):
+    return {(i, key): t for i, state in sd["state"].items() for key, t in state.items() if key != "step"}
+
+
+def _blockwise_error(values: torch.Tensor, exact: torch.Tensor, block: int, second_moment: bool) -> float:
+    """Largest |values - exact| per block of the flat tensors, over that block's largest |exact| (sqrt(v) for second
+    moments, the quantity the formats store)."""
+    if second_moment:
+        values, exact = values.sqrt(), exact.sqrt()
+    flat_v, flat_e = values.reshape(-1).double(), exact.reshape(-1).double()
+    worst = 0.0
+    for start in range(0, flat_e.numel(), block):
+        e, v = flat_e[start:start + block], flat_v[start:start + block]
+        largest = float(e.abs().max())
+        if largest > 0:
+            worst = max(worst, float((v - e).abs().max()) / largest)
+    return worst
+
+
+# largest error of one stored value, over its block's largest (the gap between the top levels, rounding to nearest for
+# sqrt(v); exp_avg rounds stochastically to either neighbour: the whole gap): 8-bit 0.9/64 per decade, 4-bit 0.9/4
+QUANTISATION_ERROR = {"u8": (0.015, 0.008), "u4": (0.23, 0.11)}  # (exp_avg, sqrt(exp_avg_sq))
+BLOCK = {"u8": 256, "u4": 128}
+
+
+def _trained(m, v, amsgrad=True, steps=4):
+    params = _model_params()
+    opt = _fused(params, m, v, amsgrad=amsgrad)
+    _train_steps(params, opt, steps)
+    return params, opt
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("target", ["u8", "u4"])
+@pytest.mark.parametrize("source", ["fp32", "u8", "u4"])
+def test_checkpoints_convert_between_moment_formats(source, target, backend):
+    """A checkpoint holds float32 values whatever the storage: loaded into fp32 moments it is the dequantised state
+    exactly; loaded into low-bit moments it is quantised (each value within its format's rounding error of the
+    checkpoint's), and the result continues to train."""
+    params, opt = _trained(source, source)
+    sd = opt.state_dict()
+    for key, t in _moments(sd).items():
+        assert t.dtype == torch.float32 and t.shape == params[key[0]].shape, key
+
+    fp32_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fp32 = _fused(fp32_params, "fp32", "fp32", amsgrad=True)
+    fp32.load_state_dict(sd)
+    for (i, key), t in _moments(sd).items():
+        assert torch.equal(fp32.state[fp32_params[i]][key], t), (i, key)  # dequantised: the very values
+
+    low_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    low = _fused(low_params, target, target, amsgrad=True)
+    low.load_state_dict(sd)
+    assert low.state[low_params[0]]["exp_avg"].dtype == torch.uint8  # codes
+    requantised = low.state_dict()
+    for (i, key), t in _moments(sd).items():
+        got = _moments(requantised)[(i, key)]
+        second = key != "exp_avg"
+        error = _blockwise_error(got, t, BLOCK[target], second)
+        assert error <= QUANTISATION_ERROR[target][second], (i, key, error)
+        if source == target:  # a format's own checkpoint loads back to the same values
+            assert torch.equal(got, t), (i, key)
+    _train_steps(low_params, low, 2, first=4)
+    assert all(bool(torch.isfinite(p).all()) for p in low_params)
+
+
+@pytest.mark.no_interpreter
+def test_a_low_bit_checkpoint_loads_into_torch_adamw():
+    params, opt = _trained("u8", "u4", amsgrad=False)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    torch_opt = torch.optim.AdamW(twin, lr=LR, weight_decay=WD, eps=EPS)
+    torch_opt.load_state_dict(opt.state_dict())
+    sd = opt.state_dict()
+    for i, q in enumerate(twin):
+        assert torch.equal(torch_opt.state[q]["exp_avg"], sd["state"][i]["exp_avg"])
+    _train_steps(params, opt, 5, first=4)
+    _train_steps(twin, torch_opt, 5, first=4)
+    for p, q in zip(params, twin):
+        torch.testing.assert_close(p, q, rtol=0, atol=0.15 * 5 * LR)
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4")], ids=["u8", "u4"])
+@pytest.mark.parametrize("source", ["AdamW", "AdamW-amsgrad", "Adam"])
+def test_from_optimizer_continues_like_the_torch_optimizer(source, combo, backend):
+    """A torch optimizer trained 5 steps, converted with FusedAdam.from_optimizer into low-bit moments: the same
+    hyperparameters, and 10 more steps stay as close to the torch optimizer's own continuation as the formats track
+    torch at all (TRACKING's bounds)."""
+    params = _model_params()
+    amsgrad = source == "AdamW-amsgrad"
+    kwargs = dict(lr=LR, eps=EPS, amsgrad=amsgrad, betas=(0.8, 0.99))
+    make = (lambda ps: torch.optim.Adam(ps, **kwargs)) if source == "Adam" else \
+        (lambda ps: torch.optim.AdamW(ps, weight_decay=WD, **kwargs))
+    torch_opt = make(params)
+    _train_steps(params, torch_opt, 5)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin_opt = make(twin)
+    twin_opt.load_state_dict(torch_opt.state_dict())
+
+    fused = FusedAdam.from_optimizer(torch_opt, exp_avg_dtype=STATE_DTYPES[combo[0]],
+                                     exp_avg_sq_dtype=STATE_DTYPES[combo[1]])
+    group = fused.param_groups[0]
+    assert (group["lr"], tuple(group["betas"]), group["eps"], group["amsgrad"]) == (LR, (0.8, 0.99), EPS, amsgrad)
+    assert group["weight_decay"] == (0.0 if source == "Adam" else WD)
+    assert all(fused.state[p]["exp_avg"].dtype == torch.uint8 for p in params)
+    assert all(float(fused.state[p]["step"]) == 5 for p in params)
+
+    start = torch.cat([p.detach().reshape(-1).clone() for p in params])
+    _train_steps(params, fused, 10, first=5)
+    _train_steps(twin, twin_opt, 10, first=5)
+    ours = torch.cat([p.detach().reshape(-1) for p in params])
+    theirs = torch.cat([q.detach().reshape(-1) for q in twin])
+    error = float((ours - theirs).norm() / (theirs - start).norm())
+    assert error <= MOMENT_ERROR[combo[0]] + MOMENT_ERROR_SQ[combo[1]], error
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("option", ["exp_avg_dtype", "exp_avg_sq_dtype"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.uint16, torch.float8_e4m3fn, torch.bool, "uint8"],
+                         ids=["int8", "float64", "uint16", "float8", "bool", "str"])
+def test_unsupported_moment_dtypes_are_refused_naming_the_option(option, dtype):
+    params = _model_params()
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=rf"{option} must be None, torch.float32, .*torch.uint8.*torch.uint4"):
+        FusedAdam(params, **{option: dtype})
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def _damaged(key_path, value):
+    """A change to a checkpoint of _trained("u8", "u4"): state_dict['state'][0][key] = value(the saved entry, the
+    param); value None deletes it."""
+    def damage(sd, params):
+        state = sd["state"][0]
+        if value is None:
+            del state[key_path]
+        else:
+            state[key_path] = value(state.get(key_path), params[0])
+    return damage
+
+
+# what a checkpoint of an optimizer with 8-bit exp_avg and 4-bit exp_avg_sq might be given instead of its own
+CORRUPT_CHECKPOINTS = {
+    # the optimizer's storage instead of the canonical values: 8-bit codes, 4-bit packed codes, their scales
+    "8-bit codes as exp_avg": (_damaged("exp_avg", lambda t, p: torch.zeros(p.shape, dtype=torch.uint8)),
+                               TypeError, r"\['exp_avg'\] must be a floating-point tensor"),
+    "4-bit codes of the wrong shape": (_damaged("exp_avg_sq", lambda t, p: torch.zeros((p.numel() + 1) // 2)),
+                                       ValueError, r"\['exp_avg_sq'\] has shape \(140,\), the parameter \(9, 31\)"),
+    "a block-scale entry": (_damaged("exp_avg_scale", lambda t, p: torch.ones(2)),
+                            ValueError, r"\['exp_avg_scale'\]: unknown key"),
+    "scales of the wrong dtype": (_damaged("exp_avg_sq_scale", lambda t, p: torch.ones(3, dtype=torch.float64)),
+                                  ValueError, r"\['exp_avg_sq_scale'\]: unknown key"),
+    "a missing second moment": (_damaged("exp_avg_sq", None), ValueError, r" has no 'exp_avg_sq'"),
+    "a negative second moment": (_damaged("exp_avg_sq", lambda t, p: -t - 1.0), ValueError,
+                                 r"\['exp_avg_sq'\] holds negative values"),
+    "a NaN moment": (_damaged("exp_avg", lambda t, p: t.index_fill(0, torch.tensor([3]), math.nan)), ValueError,
+                     r"\['exp_avg'\] holds inf or NaN"),
+    "a value beyond float32": (_damaged("exp_avg", lambda t, p: t.double().index_fill(0, torch.tensor([1]), 1e300)),
+                               ValueError, r"\['exp_avg'\] holds inf or NaN once converted"),
+    "a missing step": (_damaged("step", None), ValueError, r" has no 'step'"),
+    "a fractional step": (_damaged("step", lambda t, p: torch.tensor(2.5, dtype=torch.float64)), ValueError,
+                          r"\['step'\] must be a whole number"),
+}
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("damage", CORRUPT_CHECKPOINTS)
+def test_a_corrupt_checkpoint_is_refused_naming_the_entry_and_changes_nothing(damage):
+    params, opt = _trained("u8", "u4", amsgrad=False)
+    change, error, message = CORRUPT_CHECKPOINTS[damage]
+    sd = opt.state_dict()
+    change(sd, params)
+    given = copy.deepcopy(sd)
+    target_params, target = _trained("u8", "u4", amsgrad=False, steps=2)
+    before = optimizer_snapshot(target)
+    with pytest.raises(error, match=r"state_dict\['state'\]\[0\]" + message):
+        target.load_state_dict(sd)
+    assert_same_snapshot(before, optimizer_snapshot(target))
+    assert_tree_bitwise_equal(sd, given, "the given dict")
+    _train_steps(target_params, target, 1, first=2)  # and it still trains
+
+
+def _set_state(key, make):
+    def damage(opt, p):
+        opt.state[p][key] = make(p)
+    return damage
+
+
+# what may be put into optimizer.state[p] of the (9, 31) param of an optimizer with 8-bit exp_avg, 4-bit exp_avg_sq
+CORRUPT_STATES = {
+    "8-bit codes of the wrong shape": (_set_state("exp_avg", lambda p: torch.zeros(p.numel() - 1, dtype=torch.uint8)),
+                                       r"\['exp_avg'\] has shape"),
+    "4-bit codes unpacked": (_set_state("exp_avg_sq", lambda p: torch.zeros(p.numel(), dtype=torch.uint8)),
+                             r"\['exp_avg_sq'\] has shape \(279,\) but 4-bit codes"),
+    "missing scales": (lambda opt, p: opt.state[p].pop("exp_avg_scale"), r"\['exp_avg_scale'\] must hold"),
+    "scales of the wrong dtype": (_set_state("exp_avg_scale", lambda p: torch.ones(2, dtype=torch.float64)),
+                                  r"\['exp_avg_scale'\] must hold"),
+    "too few scales": (_set_state("exp_avg_sq_scale", lambda p: torch.ones(1, dtype=torch.bfloat16)),
+                       r"\['exp_avg_sq_scale'\] must be a"),
+    "negative scales": (_set_state("exp_avg_scale", lambda p: -torch.ones(2)),
+                                 r"\['exp_avg_scale'\] holds negative"),
+}
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("damage", CORRUPT_STATES)
+def test_corrupt_low_bit_state_is_refused_at_the_step_naming_the_param_and_changes_nothing(damage, backend):
+    params, opt = _trained("u8", "u4", amsgrad=False)
+    for p, g in zip(params, _randn_grads(params, 4)):
+        p.grad = g
+    change, message = CORRUPT_STATES[damage]
+    change(opt, params[0])
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*" + message):
+        opt.step()
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
+# ---- with loss scaling, step_in_backward, and a NaN nothing skips ----------------------------------------------------
+
+def _bf16_params(seed=0, shapes=((7, 37), (5,), ())):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=g).to(torch.bfloat16)) for shape in shapes]
+
+
+# ---- loss scaling with stochastic rounding -------------------------------------------------------------------------
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("max_grad_norm", [None, 1e3], ids=["unclipped", "clip-norm"])
+@pytest.mark.parametrize("moments", ["u8", "u4", "fp32"])
+def test_a_scaled_step_with_stochastic_rounding_leaves_the_unscaled_gradients(moments, max_grad_norm, backend):
+    """bfloat16 params without masters, stochastic_rounding=True: after step(grad_scale=s), p.grad holds g / s (as
+    for every other param type), and the params and states equal those of the same step on unscaled gradients."""
+    runs = []
+    for scale in (1.0, 256.0):
+        params = _bf16_params()
+        opt = FusedAdam(params, lr=1e-2, weight_decay=0.1, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8,
+                        exp_avg_dtype=STATE_DTYPES[moments], exp_avg_sq_dtype=STATE_DTYPES[moments],
+                        stochastic_rounding=True, stochastic_rounding_seed=5, max_grad_norm=max_grad_norm)
+        for step in range(2):
+            grads = _randn_grads(params, step)
+            for p, g in zip(params, grads):
+                p.grad = (g.float() * scale).to(torch.bfloat16)  # (exact: a power of two)
+            opt.step(grad_scale=scale if scale != 1.0 else None)
+            for i, (p, g) in enumerate(zip(params, grads)):
+                assert torch.equal(bits(p.grad), bits(g)), f"param {i}: p.grad is not g / grad_scale after step {step}"
+        runs.append(optimizer_snapshot(opt))
+    assert_same_snapshot(runs[0], runs[1])
+
+
+# ---- step_in_backward --------------------------------------------------------------------------------------------
+
+
+def _insert_first(opt, params, extra):
+    opt.param_groups[0]["params"].insert(0, extra)
+
+
+def _append(opt, params, extra):
+    opt.param_groups[0]["params"].append(extra)
+
+
+def _remove(opt, params, extra):
+    opt.param_groups[0]["params"].remove(params[0])
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("change", [_insert_first, _append, _remove], ids=["inserted", "appended", "removed"])
+@pytest.mark.parametrize("moments", ["u8", "u4"])
+def test_step_in_backward_with_stochastic_rounding_follows_params_moved_by_an_earlier_group(moments, change,
+                                                                                          backend):
+    """Two param groups of bf16 params with stochastic rounding; after two steps a param is put into (or taken out of)
+    the first group, which moves every param of the second one over all groups. Updating in backward
+    (step_in_backward=True, then step() for params without a hook yet) gives step()'s bits for every param."""
+    runs = []
+    for in_backward in (False, True):
+        params = _bf16_params(shapes=((300,), (7, 5), (2, 150)))
+        extra = torch.nn.Parameter(torch.linspace(-1, 1, 40).to(torch.bfloat16))
+        opt = FusedAdam([{"params": params[:1]}, {"params": params[1:]}], lr=1e-3, exp_avg_dtype=STATE_DTYPES[moments],
+                        exp_avg_sq_dtype=STATE_DTYPES[moments], stochastic_rounding=True, stochastic_rounding_seed=9,
+                        step_in_backward=in_backward)
+        for step in range(4):
+            if step == 2:
+                change(opt, params, extra)
+            trained = [p for group in opt.param_groups for p in group["params"]]
+            g = torch.Generator().manual_seed(step)
+            loss = sum((p.float() * torch.randn(p.shape, generator=g)).sum() for p in trained)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in params + [extra]])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(bits(a), bits(b)), f"param {i}: step_in_backward differs from step()"
+
+
+@pytest.mark.no_interpreter
+def test_master_weights_switched_on_under_stochastic_rounding_is_refused_in_backward(backend):
+    """optimizer.master_weights = True after steps with stochastic_rounding=True and step_in_backward=True: the next
+    update in backward raises the ValueError step() raises, naming the group and the option, and changes nothing
+    (no master appears, the param keeps its bits)."""
+    params = _bf16_params()
+    opt = FusedAdam(params, lr=1e-2, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint4,
+                    stochastic_rounding=True, step_in_backward=True)
+    for step in range(2):
+        sum(p.float().sum() * (step + 1) for p in params).backward()
+        opt.zero_grad()
+    opt.master_weights = True
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: stochastic_rounding=True .* master weights"):
+        sum(p.float().sum() for p in params).backward()
+    for p in params:
+        p.grad = None  # (the gradients the refused update left)
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
+# ---- the backends agree ----------------------------------------------------------------------------------------------
+
+# the kernel that ships here (the Triton one under ORT_OPTIM_BACKEND=triton), checked against the reference
+KERNEL = "triton" if os.environ.get("ORT_OPTIM_BACKEND") == "triton" else "native"
+
+
+def _snapshot_nan_equal(opt):
+    """optimizer_snapshot with every NaN made the same NaN (their sign and payload bits are not specified)."""
+    snap = optimizer_snapshot(opt)
+    return {key: torch.where(value.isnan(), torch.full_like(value, float("nan")).abs(), value)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() else value for key, value in snap.items()}
+
+
+@pytest.mark.no_interpreter
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("moments", [("u8", "u8"), ("u4", "u4"), ("fp16", "u4"), ("u8", "fp16"), ("fp32", "bf16")],
+                         ids="-".join)
+def test_a_nan_gradient_that_nothing_skips_leaves_the_same_bits_on_every_backend(moments, amsgrad, monkeypatch):
+    """A gradient holding a NaN that nothing skips (no grad_scale, no max_grad_norm: as torch, the step is taken)
+    leaves the kernel and the reference with the same params and states: amsgrad's running maximum (a NaN v keeps
+    the old maximum, as std::max), and the block scale of an fp16 moment whose block holds the NaN (1, as for any
+    non-finite block)."""
+    runs = []
+    for backend in ("torch", KERNEL):
+        select_backend(monkeypatch, backend)
+        g = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(300, generator=g)), torch.nn.Parameter(torch.randn(7, 5, generator=g))]
+        opt = FusedAdam(params, lr=1e-2, amsgrad=amsgrad, exp_avg_dtype=STATE_DTYPES[moments[0]],
+                        exp_avg_sq_dtype=STATE_DTYPES[moments[1]])
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            if step == 1:
+                params[0].grad[3] = float("nan")
+            opt.step()
+        runs.append(_snapshot_nan_equal(opt))
+    assert_same_snapshot(runs[0], runs[1])
+
+
+# ---- how much the formats change the update (a bound per format) --------------------------------------------------
+# The update-space error: the expected squared change of the update m / sqrt(v) that storing one moment causes
+# (exp_avg rounded stochastically, sqrt(v) to its level nearest in 1/sqrt(v)), over the update's own squared size, on
+# block data shaped like Adam's moments (per block a scale over four decades, most elements between 5% and 50% of
+# their block's largest, a heavy tail). It has no training noise, so it tells a change of the levels from a lucky
+# seed; guides/low-bit-states.md ("Candidate 4-bit levels") has what it did and did not predict about training loss.
 
 
 def _moment_like_blocks(seed: int, blocks: int = 400) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,8 +1651,8 @@ def _update_error(m, v, m_hat, v_hat) -> float:
 
 
 def _round_trip(values, fmt, second_moment, step):
-    codes, scales = reference_backend.quantize_low_bit(values, fmt, second_moment, step)
-    return reference_backend.dequantize_low_bit(codes, scales, fmt, second_moment, values.shape)
+    codes, scales = formats.quantize_low_bit(values, fmt, second_moment, step)
+    return formats.dequantize_low_bit(codes, scales, fmt, second_moment, values.shape)
 
 
 # (exp_avg, sqrt(v)) bounds: measured on seeds 0-2 (5 stochastic roundings each) with about 10% headroom.

@@ -1,0 +1,308 @@
+// The Adam kernel: the update (adam_loop, the math on one screen), the staging of each block between its storage
+// format and float (or double) scratch arrays, and the one parallel loop over the work items.
+//
+// Shape of the kernel: every tensor is cut into chunks of kChunk elements, all (tensor, chunk) work items of the
+// call go into ONE at::parallel_for, and each chunk is processed in blocks of kBlock elements that are first
+// converted into small float (or double) scratch arrays. The Adam math then runs over plain arrays, which the compiler
+// vectorises; the fp16/bf16 conversions around it are explicit (F16C, bit tricks), because c10::Half in a loop
+// stays scalar and runs at a tenth of memory speed.
+
+#include "adam_kernel.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "conversions.h"
+#include "low_bit.h"
+#include "rounding.h"
+
+namespace ort_optim {
+namespace {
+
+// |x| as bits: orders like |x| for non-NaN floats, and an integer max vectorises (a float max does not without
+// fast-math). A NaN's bits exceed infinity's, so a block with a NaN still reads as non-finite.
+inline uint32_t abs_bits(float x) { return float_to_bits(x) & 0x7FFFFFFFu; }
+
+// Block maxima of |m|, |v| and |vmax| as abs_bits, for the fp16 quantiser.
+struct BlockMax {
+  uint32_t m = 0, v = 0, vmax = 0;
+  double grad_squares = 0.0;  // the block's sum of g * g (the gradients as loaded), in T, summed in vector lanes
+};
+
+// The Adam update of one block, element by element (ops/README.md, "adam_step_", is the specification):
+//
+//   g = grad * grad_mul                      grad_mul: 1 / loss scale, times the clip coefficient, negated to maximize
+//   g = g + wd * p                           mode 0 (Adam, L2): the decay enters the moments
+//   p = p * (1 - lr * wd)                    mode 2 (torch AdamW): decoupled decay, before the update
+//   m = m + (1 - beta1) * (g - m)            = beta1 * m + (1 - beta1) * g, in torch's lerp form
+//   v = v * beta2 + (1 - beta2) * g * g
+//   vmax = max(vmax, v); v = vmax            amsgrad: the max of the raw v, bias correction after
+//   p = p - lr / bc1 * (m / (sqrt(v) / sqrt(bc2) + eps))          mode 2 (step_size = lr / bc1)
+//   p = p - lr * sqrt(bc2) / bc1 * (m / (sqrt(v) + eps))          modes 0, 1 (ORT/HF: eps outside the correction)
+//   p = p - lr * wd * p                      mode 1 (HF AdamW): decoupled decay, after the update
+//
+// with bc1 = 1 - beta1^t, bc2 = 1 - beta2^t (t: the param's step, from 1), formed in double per tensor (TensorWork).
+// Every operation is rounded separately (-ffp-contract=off), so the Triton kernels give the same bits.
+//
+// kAmax: also find the block maxima (when a state is stored as scaled fp16), in the same pass rather than in one more
+// pass per state. kRoot: also write sqrt(v) (sqrt(vmax) with amsgrad), which a low-bit second moment stores, to root.
+template <typename T, int64_t kMode, bool kAmsgrad, bool kAmax, bool kRoot = false>
+BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
+                   T* __restrict__ vmax, int64_t n, const TensorWork& w, const Hyper& h,
+                   T* __restrict__ root = nullptr) {
+  const T grad_mul = T(h.grad_mul), b2 = T(h.beta2), one_minus_b1 = T(1.0 - h.beta1),
+          one_minus_b2 = T(1.0 - h.beta2);
+  const T eps = T(h.eps), wd = T(h.weight_decay), step_size = T(w.step_size), bc2_sqrt = T(w.bc2_sqrt);
+  const T torch_decay = T(1.0 - h.lr * h.weight_decay);  // mode 2: p *= 1 - lr*wd, in double like torch
+  const T hf_decay = T(h.lr * h.weight_decay);           // mode 1: p -= lr*wd*p after the update
+  uint32_t max_m = 0, max_v = 0, max_vmax = 0;
+  // The gradients' sum of squares rides along (the plain step's norm: one multiply-add per element of a loop that
+  // loads g anyway); the simd reduction lets its additions run in vector lanes, as a sum needs reassociating.
+  T squares = T(0);
+#pragma omp simd reduction(+ : squares) reduction(max : max_m, max_v, max_vmax)
+  for (int64_t i = 0; i < n; ++i) {
+    squares += g[i] * g[i];
+    T gi = g[i] * grad_mul;  // unscale (and negate for maximize)
+    if (kMode == kAdamL2) gi = gi + wd * p[i];  // L2: the decay enters the moments (not written back to .grad)
+    if (kMode == kAdamWTorch) p[i] = p[i] * torch_decay;
+    m[i] = m[i] + one_minus_b1 * (gi - m[i]);  // = b1*m + (1-b1)*g, in torch's lerp form
+    v[i] = v[i] * b2 + one_minus_b2 * gi * gi;
+    T vi = v[i];
+    if (kAmsgrad) {
+      vmax[i] = std::max(vmax[i], vi);  // the max of the raw v; bias correction comes after
+      vi = vmax[i];
+    }
+    const T sqrt_vi = std::sqrt(vi);
+    if constexpr (kRoot) root[i] = sqrt_vi;
+    if (kMode == kAdamWTorch) {
+      p[i] = p[i] - step_size * (m[i] / (sqrt_vi / bc2_sqrt + eps));
+    } else {  // ORT/HF placement: eps outside the corrected sqrt, correction folded into the step size
+      p[i] = p[i] - step_size * (m[i] / (sqrt_vi + eps));
+      if (kMode == kAdamWTransformers) p[i] = p[i] - hf_decay * p[i];
+    }
+    if constexpr (kAmax) {
+      max_m = std::max(max_m, abs_bits(m[i]));
+      max_v = std::max(max_v, abs_bits(v[i]));
+      if (kAmsgrad) max_vmax = std::max(max_vmax, abs_bits(vmax[i]));
+    }
+  }
+  return {max_m, max_v, max_vmax, double(squares)};
+}
+
+template <typename T>
+struct Scratch {
+  T p[kBlock], g[kBlock], m[kBlock], v[kBlock], vmax[kBlock], root[kBlock];
+};
+
+// second_moment: the state is exp_avg_sq or max_exp_avg_sq, whose scaled fp16 and low-bit codes hold sqrt(v).
+template <typename T>
+void load_state(const void* base, at::ScalarType type, const float* scales, int64_t off, int64_t n, T* dst,
+                const LowBit* low_bit = nullptr, bool second_moment = false) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (low_bit) {
+      low_bit_load(*low_bit, second_moment, static_cast<const uint8_t*>(base), scales, off, n, dst);
+      return;
+    }
+  }
+  T mul = scales ? T(1) / T(scales[off / kBlock]) : T(1);
+  const char* src = static_cast<const char*>(base) + off * c10::elementSize(type);
+  if constexpr (std::is_same_v<T, float>) {
+    if (scales && second_moment && spec::kFp16SqrtSecondMoment) {  // (scales: an fp16 state) v = u * u
+      half_to_float<true>(reinterpret_cast<const uint16_t*>(src), n, dst, mul);
+      return;
+    }
+  }
+  load<T>(src, type, n, dst, mul);
+}
+
+template <typename T>
+void store_state(const T* src, void* base, at::ScalarType type, float* scales, int64_t off, int64_t n,
+                 uint32_t amax_bits, const LowBit* low_bit = nullptr, bool second_moment = false,
+                 const float* root = nullptr, uint32_t step = 0) {
+  char* dst = static_cast<char*>(base) + off * c10::elementSize(type);
+  if constexpr (std::is_same_v<T, float>) {
+    if (low_bit) {
+      low_bit_store(*low_bit, second_moment, src, root, off, n, static_cast<uint8_t*>(base), scales, step);
+      return;
+    }
+    if (scales && second_moment && spec::kFp16SqrtSecondMoment) {
+      // sqrt(v) as the update took it (root), else taken here: the same correctly rounded float32 sqrt either way.
+      // max sqrt(v) = sqrt(max v): sqrt is monotonic and correctly rounded.
+      float u[kBlock];
+      if (root == nullptr) {
+        for (int64_t i = 0; i < n; ++i) u[i] = std::sqrt(src[i]);
+        root = u;
+      }
+      store_fp16_scaled(root, n, reinterpret_cast<uint16_t*>(dst), scales + off / kBlock,
+                        float_to_bits(std::sqrt(bits_to_float(amax_bits))) & 0x7FFFFFFFu);
+      return;
+    }
+    if (scales) {
+      store_fp16_scaled(src, n, reinterpret_cast<uint16_t*>(dst), scales + off / kBlock, amax_bits);
+      return;
+    }
+  }
+  store<T>(src, n, dst, type);
+}
+
+// The block [off, off + n) of a tensor as T values: the storage itself when it already holds plain T values
+// (fp32 and fp64 tensors are updated in place), else the scratch array filled by conversion.
+template <typename T>
+T* stage(const void* base, at::ScalarType type, const float* scales, int64_t off, int64_t n, T* scratch,
+         const LowBit* low_bit = nullptr, bool second_moment = false) {
+  if (type == c10::CppTypeToScalarType<T>::value && scales == nullptr) {
+    return const_cast<T*>(static_cast<const T*>(base)) + off;
+  }
+  load_state<T>(base, type, scales, off, n, scratch, low_bit, second_moment);
+  return scratch;
+}
+
+// One block of one tensor: [off, off + n) with off a multiple of kBlock.
+// grad_squares receives the block's sum of squares of the gradients as loaded (adam_loop's).
+template <typename T, int64_t kMode, bool kAmsgrad>
+void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s, double& grad_squares) {
+  T* g = stage<T>(w.grad, w.grad_type, nullptr, off, n, s.g);
+  T* p = w.master ? stage<T>(w.master, at::kFloat, nullptr, off, n, s.p)
+                  : stage<T>(w.param, w.param_type, nullptr, off, n, s.p);
+  T* m = stage<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m, w.exp_avg_low_bit, false);
+  T* v = stage<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v, w.exp_avg_sq_low_bit, true);
+  T* vmax = kAmsgrad ? stage<T>(w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.vmax,
+                                w.exp_avg_sq_low_bit, true)
+                     : s.vmax;
+  BlockMax max;
+  // A low-bit or scaled fp16 second moment stores the square root that the update takes: kept (in s.root), it is
+  // taken once.
+  const float* root = nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    const bool amax = (w.exp_avg_scale && !w.exp_avg_low_bit) || (w.exp_avg_sq_scale && !w.exp_avg_sq_low_bit);
+    if (w.exp_avg_sq_low_bit || (w.exp_avg_sq_scale && spec::kFp16SqrtSecondMoment)) {
+      root = s.root;
+      max = amax ? adam_loop<T, kMode, kAmsgrad, true, true>(p, g, m, v, vmax, n, w, h, s.root)
+                 : adam_loop<T, kMode, kAmsgrad, false, true>(p, g, m, v, vmax, n, w, h, s.root);
+    } else if (amax) {
+      max = adam_loop<T, kMode, kAmsgrad, true>(p, g, m, v, vmax, n, w, h);
+    } else {
+      max = adam_loop<T, kMode, kAmsgrad, false>(p, g, m, v, vmax, n, w, h);
+    }
+  } else {
+    max = adam_loop<T, kMode, kAmsgrad, false>(p, g, m, v, vmax, n, w, h);
+  }
+  grad_squares = max.grad_squares;
+
+  // Write back what was staged.
+  if (m == s.m) {
+    store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, max.m, w.exp_avg_low_bit, false, nullptr,
+                   w.step);
+  }
+  if (v == s.v) {
+    store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, max.v, w.exp_avg_sq_low_bit, true,
+                   kAmsgrad ? nullptr : root);
+  }
+  if (kAmsgrad && vmax == s.vmax) {
+    store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, max.vmax,
+                   w.exp_avg_sq_low_bit, true, root);
+  }
+  // With a master, p is the master itself (updated in place) and the param receives it rounded.
+  if (w.master || p == s.p) {
+    char* dst = static_cast<char*>(w.param) + off * c10::elementSize(w.param_type);
+    bool stored = false;
+    if constexpr (std::is_same_v<T, float>) {
+      if (w.stochastic) {  // (and then on to the gradient's write-back below, as for every other param)
+        float_to_bf16_stochastic(p, n, reinterpret_cast<uint16_t*>(dst), w.round_key, off);
+        stored = true;
+      }
+    }
+    if (!stored) store<T>(p, n, dst, w.param_type);
+  }
+  // The unscaled gradient back into .grad, as torch's fused AdamW: g / grad_scale (a division, not the multiplication
+  // by inv_grad_scale, which may hold the clip coefficient too), rounded to the gradient's dtype. g still holds the
+  // gradient as loaded (adam_loop only reads it), in L1: the cost is the write.
+  if (h.grad_scale != 0.0) {
+    const T scale = T(h.grad_scale);
+    char* dst = static_cast<char*>(w.grad) + off * c10::elementSize(w.grad_type);
+    if constexpr (std::is_same_v<T, float>) {
+      // A power-of-two scale (GradScaler's are) has an exact reciprocal (unless the scale is below 2^-127: then it
+      // overflows), and g * (1 / scale) rounds the same real number as g / scale, so it gives the same bits: a
+      // multiply, fused into the fp16/bf16 conversion.
+      int exponent;
+      const float inv = 1.0f / scale;
+      if (std::frexp(scale, &exponent) == 0.5f && std::isfinite(inv)) {
+        if (g != s.g) {
+          for (int64_t i = 0; i < n; ++i) g[i] = g[i] * inv;
+        } else if (w.grad_type == at::kHalf) {
+          float_to_half(s.g, n, reinterpret_cast<uint16_t*>(dst), inv);
+        } else {
+          float_to_bf16(s.g, n, reinterpret_cast<uint16_t*>(dst), inv);
+        }
+        return;
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) g[i] = g[i] / scale;
+    if (g == s.g) store<T>(s.g, n, dst, w.grad_type);
+  }
+}
+
+void prefetch_item(const TensorWork& w, const WorkItem& item) {
+  prefetch_range(w.grad, c10::elementSize(w.grad_type), item.begin, item.end);
+  prefetch_range(w.master ? static_cast<const void*>(w.master) : w.param,
+                 w.master ? sizeof(float) : c10::elementSize(w.param_type), item.begin, item.end);
+  prefetch_range(w.exp_avg, c10::elementSize(w.exp_avg_type), item.begin, item.end);
+  prefetch_range(w.exp_avg_sq, c10::elementSize(w.exp_avg_sq_type), item.begin, item.end);
+}
+
+template <typename T, int64_t kMode, bool kAmsgrad>
+void run_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& items, const Hyper& h,
+              double* grad_squares) {
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch<T> scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      const WorkItem& item = items[i];
+      if (i + 1 < end) prefetch_item(work[items[i + 1].tensor], items[i + 1]);
+      double item_squares = 0.0;
+      for (int64_t off = item.begin; off < item.end; off += kBlock) {
+        double block_squares;
+        adam_block<T, kMode, kAmsgrad>(work[item.tensor], h, off, std::min(kBlock, item.end - off), scratch,
+                                       block_squares);
+        item_squares += block_squares;
+      }
+      if (grad_squares != nullptr) grad_squares[i] = item_squares;
+    }
+  });
+}
+
+}  // namespace
+
+std::vector<WorkItem> make_work_items(const std::vector<int64_t>& numels) {
+  std::vector<WorkItem> items;
+  for (int64_t t = 0; t < int64_t(numels.size()); ++t) {
+    for (int64_t b = 0; b < numels[t]; b += kChunk) items.push_back({t, b, std::min(numels[t], b + kChunk)});
+  }
+  return items;
+}
+
+template <typename T>
+void dispatch_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& items, const Hyper& h,
+                   bool amsgrad, double* grad_squares) {
+  switch (h.mode) {
+    case kAdamL2:
+      return amsgrad ? run_adam<T, kAdamL2, true>(work, items, h, grad_squares)
+                     : run_adam<T, kAdamL2, false>(work, items, h, grad_squares);
+    case kAdamWTransformers:
+      return amsgrad ? run_adam<T, kAdamWTransformers, true>(work, items, h, grad_squares)
+                     : run_adam<T, kAdamWTransformers, false>(work, items, h, grad_squares);
+    default:
+      return amsgrad ? run_adam<T, kAdamWTorch, true>(work, items, h, grad_squares)
+                     : run_adam<T, kAdamWTorch, false>(work, items, h, grad_squares);
+  }
+}
+
+template void dispatch_adam<float>(const std::vector<TensorWork>&, const std::vector<WorkItem>&, const Hyper&, bool,
+                                   double*);
+template void dispatch_adam<double>(const std::vector<TensorWork>&, const std::vector<WorkItem>&, const Hyper&, bool,
+                                    double*);
+
+}  // namespace ort_optim

@@ -1,0 +1,327 @@
+// Low-bit states: the encoders and decoders of one block of 8-bit or 4-bit codes, and the loads and stores of a
+// range of elements built from them (formats in low_bit.h, specification in ops/README.md, "Low-bit states").
+//
+// The formats (block size, scale dtype, code levels) come from ort_optim/_spec.py through ort_optim_spec.h. A value
+// is quantised by normalising it with its block's scale and taking the level index #{j : threshold[j] <= a}. The
+// portable path finds it with one table lookup on the float's top bits (exponent and 8 mantissa bits, so no bucket
+// holds two thresholds: checked when the map is built) plus one comparison, instead of a binary search over the
+// levels. With AVX-512 (ORT_OPTIM_LOW_BIT_AVX512) 16 elements go at once and give the same bits: 8-bit codes decode
+// by permutes of the 256 levels held in registers and encode through a packed bucket table (the bucket's code and
+// its threshold's low bits, so the comparison needs no second lookup) read with scalar loads; 4-bit codes decode by
+// a permute of the 16 levels held in a register and encode by a binary search over the thresholds in registers.
+// The scalar path takes about 15x the fp32-moment step's time, the vectorised one 2-5x (guides/low-bit-states.md,
+// "Speed", has the measurements and why the remaining cost is compute, not bytes).
+
+#include "low_bit.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "rounding.h"
+
+namespace ort_optim {
+namespace {
+
+template <size_t N, size_t M>
+LowBit make_low_bit(int bits, int block, bool bf16_scales, const float (&m_levels)[N], const float (&m_thresholds)[N - 1],
+                    const float (&v_levels)[M], const float (&v_thresholds)[M - 1]) {
+  return LowBit{bits, block, bf16_scales, CodeMap(m_levels, m_thresholds, int(N), true, bits, spec::kExpAvgSnap),
+                CodeMap(v_levels, v_thresholds, int(M), false, bits, 1.0f)};
+}
+
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+// t[idx] for 16 indices in [0, 128), t in 8 registers: four 2-register permutes on the low 5 bits, bits 5 and 6 pick.
+inline __m512 lookup128(const __m512* t, __m512i idx) {
+  __m512 r[4];
+  for (int k = 0; k < 4; ++k) r[k] = _mm512_permutex2var_ps(t[2 * k], idx, t[2 * k + 1]);
+  const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+  const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+  return _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[0], r[1]), _mm512_mask_blend_ps(b5, r[2], r[3]));
+}
+#endif
+
+// d[0, len) = the values of one block's codes c (8-bit: one per byte; 4-bit: element 2j in the low nibble of byte
+// j), scale s; v = u * u for a second moment. The scalar loops are the reference and do the vector loops' tails.
+template <int kBits, bool kSecondMoment>
+void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, float* d) {
+  const float* decode = map.decode();
+  int64_t i = 0;
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+  const __m512 s16 = _mm512_set1_ps(s);
+  if constexpr (kBits == 8 && !kSecondMoment) {
+    // exp_avg: sign-magnitude codes, so the 128 magnitudes (lookup128) and the code's top bit as the float's sign
+    const __m512 table[8] = {_mm512_load_ps(decode), _mm512_load_ps(decode + 16), _mm512_load_ps(decode + 32),
+                             _mm512_load_ps(decode + 48), _mm512_load_ps(decode + 64), _mm512_load_ps(decode + 80),
+                             _mm512_load_ps(decode + 96), _mm512_load_ps(decode + 112)};
+    for (; i + 16 <= len; i += 16) {
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
+      const __m512i sign = _mm512_and_si512(_mm512_slli_epi32(idx, 24), _mm512_set1_epi32(int(0x80000000u)));
+      const __m512 x = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(lookup128(table, idx)), sign));
+      _mm512_storeu_ps(d + i, _mm512_mul_ps(x, s16));
+    }
+  } else if constexpr (kBits == 8) {
+    // The 256 levels in 16 registers: eight 2-register permutes look up the code's low 5 bits in each 32-level
+    // eighth of the table, and its top 3 bits pick one of the eight (a gather is twice as slow on AMD Zen 4).
+    __m512 table[16];
+    for (int k = 0; k < 16; ++k) table[k] = _mm512_load_ps(decode + 16 * k);
+    for (; i + 16 <= len; i += 16) {
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
+      __m512 r[8];
+      for (int k = 0; k < 8; ++k) r[k] = _mm512_permutex2var_ps(table[2 * k], idx, table[2 * k + 1]);
+      const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+      const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+      const __mmask16 b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
+      for (int k = 0; k < 4; ++k) r[k] = _mm512_mask_blend_ps(b5, r[2 * k], r[2 * k + 1]);
+      for (int k = 0; k < 2; ++k) r[k] = _mm512_mask_blend_ps(b6, r[2 * k], r[2 * k + 1]);
+      __m512 x = _mm512_mul_ps(_mm512_mask_blend_ps(b7, r[0], r[1]), s16);
+      if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
+      _mm512_storeu_ps(d + i, x);
+    }
+  } else {
+    const __m512 table = _mm512_load_ps(decode);
+    for (; i + 16 <= len; i += 16) {
+      // 8 bytes -> 16 codes in order: byte j, then byte j >> 4; the permute reads only each lane's low 4 bits
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i / 2));
+      const __m128i codes = _mm_unpacklo_epi8(bytes, _mm_srli_epi16(bytes, 4));
+      __m512 x = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table), s16);
+      if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
+      _mm512_storeu_ps(d + i, x);
+    }
+  }
+#endif
+  for (; i < len; ++i) {
+    const float x = (kBits == 8 ? decode[c[i]] : decode[(c[i >> 1] >> ((i & 1) * 4)) & 15]) * s;
+    d[i] = kSecondMoment ? x * x : x;
+  }
+}
+
+// The random bits of exp_avg's stochastic rounding: a hash of the value's float32 bits, its element index e and the
+// step (_spec.EXP_AVG_SR_ULPS).
+inline uint32_t exp_avg_random_bits(float x, uint64_t e, uint32_t step) {
+  return fmix32(fmix32(float_to_bits(x) ^ (uint32_t(e) * 0x9E3779B1u)) ^ (step * 0x85EBCA77u + 0x6A09E667u));
+}
+
+// dst[0, n) = the values of elements [off, off + n) (off a multiple of the format's block); v = u * u for a second
+// moment.
+template <int kBits, bool kSecondMoment>
+void low_bit_load(const LowBit& f, const uint8_t* codes, const void* scales, int64_t off, int64_t n, float* dst) {
+  const CodeMap& map = f.map(kSecondMoment);
+  for (int64_t q = 0; q < n; q += f.block) {
+    const int64_t len = std::min<int64_t>(f.block, n - q);
+    const uint8_t* c = kBits == 8 ? codes + off + q : codes + (off + q) / 2;
+    decode_block<kBits, kSecondMoment>(map, c, f.scale(scales, (off + q) / f.block), len, dst + q);
+  }
+}
+
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+inline __m512i fmix32x16(__m512i x) {  // fmix32 on 16 lanes
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0x85EBCA6Bu)));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0xC2B2AE35u)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+#endif
+
+// Codes of one block of (finite) values u[0, len) with 1 / scale inv, written as the format stores them. Signed:
+// exp_avg's map (sign-magnitude codes).
+template <int kBits, bool kSigned>
+void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, uint8_t* out, uint64_t first_index,
+                  uint32_t step) {
+  const int sign_bit = map.sign_bit();
+  int64_t i = 0;
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+  const __m512 inv16 = _mm512_set1_ps(inv);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  const int64_t vector_end = len & ~int64_t(15);
+  alignas(64) uint32_t keys[256], entries[256];
+  if constexpr (kBits == 8) {
+    for (; i < vector_end; i += 16) {
+      const __m512 x = _mm512_loadu_ps(u + i);
+      const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
+      _mm512_store_si512(keys + i, map.bucket_keys(a));
+    }
+    for (i = 0; i < vector_end; ++i) {
+      uint32_t key = keys[i];
+#ifdef __GNUC__
+      asm("" : "+r"(key));  // keeps the loop scalar: vectorised, the compiler emulates a gather, slower still
+#endif
+      entries[i] = map.entry(key);
+    }
+  }
+  // exp_avg's stochastic rounding: its levels and gaps in registers (8 or 1 of each: 128 or 16 entries), and
+  // each lane's e * 0x9E3779B1 (e = first_index + i + lane), advanced by 16 * 0x9E3779B1 per iteration.
+  constexpr int kTableRegs = kBits == 8 ? 8 : 1;
+  __m512 level_table[kTableRegs], gap_table[kTableRegs];
+  __m512i e_hash = _mm512_setzero_si512();
+  if constexpr (kSigned) {
+    for (int k = 0; k < kTableRegs; ++k) {
+      level_table[k] = _mm512_load_ps(map.decode() + 16 * k);
+      gap_table[k] = _mm512_load_ps(map.gap() + 16 * k);
+    }
+    e_hash = _mm512_mullo_epi32(
+        _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(first_index))),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        _mm512_set1_epi32(int(0x9E3779B1u)));
+  }
+  for (i = 0; i < vector_end; i += 16) {
+    const __m512 x = _mm512_loadu_ps(u + i);
+    __m512i code;
+    if constexpr (kBits == 8) {
+      code = CodeMap::codes_of_entries(_mm512_load_si512(keys + i), _mm512_load_si512(entries + i));
+    } else {
+      const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
+      code = map.magnitude_codes_by_search<kSigned ? 8 : 16>(a);
+    }
+    if constexpr (kSigned) {  // stochastically one level up: CodeMap::stochastic_magnitude_code, 16 lanes
+      const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
+      const __m512 lowered = _mm512_castsi512_ps(_mm512_max_epi32(
+          _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(int(spec::kExpAvgSrUlps))), _mm512_setzero_si512()));
+      // lo = levels[code] and hi - lo from registers (permutes, not gathers: a 16-lane gather costs about as much as
+      // the rest of this loop on Zen 4)
+      __m512 lo, gap;
+      if constexpr (kBits == 8) {
+        lo = lookup128(level_table, code);
+        gap = lookup128(gap_table, code);
+      } else {
+        lo = _mm512_permutexvar_ps(code, level_table[0]);
+        gap = _mm512_permutexvar_ps(code, gap_table[0]);
+      }
+      __m512i r = _mm512_xor_si512(_mm512_castps_si512(x), e_hash);  // e * 0x9E3779B1, stepped by addition
+      e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(16u * 0x9E3779B1u)));
+      r = _mm512_xor_si512(fmix32x16(r), _mm512_set1_epi32(int(step * 0x85EBCA77u + 0x6A09E667u)));
+      r = fmix32x16(r);
+      const __m512 threshold = _mm512_mul_ps(
+          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), _mm512_set1_ps(0x1p-24f)), gap);
+      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(lowered, lo), threshold, _CMP_GT_OQ) &
+                           _mm512_cmpgt_epi32_mask(code, _mm512_setzero_si512()) &
+                           _mm512_cmplt_epi32_mask(code, _mm512_set1_epi32(sign_bit - 1));
+      code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
+    }
+    if constexpr (kSigned) {  // the sign, for a non-zero magnitude of a negative value
+      const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ) &
+                                 _mm512_test_epi32_mask(code, code);
+      code = _mm512_mask_or_epi32(code, negative, code, _mm512_set1_epi32(sign_bit));
+    }
+    const __m128i bytes = _mm512_cvtepi32_epi8(code);
+    if constexpr (kBits == 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), bytes);
+    } else {  // element 2j's code in the low nibble of byte j, 2j + 1's in the high one: c[2j] + 16 * c[2j + 1]
+      const __m128i pairs = _mm_maddubs_epi16(bytes, _mm_set1_epi16(0x1001));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), _mm_packus_epi16(pairs, pairs));
+    }
+  }
+#endif
+  uint8_t c[256];
+  const int64_t tail = i;  // the scalar loop does what the vector loop left (and everything without AVX-512)
+  for (; i < len; ++i) {
+    const float a = std::fabs(u[i]) * inv;
+    const int m = kSigned ? map.stochastic_magnitude_code(a, exp_avg_random_bits(u[i], first_index + uint64_t(i), step))
+                          : map.magnitude_code(a);
+    c[i - tail] = uint8_t(m | ((kSigned && u[i] < 0.0f && m > 0) ? sign_bit : 0));
+  }
+  if constexpr (kBits == 8) {
+    std::memcpy(out + tail, c, len - tail);
+  } else {
+    uint8_t* o = out + tail / 2;
+    for (int64_t j = 0; j < len - tail; j += 2) o[j >> 1] = uint8_t(c[j] | ((tail + j + 1 < len ? c[j + 1] : 0) << 4));
+  }
+}
+
+// The bits of the largest |x[i]| (abs_bits ordering: a NaN's exceed infinity's); u = sqrt(x) where sqrt is set
+// (u may be x itself then).
+uint32_t block_amax(const float* x, int64_t len, bool sqrt, float* u) {
+  uint32_t amax = 0;
+  int64_t i = 0;
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+  __m512i amax16 = _mm512_setzero_si512();
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  for (; i + 16 <= len; i += 16) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    if (sqrt) {
+      v = _mm512_sqrt_ps(v);
+      _mm512_storeu_ps(u + i, v);
+    }
+    amax16 = _mm512_max_epu32(amax16, _mm512_and_si512(_mm512_castps_si512(v), abs_mask));
+  }
+  amax = _mm512_reduce_max_epu32(amax16);
+#endif
+  for (; i < len; ++i) {
+    const float v = sqrt ? (u[i] = std::sqrt(x[i])) : x[i];
+    amax = std::max(amax, float_to_bits(v) & 0x7FFFFFFFu);
+  }
+  return amax;
+}
+
+// Writes src[0, n) as the codes and scales of elements [off, off + n). root: sqrt(src) when the caller has it (a
+// second moment's codes hold sqrt(v)), else nullptr.
+template <int kBits, bool kSecondMoment>
+void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t off, int64_t n, uint8_t* codes,
+                   void* scales, uint32_t step) {
+  const CodeMap& map = f.map(kSecondMoment);
+  const bool second_moment = kSecondMoment;
+  float sqrt_v[256];
+  for (int64_t q = 0; q < n; q += f.block) {
+    const int64_t len = std::min<int64_t>(f.block, n - q);
+    const bool take_sqrt = second_moment && !root;
+    const float* u = take_sqrt ? sqrt_v : root ? root + q : src + q;
+    uint32_t amax = block_amax(take_sqrt ? src + q : u, len, take_sqrt, sqrt_v);
+    // The scale: the block's absolute maximum, rounded to nearest even where the format stores bfloat16 scales
+    // (which may overflow to inf: then the block is non-finite, like one holding inf).
+    if (f.bf16_scales && amax < 0x7F800000u) amax = (amax + 0x7FFFu + ((amax >> 16) & 1u)) & 0xFFFF0000u;
+    if (amax < 0x00800000u) amax = 0;  // below float32's smallest normal: a zero block (_spec.MIN_SCALE)
+    uint8_t* out = kBits == 8 ? codes + off + q : codes + (off + q) / 2;
+    float s;
+    if (amax < 0x7F800000u) {
+      s = bits_to_float(amax);
+      encode_block<kBits, !kSecondMoment>(map, u, len, s > 0.0f ? 1.0f / s : 0.0f, out, uint64_t(off + q), step);
+    } else {  // inf or NaN in the block: it reads back as NaN everywhere (scale NaN, codes 0)
+      s = std::numeric_limits<float>::quiet_NaN();
+      std::memset(out, 0, kBits == 8 ? len : (len + 1) / 2);
+    }
+    const int64_t block_index = (off + q) / f.block;
+    if (f.bf16_scales) {
+      static_cast<uint16_t*>(scales)[block_index] = uint16_t(float_to_bits(s) >> 16);
+    } else {
+      static_cast<float*>(scales)[block_index] = s;
+    }
+  }
+}
+
+}  // namespace
+
+const LowBit& q8() {
+  static const LowBit f = make_low_bit(spec::kQ8Bits, spec::kQ8Block, spec::kQ8Bf16Scales, spec::kQ8ExpAvgLevels,
+                                       spec::kQ8ExpAvgThresholds, spec::kQ8ExpAvgSqLevels, spec::kQ8ExpAvgSqThresholds);
+  return f;
+}
+const LowBit& q4() {
+  static const LowBit f = make_low_bit(spec::kQ4Bits, spec::kQ4Block, spec::kQ4Bf16Scales, spec::kQ4ExpAvgLevels,
+                                       spec::kQ4ExpAvgThresholds, spec::kQ4ExpAvgSqLevels, spec::kQ4ExpAvgSqThresholds);
+  return f;
+}
+
+void low_bit_load(const LowBit& f, bool second_moment, const uint8_t* codes, const void* scales, int64_t off,
+                  int64_t n, float* dst) {
+  if (f.bits == 8) {
+    second_moment ? low_bit_load<8, true>(f, codes, scales, off, n, dst)
+                  : low_bit_load<8, false>(f, codes, scales, off, n, dst);
+  } else {
+    second_moment ? low_bit_load<4, true>(f, codes, scales, off, n, dst)
+                  : low_bit_load<4, false>(f, codes, scales, off, n, dst);
+  }
+}
+
+void low_bit_store(const LowBit& f, bool second_moment, const float* src, const float* root, int64_t off, int64_t n,
+                   uint8_t* codes, void* scales, uint32_t step) {
+  if (f.bits == 8) {
+    second_moment ? low_bit_store<8, true>(f, src, root, off, n, codes, scales, step)
+                  : low_bit_store<8, false>(f, src, root, off, n, codes, scales, step);
+  } else {
+    second_moment ? low_bit_store<4, true>(f, src, root, off, n, codes, scales, step)
+                  : low_bit_store<4, false>(f, src, root, off, n, codes, scales, step);
+  }
+}
+
+}  // namespace ort_optim

@@ -1,0 +1,163 @@
+// Low-bit states: the 8-bit and 4-bit block-quantised moment formats (ops/README.md, "Low-bit states"). The formats
+// (block size, scale dtype, code levels) come from ort_optim/_spec.py through the generated ort_optim_spec.h. This
+// header holds the code maps (CodeMap), the two formats (q8, q4) and the loads and stores of a range of elements,
+// which the Adam kernel calls per block; low_bit.cpp has the block encoders and decoders.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "conversions.h"
+#include "ort_optim_spec.h"  // generated from ort_optim/_spec.py into the build folder (backends/native.py)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ORT_OPTIM_LOW_BIT_AVX512 1
+#endif
+
+namespace ort_optim {
+
+class CodeMap {
+ public:
+  // thresholds: count - 1 increasing decision thresholds (ort_optim._spec.thresholds); snap: the factor applied to
+  // a normalised magnitude before the search (exp_avg rounds toward zero, EXP_AVG_SNAP; 1 for sqrt(v)).
+  CodeMap(const float* levels, const float* thresholds, int count, bool is_signed, int bits, float snap)
+      : sign_bit_(is_signed ? 1 << (bits - 1) : 0), snap_(snap) {
+    TORCH_CHECK(count == (is_signed ? 1 << (bits - 1) : 1 << bits), "ort_optim: code map has ", count, " levels");
+    mid_.assign(thresholds, thresholds + count - 1);
+    mid_.push_back(std::numeric_limits<float>::infinity());
+    for (int c = 0; c < (1 << bits); ++c) {
+      const int magnitude = is_signed ? c & (sign_bit_ - 1) : c;
+      decode_[c] = (c & sign_bit_) ? -levels[magnitude] : levels[magnitude];
+    }
+    // Stochastic rounding's gap to the next level, hi - lo in float32 (as the rule computes it), per magnitude.
+    for (int j = 0; j + 1 < count; ++j) gap_[j] = levels[j + 1] - levels[j];
+    // The binary search's table: the thresholds, padded with +inf to 16 (only used for up to 15 thresholds).
+    for (int j = 0; j < 16; ++j) search_[j] = j < count - 1 ? thresholds[j] : std::numeric_limits<float>::infinity();
+    for (int step = 1; step <= 2; ++step) {
+      for (int j = 0; j < 16; ++j) step_[step - 1][j] = j + step - 1 < 16 ? search_[j + step - 1] : search_[15];
+    }
+    min_bucket_ = float_to_bits(mid_[0]) >> kShift;
+    const uint32_t max_bucket = float_to_bits(1.0f) >> kShift;
+    for (uint32_t b = min_bucket_; b <= max_bucket; ++b) {
+      const float start = bits_to_float(b << kShift), end = bits_to_float((b + 1) << kShift);
+      const int at_or_below = int(std::upper_bound(mid_.begin(), mid_.end(), start) - mid_.begin());
+      const int below_end = int(std::lower_bound(mid_.begin(), mid_.end(), end) - mid_.begin());
+      TORCH_CHECK(below_end - at_or_below <= 1, "ort_optim: two code thresholds within one search bucket");
+      bucket_.push_back(uint8_t(at_or_below));
+      // mid_[at_or_below] is the first threshold above the bucket's start: if it lies inside the bucket, a value of
+      // the bucket reaches it exactly when its low bits do; if not, never (kNever exceeds every low part).
+      const uint32_t next = float_to_bits(mid_[at_or_below]);
+      const uint32_t low = (next >> kShift) == b ? next & kLowMask : kNever;
+      packed_.push_back(uint32_t(at_or_below) << 16 | low);
+    }
+  }
+
+  // The level index of a normalised magnitude a >= 0: #{j : threshold[j] <= min(a * snap, 1)}.
+  inline int magnitude_code(float a) const {
+    a = a * snap_;
+    a = a < 1.0f ? a : 1.0f;
+    const int64_t b = int64_t(float_to_bits(a) >> kShift) - int64_t(min_bucket_);
+    const int c = bucket_[b < 0 ? 0 : b];
+    return c + (a >= mid_[c]);
+  }
+
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+  // magnitude_code of 16 normalised magnitudes (finite, >= 0) by the packed bucket table (8-bit maps), in three
+  // steps so that the table lookups between them can be scalar loads (on AMD Zen 4, 16 scalar loads take about
+  // two thirds of the time of one 16-lane gather): bucket_keys, then entry per element, then codes.
+  inline __m512i bucket_keys(__m512 a) const {
+    a = _mm512_min_ps(_mm512_mul_ps(a, _mm512_set1_ps(snap_)), _mm512_set1_ps(1.0f));
+    // Below the first bucket, every value gets the first bucket's code, as the clamp b < 0 ? 0 does above; its
+    // start has low bits 0, which never reach the first threshold above it.
+    return _mm512_max_epu32(_mm512_castps_si512(a), _mm512_set1_epi32(int(min_bucket_ << kShift)));
+  }
+  inline uint32_t entry(uint32_t key) const { return packed_[(key >> kShift) - min_bucket_]; }
+  static inline __m512i codes_of_entries(__m512i key, __m512i e) {
+    const __m512i c = _mm512_srli_epi32(e, 16);
+    const __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_and_si512(key, _mm512_set1_epi32(kLowMask)),
+                                                 _mm512_and_si512(e, _mm512_set1_epi32(0xFFFF)));
+    return _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
+  }
+
+  // The same by a binary search over the thresholds T (kLevels - 1 of them: 7 or 15) held in registers (4-bit
+  // maps). Its first step compares with a constant, the second picks one of two constants, the others permute.
+  template <int kLevels>
+  inline __m512i magnitude_codes_by_search(__m512 a) const {
+    static_assert(kLevels == 8 || kLevels == 16, "4-bit maps have 8 (signed) or 16 levels");
+    constexpr int half = kLevels / 2, quarter = kLevels / 4;
+    a = _mm512_min_ps(_mm512_mul_ps(a, _mm512_set1_ps(snap_)), _mm512_set1_ps(1.0f));
+    __mmask16 k = _mm512_cmp_ps_mask(a, _mm512_set1_ps(search_[half - 1]), _CMP_GE_OQ);
+    __m512i c = _mm512_maskz_mov_epi32(k, _mm512_set1_epi32(half));
+    __m512 t = _mm512_mask_blend_ps(k, _mm512_set1_ps(search_[quarter - 1]),
+                                    _mm512_set1_ps(search_[half + quarter - 1]));
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, t, _CMP_GE_OQ), c, _mm512_set1_epi32(quarter));
+    // c is a multiple of 2 * step: step_[step - 1][c] = T[c + step - 1]
+    for (int step = quarter / 2; step >= 1; step /= 2) {
+      t = _mm512_permutexvar_ps(c, _mm512_load_ps(step_[step - 1]));
+      c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, t, _CMP_GE_OQ), c, _mm512_set1_epi32(step));
+    }
+    return c;
+  }
+#endif
+
+  int sign_bit() const { return sign_bit_; }
+  const float* decode() const { return decode_; }
+  const float* gap() const { return gap_; }
+  // The magnitude code rounded stochastically (exp_avg; _spec.EXP_AVG_SR_ULPS has the rule): from the non-zero level
+  // at or below (magnitude_code), one level up iff (lowered(a) - lo) > (r >> 8) * 2^-24 * (hi - lo). r: 32 random bits.
+  inline int stochastic_magnitude_code(float a, uint32_t r) const {
+    const int m = magnitude_code(a);
+    if (m == 0 || m + 1 >= sign_bit_) return m;  // below the lowest non-zero level (toward zero), or the top one
+    const uint32_t ab = float_to_bits(a);
+    const float lowered = bits_to_float(ab > spec::kExpAvgSrUlps ? ab - spec::kExpAvgSrUlps : 0u);
+    return m + ((lowered - decode_[m]) > float(r >> 8) * 0x1p-24f * gap_[m]);
+  }
+
+ private:
+  static constexpr int kShift = 15;  // keeps the exponent and 8 mantissa bits
+  static constexpr uint32_t kLowMask = (1u << kShift) - 1, kNever = 1u << kShift;
+  int sign_bit_;
+  float snap_;
+  alignas(64) float decode_[256] = {0.0f};
+  alignas(64) float gap_[256] = {0.0f};  // gap_[j] = levels[j + 1] - levels[j]; 0 past the top level
+  alignas(64) float search_[16];
+  alignas(64) float step_[2][16];  // the search's tables for steps 1 and 2: step_[s - 1][j] = search_[j + s - 1]
+  std::vector<float> mid_;
+  uint32_t min_bucket_ = 0;
+  std::vector<uint8_t> bucket_;
+  std::vector<uint32_t> packed_;  // per bucket: its code << 16 | the low bits of the threshold inside it, or kNever
+};
+
+struct LowBit {
+  int bits, block;
+  bool bf16_scales;
+  CodeMap exp_avg, exp_avg_sq;  // exp_avg_sq's codes hold sqrt(v)
+
+  const CodeMap& map(bool second_moment) const { return second_moment ? exp_avg_sq : exp_avg; }
+  float scale(const void* scales, int64_t block_index) const {
+    return bf16_scales ? bits_to_float(uint32_t(static_cast<const uint16_t*>(scales)[block_index]) << 16)
+                       : static_cast<const float*>(scales)[block_index];
+  }
+};
+
+// The two formats, built once from ort_optim_spec.h: 8-bit codes with float32 scales, 4-bit codes (two per byte)
+// with bfloat16 scales.
+const LowBit& q8();
+const LowBit& q4();
+
+// dst[0, n) = the values of elements [off, off + n) (off a multiple of the format's block); v = u * u for a second
+// moment.
+void low_bit_load(const LowBit& f, bool second_moment, const uint8_t* codes, const void* scales, int64_t off,
+                  int64_t n, float* dst);
+
+// Writes src[0, n) as the codes and scales of elements [off, off + n). root: sqrt(src) when the caller has it (a
+// second moment's codes hold sqrt(v)), else nullptr. step: the Adam step (from 1) of an exp_avg, mixed into its
+// stochastic rounding.
+void low_bit_store(const LowBit& f, bool second_moment, const float* src, const float* root, int64_t off, int64_t n,
+                   uint8_t* codes, void* scales, uint32_t step = 0);
+
+}  // namespace ort_optim

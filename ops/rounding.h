@@ -1,0 +1,44 @@
+// Stochastic rounding of bfloat16 params (ops/README.md, "Stochastic rounding"), and the counter-based hashes it is
+// built from (splitmix64, murmur3's fmix32), which the low-bit exp_avg's stochastic rounding uses too. No generator
+// state: the random bits are a function of (key, step, element), so a run resumes exactly from a checkpoint.
+#pragma once
+
+#include <cstdint>
+
+#include "conversions.h"
+
+namespace ort_optim {
+
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+inline uint32_t fmix32(uint32_t x) {  // murmur3's 32-bit finaliser
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+
+// dst[i] = bf16(src[i]) rounded stochastically: up in magnitude with probability (the dropped 16 bits) / 2^16, from
+// 16 random bits of hash(key, element index off + i). key = splitmix64(rounding key ^ splitmix64(step)). Non-finite
+// values round to nearest (NaN -> 0x7FC0).
+inline void float_to_bf16_stochastic(const float* src, int64_t n, uint16_t* dst, uint64_t key, int64_t off) {
+  const uint32_t k_lo = uint32_t(key), k_hi = uint32_t(key >> 32);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t e = uint64_t(off + i);
+    const uint32_t r = fmix32(fmix32(uint32_t(e) * 0x9E3779B1u + uint32_t(e >> 32) * 0x85EBCA77u + k_lo) ^ k_hi);
+    const uint32_t b = float_to_bits(src[i]);
+    if ((b & 0x7FFFFFFFu) < 0x7F800000u) {
+      dst[i] = uint16_t((b + (r >> 16)) >> 16);
+    } else {
+      dst[i] = ((b & 0x7FFFFFFFu) > 0x7F800000u) ? uint16_t(0x7FC0) : uint16_t(b >> 16);
+    }
+  }
+}
+
+}  // namespace ort_optim

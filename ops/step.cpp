@@ -1,0 +1,154 @@
+// One Adam step over validated inputs, and the adam_step_ op (declarations in step.h).
+#include "step.h"
+
+#include <ATen/MemoryOverlap.h>
+
+#include <cmath>
+#include <limits>
+
+#include "rounding.h"
+
+namespace ort_optim {
+
+std::vector<TensorWork> state_work(at::TensorList params, const StateLists& s) {
+  std::vector<TensorWork> work(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    TensorWork& w = work[i];
+    w.exp_avg = s.exp_avgs[i].data_ptr();
+    w.exp_avg_sq = s.exp_avg_sqs[i].data_ptr();
+    w.max_exp_avg_sq = s.max_exp_avg_sqs.empty() ? nullptr : s.max_exp_avg_sqs[i].data_ptr();
+    w.master = s.master_params.empty() ? nullptr : s.master_params[i].data_ptr<float>();
+    // (bfloat16 scales of 4-bit states are kept as raw pointers too; LowBit reads them as bfloat16)
+    w.exp_avg_scale = s.exp_avg_scales.empty() ? nullptr : static_cast<float*>(s.exp_avg_scales[i].data_ptr());
+    w.exp_avg_sq_scale =
+        s.exp_avg_sq_scales.empty() ? nullptr : static_cast<float*>(s.exp_avg_sq_scales[i].data_ptr());
+    w.max_exp_avg_sq_scale =
+        s.max_exp_avg_sq_scales.empty() ? nullptr : static_cast<float*>(s.max_exp_avg_sq_scales[i].data_ptr());
+    if (!s.exp_avg_scales.empty()) w.exp_avg_low_bit = low_bit_of(s.exp_avgs[i], s.exp_avg_scales[i]);
+    if (!s.exp_avg_sq_scales.empty()) w.exp_avg_sq_low_bit = low_bit_of(s.exp_avg_sqs[i], s.exp_avg_sq_scales[i]);
+    w.exp_avg_type = s.exp_avgs[i].scalar_type();
+    w.exp_avg_sq_type = s.exp_avg_sqs[i].scalar_type();
+    w.numel = params[i].numel();
+  }
+  return work;
+}
+
+void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
+            const std::vector<const at::Tensor*>& params, const std::vector<const at::Tensor*>& grads,
+            double* steps, bool is_double, bool amsgrad, const StepOptions& o, const MarkWritten& mark_written) {
+  TORCH_CHECK(o.mode >= 0 && o.mode <= 2, "ort_optim::adam_step_: adam_w_mode must be 0, 1 or 2, got ", o.mode);
+  check_rounding_keys(o.rounding_keys, params, work);
+  const bool found_inf = o.found_inf.has_value() && scalar_value(o.found_inf, "found_inf") != 0.0;
+  if (o.grad_square_sum != nullptr) *o.grad_square_sum = std::numeric_limits<double>::quiet_NaN();
+  if (found_inf && o.scaling == nullptr) return;  // skipped (a scaled step still reports the gradients' norm)
+  double grad_mul = o.inv_grad_scale.has_value() ? scalar_value(o.inv_grad_scale, "inv_grad_scale") : 1.0;
+  const double lr = o.lr_tensor.has_value() ? scalar_value(o.lr_tensor, "lr_tensor") : o.lr;
+  double grad_scale = o.grad_scale.has_value() ? scalar_value(o.grad_scale, "grad_scale") : 0.0;
+  if (o.scaling != nullptr && o.scaling->grad_scale.has_value()) grad_scale = *o.scaling->grad_scale;
+  TORCH_CHECK(grad_scale == 0.0 || (std::isfinite(grad_scale) && grad_scale != 0.0),
+              "ort_optim::adam_step_: grad_scale must be finite and non-zero, got ", grad_scale);
+
+  // Non-contiguous params and grads are processed through contiguous copies; params (and grads when they are
+  // unscaled in place) are copied back at the end.
+  std::vector<std::pair<size_t, at::Tensor>> param_copies, grad_copies;
+  double last_t = -1.0, step_size = 0.0, bc2_sqrt = 1.0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = *params[i];
+    const at::Tensor& g = *grads[i];
+    TensorWork& w = work[i];
+    if (p.is_contiguous()) {
+      w.param = p.data_ptr();
+    } else {
+      param_copies.emplace_back(i, p.contiguous());
+      w.param = param_copies.back().second.data_ptr();
+    }
+    if (g.is_contiguous()) {
+      w.grad = g.data_ptr();
+    } else {
+      // (checked here, before anything is written: an expand()ed gradient cannot receive one value per element)
+      TORCH_CHECK(grad_scale == 0.0 || at::has_internal_overlap(g) != at::MemOverlap::Yes, "ort_optim::adam_step_: ",
+                  "grads[", i, "] overlaps itself (an expand()ed tensor), so it cannot be unscaled in place");
+      grad_copies.emplace_back(i, g.contiguous());
+      w.grad = grad_copies.back().second.data_ptr();
+    }
+    w.param_type = p.scalar_type();
+    w.grad_type = g.scalar_type();
+    const double t = steps[i] + 1.0;
+    if (t != last_t) {  // the params of a bucket usually share their step count: two pow() per call, not per param
+      const double bc1 = o.bias_correction ? 1.0 - std::pow(o.beta1, t) : 1.0;
+      const double bc2 = o.bias_correction ? 1.0 - std::pow(o.beta2, t) : 1.0;
+      step_size = o.mode == kAdamWTorch ? lr / bc1 : lr * std::sqrt(bc2) / bc1;
+      bc2_sqrt = std::sqrt(bc2);
+      last_t = t;
+    }
+    w.step_size = step_size;
+    w.bc2_sqrt = bc2_sqrt;
+    w.step = uint32_t(uint64_t(t));
+    w.stochastic = o.rounding_keys.has_value();
+    if (w.stochastic) {
+      w.round_key = splitmix64(uint64_t(o.rounding_keys->data_ptr<int64_t>()[i]) ^ splitmix64(uint64_t(t)));
+    }
+  }
+  if (o.scaling != nullptr) {
+    const c10::optional<double> multiplier = scaled_grad_multiplier(*o.scaling, work, items, found_inf);
+    if (!multiplier.has_value()) return;  // skipped: nothing written, the contiguous copies are dropped
+    grad_mul = *multiplier;
+  }
+  if (o.maximize) grad_mul = -grad_mul;
+  mark_written(grad_scale != 0.0);
+  const Hyper h{lr, o.beta1, o.beta2, o.eps, o.weight_decay, grad_mul, o.mode, grad_scale};
+  std::vector<double> grad_squares(o.grad_square_sum != nullptr ? items.size() : 0, 0.0);
+  double* squares = o.grad_square_sum != nullptr ? grad_squares.data() : nullptr;
+  if (is_double) {
+    dispatch_adam<double>(work, items, h, amsgrad, squares);
+  } else {
+    dispatch_adam<float>(work, items, h, amsgrad, squares);
+  }
+  if (o.grad_square_sum != nullptr) {
+    double total = 0.0;
+    for (double q : grad_squares) total += q;  // fixed order, as sum_of_squares
+    *o.grad_square_sum = total;
+  }
+  for (const auto& [i, copy] : param_copies) params[i]->copy_(copy);
+  if (grad_scale != 0.0) {
+    for (const auto& [i, copy] : grad_copies) grads[i]->copy_(copy);
+  }
+  for (size_t i = 0; i < params.size(); ++i) steps[i] += 1.0;
+}
+
+std::vector<WorkItem> work_items(const std::vector<TensorWork>& work) {
+  std::vector<int64_t> numels;
+  for (const auto& w : work) numels.push_back(w.numel);
+  return make_work_items(numels);
+}
+
+void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList master_params,
+                   at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,
+                   at::TensorList max_exp_avg_sq_scales, const at::Tensor& steps, double lr, double beta1,
+                   double beta2, double eps, double weight_decay, int64_t mode, bool bias_correction,
+                   bool maximize, const c10::optional<at::Tensor>& lr_tensor,
+                   const c10::optional<at::Tensor>& inv_grad_scale, const c10::optional<at::Tensor>& found_inf,
+                   const c10::optional<at::Tensor>& grad_scale, const c10::optional<at::Tensor>& rounding_keys) {
+  const StateLists states{exp_avgs,       exp_avg_sqs,       max_exp_avg_sqs,      master_params,
+                          exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales};
+  check_list_length(grads, params.size(), "grads", false);
+  const bool is_double = check_params_and_states(params, states, steps);
+  for (size_t i = 0; i < params.size(); ++i) check_grad(grads[i], params[i], i, is_double);
+  std::vector<TensorWork> work = state_work(params, states);
+  const StepOptions options{lr,       beta1,     beta2,          eps,       weight_decay, mode, bias_correction,
+                            maximize, lr_tensor, inv_grad_scale, found_inf, grad_scale, rounding_keys};
+  update(work, work_items(work), pointers(params), pointers(grads), steps.data_ptr<double>(), is_double,
+         !max_exp_avg_sqs.empty(), options, [&](bool unscaled_grads) {
+           VersionBumps bumps;
+           bumps.add(params);
+           if (unscaled_grads) bumps.add(grads);
+           for (at::TensorList list : {exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+                                       exp_avg_sq_scales, max_exp_avg_sq_scales}) {
+             bumps.add(list);
+           }
+           bumps.add(steps);
+         });
+}
+
+}  // namespace ort_optim

@@ -1,0 +1,51 @@
+// Validation of adam_step_'s inputs (and of an AdamPlan's, which are the same lists): all of it happens before
+// anything is written, and every error names the list and the index it is about and says what is expected.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "adam_kernel.h"
+#include "low_bit.h"
+
+namespace ort_optim {
+
+inline bool is_low_precision(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+inline bool is_float_storage(at::ScalarType t) { return t == at::kFloat || is_low_precision(t); }
+
+// The per-parameter state lists of a call, in the schema's order (all but exp_avgs/exp_avg_sqs may be empty).
+struct StateLists {
+  at::TensorList exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales, exp_avg_sq_scales,
+      max_exp_avg_sq_scales;
+};
+
+void check_list_length(const at::TensorList& list, size_t n, const char* name, bool optional);
+
+// Bytes of its storage a view reaches (0 for an empty tensor): from the storage's start to the end of its last element.
+size_t bytes_needed(int64_t offset, c10::IntArrayRef sizes, c10::IntArrayRef strides, size_t element_size);
+size_t bytes_needed(const at::Tensor& t);
+
+// The low-bit format of a uint8 state, told by its scales' dtype: float32 -> 8-bit, bfloat16 -> 4-bit.
+const LowBit* low_bit_of(const at::Tensor& state, const at::Tensor& scales);
+
+double scalar_value(const c10::optional<at::Tensor>& t, const char* name);
+
+void check_grad(const at::Tensor& g, const at::Tensor& p, size_t i, bool is_double);
+
+// Everything but the gradients. Returns whether the params are float64 (they cannot share a call with others).
+bool check_params_and_states(at::TensorList params, const StateLists& s, const at::Tensor& steps);
+
+// rounding_keys: int64 [n], one key per param; only for bfloat16 params without master weights.
+void check_rounding_keys(const c10::optional<at::Tensor>& keys, const std::vector<const at::Tensor*>& params,
+                         const std::vector<TensorWork>& work);
+
+// The tensors of a list, as the pointers that update() and grad_stats_of() take.
+inline std::vector<const at::Tensor*> pointers(at::TensorList tensors) {
+  std::vector<const at::Tensor*> out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) out.push_back(&t);
+  return out;
+}
+
+}  // namespace ort_optim

@@ -1,0 +1,194 @@
+"""The stored moment formats in torch ops: the one implementation of encoding moment values into a state tensor (and
+its block scales) and decoding them back, for every format FusedAdam stores (ops/README.md, "fp16 states" and
+"low-bit states"): plain float32/float64/bfloat16, scaled fp16 codes, and 8-bit and 4-bit block-quantised codes.
+
+Checkpoints decode and re-encode states through :func:`decode_state` and :func:`encode_state`; the reference backend
+reads and writes its states with them; the native and Triton kernels implement the same rules and the tests hold
+them to these functions bit for bit. The formats' constants (block sizes, code levels, thresholds, the LowBitFormat
+records) are ort_optim._spec's, which the native build and the Triton kernels read as well; this module imports only
+_spec and torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ._spec import (EXP_AVG_SNAP, EXP_AVG_SR_ULPS, MIN_SCALE, FP16_LIMIT, LOW_BIT_FORMATS, QUANT_BLOCK, LowBitFormat,
+                    low_bit_format, num_blocks, thresholds)
+
+# ---- the hash of the stochastic roundings (ops/README.md) -----------------------------------------------------------
+
+MASK32 = 0xFFFFFFFF  # uint32 arithmetic on int64 tensors: products wrap to their low 32 bits
+
+
+def fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding uint32 values (products wrap; the low 32 bits are kept)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & MASK32
+    return x ^ (x >> 16)
+
+
+# ---- scaled fp16 states (ops/README.md, "fp16 states") ----------------------------------------------------------
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """x flattened and zero-padded to [num_blocks, QUANT_BLOCK]."""
+    flat = x.reshape(-1)
+    pad = num_blocks(flat.numel()) * QUANT_BLOCK - flat.numel()
+    return torch.nn.functional.pad(flat, (0, pad)).view(-1, QUANT_BLOCK)
+
+
+def fp16_block_scales(values: torch.Tensor) -> torch.Tensor:
+    """The power-of-two scale per 1024-element block of float32 values (ops/README.md, "fp16 states")."""
+    amax = _blocks(values.float()).abs().amax(dim=1)
+    mantissa, exponent = torch.frexp(amax)
+    k = torch.where(mantissa == 0.5, 16 - exponent, 15 - exponent).clamp(-126, 126)
+    rounded = torch.ldexp(amax, k.float()).half().float()
+    k = torch.where(rounded <= FP16_LIMIT / 2, k + 1, k).clamp(-126, 126)
+    usable = (amax > 0) & torch.isfinite(amax)
+    return torch.where(usable, torch.ldexp(torch.ones_like(amax), k.float()), torch.ones_like(amax))
+
+
+def quantize_fp16(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 values -> (float16 codes of the same shape, float32 block scales)."""
+    scales = fp16_block_scales(values)
+    codes = (_blocks(values.float()) * scales[:, None]).half().reshape(-1)[: values.numel()]
+    return codes.view(values.shape), scales
+
+
+def dequantize_fp16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float16 codes and block scales -> float32 values."""
+    values = (_blocks(codes.float()) * (1.0 / scales)[:, None]).reshape(-1)[: codes.numel()]
+    return values.view(codes.shape)
+
+
+# ---- 8-bit and 4-bit block-quantised states (ops/README.md, "low-bit states") ------------------------------------
+
+
+def sqrt_f32(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 square root (torch's own float32 sqrt on the CPU is not: it can differ in the last
+    bit, and a stored sqrt(v) must be the same bits on every backend). Via float64, which is exact here."""
+    return x.double().sqrt().float()
+
+
+def _levels(fmt: LowBitFormat, second_moment: bool) -> tuple[float, ...]:
+    return fmt.exp_avg_sq_levels if second_moment else fmt.exp_avg_levels
+
+
+def decode_table(fmt: LowBitFormat, second_moment: bool) -> torch.Tensor:
+    """float32 [2**bits]: the value of each code relative to its block's scale (sign-magnitude for exp_avg; the
+    code with only the sign bit set, never written, reads as 0)."""
+    levels = torch.tensor(_levels(fmt, second_moment), dtype=torch.float32)
+    if second_moment:
+        return levels
+    return torch.cat([levels, -levels])
+
+
+def _round_to(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 values rounded to nearest even in dtype (float32 or bfloat16), as float32."""
+    return amax.to(dtype).float()
+
+
+def exp_avg_random_bits(x: torch.Tensor, step: int) -> torch.Tensor:
+    """The 32 random bits of each element of an exp_avg being quantised (float32 x, flat: element e is x[e]), as
+    int64 in [0, 2**32): fmix32(fmix32(bits(x[e]) ^ e * 0x9E3779B1) ^ (step * 0x85EBCA77 + 0x6A09E667)), in uint32
+    arithmetic (_spec.EXP_AVG_SR_ULPS says why the value's own bits)."""
+    b = x.view(torch.int32).long() & MASK32
+    e = torch.arange(x.numel(), dtype=torch.int64)
+    return fmix32(fmix32(b ^ ((e * 0x9E3779B1) & MASK32)) ^ ((step * 0x85EBCA77 + 0x6A09E667) & MASK32))
+
+
+def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: bool,
+                     step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 values (v itself for a second moment: its square root is what gets coded) -> (uint8 codes in
+    fmt.storage_shape, scales of fmt.scale_dtype, one per block). step: the Adam step (from 1) whose exp_avg this
+    is, mixed into its stochastic rounding (0 for conversions outside a step)."""
+    x = values.detach().float().reshape(-1)
+    n = x.numel()
+    u = sqrt_f32(x) if second_moment else x
+    blocks = torch.nn.functional.pad(u, (0, -n % fmt.block)).view(-1, fmt.block)
+    amax = blocks.abs().amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
+    scales = _round_to(amax, fmt.scale_dtype)
+    scales = torch.where(scales < MIN_SCALE, torch.zeros_like(scales), scales)  # (NaN compares False: kept)
+    scales = torch.where(torch.isfinite(scales), scales, torch.full_like(scales, math.nan))
+    usable = (scales > 0) & torch.isfinite(scales)
+    inv = torch.where(usable, 1.0 / torch.where(usable, scales, torch.ones_like(scales)), torch.zeros_like(scales))
+    a = blocks.abs() * inv[:, None]
+    levels = _levels(fmt, second_moment)
+    if second_moment:
+        a = torch.where(a < 1.0, a, torch.ones_like(a))
+        bounds = torch.tensor(thresholds(levels, True), dtype=torch.float32)
+        codes = torch.searchsorted(bounds, a.reshape(-1).contiguous(), right=True).view_as(a)
+    else:  # stochastic rounding between the level at or below and the next one (ort_optim._spec.EXP_AVG_SR_ULPS)
+        a_up = a * EXP_AVG_SNAP
+        a_up = torch.where(a_up < 1.0, a_up, torch.ones_like(a_up))
+        bounds = torch.tensor(thresholds(levels, False), dtype=torch.float32)
+        codes = torch.searchsorted(bounds, a_up.reshape(-1).contiguous(), right=True).view_as(a)
+        table = torch.tensor(levels + (levels[-1],), dtype=torch.float32)
+        lo, hi = table[codes], table[codes + 1]
+        lowered = (a.view(torch.int32) - EXP_AVG_SR_ULPS).clamp_min(0).view(torch.float32)
+        r = exp_avg_random_bits(torch.nn.functional.pad(x, (0, -n % fmt.block)), step).view_as(a)
+        up = (lowered - lo) > (r >> 8).float() * 2.0**-24 * (hi - lo)
+        codes = codes + (up & (codes > 0) & (codes < len(levels) - 1)).long()
+    if not second_moment:
+        codes = codes | (((blocks < 0) & (codes > 0)).long() << (fmt.bits - 1))
+    codes = torch.where(torch.isnan(scales)[:, None], torch.zeros_like(codes), codes)  # a NaN block: all codes 0
+    codes = codes.reshape(-1)[:n].to(torch.uint8)
+    if fmt.bits == 4:
+        codes = torch.nn.functional.pad(codes, (0, n % 2)).view(-1, 2)
+        codes = codes[:, 0] | (codes[:, 1] << 4)
+    return codes.view(fmt.storage_shape(values.shape)), scales.to(fmt.scale_dtype)
+
+
+def dequantize_low_bit(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, second_moment: bool,
+                       shape: torch.Size) -> torch.Tensor:
+    """uint8 codes and block scales -> float32 values of the given shape (v = u * u for a second moment)."""
+    n = math.prod(shape)
+    flat = codes.reshape(-1)
+    if fmt.bits == 4:
+        flat = torch.stack([flat & 0xF, flat >> 4], dim=1).reshape(-1)
+    flat = flat[:n].long()
+    table = decode_table(fmt, second_moment).to(codes.device)
+    values = torch.nn.functional.pad(table[flat], (0, -n % fmt.block)).view(-1, fmt.block)
+    values = (values * scales.float()[:, None]).reshape(-1)[:n]
+    if second_moment:
+        values = values * values
+    return values.view(shape)
+
+
+def state_format(state: torch.Tensor, scales: Optional[torch.Tensor]) -> str:
+    """"plain" (float32/float64/bfloat16, or float16 without scales), "fp16" (scaled codes), or a low-bit format's
+    name: what a state tensor and its scales hold."""
+    if scales is None:
+        return "plain"
+    if state.dtype == torch.float16:
+        return "fp16"
+    return low_bit_format(scales.dtype).name
+
+
+def encode_state(values: torch.Tensor, dtype: torch.dtype, second_moment: bool) -> tuple[torch.Tensor,
+                                                                                            Optional[torch.Tensor]]:
+    """float32/float64 moment values -> (state tensor, scales or None) for the storage dtype that FusedAdam's
+    exp_avg_dtype / exp_avg_sq_dtype option names (torch.uint8 and torch.uint4 are the low-bit formats)."""
+    if dtype in LOW_BIT_FORMATS:
+        return quantize_low_bit(values, LOW_BIT_FORMATS[dtype], second_moment)
+    if dtype == torch.float16:
+        return quantize_fp16(sqrt_f32(values.float()) if second_moment else values.float())
+    return values.to(dtype), None
+
+
+def decode_state(state: torch.Tensor, scales: Optional[torch.Tensor], second_moment: bool,
+                 shape: torch.Size) -> torch.Tensor:
+    """A state tensor (and its scales) -> its values: float32 (float64 for float64 states), of the param's shape."""
+    if scales is None:
+        return state.to(torch.float64 if state.dtype == torch.float64 else torch.float32)
+    if state.dtype == torch.float16:
+        u = dequantize_fp16(state, scales)
+        return u * u if second_moment else u
+    return dequantize_low_bit(state, scales, low_bit_format(scales.dtype), second_moment, shape)
+

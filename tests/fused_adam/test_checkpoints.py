@@ -1,0 +1,1140 @@
+"""FusedAdam checkpoints, as a specification.
+
+* The saved form is canonical: fresh tensors, moments and masters unscaled float32 (float64 for float64 params), a
+  float64 step per parameter, loadable with torch.load(weights_only=True), into FusedAdam with any state dtypes and
+  into torch.optim.AdamW; torch.optim.Adam/AdamW and ORT FusedAdam checkpoints load into FusedAdam.
+* Loading never writes to the caller's dict, validates everything before changing anything, and is idempotent.
+* Resuming equals never stopping, bit for bit, for every state dtype configuration and param layout.
+* Any checkpoint, fuzzed (hypothesis): valid checkpoints mutated (values of the wrong type, shape, dtype or device;
+  NaN, inf and huge numbers; keys deleted and added; containers converted or swapped; other optimizers' checkpoints:
+  torch SGD, Adam and AdamW, ORT's FusedAdam with its per-group step). Every load either restores exactly (the loaded
+  optimizer holds what the checkpoint says, within the storage dtype's rounding; its own checkpoint restores it bit for
+  bit; a checkpoint that means the same as the original continues bit for bit like the original), or raises
+  ValueError or TypeError whose message starts with the entry it is about (``state_dict['state'][1]['step']``) and
+  names the mutated entry, one of its ancestors or descendants; in both cases the given dict is never written, and
+  after a refusal the optimizer and the model are bit-identical. The number of examples per property is bounded for
+  ``make check``; ORT_OPTIM_FUZZ_EXAMPLES sets it for long fuzzing (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from conftest import (
+    BACKENDS,
+    assert_bitwise_equal,
+    assert_same_snapshot,
+    assert_tree_bitwise_equal,
+    optimizer_snapshot,
+    select_backend,
+    fuzz_examples,
+)
+from reference import ReferenceAdam
+
+from ort_optim import AdamWMode, FusedAdam, formats
+from ort_optim._checkpoint import entry, to_canonical
+from ort_optim._spec import QUANT_BLOCK
+
+def _roundtrip(obj):
+    """torch.save to memory, then torch.load(weights_only=True): only tensors and plain containers may be in it."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _set_grads(params, step, seed=21):
+    g = torch.Generator().manual_seed(seed * 1009 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def _steps(opt, params, first, count, **step_kwargs):
+    for step in range(first, first + count):
+        _set_grads(params, step)
+        opt.step(**step_kwargs)
+
+
+def _fp32_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(QUANT_BLOCK + 9,
+            generator=g)), torch.nn.Parameter(torch.randn((), generator=g))]
+
+
+def _clone_params(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def _assert_same_optimizers(a_params, a, b_params, b):
+    for p, q in zip(a_params, b_params):
+        assert_bitwise_equal(p.detach(), q.detach(), "param")
+        assert a.state[p].keys() == b.state[q].keys()
+        for key in a.state[p]:
+            assert_bitwise_equal(a.state[p][key], b.state[q][key], key)
+    for ga, gb in zip(a.param_groups, b.param_groups):
+        assert {k: v for k, v in ga.items() if k != "params"}.keys() == {k for k in gb if k != "params"}
+
+
+# ---- the saved form ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_dict_is_canonical_fresh_unscaled_fp32_and_mutating_it_changes_nothing(backend, monkeypatch):
+    select_backend(monkeypatch, backend)
+    params = [torch.nn.Parameter(torch.randn(QUANT_BLOCK + 3).half()), torch.nn.Parameter(torch.randn(4).bfloat16())]
+    opt = FusedAdam(params, lr=torch.tensor(1e-2), amsgrad=True, master_weights=True,
+                    exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.bfloat16)
+    fp64 = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    opt64 = FusedAdam([fp64], amsgrad=True)
+    _steps(opt, params, 0, 3)
+    _steps(opt64, [fp64], 0, 3)
+    for o, ps in ((opt, params), (opt64, [fp64])):
+        before = optimizer_snapshot(o)
+        sd = o.state_dict()
+        for index, p in enumerate(ps):
+            saved = sd["state"][index]
+            wide = torch.float64 if p.dtype == torch.float64 else torch.float32
+            masters = {"master_param"} if p.dtype != torch.float64 else set()
+            assert set(saved) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"} | masters, "no *_scale keys"
+            assert saved["step"].dtype == torch.float64 and saved["step"].shape == () and float(saved["step"]) == 3
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") + tuple(masters):
+                assert saved[key].dtype == wide and saved[key].shape == p.shape
+                assert saved[key].data_ptr() != o.state[p][key].data_ptr()
+            if p.dtype == torch.float16:  # unscaled: the fp16 codes divided by their block scales
+                expected = formats.dequantize_fp16(o.state[p]["exp_avg"], o.state[p]["exp_avg_scale"])
+                assert_bitwise_equal(saved["exp_avg"], expected, "exp_avg")
+        # fresh tensors: writing into the dict (as a careless caller might) does not reach the optimizer
+        for saved in sd["state"].values():
+            for value in saved.values():
+                value.fill_(123.0)
+        if isinstance(sd["param_groups"][0]["lr"], torch.Tensor):
+            sd["param_groups"][0]["lr"].fill_(5.0)
+        assert_same_snapshot(before, optimizer_snapshot(o))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoints_load_with_torch_load_weights_only(backend, monkeypatch):
+    select_backend(monkeypatch, backend)
+    params = _fp32_params()
+    opt = FusedAdam(params, lr=torch.tensor(1e-3), amsgrad=True, exp_avg_dtype=torch.float16,
+                    adam_w_mode=AdamWMode.ADAMW_TORCH)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    _steps(opt, params, 0, 2)
+    sd = _roundtrip(opt.state_dict())
+    assert sd["param_groups"][0]["adam_w_mode"] == 2 and type(sd["param_groups"][0]["adam_w_mode"]) is int
+    twin = FusedAdam(_clone_params(params), lr=torch.tensor(1e-3), amsgrad=True, exp_avg_dtype=torch.float16)
+    twin.load_state_dict(sd)
+
+
+# ---- load_state_dict's contract ------------------------------------------------------------------------------------
+
+
+def _trained_mixed():
+    params = [torch.nn.Parameter(torch.randn(QUANT_BLOCK + 3).half()), torch.nn.Parameter(torch.randn(6))]
+    opt = FusedAdam(params, lr=torch.tensor(1e-2), weight_decay=0.1, amsgrad=True, master_weights=True,
+                    exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)
+    _steps(opt, params, 0, 4)
+    return params, opt
+
+
+def _fresh_like(params, **kwargs):
+    twin_params = _clone_params(params)
+    return twin_params, FusedAdam(twin_params, lr=torch.tensor(1e-2), weight_decay=0.1, amsgrad=True,
+                                  master_weights=True, exp_avg_dtype=torch.float16,
+                                  exp_avg_sq_dtype=torch.float16, **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_load_state_dict_never_writes_to_the_given_dict_not_even_after_later_steps(backend, monkeypatch):
+    """A loader that scaled fp16 states in place (or kept the dict's lr tensor for the scheduler to fill) would
+    corrupt the checkpoint it was given."""
+    select_backend(monkeypatch, backend)
+    params, opt = _trained_mixed()
+    sd = opt.state_dict()
+    pristine = copy.deepcopy(sd)
+    twin_params, twin = _fresh_like(params)
+    scheduler = torch.optim.lr_scheduler.StepLR(twin, step_size=1, gamma=0.5)
+    twin.load_state_dict(sd)
+    assert_tree_bitwise_equal(sd, pristine)
+    for step in range(4, 8):
+        _set_grads(twin_params, step)
+        twin.step()
+        scheduler.step()
+    assert_tree_bitwise_equal(sd, pristine)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_loading_the_same_dict_twice_equals_loading_it_once(backend, monkeypatch):
+    select_backend(monkeypatch, backend)
+    params, opt = _trained_mixed()
+    sd = opt.state_dict()
+    once_params, once = _fresh_like(params)
+    twice_params, twice = _fresh_like(params)
+    once.load_state_dict(sd)
+    twice.load_state_dict(sd)
+    twice.load_state_dict(sd)
+    _assert_same_optimizers(once_params, once, twice_params, twice)
+    assert_tree_bitwise_equal(once.state_dict(), twice.state_dict())
+    assert_tree_bitwise_equal(once.state_dict(), sd)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_dict_loaded_into_two_optimizers_gives_two_identical_independent_optimizers(backend, monkeypatch):
+    select_backend(monkeypatch, backend)
+    params, opt = _trained_mixed()
+    sd = opt.state_dict()
+    a_params, a = _fresh_like(params)
+    b_params, b = _fresh_like(params)
+    a.load_state_dict(sd)
+    b.load_state_dict(sd)
+    _assert_same_optimizers(a_params, a, b_params, b)
+    b_before = optimizer_snapshot(b)
+    _steps(a, a_params, 4, 3)  # stepping one leaves the other alone: they share no tensor
+    assert_same_snapshot(b_before, optimizer_snapshot(b))
+    _steps(b, b_params, 4, 3)
+    _assert_same_optimizers(a_params, a, b_params, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_in_process_transfer_leaves_the_source_optimizer_unchanged(backend, monkeypatch):
+    select_backend(monkeypatch, backend)
+    params, source = _trained_mixed()
+    before = optimizer_snapshot(source)
+    target_params, target = _fresh_like(params, max_grad_norm=1.0)
+    target.load_state_dict(source.state_dict())
+    torch.optim.lr_scheduler.StepLR(target, step_size=1, gamma=0.5)
+    _steps(target, target_params, 4, 5, grad_scale=8.0)
+    target.param_groups[0]["lr"].fill_(7.0)
+    assert_same_snapshot(before, optimizer_snapshot(source))
+
+
+# ---- resume == never stopping, bit for bit -------------------------------------------------------------------------
+
+STATE_CONFIGS = {  # name: (param dtype, master_weights, exp_avg_dtype, exp_avg_sq_dtype)
+    "fp32": (torch.float32, False, None, None),
+    "fp32-fp16-moments": (torch.float32, False, torch.float16, torch.float16),
+    "fp32-bf16-moments": (torch.float32, False, torch.bfloat16, torch.bfloat16),
+    "fp32-mixed-fp16-bf16": (torch.float32, False, torch.float16, torch.bfloat16),
+    "fp16-no-master": (torch.float16, False, None, None),  # fp16 params, fp16 (block-scaled) moments
+    "fp16-master": (torch.float16, True, None, None),  # fp32 master and moments
+    "fp16-master-fp16-moments": (torch.float16, True, torch.float16, torch.float16),
+    "bf16-no-master": (torch.bfloat16, False, None, None),
+    "bf16-master-mixed-bf16-fp16": (torch.bfloat16, True, torch.bfloat16, torch.float16),
+    "fp64": (torch.float64, False, None, None),
+}
+
+
+def _layout_param(layout: str, values: torch.Tensor) -> torch.nn.Parameter:
+    """A param holding ``values`` in the given memory layout."""
+    if layout == "non-contiguous":  # a strided view of a bigger buffer
+        base = torch.zeros(values.shape[0], 3 * values.shape[1], dtype=values.dtype)
+        view = base[:, 1::3]
+        view.copy_(values)
+        return torch.nn.Parameter(view)
+    return torch.nn.Parameter(values.clone())
+
+
+LAYOUTS = {
+    "contiguous": lambda g: torch.randn(2 * QUANT_BLOCK + 5, generator=g),  # three fp16-state blocks
+    "zero-dim": lambda g: torch.randn((), generator=g),
+    "non-contiguous": lambda g: torch.randn(40, 30, generator=g),  # 1200 elements: two blocks
+    "empty": lambda g: torch.randn(0, 4, generator=g),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("config", STATE_CONFIGS, ids=str)
+def test_resuming_from_a_checkpoint_equals_never_stopping_bit_for_bit(config, layout, backend, monkeypatch):
+    """Train 5 steps, checkpoint (optimizer, scheduler and the model's params) through torch.save/torch.load
+    (weights_only=True), rebuild everything, load, train 5 more: identical to training 10 steps without stopping,
+    bit for bit: params, masters, moment codes and scales, steps."""
+    select_backend(monkeypatch, backend)
+    dtype, master, m_dtype, v_dtype = STATE_CONFIGS[config]
+    g = torch.Generator().manual_seed(31)
+    companion = torch.randn(7, generator=g).to(dtype)
+    values = LAYOUTS[layout](g).to(dtype)
+    kwargs = dict(lr=1e-2, weight_decay=0.1, amsgrad=True, master_weights=master, exp_avg_dtype=m_dtype,
+                  exp_avg_sq_dtype=v_dtype, adam_w_mode=AdamWMode.ADAMW_TORCH)
+
+    def build(param_values):
+        params = [_layout_param(layout, param_values[0]), torch.nn.Parameter(param_values[1].clone())]
+        opt = FusedAdam(params, **kwargs)
+        return params, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+    def train(params, opt, scheduler, first, count):
+        for step in range(first, first + count):
+            _set_grads(params, step)
+            opt.step(grad_scale=4.0)
+            scheduler.step()
+
+    straight = build([values, companion])
+    train(*straight, 0, 10)
+
+    stopped = build([values, companion])
+    train(*stopped, 0, 5)
+    checkpoint = _roundtrip({
+        "model": [p.detach() for p in stopped[0]],
+        "optimizer": stopped[1].state_dict(),
+        "scheduler": stopped[2].state_dict(),
+    })
+    del stopped
+    resumed = build(checkpoint["model"])
+    resumed[1].load_state_dict(checkpoint["optimizer"])
+    resumed[2].load_state_dict(checkpoint["scheduler"])
+    assert resumed[0][0].is_contiguous() == (layout != "non-contiguous")
+    train(*resumed, 5, 5)
+
+    _assert_same_optimizers(straight[0], straight[1], resumed[0], resumed[1])
+    assert float(resumed[1].state[resumed[0][1]]["step"]) == 10
+
+
+# ---- the fp16 quantiser --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grad_magnitude", [1e-12, 1e-3, 1.0, 1e4], ids=lambda m: f"grads-{m:g}")
+def test_the_kernels_fp16_states_survive_dequantize_then_quantize_exactly(grad_magnitude, backend, monkeypatch):
+    """After real steps, formats.quantize_fp16(dequantize_fp16(codes, scales)) gives back the kernel's own codes
+    and scales: what makes a checkpoint (saved unscaled) restore bit for bit."""
+    select_backend(monkeypatch, backend)
+    p = torch.nn.Parameter(torch.randn(3 * QUANT_BLOCK + 17))
+    opt = FusedAdam([p], amsgrad=True, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16, eps=1e-30)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(4):
+        # very different magnitudes per block, and one all-zero block
+        p.grad = torch.randn(p.shape, generator=gen) * grad_magnitude * torch.logspace(-6, 6, p.numel())
+        p.grad[QUANT_BLOCK:2 * QUANT_BLOCK] = 0
+        opt.step()
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        codes, scales = opt.state[p][key], opt.state[p][key + "_scale"]
+        assert codes.dtype == torch.float16 and scales.shape == (4,)
+        assert float(scales[1]) == 1.0  # the all-zero block
+        assert bool(((scales.log2() % 1) == 0).all()), "scales are powers of two"
+        again_codes, again_scales = formats.quantize_fp16(formats.dequantize_fp16(codes, scales))
+        assert_bitwise_equal(again_codes, codes, f"{key} codes")
+        assert_bitwise_equal(again_scales, scales, f"{key} scales")
+        # and the block maxima sit in (16384, 32768], the headroom rule
+        nonzero = codes.float().abs().reshape(-1)
+        for block in (0, 2, 3):
+            amax = float(nonzero[block * QUANT_BLOCK:(block + 1) * QUANT_BLOCK].max())
+            assert 16384 < amax <= 32768, (key, block, amax)
+
+
+@pytest.mark.parametrize("exponent", [-140, -126, -100, -60, -20, 0, 20, 60, 100, 126])
+def test_quantize_fp16_round_trips_exactly_at_every_magnitude(exponent):
+    gen = torch.Generator().manual_seed(exponent + 1000)
+    x = (torch.rand(5000, generator=gen) * 2 - 1).double() * 2.0**exponent
+    x = (x * torch.exp2(-16 * torch.rand(5000, generator=gen).double())).float()
+    codes, scales = formats.quantize_fp16(x)
+    again_codes, again_scales = formats.quantize_fp16(formats.dequantize_fp16(codes, scales))
+    assert_bitwise_equal(again_codes, codes, "codes")
+    assert_bitwise_equal(again_scales, scales, "scales")
+    torch.testing.assert_close(formats.dequantize_fp16(codes, scales), x, rtol=2.0**-11, atol=0)
+
+
+# ---- validation ----------------------------------------------------------------------------------------------------
+
+
+def _bad(mutate):
+    def make(sd):
+        sd = copy.deepcopy(sd)
+        mutate(sd)
+        return sd
+    return make
+
+
+def _set(path, value):
+    def mutate(sd):
+        target = sd
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+    return mutate
+
+
+def _delete(path):
+    def mutate(sd):
+        target = sd
+        for key in path[:-1]:
+            target = target[key]
+        del target[path[-1]]
+    return mutate
+
+
+def _swap(a, b):
+    def mutate(sd):
+        def parent(path):
+            target = sd
+            for key in path[:-1]:
+                target = target[key]
+            return target
+        pa, pb = parent(a), parent(b)
+        pa[a[-1]], pb[b[-1]] = pb[b[-1]], pa[a[-1]]
+    return mutate
+
+
+def _to_list(path):
+    def mutate(sd):
+        target = sd
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = list(target[path[-1]].values()) if isinstance(target[path[-1]], dict) else \
+            target[path[-1]].tolist()
+    return mutate
+
+
+# (id, mutation of the trained checkpoint, exception, message): the message names the entry, as an expression
+BAD_CHECKPOINTS = [
+    # the containers
+    ("not-a-dict", lambda sd: [sd], TypeError, r"state_dict must be a dict with 'state' and 'param_groups'"),
+    ("no-param-groups", _bad(_delete(["param_groups"])), ValueError, r"state_dict\['param_groups'\] is missing"),
+    ("no-state", _bad(_delete(["state"])), ValueError, r"state_dict\['state'\] is missing"),
+    ("unknown-top-level-key", _bad(_set(["scaler"], {})), ValueError, r"state_dict\['scaler'\]: unknown key"),
+    ("state-is-a-list", _bad(_to_list(["state"])), TypeError,
+     r"state_dict\['state'\] must be a dict from parameter id to state dict, got list"),
+    ("param-groups-is-a-dict", _bad(_set(["param_groups"], {0: {}})), TypeError,
+     r"state_dict\['param_groups'\] must be a list of dicts"),
+    ("group-is-a-list", _bad(_set(["param_groups", 0], [0, 1])), TypeError,
+     r"state_dict\['param_groups'\]\[0\] must be a dict, got list"),
+    ("extra-group", _bad(lambda sd: sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0]))), ValueError,
+     r"state_dict\['param_groups'\] has 2 param groups but this optimizer has 1"),
+    ("group-without-params", _bad(_delete(["param_groups", 0, "params"])), ValueError,
+     r"state_dict\['param_groups'\]\[0\] has no 'params'"),
+    ("group-without-eps", _bad(_delete(["param_groups", 0, "eps"])), ValueError,
+     r"state_dict\['param_groups'\]\[0\] has no 'eps'"),
+    ("params-not-a-list", _bad(_set(["param_groups", 0, "params"], 0)), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['params'\] must be a list of parameter ids, got int"),
+    ("wrong-param-count", _bad(lambda sd: sd["param_groups"][0]["params"].pop()), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['params'\] lists 1 params but this optimizer's param_groups\[0\] has 2"),
+    ("duplicate-param-id", _bad(_set(["param_groups", 0, "params", 1], 0)), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['params'\]\[1\]: parameter id 0 is listed twice"),
+    ("float-param-id", _bad(_set(["param_groups", 0, "params", 1], 1.0)), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['params'\]\[1\] must be a parameter id"),
+    ("unknown-param-id", _bad(_set(["state", 17], {})), ValueError,
+     r"state_dict\['state'\]\[17\]: parameter id 17 is listed in no"),
+    ("sgd-group", _bad(_set(["param_groups", 0, "momentum"], 0.9)), ValueError,
+     r"state_dict\['param_groups'\]\[0\] has \['momentum'\], options of another optimizer"),
+    # group options, strictly typed (a "False" from a config file is not True)
+    ("maximize-string", _bad(_set(["param_groups", 0, "maximize"], "False")), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['maximize'\] must be True or False \(a bool\), got str 'False'"),
+    ("amsgrad-string", _bad(_set(["param_groups", 0, "amsgrad"], "no")), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['amsgrad'\] must be True or False"),
+    ("maximize-tensor", _bad(_set(["param_groups", 0, "maximize"], torch.tensor([1, 0]))), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['maximize'\] must be True or False \(a bool\), got a torch.int64 tensor"),
+    ("bias-correction-int", _bad(_set(["param_groups", 0, "bias_correction"], 1)), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['bias_correction'\] must be True or False"),
+    ("lr-string", _bad(_set(["param_groups", 0, "lr"], "1e-3")), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['lr'\] must be a number, got str"),
+    ("lr-nan", _bad(_set(["param_groups", 0, "lr"], float("nan"))), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['lr'\] must be finite"),
+    ("lr-negative-tensor", _bad(_set(["param_groups", 0, "lr"], torch.tensor(-1.0))), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['lr'\] must be >= 0"),
+    ("lr-two-elements", _bad(_set(["param_groups", 0, "lr"], torch.tensor([1e-3, 1e-3]))), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['lr'\] must hold exactly one number"),
+    ("eps-inf", _bad(_set(["param_groups", 0, "eps"], float("inf"))), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['eps'\] must be finite"),
+    ("weight-decay-bool", _bad(_set(["param_groups", 0, "weight_decay"], True)), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['weight_decay'\] must be a number, got bool"),
+    ("weight-decay-negative", _bad(_set(["param_groups", 0, "weight_decay"], -0.1)), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['weight_decay'\] must be >= 0"),
+    ("betas-out-of-range", _bad(_set(["param_groups", 0, "betas"], (0.9, 1.5))), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['betas'\]\[1\] must be in \[0, 1\)"),
+    ("betas-three", _bad(_set(["param_groups", 0, "betas"], (0.9, 0.99, 0.5))), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['betas'\] must be a pair"),
+    ("betas-strings", _bad(_set(["param_groups", 0, "betas"], ("0.9", "0.999"))), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['betas'\]\[0\] must be a number"),
+    ("adam-w-mode-5", _bad(_set(["param_groups", 0, "adam_w_mode"], 5)), ValueError,
+     r"state_dict\['param_groups'\]\[0\]\['adam_w_mode'\] must be an AdamWMode \(0, 1 or 2\), got 5"),
+    ("adam-w-mode-string", _bad(_set(["param_groups", 0, "adam_w_mode"], "ADAMW_TORCH")), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['adam_w_mode'\] must be an AdamWMode or the int 0, 1 or 2"),
+    ("group-step-list", _bad(_set(["param_groups", 0, "step"], [3])), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['step'\] must be a number, got list"),
+    # per-parameter states
+    ("state-entry-list", _bad(_set(["state", 1], [torch.zeros(6)])), TypeError,
+     r"state_dict\['state'\]\[1\] must be a dict of state tensors, got list"),
+    ("unknown-key", _bad(_set(["state", 0, "momentum_buffer"], torch.zeros(1))), ValueError,
+     r"state_dict\['state'\]\[0\]\['momentum_buffer'\]: unknown key"),
+    ("missing-exp-avg-sq", _bad(_delete(["state", 1, "exp_avg_sq"])), ValueError,
+     r"state_dict\['state'\]\[1\] has no 'exp_avg_sq'"),
+    ("missing-max-exp-avg-sq", _bad(_delete(["state", 0, "max_exp_avg_sq"])), ValueError,
+     r"state_dict\['state'\]\[0\] has no 'max_exp_avg_sq', which its group's amsgrad=True needs "
+     r"\(state_dict\['param_groups'\]\[0\]\['amsgrad'\]"),
+    ("missing-step", _bad(_delete(["state", 1, "step"])), ValueError,
+     r"state_dict\['state'\]\[1\] has no 'step' \(nor does its param group, state_dict\['param_groups'\]\[0\]"),
+    ("step-list", _bad(_set(["state", 1, "step"], [4.0])), TypeError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be a number, got list"),
+    ("step-two-elements", _bad(_set(["state", 1, "step"], torch.tensor([4.0, 4.0]))), ValueError,
+     r"state_dict\['state'\]\[1\]\['step'\] must hold exactly one number"),
+    ("step-bool-tensor", _bad(_set(["state", 1, "step"], torch.tensor(True))), TypeError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be a real number"),
+    ("negative-step", _bad(_set(["state", 1, "step"], torch.tensor(-1.0))), ValueError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be a whole number in \[0, 2\*\*53\]"),
+    ("fractional-step", _bad(_set(["state", 1, "step"], torch.tensor(2.5))), ValueError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be a whole number"),
+    ("huge-step", _bad(_set(["state", 1, "step"], 1e300)), ValueError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be a whole number in \[0, 2\*\*53\]"),
+    ("nan-step", _bad(_set(["state", 1, "step"], torch.tensor(float("nan")))), ValueError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be finite"),
+    ("moment-not-a-tensor", _bad(_set(["state", 1, "exp_avg"], [0.0] * 6)), TypeError,
+     r"state_dict\['state'\]\[1\]\['exp_avg'\] must be a tensor, got list"),
+    ("wrong-shape", _bad(_set(["state", 1, "exp_avg"], torch.zeros(5))), ValueError,
+     r"state_dict\['state'\]\[1\]\['exp_avg'\] has shape \(5,\), the parameter \(6,\)"),
+    ("integer-moment", _bad(_set(["state", 1, "exp_avg"], torch.zeros(6, dtype=torch.int32))), TypeError,
+     r"state_dict\['state'\]\[1\]\['exp_avg'\] must be a floating-point tensor"),
+    ("meta-moment", _bad(_set(["state", 1, "exp_avg"], torch.zeros(6, device="meta"))), TypeError,
+     r"state_dict\['state'\]\[1\]\['exp_avg'\] must be a dense tensor with data"),
+    ("nan-moment", _bad(_set(["state", 1, "exp_avg"], torch.full((6,), float("nan")))), ValueError,
+     r"state_dict\['state'\]\[1\]\['exp_avg'\] holds inf or NaN"),
+    ("moment-beyond-float32", _bad(_set(["state", 1, "exp_avg"], torch.full((6,), 1e300, dtype=torch.float64))),
+     ValueError, r"state_dict\['state'\]\[1\]\['exp_avg'\] holds inf or NaN once converted to float32"),
+    ("negative-second-moment", _bad(_set(["state", 1, "exp_avg_sq"], -torch.ones(6))), ValueError,
+     r"state_dict\['state'\]\[1\]\['exp_avg_sq'\] holds negative values"),
+    ("master-wrong-shape", _bad(_set(["state", 0, "master_param"], torch.zeros(3))), ValueError,
+     r"state_dict\['state'\]\[0\]\['master_param'\] has shape \(3,\)"),
+    ("swapped-state-and-groups", _bad(_swap(["state"], ["param_groups"])), TypeError,
+     r"state_dict\['param_groups'\] must be a list of dicts, got dict"),
+]
+
+
+@pytest.mark.parametrize("make_bad,error,message", [c[1:] for c in BAD_CHECKPOINTS], ids=[c[0] for c in BAD_CHECKPOINTS])
+def test_an_invalid_checkpoint_is_refused_with_an_error_naming_the_entry_and_changes_nothing(make_bad, error, message):
+    params, opt = _trained_mixed()
+    target_params, target = _fresh_like(params)
+    _steps(target, target_params, 0, 2)
+    before = optimizer_snapshot(target)
+    bad = make_bad(opt.state_dict())
+    pristine = copy.deepcopy(bad)
+    with pytest.raises(error, match=message):
+        target.load_state_dict(bad)
+    assert_same_snapshot(before, optimizer_snapshot(target))
+    assert_tree_bitwise_equal(bad, pristine, "the given dict")
+    _steps(target, target_params, 2, 1)  # and it still steps
+
+
+def test_a_value_beyond_bfloat16s_range_is_refused_for_bf16_storage():
+    """3.4e38 is a finite float32 that rounds to inf in bfloat16: checked in the storage dtype, not only in float32."""
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = FusedAdam([p], exp_avg_dtype=torch.bfloat16)
+    p.grad = torch.ones(4)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg"] = torch.full((4,), 3.4e38)
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"state_dict\['state'\]\[0\]\['exp_avg'\] holds values beyond the range of "
+                                         r"this optimizer's torch.bfloat16 exp_avg storage"):
+        opt.load_state_dict(sd)
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
+# Accepted variations of a checkpoint: what torch and ORT write, and JSON-safe spellings of the same values
+GOOD_VARIATIONS = {
+    "int-step": _set(["state", 1, "step"], 4),
+    "float32-step-tensor": _set(["state", 1, "step"], torch.tensor(4.0)),
+    "one-element-step": _set(["state", 1, "step"], torch.tensor([4.0])),
+    "betas-list": _set(["param_groups", 0, "betas"], [0.9, 0.999]),
+    "adam-w-mode-enum": _set(["param_groups", 0, "adam_w_mode"], AdamWMode.ADAMW_TRANSFORMERS),
+    "extra-group-key": _set(["param_groups", 0, "initial_lr"], 0.01),
+    "tuple-params": lambda sd: sd["param_groups"][0].__setitem__("params", tuple(sd["param_groups"][0]["params"])),
+}
+
+
+@pytest.mark.parametrize("variation", GOOD_VARIATIONS, ids=str)
+def test_equivalent_spellings_load_and_continue_bit_for_bit(variation):
+    params, opt = _trained_mixed()
+    sd = opt.state_dict()
+    varied = copy.deepcopy(sd)
+    GOOD_VARIATIONS[variation](varied)
+    a_params, a = _fresh_like(params)
+    b_params, b = _fresh_like(params)
+    a.load_state_dict(sd)
+    b.load_state_dict(varied)
+    if variation == "extra-group-key":  # kept, as torch keeps a scheduler's keys
+        assert b.param_groups[0].pop("initial_lr") == 0.01
+    _steps(a, a_params, 4, 2)
+    _steps(b, b_params, 4, 2)
+    _assert_same_optimizers(a_params, a, b_params, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_torch_adam_checkpoint_with_l2_decay_is_refused_where_it_can_be_told(backend, monkeypatch):
+    """torch.optim.Adam(weight_decay>0) adds wd*p to the gradient (L2) and keeps torch's eps placement: no FusedAdam
+    mode computes that, so its moments must not continue silently under AdamW math. torch >= 2.5 saves
+    decoupled_weight_decay in each group, which tells; torch 2.4's Adam and AdamW groups have the same keys."""
+    select_backend(monkeypatch, backend)
+    torch_params = _fp32_params()
+    theirs = torch.optim.Adam(torch_params, lr=1e-2, weight_decay=0.1, foreach=False)
+    _steps(theirs, torch_params, 0, 3)
+    sd = theirs.state_dict()
+    params = _clone_params(torch_params)
+    ours = FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8)
+    before = optimizer_snapshot(ours)
+    if "decoupled_weight_decay" not in sd["param_groups"][0]:  # torch < 2.5: indistinguishable from AdamW
+        ours.load_state_dict(sd)
+        assert ours.param_groups[0]["weight_decay"] == 0.1
+        return
+    with pytest.raises(ValueError, match=r"state_dict\['param_groups'\]\[0\] comes from torch\.optim\.Adam with "
+                                         r"weight_decay=0\.1 \(decoupled_weight_decay=False\): L2 decay"):
+        ours.load_state_dict(sd)
+    assert_same_snapshot(before, optimizer_snapshot(ours))
+    # the same checkpoint without decay, or with the mode chosen explicitly, loads
+    explicit = copy.deepcopy(sd)
+    explicit["param_groups"][0]["adam_w_mode"] = int(AdamWMode.ADAMW_TORCH)
+    ours.load_state_dict(explicit)
+    assert ours.param_groups[0]["adam_w_mode"] == AdamWMode.ADAMW_TORCH
+    no_decay = copy.deepcopy(sd)
+    no_decay["param_groups"][0]["weight_decay"] = 0.0
+    ours.load_state_dict(no_decay)
+
+
+# ---- other optimizers' checkpoints ---------------------------------------------------------------------------------
+
+TORCH_VARIANTS = {"plain": {}, "amsgrad": dict(amsgrad=True), "maximize": dict(maximize=True)}
+# torch and FusedAdam both run float32 arithmetic but group it differently: an ulp or two per step
+TOL = dict(rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", TORCH_VARIANTS, ids=str)
+def test_our_checkpoint_loads_into_torch_adamw_which_continues_as_we_do(variant, backend, monkeypatch):
+    select_backend(monkeypatch, backend)
+    params = _fp32_params()
+    kwargs = dict(lr=1e-2, eps=1e-8, weight_decay=1e-2, **TORCH_VARIANTS[variant])
+    ours = FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, **kwargs)
+    _steps(ours, params, 0, 20)
+    torch_params = _clone_params(params)
+    theirs = torch.optim.AdamW(torch_params, foreach=False, **kwargs)
+    theirs.load_state_dict(_roundtrip(ours.state_dict()))
+    for p, q in zip(params, torch_params):  # the state arrives exactly
+        for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if kwargs.get("amsgrad") else ()):
+            assert_bitwise_equal(theirs.state[q][key], ours.state[p][key], key)
+        assert float(theirs.state[q]["step"]) == 20
+    _steps(ours, params, 20, 30)
+    _steps(theirs, torch_params, 20, 30)
+    for p, q in zip(params, torch_params):
+        torch.testing.assert_close(p, q.detach(), **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", TORCH_VARIANTS, ids=str)
+def test_a_torch_adamw_checkpoint_loads_into_fused_adam_and_both_stay_equal(variant, backend, monkeypatch):
+    select_backend(monkeypatch, backend)
+    torch_params = _fp32_params()
+    kwargs = dict(lr=1e-2, **TORCH_VARIANTS[variant])
+    theirs = torch.optim.AdamW(torch_params, foreach=False, **kwargs)
+    _steps(theirs, torch_params, 0, 20)
+    params = _clone_params(torch_params)
+    ours = FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=1e-2, **kwargs)
+    sd = theirs.state_dict()
+    pristine = copy.deepcopy(sd)
+    ours.load_state_dict(_roundtrip(sd))
+    assert_tree_bitwise_equal(sd, pristine)
+    group = ours.param_groups[0]
+    assert (group["lr"], group["eps"], group["weight_decay"], group["adam_w_mode"]) == (1e-2, 1e-8, 1e-2, 2)
+    assert "foreach" not in group and "fused" not in group, "torch's implementation switches are dropped"
+    for p, q in zip(params, torch_params):
+        assert float(ours.state[p]["step"]) == 20
+        assert_bitwise_equal(ours.state[p]["exp_avg_sq"], theirs.state[q]["exp_avg_sq"], "exp_avg_sq")
+    _steps(ours, params, 20, 30)
+    _steps(theirs, torch_params, 20, 30)
+    for p, q in zip(params, torch_params):
+        torch.testing.assert_close(p, q.detach(), **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("torch_class", [torch.optim.Adam, torch.optim.AdamW], ids=["Adam", "AdamW"])
+def test_from_optimizer_continues_exactly_as_torch_would(torch_class, backend, monkeypatch):
+    """Two param groups with their own hyperparameters, amsgrad in one; converted after 15 steps."""
+    select_backend(monkeypatch, backend)
+    torch_params = _fp32_params()
+    decay = 0.05 if torch_class is torch.optim.AdamW else 0.0
+    theirs = torch_class([{"params": torch_params[:2], "amsgrad": True},
+                          {"params": torch_params[2:], "lr": 3e-3, "maximize": True, "betas": (0.8, 0.99)}],
+                         lr=1e-2, weight_decay=decay, foreach=False)
+    _steps(theirs, torch_params, 0, 15)
+    ours = FusedAdam.from_optimizer(theirs, master_weights=True)
+    params = [p for group in ours.param_groups for p in group["params"]]
+    assert all(a is b for a, b in zip(params, torch_params)), "the same param objects"
+    assert ours.param_groups[1]["betas"] == (0.8, 0.99) and ours.param_groups[1]["maximize"]
+    assert all(g["adam_w_mode"] == AdamWMode.ADAMW_TORCH for g in ours.param_groups)
+    # torch keeps stepping its own copy of the params from here
+    torch_copy = _clone_params(torch_params)
+    theirs_copy = torch_class([{"params": torch_copy[:2], "amsgrad": True},
+                               {"params": torch_copy[2:], "lr": 3e-3, "maximize": True, "betas": (0.8, 0.99)}],
+                              lr=1e-2, weight_decay=decay, foreach=False)
+    theirs_copy.load_state_dict(theirs.state_dict())
+    _steps(ours, params, 15, 25)
+    _steps(theirs_copy, torch_copy, 15, 25)
+    for p, q in zip(params, torch_copy):
+        torch.testing.assert_close(p, q.detach(), **TOL)
+        assert float(ours.state[p]["step"]) == 40
+
+
+def test_from_optimizer_refuses_adam_with_weight_decay_and_other_optimizers():
+    params = _fp32_params()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: torch\.optim\.Adam with weight_decay=0\.1 is L2 decay "
+                                         r"with torch's eps placement, which no FusedAdam mode reproduces exactly"):
+        FusedAdam.from_optimizer(torch.optim.Adam(params, weight_decay=0.1))
+    with pytest.raises(TypeError, match=r"converts torch\.optim\.Adam and torch\.optim\.AdamW, got SGD"):
+        FusedAdam.from_optimizer(torch.optim.SGD(params, lr=0.1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", [AdamWMode.ADAM_L2_REGULARIZATION, AdamWMode.ADAMW_TRANSFORMERS], ids=["L2", "HF"])
+def test_an_ort_fused_adam_checkpoint_loads(mode, backend, monkeypatch):
+    """onnxruntime.training.optim.FusedAdam (1.19.2) saves torch's Optimizer.state_dict() of its own groups:
+
+        {"state": {id: {"exp_avg": T, "exp_avg_sq": T}},           # moments in the param's dtype (fp16 or fp32),
+                                                                   # no per-param step, ids of params ever stepped
+         "param_groups": [{"lr", "bias_correction", "betas", "eps", "weight_decay",
+                           "step": int,                            # ONE step count per group
+                           "params": [ids]}]}                      # no adam_w_mode: it lives on the object
+
+    Every param with state gets the group's step; adam_w_mode comes from our constructor; fp16 moments load into
+    whatever state dtype this optimizer uses (here fp32 with fp32 masters)."""
+    select_backend(monkeypatch, backend)
+    g = torch.Generator().manual_seed(41)
+    params = [torch.nn.Parameter(torch.randn(6, generator=g)), torch.nn.Parameter(torch.randn(5, generator=g).half()),
+              torch.nn.Parameter(torch.randn(3, generator=g))]  # the last one never had a gradient under ORT
+    moments = {i: {"exp_avg": 0.01 * torch.randn(p.shape, generator=g).to(p.dtype),
+                   "exp_avg_sq": 1e-4 * torch.rand(p.shape, generator=g).to(p.dtype)} for i, p in enumerate(params[:2])}
+    ort_checkpoint = {
+        "state": moments,
+        "param_groups": [{"lr": 2e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-6,
+                          "weight_decay": 0.01, "step": 7, "params": [0, 1, 2]}],
+    }
+    pristine = copy.deepcopy(ort_checkpoint)
+    opt = FusedAdam(params, adam_w_mode=mode, master_weights=True)
+    opt.load_state_dict(_roundtrip(ort_checkpoint))
+    assert_tree_bitwise_equal(ort_checkpoint, pristine)
+    group = opt.param_groups[0]
+    assert group["lr"] == 2e-3 and group["weight_decay"] == 0.01 and group["adam_w_mode"] == mode
+    assert "step" not in group, "the per-group step becomes per-parameter steps"
+    assert [float(opt.state[p]["step"]) for p in params[:2]] == [7.0, 7.0]
+    assert not opt.state.get(params[2])
+    assert opt.state[params[1]]["exp_avg"].dtype == torch.float32
+    assert_bitwise_equal(opt.state[params[1]]["master_param"], params[1].detach().float(), "master from the param")
+
+    # it continues as the float64 reference started from the same moments and step
+    reference = ReferenceAdam(params, lr=2e-3, eps=1e-6, weight_decay=0.01, mode=int(mode), master_weights=True)
+    for i in range(2):
+        reference.states[i] = {"step": 7, "m": moments[i]["exp_avg"].double(), "v": moments[i]["exp_avg_sq"].double(),
+                               "vmax": torch.zeros(params[i].shape, dtype=torch.float64)}
+    for step in range(5):
+        _set_grads(params, step)
+        grads = [p.grad for p in params]
+        opt.step()
+        reference.step(grads)
+    for i, p in enumerate(params):
+        torch.testing.assert_close(p.double(), reference.param(i), rtol=2.0**-10 if p.dtype == torch.float16 else 1e-6,
+                                   atol=1e-7)
+    assert [float(opt.state[p]["step"]) for p in params] == [12.0, 12.0, 5.0]
+
+
+def test_state_dict_ignores_the_empty_entries_that_reading_optimizer_state_creates():
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))]
+    opt = FusedAdam(params)
+    params[0].grad = torch.ones(3)
+    opt.step()
+    assert opt.state[params[1]] == {}  # a defaultdict read: creates an empty entry
+    saved = opt.state_dict()
+    assert list(saved["state"]) == [0]
+    FusedAdam(params).load_state_dict(saved)
+
+
+# ---- any checkpoint, fuzzed: restored exactly or refused naming the entry --------------------------------------------
+
+
+# Examples per run: 2000 per environment in `make test` (ORT_OPTIM_FUZZ_EXAMPLES replaces it, tests/conftest.py);
+# derandomized, so every run tries the same ones and a failure reproduces.
+EXAMPLES = fuzz_examples(2000)
+
+# ---- the optimizers under test -------------------------------------------------------------------------------------
+
+# Two param groups over tiny params of every dtype; fp16 (block-scaled) first moments, bf16 second moments, fp32
+# masters for the low-precision params: each storage layout is restored. The optimizer that loads also comes with
+# 8-bit and 4-bit moments (FUZZ_MOMENTS): the canonical checkpoints are quantised into them, and their own checkpoints
+# must restore them bit for bit.
+SHAPES = [((4,), torch.float32), ((2, 3), torch.bfloat16), ((), torch.float32), ((3,), torch.float16)]
+OPTIONS = dict(lr=1e-2, weight_decay=0.01, master_weights=True, adam_w_mode=AdamWMode.ADAMW_TORCH)
+FUZZ_MOMENTS = {"fp16 m, bf16 v": (torch.float16, torch.bfloat16), "8-bit m, 4-bit v": (torch.uint8, torch.uint4),
+           "4-bit m, 8-bit v": (torch.uint4, torch.uint8)}
+ORIGINAL_MOMENTS = "fp16 m, bf16 v"
+
+
+def _params(seed: int) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype)) for shape, dtype in SHAPES]
+
+
+def _groups(params):
+    return [{"params": params[:3]}, {"params": params[3:], "amsgrad": True, "lr": 3e-3}]
+
+
+def _grads(params, step: int) -> None:
+    g = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def _trained(seed: int, steps: int, layout: str = ORIGINAL_MOMENTS):
+    params = _params(seed)
+    m_dtype, v_dtype = FUZZ_MOMENTS[layout]
+    opt = FusedAdam(_groups(params), **OPTIONS, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype)
+    for step in range(steps):
+        _grads(params, step)
+        opt.step()
+    return params, opt
+
+
+def _foreign(kind: str) -> dict:
+    """Another optimizer's checkpoint over params of the same shapes and grouping (fp32 params: torch's
+    optimizers need one dtype for their reference paths)."""
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape, _ in SHAPES]
+    groups = [{"params": params[:3]}, {"params": params[3:]}]
+    if kind == "ort":  # onnxruntime.training.optim.FusedAdam 1.19.2: one step per group, moments in the param dtype
+        return {
+            "state": {i: {"exp_avg": 0.01 * torch.randn(shape, generator=g).to(dtype),
+                          "exp_avg_sq": 1e-4 * torch.rand(shape, generator=g).to(dtype)}
+                      for i, (shape, dtype) in enumerate(SHAPES)},
+            "param_groups": [{"lr": 2e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-6,
+                              "weight_decay": 0.01, "step": 7, "params": [0, 1, 2]},
+                             {"lr": 2e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-6,
+                              "weight_decay": 0.0, "step": 3, "params": [3]}],
+        }
+    opt = {
+        "sgd": lambda: torch.optim.SGD(groups, lr=0.1, momentum=0.9, foreach=False),
+        "adam": lambda: torch.optim.Adam(groups, lr=1e-2, foreach=False),
+        "adam-l2": lambda: torch.optim.Adam(groups, lr=1e-2, weight_decay=0.1, foreach=False),
+        "adamw-amsgrad": lambda: torch.optim.AdamW(groups, lr=1e-2, amsgrad=True, foreach=False),
+    }[kind]()
+    for step in range(2):
+        _grads(params, step)
+        opt.step()
+    return copy.deepcopy(opt.state_dict())
+
+
+SOURCE_PARAMS, SOURCE = _trained(seed=1, steps=3)
+ORIGINAL = SOURCE.state_dict()
+FOREIGN = {kind: _foreign(kind) for kind in ("sgd", "adam", "adam-l2", "adamw-amsgrad", "ort")}
+
+
+def _fresh_target(layout: str = ORIGINAL_MOMENTS):
+    """The optimizer that loads: trained a step on other params, so a refused load has state to leave alone."""
+    return _trained(seed=2, steps=1, layout=layout)
+
+
+# ---- mutations -----------------------------------------------------------------------------------------------------
+
+
+def _clone(tree):
+    """A copy of a checkpoint tree (tensors cloned, containers rebuilt): copy.deepcopy, several times faster."""
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {key: _clone(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_clone(value) for value in tree)
+    return tree
+
+
+def _paths(tree, prefix=()):
+    """Every entry's path (keys from the root), containers before their contents."""
+    out = []
+    if isinstance(tree, dict):
+        items = list(tree.items())
+    elif isinstance(tree, (list, tuple)):
+        items = list(enumerate(tree))
+    else:
+        return out
+    for key, value in items:
+        out.append(prefix + (key,))
+        out.extend(_paths(value, prefix + (key,)))
+    return out
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set_at(tree, path, value):
+    """Sets tree[path] = value, rebuilding tuples on the way (they cannot be assigned into)."""
+    if not path:
+        return value
+    parent = _get(tree, path[:-1])
+    if isinstance(parent, tuple):
+        items = list(parent)
+        items[path[-1]] = value
+        return _set_at(tree, path[:-1], tuple(items))
+    parent[path[-1]] = value
+    return tree
+
+
+NAN, INF = float("nan"), float("inf")
+PLAIN_VALUES = [
+    None, "False", "True", "no", "", "1e-3", "exp_avg", b"\x00", 0, 1, -1, 2, 3, 7, 2**53, 2**53 + 2, 2**70, 0.0, 0.5,
+    -0.5, 0.9, 1.0, 1.5, 1e-8, 1e300, -1e300, NAN, INF, -INF, True, False, [], [0.9, 0.999], (0.9,),
+    (0.9, 0.999, 0.5), ("0.9", "0.999"), [0, 1, 2], [0, 0, 1], {}, {"exp_avg": 0}, AdamWMode.ADAMW_TORCH,
+    AdamWMode.ADAM_L2_REGULARIZATION,
+]
+TENSOR_SHAPES = [(), (1,), (2,), (3,), (4,), (2, 3), (3, 2), (5,), (0,), (1, 4)]
+TENSOR_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
+                 torch.complex64]
+TENSOR_FILLS = [0.0, 1.0, -1.0, 0.5, 3.0, 1e-3, NAN, INF, -INF, 1e30, 3.4e38, 1e-40, 1e300, "random"]
+NEW_KEYS = ["momentum_buffer", "foo", 99, 1.5, "step", "exp_avg", "exp_avg_scale", "initial_lr",
+            "decoupled_weight_decay", "adam_w_mode", "params", "state", "momentum", (0, 1)]
+
+
+@st.composite
+def tensors(draw):
+    shape = draw(st.sampled_from(TENSOR_SHAPES))
+    dtype = draw(st.sampled_from(TENSOR_DTYPES))
+    fill = draw(st.sampled_from(TENSOR_FILLS))
+    if draw(st.integers(0, 15)) == 0:
+        return torch.empty(shape, dtype=dtype, device="meta")
+    if fill == "random":
+        values = torch.randn(shape, generator=torch.Generator().manual_seed(draw(st.integers(0, 9))),
+                             dtype=torch.float64)
+    else:
+        values = torch.full(shape, fill, dtype=torch.float64)
+    if dtype in (torch.int64, torch.int32, torch.bool):
+        values = values.nan_to_num(0.0, 0.0, 0.0).clamp(-1e6, 1e6)
+    return values.to(dtype)
+
+
+# (fresh copies: a later mutation may add a key to a drawn {}, which must not change the pool)
+values = st.one_of(st.sampled_from(PLAIN_VALUES).map(lambda v: _clone(v)), tensors())
+
+
+def _convert(value):
+    """The same contents in another container type."""
+    if isinstance(value, dict):
+        return list(value.values())
+    if isinstance(value, list):
+        return dict(enumerate(value)) if value else ()
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, torch.Tensor):
+        return value.tolist() if value.numel() < 16 and not value.is_meta else value
+    return [value]
+
+
+def _perturb(value, seed: int):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 0.5 if seed % 2 else value + 1  # (an AdamWMode becomes a plain int)
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and not value.is_meta:
+        g = torch.Generator().manual_seed(seed)
+        fresh = torch.rand(value.shape, generator=g, dtype=torch.float64) * 2.0**(seed - 5)
+        return (fresh.round() if value.dim() == 0 else fresh).to(value.dtype)  # (0-dim: a step, whole)
+    return value
+
+
+@st.composite
+def mutated_checkpoints(draw):
+    """(checkpoint, paths it was mutated at, a description for failure reports)."""
+    base = draw(st.sampled_from(["original"] * 4 + list(FOREIGN)))
+    sd = _clone(ORIGINAL if base == "original" else FOREIGN[base])
+    touched, steps = [], [base]
+    if base != "original":
+        touched.append(())
+    for _ in range(draw(st.integers(0, 3))):
+        paths = _paths(sd)
+        kind = draw(st.sampled_from(["replace", "replace", "replace", "perturb", "perturb", "delete", "add",
+                                     "convert", "swap"]))
+        if not paths:
+            kind = "add"
+        if kind == "perturb":  # another value of the same kind, usually valid
+            path = draw(st.sampled_from(paths))
+            sd = _set_at(sd, path, _perturb(_get(sd, path), draw(st.integers(0, 9))))
+        elif kind == "replace":
+            path = draw(st.sampled_from(paths))
+            value = draw(values)
+            sd = _set_at(sd, path, value)
+        elif kind == "delete":
+            path = draw(st.sampled_from(paths))
+            parent = _get(sd, path[:-1])
+            if isinstance(parent, dict):
+                del parent[path[-1]]
+            elif isinstance(parent, list):
+                parent.pop(path[-1])
+            else:
+                sd = _set_at(sd, path[:-1], tuple(v for i, v in enumerate(parent) if i != path[-1]))
+        elif kind == "add":
+            dicts = [()] + [p for p in paths if isinstance(_get(sd, p), dict)]
+            where = draw(st.sampled_from(dicts))
+            key = draw(st.sampled_from(NEW_KEYS))
+            path = where + (key,)
+            _get(sd, where)[key] = draw(values)
+        elif kind == "convert":
+            path = draw(st.sampled_from(paths))
+            sd = _set_at(sd, path, _convert(_get(sd, path)))
+        else:  # swap two entries, neither inside the other
+            a = draw(st.sampled_from(paths))
+            others = [p for p in paths if p[:len(a)] != a and a[:len(p)] != p]
+            if not others:
+                continue
+            b = draw(st.sampled_from(others))
+            va, vb = _get(sd, a), _get(sd, b)
+            sd = _set_at(_set_at(sd, a, vb), b, va)
+            touched.append(b)
+            path = a
+        touched.append(path)
+        steps.append(f"{kind} {entry(*path)}")
+    return sd, touched, "; ".join(steps)
+
+
+# ---- the oracle ----------------------------------------------------------------------------------------------------
+
+
+def _names_a_related_entry(message: str, touched: list[tuple]) -> bool:
+    """The message starts with the entry it is about, and that entry is a mutated one, an ancestor of one (a list
+    that lost an item, say) or a descendant (a key inside a replaced dict), or a cross-reference: a state whose id
+    the mutated group no longer lists."""
+    if not message.startswith("state_dict"):
+        return False
+    if any(path == () for path in touched):  # a whole other checkpoint: any entry of it
+        return True
+    for path in touched:
+        for depth in range(1, len(path) + 1):
+            if entry(*path[:depth]) in message:
+                return True
+    return False
+
+
+def _step_value(value) -> float:
+    return float(value.reshape(()).double()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _check_restored(target, params, sd, layout: str) -> None:
+    """The loaded optimizer holds what sd says."""
+    ids = {}
+    for group, saved in zip(target.param_groups, sd["param_groups"]):
+        for key, value in saved.items():
+            if key in ("params", "step", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay"):
+                continue
+            if key == "betas":
+                assert group[key] == tuple(value)
+            elif key == "adam_w_mode":
+                assert type(group[key]) is int and group[key] == int(value)
+            else:  # the options and any other key (a scheduler's, the user's), as saved
+                assert_tree_bitwise_equal(group[key], value, key)
+        ids.update(zip(saved["params"], zip(group["params"], [saved.get("step")] * len(saved["params"]))))
+    for p in params:
+        assert bool(target.state.get(p)) == any(ids[i][0] is p for i in sd["state"]), "state only where saved"
+    for saved_id, saved in sd["state"].items():
+        p, group_step = ids[saved_id]
+        state = target.state[p]
+        assert float(state["step"]) == _step_value(saved.get("step", group_step))
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if key in state and state[key].dtype == torch.uint8:
+                # 8-bit/4-bit codes: exactly the reference quantiser's round trip of the saved values
+                dtype = FUZZ_MOMENTS[layout][key != "exp_avg"]
+                expected = formats.decode_state(
+                    *formats.encode_state(saved[key].float(), dtype, key != "exp_avg"), key != "exp_avg",
+                    p.shape)
+                assert_bitwise_equal(to_canonical(state, key, p.shape), expected, key)
+            elif key in state:
+                expected = saved[key].double()
+                got = to_canonical(state, key, p.shape).double()
+                # within the storage dtype's rounding: bf16 keeps 8 bits, block-scaled fp16 11 bits of the block max
+                # (values below float32's normal range may flush or lose bits: 2**-126 absolute)
+                tol = 2.0**-8 if state[key].dtype == torch.bfloat16 else 2.0**-10
+                bound = tol * (expected.abs() + (expected.abs().max() if state[key].dtype == torch.float16 else 0))
+                bound = bound + 2.0**-126
+                assert bool(((got - expected).abs() <= bound).all()), key
+        if "master_param" in state and "master_param" in saved:
+            assert_bitwise_equal(state["master_param"], saved["master_param"].float(), "master_param")
+
+
+def _continue_both(a_params, a, b_params, b, steps=2) -> None:
+    for step in range(steps):
+        _grads(a_params, 50 + step)
+        _grads(b_params, 50 + step)
+        a.step()
+        b.step()
+    for p, q in zip(a_params, b_params):
+        assert_bitwise_equal(p.detach(), q.detach(), "param")
+        assert a.state[p].keys() == b.state[q].keys()
+        for key in a.state[p]:
+            assert_bitwise_equal(a.state[p][key], b.state[q][key], key)
+
+
+def _same_meaning(a: dict, b: dict) -> bool:
+    try:
+        assert_tree_bitwise_equal(a, b)
+        return True
+    except AssertionError:
+        return False
+
+
+@pytest.mark.no_interpreter
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(case=mutated_checkpoints(), layout=st.sampled_from([ORIGINAL_MOMENTS] + list(FUZZ_MOMENTS)))
+def test_every_load_restores_exactly_or_refuses_naming_the_entry_and_changes_nothing(case, layout):
+    sd, touched, description = case
+    pristine = _clone(sd)
+    params, target = _fresh_target(layout)
+    before = optimizer_snapshot(target)
+    try:
+        target.load_state_dict(sd)
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        assert _names_a_related_entry(message, touched), f"{description}: {type(error).__name__}: {message}"
+        assert_same_snapshot(before, optimizer_snapshot(target))
+        assert_tree_bitwise_equal(sd, pristine, "the given dict")
+        return
+    assert_tree_bitwise_equal(sd, pristine, "the given dict")
+    _check_restored(target, params, sd, layout)
+    # its own checkpoint restores it exactly: a twin loaded from it continues bit for bit
+    saved = target.state_dict()
+    twin_params, twin = _fresh_target(layout)
+    with torch.no_grad():
+        for p, q in zip(params, twin_params):
+            q.copy_(p)
+    twin.load_state_dict(saved)
+    assert_tree_bitwise_equal(twin.state_dict(), saved, "twin")
+    if layout == ORIGINAL_MOMENTS and _same_meaning(saved, ORIGINAL):
+        # the checkpoint says what the original said: with the original's model params, the load continues exactly
+        # like the original optimizer that wrote it
+        original_params, original = copy.deepcopy((SOURCE_PARAMS, SOURCE))
+        with torch.no_grad():
+            for p, q in zip(params, original_params):
+                p.copy_(q)
+        _continue_both(params, target, original_params, original)
+    else:
+        _continue_both(params, target, twin_params, twin)
+
+
+@pytest.mark.no_interpreter
+def test_the_fuzzer_reaches_both_outcomes_and_every_kind_of_base():
+    """The strategy is not degenerate: unmutated-meaning loads, refused loads and accepted changes all occur."""
+    outcomes = {"refused": 0, "accepted": 0}
+    bases = set()
+
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None,  # (a check of the strategy itself)
+              suppress_health_check=list(HealthCheck))
+    @given(case=mutated_checkpoints())
+    def probe(case):
+        sd, touched, description = case
+        bases.add(description.split(";")[0])
+        params, target = _fresh_target()
+        try:
+            target.load_state_dict(sd)
+            outcomes["accepted"] += 1
+        except (ValueError, TypeError):
+            outcomes["refused"] += 1
+
+    probe()
+    assert outcomes["refused"] > 50 and outcomes["accepted"] > 30, outcomes
+    assert bases == {"original"} | set(FOREIGN), bases

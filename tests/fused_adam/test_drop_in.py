@@ -1,0 +1,854 @@
+"""Migrating to FusedAdam, as a specification: FusedAdam as a drop-in for ORT's FusedAdam and torch.optim.AdamW,
+checked from the outside: what their users rely on without reading our code.
+
+Written from ORT's FusedAdam and torch.optim's documented behaviour, against
+independent references: torch.optim.AdamW/Adam (``foreach=False``, the plain per-tensor loop) on the same dtype or on
+fp32 copies, torch.nn.utils.clip_grad_norm_, torch.amp.GradScaler, the float64 formulas of ``tests/reference.py``,
+and ORT 1.19.2's recorded signature. It covers what the other modules leave out:
+
+* the API: ORT's positional order, step()'s signature, ``AdamWMode``, ``repr``; the type of every option (a string
+  "False" for a bool, apex's ``adam_w_mode=True``, a bool lr), numpy scalars, step()'s ``grad_scale``/``found_inf``
+  when they are wrong (refused naming them, nothing changed);
+* the math under change: torch's LR schedulers (OneCycleLR also moves ``betas``) with float and tensor lr and late
+  gradients, every hyperparameter rewritten between steps, ``bias_correction=False`` per group in every mode,
+  gradients left untouched, closures;
+* torch.optim.Optimizer's machinery: step, state-dict and load-state-dict hooks, ``zero_grad`` next to torch's, a
+  model and its optimizer copied together;
+* checkpoints: through a file and ``torch.load(weights_only=True)`` (numpy lrs included) resuming bit for bit, steps
+  past 2**24, torch state moved in process (copied, never shared), ``from_optimizer`` for torch >= 2.5's
+  ``Adam(decoupled_weight_decay=True)`` and its keywords, named params, our checkpoint into that Adam;
+* mixed precision: masters against torch AdamW on fp32 copies, under GradScaler, with global clipping over groups and
+  dtypes; the masters' documented contract when a model checkpoint is written into the params.
+
+Tolerances, per dtype. float32 params against torch's float32 AdamW: ``FP32_VS_TORCH``, a few float32 ulps of the
+parameters' magnitude (~1), since torch's per-step scalar expressions (lr / bc1, 1 - lr * wd) round differently in
+the last bit from ours (measured: up to 6e-8 after 100 steps; bit for bit with a constant lr of 1e-3). fp16/bf16
+params with masters: the fp32 masters keep ``FP32_VS_TORCH`` against torch on fp32 copies, and each param equals its
+master rounded to nearest even, bit for bit. float32 params against the float64 reference: ``FP32_VS_FLOAT64``
+(measured: under 1e-7). Checkpoint resumes, copies and numpy-vs-float runs: bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from conftest import assert_bitwise_equal, assert_tree_bitwise_equal, optimizer_snapshot
+from ort_optim import AdamWMode, FusedAdam
+from reference import adam_update
+
+FP32_VS_TORCH = dict(rtol=0.0, atol=5e-7)  # parameters of magnitude ~1: a few float32 ulps (2**-23 = 1.2e-7)
+FP32_VS_FLOAT64 = dict(rtol=1e-6, atol=1e-6)
+TORCH_ADAMW = dict(adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=1e-2)  # torch.optim.AdamW's math
+STEPS = 100
+
+# ---- helpers -------------------------------------------------------------------------------------------------------
+
+SHAPES = [(), (0,), (5,), (3, 4), (7,)]  # 0-dim, empty, odd sizes
+
+
+def make_params(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=torch.float64).to(dtype)) for s in SHAPES]
+
+
+def set_grads(params, step, missing=()):
+    """Deterministic gradients for `step`; params whose index is in `missing` get none."""
+    g = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        grad = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
+        p.grad = None if i in missing else grad
+
+
+def run_pair(make_ours, make_theirs, make_scheduler=None, steps=STEPS, missing=lambda k: ()):
+    """Steps two optimizers over identical params and gradients (none, at step k, for the params in missing(k));
+    returns both param lists."""
+    ours_params, their_params = make_params(), make_params()
+    ours, theirs = make_ours(ours_params), make_theirs(their_params)
+    schedulers = [make_scheduler(ours), make_scheduler(theirs)] if make_scheduler else []
+    for k in range(steps):
+        set_grads(ours_params, k, missing(k))
+        set_grads(their_params, k, missing(k))
+        ours.step()
+        theirs.step()
+        for s in schedulers:
+            s.step()
+    return ours_params, their_params
+
+
+def assert_params_close(ours, theirs, **tolerance):
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        torch.testing.assert_close(a.detach().double(), b.detach().double(), msg=lambda m: f"param {i}: {m}",
+                                   **tolerance)
+
+
+def one_param_optimizer(**options):
+    p = torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(3)))
+    return p, FusedAdam([p], **options)
+
+
+# ---- the signature: ORT's, positionally ----------------------------------------------------------------------------
+
+# onnxruntime.training.optim.FusedAdam 1.19.2: names, order and defaults of its eight parameters.
+ORT_SIGNATURE = [
+    ("params", inspect.Parameter.empty),
+    ("lr", 1e-3),
+    ("bias_correction", True),
+    ("betas", (0.9, 0.999)),
+    ("eps", 1e-6),
+    ("adam_w_mode", AdamWMode.ADAMW_TRANSFORMERS),
+    ("weight_decay", 0.0),
+    ("set_grad_none", True),
+]
+
+
+def test_the_first_eight_parameters_are_orts_in_order_with_its_defaults_and_the_rest_are_keyword_only():
+    parameters = list(inspect.signature(FusedAdam).parameters.values())
+    assert [(p.name, p.default) for p in parameters[:8]] == ORT_SIGNATURE
+    assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in parameters[:8])
+    assert all(p.kind == p.KEYWORD_ONLY for p in parameters[8:]), [p.name for p in parameters[8:]]
+    assert {"amsgrad", "maximize"} <= {p.name for p in parameters[8:]}
+
+
+def test_step_takes_a_closure_and_keyword_only_grad_scale_and_found_inf():
+    """``step(closure=None, *, grad_scale=None, found_inf=None)``."""
+    parameters = list(inspect.signature(FusedAdam.step).parameters.values())[1:]
+    assert [(p.name, p.kind, p.default) for p in parameters] == [
+        ("closure", inspect.Parameter.POSITIONAL_OR_KEYWORD, None),
+        ("grad_scale", inspect.Parameter.KEYWORD_ONLY, None),
+        ("found_inf", inspect.Parameter.KEYWORD_ONLY, None),
+    ]
+    assert FusedAdam._step_supports_amp_scaling is True  # torch.amp.GradScaler's protocol for fused optimizers
+
+
+def test_repr_is_torchs_with_every_group_option():
+    p, opt = one_param_optimizer(lr=0.5, weight_decay=0.25)
+    text = repr(opt)
+    assert text.startswith("FusedAdam (\nParameter Group 0\n")
+    for key, value in opt.param_groups[0].items():
+        if key != "params":
+            assert f"    {key}: {value}\n" in text, key
+
+
+@pytest.mark.parametrize("name,value", [("ADAM_L2_REGULARIZATION", 0), ("ADAMW_TRANSFORMERS", 1), ("ADAMW_TORCH", 2)])
+def test_adamw_mode_has_orts_names_and_int_values(name, value):
+    mode = AdamWMode[name]
+    assert isinstance(mode, int) and mode == value and AdamWMode(value) is mode
+    assert len(AdamWMode) == 3
+
+
+def test_positional_arguments_land_where_orts_would_put_them():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = FusedAdam([p], 0.5, False, (0.8, 0.7), 1e-3, AdamWMode.ADAM_L2_REGULARIZATION, 0.25, False)
+    group = opt.param_groups[0]
+    assert (group["lr"], group["bias_correction"], group["betas"], group["eps"], group["adam_w_mode"],
+            group["weight_decay"], opt.set_grad_none) == (0.5, False, (0.8, 0.7), 1e-3, 0, 0.25, False)
+    with pytest.raises(TypeError):  # a ninth positional argument: the extras are keyword-only
+        FusedAdam([p], 0.5, False, (0.8, 0.7), 1e-3, AdamWMode.ADAM_L2_REGULARIZATION, 0.25, False, True)
+
+
+# ---- option types and values ---------------------------------------------------------------------------------------
+
+# What torch or ORT would take silently and then misread, or what the existing error tables do not list. Each must be
+# refused naming the option. "False" as a string is truthy: taken as is, amsgrad="False" turned amsgrad on.
+BAD_OPTIONS = [
+    ("amsgrad-string", dict(amsgrad="False"), TypeError, r"amsgrad must be True or False, got 'False'"),
+    ("maximize-int", dict(maximize=1), TypeError, r"maximize must be True or False, got 1"),
+    ("bias-correction-string", dict(bias_correction="no"), TypeError, r"bias_correction must be True or False"),
+    ("set-grad-none-string", dict(set_grad_none="False"), TypeError, r"set_grad_none must be True or False"),
+    ("master-weights-string", dict(master_weights="yes"), TypeError, r"master_weights must be True or False"),
+    ("capturable-int", dict(capturable=0), TypeError, r"capturable must be True or False"),
+    ("lr-bool", dict(lr=True), ValueError, r"lr must be a float >= 0, got True"),
+    # apex's FusedAdam has adam_w_mode=True/False; True (decoupled, torch's eps placement) once read as mode 1 (HF's)
+    ("adam-w-mode-apex-bool", dict(adam_w_mode=True), ValueError,
+     r"adam_w_mode must be an AdamWMode \(0, 1 or 2\), got True\. apex's adam_w_mode=True .* is "
+     r"AdamWMode\.ADAMW_TORCH"),
+    ("lr-nan", dict(lr=float("nan")), ValueError, r"lr must be a float >= 0, got nan"),
+    ("lr-string", dict(lr="1e-3"), ValueError, r"lr must be a float >= 0, got '1e-3'"),
+    ("lr-none", dict(lr=None), ValueError, r"lr must be a float >= 0, got None"),
+    ("lr-tensor-nan", dict(lr=torch.tensor(float("nan"))), ValueError, r"lr must be >= 0, got nan"),
+    ("eps-nan", dict(eps=float("nan")), ValueError, r"eps must be a float >= 0, got nan"),
+    ("weight-decay-nan", dict(weight_decay=float("nan")), ValueError, r"weight_decay must be a float >= 0, got nan"),
+    ("beta1-nan", dict(betas=(float("nan"), 0.999)), ValueError, r"betas\[0\] must be in \[0, 1\), got nan"),
+    ("beta2-inf", dict(betas=(0.9, float("inf"))), ValueError, r"betas\[1\] must be in \[0, 1\), got inf"),
+    ("betas-none", dict(betas=None), ValueError, r"betas must be a pair \(beta1, beta2\), got None"),
+    ("betas-three", dict(betas=(0.9, 0.99, 0.999)), ValueError, r"betas must be a pair"),
+    ("max-grad-norm-nan", dict(max_grad_norm=float("nan")), ValueError, r"max_grad_norm must be None or a float > 0"),
+    ("max-grad-norm-string", dict(max_grad_norm="1.0"), ValueError, r"max_grad_norm must be None or a float > 0"),
+]
+
+
+@pytest.mark.parametrize("options,error,message", [c[1:] for c in BAD_OPTIONS], ids=[c[0] for c in BAD_OPTIONS])
+def test_a_bad_option_is_refused_naming_it(options, error, message):
+    with pytest.raises(error, match=message):
+        FusedAdam([torch.nn.Parameter(torch.zeros(3))], **options)
+
+
+GROUP_OPTIONS = [c for c in BAD_OPTIONS if not {"set_grad_none", "master_weights", "capturable", "max_grad_norm"}
+                 & set(c[1])]
+
+
+@pytest.mark.parametrize("options,error,message", [c[1:] for c in GROUP_OPTIONS], ids=[c[0] for c in GROUP_OPTIONS])
+def test_a_bad_group_option_is_refused_by_add_param_group_and_not_kept(options, error, message):
+    p, opt = one_param_optimizer()
+    with pytest.raises(error, match=r"param_groups\[1\]: " + message):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], **options})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("options,error,message", [c[1:] for c in GROUP_OPTIONS], ids=[c[0] for c in GROUP_OPTIONS])
+def test_a_bad_option_put_into_a_group_later_fails_the_step_and_changes_nothing(options, error, message, backend):
+    p, opt = one_param_optimizer(weight_decay=0.1)
+    for _ in range(3):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    opt.param_groups[0].update(options)
+    p.grad = torch.randn_like(p)
+    before = optimizer_snapshot(opt)
+    with pytest.raises(error, match=r"param_groups\[0\]: " + message):
+        opt.step()
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
+NUMPY_OPTIONS = [
+    ("lr", dict(lr=np.float32(1e-2))),
+    ("betas", dict(betas=(np.float32(0.8), np.float64(0.99)))),
+    ("eps", dict(eps=np.float32(1e-8))),
+    ("weight-decay", dict(weight_decay=np.float32(0.5))),
+    ("max-grad-norm", dict(max_grad_norm=np.float32(1.0))),
+]
+
+
+@pytest.mark.parametrize("options", [c[1] for c in NUMPY_OPTIONS], ids=[c[0] for c in NUMPY_OPTIONS])
+def test_numpy_scalars_are_taken_like_the_python_floats_they_equal(options, backend):
+    """torch.optim takes numpy scalars (an LR scheduler's lambda may return numpy.float32, which numpy 2 keeps
+    float32): the same steps as with the float values, bit for bit."""
+    as_floats = {k: (tuple(float(b) for b in v) if isinstance(v, tuple) else float(v)) for k, v in options.items()}
+    ours, theirs = run_pair(lambda ps: FusedAdam(ps, **options), lambda ps: FusedAdam(ps, **as_floats), steps=20)
+    for a, b in zip(ours, theirs):
+        assert_bitwise_equal(a.detach(), b.detach())
+
+
+def test_a_scheduler_returning_numpy_float32_keeps_tracking_torch_adamw(backend):
+    schedule = lambda step: np.float32(0.97) ** step  # noqa: E731  (numpy 2: stays float32)
+    ours, theirs = run_pair(lambda ps: FusedAdam(ps, lr=1e-2, **TORCH_ADAMW),
+                            lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+                            lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule), steps=60)
+    assert_params_close(ours, theirs, **FP32_VS_TORCH)
+
+
+# ---- LR (and momentum) schedulers over many steps ------------------------------------------------------------------
+
+SCHEDULERS = {
+    "StepLR": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5),
+    # cycle_momentum (the default) rewrites group['betas'] at every step: beta1 goes 0.95 -> 0.85 -> 0.95
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=STEPS),
+    "LambdaLR": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.98**step),
+    "CosineAnnealingWarmRestarts": lambda opt: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=7),
+}
+LR_KINDS = {"float": lambda: 1e-2, "tensor": lambda: torch.tensor(1e-2)}
+
+
+def late_and_intermittent(step):
+    """Param 3 gets its first gradient at step 30; param 4 none at every third step."""
+    return {i for i, without in ((3, step < 30), (4, step % 3 == 0)) if without}
+
+
+@pytest.mark.parametrize("lr_kind", LR_KINDS)
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_torch_schedulers_drive_fused_adam_as_they_drive_torch_adamw(scheduler, lr_kind, backend):
+    """With late and intermittent gradients: per-param step counts under a schedule, as torch keeps them."""
+    ours, theirs = run_pair(lambda ps: FusedAdam(ps, lr=LR_KINDS[lr_kind](), **TORCH_ADAMW),
+                            lambda ps: torch.optim.AdamW(ps, lr=LR_KINDS[lr_kind](), foreach=False),
+                            SCHEDULERS[scheduler], missing=late_and_intermittent)
+    assert_params_close(ours, theirs, **FP32_VS_TORCH)
+
+
+def test_every_hyperparameter_changed_between_steps_is_read_at_the_next_step_as_torch_reads_it(backend):
+    """lr, betas, eps, weight_decay and maximize rewritten in the group before every step, on both sides."""
+    def change(opt, k):
+        group = opt.param_groups[0]
+        group.update(lr=1e-2 * (1 + k % 3), betas=(0.9 - 0.02 * (k % 5), 0.999 - 0.002 * (k % 2)),
+                     eps=1e-8 * 10 ** (k % 4), weight_decay=0.05 * (k % 4), maximize=k % 10 < 5)
+
+    ours_params, their_params = make_params(), make_params()
+    ours = FusedAdam(ours_params, **TORCH_ADAMW)
+    theirs = torch.optim.AdamW(their_params, foreach=False)
+    for k in range(STEPS):
+        for params, opt in ((ours_params, ours), (their_params, theirs)):
+            change(opt, k)
+            set_grads(params, k)
+            opt.step()
+    assert_params_close(ours_params, their_params, **FP32_VS_TORCH)
+
+
+def test_the_scheduler_parity_check_can_fail(backend):
+    """The same run with the scheduler on one side only is far outside FP32_VS_TORCH."""
+    ours, theirs = make_params(), make_params()
+    opt_ours = FusedAdam(ours, lr=1e-2, **TORCH_ADAMW)
+    opt_theirs = torch.optim.AdamW(theirs, lr=1e-2, foreach=False)
+    scheduler = SCHEDULERS["OneCycleLR"](opt_ours)
+    for k in range(STEPS):
+        set_grads(ours, k)
+        set_grads(theirs, k)
+        opt_ours.step()
+        opt_theirs.step()
+        scheduler.step()
+    with pytest.raises(AssertionError):
+        assert_params_close(ours, theirs, **FP32_VS_TORCH)
+
+
+@pytest.mark.parametrize("mode", [AdamWMode.ADAM_L2_REGULARIZATION, AdamWMode.ADAMW_TRANSFORMERS], ids=str)
+def test_ort_modes_read_betas_changed_by_one_cycle_lr_at_every_step(mode, backend):
+    """OneCycleLR moves beta1 every step; each step uses the group's current betas and lr, as the float64 reference
+    does (bias correction 1 - beta^t with the current beta, as torch)."""
+    params = make_params()
+    opt = FusedAdam(params, lr=1e-2, adam_w_mode=mode, weight_decay=0.1)
+    scheduler = SCHEDULERS["OneCycleLR"](opt)
+    expected = [p.detach().double() for p in params]
+    states = [{"step": 0, "m": torch.zeros(p.shape, dtype=torch.float64),
+               "v": torch.zeros(p.shape, dtype=torch.float64)} for p in params]
+    for k in range(STEPS):
+        set_grads(params, k)
+        group = opt.param_groups[0]
+        for i, p in enumerate(params):
+            expected[i] = adam_update(expected[i], p.grad, states[i], lr=float(group["lr"]), beta1=group["betas"][0],
+                                      beta2=group["betas"][1], eps=group["eps"], weight_decay=0.1, mode=int(mode))
+        opt.step()
+        scheduler.step()
+    assert_params_close(params, expected, **FP32_VS_FLOAT64)
+
+
+# ---- bias_correction=False, per group, in every mode ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["plain", "amsgrad"])
+@pytest.mark.parametrize("mode", list(AdamWMode), ids=str)
+def test_bias_correction_off_in_one_group_and_on_in_the_other_matches_the_float64_formulas(mode, amsgrad, backend):
+    """ORT's bias_correction flag (bc1 = bc2 = 1 when off), read per group, in each mode's formula,
+    over 100 steps with gradients that come and go."""
+    params = make_params()
+    opt = FusedAdam([{"params": params[:3], "bias_correction": False}, {"params": params[3:]}], 1e-2,
+                    adam_w_mode=mode, weight_decay=0.1, amsgrad=amsgrad)
+    expected = [p.detach().double() for p in params]
+    zeros = lambda p: torch.zeros(p.shape, dtype=torch.float64)  # noqa: E731
+    states = [{"step": 0, "m": zeros(p), "v": zeros(p), "vmax": zeros(p)} for p in params]
+    for k in range(STEPS):
+        set_grads(params, k, missing={k % 5})
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                expected[i] = adam_update(expected[i], p.grad, states[i], lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6,
+                                          weight_decay=0.1, mode=int(mode), amsgrad=amsgrad,
+                                          bias_correction=i >= 3)
+        opt.step()
+    assert_params_close(params, expected, **FP32_VS_FLOAT64)
+
+
+@pytest.mark.parametrize("maximize", [False, True], ids=["minimize", "maximize"])
+@pytest.mark.parametrize("mode", list(AdamWMode), ids=str)
+def test_a_step_leaves_the_gradient_as_it_was_in_every_mode(mode, maximize, backend):
+    """ORT's L2 term is not written back to .grad; maximize negates a copy of the gradient. (With
+    grad_scale the unscaled gradient is written back, as torch's fused AdamW does: test_scaling.py.)"""
+    params = make_params()
+    opt = FusedAdam(params, adam_w_mode=mode, weight_decay=0.1, maximize=maximize, amsgrad=True, max_grad_norm=0.5)
+    for k in range(3):
+        set_grads(params, k)
+        grads = [p.grad.clone() for p in params]
+        opt.step()
+        for i, (p, g) in enumerate(zip(params, grads)):
+            assert_bitwise_equal(p.grad, g, f"step {k}, grad {i}")
+
+
+def test_step_runs_the_closure_with_grad_enabled_and_returns_its_loss_as_torch_does(backend):
+    results = []
+    for make in (lambda ps: FusedAdam(ps, **TORCH_ADAMW), lambda ps: torch.optim.AdamW(ps, foreach=False)):
+        params = make_params()
+        opt = make(params)
+        x = torch.linspace(-1, 1, 12).view(3, 4)
+
+        def closure():
+            opt.zero_grad()
+            loss = sum((p * p).sum() for p in params) + (params[3] * x).sum()
+            loss.backward()
+            return loss
+
+        with torch.no_grad():  # step() turns grad mode on for the closure
+            losses = [float(opt.step(closure)) for _ in range(20)]
+        results.append((losses, params))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
+    assert_params_close(results[0][1], results[1][1], **FP32_VS_TORCH)
+
+
+# ---- optimizer hooks, as torch.optim.Optimizer provides them -------------------------------------------------------
+
+
+def test_step_hooks_per_optimizer_and_global_fire_around_every_step():
+    p, opt = one_param_optimizer()
+    calls = []
+    handles = [
+        opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o is opt))),
+        opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o is opt))),
+        register_optimizer_step_pre_hook(lambda o, args, kwargs: calls.append(("global-pre", o is opt))),
+        register_optimizer_step_post_hook(lambda o, args, kwargs: calls.append(("global-post", o is opt))),
+    ]
+    try:
+        for _ in range(2):
+            p.grad = torch.ones_like(p)
+            opt.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == [("global-pre", True), ("pre", True), ("post", True), ("global-post", True)] * 2
+
+
+def test_state_dict_hooks_run_and_the_post_hook_sees_the_canonical_form():
+    """register_state_dict_post_hook's hook gets what state_dict() returns (here: unscaled float32 moments, no
+    block scales, although the optimizer stores fp16 codes), and what it returns is returned."""
+    p, opt = one_param_optimizer(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    seen = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append("pre"))
+
+    def post(o, sd):
+        seen.append(("post", sorted(sd["state"][0]), sd["state"][0]["exp_avg"].dtype))
+        return {**sd, "param_groups": [{**g, "tag": "mine"} for g in sd["param_groups"]]}
+
+    opt.register_state_dict_post_hook(post)
+    sd = opt.state_dict()
+    assert seen == ["pre", ("post", ["exp_avg", "exp_avg_sq", "step"], torch.float32)]
+    assert sd["param_groups"][0]["tag"] == "mine"
+
+
+def test_load_state_dict_hooks_run_and_what_the_pre_hook_returns_is_loaded(backend):
+    p, opt = one_param_optimizer(**TORCH_ADAMW)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    calls = []
+
+    def pre(o, sd):
+        calls.append("pre")
+        sd["param_groups"] = [{**g, "lr": 0.5} for g in sd["param_groups"]]  # on the copy it is given
+        return sd
+
+    opt.register_load_state_dict_pre_hook(pre)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("post", o.param_groups[0]["lr"])))
+    opt.load_state_dict(saved)
+    assert calls == ["pre", ("post", 0.5)]
+    assert saved["param_groups"][0]["lr"] == 1e-3  # the caller's dict: its top level is not the hook's copy
+    # torch.optim.AdamW does the same with the same hooks
+    their = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone())])
+    their.register_load_state_dict_pre_hook(pre)
+    their.load_state_dict(saved)
+    assert their.param_groups[0]["lr"] == 0.5
+
+
+# ---- zero_grad next to torch's -------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # (a grad with a graph, on purpose)
+@pytest.mark.parametrize("set_grad_none,argument", [(True, None), (False, None), (True, False), (False, True)],
+                         ids=["ort-default", "set_grad_none=False", "set_to_none=False", "set_to_none=True"])
+def test_zero_grad_does_what_torch_zero_grad_does_with_the_same_set_to_none(set_grad_none, argument):
+    """set_to_none defaults to set_grad_none (ORT's option, True by default); given explicitly, it wins. Zeroing
+    keeps the gradient tensor (in place) and detaches one made with create_graph=True, as torch does."""
+    set_to_none = set_grad_none if argument is None else argument
+    results = []
+    for make in (lambda ps: FusedAdam(ps, set_grad_none=set_grad_none),
+                 lambda ps: torch.optim.AdamW(ps)):
+        p = torch.nn.Parameter(torch.ones(3))
+        unused = torch.nn.Parameter(torch.ones(2))
+        opt = make([p, unused])
+        (p**3).sum().backward(create_graph=True)
+        grad = p.grad
+        if isinstance(opt, FusedAdam):
+            opt.zero_grad() if argument is None else opt.zero_grad(set_to_none=argument)
+        else:
+            opt.zero_grad(set_to_none=set_to_none)
+        results.append((p.grad is None, p.grad is grad, None if p.grad is None else p.grad.requires_grad,
+                        None if p.grad is None else p.grad.tolist(), unused.grad))
+    assert results[0] == results[1]
+    assert results[0][0] == set_to_none
+
+
+# ---- copies of the optimizer ---------------------------------------------------------------------------------------
+
+COPY_SETUPS = {
+    "fp16-masters-fp16-moments-clip": dict(dtype=torch.float16, options=dict(master_weights=True, max_grad_norm=1.0,
+                                                                             exp_avg_dtype=torch.float16)),
+    "step-in-backward": dict(dtype=torch.float32, options=dict(step_in_backward=True)),
+}
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("setup", COPY_SETUPS)
+def test_a_model_and_its_optimizer_copied_together_train_on_exactly_as_the_original(setup, how, backend, tmp_path):
+    """copy.deepcopy((model, optimizer)) or torch.save of both (snapshots, EMA teachers, forked runs): the copy's
+    optimizer holds the copy's params (with step_in_backward: its hooks are on them) and every option, and from
+    then on it steps bit for bit as the original does."""
+    dtype, options = COPY_SETUPS[setup]["dtype"], COPY_SETUPS[setup]["options"]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)).to(dtype)
+    opt = FusedAdam(model.parameters(), lr=torch.tensor(1e-2), amsgrad=True, weight_decay=0.1, **options)
+    x = torch.linspace(-1, 1, 32).view(8, 4).to(dtype)
+
+    def train(m, o, k):
+        o.zero_grad()
+        m(x * (k + 1)).square().mean().backward()
+        if not o.step_in_backward:
+            o.step()
+
+    for k in range(3):
+        train(model, opt, k)
+    if how == "deepcopy":
+        model_copy, opt_copy = copy.deepcopy((model, opt))
+    else:
+        torch.save((model, opt), tmp_path / "both.pt")
+        model_copy, opt_copy = torch.load(tmp_path / "both.pt", weights_only=False)
+    assert all(a is b for a, b in zip(opt_copy.param_groups[0]["params"], model_copy.parameters()))
+    for k in range(3, 13):
+        train(model, opt, k)
+        train(model_copy, opt_copy, k)
+    for a, b in zip(model.parameters(), model_copy.parameters()):
+        assert_bitwise_equal(a.detach(), b.detach())
+    assert_tree_bitwise_equal(opt.state_dict(), opt_copy.state_dict(), "state_dict")
+
+
+# ---- step()'s grad_scale and found_inf when they are wrong ---------------------------------------------------------
+
+BAD_STEP_ARGUMENTS = [
+    ("grad-scale-string", dict(grad_scale="2"), TypeError, r"grad_scale must be a float or a one-element tensor"),
+    ("grad-scale-bool", dict(grad_scale=True), TypeError, r"grad_scale must be a float or a one-element tensor"),
+    ("grad-scale-two-elements", dict(grad_scale=torch.tensor([2.0, 2.0])), ValueError,
+     r"grad_scale must be a float or a one-element floating-point tensor, got a torch\.float32 tensor of shape"),
+    ("grad-scale-int-tensor", dict(grad_scale=torch.tensor([2])), ValueError, r"one-element floating-point tensor"),
+    ("grad-scale-nan", dict(grad_scale=float("nan")), ValueError, r"grad_scale must be finite"),
+    ("found-inf-float", dict(found_inf=1.0), TypeError, r"found_inf must be a one-element tensor .*got 1\.0"),
+    ("found-inf-two-elements", dict(found_inf=torch.zeros(2)), ValueError,
+     r"found_inf must be a one-element tensor, got shape \(2,\)"),
+]
+
+
+@pytest.mark.parametrize("arguments,error,message", [c[1:] for c in BAD_STEP_ARGUMENTS],
+                         ids=[c[0] for c in BAD_STEP_ARGUMENTS])
+def test_bad_grad_scale_or_found_inf_is_refused_naming_it_and_changes_nothing(arguments, error, message, backend):
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3).half())]
+    opt = FusedAdam(params, master_weights=True, max_grad_norm=1.0)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = optimizer_snapshot(opt)
+    with pytest.raises(error, match=message):
+        opt.step(**arguments)
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
+# ---- from_optimizer and checkpoints --------------------------------------------------------------------------------
+
+needs_decoupled_adam = pytest.mark.skipif(
+    "decoupled_weight_decay" not in inspect.signature(torch.optim.Adam).parameters,
+    reason=f"torch.optim.Adam(decoupled_weight_decay=) arrived in torch 2.5; this is torch {torch.__version__}")
+
+
+def _takes_named_params() -> bool:
+    try:
+        torch.optim.SGD([("w", torch.nn.Parameter(torch.zeros(1)))], lr=0.1)
+    except TypeError:
+        return False
+    return True
+
+
+needs_named_params = pytest.mark.skipif(
+    not _takes_named_params(),
+    reason=f"torch.optim takes named parameters from torch 2.6; this is torch {torch.__version__}")
+
+
+@needs_decoupled_adam
+def test_from_optimizer_takes_adam_with_decoupled_weight_decay_and_continues_as_torch_would(backend):
+    """torch >= 2.5: Adam(decoupled_weight_decay=True) is AdamW's math, so it converts (to ADAMW_TORCH) where Adam
+    with L2 decay is refused; two groups, the second with its own lr, amsgrad and maximize."""
+    def make(params):
+        return torch.optim.Adam([{"params": params[:3]}, {"params": params[3:], "lr": 3e-3, "amsgrad": True,
+                                                          "maximize": True}],
+                                lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, foreach=False)
+
+    their_params = make_params(seed=1)
+    theirs = make(their_params)
+    for k in range(5):
+        set_grads(their_params, k)
+        theirs.step()
+    twin_params = [torch.nn.Parameter(p.detach().clone()) for p in their_params]
+    twin = make(twin_params)
+    twin.load_state_dict(theirs.state_dict())
+    ours = FusedAdam.from_optimizer(theirs)  # over their_params
+    assert [g["adam_w_mode"] for g in ours.param_groups] == [AdamWMode.ADAMW_TORCH] * 2
+    for k in range(5, 5 + STEPS):
+        set_grads(their_params, k)
+        set_grads(twin_params, k)
+        ours.step()
+        twin.step()
+    assert_params_close(their_params, twin_params, **FP32_VS_TORCH)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: torch\.optim\.Adam with weight_decay=0\.1 is L2"):
+        FusedAdam.from_optimizer(torch.optim.Adam(make_params(), weight_decay=0.1, decoupled_weight_decay=False))
+
+
+@needs_decoupled_adam
+def test_an_adamw_torch_checkpoint_loads_into_adam_with_decoupled_weight_decay_and_continues_as_we_do(backend):
+    """A group saved without decoupled_weight_decay reads as False in torch >= 2.5's Adam: our ADAMW_TORCH groups
+    say True, so torch.optim.Adam(decoupled_weight_decay=True) goes on with AdamW's math, not L2 decay."""
+    ours_params = make_params()
+    ours = FusedAdam(ours_params, lr=1e-2, **{**TORCH_ADAMW, "weight_decay": 0.1})
+    for k in range(5):
+        set_grads(ours_params, k)
+        ours.step()
+    their_params = [torch.nn.Parameter(p.detach().clone()) for p in ours_params]
+    theirs = torch.optim.Adam(their_params, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, foreach=False)
+    theirs.load_state_dict(ours.state_dict())
+    assert theirs.param_groups[0]["decoupled_weight_decay"] is True
+    for k in range(5, 5 + STEPS):
+        set_grads(ours_params, k)
+        set_grads(their_params, k)
+        ours.step()
+        theirs.step()
+    assert_params_close(ours_params, their_params, **FP32_VS_TORCH)
+
+
+@pytest.mark.parametrize("keyword,value", [("lr", 0.5), ("weight_decay", 0.0), ("betas", (0.8, 0.9)), ("eps", 1e-6),
+                                           ("amsgrad", True), ("maximize", True), ("bias_correction", False),
+                                           ("adam_w_mode", AdamWMode.ADAMW_TRANSFORMERS)])
+def test_from_optimizer_refuses_keywords_that_the_groups_would_silently_override(keyword, value):
+    """Passed through to the constructor, these are only defaults, which every converted group overrides with
+    torch's value: FusedAdam.from_optimizer(adamw, weight_decay=0.0) kept weight_decay=0.01 without a word."""
+    torch_optimizer = torch.optim.AdamW(make_params())
+    with pytest.raises(TypeError, match=rf"FusedAdam\.from_optimizer: {keyword} come from the optimizer's param "):
+        FusedAdam.from_optimizer(torch_optimizer, **{keyword: value})
+    assert FusedAdam.from_optimizer(torch_optimizer, master_weights=True).master_weights  # the other options pass
+
+
+@needs_named_params
+def test_named_params_checkpoints_go_both_ways_with_torch_adamw(backend):
+    model = torch.nn.Linear(3, 2)
+    twin = copy.deepcopy(model)
+    theirs = torch.optim.AdamW(model.named_parameters(), foreach=False)
+    ours = FusedAdam(twin.named_parameters(), **TORCH_ADAMW)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    for optimizer, module in ((theirs, model), (ours, twin)):
+        for _ in range(3):
+            optimizer.zero_grad()
+            module(x).square().sum().backward()
+            optimizer.step()
+    assert ours.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
+    torch_then_ours = FusedAdam(copy.deepcopy(model).named_parameters(), **TORCH_ADAMW)
+    torch_then_ours.load_state_dict(theirs.state_dict())
+    ours_then_torch = torch.optim.AdamW(copy.deepcopy(twin).named_parameters(), foreach=False)
+    ours_then_torch.load_state_dict(ours.state_dict())
+    assert torch_then_ours.param_groups[0]["param_names"] == ours_then_torch.param_groups[0]["param_names"]
+
+
+@pytest.mark.parametrize("moments", [None, torch.float16, torch.uint8], ids=["fp32-moments", "fp16", "8-bit"])
+def test_a_torch_adamw_state_moved_in_process_is_copied_never_shared(moments, backend):
+    """torch's state_dict() hands out its live state tensors: FusedAdam.load_state_dict must copy them (also when
+    the dtypes match and aliasing would be possible), so that neither optimizer's steps reach the other."""
+    their_params = make_params()
+    theirs = torch.optim.AdamW(their_params, amsgrad=True, foreach=False)
+    for k in range(5):
+        set_grads(their_params, k)
+        theirs.step()
+    ours_params = [torch.nn.Parameter(p.detach().clone()) for p in their_params]
+    ours = FusedAdam(ours_params, amsgrad=True, exp_avg_dtype=moments, exp_avg_sq_dtype=moments, **TORCH_ADAMW)
+    transferred = theirs.state_dict()
+    ours.load_state_dict(transferred)
+    before = optimizer_snapshot(theirs)
+    for k in range(5, 15):
+        set_grads(ours_params, k)
+        ours.step()
+    assert_tree_bitwise_equal(optimizer_snapshot(theirs), before, "torch's optimizer")
+    ours_before = ours.state_dict()
+    for k in range(5, 15):
+        set_grads(their_params, k)
+        theirs.step()
+    assert_tree_bitwise_equal(ours.state_dict(), ours_before, "FusedAdam after torch stepped on")
+
+
+CHECKPOINT_CONFIGS = {
+    "lr-tensor-amsgrad": dict(lr=torch.tensor(1e-2), amsgrad=True),
+    "ort-l2-mode": dict(adam_w_mode=AdamWMode.ADAM_L2_REGULARIZATION, bias_correction=False),
+    "masters-fp16-moments": dict(master_weights=True, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16),
+    "masters-bf16-moments": dict(master_weights=True, exp_avg_dtype=torch.bfloat16),
+    "8-bit-moments": dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
+}
+
+
+@pytest.mark.parametrize("config", CHECKPOINT_CONFIGS)
+def test_a_checkpoint_through_torch_save_and_weights_only_load_resumes_bit_for_bit(config, backend, tmp_path):
+    """The file a user writes (torch.save of state_dict()) loads with torch.load(weights_only=True) and the run goes
+    on exactly as the uninterrupted one, for every group option and state layout above."""
+    def build(params):
+        options = dict(CHECKPOINT_CONFIGS[config])
+        if isinstance(options.get("lr"), torch.Tensor):
+            options["lr"] = options["lr"].clone()
+        return FusedAdam([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}], **options)
+
+    dtype = torch.bfloat16 if "masters" in config else torch.float32
+    params, resumed_params = make_params(dtype), make_params(dtype)
+    opt, resumed = build(params), build(resumed_params)
+    for k in range(10):
+        set_grads(params, k)
+        opt.step()
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    with torch.no_grad():
+        for p, q in zip(params, resumed_params):
+            q.copy_(p)
+    resumed.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+    for k in range(10, 40):
+        set_grads(params, k)
+        set_grads(resumed_params, k)
+        opt.step()
+        resumed.step()
+    for i, (p, q) in enumerate(zip(params, resumed_params)):
+        assert_bitwise_equal(p.detach(), q.detach(), f"param {i}")
+    assert_tree_bitwise_equal(opt.state_dict(), resumed.state_dict(), "state_dict")
+
+
+def test_a_checkpoint_loads_with_weights_only_after_a_scheduler_computed_the_lr_with_numpy(backend, tmp_path):
+    """A cosine LambdaLR written with numpy puts numpy.float64 into group['lr']; torch.save pickles that as a numpy
+    object, which torch.load(weights_only=True) refuses (torch.optim.AdamW's checkpoint then fails to load). The
+    saved form holds Python numbers instead."""
+    params = make_params()
+    opt = FusedAdam(params, betas=(np.float32(0.9), 0.999), **TORCH_ADAMW)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 * (1 + np.cos(np.pi * k / 10)))
+    for k in range(3):
+        set_grads(params, k)
+        opt.step()
+        scheduler.step()
+    assert isinstance(opt.param_groups[0]["lr"], np.floating)
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    loaded = torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    group = loaded["param_groups"][0]
+    assert type(group["lr"]) is float and group["lr"] == opt.param_groups[0]["lr"]
+    assert type(group["betas"][0]) is float and group["betas"][0] == np.float32(0.9)
+    twin = FusedAdam(make_params(), **TORCH_ADAMW)
+    twin.load_state_dict(loaded)
+    assert twin.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_steps_keep_counting_exactly_beyond_float32s_2_to_the_24(backend):
+    """Trap 1: a float32 step counter stops at 2**24; FusedAdam's per-param step keeps counting (and the bias
+    corrections stay exact: at such steps they are 1)."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = FusedAdam([p], **TORCH_ADAMW)
+    saved = opt.state_dict()
+    saved["state"] = {0: {"step": torch.tensor(2.0**24, dtype=torch.float64), "exp_avg": torch.full((3,), 0.1),
+                          "exp_avg_sq": torch.full((3,), 0.01)}}
+    opt.load_state_dict(saved)
+    for _ in range(3):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    assert float(opt.state[p]["step"]) == 2.0**24 + 3 == float(opt.state_dict()["state"][0]["step"])
+
+
+# ---- master weights ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_master_weights_track_torch_adamw_on_fp32_copies(dtype, backend):
+    """The fp32 master of a low-precision param follows torch.optim.AdamW run on an fp32 copy with the same
+    (low-precision) gradients; the param is its master rounded to nearest even, bit for bit, after every step."""
+    params = make_params(dtype)
+    fp32 = [torch.nn.Parameter(p.detach().float()) for p in params]
+    ours = FusedAdam(params, lr=1e-2, master_weights=True, **TORCH_ADAMW)
+    theirs = torch.optim.AdamW(fp32, lr=1e-2, foreach=False)
+    for k in range(STEPS):
+        set_grads(params, k)
+        for p, q in zip(params, fp32):
+            q.grad = p.grad.float()
+        ours.step()
+        theirs.step()
+        for p in params:
+            assert_bitwise_equal(p.detach(), ours.state[p]["master_param"].to(dtype), f"step {k}")
+    assert_params_close([ours.state[p]["master_param"] for p in params], fp32, **FP32_VS_TORCH)
+
+
+def test_grad_scaler_with_fp16_params_and_masters_equals_grad_scaler_with_torch_adamw_on_fp32_copies(backend):
+    """torch.amp.GradScaler drives FusedAdam(master_weights=True) on an fp16 model through the fused protocol
+    (unscale inside the step, skip on inf) as it drives torch.optim.AdamW on an fp32 copy fed the same gradients: the
+    same skipped steps, the same scale history and step counts, masters within float32 rounding of torch's params."""
+    gen = torch.Generator().manual_seed(5)
+    half = [torch.nn.Parameter(torch.randn(s, generator=gen).half()) for s in [(4,), (2, 3), ()]]
+    fp32 = [torch.nn.Parameter(p.detach().float()) for p in half]
+    ours = FusedAdam(half, lr=1e-2, master_weights=True, **TORCH_ADAMW)
+    theirs = torch.optim.AdamW(fp32, lr=1e-2, foreach=False)
+    # (growth_interval: the scale stays where x * scale fits in fp16; above 65504 the fp16 grads, not the fp32
+    # copy's, would overflow and the two runs would rightly part)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=8) for _ in range(2)]
+    history = []
+    for k in range(40):
+        xs = [torch.randn(p.shape, generator=gen).half() for p in half]
+        if k in (3, 4, 17):
+            xs[k % 3].view(-1)[0] = float("inf") if k != 4 else float("nan")
+        for params, opt, scaler in ((half, ours, scalers[0]), (fp32, theirs, scalers[1])):
+            opt.zero_grad()
+            loss = sum((p * x.to(p.dtype)).sum() for p, x in zip(params, xs))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        history.append((scalers[0].get_scale(), scalers[1].get_scale()))
+    assert all(a == b for a, b in history), history
+    assert [float(ours.state[p]["step"]) for p in half] == [float(theirs.state[q]["step"]) for q in fp32] == [37.0] * 3
+    assert_params_close([ours.state[p]["master_param"] for p in half], fp32, **FP32_VS_TORCH)
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_global_clipping_over_groups_and_dtypes_equals_clip_grad_norm_then_torch_adamw(low, backend):
+    """max_grad_norm clips by the norm over all params of the optimizer: here two groups with their own
+    lr and weight decay, fp32 params in one and low-precision params with masters in the other, against
+    clip_grad_norm_ over fp32 copies of all of them followed by torch.optim.AdamW with the same groups. The norm is
+    summed in another order than torch's (the clip coefficient may differ in its last bit), hence FP32_VS_TORCH."""
+    gen = torch.Generator().manual_seed(9)
+    fp32 = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(5,), (3, 4)]]
+    lows = [torch.nn.Parameter(torch.randn(s, generator=gen).to(low)) for s in [(6,), (), (2, 3)]]
+    copies = [torch.nn.Parameter(p.detach().float()) for p in fp32 + lows]
+    groups = lambda a, b: [{"params": a}, {"params": b, "lr": 3e-3, "weight_decay": 0.1}]  # noqa: E731
+    ours = FusedAdam(groups(fp32, lows), lr=1e-2, master_weights=True, max_grad_norm=1.0, **TORCH_ADAMW)
+    theirs = torch.optim.AdamW(groups(copies[:2], copies[2:]), lr=1e-2, foreach=False)
+    clipped = 0
+    for k in range(STEPS):
+        for p, q in zip(fp32 + lows, copies):
+            p.grad = (torch.randn(p.shape, generator=gen) * (0.2 + k % 3)).to(p.dtype)
+            q.grad = p.grad.float().clone()  # (a copy: clip_grad_norm_ below clips it in place)
+        clipped += float(torch.nn.utils.clip_grad_norm_(copies, 1.0)) > 1.0
+        ours.step()
+        theirs.step()
+    assert 0 < clipped < STEPS  # both regimes were exercised
+    assert_params_close(fp32 + [ours.state[p]["master_param"] for p in lows], copies, **FP32_VS_TORCH)
+
+
+def test_a_value_written_into_a_param_with_a_master_is_overwritten_unless_copied_into_the_master_as_documented(
+        backend):
+    """FusedAdam's docstring (master_weights): the master is what the optimizer updates; after writing the params
+    (a model-only checkpoint) copy them into the masters."""
+    p = torch.nn.Parameter(torch.randn(4).half())
+    opt = FusedAdam([p], master_weights=True, lr=0.0)  # lr 0: a step only writes the master back into the param
+    p.grad = torch.ones_like(p)
+    opt.step()
+    before = p.detach().clone()
+    loaded = torch.full_like(p, 5.0)
+    with torch.no_grad():
+        p.copy_(loaded)
+    opt.step()
+    assert_bitwise_equal(p.detach(), before, "the master wins")
+    with torch.no_grad():
+        p.copy_(loaded)
+        opt.state[p]["master_param"].copy_(p)
+    opt.step()
+    assert_bitwise_equal(p.detach(), loaded, "the documented recipe")
+    assert "model.load_state_dict" in FusedAdam.__doc__ and "['master_param'].copy_(p)" in FusedAdam.__doc__

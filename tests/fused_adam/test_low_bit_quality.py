@@ -1,0 +1,123 @@
+"""The low-bit quality harness (guides/examples/lowbit_quality.py) in its --quick mode: one tiny training task per
+moment format, whose mean training loss must stay within the format's tolerance of the fp32-moment run (8-bit and
+fp16 moments 1%, 4-bit 3%; bf16 params without master weights, stochastically rounded, 2% of the bf16 run with fp32
+master weights), with the state's measured bytes per parameter within test_low_bit.py's limits (2.05 bytes for 8-bit
+moments, 1.05 for 4-bit).
+
+The tasks are the harness's three in their quick sizes, one seed, one thread (about 15 s in all): the Zipf
+bag-of-tokens classifier (most embedding rows see rare, tiny gradients: the hard case for a quantised second moment,
+80 steps), the digits MLP (60 steps: where 4-bit moments with sqrt(v) rounded to its arithmetic nearest level trained
+3.5% faster than fp32 moments, a larger effective learning rate, not better quality) and the GPT (1 layer, 40 steps).
+The tolerance is symmetric: a format that trains faster than fp32 moments is as far off the baseline as one that
+trains slower. The state's bytes are checked on the Zipf task (its 131K params; the quick GPT's tiny tensors pay
+for partial blocks). The full experiment (3 tasks x 3 seeds, torchao and bitsandbytes alongside) is the harness
+without --quick; its numbers are in guides/low-bit-states.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.examples
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "guides" / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import lowbit_quality  # noqa: E402
+
+# configuration -> (tolerance on the mean loss, baseline, max state bytes per param)
+FORMATS = {
+    "fp16 moments": (0.01, "fp32", 4.05),
+    "uint8": (0.01, "fp32", 2.05),
+    "uint4": (0.03, "fp32", 1.05),
+    "bf16 SR + uint8": (0.02, "bf16 + fp32 master", 2.05),
+    "bf16 SR + uint4": (0.02, "bf16 + fp32 master", 1.05),
+}
+
+
+TASKS = ("zipf", "digits", "gpt")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lowbit")
+    threads = torch.get_num_threads()
+    try:
+        status = lowbit_quality.main(["--quick", "--tasks", ",".join(TASKS), "--configs", ",".join(FORMATS),
+                                      "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)  # the harness runs on one thread
+    return status, out, json.loads((out / "lowbit_quality.json").read_text())
+
+
+def test_quick_mode_writes_the_json_the_table_and_the_plot(quick_run):
+    status, out, summary = quick_run
+    assert status == 0
+    assert (out / "lowbit_quality.png").stat().st_size > 10_000
+    table = (out / "lowbit_quality.md").read_text()
+    assert table.startswith("Command: `python guides/examples/lowbit_quality.py --quick --tasks zipf,digits,gpt")
+    steps = dict(zipf=lowbit_quality.lowbit.ZIPF_SIZES["quick"]["steps"], digits=lowbit_quality.DIGITS_STEPS["quick"],
+                 gpt=lowbit_quality.GPT_SIZES["quick"]["steps"])
+    for task in TASKS:
+        rows = {r["config"]: r for r in summary["summary"] if r["task"] == task}
+        assert set(rows) == set(FORMATS) | {"fp32", "bf16 + fp32 master"}  # the baselines are added
+        for name, row in rows.items():
+            assert "skipped" not in row, f"{task}, {name}: {row.get('skipped')}"
+            assert len(summary["results"][task][name]["runs"]["0"]["losses"]) == steps[task]
+
+
+def _row(summary, task, config):
+    return next(r for r in summary["summary"] if r["task"] == task and r["config"] == config)
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("config", list(FORMATS))
+def test_loss_within_tolerance_of_the_baseline(quick_run, task, config):
+    _, _, summary = quick_run
+    tolerance, baseline, _ = FORMATS[config]
+    row = _row(summary, task, config)
+    assert row["baseline"] == baseline and row["tolerance"] == tolerance
+    assert not row["diverged"]
+    assert abs(row["rel_diff_vs_baseline"]) <= tolerance, \
+        f"{task}, {config}: mean loss {row['mean_loss']:.4f} is {100 * row['rel_diff_vs_baseline']:+.2f}% from " \
+        f"{baseline}'s"
+    assert row["within_tolerance"] is True
+
+
+@pytest.mark.parametrize("config", list(FORMATS))
+def test_state_bytes_per_param(quick_run, config):
+    """test_low_bit.py's measure: every storage in optimizer.state except step, over the params (the Zipf task's
+    131K)."""
+    _, _, summary = quick_run
+    row = _row(summary, "zipf", config)
+    assert row["state_bytes_per_param"] <= FORMATS[config][2], row["state_bytes_per_param"]
+
+
+def test_the_comparison_can_fail():
+    """The tolerance check is not vacuous: a run 5% worse than its baseline is flagged (4-bit: 3%)."""
+    def runs(mean):
+        return {"runs": {0: dict(mean_loss=mean, final_loss=mean, diverged=False, seconds=1.0, losses=[mean],
+                                 state_bytes_per_param=1.0, params_and_state_bytes_per_param=5.0)}}
+
+    rows = lowbit_quality.summarize({"zipf": {"fp32": runs(1.0), "uint4": runs(1.05), "uint8": runs(0.995)}})
+    by = {r["config"]: r for r in rows}
+    assert by["uint4"]["within_tolerance"] is False and by["uint8"]["within_tolerance"] is True
+    assert by["uint8"]["within_seed_spread"] is None  # one seed: no spread to compare with
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({}, 28.0),  # p read + write 8, g 4, m and v read + written in fp32: 16
+    (dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8), 12.0 + 4 * (1 + 4 / 256)),
+    (dict(exp_avg_dtype=torch.uint4, exp_avg_sq_dtype=torch.uint4), 12.0 + 4 * (0.5 + 2 / 128)),
+    (dict(exp_avg_dtype=torch.uint8), 12.0 + 2 * (1 + 4 / 256) + 8.0),
+], ids=["fp32", "uint8", "uint4", "uint8 m only"])
+def test_limit_probe_bytes_per_param(options, expected):
+    """The bytes the limit probe (bench section lowbit_limit) charges a step per fp32 parameter: codes and scales
+    from the format's definition, independently written out here."""
+    config = lowbit_quality.lowbit._fused("probe", 0, **options)
+    assert lowbit_quality.lowbit.moved_bytes_per_param(config) == pytest.approx(expected, rel=1e-12)

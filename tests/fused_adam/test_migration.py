@@ -1,0 +1,614 @@
+"""Runs trained with torchao's and bitsandbytes' low-bit Adam optimizers continue on FusedAdam (load_state_dict).
+
+The specification, as tests:
+
+* Layouts, in every environment: state_dicts built here in the exact layouts of torchao 0.18 (``OptimState8bit``,
+  ``OptimState4bit`` with two codes per byte, the first in the high nibble, ``OptimStateFp8``) and bitsandbytes 0.50
+  (``state1``/``state2`` codes with ``qmap``/``absmax``, nested under ``__bnb_optimizer_quant_state__``) load with
+  every moment equal, bit for bit, to its float64 definition qmap[code] * scale[block] rounded to float32 (exact:
+  the product of two float32s fits in a float64). Stand-ins carry the attributes as plain tensors; where torchao is
+  installed its own subclasses are used as well.
+* The values are stored through the same conversion as any checkpoint: for every moment dtype FusedAdam offers,
+  loading the foreign dict gives the same state bits as loading the canonical dict of the decoded values.
+* Hyperparameters and steps are mapped (torch's AdamW update: ADAMW_TORCH, no maximize); bitsandbytes' extra options
+  load at their neutral values and are refused, by name, at any other; an unknown layout is refused naming what it
+  is, and neither the optimizer (params, state, groups) nor the given dict changes.
+* With the libraries (.venv-latest): a model trained N steps by the source optimizer, saved with torch.save and
+  loaded with weights_only=True, continues on FusedAdam: the first step equals the source's to float32 rounding
+  (its moments are decoded exactly, its hyperparameters mapped), and the loss over M more steps stays close to the
+  source's own continuation, far closer than a restart with fresh moments.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+
+from conftest import assert_bitwise_equal, assert_same_snapshot, optimizer_snapshot
+from ort_optim import AdamWMode, FusedAdam
+from ort_optim._spec import STATE_DTYPES
+
+try:
+    import torchao.optim as torchao_optim
+    from torchao.optim.subclass_4bit import OptimState4bit as TorchaoState4bit
+    from torchao.optim.subclass_8bit import OptimState8bit as TorchaoState8bit
+    from torchao.optim.subclass_fp8 import OptimStateFp8 as TorchaoStateFp8
+except Exception as error:  # absent (the torch 2.4.1 environment), or unusable with this torch
+    torchao_optim, TORCHAO_MISSING = None, f"torchao is not usable here ({type(error).__name__}: {error})"
+else:
+    TORCHAO_MISSING = None
+try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import bitsandbytes as bnb
+except Exception as error:
+    bnb, BNB_MISSING = None, f"bitsandbytes is not usable here ({type(error).__name__}: {error})"
+else:
+    BNB_MISSING = None
+
+BNB_KEY = "__bnb_optimizer_quant_state__"
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """One intra-op thread: small tensors on the shared 2-core machines run fastest so (results do not depend on it)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+# ---- the layouts, built from plain tensors -----------------------------------------------------------------------
+
+
+class _Standin:
+    """An object with a torchao state class's name, module and attributes, holding plain tensors."""
+
+    def __init__(self, **attributes):
+        self.__dict__.update(attributes)
+
+
+def standin(name: str, module: str = "torchao.optim.subclass_8bit") -> type:
+    return type(name, (_Standin,), {"__module__": module})
+
+
+def dynamic_map(signed: bool, levels: int = 256, seed: int = 0) -> torch.Tensor:
+    """A sorted float32 code map in [-1, 1] (signed) or [0, 1], with 0 and 1 among its values, as the libraries'."""
+    g = torch.Generator().manual_seed(seed)
+    inner = torch.rand(levels - 2, generator=g, dtype=torch.float64) ** 3 * (2 if signed else 1) - (1 if signed else 0)
+    return torch.cat([inner, torch.tensor([0.0, 1.0], dtype=torch.float64)]).sort().values.float()
+
+
+def blockwise(codes: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """The float64 definition: table[code] * scale[element // block], rounded once to float32."""
+    flat = codes.reshape(-1).long()
+    blocks = torch.arange(flat.numel()) // block
+    return (table.double()[flat] * scale.double()[blocks]).float().reshape(codes.shape)
+
+
+def torchao_8bit(shape, signed: bool, seed: int, real: bool):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    scale = torch.rand(math.prod(shape) // 256, generator=g) * 2.0 ** torch.randint(-20, 4, (1,), generator=g).item()
+    qmap = dynamic_map(signed, 256, seed)
+    expected = blockwise(codes, qmap, scale, 256)
+    if real:
+        return TorchaoState8bit(codes, scale, qmap, signed), expected
+    return standin("OptimState8bit")(codes=codes, scale=scale, qmap=qmap, signed=signed, block_size=256), expected
+
+
+def torchao_4bit(shape, signed: bool, seed: int, real: bool):
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+    elements = torch.randint(0, 16, (n,), generator=g, dtype=torch.uint8)  # one code per element, in order
+    packed = (elements[::2] << 4) | elements[1::2]  # torchao's packing (torchao.optim.subclass_4bit, its aten.copy_)
+    scale = torch.rand(n // 128, generator=g) + 0.5
+    qmap = dynamic_map(signed, 16, seed) if signed else torch.linspace(0, 1, 17)[1:]
+    expected = blockwise(elements.view(shape), qmap, scale, 128)
+    if real:
+        return TorchaoState4bit(packed, scale, qmap, signed, tuple(shape)), expected
+    state = standin("OptimState4bit", "torchao.optim.subclass_4bit")(codes=packed, scale=scale, qmap=qmap,
+                                                                     signed=signed, _shape=tuple(shape), block_size=128)
+    return state, expected
+
+
+def torchao_fp8(shape, signed: bool, seed: int, real: bool):
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.randn(shape, generator=g) * 300).clamp(-448, 448)  # e4m3fn: 448 is its largest
+    codes = (values.abs() if not signed else values).to(torch.float8_e4m3fn)
+    scale = torch.rand(math.prod(shape) // 256, generator=g) / 448
+    expected = (codes.double().reshape(-1, 256) * scale.double()[:, None]).float().reshape(shape)
+    if real:
+        return TorchaoStateFp8(codes, scale), expected
+    return standin("OptimStateFp8", "torchao.optim.subclass_fp8")(codes=codes, scale=scale, block_size=256), expected
+
+
+TORCHAO_KINDS = {"8bit": torchao_8bit, "4bit": torchao_4bit, "fp8": torchao_fp8}
+SHAPES = [(64, 128), (32, 8, 16)]  # what torchao quantises: >= 4096 elements, a multiple of the block
+SMALL = (10, 64)  # under 4096 elements: plain float32 moments in both libraries
+
+
+def make_params(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES + [SMALL]]
+
+
+def torchao_state_dict(kind: str, real: bool, amsgrad: bool = False, step: float = 37.0):
+    state = {}
+    for i, shape in enumerate(SHAPES):
+        s = {"step": torch.tensor(step)}
+        expected = {}
+        for j, key in enumerate(("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())):
+            s[key], expected[key] = TORCHAO_KINDS[kind](shape, key == "exp_avg", 10 * i + j, real)
+        state[i] = (s, expected)
+    g = torch.Generator().manual_seed(99)
+    small = {"step": torch.tensor(step), "exp_avg": torch.randn(SMALL, generator=g),
+             "exp_avg_sq": torch.rand(SMALL, generator=g)}
+    if amsgrad:
+        small["max_exp_avg_sq"] = small["exp_avg_sq"] + 0.5
+    state[len(SHAPES)] = (small, {k: v for k, v in small.items() if k != "step"})
+    groups = [{"lr": torch.tensor(3e-3), "betas": (0.85, 0.99), "eps": 1e-7, "weight_decay": 0.05,
+               "amsgrad": amsgrad, "params": list(range(len(SHAPES) + 1))}]
+    return ({"state": {i: s for i, (s, _) in state.items()}, "param_groups": groups},
+            {i: e for i, (_, e) in state.items()})
+
+
+def bnb_moment(shape, i: int, seed: int, block: int = 256):
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    absmax = torch.rand(-(-n // block), generator=g) * 0.1
+    qmap = dynamic_map(i == 1, 256, seed)
+    return {f"state{i}": codes, f"qmap{i}": qmap, f"absmax{i}": absmax}, blockwise(codes, qmap, absmax, block)
+
+
+BNB_SHAPES = [(41, 100), (64, 128)]  # 4100 elements: a partial last block of 256
+
+
+def bnb_state_dict(block: int = 256, step: int = 37, **group_options):
+    state, expected = {}, {}
+    for i, shape in enumerate(BNB_SHAPES):
+        m, em = bnb_moment(shape, 1, 10 * i, block)
+        v, ev = bnb_moment(shape, 2, 10 * i + 1, block)
+        state[i] = {"step": step, BNB_KEY: {**m, **v}}
+        expected[i] = {"exp_avg": em, "exp_avg_sq": ev}
+    g = torch.Generator().manual_seed(7)
+    small = {"state1": torch.randn(SMALL, generator=g), "state2": torch.rand(SMALL, generator=g)}
+    state[len(BNB_SHAPES)] = {"step": step, BNB_KEY: small}
+    expected[len(BNB_SHAPES)] = {"exp_avg": small["state1"], "exp_avg_sq": small["state2"]}
+    group = {"lr": 2e-3, "betas": (0.9, 0.995), "eps": 1e-8, "weight_decay": 0.01, "alpha": 0.0, "t_alpha": None,
+             "t_beta3": None, **group_options, "params": list(range(len(BNB_SHAPES) + 1))}
+    return {"state": state, "param_groups": [group]}, expected
+
+
+def bnb_params(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in BNB_SHAPES + [SMALL]]
+
+
+def real_kinds():
+    return [pytest.param(False, id="standin"),
+            pytest.param(True, id="torchao", marks=pytest.mark.skipif(TORCHAO_MISSING is not None,
+                                                                      reason=TORCHAO_MISSING or ""))]
+
+
+def tree_bits(tree):
+    """A comparable copy of a nested dict/list of tensors and plain values (tensors by their bits)."""
+    if isinstance(tree, dict):
+        return {k: tree_bits(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [tree_bits(v) for v in tree]
+    if isinstance(tree, torch.Tensor):
+        return ("tensor", type(tree), tree.dtype, tuple(tree.shape), tree.detach().as_subclass(torch.Tensor).clone())
+    if isinstance(tree, _Standin):
+        return {"class": type(tree).__name__, **tree_bits(dict(vars(tree)))}
+    return tree
+
+
+def assert_tree_same(a, b, where="state_dict"):
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_tree_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_tree_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, tuple) and a and a[0] == "tensor":
+        assert a[:4] == b[:4], where
+        assert_bitwise_equal(a[4], b[4], where)
+    else:
+        assert a == b, where
+
+
+# ---- decoding: exact values --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("real", real_kinds())
+@pytest.mark.parametrize("kind", TORCHAO_KINDS)
+def test_torchao_moments_load_as_their_exact_values(kind, real):
+    sd, expected = torchao_state_dict(kind, real, amsgrad=True)
+    params = make_params()
+    opt = FusedAdam(params, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, amsgrad=True)
+    opt.load_state_dict(sd)
+    for i, p in enumerate(params):
+        for key, value in expected[i].items():
+            assert_bitwise_equal(opt.state[p][key], value, f"param {i} {key}")
+        assert float(opt.state[p]["step"]) == 37.0
+
+
+@pytest.mark.skipif(TORCHAO_MISSING is not None, reason=TORCHAO_MISSING or "")
+@pytest.mark.parametrize("kind", TORCHAO_KINDS)
+def test_torchao_decoding_equals_torchaos_own_dequantize(kind):
+    """torchao's dequantize() (its own reference), against the values FusedAdam loads."""
+    sd, _ = torchao_state_dict(kind, real=True)
+    params = make_params()
+    opt = FusedAdam(params)
+    opt.load_state_dict(sd)
+    for i in range(len(SHAPES)):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise_equal(opt.state[params[i]][key], sd["state"][i][key].dequantize(), f"{i} {key}")
+
+
+def test_4bit_codes_are_unpacked_high_nibble_first():
+    """One byte 0x1F in a block of scale 1: element 0 reads qmap[1], element 1 qmap[15]."""
+    qmap = torch.linspace(0, 1, 17)[1:]
+    n = 4096
+    codes = torch.zeros(n // 2, dtype=torch.uint8)
+    codes[0] = 0x1F
+    state = standin("OptimState4bit", "torchao.optim.subclass_4bit")(
+        codes=codes, scale=torch.ones(n // 128), qmap=qmap, signed=False, _shape=(n,), block_size=128)
+    p = torch.nn.Parameter(torch.zeros(n))
+    opt = FusedAdam([p])
+    opt.load_state_dict({"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(n), "exp_avg_sq": state}},
+                         "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                                           "amsgrad": False, "params": [0]}]})
+    v = opt.state[p]["exp_avg_sq"]
+    assert v[0].item() == qmap[1].item() and v[1].item() == qmap[15].item() and v[2].item() == qmap[0].item()
+
+
+@pytest.mark.parametrize("block", [256, 2048])
+def test_bitsandbytes_moments_load_as_their_exact_values(block):
+    """Blocks of 256 (bitsandbytes >= 0.45) or 2048 (earlier 8-bit optimizers), told apart by the absmax count; the
+    last block partial; params under min_8bit_size with plain float32 states."""
+    sd, expected = bnb_state_dict(block)
+    params = bnb_params()
+    opt = FusedAdam(params)
+    opt.load_state_dict(sd)
+    for i, p in enumerate(params):
+        for key, value in expected[i].items():
+            assert_bitwise_equal(opt.state[p][key], value, f"param {i} {key}")
+        assert float(opt.state[p]["step"]) == 37.0
+
+
+def test_bitsandbytes_unnested_states_load_too():
+    """The state as bitsandbytes holds it in memory (and as versions before the nesting saved it)."""
+    sd, expected = bnb_state_dict()
+    flat = {"state": {i: {"step": s["step"], **s[BNB_KEY]} for i, s in sd["state"].items()},
+            "param_groups": sd["param_groups"]}
+    params = bnb_params()
+    opt = FusedAdam(params)
+    opt.load_state_dict(flat)
+    for i, p in enumerate(params):
+        for key, value in expected[i].items():
+            assert_bitwise_equal(opt.state[p][key], value, f"param {i} {key}")
+
+
+@pytest.mark.skipif(BNB_MISSING is not None, reason=BNB_MISSING or "")
+def test_bitsandbytes_decoding_equals_bitsandbytes_own_dequantize():
+    sd, _ = bnb_state_dict()
+    params = bnb_params()
+    opt = FusedAdam(params)
+    opt.load_state_dict(sd)
+    for i in range(len(BNB_SHAPES)):
+        q = sd["state"][i][BNB_KEY]
+        for key, n in (("exp_avg", 1), ("exp_avg_sq", 2)):
+            theirs = bnb.functional.dequantize_blockwise(q[f"state{n}"], absmax=q[f"absmax{n}"], code=q[f"qmap{n}"],
+                                                         blocksize=256)
+            assert_bitwise_equal(opt.state[params[i]][key], theirs, f"{i} {key}")
+
+
+# ---- re-encoding: the one conversion every checkpoint takes ------------------------------------------------------
+
+
+@pytest.mark.parametrize("v_dtype", STATE_DTYPES, ids=str)
+@pytest.mark.parametrize("m_dtype", STATE_DTYPES, ids=str)
+@pytest.mark.parametrize("source", ["torchao-8bit", "torchao-4bit", "torchao-fp8", "bitsandbytes"])
+def test_foreign_moments_are_stored_as_any_checkpoint_in_every_moment_dtype(source, m_dtype, v_dtype):
+    """For every storage FusedAdam offers (STATE_DTYPES: a new format is covered here when it is added there)."""
+    if source == "bitsandbytes":
+        sd, expected = bnb_state_dict()
+        make = bnb_params
+    else:
+        sd, expected = torchao_state_dict(source.split("-")[1], real=False)
+        make = make_params
+    canonical = {"state": {i: {"step": torch.tensor(37.0, dtype=torch.float64), **e} for i, e in expected.items()},
+                 "param_groups": [{**sd["param_groups"][0], "lr": float(sd["param_groups"][0]["lr"]),
+                                   "adam_w_mode": AdamWMode.ADAMW_TORCH, "maximize": False, "bias_correction": True,
+                                   "amsgrad": False}]}
+    for key in ("alpha", "t_alpha", "t_beta3"):
+        canonical["param_groups"][0].pop(key, None)
+    opts = []
+    for checkpoint in (sd, canonical):
+        opt = FusedAdam(make(), exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype)
+        opt.load_state_dict(checkpoint)
+        opts.append(opt)
+    for p, q in zip(opts[0].param_groups[0]["params"], opts[1].param_groups[0]["params"]):
+        assert opts[0].state[p].keys() == opts[1].state[q].keys()
+        for key in opts[0].state[p]:
+            assert_bitwise_equal(opts[0].state[p][key], opts[1].state[q][key], key)
+    assert opts[0].param_groups[0] | {"params": None} == opts[1].param_groups[0] | {"params": None}
+
+
+# ---- hyperparameters and steps -----------------------------------------------------------------------------------
+
+
+def test_torchao_groups_map_to_torchs_adamw_update():
+    sd, _ = torchao_state_dict("8bit", real=False, amsgrad=True)
+    opt = FusedAdam(make_params(), maximize=True, eps=1e-3, bias_correction=False)
+    opt.load_state_dict(sd)
+    group = opt.param_groups[0]
+    assert group["lr"] == float(torch.tensor(3e-3)) and isinstance(group["lr"], float)
+    assert group["betas"] == (0.85, 0.99) and group["eps"] == 1e-7 and group["weight_decay"] == 0.05
+    assert group["amsgrad"] is True and group["maximize"] is False and group["bias_correction"] is True
+    assert group["adam_w_mode"] == AdamWMode.ADAMW_TORCH
+
+
+def test_bitsandbytes_groups_map_to_torchs_adamw_update():
+    sd, _ = bnb_state_dict(step=12)
+    opt = FusedAdam(bnb_params(), maximize=True, amsgrad=True)
+    opt.load_state_dict(sd)
+    group = opt.param_groups[0]
+    assert group["lr"] == 2e-3 and group["betas"] == (0.9, 0.995) and group["eps"] == 1e-8
+    assert group["weight_decay"] == 0.01 and group["amsgrad"] is False and group["maximize"] is False
+    assert group["adam_w_mode"] == AdamWMode.ADAMW_TORCH
+    assert not {"alpha", "t_alpha", "t_beta3"} & set(group)
+    assert all(float(s["step"]) == 12.0 for s in opt.state.values())
+
+
+def test_a_bitsandbytes_state_dict_saved_before_its_first_step_loads_its_groups():
+    """No state yet: AdEMAMix's keys in the groups still tell bitsandbytes' layout (they would read as RMSprop's
+    alpha otherwise)."""
+    sd, _ = bnb_state_dict()
+    sd["state"] = {}
+    opt = FusedAdam(bnb_params())
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["adam_w_mode"] == AdamWMode.ADAMW_TORCH and opt.param_groups[0]["lr"] == 2e-3
+    assert not any(opt.state.values())
+
+
+NEUTRAL = {"alpha": 0.0, "t_alpha": None, "t_beta3": None, "max_unorm": 0.0, "percentile_clipping": 100,
+           "skip_zeros": False, "block_wise": True, "optim_bits": 8, "min_8bit_size": 4096, "is_paged": True}
+NOT_NEUTRAL = {"alpha": 5.0, "t_alpha": 1000, "t_beta3": 1000, "max_unorm": 1.0, "percentile_clipping": 5,
+               "skip_zeros": True, "block_wise": False, "optim_bits": 4, "min_8bit_size": "4096", "is_paged": 1}
+
+
+def test_bitsandbytes_extra_options_load_at_their_neutral_values():
+    sd, expected = bnb_state_dict(**NEUTRAL)
+    params = bnb_params()
+    opt = FusedAdam(params)
+    opt.load_state_dict(sd)
+    assert not set(NEUTRAL) & set(opt.param_groups[0])
+    assert_bitwise_equal(opt.state[params[0]]["exp_avg"], expected[0]["exp_avg"])
+
+
+# ---- refusals: named, and nothing changes ------------------------------------------------------------------------
+
+
+def _bnb_with(change):
+    sd, _ = bnb_state_dict()
+    change(sd)
+    return sd, bnb_params
+
+
+def _torchao_with(change, kind="8bit"):
+    sd, _ = torchao_state_dict(kind, real=False)
+    change(sd)
+    return sd, make_params
+
+
+def _plain_with(change):
+    """A torch.optim.AdamW checkpoint of make_params() with one state changed."""
+    params = make_params()
+    opt = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    change(sd)
+    return sd
+
+
+def _drop(obj, name):
+    delattr(obj, name)
+
+
+def _unknown_subclass(sd):
+    class Wrapped(torch.Tensor):  # a traceable wrapper subclass of some other library
+        def __tensor_flatten__(self):
+            return [], None
+
+    sd["state"][0]["exp_avg"] = torch.Tensor._make_subclass(Wrapped, torch.zeros(SHAPES[0]))
+
+
+REFUSALS = {
+    **{f"bnb-{key}": (lambda key=key: _bnb_with(lambda sd: sd["param_groups"][0].update({key: NOT_NEUTRAL[key]})),
+                      f"['param_groups'][0]['{key}']") for key in NOT_NEUTRAL},
+    "bnb-ademamix-betas": (lambda: _bnb_with(lambda sd: sd["param_groups"][0].update(betas=(0.9, 0.999, 0.9999))),
+                           "three betas"),
+    "bnb-amsgrad": (lambda: _bnb_with(lambda sd: sd["param_groups"][0].update(amsgrad=True)), "'amsgrad'"),
+    "bnb-missing-qmap": (lambda: _bnb_with(lambda sd: sd["state"][1][BNB_KEY].pop("qmap2")), "'qmap2'"),
+    "bnb-missing-absmax": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].pop("absmax1")), "'absmax1'"),
+    "bnb-non-blockwise": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(max1=torch.zeros(1))),
+                          "'max1'"),
+    "bnb-unorm": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(unorm_vec=torch.zeros(1))),
+                  "'unorm_vec'"),
+    "bnb-other-key": (lambda: _bnb_with(lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(1))),
+                      "'momentum_buffer'"),
+    "bnb-absmax-count": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(absmax1=torch.ones(5))),
+                         "5 block scales"),
+    "bnb-qmap-size": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(qmap1=torch.zeros(16))),
+                      "16 values"),
+    "bnb-negative-v": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(qmap2=-dynamic_map(False))),
+                       "negative"),
+    "bnb-lion": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].pop("state2")), "no 'state2'"),
+    "torchao-other-class": (lambda: _torchao_with(lambda sd: sd["state"][0].update(
+        exp_avg=standin("OptimStateFp8WithDynamicRangeExpansion")(codes=torch.zeros(1), scale=torch.ones(1)))),
+        "OptimStateFp8WithDynamicRangeExpansion"),
+    "torchao-missing-qmap": (lambda: _torchao_with(lambda sd: _drop(sd["state"][1]["exp_avg_sq"], "qmap")),
+                             "without 'qmap'"),
+    "torchao-4bit-missing-shape": (lambda: _torchao_with(lambda sd: _drop(sd["state"][0]["exp_avg"], "_shape"),
+                                                         "4bit"), "'_shape'"),
+    "torchao-qmap-size": (lambda: _torchao_with(lambda sd: setattr(sd["state"][0]["exp_avg"], "qmap",
+                                                                   torch.zeros(16))), "16 values"),
+    "torchao-codes-dtype": (lambda: _torchao_with(lambda sd: setattr(sd["state"][0]["exp_avg"], "codes",
+                                                                     torch.zeros(SHAPES[0], dtype=torch.int8))),
+                            "torch.uint8"),
+    "unknown-subclass": (lambda: _torchao_with(_unknown_subclass, "fp8"), "Wrapped"),
+    "unknown-subclass-in-a-plain-checkpoint": (lambda: (_plain_with(_unknown_subclass), make_params), "Wrapped"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_unknown_layouts_are_refused_by_name_and_change_nothing(case):
+    build, message = REFUSALS[case]
+    sd, make = build()
+    params = make(seed=3)
+    opt = FusedAdam(params, lr=5e-4, exp_avg_dtype=torch.uint8)
+    for p in params:  # a state to keep
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before, given = optimizer_snapshot(opt), tree_bits(sd)
+    with pytest.raises((ValueError, TypeError)) as info:
+        opt.load_state_dict(sd)
+    assert message in str(info.value), str(info.value)
+    assert str(info.value).startswith("state_dict["), str(info.value)
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+    assert_tree_same(given, tree_bits(sd))
+
+
+@pytest.mark.skipif(TORCHAO_MISSING is not None, reason=TORCHAO_MISSING or "")
+def test_torchao_states_of_sharded_params_are_refused_by_name(tmp_path):
+    """torchao's states of FSDP2 params are DTensors around its subclasses: not read (gather them first), and said
+    so (one process, gloo, a one-rank mesh)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed, without a process group already set up")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sd, _ = torchao_state_dict("8bit", real=True)
+        for state in sd["state"].values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = DTensor.from_local(state[key], mesh, [Replicate()], run_check=False)
+        params = make_params(seed=3)
+        opt = FusedAdam(params)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        before = optimizer_snapshot(opt)
+        with pytest.raises(TypeError, match=r"^state_dict\['state'\]\[0\]\['exp_avg'\] is a DTensor whose local "
+                                            r"tensor is a torchao\.optim\.subclass_8bit\.OptimState8bit"):
+            opt.load_state_dict(sd)
+        assert_same_snapshot(before, optimizer_snapshot(opt))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_loading_leaves_the_given_state_dict_as_it_was():
+    for sd, make in ((bnb_state_dict()[0], bnb_params), (torchao_state_dict("4bit", real=False)[0], make_params)):
+        given = tree_bits(sd)
+        FusedAdam(make(), exp_avg_dtype=torch.uint4).load_state_dict(sd)
+        assert_tree_same(given, tree_bits(sd))
+
+
+# ---- with the libraries: a run continues --------------------------------------------------------------------------
+
+N_STEPS, M_STEPS = 30, 30
+HYPER = dict(lr=3e-3, weight_decay=0.01)
+
+
+def _task():
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(32, 10, generator=g)
+    batches = []
+    for _ in range(N_STEPS + M_STEPS):
+        x = torch.randn(64, 32, generator=g)
+        batches.append((x, (x @ teacher).argmax(1)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 10))  # 4096 and 8192 weights quantised, the rest plain
+    return model, batches
+
+
+def _train(model, opt, batches):
+    losses = []
+    # torchao compiles its step with inductor: run it eagerly (same ops), which takes seconds instead of minutes
+    with torch.compiler.set_stance("force_eager"):
+        for x, y in batches:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses
+
+
+def _sources():
+    out = []
+    for name in ("AdamW8bit", "AdamW4bit", "AdamWFp8"):
+        out.append(pytest.param("torchao", name, id=f"torchao-{name}",
+                                marks=pytest.mark.skipif(TORCHAO_MISSING is not None, reason=TORCHAO_MISSING or "")))
+    for name in ("Adam8bit", "AdamW8bit", "PagedAdamW8bit", "AdamW32bit"):  # (32-bit: plain state1/state2)
+        out.append(pytest.param("bitsandbytes", name, id=f"bitsandbytes-{name}",
+                                marks=pytest.mark.skipif(BNB_MISSING is not None, reason=BNB_MISSING or "")))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")  # (bitsandbytes: it runs unpaged)
+@pytest.mark.parametrize("library,name", _sources())
+def test_a_run_continues_on_fusedadam_as_with_its_source_optimizer(library, name):
+    cls = getattr(torchao_optim if library == "torchao" else bnb.optim, name)
+    model, batches = _task()
+    source = cls(model.parameters(), **HYPER)
+    _train(model, source, batches[:N_STEPS])
+    buffer = io.BytesIO()
+    torch.save(source.state_dict(), buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    at_save = copy.deepcopy(model)
+    theirs = _train(model, source, batches[N_STEPS:])
+
+    def continued(moments: dict, load: bool):
+        m = copy.deepcopy(at_save)
+        opt = FusedAdam(m.parameters(), adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, **HYPER, **moments)
+        if load:
+            opt.load_state_dict(checkpoint)
+        return m, opt
+
+    # one step: the source's own update of the decoded moments, to float32 rounding
+    m1, opt1 = continued({}, load=True)
+    _train(m1, opt1, batches[N_STEPS:N_STEPS + 1])
+    s1 = copy.deepcopy(at_save)
+    src1 = cls(s1.parameters(), **HYPER)
+    src1.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+    _train(s1, src1, batches[N_STEPS:N_STEPS + 1])
+    for a, b in zip(m1.parameters(), s1.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+    # M steps: close to the source's continuation, far closer than fresh moments
+    def distance(losses):
+        return sum(abs(a - b) for a, b in zip(losses, theirs)) / len(theirs)
+
+    restart = distance(_train(*continued({}, load=False), batches[N_STEPS:]))
+    for moments in ({}, {"exp_avg_dtype": torch.uint8, "exp_avg_sq_dtype": torch.uint8}):
+        ours = distance(_train(*continued(moments, load=True), batches[N_STEPS:]))
+        assert ours < 0.2 * restart, (moments, ours, restart)

@@ -1,0 +1,1037 @@
+"""ort_optim.options, as a specification: the table of ORTModule environment variables and everything generated from
+it (validation, reading the environment, the plan file, apply() and its context manager, describe(),
+check_environment(), the command line, the guide's table), and the options against the environment they are applied
+to.
+
+* Explicit values that ORT would ignore given a variable already exported (a job script's
+  ORTMODULE_MEMORY_OPT_LEVEL=1 plus recompute_plans here) are errors at apply(), wrap() and ``with``, naming both
+  sides; apply() is all or nothing; over generated option values and environments (hypothesis), every combination
+  either applies completely or raises naming the field, with os.environ unchanged after a failure.
+
+Everything here runs without torch and onnxruntime except test_wrap_runs_an_ortmodule_on_cpu, which needs
+onnxruntime-training 1.19.2 with torch 2.4.x and is skipped elsewhere.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+from conftest import fuzz_examples
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+ROOT = Path(__file__).resolve().parents[2]
+OPTIONS_PY = ROOT / "ort_optim" / "options.py"
+GUIDE = ROOT / "guides" / "ortmodule-options.md"
+EXISTING_FILE = str(Path(__file__).resolve())  # any file that exists, for the "existing file" kinds
+# ORTMODULE_SAVE_ONNX_PATH must be an existing writable directory (ORT checks os.access(path, W_OK) and does not create
+# it): one with a space in its name, removed when the test process exits.
+_SAVE_DIR = tempfile.TemporaryDirectory(prefix="ort optim onnx ")
+SAVE_DIR = _SAVE_DIR.name
+
+
+def _load_options():
+    """ort_optim.options, and the command that runs its command line."""
+    try:
+        import ort_optim.options as module
+
+        return module, [sys.executable, "-m", "ort_optim.options"]
+    except ImportError:
+        # ort_optim/__init__.py imports torch; options.py itself needs neither torch nor onnxruntime, so without
+        # torch load the file on its own (and run its command line as a script).
+        spec = importlib.util.spec_from_file_location("ort_optim_options_standalone", OPTIONS_PY)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module, [sys.executable, str(OPTIONS_PY)]
+
+
+options, CLI = _load_options()
+ORTModuleOptions = options.ORTModuleOptions
+OptionsTooLateWarning = options.OptionsTooLateWarning
+BY_FIELD = {v.field: v for v in options.TABLE}
+BY_ENV = {v.env: v for v in options.TABLE}
+
+ORT_SKIP = "onnxruntime-training's ORTModule needs torch 2.4.x; not installed in this environment"
+
+MEMORY_FIRST = [
+    "ORTMODULE_MEMORY_OPT_LEVEL",
+    "ORTMODULE_MEMORY_OPT_CONFIG",
+    "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER",
+    "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER",
+    "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",
+    "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT",
+    "ORTMODULE_PRINT_MEMORY_STATS",
+]
+# Every variable onnxruntime-training 1.19.2 reads (grepped from the wheel, see test_table_matches_installed_ort).
+ALL_VARIABLES = MEMORY_FIRST + [
+    "ORTMODULE_PRINT_INPUT_DENSITY",
+    "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT",
+    "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER",
+    "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD",
+    "ORTMODULE_FALLBACK_POLICY",
+    "ORTMODULE_FALLBACK_RETRY",
+    "ORTMODULE_LOG_LEVEL",
+    "ORTMODULE_ONNX_OPSET_VERSION",
+    "ORTMODULE_SAVE_ONNX_PATH",
+    "ORTMODULE_CACHE_DIR",
+    "ORTMODULE_USE_EFFICIENT_ATTENTION",
+    "ORTMODULE_ATEN_SDPA_FALLBACK",
+    "ORTMODULE_ENABLE_ZERO_STAGE3",
+    "ORTMODULE_CONV_ALGO_SEARCH",
+    "ORTMODULE_SKIPCHECK_POLICY",
+    "ORTMODULE_JSON_CONFIG_PATH",
+    "ORTMODULE_USE_TRITON",
+    "ORTMODULE_TRITON_CONFIG_FILE",
+    "ORTMODULE_TRITON_DEBUG",
+    "ORTMODULE_USE_FLASH_ATTENTION",
+    "ORTMODULE_ENABLE_TUNING",
+    "ORTMODULE_MAX_TUNING_DURATION_MS",
+    "ORTMODULE_TUNING_RESULTS_PATH",
+]
+# ORTMODULE_* names in ORT's source that are module constants or comments, not environment variables it reads.
+NOT_READ_FROM_ENV = {
+    "ORTMODULE_IS_DETERMINISTIC",
+    "ORTMODULE_LOG_LEVEL_MAP",
+    "ORTMODULE_ONNX_EXPORT_CONTEXT",
+    "ORTMODULE_TORCH_CPP_DIR",
+    "ORTMODULE_EXTERNAL_TORCH_CPP_EXTENSION_DIR",  # only named in a TODO
+    "ORTMODULE_EXTERNAL_TORCH_CUDA_EXTENSION_DIR",  # only named in a TODO
+}
+
+PLAN_FILE = object()  # expected text for ORTMODULE_MEMORY_OPT_CONFIG: the path of a plan file
+
+# field, value given, value stored, text written for ORT
+GOOD = [
+    ("memory_opt_level", 0, 0, "0"),
+    ("memory_opt_level", 2, 2, "2"),
+    ("memory_opt_level", "1", 1, "1"),
+    ("recompute_plans", ["BiasGelu+:1:-1"], ("BiasGelu+:1:-1",), PLAN_FILE),
+    ("recompute_plans", "FusedMatMul+Add+:1:-1,Gelu+:2:3", ("FusedMatMul+Add+:1:-1", "Gelu+:2:3"), PLAN_FILE),
+    ("recompute_plans", [" LayerNormalization+:0:0 ", "Gelu+:1:05"], ("LayerNormalization+:0:0", "Gelu+:1:5"), PLAN_FILE),
+    ("recompute_plans", [], (), PLAN_FILE),
+    ("embedding_sparse_optimizer", True, True, "1"),
+    ("label_sparse_optimizer", False, False, "0"),
+    ("mem_efficient_grad_mgmt", "true", True, "1"),
+    ("deepcopy_before_export", "FALSE", False, "0"),
+    ("print_memory_stats", 1, True, "1"),
+    ("print_input_density", 0, False, "0"),
+    ("allow_autograd_checkpoint", True, True, "1"),
+    ("compute_optimizer", False, False, "0"),
+    ("custom_autograd", "0", False, "0"),
+    ("fallback_policy", "FALLBACK_DISABLE", "FALLBACK_DISABLE", "FALLBACK_DISABLE"),
+    ("fallback_policy", ["fallback_force_torch_forward"], "FALLBACK_FORCE_TORCH_FORWARD", "FALLBACK_FORCE_TORCH_FORWARD"),
+    ("fallback_retry", True, True, "1"),
+    ("log_level", "info", "INFO", "INFO"),
+    ("log_level", "VERBOSE", "VERBOSE", "VERBOSE"),
+    ("onnx_opset_version", 17, 17, "17"),
+    ("onnx_opset_version", "20", 20, "20"),
+    ("save_onnx_path", SAVE_DIR, SAVE_DIR, SAVE_DIR),
+    ("save_onnx_path", Path(SAVE_DIR), SAVE_DIR, SAVE_DIR),
+    ("cache_dir", "/tmp/ort-cache", "/tmp/ort-cache", "/tmp/ort-cache"),  # created by ORT when needed
+    ("cache_dir", SAVE_DIR + "/a/b", SAVE_DIR + "/a/b", SAVE_DIR + "/a/b"),
+    ("efficient_attention", True, True, "1"),
+    ("aten_sdpa_fallback", True, True, "1"),
+    ("aten_sdpa_fallback", "TRUE", True, "1"),
+    ("zero_stage3", False, False, "0"),
+    ("conv_algo_search", "exhaustive", "EXHAUSTIVE", "EXHAUSTIVE"),
+    ("skip_check_policy", ["SKIP_CHECK_DEVICE", "skip_check_build_gradient"],
+     ("SKIP_CHECK_DEVICE", "SKIP_CHECK_BUILD_GRADIENT"), "SKIP_CHECK_DEVICE|SKIP_CHECK_BUILD_GRADIENT"),
+    ("skip_check_policy", "SKIP_CHECK_DISABLED", ("SKIP_CHECK_DISABLED",), "SKIP_CHECK_DISABLED"),
+    ("json_config_path", EXISTING_FILE, EXISTING_FILE, EXISTING_FILE),
+    ("use_triton", True, True, "1"),
+    ("triton_config_file", EXISTING_FILE, EXISTING_FILE, EXISTING_FILE),
+    ("triton_debug", True, True, "1"),
+    ("flash_attention", False, False, "0"),
+    ("enable_tuning", True, True, "1"),
+    ("max_tuning_duration_ms", 0, 0, "0"),
+    ("max_tuning_duration_ms", 500, 500, "500"),
+    ("tuning_results_path", "/tmp/tuning", "/tmp/tuning", "/tmp/tuning"),
+]
+
+# field, bad value, fragment of the error message
+BAD = [
+    ("memory_opt_level", 3, "got 3"),
+    ("memory_opt_level", -1, "got -1"),
+    ("memory_opt_level", True, "got True"),
+    ("memory_opt_level", 1.0, "got 1.0"),
+    ("memory_opt_level", "one", "got 'one'"),
+    ("recompute_plans", ["BiasGelu:1:-1"], "cluster 'BiasGelu' must be op type names each followed by '+'"),
+    ("recompute_plans", ["+:1:-1"], "cluster '+' must be op type names"),
+    ("recompute_plans", ["Bias Gelu+:1:-1"], "cluster 'Bias Gelu+' must be op type names"),
+    ("recompute_plans", ["BiasGelu+:3:-1"], "strategy '3' must be 0 (none), 1 (recompute) or 2"),
+    ("recompute_plans", ["BiasGelu+:x:-1"], "strategy 'x' must be"),
+    ("recompute_plans", ["BiasGelu+:1:-2"], "count '-2' must be an integer >= -1"),
+    ("recompute_plans", ["BiasGelu+:1:all"], "count 'all' must be an integer >= -1"),
+    ("recompute_plans", ["BiasGelu+:1"], "plan 'BiasGelu+:1' must have three ':'-separated parts"),
+    ("recompute_plans", ["BiasGelu+:1:-1:0"], "must have three ':'-separated parts"),
+    ("recompute_plans", [42], "plan 42 is not a string"),
+    ("recompute_plans", 42, "got 42"),
+    ("embedding_sparse_optimizer", "yes", "got 'yes'"),
+    ("label_sparse_optimizer", 2, "got 2"),
+    ("mem_efficient_grad_mgmt", "on", "got 'on'"),
+    ("deepcopy_before_export", "nope", "got 'nope'"),
+    ("print_memory_stats", "", "got ''"),
+    ("print_input_density", 0.5, "got 0.5"),
+    ("allow_autograd_checkpoint", "2", "got '2'"),
+    ("compute_optimizer", [], "got []"),
+    ("custom_autograd", "enabled", "got 'enabled'"),
+    ("fallback_policy", "FALLBACK_NEVER", "got 'FALLBACK_NEVER'"),
+    ("fallback_policy", "FALLBACK_DISABLE|FALLBACK_UNSUPPORTED_DATA", "reads exactly one name"),
+    ("fallback_policy", ["FALLBACK_DISABLE", "FALLBACK_UNSUPPORTED_DATA"], "got 2 policies"),
+    ("fallback_retry", "maybe", "got 'maybe'"),
+    ("log_level", "LOUD", "got 'LOUD'"),
+    ("log_level", 3, "got 3"),
+    ("onnx_opset_version", 6, "got 6"),
+    ("onnx_opset_version", 21, "got 21"),
+    ("onnx_opset_version", "17.0", "got '17.0'"),
+    ("save_onnx_path", "", "got ''"),
+    ("save_onnx_path", "/nonexistent/onnx", "no such directory '/nonexistent/onnx' (ORT 1.19.2 checks that it is "
+                                            "writable and does not create it)"),
+    ("save_onnx_path", EXISTING_FILE, "exists and is not a directory"),
+    ("save_onnx_path", SAVE_DIR + "\0x", "holds a NUL byte (an environment variable cannot)"),
+    ("cache_dir", EXISTING_FILE + "/cache", f"cannot be created: {EXISTING_FILE!r} is not a directory"),
+    ("cache_dir", "/tmp/a\0b", "holds a NUL byte"),
+    ("cache_dir", "/tmp/\ud800", "cannot be encoded for the environment"),
+    ("json_config_path", EXISTING_FILE + "\0", "holds a NUL byte"),
+    ("cache_dir", 3, "got 3"),
+    ("efficient_attention", "sometimes", "got 'sometimes'"),
+    ("aten_sdpa_fallback", False, "got False, which ORT 1.19.2 would read as ON; leave it unset (None) for off"),
+    ("aten_sdpa_fallback", "0", "would read as ON"),
+    ("zero_stage3", 3, "got 3"),
+    ("conv_algo_search", "FAST", "got 'FAST'"),
+    ("skip_check_policy", ["SKIP_CHECK_NOTHING"], "got 'SKIP_CHECK_NOTHING'"),
+    ("skip_check_policy", [], "got []"),
+    ("json_config_path", "/nonexistent/ortmodule.json", "no such file '/nonexistent/ortmodule.json'"),
+    ("use_triton", "y", "got 'y'"),
+    ("triton_config_file", "/nonexistent/triton.json", "no such file"),
+    ("triton_debug", 7, "got 7"),
+    ("flash_attention", "no", "got 'no'"),
+    ("enable_tuning", -1, "got -1"),
+    ("max_tuning_duration_ms", -1, "got -1"),
+    ("max_tuning_duration_ms", "10ms", "got '10ms'"),
+    ("tuning_results_path", "", "got ''"),
+    ("tuning_results_path", EXISTING_FILE, "exists and is not a directory"),
+]
+
+# variable, text in the environment, value read
+ENV_GOOD = [
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "0", False),
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "1", True),
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "TRUE", True),
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "False", False),
+    ("ORTMODULE_PRINT_MEMORY_STATS", " 1 ", True),
+    ("ORTMODULE_FALLBACK_RETRY", "true", True),
+    ("ORTMODULE_ATEN_SDPA_FALLBACK", "1", True),
+    ("ORTMODULE_MEMORY_OPT_LEVEL", "2", 2),
+    ("ORTMODULE_LOG_LEVEL", "info", "INFO"),
+    ("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE", "FALLBACK_DISABLE"),
+    ("ORTMODULE_SKIPCHECK_POLICY", "SKIP_CHECK_DEVICE|SKIP_CHECK_EXECUTION_AGENT",
+     ("SKIP_CHECK_DEVICE", "SKIP_CHECK_EXECUTION_AGENT")),
+    ("ORTMODULE_ONNX_OPSET_VERSION", "17", 17),
+    ("ORTMODULE_CACHE_DIR", "/tmp/c", "/tmp/c"),
+]
+
+# variable, text in the environment, fragment of the error message
+ENV_BAD = [
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "yes", "got 'yes'"),
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "2", "got '2'"),
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "", "empty value; unset the variable instead"),
+    ("ORTMODULE_MEMORY_OPT_LEVEL", "1.0", "got '1.0'"),
+    ("ORTMODULE_MEMORY_OPT_LEVEL", "  ", "empty value"),
+    ("ORTMODULE_LOG_LEVEL", "LOUD", "got 'LOUD'"),
+    ("ORTMODULE_ATEN_SDPA_FALLBACK", "0", "would read as ON"),
+    ("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE|FALLBACK_UNSUPPORTED_DATA", "reads exactly one name"),
+    ("ORTMODULE_SKIPCHECK_POLICY", "SKIP_CHECK_DEVICE|SKIP_CHECK_SOMETHING", "got 'SKIP_CHECK_SOMETHING'"),
+    ("ORTMODULE_MEMORY_OPT_CONFIG", "BiasGelu+:1:-1", "inline plans were the format before 1.19"),
+    ("ORTMODULE_MEMORY_OPT_CONFIG", "/nonexistent/plans.json", "'/nonexistent/plans.json' is not a readable file"),
+    ("ORTMODULE_TRITON_CONFIG_FILE", "/nonexistent/triton.json", "no such file"),
+]
+
+
+@pytest.fixture(autouse=True)
+def clean_ortmodule_env():
+    """Each test starts with no ORTMODULE_* variable set and leaves the environment as it found it."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("ORTMODULE_")}
+    for name in saved:
+        del os.environ[name]
+    yield
+    for name in [k for k in os.environ if k.startswith("ORTMODULE_")]:
+        del os.environ[name]
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def no_ortmodule_yet(monkeypatch):
+    """Pretend ORT has read nothing yet in this process (the ORTModule test may have run before)."""
+    for marker in options._READ_MARKERS.values():
+        if marker is not None:
+            monkeypatch.delitem(sys.modules, marker, raising=False)
+    monkeypatch.setattr(options, "_WRAPPED", False)
+
+
+def _plans_in(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _expected_error(field, fragment):
+    var = BY_FIELD[field]
+    return f"{field} ({var.env})", fragment, f"Allowed: {var.kind.allowed}."
+
+
+# ---------------------------------------------------------------------------------------------------- the table
+
+
+def test_table_lists_every_variable_memory_first():
+    assert [v.env for v in options.TABLE] == ALL_VARIABLES
+    assert len({v.field for v in options.TABLE}) == len(options.TABLE)
+    for var in options.TABLE:
+        assert var.field and var.meaning and var.ort_default and var.kind.allowed
+        assert var.read in options._READ_MARKERS
+
+
+def test_table_matches_installed_ort():
+    spec = importlib.util.find_spec("onnxruntime")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("onnxruntime is not installed here; the table is pinned to onnxruntime-training 1.19.2")
+    training = Path(list(spec.submodule_search_locations)[0]) / "training"
+    if not training.is_dir():
+        pytest.skip("this onnxruntime has no training package")
+    found = set()
+    for path in training.rglob("*.py"):
+        found.update(re.findall(r"ORTMODULE_[A-Z0-9_]+", path.read_text(encoding="utf-8", errors="replace")))
+    assert found - NOT_READ_FROM_ENV == set(ALL_VARIABLES)
+
+
+def test_options_py_imports_neither_torch_nor_onnxruntime():
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('opts', {str(OPTIONS_PY)!r})\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['opts'] = m; spec.loader.exec_module(m)\n"
+        "bad = [n for n in sys.modules if n.split('.')[0] in ('torch', 'onnxruntime')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_field_has_good_and_bad_cases():
+    assert {case[0] for case in GOOD} == set(BY_FIELD)
+    assert {case[0] for case in BAD} == set(BY_FIELD)
+
+
+def test_defaults_are_unset():
+    opts = ORTModuleOptions()
+    assert all(getattr(opts, v.field) is None for v in options.TABLE)
+    assert opts.to_env() == {}
+    assert repr(opts) == "ORTModuleOptions()"
+
+
+def test_fields_are_keyword_only_and_frozen():
+    with pytest.raises(TypeError):
+        ORTModuleOptions(1)
+    opts = ORTModuleOptions(memory_opt_level=1)
+    with pytest.raises(AttributeError):
+        opts.memory_opt_level = 2
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("field, given, stored, text", GOOD)
+def test_good_value_is_normalized_and_written_for_ort(field, given, stored, text):
+    opts = ORTModuleOptions(**{field: given})
+    assert getattr(opts, field) == stored
+    env = opts.to_env()
+    assert list(env) == [BY_FIELD[field].env]
+    if text is PLAN_FILE:
+        assert _plans_in(env[BY_FIELD[field].env]) == list(stored)
+    else:
+        assert env[BY_FIELD[field].env] == text
+    assert repr(opts) == f"ORTModuleOptions({field}={stored!r})"
+
+
+@pytest.mark.parametrize("field, bad, fragment", BAD)
+def test_bad_value_names_field_variable_and_allowed_values(field, bad, fragment):
+    with pytest.raises(ValueError) as info:
+        ORTModuleOptions(**{field: bad})
+    for part in _expected_error(field, fragment):
+        assert part in str(info.value)
+
+
+def test_exact_error_message():
+    with pytest.raises(ValueError) as info:
+        ORTModuleOptions(memory_opt_level=3)
+    assert str(info.value) == "memory_opt_level (ORTMODULE_MEMORY_OPT_LEVEL): got 3. Allowed: 0, 1, 2."
+
+
+@pytest.mark.parametrize(
+    "given, fragment",
+    [
+        (dict(memory_opt_level=1, recompute_plans=["Gelu+:1:-1"]), "ORT ignores the plan file at levels 1 and 2"),
+        (dict(memory_opt_level=2, recompute_plans=["Gelu+:1:-1"]), "memory_opt_level (ORTMODULE_MEMORY_OPT_LEVEL) = 2"),
+        (dict(compute_optimizer=False, embedding_sparse_optimizer=True), "embedding sparse optimizer off"),
+        (dict(compute_optimizer=False, label_sparse_optimizer=True), "label sparse optimizer off"),
+        (dict(custom_autograd=False, mem_efficient_grad_mgmt=True), "custom autograd support is off"),
+    ],
+)
+def test_conflicting_fields_raise(given, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        ORTModuleOptions(**given)
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        dict(memory_opt_level=0, recompute_plans=["Gelu+:1:-1"]),
+        dict(memory_opt_level=1, recompute_plans=[]),
+        dict(compute_optimizer=False, embedding_sparse_optimizer=False, label_sparse_optimizer=False),
+        dict(custom_autograd=True, mem_efficient_grad_mgmt=True),
+    ],
+)
+def test_compatible_fields_pass(given):
+    ORTModuleOptions(**given)
+
+
+# ---------------------------------------------------------------------------------------------------- environment
+
+
+@pytest.mark.parametrize("name, raw, value", ENV_GOOD)
+def test_from_env_reads_value(name, raw, value):
+    opts = ORTModuleOptions.from_env({name: raw, "PATH": "/bin"})
+    assert getattr(opts, BY_ENV[name].field) == value
+    assert opts.source(BY_ENV[name].field) == "environment"
+
+
+@pytest.mark.parametrize("name, raw, fragment", ENV_BAD)
+def test_from_env_rejects_value(name, raw, fragment):
+    with pytest.raises(ValueError) as info:
+        ORTModuleOptions.from_env({name: raw})
+    for part in _expected_error(BY_ENV[name].field, fragment):
+        assert part in str(info.value)
+
+
+def test_from_env_defaults_to_os_environ_and_ignores_other_names():
+    os.environ["ORTMODULE_MEMORY_OPT_LEVEL"] = "1"
+    os.environ["ORTMODULE_NOT_A_VARIABLE"] = "x"  # check_environment reports it; from_env ignores it
+    assert ORTModuleOptions.from_env() == ORTModuleOptions(memory_opt_level=1)
+
+
+def test_from_env_reads_the_plan_file(tmp_path):
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(["BiasGelu+:1:-1", "FusedMatMul+Add+:1:2"]))
+    opts = ORTModuleOptions.from_env({"ORTMODULE_MEMORY_OPT_CONFIG": str(path)})
+    assert opts.recompute_plans == ("BiasGelu+:1:-1", "FusedMatMul+Add+:1:2")
+    assert opts.to_env() == {"ORTMODULE_MEMORY_OPT_CONFIG": str(path)}  # the user's file stays the file ORT reads
+
+
+@pytest.mark.parametrize("content", [[" BiasGelu+ :1:-1"], ["BiasGelu+:1:05"], ["BiasGelu+:1:-1,Gelu+:2:-1"]])
+def test_plan_file_normalised_on_read_is_re_emitted_normalised(tmp_path, content):
+    """What ORT reads must be what was validated: a file whose strings were normalised (spaces, leading zeros,
+    several plans joined with ',') is replaced by a file holding the normalised plans, one per string."""
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(content))
+    opts = ORTModuleOptions.from_env({"ORTMODULE_MEMORY_OPT_CONFIG": str(path)})
+    emitted = opts.to_env()["ORTMODULE_MEMORY_OPT_CONFIG"]
+    assert emitted != str(path)
+    assert _plans_in(emitted) == list(opts.recompute_plans)
+    assert all(" " not in plan and "," not in plan for plan in _plans_in(emitted))
+    assert json.loads(path.read_text()) == content  # the user's file is left alone
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [("{not json", "is not JSON"), ('{"plans": []}', "holds dict, not a JSON list of plan strings"),
+     ('["BiasGelu:1:-1"]', "cluster 'BiasGelu' must be")],
+)
+def test_from_env_rejects_a_bad_plan_file(tmp_path, content, fragment):
+    path = tmp_path / "plans.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        ORTModuleOptions.from_env({"ORTMODULE_MEMORY_OPT_CONFIG": str(path)})
+
+
+@pytest.mark.parametrize("field, given, stored, text", GOOD)
+def test_round_trip_through_the_environment(field, given, stored, text):
+    opts = ORTModuleOptions(**{field: given})
+    env = opts.to_env()
+    back = ORTModuleOptions.from_env(env)
+    assert back == opts
+    assert back.to_env() == env
+
+
+def test_round_trip_of_many_fields():
+    opts = ORTModuleOptions(
+        memory_opt_level=0, recompute_plans=["BiasGelu+:1:-1", "Gelu+:1:-1"], embedding_sparse_optimizer=False,
+        deepcopy_before_export=False, compute_optimizer=True, fallback_policy="FALLBACK_DISABLE", log_level="info",
+        skip_check_policy=["SKIP_CHECK_DISABLED"], onnx_opset_version=17, aten_sdpa_fallback=True,
+    )
+    env = opts.to_env()
+    assert [name for name in env] == [v.env for v in options.TABLE if getattr(opts, v.field) is not None]
+    assert ORTModuleOptions.from_env(env) == opts
+    assert ORTModuleOptions.from_env(env).to_env() == env
+
+
+def test_from_env_normalizes_what_ort_cannot_read():
+    env = {"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "true", "ORTMODULE_LOG_LEVEL": "info"}
+    assert ORTModuleOptions.from_env(env).to_env() == {
+        "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "1", "ORTMODULE_LOG_LEVEL": "INFO"}
+
+
+def test_replace_keeps_sources_and_validates():
+    opts = ORTModuleOptions.from_env({"ORTMODULE_LOG_LEVEL": "ERROR"})
+    new = opts.replace(memory_opt_level=1)
+    assert new.source("log_level") == "environment" and new.source("memory_opt_level") == "explicit"
+    with pytest.raises(ValueError, match="got 5"):
+        opts.replace(memory_opt_level=5)
+
+
+# ---------------------------------------------------------------------------------------------------- the plan file
+
+
+def test_plan_file_holds_a_json_list_of_plan_strings():
+    opts = ORTModuleOptions(recompute_plans=["BiasGelu+:1:-1", "FusedMatMul+Add+:1:-1"])
+    path = opts.to_env()["ORTMODULE_MEMORY_OPT_CONFIG"]
+    assert os.path.isabs(path) and path.endswith(".json")
+    with open(path, encoding="utf-8") as f:
+        assert f.read() == '["BiasGelu+:1:-1", "FusedMatMul+Add+:1:-1"]'
+
+
+def test_plan_file_is_reused_for_equal_plans_and_rewritten_if_removed():
+    a = ORTModuleOptions(recompute_plans=["Gelu+:1:-1"]).to_env()["ORTMODULE_MEMORY_OPT_CONFIG"]
+    b = ORTModuleOptions(recompute_plans="Gelu+:1:-1").to_env()["ORTMODULE_MEMORY_OPT_CONFIG"]
+    c = ORTModuleOptions(recompute_plans=["Gelu+:2:-1"]).to_env()["ORTMODULE_MEMORY_OPT_CONFIG"]
+    assert a == b != c
+    os.remove(a)
+    assert ORTModuleOptions(recompute_plans=["Gelu+:1:-1"]).to_env()["ORTMODULE_MEMORY_OPT_CONFIG"] == a
+    assert _plans_in(a) == ["Gelu+:1:-1"]
+
+
+def test_plan_file_lives_until_the_process_exits():
+    code = (
+        "import importlib.util, os, sys\n"
+        f"spec = importlib.util.spec_from_file_location('opts', {str(OPTIONS_PY)!r})\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['opts'] = m; spec.loader.exec_module(m)\n"
+        "opts = m.ORTModuleOptions(recompute_plans=['BiasGelu+:1:-1'])\n"
+        "opts.apply()\n"
+        "del opts\n"
+        "import gc; gc.collect()\n"
+        "path = os.environ['ORTMODULE_MEMORY_OPT_CONFIG']\n"
+        "assert os.path.isfile(path)\n"
+        "print(path)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    path = out.strip().splitlines()[-1]
+    assert path.endswith(".json")
+    assert not os.path.exists(path)  # removed by the atexit handler
+
+
+def test_plan_file_argument_writes_a_file_the_caller_keeps(tmp_path):
+    target = tmp_path / "sub" / "plans.json"
+    env = ORTModuleOptions(recompute_plans=["Gelu+:1:-1"]).to_env(plan_file=str(target))
+    assert env == {"ORTMODULE_MEMORY_OPT_CONFIG": str(target)}
+    assert _plans_in(target) == ["Gelu+:1:-1"]
+    assert str(target) not in options._PLAN_FILES.values()  # not removed at exit
+
+
+# ---------------------------------------------------------------------------------------------------- apply
+
+
+def test_apply_writes_the_explicit_fields_only(no_ortmodule_yet):
+    os.environ["ORTMODULE_CACHE_DIR"] = "/tmp/keep"
+    env = ORTModuleOptions(memory_opt_level=1, compute_optimizer=False).apply()
+    assert env == {"ORTMODULE_MEMORY_OPT_LEVEL": "1", "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "0"}
+    assert {k: v for k, v in os.environ.items() if k.startswith("ORTMODULE_")} == {
+        **env, "ORTMODULE_CACHE_DIR": "/tmp/keep"}
+
+
+def test_context_manager_restores_set_changed_and_removed_variables(no_ortmodule_yet):
+    os.environ["ORTMODULE_LOG_LEVEL"] = "ERROR"  # changed by the options
+    os.environ["ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"] = "1"  # changed, then removed inside the block
+    os.environ["ORTMODULE_CACHE_DIR"] = "/tmp/a"  # not an option here: left alone
+    opts = ORTModuleOptions(memory_opt_level=1, log_level="INFO", compute_optimizer=False)
+    with opts as entered:
+        assert entered is opts
+        assert os.environ["ORTMODULE_MEMORY_OPT_LEVEL"] == "1"  # set: was absent
+        assert os.environ["ORTMODULE_LOG_LEVEL"] == "INFO"
+        assert os.environ["ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"] == "0"
+        del os.environ["ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"]
+        os.environ["ORTMODULE_CACHE_DIR"] = "/tmp/b"
+    assert "ORTMODULE_MEMORY_OPT_LEVEL" not in os.environ
+    assert os.environ["ORTMODULE_LOG_LEVEL"] == "ERROR"
+    assert os.environ["ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"] == "1"
+    assert os.environ["ORTMODULE_CACHE_DIR"] == "/tmp/b"
+
+
+def test_context_manager_restores_on_error_and_nests(no_ortmodule_yet):
+    outer, inner = ORTModuleOptions(memory_opt_level=1), ORTModuleOptions(memory_opt_level=2, log_level="INFO")
+    with pytest.raises(RuntimeError):
+        with outer:
+            with inner:
+                assert os.environ["ORTMODULE_MEMORY_OPT_LEVEL"] == "2"
+            assert os.environ["ORTMODULE_MEMORY_OPT_LEVEL"] == "1"
+            assert "ORTMODULE_LOG_LEVEL" not in os.environ
+            raise RuntimeError
+    assert not [k for k in os.environ if k.startswith("ORTMODULE_")]
+    with outer:  # the same object can be entered again, and recursively
+        with outer:
+            pass
+        assert os.environ["ORTMODULE_MEMORY_OPT_LEVEL"] == "1"
+    assert "ORTMODULE_MEMORY_OPT_LEVEL" not in os.environ
+
+
+def test_apply_before_ort_read_anything_does_not_warn(no_ortmodule_yet):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ORTModuleOptions(memory_opt_level=1, efficient_attention=True, custom_autograd=False).apply()
+
+
+# field, value, module whose presence means ORT has read the variable
+LATE = [
+    ("memory_opt_level", 1, options._FIRST_ORTMODULE),
+    ("allow_autograd_checkpoint", True, options._FIRST_ORTMODULE),
+    ("efficient_attention", True, "onnxruntime.training.ortmodule"),
+    ("aten_sdpa_fallback", True, "onnxruntime.training.ortmodule"),
+    ("custom_autograd", False, "onnxruntime.training.ortmodule._custom_autograd_function"),
+    ("triton_debug", True, "onnxruntime.training.ort_triton"),
+]
+
+
+@pytest.mark.parametrize("field, value, marker", LATE)
+def test_apply_warns_after_ort_read_the_variable(no_ortmodule_yet, monkeypatch, field, value, marker):
+    monkeypatch.setitem(sys.modules, marker, types.ModuleType(marker))
+    with pytest.warns(OptionsTooLateWarning, match=BY_FIELD[field].env):
+        ORTModuleOptions(**{field: value}).apply()
+    assert os.environ[BY_FIELD[field].env] == BY_FIELD[field].kind.to_env(value)  # still applied
+
+
+def test_apply_warns_after_wrap_and_only_for_changed_variables(no_ortmodule_yet, monkeypatch):
+    monkeypatch.setattr(options, "_WRAPPED", True)
+    with pytest.warns(OptionsTooLateWarning) as record:
+        ORTModuleOptions(memory_opt_level=1, efficient_attention=True).apply()
+    assert len(record) == 1
+    assert "ORTMODULE_MEMORY_OPT_LEVEL" in str(record[0].message)
+    assert "ORTMODULE_USE_EFFICIENT_ATTENTION" not in str(record[0].message)  # read at import: not imported
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ORTModuleOptions(memory_opt_level=1).apply()  # unchanged: nothing to warn about
+        ORTModuleOptions(json_config_path=EXISTING_FILE).apply()  # read only by load_from_json()
+
+
+def test_wrap_without_ortmodule_raises_a_clear_error(no_ortmodule_yet):
+    try:
+        importlib.import_module("onnxruntime.training.ortmodule")
+    except ImportError:
+        pass
+    else:
+        pytest.skip("ORTModule is importable here; test_wrap_runs_an_ortmodule_on_cpu covers wrap()")
+    with pytest.raises(ImportError, match="works with torch 2.4.x"):
+        options.wrap(object(), ORTModuleOptions(memory_opt_level=1))
+    assert os.environ["ORTMODULE_MEMORY_OPT_LEVEL"] == "1"  # applied before the import
+
+
+# ---------------------------------------------------------------------------------------------------- describe
+
+
+def _describe_rows(text):
+    lines = text.splitlines()
+    assert lines[0] == "ORTModule options (precedence: explicit > environment > ORT 1.19.2 default)"
+    assert re.split(r"\s{2,}", lines[1]) == ["variable", "field", "value", "source"]
+    rows = {}
+    for line in lines[2:]:
+        env, field, value, source = re.split(r"\s{2,}", line)
+        assert BY_ENV[env].field == field
+        rows[env] = (value, source)
+    assert list(rows) == ALL_VARIABLES
+    return rows
+
+
+def test_describe_shows_values_and_sources():
+    os.environ["ORTMODULE_LOG_LEVEL"] = "ERROR"
+    os.environ["ORTMODULE_MEMORY_OPT_LEVEL"] = "2"  # overridden by the explicit argument
+    os.environ["ORTMODULE_CONV_ALGO_SEARCH"] = "fastest"
+    opts = ORTModuleOptions(memory_opt_level=1, recompute_plans=[], skip_check_policy="SKIP_CHECK_DISABLED")
+    rows = _describe_rows(opts.describe())
+    assert rows["ORTMODULE_MEMORY_OPT_LEVEL"] == ("1", "explicit")
+    assert rows["ORTMODULE_MEMORY_OPT_CONFIG"] == ("[] (no plans)", "explicit")
+    assert rows["ORTMODULE_SKIPCHECK_POLICY"] == ("SKIP_CHECK_DISABLED", "explicit")
+    assert rows["ORTMODULE_LOG_LEVEL"] == ("ERROR", "environment")
+    assert rows["ORTMODULE_CONV_ALGO_SEARCH"] == ("'fastest' (INVALID)", "environment")
+    assert rows["ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"] == ("1", "default")
+    assert rows["ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER"] == ("1 (ORT's docs say 0)", "default")
+    assert opts.source("log_level") == "environment" and opts.source("cache_dir") == "default"
+
+
+def test_describe_of_from_env_says_environment():
+    env = {"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "true", "ORTMODULE_MEMORY_OPT_LEVEL": "1"}
+    opts = ORTModuleOptions.from_env(env)
+    rows = _describe_rows(opts.describe(environ=env))
+    assert rows["ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"] == ("1", "environment")
+    assert rows["ORTMODULE_MEMORY_OPT_LEVEL"] == ("1", "environment")
+    assert rows["ORTMODULE_LOG_LEVEL"] == ("WARNING", "default")
+
+
+# ---------------------------------------------------------------------------------------------------- check_environment
+
+
+@pytest.mark.parametrize(
+    "env, fragment",
+    [
+        ({"ORTMODULE_MEMORY_OPT_LEVLE": "1"}, "ORTMODULE_MEMORY_OPT_LEVLE: unknown variable, onnxruntime-training "
+                                              "1.19.2 does not read it; did you mean ORTMODULE_MEMORY_OPT_LEVEL?"),
+        ({"ORTMODULE_TORCH_CPP_DIR": "/x"}, "ORTMODULE_TORCH_CPP_DIR: unknown variable"),
+        ({"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "true"},
+         "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER='true': ORT 1.19.2 reads it with int(value) == 1, so it cannot read "
+         "this as meant; write ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=1"),
+        ({"ORTMODULE_LOG_LEVEL": "info"}, "looks the exact upper-case name up, so it cannot read this as meant; "
+                                          "write ORTMODULE_LOG_LEVEL=INFO"),
+        ({"ORTMODULE_SKIPCHECK_POLICY": "skip_check_device"}, "write ORTMODULE_SKIPCHECK_POLICY=SKIP_CHECK_DEVICE"),
+        ({"ORTMODULE_MEMORY_OPT_LEVEL": "3"}, "memory_opt_level (ORTMODULE_MEMORY_OPT_LEVEL): got '3'"),
+        ({"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "0", "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER": "1"},
+         "label sparse optimizer off"),
+    ],
+)
+def test_check_environment_reports(env, fragment):
+    problems = options.check_environment({**env, "HOME": "/root"})
+    assert len(problems) == 1
+    assert fragment in problems[0]
+
+
+def test_check_environment_accepts_what_ort_reads():
+    env = {"ORTMODULE_FALLBACK_RETRY": "true",  # ORT reads true/1/yes here
+           "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "0", "ORTMODULE_LOG_LEVEL": "INFO", "ORTMODULE_ONNX_OPSET_VERSION": "17"}
+    assert options.check_environment(env) == []
+    assert options.check_environment({}) == []
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+
+
+def _cli(*args, env=None, cwd=None):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ORTMODULE_")}
+    environ["PYTHONPATH"] = str(ROOT) + os.pathsep + environ.get("PYTHONPATH", "")
+    environ.update(env or {})
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=environ, cwd=cwd or ROOT)
+
+
+def test_cli_prints_export_lines_in_table_order():
+    result = _cli("--log-level", "info", "--memory-opt-level", "1", "--compute-optimizer", "false",
+                  "--print-memory-stats")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "export ORTMODULE_MEMORY_OPT_LEVEL=1",
+        "export ORTMODULE_PRINT_MEMORY_STATS=1",  # a bare boolean flag turns it on
+        "export ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=0",
+        "export ORTMODULE_LOG_LEVEL=INFO",
+    ]
+
+
+def test_cli_writes_the_plan_file_and_quotes_for_the_shell(tmp_path):
+    plan_file = tmp_path / "my plans.json"
+    save_dir = tmp_path / "dir with 'quotes'"
+    save_dir.mkdir()
+    result = _cli("--recompute-plan", "BiasGelu+:1:-1", "--recompute-plan", "FusedMatMul+Add+:1:-1,Gelu+:1:2",
+                  "--plan-file", str(plan_file), "--save-onnx-path", str(save_dir))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"export ORTMODULE_MEMORY_OPT_CONFIG='{plan_file}'",
+        f"export ORTMODULE_SAVE_ONNX_PATH='{tmp_path}/dir with '\"'\"'quotes'\"'\"''",
+    ]
+    assert _plans_in(plan_file) == ["BiasGelu+:1:-1", "FusedMatMul+Add+:1:-1", "Gelu+:1:2"]
+    assert "wrote 3 recompute plan(s)" in result.stderr
+
+
+def test_cli_default_plan_file_is_kept(tmp_path):
+    result = _cli("--recompute-plan", "Gelu+:1:-1", env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stdout.splitlines()
+    path = line.split("=", 1)[1]
+    assert path.startswith(str(tmp_path / "ort_optim"))
+    assert _plans_in(path) == ["Gelu+:1:-1"]  # still there after the command exited
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_cli_output_evaluates_in_bash(tmp_path):
+    (tmp_path / "a b").mkdir()
+    script = (
+        f'eval "$({shlex.join(CLI)} --log-level info --save-onnx-path "{tmp_path}/a b" '
+        f'--plan-file {tmp_path}/p.json --recompute-plan Gelu+:1:-1)" && '
+        'printf "%s\\n" "$ORTMODULE_LOG_LEVEL" "$ORTMODULE_SAVE_ONNX_PATH" "$ORTMODULE_MEMORY_OPT_CONFIG"'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORTMODULE_")}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["INFO", f"{tmp_path}/a b", f"{tmp_path}/p.json"]
+
+
+def test_cli_rejects_a_bad_flag_value():
+    result = _cli("--memory-opt-level", "3")
+    assert result.returncode == 2
+    assert "memory_opt_level (ORTMODULE_MEMORY_OPT_LEVEL): got '3'. Allowed: 0, 1, 2." in result.stderr
+    assert result.stdout == ""
+
+
+def test_cli_reports_typos_and_values_ort_cannot_read():
+    result = _cli("--memory-opt-level", "1",
+                  env={"ORTMODULE_MEMORY_OPT_LEVLE": "1", "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "true"})
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == ["export ORTMODULE_MEMORY_OPT_LEVEL=1"]
+    assert "# ORTMODULE_MEMORY_OPT_LEVLE: unknown variable" in result.stderr
+    assert "did you mean ORTMODULE_MEMORY_OPT_LEVEL?" in result.stderr
+    assert "write ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=1" in result.stderr
+
+
+def test_cli_checks_the_environment_as_it_will_be_after_eval():
+    bad = {"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "true", "ORTMODULE_LOG_LEVEL": "LOUD"}
+    assert _cli(env=bad).returncode == 1
+    fixed = _cli("--compute-optimizer", "1", "--log-level", "warning", env=bad)
+    assert fixed.returncode == 0, fixed.stderr
+    assert _cli("--no-check", env=bad).returncode == 0
+
+
+def test_cli_flags_come_from_the_table():
+    result = _cli("--help")
+    assert result.returncode == 0
+    help_text = " ".join(result.stdout.split())
+    for var in options.TABLE:
+        assert var.cli_flags[-1] == "--" + var.field.replace("_", "-")
+        for flag in var.cli_flags:
+            assert flag in help_text
+        assert var.env in help_text
+
+
+def test_cli_describe_and_markdown():
+    result = _cli("--describe", "--memory-opt-level", "1", env={"ORTMODULE_LOG_LEVEL": "ERROR"})
+    assert result.returncode == 0, result.stderr
+    rows = _describe_rows(result.stdout.rstrip("\n"))
+    assert rows["ORTMODULE_MEMORY_OPT_LEVEL"] == ("1", "explicit")
+    assert rows["ORTMODULE_LOG_LEVEL"] == ("ERROR", "environment")
+    markdown = _cli("--markdown")
+    assert markdown.returncode == 0
+    assert markdown.stdout == options.markdown_table() + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------- the guide
+
+
+def test_markdown_table_has_one_row_per_variable():
+    lines = options.markdown_table().splitlines()
+    assert len(lines) == 2 + len(options.TABLE)
+    for line, var in zip(lines[2:], options.TABLE):
+        assert line.startswith(f"| `{var.env}` | `{var.field}` |")
+        assert len(re.split(r"(?<!\\)\|", line)) == 9  # 7 cells: every '|' inside a cell is escaped
+
+
+def test_guide_contains_the_generated_table():
+    assert options.markdown_table() in GUIDE.read_text(encoding="utf-8"), (
+        "guides/ortmodule-options.md is out of date: paste the output of `python -m ort_optim.options --markdown`"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- ORTModule
+
+
+def test_wrap_runs_an_ortmodule_on_cpu():
+    torch = pytest.importorskip("torch", reason=ORT_SKIP)
+    ortmodule = pytest.importorskip("onnxruntime.training.ortmodule", reason=ORT_SKIP)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    wrapped = options.wrap(model, ORTModuleOptions(memory_opt_level=0, deepcopy_before_export=False))
+    assert isinstance(wrapped, ortmodule.ORTModule)
+    x = torch.randn(3, 4)
+    y = wrapped(x)
+    y.square().sum().backward()
+    torch.testing.assert_close(y, model(x))
+    expected = torch.func.grad(lambda w: (x @ w.T + model.bias).square().sum())(model.weight.detach())
+    torch.testing.assert_close(model.weight.grad, expected)
+    # ORT read the options when it constructed the module.
+    runtime = wrapped._torch_module._execution_manager(True)._runtime_options
+    assert runtime.memory_optimization_level == 0 and runtime.deepcopy_before_model_export is False
+    # Now that an ORTModule exists, changing a variable it has read warns.
+    assert options._FIRST_ORTMODULE in sys.modules
+    with pytest.warns(OptionsTooLateWarning, match="ORTMODULE_MEMORY_OPT_LEVEL"):
+        ORTModuleOptions(memory_opt_level=1).apply()
+
+
+# ---- against the environment they are applied to ---------------------------------------------------------------------
+
+VARS = {v.field: v.env for v in options.TABLE}
+
+
+@pytest.fixture
+def ort_not_loaded_yet(monkeypatch):
+    """No ORTMODULE_* variable at the start; the environment restored afterwards. ORT counts as not loaded yet."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("ORTMODULE_")}
+    for name in saved:
+        del os.environ[name]
+    for marker in options._READ_MARKERS.values():
+        if marker is not None:
+            monkeypatch.delitem(sys.modules, marker, raising=False)
+    monkeypatch.setattr(options, "_WRAPPED", False)
+    yield
+    for name in [k for k in os.environ if k.startswith("ORTMODULE_")]:
+        del os.environ[name]
+    os.environ.update(saved)
+
+
+def ortmodule_env():
+    return {k: v for k, v in os.environ.items() if k.startswith("ORTMODULE_")}
+
+
+# environment, options given here, fragments of the error (both sides named)
+ENV_CONFLICTS = [
+    ({"ORTMODULE_MEMORY_OPT_LEVEL": "1"}, dict(recompute_plans=["Gelu+:1:-1"]),
+     ["recompute_plans (ORTMODULE_MEMORY_OPT_CONFIG) = Gelu+:1:-1 given here conflicts with "
+      "ORTMODULE_MEMORY_OPT_LEVEL='1' in the environment (memory_opt_level = 1)",
+      "ORT ignores the plan file at levels 1 and 2", "Set memory_opt_level here", "or unset ORTMODULE_MEMORY_OPT_LEVEL"]),
+    ({"ORTMODULE_MEMORY_OPT_LEVEL": "2"}, dict(recompute_plans=["Gelu+:1:-1"], log_level="INFO"),
+     ["ORTMODULE_MEMORY_OPT_LEVEL='2' in the environment"]),
+    ({"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "0"}, dict(embedding_sparse_optimizer=True),
+     ["embedding_sparse_optimizer (ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER) = 1 given here conflicts with "
+      "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER='0'", "turns the embedding sparse optimizer off"]),
+    ({"ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER": "1"}, dict(compute_optimizer=False),
+     ["compute_optimizer (ORTMODULE_ENABLE_COMPUTE_OPTIMIZER) = 0 given here conflicts with "
+      "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER='1'"]),
+    ({"ORTMODULE_ENABLE_CUSTOM_AUTOGRAD": "false"}, dict(mem_efficient_grad_mgmt=True),
+     ["ORTMODULE_ENABLE_CUSTOM_AUTOGRAD='false' in the environment", "custom autograd support is off"]),
+    ({"ORTMODULE_MEMORY_OPT_LEVEL": "one"}, dict(recompute_plans=["Gelu+:1:-1"]),
+     ["recompute_plans (ORTMODULE_MEMORY_OPT_CONFIG) = Gelu+:1:-1 given here depends on "
+      "ORTMODULE_MEMORY_OPT_LEVEL='one' in the environment, which ORT cannot read as meant",
+      "memory_opt_level (ORTMODULE_MEMORY_OPT_LEVEL): got 'one'"]),
+]
+
+
+def _apply(opts):
+    opts.apply()
+
+
+def _with(opts):
+    with opts:
+        pytest.fail("entered the block")
+
+
+def _wrap(opts):
+    options.wrap(object(), opts)  # apply() runs before ORTModule is imported or constructed
+
+
+@pytest.mark.usefixtures("ort_not_loaded_yet")
+@pytest.mark.parametrize("how", [_apply, _with, _wrap], ids=["apply", "with", "wrap"])
+@pytest.mark.parametrize("env, given_, fragments", ENV_CONFLICTS, ids=[str(c[1])[:50] for c in ENV_CONFLICTS])
+def test_explicit_value_that_the_environment_makes_ort_ignore_is_an_error(how, env, given_, fragments):
+    os.environ.update(env)
+    opts = ORTModuleOptions(**given_)  # fine on its own
+    before = ortmodule_env()
+    with pytest.raises(ValueError) as info:
+        how(opts)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    assert ortmodule_env() == before
+    assert opts._saved == []  # `with` saved nothing it would restore later
+
+
+@pytest.mark.usefixtures("ort_not_loaded_yet")
+@pytest.mark.parametrize("env, given_", [
+    ({"ORTMODULE_MEMORY_OPT_LEVEL": "0"}, dict(recompute_plans=["Gelu+:1:-1"])),
+    ({"ORTMODULE_MEMORY_OPT_LEVEL": "1"}, dict(recompute_plans=["Gelu+:1:-1"], memory_opt_level=0)),  # replaced here
+    ({"ORTMODULE_MEMORY_OPT_LEVEL": "1"}, dict(recompute_plans=[])),
+    ({"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "1"}, dict(label_sparse_optimizer=True)),
+    ({"ORTMODULE_MEMORY_OPT_LEVEL": "nonsense"}, dict(log_level="INFO")),  # unrelated: check_environment's business
+])
+def test_compatible_environment_applies(env, given_):
+    os.environ.update(env)
+    written = ORTModuleOptions(**given_).apply()
+    assert ortmodule_env() == {**env, **written}
+
+
+@pytest.mark.usefixtures("ort_not_loaded_yet")
+def test_apply_is_all_or_nothing_when_writing_fails_halfway(monkeypatch):
+    os.environ["ORTMODULE_LOG_LEVEL"] = "ERROR"
+    opts = ORTModuleOptions(memory_opt_level=1, log_level="INFO", onnx_opset_version=17)
+    environ_class = type(os.environ)
+    original = environ_class.__setitem__
+
+    def failing(self, key, value):
+        if key == "ORTMODULE_ONNX_OPSET_VERSION":
+            raise OSError("simulated failure while writing the environment")
+        original(self, key, value)
+
+    monkeypatch.setattr(environ_class, "__setitem__", failing)
+    with pytest.raises(OSError, match="simulated"):
+        opts.apply()
+    monkeypatch.setattr(environ_class, "__setitem__", original)
+    assert ortmodule_env() == {"ORTMODULE_LOG_LEVEL": "ERROR"}  # the two earlier variables were put back
+
+
+@pytest.mark.usefixtures("ort_not_loaded_yet")
+def test_paths_are_checked_again_at_apply(tmp_path):
+    target = tmp_path / "cache"
+    opts = ORTModuleOptions(cache_dir=str(target / "onnx"), log_level="INFO")
+    target.write_text("now a file")  # the path can no longer be created
+    with pytest.raises(ValueError, match=re.escape(f"cache_dir (ORTMODULE_CACHE_DIR): {str(target / 'onnx')!r} cannot "
+                                                   f"be created: {str(target)!r} is not a directory")):
+        opts.apply()
+    assert ortmodule_env() == {}
+
+
+# ---- properties --------------------------------------------------------------------------------------------------------
+
+_DIR = tempfile.TemporaryDirectory(prefix="ort_optim_props_")
+EXISTING_DIR = _DIR.name
+A_FILE = os.path.abspath(__file__)
+
+# Values for a few fields that take part in conflicts, or touch the file system, good and bad.
+FIELD_VALUES = {
+    "memory_opt_level": st.sampled_from([0, 1, 2, 3, "1", True, None]),
+    "recompute_plans": st.sampled_from([["Gelu+:1:-1"], [], "BiasGelu+:1:-1,Gelu+:2:3", ["Gelu:1:-1"], None]),
+    "compute_optimizer": st.sampled_from([True, False, "0", "maybe", None]),
+    "embedding_sparse_optimizer": st.sampled_from([True, False, None]),
+    "label_sparse_optimizer": st.sampled_from([True, "1", 2, None]),
+    "custom_autograd": st.sampled_from([True, False, None]),
+    "mem_efficient_grad_mgmt": st.sampled_from([True, False, None]),
+    "log_level": st.sampled_from(["info", "LOUD", None]),
+    "save_onnx_path": st.sampled_from([EXISTING_DIR, A_FILE, "/nonexistent/x", EXISTING_DIR + "\0", None]),
+    "cache_dir": st.sampled_from([EXISTING_DIR + "/new/dir", A_FILE + "/x", "", None]),
+}
+# Raw environment values for the variables of those fields.
+ENV_VALUES = st.sampled_from(["0", "1", "2", "true", "False", "INFO", "info", "abc", " ", EXISTING_DIR])
+
+
+@pytest.mark.usefixtures("ort_not_loaded_yet")
+@settings(max_examples=fuzz_examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                     HealthCheck.too_slow])
+@given(st.fixed_dictionaries({}, optional=FIELD_VALUES),
+       st.dictionaries(st.sampled_from([VARS[f] for f in FIELD_VALUES if f != "recompute_plans"]), ENV_VALUES,
+                       max_size=4))
+def test_property_applies_completely_or_raises_naming_the_field(kwargs, env):
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    for name in [k for k in os.environ if k.startswith("ORTMODULE_")]:
+        del os.environ[name]
+    os.environ.update(env)
+    before = dict(os.environ)
+    try:
+        opts = ORTModuleOptions(**kwargs)
+        written = opts.apply()
+    except ValueError as e:
+        assert any(f"{field} ({VARS[field]})" in str(e) for field in kwargs), (kwargs, env, str(e))
+        assert dict(os.environ) == before
+        return
+    assert dict(os.environ) == {**before, **written}
+    assert set(written) == {VARS[f] for f in kwargs}
+    # Nothing given here is ignored by ORT because of the environment: every conflict rule holds on what ORT reads.
+    for a, b, conflict, _ in options._CONFLICTS:
+        if a in kwargs or b in kwargs:
+            values = []
+            for field in (a, b):
+                raw = os.environ.get(VARS[field])
+                values.append(None if raw is None else options._BY_FIELD[field].parse_env(raw))
+            assert None in values or not conflict(*values), (a, b, values)
