@@ -46,6 +46,7 @@ import torch
 
 from . import _checkpoint, _spec, backends
 from ._checkpoint import MOMENT_KEYS
+from ._layout import StateLayout
 from ._spec import LOW_BIT_FORMATS, SUPPORTED_PARAM_DTYPES, num_blocks
 from .integrations import dtensor
 
@@ -281,15 +282,14 @@ class Plan:
     groups: list[GroupPlan]
     state: OptimizerState  # the optimizer's state container it was built for
     state_version: int
-    layout: tuple  # the optimizer's state layout options
+    layout: StateLayout  # the optimizer's state layout
     native: bool  # whether CPU buckets run on the native op (have native plans)
 
-    def valid(self, optimizer) -> bool:
-        """Whether this plan still describes the optimizer (the rule in the module docstring); when it does, the
-        buckets are ready to step (native plans checked, other buckets' gradients read)."""
-        groups = optimizer.param_groups
-        if (optimizer.state is not self.state or self.state_version != optimizer.state.version
-                or self.layout != optimizer._layout_options()
+    def valid(self, groups: list[dict], state: OptimizerState, layout: StateLayout) -> bool:
+        """Whether this plan still describes the optimizer's param groups, state and layout (the rule in the module
+        docstring); when it does, the buckets are ready to step (native plans checked, other buckets' gradients
+        read)."""
+        if (state is not self.state or self.state_version != state.version or self.layout != layout
                 or self.native != backends.runs_natively(CPU) or len(groups) != len(self.groups)):
             return False
         for group, planned in zip(groups, self.groups):
@@ -363,10 +363,10 @@ class _Adoption:
     value: Any
 
 
-def build(optimizer) -> Plan:
-    """Validates everything a step needs, then creates and adopts state and buckets the params. Raises ValueError or
-    TypeError naming ``param_groups[i]['params'][j]`` (and the state key) before any write."""
-    groups = optimizer.param_groups
+def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayout) -> Plan:
+    """Validates everything a step needs, then creates and adopts state (in optimizer_state, laid out by layout) and
+    buckets the params of groups (the optimizer's param_groups). Raises ValueError or TypeError naming
+    ``param_groups[i]['params'][j]`` (and the state key) before any write."""
     for group in groups:
         if not isinstance(group["params"], ParamList):
             group["params"] = ParamList(group["params"])
@@ -381,16 +381,16 @@ def build(optimizer) -> Plan:
             where = describe(group_index, index, p)
             if p.dtype not in SUPPORTED_PARAM_DTYPES:
                 raise ValueError(f"{where}: FusedAdam supports float32, float64, float16 and bfloat16 params")
-            layout = dtensor.layout_problem(p, g)
-            if layout is not None:
-                raise ValueError(f"{where}: {layout}")
-            state = optimizer.state.get(p)
+            misplaced = dtensor.layout_problem(p, g)
+            if misplaced is not None:
+                raise ValueError(f"{where}: {misplaced}")
+            state = optimizer_state.get(p)
             p, g = dtensor.local(p), dtensor.local(g)  # (from here on, what this rank stores and updates)
             problem = _storage_problem(p) or _grad_problem(g, p)
             if problem is not None:
                 raise ValueError(f"{where}: {problem if problem.startswith('its') else 'it ' + problem}")
             if state:
-                adoptions += _check_state(optimizer, p, state, bool(group["amsgrad"]), where)
+                adoptions += check_state(layout, p, state, bool(group["amsgrad"]), where)
                 stateful.append((group_index, index, p, state))
             entries.append((group_index, index, p))
     _check_overlap(entries)
@@ -408,25 +408,26 @@ def build(optimizer) -> Plan:
             state["step"] = state["step"].clone()
         steps.add(id(state["step"]))
     native = backends.runs_natively(CPU)
-    planned = [_plan_group(optimizer, group_index, grads, native) for group_index, grads in enumerate(all_grads)]
-    return Plan(planned, optimizer.state, optimizer.state.version, optimizer._layout_options(), native)
+    planned = [_plan_group(groups, optimizer_state, layout, group_index, grads, native)
+               for group_index, grads in enumerate(all_grads)]
+    return Plan(planned, optimizer_state, optimizer_state.version, layout, native)
 
 
 def _rounding(group: dict) -> tuple:
     return bool(group.get("stochastic_rounding", False)), group.get("stochastic_rounding_seed", 0)
 
 
-def rounding_keys(optimizer, group_index: int, indices: list[int], p: torch.Tensor,
+def rounding_keys(groups: list[dict], group_index: int, indices: list[int], p: torch.Tensor,
                   has_master: bool) -> Optional[torch.Tensor]:
     """The op's rounding_keys (int64, one per index) for params of param group group_index at these positions, all
     of p's dtype: None unless the group asks for stochastic rounding and they are bfloat16 params without masters.
     A param's key comes from the group's seed and its position over all param groups (its id in state_dict()), so
     it is the same after a resume."""
-    group = optimizer.param_groups[group_index]
+    group = groups[group_index]
     stochastic, seed = _rounding(group)
     if not stochastic or p.dtype != torch.bfloat16 or has_master:
         return None
-    first = sum(len(g["params"]) for g in optimizer.param_groups[:group_index])
+    first = sum(len(g["params"]) for g in groups[:group_index])
     return torch.tensor([_spec.rounding_key(int(seed), first + i) for i in indices], dtype=torch.int64)
 
 
@@ -436,17 +437,18 @@ def _storage_kind(state: dict, key: str) -> tuple:
     return state[key].dtype, None if scale is None else scale.dtype
 
 
-def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> GroupPlan:
-    group = optimizer.param_groups[group_index]
+def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayout, group_index: int,
+                grads: list, native: bool) -> GroupPlan:
+    group = groups[group_index]
     params = group["params"]
-    fresh = [p for p, g in zip(params, grads) if g is not None and not optimizer.state.get(p)]
-    for p, state in zip(fresh, optimizer._init_states(fresh, group["amsgrad"])):
-        optimizer.state[p] = state
+    fresh = [p for p, g in zip(params, grads) if g is not None and not optimizer_state.get(p)]
+    for p, state in zip(fresh, layout.init_states([dtensor.local(p) for p in fresh], group["amsgrad"])):
+        optimizer_state[p] = state
     by_key: dict[tuple, Bucket] = {}
     for index, (p, g) in enumerate(zip(params, grads)):
         if g is None:
             continue
-        state = optimizer.state[p]
+        state = optimizer_state[p]
         key = (p.device, p.dtype, _storage_kind(state, "exp_avg"), _storage_kind(state, "exp_avg_sq"),
                "master_param" in state, dtensor.is_dtensor(p))
         bucket = by_key.setdefault(key, Bucket(indices=[], params=[], dtensors=dtensor.is_dtensor(p)))
@@ -454,7 +456,7 @@ def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> Group
         bucket.params.append(dtensor.local(p))
     buckets = list(by_key.values())
     for bucket in buckets:
-        states = [optimizer.state[params[i]] for i in bucket.indices]
+        states = [optimizer_state[params[i]] for i in bucket.indices]
         for key in MOMENT_KEYS + ("master_param",):
             if key == "max_exp_avg_sq" and not group["amsgrad"]:
                 continue
@@ -468,7 +470,7 @@ def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> Group
             # holds it keeps reading (and writing) the param's step after the optimizer plans again
             s["step"].data = bucket.steps[j]
         bucket.step_tensors = [s["step"] for s in states]
-        bucket.rounding_keys = rounding_keys(optimizer, group_index, bucket.indices, bucket.params[0],
+        bucket.rounding_keys = rounding_keys(groups, group_index, bucket.indices, bucket.params[0],
                                              bool(bucket.master_params))
     idle = [p for p, g in zip(params, grads) if g is None]
     dtensors = any(dtensor.is_dtensor(p) for p in params)
@@ -496,10 +498,11 @@ def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> Group
 # ---- states: what is used as is, adopted or refused -----------------------------------------------------------------
 
 
-def _check_state(optimizer, p: torch.Tensor, state: ParamState, amsgrad: bool, where: str) -> list[_Adoption]:
-    """Validates a param's existing state; returns the entries to adopt into the optimizer's layout (see FusedAdam's
-    docstring, "optimizer.state")."""
-    m_dtype, v_dtype, has_master = optimizer._state_layout(p)
+def check_state(layout: StateLayout, p: torch.Tensor, state: ParamState, amsgrad: bool, where: str
+                ) -> list[_Adoption]:
+    """Validates a param's existing state; returns the entries to adopt into the layout (see FusedAdam's docstring,
+    "optimizer.state")."""
+    m_dtype, v_dtype, has_master = layout.dtypes(p)
     adoptions = []
     required = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
     for key in required:
@@ -509,10 +512,10 @@ def _check_state(optimizer, p: torch.Tensor, state: ParamState, amsgrad: bool, w
             if key == "max_exp_avg_sq":
                 raise ValueError(f"{where}: amsgrad is on but this parameter's state has no max_exp_avg_sq{hint}")
             raise ValueError(f"{where}: its optimizer state has no '{key}'{hint}")
-    adoptions += _check_step(p, state, where, optimizer._steps_device(p))
+    adoptions += _check_step(p, state, where, layout.steps_device(p))
     for key, dtype in (("exp_avg", m_dtype), ("exp_avg_sq", v_dtype), ("max_exp_avg_sq", v_dtype)):
         if key in state and (amsgrad or key != "max_exp_avg_sq"):
-            adoptions += _check_moment(optimizer, p, state, key, dtype, where)
+            adoptions += _check_moment(layout, p, state, key, dtype, where)
     if "master_param" in state:
         if not has_master:
             raise ValueError(
@@ -551,7 +554,7 @@ def _check_tensor_entry(p, state, key, dtype, where) -> list[_Adoption]:
     return [_Adoption(state, key, value.detach().to(dtype, memory_format=torch.contiguous_format, copy=True))]
 
 
-def _check_moment(optimizer, p, state, key, dtype, where) -> list[_Adoption]:
+def _check_moment(layout: StateLayout, p, state, key, dtype, where) -> list[_Adoption]:
     """A moment in the layout this optimizer would create for p now is used as is (float16 ones with valid block
     scales in state[key + '_scale'], uint8 codes with valid 8-bit or 4-bit block scales there); any other floating
     tensor of p's shape, or low-bit codes of the other low-bit format, is taken as values and converted into that
@@ -572,7 +575,7 @@ def _check_moment(optimizer, p, state, key, dtype, where) -> list[_Adoption]:
             raise ValueError(f"{where}: optimizer.state[p][{key + '_scale'!r}] must be a contiguous float32 tensor of "
                              f"{num_blocks(value.numel())} positive block scales on {value.device}")
     values = _checkpoint.to_canonical({key: value, key + "_scale": scale} if scaled else {key: value}, key, p.shape)
-    fresh = optimizer._init_state(p, amsgrad=key == "max_exp_avg_sq")  # (a state in the layout, to fill)
+    fresh = layout.init_state(p, amsgrad=key == "max_exp_avg_sq")  # (a state in the layout, to fill)
     _checkpoint.from_canonical(fresh, key, values)
     companion = key + "_scale"
     return [_Adoption(state, key, fresh[key])] + (
