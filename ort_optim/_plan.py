@@ -256,6 +256,22 @@ class GroupPlan:
         """The per-tensor part of the rule (see the module docstring). Resolves this step's gradients."""
         if self.native:
             return all(w.check() < 0 for w in self.watchers)
+        if not self.read_grads():
+            return False
+        for bucket in self.buckets:
+            if bucket.native is not None:
+                if bucket.native.check() >= 0:
+                    return False
+            elif not all(map(_usable_grad, bucket.grads, bucket.params)) or list(
+                    map(fingerprint, bucket.tensors())) != bucket.fingerprints:
+                return False
+        return True
+
+    def read_grads(self) -> bool:
+        """Puts this step's gradients into the buckets; False when the params that have
+        one are not those planned, or a DTensor's gradient or local piece is not what was planned. The part of
+        :meth:`current` that torch.compile can trace: it reads no data pointers (there, TorchDynamo's guards on the
+        tensors it reads stand in for the fingerprints)."""
         grads = [p.grad for p in self.params]
         if tuple(g is not None for g in grads) != self.has_grad:
             return False
@@ -268,12 +284,6 @@ class GroupPlan:
             if bucket.dtensors and not all(dtensor.local(self.params[i]) is q
                                            for i, q in zip(bucket.indices, bucket.params)):
                 return False  # (a DTensor given another local tensor: what it holds now is what must be stepped)
-            if bucket.native is not None:
-                if bucket.native.check() >= 0:
-                    return False
-            elif not all(map(_usable_grad, bucket.grads, bucket.params)) or list(
-                    map(fingerprint, bucket.tensors())) != bucket.fingerprints:
-                return False
         return True
 
 
@@ -289,8 +299,15 @@ class Plan:
         """Whether this plan still describes the optimizer's param groups, state and layout (the rule in the module
         docstring); when it does, the buckets are ready to step (native plans checked, other buckets' gradients
         read)."""
+        return (self.describes(groups, state, layout, backends.runs_natively(CPU))
+                and all(planned.current() for planned in self.groups))
+
+    def describes(self, groups: list[dict], state: OptimizerState, layout: StateLayout, native: bool) -> bool:
+        """The part of the rule above the tensors: the same state container at the same version, the same layout and
+        backend choice, the same group dicts with the same params lists at the same versions and the same amsgrad
+        and rounding options (O(groups), and traceable by torch.compile, which guards on what it reads)."""
         if (state is not self.state or self.state_version != state.version or self.layout != layout
-                or self.native != backends.runs_natively(CPU) or len(groups) != len(self.groups)):
+                or self.native != native or len(groups) != len(self.groups)):
             return False
         for group, planned in zip(groups, self.groups):
             params = group["params"]
@@ -298,7 +315,7 @@ class Plan:
                     or params.version != planned.params_version or bool(group["amsgrad"]) != planned.amsgrad
                     or _rounding(group) != planned.rounding):
                 return False
-        return all(planned.current() for planned in self.groups)
+        return True
 
     @property
     def dtensors(self) -> bool:
@@ -363,10 +380,12 @@ class _Adoption:
     value: Any
 
 
-def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayout) -> Plan:
+def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayout,
+          native: Optional[bool] = None) -> Plan:
     """Validates everything a step needs, then creates and adopts state (in optimizer_state, laid out by layout) and
     buckets the params of groups (the optimizer's param_groups). Raises ValueError or TypeError naming
-    ``param_groups[i]['params'][j]`` (and the state key) before any write."""
+    ``param_groups[i]['params'][j]`` (and the state key) before any write. native: whether CPU buckets get native
+    plans (default: when the native CPU op runs now; False for a step that torch.compile traces)."""
     for group in groups:
         if not isinstance(group["params"], ParamList):
             group["params"] = ParamList(group["params"])
@@ -407,7 +426,7 @@ def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayo
         if id(state["step"]) in steps:
             state["step"] = state["step"].clone()
         steps.add(id(state["step"]))
-    native = backends.runs_natively(CPU)
+    native = backends.runs_natively(CPU) if native is None else native
     planned = [_plan_group(groups, optimizer_state, layout, group_index, grads, native)
                for group_index, grads in enumerate(all_grads)]
     return Plan(planned, optimizer_state, optimizer_state.version, layout, native)

@@ -311,8 +311,9 @@ class FusedAdam(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.capturable = capturable
         self._plan: Optional[_plan.Plan] = None  # the step cache (ort_optim/_plan.py)
-        self._last_found_inf: Optional[torch.Tensor] = None
-        self._last_grad_norm: Optional[torch.Tensor] = None
+        # The last step's report (last_grad_norm, last_found_inf): a dict, whose writes a step traced by
+        # torch.compile replays (TorchDynamo drops attribute writes on an optimizer made inside a traced step).
+        self._last: dict[str, Optional[torch.Tensor]] = {"grad_norm": None, "found_inf": None}
         self._finishes_backward = False  # (step(): backward updated params since the last step() or zero_grad())
         self.step_in_backward = step_in_backward
         self._backward: Optional[BackwardStep] = None
@@ -361,8 +362,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.state = self.__dict__.pop("state", self.__dict__.get("_state_container", {}))
         self._plan = None  # the cache (native plans cannot be copied): rebuilt at the next step
         self._partitions_checked = False
-        self._last_found_inf = None
-        self._last_grad_norm = None
+        self._last = {"grad_norm": None, "found_inf": None}
         self._backward = None
         if self.step_in_backward:  # hooks on the copy's own params
             self._watch_backward()
@@ -459,7 +459,7 @@ class FusedAdam(torch.optim.Optimizer):
         or None when no loss scaling, clipping or ``found_inf`` was involved. A ``found_inf`` passed to step() is not
         handed back: this is a tensor of its own, 1.0 where it was non-zero, 0.0 elsewhere (so zeroing that buffer for
         the next iteration does not change it). Reading it never synchronises."""
-        return self._last_found_inf
+        return self._last["found_inf"]
 
     @property
     def last_grad_norm(self) -> Optional[torch.Tensor]:
@@ -486,7 +486,7 @@ class FusedAdam(torch.optim.Optimizer):
         gradient). Reading it never synchronises. Always float32,
         where ``clip_grad_norm_`` returns the gradients' dtype: an fp16 norm overflows at 65504 and a bf16 one keeps
         three significant digits, while the sums behind this one are taken in float32 or wider."""
-        return self._last_grad_norm
+        return self._last["grad_norm"]
 
     @property
     def last_step_skipped(self) -> bool:
@@ -494,7 +494,7 @@ class FusedAdam(torch.optim.Optimizer):
 
         On CUDA reading this synchronises with the device; step() itself never does.
         """
-        return self._last_found_inf is not None and bool(self._last_found_inf.item() != 0)
+        return self._last["found_inf"] is not None and bool(self._last["found_inf"].item() != 0)
 
     @torch.no_grad()
     def step(
@@ -526,21 +526,18 @@ class FusedAdam(torch.optim.Optimizer):
         if self._backward is not None and (grad_scale is not None or found_inf is not None):
             raise loss_scaling_refused()
         _group_options.check_scaling_arguments(grad_scale, found_inf)
-        for group_index, group in enumerate(self.param_groups):
-            _group_options.check_group(group, group_where(group_index), self.master_weights)
-        if self.capturable:  # checked before anything changes (state creation included), like everything else
-            if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
-                raise ValueError("capturable=True: pass grad_scale as a tensor on the params' device (a float is "
-                                 "copied to the device at every step, which a CUDA graph cannot capture)")
-            for group_index, group in enumerate(self.param_groups):
-                lr = group["lr"]
-                if isinstance(lr, torch.Tensor):
-                    for p in group["params"]:
-                        if p.grad is not None and p.device != lr.device:
-                            raise ValueError(f"param_groups[{group_index}]: capturable=True needs lr on the params' "
-                                             f"device ({p.device}), got a tensor on {lr.device}")
-        if self.max_grad_norm is not None and not self._partitions_checked and self.pipeline_group is None:
-            self._check_clipping_sees_every_partition()
+        if torch.compiler.is_compiling() and self._backward is None and self._init_group():
+            self._check_capturable_grad_scale(grad_scale)
+            # Traced by torch.compile: _init_group ran outside the graph (validated everything, planned); what it
+            # read is guarded by TorchDynamo, and the check below makes the plan's own rule part of those guards, so
+            # any change re-traces (and re-validates) instead of stepping with a stale plan.
+            plan = self._plan
+            if not (plan.describes(self.param_groups, self.state, self._layout, native=False)
+                    and all(planned.read_grads() for planned in plan.groups)):
+                raise RuntimeError("ort_optim: a traced FusedAdam step found its plan out of date; please report")
+            self._launch(plan, grad_scale, found_inf)
+            return loss
+        self._validate_options(grad_scale)
         # The one step path: the plan (valid, or built again after validating everything), then the backend ops.
         plan = self._plan
         layout = self._layout
@@ -551,6 +548,56 @@ class FusedAdam(torch.optim.Optimizer):
                 raise RuntimeError("ort_optim: a FusedAdam plan was not valid right after it was built; please report")
         self._launch(plan, grad_scale, found_inf)
         return loss
+
+    def _init_group(self) -> bool:
+        """The part of a step that torch.compile cannot trace, run outside the graph: TorchDynamo calls an optimizer's
+        ``_init_group`` eagerly when it traces ``step()`` (as for torch.optim's optimizers) and guards the state and
+        gradients it then reads. Validates the options, then builds the plan (without native plans: the traced step
+        calls the registered op, which traces as one node) unless the current one still holds. False (the step is
+        then traced as plain Python, with graph breaks) where the traced path does not apply: DTensor params or a
+        process/pipeline group (their collectives), or ops that are not registered (ORT_OPTIM_BACKEND=torch, no
+        native library). Also False for an option or a state it refuses: the plain path then raises the error itself
+        (an error out of this call would reach the user wrapped in TorchDynamo's own)."""
+        try:
+            self._validate_options(None)
+        except (ValueError, TypeError):
+            return False
+        if self.process_group is not None or self.pipeline_group is not None or self._has_dtensors:
+            return False
+        devices = {p.device for group in self.param_groups for p in group["params"]}
+        if not all(backends.implementation(d) is torch.ops.ort_optim for d in devices):
+            return False
+        layout = self._layout
+        plan = self._plan
+        if plan is None or not (plan.describes(self.param_groups, self.state, layout, native=False)
+                                and all(planned.current() for planned in plan.groups)):
+            try:
+                self._plan = _plan.build(self.param_groups, self.state, layout, native=False)
+            except (ValueError, TypeError):
+                return False
+        return True
+
+    def _validate_options(self, grad_scale) -> None:
+        """What a step checks before it plans: every group's options, capturable's demands, and clipping under a
+        partitioning DeepSpeed optimizer (once)."""
+        for group_index, group in enumerate(self.param_groups):
+            _group_options.check_group(group, group_where(group_index), self.master_weights)
+        self._check_capturable_grad_scale(grad_scale)
+        if self.capturable:  # checked before anything changes (state creation included), like everything else
+            for group_index, group in enumerate(self.param_groups):
+                lr = group["lr"]
+                if isinstance(lr, torch.Tensor):
+                    for p in group["params"]:
+                        if p.grad is not None and p.device != lr.device:
+                            raise ValueError(f"param_groups[{group_index}]: capturable=True needs lr on the params' "
+                                             f"device ({p.device}), got a tensor on {lr.device}")
+        if self.max_grad_norm is not None and not self._partitions_checked and self.pipeline_group is None:
+            self._check_clipping_sees_every_partition()
+
+    def _check_capturable_grad_scale(self, grad_scale) -> None:
+        if self.capturable and grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
+            raise ValueError("capturable=True: pass grad_scale as a tensor on the params' device (a float is copied "
+                             "to the device at every step, which a CUDA graph cannot capture)")
 
     def _check_clipping_sees_every_partition(self) -> None:
         """Refuses max_grad_norm in an optimizer that DeepSpeed steps on this rank's partition only (ZeRO stages 1-3,
@@ -585,21 +632,21 @@ class FusedAdam(torch.optim.Optimizer):
         if not buckets and reduction is None:
             # No gradient at all: nothing to update or check. The norm is 0, as clip_grad_norm_ returns for no
             # gradients, wherever a step with gradients would report one (not the rest of updates in backward).
-            self._last_found_inf = None
+            self._last["found_inf"] = None
             device = next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)
             reports = grad_scale is not None or self.max_grad_norm is not None or (
                 self._plain_norm and not self._finishes_backward and self._decides_alone(plan.dtensors)
                 and (backends.runs_natively(device) or backends.update_reports_grad_norm(device)))
-            self._last_grad_norm = torch.zeros((), dtype=torch.float32, device=device) if reports else None
+            self._last["grad_norm"] = torch.zeros((), dtype=torch.float32, device=device) if reports else None
             return
-        inv_grad_scale, found_inf, self._last_grad_norm = self._scaling(buckets, grad_scale, found_inf, reduction)
+        inv_grad_scale, found_inf, self._last["grad_norm"] = self._scaling(buckets, grad_scale, found_inf, reduction)
         if found_inf is not None and inv_grad_scale is None and buckets:
             # The caller's own tensor (any dtype, 0-dim or not, a buffer it may zero for the next iteration, as apex's
             # overflow buffer is): last_found_inf is this step's verdict as a float32 [1] of its own on the params'
             # device, computed there (no host sync), so a reference kept to it does not change with the buffer.
-            self._last_found_inf = (found_inf.to(buckets[0][2].params[0].device).reshape(()) != 0).float().reshape(1)
+            self._last["found_inf"] = (found_inf.to(buckets[0][2].params[0].device).reshape(()) != 0).float().reshape(1)
         else:
-            self._last_found_inf = found_inf if buckets or reduction is not None else None
+            self._last["found_inf"] = found_inf if buckets or reduction is not None else None
         unscaled = self._grad_scale_per_device(buckets, grad_scale)
         if unscaled and (len(buckets) > 1 or buckets[0][2].native is None):  # ({} without any gradient)
             _plan.check_grads_writable(buckets)
@@ -624,7 +671,7 @@ class FusedAdam(torch.optim.Optimizer):
                     backends.adam_step_(*bucket.op_lists(), **hyper)
             except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
                 raise _plan.name_op_error(exc, group_index, bucket) from exc
-            if bucket.native is None and _versions.step_taken(hyper["found_inf"]):
+            if bucket.native is None and not torch.compiler.is_compiling() and _versions.step_taken(hyper["found_inf"]):
                 # (the op marked what it was given; state[p]['step'] keeps a version counter of its own, see
                 # ort_optim/_versions.py: a native plan marks it, here it is marked after the op)
                 _versions.mark_modified(bucket.step_tensors)
@@ -632,7 +679,7 @@ class FusedAdam(torch.optim.Optimizer):
             # On the first accelerator's device when the buckets span CPU and CUDA: host-to-device copies of the CPU
             # buckets' sums need no synchronisation, a non-blocking copy the other way would be read unfinished.
             main = next((s.device for s in stats if s.device.type != "cpu"), stats[0].device)
-            self._last_grad_norm = sum(s.to(main, non_blocking=True) for s in stats)[0].sqrt()
+            self._last["grad_norm"] = sum(s.to(main, non_blocking=True) for s in stats)[0].sqrt()
 
     def _plain_norm_from_update(self, plan: _plan.Plan, buckets: list, grad_scale, found_inf) -> bool:
         """Whether this step's update passes report the gradients' norm (last_grad_norm without a stats pass): a
@@ -690,7 +737,7 @@ class FusedAdam(torch.optim.Optimizer):
             )
         except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
             raise _plan.name_op_error(exc, group_index, bucket) from exc
-        self._last_grad_norm, self._last_found_inf = out[0], out[1:]
+        self._last["grad_norm"], self._last["found_inf"] = out[0], out[1:]
 
     def _scaling(self, buckets: list, grad_scale, found_inf, reduction: Optional[dtensor.Reduction] = None):
         """(per-device inverse gradient multiplier for unscaling and clipping, combined skip flag, unscaled global
