@@ -45,7 +45,8 @@ class BackwardStep:
         # param -> ((optimizer.state.version, amsgrad, the group's rounding options, the backend choice, the layout
         # options), its native plan, its rounding_keys, the optimizer.state container) when it was planned
         self._plans: dict[torch.Tensor, tuple[tuple, backends.AdamPlan, Optional[torch.Tensor], Any]] = {}
-        # id(group) -> (the group, _group_options.signature(group), its validated hyperparameters as the op's keyword arguments)
+        # id(group) -> (the group, _group_options.signature(group), its validated hyperparameters as the op's keyword
+        # arguments)
         self._hypers: dict[int, tuple[dict, tuple, dict]] = {}
         self._accumulating = 0
         self._updated: dict[torch.Tensor, None] = {}  # params updated by a hook since the last step()/zero_grad()
@@ -354,7 +355,8 @@ class BackwardStep:
         self._hypers[id(group)] = (group, signature, hyper)
         return hyper
 
-    def _step_validated(self, optimizer: torch.optim.Optimizer, p: torch.Tensor, group_index: int, index: int, group: dict,
+    def _step_validated(self, optimizer: torch.optim.Optimizer, p: torch.Tensor, group_index: int, index: int,
+                        group: dict,
                         hyper: dict, amsgrad: bool, key: tuple) -> None:
         native = backends.runs_natively(p.device)
         state = self._validated_state(optimizer, p, group_index, index, amsgrad)

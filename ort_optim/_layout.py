@@ -44,7 +44,7 @@ class StateLayout:
     def init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
         return self.init_states([p], amsgrad)[0]
 
-    def init_states(self, params: list[torch.Tensor], amsgrad: bool) -> list[dict]:
+    def init_states(self, params: list[torch.Tensor], amsgrad: bool, one_buffer: bool = True) -> list[dict]:
         """Fresh states for params (plain tensors: DTensor params pass their local pieces). Each kind of float state
         tensor of params sharing (device, dtype) is a view of one flat buffer: the kernel then streams through
         contiguous memory instead of thousands of small allocations, whose cold starts cost more than their bytes.
@@ -52,7 +52,10 @@ class StateLayout:
         vector loads stay aligned; the buffer ends with its last view. Low-bit codes (8-bit, 4-bit) get a storage per
         param instead, as their scales do, as in torchao and bitsandbytes: then the bytes of the storages in
         ``state[p]`` are that param's state exactly, however they are counted, and the low-bit step, bound by its
-        arithmetic, gains nothing from the flat layout."""
+        arithmetic, gains nothing from the flat layout. one_buffer=False gives every state tensor a storage of its
+        own, as a step that torch.compile traces needs: the op there mutates its list arguments through
+        functionalization, which copies a whole buffer whose views it writes, at every step, rather than write them
+        in place."""
         states: list[dict[str, Any]] = []
         requests: dict[tuple[str, torch.device, torch.dtype], list[int]] = {}
         for i, p in enumerate(params):
@@ -74,6 +77,11 @@ class StateLayout:
             states.append(state)
         for (key, device, dtype), indices in requests.items():
             fmt = LOW_BIT_FORMATS.get(dtype)
+            if not one_buffer and not fmt:
+                for i in indices:
+                    states[i][key] = (params[i].detach().to(dtype, copy=True) if key == "master_param"
+                                      else torch.zeros(params[i].shape, dtype=dtype, device=device))
+                continue
             if fmt:
                 for i in indices:
                     states[i][key] = torch.zeros(fmt.storage_shape(params[i].shape), dtype=torch.uint8, device=device)

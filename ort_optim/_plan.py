@@ -381,11 +381,12 @@ class _Adoption:
 
 
 def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayout,
-          native: Optional[bool] = None) -> Plan:
+          native: Optional[bool] = None, traced: bool = False) -> Plan:
     """Validates everything a step needs, then creates and adopts state (in optimizer_state, laid out by layout) and
     buckets the params of groups (the optimizer's param_groups). Raises ValueError or TypeError naming
     ``param_groups[i]['params'][j]`` (and the state key) before any write. native: whether CPU buckets get native
-    plans (default: when the native CPU op runs now; False for a step that torch.compile traces)."""
+    plans (default: when the native CPU op runs now); traced: for a step that torch.compile traces (no native plans,
+    fresh states in storages of their own)."""
     for group in groups:
         if not isinstance(group["params"], ParamList):
             group["params"] = ParamList(group["params"])
@@ -426,8 +427,9 @@ def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayo
         if id(state["step"]) in steps:
             state["step"] = state["step"].clone()
         steps.add(id(state["step"]))
-    native = backends.runs_natively(CPU) if native is None else native
-    planned = [_plan_group(groups, optimizer_state, layout, group_index, grads, native)
+    native = False if traced else backends.runs_natively(CPU) if native is None else native
+    # (a traced step's states get storages of their own: see StateLayout.init_states)
+    planned = [_plan_group(groups, optimizer_state, layout, group_index, grads, native, one_buffer=not traced)
                for group_index, grads in enumerate(all_grads)]
     return Plan(planned, optimizer_state, optimizer_state.version, layout, native)
 
@@ -457,11 +459,12 @@ def _storage_kind(state: dict, key: str) -> tuple:
 
 
 def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayout, group_index: int,
-                grads: list, native: bool) -> GroupPlan:
+                grads: list, native: bool, one_buffer: bool = True) -> GroupPlan:
     group = groups[group_index]
     params = group["params"]
     fresh = [p for p, g in zip(params, grads) if g is not None and not optimizer_state.get(p)]
-    for p, state in zip(fresh, layout.init_states([dtensor.local(p) for p in fresh], group["amsgrad"])):
+    for p, state in zip(fresh, layout.init_states([dtensor.local(p) for p in fresh], group["amsgrad"],
+                                                       one_buffer)):
         optimizer_state[p] = state
     by_key: dict[tuple, Bucket] = {}
     for index, (p, g) in enumerate(zip(params, grads)):
