@@ -17,6 +17,11 @@ from ._spec import SUPPORTED_PARAM_DTYPES, AdamWMode
 from .integrations import dtensor
 
 
+# Whether step() takes its traced route under torch.compile (_init_group): the TorchDynamo it is tested with. Older
+# ones (torch 2.4's fails inside its optimizer support) trace the step as plain Python, with graph breaks.
+_TRACED_STEP = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 class FusedAdam(torch.optim.Optimizer):
     r"""Multi-tensor Adam/AdamW whose update is one call of ort_optim's fused op per (device, dtype) bucket.
 
@@ -250,7 +255,7 @@ class FusedAdam(torch.optim.Optimizer):
     fast path that unscales and clips inside the native plan is not taken when the decision is global.
     ``step_in_backward`` is refused with DTensor params and with ``process_group``.
 
-    ``torch.compile`` (torch >= 2.6; measured on 2.13). A ``step()`` inside a compiled function traces to one call of
+    ``torch.compile`` (torch >= 2.13, as tested). A ``step()`` inside a compiled function traces to one call of
     the registered op ``torch.ops.ort_optim.adam_step_`` per bucket (and ``grad_stats`` with ``grad_scale`` or
     ``max_grad_norm``), with no graph break of its own and no recompile while nothing changes: a tensor lr changed in
     place by a scheduler (``LambdaLR``), per-group options, ``step(grad_scale=<tensor>)``, ``max_grad_norm`` and
@@ -266,7 +271,7 @@ class FusedAdam(torch.optim.Optimizer):
     with graph breaks): ``step_in_backward``, DTensor params, ``process_group``/``pipeline_group``, a backend other
     than the native library (``ORT_OPTIM_BACKEND=torch``), tensor betas/eps/weight_decay (read on the host). States
     made by a traced step get a storage each (not views of one buffer, which functionalization would copy whole).
-    torch 2.4.1: best effort (compiled steps give the eager results, with graph breaks).
+    Older torch (2.4.1): best effort, ``step()`` runs outside the graph (one graph break; the eager step).
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element tensor)
     divides every gradient inside the kernel; ``found_inf`` (one-element tensor) turns the step into a no-op when
@@ -523,6 +528,13 @@ class FusedAdam(torch.optim.Optimizer):
         found_inf: Optional[torch.Tensor] = None,
     ):
         """Performs one optimization step; see the class docstring for grad_scale and found_inf."""
+        if torch.compiler.is_compiling() and not _TRACED_STEP:
+            # (an older TorchDynamo: the step runs outside the graph, a graph break; their inductor cannot
+            # functionalize an op that mutates tensor lists)
+            return torch._dynamo.disable(self._step)(closure, grad_scale, found_inf)
+        return self._step(closure, grad_scale, found_inf)
+
+    def _step(self, closure, grad_scale, found_inf):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -544,7 +556,7 @@ class FusedAdam(torch.optim.Optimizer):
         if self._backward is not None and (grad_scale is not None or found_inf is not None):
             raise loss_scaling_refused()
         _group_options.check_scaling_arguments(grad_scale, found_inf)
-        if torch.compiler.is_compiling() and self._backward is None and self._init_group():
+        if torch.compiler.is_compiling() and _TRACED_STEP and self._backward is None and self._init_group():
             self._check_capturable_grad_scale(grad_scale)
             # Traced by torch.compile: _init_group ran outside the graph (validated everything, planned); what it
             # read is guarded by TorchDynamo, and the check below makes the plan's own rule part of those guards, so
