@@ -4,9 +4,8 @@ break and no recompile over many steps with schedulers and loss scaling, and com
 Counts come from torch._dynamo.utils.counters after torch._dynamo.reset(): ``graph_break`` (every break, with its
 reason) and ``stats.unique_graphs``. Each count is compared with torch.optim.AdamW's in the same harness: the harness
 itself breaks where any optimizer does (``optimizer.step`` is wrapped by torch.optim's hooks, which TorchDynamo
-skips, tracing the step's own frame instead). Newest torch only: older ones trace the step as plain Python (the
-docstring of ort_optim.FusedAdam says so); test_a_compiled_step_on_any_torch_computes_what_the_eager_step_computes
-covers them too."""
+skips, tracing the step's own frame instead). The counts need torch >= 2.13; on older torch step() runs outside the
+graph (the docstring of ort_optim.FusedAdam says so), and the last test checks the result on every torch."""
 
 from __future__ import annotations
 
