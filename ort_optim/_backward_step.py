@@ -21,24 +21,22 @@ not at every hook: with those two, a hook costs about 30 us of Python and call o
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
-from . import _heap, _plan, backends
-
-if TYPE_CHECKING:
-    from .fused_adam import FusedAdam
+from . import _group_options, _heap, _plan, backends
+from .integrations.ddp import ddp_reducing, ddp_refused
 
 class BackwardStep:
-    """The hooks of one FusedAdam(step_in_backward=True). They hold the optimizer weakly: once it is gone, they do
+    """The hooks of one FusedAdam(step_in_backward=True) (given as ``optimizer``; ort_optim.fused_adam imports this
+    module, not the other way). They hold the optimizer weakly: once it is gone, they do
     nothing (gradients then accumulate as without it)."""
 
-    def __init__(self, optimizer: "FusedAdam") -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._where: dict[torch.Tensor, tuple[int, int, dict]] = {}  # param -> (group index, index, group)
         self._handles: dict[torch.Tensor, object] = {}  # param -> its hook's handle (one hook per param)
@@ -47,7 +45,8 @@ class BackwardStep:
         # param -> ((optimizer.state.version, amsgrad, the group's rounding options, the backend choice, the layout
         # options), its native plan, its rounding_keys, the optimizer.state container) when it was planned
         self._plans: dict[torch.Tensor, tuple[tuple, backends.AdamPlan, Optional[torch.Tensor], Any]] = {}
-        # id(group) -> (the group, _signature(group), its validated hyperparameters as the op's keyword arguments)
+        # id(group) -> (the group, _group_options.signature(group), its validated hyperparameters as the op's keyword
+        # arguments)
         self._hypers: dict[int, tuple[dict, tuple, dict]] = {}
         self._accumulating = 0
         self._updated: dict[torch.Tensor, None] = {}  # params updated by a hook since the last step()/zero_grad()
@@ -218,7 +217,7 @@ class BackwardStep:
             return
         self._check_queued = task
 
-    def check_setup(self, optimizer: "FusedAdam") -> None:
+    def check_setup(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuses what reduces the gradients across ranks after autograd has accumulated them, before anything
         changes: when the first backward is about to accumulate the first gradient of one of the optimizer's params
         (its setup hook), or at step() if that comes first. Runs once; only where torch.distributed is initialised
@@ -245,7 +244,7 @@ class BackwardStep:
             raise ddp_refused(*found)
         self.setup_checked = True
 
-    def _check_not_repointed(self, optimizer: "FusedAdam") -> None:
+    def _check_not_repointed(self, optimizer: torch.optim.Optimizer) -> None:
         """Called when a hooked param's gradient is complete but the param is no longer in param_groups. Removing
         params is fine (they keep their gradients, as with step()); but param_groups that hold a tensor this optimizer
         never hooked, or none of the params it hooked, were re-pointed, as mixed-precision and ZeRO wrappers do (flat
@@ -301,7 +300,7 @@ class BackwardStep:
                     "runs before the update (p.register_hook)")
                 raise ValueError(self._refusal)
 
-    def _locate(self, optimizer: "FusedAdam", p: torch.Tensor) -> bool:
+    def _locate(self, optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
         """Whether p is still one of the optimizer's params, keeping its (group index, index, group) current: a param
         removed from param_groups is not updated by its hook any more (it keeps its gradient), as step() would not
         update it; one moved within param_groups is found where it is now."""
@@ -318,7 +317,7 @@ class BackwardStep:
                     return True
         return False
 
-    def _step(self, optimizer: "FusedAdam", p: torch.Tensor) -> None:
+    def _step(self, optimizer: torch.optim.Optimizer, p: torch.Tensor) -> None:
         """The update of one param by its gradient. Through the param's native plan while that plan is valid (its
         check() finds every tensor as it was and the gradient usable, and neither the optimizer's state nor the
         backend choice changed since); otherwise validated first as step() validates (a bad gradient raises naming
@@ -333,7 +332,7 @@ class BackwardStep:
         # an earlier group move it, with nothing here to notice but the position itself)
         position = sum(len(g["params"]) for g in optimizer.param_groups[:group_index]) + index if rounding[0] else None
         key = (optimizer.state.version, amsgrad, rounding, position, os.environ.get("ORT_OPTIM_BACKEND"),
-               optimizer._layout_options())
+               optimizer._layout)
         cached = self._plans.get(p)
         # (a new optimizer.state container is told by identity: its mutation count says nothing about the old one's)
         if (cached is not None and cached[0] == key and cached[3] is optimizer.state
@@ -343,28 +342,27 @@ class BackwardStep:
         with torch.no_grad():
             self._step_validated(optimizer, p, group_index, index, group, hyper, amsgrad, key)
 
-    def _hyperparameters(self, optimizer: "FusedAdam", group_index: int, group: dict) -> dict:
+    def _hyperparameters(self, optimizer: torch.optim.Optimizer, group_index: int, group: dict) -> dict:
         """The group's hyperparameters as the op's keyword arguments, validated as step() validates them (raising
         naming the group), or as they were validated at an earlier hook while their values are the same."""
-        from .fused_adam import _check_hyperparameters
-
-        signature = _signature(group)
+        signature = _group_options.signature(group)
         if signature is not None:  # (stochastic_rounding is refused with master weights, which may be switched on later)
             signature = (signature, optimizer.master_weights)
         cached = self._hypers.get(id(group))
         if signature is not None and cached is not None and cached[0] is group and cached[1] == signature:
             return cached[2]
-        _check_hyperparameters(group, f"param_groups[{group_index}]", optimizer.master_weights)
-        hyper = optimizer._hyperparameters(group)
+        _group_options.check_group(group, _group_options.group_where(group_index), optimizer.master_weights)
+        hyper = _group_options.hyperparameters(group)
         self._hypers[id(group)] = (group, signature, hyper)
         return hyper
 
-    def _step_validated(self, optimizer: "FusedAdam", p: torch.Tensor, group_index: int, index: int, group: dict,
+    def _step_validated(self, optimizer: torch.optim.Optimizer, p: torch.Tensor, group_index: int, index: int,
+                        group: dict,
                         hyper: dict, amsgrad: bool, key: tuple) -> None:
         native = backends.runs_natively(p.device)
         state = self._validated_state(optimizer, p, group_index, index, amsgrad)
         lists = _state_lists(state, amsgrad)
-        keys = _plan.rounding_keys(optimizer, group_index, [index], p, "master_param" in state)
+        keys = _plan.rounding_keys(optimizer.param_groups, group_index, [index], p, "master_param" in state)
         try:
             if native:
                 plan = backends.AdamPlan.create([p], *lists, state["step"].view(1), step_tensors=[state["step"]])
@@ -378,7 +376,7 @@ class BackwardStep:
             raise ValueError(f"{_plan.describe(group_index, index, p)}: {error}") from error
 
     @staticmethod
-    def _validated_state(optimizer: "FusedAdam", p: torch.Tensor, group_index: int, index: int,
+    def _validated_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, group_index: int, index: int,
                          amsgrad: bool) -> dict:
         """p's state, checked (and adopted into the optimizer's layout) as step() does, or created; raises naming the
         param before anything is written."""
@@ -388,9 +386,9 @@ class BackwardStep:
             raise ValueError(f"{where}: {problem if problem.startswith('its') else 'it ' + problem}")
         state = optimizer.state[p]
         if not state:
-            state.update(optimizer._init_state(p, amsgrad))
+            state.update(optimizer._layout.init_state(p, amsgrad))
             return state
-        for adoption in _plan._check_state(optimizer, p, state, amsgrad, where):
+        for adoption in _plan.check_state(optimizer._layout, p, state, amsgrad, where):
             if adoption.value is None:
                 del adoption.state[adoption.key]
             else:
@@ -414,52 +412,6 @@ def _in_nested_backward() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def ddp_reducing(optimizer: "FusedAdam") -> Optional[tuple[object, int, int, torch.Tensor]]:
-    """(the DistributedDataParallel, group index, index, param) for the first of the optimizer's params whose gradient
-    a torch.nn.parallel.DistributedDataParallel reduces (its ``_module_parameters``: the module's params that required
-    gradients when it was made, less ``_ddp_params_and_buffers_to_ignore``; torch's composable ``replicate()`` keeps
-    one too), or None. Answers None at once unless torch.distributed is initialised, which DDP needs; otherwise one
-    pass over the garbage collector's objects, each told by its type (about 20-50 ms with torch loaded, 2 cores), so
-    ask once, not per step."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    ddp_type = getattr(sys.modules.get("torch.nn.parallel.distributed"), "DistributedDataParallel", None)
-    if not isinstance(ddp_type, type):
-        return None
-    kinds, pending = set(), [ddp_type]
-    while pending:  # DDP and its subclasses, so that each object costs a set lookup (an isinstance costs 3x that)
-        kind = pending.pop()
-        if kind not in kinds:
-            kinds.add(kind)
-            pending.extend(kind.__subclasses__())
-    instances = [o for o in gc.get_objects() if type(o) in kinds]
-    if not instances:
-        return None
-    where = {id(p): (group_index, index, p) for group_index, group in enumerate(optimizer.param_groups)
-             for index, p in enumerate(group["params"])}
-    for ddp in instances:
-        reduced = getattr(ddp, "_module_parameters", None)
-        if reduced is None:  # (a torch without it: the module's params less those DDP was told to ignore)
-            ignored = getattr(ddp, "parameters_to_ignore", ())
-            reduced = [p for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored]
-        for p in reduced:
-            if id(p) in where:
-                return (ddp, *where[id(p)])
-    return None
-
-
-def ddp_refused(ddp: object, group_index: int, index: int, p: torch.Tensor) -> ValueError:
-    module = getattr(ddp, "module", None)
-    return ValueError(
-        f"{_plan.describe(group_index, index, p)} is reduced by {type(ddp).__name__} (torch.nn.parallel."
-        f"DistributedDataParallel over a {type(module).__name__}): DDP averages each gradient across the ranks after "
-        "autograd has accumulated it and writes the average into p.grad, so FusedAdam(step_in_backward=True) would "
-        "update the param with this rank's own gradient, and step() again with the average. Nothing was updated (no "
-        "gradient accumulated either). Use step_in_backward=False with DistributedDataParallel (its "
-        "gradient_as_bucket_view=True keeps the gradients in DDP's buckets, without a second copy)")
 
 
 def _compiled_autograd() -> bool:
@@ -509,21 +461,6 @@ def loss_scaling_refused() -> ValueError:
         "grad_scale/found_inf (loss scaling, torch.amp.GradScaler) need every gradient before the first update, but "
         "step_in_backward=True already updated each parameter during backward. Use step_in_backward=False with loss "
         "scaling (or bf16 autocast, which needs none)")
-
-
-def _signature(group: dict) -> Optional[tuple]:
-    """The plain values a group's hyperparameters are made of, with their types, to tell whether they changed since
-    they were validated; None when one is not a plain number (a tensor lr, whose value can change in place, is
-    validated at every hook)."""
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)):
-        return None
-    values = (group["lr"], *betas, group["eps"], group["weight_decay"], group["adam_w_mode"], group["bias_correction"],
-              group["maximize"], group["amsgrad"], group.get("stochastic_rounding", False),
-              group.get("stochastic_rounding_seed", 0))
-    if not all(isinstance(v, (int, float)) for v in values):
-        return None
-    return tuple((type(v), v) for v in values)
 
 
 def _state_lists(state: dict, amsgrad: bool) -> list[list[torch.Tensor]]:

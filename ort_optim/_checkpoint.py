@@ -26,6 +26,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ._group_options import check_group
+from ._layout import StateLayout
 from ._spec import AdamWMode
 from . import formats
 
@@ -41,7 +43,6 @@ TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable",
 # Every checkpoint of the Adam family has these (ORT's, torch's, ours); the other options default to this
 # optimizer's current values when missing (ORT's FusedAdam saves no adam_w_mode, amsgrad or maximize).
 REQUIRED_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
-BOOL_OPTIONS = ("bias_correction", "amsgrad", "maximize", "stochastic_rounding")
 # Options of other torch optimizers: a group carrying one comes from an optimizer whose state cannot continue here.
 FOREIGN_OPTION_KEYS = ("momentum", "dampening", "nesterov", "momentum_decay", "rho", "lr_decay",
                        "initial_accumulator_value", "centered", "alpha", "lambd", "t0", "etas", "step_sizes")
@@ -194,44 +195,6 @@ def check_step(value: Any, where: str) -> float:
     return number
 
 
-def check_group_options(group: dict, where: Callable[[str], str]) -> None:
-    """Every FusedAdam option of a param group, strictly: bools must be bool (a "False" from a JSON or YAML export is
-    truthy), numbers real, finite and in range. where(key) names the entry in errors."""
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        if not lr.is_floating_point():
-            raise TypeError(f"{where('lr')} must be a float or a one-element floating-point tensor, got {_show(lr)}")
-        value = _require_scalar_tensor(lr, where("lr"))
-    else:
-        value = _require_number(lr, where("lr"))
-    if value < 0:
-        raise ValueError(f"{where('lr')} must be >= 0, got {value}")
-    for key in ("eps", "weight_decay"):
-        if _require_number(group[key], where(key)) < 0:
-            raise ValueError(f"{where(key)} must be >= 0, got {group[key]!r}")
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)):
-        raise TypeError(f"{where('betas')} must be a pair (beta1, beta2), got {_show(betas)}")
-    if len(betas) != 2:
-        raise ValueError(f"{where('betas')} must be a pair (beta1, beta2), got {len(betas)} values")
-    for i, beta in enumerate(betas):
-        name = f"{where('betas')}[{i}]"
-        if not 0.0 <= _require_number(beta, name) < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
-    mode = group["adam_w_mode"]
-    if isinstance(mode, bool) or not isinstance(mode, int):
-        raise TypeError(f"{where('adam_w_mode')} must be an AdamWMode or the int 0, 1 or 2, got {_show(mode)}")
-    if mode not in tuple(AdamWMode):
-        raise ValueError(f"{where('adam_w_mode')} must be an AdamWMode (0, 1 or 2), got {mode!r}")
-    seed = group.get("stochastic_rounding_seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"{where('stochastic_rounding_seed')} must be an int in [0, 2**64), got {_show(seed)}")
-    for key in BOOL_OPTIONS:
-        if key in group and not isinstance(group[key], bool):
-            raise TypeError(f"{where(key)} must be True or False (a bool), got {_show(group[key])}; a string such "
-                            f"as 'False' from a JSON/YAML export would read as True")
-
-
 def _check_id(value: Any, where: str) -> None:
     # torch saves positions (ints); FSDP's full optimizer state dicts key by parameter names (str)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -303,11 +266,18 @@ def _torch_adam_with_l2(saved: dict) -> bool:
             and saved["weight_decay"] > 0)
 
 
-def prepare_load(param_groups: list[dict], state_dict: Any, init_state: Callable[[torch.Tensor, bool], dict]
-                 ) -> PreparedLoad:
+def _foreign_torch_optimizer(saved: dict) -> bool:
+    """A group saved by a torch optimizer other than Adam and AdamW (RAdam, Adamax, ...), as far as its keys tell:
+    torch's optimizers save their implementation switches (foreach, differentiable, ...), and Adam and AdamW always
+    save amsgrad too, which RAdam and Adamax do not have (NAdam's momentum_decay is a FOREIGN_OPTION_KEYS entry)."""
+    return "amsgrad" not in saved and "adam_w_mode" not in saved and any(
+        key in saved for key in ("foreach", "differentiable", "capturable"))
+
+
+def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout) -> PreparedLoad:
     """Checks a checkpoint against the optimizer's param groups and builds the new groups and states (fresh tensors
-    made by init_state(param, amsgrad), then filled). Changes nothing it is given; raises ValueError or TypeError
-    naming the entry."""
+    laid out as layout says, then filled). Changes nothing it is given; raises ValueError or TypeError naming the
+    entry."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict with 'state' and 'param_groups' (from optimizer.state_dict()), "
                         f"got {_show(state_dict)}")
@@ -341,6 +311,12 @@ def prepare_load(param_groups: list[dict], state_dict: Any, init_state: Callable
         if foreign:
             raise ValueError(f"{entry('param_groups', gi)} has {foreign}, options of another optimizer (SGD, "
                              "RMSprop, NAdam, ...): its state cannot continue as Adam")
+        if _foreign_torch_optimizer(saved):
+            raise ValueError(
+                f"{entry('param_groups', gi)} comes from a torch optimizer other than Adam and AdamW (it has torch's "
+                "implementation switches but no 'amsgrad', which Adam and AdamW always save: RAdam, Adamax, ...): "
+                "its state follows other update rules and cannot continue as Adam. Load it into the optimizer that "
+                "saved it; to start FusedAdam from its params, load only the model's weights")
         ids = saved["params"]
         if not isinstance(ids, (list, tuple)):
             raise TypeError(f"{entry('param_groups', gi, 'params')} must be a list of parameter ids, got {_show(ids)}")
@@ -366,7 +342,7 @@ def prepare_load(param_groups: list[dict], state_dict: Any, init_state: Callable
             if key not in ("params", "step") and key not in TORCH_IMPLEMENTATION_KEYS:
                 # copies (an lr tensor: the scheduler fills it in place), so the given dict stays untouched
                 new_group[key] = _copy(value)
-        check_group_options(new_group, lambda key, gi=gi: entry("param_groups", gi, key))
+        check_group(new_group, lambda key, gi=gi: entry("param_groups", gi, key), layout.master_weights)
         new_group["adam_w_mode"] = int(new_group["adam_w_mode"])  # a plain int, so checkpoints load with weights_only
         new_group["betas"] = tuple(new_group["betas"])
         new_groups.append(new_group)
@@ -382,7 +358,7 @@ def prepare_load(param_groups: list[dict], state_dict: Any, init_state: Callable
             raise ValueError(f"{where}: parameter id {saved_id!r} is listed in no {entry('param_groups')}[i]"
                              "['params']")
         gi, p = id_to_param[saved_id]
-        new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], gi, group_steps[gi], where, init_state,
+        new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], gi, group_steps[gi], where, layout.init_state,
                                               nonfinite)
     for group in new_groups:
         del group["params"]

@@ -47,6 +47,7 @@ import torch
 
 from . import _checkpoint, _spec, backends
 from ._checkpoint import MOMENT_KEYS
+from ._layout import StateLayout
 from ._spec import FP8_FORMATS, LOW_BIT_FORMATS, SUPPORTED_PARAM_DTYPES, num_blocks
 from .integrations import dtensor
 
@@ -257,6 +258,22 @@ class GroupPlan:
         """The per-tensor part of the rule (see the module docstring). Resolves this step's gradients."""
         if self.native:
             return all(w.check() < 0 for w in self.watchers)
+        if not self.read_grads():
+            return False
+        for bucket in self.buckets:
+            if bucket.native is not None:
+                if bucket.native.check() >= 0:
+                    return False
+            elif not all(g is None or _usable_grad(g, p) for g, p in zip(bucket.grads, bucket.params)) or list(
+                    map(fingerprint, bucket.tensors())) != bucket.fingerprints:
+                return False
+        return True
+
+    def read_grads(self) -> bool:
+        """Puts this step's gradients into the buckets; False when the params that have
+        one are not those planned, or a DTensor's gradient or local piece is not what was planned. The part of
+        :meth:`current` that torch.compile can trace: it reads no data pointers (there, TorchDynamo's guards on the
+        tensors it reads stand in for the fingerprints)."""
         grads = [p.grad for p in self.params]
         if tuple(g is not None for g in grads) != self.has_grad:
             return False
@@ -273,12 +290,6 @@ class GroupPlan:
             if bucket.dtensors and not all(dtensor.local(self.params[i]) is q
                                            for i, q in zip(bucket.indices, bucket.params)):
                 return False  # (a DTensor given another local tensor: what it holds now is what must be stepped)
-            if bucket.native is not None:
-                if bucket.native.check() >= 0:
-                    return False
-            elif not all(g is None or _usable_grad(g, p) for g, p in zip(bucket.grads, bucket.params)) or list(
-                    map(fingerprint, bucket.tensors())) != bucket.fingerprints:
-                return False
         return True
 
 
@@ -287,16 +298,22 @@ class Plan:
     groups: list[GroupPlan]
     state: OptimizerState  # the optimizer's state container it was built for
     state_version: int
-    layout: tuple  # the optimizer's state layout options
+    layout: StateLayout  # the optimizer's state layout
     native: bool  # whether CPU buckets run on the native op (have native plans)
 
-    def valid(self, optimizer) -> bool:
-        """Whether this plan still describes the optimizer (the rule in the module docstring); when it does, the
-        buckets are ready to step (native plans checked, other buckets' gradients read)."""
-        groups = optimizer.param_groups
-        if (optimizer.state is not self.state or self.state_version != optimizer.state.version
-                or self.layout != optimizer._layout_options()
-                or self.native != backends.runs_natively(CPU) or len(groups) != len(self.groups)):
+    def valid(self, groups: list[dict], state: OptimizerState, layout: StateLayout) -> bool:
+        """Whether this plan still describes the optimizer's param groups, state and layout (the rule in the module
+        docstring); when it does, the buckets are ready to step (native plans checked, other buckets' gradients
+        read)."""
+        return (self.describes(groups, state, layout, backends.runs_natively(CPU))
+                and all(planned.current() for planned in self.groups))
+
+    def describes(self, groups: list[dict], state: OptimizerState, layout: StateLayout, native: bool) -> bool:
+        """The part of the rule above the tensors: the same state container at the same version, the same layout and
+        backend choice, the same group dicts with the same params lists at the same versions and the same amsgrad
+        and rounding options (O(groups), and traceable by torch.compile, which guards on what it reads)."""
+        if (state is not self.state or self.state_version != state.version or self.layout != layout
+                or self.native != native or len(groups) != len(self.groups)):
             return False
         for group, planned in zip(groups, self.groups):
             params = group["params"]
@@ -304,7 +321,7 @@ class Plan:
                     or params.version != planned.params_version or bool(group["amsgrad"]) != planned.amsgrad
                     or _rounding(group) != planned.rounding):
                 return False
-        return all(planned.current() for planned in self.groups)
+        return True
 
     @property
     def dtensors(self) -> bool:
@@ -392,10 +409,13 @@ class _Adoption:
     value: Any
 
 
-def build(optimizer) -> Plan:
-    """Validates everything a step needs, then creates and adopts state and buckets the params. Raises ValueError or
-    TypeError naming ``param_groups[i]['params'][j]`` (and the state key) before any write."""
-    groups = optimizer.param_groups
+def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayout,
+          native: Optional[bool] = None, traced: bool = False) -> Plan:
+    """Validates everything a step needs, then creates and adopts state (in optimizer_state, laid out by layout) and
+    buckets the params of groups (the optimizer's param_groups). Raises ValueError or TypeError naming
+    ``param_groups[i]['params'][j]`` (and the state key) before any write. native: whether CPU buckets get native
+    plans (default: when the native CPU op runs now); traced: for a step that torch.compile traces (no native plans,
+    fresh states in storages of their own)."""
     for group in groups:
         if not isinstance(group["params"], ParamList):
             group["params"] = ParamList(group["params"])
@@ -410,17 +430,17 @@ def build(optimizer) -> Plan:
             where = describe(group_index, index, p)
             if p.dtype not in SUPPORTED_PARAM_DTYPES:
                 raise ValueError(f"{where}: FusedAdam supports float32, float64, float16 and bfloat16 params")
-            layout = dtensor.gradient_problem(p, g)
-            if layout is not None:
-                raise ValueError(f"{where}: {layout}")
-            state = optimizer.state.get(p)
+            misplaced = dtensor.gradient_problem(p, g)
+            if misplaced is not None:
+                raise ValueError(f"{where}: {misplaced}")
+            state = optimizer_state.get(p)
             same_layout = not dtensor.needs_redistribution(p, g)  # (else brought to p's at each step: resolve_grads)
             p, g = dtensor.local(p), dtensor.local(g)  # (from here on, what this rank stores and updates)
             problem = _storage_problem(p) or _grad_problem(g, p, same_shape=same_layout)
             if problem is not None:
                 raise ValueError(f"{where}: {problem if problem.startswith('its') else 'it ' + problem}")
             if state:
-                adoptions += _check_state(optimizer, p, state, bool(group["amsgrad"]), where)
+                adoptions += check_state(layout, p, state, bool(group["amsgrad"]), where)
                 stateful.append((group_index, index, p, state))
             entries.append((group_index, index, p))
     _check_overlap(entries)
@@ -437,26 +457,28 @@ def build(optimizer) -> Plan:
         if id(state["step"]) in steps:
             state["step"] = state["step"].clone()
         steps.add(id(state["step"]))
-    native = backends.runs_natively(CPU)
-    planned = [_plan_group(optimizer, group_index, grads, native) for group_index, grads in enumerate(all_grads)]
-    return Plan(planned, optimizer.state, optimizer.state.version, optimizer._layout_options(), native)
+    native = False if traced else backends.runs_natively(CPU) if native is None else native
+    # (a traced step's states get storages of their own: see StateLayout.init_states)
+    planned = [_plan_group(groups, optimizer_state, layout, group_index, grads, native, one_buffer=not traced)
+               for group_index, grads in enumerate(all_grads)]
+    return Plan(planned, optimizer_state, optimizer_state.version, layout, native)
 
 
 def _rounding(group: dict) -> tuple:
     return bool(group.get("stochastic_rounding", False)), group.get("stochastic_rounding_seed", 0)
 
 
-def rounding_keys(optimizer, group_index: int, indices: list[int], p: torch.Tensor,
+def rounding_keys(groups: list[dict], group_index: int, indices: list[int], p: torch.Tensor,
                   has_master: bool) -> Optional[torch.Tensor]:
     """The op's rounding_keys (int64, one per index) for params of param group group_index at these positions, all
     of p's dtype: None unless the group asks for stochastic rounding and they are bfloat16 params without masters.
     A param's key comes from the group's seed and its position over all param groups (its id in state_dict()), so
     it is the same after a resume."""
-    group = optimizer.param_groups[group_index]
+    group = groups[group_index]
     stochastic, seed = _rounding(group)
     if not stochastic or p.dtype != torch.bfloat16 or has_master:
         return None
-    first = sum(len(g["params"]) for g in optimizer.param_groups[:group_index])
+    first = sum(len(g["params"]) for g in groups[:group_index])
     return torch.tensor([_spec.rounding_key(int(seed), first + i) for i in indices], dtype=torch.int64)
 
 
@@ -466,17 +488,19 @@ def _storage_kind(state: dict, key: str) -> tuple:
     return state[key].dtype, None if scale is None else scale.dtype
 
 
-def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> GroupPlan:
-    group = optimizer.param_groups[group_index]
+def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayout, group_index: int,
+                grads: list, native: bool, one_buffer: bool = True) -> GroupPlan:
+    group = groups[group_index]
     params = group["params"]
-    fresh = [p for p, g in zip(params, grads) if g is not None and not optimizer.state.get(p)]
-    for p, state in zip(fresh, optimizer._init_states(fresh, group["amsgrad"])):
-        optimizer.state[p] = state
+    fresh = [p for p, g in zip(params, grads) if g is not None and not optimizer_state.get(p)]
+    for p, state in zip(fresh, layout.init_states([dtensor.local(p) for p in fresh], group["amsgrad"],
+                                                       one_buffer)):
+        optimizer_state[p] = state
     by_key: dict[tuple, Bucket] = {}
     for index, (p, g) in enumerate(zip(params, grads)):
         if g is None:
             continue
-        state = optimizer.state[p]
+        state = optimizer_state[p]
         key = (p.device, p.dtype, _storage_kind(state, "exp_avg"), _storage_kind(state, "exp_avg_sq"),
                "master_param" in state, dtensor.is_dtensor(p))
         bucket = by_key.setdefault(key, Bucket(indices=[], params=[], dtensors=dtensor.is_dtensor(p)))
@@ -484,7 +508,7 @@ def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> Group
         bucket.params.append(dtensor.local(p))
     buckets = list(by_key.values())
     for bucket in buckets:
-        states = [optimizer.state[params[i]] for i in bucket.indices]
+        states = [optimizer_state[params[i]] for i in bucket.indices]
         for key in MOMENT_KEYS + ("master_param",):
             if key == "max_exp_avg_sq" and not group["amsgrad"]:
                 continue
@@ -498,7 +522,7 @@ def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> Group
             # holds it keeps reading (and writing) the param's step after the optimizer plans again
             s["step"].data = bucket.steps[j]
         bucket.step_tensors = [s["step"] for s in states]
-        bucket.rounding_keys = rounding_keys(optimizer, group_index, bucket.indices, bucket.params[0],
+        bucket.rounding_keys = rounding_keys(groups, group_index, bucket.indices, bucket.params[0],
                                              bool(bucket.master_params))
     idle = [p for p, g in zip(params, grads) if g is None]
     dtensors = any(dtensor.is_dtensor(p) for p in params)
@@ -526,10 +550,11 @@ def _plan_group(optimizer, group_index: int, grads: list, native: bool) -> Group
 # ---- states: what is used as is, adopted or refused -----------------------------------------------------------------
 
 
-def _check_state(optimizer, p: torch.Tensor, state: ParamState, amsgrad: bool, where: str) -> list[_Adoption]:
-    """Validates a param's existing state; returns the entries to adopt into the optimizer's layout (see FusedAdam's
-    docstring, "optimizer.state")."""
-    m_dtype, v_dtype, has_master = optimizer._state_layout(p)
+def check_state(layout: StateLayout, p: torch.Tensor, state: ParamState, amsgrad: bool, where: str
+                ) -> list[_Adoption]:
+    """Validates a param's existing state; returns the entries to adopt into the layout (see FusedAdam's docstring,
+    "optimizer.state")."""
+    m_dtype, v_dtype, has_master = layout.dtypes(p)
     adoptions = []
     required = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
     for key in required:
@@ -539,10 +564,10 @@ def _check_state(optimizer, p: torch.Tensor, state: ParamState, amsgrad: bool, w
             if key == "max_exp_avg_sq":
                 raise ValueError(f"{where}: amsgrad is on but this parameter's state has no max_exp_avg_sq{hint}")
             raise ValueError(f"{where}: its optimizer state has no '{key}'{hint}")
-    adoptions += _check_step(p, state, where, optimizer._steps_device(p))
+    adoptions += _check_step(p, state, where, layout.steps_device(p))
     for key, dtype in (("exp_avg", m_dtype), ("exp_avg_sq", v_dtype), ("max_exp_avg_sq", v_dtype)):
         if key in state and (amsgrad or key != "max_exp_avg_sq"):
-            adoptions += _check_moment(optimizer, p, state, key, dtype, where)
+            adoptions += _check_moment(layout, p, state, key, dtype, where)
     if "master_param" in state:
         if not has_master:
             raise ValueError(
@@ -581,7 +606,7 @@ def _check_tensor_entry(p, state, key, dtype, where) -> list[_Adoption]:
     return [_Adoption(state, key, value.detach().to(dtype, memory_format=torch.contiguous_format, copy=True))]
 
 
-def _check_moment(optimizer, p, state, key, dtype, where) -> list[_Adoption]:
+def _check_moment(layout: StateLayout, p, state, key, dtype, where) -> list[_Adoption]:
     """A moment in the layout this optimizer would create for p now is used as is (float16 ones with valid block
     scales in state[key + '_scale'], uint8 codes with valid 8-bit or 4-bit block scales there); any other floating
     tensor of p's shape, or low-bit codes of the other low-bit format, is taken as values and converted into that
@@ -607,7 +632,7 @@ def _check_moment(optimizer, p, state, key, dtype, where) -> list[_Adoption]:
             raise ValueError(f"{where}: optimizer.state[p][{key + '_scale'!r}] must be a contiguous float32 tensor of "
                              f"{num_blocks(value.numel())} positive block scales on {value.device}")
     values = _checkpoint.to_canonical({key: value, key + "_scale": scale} if scaled else {key: value}, key, p.shape)
-    fresh = optimizer._init_state(p, amsgrad=key == "max_exp_avg_sq")  # (a state in the layout, to fill)
+    fresh = layout.init_state(p, amsgrad=key == "max_exp_avg_sq")  # (a state in the layout, to fill)
     _checkpoint.from_canonical(fresh, key, values)
     companion = key + "_scale"
     return [_Adoption(state, key, fresh[key])] + (

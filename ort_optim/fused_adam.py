@@ -3,99 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from . import _checkpoint, _migration, _plan, _spec, _versions, backends
+from . import _checkpoint, _group_options, _migration, _plan, _versions, backends
 from ._backward_step import BackwardStep, loss_scaling_refused, max_grad_norm_refused
 from ._checkpoint import MOMENT_KEYS
+from ._group_options import constructor_where, group_where
+from ._layout import StateLayout
 from ._plan import describe
-from ._spec import FP8_FORMATS, LOW_BIT_FORMATS, LOW_PRECISION, STATE_DTYPES, SUPPORTED_PARAM_DTYPES, AdamWMode
+from ._spec import SUPPORTED_PARAM_DTYPES, AdamWMode
 from .integrations import dtensor
 
-def stochastic_rounding_refused(where: str) -> ValueError:
-    """The error for a group (or checkpoint group) with stochastic_rounding=True in an optimizer with master weights,
-    whichever way it came in: constructor, add_param_group, a later assignment, load_state_dict."""
-    return ValueError(
-        f"{where}: stochastic_rounding=True is for bfloat16 params without master weights (the update is rounded "
-        "into the param itself); with master_weights=True the fp32 master keeps the update exactly and there is "
-        "nothing to round. Set stochastic_rounding=False for this group (in a checkpoint: in its param_groups) or "
-        "build the optimizer with master_weights=False")
 
-
-# State views in one flat buffer start a multiple of this many elements apart (256 bytes for float32).
-_STATE_ALIGN = 64
-
-
-def _is_number(value: Any) -> bool:
-    """A real number, as torch.optim takes them: Python's, numpy's (an LR scheduler's lambda may return
-    numpy.float32) or any other numbers.Real; but not a bool, which checkpoints refuse (a True there is a mistake)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _check_hyperparameters(group: dict, where: str, master_weights: bool) -> None:
-    if not isinstance(group.get("stochastic_rounding", False), bool):
-        raise TypeError(f"{where}: stochastic_rounding must be True or False, got {group['stochastic_rounding']!r}")
-    if group.get("stochastic_rounding", False) and master_weights:
-        raise stochastic_rounding_refused(where)
-    seed = group.get("stochastic_rounding_seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"{where}: stochastic_rounding_seed must be an int in [0, 2**64), got {seed!r}")
-    for name in ("bias_correction", "amsgrad", "maximize"):  # ("False" from a config file would read as True)
-        if not isinstance(group[name], bool):
-            raise TypeError(f"{where}: {name} must be True or False, got {group[name]!r}")
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"{where}: lr must be a float or a one-element tensor, got shape {tuple(lr.shape)}")
-        if lr.device.type == "cpu" and not float(lr) >= 0.0:
-            raise ValueError(f"{where}: lr must be >= 0, got {float(lr)}")
-    elif not (_is_number(lr) and lr >= 0.0):
-        raise ValueError(f"{where}: lr must be a float >= 0, got {lr!r}")
-    if not (_is_number(group["eps"]) and group["eps"] >= 0.0):
-        raise ValueError(f"{where}: eps must be a float >= 0, got {group['eps']!r}")
-    betas = group["betas"]
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
-    for name, beta in zip(("betas[0]", "betas[1]"), betas):
-        if not (_is_number(beta) and 0.0 <= beta < 1.0):
-            raise ValueError(f"{where}: {name} must be in [0, 1), got {beta!r}")
-    if not (_is_number(group["weight_decay"]) and group["weight_decay"] >= 0.0):
-        raise ValueError(f"{where}: weight_decay must be a float >= 0, got {group['weight_decay']!r}")
-    if isinstance(group["adam_w_mode"], bool):  # apex's FusedAdam takes a bool here, with other meanings
-        raise ValueError(
-            f"{where}: adam_w_mode must be an AdamWMode (0, 1 or 2), got {group['adam_w_mode']!r}. apex's "
-            "adam_w_mode=True (decoupled decay, eps added to sqrt(v_hat)) is AdamWMode.ADAMW_TORCH; apex's False "
-            "(L2 decay with that eps placement) has no FusedAdam mode")
-    if group["adam_w_mode"] not in tuple(AdamWMode):
-        raise ValueError(f"{where}: adam_w_mode must be an AdamWMode (0, 1 or 2), got {group['adam_w_mode']!r}")
-
-
-def _check_scaling_arguments(grad_scale: Any, found_inf: Any) -> None:
-    """step()'s grad_scale (a real number or a one-element floating-point tensor) and found_inf (a one-element
-    tensor), checked before anything changes."""
-    if grad_scale is not None:
-        if isinstance(grad_scale, torch.Tensor):
-            if grad_scale.numel() != 1 or not grad_scale.is_floating_point():
-                raise ValueError(f"step(): grad_scale must be a float or a one-element floating-point tensor, got a "
-                                 f"{grad_scale.dtype} tensor of shape {tuple(grad_scale.shape)}")
-        elif not _is_number(grad_scale):
-            raise TypeError(f"step(): grad_scale must be a float or a one-element tensor, got {grad_scale!r}")
-        elif not math.isfinite(grad_scale):
-            raise ValueError(f"step(): grad_scale must be finite, got {grad_scale!r}")
-    if found_inf is not None and not isinstance(found_inf, torch.Tensor):
-        raise TypeError(f"step(): found_inf must be a one-element tensor (non-zero: skip the step), got {found_inf!r}")
-    if found_inf is not None and found_inf.numel() != 1:
-        raise ValueError(f"step(): found_inf must be a one-element tensor, got shape {tuple(found_inf.shape)}")
-
-
-def _check_dtype_option(name: str, dtype: Optional[torch.dtype]) -> None:
-    if dtype is not None and dtype not in STATE_DTYPES:
-        raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16, torch.float16, torch.uint8 (8-bit), "
-                         f"torch.uint4 (4-bit), torch.float8_e4m3fn or torch.float8_e5m2 (fp8), got {dtype!r}")
+# Whether step() takes its traced route under torch.compile (_init_group): the TorchDynamo it is tested with. Older
+# ones (torch 2.4's fails inside its optimizer support) trace the step as plain Python, with graph breaks.
+_TRACED_STEP = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -174,6 +98,24 @@ class FusedAdam(torch.optim.Optimizer):
             all-reduce of the same two floats (default None). A DeepSpeed ZeRO client with ``max_grad_norm`` needs
             it (the ZeRO data-parallel group).
 
+    ``torch.compile`` (torch >= 2.13, as tested). A ``step()`` inside a compiled function traces to one call of
+    the registered op ``torch.ops.ort_optim.adam_step_`` per bucket (and ``grad_stats`` with ``grad_scale`` or
+    ``max_grad_norm``), with no graph break of its own and no recompile while nothing changes: a tensor lr changed in
+    place by a scheduler (``LambdaLR``), per-group options, ``step(grad_scale=<tensor>)``, ``max_grad_norm`` and
+    ``FP16_Optimizer(FusedAdam)`` were each run 40 steps with the same graphs throughout and results bit for bit
+    those of the eager step. What cannot be traced runs outside the graph, in ``_init_group`` (which TorchDynamo calls
+    eagerly when it traces, as for torch.optim's optimizers): the option checks, state creation and adoption, and the
+    plan. TorchDynamo's guards on what the step then reads (params and gradients, which params have one, the group
+    dicts and their float options, ``optimizer.state``'s mutation count, the plan) stand in for the per-step check:
+    any change re-traces, which validates again. So inside a compiled step the value of a tensor lr is checked when
+    the step is traced, not at every step. Float options that change at every step (``OneCycleLR(cycle_momentum=True)``
+    writes a new float beta1 each time) recompile at every step until TorchDynamo's recompile limit, then run eagerly,
+    as torch.optim.AdamW's compiled step does. Not traced (the step runs as plain Python inside the compiled function,
+    with graph breaks): ``step_in_backward``, DTensor params, ``process_group``/``pipeline_group``, a backend other
+    than the native library (``ORT_OPTIM_BACKEND=torch``), tensor betas/eps/weight_decay (read on the host). States
+    made by a traced step get a storage each (not views of one buffer, which functionalization would copy whole).
+    Older torch (2.4.1): best effort, ``step()`` runs outside the graph (one graph break; the eager step).
+
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element tensor)
     divides every gradient inside the kernel, and the step leaves the unscaled gradient in ``p.grad``; ``found_inf``
     (one-element tensor) turns the step into a no-op when non-zero. With ``grad_scale`` or ``max_grad_norm`` the step
@@ -209,20 +151,15 @@ class FusedAdam(torch.optim.Optimizer):
         process_group: Any = None,
         pipeline_group: Any = None,
     ):
-        _check_dtype_option("exp_avg_dtype", exp_avg_dtype)
-        _check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
-        if max_grad_norm is not None and not (_is_number(max_grad_norm) and max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be None or a float > 0, got {max_grad_norm!r}")
+        _group_options.check_optimizer_options(
+            master_weights, exp_avg_dtype, exp_avg_sq_dtype, max_grad_norm,
+            dict(set_grad_none=set_grad_none, capturable=capturable, step_in_backward=step_in_backward))
         defaults = dict(
             lr=lr, bias_correction=bias_correction, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
             eps=eps, adam_w_mode=adam_w_mode, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
             stochastic_rounding=stochastic_rounding, stochastic_rounding_seed=stochastic_rounding_seed,
         )
-        _check_hyperparameters(defaults, "FusedAdam", master_weights)
-        for name, value in (("set_grad_none", set_grad_none), ("master_weights", master_weights),
-                            ("capturable", capturable), ("step_in_backward", step_in_backward)):
-            if not isinstance(value, bool):
-                raise TypeError(f"FusedAdam: {name} must be True or False, got {value!r}")
+        _group_options.check_group(defaults, constructor_where, master_weights)
         self.set_grad_none = set_grad_none
         self.master_weights = master_weights
         self.exp_avg_dtype = exp_avg_dtype
@@ -230,8 +167,9 @@ class FusedAdam(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.capturable = capturable
         self._plan: Optional[_plan.Plan] = None  # the step cache (ort_optim/_plan.py)
-        self._last_found_inf: Optional[torch.Tensor] = None
-        self._last_grad_norm: Optional[torch.Tensor] = None
+        # The last step's report (last_grad_norm, last_found_inf): a dict, whose writes a step traced by
+        # torch.compile replays (TorchDynamo drops attribute writes on an optimizer made inside a traced step).
+        self._last: dict[str, Optional[torch.Tensor]] = {"grad_norm": None, "found_inf": None}
         self._finishes_backward = False  # (step(): backward updated params since the last step() or zero_grad())
         self.step_in_backward = step_in_backward
         self._backward: Optional[BackwardStep] = None
@@ -280,8 +218,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.state = self.__dict__.pop("state", self.__dict__.get("_state_container", {}))
         self._plan = None  # the cache (native plans cannot be copied): rebuilt at the next step
         self._partitions_checked = False
-        self._last_found_inf = None
-        self._last_grad_norm = None
+        self._last = {"grad_norm": None, "found_inf": None}
         self._backward = None
         if self.step_in_backward:  # hooks on the copy's own params
             self._watch_backward()
@@ -331,9 +268,8 @@ class FusedAdam(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group_index = len(self.param_groups) - 1
         group = self.param_groups[group_index]
-        where = f"param_groups[{group_index}]"
         try:
-            _check_hyperparameters(group, where, self.master_weights)
+            _group_options.check_group(group, group_where(group_index), self.master_weights)
             group["adam_w_mode"] = int(group["adam_w_mode"])  # a plain int, so checkpoints load with weights_only
             for index, p in enumerate(group["params"]):
                 if p.dtype not in SUPPORTED_PARAM_DTYPES:
@@ -360,20 +296,10 @@ class FusedAdam(torch.optim.Optimizer):
                 raise
             self._backward.watch(group_index, group)
 
-    def _state_layout(self, p: torch.Tensor) -> tuple[torch.dtype, torch.dtype, bool]:
-        """(exp_avg dtype, exp_avg_sq dtype, has master) for a parameter."""
-        if p.dtype == torch.float64:
-            return torch.float64, torch.float64, False
-        has_master = self.master_weights and p.dtype in LOW_PRECISION
-        default = torch.float32 if has_master else p.dtype
-        return self.exp_avg_dtype or default, self.exp_avg_sq_dtype or default, has_master
-
-    def _steps_device(self, p: torch.Tensor) -> torch.device:
-        # The CPU kernel reads steps on the host; GPU kernels read them on the device (no host sync per step).
-        return p.device
-
-    def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
-        return self._init_states([p], amsgrad)[0]
+    @property
+    def _layout(self) -> StateLayout:
+        """How this optimizer stores state now (ort_optim/_layout.py): its master_weights and state dtype options."""
+        return StateLayout(self.master_weights, self.exp_avg_dtype, self.exp_avg_sq_dtype)
 
     @property
     def _has_dtensors(self) -> bool:
@@ -381,62 +307,7 @@ class FusedAdam(torch.optim.Optimizer):
         globally."""
         return any(dtensor.is_dtensor(p) for group in self.param_groups for p in group["params"])
 
-    def _init_states(self, params: list[torch.Tensor], amsgrad: bool) -> list[dict]:
-        """Fresh states for params. Each kind of float state tensor of params sharing (device, dtype) is a view of
-        one flat buffer: the kernel then streams through contiguous memory instead of thousands of small
-        allocations, whose cold starts cost more than their bytes. Views start 256 bytes apart (times n) from the
-        buffer's start, which torch's allocator aligns to 64 bytes, so vector loads stay aligned; the buffer ends
-        with its last view. Low-bit codes (8-bit, 4-bit) get a storage per param instead, as their scales do, as in
-        torchao and bitsandbytes: then the bytes of the storages in ``state[p]`` are that param's state exactly
-        (2.03 bytes/param for 8-bit moments), however they are counted, and the low-bit step,
-        bound by its arithmetic, gains nothing from the flat layout. DTensor params get states shaped like their
-        local pieces."""
-        params = [dtensor.local(p) for p in params]
-        states: list[dict[str, Any]] = []
-        requests: dict[tuple[str, torch.device, torch.dtype], list[int]] = {}
-        for i, p in enumerate(params):
-            m_dtype, v_dtype, has_master = self._state_layout(p)
-            kinds = {"exp_avg": m_dtype, "exp_avg_sq": v_dtype}
-            if amsgrad:
-                kinds["max_exp_avg_sq"] = v_dtype
-            if has_master:
-                kinds["master_param"] = torch.float32
-            state: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float64, device=self._steps_device(p))}
-            for key, dtype in kinds.items():
-                requests.setdefault((key, p.device, dtype), []).append(i)
-                if dtype == torch.float16:
-                    state[key + "_scale"] = torch.ones(_spec.num_blocks(p.numel()), device=p.device)
-                elif dtype in LOW_BIT_FORMATS or dtype in FP8_FORMATS:  # codes; zero scales: all-zero moments
-                    fmt = LOW_BIT_FORMATS.get(dtype) or FP8_FORMATS[dtype]
-                    state[key + "_scale"] = torch.zeros(fmt.num_scales(p.numel()), dtype=fmt.scale_dtype,
-                                                        device=p.device)
-            states.append(state)
-        for (key, device, dtype), indices in requests.items():
-            fmt = LOW_BIT_FORMATS.get(dtype) or FP8_FORMATS.get(dtype)
-            if fmt:
-                for i in indices:
-                    codes = torch.zeros(fmt.storage_shape(params[i].shape), dtype=torch.uint8, device=device)
-                    states[i][key] = codes.view(dtype) if dtype in FP8_FORMATS else codes  # (torch 2.4 cannot fill fp8)
-                continue
-            shapes = [params[i].shape for i in indices]
-            offsets, total = [], 0
-            for shape in shapes:
-                # each view starts aligned; the buffer ends where the last view does (no padding after it)
-                offsets.append(-(-total // _STATE_ALIGN) * _STATE_ALIGN)
-                total = offsets[-1] + math.prod(shape)
-            flat = torch.zeros(total, dtype=dtype, device=device)
-            for i, offset, shape in zip(indices, offsets, shapes):
-                view = flat[offset:offset + math.prod(shape)].view(shape)
-                if key == "master_param":
-                    view.copy_(params[i].detach())
-                states[i][key] = view
-        return states
-
     # ---- the step -----------------------------------------------------------------------------------------------
-
-    def _layout_options(self) -> tuple:
-        """The options that decide how new state is laid out (a plan is valid only while they hold)."""
-        return self.master_weights, self.exp_avg_dtype, self.exp_avg_sq_dtype
 
     @property
     def last_found_inf(self) -> Optional[torch.Tensor]:
@@ -444,7 +315,7 @@ class FusedAdam(torch.optim.Optimizer):
         or None when no loss scaling, clipping or ``found_inf`` was involved. A ``found_inf`` passed to step() is not
         handed back: this is a tensor of its own, 1.0 where it was non-zero, 0.0 elsewhere (so zeroing that buffer for
         the next iteration does not change it). Reading it never synchronises."""
-        return self._last_found_inf
+        return self._last["found_inf"]
 
     @property
     def last_grad_norm(self) -> Optional[torch.Tensor]:
@@ -471,7 +342,7 @@ class FusedAdam(torch.optim.Optimizer):
         gradient). Reading it never synchronises. Always float32,
         where ``clip_grad_norm_`` returns the gradients' dtype: an fp16 norm overflows at 65504 and a bf16 one keeps
         three significant digits, while the sums behind this one are taken in float32 or wider."""
-        return self._last_grad_norm
+        return self._last["grad_norm"]
 
     @property
     def last_step_skipped(self) -> bool:
@@ -479,7 +350,7 @@ class FusedAdam(torch.optim.Optimizer):
 
         On CUDA reading this synchronises with the device; step() itself never does.
         """
-        return self._last_found_inf is not None and bool(self._last_found_inf.item() != 0)
+        return self._last["found_inf"] is not None and bool(self._last["found_inf"].item() != 0)
 
     @torch.no_grad()
     def step(
@@ -490,6 +361,13 @@ class FusedAdam(torch.optim.Optimizer):
         found_inf: Optional[torch.Tensor] = None,
     ):
         """Performs one optimization step; see the class docstring for grad_scale and found_inf."""
+        if torch.compiler.is_compiling() and not _TRACED_STEP:
+            # (an older TorchDynamo: the step runs outside the graph, a graph break; their inductor cannot
+            # functionalize an op that mutates tensor lists)
+            return torch._dynamo.disable(self._step)(closure, grad_scale, found_inf)
+        return self._step(closure, grad_scale, found_inf)
+
+    def _step(self, closure, grad_scale, found_inf):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -510,13 +388,67 @@ class FusedAdam(torch.optim.Optimizer):
             self._backward.restore_hooks()
         if self._backward is not None and (grad_scale is not None or found_inf is not None):
             raise loss_scaling_refused()
-        _check_scaling_arguments(grad_scale, found_inf)
+        _group_options.check_scaling_arguments(grad_scale, found_inf)
+        if torch.compiler.is_compiling() and _TRACED_STEP and self._backward is None and self._init_group():
+            self._check_capturable_grad_scale(grad_scale)
+            # Traced by torch.compile: _init_group ran outside the graph (validated everything, planned); what it
+            # read is guarded by TorchDynamo, and the check below makes the plan's own rule part of those guards, so
+            # any change re-traces (and re-validates) instead of stepping with a stale plan.
+            plan = self._plan
+            if not (plan.describes(self.param_groups, self.state, self._layout, native=False)
+                    and all(planned.read_grads() for planned in plan.groups)):
+                raise RuntimeError("ort_optim: a traced FusedAdam step found its plan out of date; please report")
+            self._launch(plan, grad_scale, found_inf)
+            return loss
+        self._validate_options(grad_scale)
+        # The one step path: the plan (valid, or built again after validating everything), then the backend ops.
+        plan = self._plan
+        layout = self._layout
+        if plan is None or not plan.valid(self.param_groups, self.state, layout):
+            plan = self._plan = _plan.build(self.param_groups, self.state, layout)
+            # (a plan describes what it was built from: if not, this is a bug, not a user error)
+            if not plan.valid(self.param_groups, self.state, layout):
+                raise RuntimeError("ort_optim: a FusedAdam plan was not valid right after it was built; please report")
+        if plan.dtensors:  # (gradients laid out unlike their DTensor params: to the params' layout, once per step)
+            plan.resolve_grads(writes_grads=grad_scale is not None and self._unscale_grads)
+        self._launch(plan, grad_scale, found_inf)
+        return loss
+
+    def _init_group(self) -> bool:
+        """The part of a step that torch.compile cannot trace, run outside the graph: TorchDynamo calls an optimizer's
+        ``_init_group`` eagerly when it traces ``step()`` (as for torch.optim's optimizers) and guards the state and
+        gradients it then reads. Validates the options, then builds the plan (without native plans: the traced step
+        calls the registered op, which traces as one node) unless the current one still holds. False (the step is
+        then traced as plain Python, with graph breaks) where the traced path does not apply: DTensor params or a
+        process/pipeline group (their collectives), or ops that are not registered (ORT_OPTIM_BACKEND=torch, no
+        native library). Also False for an option or a state it refuses: the plain path then raises the error itself
+        (an error out of this call would reach the user wrapped in TorchDynamo's own)."""
+        try:
+            self._validate_options(None)
+        except (ValueError, TypeError):
+            return False
+        if self.process_group is not None or self.pipeline_group is not None or self._has_dtensors:
+            return False
+        devices = {p.device for group in self.param_groups for p in group["params"]}
+        if not all(backends.implementation(d) is torch.ops.ort_optim for d in devices):
+            return False
+        layout = self._layout
+        plan = self._plan
+        if plan is None or not (plan.describes(self.param_groups, self.state, layout, native=False)
+                                and all(planned.current() for planned in plan.groups)):
+            try:
+                self._plan = _plan.build(self.param_groups, self.state, layout, traced=True)
+            except (ValueError, TypeError):
+                return False
+        return True
+
+    def _validate_options(self, grad_scale) -> None:
+        """What a step checks before it plans: every group's options, capturable's demands, and clipping under a
+        partitioning DeepSpeed optimizer (once)."""
         for group_index, group in enumerate(self.param_groups):
-            _check_hyperparameters(group, f"param_groups[{group_index}]", self.master_weights)
+            _group_options.check_group(group, group_where(group_index), self.master_weights)
+        self._check_capturable_grad_scale(grad_scale)
         if self.capturable:  # checked before anything changes (state creation included), like everything else
-            if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
-                raise ValueError("capturable=True: pass grad_scale as a tensor on the params' device (a float is "
-                                 "copied to the device at every step, which a CUDA graph cannot capture)")
             for group_index, group in enumerate(self.param_groups):
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor):
@@ -526,16 +458,11 @@ class FusedAdam(torch.optim.Optimizer):
                                              f"device ({p.device}), got a tensor on {lr.device}")
         if self.max_grad_norm is not None and not self._partitions_checked and self.pipeline_group is None:
             self._check_clipping_sees_every_partition()
-        # The one step path: the plan (valid, or built again after validating everything), then the backend ops.
-        plan = self._plan
-        if plan is None or not plan.valid(self):
-            plan = self._plan = _plan.build(self)
-            if not plan.valid(self):  # a plan describes what it was built from: this is a bug, not a user error
-                raise RuntimeError("ort_optim: a FusedAdam plan was not valid right after it was built; please report")
-        if plan.dtensors:  # (gradients laid out unlike their DTensor params: to the params' layout, once per step)
-            plan.resolve_grads(writes_grads=grad_scale is not None and self._unscale_grads)
-        self._launch(plan, grad_scale, found_inf)
-        return loss
+
+    def _check_capturable_grad_scale(self, grad_scale) -> None:
+        if self.capturable and grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
+            raise ValueError("capturable=True: pass grad_scale as a tensor on the params' device (a float is copied "
+                             "to the device at every step, which a CUDA graph cannot capture)")
 
     def _check_clipping_sees_every_partition(self) -> None:
         """Refuses max_grad_norm in an optimizer that DeepSpeed steps on this rank's partition only (ZeRO stages 1-3,
@@ -570,21 +497,21 @@ class FusedAdam(torch.optim.Optimizer):
         if not buckets and reduction is None:
             # No gradient at all: nothing to update or check. The norm is 0, as clip_grad_norm_ returns for no
             # gradients, wherever a step with gradients would report one (not the rest of updates in backward).
-            self._last_found_inf = None
+            self._last["found_inf"] = None
             device = next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)
             reports = grad_scale is not None or self.max_grad_norm is not None or (
                 self._plain_norm and not self._finishes_backward and self._decides_alone(plan.dtensors)
                 and (backends.runs_natively(device) or backends.update_reports_grad_norm(device)))
-            self._last_grad_norm = torch.zeros((), dtype=torch.float32, device=device) if reports else None
+            self._last["grad_norm"] = torch.zeros((), dtype=torch.float32, device=device) if reports else None
             return
-        inv_grad_scale, found_inf, self._last_grad_norm = self._scaling(buckets, grad_scale, found_inf, reduction)
+        inv_grad_scale, found_inf, self._last["grad_norm"] = self._scaling(buckets, grad_scale, found_inf, reduction)
         if found_inf is not None and inv_grad_scale is None and buckets:
             # The caller's own tensor (any dtype, 0-dim or not, a buffer it may zero for the next iteration, as apex's
             # overflow buffer is): last_found_inf is this step's verdict as a float32 [1] of its own on the params'
             # device, computed there (no host sync), so a reference kept to it does not change with the buffer.
-            self._last_found_inf = (found_inf.to(buckets[0][2].params[0].device).reshape(()) != 0).float().reshape(1)
+            self._last["found_inf"] = (found_inf.to(buckets[0][2].params[0].device).reshape(()) != 0).float().reshape(1)
         else:
-            self._last_found_inf = found_inf if buckets or reduction is not None else None
+            self._last["found_inf"] = found_inf if buckets or reduction is not None else None
         unscaled = self._grad_scale_per_device(buckets, grad_scale)
         if unscaled and (len(buckets) > 1 or buckets[0][2].native is None):  # ({} without any gradient)
             _plan.check_grads_writable(buckets)
@@ -594,7 +521,7 @@ class FusedAdam(torch.optim.Optimizer):
         for group_index, group, bucket in buckets:
             device = bucket.params[0].device
             hyper = dict(
-                self._hyperparameters(group),
+                _group_options.hyperparameters(group),
                 inv_grad_scale=None if inv_grad_scale is None else inv_grad_scale[device],
                 found_inf=None if found_inf is None else found_inf.to(device, non_blocking=True),
                 grad_scale=None if unscaled is None else unscaled[device],
@@ -609,7 +536,7 @@ class FusedAdam(torch.optim.Optimizer):
                     backends.adam_step_(*bucket.op_lists(), **hyper)
             except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
                 raise _plan.name_op_error(exc, group_index, bucket) from exc
-            if bucket.native is None and _versions.step_taken(hyper["found_inf"]):
+            if bucket.native is None and not torch.compiler.is_compiling() and _versions.step_taken(hyper["found_inf"]):
                 # (the op marked what it was given; state[p]['step'] keeps a version counter of its own, see
                 # ort_optim/_versions.py: a native plan marks it, here it is marked after the op)
                 _versions.mark_modified(bucket.step_tensors)
@@ -617,7 +544,7 @@ class FusedAdam(torch.optim.Optimizer):
             # On the first accelerator's device when the buckets span CPU and CUDA: host-to-device copies of the CPU
             # buckets' sums need no synchronisation, a non-blocking copy the other way would be read unfinished.
             main = next((s.device for s in stats if s.device.type != "cpu"), stats[0].device)
-            self._last_grad_norm = sum(s.to(main, non_blocking=True) for s in stats)[0].sqrt()
+            self._last["grad_norm"] = sum(s.to(main, non_blocking=True) for s in stats)[0].sqrt()
 
     def _plain_norm_from_update(self, plan: _plan.Plan, buckets: list, grad_scale, found_inf) -> bool:
         """Whether this step's update passes report the gradients' norm (last_grad_norm without a stats pass): a
@@ -634,18 +561,6 @@ class FusedAdam(torch.optim.Optimizer):
 
     # Private switch for the check that prices the plain-step norm (tools/gpu_check.py): False leaves it None.
     _plain_norm = True
-
-    @staticmethod
-    def _hyperparameters(group: dict) -> dict:
-        """A group's hyperparameters as the op's keyword arguments (all but inv_grad_scale, found_inf, grad_scale)."""
-        lr = group["lr"]
-        lr_tensor = lr if isinstance(lr, torch.Tensor) else None
-        return dict(
-            lr=0.0 if lr_tensor is not None else float(lr), beta1=float(group["betas"][0]),
-            beta2=float(group["betas"][1]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-            adam_w_mode=int(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
-            maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
-        )
 
     # Private switch for the benchmark that prices the write-back (ort_optim/bench): False leaves p.grad scaled.
     _unscale_grads = True
@@ -679,7 +594,7 @@ class FusedAdam(torch.optim.Optimizer):
         group_index, group, bucket = launch
         try:
             out = bucket.native.step_scaled(
-                **self._hyperparameters(group),
+                **_group_options.hyperparameters(group),
                 # A CPU tensor (see _scaled_in_plan), read by the native plan itself.
                 grad_scale=grad_scale if grad_scale is None or isinstance(grad_scale, torch.Tensor)
                 else torch.tensor(float(grad_scale), dtype=torch.float64),
@@ -687,7 +602,7 @@ class FusedAdam(torch.optim.Optimizer):
             )
         except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
             raise _plan.name_op_error(exc, group_index, bucket) from exc
-        self._last_grad_norm, self._last_found_inf = out[0], out[1:]
+        self._last["grad_norm"], self._last["found_inf"] = out[0], out[1:]
 
     def _scaling(self, buckets: list, grad_scale, found_inf, reduction: Optional[dtensor.Reduction] = None):
         """(per-device inverse gradient multiplier for unscaling and clipping, combined skip flag, unscaled global
@@ -785,6 +700,7 @@ class FusedAdam(torch.optim.Optimizer):
         ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` run as in torch.optim; the post hooks
         get (and may replace) this canonical form."""
         params = [p for group in self.param_groups for p in group["params"]]  # torch's ids are these positions
+        self._drop_state_of_removed_params(params)
         # torch.optim.Optimizer.state_dict packs and runs the hooks; the post hooks (register_state_dict_post_hook)
         # must see what this method returns, the canonical form, so they run here, after it is made.
         post_hooks = self._optimizer_state_dict_post_hooks
@@ -805,6 +721,25 @@ class FusedAdam(torch.optim.Optimizer):
             if result is not None:
                 sd = result
         return sd
+
+    def _drop_state_of_removed_params(self, params: list) -> None:
+        """A checkpoint numbers states by their params' positions in param_groups, so a state whose tensor is in no
+        group has no number (torch.optim raises a bare KeyError there). An empty one (left by reading
+        ``optimizer.state[p]``) holds nothing and is dropped; one with state tensors is refused, naming it, before
+        anything changes: dropping it silently would lose moments the user may still want."""
+        listed = {id(p) for p in params}
+        removed = [t for t in self.state if id(t) not in listed]
+        for t in removed:
+            if self.state[t]:
+                what = (f"a tensor of shape {tuple(t.shape)}, {t.dtype}" if isinstance(t, torch.Tensor)
+                        else repr(t))
+                raise ValueError(
+                    f"state_dict(): optimizer.state holds the state of {what} that is in no param group (a param "
+                    "removed from param_groups after it was stepped), and a checkpoint can only number the states "
+                    "of listed params. Delete it (del optimizer.state[p]) to save without it, or put the param back "
+                    "into a param group (add_param_group) to save it")
+        for t in removed:
+            del self.state[t]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a FusedAdam, torch.optim.Adam/AdamW or ORT FusedAdam checkpoint, or one of torchao's or
@@ -873,10 +808,7 @@ class FusedAdam(torch.optim.Optimizer):
         if self._has_dtensors:
             prepared = self._prepare_local_load(state_dict)
         else:
-            prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._init_state)
-        for group_index, new_group in enumerate(prepared.groups):  # (before anything changes)
-            if new_group.get("stochastic_rounding", False) and self.master_weights:
-                raise stochastic_rounding_refused(_checkpoint.entry("param_groups", group_index, "stochastic_rounding"))
+            prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._layout)
         for group, new_group in zip(self.param_groups, prepared.groups):
             params = group["params"]
             group.clear()
@@ -908,7 +840,7 @@ class FusedAdam(torch.optim.Optimizer):
         except (KeyError, TypeError, AttributeError):
             pass
         locals_ = [{**group, "params": [dtensor.local(p) for p in group["params"]]} for group in self.param_groups]
-        prepared = _checkpoint.prepare_load(locals_, state_dict, self._init_state)
+        prepared = _checkpoint.prepare_load(locals_, state_dict, self._layout)
         param_of = {id(dtensor.local(p)): p for group in self.param_groups for p in group["params"]}
         prepared.state = {param_of[id(local)]: state for local, state in prepared.state.items()}
         return prepared

@@ -10,12 +10,12 @@ module decides who runs them. The backends are modules of this package that impl
 * :mod:`.reference`: pure PyTorch, when the native library cannot be built or loaded (one warning, same results
   within the tolerances the tests state), or with ``ORT_OPTIM_BACKEND=torch``.
 
-``ORT_OPTIM_BACKEND=auto|native|torch|triton`` is read at every call, so it can change between steps.
+``ORT_OPTIM_BACKEND=auto|native|torch|triton`` is read at every call, so it can change between steps (inside a step
+that torch.compile traced, the choice made when it was traced holds).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional, Sequence
 
@@ -36,14 +36,19 @@ def backend() -> str:
     return name
 
 
-@functools.lru_cache(maxsize=None)
+_native_loaded: Optional[bool] = None  # (None: not tried yet)
+
+
 def native_available() -> bool:
     """True when the compiled CPU op library is loaded (building it first if needed). Loading it also registers the
-    CUDA kernels of its ops (Triton, or the reference where triton is not installed)."""
-    if not native.available():
-        return False
-    _register_cuda_kernels()
-    return True
+    CUDA kernels of its ops (Triton, or the reference where triton is not installed). Once tried, a read of a module
+    flag, which torch.compile traces as a constant."""
+    global _native_loaded
+    if _native_loaded is None:
+        _native_loaded = native.available()
+        if _native_loaded:
+            _register_cuda_kernels()
+    return _native_loaded
 
 
 def _cuda_adam_step(*args, **kwargs) -> None:
@@ -78,6 +83,8 @@ def _register_cuda_kernels() -> None:
 def implementation(device: torch.device):
     """The backend whose adam_step_/grad_stats serve tensors on this device now."""
     choice = backend()
+    if device.type == "cuda" and choice in ("auto", "triton") and torch.compiler.is_compiling() and native_available():
+        return torch.ops.ort_optim  # (one node in the traced graph; its CUDA kernel is the Triton one, registered)
     if choice == "triton" or (device.type == "cuda" and choice == "auto"):
         return triton_backend if choice == "triton" else _cuda_implementation()
     if choice == "torch" or not native_available():
@@ -95,7 +102,7 @@ def update_reports_grad_norm(device: torch.device) -> bool:
     """Whether :func:`adam_step_` for tensors on this device takes ``grad_norm=True`` and returns the gradients'
     [sum of squares, non-finite] from the update's own pass: the Triton kernels (outside torch.compile's tracing).
     The native CPU op does the same through ``AdamPlan.step(grad_norm=True)``; the reference backend cannot."""
-    return implementation(device) is triton_backend and not torch.compiler.is_compiling()
+    return not torch.compiler.is_compiling() and implementation(device) is triton_backend
 
 
 def adam_step_(params: Sequence[torch.Tensor], *lists_and_steps, **options) -> Optional[torch.Tensor]:

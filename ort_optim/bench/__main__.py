@@ -27,6 +27,7 @@ EXTRA_SECTIONS: dict[str, str] = {"step_in_backward": "backward:run", "distribut
 EXTRA_SECTIONS.update(lowbit="lowbit:run", lowbit_memory="lowbit:run_memory",  # low-bit states
                       lowbit_limit="lowbit:run_limit")
 EXTRA_SECTIONS.update(mixed_limit="adam:run_mixed_limit")  # how far the mixed step is from its targets
+EXTRA_SECTIONS.update(compiled="compiled:run")  # a torch.compile'd train step, FusedAdam against torch's AdamW
 
 
 def run_extra_section(name: str, quick: bool) -> list[dict]:

@@ -133,9 +133,9 @@ def _count_builds(monkeypatch) -> list[int]:
     builds = [0]
     build = _plan.build
 
-    def counting(optimizer):
+    def counting(*args):
         builds[0] += 1
-        return build(optimizer)
+        return build(*args)
 
     monkeypatch.setattr(_plan, "build", counting)
     return builds
@@ -1325,9 +1325,9 @@ def _run(scenario: Scenario, planned: bool, monkeypatch, skips: list | None = No
         calls[-1] += 1
         return op(*args, **kwargs)
 
-    def counting_build(optimizer):
+    def counting_build(*args):
         builds[-1] += 1
-        return build(optimizer)
+        return build(*args)
 
     monkeypatch.setattr(backends, "adam_step_", counting_op)
     monkeypatch.setattr(_plan, "build", counting_build)

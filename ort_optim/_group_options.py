@@ -1,0 +1,216 @@
+"""The one validation of FusedAdam's options: a param group's hyperparameters and flags, the optimizer-wide state
+options, and step()'s loss-scaling arguments.
+
+The constructor, ``add_param_group``, ``load_state_dict`` (through ort_optim/_checkpoint.py) and every ``step()``
+(and every update made in backward) call :func:`check_group`, so a value is accepted or refused the same way
+wherever it comes in. Each fault has one exception type and one message, which starts with the entry it is about:
+
+* a value of the wrong type (a string, a bool where a number belongs, a betas element that is a list): TypeError;
+* a value of the right type out of range (negative, NaN or inf, a beta outside [0, 1), betas that are not a pair,
+  a tensor with more than one element): ValueError.
+
+Numbers are Python's, numpy's or any other ``numbers.Real`` except bool (a ``True`` there is a mistake). As in
+torch.optim, ``lr``, each element of ``betas``, ``eps`` and ``weight_decay`` may also be one-element floating-point
+tensors: ``lr`` on any device (the kernels read it where it lives), the others on the CPU (the op takes them as host
+numbers, read at every step; a tensor on an accelerator would cost a device synchronisation per step and is refused,
+saying so). The values of CPU tensors are checked like numbers; an accelerator's lr is not read (no sync).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, Optional
+
+import torch
+
+from ._spec import STATE_DTYPES, AdamWMode
+
+# Options of the whole optimizer (they decide the state layout of every param): refused inside a param group rather
+# than silently ignored there.
+OPTIMIZER_WIDE_KEYS = ("master_weights", "exp_avg_dtype", "exp_avg_sq_dtype")
+BOOL_OPTIONS = ("bias_correction", "amsgrad", "maximize", "stochastic_rounding")
+# The hyperparameters that may be one-element tensors, and where.
+TENSOR_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
+Where = Callable[[str], str]
+
+
+def is_number(value: Any) -> bool:
+    """A real number, as torch.optim takes them: Python's, numpy's (an LR scheduler's lambda may return
+    numpy.float32) or any other numbers.Real; but not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def show(value: Any) -> str:
+    """A short description of a value for an error message."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def group_where(group_index: int) -> Where:
+    """Names a live group's entries: ``param_groups[1]: betas``."""
+    return lambda key: f"param_groups[{group_index}]: {key}"
+
+
+def constructor_where(key: str) -> str:
+    return f"FusedAdam: {key}"
+
+
+def _value(value: Any, name: str, any_device: bool = False) -> Optional[float]:
+    """The float value of a hyperparameter (a number or a one-element floating-point tensor); None for a tensor whose
+    value is not read here (an accelerator's lr: reading it would synchronise)."""
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or not value.is_floating_point():
+            raise TypeError(f"{name} must be a number or a one-element floating-point tensor, got {show(value)}")
+        if value.numel() != 1 or value.dim() > 1:
+            raise ValueError(f"{name} must hold exactly one number, got {show(value)}")
+        if value.device.type != "cpu":
+            if any_device:
+                return None
+            raise ValueError(f"{name}: a tensor on {value.device} is not supported (the op reads this value on the "
+                             "host at every step, which would synchronise with the device); pass a float or a "
+                             "CPU tensor")
+        return float(value.detach().reshape(()))
+    if not is_number(value):
+        raise TypeError(f"{name} must be a number, got {show(value)}")
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+def _non_negative(value: Any, name: str, any_device: bool = False) -> None:
+    number = _value(value, name, any_device)
+    if number is None:
+        return
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {number!r}")
+    if number < 0:
+        raise ValueError(f"{name} must be >= 0, got {number!r}")
+
+
+def _flag(group: dict, key: str, where: Where) -> None:
+    if not isinstance(group[key], bool):  # ("False" from a config file would read as True)
+        raise TypeError(f"{where(key)} must be True or False (a bool), got {show(group[key])}; a string such as "
+                        "'False' from a JSON/YAML export would read as True")
+
+
+def check_group(group: dict, where: Where, master_weights: bool) -> None:
+    """Every FusedAdam option of a param group (see the module docstring); where(key) names an entry in errors.
+    Raises before anything changes; changes nothing."""
+    for key in OPTIMIZER_WIDE_KEYS:
+        if key in group:
+            raise ValueError(
+                f"{where(key)} is set in a param group, but FusedAdam takes it for the whole optimizer (it decides "
+                f"the state layout of every param): pass {key}= to FusedAdam(...) and remove it from the group; for "
+                "parameters with other state dtypes, use a second FusedAdam")
+    for key in BOOL_OPTIONS:
+        if key in group:
+            _flag(group, key, where)
+    if group.get("stochastic_rounding", False) and master_weights:
+        raise stochastic_rounding_refused(where("stochastic_rounding"))
+    seed = group.get("stochastic_rounding_seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{where('stochastic_rounding_seed')} must be an int in [0, 2**64), got {show(seed)}")
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"{where('stochastic_rounding_seed')} must be an int in [0, 2**64), got {seed!r}")
+    _non_negative(group["lr"], where("lr"), any_device=True)
+    for key in ("eps", "weight_decay"):
+        _non_negative(group[key], where(key))
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"{where('betas')} must be a pair (beta1, beta2), got {show(betas)}")
+    for i, beta in enumerate(betas):
+        name = f"{where('betas')}[{i}]"
+        number = _value(beta, name)
+        if not 0.0 <= number < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {number!r}")
+    mode = group["adam_w_mode"]
+    if isinstance(mode, bool):  # apex's FusedAdam takes a bool here, with other meanings
+        raise ValueError(
+            f"{where('adam_w_mode')} must be an AdamWMode (0, 1 or 2), got {mode!r}. apex's adam_w_mode=True "
+            "(decoupled decay, eps added to sqrt(v_hat)) is AdamWMode.ADAMW_TORCH; apex's False (L2 decay with "
+            "that eps placement) has no FusedAdam mode")
+    if not isinstance(mode, int):
+        raise TypeError(f"{where('adam_w_mode')} must be an AdamWMode or the int 0, 1 or 2, got {show(mode)}")
+    if mode not in tuple(AdamWMode):
+        raise ValueError(f"{where('adam_w_mode')} must be an AdamWMode (0, 1 or 2), got {mode!r}")
+
+
+def hyperparameters(group: dict) -> dict:
+    """A validated group's hyperparameters as the op's keyword arguments (all but inv_grad_scale, found_inf,
+    grad_scale): host floats (CPU tensors read), lr as ``lr_tensor`` when it is a tensor."""
+    lr = group["lr"]
+    lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+    return dict(
+        lr=0.0 if lr_tensor is not None else float(lr), beta1=float(group["betas"][0]),
+        beta2=float(group["betas"][1]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+        adam_w_mode=int(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
+        maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
+    )
+
+
+def signature(group: dict) -> Optional[tuple]:
+    """The plain values a group's options are made of, with their types, to tell whether they changed since they were
+    validated; None when one is a tensor (its value can change in place: validated every time)."""
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)):
+        return None
+    values = (group["lr"], *betas, group["eps"], group["weight_decay"], group["adam_w_mode"], group["bias_correction"],
+              group["maximize"], group["amsgrad"], group.get("stochastic_rounding", False),
+              group.get("stochastic_rounding_seed", 0), *(key in group for key in OPTIMIZER_WIDE_KEYS))
+    if not all(isinstance(v, (int, float)) for v in values):
+        return None
+    return tuple((type(v), v) for v in values)
+
+
+def stochastic_rounding_refused(name: str) -> ValueError:
+    """The error for stochastic_rounding=True in an optimizer with master weights, whichever way it came in."""
+    return ValueError(
+        f"{name}=True is for bfloat16 params without master weights (the update is rounded into the param itself); "
+        "with master_weights=True the fp32 master keeps the update exactly and there is nothing to round. Set "
+        "stochastic_rounding=False for this group (in a checkpoint: in its param_groups) or build the optimizer "
+        "with master_weights=False")
+
+
+# ---- optimizer-wide options and step() arguments --------------------------------------------------------------------
+
+
+def check_dtype_option(name: str, dtype: Optional[torch.dtype]) -> None:
+    if dtype is not None and dtype not in STATE_DTYPES:
+        raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16, torch.float16, torch.uint8 (8-bit), "
+                         f"torch.uint4 (4-bit), torch.float8_e4m3fn or torch.float8_e5m2 (fp8), got {dtype!r}")
+
+
+def check_optimizer_options(master_weights: Any, exp_avg_dtype: Any, exp_avg_sq_dtype: Any, max_grad_norm: Any,
+                            flags: dict) -> None:
+    """The constructor's optimizer-wide options (flags: name -> value of the options that must be bools)."""
+    check_dtype_option("exp_avg_dtype", exp_avg_dtype)
+    check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
+    if max_grad_norm is not None and not (is_number(max_grad_norm) and max_grad_norm > 0
+                                          and math.isfinite(max_grad_norm)):
+        raise ValueError(f"max_grad_norm must be None or a float > 0, got {max_grad_norm!r}")
+    for name, value in dict(flags, master_weights=master_weights).items():
+        if not isinstance(value, bool):
+            raise TypeError(f"FusedAdam: {name} must be True or False, got {value!r}")
+
+
+def check_scaling_arguments(grad_scale: Any, found_inf: Any) -> None:
+    """step()'s grad_scale (a real number or a one-element floating-point tensor) and found_inf (a one-element
+    tensor), checked before anything changes."""
+    if grad_scale is not None:
+        if isinstance(grad_scale, torch.Tensor):
+            if grad_scale.numel() != 1 or not grad_scale.is_floating_point():
+                raise ValueError(f"step(): grad_scale must be a float or a one-element floating-point tensor, got a "
+                                 f"{grad_scale.dtype} tensor of shape {tuple(grad_scale.shape)}")
+        elif not is_number(grad_scale):
+            raise TypeError(f"step(): grad_scale must be a float or a one-element tensor, got {grad_scale!r}")
+        elif not math.isfinite(grad_scale):
+            raise ValueError(f"step(): grad_scale must be finite, got {grad_scale!r}")
+    if found_inf is not None and not isinstance(found_inf, torch.Tensor):
+        raise TypeError(f"step(): found_inf must be a one-element tensor (non-zero: skip the step), got {found_inf!r}")
+    if found_inf is not None and found_inf.numel() != 1:
+        raise ValueError(f"step(): found_inf must be a one-element tensor, got shape {tuple(found_inf.shape)}")

@@ -1,0 +1,210 @@
+"""FusedAdam's param-group options: one rule for each, wherever a value comes in (the constructor, add_param_group, a
+write into param_groups before step(), load_state_dict); tensor hyperparameters as torch.optim takes them;
+optimizer-wide options refused inside a group; checkpoints of other torch optimizers refused; state_dict() with a
+param removed from its group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_tree_bitwise_equal, optimizer_snapshot
+
+from ort_optim import AdamWMode, FusedAdam
+
+
+def _params(n: int = 2) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(4, 3, generator=g)) for _ in range(n)]
+
+
+def _stepped(**options) -> tuple[FusedAdam, list[torch.nn.Parameter]]:
+    params = _params()
+    opt = FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, **options)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return opt, params
+
+
+# (id, group options, error type, what the message says after the entry's name)
+FAULTS = [
+    ("betas-not-a-pair", dict(betas=(0.9,)), ValueError, r" must be a pair \(beta1, beta2\)"),
+    ("betas-none", dict(betas=None), ValueError, r" must be a pair \(beta1, beta2\), got NoneType None"),
+    ("beta-out-of-range", dict(betas=(0.9, 1.0)), ValueError, r"\[1\] must be in \[0, 1\), got 1\.0"),
+    ("beta-a-string", dict(betas=("0.9", 0.999)), TypeError, r"\[0\] must be a number, got str"),
+    ("lr-negative", dict(lr=-1.0), ValueError, r" must be >= 0, got -1\.0"),
+    ("lr-a-string", dict(lr="1e-3"), TypeError, r" must be a number, got str '1e-3'"),
+    ("lr-two-elements", dict(lr=torch.tensor([1e-3, 1e-3])), ValueError, r" must hold exactly one number"),
+    ("eps-nan", dict(eps=float("nan")), ValueError, r" must be finite, got nan"),
+    ("weight-decay-bool", dict(weight_decay=True), TypeError, r" must be a number, got bool True"),
+    ("amsgrad-string", dict(amsgrad="False"), TypeError, r" must be True or False \(a bool\), got str 'False'"),
+    ("adam-w-mode-5", dict(adam_w_mode=5), ValueError, r" must be an AdamWMode \(0, 1 or 2\), got 5"),
+    ("adam-w-mode-string", dict(adam_w_mode="ADAMW_TORCH"), TypeError, r" must be an AdamWMode or the int 0, 1 or 2"),
+    ("seed-negative", dict(stochastic_rounding_seed=-1), ValueError, r" must be an int in \[0, 2\*\*64\)"),
+]
+
+
+def _key(options: dict) -> str:
+    return next(iter(options))
+
+
+@pytest.mark.parametrize("options,error,message", [f[1:] for f in FAULTS], ids=[f[0] for f in FAULTS])
+def test_each_fault_is_one_error_wherever_the_value_comes_in(options, error, message):
+    key = _key(options)
+    entries = {
+        "constructor": (rf"FusedAdam: {key}", lambda: FusedAdam(_params(), **options)),
+        "add_param_group": (rf"param_groups\[1\]: {key}",
+                            lambda: FusedAdam(_params()).add_param_group({"params": _params(1), **options})),
+    }
+    for where, (name, call) in entries.items():
+        with pytest.raises(error, match=name + message):
+            call()
+    # written into a group before a step: refused by the step, nothing changed
+    opt, params = _stepped()
+    opt.param_groups[0].update(options)
+    before = optimizer_snapshot(opt)
+    with pytest.raises(error, match=rf"param_groups\[0\]: {key}" + message):
+        opt.step()
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+    # in a checkpoint: refused by load_state_dict, nothing changed
+    opt, params = _stepped()
+    sd = opt.state_dict()
+    sd["param_groups"][0].update(options)
+    before = optimizer_snapshot(opt)
+    with pytest.raises(error, match=rf"state_dict\['param_groups'\]\[0\]\['{key}'\]" + message):
+        opt.load_state_dict(sd)
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
+def _torch_run(make_options, steps: int = 6) -> list[torch.Tensor]:
+    params = _params()
+    torch_opt = torch.optim.AdamW(params, **make_options())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        torch_opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def _fused_run(make_options, steps: int = 6, convert_after: int = 0) -> list[torch.Tensor]:
+    """The same run with FusedAdam: converted from a torch AdamW after convert_after steps (from_optimizer), or built
+    with the options directly (convert_after=None)."""
+    params = _params()
+    g = torch.Generator().manual_seed(1)
+    if convert_after is None:
+        opt = FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, **{"eps": 1e-8, "weight_decay": 1e-2,
+                                                                       **make_options()})
+    else:
+        opt = torch.optim.AdamW(params, **make_options())
+    for step in range(steps):
+        if convert_after is not None and step == convert_after:
+            opt = FusedAdam.from_optimizer(opt)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+TENSOR_OPTIONS = {
+    "betas": lambda: dict(betas=(torch.tensor(0.9), torch.tensor(0.999))),
+    "lr-and-betas": lambda: dict(lr=torch.tensor(1e-2), betas=(torch.tensor(0.8), torch.tensor(0.99))),
+}
+
+
+@pytest.mark.parametrize("make_options", TENSOR_OPTIONS.values(), ids=TENSOR_OPTIONS.keys())
+@pytest.mark.parametrize("convert_after", [0, 3, None], ids=["converted-fresh", "converted-after-3", "built"])
+def test_tensor_hyperparameters_are_taken_as_torch_takes_them(make_options, convert_after):
+    """from_optimizer(torch.optim.AdamW(..., betas=(tensor, tensor))) converts, and the run continues as torch's."""
+    expected = _torch_run(make_options)
+    for ours, theirs in zip(_fused_run(make_options, convert_after=convert_after), expected):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_tensor_eps_and_weight_decay_step_as_the_floats_they_hold(backend):
+    tensors = dict(betas=(torch.tensor(0.8), torch.tensor(0.99)), eps=torch.tensor(1e-6),
+                   weight_decay=torch.tensor(0.1))
+    # (a float32 tensor holds its value rounded to float32: the floats it steps as are those values)
+    floats = dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    floats = {key: tuple(float(torch.tensor(b)) for b in value) if key == "betas" else float(torch.tensor(value))
+              for key, value in floats.items()}
+    runs = [_fused_run(lambda options=options: options, convert_after=None) for options in (floats, tensors)]
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options,name", [
+    (dict(betas=(torch.tensor(0.9, device="meta"), 0.999)), r"betas\[0\]"),
+    (dict(eps=torch.tensor(1e-8, device="meta")), "eps"),
+    (dict(weight_decay=torch.tensor(0.0, device="meta")), "weight_decay"),
+], ids=["beta1", "eps", "weight-decay"])
+def test_hyperparameter_tensors_on_an_accelerator_are_refused_saying_so(options, name):
+    """The op reads betas, eps and weight_decay on the host at every step: a device tensor there would cost a
+    synchronisation per step (the meta device stands in for an accelerator)."""
+    with pytest.raises(ValueError, match=rf"{name}: a tensor on meta is not supported"):
+        FusedAdam(_params(), **options)
+
+
+@pytest.mark.parametrize("key,value", [("exp_avg_dtype", torch.uint8), ("exp_avg_sq_dtype", torch.bfloat16),
+                                       ("master_weights", True)])
+def test_optimizer_wide_options_in_a_group_are_refused_naming_the_key_and_the_group(key, value):
+    message = rf"param_groups\[1\]: {key} is set in a param group, but FusedAdam takes it for the whole optimizer"
+    with pytest.raises(ValueError, match=message):
+        FusedAdam([{"params": _params(1)}, {"params": _params(1), key: value}])
+    opt, params = _stepped()
+    with pytest.raises(ValueError, match=message):
+        opt.add_param_group({"params": _params(1), key: value})
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0][key] = value  # written later: the step refuses it before anything changes
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=rf"param_groups\[0\]: {key} is set in a param group"):
+        opt.step()
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
+FOREIGN = {"RAdam": torch.optim.RAdam, "NAdam": torch.optim.NAdam, "Adamax": torch.optim.Adamax}
+
+
+@pytest.mark.parametrize("make", FOREIGN.values(), ids=FOREIGN.keys())
+def test_checkpoints_of_other_torch_optimizers_are_refused(make):
+    params = _params()
+    foreign = make(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    foreign.step()
+    opt = FusedAdam(params)
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"state_dict\['param_groups'\]\[0\].*(another optimizer|other than Adam)"):
+        opt.load_state_dict(foreign.state_dict())
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
+@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW], ids=["Adam", "AdamW"])
+def test_checkpoints_of_torch_adam_and_adamw_still_load(make):
+    params = _params()
+    torch_opt = make(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    torch_opt.step()
+    opt = FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    opt.load_state_dict(torch_opt.state_dict())
+    assert float(opt.state[params[0]]["step"]) == 1
+
+
+def test_state_dict_refuses_the_state_of_a_param_removed_from_its_group_naming_it():
+    """torch.optim raises a bare KeyError here (torch 2.4 and 2.13)."""
+    opt, params = _stepped()
+    opt.param_groups[0]["params"].pop()
+    with pytest.raises(ValueError, match=r"state_dict\(\): optimizer\.state holds the state of a tensor of shape "
+                                         r"\(4, 3\), torch\.float32 that is in no param group"):
+        opt.state_dict()
+    del opt.state[params[1]]  # as the error says
+    sd = opt.state_dict()
+    assert list(sd["state"]) == [0]
+
+
+def test_state_dict_drops_an_empty_state_of_a_removed_param():
+    opt, params = _stepped()
+    extra = torch.nn.Parameter(torch.zeros(2))
+    assert not opt.state[extra]  # (reading optimizer.state[p] leaves an empty entry, as in torch)
+    assert list(opt.state_dict()["state"]) == [0, 1]
