@@ -627,7 +627,7 @@ class FusedAdam(torch.optim.Optimizer):
             inv = inv / scale.reshape(())
         # The norm of the unscaled gradients. Unscaling multiplies by 1/grad_scale, which overflows when grad_scale < 1
         # and a gradient is large: every |g| / grad_scale <= norm, so a finite norm proves that unscaling stays finite,
-        # and a non-finite one skips the step like an inf gradient (traps.md #14: check after unscaling).
+        # and a non-finite one skips the step like an inf gradient.
         norm = stats[0].sqrt() * inv
         if self.max_grad_norm is not None:
             clip = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
