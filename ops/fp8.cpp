@@ -50,6 +50,7 @@ void fp8_load(const uint8_t* codes, const float* scales, int64_t off, int64_t n,
   for (int64_t q = 0; q < n; q += kFp8Block) {
     const int64_t len = std::min<int64_t>(kFp8Block, n - q);
     const float s = scales[(off + q) / kFp8Block];
+    const bool flagged = kSecondMoment && std::signbit(s) && !std::isnan(s);
     const uint8_t* c = codes + off + q;
     float* d = dst + q;
     for (int64_t i = 0; i < len; ++i) {
@@ -57,7 +58,8 @@ void fp8_load(const uint8_t* codes, const float* scales, int64_t off, int64_t n,
       const float normal = bits_to_float((mag << (23 - kMb)) + (uint32_t(127 - kBias) << 23));
       const float u = (mag >> kMb) == 0 ? float(int32_t(mag)) * sub_ulp : normal;
       const float x = bits_to_float(float_to_bits(u) | ((code & 0x80u) << 24)) * s;
-      d[i] = kSecondMoment ? x * x : x;
+      // a second moment's code 0 in a block whose scale has its sign bit set (no NaN): an overflowed v, inf
+      d[i] = kSecondMoment ? (flagged && code == 0 ? std::numeric_limits<float>::infinity() : x * x) : x;
     }
   }
 }
@@ -80,7 +82,18 @@ void fp8_store(const float* src, const float* root, int64_t off, int64_t n, uint
     const int64_t len = std::min<int64_t>(kFp8Block, n - q);
     const bool take_sqrt = kSecondMoment && !root;
     const float* u = take_sqrt ? sqrt_v : root ? root + q : src + q;
-    const uint32_t amax = fp8_block_amax(take_sqrt ? src + q : u, len, take_sqrt, sqrt_v);
+    uint32_t amax = fp8_block_amax(take_sqrt ? src + q : u, len, take_sqrt, sqrt_v);
+    // sqrt(v) = inf and no NaN (whose bits exceed inf's): v overflowed float32, as torch's AdamW keeps it. The block
+    // is coded by its finite values (codes >= 1), the overflowed ones take code 0 and the scale its sign bit
+    // (_spec.Fp8Format): one element never makes its block's scale inf or NaN.
+    const bool overflowed = kSecondMoment && amax == 0x7F800000u;
+    if (overflowed) {
+      amax = 0;
+      for (int64_t i = 0; i < len; ++i) {
+        const uint32_t b = float_to_bits(u[i]) & 0x7FFFFFFFu;
+        amax = std::max(amax, b < 0x7F800000u ? b : 0u);
+      }
+    }
     uint8_t* out = codes + off + q;
     float s;
     if (amax >= 0x7F800000u) {  // inf or NaN in the block: it reads back as NaN everywhere (scale NaN, codes 0)
@@ -110,12 +123,19 @@ void fp8_store(const float* src, const float* root, int64_t off, int64_t n, uint
           const int32_t subnormal = int32_t((uint32_t(fixed) + add) >> kShift);
           int32_t code = std::min(y < min_normal ? subnormal : normal, kMaxCode);
           if constexpr (kSecondMoment) {
-            code = std::max(code, 1);  // no zero level for sqrt(v) (the zero-point problem)
+            // no zero level for sqrt(v) (the zero-point problem); code 0 is an overflowed v (only in a flagged block)
+            code = ab == 0x7F800000u ? 0 : std::max(code, 1);
           } else {
             code = (b >> 31) != 0 && code > 0 ? code | 0x80 : code;  // the sign, never on a zero (no -0)
           }
           out[i] = uint8_t(code);
         }
+      }
+      if (overflowed) {
+        if (s == 0.0f) {  // a zero block: code 1 reads as 0 (times -0.0), code 0 as the overflowed v
+          for (int64_t i = 0; i < len; ++i) out[i] = (float_to_bits(u[i]) & 0x7FFFFFFFu) == 0x7F800000u ? 0 : 1;
+        }
+        s = -s;  // (-0.0 for a zero block)
       }
     }
     scales[(off + q) / kFp8Block] = s;

@@ -683,7 +683,8 @@ def _low_bit_state(p: torch.Tensor, state: ParamState, key: str, where: str) -> 
 
 def _fp8_state(p: torch.Tensor, state: ParamState, key: str, where: str) -> torch.Tensor:
     """Validates fp8 codes in state[key] (float8_e4m3fn or float8_e5m2, the param's shape) and their block scales in
-    state[key + '_scale'] (float32, one per block; powers of two, 0 or NaN: ort_optim._spec.Fp8Format); returns the
+    state[key + '_scale'] (float32, one per block; powers of two, 0 or NaN, a second moment's also negated:
+    ort_optim._spec.Fp8Format); returns the
     codes."""
     value, scale = state[key], state[key + "_scale"]
     fmt = FP8_FORMATS[value.dtype]
@@ -705,11 +706,16 @@ def _fp8_state(p: torch.Tensor, state: ParamState, key: str, where: str) -> torc
         problem = _storage_problem(tensor)
         if problem is not None:
             raise ValueError(f"{name} {problem}")
-    mantissa, exponent = torch.frexp(scale)
+    # (a second moment's scale may have its sign bit set: it marks a block whose overflowed v reads back as inf,
+    # ops/README.md)
+    magnitude = scale if key == "exp_avg" else scale.abs()
+    mantissa, exponent = torch.frexp(magnitude)
     power = (mantissa == 0.5) & (exponent - 1 >= fmt.min_exponent) & (exponent - 1 <= 127 - fmt.emax)
-    if not bool((power | (scale == 0) | torch.isnan(scale)).all()):
+    if not bool((power | (magnitude == 0) | torch.isnan(scale)).all()):
         raise ValueError(f"{scale_what} holds block scales that are not powers of two in [2**{fmt.min_exponent}, "
-                         f"2**{127 - fmt.emax}], 0 or NaN: they are not {fmt.name} block scales")
+                         f"2**{127 - fmt.emax}], 0 or NaN"
+                         + ("" if key == "exp_avg" else " (negated: a block holding an overflowed v)")
+                         + f": they are not {fmt.name} block scales")
     return value
 
 

@@ -210,6 +210,15 @@ class Fp8Format:
     * A block with inf or NaN gets s = NaN and codes 0 (it reads back as NaN, as an fp32 moment would); a block
       whose k would be below ``min_exponent`` (amax under about 2**-102 for e4m3fn, 2**-95 for e5m2) is a zero block,
       s = 0: so every decoded value is a normal float32 (no backend flushes it differently).
+    * Except a second moment whose v overflowed float32 (one gradient element above about 5.8e20 at beta2 = 0.999
+      makes (1 - beta2) * g * g inf, and torch.optim.AdamW keeps that v = inf), as in the low-bit formats: such an
+      element takes code 0 (a code u never takes otherwise) and reads back as v = inf, the block's other elements
+      are coded as if it were absent (codes >= 1, also in a zero block), and ``s`` is their scale with the sign bit
+      set (-0.0 for a zero block), which marks the block. One rule for both dtypes: e4m3fn has no inf code, and
+      e5m2's inf code times the scale would give the same inf but would need a rule of its own. One element never
+      makes its block's scale inf or NaN; a NaN still does. exp_avg keeps the NaN rule: m is a weighted mean of
+      the gradients (m = 1e20 for a gradient of 1e21), so a finite gradient leaves it finite (short of float32's
+      own overflow for gradients near its largest value, 3.4e38).
     """
 
     name: str

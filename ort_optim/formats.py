@@ -250,9 +250,14 @@ def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool, step
     n = x.numel()
     u = sqrt_f32(x) if second_moment else x
     blocks = torch.nn.functional.pad(u, (0, -n % fmt.block)).view(-1, fmt.block)
-    a = blocks.abs()
+    # A second moment whose v overflowed float32 (sqrt(v) = inf; torch's AdamW keeps that v = inf): the element gets
+    # code 0, which reads back as inf in a block whose scale has its sign bit set; the block's other elements are
+    # coded by their own maximum, with codes >= 1 (_spec.Fp8Format).
+    overflowed = torch.isposinf(blocks) if second_moment else torch.zeros_like(blocks, dtype=torch.bool)
+    a = torch.where(overflowed, torch.zeros_like(blocks), blocks.abs())
     amax = a.amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
     finite = torch.isfinite(amax)
+    flagged = overflowed.any(dim=1) & finite
     k = fp8_block_exponents(torch.where(finite, amax, torch.zeros_like(amax)), fmt)
     usable = finite & (amax > 0) & (k >= fmt.min_exponent)
     k = torch.where(usable, k, torch.zeros_like(k))
@@ -268,7 +273,9 @@ def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool, step
         random = torch.where(a == amax[:, None], -1, r)
     codes = fp8_round(y, fmt, random).clamp_max(fmt.max_code)
     if second_moment:
-        codes = torch.where(usable[:, None], codes.clamp_min(1), codes)
+        codes = torch.where(usable[:, None] | flagged[:, None], codes.clamp_min(1), codes)
+        codes = torch.where(overflowed, torch.zeros_like(codes), codes)
+        scales = torch.where(flagged, -scales, scales)  # (-0.0 for a zero block)
     else:
         codes = codes | (((blocks < 0) & (codes > 0)).long() << 7)
     codes = codes.reshape(-1)[:n].to(torch.uint8).view(fmt.dtype)
@@ -278,11 +285,16 @@ def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool, step
 def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format, second_moment: bool,
                    shape: torch.Size) -> torch.Tensor:
     """fp8 codes and their power-of-two block scales -> float32 values of the given shape (v = u * u for a second
-    moment). torch's own float8 -> float32 conversion reads the codes (exact: every fp8 value is a float32)."""
+    moment; code 0 in a block whose scale has its sign bit set, and is no NaN, is an overflowed v = inf). torch's own
+    float8 -> float32 conversion reads the codes (exact: every fp8 value is a float32)."""
     n = math.prod(shape)
     u = torch.nn.functional.pad(codes.reshape(-1).float(), (0, -n % fmt.block)).view(-1, fmt.block)
     u = (u * scales.float()[:, None]).reshape(-1)[:n]
-    return (u * u if second_moment else u).view(shape)
+    if not second_moment:
+        return u.view(shape)
+    flagged = (torch.signbit(scales.float()) & ~torch.isnan(scales.float())).repeat_interleave(fmt.block)[:n]
+    overflowed = flagged & (codes.reshape(-1).view(torch.uint8) == 0)
+    return torch.where(overflowed, torch.full_like(u, math.inf), u * u).view(shape)
 
 
 def state_format(state: torch.Tensor, scales: Optional[torch.Tensor]) -> str:

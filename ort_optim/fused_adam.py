@@ -75,7 +75,10 @@ class FusedAdam(torch.optim.Optimizer):
             any of these formats. fp8 moments are float8 codes (``state[key]``, the param's shape) with one
             power-of-two float32 scale per 256 elements in ``state[key + '_scale']`` (2.03 bytes per parameter for
             both; exp_avg_sq as sqrt(v), never read as 0), encoded by exponent and mantissa arithmetic, rounded
-            stochastically in a step and to nearest even in conversions; e4m3fn for both moments trains best.
+            stochastically in a step and to nearest even in conversions; e4m3fn for both moments trains best. In
+            the 8-bit, 4-bit and fp8 formats a v that overflows float32 (a gradient element above about 5.8e20)
+            is kept as inf, as torch.optim.AdamW keeps it (that element's updates are 0), without touching its
+            block's other elements (a block scale with its sign bit set marks the block, ops/README.md).
         stochastic_rounding: round the update of bfloat16 params (without master weights; refused with
             master_weights=True, no effect on other dtypes) stochastically instead of to nearest, so that updates
             smaller than half a bfloat16 ulp still accumulate on average (default False; a param-group option).

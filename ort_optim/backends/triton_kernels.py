@@ -382,7 +382,9 @@ def _load_fp8(addr, scale_addr, offs, mask, DT: tl.constexpr, SECOND: tl.constex
     u = tl.where((c >> MB) == 0, subnormal, normal)
     u = tl.where((code & 0x80) != 0, -u, u) * s
     if SECOND:
-        u = u * u
+        # a negative scale (its sign bit: -0.0 too; a NaN's sign means nothing) marks a block with overflowed v:
+        # there code 0 reads as v = inf
+        u = tl.where((s.to(tl.int32, bitcast=True) < 0) & (s == s) & (code == 0), float("inf"), u * u)
     return u
 
 
@@ -391,7 +393,9 @@ def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: t
     """Encodes float32 values x (v for SECOND: its square root is coded) into an fp8 state and its scales, as
     formats.quantize_fp8: per block of 256 the scale 2**k, k the smallest with the block's largest magnitude
     divided by 2**k rounding to nearest even to at most the largest finite code (capped at 127 - emax); NaN for a
-    block with inf or NaN (codes 0); 0 for an all-zero block or one with k < FP8_MIN_EXPONENT. Codes round
+    block with inf or NaN (codes 0), except a second moment's overflowed v (sqrt(v) = inf): the scale of the finite
+    ones with the sign bit set, code 0 for the overflowed elements and codes >= 1 for the others; 0 for an all-zero
+    block or one with k < FP8_MIN_EXPONENT. Codes round
     stochastically (rnd: _fp8_random_bits of the step's exp_avg; the top 16 bits for exp_avg, the low 16 for a
     second moment) except the block's largest magnitudes, which round to nearest even; they saturate at the largest
     finite code;
@@ -416,9 +420,13 @@ def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: t
     m2 = tl.reshape(mask, (NB, QB))
     offs2 = tl.reshape(offs, (NB, QB))
     au = tl.abs(u2)
-    bad = m2 & ((u2 != u2) | (au == float("inf")))
+    if SECOND:  # sqrt(v) = inf: v overflowed float32 (a flagged block, see formats.quantize_fp8); NaN: bad
+        overflowed = m2 & (au == float("inf"))
+        bad = m2 & (u2 != u2)
+    else:
+        bad = m2 & ((u2 != u2) | (au == float("inf")))
     block_bad = tl.max(bad.to(tl.int32), axis=1) > 0
-    amax = tl.max(tl.where(m2 & (au == au), au, 0.0), axis=1)
+    amax = tl.max(tl.where(m2 & (au == au) & (au != float("inf")), au, 0.0), axis=1)
     b = amax.to(tl.int32, bitcast=True)
     e = ((b >> 23) & 0xFF) - 127
     top = ((b & 0x7FFFFF) | ((EMAX + 127) << 23)).to(tl.float32, bitcast=True)  # (amax >= 0: no sign bit)
@@ -435,8 +443,11 @@ def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: t
         r16 = r2 >> 16
     code = tl.where(au == amax[:, None], _fp8_round(y, MB, BIAS), _fp8_round_stochastic(y, r16, MB, BIAS))
     code = tl.minimum(code, MAX_CODE)
-    if SECOND:
-        code = tl.where(usable[:, None], tl.maximum(code, 1), code)
+    if SECOND:  # in a flagged block code 0 means v = inf; finite values take codes >= 1, the scale its sign bit
+        flagged = (tl.max(overflowed.to(tl.int32), axis=1) > 0) & (block_bad == 0)
+        code = tl.where(usable[:, None] | flagged[:, None], tl.maximum(code, 1), code)
+        code = tl.where(overflowed, 0, code)
+        s = tl.where(flagged, s * -1.0, s)  # (-0.0 for a zero block: the interpreter's -s is 0 - s)
     else:
         code = tl.where((u2 < 0.0) & (code > 0), code | 0x80, code)
     code = tl.where(m2, code, 0)

@@ -769,6 +769,8 @@ MOMENT_LAYOUTS = {  # what training with an overflowed second moment leaves in e
     "amsgrad": {"amsgrad": True},
     "8-bit": {"exp_avg_dtype": torch.uint8, "exp_avg_sq_dtype": torch.uint8, "amsgrad": True},
     "4-bit": {"exp_avg_dtype": torch.uint4, "exp_avg_sq_dtype": torch.uint4},
+    "fp8 e4m3fn": {"exp_avg_dtype": torch.float8_e4m3fn, "exp_avg_sq_dtype": torch.float8_e4m3fn, "amsgrad": True},
+    "fp8 e5m2": {"exp_avg_dtype": torch.float8_e5m2, "exp_avg_sq_dtype": torch.float8_e5m2},
 }
 
 

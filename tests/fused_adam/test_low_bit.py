@@ -302,24 +302,32 @@ def test_an_element_with_a_gradient_1e7_of_its_blocks_largest_moves_like_fp32_ad
 
 
 # One gradient element whose square overflows float32: torch.optim.AdamW keeps v = inf for it (its updates are
-# m / inf = 0 from then on) and every other param trains on. Low-bit second moments store that v as inf too: the
-# block's scale is its other elements' maximum with the sign bit set, and code 0 reads as inf there.
+# m / inf = 0 from then on) and every other param trains on. Low-bit and fp8 second moments store that v as inf too:
+# the block's scale is its other elements' (maximum, or power of two) with the sign bit set, and code 0 reads as inf
+# there.
 OVERFLOWING_GRAD = 1e21
-OVERFLOWED = 256 + 5  # the element, in the second 8-bit block (the third 4-bit one)
+OVERFLOWED = 256 + 5  # the element, in the second 8-bit and fp8 block (the third 4-bit one)
+MOMENT_DTYPES = {**STATE_DTYPES, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-def _overflow_run(v: str, m: str, amsgrad: bool, overflow: bool, steps: int = 5):
+def _moment_format(v: str):
+    dtype = MOMENT_DTYPES[v]
+    return LOW_BIT_FORMATS[dtype] if dtype in LOW_BIT_FORMATS else FP8_FORMATS[dtype]
+
+
+def _overflow_run(v: str, m: str, amsgrad: bool, overflow: bool, steps: int = 5, huge: float = OVERFLOWING_GRAD):
     """Trains one 3-block param (plus a partial block) with gradients whose magnitudes stay within 3x of each other
-    in every block (so no element sits on a block's lowest level), OVERFLOWING_GRAD at OVERFLOWED in step 1 (0 when
-    not overflow); torch.optim.AdamW when v == "torch"."""
+    in every block (so no element sits on a block's lowest level), huge at OVERFLOWED in step 1 (0 when not
+    overflow); torch.optim.AdamW when v == "torch"."""
     p = torch.nn.Parameter(torch.randn(3 * 256 + 17, generator=torch.Generator().manual_seed(0)))
     opt = (torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, foreach=False) if v == "torch" else
-           _optimizer([p], m, v, mode=2, amsgrad=amsgrad))
+           FusedAdam([p], lr=1e-2, adam_w_mode=2, weight_decay=0.1, eps=1e-8, amsgrad=amsgrad,
+                     exp_avg_dtype=MOMENT_DTYPES[m], exp_avg_sq_dtype=MOMENT_DTYPES[v]))
     g = torch.Generator().manual_seed(3)
     for step in range(steps):
         grad = (torch.rand(p.shape, generator=g) + 0.5) * torch.randn(p.shape, generator=g).sign() * 1e-2
         if step == 1:
-            grad[OVERFLOWED] = OVERFLOWING_GRAD if overflow else 0.0
+            grad[OVERFLOWED] = huge if overflow else 0.0
         p.grad = grad
         opt.step()
     return p.detach(), opt
@@ -327,10 +335,10 @@ def _overflow_run(v: str, m: str, amsgrad: bool, overflow: bool, steps: int = 5)
 
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("m", ["fp32", "low-bit"])
-@pytest.mark.parametrize("v", ["u8", "u4"])
+@pytest.mark.parametrize("v", ["u8", "u4", "e4m3", "e5m2"])
 def test_one_overflowing_gradient_element_makes_no_param_nan_and_leaves_its_block_alone(v, m, amsgrad, backend):
     m = v if m == "low-bit" else m
-    fmt = LOW_BIT_FORMATS[STATE_DTYPES[v]]
+    fmt = _moment_format(v)
     got, opt = _overflow_run(v, m, amsgrad, overflow=True)
     want, torch_opt = _overflow_run("torch", None, amsgrad, overflow=True)
     assert torch.isinf(torch_opt.state[torch_opt.param_groups[0]["params"][0]]["exp_avg_sq"][OVERFLOWED])
@@ -353,10 +361,11 @@ def test_one_overflowing_gradient_element_makes_no_param_nan_and_leaves_its_bloc
         assert torch.equal(bits(got[others]), bits(twin[others]))
 
 
-@pytest.mark.parametrize("v", ["u8", "u4"])
+@pytest.mark.parametrize("v", ["u8", "u4", "e4m3", "e5m2"])
 def test_an_overflowed_second_moment_is_coded_as_the_reference_quantiser_says(v, backend):
     """The backend's codes and scales of a step whose v overflows in one element are the reference quantiser's of
-    the float32 v the same step computes with float32 moments (which keep that inf), bit for bit."""
+    the float32 v the same step computes with float32 moments (which keep that inf), bit for bit (fp8 rounds
+    stochastically in a step: with that step's random bits, from its float32 exp_avg)."""
     def first_step(dtype):
         p = torch.nn.Parameter(torch.zeros(2 * 256 + 3))
         opt = FusedAdam([p], lr=1e-2, exp_avg_sq_dtype=dtype)
@@ -364,12 +373,35 @@ def test_an_overflowed_second_moment_is_coded_as_the_reference_quantiser_says(v,
         p.grad[OVERFLOWED] = OVERFLOWING_GRAD
         opt.step()
         return opt.state[p]
-    exact = first_step(torch.float32)["exp_avg_sq"]
+    exact_state = first_step(torch.float32)
+    exact = exact_state["exp_avg_sq"]
     assert torch.isinf(exact[OVERFLOWED])
-    state = first_step(STATE_DTYPES[v])
-    codes, scales = formats.quantize_low_bit(exact, LOW_BIT_FORMATS[STATE_DTYPES[v]], True)
+    state = first_step(MOMENT_DTYPES[v])
+    fmt = _moment_format(v)
+    if fmt in FP8_FORMATS.values():
+        codes, scales = formats.quantize_fp8(exact, fmt, True, 1, exp_avg=exact_state["exp_avg"])
+    else:
+        codes, scales = formats.quantize_low_bit(exact, fmt, True)
+    assert bool(torch.signbit(scales[OVERFLOWED // fmt.block])) and int(torch.signbit(scales).sum()) == 1
     assert torch.equal(bits(state["exp_avg_sq"]), bits(codes))
     assert torch.equal(bits(state["exp_avg_sq_scale"]), bits(scales))
+
+
+@pytest.mark.parametrize("v", ["u8", "u4", "e4m3", "e5m2"])
+def test_a_gradient_near_float32s_largest_leaves_exp_avg_finite_and_no_param_nan(v, backend):
+    """exp_avg is a weighted mean of the gradients: a gradient of 3e38 (near float32's largest, 3.4e38) makes m =
+    3e37, finite in every format (the low-bit scale is that m, the fp8 scale 2**k with k <= 127 - emax), and the
+    param ends as torch.optim.AdamW's (its v overflowed: updates 0 after that step), all others finite."""
+    got, opt = _overflow_run(v, v, False, overflow=True, steps=3, huge=3e38)
+    want, torch_opt = _overflow_run("torch", None, False, overflow=True, steps=3, huge=3e38)
+    torch_state = torch_opt.state[torch_opt.param_groups[0]["params"][0]]
+    assert torch.isinf(torch_state["exp_avg_sq"][OVERFLOWED]) and bool(torch_state["exp_avg"].isfinite().all())
+    assert bool(torch.isfinite(want).all()) and bool(torch.isfinite(got).all())
+    assert float(got[OVERFLOWED]) == pytest.approx(float(want[OVERFLOWED]), rel=1e-6)
+    p = opt.param_groups[0]["params"][0]
+    exp_avg = state_values(opt, p, "exp_avg")
+    assert bool(exp_avg.isfinite().all())
+    assert float(exp_avg[OVERFLOWED]) == pytest.approx(float(torch_state["exp_avg"][OVERFLOWED]), rel=0.25)
 
 
 # ---- idempotent quantisation: what makes a canonical checkpoint resume exactly ----------------------------------
@@ -1756,6 +1788,12 @@ def test_conversion_is_torchs_float8_conversion_of_the_values_over_a_power_of_tw
     assert codes.dtype == dtype and codes.shape == x.shape
     assert scales.dtype == torch.float32 and scales.numel() == math.ceil(x.numel() / 256)
     u = formats.sqrt_f32(x) if second else x
+    # (a second moment's v = 2**200 overflows float32: its block is coded by its finite values, the scale negated)
+    overflowed = torch.isposinf(u) if second else torch.zeros_like(u, dtype=torch.bool)
+    u = torch.where(overflowed, torch.zeros_like(u), u)
+    flagged = torch.nn.functional.pad(overflowed.reshape(-1), (0, -u.numel() % 256)).view(-1, 256).any(dim=1)
+    assert torch.equal(torch.signbit(scales), flagged) and int(flagged.sum()) == second
+    scales = scales.abs()
     amax = torch.nn.functional.pad(u.reshape(-1).abs(), (0, -u.numel() % 256)).view(-1, 256).amax(dim=1)
     usable = scales > 0
     mantissa, exponent = torch.frexp(scales[usable])
@@ -1775,20 +1813,22 @@ def test_conversion_is_torchs_float8_conversion_of_the_values_over_a_power_of_tw
     # zero blocks: all-zero ones and those whose scale would be below 2**min_exponent
     zero = scales == 0
     assert bool(((amax == 0) | (amax < 2.0 ** (fmt.min_exponent + fmt.emax)))[zero].all())
-    assert torch.equal(scales.isnan(), ~amax.isfinite())  # (v = 2**200 overflows: a NaN block)
+    assert torch.equal(scales.isnan(), ~amax.isfinite())  # (exp_avg's 2**100 is finite: no NaN block here)
     expected = _torch_codes(u, scales, dtype)
     got = codes.view(torch.uint8).reshape(-1)
     in_usable = usable.repeat_interleave(256)[: x.numel()]
-    if second:  # sqrt(v) never codes to 0 in a usable block (no zero level: the zero-point problem)
+    if second:  # sqrt(v) never codes to 0 in a usable block (no zero level: the zero-point problem) but overflowed
         expected = torch.where(expected == 0, torch.ones_like(expected), expected)
+        expected = torch.where(overflowed.reshape(-1), torch.zeros_like(expected), expected)
     else:  # no -0
         expected = torch.where(expected == 0x80, torch.zeros_like(expected), expected)
     assert torch.equal(got[in_usable], expected[in_usable])
     assert bool((got[~in_usable] == 0).all())
-    # decoding is the float8 value times the scale, exactly
-    values = formats.decode_state(codes, scales, second, x.shape)
+    # decoding is the float8 value times the scale, exactly; an overflowed v reads back as inf
+    values = formats.decode_state(codes, torch.where(flagged, -scales, scales), second, x.shape)
     u_back = codes.float().reshape(-1) * scales.repeat_interleave(256)[: x.numel()]
-    assert torch.equal(bits(values.reshape(-1)), bits(u_back * u_back if second else u_back))  # (NaN blocks too)
+    want = torch.where(overflowed.reshape(-1), math.inf, u_back * u_back) if second else u_back
+    assert torch.equal(bits(values.reshape(-1)), bits(want))  # (NaN blocks too)
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
@@ -1931,18 +1971,44 @@ def test_state_bytes_per_param_at_most_2_05():
     assert memory(opt)["state_bytes_per_param"] <= 2.05
 
 
-def test_nan_and_inf_blocks_read_as_nan_and_tiny_v_never_as_zero():
-    fmt = FP8_FORMATS[torch.float8_e4m3fn]
+@pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
+def test_nan_blocks_read_as_nan_an_overflowed_v_as_inf_alone_and_tiny_v_never_as_zero(dtype):
+    """A NaN makes its block NaN; an overflowed v (inf) leaves its block's other elements coded as without it (the
+    scale negated, code 0 for the inf); exp_avg's inf makes its block NaN (an inf m only comes from an inf gradient
+    or float32's own overflow, where torch.optim.AdamW's update of that element is NaN too)."""
+    fmt = FP8_FORMATS[dtype]
     x = torch.rand(4 * 256) + 0.5
     x[3] = float("nan")
     x[300] = float("inf")
     x[600] = 1e-12  # sqrt(v) 1e-6 below its block's largest: rounds up to the smallest code, never to 0
+    x[768:] = 0.0
+    x[900] = float("inf")  # an overflowed v among zeros: a zero block, flagged
     codes, scales = formats.quantize_fp8(x, fmt, True)
-    assert bool(scales[:2].isnan().all()) and bool((scales[2:] > 0).all())
-    assert bool((codes.view(torch.uint8)[:512] == 0).all())
+    c = codes.view(torch.uint8)
+    assert bool(scales[0].isnan()) and bool((c[:256] == 0).all())
+    assert float(scales[1]) < 0 and float(scales[2]) > 0 and bits(scales[3]) == bits(torch.tensor(-0.0))
+    without = x.clone()
+    without[300] = 0.0
+    without[900] = 0.0
+    codes_without, scales_without = formats.quantize_fp8(without, fmt, True)
+    assert torch.equal(bits(scales[1:].abs()), bits(scales_without[1:]))
+    others = torch.ones(x.numel(), dtype=torch.bool)
+    others[[300, 900]] = False
+    others[:256] = False
+    assert torch.equal(c[others].clamp_min(1), codes_without.view(torch.uint8)[others].clamp_min(1))
+    assert int(c[300]) == 0 and int(c[900]) == 0 and bool((c[256:][others[256:]] >= 1).all())
     values = formats.decode_state(codes, scales, True, x.shape)
-    assert bool(values[:512].isnan().all())
+    assert bool(values[:256].isnan().all())
+    assert torch.equal(torch.isinf(values), torch.isinf(x) & (torch.arange(x.numel()) >= 256))
+    assert torch.equal(bits(values[others]), bits(formats.decode_state(codes_without, scales_without, True,
+                                                                       x.shape)[others]))
     assert float(values[600]) > 0.0
+    # encoding what it decodes gives the same bits back (a checkpoint of such a state resumes exactly)
+    again, again_scales = formats.quantize_fp8(values, fmt, True)
+    assert torch.equal(again.view(torch.uint8), c) and torch.equal(bits(again_scales), bits(scales))
+    # exp_avg: inf makes its block NaN
+    m_codes, m_scales = formats.quantize_fp8(torch.where(torch.isnan(x), 1.0, x), fmt, False)
+    assert bool(m_scales[1].isnan()) and bool(m_scales[3].isnan()) and not bool(m_scales[[0, 2]].isnan().any())
 
 
 @pytest.mark.parametrize("breakage", ["scale not a power of two", "scale count", "scale dtype", "negative scale"])
@@ -1964,6 +2030,32 @@ def test_invalid_fp8_state_is_refused_naming_the_param_and_nothing_changes(backe
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*exp_avg_scale"):
         opt.step()
     assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
+def test_an_fp8_state_holding_an_overflowed_v_is_adopted_as_is_and_steps_alike(backend, dtype):
+    """A second moment's negative (flagged) block scales are valid fp8 state: assigned to another optimizer's param
+    it is used as is (no conversion) and both go on bit for bit; exp_avg's negative scales stay refused (above)."""
+    params = [torch.nn.Parameter(torch.randn(600, generator=torch.Generator().manual_seed(1))) for _ in range(2)]
+    opts = [FusedAdam([p], lr=1e-2, amsgrad=True, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype) for p in params]
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(600, generator=g) for _ in range(5)]
+    grads[1][300] = OVERFLOWING_GRAD
+    for grad in grads[:2]:
+        params[0].grad = grad.clone()
+        opts[0].step()
+    with torch.no_grad():
+        params[1].copy_(params[0])
+    opts[1].state[params[1]] = copy.deepcopy(opts[0].state[params[0]])
+    for key in ("exp_avg_sq", "max_exp_avg_sq"):
+        assert float(opts[1].state[params[1]][key + "_scale"][1]) < 0, key
+    for grad in grads[2:]:
+        for p, opt in zip(params, opts):
+            p.grad = grad.clone()
+            opt.step()
+    assert torch.equal(bits(params[1].detach()), bits(params[0].detach()))
+    assert_tree_bitwise_equal(opts[1].state_dict(), opts[0].state_dict(), "adopted")
+    assert bool(params[0].isfinite().all()) and bool(torch.isinf(state_values(opts[0], params[0], "exp_avg_sq")[300]))
 
 
 def test_from_an_fp32_checkpoint_and_from_optimizer():

@@ -348,8 +348,9 @@ def test_fp8_edge_values_bitwise(combo):
     maxima at and around the largest finite code (448 / 57344 and the ties above them, where the scale's exponent
     steps), powers of two, float32 subnormals, values that underflow the format (and the smallest-code floor of
     sqrt(v)), a block whose scale falls below the smallest exponent (a zero block), -0.0, inf and NaN (NaN scale, zero
-    codes), a v that overflows float32; a partial last block. beta1 = beta2 = 0: m = g and v = g * g reach the
-    encoders unchanged; amsgrad exercises the max_exp_avg_sq encoder too."""
+    codes), a v that overflows float32 (its block: a negative scale, code 0 for that v); a partial last block. beta1
+    = beta2 = 0: m = g and v = g * g reach the encoders unchanged; amsgrad exercises the max_exp_avg_sq encoder
+    too."""
     fmt = _spec.FP8_FORMATS[COMBOS[combo][1]]
     top, half = fmt.max_value, 2.0 ** (fmt.emax - fmt.mantissa_bits - 1)
     specials = [1.0, top, top + half, top + half * 1.01, top * 0.999, 2.0 ** -20, 1e-40, 1e-33, 3.4e38, 2e19,
@@ -370,9 +371,16 @@ def test_fp8_edge_values_bitwise(combo):
     if backends.native_available() and NATIVE_EXACT:
         torch.ops.ort_optim.adam_step_(*nat, **hp)
         assert_bitwise(tri, nat, f"{combo} edge values vs native")
-    m_scales = tri[6][0].cpu()
+    m_scales, v_scales, v_codes = tri[6][0].cpu(), tri[7][0].cpu(), tri[3][0].cpu().view(torch.uint8)
     for b, value in enumerate(specials):
         assert bool(m_scales[b].isnan()) == (not math.isfinite(value)), (b, value, float(m_scales[b]))
+        # a v = g * g that overflows float32 without a NaN: a finite scale with its sign bit set, code 0 for it alone
+        v = blocks[b] * blocks[b]
+        v_nan, v_overflow = bool(v.isnan().any()), bool(v.isinf().any()) and not bool(v.isnan().any())
+        s = v_scales[b]
+        assert bool(s.isnan()) == v_nan and bool(torch.signbit(s)) == v_overflow, (b, value, float(s))
+        if v_overflow:
+            assert torch.equal(v_codes[b * 256:(b + 1) * 256] == 0, v.isinf()), (b, value)
 
 
 @needs_working_interpreter
