@@ -40,6 +40,7 @@ def linear_code_adam_reference(p, grads, bits, steps, lr=1e-3, beta1=0.9, beta2=
     return p
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 def test_lowbit_floor_step_is_an_adam_step_with_linear_block_codes(library, bits):
     generator = torch.Generator().manual_seed(bits)

@@ -1220,6 +1220,7 @@ def test_deepspeed_plain_optimizer_class_is_wrapped_like_any_torch_optimizer():
     assert not opt.skipped and opt.loss_scale == 2.0**6
 
 
+@pytest.mark.slow
 def test_deepspeed_cpu_adam_real():
     """The real DeepSpeedCPUAdam (its op is JIT-built on first use, about 90 s, then cached): wrapped, and its
     masters follow torch's AdamW on the same unscaled gradients."""

@@ -80,6 +80,7 @@ def _run(make_opt, make_scheduler, compiled: bool, step_kwargs=lambda: {}, grad_
     return [p.detach().clone() for p in model.parameters()], counts, opt
 
 
+@pytest.mark.slow
 @NEWEST
 def test_a_compiled_step_with_a_tensor_lr_scheduler_and_per_group_decay_has_torch_adamws_breaks_and_graphs():
     _, theirs, _ = _run(_adamw, _lambda_lr, compiled=True)
@@ -137,6 +138,7 @@ def test_a_compiled_step_with_max_grad_norm_clips_as_eager():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @NEWEST
 def test_a_change_the_step_must_see_retraces_and_is_validated():
     """Guards stand in for the per-step validity check: a param that gets a gradient late, a state reset, a bad
@@ -162,6 +164,7 @@ def test_a_change_the_step_must_see_retraces_and_is_validated():
         step()
 
 
+@pytest.mark.slow
 @NEWEST
 def test_fp16_optimizer_around_fused_adam_compiles_without_recompiles_and_matches_eager():
     """FP16_Optimizer(FusedAdam).step() with fp16 params and masters: the same graphs at every step after the first

@@ -2095,6 +2095,7 @@ def _bitsandbytes_blockwise_error(x: torch.Tensor):
     return float((F.dequantize_blockwise(codes, state) - x).abs().mean())
 
 
+@pytest.mark.slow
 def test_8bit_conversion_rounds_to_nearest_no_worse_than_bitsandbytes():
     """Loading fp32 moments into 8-bit codes (checkpoints, from_optimizer) picks the nearest level (the exp_avg
     levels' nearest; sqrt(v) nearest in 1/sqrt(v), as in a step), so its mean absolute error on randn(1024, 1024)
@@ -2131,6 +2132,7 @@ def test_8bit_step_rounding_stays_stochastic():
 EXAMPLES = Path(__file__).resolve().parents[2] / "guides" / "examples"
 
 
+@pytest.mark.slow
 def test_quality_within_one_percent(tmp_path):
     """The quality harness's three tasks in their quick sizes (one seed): fp8 moments' mean training loss within 1%
     of fp32 moments (either direction), and bf16 params with stochastic rounding + fp8 moments within 2% of the bf16
@@ -2212,6 +2214,7 @@ def _fsdp_fp8_scenarios(rank, world_size, tmp_dir):
             "resumed": [full(p) for p in model.parameters()]}
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(TORCH_VERSION < (2, 6), reason=f"FSDP2 and torch.distributed.checkpoint on CPU with gloo need "
                     f"torch >= 2.6; this environment has torch {torch.__version__}")
 def test_fsdp2_fp8_states_and_dcp_resume_bit_for_bit(tmp_path):

@@ -766,6 +766,7 @@ def test_under_distributed_data_parallel_made_after_the_first_backward_a_second_
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_under_ortmodule_a_tied_weight_is_updated_once_per_iteration_with_and_without_accumulation():
     """Two ORTModules over the same init: step() after backward, and step_in_backward (the first of two micro-batches
     inside accumulate()): every hook fires once per iteration (the tied weight's too), and the params are equal bit
@@ -1481,6 +1482,7 @@ def test_torch_compile_of_a_function_that_calls_backward_updates_in_backward_bit
         torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_a_backward_run_by_compiled_autograd_is_refused_by_the_first_hook_with_nothing_updated():
     """Compiled autograd replaces autograd's engine by a traced graph (whose hooks' order and end-of-backward
     callbacks the updates in backward cannot rely on): the first hook raises a ValueError naming it, before any
@@ -1535,6 +1537,7 @@ def _peak(in_backward: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmHWM from /proc/self/status")
 def test_step_in_backward_lowers_the_peak_rss_by_most_of_the_gradients_bytes():
     # Measured: 85-95% of the gradients' bytes (163-182 MB of 192); without giving the freed gradients' heap pages

@@ -723,6 +723,7 @@ def _cli(*args, env=None, cwd=None):
     return subprocess.run([*CLI, *args], capture_output=True, text=True, env=environ, cwd=cwd or ROOT)
 
 
+@pytest.mark.slow
 def test_cli_prints_export_lines_in_table_order():
     result = _cli("--log-level", "info", "--memory-opt-level", "1", "--compute-optimizer", "false",
                   "--print-memory-stats")
@@ -735,6 +736,7 @@ def test_cli_prints_export_lines_in_table_order():
     ]
 
 
+@pytest.mark.slow
 def test_cli_writes_the_plan_file_and_quotes_for_the_shell(tmp_path):
     plan_file = tmp_path / "my plans.json"
     save_dir = tmp_path / "dir with 'quotes'"
@@ -750,6 +752,7 @@ def test_cli_writes_the_plan_file_and_quotes_for_the_shell(tmp_path):
     assert "wrote 3 recompute plan(s)" in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_default_plan_file_is_kept(tmp_path):
     result = _cli("--recompute-plan", "Gelu+:1:-1", env={"XDG_CACHE_HOME": str(tmp_path)})
     assert result.returncode == 0, result.stderr
@@ -759,6 +762,7 @@ def test_cli_default_plan_file_is_kept(tmp_path):
     assert _plans_in(path) == ["Gelu+:1:-1"]  # still there after the command exited
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_cli_output_evaluates_in_bash(tmp_path):
     (tmp_path / "a b").mkdir()
@@ -781,6 +785,7 @@ def test_cli_rejects_a_bad_flag_value():
     assert result.stdout == ""
 
 
+@pytest.mark.slow
 def test_cli_reports_typos_and_values_ort_cannot_read():
     result = _cli("--memory-opt-level", "1",
                   env={"ORTMODULE_MEMORY_OPT_LEVLE": "1", "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "true"})
@@ -791,6 +796,7 @@ def test_cli_reports_typos_and_values_ort_cannot_read():
     assert "write ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=1" in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_checks_the_environment_as_it_will_be_after_eval():
     bad = {"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "true", "ORTMODULE_LOG_LEVEL": "LOUD"}
     assert _cli(env=bad).returncode == 1
@@ -799,6 +805,7 @@ def test_cli_checks_the_environment_as_it_will_be_after_eval():
     assert _cli("--no-check", env=bad).returncode == 0
 
 
+@pytest.mark.slow
 def test_cli_flags_come_from_the_table():
     result = _cli("--help")
     assert result.returncode == 0
@@ -810,6 +817,7 @@ def test_cli_flags_come_from_the_table():
         assert var.env in help_text
 
 
+@pytest.mark.slow
 def test_cli_describe_and_markdown():
     result = _cli("--describe", "--memory-opt-level", "1", env={"ORTMODULE_LOG_LEVEL": "ERROR"})
     assert result.returncode == 0, result.stderr
