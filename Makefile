@@ -56,12 +56,14 @@ check-latest:
 	.venv-latest/bin/python -m pytest -q -m "$(CHECK_MARKERS)" --ignore=tests/triton_backend $(PYTEST_ARGS)
 	.venv-latest/bin/python -m pytest -q -m "$(CHECK_MARKERS)" -k "$(TRITON_CHECK)" tests/triton_backend $(PYTEST_ARGS)
 
-# The FusedAdam spec suites again, through the Triton kernels on CPU tensors (Triton's interpreter), minus the
+# The FusedAdam spec suites again, through the Triton kernels on CPU tensors (Triton's interpreter), minus the slow
+# and distributed tests (quality runs and multi-process runs take tens of minutes in the interpreter) and the
 # long parity runs, which take over 15 minutes in the interpreter (tests/triton_backend/test_triton.py covers their
 # math bit for bit).
+TRITON_MARKERS := not no_interpreter and not slow and not distributed
 TRITON_SUBSET := not 200_steps and not native_op_and_fallback and not adamw_torch_mode
 test-triton:
-	ORT_OPTIM_BACKEND=triton TRITON_INTERPRET=1 .venv-latest/bin/python -m pytest -q -m "not no_interpreter" -k "$(TRITON_SUBSET)" \
+	ORT_OPTIM_BACKEND=triton TRITON_INTERPRET=1 .venv-latest/bin/python -m pytest -q -m "$(TRITON_MARKERS)" -k "$(TRITON_SUBSET)" \
 		tests/fused_adam/test_update_rule.py tests/fused_adam/test_mixed_precision.py tests/fused_adam/test_checkpoints.py \
 		tests/fused_adam/test_scaling.py tests/fused_adam/test_low_bit.py $(PYTEST_ARGS)
 	.venv-latest/bin/python tools/aot_compile.py --check
