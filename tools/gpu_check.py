@@ -30,6 +30,7 @@ Exit status 0 when every correctness check passed (benchmarks never fail the run
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -167,7 +168,9 @@ def run_pytest(out: Path, dry_run: bool, results: dict) -> bool:
         return True
     timeout = max(30.0, min(150.0, left() - 120.0))
     env = dict(os.environ, PYTHONPATH=str(ROOT), ORT_OPTIM_NO_NATIVE=os.environ.get("ORT_OPTIM_NO_NATIVE", "1"))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(ROOT / "tests" / "test_triton.py")]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(ROOT / "tests" / "triton_backend" / "test_triton.py")]
+    if not dry_run and importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", "8"]  # the kernels' compilations are CPU work
     if dry_run:
         env["TRITON_INTERPRET"] = "1"
         cmd += ["-k", "canary or block_sizes or found_inf or grad_stats_empty or grad_norm_of"]
@@ -253,7 +256,8 @@ def copy_bandwidth(device, dry_run: bool) -> float:
     return 2 * n * 4 / (statistics.median(times) * 1e-3) / 1e9
 
 
-MOMENT_BYTES = {"fp32": 4, "fp16": 2 + 4 / 1024, "uint8": 1 + 4 / 256, "uint4": 0.5 + 2 / 128}  # codes + scales
+MOMENT_BYTES = {"fp32": 4, "fp16": 2 + 4 / 1024, "uint8": 1 + 4 / 256, "uint4": 0.5 + 2 / 128,
+                "fp8": 1 + 4 / 256}  # codes + scales
 
 
 def min_bytes(numel: int, moments: str) -> int:
@@ -299,7 +303,7 @@ def benchmarks(device, dry_run: bool, results: dict) -> None:
                 make_params(shapes), lr=1e-3, adam_w_mode=2, weight_decay=0.01, exp_avg_dtype=torch.float16,
                 exp_avg_sq_dtype=torch.float16)))
         if name in ("1x4096^2", "GPT-2 small", "1x4096"):
-            for moments, dtype in (("uint8", torch.uint8), ("uint4", torch.uint4)):
+            for moments, dtype in (("uint8", torch.uint8), ("uint4", torch.uint4), ("fp8", torch.float8_e4m3fn)):
                 variants.append(("FusedAdam (Triton)", moments, lambda dt=dtype: FusedAdam(
                     make_params(shapes), lr=1e-3, adam_w_mode=2, weight_decay=0.01, exp_avg_dtype=dt,
                     exp_avg_sq_dtype=dt)))
@@ -363,7 +367,8 @@ def benchmarks(device, dry_run: bool, results: dict) -> None:
     norm_rows = results.setdefault("plain_norm_cost", [])
     for name, shapes in ((("1x4096", [(4096,)]), ("20x1K", [(1024,)] * 20)) if dry_run else
                          (("1x4096^2", [(4096, 4096)]), ("GPT-2 small", GPT2_SMALL))):
-        for moments, dtype in (("fp32", torch.float32), ("uint8", torch.uint8), ("uint4", torch.uint4)):
+        for moments, dtype in (("fp32", torch.float32), ("uint8", torch.uint8), ("uint4", torch.uint4),
+                               ("fp8", torch.float8_e4m3fn)):
             if left() < 30:
                 norm_rows.append({"workload": name, "moments": moments, "skipped": "out of time"})
                 continue
