@@ -277,10 +277,23 @@ NAMES = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "maste
          "exp_avg_sq_scales", "max_exp_avg_sq_scales")
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def raw(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a tensor (so NaN == NaN, -0.0 != 0.0, and bf16/fp16 codes compare exactly)."""
+    """The bytes of a tensor (so -0.0 != 0.0, and bf16/fp16/fp8 codes compare exactly), with every NaN of a floating
+    dtype written as one canonical NaN: a NaN's sign and payload are not part of the semantics (x86 propagates an
+    operand's NaN and makes 0 * inf the negative 0xffc00000; NVIDIA GPUs make the positive 0x7fffffff)."""
     t = t.detach().cpu().contiguous().reshape(-1)
-    return t.view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+    if not t.numel():
+        return torch.zeros(0, dtype=torch.uint8)
+    if t.is_floating_point():
+        nan = t.float().isnan()
+        if bool(nan.any()):
+            bits = t.view(_BITS[t.element_size()])
+            canonical = torch.full((1,), float("nan"), dtype=t.dtype).view(bits.dtype)
+            t = torch.where(nan, canonical, bits)
+    return t.view(torch.uint8)
 
 
 def first_differences(a: torch.Tensor, b: torch.Tensor, count: int = 8) -> str:
@@ -298,7 +311,7 @@ def first_differences(a: torch.Tensor, b: torch.Tensor, count: int = 8) -> str:
 def assert_bitwise(triton_args, ref_args, what=""):
     for name, a_list, b_list in zip(NAMES, triton_args[:9], ref_args[:9]):
         for i, (a, b) in enumerate(zip(a_list, b_list)):
-            a = a.detach().cpu()
+            a, b = a.detach().cpu(), b.detach().cpu()
             ok = a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
             if not ok and a.dtype == F64 and a.shape == b.shape:
                 # beta**t is formed by repeated squaring in the kernel (libdevice pow is not available to the
@@ -309,7 +322,7 @@ def assert_bitwise(triton_args, ref_args, what=""):
                 bad = int((raw(a) != raw(b)).sum()) if a.shape == b.shape else -1
                 raise AssertionError(f"{what}: {name}[{i}] differs from the reference ({bad} bytes; max abs diff "
                                      f"{float(diff.max()) if diff.numel() else 0.0}){first_differences(a, b)}")
-    assert torch.equal(triton_args[9].cpu(), ref_args[9]), f"{what}: steps {triton_args[9]} vs {ref_args[9]}"
+    assert torch.equal(triton_args[9].cpu(), ref_args[9].cpu()), f"{what}: steps {triton_args[9]} vs {ref_args[9]}"
 
 
 def decoded(args, which: int, i: int) -> torch.Tensor:
