@@ -83,7 +83,9 @@ def test_fused_adam_trains_torchs_tp_transformer_as_torch_adamw_does(transformer
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sequence-parallel"])
 def test_the_gradients_laid_out_unlike_their_params_are_the_ones_torch_redistributes(transformer_results,
                                                                                       sequence_parallel):
-    """What the test exercises: FusedAdam used to refuse these gradients ("they must be laid out alike")."""
+    """The model's TP run has gradients laid out unlike their params (a ``Replicate`` gradient of the ``Shard(0)``
+    position embedding; with sequence parallelism, ``Partial`` gradients of ``Replicate`` norm weights): the
+    transformer tests here step with those."""
     layouts = transformer_results[0][(sequence_parallel, "plain")]["layouts"]
     assert layouts["pos_embeddings.weight"] == ("(Shard(dim=0),)", "(Replicate(),)")
     if sequence_parallel:
