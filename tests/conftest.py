@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import site
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -168,6 +170,15 @@ def site_packages() -> list[str]:
     folders = site.getsitepackages() + [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
     folders += [path for path in sys.path if Path(path).name in ("site-packages", "dist-packages")]
     return list(dict.fromkeys(folders))
+
+
+def run_python(python, code: str, cwd: Path) -> dict:
+    """Runs code with python in cwd, without PYTHONPATH (so only what is installed is importable); returns the JSON
+    the code printed last."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([str(python), "-c", code], cwd=cwd, env=env, text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, f"{python} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def pytest_report_header(config):

@@ -11,6 +11,7 @@ changes), DeepSpeed's plain optimizers.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import math
@@ -24,9 +25,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
 from ort_optim import FusedAdam
-from ort_optim.fp16_optimizer import FP16_Optimizer, DynamicLossScaler, LossScaleUnderflowError, SCALE_RANGE
-import copy
-from ort_optim.fp16_optimizer import FP16_Optimizer
+from ort_optim.fp16_optimizer import SCALE_RANGE, DynamicLossScaler, FP16_Optimizer, LossScaleUnderflowError
 
 LOW = (torch.float16, torch.bfloat16)
 

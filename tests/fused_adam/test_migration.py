@@ -277,18 +277,24 @@ def test_4bit_codes_are_unpacked_high_nibble_first():
     assert v[0].item() == qmap[1].item() and v[1].item() == qmap[15].item() and v[2].item() == qmap[0].item()
 
 
-@pytest.mark.parametrize("block", [256, 2048])
-def test_bitsandbytes_moments_load_as_their_exact_values(block):
-    """Blocks of 256 (bitsandbytes >= 0.45) or 2048 (earlier 8-bit optimizers), told apart by the absmax count; the
-    last block partial; params under min_8bit_size with plain float32 states."""
-    sd, expected = bnb_state_dict(block)
+def _assert_loads_as(sd: dict, expected: list[dict]) -> tuple[FusedAdam, list[torch.nn.Parameter]]:
+    """Loads sd into a FusedAdam over bnb_params(); its state then holds each expected value bit for bit."""
     params = bnb_params()
     opt = FusedAdam(params)
     opt.load_state_dict(sd)
     for i, p in enumerate(params):
         for key, value in expected[i].items():
             assert_bitwise_equal(opt.state[p][key], value, f"param {i} {key}")
-        assert float(opt.state[p]["step"]) == 37.0
+    return opt, params
+
+
+@pytest.mark.parametrize("block", [256, 2048])
+def test_bitsandbytes_moments_load_as_their_exact_values(block):
+    """Blocks of 256 (bitsandbytes >= 0.45) or 2048 (earlier 8-bit optimizers), told apart by the absmax count; the
+    last block partial; params under min_8bit_size with plain float32 states."""
+    sd, expected = bnb_state_dict(block)
+    opt, params = _assert_loads_as(sd, expected)
+    assert all(float(opt.state[p]["step"]) == 37.0 for p in params)
 
 
 def test_bitsandbytes_unnested_states_load_too():
@@ -296,12 +302,7 @@ def test_bitsandbytes_unnested_states_load_too():
     sd, expected = bnb_state_dict()
     flat = {"state": {i: {"step": s["step"], **s[BNB_KEY]} for i, s in sd["state"].items()},
             "param_groups": sd["param_groups"]}
-    params = bnb_params()
-    opt = FusedAdam(params)
-    opt.load_state_dict(flat)
-    for i, p in enumerate(params):
-        for key, value in expected[i].items():
-            assert_bitwise_equal(opt.state[p][key], value, f"param {i} {key}")
+    _assert_loads_as(flat, expected)
 
 
 @pytest.mark.skipif(BNB_MISSING is not None, reason=BNB_MISSING or "")
