@@ -181,6 +181,29 @@ def run_python(python, code: str, cwd: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# ---- the spawned scenario sets that several modules of tests/distributed/ read --------------------------------------
+# (Here, not in a tests/distributed/conftest.py: the modules import this one by name, and a second conftest module
+# would take its place in sys.modules.) Each set spawns once per session (distributed_harness.run_once); the scenario
+# modules are imported when a test asks for their results: they live in tests/distributed/, which pytest puts on
+# sys.path when it collects the modules there.
+
+
+@pytest.fixture(scope="session")
+def mesh_results(tmp_path_factory):
+    """mesh_scenarios on 4 ranks, against a shadow FusedAdam and one process."""
+    import mesh_scenarios
+
+    return mesh_scenarios.results(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def torch_results(tmp_path_factory):
+    """torch_scenarios on 2 ranks, against torch.optim.AdamW in the same engine."""
+    import torch_scenarios
+
+    return torch_scenarios.results(tmp_path_factory)
+
+
 def pytest_report_header(config):
     native = backends.native_available() if os.environ.get("ORT_OPTIM_NO_NATIVE") != "1" else False
     return f"torch {torch.__version__}; ort_optim native CPU library: {'loaded' if native else 'NOT available'}"
