@@ -36,7 +36,8 @@ Tasks (each seed fixes the initial weights and the batches; every candidate of a
 
 Reported per task and candidate: the paired relative difference of the mean training loss (over all steps) to fp32
 moments, its mean over seeds with its standard error, the ratio of the seed-averaged losses, the range over seeds.
-Written to ``--out``: ``lowbit_4bit_study.json`` (every run) and ``lowbit_4bit_study.md`` (the table).
+Written to ``--out``: ``lowbit_4bit_study.json`` (every run) and ``lowbit_4bit_study.md`` (the table). With
+``--update-error``: the update-space error of each candidate on the moments of one fp32 run (no training noise).
 """
 
 from __future__ import annotations
@@ -149,8 +150,9 @@ CANDIDATES = {
 # ---- AdamW with stored moments -------------------------------------------------------------------------------------
 
 
-def train(run: TrainingRun, candidate) -> float:
-    """The mean training loss over all steps (inf if it diverged)."""
+def train(run: TrainingRun, candidate, snapshots: list | None = None, every: int = 10) -> float:
+    """The mean training loss over all steps (inf if it diverged). snapshots: a list that receives (step, m, v) of
+    every param at every ``every``-th step (the exact new moments, before any storage)."""
     b1, b2 = run.betas
     params = [(p, group.get("weight_decay", 0.0)) for group in run.groups for p in group["params"]]
     state = {}
@@ -171,6 +173,8 @@ def train(run: TrainingRun, candidate) -> float:
                 m = m.lerp(p.grad, 1 - b1)
                 v = v * b2 + (1 - b2) * p.grad * p.grad
                 p.sub_((lr / (1 - b1 ** step)) * m / (v.sqrt() / math.sqrt(1 - b2 ** step) + run.eps))
+                if snapshots is not None and step % every == 0:
+                    snapshots.append((step, m.clone(), v.clone()))
                 if candidate is not None:
                     v = candidate.second_moment(v)
                     m = candidate.first_moment(m, v, step)
@@ -221,6 +225,37 @@ def run_one(job) -> dict:
     candidate = CANDIDATES[name]
     return dict(task=task, seed=seed, candidate=name, mean_loss=train(run, candidate),
                 bytes_per_param=candidate.bytes_per_param(shapes) if candidate else 8.0)
+
+
+def update_error(task: str, seed: int, names, quick: bool) -> list[dict]:
+    """Without training noise: how much storing the moments changes the update. On the moments of one fp32 run
+    (every 10th step), per candidate, sum((U' - U)**2) / sum(U**2) for both moments stored and for exp_avg alone,
+    and the bias sum((U' - U) * U) / sum(U**2), with U = (m / bc1) / (sqrt(v / bc2) + eps) and U' from the decoded
+    moments (the stochastic rounding's noise included)."""
+    torch.set_num_threads(1)
+    run = make_task(task, seed, quick)
+    snapshots = []
+    train(run, None, snapshots)
+    b1, b2 = run.betas
+    rows = []
+    for name in names:
+        candidate = CANDIDATES[name]
+        if candidate is None:
+            continue
+        both = alone = bias = total = 0.0
+        for step, m, v in snapshots:
+            bc1, bc2 = 1 - b1 ** step, math.sqrt(1 - b2 ** step)
+            exact = (m / bc1) / (v.sqrt() / bc2 + run.eps)
+            v_stored = candidate.second_moment(v)
+            m_stored = candidate.first_moment(m, v_stored, step)
+            stored = (m_stored / bc1) / (v_stored.sqrt() / bc2 + run.eps)
+            m_only = (m_stored / bc1) / (v.sqrt() / bc2 + run.eps)
+            total += float(exact.double().square().sum())
+            both += float((stored - exact).double().square().sum())
+            alone += float((m_only - exact).double().square().sum())
+            bias += float(((stored - exact).double() * exact.double()).sum())
+        rows.append(dict(task=task, candidate=name, both=both / total, exp_avg=alone / total, bias=bias / total))
+    return rows
 
 
 # ---- report --------------------------------------------------------------------------------------------------------
@@ -276,6 +311,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (one thread each)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and seeds 0-1: a smoke test")
     parser.add_argument("--out", default="results")
+    parser.add_argument("--update-error", action="store_true",
+                        help="instead of training every candidate: the update-space error on one fp32 run per task "
+                             "(the first seed)")
     args = parser.parse_args(argv)
     names = args.candidates.split(",")
     unknown = [n for n in names if n not in CANDIDATES]
@@ -284,6 +322,12 @@ def main(argv=None) -> list[dict]:
     if "fp32" not in names:
         names.insert(0, "fp32")
     seeds = [0, 1] if args.quick else parse_seeds(args.seeds)
+    if args.update_error:
+        rows = [row for task in args.tasks.split(",") for row in update_error(task, seeds[0], names, args.quick)]
+        print("| task | candidate | both moments | exp_avg alone | bias |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['task']} | {r['candidate']} | {r['both']:.3f} | {r['exp_avg']:.3f} | {r['bias']:+.3f} |")
+        return rows
     jobs = [(task, seed, name, args.quick) for task in args.tasks.split(",") for seed in seeds for name in names]
     records = []
     with multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else _Serial() as pool:
