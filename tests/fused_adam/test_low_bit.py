@@ -2222,7 +2222,7 @@ def test_fsdp2_fp8_states_and_dcp_resume_bit_for_bit(tmp_path):
 # (exp_avg rounded stochastically, sqrt(v) to its level nearest in 1/sqrt(v)), over the update's own squared size, on
 # block data shaped like Adam's moments (per block a scale over four decades, most elements between 5% and 50% of
 # their block's largest, a heavy tail). It has no training noise, so it tells a change of the levels from a lucky
-# seed; guides/low-bit-states.md ("Candidate 4-bit levels") has what it did and did not predict about training loss.
+# seed; guides/low-bit-states.md ("Choosing the 4-bit format") has what it did and did not predict about training loss.
 
 
 def _moment_like_blocks(seed: int, blocks: int = 400) -> tuple[torch.Tensor, torch.Tensor]:
