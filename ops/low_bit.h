@@ -16,8 +16,10 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ORT_OPTIM_LOW_BIT_AVX512 1
-#if defined(__znver4__) || defined(__znver5__)
-#define ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES 1  // CodeMap::bucket_keys: scalar loads beat a gather on these cores
+// AMD Zen 4 and 5 (which compilers without znver4 take for znver3, the same family with AVX-512): CodeMap's scalar
+// loads beat a gather there (CodeMap::bucket_keys)
+#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#define ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES 1
 #endif
 #endif
 
