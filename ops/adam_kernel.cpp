@@ -50,10 +50,24 @@ struct BlockMax {
 //
 // kAmax: also find the block maxima (when a state is stored as scaled fp16), in the same pass rather than in one more
 // pass per state. kRoot: also write sqrt(v) (sqrt(vmax) with amsgrad), which a low-bit second moment stores, to root.
-template <typename T, int64_t kMode, bool kAmsgrad, bool kAmax, bool kRoot = false>
+// MIn, VIn: where the loop reads m and v: the arrays it writes (InPlace), or readers of stored codes (Q8Values,
+// Fp8Values), which decode in the loop's vector lanes while the division and square root units are busy.
+struct InPlace {};
+
+template <typename T, typename In>
+inline T read_moment(const In& in, const T* x, int64_t i) {
+  if constexpr (std::is_same_v<In, InPlace>) {
+    return x[i];
+  } else {
+    return in(i);
+  }
+}
+
+template <typename T, int64_t kMode, bool kAmsgrad, bool kAmax, bool kRoot = false, typename MIn = InPlace,
+          typename VIn = InPlace>
 BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
                    T* __restrict__ vmax, int64_t n, const TensorWork& w, const Hyper& h,
-                   T* __restrict__ root = nullptr) {
+                   T* __restrict__ root = nullptr, MIn m_in = {}, VIn v_in = {}) {
   const T grad_mul = T(h.grad_mul), b2 = T(h.beta2), one_minus_b1 = T(1.0 - h.beta1),
           one_minus_b2 = T(1.0 - h.beta2);
   const T eps = T(h.eps), wd = T(h.weight_decay), step_size = T(w.step_size), bc2_sqrt = T(w.bc2_sqrt);
@@ -69,8 +83,9 @@ BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m
     T gi = g[i] * grad_mul;  // unscale (and negate for maximize)
     if (kMode == kAdamL2) gi = gi + wd * p[i];  // L2: the decay enters the moments (not written back to .grad)
     if (kMode == kAdamWTorch) p[i] = p[i] * torch_decay;
-    m[i] = m[i] + one_minus_b1 * (gi - m[i]);  // = b1*m + (1-b1)*g, in torch's lerp form
-    v[i] = v[i] * b2 + one_minus_b2 * gi * gi;
+    const T mi = read_moment<T>(m_in, m, i), vi0 = read_moment<T>(v_in, v, i);
+    m[i] = mi + one_minus_b1 * (gi - mi);  // = b1*m + (1-b1)*g, in torch's lerp form
+    v[i] = vi0 * b2 + one_minus_b2 * gi * gi;
     T vi = v[i];
     if (kAmsgrad) {
       vmax[i] = std::max(vmax[i], vi);  // the max of the raw v; bias correction comes after
@@ -171,13 +186,11 @@ T* stage(const void* base, at::ScalarType type, const float* scales, int64_t off
   return scratch;
 }
 
-// One block of one tensor: [off, off + n) with off a multiple of kBlock.
-// grad_squares receives the block's sum of squares of the gradients as loaded (adam_loop's).
+// The update of the block [off, off + n) through scratch arrays: every moment that is not plain T is converted into
+// one, updated, and stored back. p, g: the block's params and gradients as staged.
 template <typename T, int64_t kMode, bool kAmsgrad>
-void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s, double& grad_squares) {
-  T* g = stage<T>(w.grad, w.grad_type, nullptr, off, n, s.g);
-  T* p = w.master ? stage<T>(w.master, at::kFloat, nullptr, off, n, s.p)
-                  : stage<T>(w.param, w.param_type, nullptr, off, n, s.p);
+void update_staged(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s, T* p, T* g,
+                   double& grad_squares) {
   T* m = stage<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m, w.exp_avg_low_bit, false, w.exp_avg_fp8);
   T* v = stage<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v, w.exp_avg_sq_low_bit, true,
                   w.exp_avg_sq_fp8);
@@ -222,6 +235,11 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
     store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, max.vmax,
                    w.exp_avg_sq_low_bit, true, root, w.step, w.exp_avg_sq_fp8, s.fp8_rnd);
   }
+}
+
+// The param (from the master, or the staged copy) and the unscaled gradient back into their tensors.
+template <typename T>
+void write_back(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s, T* p, T* g) {
   // With a master, p is the master itself (updated in place) and the param receives it rounded.
   if (w.master || p == s.p) {
     char* dst = static_cast<char*>(w.param) + off * c10::elementSize(w.param_type);
@@ -260,6 +278,85 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
     for (int64_t i = 0; i < n; ++i) g[i] = g[i] / scale;
     if (g == s.g) store<T>(s.g, n, dst, w.grad_type);
   }
+}
+
+// Moments stored one byte per element with a scale per 256 (8-bit codes, fp8), without amsgrad: each block of 256 is
+// decoded inside the update's loop (adam_loop with readers of the codes) instead of in passes of its own, whose
+// lookups and bit operations then run while the loop waits on its divisions and square root, and is stored right
+// after, from the L1 cache. The same values as staging, bit for bit.
+constexpr int64_t kCodeBlock = 256;
+static_assert(spec::kQ8Block == kCodeBlock && spec::kFp8Block == kCodeBlock, "one-byte codes in blocks of 256");
+
+// k(reader_at), where reader_at(off) reads the block of 256 at off of a one-byte coded moment; false if the moment is
+// not stored so.
+template <bool kSecondMoment, typename K>
+bool with_reader(const TensorWork& w, K&& k) {
+  const LowBit* low_bit = kSecondMoment ? w.exp_avg_sq_low_bit : w.exp_avg_low_bit;
+  const Fp8* fp8 = kSecondMoment ? w.exp_avg_sq_fp8 : w.exp_avg_fp8;
+  const uint8_t* codes = static_cast<const uint8_t*>(kSecondMoment ? w.exp_avg_sq : w.exp_avg);
+  const float* scales = kSecondMoment ? w.exp_avg_sq_scale : w.exp_avg_scale;
+  const auto flagged = [&](float s) { return kSecondMoment && overflow_flagged(s); };
+  if (fp8 && fp8->mantissa_bits == 3) {
+    k([=](int64_t off) {
+      const float s = scales[off / kCodeBlock];
+      return Fp8Values<3, 7, kSecondMoment>{codes + off, s, flagged(s)};
+    });
+  } else if (fp8) {
+    k([=](int64_t off) {
+      const float s = scales[off / kCodeBlock];
+      return Fp8Values<2, 15, kSecondMoment>{codes + off, s, flagged(s)};
+    });
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// The update and store of the block [off, off + n) (in blocks of 256) of a tensor whose moments are both one-byte
+// codes; false (nothing done) otherwise. p, g: the block's params and gradients as staged.
+template <int64_t kMode>
+bool update_coded(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
+                  const float* g) {
+  bool done = false;
+  with_reader<false>(w, [&](auto m_at) {
+    done = with_reader<true>(w, [&](auto v_at) {
+      for (int64_t o = 0; o < n; o += kCodeBlock) {
+        const int64_t len = std::min(kCodeBlock, n - o);
+        adam_loop<float, kMode, false, false, true>(p + o, g + o, s.m + o, s.v + o, nullptr, len, w, h, s.root + o,
+                                                     m_at(off + o), v_at(off + o));
+        if (w.exp_avg_fp8 || w.exp_avg_sq_fp8) fp8_random_bits(s.m + o, off + o, len, w.step, s.fp8_rnd + o);
+        store_state<float>(s.m + o, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off + o, len, 0, w.exp_avg_low_bit,
+                           false, nullptr, w.step, w.exp_avg_fp8, s.fp8_rnd + o);
+        store_state<float>(s.v + o, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off + o, len, 0,
+                           w.exp_avg_sq_low_bit, true, s.root + o, w.step, w.exp_avg_sq_fp8, s.fp8_rnd + o);
+      }
+    });
+  });
+  return done;
+}
+
+// The sum of squares of g[0, n), as adam_loop adds it up (the same simd reduction over the same block).
+inline double square_sum(const float* __restrict__ g, int64_t n) {
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < n; ++i) squares += g[i] * g[i];
+  return double(squares);
+}
+
+// One block of one tensor: [off, off + n) with off a multiple of kBlock.
+// grad_squares receives the block's sum of squares of the gradients as loaded (adam_loop's).
+template <typename T, int64_t kMode, bool kAmsgrad>
+void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s, double& grad_squares) {
+  T* g = stage<T>(w.grad, w.grad_type, nullptr, off, n, s.g);
+  T* p = w.master ? stage<T>(w.master, at::kFloat, nullptr, off, n, s.p)
+                  : stage<T>(w.param, w.param_type, nullptr, off, n, s.p);
+  bool coded = false;
+  if constexpr (std::is_same_v<T, float> && !kAmsgrad) {
+    coded = update_coded<kMode>(w, h, off, n, s, p, g);
+    if (coded) grad_squares = square_sum(g, n);
+  }
+  if (!coded) update_staged<T, kMode, kAmsgrad>(w, h, off, n, s, p, g, grad_squares);
+  write_back<T>(w, h, off, n, s, p, g);
 }
 
 void prefetch_item(const TensorWork& w, const WorkItem& item) {

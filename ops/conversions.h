@@ -36,6 +36,10 @@ inline uint32_t float_to_bits(float f) {
   return b;
 }
 
+// Whether a low-bit or fp8 second moment's block scale marks an overflowed v (its sign bit set, not NaN): the block's
+// code 0 then reads as v = inf (ort_optim/_spec.py, LowBitFormat and Fp8Format).
+inline bool overflow_flagged(float scale) { return std::signbit(scale) && !std::isnan(scale); }
+
 // dst[i] = float(src[i]) * mul. The conversion is exact, so this equals converting and then multiplying; fused, the
 // scaled fp16 states take one pass over the block instead of two. 16 lanes with AVX-512, 8 with F16C.
 // kSquare: dst[i] = x * x of that x (a second moment stored as sqrt(v)), still in the one pass.

@@ -46,21 +46,12 @@ inline int32_t fp8_round(float y) {
 // second moment (which holds sqrt(v)).
 template <int kMb, int kBias, bool kSecondMoment>
 void fp8_load(const uint8_t* codes, const float* scales, int64_t off, int64_t n, float* dst) {
-  const float sub_ulp = bits_to_float(uint32_t(127 + 1 - kBias - kMb) << 23);
   for (int64_t q = 0; q < n; q += kFp8Block) {
     const int64_t len = std::min<int64_t>(kFp8Block, n - q);
     const float s = scales[(off + q) / kFp8Block];
-    const bool flagged = kSecondMoment && std::signbit(s) && !std::isnan(s);
-    const uint8_t* c = codes + off + q;
+    const Fp8Values<kMb, kBias, kSecondMoment> values{codes + off + q, s, kSecondMoment && overflow_flagged(s)};
     float* d = dst + q;
-    for (int64_t i = 0; i < len; ++i) {
-      const uint32_t code = c[i], mag = code & 0x7Fu;
-      const float normal = bits_to_float((mag << (23 - kMb)) + (uint32_t(127 - kBias) << 23));
-      const float u = (mag >> kMb) == 0 ? float(int32_t(mag)) * sub_ulp : normal;
-      const float x = bits_to_float(float_to_bits(u) | ((code & 0x80u) << 24)) * s;
-      // a second moment's code 0 in a block whose scale has its sign bit set (no NaN): an overflowed v, inf
-      d[i] = kSecondMoment ? (flagged && code == 0 ? std::numeric_limits<float>::infinity() : x * x) : x;
-    }
+    for (int64_t i = 0; i < len; ++i) d[i] = values(i);
   }
 }
 

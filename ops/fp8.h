@@ -8,13 +8,35 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <limits>
 
+#include "conversions.h"
 #include "ort_optim_spec.h"  // generated from ort_optim/_spec.py into the build folder (backends/native.py)
 
 namespace ort_optim {
 
 struct Fp8 {
   int mantissa_bits, bias, emax, max_code;
+};
+
+// The value of element i of one block of fp8 codes c (kMb mantissa bits, exponent bias kBias) with scale s: code * s,
+// squared for a second moment, whose code 0 reads as inf in a flagged block (scale with its sign bit set, not NaN:
+// an overflowed v). Branch-free, so that a loop calling it vectorises (fp8_load, and the Adam kernel's update).
+template <int kMb, int kBias, bool kSecondMoment>
+struct Fp8Values {
+  const uint8_t* c;
+  float s;
+  bool flagged;
+
+  inline float operator()(int64_t i) const {
+    const uint32_t code = c[i], mag = code & 0x7Fu;
+    const float normal = bits_to_float((mag << (23 - kMb)) + (uint32_t(127 - kBias) << 23));
+    const float sub_ulp = bits_to_float(uint32_t(127 + 1 - kBias - kMb) << 23);
+    const float u = (mag >> kMb) == 0 ? float(int32_t(mag)) * sub_ulp : normal;
+    const float x = bits_to_float(float_to_bits(u) | ((code & 0x80u) << 24)) * s;
+    if constexpr (kSecondMoment) return flagged && code == 0 ? std::numeric_limits<float>::infinity() : x * x;
+    return x;
+  }
 };
 
 // The fp8 format of a state dtype, or nullptr.

@@ -7,7 +7,8 @@
 // holds two thresholds: checked when the map is built) plus one comparison, instead of a binary search over the
 // levels. With AVX-512 (ORT_OPTIM_LOW_BIT_AVX512) 16 elements go at once and give the same bits: 8-bit codes decode
 // by permutes of the 256 levels held in registers and encode through a packed bucket table (the bucket's code and
-// its threshold's low bits, so the comparison needs no second lookup) read with scalar loads; 4-bit codes decode by
+// its threshold's low bits, so the comparison needs no second lookup) read with one gather per 16 (scalar loads on
+// AMD Zen 4, ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES); 4-bit codes decode by
 // a permute of the 16 levels held in a register and encode by a binary search over the thresholds in registers.
 // The scalar path takes about 15x the fp32-moment step's time, the vectorised one 2-5x (guides/low-bit-states.md,
 // "Speed", has the measurements and why the remaining cost is compute, not bytes).
@@ -111,7 +112,7 @@ void low_bit_load(const LowBit& f, const uint8_t* codes, const void* scales, int
     const uint8_t* c = kBits == 8 ? codes + off + q : codes + (off + q) / 2;
     const float s = f.scale(scales, (off + q) / f.block);
     decode_block<kBits, kSecondMoment>(map, c, s, len, dst + q);
-    if (kSecondMoment && std::signbit(s) && !std::isnan(s)) {
+    if (kSecondMoment && overflow_flagged(s)) {
       // a block holding an overflowed v (_spec.LowBitFormat): its code 0 reads as v = inf
       for (int64_t i = 0; i < len; ++i) {
         const int code = kBits == 8 ? c[i] : (c[i >> 1] >> ((i & 1) * 4)) & 15;
@@ -143,6 +144,7 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   const __m512 inv16 = _mm512_set1_ps(inv);
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   const int64_t vector_end = len & ~int64_t(15);
+#ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
   alignas(64) uint32_t keys[256], entries[256];
   if constexpr (kBits == 8) {
     for (; i < vector_end; i += 16) {
@@ -158,6 +160,8 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
       entries[i] = map.entry(key);
     }
   }
+#endif
+
   // exp_avg's stochastic rounding: its levels and gaps in registers (8 or 1 of each: 128 or 16 entries), and
   // each lane's e * 0x9E3779B1 (e = first_index + i + lane), advanced by 16 * 0x9E3779B1 per iteration.
   constexpr int kTableRegs = kBits == 8 ? 8 : 1;
@@ -166,7 +170,7 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   if constexpr (kSigned) {
     for (int k = 0; k < kTableRegs; ++k) {
       level_table[k] = _mm512_load_ps(map.decode() + 16 * k);
-      gap_table[k] = _mm512_load_ps(map.gap() + 16 * k);
+      gap_table[k] = _mm512_load_ps(map.sr_step() + 16 * k);
     }
     e_hash = _mm512_mullo_epi32(
         _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(first_index))),
@@ -177,7 +181,13 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
     const __m512 x = _mm512_loadu_ps(u + i);
     __m512i code;
     if constexpr (kBits == 8) {
+#ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
       code = CodeMap::codes_of_entries(_mm512_load_si512(keys + i), _mm512_load_si512(entries + i));
+#else
+      const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
+      const __m512i key = map.bucket_keys(a);
+      code = CodeMap::codes_of_entries(key, map.entries(key));
+#endif
     } else {
       const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
       code = map.magnitude_codes_by_search<kSigned ? 8 : 16>(a);
@@ -200,11 +210,8 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
       e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(16u * 0x9E3779B1u)));
       r = _mm512_xor_si512(fmix32x16(r), _mm512_set1_epi32(int(step * 0x85EBCA77u + 0x6A09E667u)));
       r = fmix32x16(r);
-      const __m512 threshold = _mm512_mul_ps(
-          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), _mm512_set1_ps(0x1p-24f)), gap);
-      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(lowered, lo), threshold, _CMP_GT_OQ) &
-                           _mm512_cmpgt_epi32_mask(code, _mm512_setzero_si512()) &
-                           _mm512_cmplt_epi32_mask(code, _mm512_set1_epi32(sign_bit - 1));
+      const __m512 threshold = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), gap);
+      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(lowered, lo), threshold, _CMP_GT_OQ);
       code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
     }
     if constexpr (kSigned) {  // the sign, for a non-zero magnitude of a negative value
