@@ -13,11 +13,15 @@ How a call runs:
 * The tensors of a call are grouped by their dtypes (FusedAdam already passes one group per call); each group is ONE
   launch of ``adam_kernel``: a device table holds every tensor's addresses (params, moments, masters, scales) and a
   work list holds one (tensor, offset) item per program, so the launch covers all tensors of the group. One more tiny
-  launch advances the step counts afterwards (unless found_inf says skip).
-* The tables are built once and cached, keyed by every tensor's data_ptr, dtype, shape and strides (all a table
-  holds); they are rebuilt, after validation, only when one of those changes. Gradients get their own small address
-  table, since they change whenever they are set to None: one H2D copy of ``[g.data_ptr() ...]``, non-blocking from
-  pinned memory.
+  launch (``step_finish_kernel``) advances the step counts afterwards (unless found_inf says skip) and adds up the
+  norm's partial sums when asked for: two launches per call.
+* The tables are built once and kept, for a direct call in a cache keyed by every tensor's data_ptr, dtype, shape
+  and strides (all a table holds; rebuilt, after validation, only when one of those changes), for FusedAdam in the
+  ``launch_cache`` dict of its bucket (see adam_step_: its plan checks the same at every step, so the tensors are not
+  read again here). Gradients get their own small address table, since they change whenever they are set to None:
+  one H2D copy of ``[g.data_ptr() ...]``, non-blocking from pinned memory.
+* Compiled kernels (triton 3.6) are launched through a kept launcher (_Launcher), without JITFunction.run's per-call
+  binding and specialisation of every argument.
 * Nothing synchronises with the host inside a call, and every kernel runs on ``torch.cuda.current_stream()``, so a
   step can be captured in a CUDA graph (with lr and the loss scale as device tensors if they change between replays).
 * ``triton`` is imported on first use only; ``import ort_optim`` never imports it.

@@ -50,8 +50,9 @@ SCRIPT = textwrap.dedent('''
     launch(steps, 3)        # compiles through JITFunction.run, which launches
     launch(steps, 3)        # the kept kernel, called directly
     launch(steps, 2**40)    # n as int64: another specialisation, through JITFunction.run
-    launch(steps[1:], 3)    # an address 8 bytes past 16-byte alignment: another one
-    launch(steps[1:], 3)
+    unaligned = steps[1:]
+    launch(unaligned, 3)    # an address 8 bytes past 16-byte alignment: another one
+    launch(unaligned, 3)
     jit, direct, jit_wide, jit_unaligned, direct_unaligned = launches
     same = lambda a, b: len(a) == len(b) and all(x is y for x, y in zip(a[:6] + a[9:], b[:6] + b[9:]))
     assert same(jit, direct), (jit, direct)
