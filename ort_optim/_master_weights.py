@@ -208,13 +208,18 @@ class InnerMasters:
         owner.scaler.update(found.reshape(()))
         return False
 
-    @torch.no_grad()
-    def refresh(self) -> None:
+    def _with_masters(self):
+        """(param, its master) for each param of the FusedAdam that has a master."""
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 st = self.optimizer.state.get(p)
                 if st and "master_param" in st:
-                    st["master_param"].copy_(p.detach())
+                    yield p, st["master_param"]
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for p, master in self._with_masters():
+            master.copy_(p.detach())
 
     def saved_masters(self) -> list[Optional[torch.Tensor]]:
         """(FusedAdam's masters are in its own state_dict.)"""
@@ -236,11 +241,8 @@ class InnerMasters:
 
     @torch.no_grad()
     def refresh_model(self) -> None:
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                st = self.optimizer.state.get(p)
-                if st and "master_param" in st:
-                    p.copy_(st["master_param"])
+        for p, master in self._with_masters():
+            p.copy_(master)
 
 
 

@@ -1,7 +1,7 @@
 """FusedAdam's step cache: which params a step updates, in buckets with their state tensors, and the one rule that says
 whether it still holds.
 
-A step walks ``FusedAdam.step -> Plan (valid, or rebuilt by build() after full validation) -> backend op``.
+A step walks ``FusedAdam.step -> Plan (still valid, or rebuilt by build() after full validation) -> backend op``.
 
 :func:`build` validates everything a step needs (gradients, states, storages, params or states that share memory)
 before it writes anything, then creates missing state, adopts state tensors assigned by the user, and groups the
@@ -9,7 +9,7 @@ params of each param group into buckets (device, dtype, state dtypes, master): o
 backend each bucket also gets a native ``AdamPlan`` (ops/README.md) that holds its tensors and reads the gradients
 itself.
 
-:meth:`Plan.valid` is the single validity rule, checked at every step:
+:meth:`Plan.read_grads_if_valid` applies the single validity rule at every step (and reads the step's gradients):
 
 * ``optimizer.state`` is an :class:`OptimizerState`: each mutation of it or of a param's state dict bumps its version,
   and a plan is valid only for that very container (one put in its place is told by identity: a new container's
@@ -228,7 +228,7 @@ class Bucket:
     fingerprints: list = field(default_factory=list)  # of every tensor above, for the Python check (other backends)
     grads: list = field(default_factory=list)  # this step's gradients (other backends; a native plan reads its own)
     pending: list = field(default_factory=list)  # (slot, DTensor gradient) to redistribute into grads this step
-    dtensors: bool = False  # params holds DTensors' local pieces
+    holds_dtensor_pieces: bool = False  # params holds DTensors' local pieces
     launch_cache: dict = field(default_factory=dict)  # the Triton backend's launch plan for these tensors
 
     def state_lists(self) -> list[list[torch.Tensor]]:
@@ -253,10 +253,11 @@ class GroupPlan:
     buckets: list[Bucket]
     native: bool  # every bucket has a native plan: they watch the gradients (watchers), Python reads none
     watchers: list = field(default_factory=list)  # native plans to check(): the buckets', or one over idle params
-    dtensors: bool = False  # the group has DTensor params
+    has_dtensors: bool = False  # the group has DTensor params
 
-    def current(self) -> bool:
-        """The per-tensor part of the rule (see the module docstring). Resolves this step's gradients."""
+    def read_grads_if_current(self) -> bool:
+        """The per-tensor part of the rule (see the module docstring), after reading this step's gradients into the
+        buckets (read_grads); a False leaves them half read, for a new plan to replace."""
         if self.native:
             return all(w.check() < 0 for w in self.watchers)
         if not self.read_grads():
@@ -273,13 +274,13 @@ class GroupPlan:
     def read_grads(self) -> bool:
         """Puts this step's gradients into the buckets; False when the params that have
         one are not those planned, or a DTensor's gradient or local piece is not what was planned. The part of
-        :meth:`current` that torch.compile can trace: it reads no data pointers (there, TorchDynamo's guards on the
+        :meth:`read_grads_if_current` that torch.compile can trace: it reads no data pointers (there, TorchDynamo's guards on the
         tensors it reads stand in for the fingerprints)."""
         grads = [p.grad for p in self.params]
         if tuple(g is not None for g in grads) != self.has_grad:
             return False
         pending = {}  # position: gradient to redistribute (Plan.resolve_grads, once the plan holds)
-        if self.dtensors:
+        if self.has_dtensors:
             if any(g is not None and dtensor.gradient_problem(p, g) for p, g in zip(self.params, grads)):
                 return False
             pending = {i: g for i, (p, g) in enumerate(zip(self.params, grads))
@@ -288,7 +289,7 @@ class GroupPlan:
         for bucket in self.buckets:
             bucket.grads = [grads[i] for i in bucket.indices]
             bucket.pending = [(slot, pending[i]) for slot, i in enumerate(bucket.indices) if i in pending]
-            if bucket.dtensors and not all(dtensor.local(self.params[i]) is q
+            if bucket.holds_dtensor_pieces and not all(dtensor.local(self.params[i]) is q
                                            for i, q in zip(bucket.indices, bucket.params)):
                 return False  # (a DTensor given another local tensor: what it holds now is what must be stepped)
         return True
@@ -302,12 +303,12 @@ class Plan:
     layout: StateLayout  # the optimizer's state layout
     native: bool  # whether CPU buckets run on the native op (have native plans)
 
-    def valid(self, groups: list[dict], state: OptimizerState, layout: StateLayout) -> bool:
+    def read_grads_if_valid(self, groups: list[dict], state: OptimizerState, layout: StateLayout) -> bool:
         """Whether this plan still describes the optimizer's param groups, state and layout (the rule in the module
         docstring); when it does, the buckets are ready to step (native plans checked, other buckets' gradients
-        read)."""
+        read into bucket.grads)."""
         return (self.describes(groups, state, layout, backends.runs_natively(CPU))
-                and all(planned.current() for planned in self.groups))
+                and all(planned.read_grads_if_current() for planned in self.groups))
 
     def describes(self, groups: list[dict], state: OptimizerState, layout: StateLayout, native: bool) -> bool:
         """The part of the rule above the tensors: the same state container at the same version, the same layout and
@@ -325,13 +326,13 @@ class Plan:
         return True
 
     @property
-    def dtensors(self) -> bool:
+    def has_dtensors(self) -> bool:
         """Whether any group has DTensor params."""
-        return any(planned.dtensors for planned in self.groups)
+        return any(planned.has_dtensors for planned in self.groups)
 
     def resolve_grads(self, writes_grads: bool) -> None:
         """Brings the gradients laid out unlike their DTensor params to the params' layout (dtensor.local_grad), once
-        per step, after valid(): every rank runs the same collectives in the same order, whether or not its plan was
+        per step, after read_grads_if_valid(): every rank runs the same collectives in the same order, whether or not its plan was
         rebuilt. writes_grads: the step writes the gradients back unscaled; a piece that is a view of the gradient
         is then copied, so p.grad stays as it was, as torch's fused AdamW leaves it for a redistributed gradient
         (a replicated gradient unscaled in one rank's slice only would no longer be replicated). Raises ValueError
@@ -504,7 +505,7 @@ def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: Sta
         state = optimizer_state[p]
         key = (p.device, p.dtype, _storage_kind(state, "exp_avg"), _storage_kind(state, "exp_avg_sq"),
                "master_param" in state, dtensor.is_dtensor(p))
-        bucket = by_key.setdefault(key, Bucket(indices=[], params=[], dtensors=dtensor.is_dtensor(p)))
+        bucket = by_key.setdefault(key, Bucket(indices=[], params=[], holds_dtensor_pieces=dtensor.is_dtensor(p)))
         bucket.indices.append(index)
         bucket.params.append(dtensor.local(p))
     buckets = list(by_key.values())
@@ -530,7 +531,7 @@ def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: Sta
     # (a native plan reads .grad from the tensors it holds: a DTensor's local piece has none, the DTensor holds it)
     all_native = native and not dtensors and all(b.params[0].device.type == "cpu" for b in buckets)
     for bucket in buckets:
-        if native and bucket.params[0].device.type == "cpu" and not bucket.dtensors:
+        if native and bucket.params[0].device.type == "cpu" and not bucket.holds_dtensor_pieces:
             # in a group that steps through native plans alone, the first plan also watches the params without a
             # gradient (frozen ones, say): when one gets a gradient, the group is planned again
             watch_idle = idle if all_native and bucket is buckets[0] else ()

@@ -40,6 +40,10 @@ __all__ = ["FP16_Optimizer", "DynamicLossScaler", "LossScaleUnderflowError", "SC
 MIGRATION_GUIDE = ("guides/fp16-optimizer.md, section 'Migrating from Apex amp O2', and the diff in guides/migration.md, "
                    "section '4. Apex amp O2 -> FP16_Optimizer'")
 STATE_FORMAT = "ort_optim.FP16_Optimizer/1"
+# The loss scaler's options, which FP16_Optimizer takes as keywords and hands on: DynamicLossScaler's, with its
+# defaults.
+_SCALER_OPTIONS = {name: parameter for name, parameter in inspect.signature(DynamicLossScaler).parameters.items()
+                   if name != "device"}
 
 
 def check_max_grad_norm(value: Any) -> Optional[float]:
@@ -139,6 +143,7 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
 
     Args:
         optimizer: the optimizer to wrap (built on the model's parameters).
+        init_scale ... dynamic: the loss scaler's options, :class:`DynamicLossScaler`'s (with its defaults):
         init_scale: initial loss scale (default 2**16).
         growth_factor: factor applied after ``growth_interval`` good steps (default 2.0).
         backoff_factor: factor applied on an overflow once the hysteresis is exhausted (default 0.5).
@@ -195,21 +200,18 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        consecutive_hysteresis: bool = False,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**24,
-        min_scale_action: str = "raise",
-        dynamic: bool = True,
         max_grad_norm: Optional[float] = None,
         process_group: Any = None,
         model_parallel_groups: Sequence[Any] = (),
+        **scaler_options: Any,
     ):
+        # (scaler_options: DynamicLossScaler's keywords, with its defaults; _constructor_signature spells them out)
         # Everything is checked before the wrapped optimizer is touched: a failed construction leaves it as it was.
+        unknown = sorted(set(scaler_options) - set(_SCALER_OPTIONS))
+        if unknown:
+            raise TypeError(f"FP16_Optimizer got unexpected keyword arguments {unknown}: it takes max_grad_norm, "
+                            "process_group, model_parallel_groups and the loss scaler's options "
+                            f"{list(_SCALER_OPTIONS)}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"FP16_Optimizer wraps a torch.optim.Optimizer or a DeepSpeed ZeRO stage 1/2 optimizer, got "
@@ -234,12 +236,7 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         if not params:
             raise ValueError("FP16_Optimizer: the optimizer has no parameters")
         main_device = params[0].device
-        scaler = DynamicLossScaler(
-            init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-            growth_interval=growth_interval, hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis,
-            min_scale=min_scale, max_scale=max_scale, min_scale_action=min_scale_action, dynamic=dynamic,
-            device=main_device,
-        )
+        scaler = DynamicLossScaler(**scaler_options, device=main_device)
         masters = (InnerMasters if isinstance(optimizer, FusedAdam) else WrapperMasters)(optimizer, max_grad_norm)
 
         # Nothing below can fail: from here on the wrapper and the wrapped optimizer are changed.
@@ -467,3 +464,14 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         self.scaler._load_values(scaler_values)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _constructor_signature() -> inspect.Signature:
+    """FP16_Optimizer.__init__ as help() and editors show it: the loss scaler's options spelled out between the
+    optimizer and the wrapper's own options."""
+    own = list(inspect.signature(FP16_Optimizer.__init__).parameters.values())
+    scaler = [option.replace(kind=inspect.Parameter.KEYWORD_ONLY) for option in _SCALER_OPTIONS.values()]
+    return inspect.Signature(own[:2] + scaler + own[2:-1])
+
+
+FP16_Optimizer.__init__.__signature__ = _constructor_signature()

@@ -21,6 +21,25 @@ from .integrations import dtensor
 # ones (torch 2.4's fails inside its optimizer support) trace the step as plain Python, with graph breaks.
 _TRACED_STEP = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
+# Parts of a step that measurements price by leaving them out (ort_optim/bench, tools/gpu_check.py); not options. A
+# plain step's gradient norm summed by its update passes (last_grad_norm), and p.grad written back unscaled after a
+# step with grad_scale. Steps read them; _leaving_out() switches them off for the steps taken inside it.
+_PLAIN_NORM = True
+_UNSCALE_GRADS = True
+
+
+@contextlib.contextmanager
+def _leaving_out(plain_norm: bool = False, unscale_grads: bool = False):
+    """Steps taken inside leave out the parts named True: a plain step leaves last_grad_norm None (plain_norm), a
+    step with grad_scale leaves p.grad scaled (unscale_grads)."""
+    global _PLAIN_NORM, _UNSCALE_GRADS
+    saved = _PLAIN_NORM, _UNSCALE_GRADS
+    _PLAIN_NORM, _UNSCALE_GRADS = saved[0] and not plain_norm, saved[1] and not unscale_grads
+    try:
+        yield
+    finally:
+        _PLAIN_NORM, _UNSCALE_GRADS = saved
+
 
 class FusedAdam(torch.optim.Optimizer):
     r"""Multi-tensor Adam/AdamW whose update is one call of ort_optim's fused op per (device, dtype) bucket.
@@ -407,13 +426,13 @@ class FusedAdam(torch.optim.Optimizer):
         # The one step path: the plan (valid, or built again after validating everything), then the backend ops.
         plan = self._plan
         layout = self._layout
-        if plan is None or not plan.valid(self.param_groups, self.state, layout):
+        if plan is None or not plan.read_grads_if_valid(self.param_groups, self.state, layout):
             plan = self._plan = _plan.build(self.param_groups, self.state, layout)
             # (a plan describes what it was built from: if not, this is a bug, not a user error)
-            if not plan.valid(self.param_groups, self.state, layout):
+            if not plan.read_grads_if_valid(self.param_groups, self.state, layout):
                 raise RuntimeError("ort_optim: a FusedAdam plan was not valid right after it was built; please report")
-        if plan.dtensors:  # (gradients laid out unlike their DTensor params: to the params' layout, once per step)
-            plan.resolve_grads(writes_grads=grad_scale is not None and self._unscale_grads)
+        if plan.has_dtensors:  # (gradients laid out unlike their DTensor params: to the params' layout, once per step)
+            plan.resolve_grads(writes_grads=grad_scale is not None and _UNSCALE_GRADS)
         self._launch(plan, grad_scale, found_inf)
         return loss
 
@@ -438,7 +457,7 @@ class FusedAdam(torch.optim.Optimizer):
         layout = self._layout
         plan = self._plan
         if plan is None or not (plan.describes(self.param_groups, self.state, layout, native=False)
-                                and all(planned.current() for planned in plan.groups)):
+                                and all(planned.read_grads_if_current() for planned in plan.groups)):
             try:
                 self._plan = _plan.build(self.param_groups, self.state, layout, traced=True)
             except (ValueError, TypeError):
@@ -493,7 +512,7 @@ class FusedAdam(torch.optim.Optimizer):
         buckets = list(plan.buckets())
         # (the reduction carries the clipping norm and the skip decision: needed only when the step computes them;
         # the valid plan knows whether there are DTensor params, which spares a scan of every param per step)
-        reduction = (self._reduction(has_dtensors=plan.dtensors) if grad_scale is not None or self.max_grad_norm
+        reduction = (self._reduction(has_dtensors=plan.has_dtensors) if grad_scale is not None or self.max_grad_norm
                      is not None else None)
         if reduction is None and self._scaled_in_plan(buckets, grad_scale, found_inf):
             return self._scaled_plan_step(buckets[0], grad_scale, found_inf)
@@ -503,7 +522,7 @@ class FusedAdam(torch.optim.Optimizer):
             self._last["found_inf"] = None
             device = next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)
             reports = grad_scale is not None or self.max_grad_norm is not None or (
-                self._plain_norm and not self._finishes_backward and self._decides_alone(plan.dtensors)
+                _PLAIN_NORM and not self._finishes_backward and self._decides_alone(plan.has_dtensors)
                 and (backends.runs_natively(device) or backends.update_reports_grad_norm(device)))
             self._last["grad_norm"] = torch.zeros((), dtype=torch.float32, device=device) if reports else None
             return
@@ -558,21 +577,15 @@ class FusedAdam(torch.optim.Optimizer):
         step() or zero_grad() (its norm would be of that remainder only). Elsewhere (the reference backend, DTensor or
         process_group steps, whose norm would have to be all-reduced) a plain step leaves last_grad_norm None: all
         buckets or none."""
-        return (self._plain_norm and grad_scale is None and self.max_grad_norm is None
-                and not self._finishes_backward and bool(buckets) and self._decides_alone(plan.dtensors)
+        return (_PLAIN_NORM and grad_scale is None and self.max_grad_norm is None
+                and not self._finishes_backward and bool(buckets) and self._decides_alone(plan.has_dtensors)
                 and all(bucket.native is not None or backends.update_reports_grad_norm(bucket.params[0].device)
                         for _, _, bucket in buckets))
-
-    # Private switch for the check that prices the plain-step norm (tools/gpu_check.py): False leaves it None.
-    _plain_norm = True
-
-    # Private switch for the benchmark that prices the write-back (ort_optim/bench): False leaves p.grad scaled.
-    _unscale_grads = True
 
     def _grad_scale_per_device(self, buckets: list, grad_scale) -> Optional[dict]:
         """grad_scale as a one-element float32 tensor per device, for the op to write p.grad back unscaled (as
         torch's fused AdamW does); None when there is no grad_scale."""
-        if grad_scale is None or not self._unscale_grads:
+        if grad_scale is None or not _UNSCALE_GRADS:
             return None
         devices = dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets)
         if isinstance(grad_scale, torch.Tensor):
@@ -585,7 +598,7 @@ class FusedAdam(torch.optim.Optimizer):
         bucket with a native plan, grad_scale and found_inf on the host. The multiplier and the skip flag are then
         computed in C++ from the gradients' statistics, without _scaling's tensor ops and a second plan call. Never
         when the decision is global (DTensor params, process_group): the plan only sees this rank's gradients."""
-        if len(buckets) != 1 or buckets[0][2].native is None or not self._unscale_grads:
+        if len(buckets) != 1 or buckets[0][2].native is None or not _UNSCALE_GRADS:
             return False
         if grad_scale is None and self.max_grad_norm is None:
             return False

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import site
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -168,6 +170,38 @@ def site_packages() -> list[str]:
     folders = site.getsitepackages() + [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
     folders += [path for path in sys.path if Path(path).name in ("site-packages", "dist-packages")]
     return list(dict.fromkeys(folders))
+
+
+def run_python(python, code: str, cwd: Path) -> dict:
+    """Runs code with python in cwd, without PYTHONPATH (so only what is installed is importable); returns the JSON
+    the code printed last."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([str(python), "-c", code], cwd=cwd, env=env, text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, f"{python} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- the spawned scenario sets that several modules of tests/distributed/ read --------------------------------------
+# (Here, not in a tests/distributed/conftest.py: the modules import this one by name, and a second conftest module
+# would take its place in sys.modules.) Each set spawns once per session (distributed_harness.run_once); the scenario
+# modules are imported when a test asks for their results: they live in tests/distributed/, which pytest puts on
+# sys.path when it collects the modules there.
+
+
+@pytest.fixture(scope="session")
+def mesh_results(tmp_path_factory):
+    """mesh_scenarios on 4 ranks, against a shadow FusedAdam and one process."""
+    import mesh_scenarios
+
+    return mesh_scenarios.results(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def torch_results(tmp_path_factory):
+    """torch_scenarios on 2 ranks, against torch.optim.AdamW in the same engine."""
+    import torch_scenarios
+
+    return torch_scenarios.results(tmp_path_factory)
 
 
 def pytest_report_header(config):

@@ -37,6 +37,14 @@ Scenarios = Callable[[int, int, str], dict]
 # A spawn that runs longer is a hang: it is killed and fails (the slowest module takes about 60 s on 2 cores),
 # instead of holding CI until its 90-minute limit.
 TIMEOUT_S = 600
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def torch_too_old(version: tuple[int, int], what: str) -> str | None:
+    """Why scenarios that need ``what`` skip in this torch, or None from torch ``version`` on."""
+    if TORCH_VERSION >= version:
+        return None
+    return f"{what}: needs torch >= {version[0]}.{version[1]}; this environment has torch {torch.__version__}"
 
 
 def _entry(rank: int, scenarios: Scenarios, world_size: int, tmp_dir: str, env: dict) -> None:

@@ -242,15 +242,19 @@ def _stats_on(tensors: list[torch.Tensor], device: Any) -> torch.Tensor:
     return total
 
 
+def _overflow_flag(grads: list, device) -> torch.Tensor:
+    """DeepSpeed's overflow flag: a bool tensor [1] on device, True when a gradient holds an inf or a NaN."""
+    if not grads:
+        return torch.zeros([1], dtype=torch.bool, device=device)
+    return _stats_on(grads, device)[1:2] > 0
+
+
 def _make_has_overflow_serial(module):
     get_accelerator = module.get_accelerator
 
     def has_overflow_serial(self, params):
         grads = [p.grad for p in params if p.grad is not None]
-        device = get_accelerator().current_device_name()
-        if not grads:
-            return torch.zeros([1], dtype=torch.bool, device=device)
-        return (_stats_on(grads, device)[1:2] > 0)
+        return _overflow_flag(grads, get_accelerator().current_device_name())
 
     return has_overflow_serial
 
@@ -260,10 +264,7 @@ def _make_has_overflow_partitioned_grads_serial(module):
 
     def has_overflow_partitioned_grads_serial(self):
         grads = [g for i in range(len(self.bit16_groups)) for g in self.averaged_gradients[i] if g is not None]
-        device = get_accelerator().current_device_name()
-        if not grads:
-            return torch.zeros([1], dtype=torch.bool, device=device)
-        return (_stats_on(grads, device)[1:2] > 0)
+        return _overflow_flag(grads, get_accelerator().current_device_name())
 
     return has_overflow_partitioned_grads_serial
 

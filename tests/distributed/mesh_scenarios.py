@@ -22,13 +22,12 @@ reason and the DDP ones run.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import run_once
+from distributed_harness import run_once, torch_too_old
 from torch import nn
 
 from ort_optim import AdamWMode, FusedAdam
@@ -38,10 +37,8 @@ WORLD = 4
 STEPS = 5
 SCALER_INIT = 2.0**8
 CLIP = 0.05  # well below the gradients' norm (about 0.3-1): every step clips
-TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-FSDP2_REASON = None if TORCH_VERSION >= (2, 6) else (
-    f"FSDP2 (fully_shard) on CPU with gloo needs torch >= 2.6 (these FSDP2/TP/2D/DCP scenarios run together); this "
-    f"environment has torch {torch.__version__}")
+FSDP2_REASON = torch_too_old((2, 6), "FSDP2 (fully_shard) on CPU with gloo (these FSDP2/TP/2D/DCP scenarios run "
+                                     "together)")
 
 
 def make_model(dtype=torch.float32) -> nn.Module:

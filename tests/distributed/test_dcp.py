@@ -20,18 +20,6 @@ import torch_scenarios as against_torch
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture(scope="module")
-def mesh_results(tmp_path_factory):
-    """mesh_scenarios on 4 ranks, against a shadow FusedAdam and one process (one spawn per session)."""
-    return mesh.results(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def torch_results(tmp_path_factory):
-    """torch_scenarios on 2 ranks, against torch.optim.AdamW in the same engine (one spawn per session)."""
-    return against_torch.results(tmp_path_factory)
-
-
 # ---- against a shadow FusedAdam and one process ----------------------------------------------------------------------
 
 

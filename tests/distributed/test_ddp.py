@@ -134,12 +134,6 @@ def test_ddp_of_ortmodule_equals_one_eager_process(ortmodule_results, case):
 # ---- DDP and pipeline process groups, against one process ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def mesh_results(tmp_path_factory):
-    """mesh_scenarios on 4 ranks, against a shadow FusedAdam and one process (one spawn per session)."""
-    return mesh.results(tmp_path_factory)
-
-
 def test_ddp_with_process_group_equals_one_process(mesh_results):
     assert not mesh_results[0]["ddp"]["copy_has_group"]
     for r in mesh_results:
@@ -217,12 +211,6 @@ def test_step_in_backward_with_a_process_group_is_refused():
 
 
 # ---- DDP, against torch.optim.AdamW in the same engine ---------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def torch_results(tmp_path_factory):
-    """torch_scenarios on 2 ranks, against torch.optim.AdamW in the same engine (one spawn per session)."""
-    return against_torch.results(tmp_path_factory)
 
 
 @pytest.mark.parametrize("order", against_torch.DDP_ORDERS[:2])

@@ -25,18 +25,6 @@ import tp_transformer as transformer
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture(scope="module")
-def mesh_results(tmp_path_factory):
-    """mesh_scenarios on 4 ranks, against a shadow FusedAdam and one process (one spawn per session)."""
-    return mesh.results(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def torch_results(tmp_path_factory):
-    """torch_scenarios on 2 ranks, against torch.optim.AdamW in the same engine (one spawn per session)."""
-    return against_torch.results(tmp_path_factory)
-
-
 # ---- against a shadow FusedAdam and one process ----------------------------------------------------------------------
 
 
@@ -95,7 +83,9 @@ def test_fused_adam_trains_torchs_tp_transformer_as_torch_adamw_does(transformer
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sequence-parallel"])
 def test_the_gradients_laid_out_unlike_their_params_are_the_ones_torch_redistributes(transformer_results,
                                                                                       sequence_parallel):
-    """What the test exercises: FusedAdam used to refuse these gradients ("they must be laid out alike")."""
+    """The model's TP run has gradients laid out unlike their params (a ``Replicate`` gradient of the ``Shard(0)``
+    position embedding; with sequence parallelism, ``Partial`` gradients of ``Replicate`` norm weights): the
+    transformer tests here step with those."""
     layouts = transformer_results[0][(sequence_parallel, "plain")]["layouts"]
     assert layouts["pos_embeddings.weight"] == ("(Shard(dim=0),)", "(Replicate(),)")
     if sequence_parallel:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import run_once
+from distributed_harness import run_once, torch_too_old
 from torch import nn
 
 from ort_optim import AdamWMode, FusedAdam
@@ -49,10 +49,7 @@ WORLD = 2
 STEPS = 20
 LR, EPS, WD = 1e-2, 1e-8, 1e-2
 CLIP = 0.05  # below the gradients' norm (about 0.2-1): every step clips
-TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-FSDP2_REASON = None if TORCH_VERSION >= (2, 6) else (
-    f"FSDP2 (fully_shard) and torch.distributed.checkpoint on CPU with gloo need torch >= 2.6; this environment has "
-    f"torch {torch.__version__}")
+FSDP2_REASON = torch_too_old((2, 6), "FSDP2 (fully_shard) and torch.distributed.checkpoint on CPU with gloo")
 needs_fsdp2 = pytest.mark.skipif(FSDP2_REASON is not None, reason=FSDP2_REASON or "")
 
 

@@ -29,7 +29,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed_harness import run_ranks
+from distributed_harness import run_ranks, torch_too_old
 from torch import nn
 
 from ort_optim import AdamWMode, FusedAdam
@@ -44,10 +44,8 @@ CLIP = 0.5  # far below the gradients' global norm (1100-2900 here, the loss is 
 # rounds its update differently from torch's foreach AdamW too (measured: up to 1.3e-5 from either reference)
 TOL = 3e-5
 VOCAB, SEQ_LEN, DIM, HEADS, LAYERS, BATCH = 8, 16, 16, 4, 2, (8, 8)
-TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-REASON = None if TORCH_VERSION >= (2, 6) else (
-    f"tensor parallelism on CPU with gloo (DTensor redistribution, parallelize_module's styles) is tested from torch "
-    f"2.6 on, with FSDP2; this environment has torch {torch.__version__}")
+REASON = torch_too_old((2, 6), "tensor parallelism on CPU with gloo (DTensor redistribution, parallelize_module's "
+                               "styles), tested with FSDP2")
 needs_tp = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 

@@ -11,6 +11,8 @@ changes), DeepSpeed's plain optimizers.
 
 from __future__ import annotations
 
+import copy
+import inspect
 import io
 import math
 import threading
@@ -23,9 +25,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
 from ort_optim import FusedAdam
-from ort_optim.fp16_optimizer import FP16_Optimizer, DynamicLossScaler, LossScaleUnderflowError, SCALE_RANGE
-import copy
-from ort_optim.fp16_optimizer import FP16_Optimizer
+from ort_optim.fp16_optimizer import SCALE_RANGE, DynamicLossScaler, FP16_Optimizer, LossScaleUnderflowError
 
 LOW = (torch.float16, torch.bfloat16)
 
@@ -778,6 +778,8 @@ BAD_OPTIONS = [
     (dict(max_grad_norm=float("inf")), ValueError, "max_grad_norm must be finite"),
     (dict(max_grad_norm="1.0"), TypeError, "max_grad_norm must be a real number"),
     (dict(model_parallel_groups=5), TypeError, "model_parallel_groups must be a sequence"),
+    (dict(init_scal=2.0), TypeError, "unexpected keyword arguments ['init_scal']"),
+    (dict(device="cpu"), TypeError, "unexpected keyword arguments ['device']"),
 ]
 
 
@@ -791,6 +793,20 @@ def test_bad_option_names_it_and_changes_nothing(inner, kwargs, exc, fragment):
         FP16_Optimizer(optimizer, **kwargs)
     assert fragment in str(info.value)
     assert_tree_bitwise_equal(before, optimizer_picture(optimizer))
+
+
+def test_the_constructor_takes_the_loss_scalers_options_with_its_defaults():
+    """FP16_Optimizer(optimizer, *, <DynamicLossScaler's options>, max_grad_norm, process_group,
+    model_parallel_groups), as help() shows it, and a wrapper made without options has the scaler's defaults."""
+    scaler = inspect.signature(DynamicLossScaler).parameters
+    shown = list(inspect.signature(FP16_Optimizer.__init__).parameters.values())
+    assert [p.name for p in shown] == (["self", "optimizer"] + [name for name in scaler if name != "device"]
+                                       + ["max_grad_norm", "process_group", "model_parallel_groups"])
+    for p in shown[2:-3]:
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default == scaler[p.name].default, p.name
+    opt = FP16_Optimizer(torch.optim.SGD(fp16_params(), lr=0.1))
+    for p in shown[2:-3]:
+        assert getattr(opt.scaler, p.name) == p.default, p.name
 
 
 @pytest.mark.parametrize("kwargs", [dict(init_scale=2.0**126, max_scale=2.0**126), dict(init_scale=2.0**-126,

@@ -149,6 +149,12 @@ def _fresh_like(params, **kwargs):
                                   exp_avg_sq_dtype=torch.float16, **kwargs)
 
 
+def _saved_and_two_fresh():
+    """The state_dict of _trained_mixed(), and two fresh optimizers (with their params) that could load it."""
+    params, opt = _trained_mixed()
+    return opt.state_dict(), _fresh_like(params), _fresh_like(params)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_load_state_dict_never_writes_to_the_given_dict_not_even_after_later_steps(backend, monkeypatch):
     """A loader that scaled fp16 states in place (or kept the dict's lr tensor for the scheduler to fill) would
@@ -168,13 +174,8 @@ def test_load_state_dict_never_writes_to_the_given_dict_not_even_after_later_ste
     assert_tree_bitwise_equal(sd, pristine)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_loading_the_same_dict_twice_equals_loading_it_once(backend, monkeypatch):
-    select_backend(monkeypatch, backend)
-    params, opt = _trained_mixed()
-    sd = opt.state_dict()
-    once_params, once = _fresh_like(params)
-    twice_params, twice = _fresh_like(params)
+def test_loading_the_same_dict_twice_equals_loading_it_once(backend):
+    sd, (once_params, once), (twice_params, twice) = _saved_and_two_fresh()
     once.load_state_dict(sd)
     twice.load_state_dict(sd)
     twice.load_state_dict(sd)
@@ -183,13 +184,8 @@ def test_loading_the_same_dict_twice_equals_loading_it_once(backend, monkeypatch
     assert_tree_bitwise_equal(once.state_dict(), sd)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_one_dict_loaded_into_two_optimizers_gives_two_identical_independent_optimizers(backend, monkeypatch):
-    select_backend(monkeypatch, backend)
-    params, opt = _trained_mixed()
-    sd = opt.state_dict()
-    a_params, a = _fresh_like(params)
-    b_params, b = _fresh_like(params)
+def test_one_dict_loaded_into_two_optimizers_gives_two_identical_independent_optimizers(backend):
+    sd, (a_params, a), (b_params, b) = _saved_and_two_fresh()
     a.load_state_dict(sd)
     b.load_state_dict(sd)
     _assert_same_optimizers(a_params, a, b_params, b)
@@ -349,43 +345,37 @@ def _bad(mutate):
     return make
 
 
+def _parent(sd, path):
+    """The container that holds the entry at path (a sequence of keys) in sd."""
+    for key in path[:-1]:
+        sd = sd[key]
+    return sd
+
+
 def _set(path, value):
     def mutate(sd):
-        target = sd
-        for key in path[:-1]:
-            target = target[key]
-        target[path[-1]] = value
+        _parent(sd, path)[path[-1]] = value
     return mutate
 
 
 def _delete(path):
     def mutate(sd):
-        target = sd
-        for key in path[:-1]:
-            target = target[key]
-        del target[path[-1]]
+        del _parent(sd, path)[path[-1]]
     return mutate
 
 
 def _swap(a, b):
     def mutate(sd):
-        def parent(path):
-            target = sd
-            for key in path[:-1]:
-                target = target[key]
-            return target
-        pa, pb = parent(a), parent(b)
+        pa, pb = _parent(sd, a), _parent(sd, b)
         pa[a[-1]], pb[b[-1]] = pb[b[-1]], pa[a[-1]]
     return mutate
 
 
 def _to_list(path):
     def mutate(sd):
-        target = sd
-        for key in path[:-1]:
-            target = target[key]
-        target[path[-1]] = list(target[path[-1]].values()) if isinstance(target[path[-1]], dict) else \
-            target[path[-1]].tolist()
+        target = _parent(sd, path)
+        value = target[path[-1]]
+        target[path[-1]] = list(value.values()) if isinstance(value, dict) else value.tolist()
     return mutate
 
 

@@ -36,11 +36,11 @@ import inspect
 import numpy as np
 import pytest
 import torch
+from conftest import assert_bitwise_equal, assert_tree_bitwise_equal, optimizer_snapshot
+from reference import adam_update
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from conftest import assert_bitwise_equal, assert_tree_bitwise_equal, optimizer_snapshot
 from ort_optim import AdamWMode, FusedAdam
-from reference import adam_update
 
 FP32_VS_TORCH = dict(rtol=0.0, atol=5e-7)  # parameters of magnitude ~1: a few float32 ulps (2**-23 = 1.2e-7)
 FP32_VS_FLOAT64 = dict(rtol=1e-6, atol=1e-6)
@@ -71,14 +71,20 @@ def run_pair(make_ours, make_theirs, make_scheduler=None, steps=STEPS, missing=l
     ours_params, their_params = make_params(), make_params()
     ours, theirs = make_ours(ours_params), make_theirs(their_params)
     schedulers = [make_scheduler(ours), make_scheduler(theirs)] if make_scheduler else []
-    for k in range(steps):
+    step_pair(ours, ours_params, theirs, their_params, range(steps), missing, schedulers)
+    return ours_params, their_params
+
+
+def step_pair(ours, ours_params, theirs, their_params, steps, missing=lambda k: (), schedulers=()):
+    """Steps both optimizers (then the schedulers) at each step k in steps, with identical gradients (none for the
+    params in missing(k))."""
+    for k in steps:
         set_grads(ours_params, k, missing(k))
         set_grads(their_params, k, missing(k))
         ours.step()
         theirs.step()
         for s in schedulers:
             s.step()
-    return ours_params, their_params
 
 
 def assert_params_close(ours, theirs, **tolerance):
@@ -592,11 +598,7 @@ def test_from_optimizer_takes_adam_with_decoupled_weight_decay_and_continues_as_
     twin.load_state_dict(theirs.state_dict())
     ours = FusedAdam.from_optimizer(theirs)  # over their_params
     assert [g["adam_w_mode"] for g in ours.param_groups] == [AdamWMode.ADAMW_TORCH] * 2
-    for k in range(5, 5 + STEPS):
-        set_grads(their_params, k)
-        set_grads(twin_params, k)
-        ours.step()
-        twin.step()
+    step_pair(ours, their_params, twin, twin_params, range(5, 5 + STEPS))
     assert_params_close(their_params, twin_params, **FP32_VS_TORCH)
     with pytest.raises(ValueError, match=r"param_groups\[0\]: torch\.optim\.Adam with weight_decay=0\.1 is L2"):
         FusedAdam.from_optimizer(torch.optim.Adam(make_params(), weight_decay=0.1, decoupled_weight_decay=False))
@@ -615,11 +617,7 @@ def test_an_adamw_torch_checkpoint_loads_into_adam_with_decoupled_weight_decay_a
     theirs = torch.optim.Adam(their_params, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, foreach=False)
     theirs.load_state_dict(ours.state_dict())
     assert theirs.param_groups[0]["decoupled_weight_decay"] is True
-    for k in range(5, 5 + STEPS):
-        set_grads(ours_params, k)
-        set_grads(their_params, k)
-        ours.step()
-        theirs.step()
+    step_pair(ours, ours_params, theirs, their_params, range(5, 5 + STEPS))
     assert_params_close(ours_params, their_params, **FP32_VS_TORCH)
 
 

@@ -63,28 +63,19 @@ import math
 import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import reference
 import torch
-from conftest import (
-    assert_same_snapshot,
-    assert_tree_bitwise_equal,
-    bits,
-    optimizer_snapshot,
-    select_backend,
-    state_values,
-    fuzz_examples,
-)
-from pathlib import Path
-
-from hypothesis import HealthCheck, given, settings, strategies as st
 from cases import PARAM_CASES, STATE_DTYPES
+from conftest import (assert_same_snapshot, assert_tree_bitwise_equal, bits, fuzz_examples, optimizer_snapshot,
+                      select_backend, state_values)
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ort_optim import AdamWMode, FusedAdam, formats
-from ort_optim._spec import LOW_BIT_FORMATS, Q4, Q8
+from ort_optim._spec import FP8_FORMATS, LOW_BIT_FORMATS, Q4, Q8
 from ort_optim.backends import reference as reference_backend
-from ort_optim._spec import FP8_FORMATS
 
 # (exp_avg, exp_avg_sq): both low-bit formats alone and mixed, and each beside every other storage dtype
 COMBOS = [("u8", "u8"), ("u4", "u4"), ("u8", "u4"), ("u4", "u8"), ("u8", "fp32"), ("fp32", "u4"), ("u4", "bf16"),
@@ -120,6 +111,14 @@ def _train(params, opt, steps, first=0):
         for p, g in zip(params, _grads(params, step)):
             p.grad = g
         opt.step()
+
+
+def _assert_step_refused(opt, match: str) -> None:
+    """opt.step() raises a ValueError matching match and leaves every param, gradient and state as it was."""
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert_same_snapshot(before, optimizer_snapshot(opt))
 
 
 # ---- the two backends agree bit for bit ---------------------------------------------------------------------------
@@ -843,10 +842,7 @@ def test_low_bit_states_that_cannot_be_honoured_are_refused_naming_the_param_and
         p.grad = g
     change, message = LOW_BIT_REFUSALS[damage]
     change(opt, params[1])
-    before = optimizer_snapshot(opt)
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(shape \(129,\).*" + message):
-        opt.step()
-    assert_same_snapshot(before, optimizer_snapshot(opt))
+    _assert_step_refused(opt, r"param_groups\[0\]\['params'\]\[1\] \(shape \(129,\).*" + message)
 
 
 def _reallocate_in_place(t: torch.Tensor, decoys: list) -> None:
@@ -1156,7 +1152,7 @@ def test_state_bytes_per_parameter_of_one_param_of_any_size(combo, numel):
 @pytest.mark.no_interpreter
 def test_state_bytes_per_parameter_of_a_model_with_odd_shapes():
     """Params of awkward sizes side by side in one optimizer: the MLP of examples/digits.py (64 -> 32 -> 10) and odd
-    sizes. Each param's codes have a storage of their own (views of one buffer 64 bytes apart used to cost the MLP
+    sizes. Each param's codes have a storage of their own (views of one buffer 64 bytes apart would cost the MLP
     4%: 2.12 bytes/param), so the bytes are exactly the formats' codes and scales, counted per param or per distinct
     storage alike."""
     g = torch.Generator().manual_seed(0)
@@ -1595,10 +1591,7 @@ def test_corrupt_low_bit_state_is_refused_at_the_step_naming_the_param_and_chang
         p.grad = g
     change, message = CORRUPT_STATES[damage]
     change(opt, params[0])
-    before = optimizer_snapshot(opt)
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*" + message):
-        opt.step()
-    assert_same_snapshot(before, optimizer_snapshot(opt))
+    _assert_step_refused(opt, r"param_groups\[0\]\['params'\]\[0\].*" + message)
 
 
 # ---- with loss scaling, step_in_backward, and a NaN nothing skips ----------------------------------------------------
@@ -2026,10 +2019,7 @@ def test_invalid_fp8_state_is_refused_naming_the_param_and_nothing_changes(backe
         opt.state[p]["exp_avg_scale"] = scale.double()
     else:
         opt.state[p]["exp_avg_scale"] = -scale
-    before = optimizer_snapshot(opt)
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*exp_avg_scale"):
-        opt.step()
-    assert_same_snapshot(before, optimizer_snapshot(opt))
+    _assert_step_refused(opt, r"param_groups\[0\]\['params'\]\[0\].*exp_avg_scale")
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
@@ -2232,7 +2222,7 @@ def test_fsdp2_fp8_states_and_dcp_resume_bit_for_bit(tmp_path):
 # (exp_avg rounded stochastically, sqrt(v) to its level nearest in 1/sqrt(v)), over the update's own squared size, on
 # block data shaped like Adam's moments (per block a scale over four decades, most elements between 5% and 50% of
 # their block's largest, a heavy tail). It has no training noise, so it tells a change of the levels from a lucky
-# seed; guides/low-bit-states.md ("Candidate 4-bit levels") has what it did and did not predict about training loss.
+# seed; guides/low-bit-states.md ("Choosing the 4-bit format") has what it did and did not predict about training loss.
 
 
 def _moment_like_blocks(seed: int, blocks: int = 400) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,9 @@ from __future__ import annotations
 import copy
 import io
 import math
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +34,9 @@ import torch
 from conftest import assert_bitwise_equal, assert_same_snapshot, optimizer_snapshot
 from ort_optim import AdamWMode, FusedAdam
 from ort_optim._spec import STATE_DTYPES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "guides" / "examples"))
+import migrate_lowbit as example  # noqa: E402  (the guide's run of a migration, which a test here continues)
 
 try:
     import torchao.optim as torchao_optim
@@ -272,18 +277,24 @@ def test_4bit_codes_are_unpacked_high_nibble_first():
     assert v[0].item() == qmap[1].item() and v[1].item() == qmap[15].item() and v[2].item() == qmap[0].item()
 
 
-@pytest.mark.parametrize("block", [256, 2048])
-def test_bitsandbytes_moments_load_as_their_exact_values(block):
-    """Blocks of 256 (bitsandbytes >= 0.45) or 2048 (earlier 8-bit optimizers), told apart by the absmax count; the
-    last block partial; params under min_8bit_size with plain float32 states."""
-    sd, expected = bnb_state_dict(block)
+def _assert_loads_as(sd: dict, expected: list[dict]) -> tuple[FusedAdam, list[torch.nn.Parameter]]:
+    """Loads sd into a FusedAdam over bnb_params(); its state then holds each expected value bit for bit."""
     params = bnb_params()
     opt = FusedAdam(params)
     opt.load_state_dict(sd)
     for i, p in enumerate(params):
         for key, value in expected[i].items():
             assert_bitwise_equal(opt.state[p][key], value, f"param {i} {key}")
-        assert float(opt.state[p]["step"]) == 37.0
+    return opt, params
+
+
+@pytest.mark.parametrize("block", [256, 2048])
+def test_bitsandbytes_moments_load_as_their_exact_values(block):
+    """Blocks of 256 (bitsandbytes >= 0.45) or 2048 (earlier 8-bit optimizers), told apart by the absmax count; the
+    last block partial; params under min_8bit_size with plain float32 states."""
+    sd, expected = bnb_state_dict(block)
+    opt, params = _assert_loads_as(sd, expected)
+    assert all(float(opt.state[p]["step"]) == 37.0 for p in params)
 
 
 def test_bitsandbytes_unnested_states_load_too():
@@ -291,12 +302,7 @@ def test_bitsandbytes_unnested_states_load_too():
     sd, expected = bnb_state_dict()
     flat = {"state": {i: {"step": s["step"], **s[BNB_KEY]} for i, s in sd["state"].items()},
             "param_groups": sd["param_groups"]}
-    params = bnb_params()
-    opt = FusedAdam(params)
-    opt.load_state_dict(flat)
-    for i, p in enumerate(params):
-        for key, value in expected[i].items():
-            assert_bitwise_equal(opt.state[p][key], value, f"param {i} {key}")
+    _assert_loads_as(flat, expected)
 
 
 @pytest.mark.skipif(BNB_MISSING is not None, reason=BNB_MISSING or "")
@@ -532,34 +538,8 @@ def test_loading_leaves_the_given_state_dict_as_it_was():
 
 # ---- with the libraries: a run continues --------------------------------------------------------------------------
 
-N_STEPS, M_STEPS = 30, 30
-HYPER = dict(lr=3e-3, weight_decay=0.01)
-
-
-def _task():
-    g = torch.Generator().manual_seed(1)
-    teacher = torch.randn(32, 10, generator=g)
-    batches = []
-    for _ in range(N_STEPS + M_STEPS):
-        x = torch.randn(64, 32, generator=g)
-        batches.append((x, (x @ teacher).argmax(1)))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 64), torch.nn.GELU(),
-                                torch.nn.Linear(64, 10))  # 4096 and 8192 weights quantised, the rest plain
-    return model, batches
-
-
-def _train(model, opt, batches):
-    losses = []
-    # torchao compiles its step with inductor: run it eagerly (same ops), which takes seconds instead of minutes
-    with torch.compiler.set_stance("force_eager"):
-        for x, y in batches:
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-    return losses
+# The run of guides/examples/migrate_lowbit.py (``example``), the guide's demonstration of this migration: its task (an
+# MLP whose 4096- and 8192-element weights get quantised moments), training loop and hyperparameters.
 
 
 def _sources():
@@ -577,30 +557,30 @@ def _sources():
 @pytest.mark.parametrize("library,name", _sources())
 def test_a_run_continues_on_fusedadam_as_with_its_source_optimizer(library, name):
     cls = getattr(torchao_optim if library == "torchao" else bnb.optim, name)
-    model, batches = _task()
-    source = cls(model.parameters(), **HYPER)
-    _train(model, source, batches[:N_STEPS])
+    model, batches = example.task()
+    source = cls(model.parameters(), **example.HYPER)
+    example.train(model, source, batches[:example.BEFORE])
     buffer = io.BytesIO()
     torch.save(source.state_dict(), buffer)
     buffer.seek(0)
     checkpoint = torch.load(buffer, weights_only=True)
     at_save = copy.deepcopy(model)
-    theirs = _train(model, source, batches[N_STEPS:])
+    theirs = example.train(model, source, batches[example.BEFORE:])
 
     def continued(moments: dict, load: bool):
         m = copy.deepcopy(at_save)
-        opt = FusedAdam(m.parameters(), adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, **HYPER, **moments)
+        opt = FusedAdam(m.parameters(), adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, **example.HYPER, **moments)
         if load:
             opt.load_state_dict(checkpoint)
         return m, opt
 
     # one step: the source's own update of the decoded moments, to float32 rounding
     m1, opt1 = continued({}, load=True)
-    _train(m1, opt1, batches[N_STEPS:N_STEPS + 1])
+    example.train(m1, opt1, batches[example.BEFORE:example.BEFORE + 1])
     s1 = copy.deepcopy(at_save)
-    src1 = cls(s1.parameters(), **HYPER)
+    src1 = cls(s1.parameters(), **example.HYPER)
     src1.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
-    _train(s1, src1, batches[N_STEPS:N_STEPS + 1])
+    example.train(s1, src1, batches[example.BEFORE:example.BEFORE + 1])
     for a, b in zip(m1.parameters(), s1.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
@@ -608,7 +588,7 @@ def test_a_run_continues_on_fusedadam_as_with_its_source_optimizer(library, name
     def distance(losses):
         return sum(abs(a - b) for a, b in zip(losses, theirs)) / len(theirs)
 
-    restart = distance(_train(*continued({}, load=False), batches[N_STEPS:]))
+    restart = distance(example.train(*continued({}, load=False), batches[example.BEFORE:]))
     for moments in ({}, {"exp_avg_dtype": torch.uint8, "exp_avg_sq_dtype": torch.uint8}):
-        ours = distance(_train(*continued(moments, load=True), batches[N_STEPS:]))
+        ours = distance(example.train(*continued(moments, load=True), batches[example.BEFORE:]))
         assert ours < 0.2 * restart, (moments, ours, restart)

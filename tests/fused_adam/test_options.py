@@ -17,9 +17,10 @@ def _params(n: int = 2) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(4, 3, generator=g)) for _ in range(n)]
 
 
-def _stepped(**options) -> tuple[FusedAdam, list[torch.nn.Parameter]]:
+def _stepped(make=None, **options) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    """FusedAdam(ADAMW_TORCH, **options), or make(params), after one step with gradients of ones."""
     params = _params()
-    opt = FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, **options)
+    opt = make(params) if make is not None else FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, **options)
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
@@ -167,11 +168,7 @@ FOREIGN = {"RAdam": torch.optim.RAdam, "NAdam": torch.optim.NAdam, "Adamax": tor
 
 @pytest.mark.parametrize("make", FOREIGN.values(), ids=FOREIGN.keys())
 def test_checkpoints_of_other_torch_optimizers_are_refused(make):
-    params = _params()
-    foreign = make(params)
-    for p in params:
-        p.grad = torch.ones_like(p)
-    foreign.step()
+    foreign, params = _stepped(make)
     opt = FusedAdam(params)
     before = optimizer_snapshot(opt)
     with pytest.raises(ValueError, match=r"state_dict\['param_groups'\]\[0\].*(another optimizer|other than Adam)"):
@@ -181,11 +178,7 @@ def test_checkpoints_of_other_torch_optimizers_are_refused(make):
 
 @pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW], ids=["Adam", "AdamW"])
 def test_checkpoints_of_torch_adam_and_adamw_still_load(make):
-    params = _params()
-    torch_opt = make(params)
-    for p in params:
-        p.grad = torch.ones_like(p)
-    torch_opt.step()
+    torch_opt, params = _stepped(make)
     opt = FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH)
     opt.load_state_dict(torch_opt.state_dict())
     assert float(opt.state[params[0]]["step"]) == 1

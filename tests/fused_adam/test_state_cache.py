@@ -686,7 +686,7 @@ LAYOUTS = {
 }
 # Under Triton's interpreter (``ORT_OPTIM_BACKEND=triton``), which takes about a second per test, two layouts (every
 # action still runs; the plan's Python path is the same for all layouts, and the torch backend runs them all).
-AUDITED_LAYOUTS = ["fp32-amsgrad", "4-bit"] if BACKENDS == ("triton",) else list(LAYOUTS)
+ACTION_LAYOUTS = ["fp32-amsgrad", "4-bit"] if BACKENDS == ("triton",) else list(LAYOUTS)
 # Constructor options that are not param group options (copied onto the fresh optimizer).
 OPTIONS = ("master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm", "capturable")
 NAMES_A_PARAM = r"param_groups\[\d+\]\['params'\]\[\d+\]"
@@ -1000,7 +1000,7 @@ ACTIONS = {
 }
 
 
-@pytest.mark.parametrize("layout", AUDITED_LAYOUTS)
+@pytest.mark.parametrize("layout", ACTION_LAYOUTS)
 @pytest.mark.parametrize("action", ACTIONS)
 def test_after_any_action_the_step_equals_a_fresh_optimizers(action, layout, backend):
     params, opt = _setup(layout)
@@ -1096,7 +1096,7 @@ SHARING = {
 }
 
 
-@pytest.mark.parametrize("layout", AUDITED_LAYOUTS)
+@pytest.mark.parametrize("layout", ACTION_LAYOUTS)
 @pytest.mark.parametrize("sharing", SHARING)
 def test_params_or_states_that_share_memory_are_refused_naming_both_and_nothing_changes(sharing, layout, backend):
     """One step would update the shared memory once per param holding it (torch.optim's loop updates it once per
@@ -1117,7 +1117,7 @@ def test_params_or_states_that_share_memory_are_refused_naming_both_and_nothing_
 # ---- the backend switched between steps ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", AUDITED_LAYOUTS)
+@pytest.mark.parametrize("layout", ACTION_LAYOUTS)
 def test_a_backend_switched_between_steps_steps_like_a_fresh_optimizer_on_it(layout, backend, monkeypatch):
     """ORT_OPTIM_BACKEND is read at every step: the plan of one backend (native plans holding raw pointers, or Python
     buckets) must not be used by another. Each step goes through the backend under test, then the reference."""

@@ -65,6 +65,10 @@ import contextlib
 import copy
 import gc
 import io
+import json
+import os
+import subprocess
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,15 +76,11 @@ from typing import Callable, Optional
 
 import pytest
 import torch
-from conftest import assert_same_snapshot, optimizer_snapshot, assert_tree_bitwise_equal
+from cases import LM_STEPS, LMCase, Tiny, TinyLM, decay_groups, lm_tokens, tiny_loss, train_lm
+from conftest import assert_same_snapshot, assert_tree_bitwise_equal, optimizer_snapshot
 from torch.utils.checkpoint import checkpoint
-from cases import decay_groups, LM_STEPS, lm_tokens, LMCase, Tiny, tiny_loss, TinyLM, train_lm
 
 from ort_optim import AdamWMode, FusedAdam
-import json
-import os
-import subprocess
-import sys
 
 STEPS = 12
 

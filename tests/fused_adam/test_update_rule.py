@@ -20,14 +20,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import (
-    BACKENDS,
-    assert_bitwise_equal,
-    assert_same_snapshot,
-    optimizer_snapshot,
-    select_backend,
-    state_values,
-)
+from conftest import (BACKENDS, assert_bitwise_equal, assert_same_snapshot, optimizer_snapshot, select_backend,
+                      state_values)
 from reference import ReferenceAdam
 
 from ort_optim import AdamWMode, FusedAdam

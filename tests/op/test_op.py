@@ -15,7 +15,6 @@ import itertools
 import math
 import os
 import zlib
-from pathlib import Path
 from dataclasses import dataclass
 
 import pytest

@@ -23,25 +23,16 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import pytest
-from conftest import ROOT, site_packages
+from conftest import ROOT, run_python, site_packages
 
 from ort_optim import backends
-
-
-def _run_python(python, code: str, cwd: Path) -> dict:
-    """Runs code with python in cwd, without PYTHONPATH (so only what is installed is importable); returns the JSON
-    the code printed last."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([str(python), "-c", code], cwd=cwd, env=env, text=True, capture_output=True, timeout=300)
-    assert proc.returncode == 0, f"{python} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_the_environment_imports_ort_optim_from_any_directory(tmp_path):
     """An editable install (PEP 660) of a checkout: the import works from a directory with nothing in it and finds
     the checkout's package. In a git worktree the shared environment may point at another checkout, so the test
     asserts the mechanism (an editable install of a checkout that holds the imported package), not the path."""
-    found = _run_python(sys.executable, """if True:
+    found = run_python(sys.executable, """if True:
         import json, importlib.metadata as metadata
         import ort_optim
         direct_url = metadata.distribution("ort-optim").read_text("direct_url.json")

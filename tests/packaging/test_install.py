@@ -29,20 +29,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, site_packages
+from conftest import ROOT, run_python, site_packages
 
 from ort_optim import AdamWMode, FusedAdam, backends
-
-
-
-
-def _run_python(python, code: str, cwd: Path) -> dict:
-    """Runs code with python in cwd, without PYTHONPATH (so only what is installed is importable); returns the JSON
-    the code printed last."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([str(python), "-c", code], cwd=cwd, env=env, text=True, capture_output=True, timeout=300)
-    assert proc.returncode == 0, f"{python} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +95,7 @@ def test_the_wheel_installed_elsewhere_builds_and_runs_the_native_op_from_its_ow
     env_dir = tmp_path / "env"
     venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
-    purelib = Path(_run_python(python, "import json, sysconfig; print(json.dumps(sysconfig.get_paths()['purelib']))",
+    purelib = Path(run_python(python, "import json, sysconfig; print(json.dumps(sysconfig.get_paths()['purelib']))",
                                cwd=tmp_path))
     # This interpreter's site-packages after the new environment's own: plain paths, so the .pth files there (this
     # environment's editable install of the checkout) are not run, and the only ort_optim importable is the wheel's.
@@ -116,7 +105,7 @@ def test_the_wheel_installed_elsewhere_builds_and_runs_the_native_op_from_its_ow
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    ran = _run_python(python, _STEP_OUTSIDE, cwd=outside)
+    ran = run_python(python, _STEP_OUTSIDE, cwd=outside)
     installed = purelib / "ort_optim"
     assert Path(ran["file"]) == installed / "__init__.py"
     assert Path(ran["ops_dir"]) == installed / "_ops"
