@@ -93,10 +93,8 @@ def variants(full: bool) -> list:
             ("adam-bf16-master-q8m-q4v-mode0-unaligned", "adam_kernel",
              adam_variant("bf16-master-q8m-q4v", 0, False, ALIGNED=False, BLOCKS_PER_PROGRAM=2)),
             ("adam-bf16-sr-q4m-q8v-mode2", "adam_kernel", adam_variant("bf16-q4m-q8v", 2, False, HAS_SR=True)),
+            # fp8 moments: e4m3 both (the full set has every fp8 combination, masters, e5m2 and rounding too)
             ("adam-fp32-fp8-mode2-ams", "adam_kernel", adam_variant("fp32-fp8", 2, True)),
-            ("adam-bf16-master-fp8m-e5m2v-mode0", "adam_kernel", adam_variant("bf16-master-fp8m-e5m2v", 0, False)),
-            ("adam-bf16-sr-e5m2m-fp8v-mode2-unaligned", "adam_kernel",
-             adam_variant("bf16-e5m2m-fp8v", 2, False, HAS_SR=True, ALIGNED=False)),
         ]
     out += [
         ("adam-fp32-mode2-unaligned-4blocks", "adam_kernel",
@@ -116,8 +114,6 @@ def variants(full: bool) -> list:
         ("adam-bf16-q4m-q8v-mode2-sr-unscale-grads", "adam_kernel",
          adam_variant("bf16-q4m-q8v", 2, False, HAS_INV_SCALE=True, HAS_FOUND_INF=True, UNSCALE_GRADS=True,
                       HAS_SR=True)),
-        ("adam-fp32-fp8-mode2-unscale-grads", "adam_kernel",
-         adam_variant("fp32-fp8", 2, False, HAS_INV_SCALE=True, HAS_FOUND_INF=True, UNSCALE_GRADS=True)),
         # what follows the Adam launches: the step counts, and the norm's sum on plain steps
         ("step_finish", "step_finish_kernel", dict(HAS_FOUND_INF=True, HAS_NORM=False, BLOCK=1024)),
         ("step_finish-norm", "step_finish_kernel", dict(HAS_FOUND_INF=False, HAS_NORM=True, BLOCK=1024)),

@@ -502,9 +502,10 @@ def markdown(results: dict) -> str:
                  f"pytest: {results.get('pytest', {}).get('summary') or results.get('pytest', {}).get('skipped')}")
     for c in failed:
         lines.append(f"- FAILED {c['check']}: {c['error'][:300]}")
-    lines += ["", f"Device-to-device copy: {results.get('copy_bandwidth_GBps')} GB/s (read + write)", "",
-              "| workload | tensors | optimizer | moments | median ms | x vs torch fused | % of copy bw |",
-              "|---|---|---|---|---|---|---|"]
+    if results.get("benchmarks"):
+        lines += ["", f"Device-to-device copy: {results.get('copy_bandwidth_GBps')} GB/s (read + write)", "",
+                  "| workload | tensors | optimizer | moments | median ms | x vs torch fused | % of copy bw |",
+                  "|---|---|---|---|---|---|---|"]
     for r in results.get("benchmarks", []):
         if "median_ms" in r:
             lines.append(f"| {r['workload']} | {r['tensors']} | {r['optimizer']} | {r['moments']} | {r['median_ms']} | "
