@@ -268,6 +268,20 @@ def min_bytes(numel: int, moments: str) -> int:
     return int(numel * (4 + 8 + 2 * 2 * MOMENT_BYTES[moments]))
 
 
+def params_maker(device):
+    """make_params(shapes): fp32 Parameters of these shapes on the device with random gradients (seeded once)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+
+    def make_params(shapes):
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(device)
+        return params
+    return make_params
+
+
 def benchmarks(device, dry_run: bool, results: dict) -> None:
     import torch
 
@@ -287,13 +301,7 @@ def benchmarks(device, dry_run: bool, results: dict) -> None:
     results["copy_bandwidth_GBps"] = round(bw, 1)
     log(f"device-to-device copy: {bw:.0f} GB/s")
     rows = results.setdefault("benchmarks", [])
-    gen = torch.Generator().manual_seed(0)
-
-    def make_params(shapes):
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to(device)
-        return params
+    make_params = params_maker(device)
 
     for name, shapes, fp16_too in workloads(dry_run):
         if left() < 40:
@@ -452,13 +460,7 @@ def quick_bench(device, dry_run: bool, results: dict) -> None:
 
     timer = Timer(device)
     rows = results.setdefault("quick", [])
-    gen = torch.Generator().manual_seed(0)
-
-    def make_params(shapes):
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to(device)
-        return params
+    make_params = params_maker(device)
 
     def sync():
         if device.type == "cuda":
