@@ -229,6 +229,7 @@ class Bucket:
     grads: list = field(default_factory=list)  # this step's gradients (other backends; a native plan reads its own)
     pending: list = field(default_factory=list)  # (slot, DTensor gradient) to redistribute into grads this step
     holds_dtensor_pieces: bool = False  # params holds DTensors' local pieces
+    launch_cache: dict = field(default_factory=dict)  # the Triton backend's launch plan for these tensors
 
     def state_lists(self) -> list[list[torch.Tensor]]:
         return [self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs, self.master_params, self.exp_avg_scales,

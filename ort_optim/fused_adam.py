@@ -553,9 +553,10 @@ class FusedAdam(torch.optim.Optimizer):
                 if bucket.native is not None:
                     stats.append(bucket.native.step(**hyper, grad_norm=plain_norm))
                 elif plain_norm:  # (the Triton kernels: see _plain_norm_from_update)
-                    stats.append(backends.adam_step_(*bucket.op_lists(), **hyper, grad_norm=True))
+                    stats.append(backends.adam_step_(*bucket.op_lists(), **hyper, grad_norm=True,
+                                                     launch_cache=bucket.launch_cache))
                 else:
-                    backends.adam_step_(*bucket.op_lists(), **hyper)
+                    backends.adam_step_(*bucket.op_lists(), **hyper, launch_cache=bucket.launch_cache)
             except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
                 raise _plan.name_op_error(exc, group_index, bucket) from exc
             if bucket.native is None and not torch.compiler.is_compiling() and _versions.step_taken(hyper["found_inf"]):

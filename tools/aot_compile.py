@@ -39,7 +39,7 @@ ADAM_COMMON = dict(BIAS_CORRECTION=True, HAS_LR_TENSOR=False, HAS_INV_SCALE=Fals
                    UNSCALE_GRADS=False, BLOCK=1024, BLOCKS_PER_PROGRAM=1, ALIGNED=True, HAS_SR=False)
 # Flags of a loss-scaled or clipped step; FusedAdam's plain steps (none of them) sum the gradients' squares (HAS_NORM).
 SCALED_STEP_FLAGS = ("HAS_INV_SCALE", "HAS_FOUND_INF", "UNSCALE_GRADS")
-F32, F16, BF16, F64, Q8, Q4 = 0, 1, 2, 3, 4, 5
+F32, F16, BF16, F64, Q8, Q4, FP8_E4M3, FP8_E5M2 = 0, 1, 2, 3, 4, 5, 6, 7
 COMBOS = {
     "fp32": (F32, F32, F32, F32, False, False, False),
     "fp32-bf16states": (F32, F32, BF16, BF16, False, False, False),
@@ -54,6 +54,9 @@ COMBOS = {
     "bf16-master-q8m-q4v": (BF16, BF16, Q8, Q4, True, True, True),
     "bf16-q4m-q8v": (BF16, BF16, Q4, Q8, False, True, True),
     "fp16-master-q4m-fp16v": (F16, F16, Q4, F16, True, True, True),
+    "fp32-fp8": (F32, F32, FP8_E4M3, FP8_E4M3, False, True, True),
+    "bf16-master-fp8m-e5m2v": (BF16, BF16, FP8_E4M3, FP8_E5M2, True, True, True),
+    "bf16-e5m2m-fp8v": (BF16, BF16, FP8_E5M2, FP8_E4M3, False, True, True),
 }
 
 
@@ -90,6 +93,8 @@ def variants(full: bool) -> list:
             ("adam-bf16-master-q8m-q4v-mode0-unaligned", "adam_kernel",
              adam_variant("bf16-master-q8m-q4v", 0, False, ALIGNED=False, BLOCKS_PER_PROGRAM=2)),
             ("adam-bf16-sr-q4m-q8v-mode2", "adam_kernel", adam_variant("bf16-q4m-q8v", 2, False, HAS_SR=True)),
+            # fp8 moments: e4m3 both (the full set has every fp8 combination, masters, e5m2 and rounding too)
+            ("adam-fp32-fp8-mode2-ams", "adam_kernel", adam_variant("fp32-fp8", 2, True)),
         ]
     out += [
         ("adam-fp32-mode2-unaligned-4blocks", "adam_kernel",
@@ -109,7 +114,10 @@ def variants(full: bool) -> list:
         ("adam-bf16-q4m-q8v-mode2-sr-unscale-grads", "adam_kernel",
          adam_variant("bf16-q4m-q8v", 2, False, HAS_INV_SCALE=True, HAS_FOUND_INF=True, UNSCALE_GRADS=True,
                       HAS_SR=True)),
-        ("advance_steps", "advance_steps_kernel", dict(HAS_FOUND_INF=True, BLOCK=1024)),
+        # what follows the Adam launches: the step counts, and the norm's sum on plain steps
+        ("step_finish", "step_finish_kernel", dict(HAS_FOUND_INF=True, HAS_NORM=False, BLOCK=1024)),
+        ("step_finish-norm", "step_finish_kernel", dict(HAS_FOUND_INF=False, HAS_NORM=True, BLOCK=1024)),
+        ("step_finish-norm-found-inf", "step_finish_kernel", dict(HAS_FOUND_INF=True, HAS_NORM=True, BLOCK=1024)),
     ]
     for name, dt in (("fp32", F32), ("fp16", F16), ("bf16", BF16), ("fp64", F64)):
         out.append((f"grad_stats-{name}", "grad_stats_kernel", dict(DT=dt, BLOCK=1024, BLOCKS_PER_PROGRAM=1,
@@ -126,6 +134,7 @@ ARG_TYPES = {
     "lr_bits": "i64", "beta1_bits": "i64",
     "beta2_bits": "i64", "eps_bits": "i64", "wd_bits": "i64", "sign_bits": "i64", "n": "i32",
     "addr_ptr": "*i64", "numel_ptr": "*i64", "partial_ptr": "*fp64", "partial_base": "i32", "out_ptr": "*fp32",
+    "parts": "i32", "stats_ptr": "*fp32",
 }
 
 
@@ -171,7 +180,8 @@ def spill_limit(constexprs: dict) -> int:
     sm_80 (84 with amsgrad, 4-bit m, 8-bit v) over ~190-210 registers and 1 CTA per SM. The kernel is memory-bound,
     so we keep ptxas's choice (unmeasured on a GPU: ORT_OPTIM_TRITON_MAXNREG=255 gives the other one, for
     tools/gpu_check.py to compare). Anything beyond these limits is a register blow-up worth failing on."""
-    quantised = constexprs.get("M_DT") in (Q8, Q4) or constexprs.get("V_DT") in (Q8, Q4)
+    quantised = constexprs.get("M_DT") in (Q8, Q4, FP8_E4M3, FP8_E5M2) or constexprs.get("V_DT") in (
+        Q8, Q4, FP8_E4M3, FP8_E5M2)
     return 128 if quantised else 64
 
 

@@ -4,6 +4,9 @@
     python tools/gpu_check.py --out DIR            # on a machine with a CUDA GPU, torch and triton
     python tools/gpu_check.py --out DIR --dry-run  # anywhere: the same code paths on CPU tensors, tiny shapes,
                                                    # Triton's interpreter (no numbers worth reading)
+    python tools/gpu_check.py --out DIR --bench-only --quick  # about a minute: the eager step against torch's
+                                                   # fused AdamW on 1x4096^2, GPT-2 small and 2000 x 1K, GPU and host
+                                                   # time per step
 
 Needs only the repository plus torch, triton and numpy (no project venv; pytest is used when installed).
 
@@ -265,6 +268,20 @@ def min_bytes(numel: int, moments: str) -> int:
     return int(numel * (4 + 8 + 2 * 2 * MOMENT_BYTES[moments]))
 
 
+def params_maker(device):
+    """make_params(shapes): fp32 Parameters of these shapes on the device with random gradients (seeded once)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+
+    def make_params(shapes):
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(device)
+        return params
+    return make_params
+
+
 def benchmarks(device, dry_run: bool, results: dict) -> None:
     import torch
 
@@ -284,13 +301,7 @@ def benchmarks(device, dry_run: bool, results: dict) -> None:
     results["copy_bandwidth_GBps"] = round(bw, 1)
     log(f"device-to-device copy: {bw:.0f} GB/s")
     rows = results.setdefault("benchmarks", [])
-    gen = torch.Generator().manual_seed(0)
-
-    def make_params(shapes):
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to(device)
-        return params
+    make_params = params_maker(device)
 
     for name, shapes, fp16_too in workloads(dry_run):
         if left() < 40:
@@ -436,6 +447,52 @@ def benchmarks(device, dry_run: bool, results: dict) -> None:
         triton_backend.clear_caches()
 
 
+QUICK_WORKLOADS = [("1x4096^2", [(4096, 4096)]), ("GPT-2 small", GPT2_SMALL), ("2000x1K", [(1024,)] * 2000)]
+
+
+def quick_bench(device, dry_run: bool, results: dict) -> None:
+    """The eager step, FusedAdam (fp32 moments, AdamW mode) against torch.optim.AdamW(fused=True), interleaved: the
+    median time per step on the device (CUDA events) and the host's time per step (perf_counter over 20 steps that
+    are not waited for: Python and the launches, what an eager step costs the CPU)."""
+    import torch
+
+    from ort_optim import FusedAdam
+
+    timer = Timer(device)
+    rows = results.setdefault("quick", [])
+    make_params = params_maker(device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    workloads = [("1x4096", [(4096,)]), ("3x1K", [(1024,)] * 3)] if dry_run else QUICK_WORKLOADS
+    for name, shapes in workloads:
+        opts = [("torch AdamW fused", torch.optim.AdamW(make_params(shapes), lr=1e-3, weight_decay=0.01, fused=True)),
+                ("FusedAdam (Triton)", FusedAdam(make_params(shapes), lr=1e-3, adam_w_mode=2, weight_decay=0.01))]
+        device_ms = {label: [] for label, _ in opts}
+        host_ms = {label: [] for label, _ in opts}
+        for _, opt in opts:
+            opt.step()  # creates the state, compiles the kernels
+        for _ in range(3):  # interleaved rounds
+            for label, opt in opts:
+                device_ms[label] += timer.time(opt.step, iters=3 if dry_run else 10, warmup=1)
+                sync()
+                t = time.perf_counter()
+                for _ in range(20):
+                    opt.step()
+                host_ms[label].append((time.perf_counter() - t) / 20 * 1e3)
+                sync()
+        reference = statistics.median(device_ms["torch AdamW fused"])
+        for label, _ in opts:
+            med = statistics.median(device_ms[label])
+            rows.append({"workload": name, "tensors": len(shapes), "optimizer": label, "median_ms": round(med, 4),
+                         "host_ms": round(statistics.median(host_ms[label]), 4),
+                         "x_vs_torch_fused": round(reference / med, 2)})
+        del opts
+        log(f"quick: {name}")
+
+
 # ---- report ---------------------------------------------------------------------------------------------------------
 
 def markdown(results: dict) -> str:
@@ -447,15 +504,23 @@ def markdown(results: dict) -> str:
                  f"pytest: {results.get('pytest', {}).get('summary') or results.get('pytest', {}).get('skipped')}")
     for c in failed:
         lines.append(f"- FAILED {c['check']}: {c['error'][:300]}")
-    lines += ["", f"Device-to-device copy: {results.get('copy_bandwidth_GBps')} GB/s (read + write)", "",
-              "| workload | tensors | optimizer | moments | median ms | x vs torch fused | % of copy bw |",
-              "|---|---|---|---|---|---|---|"]
+    if results.get("benchmarks"):
+        lines += ["", f"Device-to-device copy: {results.get('copy_bandwidth_GBps')} GB/s (read + write)", "",
+                  "| workload | tensors | optimizer | moments | median ms | x vs torch fused | % of copy bw |",
+                  "|---|---|---|---|---|---|---|"]
     for r in results.get("benchmarks", []):
         if "median_ms" in r:
             lines.append(f"| {r['workload']} | {r['tensors']} | {r['optimizer']} | {r['moments']} | {r['median_ms']} | "
                          f"{r.get('x_vs_torch_fused')} | {r['pct_of_copy_bw']} |")
         else:
             lines.append(f"| {r['workload']} | | {r.get('optimizer', '')} | | {r.get('error') or r.get('skipped')} | | |")
+    if results.get("quick"):
+        lines += ["", "Eager step (fp32 moments) against torch's fused AdamW, interleaved; host ms: perf_counter per "
+                  "step, not waited for:", "",
+                  "| workload | tensors | optimizer | median ms | x vs torch fused | host ms |", "|---|---|---|---|---|---|"]
+        for r in results["quick"]:
+            lines.append(f"| {r['workload']} | {r['tensors']} | {r['optimizer']} | {r['median_ms']} | "
+                         f"{r['x_vs_torch_fused']} | {r['host_ms']} |")
     if results.get("plain_norm_cost"):
         lines += ["", "Plain step with last_grad_norm (summed by the Adam kernel) vs without, interleaved:", "",
                   "| workload | moments | with norm ms | without ms | ratio |", "|---|---|---|---|---|"]
@@ -485,6 +550,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU tensors, Triton's interpreter, tiny shapes")
     parser.add_argument("--skip-pytest", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--bench-only", action="store_true", help="no correctness checks, no pytest")
+    parser.add_argument("--quick", action="store_true",
+                        help="instead of the benchmarks: the eager step against torch's fused AdamW (about a minute)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
@@ -509,11 +577,14 @@ def main(argv=None) -> int:
     os.environ["ORT_OPTIM_BACKEND"] = "triton" if args.dry_run else os.environ.get("ORT_OPTIM_BACKEND", "auto")
     ok = True
     try:
-        log(f"correctness on {results['device']}")
-        ok = correctness(device, args.dry_run, results) and ok
-        if not args.skip_pytest:
-            ok = run_pytest(args.out, args.dry_run, results) and ok
-        if not args.skip_bench:
+        if not args.bench_only:
+            log(f"correctness on {results['device']}")
+            ok = correctness(device, args.dry_run, results) and ok
+            if not args.skip_pytest:
+                ok = run_pytest(args.out, args.dry_run, results) and ok
+        if args.quick:
+            quick_bench(device, args.dry_run, results)
+        elif not args.skip_bench:
             benchmarks(device, args.dry_run, results)
     except Exception as exc:
         ok = False

@@ -112,10 +112,13 @@ def adam_step_(params: Sequence[torch.Tensor], *lists_and_steps, **options) -> O
     scales, steps, and the grads when grad_scale is given (written back unscaled), and marks what it wrote as
     modified in place for autograd, on every backend (ort_optim/_versions.py). ``grad_norm=True``, only where
     :func:`update_reports_grad_norm` says so (not part of the op's schema), returns the float32 [sum of squares,
-    non-finite] of the gradients as loaded; otherwise returns None."""
+    non-finite] of the gradients as loaded; otherwise returns None. ``launch_cache`` (a dict, not part of the schema
+    either) is used by the Triton backend only (see its adam_step_) and ignored by the others."""
     if options.get("rounding_keys", False) is None:  # (passed only when given, as before the argument existed)
         del options["rounding_keys"]
     impl = implementation(params[0].device if len(params) else torch.device("cpu"))
+    if impl is not triton_backend:
+        options.pop("launch_cache", None)  # (the Triton backend's alone: a dict it keeps its launch plan in)
     return impl.adam_step_(params, *lists_and_steps, **options)
 
 

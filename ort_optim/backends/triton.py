@@ -13,11 +13,15 @@ How a call runs:
 * The tensors of a call are grouped by their dtypes (FusedAdam already passes one group per call); each group is ONE
   launch of ``adam_kernel``: a device table holds every tensor's addresses (params, moments, masters, scales) and a
   work list holds one (tensor, offset) item per program, so the launch covers all tensors of the group. One more tiny
-  launch advances the step counts afterwards (unless found_inf says skip).
-* The tables are built once and cached, keyed by every tensor's data_ptr, dtype, shape and strides (all a table
-  holds); they are rebuilt, after validation, only when one of those changes. Gradients get their own small address
-  table, since they change whenever they are set to None: one H2D copy of ``[g.data_ptr() ...]``, non-blocking from
-  pinned memory.
+  launch (``step_finish_kernel``) advances the step counts afterwards (unless found_inf says skip) and adds up the
+  norm's partial sums when asked for: two launches per call.
+* The tables are built once and kept, for a direct call in a cache keyed by every tensor's data_ptr, dtype, shape
+  and strides (all a table holds; rebuilt, after validation, only when one of those changes), for FusedAdam in the
+  ``launch_cache`` dict of its bucket (see adam_step_: its plan checks the same at every step, so the tensors are not
+  read again here). Gradients get their own small address table, since they change whenever they are set to None:
+  one H2D copy of ``[g.data_ptr() ...]``, non-blocking from pinned memory.
+* Compiled kernels (triton 3.6) are launched through a kept launcher (_Launcher), without JITFunction.run's per-call
+  binding and specialisation of every argument.
 * Nothing synchronises with the host inside a call, and every kernel runs on ``torch.cuda.current_stream()``, so a
   step can be captured in a CUDA graph (with lr and the loss scale as device tensors if they change between replays).
 * ``triton`` is imported on first use only; ``import ort_optim`` never imports it.
@@ -28,6 +32,7 @@ kernels without a GPU: ``ORT_OPTIM_BACKEND=triton TRITON_INTERPRET=1 pytest ...`
 
 from __future__ import annotations
 
+import operator
 import os
 import struct
 import threading
@@ -66,6 +71,7 @@ _stats_cache: "OrderedDict[tuple, tuple]" = OrderedDict()
 # Device tables (and pinned host buffers) used by kernels captured in a CUDA graph: a graph replays the launches with
 # the addresses it saw, so what they point to must outlive any cache eviction or table rebuild. One entry per capture.
 _graph_owned: list = []
+_generation = 0  # bumped by clear_caches(): plans kept in callers' launch_cache dicts before it are not used
 
 
 # ---- triton, lazily -------------------------------------------------------------------------------------------
@@ -191,6 +197,85 @@ def _work_list(numels: Sequence[int], bpp: int) -> list:
     return work
 
 
+# ---- launching compiled kernels -------------------------------------------------------------------------------
+
+def _fast_launch_supported() -> bool:
+    """Whether launches may skip JITFunction.run (see _Launcher): compiled kernels (not the interpreter), a triton
+    whose launchers take the arguments _Launcher passes (3.6: checked against JITFunction.run with a recording driver,
+    tests/triton_backend/test_launcher.py), and not ORT_OPTIM_TRITON_FAST_LAUNCH=0."""
+    import triton
+
+    return (not kernels().INTERPRET and triton.__version__.startswith("3.6.")
+            and os.environ.get("ORT_OPTIM_TRITON_FAST_LAUNCH", "1") != "0")
+
+
+class _Launcher:
+    """Launches of one @triton.jit kernel without JITFunction.run's per-call work (binding and specialising every
+    argument, formatting its options into the cache key, building the launch metadata: ~50 us per launch of
+    adam_kernel on this project's CPU, against ~5 us here): the compiled kernel of each specialisation is kept and its
+    launcher called directly, as torch inductor's launchers do. What decides the specialisation JITFunction.run
+    picks makes the key: each tensor argument's dtype and 16-byte alignment, each integer's width (and, unless
+    do_not_specialize, whether it is 1 or a multiple of 16), the constexprs, the options and the device. A new key
+    launches through JITFunction.run, which compiles, and its compiled kernel is kept."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled: dict = {}
+        params = fn.params
+        self.constexprs = [p.name for p in params if p.is_constexpr]
+        runtime = [p for p in params if not p.is_constexpr]
+        if [p.name for p in params[len(runtime):]] != self.constexprs:
+            raise RuntimeError(f"ort_optim: {fn.__name__}'s constexpr arguments must follow the others")
+        self.specialized = tuple(not p.do_not_specialize for p in runtime)
+
+    def __call__(self, grid: tuple, args: tuple, kwargs: dict) -> None:
+        from triton.runtime.driver import driver
+
+        spec = []
+        for a, specialized in zip(args, self.specialized):
+            if isinstance(a, torch.Tensor):
+                spec.append((a.dtype, a.data_ptr() % 16 == 0))
+            elif specialized:
+                spec.append((-2**31 <= a < 2**31, a == 1, a % 16 == 0))
+            else:
+                spec.append(-2**31 <= a < 2**31)
+        device = driver.active.get_current_device()
+        key = (device, tuple(spec), tuple(kwargs), tuple(kwargs.values()))
+        binary = self.compiled.get(key)
+        if binary is None:
+            self.compiled[key] = self.fn[grid](*args, **kwargs)
+            return
+        stream = driver.active.get_current_stream(device)
+        constexprs = [kwargs[name] for name in self.constexprs]
+        from triton import knobs
+
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if enter.calls or leave.calls:  # (a profiler's hooks: they get what JITFunction.run gives them)
+            metadata = binary.launch_metadata(grid, stream, *args, *constexprs)
+        else:
+            metadata = enter = leave = None
+        binary.run(grid[0], 1, 1, stream, binary.function, binary.packed_metadata, metadata, enter, leave, *args,
+                   *constexprs)
+
+
+_launchers: dict = {}
+_fast_launch: Optional[bool] = None
+
+
+def _launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """kernel[grid](*args, **kwargs), through a _Launcher where this triton allows it."""
+    global _fast_launch
+    if _fast_launch is None:
+        _fast_launch = _fast_launch_supported()
+    if not _fast_launch:
+        kernel[grid](*args, **kwargs)
+        return
+    launcher = _launchers.get(kernel)
+    if launcher is None:
+        launcher = _launchers.setdefault(kernel, _Launcher(kernel))
+    launcher(grid, args, kwargs)
+
+
 def _launch_context(device: torch.device):
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
@@ -238,10 +323,13 @@ def _lookup(cache: OrderedDict, key):
 
 
 def clear_caches() -> None:
-    """Forgets every cached address table (they are rebuilt on the next call)."""
+    """Forgets every cached address table (they are rebuilt on the next call), the plans kept in callers'
+    ``launch_cache`` dicts included."""
+    global _generation
     with _lock:
         _cache.clear()
         _stats_cache.clear()
+        _generation += 1
 
 
 # ---- adam_step_ -----------------------------------------------------------------------------------------------
@@ -269,12 +357,17 @@ class _Group:
 class _Plan:
     """The launch plan of one call signature: its groups, plus what identifies the tensors it was built for."""
 
-    __slots__ = ("groups", "shapes", "devices")
+    __slots__ = ("groups", "shapes", "devices", "device", "grad_dtypes", "programs", "stochastic_ok", "generation")
 
-    def __init__(self, groups, shapes, devices):
+    def __init__(self, groups, shapes, devices, device, grad_dtypes, stochastic_ok):
         self.groups = groups
         self.shapes = shapes  # the params' shapes, as tuples (comparing lists of torch.Size is ~20x slower)
         self.devices = devices  # get_device() of every param
+        self.device = device
+        self.grad_dtypes = grad_dtypes  # the gradients' dtypes (they choose the groups)
+        self.programs = sum(group.programs for group in groups)
+        self.stochastic_ok = stochastic_ok  # every param bfloat16 and no masters: rounding_keys may be given
+        self.generation = _generation
 
 
 def _fail(msg: str):
@@ -484,6 +577,38 @@ def _build_groups(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_
     return groups
 
 
+_data_ptr = torch.Tensor.data_ptr
+_is_contiguous = torch.Tensor.is_contiguous
+_dtype_of = operator.attrgetter("dtype")
+_HYPER_BITS = struct.Struct("<6d")
+_LAUNCH_CACHE_KEY = "triton"
+
+
+def _on_device(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    """A one-element scalar tensor on the params' device (copied there, without blocking, if given elsewhere); bool
+    flags as uint8."""
+    if t is None:
+        return None
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    if t.device != device:
+        t = t.to(device, non_blocking=True)
+    return t.reshape(1)
+
+
+def _new_plan(params, work_params, work_grads, grad_dtypes, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
+              exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales, amsgrad: bool, device) -> _Plan:
+    n = len(params)
+    _validate_static(work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+                     exp_avg_sq_scales, max_exp_avg_sq_scales, amsgrad)
+    _validate_grads(work_params, work_grads, range(n))
+    groups = _build_groups(work_params, work_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
+                           exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales, device)
+    stochastic_ok = not len(master_params) and all(p.dtype == torch.bfloat16 for p in params)
+    return _Plan(groups, [tuple(p.shape) for p in work_params], [params[0].get_device()] * n, device, grad_dtypes,
+                 stochastic_ok)
+
+
 def adam_step_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -510,6 +635,7 @@ def adam_step_(
     grad_scale: Optional[torch.Tensor] = None,
     rounding_keys: Optional[torch.Tensor] = None,
     grad_norm: bool = False,
+    launch_cache: Optional[dict] = None,
 ) -> Optional[torch.Tensor]:
     """ort_optim::adam_step_ (ops/README.md) on CUDA tensors (CPU tensors under TRITON_INTERPRET=1).
 
@@ -517,10 +643,19 @@ def adam_step_(
     :func:`grad_stats`' float32 [sum of squares, 1.0 if not finite] of the gradients as the update loaded them
     (before any unscaling), summed by the update's own pass: no second read of the gradients, no host sync (as the
     native plan's ``step(grad_norm=True)``). Each program of the Adam launches writes its float64 partial sum into a
-    buffer allocated here (from the graph's pool while a CUDA graph is captured, so replays rewrite it), then one
-    program adds the partials in a fixed order. The squares are summed in float32 (float64 for float64 params), so
-    unlike grad_stats the flag is also 1 when finite gradients overflow float32 (a norm above about 1.8e19); the sum
-    is NaN when found_inf skips the step. Otherwise returns None."""
+    buffer allocated here (from the graph's pool while a CUDA graph is captured, so replays rewrite it), then the
+    launch that advances the step counts adds the partials in a fixed order. The squares are summed in float32
+    (float64 for float64 params), so unlike grad_stats the flag is also 1 when finite gradients overflow float32 (a
+    norm above about 1.8e19); the sum is NaN when found_inf skips the step. Otherwise returns None.
+
+    launch_cache (a keyword of this backend only): a dict that the caller keeps for as long as the tensors of every
+    list but ``grads`` stay the same tensors with the same data pointers, dtypes, shapes and strides, on the same
+    device (FusedAdam passes one per bucket of its plan, which it re-plans when any of these changes: the plan's
+    fingerprints, checked at every step). The launch plan built at the first call is kept in it, and later calls
+    skip re-reading those tensors (one data pointer, dtype, shape and strides per tensor: 6000 tensors for 2000
+    params, the larger part of the host time of a many-tensor step). The caller also vouches that every gradient is
+    dense, of its param's shape and on its device (FusedAdam's plan checks them at every step): of the gradients,
+    only the data pointers, dtypes and contiguity are read at every call."""
     n = len(params)
     _check_lengths(n, {
         "grads": (grads, False), "exp_avgs": (exp_avgs, False), "exp_avg_sqs": (exp_avg_sqs, False),
@@ -541,88 +676,99 @@ def adam_step_(
                     ("grad_scale", grad_scale)):
         if t is not None and t.numel() != 1:
             _fail(f"{name} must have exactly one element, got {t.numel()}")
-    if rounding_keys is not None:
-        if rounding_keys.dtype != torch.int64 or tuple(rounding_keys.shape) != (n,):
-            _fail(f"rounding_keys must be an int64 tensor of shape [{n}]")
-        for i, p in enumerate(params):
-            if p.dtype != torch.bfloat16 or len(master_params):
-                _fail(f"rounding_keys (stochastic rounding) given but params[{i}] is {p.dtype}"
-                      + (" with master weights" if len(master_params) else "")
-                      + "; stochastic rounding is for bfloat16 params without master weights")
+    if rounding_keys is not None and (rounding_keys.dtype != torch.int64 or tuple(rounding_keys.shape) != (n,)):
+        _fail(f"rounding_keys must be an int64 tensor of shape [{n}]")
     if n == 0:
         return torch.zeros(2, dtype=torch.float32) if grad_norm else None
     device = params[0].device
     _check_device(device, "adam_step_")
     k = kernels()
 
-    # Non-contiguous params and grads go through contiguous copies; params (and grads, when they are unscaled in
-    # place) are copied back at the end.
-    work_params = list(params)
-    copied = []
-    for i, p in enumerate(params):
-        if not p.is_contiguous():
-            work_params[i] = p.contiguous()
-            copied.append(i)
-    work_grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-    copied_grads = [i for i, g in enumerate(grads) if g is not work_grads[i]] if grad_scale is not None else []
+    # Non-contiguous grads go through contiguous copies (copied back at the end when they are unscaled in place).
+    work_grads = grads if all(map(_is_contiguous, grads)) else [g if g.is_contiguous() else g.contiguous()
+                                                                 for g in grads]
+    grad_dtypes = tuple(map(_dtype_of, work_grads))
+    plan = None if launch_cache is None else launch_cache.get(_LAUNCH_CACHE_KEY)
+    if plan is not None and not (plan.generation == _generation and plan.device == device
+                                 and plan.grad_dtypes == grad_dtypes and len(plan.shapes) == n):
+        plan = None
+    if plan is not None:
+        # (the caller vouches for every tensor but the gradients, see launch_cache; the plan was only kept when the
+        # params were contiguous, and it checked the gradients' shapes, devices and layouts itself)
+        work_params, copied = params, []
+    else:
+        # Non-contiguous params go through contiguous copies, copied back at the end.
+        work_params = list(params)
+        copied = []
+        for i, p in enumerate(params):
+            if not p.is_contiguous():
+                work_params[i] = p.contiguous()
+                copied.append(i)
+        statics = [work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+                   exp_avg_sq_scales, max_exp_avg_sq_scales]
+        flat = [t for lst in statics for t in lst]
+        # The tables hold addresses, sizes and dtypes, so the key has every tensor's address, dtype, shape and
+        # strides: whatever tensor now has all four (the same object given new data, or a new tensor in freed
+        # memory), the table describes it exactly. (No references to the tensors are kept: torch.utils.swap_tensors
+        # refuses tensors that anything holds, even weakly.)
+        key = (device, n, tuple([len(lst) for lst in statics]), tuple(map(_data_ptr, flat)),
+               tuple(map(_dtype_of, flat)), tuple([(t.shape, t.stride()) for t in flat]), grad_dtypes,
+               BLOCKS_PER_PROGRAM)
+        plan = _lookup(_cache, key)
+        if plan is None:
+            plan = _new_plan(params, work_params, work_grads, grad_dtypes, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                             master_params, exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales, amsgrad, device)
+            _remember(_cache, key, plan)
+        elif ([tuple(g.shape) for g in work_grads] != plan.shapes or [g.get_device() for g in work_grads]
+              != plan.devices or any([g.layout != torch.strided for g in work_grads])):
+            _validate_grads(work_params, work_grads, range(n))  # raises, naming the gradient
+        if launch_cache is not None and not copied:
+            launch_cache[_LAUNCH_CACHE_KEY] = plan
+    if rounding_keys is not None and not plan.stochastic_ok:
+        for i, p in enumerate(params):
+            if p.dtype != torch.bfloat16 or len(master_params):
+                _fail(f"rounding_keys (stochastic rounding) given but params[{i}] is {p.dtype}"
+                      + (" with master weights" if len(master_params) else "")
+                      + "; stochastic rounding is for bfloat16 params without master weights")
+    copied_grads = ([i for i, g in enumerate(grads) if g is not work_grads[i]]
+                    if grad_scale is not None and work_grads is not grads else [])
     for i in copied_grads:  # before anything is written
         if torch._debug_has_internal_overlap(grads[i]) == 1:
             _fail(f"grads[{i}] overlaps itself (an expand()ed tensor), so it cannot be unscaled in place")
 
-    statics = [work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
-               exp_avg_sq_scales, max_exp_avg_sq_scales]
-    flat = [t for lst in statics for t in lst]
-    # The tables hold addresses, sizes and dtypes, so the key has every tensor's address, dtype, shape and strides:
-    # whatever tensor now has all four (the same object given new data, or a new tensor in freed memory), the table
-    # describes it exactly. (No references to the tensors are kept: torch.utils.swap_tensors refuses tensors that
-    # anything holds, even weakly.)
-    key = (device, n, tuple([len(lst) for lst in statics]),
-           tuple([(t.data_ptr(), t.dtype, t.shape, t.stride()) for t in flat]),
-           tuple([g.dtype for g in work_grads]), BLOCKS_PER_PROGRAM)
-    plan = _lookup(_cache, key)
-    if plan is None:
-        _validate_static(work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
-                         exp_avg_sq_scales, max_exp_avg_sq_scales, amsgrad)
-        _validate_grads(work_params, work_grads, range(n))
-        groups = _build_groups(work_params, work_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
-                               exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales, device)
-        plan = _Plan(groups, [tuple(p.shape) for p in work_params],
-                     [params[0].get_device()] * n)
-        _remember(_cache, key, plan)
-    elif ([tuple(g.shape) for g in work_grads] != plan.shapes or [g.get_device() for g in work_grads] != plan.devices
-          or any([g.layout != torch.strided for g in work_grads])):
-        _validate_grads(work_params, work_grads, range(n))  # raises, naming the gradient
-
     # Scalars that live on the device: same device as the params (copied there if given elsewhere).
-    def on_device(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if t is None:
-            return None
-        if t.dtype == torch.bool:
-            t = t.to(torch.uint8)
-        if t.device != device:
-            t = t.to(device, non_blocking=True)
-        return t.reshape(1)
-
-    lr_t, inv_t, found_t = on_device(lr_tensor), on_device(inv_grad_scale), on_device(found_inf)
-    scale_t = on_device(grad_scale)
+    lr_t, inv_t, found_t = _on_device(lr_tensor, device), _on_device(inv_grad_scale, device), _on_device(found_inf,
+                                                                                                          device)
+    scale_t = _on_device(grad_scale, device)
     keys_t = None if rounding_keys is None else rounding_keys if rounding_keys.device == device else \
         rounding_keys.to(device, non_blocking=True)
     steps_dev = steps if steps.device == device else steps.to(device)
     dummy = steps_dev
-    norm_programs = sum(group.programs for group in plan.groups) if grad_norm else 0
-    norm_partial = torch.empty(norm_programs, dtype=torch.float64, device=device) if norm_programs else None
+    capturing = _capturing(device)
+    # The partial sums of the norm, then its result: float32 [2] in the buffer's last float64 (one allocation).
+    norm_partial = torch.empty(plan.programs + 1, dtype=torch.float64, device=device) \
+        if grad_norm and plan.programs else None
     norm_base = 0
+    lr_bits, beta1_bits, beta2_bits, eps_bits, wd_bits, sign_bits = struct.unpack(
+        "<6q", _HYPER_BITS.pack(lr, beta1, beta2, eps, weight_decay, -1.0 if maximize else 1.0))
+    flags = dict(MODE=int(adam_w_mode), BIAS_CORRECTION=bool(bias_correction), HAS_LR_TENSOR=lr_t is not None,
+                 HAS_INV_SCALE=inv_t is not None, HAS_FOUND_INF=found_t is not None,
+                 UNSCALE_GRADS=scale_t is not None, BLOCK=BLOCK, HAS_SR=keys_t is not None,
+                 HAS_NORM=norm_partial is not None, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    if MAXNREG:
+        flags["maxnreg"] = MAXNREG
+    grad_ptrs = list(map(_data_ptr, work_grads))
 
     with _launch_context(device):
         for group in plan.groups:
             if group.programs == 0:
                 continue
-            gkey = tuple([work_grads[i].data_ptr() for i in group.indices])
+            gkey = tuple(grad_ptrs) if len(group.indices) == n else tuple([grad_ptrs[i] for i in group.indices])
             if gkey != group.grads_key:
                 group.grads_table = _upload(list(gkey), device)
                 group.grads_key = gkey
                 group.grads_aligned = all(ptr % 16 == 0 for ptr in gkey)
-            k.adam_kernel[(group.programs,)](
+            _launch(k.adam_kernel, (group.programs,), (
                 group.meta, group.grads_table, group.work, steps_dev,
                 lr_t if lr_t is not None else dummy,
                 inv_t if inv_t is not None else dummy,
@@ -632,25 +778,17 @@ def adam_step_(
                 group.luts[1] if group.luts[1] is not None else dummy,
                 keys_t if keys_t is not None else dummy,
                 norm_partial if norm_partial is not None else dummy, norm_base,
-                _bits(lr), _bits(beta1), _bits(beta2), _bits(eps), _bits(weight_decay),
-                _bits(-1.0 if maximize else 1.0),
-                MODE=int(adam_w_mode), BIAS_CORRECTION=bool(bias_correction), HAS_LR_TENSOR=lr_t is not None,
-                HAS_INV_SCALE=inv_t is not None, HAS_FOUND_INF=found_t is not None,
-                UNSCALE_GRADS=scale_t is not None, BLOCK=BLOCK,
-                BLOCKS_PER_PROGRAM=group.bpp, ALIGNED=group.aligned and group.grads_aligned,
-                HAS_SR=keys_t is not None, HAS_NORM=norm_partial is not None, num_warps=NUM_WARPS,
-                enable_fp_fusion=False, **({"maxnreg": MAXNREG} if MAXNREG else {}),
-                **group.constexprs,
-            )
+                lr_bits, beta1_bits, beta2_bits, eps_bits, wd_bits, sign_bits,
+            ), dict(group.constexprs, BLOCKS_PER_PROGRAM=group.bpp, ALIGNED=group.aligned and group.grads_aligned,
+                    **flags))
             norm_base += group.programs
-        if norm_partial is not None:
-            stats = torch.empty(2, dtype=torch.float32, device=device)
-            k.grad_stats_finish_kernel[(1,)](norm_partial, norm_programs, stats, BLOCK=BLOCK, num_warps=NUM_WARPS)
-        k.advance_steps_kernel[((n + BLOCK - 1) // BLOCK,)](
-            steps_dev, found_t if found_t is not None else dummy, n, HAS_FOUND_INF=found_t is not None,
-            BLOCK=BLOCK, num_warps=NUM_WARPS,
-        )
-    if _capturing(device):
+        stats = None if norm_partial is None else norm_partial[-1:].view(torch.float32)
+        _launch(k.step_finish_kernel, ((n + BLOCK - 1) // BLOCK,), (
+            steps_dev, found_t if found_t is not None else dummy, n,
+            norm_partial if norm_partial is not None else dummy, norm_base, stats if stats is not None else dummy,
+        ), dict(HAS_FOUND_INF=found_t is not None, HAS_NORM=norm_partial is not None, BLOCK=BLOCK,
+                num_warps=NUM_WARPS))
+    if capturing:
         _graph_owned.append([(g.meta, g.work, g.grads_table) for g in plan.groups])
     if steps_dev is not steps:
         steps.copy_(steps_dev)
@@ -665,7 +803,7 @@ def adam_step_(
                        *exp_avg_sq_scales, *max_exp_avg_sq_scales, steps, *(grads if grad_scale is not None else ())])
     if not grad_norm:
         return None
-    return stats if norm_partial is not None else torch.zeros(2, dtype=torch.float32, device=device)
+    return stats if stats is not None else torch.zeros(2, dtype=torch.float32, device=device)
 
 
 # ---- grad_stats -----------------------------------------------------------------------------------------------

@@ -208,6 +208,30 @@ def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, step, DT
 
 
 @_device
+def _quant_blocks(x, mask, offs, SECOND: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr):
+    """The start of every block-quantised encoder (8-bit, 4-bit, fp8): the coded values u (x, or sqrt(x) for a
+    SECOND moment), the mask and the element indices as (NB, QB) blocks, |u|, the overflowed elements (|u| = inf:
+    for a second moment, v overflowed float32, which its block flags rather than loses), whether each block is bad
+    (a NaN, or for exp_avg any inf: scale NaN, codes 0) and each block's largest finite |u| (0 without one; masked
+    lanes are left out)."""
+    if SECOND:
+        u = _sqrt(x, False)
+    else:
+        u = x
+    u2 = tl.reshape(u, (NB, QB))
+    m2 = tl.reshape(mask, (NB, QB))
+    offs2 = tl.reshape(offs, (NB, QB))
+    au = tl.abs(u2)
+    overflowed = m2 & (au == float("inf"))
+    bad = m2 & (u2 != u2)
+    if not SECOND:
+        bad = bad | overflowed
+    block_bad = tl.max(bad.to(tl.int32), axis=1) > 0
+    amax = tl.max(tl.where(m2 & (au == au) & (au != float("inf")), au, 0.0), axis=1)
+    return u2, m2, offs2, au, overflowed, block_bad, amax
+
+
+@_device
 def _load_low_bit(addr, scale_addr, lut_ptr, offs, mask, DT: tl.constexpr, SECOND: tl.constexpr,
                   BLOCK: tl.constexpr):
     """Values of an 8-bit (DT == Q8) or 4-bit (DT == Q4) state: table[code] * scale (squared for SECOND). Masked
@@ -254,22 +278,9 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
         QB: tl.constexpr = 128
         BITS: tl.constexpr = 4
     NB: tl.constexpr = BLOCK // QB
-    if SECOND:
-        u = _sqrt(x, False)
-    else:
-        u = x
-    u2 = tl.reshape(u, (NB, QB))
-    m2 = tl.reshape(mask, (NB, QB))
-    offs2 = tl.reshape(offs, (NB, QB))
-    au = tl.abs(u2)
-    if SECOND:  # sqrt(v) = inf: v overflowed float32 (a flagged block, see reference.quantize_low_bit); NaN: bad
-        overflowed = m2 & (au == float("inf"))
-        bad = m2 & (u2 != u2)
+    u2, m2, offs2, au, overflowed, block_bad, amax = _quant_blocks(x, mask, offs, SECOND, NB, QB)
+    if SECOND:  # a flagged block (see reference.quantize_low_bit)
         flagged = tl.max(overflowed.to(tl.int32), axis=1) > 0
-    else:
-        bad = m2 & ((u2 != u2) | (au == float("inf")))
-    block_bad = tl.max(bad.to(tl.int32), axis=1) > 0
-    amax = tl.max(tl.where(m2 & (au == au) & (au != float("inf")), au, 0.0), axis=1)
     if DT == 5:  # the scale is stored in bfloat16: rounded to nearest even (may overflow to inf)
         amax = (_bf16_bits(amax).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     amax = tl.where(amax < MIN_SCALE, 0.0, amax)  # a subnormal maximum: a zero block
@@ -412,21 +423,7 @@ def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: t
         MAX_CODE: tl.constexpr = 0x7B
     QB: tl.constexpr = 256
     NB: tl.constexpr = BLOCK // QB
-    if SECOND:
-        u = _sqrt(x, False)
-    else:
-        u = x
-    u2 = tl.reshape(u, (NB, QB))
-    m2 = tl.reshape(mask, (NB, QB))
-    offs2 = tl.reshape(offs, (NB, QB))
-    au = tl.abs(u2)
-    if SECOND:  # sqrt(v) = inf: v overflowed float32 (a flagged block, see formats.quantize_fp8); NaN: bad
-        overflowed = m2 & (au == float("inf"))
-        bad = m2 & (u2 != u2)
-    else:
-        bad = m2 & ((u2 != u2) | (au == float("inf")))
-    block_bad = tl.max(bad.to(tl.int32), axis=1) > 0
-    amax = tl.max(tl.where(m2 & (au == au) & (au != float("inf")), au, 0.0), axis=1)
+    u2, m2, offs2, au, overflowed, block_bad, amax = _quant_blocks(x, mask, offs, SECOND, NB, QB)
     b = amax.to(tl.int32, bitcast=True)
     e = ((b >> 23) & 0xFF) - 127
     top = ((b & 0x7FFFFF) | ((EMAX + 127) << 23)).to(tl.float32, bitcast=True)  # (amax >= 0: no sign bit)
@@ -757,9 +754,16 @@ def adam_kernel(
         tl.store(norm_partial_ptr + norm_partial_base + pid, tl.sum(squares, axis=0).to(tl.float64))
 
 
-@triton.jit
-def advance_steps_kernel(steps_ptr, found_inf_ptr, n, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
-    """steps += 1, unless the step is skipped. Launched after the Adam kernels, which read the old counts."""
+@triton.jit(do_not_specialize=["n", "parts"])
+def step_finish_kernel(steps_ptr, found_inf_ptr, n, partial_ptr, parts, stats_ptr, HAS_FOUND_INF: tl.constexpr,
+                       HAS_NORM: tl.constexpr, BLOCK: tl.constexpr):
+    """What follows the Adam launches of a call, in one launch: steps += 1 (program i the counts [i * BLOCK,
+    (i + 1) * BLOCK)) unless the step is skipped, and with HAS_NORM program 0 also adds the launches' float64 partial
+    sums of squares into stats_ptr, as grad_stats_finish_kernel (_finish_sum). Launched after the Adam kernels, which
+    read the old counts."""
+    if HAS_NORM:
+        if tl.program_id(0) == 0:
+            _finish_sum(partial_ptr, parts, stats_ptr, BLOCK)
     if HAS_FOUND_INF:
         if tl.load(found_inf_ptr) != 0:
             return
@@ -795,9 +799,9 @@ def grad_stats_kernel(addr_ptr, numel_ptr, work_ptr, partial_ptr, partial_base, 
     tl.store(partial_ptr + partial_base + pid, tl.sum(total, axis=0))
 
 
-@triton.jit
-def grad_stats_finish_kernel(partial_ptr, n, out_ptr, BLOCK: tl.constexpr):
-    """out = [float32(sum of the partials), 1.0 if the sum is not finite else 0.0]; one program, fixed order."""
+@_device
+def _finish_sum(partial_ptr, n, out_ptr, BLOCK: tl.constexpr):
+    """out = [float32(sum of the n float64 partials), 1.0 if the sum is not finite else 0.0], in a fixed order."""
     acc = tl.zeros((BLOCK,), dtype=tl.float64)
     for i in range(0, n, BLOCK):
         offs = i + tl.arange(0, BLOCK)
@@ -806,3 +810,9 @@ def grad_stats_finish_kernel(partial_ptr, n, out_ptr, BLOCK: tl.constexpr):
     finite = (total == total) & (tl.abs(total) != float("inf"))
     tl.store(out_ptr, total.to(tl.float32))
     tl.store(out_ptr + 1, tl.where(finite, 0.0, 1.0).to(tl.float32))
+
+
+@triton.jit
+def grad_stats_finish_kernel(partial_ptr, n, out_ptr, BLOCK: tl.constexpr):
+    """out = [float32(sum of the partials), 1.0 if the sum is not finite else 0.0]; one program, fixed order."""
+    _finish_sum(partial_ptr, n, out_ptr, BLOCK)
