@@ -81,6 +81,6 @@ def test_a_kept_compiled_kernel_gets_what_jitfunction_run_gives_it(tmp_path):
     if not triton.__version__.startswith("3.6."):
         pytest.skip(f"the direct launch path is used with triton 3.6 only (here {triton.__version__})")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ORT_OPTIM_TRITON_FAST_LAUNCH")}
-    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"), ORT_OPTIM_TRITON_FAST_LAUNCH="1")
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout[-3000:] + result.stderr[-3000:]
