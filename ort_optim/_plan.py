@@ -362,13 +362,15 @@ class Plan:
 
 def fingerprints(tensors: list[torch.Tensor]) -> Optional[list]:
     """What the native watches compare, in Python, where the native library is not loaded: per tensor its Python
-    object (its TensorImpl: ``torch.utils.swap_tensors`` gives it another), data pointer, dtype, shape and strides, in
-    one flat list made in one pass. The data pointer stands for the storage and offset: a tensor given other memory
+    object (its TensorImpl: ``torch.utils.swap_tensors`` gives it another), data pointer, dtype, shape and strides
+    (contiguity, which implies them, where it holds), in one flat list made in one pass. The data pointer stands for the storage and offset: a tensor given other memory
     (``.data =``, ``set_``, a storage re-allocated or freed in place) points elsewhere, and the bucket's ops read the
     tensors afresh at each step. None when a tensor's storage is freed (its data pointer cannot be read): never
     equal to a plan's, so the step plans again and refuses it by name."""
     try:
-        return [x for t in tensors for x in (t._cdata, t.data_ptr(), t.dtype, t.shape, t.stride())]
+        # (a contiguous tensor's strides follow from its shape; Tensor.stride() costs more than the rest together)
+        return [x for t in tensors
+                for x in (t._cdata, t.data_ptr(), t.dtype, t.shape, t.is_contiguous() or t.stride())]
     except RuntimeError:  # ("The tensor has a non-zero number of elements, but its data is not allocated yet")
         return None
 
