@@ -70,7 +70,7 @@ test-triton:
 
 # The ORTModule stack times the single-process sections (DeepSpeed's CPU Adam is there); the newest torch the
 # sections that need it: FSDP2 (torch >= 2.6) and the low-bit baselines (torchao, bitsandbytes).
-BENCH_SECTIONS := fp32,mixed,mixed_limit,states,fp16_optimizer,overhead,step_in_backward
+BENCH_SECTIONS := fp32,mixed,mixed_limit,states,fp16_optimizer,overhead,validation,step_in_backward
 BENCH_LATEST_SECTIONS := distributed,lowbit,lowbit_limit,lowbit_memory
 bench: setup
 	.venv/bin/python -m ort_optim.bench --sections $(BENCH_SECTIONS) $(BENCH_ARGS)

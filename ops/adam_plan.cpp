@@ -1,7 +1,5 @@
-// AdamPlan (declared, with its contract, in adam_plan.h).
+// TensorWatch and AdamPlan (declared, with their contracts, in adam_plan.h).
 #include "adam_plan.h"
-
-#include <torch/csrc/autograd/python_variable.h>  // THPVariable_Unpack: a Python tensor's at::Tensor
 
 #include <unordered_set>
 
@@ -11,47 +9,210 @@
 
 namespace ort_optim {
 
+// ---- TensorWatch ----------------------------------------------------------------------------------------------------
+
+TensorWatch::TensorWatch(const std::vector<at::Tensor>& params, std::vector<std::vector<at::Tensor>> states,
+                         std::vector<at::Tensor> step_tensors, at::Tensor steps,
+                         const std::vector<at::Tensor>& idle_params)
+    : states_(std::move(states)), step_tensors_(std::move(step_tensors)), steps_(std::move(steps)) {
+  const size_t n = params.size();
+  for (const auto& list : states_) {
+    TORCH_CHECK(list.size() == n, "ort_optim.TensorWatch: every state list needs one tensor per param");
+  }
+  TORCH_CHECK(step_tensors_.size() == n, "ort_optim.TensorWatch: one step tensor per param");
+  for (const at::Tensor& p : params) {
+    TORCH_CHECK(p.defined() && p.layout() == at::kStrided, "ort_optim.TensorWatch: params must be dense tensors");
+  }
+  is_double_ = n > 0 && params[0].scalar_type() == at::kDouble;
+  // Per param, its tensors in a fixed order: the param, its states (in states_' order) and its step tensor
+  // (`step.data = t` gives it another storage, which the step must then honour, as torch.optim does); then steps.
+  per_param_ = 2 + states_.size();
+  for (size_t i = 0; i < n; ++i) {
+    param_impls_.push_back(params[i].unsafeGetTensorImpl());
+    watches_.push_back(watch(params[i]));
+    for (const auto& list : states_) watches_.push_back(watch(list[i]));
+    watches_.push_back(watch(step_tensors_[i]));
+  }
+  watches_.push_back(watch(steps_));
+  for (const at::Tensor& q : idle_params) idle_impls_.push_back(q.unsafeGetTensorImpl());
+}
+
+int64_t TensorWatch::check(std::vector<int64_t> identities) {
+  release();
+  const size_t n = param_impls_.size();
+  TORCH_CHECK(identities.size() == n + idle_impls_.size(), "ort_optim.TensorWatch: check() takes the TensorImpl ",
+              "addresses of the ", n, " params and ", idle_impls_.size(), " idle params, got ", identities.size());
+  const int64_t* ids = identities.data();
+  for (size_t j = 0; j < idle_impls_.size(); ++j) {
+    const c10::TensorImpl* q = idle_impls_[j];
+    if (ids[n + j] != reinterpret_cast<int64_t>(q) || grad_of(q).defined()) return int64_t(n + j);
+  }
+  grads_.resize(n);
+  checked_params_.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    prefetch_metadata(i, ids);
+    // (compared before anything is read through it: a swapped param's planned TensorImpl may be freed)
+    if (ids[i] != reinterpret_cast<int64_t>(param_impls_[i])) return release(int64_t(i));
+    Watch* w = &watches_[i * per_param_];
+    if (!still(w[0])) return release(int64_t(i));
+    for (size_t k = 1; k < per_param_; ++k) {
+      if (!still(w[k])) return release(int64_t(i));
+      // (the last watch is the param's step tensor, whose data the step reads afresh)
+      if (w[k].moved && k + 1 < per_param_) moved(i, k - 1);
+    }
+    const at::Tensor& g = grad_of(param_impls_[i]);
+    if (!usable_grad(g, w[0])) return release(int64_t(i));
+    grads_[i] = &g;
+    checked_params_[i] = const_cast<c10::TensorImpl*>(param_impls_[i]);
+  }
+  if (!still(watches_.back())) return release(int64_t(n));
+  checked_ = true;
+  return -1;
+}
+
+int64_t TensorWatch::release(int64_t result) {
+  checked_ = false;
+  return result;
+}
+
+TensorWatch::Watch TensorWatch::watch(const at::Tensor& t) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  Watch w{impl,     t.storage(), t.storage().data(), t.storage_offset(), bytes_needed(t), t.dtype(), t.device(),
+          uint32_t(geometry_.size()), uint16_t(t.dim())};
+  geometry_.insert(geometry_.end(), t.sizes().begin(), t.sizes().end());
+  geometry_.insert(geometry_.end(), t.strides().begin(), t.strides().end());
+  return w;
+}
+
+bool TensorWatch::still(Watch& w) const {
+  const c10::TensorImpl* impl = w.impl;
+  const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+  if (storage != w.storage.unsafeGetStorageImpl() || impl->storage_offset() != w.offset ||
+      impl->dtype() != w.dtype || storage->nbytes() < w.bytes) {
+    return false;
+  }
+  // (a storage keeps its device; a tensor cannot view another device's storage)
+  const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+  const int64_t* geometry = geometry_.data() + w.geometry;
+  if (sizes.size() != w.dim || !same(sizes, geometry) || !same(strides, geometry + w.dim)) return false;
+  w.moved = storage->data() != w.data;
+  if (w.moved) w.data = storage->data();
+  return true;
+}
+
+bool TensorWatch::same(c10::IntArrayRef a, const int64_t* b) {
+  for (size_t d = 0; d < a.size(); ++d) {
+    if (a[d] != b[d]) return false;
+  }
+  return true;
+}
+
+bool TensorWatch::usable_grad(const at::Tensor& g, const Watch& param) const {
+  if (!g.defined() || g.layout() != at::kStrided || g.device() != param.device) return false;
+  const at::ScalarType gt = g.scalar_type();
+  if (!(is_double_ ? gt == at::kDouble : is_float_storage(gt))) return false;
+  const c10::IntArrayRef sizes = g.sizes();
+  if (sizes.size() != param.dim || !same(sizes, geometry_.data() + param.geometry)) return false;
+  return g.has_storage() && g.storage().nbytes() >= bytes_needed(g);
+}
+
+const at::Tensor& TensorWatch::grad_of(const c10::TensorImpl* p) { return p->grad(); }
+
+void TensorWatch::prefetch_metadata(size_t i, const int64_t* ids) const {
+  // (only TensorImpls the caller's snapshot vouches for, or states the watch holds: a prefetch of freed memory is
+  // harmless, but its chains are not followed)
+  const size_t n = param_impls_.size();
+  auto param = [&](size_t k) -> const c10::TensorImpl* {
+    return ids[k] == reinterpret_cast<int64_t>(param_impls_[k]) ? param_impls_[k] : nullptr;
+  };
+  if (i + 12 < n) {
+    prefetch_object(param_impls_[i + 12], sizeof(c10::TensorImpl));
+    const Watch* w = &watches_[(i + 12) * per_param_];
+    for (size_t k = 1; k < per_param_; ++k) prefetch_object(w[k].impl, sizeof(c10::TensorImpl));
+  }
+  if (i + 8 < n) {
+    if (const c10::TensorImpl* impl = param(i + 8)) {
+      prefetch_object(impl->unsafe_storage().unsafeGetStorageImpl(), 64);
+      if (const auto* meta = impl->autograd_meta()) prefetch_object(meta, 128);
+    }
+    const Watch* w = &watches_[(i + 8) * per_param_];
+    for (size_t k = 1; k < per_param_; ++k) {
+      prefetch_object(w[k].impl->unsafe_storage().unsafeGetStorageImpl(), 64);
+    }
+  }
+  if (i + 4 < n) {
+    if (const c10::TensorImpl* impl = param(i + 4)) {
+      const auto* meta = impl->autograd_meta();
+      const at::Tensor* grad = meta ? &meta->grad() : nullptr;
+      if (grad && grad->defined()) prefetch_object(grad->unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
+    }
+  }
+  if (i + 2 < n) {
+    if (const c10::TensorImpl* impl = param(i + 2)) {
+      const auto* meta = impl->autograd_meta();
+      const at::Tensor* grad = meta ? &meta->grad() : nullptr;
+      if (grad && grad->defined()) {
+        prefetch_object(grad->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), 64);
+      }
+    }
+  }
+}
+
+void TensorWatch::prefetch_object(const void* object, size_t bytes) {
+  for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(object) + b);
+}
+
+// ---- AdamPlan -------------------------------------------------------------------------------------------------------
+
+namespace {
+
+// The op's validation of the lists (its errors name the list and the index), then the non-empty state lists in the
+// schema's order: what the watch compares.
+std::vector<std::vector<at::Tensor>> validated_states(const std::vector<at::Tensor>& params, const StateLists& s,
+                                                     const at::Tensor& steps) {
+  check_params_and_states(params, s, steps);
+  std::vector<std::vector<at::Tensor>> out;
+  for (const at::TensorList& list : {s.exp_avgs, s.exp_avg_sqs, s.max_exp_avg_sqs, s.master_params,
+                                     s.exp_avg_scales, s.exp_avg_sq_scales, s.max_exp_avg_sq_scales}) {
+    if (!list.empty()) out.push_back(list.vec());
+  }
+  return out;
+}
+
+}  // namespace
+
 AdamPlan::AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs,
                    std::vector<at::Tensor> exp_avg_sqs, std::vector<at::Tensor> max_exp_avg_sqs,
                    std::vector<at::Tensor> master_params, std::vector<at::Tensor> exp_avg_scales,
                    std::vector<at::Tensor> exp_avg_sq_scales, std::vector<at::Tensor> max_exp_avg_sq_scales,
-                   at::Tensor steps, std::vector<at::Tensor> step_tensors, std::vector<int64_t> param_objects,
-                   std::vector<int64_t> idle_objects)
-    : exp_avgs_(std::move(exp_avgs)),
+                   at::Tensor steps, std::vector<at::Tensor> step_tensors, std::vector<at::Tensor> idle_params)
+    : TensorWatch(params,
+                  validated_states(params,
+                                   {exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+                                    exp_avg_sq_scales, max_exp_avg_sq_scales},
+                                   steps),
+                  step_tensors, steps, idle_params),
+      exp_avgs_(std::move(exp_avgs)),
       exp_avg_sqs_(std::move(exp_avg_sqs)),
       max_exp_avg_sqs_(std::move(max_exp_avg_sqs)),
       master_params_(std::move(master_params)),
       exp_avg_scales_(std::move(exp_avg_scales)),
       exp_avg_sq_scales_(std::move(exp_avg_sq_scales)),
-      max_exp_avg_sq_scales_(std::move(max_exp_avg_sq_scales)),
-      steps_(std::move(steps)) {
+      max_exp_avg_sq_scales_(std::move(max_exp_avg_sq_scales)) {
   const StateLists states{exp_avgs_,       exp_avg_sqs_,       max_exp_avg_sqs_,      master_params_,
                           exp_avg_scales_, exp_avg_sq_scales_, max_exp_avg_sq_scales_};
-  is_double_ = check_params_and_states(params, states, steps_);
   work_ = state_work(params, states);
   items_ = work_items(work_);
-  // Per param, its tensors in a fixed order: the param, its states (in state_lists_ order) and its step tensor (the
-  // view of steps_ that optimizer.state[p]['step'] holds: `step.data = t` gives it another storage, which the step
-  // must then honour, as torch.optim does); then the steps.
   const std::vector<at::Tensor>* lists[] = {&exp_avgs_,       &exp_avg_sqs_,       &max_exp_avg_sqs_, &master_params_,
                                             &exp_avg_scales_, &exp_avg_sq_scales_, &max_exp_avg_sq_scales_};
   for (const auto* list : lists) {
     if (!list->empty()) state_lists_.push_back(list);
   }
-  per_param_ = 2 + state_lists_.size();
-  TORCH_CHECK(param_objects.size() == params.size(), "ort_optim.AdamPlan: one Python object per param");
-  TORCH_CHECK(step_tensors.size() == params.size(), "ort_optim.AdamPlan: one step tensor per param");
   for (size_t i = 0; i < params.size(); ++i) {
-    params_.push_back(reinterpret_cast<PyObject*>(param_objects[i]));
-    TORCH_CHECK(tensor_of(params_[i]).unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl(),
-                "ort_optim.AdamPlan: param_objects[", i, "] is not params[", i, "]");
-    const at::Tensor& step = step_tensors[i];
+    const at::Tensor& step = step_tensors_[i];
     TORCH_CHECK(step.numel() == 1 && step.scalar_type() == at::kDouble && step.is_alias_of(steps_) &&
                     step.storage_offset() == steps_.storage_offset() + int64_t(i) * steps_.stride(0),
                 "ort_optim.AdamPlan: step_tensors[", i, "] must be a one-element view of steps[", i, "]");
-    watches_.push_back(watch(params[i]));
-    for (const auto* list : state_lists_) watches_.push_back(watch((*list)[i]));
-    watches_.push_back(watch(step));
   }
   // One tensor per version counter among the states, step tensors and steps, for mark_written(): views of one
   // flat buffer (FusedAdam's moments and masters of a bucket) share their base's counter. (A tensor's counter is
@@ -65,42 +226,33 @@ AdamPlan::AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_a
   for (const auto* list : state_lists_) {
     for (const at::Tensor& t : *list) add_counter(t);
   }
-  for (const at::Tensor& t : step_tensors) add_counter(t);
+  for (const at::Tensor& t : step_tensors_) add_counter(t);
   add_counter(steps_);
-  step_tensors_ = std::move(step_tensors);
-  watches_.push_back(watch(steps_));
-  for (int64_t q : idle_objects) {
-    idle_params_.push_back(reinterpret_cast<PyObject*>(q));
-    idle_impls_.push_back(tensor_of(idle_params_.back()).unsafeGetTensorImpl());
-  }
 }
 
-int64_t AdamPlan::check() {
-  release();
-  const size_t n = params_.size();
-  for (size_t j = 0; j < idle_params_.size(); ++j) {
-    const at::Tensor& q = tensor_of(idle_params_[j]);
-    if (q.unsafeGetTensorImpl() != idle_impls_[j] || grad_of(q).defined()) return int64_t(n + j);
+AdamPlan::~AdamPlan() { forget_params(); }
+
+int64_t AdamPlan::check(std::vector<int64_t> identities) {
+  forget_params();
+  const int64_t result = TensorWatch::check(std::move(identities));
+  if (result < 0) borrow_params();
+  return result;
+}
+
+void AdamPlan::borrow_params() {
+  borrowed_.reserve(checked_params_.size());
+  param_pointers_.resize(checked_params_.size());
+  for (c10::TensorImpl* impl : checked_params_) {
+    // (reclaim: an at::Tensor over the TensorImpl that took no reference; forget_params() releases it unreleased)
+    borrowed_.emplace_back(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim(impl));
   }
-  grads_.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    prefetch_metadata(i);
-    const at::Tensor& p = tensor_of(params_[i]);
-    Watch* w = &watches_[i * per_param_];
-    if (p.unsafeGetTensorImpl() != w[0].impl || !still(w[0])) return release(int64_t(i));
-    for (size_t k = 1; k < per_param_; ++k) {
-      if (!still(w[k])) return release(int64_t(i));
-      // (the last watch is the param's step tensor, a view of steps_, whose data step() reads afresh)
-      if (w[k].moved && k + 1 < per_param_) resolve_state(i, k - 1, w[k]);
-    }
-    const at::Tensor& g = grad_of(p);
-    if (!usable_grad(g, w[0])) return release(int64_t(i));
-    grads_[i] = &g;
-    param_pointers_.push_back(&p);
-  }
-  if (!still(watches_.back())) return release(int64_t(n));
-  checked_ = true;
-  return -1;
+  for (size_t i = 0; i < borrowed_.size(); ++i) param_pointers_[i] = &borrowed_[i];
+}
+
+void AdamPlan::forget_params() {
+  for (at::Tensor& t : borrowed_) t.unsafeReleaseTensorImpl();
+  borrowed_.clear();
+  param_pointers_.clear();
 }
 
 at::Tensor AdamPlan::step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
@@ -116,6 +268,7 @@ at::Tensor AdamPlan::step(double lr, double beta1, double beta2, double eps, dou
   update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
          options, [this](bool unscaled_grads) { mark_written(unscaled_grads); });
   release();
+  forget_params();
   return grad_norm ? stats_tensor(square_sum) : at::Tensor();
 }
 
@@ -138,6 +291,7 @@ at::Tensor AdamPlan::step_scaled(double lr, double beta1, double beta2, double e
   update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
          options, [this](bool unscaled_grads) { mark_written(unscaled_grads); });
   release();
+  forget_params();
   at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kFloat));
   out.data_ptr<float>()[0] = scaling.norm;
   out.data_ptr<float>()[1] = scaling.skip ? 1.0f : 0.0f;
@@ -165,46 +319,7 @@ void AdamPlan::mark_written(bool unscaled_grads) {
   }
 }
 
-int64_t AdamPlan::release(int64_t result) {
-  checked_ = false;
-  param_pointers_.clear();
-  return result;
-}
-
-const at::Tensor& AdamPlan::tensor_of(PyObject* object) { return THPVariable_Unpack(object); }
-
-AdamPlan::Watch AdamPlan::watch(const at::Tensor& t) {
-  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  Watch w{impl,      t.storage(), t.storage().data(), t.storage_offset(), bytes_needed(t), t.dtype(),
-          uint32_t(geometry_.size()), uint16_t(t.dim())};
-  geometry_.insert(geometry_.end(), t.sizes().begin(), t.sizes().end());
-  geometry_.insert(geometry_.end(), t.strides().begin(), t.strides().end());
-  return w;
-}
-
-bool AdamPlan::still(Watch& w) const {
-  const c10::TensorImpl* impl = w.impl;
-  const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
-  if (storage != w.storage.unsafeGetStorageImpl() || impl->storage_offset() != w.offset ||
-      impl->dtype() != w.dtype || storage->nbytes() < w.bytes) {
-    return false;
-  }
-  const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
-  const int64_t* geometry = geometry_.data() + w.geometry;
-  if (sizes.size() != w.dim || !same(sizes, geometry) || !same(strides, geometry + w.dim)) return false;
-  w.moved = storage->data() != w.data;
-  if (w.moved) w.data = storage->data();
-  return true;
-}
-
-bool AdamPlan::same(c10::IntArrayRef a, const int64_t* b) {
-  for (size_t d = 0; d < a.size(); ++d) {
-    if (a[d] != b[d]) return false;
-  }
-  return true;
-}
-
-void AdamPlan::resolve_state(size_t i, size_t slot, const Watch& w) {
+void AdamPlan::moved(size_t i, size_t slot) {
   const auto* list = state_lists_[slot];
   void* data = (*list)[i].data_ptr();  // (materialises a copy-on-write storage)
   TensorWork& tw = work_[i];
@@ -215,48 +330,6 @@ void AdamPlan::resolve_state(size_t i, size_t slot, const Watch& w) {
   if (list == &exp_avg_scales_) tw.exp_avg_scale = static_cast<float*>(data);
   if (list == &exp_avg_sq_scales_) tw.exp_avg_sq_scale = static_cast<float*>(data);
   if (list == &max_exp_avg_sq_scales_) tw.max_exp_avg_sq_scale = static_cast<float*>(data);
-}
-
-bool AdamPlan::usable_grad(const at::Tensor& g, const Watch& param) const {
-  if (!g.defined() || g.layout() != at::kStrided || !g.device().is_cpu()) return false;
-  const at::ScalarType gt = g.scalar_type();
-  if (!(is_double_ ? gt == at::kDouble : is_float_storage(gt))) return false;
-  const c10::IntArrayRef sizes = g.sizes();
-  if (sizes.size() != param.dim || !same(sizes, geometry_.data() + param.geometry)) return false;
-  return g.has_storage() && g.storage().nbytes() >= bytes_needed(g);
-}
-
-const at::Tensor& AdamPlan::grad_of(const at::Tensor& p) { return p.unsafeGetTensorImpl()->grad(); }
-
-void AdamPlan::prefetch_metadata(size_t i) const {
-  const size_t n = params_.size();
-  if (i + 16 < n) prefetch_object(params_[i + 16], 64);
-  if (i + 12 < n) {
-    prefetch_object(tensor_of(params_[i + 12]).unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
-    const Watch* w = &watches_[(i + 12) * per_param_];
-    for (size_t k = 1; k < per_param_; ++k) prefetch_object(w[k].impl, sizeof(c10::TensorImpl));
-  }
-  if (i + 8 < n) {
-    const c10::TensorImpl* impl = tensor_of(params_[i + 8]).unsafeGetTensorImpl();
-    prefetch_object(impl->unsafe_storage().unsafeGetStorageImpl(), 64);
-    if (const auto* meta = impl->autograd_meta()) prefetch_object(meta, 128);
-  }
-  if (i + 4 < n) {
-    const auto* meta = tensor_of(params_[i + 4]).unsafeGetTensorImpl()->autograd_meta();
-    const at::Tensor* grad = meta ? &meta->grad() : nullptr;
-    if (grad && grad->defined()) prefetch_object(grad->unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
-  }
-  if (i + 2 < n) {
-    const auto* meta = tensor_of(params_[i + 2]).unsafeGetTensorImpl()->autograd_meta();
-    const at::Tensor* grad = meta ? &meta->grad() : nullptr;
-    if (grad && grad->defined()) {
-      prefetch_object(grad->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), 64);
-    }
-  }
-}
-
-void AdamPlan::prefetch_object(const void* object, size_t bytes) {
-  for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(object) + b);
 }
 
 }  // namespace ort_optim

@@ -1,10 +1,13 @@
-// AdamPlan: one bucket's params and states, validated and resolved once for many steps (ops/README.md, "AdamPlan").
-// A CPU helper class (torch.classes.ort_optim.AdamPlan, registered in registration.cpp), not an op; its steps are
-// the adam_step_ op's (step.h).
+// TensorWatch and AdamPlan: one bucket's tensors validated once for many steps (ops/README.md, "AdamPlan"). Helper
+// classes (torch.classes.ort_optim.TensorWatch and .AdamPlan, registered in registration.cpp), not ops; a plan's
+// steps are the adam_step_ op's (step.h).
+//
+// Neither holds or reads a Python object: the op library uses no Python C API (it does not depend on the Python ABI)
+// and their methods, which torch runs with the GIL released, read only tensors they hold or that the caller's
+// snapshot names (see check()).
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/util/python_stub.h>  // PyObject
 #include <torch/custom_class.h>
 
 #include <vector>
@@ -14,24 +17,110 @@
 namespace ort_optim {
 
 // With thousands of small tensors, converting and checking four tensor lists per call cost more than the update's
-// bytes: every tensor's metadata is cold again by the next step. A plan validates its tensors once and keeps the
-// states' data pointers, so a step reads only what may have changed. It is a cache that cannot be wrong: check(),
-// before every step, compares each tensor it holds with what it was when the plan was made (Watch) and re-resolves
-// the data pointers of storages that were re-allocated in place; anything else that changed makes check() fail, and
-// FusedAdam plans again (validating everything) before anything is written.
-class AdamPlan : public torch::CustomClassHolder {
+// bytes: every tensor's metadata is cold again by the next step. A watch records, once, what each tensor of a
+// bucket is (its storage, data pointer, offset, dtype, device, sizes and strides); check(), before every step,
+// compares each with what it is now, and checks every param's gradient. It is a cache that cannot be wrong: anything
+// that changed (but a storage re-allocated in place, which is followed) makes check() fail, and FusedAdam plans
+// again (validating everything) before anything is written. It compares metadata only and never touches data, so it
+// serves tensors of any device: FusedAdam's CPU buckets through AdamPlan, its CUDA (Triton) buckets directly.
+//
+// Params are not held, not even weakly: torch.utils.swap_tensors (model.to() with swap-on-conversion) refuses a
+// tensor that anything else references. The watch keeps each param's TensorImpl address as an identity only;
+// check() takes the caller's snapshot of the params' TensorImpl addresses (Tensor._cdata, read under the GIL from
+// the Python params it keeps alive) and reads a param only through an address equal to the one planned. A swapped
+// param has another TensorImpl: check() fails before reading anything through it.
+class TensorWatch : public torch::CustomClassHolder {
+ public:
+  // states: the bucket's non-empty per-param state lists (n tensors each); step_tensors: per param, the tensor
+  // optimizer.state[p]['step'] holds (a view of steps for FusedAdam's buckets); idle_params: params that have no
+  // gradient now, whose gradient check() watches (none for buckets whose caller reads the gradients itself).
+  TensorWatch(const std::vector<at::Tensor>& params, std::vector<std::vector<at::Tensor>> states,
+              std::vector<at::Tensor> step_tensors, at::Tensor steps, const std::vector<at::Tensor>& idle_params);
+
+  // -1 when the bucket can step now: each param's TensorImpl is the planned one (identities: the params' then the
+  // idle params' TensorImpl addresses, now), every tensor is as it was (data pointers of storages re-allocated in
+  // place are followed), every param has a usable gradient (dense, on the param's device, a dtype it can take, its
+  // shape, a storage that holds it) and no idle param has one. Else the position of the first param that cannot
+  // (params.size() + j for idle_params[j]). Writes no tensor.
+  int64_t check(std::vector<int64_t> identities);
+
+  size_t size() const { return param_impls_.size(); }
+
+ protected:
+  // A state's storage was re-allocated in place (same storage object, new memory) at this check: AdamPlan points
+  // its kernel's view at the new memory. slot: the index in states_.
+  virtual void moved(size_t param, size_t slot) {}
+
+  // What check() resolved for the step: the params' TensorImpls and gradients (valid until the next check() or
+  // release(); FusedAdam steps right after checking).
+  std::vector<c10::TensorImpl*> checked_params_;
+  std::vector<const at::Tensor*> grads_;
+  bool checked_ = false;
+  int64_t release(int64_t result = -1);
+
+  std::vector<std::vector<at::Tensor>> states_;
+  std::vector<at::Tensor> step_tensors_;
+  at::Tensor steps_;
+  bool is_double_ = false;
+
+ private:
+  // What a tensor was when it was planned. The watch holds the storage (so that a storage freed and another
+  // allocated in its place cannot look the same); check() compares the rest at every step.
+  struct Watch {
+    const c10::TensorImpl* impl;  // a state's (held in states_), or a param's identity (see above)
+    c10::Storage storage;         // the storage it viewed
+    const void* data;             // the storage's data when last resolved
+    int64_t offset;
+    size_t bytes;  // storage bytes the view reaches
+    caffe2::TypeMeta dtype;
+    c10::Device device;
+    uint32_t geometry;   // its sizes, then its strides: geometry_[geometry, geometry + 2 * dim)
+    uint16_t dim;
+    bool moved = false;  // the storage's data moved (re-allocated in place) at the last check()
+  };
+
+  Watch watch(const at::Tensor& t);
+
+  // Whether the tensor still views the same storage the same way, and that storage still holds the view; records
+  // whether the storage's data moved (the same storage re-allocated: resize_(0), then resize_(n)).
+  bool still(Watch& w) const;
+
+  // a == b[0, a.size()): a loop, where std::equal would call memcmp for the one or two dims of a typical tensor.
+  static bool same(c10::IntArrayRef a, const int64_t* b);
+
+  bool usable_grad(const at::Tensor& g, const Watch& param) const;
+
+  // p.grad without Tensor::grad()'s is_leaf() check, which costs a call per param and warns for a non-leaf param
+  // without a gradient (an idle param may be one).
+  static const at::Tensor& grad_of(const c10::TensorImpl* p);
+
+  // What check() reads is a chain of dependent pointers per param (its TensorImpl, then its storage and autograd
+  // meta, then the grad's TensorImpl and storage; the states' TensorImpls), all cold by the next step. Walked one
+  // param at a time, the core waits on one miss after another; prefetching each link a few params ahead keeps
+  // several in flight.
+  void prefetch_metadata(size_t i, const int64_t* identities) const;
+
+  static void prefetch_object(const void* object, size_t bytes);
+
+  std::vector<const c10::TensorImpl*> param_impls_, idle_impls_;  // identities, see above
+  size_t per_param_ = 2;                                          // watches per param: the param, its states, its step
+  std::vector<Watch> watches_;                                    // per param i: [i * per_param_, (i + 1) * per_param_)
+  std::vector<int64_t> geometry_;
+};
+
+// A CPU bucket's watch and its kernel's work: adam_step_ over lists kept across steps. check() as TensorWatch's; it
+// re-resolves the data pointers of state storages re-allocated in place. step() and grad_stats() need a successful
+// check() first.
+class AdamPlan : public TensorWatch {
  public:
   AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
            std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> master_params,
            std::vector<at::Tensor> exp_avg_scales, std::vector<at::Tensor> exp_avg_sq_scales,
            std::vector<at::Tensor> max_exp_avg_sq_scales, at::Tensor steps, std::vector<at::Tensor> step_tensors,
-           std::vector<int64_t> param_objects, std::vector<int64_t> idle_objects);
+           std::vector<at::Tensor> idle_params);
+  ~AdamPlan() override;
 
-  // Whether this plan can step now: every tensor it holds is as it was (data pointers of storages re-allocated in
-  // place are re-resolved), every param has a usable gradient and no idle param has one. -1 when it can; else the
-  // position of the first param that cannot (params.size() + j for idle_params[j]). Writes no tensor. step() and
-  // grad_stats() need a successful check() first.
-  int64_t check();
+  int64_t check(std::vector<int64_t> identities);
 
   // One step with the params' current gradients, after a successful check(). grad_norm: also return grad_stats'
   // float32 [sum of squares, 1.0 if not finite] of the gradients as loaded, from the update's own pass (NaN sum when
@@ -53,6 +142,14 @@ class AdamPlan : public torch::CustomClassHolder {
   at::Tensor grad_stats();
 
  private:
+  void moved(size_t param, size_t slot) override;
+
+  // The params check() resolved as at::Tensors for the step, borrowed: they share the TensorImpl without a reference
+  // (the caller's Python params own it), so holding them between check() and step() never makes swap_tensors refuse
+  // a param. Given back (never released) by forget_params().
+  void borrow_params();
+  void forget_params();
+
   // Bumps the version counters of what a step writes (see VersionBumps), called by update() before its kernel runs:
   // the params (as check() resolved them), the gradients when they are unscaled in place, then the states, step
   // tensors and steps, one tensor per counter (state_counters_). Each counter is an allocation of its own, cold by
@@ -60,77 +157,14 @@ class AdamPlan : public torch::CustomClassHolder {
   void mark_written(bool unscaled_grads);
   static constexpr size_t kCounterLookahead = 8;
 
-  // Forgets what check() resolved for the step; passes a result through.
-  int64_t release(int64_t result = -1);
-
-  // The tensor of a Python tensor object. The plan may read it: FusedAdam checks a plan only while the group's
-  // params list, which holds these objects, is the one the plan was made from.
-  static const at::Tensor& tensor_of(PyObject* object);
-
-  // What a tensor was when the plan was made. The plan holds the tensor (params weakly: see params_) and its storage
-  // (so that a storage freed and another allocated in its place cannot look the same); check() compares the rest at
-  // every step.
-  struct Watch {
-    const c10::TensorImpl* impl;  // (a param's: compared with its Python object's, which swap_tensors changes)
-    c10::Storage storage;         // the storage it viewed
-    const void* data;             // the storage's data when last resolved
-    int64_t offset;
-    size_t bytes;  // storage bytes the view reaches
-    caffe2::TypeMeta dtype;
-    uint32_t geometry;   // its sizes, then its strides: geometry_[geometry, geometry + 2 * dim)
-    uint16_t dim;
-    bool moved = false;  // the storage's data moved (re-allocated in place) at the last check()
-  };
-
-  Watch watch(const at::Tensor& t);
-
-  // Whether the tensor still views the same storage the same way, and that storage still holds the view; records
-  // whether the storage's data moved (the same storage re-allocated: resize_(0), then resize_(n)).
-  bool still(Watch& w) const;
-
-  // a == b[0, a.size()): a loop, where std::equal would call memcmp for the one or two dims of a typical tensor.
-  static bool same(c10::IntArrayRef a, const int64_t* b);
-
-  // A state's storage was re-allocated in place: point the kernel's view at the new memory (same offset).
-  void resolve_state(size_t i, size_t slot, const Watch& w);
-
-  // What the op's check_grad accepts, without raising: FusedAdam's own validation names the param when it is not.
-  bool usable_grad(const at::Tensor& g, const Watch& param) const;
-
-  // p.grad without Tensor::grad()'s is_leaf() check, which costs a call per param and warns for a non-leaf param
-  // without a gradient (an idle param may be one).
-  static const at::Tensor& grad_of(const at::Tensor& p);
-
-  // What check() reads is a chain of dependent pointers per param (its Python object, TensorImpl, then its storage
-  // and autograd meta, then the grad's TensorImpl and storage; the states' TensorImpls), all cold by the next step.
-  // Walked one param at a time, the core waits on one miss after another; prefetching each link a few params ahead
-  // keeps several in flight.
-  void prefetch_metadata(size_t i) const;
-
-  static void prefetch_object(const void* object, size_t bytes);
-
-  // The params are known by their Python objects, not held: torch.utils.swap_tensors refuses a tensor that anything
-  // else holds a reference to (strong or weak), and it is how model.to() converts params in place. Each step reads
-  // the param's current tensor from its Python object and compares it with the one planned.
-  std::vector<PyObject*> params_;
   std::vector<at::Tensor> exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, master_params_, exp_avg_scales_,
       exp_avg_sq_scales_, max_exp_avg_sq_scales_;
-  at::Tensor steps_;
-  std::vector<at::Tensor> step_tensors_;  // per param, the view of steps_ that optimizer.state[p]['step'] holds
-  std::vector<c10::TensorImpl*> state_counters_;  // what mark_written() bumps besides the params and grads
-  // Params of the same param group that had no gradient when the plan was made (frozen ones, say): the plan is only
-  // valid while they still have none.
-  std::vector<PyObject*> idle_params_;
-  std::vector<const c10::TensorImpl*> idle_impls_;
-  bool is_double_ = false;
-  bool checked_ = false;
+  std::vector<const std::vector<at::Tensor>*> state_lists_;  // the non-empty lists above, in states_' order
+  std::vector<c10::TensorImpl*> state_counters_;             // what mark_written() bumps besides the params and grads
+  std::vector<at::Tensor> borrowed_;                         // see borrow_params()
+  std::vector<const at::Tensor*> param_pointers_;
   std::vector<TensorWork> work_;
   std::vector<WorkItem> items_;
-  std::vector<const at::Tensor*> param_pointers_, grads_;
-  std::vector<const std::vector<at::Tensor>*> state_lists_;  // the non-empty state lists, in the schema's order
-  size_t per_param_ = 2;                                     // watches per param: the param, its states, its step
-  std::vector<Watch> watches_;                               // per param i: [i * per_param_, (i + 1) * per_param_)
-  std::vector<int64_t> geometry_;
 };
 
 }  // namespace ort_optim

@@ -1,5 +1,5 @@
-// Registration of the CPU library: the CPU kernels of the ops whose schemas schema.cpp declares, and the AdamPlan
-// class.
+// Registration of the library: the CPU kernels of the ops whose schemas schema.cpp declares, and the TensorWatch and
+// AdamPlan classes. (torch.library registration only: the library uses no Python C API.)
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -14,14 +14,19 @@ TORCH_LIBRARY_IMPL(ort_optim, CPU, m) {
   m.impl("grad_stats", &grad_stats_cpu);
 }
 
-// A CPU-only helper class rather than an op: it has no schema of its own, and FusedAdam calls the adam_step_ op
-// wherever it is not available (other backends, torch.compile).
+// Helper classes rather than ops: they have no schema of their own, and FusedAdam calls the adam_step_ op wherever
+// a plan is not available (other backends, torch.compile). TensorWatch validates a bucket of any device; AdamPlan,
+// a CPU bucket's watch and step.
 TORCH_LIBRARY_FRAGMENT(ort_optim, m) {
+  m.class_<TensorWatch>("TensorWatch")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<std::vector<at::Tensor>>, std::vector<at::Tensor>,
+                       at::Tensor, std::vector<at::Tensor>>())
+      .def("check", &TensorWatch::check);
   m.class_<AdamPlan>("AdamPlan")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, std::vector<at::Tensor>,
-                       std::vector<int64_t>, std::vector<int64_t>>())
+                       std::vector<at::Tensor>>())
       .def("check", &AdamPlan::check)
       .def("step", &AdamPlan::step)
       .def("grad_stats", &AdamPlan::grad_stats)

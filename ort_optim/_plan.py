@@ -21,8 +21,10 @@ itself.
   list), the optimizer's state layout options and the backend (native plans exist only while the native CPU op runs)
   must be unchanged (O(groups));
 * per tensor (params, grads, states, masters, scales, steps): the same storage, data pointer (a storage re-allocated
-  in place is re-resolved), storage size, dtype, shape, strides and Python tensor (``torch.utils.swap_tensors``), and
-  which params have gradients: in C++ by the native plans, or in Python for buckets on the other backends.
+  in place is re-resolved), storage size, dtype, device, shape, strides and TensorImpl (``torch.utils.swap_tensors``
+  gives a param another), and which params have gradients: in C++ by native watches (``backends.TensorWatch``, which
+  compare metadata only, so they serve every device: the native plans of CPU buckets, a watch of their own for the
+  buckets of other backends), or, where the native library is not loaded, in Python by :func:`fingerprints`.
 
 When the rule fails, the step builds a new plan, which raises (naming ``param_groups[i]['params'][j]``) for anything
 that cannot be honoured, before any write.
@@ -225,7 +227,8 @@ class Bucket:
     step_tensors: list[torch.Tensor] = field(default_factory=list)  # those views (`.data = t` replaces their storage)
     rounding_keys: Optional[torch.Tensor] = None  # int64 [n]: stochastic rounding of bfloat16 params, else None
     native: Optional[backends.AdamPlan] = None  # on the native CPU backend
-    fingerprints: list = field(default_factory=list)  # of every tensor above, for the Python check (other backends)
+    watch: Optional[backends.TensorWatch] = None  # other backends' buckets, while the native library is loaded
+    fingerprints: list = field(default_factory=list)  # of every tensor above, for the Python check (neither of those)
     grads: list = field(default_factory=list)  # this step's gradients (other backends; a native plan reads its own)
     pending: list = field(default_factory=list)  # (slot, DTensor gradient) to redistribute into grads this step
     holds_dtensor_pieces: bool = False  # params holds DTensors' local pieces
@@ -263,11 +266,12 @@ class GroupPlan:
         if not self.read_grads():
             return False
         for bucket in self.buckets:
-            if bucket.native is not None:
-                if bucket.native.check() >= 0:
+            watch = bucket.native if bucket.native is not None else bucket.watch
+            if watch is not None:
+                if watch.check() >= 0:
                     return False
-            elif not all(g is None or _usable_grad(g, p) for g, p in zip(bucket.grads, bucket.params)) or list(
-                    map(fingerprint, bucket.tensors())) != bucket.fingerprints:
+            elif fingerprints(bucket.tensors()) != bucket.fingerprints or not all(
+                    _usable_grad(g, p) for g, p in zip(bucket.grads, bucket.params)):
                 return False
         return True
 
@@ -358,11 +362,19 @@ class Plan:
                 yield group_index, planned.group, bucket
 
 
-def fingerprint(t: torch.Tensor) -> tuple:
-    """What the native plans compare per tensor, in Python: storage (its data pointer and size), offset, dtype, shape
-    and strides."""
-    storage = t.untyped_storage()
-    return storage.data_ptr(), storage.nbytes(), t.storage_offset(), t.dtype, t.shape, t.stride()
+def fingerprints(tensors: list[torch.Tensor]) -> Optional[list]:
+    """What the native watches compare, in Python, where the native library is not loaded: per tensor its Python
+    object (its TensorImpl: ``torch.utils.swap_tensors`` gives it another), data pointer, dtype, shape and strides
+    (contiguity, which implies them, where it holds), in one flat list made in one pass. The data pointer stands for the storage and offset: a tensor given other memory
+    (``.data =``, ``set_``, a storage re-allocated or freed in place) points elsewhere, and the bucket's ops read the
+    tensors afresh at each step. None when a tensor's storage is freed (its data pointer cannot be read): never
+    equal to a plan's, so the step plans again and refuses it by name."""
+    try:
+        # (a contiguous tensor's strides follow from its shape; Tensor.stride() costs more than the rest together)
+        return [x for t in tensors
+                for x in (t._cdata, t.data_ptr(), t.dtype, t.shape, t.is_contiguous() or t.stride())]
+    except RuntimeError:  # ("The tensor has a non-zero number of elements, but its data is not allocated yet")
+        return None
 
 
 def _bytes_needed(t: torch.Tensor) -> int:
@@ -381,6 +393,11 @@ def _storage_problem(t: torch.Tensor) -> Optional[str]:
 
 
 def _usable_grad(g: torch.Tensor, p: torch.Tensor) -> bool:
+    """_grad_problem(g, p) is None, with a fast path for the usual gradient (dense, contiguous, the param's shape,
+    device and dtype), whose storage check needs no loop over its dims."""
+    if (g.layout == torch.strided and g.dtype is p.dtype and g.shape == p.shape and g.device == p.device
+            and g.is_contiguous()):
+        return g.untyped_storage().nbytes() >= _span_end(g)
     return _grad_problem(g, p) is None
 
 
@@ -539,8 +556,13 @@ def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: Sta
                 bucket.params, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs, bucket.master_params,
                 bucket.exp_avg_scales, bucket.exp_avg_sq_scales, bucket.max_exp_avg_sq_scales, bucket.steps,
                 watch_idle, step_tensors=bucket.step_tensors)
+        elif not bucket.dtensors and backends.native_available():
+            # (a native watch compares metadata only, whatever the device: the gradients are read in Python for the
+            # launch, and checked by the watch)
+            bucket.watch = backends.TensorWatch.create(bucket.params, bucket.state_lists(), bucket.steps,
+                                                       bucket.step_tensors)
         else:
-            bucket.fingerprints = list(map(fingerprint, bucket.tensors()))
+            bucket.fingerprints = fingerprints(bucket.tensors())
     watchers = [b.native for b in buckets]
     if all_native and not buckets and params:  # a group without gradients: a plan that only watches
         watchers = [backends.AdamPlan.create([], [], [], [], [], [], [], [], torch.zeros(0, dtype=torch.float64),

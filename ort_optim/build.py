@@ -1,7 +1,7 @@
 """Builds (or finds) the native op library for the running torch: ``python -m ort_optim.build [--verbose]``.
 
 The project's setup runs this once per environment; the library lands in a cache folder keyed by torch's version,
-the Python and C++ ABIs, the sources and the CPU flags (see ort_optim.backends.native.build_dir), so a rebuild happens only when one of them changes.
+its C++ ABI, the sources and the CPU flags (see ort_optim.backends.native.build_dir), so a rebuild happens only when one of them changes.
 """
 
 import argparse

@@ -2,7 +2,8 @@
 called through ``torch.ops.ort_optim``), and wraps its ``AdamPlan`` helper class.
 
 The library is built by the project's setup (``python -m ort_optim.build``) into a cache folder keyed by the torch
-version, C++ ABI and location, the Python ABI, the sources and the CPU's instruction-set flags, from a copy of the
+version, C++ ABI and location, the sources and the CPU's instruction-set flags (not the Python ABI: the library uses no
+Python C API, only torch's C++ API and torch.library registration), from a copy of the
 sources in that folder, and loaded on first use, never at import time. Dispatch between backends is :mod:`ort_optim.backends`' job, not this module's.
 """
 
@@ -12,9 +13,9 @@ import contextlib
 import functools
 import hashlib
 import io
+import operator
 import os
 import platform
-import sysconfig
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -79,10 +80,11 @@ def spec_header() -> str:
 
 
 def _abi() -> str:
-    """What the library is compiled against besides torch's version: the Python ABI (adam_plan.cpp unpacks Python
-    tensors through the Python C API: its extension-module suffix names the version, build flags and platform) and
-    torch's C++ ABI (a source build or conda torch may differ from the PyPI wheel of the same version)."""
-    return f"{sysconfig.get_config_var('EXT_SUFFIX')} cxx11abi={int(torch.compiled_with_cxx11_abi())}"
+    """What the library is compiled against besides torch's version: torch's C++ ABI (a source build or conda torch
+    may differ from the PyPI wheel of the same version). Not the Python ABI: the library includes no Python header
+    and links no Python library (``--as-needed`` drops the libtorch_python that torch's build adds), so environments
+    of different Pythons with the same torch build share it."""
+    return f"cxx11abi={int(torch.compiled_with_cxx11_abi())}"
 
 
 def _source_files() -> list[Path]:
@@ -91,7 +93,7 @@ def _source_files() -> list[Path]:
 
 
 def build_dir() -> Path:
-    """Folder of the native library for this torch (version, C++ ABI and location), this Python ABI, these sources,
+    """Folder of the native library for this torch (version, C++ ABI and location), these sources,
     the generated spec header and this CPU: environments that share the cache never load each other's library, and
     clones, worktrees and installed wheels with the same sources share one build. torch's build records the paths of
     the sources and of torch's headers in the folder's build.ninja, and recompiles when they change: so the sources
@@ -130,7 +132,8 @@ def build(verbose: bool = False) -> Path:
         name="ort_optim_ops",
         sources=[str(sources / name) for name in SOURCES if name.endswith(".cpp")],
         extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
+        # (--as-needed: torch's build adds -ltorch_python, which the library does not use)
+        extra_ldflags=["-fopenmp", "-Wl,--as-needed"],
         extra_include_paths=[str(folder)],
         build_directory=str(folder),
         is_python_module=False,
@@ -183,20 +186,52 @@ def available() -> bool:
     return _load_native()
 
 
-class AdamPlan:
-    """A native handle to one bucket's params and states (the lists of :func:`adam_step_`), kept across steps
-    (ops/README.md, "AdamPlan").
+# A param's TensorImpl address, read under the GIL (Tensor._cdata): the identities a native watch compares before it
+# reads a param (ops/adam_plan.h, TensorWatch).
+_IMPL = operator.attrgetter("_cdata")
+
+
+class TensorWatch:
+    """A native watch over one bucket's tensors (ops/README.md, "TensorWatch"), of any device: it compares metadata
+    only (storage, data pointer, offset, dtype, device, sizes, strides) and never touches data.
+
+    :meth:`check` compares every tensor with what it was at creation and checks every param's gradient (dense, on
+    the param's device, a dtype it can take, its shape, a storage that holds it). It holds the states and step tensors
+    but not the params (``torch.utils.swap_tensors`` refuses a tensor referenced elsewhere, even weakly): this wrapper
+    keeps them and gives the native watch, at each check, their TensorImpl addresses, which it compares with the
+    planned ones before reading a param through them. Its methods hold no Python object and run without the GIL.
+    """
+
+    def __init__(self, native, params: list, idle_params: list) -> None:
+        self._native = native
+        self._watched = params + idle_params  # (their TensorImpls now are what check() compares)
+
+    @classmethod
+    def create(cls, params, state_lists, steps, step_tensors, idle_params=()) -> "TensorWatch":
+        """A watch over params, their non-empty state lists (n tensors each), step tensors and steps. idle_params:
+        params without a gradient now, which the watch requires to stay so."""
+        params, idle_params = list(params), list(idle_params)
+        return cls(torch.classes.ort_optim.TensorWatch(params, [list(s) for s in state_lists if len(s)],
+                                                       list(step_tensors), steps, idle_params), params, idle_params)
+
+    def check(self) -> int:
+        """-1 when the bucket can step now: every tensor is as it was (storages re-allocated in place are followed),
+        every param is the TensorImpl it was (not swapped) and has a usable gradient, and no idle param has one.
+        Otherwise the position of the first param that cannot (``len(params) + j`` for ``idle_params[j]``); nothing
+        is written either way."""
+        return self._native.check(list(map(_IMPL, self._watched)))
+
+
+class AdamPlan(TensorWatch):
+    """A native handle to one CPU bucket's params and states (the lists of :func:`adam_step_`), kept across steps
+    (ops/README.md, "AdamPlan"): a :class:`TensorWatch` that also steps.
 
     It validates them once and keeps the states' data pointers, so a step converts and checks no tensor lists: it
     reads each param and its ``.grad`` directly, which with thousands of small tensors is most of the op's cost.
     Validation and math are the op's own. Before every step, :meth:`check` compares every tensor it holds (the step
-    tensors too) with what it was at creation (storage, data pointer, storage size, dtype, shape, strides, Python
-    tensor) and re-resolves the
-    data pointers of storages re-allocated in place; :meth:`step` and :meth:`grad_stats` need a successful check.
+    tensors too) with what it was at creation and re-resolves the data pointers of storages re-allocated in place;
+    :meth:`step` and :meth:`grad_stats` need a successful check.
     """
-
-    def __init__(self, plan) -> None:
-        self._plan = plan
 
     @classmethod
     def create(cls, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
@@ -206,21 +241,11 @@ class AdamPlan:
         plan watches it like the states (``step.data = t`` gives it another storage, which the next step must use).
         idle_params: params (of any device) that have no gradient now; the plan can step only while that stays so."""
         params, idle_params = list(params), list(idle_params)
-        plan = cls(torch.classes.ort_optim.AdamPlan(
+        native = torch.classes.ort_optim.AdamPlan(
             params, list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(master_params),
             list(exp_avg_scales), list(exp_avg_sq_scales), list(max_exp_avg_sq_scales), steps, list(step_tensors),
-            [id(p) for p in params], [id(q) for q in idle_params],
-        ))
-        # The native plan knows the params by their Python objects (it holds no reference to their tensors, which
-        # torch.utils.swap_tensors would refuse): these lists keep the objects alive as long as the plan.
-        plan._objects = (params, idle_params)
-        return plan
-
-    def check(self) -> int:
-        """-1 when the plan can step now: every tensor it holds is as it was (storages re-allocated in place are
-        followed), every param has a usable gradient and no idle param has one. Otherwise the position of the first
-        param that cannot (``len(params) + j`` for ``idle_params[j]``); nothing is written either way."""
-        return self._plan.check()
+            idle_params)
+        return cls(native, params, idle_params)
 
     def step(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adam_w_mode: int,
              bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
@@ -231,7 +256,7 @@ class AdamPlan:
         after a successful :meth:`check`. grad_norm: also return :func:`grad_stats` of the gradients as loaded
         (float32 ``[sum of squares, 1.0 if not finite]``), summed by the update pass itself (NaN when the step was
         skipped by found_inf); else None."""
-        out = self._plan.step(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize, lr_tensor,
+        out = self._native.step(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize, lr_tensor,
                               inv_grad_scale, found_inf, grad_scale, rounding_keys, grad_norm)
         return out if grad_norm else None
 
@@ -245,9 +270,9 @@ class AdamPlan:
         the host, in FusedAdam's float32 arithmetic), after a successful :meth:`check`; a step taken writes the
         unscaled gradients back (as :meth:`step` with ``grad_scale``). Returns float32
         ``[global norm of the unscaled gradients, 1.0 if the step was skipped]``."""
-        return self._plan.step_scaled(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize,
+        return self._native.step_scaled(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize,
                                       lr_tensor, grad_scale, max_grad_norm, found_inf, rounding_keys)
 
     def grad_stats(self) -> torch.Tensor:
         """:func:`grad_stats` of the params' current gradients, after a successful :meth:`check`."""
-        return self._plan.grad_stats()
+        return self._native.grad_stats()

@@ -28,6 +28,7 @@ EXTRA_SECTIONS.update(lowbit="lowbit:run", lowbit_memory="lowbit:run_memory",  #
                       lowbit_limit="lowbit:run_limit")
 EXTRA_SECTIONS.update(mixed_limit="adam:run_mixed_limit")  # how far the mixed step is from its targets
 EXTRA_SECTIONS.update(compiled="compiled:run")  # a torch.compile'd train step, FusedAdam against torch's AdamW
+EXTRA_SECTIONS.update(validation="validation:run")  # the share of a step that re-validates its plan
 
 
 def run_extra_section(name: str, quick: bool) -> list[dict]:

@@ -5,10 +5,10 @@
 * An sdist (``python -m build``, ``pip download``, ``pip install <sdist>``) carries the native sources (ops/*.cpp,
   MANIFEST.in), so the wheel built from it carries them as ort_optim/_ops like ``pip wheel .`` does; a build that
   cannot find them fails loudly instead of producing a wheel that silently falls back to pure PyTorch.
-* The native library's cache folder is keyed by everything the library is compiled against: torch's version and C++
-  ABI, and the Python ABI (ops/*.cpp unpack Python tensors through the Python C API), so two environments sharing
-  ``~/.cache/ort-optim`` with the same torch version on another Python never load each other's library; building it
-  again (``python -m ort_optim.build``, run by every ``make setup``) compiles nothing.
+* The native library's cache folder is keyed by everything the library is compiled against: torch's version, location
+  and C++ ABI (not the Python ABI: the library uses no Python C API and links no Python library), so two environments
+  sharing ``~/.cache/ort-optim`` never load each other's library; building it again (``python -m ort_optim.build``,
+  run by every ``make setup``) compiles nothing.
 
 The wheel and sdist tests build a wheel and a virtual environment (about 20 s each): marked ``install``; the suite's
 runs through other backends (ORT_OPTIM_BACKEND=triton or torch) skip them.
@@ -181,24 +181,35 @@ def test_a_wheel_build_without_the_native_sources_fails_naming_them(tmp_path):
 
 # ---- the native library's cache key ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("other", ["python", "torch_cxx11_abi"])
-def test_the_library_cache_is_keyed_by_the_python_and_cxx_abis_it_is_compiled_against(other, monkeypatch):
-    """Two environments that share ~/.cache/ort-optim (ORT_OPTIM_CACHE) with the same torch version, one on another
-    Python (the library calls the Python C API: ops/adam_plan.cpp) or with a torch built with the other C++ ABI, get
-    folders of their own: neither loads the other's library (an import error at best, a crash at worst)."""
+def test_the_library_cache_is_keyed_by_the_cxx_abi_it_is_compiled_against(monkeypatch):
+    """Two environments that share ~/.cache/ort-optim (ORT_OPTIM_CACHE) with the same torch version, one with a torch
+    built with the other C++ ABI, get folders of their own: neither loads the other's library (an import error at
+    best, a crash at worst)."""
     here = backends.native.build_dir()
     assert here.name.startswith(f"torch-{torch.__version__}-")
-    if other == "python":
-        real = backends.native.sysconfig.get_config_var
-        monkeypatch.setattr(backends.native.sysconfig, "get_config_var", lambda name: (
-            ".cpython-399-x86_64-linux-gnu.so" if name == "EXT_SUFFIX" else real(name)))
-    else:
-        abi = torch.compiled_with_cxx11_abi()
-        monkeypatch.setattr(torch, "compiled_with_cxx11_abi", lambda: not abi)
+    abi = torch.compiled_with_cxx11_abi()
+    monkeypatch.setattr(torch, "compiled_with_cxx11_abi", lambda: not abi)
     elsewhere = backends.native.build_dir()
     assert elsewhere.parent == here.parent and elsewhere != here
     monkeypatch.undo()
     assert backends.native.build_dir() == here  # (and the same environment keeps its folder)
+
+
+def test_the_library_does_not_depend_on_the_python_abi():
+    """The library uses torch's C++ API and torch.library registration only, no Python C API: it needs no Python
+    library and no symbol of one (nor torch's Python bindings, libtorch_python), so its cache key leaves the Python
+    ABI out."""
+    if not backends.native_available():
+        pytest.skip("the native library could not be built here")
+    if shutil.which("readelf") is None or shutil.which("nm") is None:
+        pytest.skip("needs binutils' readelf and nm")
+    library = str(backends.native.build_dir() / "ort_optim_ops.so")
+    needed = [line for line in subprocess.run(["readelf", "-d", library], capture_output=True, text=True,
+                                              check=True).stdout.splitlines() if "(NEEDED)" in line]
+    assert needed and not [line for line in needed if "python" in line.lower()], needed
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", library], capture_output=True, text=True,
+                               check=True).stdout.split()
+    assert not [name for name in undefined if name.startswith(("Py", "_Py", "THP"))]
 
 
 def test_the_library_cache_is_keyed_by_the_sources_not_where_they_are(tmp_path, monkeypatch):

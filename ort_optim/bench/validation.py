@@ -1,0 +1,141 @@
+"""What validation costs a FusedAdam step: the share of the step that re-validates its plan (ort_optim/_plan.py,
+``Plan.valid``: the rule above the tensors, then every tensor and gradient through the native watches, or through
+Python fingerprints where the native library is not loaded).
+
+Rows:
+
+* ``native CPU``: 2000 x 1K fp32 params on the native CPU backend, one thread. Each call runs right after a cold
+  ``x.mul_(c)`` probe that evicts the caches (common.time_after_probe), as an optimizer step runs in training, calls
+  interleaved: ``FusedAdam.step()`` as a whole, and ``Plan.valid()`` alone (what each step re-validates).
+  ``share`` = validation / step; the target is at most 10%.
+* ``triton host``: the host side of a step on the Triton backend (``ORT_OPTIM_BACKEND=triton``), on CPU tensors with
+  the Triton launch replaced by a no-op, so that only the host's work is timed: ``Plan.valid()`` through the native
+  watch against the Python fingerprints (the fallback where the native library is not loaded), and the whole
+  ``FusedAdam.step()`` with each; 2000 x 1K and GPT-2 small's 148 tensors (first dims / 8: validation reads no data),
+  interleaved, warm caches (the host's metadata is what a GPU step's host reads), one thread.
+
+    python -m ort_optim.bench --sections validation      # or alone:
+    python -m ort_optim.bench.validation [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from contextlib import contextmanager
+
+import torch
+
+from .. import _plan, backends
+from ..backends import triton as triton_backend
+from ..fused_adam import AdamWMode, FusedAdam
+from .common import WORKLOADS, make_params, time_after_probe, time_interleaved_one_thread
+
+
+@contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextmanager
+def _environment(name: str, value: str):
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
+
+
+def _validation(opt: FusedAdam):
+    return lambda: opt._plan.valid(opt.param_groups, opt.state, opt._layout)
+
+
+def run_native_cpu(quick: bool) -> list[dict]:
+    params = make_params(WORKLOADS["2000x1K"](quick))
+    opt = FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    with _one_thread():
+        opt.step()  # (plans)
+        calls = {"FusedAdam.step()": opt.step, "validation (Plan.valid)": _validation(opt)}
+        numel = sum(p.numel() for p in params)
+        medians, _, probe_gbps = time_after_probe(calls, dict.fromkeys(calls, 28.0 * numel), quick,
+                                                  warmup=2, reps=5 if quick else 15)
+    step, check = medians["FusedAdam.step()"], medians["validation (Plan.valid)"]
+    return [{"section": "validation", "path": "native CPU", "workload": "2000x1K", "caches": "evicted",
+             "check": "native watch", "step_ms": step * 1e3, "validation_ms": check * 1e3, "share": check / step,
+             "target_share": 0.10, "probe_GBps": probe_gbps, "native": backends.native_available()}]
+
+
+def _python_fallback(opt: FusedAdam) -> None:
+    """The plan's buckets checked as where the native library is not loaded: Python fingerprints, no native watch."""
+    for planned in opt._plan.groups:
+        for bucket in planned.buckets:
+            bucket.watch = None
+            bucket.fingerprints = _plan.fingerprints(bucket.tensors())
+
+
+def run_triton_host(quick: bool) -> list[dict]:
+    rows = []
+    launch = triton_backend.adam_step_
+    triton_backend.adam_step_ = lambda *args, grad_norm=False, **kwargs: torch.zeros(2) if grad_norm else None
+    try:
+        with _environment("ORT_OPTIM_BACKEND", "triton"), _one_thread():
+            for workload, shapes in (("2000x1K", WORKLOADS["2000x1K"](quick)),
+                                     ("gpt2-small", WORKLOADS["gpt2-small"](True))):
+                params = make_params(shapes)
+                optimizers = {}
+                for check in ("native watch", "Python fingerprints"):
+                    opt = optimizers[check] = FusedAdam(params, lr=1e-3)
+                    opt.step()  # (plans)
+                    if check == "Python fingerprints":
+                        _python_fallback(opt)
+                    elif not backends.native_available():
+                        del optimizers[check]  # (no native library: nothing to compare)
+                calls = {}
+                for check, opt in optimizers.items():
+                    calls[f"validation, {check}"] = _validation(opt)
+                    calls[f"step, {check}"] = opt.step
+                medians = time_interleaved_one_thread(calls, warmup=3, reps=10 if quick else 40)
+                for check in optimizers:
+                    rows.append({"section": "validation", "path": "triton host (launch stubbed)",
+                                 "workload": workload, "tensors": len(shapes), "caches": "warm", "check": check,
+                                 "step_ms": medians[f"step, {check}"] * 1e3,
+                                 "validation_ms": medians[f"validation, {check}"] * 1e3,
+                                 "share": medians[f"validation, {check}"] / medians[f"step, {check}"],
+                                 "target_ms": 1.0 if workload == "2000x1K" else None})
+    finally:
+        triton_backend.adam_step_ = launch
+    return rows
+
+
+def run(quick: bool) -> list[dict]:
+    """The ``validation`` section's rows (module docstring)."""
+    return (run_native_cpu(quick) if backends.native_available() else []) + run_triton_host(quick)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="results/bench-validation.json")
+    args = parser.parse_args(argv)
+    rows = run(args.quick)
+    for row in rows:
+        print(row)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"torch": torch.__version__, "rows": rows}, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

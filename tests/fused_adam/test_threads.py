@@ -1,0 +1,97 @@
+"""FusedAdam's steps with other Python threads running, as a specification.
+
+Torch runs the methods of the native step cache (``backends.TensorWatch`` and ``backends.AdamPlan``, ops/README.md)
+with the GIL released, so another Python thread runs while they check and step: a DataLoader's pin-memory thread, a
+logger, or any thread of a free-threaded CPython. The step cache holds no Python object and reads nothing that it does
+not hold or that the step's caller does not vouch for (each param's TensorImpl, read under the GIL at every check),
+so memory that another thread frees and allocates again cannot pass for what the cache planned.
+
+The specification: steps taken while another thread allocates and frees tensors in a loop, replaces the gradients of
+other tensors and gives other tensors new memory (``.data =``) give, bit for bit, what the same steps give without
+that thread. Between steps the training thread itself does what forces
+the cache to notice freed memory: new gradient tensors at every step (the old ones freed), a param given new memory
+(``.data =``, its old storage freed), a param swapped for another tensor (``torch.utils.swap_tensors``, the TensorImpl
+it had freed right after), a moment given new memory. Every backend (the native CPU plans, the pure-PyTorch reference,
+and with ``ORT_OPTIM_BACKEND=triton`` the Triton kernels, whose buckets the native watch checks where the library is
+loaded).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+from conftest import assert_tree_bitwise_equal
+
+from ort_optim import AdamWMode, FusedAdam
+
+STEPS = 12
+SHAPES = [(64,), (16, 8), (3,), (128,)] * 24  # many small params: a check long enough for the other thread to run
+
+
+def _grads(seed: int) -> list[list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [[torch.randn(shape, generator=generator) for shape in SHAPES] for _ in range(STEPS)]
+
+
+def _churn(stop: threading.Event, others: list[torch.Tensor]) -> None:
+    """Another thread's work: tensors allocated and freed (TensorImpls, storages and Python objects of the sizes the
+    training thread frees), gradients of other tensors replaced, other tensors given new memory."""
+    while not stop.is_set():
+        for k, other in enumerate(others):
+            scratch = [torch.empty(shape) for shape in SHAPES[k % 4::4][:8]]
+            other.grad = torch.full_like(other, float(k))
+            other.data = torch.zeros_like(other)
+            del scratch
+
+
+def _train(optimizer_class, grads: list[list[torch.Tensor]], with_thread: bool) -> dict:
+    """STEPS steps over fresh params, with the training thread's own changes between them (module docstring);
+    returns the params and the optimizer's state."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+    opt = optimizer_class(params, lr=1e-2, weight_decay=1e-2)
+    stop = threading.Event()
+    others = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES[:16]]
+    thread = threading.Thread(target=_churn, args=(stop, others), daemon=True)
+    interval = sys.getswitchinterval()
+    if with_thread:
+        sys.setswitchinterval(1e-5)  # (hand the GIL over often: the threads interleave within a step)
+        thread.start()
+    try:
+        for step in range(STEPS):
+            for p, g in zip(params, grads[step]):
+                p.grad = g.clone()  # (a new tensor at every step: the last one's memory is freed)
+            if step % 4 == 1:
+                p = params[step]
+                p.data = p.detach().clone()  # new memory; the old storage is freed
+            if step % 4 == 2:
+                p = params[step]
+                replacement = torch.nn.Parameter(p.detach() * 1.0)
+                torch.utils.swap_tensors(p, replacement)  # p gets another TensorImpl ...
+                del replacement  # ... and the one it had is freed
+                p.grad = grads[step][step].clone()
+            if step % 4 == 3 and isinstance(opt, FusedAdam):
+                state = opt.state[params[step]]
+                state["exp_avg"].data = state["exp_avg"].clone()  # a moment given new memory
+            opt.step()
+    finally:
+        stop.set()
+        if with_thread:
+            thread.join()
+        sys.setswitchinterval(interval)
+    return {"params": [p.detach().clone() for p in params],
+            "state": [{k: v.clone() for k, v in opt.state[p].items()} for p in params]}
+
+
+def _fused_adam(params, **options) -> FusedAdam:
+    return FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, **options)  # (torch's AdamW math)
+
+
+def test_steps_with_another_thread_freeing_and_allocating_tensors_are_bit_for_bit_the_steps_without(backend):
+    grads = _grads(seed=1)
+    alone = _train(_fused_adam, grads, with_thread=False)
+    for _ in range(3):  # (the interleaving differs from run to run: several chances to read what was freed)
+        assert_tree_bitwise_equal(_train(_fused_adam, grads, with_thread=True), alone, "with another thread")
