@@ -213,3 +213,37 @@ def test_a_compiled_step_on_any_torch_computes_what_the_eager_step_computes():
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs):
         assert_bitwise_equal(a, b, "param")
+
+
+@pytest.mark.slow
+@NEWEST
+def test_a_compiled_step_after_eager_steps_writes_the_states_in_place():
+    """Eager steps lay states out as views of flat buffers; a traced step gives them storages of their own, since
+    mutated graph inputs sharing a storage would be copied whole around the op at every step. The generated code
+    then calls the op on the optimizer's own tensors, with no copy kernel, and computes what eager steps compute."""
+    from torch._inductor.utils import run_and_get_code
+
+    runs = []
+    for compiled in (False, True):
+        model = _model()
+        opt = _fused(model)
+        _grads(model, 0)
+        opt.step()  # eager: the flat layout
+        step = torch.compile(lambda: opt.step()) if compiled else opt.step
+        torch._dynamo.reset()
+        for i in range(1, 4):
+            _grads(model, i)
+            if compiled and i == 1:
+                _, code = run_and_get_code(step)
+                source = "\n".join(code)
+                assert "ort_optim.adam_step_" in source
+                assert not any(word in source for word in ("clone", "copy_", "as_strided")), source
+            else:
+                step()
+        for state in opt.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = state[key]
+                assert (t.untyped_storage().nbytes() == t.numel() * t.element_size()) == compiled, key
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert_bitwise_equal(a, b, "param")
