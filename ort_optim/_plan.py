@@ -476,11 +476,27 @@ def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayo
         if id(state["step"]) in steps:
             state["step"] = state["step"].clone()
         steps.add(id(state["step"]))
+    if traced:
+        _own_storages(stateful)
     native = False if traced else backends.runs_natively(CPU) if native is None else native
     # (a traced step's states get storages of their own: see StateLayout.init_states)
     planned = [_plan_group(groups, optimizer_state, layout, group_index, grads, native, one_buffer=not traced)
                for group_index, grads in enumerate(all_grads)]
     return Plan(planned, optimizer_state, optimizer_state.version, layout, native)
+
+
+def _own_storages(stateful: list) -> None:
+    """For a step that torch.compile traces: every state tensor that is a view into a larger storage (the flat
+    buffers an eager step lays states out in, StateLayout.init_states) is replaced by a copy in a storage of its own.
+    The traced op mutates its list arguments through functionalization, and mutated graph inputs that share a storage
+    are merged into one synthetic base that inductor copies around the op at every step (measured: 8 x Linear(256,
+    256) after one eager step, 82 ms per compiled step instead of 1), where inputs of their own are written in place.
+    The step counts are not concerned: the op receives their base (Bucket.steps), not the views."""
+    for *_, state in stateful:
+        for key, value in list(state.items()):
+            if (key != "step" and isinstance(value, torch.Tensor)
+                    and value.untyped_storage().nbytes() != value.numel() * value.element_size()):
+                state[key] = value.clone(memory_format=torch.contiguous_format)
 
 
 def _rounding(group: dict) -> tuple:

@@ -383,10 +383,13 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
             with torch.enable_grad():
                 loss = closure()
         blocking = self._main_device.type != "cuda"
-        if not blocking:
+        # Inside a step that torch.compile traces, the min-scale flag is not read on the host (a read splits the
+        # graph): it stays set on the device, and the next step run eagerly (or scaler.check) raises.
+        traced = torch.compiler.is_compiling()
+        if not blocking and not traced:
             self.scaler.check(blocking=False)  # a floor hit reported by an earlier step (no host sync)
         checked = self._masters.step(self)  # (whether it already read the scaler's min-scale flag on the host)
-        if blocking and not checked:
+        if blocking and not checked and not traced:
             self.scaler.check(blocking=True)
         return loss
 

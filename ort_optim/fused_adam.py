@@ -135,7 +135,9 @@ class FusedAdam(torch.optim.Optimizer):
     as torch.optim.AdamW's compiled step does. Not traced (the step runs as plain Python inside the compiled function,
     with graph breaks): ``step_in_backward``, DTensor params, ``process_group``/``pipeline_group``, a backend other
     than the native library (``ORT_OPTIM_BACKEND=torch``), tensor betas/eps/weight_decay (read on the host). States
-    made by a traced step get a storage each (not views of one buffer, which functionalization would copy whole).
+    get a storage each when the step is traced (those an eager step laid out as views of one buffer are copied once:
+    inductor would copy the whole buffer around the op at every step). ``FP16_Optimizer(FusedAdam)``: its scaler
+    updates on the device; the min-scale flag is read by the next eager step (guides/fused-adam.md, "torch.compile").
     Older torch (2.4.1): best effort, ``step()`` runs outside the graph (one graph break; the eager step).
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element tensor)

@@ -59,12 +59,17 @@ def run(quick: bool) -> list[dict]:
                                                                     adam_w_mode=AdamWMode.ADAMW_TORCH),
     }
     steps, counts = {}, {}
+    # Compiled from the sources, never from inductor's caches: their keys leave out inputs' storage offsets and sizes,
+    # so code compiled for states that share one storage (copied around the op at every step) can be served to a
+    # step whose states do not.
     for name, make in makers.items():  # traced one after the other, each counted from a reset
         torch._dynamo.reset()
         counters.clear()
         steps[name] = _setup(make, width, layers, batch)
-        for _ in range(3):
-            steps[name]()
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            for _ in range(3):
+                steps[name]()
         counts[name] = (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
     # (a reset would drop the compiled code: both keep their own, and run interleaved from here)
     samples = interleaved_samples(steps, warmup=2, reps=10 if quick else 60)

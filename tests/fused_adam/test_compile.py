@@ -168,8 +168,8 @@ def test_a_change_the_step_must_see_retraces_and_is_validated():
 @NEWEST
 def test_fp16_optimizer_around_fused_adam_compiles_without_recompiles_and_matches_eager():
     """FP16_Optimizer(FusedAdam).step() with fp16 params and masters: the same graphs at every step after the first
-    (no recompile), and the eager result. (Its graph breaks are counted in the note of this module's tests: the
-    loss scaler reads its underflow flag on the host, and torch.optim's step wrapper around the inner step.)"""
+    (no recompile), no graph break from a host read (the loss scaler updates on the device and its min-scale flag
+    is not read inside a traced step), and the eager result."""
 
     def make(model):
         model.half()
@@ -192,6 +192,8 @@ def test_fp16_optimizer_around_fused_adam_compiles_without_recompiles_and_matche
 
     compiled, counts, _ = _run(make, counting_scheduler, compiled=True, wrap=wrap)
     assert graphs_after[2] == graphs_after[STEPS] == counts[1], graphs_after
+    reasons = list(torch._dynamo.utils.counters["graph_break"])
+    assert not any("item()" in reason or "Tensor.item" in reason for reason in reasons), reasons
     for a, b in zip(compiled, eager):
         assert_bitwise_equal(a, b, "param")
 
@@ -210,6 +212,40 @@ def test_a_compiled_step_on_any_torch_computes_what_the_eager_step_computes():
             _grads(model, i)
             run()
             scheduler.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert_bitwise_equal(a, b, "param")
+
+
+@pytest.mark.slow
+@NEWEST
+def test_a_compiled_step_after_eager_steps_writes_the_states_in_place():
+    """Eager steps lay states out as views of flat buffers; a traced step gives them storages of their own, since
+    mutated graph inputs sharing a storage would be copied whole around the op at every step. The generated code
+    then calls the op on the optimizer's own tensors, with no copy kernel, and computes what eager steps compute."""
+    from torch._inductor.utils import run_and_get_code
+
+    runs = []
+    for compiled in (False, True):
+        model = _model()
+        opt = _fused(model)
+        _grads(model, 0)
+        opt.step()  # eager: the flat layout
+        step = torch.compile(lambda: opt.step()) if compiled else opt.step
+        torch._dynamo.reset()
+        for i in range(1, 4):
+            _grads(model, i)
+            if compiled and i == 1:
+                _, code = run_and_get_code(step)
+                source = "\n".join(code)
+                assert "ort_optim.adam_step_" in source
+                assert not any(word in source for word in ("clone", "copy_", "as_strided")), source
+            else:
+                step()
+        for state in opt.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = state[key]
+                assert (t.untyped_storage().nbytes() == t.numel() * t.element_size()) == compiled, key
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs):
         assert_bitwise_equal(a, b, "param")
