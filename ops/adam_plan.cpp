@@ -272,32 +272,6 @@ at::Tensor AdamPlan::step(double lr, double beta1, double beta2, double eps, dou
   return grad_norm ? stats_tensor(square_sum) : at::Tensor();
 }
 
-at::Tensor AdamPlan::step_scaled(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
-                                 bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
-                                 c10::optional<at::Tensor> grad_scale, c10::optional<double> max_grad_norm,
-                                 c10::optional<at::Tensor> found_inf, c10::optional<at::Tensor> rounding_keys) {
-  TORCH_CHECK(checked_, "ort_optim.AdamPlan: step_scaled() needs a successful check() first");
-  // The scale is read here, not in Python: a CPU scalar read by the CPU kernel, like the gradients (FusedAdam
-  // takes this path only when grad_scale lives on the CPU).
-  c10::optional<double> scale;
-  if (grad_scale.has_value()) {
-    TORCH_CHECK(grad_scale->device().is_cpu(), "ort_optim.AdamPlan: grad_scale must be a CPU tensor");
-    scale = scalar_value(grad_scale, "grad_scale");
-  }
-  Scaling scaling{scale, max_grad_norm};
-  StepOptions options{lr,       beta1,     beta2,        eps,      weight_decay, mode, bias_correction,
-                      maximize, lr_tensor, c10::nullopt, found_inf, c10::nullopt, rounding_keys};
-  options.scaling = &scaling;
-  update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
-         options, [this](bool unscaled_grads) { mark_written(unscaled_grads); });
-  release();
-  forget_params();
-  at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kFloat));
-  out.data_ptr<float>()[0] = scaling.norm;
-  out.data_ptr<float>()[1] = scaling.skip ? 1.0f : 0.0f;
-  return out;
-}
-
 at::Tensor AdamPlan::grad_stats() {
   TORCH_CHECK(checked_, "ort_optim.AdamPlan: grad_stats() needs a successful check() first");
   return grad_stats_of(grads_);

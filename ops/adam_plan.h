@@ -130,14 +130,6 @@ class AdamPlan : public TensorWatch {
                   c10::optional<at::Tensor> inv_grad_scale, c10::optional<at::Tensor> found_inf,
                   c10::optional<at::Tensor> grad_scale, c10::optional<at::Tensor> rounding_keys, bool grad_norm);
 
-  // step() with loss-scale unscaling, the inf/NaN check and global-norm clipping, after a successful check(): sums
-  // the squares of the gradients check() resolved, computes the multiplier on the host (FusedAdam._scaling's float32
-  // math, no tensor ops) and steps unless it must skip. Returns float32 [unscaled global norm, 1.0 if skipped].
-  at::Tensor step_scaled(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,
-                         bool bias_correction, bool maximize, c10::optional<at::Tensor> lr_tensor,
-                         c10::optional<at::Tensor> grad_scale, c10::optional<double> max_grad_norm,
-                         c10::optional<at::Tensor> found_inf, c10::optional<at::Tensor> rounding_keys);
-
   // grad_stats over the params' current gradients, after a successful check().
   at::Tensor grad_stats();
 

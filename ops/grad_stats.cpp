@@ -113,7 +113,7 @@ double square_sum(const void* data, at::ScalarType type, int64_t begin, int64_t 
 }
 
 // The sum of squares over work items: one SquareSum per item, the items' sums added in item order, so the result
-// depends neither on the thread count nor on who asked (grad_stats, or a plan's scaled step over the same tensors).
+// depends neither on the thread count nor on who asked (the grad_stats op, or a plan over the same tensors).
 // source(t) gives tensor t's data pointer and dtype.
 template <typename Source>
 double sum_of_squares(const std::vector<WorkItem>& items, Source source) {
@@ -170,27 +170,6 @@ at::Tensor grad_stats_of(const std::vector<const at::Tensor*>& tensors) {
     numels.push_back(t->numel());
   }
   return stats_tensor(sum_of_squares(make_work_items(numels), [&](int64_t t) { return sources[t]; }));
-}
-
-c10::optional<double> scaled_grad_multiplier(Scaling& scaling, const std::vector<TensorWork>& work,
-                                             const std::vector<WorkItem>& items, bool found_inf) {
-  const auto [sum, nonfinite] = float_stats(sum_of_squares(items, [&](int64_t t) {
-    return std::make_pair(work[t].grad, work[t].grad_type);
-  }));
-  float inv = 1.0f;
-  if (scaling.grad_scale.has_value()) inv = 1.0f / float(*scaling.grad_scale);
-  // Every |g| / grad_scale <= norm, so a finite norm proves that unscaling stays finite (with a scale below 1,
-  // unscaling can itself overflow: checking the scaled gradients would not do). The square root is torch's own (a
-  // one-element tensor op, as in _scaling): torch's CPU float sqrt is not always correctly rounded (MKL's vector
-  // math), and std::sqrt would then differ from it in the last bit.
-  scaling.norm = at::scalar_tensor(sum, at::TensorOptions().dtype(at::kFloat)).sqrt().item<float>() * inv;
-  if (scaling.max_grad_norm.has_value()) {
-    const float coef = (1.0f / (scaling.norm + 1e-6f)) * float(*scaling.max_grad_norm);
-    inv = inv * (coef > 1.0f ? 1.0f : coef);  // torch.clamp(max=1.0): NaN stays NaN (and the step is skipped)
-  }
-  scaling.skip = nonfinite || !std::isfinite(scaling.norm) || found_inf;
-  if (scaling.skip) return c10::nullopt;
-  return double(inv);
 }
 
 at::Tensor grad_stats_cpu(at::TensorList tensors) {

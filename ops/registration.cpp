@@ -29,8 +29,7 @@ TORCH_LIBRARY_FRAGMENT(ort_optim, m) {
                        std::vector<at::Tensor>>())
       .def("check", &AdamPlan::check)
       .def("step", &AdamPlan::step)
-      .def("grad_stats", &AdamPlan::grad_stats)
-      .def("step_scaled", &AdamPlan::step_scaled);
+      .def("grad_stats", &AdamPlan::grad_stats);
 }
 
 }  // namespace ort_optim

@@ -42,11 +42,10 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
   check_rounding_keys(o.rounding_keys, params, work);
   const bool found_inf = o.found_inf.has_value() && scalar_value(o.found_inf, "found_inf") != 0.0;
   if (o.grad_square_sum != nullptr) *o.grad_square_sum = std::numeric_limits<double>::quiet_NaN();
-  if (found_inf && o.scaling == nullptr) return;  // skipped (a scaled step still reports the gradients' norm)
+  if (found_inf) return;  // skipped: nothing written
   double grad_mul = o.inv_grad_scale.has_value() ? scalar_value(o.inv_grad_scale, "inv_grad_scale") : 1.0;
   const double lr = o.lr_tensor.has_value() ? scalar_value(o.lr_tensor, "lr_tensor") : o.lr;
   double grad_scale = o.grad_scale.has_value() ? scalar_value(o.grad_scale, "grad_scale") : 0.0;
-  if (o.scaling != nullptr && o.scaling->grad_scale.has_value()) grad_scale = *o.scaling->grad_scale;
   TORCH_CHECK(grad_scale == 0.0 || (std::isfinite(grad_scale) && grad_scale != 0.0),
               "ort_optim::adam_step_: grad_scale must be finite and non-zero, got ", grad_scale);
 
@@ -90,11 +89,6 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     if (w.stochastic) {
       w.round_key = splitmix64(uint64_t(o.rounding_keys->data_ptr<int64_t>()[i]) ^ splitmix64(uint64_t(t)));
     }
-  }
-  if (o.scaling != nullptr) {
-    const c10::optional<double> multiplier = scaled_grad_multiplier(*o.scaling, work, items, found_inf);
-    if (!multiplier.has_value()) return;  // skipped: nothing written, the contiguous copies are dropped
-    grad_mul = *multiplier;
   }
   if (o.maximize) grad_mul = -grad_mul;
   mark_written(grad_scale != 0.0);

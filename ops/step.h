@@ -1,6 +1,5 @@
 // One Adam step over validated inputs, shared by the adam_step_ op and AdamPlan: the per-step scalars, contiguous
-// stand-ins for strided params and gradients, the scaled step's multiplier, autograd's version counters, then the
-// kernel. Also the adam_step_ op itself (adam_step_cpu), which validates its lists and takes this step.
+// stand-ins for strided params and gradients, autograd's version counters, then the kernel. Also the adam_step_ op itself (adam_step_cpu), which validates its lists and takes this step.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,7 +8,6 @@
 #include <vector>
 
 #include "adam_kernel.h"
-#include "grad_stats.h"
 #include "validation.h"
 
 namespace ort_optim {
@@ -20,10 +18,6 @@ struct StepOptions {
   bool bias_correction, maximize;
   c10::optional<at::Tensor> lr_tensor, inv_grad_scale, found_inf, grad_scale;
   c10::optional<at::Tensor> rounding_keys;  // stochastic rounding of bfloat16 params (README.md)
-  // Set by AdamPlan::step_scaled (then inv_grad_scale and grad_scale are empty): the gradients are unscaled and
-  // clipped by a multiplier computed from their statistics, and the step is skipped on inf/NaN (see "gradient
-  // statistics"); the unscaled gradients are written back as with grad_scale.
-  Scaling* scaling = nullptr;
   // Set by AdamPlan::step(grad_norm=true): receives the sum of squares of the gradients the update read, added per
   // work item in item order (deterministic whatever the thread count); NaN when the step was skipped.
   double* grad_square_sum = nullptr;

@@ -43,8 +43,8 @@ class BackwardStep:
         self._impls: dict[torch.Tensor, int] = {}  # param -> its C++ tensor (p._cdata) when its hook was connected
         self._unhooked: dict[torch.Tensor, None] = {}  # params given without requires_grad (not hooked yet)
         # param -> ((optimizer.state.version, amsgrad, the group's rounding options, the backend choice, the layout
-        # options), its native plan, its rounding_keys, the optimizer.state container) when it was planned
-        self._plans: dict[torch.Tensor, tuple[tuple, backends.AdamPlan, Optional[torch.Tensor], Any]] = {}
+        # options), its runner on a native plan, the optimizer.state container) when it was planned
+        self._plans: dict[torch.Tensor, tuple[tuple, backends.PlanRunner, Any]] = {}
         # id(group) -> (the group, _group_options.signature(group), its validated hyperparameters as the op's keyword
         # arguments)
         self._hypers: dict[int, tuple[dict, tuple, dict]] = {}
@@ -318,10 +318,11 @@ class BackwardStep:
         return False
 
     def _step(self, optimizer: torch.optim.Optimizer, p: torch.Tensor) -> None:
-        """The update of one param by its gradient. Through the param's native plan while that plan is valid (its
-        check() finds every tensor as it was and the gradient usable, and neither the optimizer's state nor the
-        backend choice changed since); otherwise validated first as step() validates (a bad gradient raises naming
-        the param, with nothing written), then planned again or stepped through the op."""
+        """The update of one param by its gradient, through a runner of that param alone (ort_optim.backends, as
+        step() runs each bucket). Through the param's runner on a native plan while it is valid (its check() finds
+        every tensor as it was and the gradient usable, and neither the optimizer's state nor the backend choice
+        changed since); otherwise validated first as step() validates (a bad gradient raises naming the param, with
+        nothing written), then planned again, or run through the op."""
         group_index, index, group = self._where[p]
         hyper = self._hyperparameters(optimizer, group_index, group)
         amsgrad = bool(group["amsgrad"])
@@ -335,9 +336,9 @@ class BackwardStep:
                optimizer._layout)
         cached = self._plans.get(p)
         # (a new optimizer.state container is told by identity: its mutation count says nothing about the old one's)
-        if (cached is not None and cached[0] == key and cached[3] is optimizer.state
-                and not torch.compiler.is_compiling() and cached[1].check() < 0):
-            cached[1].step(**hyper, rounding_keys=cached[2])  # (through the plan's pointers; it marks what it wrote)
+        if (cached is not None and cached[0] == key and cached[2] is optimizer.state
+                and not torch.compiler.is_compiling() and cached[1].check()):
+            cached[1].step(hyper)  # (through the plan's pointers; it marks what it wrote)
             return
         with torch.no_grad():
             self._step_validated(optimizer, p, group_index, index, group, hyper, amsgrad, key)
@@ -365,13 +366,15 @@ class BackwardStep:
         keys = _plan.rounding_keys(optimizer.param_groups, group_index, [index], p, "master_param" in state)
         try:
             if native:
-                plan = backends.AdamPlan.create([p], *lists, state["step"].view(1), step_tensors=[state["step"]])
-                if plan.check() >= 0:  # validated above: a plan that cannot step now is a bug, not a user error
+                runner = backends.PlanRunner(backends.AdamPlan.create(
+                    [p], *lists, state["step"].view(1), step_tensors=[state["step"]]), keys)
+                if not runner.check():  # validated above: a plan that cannot step now is a bug, not a user error
                     raise RuntimeError("ort_optim: a per-param plan could not step right after it was built")
-                self._plans[p] = (key, plan, keys, optimizer.state)
-                plan.step(**hyper, rounding_keys=keys)
-            else:
-                backends.adam_step_([p], [p.grad], *lists, state["step"].view(1), **hyper, rounding_keys=keys)
+                self._plans[p] = (key, runner, optimizer.state)
+            else:  # (validated just now; the op marks what it writes, the step view included)
+                runner = backends.OpRunner(lambda: [[p], [p.grad], *lists, state["step"].view(1)], lambda: True,
+                                           p.device, keys)
+            runner.step(hyper)
         except RuntimeError as error:
             raise ValueError(f"{_plan.describe(group_index, index, p)}: {error}") from error
 

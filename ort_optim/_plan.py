@@ -244,6 +244,24 @@ class Bucket:
     def op_lists(self) -> list:
         return [self.params, self.grads] + self.state_lists() + [self.steps]
 
+    @property
+    def runner(self) -> backends.Runner:
+        """Its check, statistics and step (ort_optim.backends): through its native plan, else through the op of its
+        device's backend. (Made when asked: a runner kept here would hold the bucket in a reference cycle.)"""
+        if self.native is not None:
+            return backends.PlanRunner(self.native, self.rounding_keys)
+        return backends.OpRunner(self.op_lists, self.unchanged, self.params[0].device, self.rounding_keys,
+                                 self.step_tensors, self.launch_cache)
+
+    def unchanged(self) -> bool:
+        """The check of a bucket without a native plan: its TensorWatch where the op library is loaded, else in
+        Python: every tensor has the fingerprint it had when planned, and every gradient read (GroupPlan.read_grads)
+        is usable."""
+        if self.watch is not None:
+            return self.watch.check() < 0
+        return fingerprints(self.tensors()) == self.fingerprints and all(
+            g is None or _usable_grad(g, p) for g, p in zip(self.grads, self.params))
+
 
 @dataclass
 class GroupPlan:
@@ -265,15 +283,7 @@ class GroupPlan:
             return all(w.check() < 0 for w in self.watchers)
         if not self.read_grads():
             return False
-        for bucket in self.buckets:
-            watch = bucket.native if bucket.native is not None else bucket.watch
-            if watch is not None:
-                if watch.check() >= 0:
-                    return False
-            elif fingerprints(bucket.tensors()) != bucket.fingerprints or not all(
-                    _usable_grad(g, p) for g, p in zip(bucket.grads, bucket.params)):
-                return False
-        return True
+        return all(bucket.runner.check() for bucket in self.buckets)
 
     def read_grads(self) -> bool:
         """Puts this step's gradients into the buckets; False when the params that have

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from . import _checkpoint, _group_options, _migration, _plan, _versions, backends
+from . import _checkpoint, _group_options, _migration, _plan, backends
 from ._backward_step import BackwardStep, loss_scaling_refused, max_grad_norm_refused
 from ._checkpoint import MOMENT_KEYS
 from ._group_options import constructor_where, group_where
@@ -509,62 +509,54 @@ class FusedAdam(torch.optim.Optimizer):
         self._partitions_checked = scanned
 
     def _launch(self, plan: _plan.Plan, grad_scale, found_inf) -> None:
-        """One op call per bucket (through its native plan on the native CPU backend), after the gradient statistics
-        pass when unscaling or clipping."""
+        """The one route from a valid plan to the kernels, whatever the backend: every bucket has a runner
+        (ort_optim.backends: check, stats, step; the plan has checked them). A step that unscales or clips first
+        reduces the buckets' gradient statistics into one (over the ranks too, when they decide together), from which
+        backends.scaling makes the multiplier and the skip flag; then one runner step per bucket applies them. Sets
+        the step's report: last_grad_norm and last_found_inf."""
         buckets = list(plan.buckets())
+        scaled = grad_scale is not None or self.max_grad_norm is not None
         # (the reduction carries the clipping norm and the skip decision: needed only when the step computes them;
         # the valid plan knows whether there are DTensor params, which spares a scan of every param per step)
-        reduction = (self._reduction(has_dtensors=plan.has_dtensors) if grad_scale is not None or self.max_grad_norm
-                     is not None else None)
-        if reduction is None and self._scaled_in_plan(buckets, grad_scale, found_inf):
-            return self._scaled_plan_step(buckets[0], grad_scale, found_inf)
+        reduction = self._reduction(has_dtensors=plan.has_dtensors) if scaled else None
         if not buckets and reduction is None:
             # No gradient at all: nothing to update or check. The norm is 0, as clip_grad_norm_ returns for no
             # gradients, wherever a step with gradients would report one (not the rest of updates in backward).
             self._last["found_inf"] = None
             device = next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)
-            reports = grad_scale is not None or self.max_grad_norm is not None or (
+            reports = scaled or (
                 _PLAIN_NORM and not self._finishes_backward and self._decides_alone(plan.has_dtensors)
                 and (backends.runs_natively(device) or backends.update_reports_grad_norm(device)))
             self._last["grad_norm"] = torch.zeros((), dtype=torch.float32, device=device) if reports else None
             return
-        inv_grad_scale, found_inf, self._last["grad_norm"] = self._scaling(buckets, grad_scale, found_inf, reduction)
-        if found_inf is not None and inv_grad_scale is None and buckets:
+        devices = list(dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets)) or [
+            next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)]
+        unscaled = self._grad_scale_per_device(buckets, grad_scale)
+        if scaled:
+            stats = self._global_grad_stats(buckets, devices[0], reduction)
+            multiplier, self._last["grad_norm"], skip = backends.scaling(stats, grad_scale, self.max_grad_norm,
+                                                                         found_inf)
+            per_device = {device: multiplier.to(device, non_blocking=True).reshape(1) for device in devices}
+            scaling = backends.Scaling(per_device, skip, unscaled)
+            self._last["found_inf"] = skip
+        else:
+            scaling = backends.Scaling(found_inf=found_inf)
+            self._last["grad_norm"] = None
             # The caller's own tensor (any dtype, 0-dim or not, a buffer it may zero for the next iteration, as apex's
             # overflow buffer is): last_found_inf is this step's verdict as a float32 [1] of its own on the params'
             # device, computed there (no host sync), so a reference kept to it does not change with the buffer.
-            self._last["found_inf"] = (found_inf.to(buckets[0][2].params[0].device).reshape(()) != 0).float().reshape(1)
-        else:
-            self._last["found_inf"] = found_inf if buckets or reduction is not None else None
-        unscaled = self._grad_scale_per_device(buckets, grad_scale)
+            self._last["found_inf"] = None if found_inf is None else (
+                found_inf.to(devices[0]).reshape(()) != 0).float().reshape(1)
         if unscaled and (len(buckets) > 1 or buckets[0][2].native is None):  # ({} without any gradient)
             _plan.check_grads_writable(buckets)
         # A plain step reports the norm too where the update's own pass can sum the squares it reads.
         plain_norm = self._plain_norm_from_update(plan, buckets, grad_scale, found_inf)
         stats = []
         for group_index, group, bucket in buckets:
-            device = bucket.params[0].device
-            hyper = dict(
-                _group_options.hyperparameters(group),
-                inv_grad_scale=None if inv_grad_scale is None else inv_grad_scale[device],
-                found_inf=None if found_inf is None else found_inf.to(device, non_blocking=True),
-                grad_scale=None if unscaled is None else unscaled[device],
-                rounding_keys=bucket.rounding_keys,
-            )
             try:
-                if bucket.native is not None:
-                    stats.append(bucket.native.step(**hyper, grad_norm=plain_norm))
-                elif plain_norm:  # (the Triton kernels: see _plain_norm_from_update)
-                    stats.append(backends.adam_step_(*bucket.op_lists(), **hyper, grad_norm=True,
-                                                     launch_cache=bucket.launch_cache))
-                else:
-                    backends.adam_step_(*bucket.op_lists(), **hyper, launch_cache=bucket.launch_cache)
+                stats.append(bucket.runner.step(_group_options.hyperparameters(group), scaling, grad_norm=plain_norm))
             except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
                 raise _plan.name_op_error(exc, group_index, bucket) from exc
-            if bucket.native is None and not torch.compiler.is_compiling() and _versions.step_taken(hyper["found_inf"]):
-                # (the op marked what it was given; state[p]['step'] keeps a version counter of its own, see
-                # ort_optim/_versions.py: a native plan marks it, here it is marked after the op)
-                _versions.mark_modified(bucket.step_tensors)
         if plain_norm:  # the buckets' sums of squares added in bucket order, as _global_grad_stats
             # On the first accelerator's device when the buckets span CPU and CUDA: host-to-device copies of the CPU
             # buckets' sums need no synchronisation, a non-blocking copy the other way would be read unfinished.
@@ -574,15 +566,14 @@ class FusedAdam(torch.optim.Optimizer):
     def _plain_norm_from_update(self, plan: _plan.Plan, buckets: list, grad_scale, found_inf) -> bool:
         """Whether this step's update passes report the gradients' norm (last_grad_norm without a stats pass): a
         plain step (no grad_scale or max_grad_norm; a found_inf alone is fine: a pass it skips reports NaN) of one
-        process over plain params, every bucket on the native CPU plan or the Triton kernels (which sum the squares of
-        the gradients they load), and not the remainder of updates that step_in_backward made in backward since the last
-        step() or zero_grad() (its norm would be of that remainder only). Elsewhere (the reference backend, DTensor or
-        process_group steps, whose norm would have to be all-reduced) a plain step leaves last_grad_norm None: all
-        buckets or none."""
+        process over plain params, every bucket's runner able to (the native CPU plans and the Triton kernels sum the
+        squares of the gradients they load), and not the remainder of updates that step_in_backward made in backward
+        since the last step() or zero_grad() (its norm would be of that remainder only). Elsewhere (the reference
+        backend, DTensor or process_group steps, whose norm would have to be all-reduced) a plain step leaves
+        last_grad_norm None: all buckets or none."""
         return (_PLAIN_NORM and grad_scale is None and self.max_grad_norm is None
                 and not self._finishes_backward and bool(buckets) and self._decides_alone(plan.has_dtensors)
-                and all(bucket.native is not None or backends.update_reports_grad_norm(bucket.params[0].device)
-                        for _, _, bucket in buckets))
+                and all(bucket.runner.reports_norm for _, _, bucket in buckets))
 
     def _grad_scale_per_device(self, buckets: list, grad_scale) -> Optional[dict]:
         """grad_scale as a one-element float32 tensor per device, for the op to write p.grad back unscaled (as
@@ -594,68 +585,6 @@ class FusedAdam(torch.optim.Optimizer):
             return {d: grad_scale.to(d, torch.float32, non_blocking=True).reshape(1) for d in devices}
         # (a fill on the device, not a copy from the host: no synchronisation)
         return {d: torch.full((1,), float(grad_scale), dtype=torch.float32, device=d) for d in devices}
-
-    def _scaled_in_plan(self, buckets: list, grad_scale, found_inf) -> bool:
-        """Whether unscaling and clipping can run inside the one native plan call (AdamPlan.step_scaled): a lone
-        bucket with a native plan, grad_scale and found_inf on the host. The multiplier and the skip flag are then
-        computed in C++ from the gradients' statistics, without _scaling's tensor ops and a second plan call. Never
-        when the decision is global (DTensor params, process_group): the plan only sees this rank's gradients."""
-        if len(buckets) != 1 or buckets[0][2].native is None or not _UNSCALE_GRADS:
-            return False
-        if grad_scale is None and self.max_grad_norm is None:
-            return False
-        return all(not isinstance(t, torch.Tensor) or (t.device.type == "cpu" and t.numel() == 1)
-                   for t in (grad_scale, found_inf))
-
-    def _scaled_plan_step(self, launch: tuple, grad_scale, found_inf) -> None:
-        """_launch for a lone native bucket with unscaling or clipping (see _scaled_in_plan): the same bits as
-        _scaling followed by the plan's step."""
-        group_index, group, bucket = launch
-        try:
-            out = bucket.native.step_scaled(
-                **_group_options.hyperparameters(group),
-                # A CPU tensor (see _scaled_in_plan), read by the native plan itself.
-                grad_scale=grad_scale if grad_scale is None or isinstance(grad_scale, torch.Tensor)
-                else torch.tensor(float(grad_scale), dtype=torch.float64),
-                max_grad_norm=self.max_grad_norm, found_inf=found_inf, rounding_keys=bucket.rounding_keys,
-            )
-        except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
-            raise _plan.name_op_error(exc, group_index, bucket) from exc
-        self._last["grad_norm"], self._last["found_inf"] = out[0], out[1:]
-
-    def _scaling(self, buckets: list, grad_scale, found_inf, reduction: Optional[dtensor.Reduction] = None):
-        """(per-device inverse gradient multiplier for unscaling and clipping, combined skip flag, unscaled global
-        gradient norm), without host syncs; (None, found_inf, None) when neither grad_scale nor max_grad_norm is
-        given.
-
-        One grad_stats pass per bucket gives the global sum of squares and the inf/NaN check; the Adam pass then
-        multiplies each gradient by clip_coef / grad_scale. Two passes over the gradients in all. With a reduction
-        (distributed), the statistics are all-reduced first, so every rank clips by the same global norm and takes
-        the same skip decision; a rank without any gradient still contributes zeros, as the others wait for it.
-        """
-        if (grad_scale is None and self.max_grad_norm is None) or (not buckets and reduction is None):
-            return None, found_inf, None
-        devices = list(dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets)) or [
-            next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)]
-        main = devices[0]
-        stats = self._global_grad_stats(buckets, main, reduction)
-        inv = torch.ones((), dtype=torch.float32, device=main)
-        if grad_scale is not None:
-            scale = grad_scale.to(main, torch.float32) if isinstance(grad_scale, torch.Tensor) else \
-                torch.tensor(float(grad_scale), dtype=torch.float32, device=main)
-            inv = inv / scale.reshape(())
-        # The norm of the unscaled gradients. Unscaling multiplies by 1/grad_scale, which overflows when grad_scale < 1
-        # and a gradient is large: every |g| / grad_scale <= norm, so a finite norm proves that unscaling stays finite,
-        # and a non-finite one skips the step like an inf gradient.
-        norm = stats[0].sqrt() * inv
-        if self.max_grad_norm is not None:
-            clip = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            inv = inv * clip
-        skip = ((stats[1] > 0) | ~torch.isfinite(norm)).float()
-        if found_inf is not None:
-            skip = torch.maximum(skip, (found_inf.to(main).reshape(()) != 0).float())
-        per_device = {device: inv.to(device, non_blocking=True).reshape(1) for device in devices}
-        return per_device, skip.reshape(1), norm
 
     @staticmethod
     def _global_grad_stats(buckets: list, device: torch.device, reduction: Optional[dtensor.Reduction] = None
@@ -673,11 +602,10 @@ class FusedAdam(torch.optim.Optimizer):
     @staticmethod
     def _bucket_stats(group: dict, bucket: _plan.Bucket, reduction: Optional[dtensor.Reduction]) -> torch.Tensor:
         """grad_stats of a bucket's gradients (weighted for the reduction, when there is one)."""
-        if bucket.native is not None:  # (plain params only: DTensor buckets have none), so one weight for all
-            stats = bucket.native.grad_stats()
-            return stats if reduction is None else stats * dtensor.weight(bucket.params[0], reduction)
         if reduction is None:
-            return backends.grad_stats(bucket.grads)
+            return bucket.runner.stats()
+        if bucket.native is not None:  # (plain params only: DTensor buckets have none), so one weight for all
+            return bucket.runner.stats() * dtensor.weight(bucket.params[0], reduction)
         by_weight: dict[float, list[torch.Tensor]] = {}
         for i, g in zip(bucket.indices, bucket.grads):
             by_weight.setdefault(dtensor.weight(group["params"][i], reduction), []).append(g)

@@ -1,7 +1,10 @@
 """The one boundary between ort_optim's Python code and its kernels.
 
 Everything above this package calls :func:`adam_step_`, :func:`grad_stats` and :class:`AdamPlan` from here; this
-module decides who runs them. The backends are modules of this package that implement the same math
+module decides who runs them. A step reaches them through one interface, a runner per bucket (:class:`PlanRunner` on
+the native CPU library, :class:`OpRunner` on every other backend): ``check()``, ``stats()``, ``step(hyper,
+scaling)``. The unscaling, clipping and skip decision of a step are one function, :func:`scaling`, whose result every
+runner applies the same way: its multiplier and skip flag are the ops' ``inv_grad_scale`` and ``found_inf``. The backends are modules of this package that implement the same math
 (ops/README.md) from the shared constants of :mod:`ort_optim._spec`, and never import one another:
 
 * :mod:`.native`: the C++ CPU library built from ``ops/`` (``torch.ops.ort_optim``), and its ``AdamPlan`` class;
@@ -17,10 +20,11 @@ that torch.compile traced, the choice made when it was traced holds).
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from .. import _versions
 from . import native, reference
 from . import triton as triton_backend  # imports no triton until its first kernel call
 
@@ -128,3 +132,115 @@ def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not len(tensors):
         return torch.zeros(2, dtype=torch.float32)
     return implementation(tensors[0].device).grad_stats(tensors)
+
+
+# ---- the runners: one bucket's check, statistics and step -------------------------------------------------------
+
+
+def scaling(stats: torch.Tensor, grad_scale: Optional[Union[float, torch.Tensor]], max_grad_norm: Optional[float],
+            found_inf: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one definition of a step's loss-scale unscaling, global-norm clipping and skip decision, from the
+    gradients' statistics ``stats`` (:func:`grad_stats` of every gradient of the step, summed over buckets and ranks):
+    float32 tensors on stats' device, computed there without a host sync,
+
+    * ``multiplier`` (0-dim) :math:`= \\frac{1}{s} \\min(1, \\frac{c}{n + 10^{-6}})`, the factor of every gradient
+      (``inv_grad_scale`` of the ops), with :math:`s` = grad_scale (1 without), :math:`c` = max_grad_norm (no clipping
+      without) and :math:`n` the norm below (torch's clip_grad_norm_ coefficient, clamped as it clamps);
+    * ``norm`` (0-dim) :math:`n = \\sqrt{\\textrm{stats}[0]} / s`, the global L2 norm of the unscaled gradients;
+    * ``skip`` (float32 [1], 1.0: skip the step, the ops' ``found_inf``): a gradient holds inf/NaN, the unscaled
+      norm is not finite (unscaling by 1/s overflows when s < 1 and a gradient is large: every :math:`|g|/s \\le n`,
+      so a finite norm proves that unscaling stays finite), or found_inf is non-zero."""
+    main = stats.device
+    inv = torch.ones((), dtype=torch.float32, device=main)
+    if grad_scale is not None:
+        scale = grad_scale.to(main, torch.float32) if isinstance(grad_scale, torch.Tensor) else \
+            torch.tensor(float(grad_scale), dtype=torch.float32, device=main)
+        inv = inv / scale.reshape(())
+    norm = stats[0].sqrt() * inv
+    if max_grad_norm is not None:
+        inv = inv * torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
+    skip = ((stats[1] > 0) | ~torch.isfinite(norm)).float()
+    if found_inf is not None:
+        skip = torch.maximum(skip, (found_inf.to(main).reshape(()) != 0).float())
+    return inv, norm, skip.reshape(1)
+
+
+class Scaling(NamedTuple):
+    """What every runner of a step applies to its gradients: the ops' ``inv_grad_scale`` (the gradient multiplier of
+    :func:`scaling`) and ``grad_scale`` (write ``p.grad`` back as grad / grad_scale), each a float32 [1] per device,
+    and the ``found_inf`` skip flag (a tensor on any device; each runner reads its own copy). None: not applied."""
+
+    inv_grad_scale: Optional[dict] = None
+    found_inf: Optional[torch.Tensor] = None
+    grad_scale: Optional[dict] = None
+
+    def on(self, device: torch.device) -> dict:
+        """The ops' keyword arguments for tensors on this device."""
+        return dict(inv_grad_scale=None if self.inv_grad_scale is None else self.inv_grad_scale[device],
+                    found_inf=None if self.found_inf is None else self.found_inf.to(device, non_blocking=True),
+                    grad_scale=None if self.grad_scale is None else self.grad_scale[device])
+
+
+NO_SCALING = Scaling()
+
+
+class PlanRunner:
+    """The runner of a bucket on the native CPU library: its :class:`AdamPlan`, which holds the bucket's tensors and
+    reads their gradients itself. Its update pass also sums the squares of the gradients it loads (reports_norm)."""
+
+    reports_norm = True
+
+    def __init__(self, plan: AdamPlan, rounding_keys: Optional[torch.Tensor] = None) -> None:
+        self.plan = plan
+        self.rounding_keys = rounding_keys
+
+    def check(self) -> bool:
+        """Whether the bucket can step now (:meth:`AdamPlan.check`); needed before stats() and step()."""
+        return self.plan.check() < 0
+
+    def stats(self) -> torch.Tensor:
+        """:func:`grad_stats` of the bucket's gradients."""
+        return self.plan.grad_stats()
+
+    def step(self, hyper: dict, scaling: Scaling = NO_SCALING, grad_norm: bool = False) -> Optional[torch.Tensor]:
+        """One step of the bucket (it marks what it wrote for autograd itself); grad_norm: returns the float32 [sum of
+        squares, non-finite] of the gradients as its update pass loaded them, else None."""
+        return self.plan.step(**hyper, **scaling.on(_CPU), rounding_keys=self.rounding_keys, grad_norm=grad_norm)
+
+
+class OpRunner:
+    """The runner of a bucket on the op of its device's backend (:func:`adam_step_`: Triton, the reference, or the
+    registered op, as while torch.compile traces). ``lists()`` gives the op's lists with this step's gradients;
+    ``check()`` is the caller's check of them (the plan's fingerprints); ``step_tensors`` are the views of the steps
+    that ``optimizer.state[p]['step']`` holds, marked for autograd after a step (their version counters are their
+    own); ``launch_cache`` is the dict the Triton backend keeps its launch plan in (see :func:`adam_step_`)."""
+
+    def __init__(self, lists: Callable[[], list], check: Callable[[], bool], device: torch.device,
+                 rounding_keys: Optional[torch.Tensor] = None, step_tensors: Sequence[torch.Tensor] = (),
+                 launch_cache: Optional[dict] = None) -> None:
+        self.lists = lists
+        self.check = check
+        self.device = device
+        self.rounding_keys = rounding_keys
+        self.step_tensors = step_tensors
+        self.launch_cache = launch_cache
+
+    @property
+    def reports_norm(self) -> bool:
+        """Whether its update pass can sum the squares of the gradients it loads (:func:`update_reports_grad_norm`)."""
+        return update_reports_grad_norm(self.device)
+
+    def stats(self) -> torch.Tensor:
+        return grad_stats(self.lists()[1])
+
+    def step(self, hyper: dict, scaling: Scaling = NO_SCALING, grad_norm: bool = False) -> Optional[torch.Tensor]:
+        options = dict(hyper, **scaling.on(self.device), rounding_keys=self.rounding_keys)
+        out = adam_step_(*self.lists(), **options, **({"grad_norm": True} if grad_norm else {}),
+                         launch_cache=self.launch_cache)
+        if self.step_tensors and not torch.compiler.is_compiling() and _versions.step_taken(options["found_inf"]):
+            _versions.mark_modified(self.step_tensors)
+        return out
+
+
+Runner = Union[PlanRunner, OpRunner]
+_CPU = torch.device("cpu")

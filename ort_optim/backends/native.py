@@ -260,19 +260,6 @@ class AdamPlan(TensorWatch):
                               inv_grad_scale, found_inf, grad_scale, rounding_keys, grad_norm)
         return out if grad_norm else None
 
-    def step_scaled(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                    adam_w_mode: int, bias_correction: bool, maximize: bool, lr_tensor: Optional[torch.Tensor] = None,
-                    grad_scale: Optional[torch.Tensor] = None, max_grad_norm: Optional[float] = None,
-                    found_inf: Optional[torch.Tensor] = None,
-                    rounding_keys: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """:meth:`step` that unscales by ``grad_scale``, checks for inf/NaN and clips to ``max_grad_norm`` itself,
-        from one pass of :func:`grad_stats` over the gradients (the multiplier and the skip decision are computed on
-        the host, in FusedAdam's float32 arithmetic), after a successful :meth:`check`; a step taken writes the
-        unscaled gradients back (as :meth:`step` with ``grad_scale``). Returns float32
-        ``[global norm of the unscaled gradients, 1.0 if the step was skipped]``."""
-        return self._native.step_scaled(lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, maximize,
-                                      lr_tensor, grad_scale, max_grad_norm, found_inf, rounding_keys)
-
     def grad_stats(self) -> torch.Tensor:
         """:func:`grad_stats` of the params' current gradients, after a successful :meth:`check`."""
         return self._native.grad_stats()

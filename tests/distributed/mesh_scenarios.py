@@ -286,8 +286,8 @@ def _ddp_case(rank, group, poison=None, fp16=False):
 
 def _replicas_with_own_grads(rank, group, steps=3):
     """Plain params replicated over a process group whose gradients differ from rank to rank (rank r's are r + 1
-    times larger), in one native bucket: the case where the native plan could unscale and clip by itself
-    (FusedAdam._scaled_in_plan) but must not, as it would clip by this rank's norm instead of the group's."""
+    times larger), in one native bucket: the case where the native plan sees only this rank's gradients, whose norm
+    is not the group's."""
     torch.manual_seed(0)
     p = nn.Parameter(torch.randn(64))
     opt = make_optimizer([p], process_group=group)
@@ -299,7 +299,7 @@ def _replicas_with_own_grads(rank, group, steps=3):
         norms.append(opt.last_grad_norm.clone())
     lone_native = list(opt._plan.buckets())
     return {"param": p.detach().clone(), "grads": grads, "norms": norms,
-            "fast_path_eligible": opt._scaled_in_plan(lone_native, None, None)}
+            "lone_native_bucket": len(lone_native) == 1 and lone_native[0][2].native is not None}
 
 
 def _rank_without_gradients(rank, group) -> dict:

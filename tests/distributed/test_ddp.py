@@ -150,11 +150,11 @@ def test_ddp_inf_on_one_rank_skips_on_every_rank(mesh_results, case):
 
 
 def test_clipping_by_the_group_norm_not_the_native_plans_local_one(mesh_results):
-    """One native bucket per rank with clipping would unscale and clip inside the plan, by the local norm; with a
-    process_group the norm is the group's (each replica counted once: the mean of the ranks' sums of squares), and
-    each rank's update equals one process stepping its gradient multiplied by that clip coefficient."""
+    """One native bucket per rank with clipping: the plan sees this rank's gradients only; with a process_group the
+    norm is the group's (each replica counted once: the mean of the ranks' sums of squares), and each rank's update
+    equals one process stepping its gradient multiplied by that clip coefficient."""
     pair = [mesh_results[0]["replicas-own-grads"], mesh_results[1]["replicas-own-grads"]]
-    assert all(out["fast_path_eligible"] for out in pair)  # (so this test would fail if the plan clipped alone)
+    assert all(out["lone_native_bucket"] for out in pair)  # (so this test would fail if the plan clipped alone)
     torch.manual_seed(0)
     init = torch.randn(64)
     for step in range(len(pair[0]["grads"])):

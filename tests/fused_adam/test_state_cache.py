@@ -1273,7 +1273,7 @@ SCENARIOS = {
         step_kwargs=dict(grad_scale=1024.0),
         poison=lambda step, index: step in (7, 8) and index == 2,
     ),
-    "fp32-scaled-by-tensors-maximize-fp16-moments": Scenario(  # a lone plan's scaled step (AdamPlan.step_scaled)
+    "fp32-scaled-by-tensors-maximize-fp16-moments": Scenario(  # a lone plan, scaled by host tensors
         lambda g: [{"params": _layouts(g, torch.float32)}],
         options=dict(max_grad_norm=0.3, maximize=True, amsgrad=True, exp_avg_dtype=torch.float16,
                      exp_avg_sq_dtype=torch.float16),
@@ -1371,7 +1371,7 @@ def test_steps_through_plans_equal_steps_through_the_op_bit_for_bit(name, monkey
 @pytest.mark.parametrize("name", ["fp16-scaled-clipped-with-skips", "fp32-scaled-by-tensors-maximize-fp16-moments"])
 def test_a_scaled_step_through_a_plan_reports_its_skips_as_through_the_op(name, monkeypatch):
     """last_found_inf (the skip flag) and last_grad_norm are the same tensors, step by step, whichever path unscaled
-    and clipped (AdamPlan.step_scaled, or _scaling's tensor ops and the op)."""
+    and clipped (a native plan's runner, or the op's)."""
     select_backend(monkeypatch, "native")
     planned, through_op = [], []
     _run(SCENARIOS[name], planned=True, monkeypatch=monkeypatch, skips=planned)
