@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))  # the package under test, whatever the working di
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/reference.py
 
 from ort_optim import backends  # noqa: E402
+from ort_optim.bench.common import one_intra_op_thread  # noqa: E402
 
 # One intra-op thread for the FusedAdam specification tests: on the shared 2-core machines a second OpenMP thread that
 # has to wait for a busy core makes small tensor ops 20x slower. The kernels' results do not depend on the thread
@@ -34,12 +35,9 @@ def _one_intra_op_thread(request):
     if request.module.__name__ not in SINGLE_THREAD_MODULES:
         yield
         return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_intra_op_thread():
         yield
-    finally:
-        torch.set_num_threads(previous)
+
 
 # Examples per hypothesis property. Each property states the count that `make test` (and CI) runs; the environment
 # variable ORT_OPTIM_FUZZ_EXAMPLES replaces every count: `make check` sets a few for its fast tier, and a long fuzzing

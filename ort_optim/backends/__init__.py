@@ -20,6 +20,7 @@ that torch.compile traced, the choice made when it was traced holds).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -208,22 +209,21 @@ class PlanRunner:
         return self.plan.step(**hyper, **scaling.on(_CPU), rounding_keys=self.rounding_keys, grad_norm=grad_norm)
 
 
+@dataclass(eq=False)
 class OpRunner:
     """The runner of a bucket on the op of its device's backend (:func:`adam_step_`: Triton, the reference, or the
     registered op, as while torch.compile traces). ``lists()`` gives the op's lists with this step's gradients;
-    ``check()`` is the caller's check of them (the plan's fingerprints); ``step_tensors`` are the views of the steps
-    that ``optimizer.state[p]['step']`` holds, marked for autograd after a step (their version counters are their
-    own); ``launch_cache`` is the dict the Triton backend keeps its launch plan in (see :func:`adam_step_`)."""
+    ``check()`` is the caller's check of them (the bucket's TensorWatch or fingerprints); ``step_tensors`` are the
+    views of the steps that ``optimizer.state[p]['step']`` holds, marked for autograd after a step (their version
+    counters are their own); ``launch_cache`` is the dict the Triton backend keeps its launch plan in (see
+    :func:`adam_step_`)."""
 
-    def __init__(self, lists: Callable[[], list], check: Callable[[], bool], device: torch.device,
-                 rounding_keys: Optional[torch.Tensor] = None, step_tensors: Sequence[torch.Tensor] = (),
-                 launch_cache: Optional[dict] = None) -> None:
-        self.lists = lists
-        self.check = check
-        self.device = device
-        self.rounding_keys = rounding_keys
-        self.step_tensors = step_tensors
-        self.launch_cache = launch_cache
+    lists: Callable[[], list]
+    check: Callable[[], bool]
+    device: torch.device
+    rounding_keys: Optional[torch.Tensor] = None
+    step_tensors: Sequence[torch.Tensor] = ()
+    launch_cache: Optional[dict] = None
 
     @property
     def reports_norm(self) -> bool:

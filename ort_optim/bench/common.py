@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 import torch
@@ -79,10 +80,17 @@ def time_interleaved_one_thread(candidates: dict[str, Callable[[], None]], warmu
     """time_interleaved on one intra-op thread (the thread count is restored after): for hot, cache-resident steps
     whose compute is divided by the thread count afterwards. A short parallel region on a shared 2-core machine
     waits for whichever of its threads the scheduler took away (measured: a 250 us step took 8-16 ms under load)."""
+    with one_intra_op_thread():
+        return time_interleaved(candidates, warmup, reps)
+
+
+@contextmanager
+def one_intra_op_thread():
+    """torch on one intra-op thread inside the block; the thread count is restored after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return time_interleaved(candidates, warmup, reps)
+        yield
     finally:
         torch.set_num_threads(threads)
 

@@ -30,17 +30,7 @@ import torch
 from .. import _plan, backends
 from ..backends import triton as triton_backend
 from ..fused_adam import AdamWMode, FusedAdam
-from .common import WORKLOADS, make_params, time_after_probe, time_interleaved_one_thread
-
-
-@contextmanager
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+from .common import WORKLOADS, make_params, one_intra_op_thread, time_after_probe, time_interleaved_one_thread
 
 
 @contextmanager
@@ -63,7 +53,7 @@ def _validation(opt: FusedAdam):
 def run_native_cpu(quick: bool) -> list[dict]:
     params = make_params(WORKLOADS["2000x1K"](quick))
     opt = FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
-    with _one_thread():
+    with one_intra_op_thread():
         opt.step()  # (plans)
         calls = {"FusedAdam.step()": opt.step, "validation (Plan.valid)": _validation(opt)}
         numel = sum(p.numel() for p in params)
@@ -88,7 +78,7 @@ def run_triton_host(quick: bool) -> list[dict]:
     launch = triton_backend.adam_step_
     triton_backend.adam_step_ = lambda *args, grad_norm=False, **kwargs: torch.zeros(2) if grad_norm else None
     try:
-        with _environment("ORT_OPTIM_BACKEND", "triton"), _one_thread():
+        with _environment("ORT_OPTIM_BACKEND", "triton"), one_intra_op_thread():
             for workload, shapes in (("2000x1K", WORKLOADS["2000x1K"](quick)),
                                      ("gpt2-small", WORKLOADS["gpt2-small"](True))):
                 params = make_params(shapes)
