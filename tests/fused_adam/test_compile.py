@@ -236,7 +236,11 @@ def test_a_compiled_step_after_eager_steps_writes_the_states_in_place():
         for i in range(1, 4):
             _grads(model, i)
             if compiled and i == 1:
-                _, code = run_and_get_code(step)
+                # (compiled from the sources: inductor's cache keys leave out inputs' storage offsets and sizes, so
+                # code compiled earlier for view states, copies included, would be served here)
+                with torch._inductor.config.patch(fx_graph_cache=False), \
+                        torch._functorch.config.patch(enable_autograd_cache=False):
+                    _, code = run_and_get_code(step)
                 source = "\n".join(code)
                 assert "ort_optim.adam_step_" in source
                 assert not any(word in source for word in ("clone", "copy_", "as_strided")), source
