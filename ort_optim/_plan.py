@@ -582,12 +582,9 @@ def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: Sta
                 bucket.params, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs, bucket.master_params,
                 bucket.exp_avg_scales, bucket.exp_avg_sq_scales, bucket.max_exp_avg_sq_scales, bucket.steps,
                 watch_idle, step_tensors=bucket.step_tensors)
-        elif not bucket.holds_dtensor_pieces and backends.native_available():
-            # (a native watch compares metadata only, whatever the device: the gradients are read in Python for the
-            # launch, and checked by the watch)
-            bucket.watch = backends.TensorWatch.create(bucket.params, bucket.state_lists(), bucket.steps,
-                                                       bucket.step_tensors)
         else:
+            # (a TensorWatch could check these buckets natively, but it does not yet follow a state whose storage is
+            # reallocated in place, as a native plan does: the Python fingerprints check them)
             bucket.fingerprints = fingerprints(bucket.tensors())
     watchers = [b.native for b in buckets]
     if all_native and not buckets and params:  # a group without gradients: a plan that only watches
