@@ -22,9 +22,9 @@ itself.
   must be unchanged (O(groups));
 * per tensor (params, grads, states, masters, scales, steps): the same storage, data pointer (a storage re-allocated
   in place is re-resolved), storage size, dtype, device, shape, strides and TensorImpl (``torch.utils.swap_tensors``
-  gives a param another), and which params have gradients: in C++ by native watches (``backends.TensorWatch``, which
-  compare metadata only, so they serve every device: the native plans of CPU buckets, a watch of their own for the
-  buckets of other backends), or, where the native library is not loaded, in Python by :func:`fingerprints`.
+  gives a param another), and which params have gradients: in C++ by the native plans of CPU buckets (``backends.AdamPlan``,
+  a ``TensorWatch`` that compares metadata only and also steps), and in Python by :func:`fingerprints` for the
+  buckets of other backends and wherever the native library is not loaded.
 
 When the rule fails, the step builds a new plan, which raises (naming ``param_groups[i]['params'][j]``) for anything
 that cannot be honoured, before any write.
@@ -227,7 +227,6 @@ class Bucket:
     step_tensors: list[torch.Tensor] = field(default_factory=list)  # those views (`.data = t` replaces their storage)
     rounding_keys: Optional[torch.Tensor] = None  # int64 [n]: stochastic rounding of bfloat16 params, else None
     native: Optional[backends.AdamPlan] = None  # on the native CPU backend
-    watch: Optional[backends.TensorWatch] = None  # other backends' buckets, while the native library is loaded
     fingerprints: list = field(default_factory=list)  # of every tensor above, for the Python check (neither of those)
     grads: list = field(default_factory=list)  # this step's gradients (other backends; a native plan reads its own)
     pending: list = field(default_factory=list)  # (slot, DTensor gradient) to redistribute into grads this step
@@ -254,11 +253,8 @@ class Bucket:
                                  self.step_tensors, self.launch_cache)
 
     def unchanged(self) -> bool:
-        """The check of a bucket without a native plan: its TensorWatch where the op library is loaded, else in
-        Python: every tensor has the fingerprint it had when planned, and every gradient read (GroupPlan.read_grads)
-        is usable."""
-        if self.watch is not None:
-            return self.watch.check() < 0
+        """The check of a bucket without a native plan, in Python: every tensor has the fingerprint it had when
+        planned, and every gradient read (GroupPlan.read_grads) is usable."""
         return fingerprints(self.tensors()) == self.fingerprints and all(
             g is None or _usable_grad(g, p) for g, p in zip(self.grads, self.params))
 

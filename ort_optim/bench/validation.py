@@ -69,7 +69,6 @@ def _python_fallback(opt: FusedAdam) -> None:
     """The plan's buckets checked as where the native library is not loaded: Python fingerprints, no native watch."""
     for planned in opt._plan.groups:
         for bucket in planned.buckets:
-            bucket.watch = None
             bucket.fingerprints = _plan.fingerprints(bucket.tensors())
 
 
@@ -83,7 +82,7 @@ def run_triton_host(quick: bool) -> list[dict]:
                                      ("gpt2-small", WORKLOADS["gpt2-small"](True))):
                 params = make_params(shapes)
                 optimizers = {}
-                for check in ("native watch", "Python fingerprints"):
+                for check in ("Python fingerprints",):  # (the buckets of other backends have no native watch)
                     opt = optimizers[check] = FusedAdam(params, lr=1e-3)
                     opt.step()  # (plans)
                     if check == "Python fingerprints":
