@@ -31,7 +31,6 @@ from . import triton as triton_backend  # imports no triton until its first kern
 
 BACKENDS = ("auto", "native", "torch", "triton")
 AdamPlan = native.AdamPlan
-TensorWatch = native.TensorWatch
 
 
 def backend() -> str:

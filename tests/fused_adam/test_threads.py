@@ -1,6 +1,6 @@
 """FusedAdam's steps with other Python threads running, as a specification.
 
-Torch runs the methods of the native step cache (``backends.TensorWatch`` and ``backends.AdamPlan``, ops/README.md)
+Torch runs the methods of the native step cache (``backends.AdamPlan`` and its base, ``native.TensorWatch``; ops/README.md)
 with the GIL released, so another Python thread runs while they check and step: a DataLoader's pin-memory thread, a
 logger, or any thread of a free-threaded CPython. The step cache holds no Python object and reads nothing that it does
 not hold or that the step's caller does not vouch for (each param's TensorImpl, read under the GIL at every check),
