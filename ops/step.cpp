@@ -35,11 +35,25 @@ std::vector<TensorWork> state_work(at::TensorList params, const StateLists& s) {
   return work;
 }
 
+// betas_tensor's (beta1, beta2), read on the host; a wrong tensor is refused before anything is written.
+static void read_betas(const at::Tensor& betas, double& beta1, double& beta2) {
+  TORCH_CHECK(betas.scalar_type() == at::kDouble && betas.dim() == 1 && betas.numel() == 2 &&
+                  betas.device().is_cpu() && betas.layout() == at::kStrided,
+              "ort_optim::adam_step_: betas_tensor must be a float64 tensor of shape [2] (beta1, beta2) on the "
+              "steps' device (cpu), got ", betas.scalar_type(), " of shape ", betas.sizes(), " on ", betas.device());
+  const double* b = betas.data_ptr<double>();
+  const int64_t stride = betas.stride(0);
+  beta1 = b[0];
+  beta2 = b[stride];
+}
+
 void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
             const std::vector<const at::Tensor*>& params, const std::vector<const at::Tensor*>& grads,
             double* steps, bool is_double, bool amsgrad, const StepOptions& o, const MarkWritten& mark_written) {
   TORCH_CHECK(o.mode >= 0 && o.mode <= 2, "ort_optim::adam_step_: adam_w_mode must be 0, 1 or 2, got ", o.mode);
   check_rounding_keys(o.rounding_keys, params, work);
+  double beta1 = o.beta1, beta2 = o.beta2;
+  if (o.betas_tensor.has_value()) read_betas(*o.betas_tensor, beta1, beta2);
   const bool found_inf = o.found_inf.has_value() && scalar_value(o.found_inf, "found_inf") != 0.0;
   if (o.grad_square_sum != nullptr) *o.grad_square_sum = std::numeric_limits<double>::quiet_NaN();
   if (found_inf) return;  // skipped: nothing written
@@ -76,8 +90,8 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     w.grad_type = g.scalar_type();
     const double t = steps[i] + 1.0;
     if (t != last_t) {  // the params of a bucket usually share their step count: two pow() per call, not per param
-      const double bc1 = o.bias_correction ? 1.0 - std::pow(o.beta1, t) : 1.0;
-      const double bc2 = o.bias_correction ? 1.0 - std::pow(o.beta2, t) : 1.0;
+      const double bc1 = o.bias_correction ? 1.0 - std::pow(beta1, t) : 1.0;
+      const double bc2 = o.bias_correction ? 1.0 - std::pow(beta2, t) : 1.0;
       step_size = o.mode == kAdamWTorch ? lr / bc1 : lr * std::sqrt(bc2) / bc1;
       bc2_sqrt = std::sqrt(bc2);
       last_t = t;
@@ -92,7 +106,7 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
   }
   if (o.maximize) grad_mul = -grad_mul;
   mark_written(grad_scale != 0.0);
-  const Hyper h{lr, o.beta1, o.beta2, o.eps, o.weight_decay, grad_mul, o.mode, grad_scale};
+  const Hyper h{lr, beta1, beta2, o.eps, o.weight_decay, grad_mul, o.mode, grad_scale};
   std::vector<double> grad_squares(o.grad_square_sum != nullptr ? items.size() : 0, 0.0);
   double* squares = o.grad_square_sum != nullptr ? grad_squares.data() : nullptr;
   if (is_double) {
@@ -125,15 +139,17 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    double beta2, double eps, double weight_decay, int64_t mode, bool bias_correction,
                    bool maximize, const c10::optional<at::Tensor>& lr_tensor,
                    const c10::optional<at::Tensor>& inv_grad_scale, const c10::optional<at::Tensor>& found_inf,
-                   const c10::optional<at::Tensor>& grad_scale, const c10::optional<at::Tensor>& rounding_keys) {
+                   const c10::optional<at::Tensor>& grad_scale, const c10::optional<at::Tensor>& rounding_keys,
+                   const c10::optional<at::Tensor>& betas_tensor) {
   const StateLists states{exp_avgs,       exp_avg_sqs,       max_exp_avg_sqs,      master_params,
                           exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales};
   check_list_length(grads, params.size(), "grads", false);
   const bool is_double = check_params_and_states(params, states, steps);
   for (size_t i = 0; i < params.size(); ++i) check_grad(grads[i], params[i], i, is_double);
   std::vector<TensorWork> work = state_work(params, states);
-  const StepOptions options{lr,       beta1,     beta2,          eps,       weight_decay, mode, bias_correction,
-                            maximize, lr_tensor, inv_grad_scale, found_inf, grad_scale, rounding_keys};
+  StepOptions options{lr,       beta1,     beta2,          eps,       weight_decay, mode, bias_correction,
+                      maximize, lr_tensor, inv_grad_scale, found_inf, grad_scale, rounding_keys};
+  options.betas_tensor = betas_tensor;
   update(work, work_items(work), pointers(params), pointers(grads), steps.data_ptr<double>(), is_double,
          !max_exp_avg_sqs.empty(), options, [&](bool unscaled_grads) {
            VersionBumps bumps;

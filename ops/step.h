@@ -18,6 +18,7 @@ struct StepOptions {
   bool bias_correction, maximize;
   c10::optional<at::Tensor> lr_tensor, inv_grad_scale, found_inf, grad_scale;
   c10::optional<at::Tensor> rounding_keys;  // stochastic rounding of bfloat16 params (README.md)
+  c10::optional<at::Tensor> betas_tensor;   // float64 [2] on the CPU: replaces beta1 and beta2 (README.md)
   // Set by AdamPlan::step(grad_norm=true): receives the sum of squares of the gradients the update read, added per
   // work item in item order (deterministic whatever the thread count); NaN when the step was skipped.
   double* grad_square_sum = nullptr;
@@ -85,6 +86,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    double beta2, double eps, double weight_decay, int64_t mode, bool bias_correction,
                    bool maximize, const c10::optional<at::Tensor>& lr_tensor,
                    const c10::optional<at::Tensor>& inv_grad_scale, const c10::optional<at::Tensor>& found_inf,
-                   const c10::optional<at::Tensor>& grad_scale, const c10::optional<at::Tensor>& rounding_keys);
+                   const c10::optional<at::Tensor>& grad_scale, const c10::optional<at::Tensor>& rounding_keys,
+                   const c10::optional<at::Tensor>& betas_tensor);
 
 }  // namespace ort_optim

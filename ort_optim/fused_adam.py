@@ -41,6 +41,24 @@ def _leaving_out(plain_norm: bool = False, unscale_grads: bool = False):
         _PLAIN_NORM, _UNSCALE_GRADS = saved
 
 
+def _traced_hyperparameters(group: dict, device: torch.device) -> dict:
+    """A group's hyperparameters as the op's keyword arguments in a step traced by torch.compile: those of the eager
+    step, but the betas go to the op as ``betas_tensor`` (float64 [2] on the steps' device) and a float lr as
+    ``lr_tensor`` (float64), so that values a scheduler changes at every step (``OneCycleLR(cycle_momentum=True)``
+    writes a new float beta1 each time) need no new graph. TorchDynamo makes a float that changed since the last trace
+    an input of the graph (automatic dynamic), but a float passed as an op's ``float`` argument is specialised again
+    (a guard on its value: one graph per value), and so is one given to ``torch.tensor``, ``torch.as_tensor`` or
+    ``torch.full``; one added to a tensor stays an input. Hence a float64 zero plus each value. The op reads the same
+    float64 values (exactly the floats), so the step computes what the eager step computes."""
+    hyper = _group_options.hyperparameters(group)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    beta1, beta2 = group["betas"]
+    hyper.update(beta1=0.0, beta2=0.0, betas_tensor=torch.stack([zero + beta1, zero + beta2]))
+    if hyper["lr_tensor"] is None:
+        hyper.update(lr=0.0, lr_tensor=zero + group["lr"])
+    return hyper
+
+
 class FusedAdam(torch.optim.Optimizer):
     r"""Multi-tensor Adam/AdamW whose update is one call of ort_optim's fused op per (device, dtype) bucket.
 
@@ -422,7 +440,7 @@ class FusedAdam(torch.optim.Optimizer):
             if not (plan.describes(self.param_groups, self.state, self._layout, native=False)
                     and all(planned.read_grads() for planned in plan.groups)):
                 raise RuntimeError("ort_optim: a traced FusedAdam step found its plan out of date; please report")
-            self._launch(plan, grad_scale, found_inf)
+            self._launch(plan, grad_scale, found_inf, traced=True)
             return loss
         self._validate_options(grad_scale)
         # The one step path: the plan (valid, or built again after validating everything), then the backend ops.
@@ -508,12 +526,13 @@ class FusedAdam(torch.optim.Optimizer):
                 "are disjoint, like pipeline stages, and their sums of squares are then added")
         self._partitions_checked = scanned
 
-    def _launch(self, plan: _plan.Plan, grad_scale, found_inf) -> None:
+    def _launch(self, plan: _plan.Plan, grad_scale, found_inf, traced: bool = False) -> None:
         """The one route from a valid plan to the kernels, whatever the backend: every bucket has a runner
         (ort_optim.backends: check, stats, step; the plan has checked them). A step that unscales or clips first
         reduces the buckets' gradient statistics into one (over the ranks too, when they decide together), from which
         backends.scaling makes the multiplier and the skip flag; then one runner step per bucket applies them. Sets
-        the step's report: last_grad_norm and last_found_inf."""
+        the step's report: last_grad_norm and last_found_inf. traced: the step is traced by torch.compile (its float
+        lr and betas go to the op as tensors, see _traced_hyperparameters)."""
         buckets = list(plan.buckets())
         scaled = grad_scale is not None or self.max_grad_norm is not None
         # (the reduction carries the clipping norm and the skip decision: needed only when the step computes them;
@@ -554,7 +573,9 @@ class FusedAdam(torch.optim.Optimizer):
         stats = []
         for group_index, group, bucket in buckets:
             try:
-                stats.append(bucket.runner.step(_group_options.hyperparameters(group), scaling, grad_norm=plain_norm))
+                hyper = (_traced_hyperparameters(group, bucket.steps.device) if traced
+                         else _group_options.hyperparameters(group))
+                stats.append(bucket.runner.step(hyper, scaling, grad_norm=plain_norm))
             except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
                 raise _plan.name_op_error(exc, group_index, bucket) from exc
         if plain_norm:  # the buckets' sums of squares added in bucket order, as _global_grad_stats

@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 # Kernel variants: (name, kernel, constexprs). The quick set covers each storage path once; --full every combination
 # of storage dtypes, modes and amsgrad that FusedAdam can create.
 ADAM_COMMON = dict(BIAS_CORRECTION=True, HAS_LR_TENSOR=False, HAS_INV_SCALE=False, HAS_FOUND_INF=False,
-                   UNSCALE_GRADS=False, BLOCK=1024, BLOCKS_PER_PROGRAM=1, ALIGNED=True, HAS_SR=False)
+                   UNSCALE_GRADS=False, BLOCK=1024, BLOCKS_PER_PROGRAM=1, ALIGNED=True, HAS_SR=False,
+                   HAS_BETAS_TENSOR=False)
 # Flags of a loss-scaled or clipped step; FusedAdam's plain steps (none of them) sum the gradients' squares (HAS_NORM).
 SCALED_STEP_FLAGS = ("HAS_INV_SCALE", "HAS_FOUND_INF", "UNSCALE_GRADS")
 F32, F16, BF16, F64, Q8, Q4, FP8_E4M3, FP8_E5M2 = 0, 1, 2, 3, 4, 5, 6, 7
@@ -101,6 +102,9 @@ def variants(full: bool) -> list:
          adam_variant("fp32", 2, False, ALIGNED=False, BLOCKS_PER_PROGRAM=4)),
         # the raw op without grad_norm (a plain step of FusedAdam always asks for the norm)
         ("adam-fp32-mode2-no-norm", "adam_kernel", adam_variant("fp32", 2, False, HAS_NORM=False)),
+        # the step traced by torch.compile: lr and betas from tensors, no norm
+        ("adam-fp32-mode2-traced", "adam_kernel",
+         adam_variant("fp32", 2, False, HAS_LR_TENSOR=True, HAS_BETAS_TENSOR=True, HAS_NORM=False)),
         ("adam-bf16-master-q8m-q4v-mode0-ams-no-norm", "adam_kernel",
          adam_variant("bf16-master-q8m-q4v", 0, True, HAS_NORM=False)),
         # the loss-scaled step that writes the unscaled gradients back (a correctly rounded division per element)
@@ -129,7 +133,7 @@ def variants(full: bool) -> list:
 # Types of the runtime (non-constexpr) arguments, by name.
 ARG_TYPES = {
     "meta_ptr": "*i64", "grads_ptr": "*i64", "work_ptr": "*i64", "steps_ptr": "*fp64", "lr_ptr": "*fp32",
-    "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32", "m_lut_ptr": "*fp32",
+    "betas_ptr": "*fp64", "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32", "m_lut_ptr": "*fp32",
     "v_lut_ptr": "*fp32", "keys_ptr": "*i64", "norm_partial_ptr": "*fp64", "norm_partial_base": "i32",
     "lr_bits": "i64", "beta1_bits": "i64",
     "beta2_bits": "i64", "eps_bits": "i64", "wd_bits": "i64", "sign_bits": "i64", "n": "i32",

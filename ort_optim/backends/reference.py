@@ -85,7 +85,15 @@ def adam_step_(
     found_inf: Optional[torch.Tensor] = None,
     grad_scale: Optional[torch.Tensor] = None,
     rounding_keys: Optional[torch.Tensor] = None,
+    betas_tensor: Optional[torch.Tensor] = None,
 ) -> None:
+    if betas_tensor is not None:  # checked before anything is written, as the native op does
+        if not (betas_tensor.dtype == torch.float64 and tuple(betas_tensor.shape) == (2,)
+                and betas_tensor.device == steps.device and betas_tensor.layout == torch.strided):
+            raise RuntimeError("ort_optim::adam_step_: betas_tensor must be a float64 tensor of shape [2] (beta1, "
+                               f"beta2) on the steps' device ({steps.device}), got {betas_tensor.dtype} of shape "
+                               f"{list(betas_tensor.shape)} on {betas_tensor.device}")
+        beta1, beta2 = betas_tensor.tolist()
     if rounding_keys is not None:
         if rounding_keys.dtype != torch.int64 or rounding_keys.shape != (len(params),):
             raise RuntimeError(f"ort_optim::adam_step_: rounding_keys must be an int64 tensor of shape [{len(params)}]")

@@ -5,7 +5,7 @@ steps (read on the device; bias corrections computed in the kernel), master weig
 (sqrt(v) for second moments) and 8-bit / 4-bit block-quantised states (uint8 codes whose scales' dtype names the
 format: float32 for ``_spec.Q8``, bfloat16 for ``_spec.Q4``; the reference's codes and scales bit for bit),
 in-kernel unscaling, found_inf (read on the device: a skipped step writes nothing, step counts included), lr from
-``lr_tensor`` and stochastic rounding of bfloat16 params (``rounding_keys``; the same random bits as the CPU kernel).
+``lr_tensor``, beta1 and beta2 from ``betas_tensor`` (read in the kernel, bias corrections included) and stochastic rounding of bfloat16 params (``rounding_keys``; the same random bits as the CPU kernel).
 Like the CPU kernel, a call marks what it wrote as modified in place for autograd (ort_optim/_versions.py).
 
 How a call runs:
@@ -635,6 +635,7 @@ def adam_step_(
     found_inf: Optional[torch.Tensor] = None,
     grad_scale: Optional[torch.Tensor] = None,
     rounding_keys: Optional[torch.Tensor] = None,
+    betas_tensor: Optional[torch.Tensor] = None,
     grad_norm: bool = False,
     launch_cache: Optional[dict] = None,
 ) -> Optional[torch.Tensor]:
@@ -679,6 +680,12 @@ def adam_step_(
             _fail(f"{name} must have exactly one element, got {t.numel()}")
     if rounding_keys is not None and (rounding_keys.dtype != torch.int64 or tuple(rounding_keys.shape) != (n,)):
         _fail(f"rounding_keys must be an int64 tensor of shape [{n}]")
+    if betas_tensor is not None and not (betas_tensor.dtype == torch.float64 and tuple(betas_tensor.shape) == (2,)
+                                         and betas_tensor.device == steps.device
+                                         and betas_tensor.layout == torch.strided):
+        _fail(f"betas_tensor must be a float64 tensor of shape [2] (beta1, beta2) on the steps' device "
+              f"({steps.device}), got {betas_tensor.dtype} of shape {list(betas_tensor.shape)} on "
+              f"{betas_tensor.device}")
     if n == 0:
         return torch.zeros(2, dtype=torch.float32) if grad_norm else None
     device = params[0].device
@@ -741,6 +748,8 @@ def adam_step_(
     lr_t, inv_t, found_t = _on_device(lr_tensor, device), _on_device(inv_grad_scale, device), _on_device(found_inf,
                                                                                                           device)
     scale_t = _on_device(grad_scale, device)
+    betas_t = None if betas_tensor is None else (betas_tensor if betas_tensor.device == device else
+                                                 betas_tensor.to(device, non_blocking=True)).contiguous()
     keys_t = None if rounding_keys is None else rounding_keys if rounding_keys.device == device else \
         rounding_keys.to(device, non_blocking=True)
     steps_dev = steps if steps.device == device else steps.to(device)
@@ -755,7 +764,8 @@ def adam_step_(
     flags = dict(MODE=int(adam_w_mode), BIAS_CORRECTION=bool(bias_correction), HAS_LR_TENSOR=lr_t is not None,
                  HAS_INV_SCALE=inv_t is not None, HAS_FOUND_INF=found_t is not None,
                  UNSCALE_GRADS=scale_t is not None, BLOCK=BLOCK, HAS_SR=keys_t is not None,
-                 HAS_NORM=norm_partial is not None, num_warps=NUM_WARPS, enable_fp_fusion=False)
+                 HAS_NORM=norm_partial is not None, HAS_BETAS_TENSOR=betas_t is not None, num_warps=NUM_WARPS,
+                 enable_fp_fusion=False)
     if MAXNREG:
         flags["maxnreg"] = MAXNREG
     grad_ptrs = list(map(_data_ptr, work_grads))
@@ -772,6 +782,7 @@ def adam_step_(
             _launch(k.adam_kernel, (group.programs,), (
                 group.meta, group.grads_table, group.work, steps_dev,
                 lr_t if lr_t is not None else dummy,
+                betas_t if betas_t is not None else dummy,
                 inv_t if inv_t is not None else dummy,
                 found_t if found_t is not None else dummy,
                 scale_t if scale_t is not None else dummy,

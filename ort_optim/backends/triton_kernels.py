@@ -637,8 +637,8 @@ def _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT: tl.constexpr,
 @triton.jit(do_not_specialize=["norm_partial_base", "lr_bits", "beta1_bits", "beta2_bits", "eps_bits", "wd_bits",
                             "sign_bits"])
 def adam_kernel(
-    meta_ptr, grads_ptr, work_ptr, steps_ptr, lr_ptr, inv_scale_ptr, found_inf_ptr, grad_scale_ptr, m_lut_ptr,
-    v_lut_ptr, keys_ptr, norm_partial_ptr, norm_partial_base,
+    meta_ptr, grads_ptr, work_ptr, steps_ptr, lr_ptr, betas_ptr, inv_scale_ptr, found_inf_ptr, grad_scale_ptr,
+    m_lut_ptr, v_lut_ptr, keys_ptr, norm_partial_ptr, norm_partial_base,
     lr_bits: "int64", beta1_bits: "int64", beta2_bits: "int64", eps_bits: "int64", wd_bits: "int64",
     sign_bits: "int64",
     P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
@@ -646,6 +646,7 @@ def adam_kernel(
     MODE: tl.constexpr, BIAS_CORRECTION: tl.constexpr, HAS_LR_TENSOR: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, UNSCALE_GRADS: tl.constexpr, BLOCK: tl.constexpr,
     BLOCKS_PER_PROGRAM: tl.constexpr, ALIGNED: tl.constexpr, HAS_SR: tl.constexpr, HAS_NORM: tl.constexpr,
+    HAS_BETAS_TENSOR: tl.constexpr,
 ):
     """One Adam step over every tensor of the tables: program pid does work item pid (BLOCKS_PER_PROGRAM blocks of
     one tensor). Table row (int64): param, exp_avg, exp_avg_sq, max_exp_avg_sq, master, and the three scale
@@ -654,6 +655,7 @@ def adam_kernel(
     stochastically with the int64 rounding key keys_ptr[index into steps] (ops/README.md, "stochastic rounding").
     HAS_NORM: also norm_partial_ptr[norm_partial_base + pid] (float64) = the sum of squares of the gradients this
     program loaded, as loaded (before unscaling), NaN when the step is skipped, as the CPU kernel's grad_norm.
+    HAS_BETAS_TENSOR: beta1 and beta2 are betas_ptr[0] and betas_ptr[1] (float64), not the bits arguments.
 
     Why per-program partial sums and not tl.atomic_add into one scalar: the order of atomic additions changes from
     run to run, and so would the norm's last bits; a partial per program summed by one fixed-order program
@@ -688,8 +690,12 @@ def adam_kernel(
         lr = tl.load(lr_ptr).to(tl.float64)
     else:
         lr = _f64(lr_bits)
-    beta1 = _f64(beta1_bits)
-    beta2 = _f64(beta2_bits)
+    if HAS_BETAS_TENSOR:
+        beta1 = tl.load(betas_ptr).to(tl.float64)
+        beta2 = tl.load(betas_ptr + 1).to(tl.float64)
+    else:
+        beta1 = _f64(beta1_bits)
+        beta2 = _f64(beta2_bits)
     wd64 = _f64(wd_bits)
     grad_mul64 = _f64(sign_bits)
     if HAS_INV_SCALE:

@@ -138,6 +138,42 @@ def test_a_compiled_step_with_max_grad_norm_clips_as_eager():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def _one_cycle(opt):
+    """Changes lr and beta1 at every step: OneCycleLR(cycle_momentum=True) writes a new (float beta1, beta2) tuple
+    into each group, and a new lr (a float; a tensor lr is filled in place)."""
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=2 * STEPS, cycle_momentum=True)
+
+
+@pytest.mark.slow
+@NEWEST
+@pytest.mark.parametrize("lr", ["float-lr", "tensor-lr"])
+def test_a_compiled_step_under_one_cycle_lr_with_momentum_compiles_at_most_twice_and_matches_eager(lr):
+    """The float lr and beta1 that OneCycleLR changes at every step reach the op as tensors (betas_tensor,
+    lr_tensor): TorchDynamo's automatic dynamic makes them graph inputs after their first change, which costs the one
+    recompile; then the same graph serves every step. torch.optim.AdamW in the same harness reaches TorchDynamo's
+    recompile limit (a graph per value) and steps eagerly after it."""
+
+    def make(cls):
+        def opt(model):
+            rate = 1e-2 if lr == "float-lr" else torch.tensor(1e-2)
+            if cls is FusedAdam:
+                return FusedAdam(_groups(model), lr=rate, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8)
+            return torch.optim.AdamW(_groups(model), lr=rate)
+        return opt
+
+    eager, _, eager_opt = _run(make(FusedAdam), _one_cycle, compiled=False)
+    compiled, ours, opt = _run(make(FusedAdam), _one_cycle, compiled=True)
+    _, theirs, _ = _run(make(torch.optim.AdamW), _one_cycle, compiled=True)
+    assert eager_opt.param_groups[0]["betas"][0] != 0.95, "OneCycleLR changed beta1"
+    assert ours[1] <= 2, f"FusedAdam's step compiled to {ours[1]} graphs over {STEPS} steps (recompiles)"
+    assert ours[0] <= theirs[0] and ours[1] <= theirs[1], f"FusedAdam {ours} vs torch.optim.AdamW {theirs}"
+    for a, b in zip(compiled, eager):
+        assert_bitwise_equal(a, b, "param")
+    for p, q in zip(opt.state, eager_opt.state):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise_equal(opt.state[p][key], eager_opt.state[q][key], key)
+
+
 @pytest.mark.slow
 @NEWEST
 def test_a_change_the_step_must_see_retraces_and_is_validated():

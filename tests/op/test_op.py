@@ -62,6 +62,7 @@ class Sample:
     maximize: bool = False
     bias_correction: bool = True
     lr_tensor: bool = False
+    betas_tensor: bool = False  # betas as a float64 [2] tensor, the float betas 0
     inv_grad_scale: bool = False
     found_inf: float | None = None
     grad_scale: float | None = None  # the op writes the grads back divided by it
@@ -105,6 +106,8 @@ class Sample:
         kwargs["adam_w_mode"] = self.mode
         if self.lr_tensor:
             kwargs["lr_tensor"] = torch.tensor(1e-2)
+        if self.betas_tensor:
+            kwargs.update(beta1=0.0, beta2=0.0, betas_tensor=torch.tensor([0.9, 0.999], dtype=torch.float64))
         if self.inv_grad_scale:
             kwargs["inv_grad_scale"] = torch.tensor([1 / 64.0])
         if self.found_inf is not None:
@@ -126,6 +129,7 @@ SAMPLES = [
            inv_grad_scale=True),
     Sample("bf16-bf16-moments-no-bias-correction", BF16, BF16, BF16, BF16, bias_correction=False),
     Sample("bf16-master-fp32-grads", BF16, F32, F32, F32, master=True, lr_tensor=True),
+    Sample("fp32-lr-and-betas-tensors", F32, F32, F32, BF16, amsgrad=True, lr_tensor=True, betas_tensor=True),
     Sample("found-inf-skips", F16, F16, F16, F32, master=True, found_inf=1.0, inv_grad_scale=True),
     Sample("fp32-grads-unscaled-in-place", F32, F32, F32, F32, inv_grad_scale=True, grad_scale=3.0),
     Sample("bf16-grads-unscaled-master", BF16, BF16, F32, F16, master=True, inv_grad_scale=True, grad_scale=64.0),
@@ -357,6 +361,58 @@ def test_native_adam_step_does_not_depend_on_the_thread_count():
     for a, b in zip(*results):
         for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
             assert_bitwise_equal(x, y, "1 vs 2 threads")
+
+
+BETAS_TENSOR_CASES = [
+    Sample("fp32", F32, F32, F32, F32),
+    Sample("fp16-master-fp16-moments-amsgrad", F16, F16, F16, F16, master=True, amsgrad=True, mode=0),
+    Sample("bf16-bf16-moments-hf", BF16, BF16, BF16, BF16, mode=1, maximize=True),
+    Sample("fp64-lr-tensor", F64, F64, F64, F64, lr_tensor=True),
+    Sample("fp32-no-bias-correction", F32, F32, F32, F32, bias_correction=False),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sample", BETAS_TENSOR_CASES, ids=lambda s: s.name)
+def test_betas_tensor_gives_the_float_betas_results_bit_for_bit(sample, backend, monkeypatch):
+    """betas_tensor = float64 [beta1, beta2] replaces the float betas, bias corrections included: four steps whose
+    beta1 changes at every step (as OneCycleLR's momentum) give the bits of the same steps with float betas."""
+    select_backend(monkeypatch, backend)
+    args, kwargs = sample.make(seed=5)
+    floats, tensors = _clone_args(args), _clone_args(args)
+    for beta1 in (0.95, 0.9375, 0.85, 0.9):
+        backends.adam_step_(*floats, **dict(kwargs, beta1=beta1, beta2=0.99))
+        betas = torch.tensor([beta1, 0.99], dtype=torch.float64)
+        backends.adam_step_(*tensors, **dict(kwargs, beta1=0.0, beta2=0.0, betas_tensor=betas))
+    for a, b in zip(tensors, floats):
+        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
+            assert_bitwise_equal(x, y, "betas_tensor vs float betas")
+
+
+WRONG_BETAS = {
+    "float32": torch.tensor([0.9, 0.999]),
+    "three-elements": torch.tensor([0.9, 0.999, 0.5], dtype=torch.float64),
+    "shape-1x2": torch.tensor([[0.9, 0.999]], dtype=torch.float64),
+    "0-dim": torch.tensor(0.9, dtype=torch.float64),
+    "another-device": torch.empty(2, dtype=torch.float64, device="meta"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", WRONG_BETAS)
+def test_a_wrong_betas_tensor_is_refused_before_anything_is_written(case, backend, monkeypatch):
+    if backend == "native" and case == "another-device":
+        pytest.skip("a meta tensor makes the dispatcher call the op's fake kernel; the native check of the device "
+                    "needs a CUDA tensor")
+    select_backend(monkeypatch, backend)
+    args, kwargs = Sample("errors", F32, F32, F16, F32).make()
+    before = _clone_args(args)
+    with pytest.raises(RuntimeError, match=r"betas_tensor must be a float64 tensor of shape \[2\] \(beta1, beta2\) "
+                                           r"on the steps' device \(cpu\), got"):
+        backends.adam_step_(*args, **dict(kwargs, betas_tensor=WRONG_BETAS[case]))
+    for a, b in zip(args, before):
+        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
+            assert_bitwise_equal(x, y, "input")
 
 
 def _without(index):

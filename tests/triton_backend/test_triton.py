@@ -210,6 +210,23 @@ def test_options(options, mode):
 
 
 @needs_working_interpreter
+@pytest.mark.parametrize("combo,mode,amsgrad", [("fp32", 2, False), ("bf16-master-fp16m-bf16v", 0, True),
+                                                ("fp32-q8", 1, False)])
+def test_betas_tensor_gives_the_float_betas_results_bit_for_bit(combo, mode, amsgrad):
+    """betas_tensor (float64 [beta1, beta2], read in the kernel) replaces the float betas, bias corrections included:
+    the same bits as the float betas, over steps whose beta1 changes at every step (as OneCycleLR's momentum)."""
+    base = make_case(combo, amsgrad, seed=11, shapes=[(1100,), (3,)])
+    tensor, floats, ref = clone_case(base, DEVICE), clone_case(base, DEVICE), clone_case(base)
+    for step, beta1 in enumerate((0.95, 0.9375, 0.85, 0.9)):
+        hp = hyper(mode, beta1=beta1, beta2=0.99)
+        run_triton(floats, hp)
+        run_triton(tensor, dict(hp, beta1=0.0, beta2=0.0, betas_tensor=torch.tensor([beta1, 0.99], dtype=F64)))
+        reference_step(ref, hp)
+        assert_bitwise(tensor, floats, f"{combo} step {step}: betas_tensor vs float betas")
+        assert_bitwise(tensor, ref, f"{combo} step {step}: betas_tensor vs the reference")
+
+
+@needs_working_interpreter
 @pytest.mark.parametrize("combo", ["bf16", "bf16-q4m-q8v"])
 @pytest.mark.parametrize("mode", [1, 2])
 def test_stochastic_rounding_bitwise(combo, mode):
@@ -522,6 +539,13 @@ def test_errors_name_the_argument():
         triton_backend.adam_step_(*base, **dict(hp, rounding_keys=torch.zeros(2, dtype=torch.int64)))
     with pytest.raises(RuntimeError, match=r"rounding_keys must be an int64 tensor of shape \[2\]"):
         triton_backend.adam_step_(*base, **dict(hp, rounding_keys=torch.zeros(3, dtype=torch.int64)))
+    for betas in (torch.tensor([0.9, 0.999]), torch.tensor([0.9, 0.999, 0.5], dtype=F64),
+                  torch.tensor([[0.9, 0.999]], dtype=F64), torch.tensor([0.9, 0.999], dtype=F64, device="meta")):
+        before = clone_case(base, DEVICE)
+        with pytest.raises(RuntimeError, match=r"betas_tensor must be a float64 tensor of shape \[2\] \(beta1, beta2\) "
+                                               r"on the steps' device"):
+            triton_backend.adam_step_(*base, **dict(hp, betas_tensor=betas))
+        assert_bitwise(base, before, f"a refused betas_tensor {betas.dtype} {list(betas.shape)} wrote nothing")
     low = clone_case(make_case("fp32-q4", False, seed=2, shapes=[(300,)]), DEVICE)
     bad = list(low)
     bad[6] = []
