@@ -148,9 +148,13 @@ class FusedAdam(torch.optim.Optimizer):
     plan. TorchDynamo's guards on what the step then reads (params and gradients, which params have one, the group
     dicts and their float options, ``optimizer.state``'s mutation count, the plan) stand in for the per-step check:
     any change re-traces, which validates again. So inside a compiled step the value of a tensor lr is checked when
-    the step is traced, not at every step. Float options that change at every step (``OneCycleLR(cycle_momentum=True)``
-    writes a new float beta1 each time) recompile at every step until TorchDynamo's recompile limit, then run eagerly,
-    as torch.optim.AdamW's compiled step does. Not traced (the step runs as plain Python inside the compiled function,
+    the step is traced, not at every step. A float lr and the betas reach the op as float64 tensors made inside the
+    graph (``lr_tensor``, ``betas_tensor``), so a scheduler that writes new floats at every step costs one recompile,
+    not one per value: ``OneCycleLR(cycle_momentum=True)`` (a new float lr and beta1 at every step) compiles twice
+    (TorchDynamo traces a float as a constant first, and as a graph input once it has changed) and then runs one
+    graph for 40 steps, bit for bit the eager results; torch.optim.AdamW's compiled step recompiles at every step
+    until TorchDynamo's recompile limit (8 graphs), then runs eagerly. eps and weight_decay stay floats of the op: a
+    change recompiles. Not traced (the step runs as plain Python inside the compiled function,
     with graph breaks): ``step_in_backward``, DTensor params, ``process_group``/``pipeline_group``, a backend other
     than the native library (``ORT_OPTIM_BACKEND=torch``), tensor betas/eps/weight_decay (read on the host). States
     get a storage each when the step is traced (those an eager step laid out as views of one buffer are copied once:
