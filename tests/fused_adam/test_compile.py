@@ -202,21 +202,25 @@ def test_a_change_the_step_must_see_retraces_and_is_validated():
 
 @pytest.mark.slow
 @NEWEST
-def test_fp16_optimizer_around_fused_adam_compiles_without_recompiles_and_matches_eager():
-    """FP16_Optimizer(FusedAdam).step() with fp16 params and masters: the same graphs at every step after the first
-    (no recompile), no graph break from a host read (the loss scaler updates on the device and its min-scale flag
-    is not read inside a traced step), and the eager result."""
+@pytest.mark.parametrize("schedule", ["lambda-lr", "one-cycle-lr"])
+def test_fp16_optimizer_around_fused_adam_compiles_without_recompiles_and_matches_eager(schedule):
+    """FP16_Optimizer(FusedAdam).step() with fp16 params and masters: the same graphs at every step after the second
+    (no recompile; under OneCycleLR, the second step's is the one of its changed float beta1, see
+    test_a_compiled_step_under_one_cycle_lr_with_momentum_compiles_at_most_twice_and_matches_eager), no graph break
+    from a host read (the loss scaler updates on the device and its min-scale flag is not read inside a traced step),
+    and the eager result."""
+    make_scheduler = _lambda_lr if schedule == "lambda-lr" else _one_cycle
 
     def make(model):
         model.half()
         return FusedAdam(model.parameters(), lr=torch.tensor(1e-2), master_weights=True)
 
     wrap = lambda opt: FP16_Optimizer(opt)  # noqa: E731
-    eager, _, _ = _run(make, _lambda_lr, compiled=False, wrap=wrap)
+    eager, _, _ = _run(make, make_scheduler, compiled=False, wrap=wrap)
     graphs_after = {}
 
     def counting_scheduler(opt):
-        scheduler = _lambda_lr(opt)
+        scheduler = make_scheduler(opt)
         original = scheduler.step
 
         def step():
