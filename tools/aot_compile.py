@@ -133,7 +133,8 @@ def variants(full: bool) -> list:
 # Types of the runtime (non-constexpr) arguments, by name.
 ARG_TYPES = {
     "meta_ptr": "*i64", "grads_ptr": "*i64", "work_ptr": "*i64", "steps_ptr": "*fp64", "lr_ptr": "*fp32",
-    "betas_ptr": "*fp64", "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32", "m_lut_ptr": "*fp32",
+    "betas_ptr": "*fp64", "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32",
+    "m_lut_ptr": "*fp32",
     "v_lut_ptr": "*fp32", "keys_ptr": "*i64", "norm_partial_ptr": "*fp64", "norm_partial_base": "i32",
     "lr_bits": "i64", "beta1_bits": "i64",
     "beta2_bits": "i64", "eps_bits": "i64", "wd_bits": "i64", "sign_bits": "i64", "n": "i32",

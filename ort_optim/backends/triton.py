@@ -5,7 +5,8 @@ steps (read on the device; bias corrections computed in the kernel), master weig
 (sqrt(v) for second moments) and 8-bit / 4-bit block-quantised states (uint8 codes whose scales' dtype names the
 format: float32 for ``_spec.Q8``, bfloat16 for ``_spec.Q4``; the reference's codes and scales bit for bit),
 in-kernel unscaling, found_inf (read on the device: a skipped step writes nothing, step counts included), lr from
-``lr_tensor``, beta1 and beta2 from ``betas_tensor`` (read in the kernel, bias corrections included) and stochastic rounding of bfloat16 params (``rounding_keys``; the same random bits as the CPU kernel).
+``lr_tensor``, beta1 and beta2 from ``betas_tensor`` (read in the kernel, bias corrections included) and stochastic
+rounding of bfloat16 params (``rounding_keys``; the same random bits as the CPU kernel).
 Like the CPU kernel, a call marks what it wrote as modified in place for autograd (ort_optim/_versions.py).
 
 How a call runs:
