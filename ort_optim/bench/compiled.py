@@ -1,8 +1,10 @@
 """A training step compiled with torch.compile: FusedAdam against torch.optim.AdamW in the same compiled step.
 
 Model: 8 x Linear(256, 256), batch 32; the step is forward, backward, ``optimizer.step()`` and ``zero_grad()``, all
-inside one ``torch.compile``d function, with a tensor lr that ``LambdaLR`` changes at every step (torch.optim's way to
-change the lr without recompiling). Both optimizers use torch AdamW's math (FusedAdam with
+inside one ``torch.compile``d function, under two schedules: a tensor lr that ``LambdaLR`` changes at every step
+(torch.optim's way to change the lr without recompiling), and ``OneCycleLR(cycle_momentum=True)`` with a float lr
+(a new float lr and beta1 at every step; traced 10 steps before timing, past TorchDynamo's recompile limit of 8, so
+the counts include every recompile and a step that hit the limit is timed as it then runs: eagerly). Both optimizers use torch AdamW's math (FusedAdam with
 ``adam_w_mode=ADAMW_TORCH, eps=1e-8, weight_decay=1e-2``). After warm-up (tracing), the two compiled steps run
 interleaved; each row gives the median step time, and FusedAdam's row its ratio to AdamW's (> 1: FusedAdam's step is
 faster), plus the graph breaks and graphs TorchDynamo made for each (``torch._dynamo.utils.counters`` after
@@ -18,13 +20,22 @@ import argparse
 import statistics
 
 
-def _setup(make_optimizer, width: int, layers: int, batch: int):
+# schedule -> (the lr it needs, its scheduler, steps traced before timing)
+SCHEDULES = {
+    "LambdaLR, tensor lr": ("tensor", lambda opt, torch: torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: 1.0 / (1.0 + 1e-3 * i)), 3),
+    "OneCycleLR(cycle_momentum=True), float lr": ("float", lambda opt, torch: torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=1e-3, total_steps=100_000, cycle_momentum=True), 10),
+}
+
+
+def _setup(make_optimizer, make_scheduler, width: int, layers: int, batch: int):
     import torch
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     optimizer = make_optimizer(model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0 / (1.0 + 1e-3 * i))
+    scheduler = make_scheduler(optimizer, torch)
     x = torch.randn(batch, width)
 
     @torch.compile
@@ -43,7 +54,7 @@ def _setup(make_optimizer, width: int, layers: int, batch: int):
 
 
 def run(quick: bool) -> list[dict]:
-    """Rows for ``python -m ort_optim.bench``: one per optimizer."""
+    """Rows for ``python -m ort_optim.bench``: one per schedule and optimizer."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -53,36 +64,37 @@ def run(quick: bool) -> list[dict]:
 
     width, layers, batch = 256, 8, 32
     makers = {
-        "torch.optim.AdamW (compiled step)": lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-3)),
-        "ort_optim FusedAdam (compiled step)": lambda ps: FusedAdam(ps, lr=torch.tensor(1e-3), eps=1e-8,
-                                                                    weight_decay=1e-2,
-                                                                    adam_w_mode=AdamWMode.ADAMW_TORCH),
+        "torch.optim.AdamW (compiled step)": lambda lr: lambda ps: torch.optim.AdamW(ps, lr=lr),
+        "ort_optim FusedAdam (compiled step)": lambda lr: lambda ps: FusedAdam(ps, lr=lr, eps=1e-8, weight_decay=1e-2,
+                                                                               adam_w_mode=AdamWMode.ADAMW_TORCH),
     }
-    steps, counts = {}, {}
-    # Compiled from the sources, never from inductor's caches: their keys leave out inputs' storage offsets and sizes,
-    # so code compiled for states that share one storage (copied around the op at every step) can be served to a
-    # step whose states do not.
-    for name, make in makers.items():  # traced one after the other, each counted from a reset
-        torch._dynamo.reset()
-        counters.clear()
-        steps[name] = _setup(make, width, layers, batch)
-        with torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
-            for _ in range(3):
-                steps[name]()
-        counts[name] = (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
-    # (a reset would drop the compiled code: both keep their own, and run interleaved from here)
-    samples = interleaved_samples(steps, warmup=2, reps=10 if quick else 60)
-    medians = {name: statistics.median(times) for name, times in samples.items()}
-    base, ours = list(makers)
     rows = []
-    for name in makers:
-        row = {"section": "compiled train step", "model": f"{layers} x Linear({width}, {width}), batch {batch}",
-               "impl": name, "median_ms": medians[name] * 1e3, "graph_breaks": counts[name][0],
-               "graphs": counts[name][1]}
-        if name == ours:
-            row["ours_speedup"] = medians[base] / medians[ours]
-        rows.append(row)
+    for schedule, (lr_kind, make_scheduler, traced_steps) in SCHEDULES.items():
+        steps, counts = {}, {}
+        # Compiled from the sources, never from inductor's caches: their keys leave out inputs' storage offsets and
+        # sizes, so code compiled for states that share one storage (copied around the op at every step) can be
+        # served to a step whose states do not.
+        for name, make in makers.items():  # traced one after the other, each counted from a reset
+            torch._dynamo.reset()
+            counters.clear()
+            lr = torch.tensor(1e-3) if lr_kind == "tensor" else 1e-3
+            steps[name] = _setup(make(lr), make_scheduler, width, layers, batch)
+            with torch._inductor.config.patch(fx_graph_cache=False), \
+                    torch._functorch.config.patch(enable_autograd_cache=False):
+                for _ in range(traced_steps):
+                    steps[name]()
+            counts[name] = (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
+        # (a reset would drop the compiled code: both keep their own, and run interleaved from here)
+        samples = interleaved_samples(steps, warmup=2, reps=10 if quick else 60)
+        medians = {name: statistics.median(times) for name, times in samples.items()}
+        base, ours = list(makers)
+        for name in makers:
+            row = {"section": "compiled train step", "model": f"{layers} x Linear({width}, {width}), batch {batch}",
+                   "schedule": schedule, "impl": name, "median_ms": medians[name] * 1e3,
+                   "graph_breaks": counts[name][0], "graphs": counts[name][1]}
+            if name == ours:
+                row["ours_speedup"] = medians[base] / medians[ours]
+            rows.append(row)
     return rows
 
 
