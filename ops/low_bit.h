@@ -151,6 +151,8 @@ struct LowBit {
   int bits, block;
   bool bf16_scales;
   CodeMap exp_avg, exp_avg_sq;  // exp_avg_sq's codes hold sqrt(v)
+  // exp_avg's codes hold r = m / u, u the decoded sqrt(v) of exp_avg_sq in this format (_spec.EXP_AVG_RELATIVE)
+  bool relative;
 
   const CodeMap& map(bool second_moment) const { return second_moment ? exp_avg_sq : exp_avg; }
   float scale(const void* scales, int64_t block_index) const {
@@ -174,5 +176,14 @@ void low_bit_load(const LowBit& f, bool second_moment, const uint8_t* codes, con
 // stochastic rounding.
 void low_bit_store(const LowBit& f, bool second_moment, const float* src, const float* root, int64_t off, int64_t n,
                    uint8_t* codes, void* scales, uint32_t step = 0);
+
+// A relative exp_avg (f.relative; _spec.EXP_AVG_RELATIVE), elements [off, off + n) with off a multiple of the block,
+// against the exp_avg_sq codes sq_codes / sq_scales of the same format. u: scratch for n floats (the decoded sqrt(v)).
+// Load: dst = m = q * u (0 where q = 0), u from the exp_avg_sq codes as they were stored with this exp_avg.
+void low_bit_relative_load(const LowBit& f, const uint8_t* codes, const void* scales, const uint8_t* sq_codes,
+                           const void* sq_scales, int64_t off, int64_t n, float* dst, float* u);
+// Store, after exp_avg_sq's new codes are written: src becomes r = m / u (0 where u = 0), coded as exp_avg.
+void low_bit_relative_store(const LowBit& f, float* src, const uint8_t* sq_codes, const void* sq_scales, int64_t off,
+                            int64_t n, uint8_t* codes, void* scales, uint32_t step, float* u);
 
 }  // namespace ort_optim

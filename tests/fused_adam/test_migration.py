@@ -532,7 +532,7 @@ def test_torchao_states_of_sharded_params_are_refused_by_name(tmp_path):
 def test_loading_leaves_the_given_state_dict_as_it_was():
     for sd, make in ((bnb_state_dict()[0], bnb_params), (torchao_state_dict("4bit", real=False)[0], make_params)):
         given = tree_bits(sd)
-        FusedAdam(make(), exp_avg_dtype=torch.uint4).load_state_dict(sd)
+        FusedAdam(make(), exp_avg_dtype=torch.uint4, exp_avg_sq_dtype=torch.uint4).load_state_dict(sd)
         assert_tree_same(given, tree_bits(sd))
 
 
