@@ -26,7 +26,8 @@ namespace {
 template <size_t N, size_t M>
 LowBit make_low_bit(int bits, int block, bool bf16_scales, const float (&m_levels)[N], const float (&m_thresholds)[N - 1],
                     const float (&v_levels)[M], const float (&v_thresholds)[M - 1], bool relative) {
-  return LowBit{bits, block, bf16_scales, CodeMap(m_levels, m_thresholds, int(N), true, bits, spec::kExpAvgSnap),
+  return LowBit{bits, block, bf16_scales,
+                CodeMap(m_levels, m_thresholds, int(N), true, bits, spec::kExpAvgSnap, /*sr_from_zero=*/relative),
                 CodeMap(v_levels, v_thresholds, int(M), false, bits, 1.0f), relative};
 }
 

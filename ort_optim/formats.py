@@ -178,7 +178,9 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
             lowered = (a.view(torch.int32) - EXP_AVG_SR_ULPS).clamp_min(0).view(torch.float32)
             r = exp_avg_random_bits(torch.nn.functional.pad(x, (0, -n % fmt.block)), step).view_as(a)
             up = (lowered - lo) > (r >> 8).float() * 2.0**-24 * (hi - lo)
-            codes = codes + (up & (codes > 0) & (codes < len(levels) - 1)).long()
+            # (from level 0 too for a relative exp_avg: _spec.EXP_AVG_RELATIVE)
+            from_level = (codes >= 0) if fmt.exp_avg_relative else (codes > 0)
+            codes = codes + (up & from_level & (codes < len(levels) - 1)).long()
         else:  # a conversion: the nearest level (a value on a level, up to the decode noise, stays: idempotent)
             codes = codes + (((a - lo) >= (hi - a)) & (codes < len(levels) - 1)).long()
     if not second_moment:

@@ -248,7 +248,8 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
         snapped = a * torch.tensor(1.0 + 2.0**-20, dtype=torch.float32) if not second_moment else a
         index = (snapped.clamp(max=1.0)[:, None] >= thresholds[None, :]).sum(dim=1)
         if not second_moment and exp_avg_rounding != "down":
-            below_top = (index > 0) & (index < len(levels) - 1)  # and above zero: toward zero below levels[1]
+            # and above zero: toward zero below levels[1], except the 4-bit exp_avg of m / sqrt(v), stochastic there too
+            below_top = ((index >= 0) if fmt.exp_avg_relative else (index > 0)) & (index < len(levels) - 1)
             if exp_avg_rounding == "up":
                 up = below_top
             elif step == 0:  # a conversion outside a step (checkpoint loads, from_optimizer): the nearest level

@@ -15,7 +15,7 @@ transformations a candidate adds (rank-1 normalisation, exp_avg relative to sqrt
 Candidates (``CANDIDATES``; B/param counts codes and scales of both moments):
 
 * ``4-bit``: the stored format, ``_spec.Q4`` (block 128, bfloat16 scales; sqrt(v) on 16 levels 0.001 .. 1, nearest
-  in 1/sqrt(v); exp_avg as r = m / sqrt(v) on 7 linear magnitudes k / 7, rounded stochastically:
+  in 1/sqrt(v); exp_avg as r = m / sqrt(v) on 7 linear magnitudes k / 7, rounded stochastically, below 1/7 too:
   ``_spec.EXP_AVG_RELATIVE``), through ``formats``' own coupled encoder and decoder.
 * ``4-bit decades``: the earlier 4-bit exp_avg, m itself on the levels 0, 0.1 .. 1 in decades (``DECADE_M``),
   rounded stochastically; sqrt(v) as in ``4-bit``. The candidates below build on it unless they say otherwise.
@@ -29,8 +29,9 @@ Candidates (``CANDIDATES``; B/param counts codes and scales of both moments):
   as in ``4-bit`` rounded to nearest.
 * ``m/sqrt(v) linear``: the second moment as in ``4-bit``; exp_avg stored as ``r = m / sqrt(v_decoded)`` (the
   update's direction before bias correction, since the update is m / sqrt(v)), block-scaled on 7 linear magnitudes
-  k / 7, rounded stochastically; decoded as ``r * sqrt(v_decoded)``. Same bytes as ``4-bit``: the simulation from
-  which the stored format was chosen (u here is sqrt(v_decoded) in float32; the format reads u from the codes).
+  k / 7, rounded stochastically, toward zero below 1/7; decoded as ``r * sqrt(v_decoded)``. Same bytes as
+  ``4-bit``: the simulation from which the stored format was chosen (u here is sqrt(v_decoded) in float32; the
+  format reads u from the codes, and rounds stochastically below 1/7 too).
 * ``m/sqrt(v) linear nearest``: the same, r rounded to the nearest level.
 * ``FusedAdam uint4`` / ``FusedAdam fp32``: not a simulation: ``ort_optim.FusedAdam`` itself (adam_w_mode
   ADAMW_TORCH, whatever backend runs: the native CPU kernel where it is built) with ``torch.uint4`` moments / fp32

@@ -331,7 +331,10 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
         lo = tl.load(lut_ptr + code)
         hi = tl.load(lut_ptr + code + 1)
         up = (lowered - lo) > (r >> 8).to(tl.float32) * 5.9604644775390625e-08 * (hi - lo)  # 2**-24
-        code = tl.where(up & (code > 0) & (code < (1 << (BITS - 1)) - 1), code + 1, code)
+        if DT == 5:  # the 4-bit exp_avg (m / sqrt(v)) rounds stochastically from level 0 too (EXP_AVG_RELATIVE)
+            code = tl.where(up & (code < (1 << (BITS - 1)) - 1), code + 1, code)
+        else:
+            code = tl.where(up & (code > 0) & (code < (1 << (BITS - 1)) - 1), code + 1, code)
         code = tl.where((u2 < 0.0) & (code > 0), code | (1 << (BITS - 1)), code)
     if SECOND:  # in a flagged block code 0 means v = inf; finite values take codes >= 1, the scale its sign bit
         code = tl.where(flagged[:, None], tl.where(overflowed, 0, tl.maximum(code, 1)), code)
