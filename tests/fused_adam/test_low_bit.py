@@ -2307,6 +2307,15 @@ def _fsdp_fp8_scenarios(rank, world_size, tmp_dir):
     """FSDP2 (2 ranks, uneven shards) with fp8 moments (e4m3fn m, e5m2 v, amsgrad): the states are fp8 pieces of
     each rank's shard; a dcp.save / dcp.load checkpoint at the same world size resumes bit for bit; the saved moments
     are the decoded float32 values."""
+    return _fsdp_scenarios(rank, world_size, tmp_dir, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _fsdp_4bit_scenarios(rank, world_size, tmp_dir):
+    """The same with 4-bit moments: exp_avg coded against exp_avg_sq's codes of the same local piece."""
+    return _fsdp_scenarios(rank, world_size, tmp_dir, torch.uint4, torch.uint4)
+
+
+def _fsdp_scenarios(rank, world_size, tmp_dir, m_dtype, v_dtype):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -2322,7 +2331,7 @@ def _fsdp_fp8_scenarios(rank, world_size, tmp_dir):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, FusedAdam(model.parameters(), lr=1e-2, amsgrad=True, adam_w_mode=AdamWMode.ADAMW_TORCH,
-                                exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2)
+                                exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype)
 
     def train(model, opt, steps, start):
         for step in range(start, start + steps):
@@ -2365,6 +2374,19 @@ def test_fsdp2_fp8_states_and_dcp_resume_bit_for_bit(tmp_path):
     for rank, out in enumerate(run_ranks(_fsdp_fp8_scenarios, 2, tmp_path)):
         assert out["dtypes"] == ["torch.float8_e4m3fn", "torch.float8_e5m2", "torch.float8_e5m2"], (rank, out)
         assert "torch.float32" in out["saved_dtypes"] and not any("float8" in d for d in out["saved_dtypes"])
+        for a, b in zip(out["resumed"], out["uninterrupted"]):
+            assert torch.equal(bits(a), bits(b)), rank
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(TORCH_VERSION < (2, 6), reason=f"FSDP2 and torch.distributed.checkpoint on CPU with gloo need "
+                    f"torch >= 2.6; this environment has torch {torch.__version__}")
+def test_fsdp2_4bit_states_and_dcp_resume_bit_for_bit(tmp_path):
+    from distributed_harness import run_ranks
+
+    for rank, out in enumerate(run_ranks(_fsdp_4bit_scenarios, 2, tmp_path)):
+        assert out["dtypes"] == ["torch.uint8"] * 3, (rank, out)  # (4-bit codes, two per byte)
+        assert "torch.float32" in out["saved_dtypes"] and "torch.uint8" not in out["saved_dtypes"]
         for a, b in zip(out["resumed"], out["uninterrupted"]):
             assert torch.equal(bits(a), bits(b)), rank
 
