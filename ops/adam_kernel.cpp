@@ -191,7 +191,20 @@ T* stage(const void* base, at::ScalarType type, const float* scales, int64_t off
 template <typename T, int64_t kMode, bool kAmsgrad>
 void update_staged(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s, T* p, T* g,
                    double& grad_squares) {
-  T* m = stage<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m, w.exp_avg_low_bit, false, w.exp_avg_fp8);
+  // A 4-bit exp_avg holds m / sqrt(v) (ort_optim/_spec.py, EXP_AVG_RELATIVE): it is decoded through exp_avg_sq's
+  // codes as stored with it, and coded after exp_avg_sq's new codes are written, against them.
+  bool relative = false;
+  T* m;
+  if constexpr (std::is_same_v<T, float>) relative = w.exp_avg_low_bit && w.exp_avg_low_bit->relative;
+  if constexpr (std::is_same_v<T, float>) {
+    if (relative) {
+      low_bit_relative_load(*w.exp_avg_low_bit, static_cast<const uint8_t*>(w.exp_avg), w.exp_avg_scale,
+                            static_cast<const uint8_t*>(w.exp_avg_sq), w.exp_avg_sq_scale, off, n, s.m, s.root);
+    }
+  }
+  m = relative ? s.m
+               : stage<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m, w.exp_avg_low_bit, false,
+                          w.exp_avg_fp8);
   T* v = stage<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v, w.exp_avg_sq_low_bit, true,
                   w.exp_avg_sq_fp8);
   T* vmax = kAmsgrad ? stage<T>(w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.vmax,
@@ -223,7 +236,7 @@ void update_staged(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, 
   }
 
   // Write back what was staged.
-  if (m == s.m) {
+  if (m == s.m && !relative) {
     store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, max.m, w.exp_avg_low_bit, false, nullptr,
                    w.step, w.exp_avg_fp8, s.fp8_rnd);
   }
@@ -234,6 +247,12 @@ void update_staged(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, 
   if (kAmsgrad && vmax == s.vmax) {
     store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, max.vmax,
                    w.exp_avg_sq_low_bit, true, root, w.step, w.exp_avg_sq_fp8, s.fp8_rnd);
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (relative) {  // (s.root is free again: scratch for the new sqrt(v))
+      low_bit_relative_store(*w.exp_avg_low_bit, s.m, static_cast<const uint8_t*>(w.exp_avg_sq), w.exp_avg_sq_scale,
+                             off, n, static_cast<uint8_t*>(w.exp_avg), w.exp_avg_scale, w.step, s.root);
+    }
   }
 }
 

@@ -25,9 +25,10 @@ namespace {
 
 template <size_t N, size_t M>
 LowBit make_low_bit(int bits, int block, bool bf16_scales, const float (&m_levels)[N], const float (&m_thresholds)[N - 1],
-                    const float (&v_levels)[M], const float (&v_thresholds)[M - 1]) {
-  return LowBit{bits, block, bf16_scales, CodeMap(m_levels, m_thresholds, int(N), true, bits, spec::kExpAvgSnap),
-                CodeMap(v_levels, v_thresholds, int(M), false, bits, 1.0f)};
+                    const float (&v_levels)[M], const float (&v_thresholds)[M - 1], bool relative) {
+  return LowBit{bits, block, bf16_scales,
+                CodeMap(m_levels, m_thresholds, int(N), true, bits, spec::kExpAvgSnap, /*sr_from_zero=*/relative),
+                CodeMap(v_levels, v_thresholds, int(M), false, bits, 1.0f), relative};
 }
 
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
@@ -329,16 +330,54 @@ void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t
   }
 }
 
+// u[0, n) = the decoded sqrt(v) of a second moment's codes [off, off + n): level * |s|, inf for an overflowed v
+// (code 0 in a flagged block), NaN in a NaN block (formats.low_bit_root).
+template <int kBits>
+void load_root(const LowBit& f, const uint8_t* codes, const void* scales, int64_t off, int64_t n, float* u) {
+  for (int64_t q = 0; q < n; q += f.block) {
+    const int64_t len = std::min<int64_t>(f.block, n - q);
+    const uint8_t* c = kBits == 8 ? codes + off + q : codes + (off + q) / 2;
+    const float s = f.scale(scales, (off + q) / f.block);
+    decode_block<kBits, false>(f.exp_avg_sq, c, std::fabs(s), len, u + q);  // (the unsigned map, not squared)
+    if (overflow_flagged(s)) {
+      for (int64_t i = 0; i < len; ++i) {
+        const int code = kBits == 8 ? c[i] : (c[i >> 1] >> ((i & 1) * 4)) & 15;
+        if (code == 0) u[q + i] = std::numeric_limits<float>::infinity();
+      }
+    }
+  }
+}
+
+void low_bit_root(const LowBit& f, const uint8_t* codes, const void* scales, int64_t off, int64_t n, float* u) {
+  f.bits == 8 ? load_root<8>(f, codes, scales, off, n, u) : load_root<4>(f, codes, scales, off, n, u);
+}
+
 }  // namespace
+
+void low_bit_relative_load(const LowBit& f, const uint8_t* codes, const void* scales, const uint8_t* sq_codes,
+                           const void* sq_scales, int64_t off, int64_t n, float* dst, float* u) {
+  low_bit_load(f, false, codes, scales, off, n, dst);  // q = level * s_r
+  low_bit_root(f, sq_codes, sq_scales, off, n, u);
+  for (int64_t i = 0; i < n; ++i) dst[i] = dst[i] == 0.0f ? 0.0f : dst[i] * u[i];
+}
+
+void low_bit_relative_store(const LowBit& f, float* src, const uint8_t* sq_codes, const void* sq_scales, int64_t off,
+                            int64_t n, uint8_t* codes, void* scales, uint32_t step, float* u) {
+  low_bit_root(f, sq_codes, sq_scales, off, n, u);
+  for (int64_t i = 0; i < n; ++i) src[i] = u[i] == 0.0f ? 0.0f : src[i] / u[i];
+  low_bit_store(f, false, src, nullptr, off, n, codes, scales, step);
+}
 
 const LowBit& q8() {
   static const LowBit f = make_low_bit(spec::kQ8Bits, spec::kQ8Block, spec::kQ8Bf16Scales, spec::kQ8ExpAvgLevels,
-                                       spec::kQ8ExpAvgThresholds, spec::kQ8ExpAvgSqLevels, spec::kQ8ExpAvgSqThresholds);
+                                       spec::kQ8ExpAvgThresholds, spec::kQ8ExpAvgSqLevels, spec::kQ8ExpAvgSqThresholds,
+                                       spec::kQ8ExpAvgRelative);
   return f;
 }
 const LowBit& q4() {
   static const LowBit f = make_low_bit(spec::kQ4Bits, spec::kQ4Block, spec::kQ4Bf16Scales, spec::kQ4ExpAvgLevels,
-                                       spec::kQ4ExpAvgThresholds, spec::kQ4ExpAvgSqLevels, spec::kQ4ExpAvgSqThresholds);
+                                       spec::kQ4ExpAvgThresholds, spec::kQ4ExpAvgSqLevels, spec::kQ4ExpAvgSqThresholds,
+                                       spec::kQ4ExpAvgRelative);
   return f;
 }
 

@@ -29,8 +29,10 @@ class CodeMap {
  public:
   // thresholds: count - 1 increasing decision thresholds (ort_optim._spec.thresholds); snap: the factor applied to
   // a normalised magnitude before the search (exp_avg rounds toward zero, EXP_AVG_SNAP; 1 for sqrt(v)).
-  CodeMap(const float* levels, const float* thresholds, int count, bool is_signed, int bits, float snap)
-      : sign_bit_(is_signed ? 1 << (bits - 1) : 0), snap_(snap) {
+  // sr_from_zero: exp_avg rounds stochastically from magnitude 0 too (the relative 4-bit exp_avg, _spec.EXP_AVG_RELATIVE).
+  CodeMap(const float* levels, const float* thresholds, int count, bool is_signed, int bits, float snap,
+          bool sr_from_zero = false)
+      : sign_bit_(is_signed ? 1 << (bits - 1) : 0), snap_(snap), sr_from_zero_(sr_from_zero) {
     TORCH_CHECK(count == (is_signed ? 1 << (bits - 1) : 1 << bits), "ort_optim: code map has ", count, " levels");
     mid_.assign(thresholds, thresholds + count - 1);
     mid_.push_back(std::numeric_limits<float>::infinity());
@@ -43,7 +45,10 @@ class CodeMap {
     // The vector encoder's form of it: gap * 2^-24 (exact: a power of two on a normal float), so that one multiply
     // gives (r >> 8) * 2^-24 * gap with the same rounding; +inf where the rule never rounds up (magnitude 0, the
     // top level), so that the comparison itself says no (inf, or NaN for r >> 8 == 0, is never exceeded).
-    for (int j = 0; j < 256; ++j) sr_step_[j] = j >= 1 && j + 1 < count ? gap_[j] * 0x1p-24f : std::numeric_limits<float>::infinity();
+    for (int j = 0; j < 256; ++j) {
+      sr_step_[j] = j >= (sr_from_zero ? 0 : 1) && j + 1 < count ? gap_[j] * 0x1p-24f
+                                                                  : std::numeric_limits<float>::infinity();
+    }
     // The binary search's table: the thresholds, padded with +inf to 16 (only used for up to 15 thresholds).
     for (int j = 0; j < 16; ++j) search_[j] = j < count - 1 ? thresholds[j] : std::numeric_limits<float>::infinity();
     for (int step = 1; step <= 2; ++step) {
@@ -125,7 +130,8 @@ class CodeMap {
   // at or below (magnitude_code), one level up iff (lowered(a) - lo) > (r >> 8) * 2^-24 * (hi - lo). r: 32 random bits.
   inline int stochastic_magnitude_code(float a, uint32_t r) const {
     const int m = magnitude_code(a);
-    if (m == 0 || m + 1 >= sign_bit_) return m;  // below the lowest non-zero level (toward zero), or the top one
+    // below the lowest non-zero level (toward zero, unless sr_from_zero), or the top one
+    if ((m == 0 && !sr_from_zero_) || m + 1 >= sign_bit_) return m;
     const uint32_t ab = float_to_bits(a);
     const float lowered = bits_to_float(ab > spec::kExpAvgSrUlps ? ab - spec::kExpAvgSrUlps : 0u);
     return m + ((lowered - decode_[m]) > float(r >> 8) * 0x1p-24f * gap_[m]);
@@ -136,6 +142,7 @@ class CodeMap {
   static constexpr uint32_t kLowMask = (1u << kShift) - 1, kNever = 1u << kShift;
   int sign_bit_;
   float snap_;
+  bool sr_from_zero_;
   alignas(64) float decode_[256] = {0.0f};
   alignas(64) float gap_[256] = {0.0f};  // gap_[j] = levels[j + 1] - levels[j]; 0 past the top level
   alignas(64) float sr_step_[256];       // gap_[j] * 2^-24 where exp_avg may round up from magnitude j, else +inf
@@ -151,6 +158,8 @@ struct LowBit {
   int bits, block;
   bool bf16_scales;
   CodeMap exp_avg, exp_avg_sq;  // exp_avg_sq's codes hold sqrt(v)
+  // exp_avg's codes hold r = m / u, u the decoded sqrt(v) of exp_avg_sq in this format (_spec.EXP_AVG_RELATIVE)
+  bool relative;
 
   const CodeMap& map(bool second_moment) const { return second_moment ? exp_avg_sq : exp_avg; }
   float scale(const void* scales, int64_t block_index) const {
@@ -174,5 +183,14 @@ void low_bit_load(const LowBit& f, bool second_moment, const uint8_t* codes, con
 // stochastic rounding.
 void low_bit_store(const LowBit& f, bool second_moment, const float* src, const float* root, int64_t off, int64_t n,
                    uint8_t* codes, void* scales, uint32_t step = 0);
+
+// A relative exp_avg (f.relative; _spec.EXP_AVG_RELATIVE), elements [off, off + n) with off a multiple of the block,
+// against the exp_avg_sq codes sq_codes / sq_scales of the same format. u: scratch for n floats (the decoded sqrt(v)).
+// Load: dst = m = q * u (0 where q = 0), u from the exp_avg_sq codes as they were stored with this exp_avg.
+void low_bit_relative_load(const LowBit& f, const uint8_t* codes, const void* scales, const uint8_t* sq_codes,
+                           const void* sq_scales, int64_t off, int64_t n, float* dst, float* u);
+// Store, after exp_avg_sq's new codes are written: src becomes r = m / u (0 where u = 0), coded as exp_avg.
+void low_bit_relative_store(const LowBit& f, float* src, const uint8_t* sq_codes, const void* sq_scales, int64_t off,
+                            int64_t n, uint8_t* codes, void* scales, uint32_t step, float* u);
 
 }  // namespace ort_optim

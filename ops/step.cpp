@@ -26,6 +26,10 @@ std::vector<TensorWork> state_work(at::TensorList params, const StateLists& s) {
         s.max_exp_avg_sq_scales.empty() ? nullptr : static_cast<float*>(s.max_exp_avg_sq_scales[i].data_ptr());
     if (!s.exp_avg_scales.empty()) w.exp_avg_low_bit = low_bit_of(s.exp_avgs[i], s.exp_avg_scales[i]);
     if (!s.exp_avg_sq_scales.empty()) w.exp_avg_sq_low_bit = low_bit_of(s.exp_avg_sqs[i], s.exp_avg_sq_scales[i]);
+    // a 4-bit exp_avg is decoded through its exp_avg_sq's codes (ort_optim/_spec.py, EXP_AVG_RELATIVE)
+    TORCH_CHECK(!w.exp_avg_low_bit || !w.exp_avg_low_bit->relative || w.exp_avg_sq_low_bit == w.exp_avg_low_bit,
+                "ort_optim::adam_step_: exp_avgs[", i, "] holds 4-bit codes, which are coded relative to a 4-bit "
+                "exp_avg_sq, but exp_avg_sqs[", i, "] is not 4-bit codes: store both moments as torch.uint4");
     w.exp_avg_fp8 = fp8_of(s.exp_avgs[i].scalar_type());
     w.exp_avg_sq_fp8 = fp8_of(s.exp_avg_sqs[i].scalar_type());
     w.exp_avg_type = s.exp_avgs[i].scalar_type();

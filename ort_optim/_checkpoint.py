@@ -32,6 +32,9 @@ from ._spec import AdamWMode
 from . import formats
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# The order in which moments are written into storage: a 4-bit exp_avg is coded relative to its exp_avg_sq as stored
+# (ort_optim._spec.EXP_AVG_RELATIVE), so exp_avg_sq goes first.
+CONVERSION_ORDER = ("exp_avg_sq", "max_exp_avg_sq", "exp_avg")
 CHECKPOINT_KEYS = ("step",) + MOMENT_KEYS + ("master_param",)
 # torch.distributed.checkpoint's flattened optimizer state dict (StateDictOptions(flatten_optimizer_state_dict=True),
 # torchtitan's default) is unflattened by the keys of the live optimizer.state[p], which holds the block scales of
@@ -79,19 +82,33 @@ def canonical_dtype(param: torch.Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
+def _root(state: dict, key: str, shape: torch.Size) -> Optional[torch.Tensor]:
+    """For a 4-bit exp_avg, which is coded relative to its exp_avg_sq (ort_optim._spec.EXP_AVG_RELATIVE): the
+    decoded sqrt(v) of ``state['exp_avg_sq']`` as stored now; None for every other moment."""
+    scales = state.get(key + "_scale")
+    if key != "exp_avg" or not formats.is_relative(state[key], scales):
+        return None
+    if "exp_avg_sq" not in state:
+        raise ValueError("a 4-bit exp_avg is coded relative to its exp_avg_sq, which this state lacks")
+    return formats.state_root(state["exp_avg_sq"].detach(), state.get("exp_avg_sq_scale"), shape)
+
+
 def to_canonical(state: dict, key: str, shape: torch.Size) -> torch.Tensor:
     """The moment ``state[key]`` of a param of this shape as a fresh unscaled float32 tensor (float64 when stored as
-    float64). Every layout decodes through formats.decode_state, the one definition of the stored formats."""
+    float64). Every layout decodes through formats.decode_state, the one definition of the stored formats (a 4-bit
+    exp_avg through its exp_avg_sq as stored with it)."""
     scales = state.get(key + "_scale")
     value = formats.decode_state(state[key].detach(), None if scales is None else scales.detach(),
-                                   key != "exp_avg", shape)
+                                   key != "exp_avg", shape, _root(state, key, shape))
     return value.to(torch.float64 if value.dtype == torch.float64 else torch.float32, copy=True)
 
 
 def from_canonical(state: dict, key: str, value: torch.Tensor) -> None:
     """Writes canonical values (float32/float64, the param's shape, the state's device) into the storage of
     ``state[key]`` (and its companions, such as the block scales), in place. Every format is idempotent:
-    from_canonical(to_canonical(state)) writes back the same bits, which is what makes a resume exact."""
+    from_canonical(to_canonical(state)) writes back the same bits, which is what makes a resume exact. A 4-bit
+    exp_avg is coded relative to ``state['exp_avg_sq']`` as stored at the call: write exp_avg_sq first
+    (:data:`CONVERSION_ORDER`)."""
     layout = storage_layout(state, key)
     if layout == "plain":
         state[key].copy_(value)
@@ -99,7 +116,8 @@ def from_canonical(state: dict, key: str, value: torch.Tensor) -> None:
     scales = state[key + "_scale"]
     codes, new_scales = formats.encode_state(value, {"fp16": torch.float16, "8-bit": torch.uint8, "4-bit": torch.uint4,
                                                      "fp8 e4m3": torch.float8_e4m3fn,
-                                                     "fp8 e5m2": torch.float8_e5m2}[layout], key != "exp_avg")
+                                                     "fp8 e5m2": torch.float8_e5m2}[layout], key != "exp_avg",
+                                             _root(state, key, value.shape))
     state[key].copy_(codes.view(state[key].shape))
     scales.copy_(new_scales)
 
@@ -393,7 +411,7 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
 
     state = init_state(p, group["amsgrad"])
     state["step"].fill_(step)
-    for key in MOMENT_KEYS:
+    for key in CONVERSION_ORDER:
         if key in state:
             from_canonical(state, key, values[key])
             # what the storage dtype can hold: a float32 value beyond bfloat16's largest rounds to inf there (inf and

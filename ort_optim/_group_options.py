@@ -190,6 +190,10 @@ def check_optimizer_options(master_weights: Any, exp_avg_dtype: Any, exp_avg_sq_
     """The constructor's optimizer-wide options (flags: name -> value of the options that must be bools)."""
     check_dtype_option("exp_avg_dtype", exp_avg_dtype)
     check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
+    if exp_avg_dtype == torch.uint4 and exp_avg_sq_dtype != torch.uint4:
+        # (ort_optim._spec.EXP_AVG_RELATIVE: the 4-bit exp_avg holds m / sqrt(v), decoded through exp_avg_sq's codes)
+        raise ValueError("exp_avg_dtype=torch.uint4 stores exp_avg relative to a 4-bit second moment (its codes hold "
+                         f"m / sqrt(v)): set exp_avg_sq_dtype=torch.uint4 too, got {exp_avg_sq_dtype!r}")
     if max_grad_norm is not None and not (is_number(max_grad_norm) and max_grad_norm > 0
                                           and math.isfinite(max_grad_norm)):
         raise ValueError(f"max_grad_norm must be None or a float > 0, got {max_grad_norm!r}")

@@ -47,7 +47,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _checkpoint, _spec, backends
+from . import _checkpoint, _spec, backends, formats
 from ._checkpoint import MOMENT_KEYS
 from ._layout import StateLayout
 from ._spec import FP8_FORMATS, LOW_BIT_FORMATS, SUPPORTED_PARAM_DTYPES, num_blocks
@@ -608,7 +608,8 @@ def check_state(layout: StateLayout, p: torch.Tensor, state: ParamState, amsgrad
                 raise ValueError(f"{where}: amsgrad is on but this parameter's state has no max_exp_avg_sq{hint}")
             raise ValueError(f"{where}: its optimizer state has no '{key}'{hint}")
     adoptions += _check_step(p, state, where, layout.steps_device(p))
-    for key, dtype in (("exp_avg", m_dtype), ("exp_avg_sq", v_dtype), ("max_exp_avg_sq", v_dtype)):
+    # exp_avg last: a 4-bit one is coded relative to exp_avg_sq (_spec.EXP_AVG_RELATIVE), checked before it
+    for key, dtype in (("exp_avg_sq", v_dtype), ("max_exp_avg_sq", v_dtype), ("exp_avg", m_dtype)):
         if key in state and (amsgrad or key != "max_exp_avg_sq"):
             adoptions += _check_moment(layout, p, state, key, dtype, where)
     if "master_param" in state:
@@ -658,6 +659,13 @@ def _check_moment(layout: StateLayout, p, state, key, dtype, where) -> list[_Ado
     scale = state.get(key + "_scale")
     if isinstance(state[key], torch.Tensor) and state[key].dtype == torch.uint8:
         value, fmt = _low_bit_state(p, state, key, where)
+        if key == "exp_avg" and fmt.exp_avg_relative:
+            pair = state.get("exp_avg_sq")
+            if not (isinstance(pair, torch.Tensor) and pair.dtype == torch.uint8
+                    and formats.is_relative(pair, state.get("exp_avg_sq_scale"))):
+                raise ValueError(f"{where}: optimizer.state[p]['exp_avg'] holds {fmt.name} codes, which are coded "
+                                 f"relative to a {fmt.name} exp_avg_sq, but optimizer.state[p]['exp_avg_sq'] is not "
+                                 f"{fmt.name} codes; delete optimizer.state[p] to start the param afresh")
         if LOW_BIT_FORMATS.get(dtype) is fmt and value.is_contiguous():
             return []
         scaled = True
@@ -674,8 +682,13 @@ def _check_moment(layout: StateLayout, p, state, key, dtype, where) -> list[_Ado
         if scale is not None and value.dtype == torch.float16 and not scaled:
             raise ValueError(f"{where}: optimizer.state[p][{key + '_scale'!r}] must be a contiguous float32 tensor of "
                              f"{num_blocks(value.numel())} positive block scales on {value.device}")
-    values = _checkpoint.to_canonical({key: value, key + "_scale": scale} if scaled else {key: value}, key, p.shape)
+    source = {key: value, key + "_scale": scale} if scaled else {key: value}
+    if key == "exp_avg":  # (a 4-bit exp_avg decodes and encodes relative to its exp_avg_sq: _spec.EXP_AVG_RELATIVE)
+        source.update({k: state[k] for k in ("exp_avg_sq", "exp_avg_sq_scale") if k in state})
+    values = _checkpoint.to_canonical(source, key, p.shape)
     fresh = layout.init_state(p, amsgrad=key == "max_exp_avg_sq")  # (a state in the layout, to fill)
+    if key == "exp_avg" and formats.is_relative(fresh["exp_avg"], fresh.get("exp_avg_scale")):
+        _checkpoint.from_canonical(fresh, "exp_avg_sq", _checkpoint.to_canonical(source, "exp_avg_sq", p.shape))
     _checkpoint.from_canonical(fresh, key, values)
     companion = key + "_scale"
     return [_Adoption(state, key, fresh[key])] + (

@@ -104,16 +104,49 @@ def exp_avg_random_bits(x: torch.Tensor, step: int) -> torch.Tensor:
     return fmix32(fmix32(b ^ ((e * 0x9E3779B1) & MASK32)) ^ ((step * 0x85EBCA77 + 0x6A09E667) & MASK32))
 
 
-def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: bool,
-                     step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _relative_root(fmt: LowBitFormat, second_moment: bool, root: Optional[torch.Tensor], n: int,
+                   what: str) -> Optional[torch.Tensor]:
+    """The flat float32 u that a relative exp_avg (_spec.EXP_AVG_RELATIVE) is coded against; None for every other
+    state."""
+    if second_moment or not fmt.exp_avg_relative:
+        return None
+    if root is None or root.numel() != n:
+        raise ValueError(f"{what}: a {fmt.name} exp_avg is coded relative to its exp_avg_sq's decoded sqrt(v): pass "
+                         f"root (low_bit_root of the {fmt.name} exp_avg_sq, {n} elements)")
+    return root.detach().float().reshape(-1)
+
+
+def low_bit_root(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, shape: torch.Size) -> torch.Tensor:
+    """The decoded sqrt(v) (u = level * |s|, float32, of the given shape) of a second moment's uint8 codes: inf for
+    an overflowed v (code 0 in a block whose scale has its sign bit set, and is no NaN), NaN in a NaN block. What a
+    relative exp_avg is coded against (_spec.EXP_AVG_RELATIVE); v = u * u."""
+    n = math.prod(shape)
+    flat = codes.reshape(-1)
+    if fmt.bits == 4:
+        flat = torch.stack([flat & 0xF, flat >> 4], dim=1).reshape(-1)
+    flat = flat[:n].long()
+    table = decode_table(fmt, True).to(codes.device)
+    u = torch.nn.functional.pad(table[flat], (0, -n % fmt.block)).view(-1, fmt.block)
+    u = (u * scales.float().abs()[:, None]).reshape(-1)[:n]
+    flagged = (torch.signbit(scales.float()) & ~torch.isnan(scales.float())).repeat_interleave(fmt.block)[:n]
+    return torch.where(flagged & (flat == 0), torch.full_like(u, math.inf), u).view(shape)
+
+
+def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: bool, step: int = 0,
+                     root: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 values (v itself for a second moment: its square root is what gets coded) -> (uint8 codes in
     fmt.storage_shape, scales of fmt.scale_dtype, one per block). step: the Adam step (from 1) whose exp_avg this
     is, mixed into its stochastic rounding; 0 for conversions outside a step (checkpoint loads, from_optimizer),
     where exp_avg rounds to its nearest level instead (ties up), as bitsandbytes' and torchao's quantizers do: the
     smallest error of a one-off conversion (the step's stochastic rounding is unbiased over steps, but its error on
-    one tensor is a third larger: 0.0114 against 0.0086 mean absolute error on randn(1024, 1024))."""
+    one tensor is a third larger: 0.0114 against 0.0086 mean absolute error on randn(1024, 1024)). root: for an
+    exp_avg of a relative format (4-bit), the decoded sqrt(v) of its exp_avg_sq as just encoded (low_bit_root):
+    what is coded is then r = m / root (_spec.EXP_AVG_RELATIVE)."""
     x = values.detach().float().reshape(-1)
     n = x.numel()
+    u_pair = _relative_root(fmt, second_moment, root, n, "quantize_low_bit")
+    if u_pair is not None:  # r = m / u, 0 where u = 0
+        x = torch.where(u_pair == 0, torch.zeros_like(x), x / u_pair)
     u = sqrt_f32(x) if second_moment else x
     blocks = torch.nn.functional.pad(u, (0, -n % fmt.block)).view(-1, fmt.block)
     # A second moment whose v overflowed float32 (sqrt(v) = inf; torch's AdamW keeps that v = inf): the element gets
@@ -145,7 +178,9 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
             lowered = (a.view(torch.int32) - EXP_AVG_SR_ULPS).clamp_min(0).view(torch.float32)
             r = exp_avg_random_bits(torch.nn.functional.pad(x, (0, -n % fmt.block)), step).view_as(a)
             up = (lowered - lo) > (r >> 8).float() * 2.0**-24 * (hi - lo)
-            codes = codes + (up & (codes > 0) & (codes < len(levels) - 1)).long()
+            # (from level 0 too for a relative exp_avg: _spec.EXP_AVG_RELATIVE)
+            from_level = (codes >= 0) if fmt.exp_avg_relative else (codes > 0)
+            codes = codes + (up & from_level & (codes < len(levels) - 1)).long()
         else:  # a conversion: the nearest level (a value on a level, up to the decode noise, stays: idempotent)
             codes = codes + (((a - lo) >= (hi - a)) & (codes < len(levels) - 1)).long()
     if not second_moment:
@@ -161,9 +196,12 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
 
 
 def dequantize_low_bit(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, second_moment: bool,
-                       shape: torch.Size) -> torch.Tensor:
-    """uint8 codes and block scales -> float32 values of the given shape (v = u * u for a second moment)."""
+                       shape: torch.Size, root: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """uint8 codes and block scales -> float32 values of the given shape (v = u * u for a second moment). root: for
+    an exp_avg of a relative format (4-bit), the decoded sqrt(v) of the exp_avg_sq stored with it (low_bit_root):
+    m = q * root, 0 where q = 0 (_spec.EXP_AVG_RELATIVE)."""
     n = math.prod(shape)
+    u_pair = _relative_root(fmt, second_moment, root, n, "dequantize_low_bit")
     flat = codes.reshape(-1)
     if fmt.bits == 4:
         flat = torch.stack([flat & 0xF, flat >> 4], dim=1).reshape(-1)
@@ -171,6 +209,8 @@ def dequantize_low_bit(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFor
     table = decode_table(fmt, second_moment).to(codes.device)
     values = torch.nn.functional.pad(table[flat], (0, -n % fmt.block)).view(-1, fmt.block)
     values = (values * scales.float()[:, None]).reshape(-1)[:n]
+    if u_pair is not None:
+        values = torch.where(values == 0, torch.zeros_like(values), values * u_pair)
     if second_moment:  # code 0 in a block whose scale has its sign bit set (and is no NaN): an overflowed v, inf
         flagged = (torch.signbit(scales.float()) & ~torch.isnan(scales.float())).repeat_interleave(fmt.block)[:n]
         values = torch.where(flagged & (flat == 0), torch.full_like(values, math.inf), values * values)
@@ -309,13 +349,14 @@ def state_format(state: torch.Tensor, scales: Optional[torch.Tensor]) -> str:
     return low_bit_format(scales.dtype).name
 
 
-def encode_state(values: torch.Tensor, dtype: torch.dtype, second_moment: bool) -> tuple[torch.Tensor,
-                                                                                            Optional[torch.Tensor]]:
+def encode_state(values: torch.Tensor, dtype: torch.dtype, second_moment: bool,
+                 root: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """float32/float64 moment values -> (state tensor, scales or None) for the storage dtype that FusedAdam's
     exp_avg_dtype / exp_avg_sq_dtype option names (torch.uint8 and torch.uint4 are the low-bit formats,
-    torch.float8_e4m3fn and torch.float8_e5m2 the fp8 ones: a conversion, rounded to nearest even)."""
+    torch.float8_e4m3fn and torch.float8_e5m2 the fp8 ones: a conversion, rounded to nearest even). root: a 4-bit
+    exp_avg's exp_avg_sq, decoded as sqrt(v) (state_root), encoded first (_spec.EXP_AVG_RELATIVE)."""
     if dtype in LOW_BIT_FORMATS:
-        return quantize_low_bit(values, LOW_BIT_FORMATS[dtype], second_moment)
+        return quantize_low_bit(values, LOW_BIT_FORMATS[dtype], second_moment, root=root)
     if dtype in FP8_FORMATS:
         return quantize_fp8(values, FP8_FORMATS[dtype], second_moment)
     if dtype == torch.float16:
@@ -323,9 +364,10 @@ def encode_state(values: torch.Tensor, dtype: torch.dtype, second_moment: bool) 
     return values.to(dtype), None
 
 
-def decode_state(state: torch.Tensor, scales: Optional[torch.Tensor], second_moment: bool,
-                 shape: torch.Size) -> torch.Tensor:
-    """A state tensor (and its scales) -> its values: float32 (float64 for float64 states), of the param's shape."""
+def decode_state(state: torch.Tensor, scales: Optional[torch.Tensor], second_moment: bool, shape: torch.Size,
+                 root: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A state tensor (and its scales) -> its values: float32 (float64 for float64 states), of the param's shape.
+    root: a 4-bit exp_avg's exp_avg_sq decoded as sqrt(v) (state_root; _spec.EXP_AVG_RELATIVE)."""
     if scales is None:
         return state.to(torch.float64 if state.dtype == torch.float64 else torch.float32)
     if state.dtype == torch.float16:
@@ -333,5 +375,21 @@ def decode_state(state: torch.Tensor, scales: Optional[torch.Tensor], second_mom
         return u * u if second_moment else u
     if state.dtype in FP8_FORMATS:
         return dequantize_fp8(state, scales, FP8_FORMATS[state.dtype], second_moment, shape)
-    return dequantize_low_bit(state, scales, low_bit_format(scales.dtype), second_moment, shape)
+    return dequantize_low_bit(state, scales, low_bit_format(scales.dtype), second_moment, shape, root)
+
+
+def is_relative(state: torch.Tensor, scales: Optional[torch.Tensor]) -> bool:
+    """Whether an exp_avg state so stored is coded relative to its exp_avg_sq (_spec.EXP_AVG_RELATIVE: 4-bit)."""
+    return (scales is not None and state.dtype == torch.uint8 and scales.dtype in (torch.float32, torch.bfloat16)
+            and low_bit_format(scales.dtype).exp_avg_relative)
+
+
+def state_root(state: torch.Tensor, scales: Optional[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """The decoded sqrt(v) of an exp_avg_sq state that a relative exp_avg pairs with: low_bit_root of its codes.
+    Only a state in the relative format itself can pair (both moments 4-bit); anything else is a ValueError."""
+    if not is_relative(state, scales):
+        raise ValueError(f"a 4-bit exp_avg is coded relative to a 4-bit exp_avg_sq (both moments torch.uint4), "
+                         f"but exp_avg_sq is stored as {state.dtype}"
+                         + ("" if scales is None else f" with {scales.dtype} scales"))
+    return low_bit_root(state, scales, low_bit_format(scales.dtype), shape)
 

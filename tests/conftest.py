@@ -157,7 +157,10 @@ def state_values(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> Optio
     if key + "_scale" in state:  # fp16 codes (sqrt(v) for second moments) or low-bit codes (ops/README.md)
         from ort_optim import formats
 
-        return formats.decode_state(value, state[key + "_scale"], key != "exp_avg", p.shape)
+        root = None  # a 4-bit exp_avg is decoded through its exp_avg_sq (ort_optim._spec.EXP_AVG_RELATIVE)
+        if key == "exp_avg" and formats.is_relative(value, state[key + "_scale"]):
+            root = formats.state_root(state["exp_avg_sq"], state["exp_avg_sq_scale"], p.shape)
+        return formats.decode_state(value, state[key + "_scale"], key != "exp_avg", p.shape, root)
     return value
 
 

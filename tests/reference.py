@@ -159,6 +159,7 @@ def round_state(x: torch.Tensor, dtype: torch.dtype, second_moment: bool = False
 # moment's overflowed v (sqrt(v) = inf) reads back as inf, and its block is quantised by its other values.
 
 LOW_BIT_DTYPES = (torch.uint8, torch.uint4)
+_NO_ROOT = object()  # round_low_bit's inner call that codes r itself
 
 
 def _low_bit_spec(dtype: torch.dtype):
@@ -202,11 +203,22 @@ def exp_avg_random_bits(values: torch.Tensor, step: int) -> np.ndarray:
 
 
 def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step: int = 0,
-                  exp_avg_rounding: str = "stochastic") -> torch.Tensor:
+                  exp_avg_rounding: str = "stochastic", root: Optional[torch.Tensor] = None,
+                  as_root: bool = False) -> torch.Tensor:
     """x (float64) as a low-bit state reads back, as float64. exp_avg_rounding: "stochastic" (the format's rule,
     random bits from step; step 0, a conversion outside a step: the nearest level, ties up), or "down" / "up": the
-    level at or below / the next one up (the two candidates)."""
+    level at or below / the next one up (the two candidates). root: for the 4-bit exp_avg, the decoded sqrt(v) u of
+    its exp_avg_sq (float32 values): what is coded is then r = m / u (the float64 quotient rounded to float32, which
+    is the correctly rounded float32 one; 0 where u = 0), and it reads back as q * u in float32 (0 where q = 0).
+    as_root: for a second moment, sqrt(v) as its codes read back (level * scale; inf for an overflowed v), not v."""
     fmt = _low_bit_spec(dtype)
+    if not second_moment and fmt.exp_avg_relative and root is not _NO_ROOT:
+        assert root is not None, "the 4-bit exp_avg is coded relative to its exp_avg_sq's sqrt(v): pass root"
+        u = root.reshape(-1).double()
+        r = torch.where(u == 0, torch.zeros_like(u), x.reshape(-1).float().double() / u).float()
+        q = round_low_bit(r.double(), dtype, False, step, exp_avg_rounding, root=_NO_ROOT)
+        q = q.float()
+        return torch.where(q == 0, torch.zeros_like(q), q * u.float()).double().view(x.shape)
     levels = torch.tensor(fmt.exp_avg_sq_levels if second_moment else fmt.exp_avg_levels, dtype=torch.float32)
     # sqrt(v): the nearest level in 1/sqrt(v) (thresholds 2ab / (a + b) between levels a < b, in float64, rounded to
     # float32); exp_avg: the level at or below (thresholds at the levels), after
@@ -236,7 +248,8 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
         snapped = a * torch.tensor(1.0 + 2.0**-20, dtype=torch.float32) if not second_moment else a
         index = (snapped.clamp(max=1.0)[:, None] >= thresholds[None, :]).sum(dim=1)
         if not second_moment and exp_avg_rounding != "down":
-            below_top = (index > 0) & (index < len(levels) - 1)  # and above zero: toward zero below levels[1]
+            # and above zero: toward zero below levels[1], except the 4-bit exp_avg of m / sqrt(v), stochastic there too
+            below_top = ((index >= 0) if fmt.exp_avg_relative else (index > 0)) & (index < len(levels) - 1)
             if exp_avg_rounding == "up":
                 up = below_top
             elif step == 0:  # a conversion outside a step (checkpoint loads, from_optimizer): the nearest level
@@ -254,7 +267,7 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
         value = levels[index] * torch.tensor(s, dtype=torch.float32)
         value = torch.where(overflowed, torch.full_like(value, math.inf), value)
         value = torch.where((chunk < 0) & (index > 0), -value, value) if not second_moment else value
-        out[b * fmt.block:(b + 1) * fmt.block] = value * value if second_moment else value
+        out[b * fmt.block:(b + 1) * fmt.block] = value * value if second_moment and not as_root else value
     return out.double().view(x.shape)
 
 

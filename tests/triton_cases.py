@@ -22,7 +22,8 @@ import torch
 
 from ort_optim._spec import FP8_FORMATS, LOW_BIT_FORMATS, low_bit_format
 from ort_optim.backends.reference import round_bf16_stochastic
-from ort_optim.formats import dequantize_fp8, dequantize_low_bit, encode_state, quantize_fp8, quantize_low_bit
+from ort_optim.formats import (dequantize_fp8, dequantize_low_bit, encode_state, is_relative, quantize_fp8,
+                               quantize_low_bit, state_root)
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 U8, U4 = torch.uint8, torch.uint4  # the exp_avg_dtype / exp_avg_sq_dtype options of the 8-bit and 4-bit formats
@@ -111,18 +112,23 @@ def reference_step(args: list, hp: dict) -> None:
         (-1.0 if hp["maximize"] else 1.0)
     amsgrad = len(vmaxs) > 0
 
-    def read_state(t, scales, second, shape):
+    def read_state(t, scales, second, shape, root=None):
         if scales is not None and t.dtype in FP8_FORMATS:
             return dequantize_fp8(t.cpu(), scales.cpu(), FP8_FORMATS[t.dtype], second, shape).reshape(-1).numpy()
         if scales is not None and t.dtype == torch.uint8:
             return dequantize_low_bit(t.cpu(), scales.cpu(), low_bit_format(scales.dtype), second,
-                                      shape).reshape(-1).numpy()
+                                      shape, root).reshape(-1).numpy()
         if scales is not None:
             u = ref_dequantize(t.cpu().reshape(-1).numpy(), scales.cpu().numpy())
             return u * u if second else u
         return _to_numpy(t)
 
-    def write_state(values, t, scales, second, step, m=None):
+    def root(i, shape):  # a 4-bit exp_avg's: the decoded sqrt(v) of exp_avg_sq as stored now (EXP_AVG_RELATIVE)
+        if len(mss) and is_relative(ms[i], mss[i]):
+            return state_root(vs[i].cpu(), vss[i].cpu(), shape)
+        return None
+
+    def write_state(values, t, scales, second, step, m=None, root=None):
         if scales is not None and t.dtype in FP8_FORMATS:  # (m: the step's exp_avg, whose hash rounds both moments)
             codes, new_scales = quantize_fp8(torch.from_numpy(values.astype(np.float32)), FP8_FORMATS[t.dtype],
                                              second, step, None if m is None else torch.from_numpy(m.astype(np.float32)))
@@ -130,7 +136,7 @@ def reference_step(args: list, hp: dict) -> None:
             scales.copy_(canonical_nan(new_scales))
         elif scales is not None and t.dtype == torch.uint8:  # (step: mixed into exp_avg's stochastic rounding)
             codes, new_scales = quantize_low_bit(torch.from_numpy(values.astype(np.float32)),
-                                                 low_bit_format(scales.dtype), second, step)
+                                                 low_bit_format(scales.dtype), second, step, root)
             t.copy_(codes.view(t.shape))
             scales.copy_(canonical_nan(new_scales))
         elif scales is not None:
@@ -149,7 +155,7 @@ def reference_step(args: list, hp: dict) -> None:
         master = masters[i] if len(masters) else None
         g = _to_numpy(grads[i]).astype(F) * F(grad_mul)
         p = _to_numpy(master if master is not None else param).astype(F)
-        m = read_state(ms[i], mss[i] if len(mss) else None, False, param.shape).astype(F)
+        m = read_state(ms[i], mss[i] if len(mss) else None, False, param.shape, root(i, param.shape)).astype(F)
         v = read_state(vs[i], vss[i] if len(vss) else None, True, param.shape).astype(F)
         with np.errstate(all="ignore"):  # inf and NaN are legitimate IEEE results here
             if mode == 0:
@@ -169,10 +175,10 @@ def reference_step(args: list, hp: dict) -> None:
                 p = p - F(step_size) * (m / (np.sqrt(v_used) + F(eps)))
                 if mode == 1:
                     p = p - F(lr * wd) * p
-        write_state(m, ms[i], mss[i] if len(mss) else None, False, int(t))
-        write_state(v, vs[i], vss[i] if len(vss) else None, True, int(t), m)
+        write_state(v, vs[i], vss[i] if len(vss) else None, True, int(t), m)  # (exp_avg_sq first: EXP_AVG_RELATIVE)
         if amsgrad:
             write_state(vmax, vmaxs[i], vmaxss[i] if len(vmaxss) else None, True, int(t), m)
+        write_state(m, ms[i], mss[i] if len(mss) else None, False, int(t), root=root(i, param.shape))
         if master is not None:
             master.copy_(torch.from_numpy(p.astype(np.float32)).reshape(master.shape))
         if hp.get("rounding_keys") is not None:  # stochastic rounding: the spec's hash, from the reference
@@ -200,8 +206,8 @@ COMBOS = {
     "fp32-q8": (F32, U8, U8, False),
     "fp32-q4": (F32, U4, U4, False),
     "bf16-master-q8m-q4v": (BF16, U8, U4, True),
-    "bf16-q4m-q8v": (BF16, U4, U8, False),
-    "fp16-master-q4m-fp16v": (F16, U4, F16, True),
+    "bf16-q4": (BF16, U4, U4, False),  # (a 4-bit exp_avg is coded relative to a 4-bit exp_avg_sq: both 4-bit)
+    "fp16-master-q8m-q4v": (F16, U8, U4, True),
     # fp8 states (float8 codes with float32 power-of-two block scales), alone and mixed with the others
     "fp32-fp8": (F32, E4M3, E4M3, False),
     "fp32-e5m2": (F32, E5M2, E5M2, False),
@@ -234,10 +240,12 @@ def make_case(combo: str, amsgrad: bool, seed: int, shapes=SHAPES, grad_dtype=No
         v = rand(shape, 1e-2 * 10.0 ** (-j)).abs() ** 2
         if p.numel() > 1500:
             m.view(-1)[1024:2048] = 0.0  # an all-zero block: scale 1
-        for value, dtype, out, outs, second in ((m, mdt, ms, mss, False), (v, vdt, vs, vss, True)) + \
+        # exp_avg_sq first: a 4-bit exp_avg is coded relative to it (EXP_AVG_RELATIVE)
+        for value, dtype, out, outs, second in ((v, vdt, vs, vss, True), (m, mdt, ms, mss, False)) + \
                 (((v * 1.5, vdt, vmaxs, vmaxss, True),) if amsgrad else ()):
             if dtype in QUANTISED:
-                codes, scales = encode_state(value.float(), dtype, second)
+                pair = (state_root(vs[-1], vss[-1], shape) if not second and dtype == U4 else None)
+                codes, scales = encode_state(value.float(), dtype, second, pair)
                 out.append(codes)
                 outs.append(scales)
             elif dtype == F16 and scaled:
@@ -333,7 +341,9 @@ def decoded(args, which: int, i: int) -> torch.Tensor:
     if scales is not None and t.dtype in FP8_FORMATS:
         return dequantize_fp8(t, scales, FP8_FORMATS[t.dtype], second, shape).double()
     if scales is not None and t.dtype == torch.uint8:
-        return dequantize_low_bit(t, scales, low_bit_format(scales.dtype), second, shape).double()
+        root = (state_root(args[3][i].detach().cpu(), args[7][i].cpu(), shape)
+                if not second and is_relative(t, scales) else None)  # (a 4-bit exp_avg: EXP_AVG_RELATIVE)
+        return dequantize_low_bit(t, scales, low_bit_format(scales.dtype), second, shape, root).double()
     if scales is not None:
         u = torch.from_numpy(ref_dequantize(t.reshape(-1).numpy(), scales.numpy())).reshape(shape).double()
         return u * u if second else u

@@ -437,10 +437,10 @@ def benchmarks(device, dry_run: bool, results: dict) -> None:
             triton_backend.MAXNREG = maxnreg
             triton_backend.clear_caches()
             opt = FusedAdam(make_params(shape), lr=1e-3, adam_w_mode=2, amsgrad=True, exp_avg_dtype=torch.uint4,
-                            exp_avg_sq_dtype=torch.uint8)
+                            exp_avg_sq_dtype=torch.uint4)
             opt.step()
             med = statistics.median(timer.time(opt.step, iters=iters, warmup=warmup))
-            sweep.append({"moments": "4-bit m, 8-bit v, amsgrad", "maxnreg": maxnreg, "median_ms": round(med, 4)})
+            sweep.append({"moments": "4-bit, amsgrad", "maxnreg": maxnreg, "median_ms": round(med, 4)})
     finally:
         triton_backend.NUM_WARPS, triton_backend.BLOCKS_PER_PROGRAM = saved
         triton_backend.MAXNREG = None

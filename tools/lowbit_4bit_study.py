@@ -3,6 +3,8 @@
 
     python tools/lowbit_4bit_study.py --tasks digits,zipf,gpt --seeds 0-29 --jobs 2 --out results/q4
     python tools/lowbit_4bit_study.py --quick                 # tiny sizes, two seeds: a smoke test
+    python tools/lowbit_4bit_study.py --tasks digits --seeds 0-7 --baseline "FusedAdam fp32" \
+        --candidates "FusedAdam fp32,FusedAdam uint4"         # the real optimizer (its backend), not the simulation
 
 AdamW in float32 with torch.optim.AdamW's math (decoupled weight decay, eps outside the bias-corrected sqrt), whose
 moments pass through a candidate format after every step as FusedAdam stores them: a step's update uses its exact new
@@ -12,10 +14,13 @@ transformations a candidate adds (rank-1 normalisation, exp_avg relative to sqrt
 
 Candidates (``CANDIDATES``; B/param counts codes and scales of both moments):
 
-* ``4-bit``: the stored format, ``_spec.Q4`` (block 128, bfloat16 scales, exp_avg levels 0, 0.1 .. 1 in decades,
-  rounded stochastically; sqrt(v) on 16 levels 0.001 .. 1, nearest in 1/sqrt(v)).
-* ``4-bit nearest``: exp_avg rounded to the nearest level instead.
-* ``4-bit block 64``: both moments in blocks of 64 (1.0625 B/param).
+* ``4-bit``: the stored format, ``_spec.Q4`` (block 128, bfloat16 scales; sqrt(v) on 16 levels 0.001 .. 1, nearest
+  in 1/sqrt(v); exp_avg as r = m / sqrt(v) on 7 linear magnitudes k / 7, rounded stochastically, below 1/7 too:
+  ``_spec.EXP_AVG_RELATIVE``), through ``formats``' own coupled encoder and decoder.
+* ``4-bit decades``: the earlier 4-bit exp_avg, m itself on the levels 0, 0.1 .. 1 in decades (``DECADE_M``),
+  rounded stochastically; sqrt(v) as in ``4-bit``. The candidates below build on it unless they say otherwise.
+* ``4-bit nearest``: ``4-bit decades`` with exp_avg rounded to the nearest level instead.
+* ``4-bit block 64``: ``4-bit decades`` with both moments in blocks of 64 (1.0625 B/param).
 * ``geometric m + dense v``: denser levels where most elements of a block lie (exp_avg 0.01, 0.05, 0.12, 0.22,
   0.38, 0.62, 1; sqrt(v) 0.001, 0.004, 0.01, 0.02, ... 0.85, 1).
 * ``rank-1 v``: sqrt(v) of a matrix normalised per element by min(its row's maximum, its column's maximum) (Li et al.
@@ -24,8 +29,13 @@ Candidates (``CANDIDATES``; B/param counts codes and scales of both moments):
   as in ``4-bit`` rounded to nearest.
 * ``m/sqrt(v) linear``: the second moment as in ``4-bit``; exp_avg stored as ``r = m / sqrt(v_decoded)`` (the
   update's direction before bias correction, since the update is m / sqrt(v)), block-scaled on 7 linear magnitudes
-  k / 7, rounded stochastically; decoded as ``r * sqrt(v_decoded)``. Same bytes as ``4-bit``.
+  k / 7, rounded stochastically, toward zero below 1/7; decoded as ``r * sqrt(v_decoded)``. Same bytes as
+  ``4-bit``: the simulation from which the stored format was chosen (u here is sqrt(v_decoded) in float32; the
+  format reads u from the codes, and rounds stochastically below 1/7 too).
 * ``m/sqrt(v) linear nearest``: the same, r rounded to the nearest level.
+* ``FusedAdam uint4`` / ``FusedAdam fp32``: not a simulation: ``ort_optim.FusedAdam`` itself (adam_w_mode
+  ADAMW_TORCH, whatever backend runs: the native CPU kernel where it is built) with ``torch.uint4`` moments / fp32
+  moments. Pair them with ``--baseline "FusedAdam fp32"``.
 
 Tasks (each seed fixes the initial weights and the batches; every candidate of a seed sees the same ones):
 
@@ -34,8 +44,8 @@ Tasks (each seed fixes the initial weights and the batches; every candidate of a
 * ``zipf``: the Zipf bag-of-tokens classifier of ``ort_optim.bench.lowbit.zipf_task`` (16384 x 32 embeddings).
 * ``gpt``: the small GPT of ``guides/examples/lowbit_quality.py`` (2 layers x 64, 300 steps).
 
-Reported per task and candidate: the paired relative difference of the mean training loss (over all steps) to fp32
-moments, its mean over seeds with its standard error, the ratio of the seed-averaged losses, the range over seeds.
+Reported per task and candidate: the paired relative difference of the mean training loss (over all steps) to the
+baseline (``--baseline``, fp32 moments in the simulation by default), its mean over seeds with its standard error, the ratio of the seed-averaged losses, the range over seeds.
 Written to ``--out``: ``lowbit_4bit_study.json`` (every run) and ``lowbit_4bit_study.md`` (the table). With
 ``--update-error``: the update-space error of each candidate on the moments of one fp32 run (no training noise).
 """
@@ -65,6 +75,8 @@ from ort_optim.bench import lowbit  # noqa: E402
 from ort_optim.bench.lowbit import TrainingRun  # noqa: E402
 
 Q4 = _spec.Q4
+DECADE_M = (0.0,) + _spec.decade_levels((1, 2, 4))
+Q4_DECADES = dataclasses.replace(Q4, exp_avg_levels=DECADE_M, exp_avg_relative=False)
 LINEAR_M = (0.0,) + tuple(k / 7 for k in range(1, 8))
 GEOMETRIC_M = (0.0, 0.01, 0.05, 0.12, 0.22, 0.38, 0.62, 1.0)
 DENSE_V = (0.001, 0.004, 0.01, 0.02, 0.04, 0.07, 0.1, 0.14, 0.19, 0.26, 0.34, 0.44, 0.56, 0.7, 0.85, 1.0)
@@ -79,7 +91,7 @@ TARGET = 0.015  # the mean training loss of 4-bit moments within +1.5% of fp32 m
 class Candidate:
     """A moment format: block quantisation with ``fmt``'s levels and block, plus the options below."""
 
-    fmt: _spec.LowBitFormat = Q4
+    fmt: _spec.LowBitFormat = Q4_DECADES
     nearest: bool = False  # exp_avg (or r) rounded to the nearest level, not stochastically
     relative: bool = False  # exp_avg stored as r = m / sqrt(v_decoded)
     rank1: bool = False  # sqrt(v) of matrices normalised by min(row max, column max)
@@ -104,9 +116,13 @@ class Candidate:
         codes, scales = formats.quantize_low_bit(v, self.fmt, True)
         return formats.dequantize_low_bit(codes, scales, self.fmt, True, v.shape)
 
-    def first_moment(self, m: torch.Tensor, v_decoded: torch.Tensor, step: int) -> torch.Tensor:
+    def first_moment(self, m: torch.Tensor, v_decoded: torch.Tensor, step: int, v: torch.Tensor) -> torch.Tensor:
         """m -> its decoded value (step: the Adam step, whose number the stochastic rounding mixes in; 0 rounds to
-        nearest)."""
+        nearest). v: the exact new second moment that second_moment stored as v_decoded."""
+        if self.fmt.exp_avg_relative:  # the stored format: coded against the u that v's codes decode to
+            root = formats.low_bit_root(*formats.quantize_low_bit(v, self.fmt, True), self.fmt, v.shape)
+            codes, scales = formats.quantize_low_bit(m, self.fmt, False, 0 if self.nearest else step, root)
+            return formats.dequantize_low_bit(codes, scales, self.fmt, False, m.shape, root)
         if not self.relative:
             codes, scales = formats.quantize_low_bit(m, self.fmt, False, 0 if self.nearest else step)
             return formats.dequantize_low_bit(codes, scales, self.fmt, False, m.shape)
@@ -132,27 +148,67 @@ def _rank1(v: torch.Tensor, fmt: _spec.LowBitFormat, linear_v: bool) -> torch.Te
     return decoded if linear_v else decoded * decoded
 
 
+@dataclasses.dataclass(frozen=True)
+class Real:
+    """ort_optim.FusedAdam itself with moments of this dtype (not a simulation)."""
+
+    dtype: torch.dtype
+
+    def bytes_per_param(self, shapes) -> float:
+        fmt = _spec.LOW_BIT_FORMATS.get(self.dtype)
+        if fmt is None:
+            return 2 * self.dtype.itemsize
+        return sum(2 * (math.prod(s) * fmt.bits / 8 + fmt.num_scales(math.prod(s)) * fmt.scale_dtype.itemsize)
+                   for s in shapes) / sum(math.prod(s) for s in shapes)
+
+
 CANDIDATES = {
     "fp32": None,
-    "4-bit": Candidate(),
+    "4-bit": Candidate(fmt=Q4),
+    "4-bit decades": Candidate(),
     "4-bit nearest": Candidate(nearest=True),
-    "4-bit block 64": Candidate(fmt=dataclasses.replace(Q4, block=64)),
-    "geometric m + dense v": Candidate(fmt=dataclasses.replace(Q4, exp_avg_levels=GEOMETRIC_M,
+    "4-bit block 64": Candidate(fmt=dataclasses.replace(Q4_DECADES, block=64)),
+    "geometric m + dense v": Candidate(fmt=dataclasses.replace(Q4_DECADES, exp_avg_levels=GEOMETRIC_M,
                                                                exp_avg_sq_levels=DENSE_V)),
     "rank-1 v": Candidate(rank1=True),
     "Li et al.": Candidate(rank1=True, linear_v=True, nearest=True),
-    "m/sqrt(v) linear": Candidate(fmt=dataclasses.replace(Q4, exp_avg_levels=LINEAR_M), relative=True),
-    "m/sqrt(v) linear nearest": Candidate(fmt=dataclasses.replace(Q4, exp_avg_levels=LINEAR_M), relative=True,
-                                              nearest=True),
+    "m/sqrt(v) linear": Candidate(fmt=dataclasses.replace(Q4_DECADES, exp_avg_levels=LINEAR_M), relative=True),
+    "m/sqrt(v) linear nearest": Candidate(fmt=dataclasses.replace(Q4_DECADES, exp_avg_levels=LINEAR_M),
+                                              relative=True, nearest=True),
+    "FusedAdam uint4": Real(torch.uint4),
+    "FusedAdam fp32": Real(torch.float32),
 }
 
 
 # ---- AdamW with stored moments -------------------------------------------------------------------------------------
 
 
+def train_fused(run: TrainingRun, real: Real) -> float:
+    """The mean training loss over all steps (inf if it diverged) with ort_optim.FusedAdam (torch's AdamW math)."""
+    from ort_optim import AdamWMode, FusedAdam
+
+    groups = [dict(params=group["params"], weight_decay=group.get("weight_decay", 0.0)) for group in run.groups]
+    opt = FusedAdam(groups, lr=run.lr_at(0), betas=run.betas, eps=run.eps, adam_w_mode=AdamWMode.ADAMW_TORCH,
+                    exp_avg_dtype=real.dtype, exp_avg_sq_dtype=real.dtype)
+    losses = []
+    for step, batch in enumerate(run.batches, start=1):
+        for group in opt.param_groups:
+            group["lr"] = run.lr_at(step - 1)
+        loss = run.loss(run.model, batch)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):
+            return math.inf
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return statistics.fmean(losses)
+
+
 def train(run: TrainingRun, candidate, snapshots: list | None = None, every: int = 10) -> float:
     """The mean training loss over all steps (inf if it diverged). snapshots: a list that receives (step, m, v) of
     every param at every ``every``-th step (the exact new moments, before any storage)."""
+    if isinstance(candidate, Real):
+        return train_fused(run, candidate)
     b1, b2 = run.betas
     params = [(p, group.get("weight_decay", 0.0)) for group in run.groups for p in group["params"]]
     state = {}
@@ -176,8 +232,8 @@ def train(run: TrainingRun, candidate, snapshots: list | None = None, every: int
                 if snapshots is not None and step % every == 0:
                     snapshots.append((step, m.clone(), v.clone()))
                 if candidate is not None:
-                    v = candidate.second_moment(v)
-                    m = candidate.first_moment(m, v, step)
+                    v_stored = candidate.second_moment(v)
+                    m, v = candidate.first_moment(m, v_stored, step, v), v_stored
                 state[p] = (m, v)
                 p.grad = None
     return statistics.fmean(losses)
@@ -247,7 +303,7 @@ def update_error(task: str, seed: int, names, quick: bool) -> list[dict]:
             bc1, bc2 = 1 - b1 ** step, math.sqrt(1 - b2 ** step)
             exact = (m / bc1) / (v.sqrt() / bc2 + run.eps)
             v_stored = candidate.second_moment(v)
-            m_stored = candidate.first_moment(m, v_stored, step)
+            m_stored = candidate.first_moment(m, v_stored, step, v)
             stored = (m_stored / bc1) / (v_stored.sqrt() / bc2 + run.eps)
             m_only = (m_stored / bc1) / (v.sqrt() / bc2 + run.eps)
             total += float(exact.double().square().sum())
@@ -261,18 +317,18 @@ def update_error(task: str, seed: int, names, quick: bool) -> list[dict]:
 # ---- report --------------------------------------------------------------------------------------------------------
 
 
-def summarise(records) -> list[dict]:
-    """Per task and candidate: the paired relative differences to fp32 moments over the seeds both ran."""
+def summarise(records, baseline: str = "fp32") -> list[dict]:
+    """Per task and candidate: the paired relative differences to the baseline over the seeds both ran."""
     losses = {(r["task"], r["candidate"], r["seed"]): r["mean_loss"] for r in records}
     rows = []
     for task in dict.fromkeys(r["task"] for r in records):
         for name in dict.fromkeys(r["candidate"] for r in records if r["task"] == task):
-            if name == "fp32":
+            if name == baseline:
                 continue
-            seeds = sorted(s for (t, c, s) in losses if t == task and c == name and (task, "fp32", s) in losses)
+            seeds = sorted(s for (t, c, s) in losses if t == task and c == name and (task, baseline, s) in losses)
             if not seeds:
                 continue
-            base = [losses[(task, "fp32", s)] for s in seeds]
+            base = [losses[(task, baseline, s)] for s in seeds]
             mine = [losses[(task, name, s)] for s in seeds]
             diffs = [(x - y) / y for x, y in zip(mine, base)]
             se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
@@ -308,6 +364,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--tasks", default="digits,zipf,gpt")
     parser.add_argument("--candidates", default=",".join(CANDIDATES))
     parser.add_argument("--seeds", default="0-2", help="e.g. 0-29 or 0,3,5")
+    parser.add_argument("--baseline", default="fp32", help="the candidate the others are paired against")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (one thread each)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and seeds 0-1: a smoke test")
     parser.add_argument("--out", default="results")
@@ -319,8 +376,10 @@ def main(argv=None) -> list[dict]:
     unknown = [n for n in names if n not in CANDIDATES]
     if unknown:
         parser.error(f"unknown candidates {unknown}: choose from {list(CANDIDATES)}")
-    if "fp32" not in names:
-        names.insert(0, "fp32")
+    if args.baseline not in CANDIDATES:
+        parser.error(f"unknown baseline {args.baseline!r}: choose from {list(CANDIDATES)}")
+    if args.baseline not in names:
+        names.insert(0, args.baseline)
     seeds = [0, 1] if args.quick else parse_seeds(args.seeds)
     if args.update_error:
         rows = [row for task in args.tasks.split(",") for row in update_error(task, seeds[0], names, args.quick)]
@@ -334,7 +393,7 @@ def main(argv=None) -> list[dict]:
         for record in pool.imap_unordered(run_one, jobs):
             records.append(record)
             print(json.dumps(record), flush=True)
-    rows = summarise(records)
+    rows = summarise(records, args.baseline)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "lowbit_4bit_study.json").write_text(json.dumps(dict(records=records, summary=rows), indent=1))

@@ -65,6 +65,7 @@ def spec_header() -> str:
             f"constexpr int k{tag}Bits = {fmt.bits};",
             f"constexpr int k{tag}Block = {fmt.block};",
             f"constexpr bool k{tag}Bf16Scales = {'true' if fmt.scale_dtype == torch.bfloat16 else 'false'};",
+            f"constexpr bool k{tag}ExpAvgRelative = {'true' if fmt.exp_avg_relative else 'false'};",
             array(f"k{tag}ExpAvgLevels", fmt.exp_avg_levels),
             array(f"k{tag}ExpAvgSqLevels", fmt.exp_avg_sq_levels),
             array(f"k{tag}ExpAvgThresholds", _spec.thresholds(fmt.exp_avg_levels, False)),

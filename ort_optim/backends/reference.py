@@ -15,16 +15,25 @@ from typing import Optional, Sequence
 import torch
 
 from .._spec import FP8_FORMATS, low_bit_format, splitmix64
-from ..formats import MASK32, decode_state, fmix32, quantize_fp8, quantize_fp16, quantize_low_bit, sqrt_f32
+from ..formats import (MASK32, decode_state, fmix32, is_relative, quantize_fp8, quantize_fp16, quantize_low_bit,
+                       sqrt_f32, state_root)
 
 
 def _read_state(state: torch.Tensor, scales: Optional[torch.Tensor], dtype: torch.dtype, second_moment: bool,
-                shape: torch.Size) -> torch.Tensor:
-    return decode_state(state, scales, second_moment, shape).to(dtype)
+                shape: torch.Size, root: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return decode_state(state, scales, second_moment, shape, root).to(dtype)
+
+
+def _root(exp_avg: torch.Tensor, exp_avg_scales: Optional[torch.Tensor], exp_avg_sq: torch.Tensor,
+          exp_avg_sq_scales: Optional[torch.Tensor], shape: torch.Size) -> Optional[torch.Tensor]:
+    """The decoded sqrt(v) that a 4-bit exp_avg is coded against (_spec.EXP_AVG_RELATIVE), from exp_avg_sq's codes
+    as they are now; None for other exp_avg formats."""
+    return state_root(exp_avg_sq, exp_avg_sq_scales, shape) if is_relative(exp_avg, exp_avg_scales) else None
 
 
 def _write_state(values: torch.Tensor, state: torch.Tensor, scales: Optional[torch.Tensor],
-                 second_moment: bool, step: int = 0, exp_avg: Optional[torch.Tensor] = None) -> None:
+                 second_moment: bool, step: int = 0, exp_avg: Optional[torch.Tensor] = None,
+                 root: Optional[torch.Tensor] = None) -> None:
     if scales is None:
         state.copy_(values)
         return
@@ -33,7 +42,7 @@ def _write_state(values: torch.Tensor, state: torch.Tensor, scales: Optional[tor
     elif state.dtype in FP8_FORMATS:
         codes, new_scales = quantize_fp8(values, FP8_FORMATS[state.dtype], second_moment, step, exp_avg)
     else:
-        codes, new_scales = quantize_low_bit(values, low_bit_format(scales.dtype), second_moment, step)
+        codes, new_scales = quantize_low_bit(values, low_bit_format(scales.dtype), second_moment, step, root)
     state.copy_(codes.view(state.shape))
     scales.copy_(new_scales)
 
@@ -102,6 +111,12 @@ def adam_step_(
                 raise RuntimeError(f"ort_optim::adam_step_: rounding_keys (stochastic rounding) given but params[{i}] "
                                    f"is {param.dtype}; stochastic rounding is for bfloat16 params without master "
                                    "weights")
+    for i in range(len(params)):  # a 4-bit exp_avg is decoded through a 4-bit exp_avg_sq (_spec.EXP_AVG_RELATIVE)
+        if (len(exp_avg_scales) and is_relative(exp_avgs[i], exp_avg_scales[i])
+                and not (len(exp_avg_sq_scales) and is_relative(exp_avg_sqs[i], exp_avg_sq_scales[i]))):
+            raise RuntimeError(f"ort_optim::adam_step_: exp_avgs[{i}] holds 4-bit codes, which are coded relative to "
+                               f"a 4-bit exp_avg_sq, but exp_avg_sqs[{i}] is not 4-bit codes: store both moments as "
+                               "torch.uint4")
     if found_inf is not None and float(found_inf) != 0.0:
         return
     if grad_scale is not None:  # checked before anything is written, as the native op does
@@ -127,7 +142,9 @@ def adam_step_(
             master = optional(master_params, i)
             p = (master if master is not None else param).to(compute, copy=True)
             g = grads[i].to(compute) * grad_mul
-            m = _read_state(exp_avgs[i], optional(exp_avg_scales, i), compute, False, param.shape)
+            m_scales, v_scales = optional(exp_avg_scales, i), optional(exp_avg_sq_scales, i)
+            m = _read_state(exp_avgs[i], m_scales, compute, False, param.shape,
+                            _root(exp_avgs[i], m_scales, exp_avg_sqs[i], v_scales, param.shape))
             v = _read_state(exp_avg_sqs[i], optional(exp_avg_sq_scales, i), compute, True, param.shape)
             if adam_w_mode == 0:
                 g = g + weight_decay * p
@@ -149,8 +166,10 @@ def adam_step_(
                 p = p - (lr * math.sqrt(bc2) / bc1) * (m / (root + eps))
                 if adam_w_mode == 1:
                     p = p - (lr * weight_decay) * p
-            _write_state(m, exp_avgs[i], optional(exp_avg_scales, i), False, int(t))
-            _write_state(v, exp_avg_sqs[i], optional(exp_avg_sq_scales, i), True, int(t), m)
+            # exp_avg_sq first: a 4-bit exp_avg is coded against its new codes (_spec.EXP_AVG_RELATIVE)
+            _write_state(v, exp_avg_sqs[i], v_scales, True, int(t), m)
+            _write_state(m, exp_avgs[i], m_scales, False, int(t),
+                         root=_root(exp_avgs[i], m_scales, exp_avg_sqs[i], v_scales, param.shape))
             if amsgrad:
                 _write_state(vmax, max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), True, int(t), m)
             if master is not None:

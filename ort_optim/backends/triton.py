@@ -61,6 +61,9 @@ CACHE_SIZE = 64
 _DT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 # Low-bit states are uint8 code tensors; their scales' dtype tells the format (float32: 8-bit, bfloat16: 4-bit).
 _LOW_BIT = {Q8.scale_dtype: (4, Q8), Q4.scale_dtype: (5, Q4)}
+if not Q4.exp_avg_relative or Q8.exp_avg_relative:  # what the kernels implement (_spec.EXP_AVG_RELATIVE)
+    raise RuntimeError("ort_optim: the Triton kernels code a 4-bit exp_avg relative to its exp_avg_sq and an 8-bit one "
+                       "as m itself; ort_optim._spec's formats say otherwise")
 # fp8 states hold their codes in the float8 dtypes themselves, with float32 power-of-two scales (_spec.Fp8Format).
 _FP8 = {torch.float8_e4m3fn: 6, torch.float8_e5m2: 7}
 _FLOAT_STORAGE = (torch.float32, torch.float16, torch.bfloat16)
@@ -548,6 +551,10 @@ def _build_groups(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_
         keyed.setdefault(key, []).append(i)
     groups = []
     for (p_dt, g_dt, m_dt, v_dt), indices in keyed.items():
+        if m_dt == 5 and v_dt != 5:  # (_spec.EXP_AVG_RELATIVE: the kernel decodes a 4-bit exp_avg through exp_avg_sq)
+            raise RuntimeError(f"ort_optim::adam_step_: exp_avgs[{indices[0]}] holds 4-bit codes, which are coded "
+                               f"relative to a 4-bit exp_avg_sq, but exp_avg_sqs[{indices[0]}] is not 4-bit codes: "
+                               "store both moments as torch.uint4")
         rows = []
         numels = []
         for i in indices:

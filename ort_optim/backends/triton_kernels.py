@@ -178,10 +178,13 @@ def _load_state(addr, scale_addr, lut_ptr, offs, mask, block_index, DT: tl.const
 @_device
 def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, step, DT: tl.constexpr, SCALED: tl.constexpr,
                  SECOND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, rnd=0):
+    """Stores x into a moment state. Returns, for a 4-bit second moment (DT == Q4), the decoded sqrt(v) of the codes
+    written (what a 4-bit exp_avg is coded against, _spec.EXP_AVG_RELATIVE), else 0."""
+    root = 0.0
     if DT >= 6:  # (rnd: _fp8_random_bits of this step's exp_avg)
         _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT, SECOND, BLOCK)
     elif DT >= 4:
-        _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT, SECOND, BLOCK)
+        root = _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT, SECOND, BLOCK)
     elif SCALED:
         if SECOND:
             x = _sqrt(x, False)
@@ -195,6 +198,7 @@ def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, step, DT
         tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + block_index, s)
     else:
         _store(addr, offs, x, mask, DT, ALIGNED)
+    return root
 
 
 # ---- 8-bit and 4-bit states (_spec.Q8, _spec.Q4; formats.quantize_low_bit is the definition) -------------------
@@ -261,6 +265,20 @@ def _load_low_bit(addr, scale_addr, lut_ptr, offs, mask, DT: tl.constexpr, SECON
 
 
 @_device
+def _q4_root(addr, scale_addr, lut_ptr, offs, mask, BLOCK: tl.constexpr):
+    """The decoded sqrt(v) of a 4-bit second moment's codes, as formats.low_bit_root: level * |s|, inf for code 0 in
+    a flagged block (an overflowed v), NaN in a NaN block. What a 4-bit exp_avg is decoded through."""
+    even_offs, _ = tl.split(tl.reshape(offs, (BLOCK // 2, 2)))
+    even_mask, _ = tl.split(tl.reshape(mask, (BLOCK // 2, 2)))
+    packed = tl.load(addr.to(tl.pointer_type(tl.uint8)) + even_offs // 2, mask=even_mask, other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK,))
+    s_bits = tl.load(scale_addr.to(tl.pointer_type(tl.uint16)) + offs // 128, mask=mask, other=0)
+    s = (s_bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    u = tl.load(lut_ptr + 16 + codes) * tl.abs(s)
+    return tl.where((s.to(tl.int32, bitcast=True) < 0) & (s == s) & (codes == 0), float("inf"), u)
+
+
+@_device
 def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.constexpr, SECOND: tl.constexpr,
                    BLOCK: tl.constexpr):
     """Encodes float32 values x (v for SECOND: its square root is coded) into an 8-bit or 4-bit state and its
@@ -270,7 +288,8 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
     the overflowed elements and codes >= 1 for the others; the
     code of a normalised value a = min(|x| * (1/s) (* EXP_AVG_SNAP for exp_avg), 1) is the count of the format's
     thresholds <= a (_spec.thresholds), with the sign bit for a negative exp_avg; an exp_avg between two non-zero
-    levels then rounds stochastically one up (_spec.EXP_AVG_SR_ULPS; step: the uint32 Adam step, from 1)."""
+    levels then rounds stochastically one up (_spec.EXP_AVG_SR_ULPS; step: the uint32 Adam step, from 1). Returns
+    for a 4-bit SECOND moment the decoded sqrt(v) of the codes written (as _q4_root would read them back), else 0."""
     if DT == 4:
         QB: tl.constexpr = 256
         BITS: tl.constexpr = 8
@@ -312,7 +331,10 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
         lo = tl.load(lut_ptr + code)
         hi = tl.load(lut_ptr + code + 1)
         up = (lowered - lo) > (r >> 8).to(tl.float32) * 5.9604644775390625e-08 * (hi - lo)  # 2**-24
-        code = tl.where(up & (code > 0) & (code < (1 << (BITS - 1)) - 1), code + 1, code)
+        if DT == 5:  # the 4-bit exp_avg (m / sqrt(v)) rounds stochastically from level 0 too (EXP_AVG_RELATIVE)
+            code = tl.where(up & (code < (1 << (BITS - 1)) - 1), code + 1, code)
+        else:
+            code = tl.where(up & (code > 0) & (code < (1 << (BITS - 1)) - 1), code + 1, code)
         code = tl.where((u2 < 0.0) & (code > 0), code | (1 << (BITS - 1)), code)
     if SECOND:  # in a flagged block code 0 means v = inf; finite values take codes >= 1, the scale its sign bit
         code = tl.where(flagged[:, None], tl.where(overflowed, 0, tl.maximum(code, 1)), code)
@@ -330,6 +352,13 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
         tl.store(addr.to(tl.pointer_type(tl.uint8)) + even_offs // 2, (low | (high << 4)).to(tl.uint8),
                  mask=even_mask)
         tl.store(scale_addr.to(tl.pointer_type(tl.uint16)) + block_index, _bf16_bits(s), mask=block_mask)
+    root = 0.0
+    if SECOND:
+        if DT == 5:
+            u = tl.load(lut_ptr + (1 << BITS) + code) * tl.abs(s)[:, None]
+            u = tl.where(flagged[:, None] & (s == s)[:, None] & (code == 0), float("inf"), u)
+            root = tl.reshape(u, (BLOCK,))
+    return root
 
 
 # ---- fp8 states (_spec.Fp8Format; formats.quantize_fp8 is the definition) ------------------------------------
@@ -578,6 +607,8 @@ def _adam_block(
     else:
         p = _load(p_addr, offs, mask, P_DT, ALIGNED)
     m = _load_state(m_addr, ms_addr, m_lut_ptr, offs, mask, block_index, M_DT, M_SCALED, False, ALIGNED, BLOCK)
+    if M_DT == 5:  # a 4-bit exp_avg holds m / sqrt(v): m = q * u, 0 where q = 0 (_spec.EXP_AVG_RELATIVE)
+        m = tl.where(m == 0.0, 0.0, m * _q4_root(v_addr, vs_addr, v_lut_ptr, offs, mask, BLOCK))
     v = _load_state(v_addr, vs_addr, v_lut_ptr, offs, mask, block_index, V_DT, V_SCALED, True, ALIGNED, BLOCK)
     if MODE == 0:
         g = g + wd * p  # L2: the decay enters the moments
@@ -607,13 +638,18 @@ def _adam_block(
         rnd = _fp8_random_bits(m, offs, m_step)
     else:
         rnd = 0
-    _store_state(m_addr, ms_addr, m_lut_ptr, offs, m, mask, block_index, m_step, M_DT, M_SCALED, False, ALIGNED,
-                 BLOCK, rnd)
-    _store_state(v_addr, vs_addr, v_lut_ptr, offs, v, mask, block_index, m_step, V_DT, V_SCALED, True, ALIGNED, BLOCK,
-                 rnd)
+    if M_DT != 5:
+        _store_state(m_addr, ms_addr, m_lut_ptr, offs, m, mask, block_index, m_step, M_DT, M_SCALED, False, ALIGNED,
+                     BLOCK, rnd)
+    root = _store_state(v_addr, vs_addr, v_lut_ptr, offs, v, mask, block_index, m_step, V_DT, V_SCALED, True, ALIGNED,
+                        BLOCK, rnd)
     if AMSGRAD:
         _store_state(vmax_addr, vmaxs_addr, v_lut_ptr, offs, vmax, mask, block_index, m_step, V_DT, V_SCALED, True,
                      ALIGNED, BLOCK, rnd)
+    if M_DT == 5:  # after exp_avg_sq: r = m / u against its new codes, 0 where u = 0 (_spec.EXP_AVG_RELATIVE)
+        r = tl.where(root == 0.0, 0.0, _div(m, root, False))
+        _store_state(m_addr, ms_addr, m_lut_ptr, offs, r, mask, block_index, m_step, M_DT, M_SCALED, False, ALIGNED,
+                     BLOCK, rnd)
     if HAS_MASTER:
         _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
     return squares

@@ -469,7 +469,7 @@ def run_limit(quick: bool) -> list[dict]:
 MEMORY_MOMENTS = [
     ("fp32", torch.float32, torch.float32), ("bf16", torch.bfloat16, torch.bfloat16),
     ("fp16", torch.float16, torch.float16), ("uint8", torch.uint8, torch.uint8), ("uint4", UINT4, UINT4),
-    ("uint8 m + uint4 v", torch.uint8, UINT4), ("uint4 m + uint8 v", UINT4, torch.uint8),
+    ("uint8 m + uint4 v", torch.uint8, UINT4),
     ("fp8 (e4m3fn)", torch.float8_e4m3fn, torch.float8_e4m3fn),
     ("fp8 e4m3fn m + e5m2 v", torch.float8_e4m3fn, torch.float8_e5m2),
 ]

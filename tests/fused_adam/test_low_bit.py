@@ -57,6 +57,7 @@ The tests that take the ``backend`` fixture run on the native CPU op and the pur
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import itertools
 import math
@@ -74,12 +75,12 @@ from conftest import (assert_same_snapshot, assert_tree_bitwise_equal, bits, fuz
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ort_optim import AdamWMode, FusedAdam, formats
-from ort_optim._spec import FP8_FORMATS, LOW_BIT_FORMATS, Q4, Q8
+from ort_optim._spec import FP8_FORMATS, LOW_BIT_FORMATS, Q4, Q8, decade_levels
 from ort_optim.backends import reference as reference_backend
 
-# (exp_avg, exp_avg_sq): both low-bit formats alone and mixed, and each beside every other storage dtype
-COMBOS = [("u8", "u8"), ("u4", "u4"), ("u8", "u4"), ("u4", "u8"), ("u8", "fp32"), ("fp32", "u4"), ("u4", "bf16"),
-          ("fp16", "u8")]
+# (exp_avg, exp_avg_sq): both low-bit formats alone and mixed, and each beside every other storage dtype (a 4-bit
+# exp_avg only beside a 4-bit exp_avg_sq: it is coded relative to it, _spec.EXP_AVG_RELATIVE)
+COMBOS = [("u8", "u8"), ("u4", "u4"), ("u8", "u4"), ("u8", "fp32"), ("fp32", "u4"), ("bf16", "u4"), ("fp16", "u8")]
 # bf16 and fp32 params of cases.PARAM_CASES: (param dtype, master weights, stochastic rounding)
 BF16_PARAM_CASES = {name: PARAM_CASES[name] for name in ("fp32", "bf16-master", "bf16", "bf16-sr")}
 
@@ -143,16 +144,18 @@ def test_native_and_reference_backends_agree_bit_for_bit(combo, mode, amsgrad, p
 # ---- each step against the float64 reference --------------------------------------------------------------------
 
 
-def _assert_state_rounded_as_specified(got: torch.Tensor, exact: torch.Tensor, dtype, second_moment, what):
+def _assert_state_rounded_as_specified(got: torch.Tensor, exact: torch.Tensor, dtype, second_moment, what,
+                                       root=None):
     """got: the optimizer's decoded state; exact: the float64 reference's new state before storage rounding. The
     stored value is the reference quantiser's, except where float32 rounding of the inputs made a near-tie go the
     other way: then it is as close to the exact value as the reference's choice, up to that rounding. A low-bit
     exp_avg rounds stochastically with random bits hashed from its float32 value (which the float64 reference does
-    not reproduce to the bit): it must be one of the two levels around the exact value."""
+    not reproduce to the bit): it must be one of the two levels around the exact value (for the 4-bit exp_avg, the
+    levels of m / u times u, root u: the decoded sqrt(v) of the exp_avg_sq stored with it)."""
     slack = 1e-5 * float(exact.abs().max())
     if dtype in reference.LOW_BIT_DTYPES and not second_moment:
-        down = reference.round_low_bit(exact, dtype, False, exp_avg_rounding="down")
-        up = reference.round_low_bit(exact, dtype, False, exp_avg_rounding="up")
+        down = reference.round_low_bit(exact, dtype, False, exp_avg_rounding="down", root=root)
+        up = reference.round_low_bit(exact, dtype, False, exp_avg_rounding="up", root=root)
         between = (got.double() >= torch.minimum(down, up) - slack) & (got.double() <= torch.maximum(down, up) + slack)
         assert bool(between.all()), f"{what}: stored values outside the two levels around the exact ones"
         return
@@ -166,7 +169,7 @@ def _assert_state_rounded_as_specified(got: torch.Tensor, exact: torch.Tensor, d
 
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("mode", [0, 1, 2])
-@pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4"), ("u4", "u8")], ids=["u8-u8", "u4-u4", "u4-u8"])
+@pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4"), ("u8", "u4")], ids=["u8-u8", "u4-u4", "u8-u4"])
 def test_every_step_matches_the_float64_reference_that_quantises_the_same_way(combo, mode, amsgrad, backend,
                                                                               monkeypatch):
     params = _params()
@@ -191,8 +194,11 @@ def test_every_step_matches_the_float64_reference_that_quantises_the_same_way(co
             expected = reference.adam_update(p0, g, state, **hyper)
             # the update uses this step's unquantised float32 moments: float32 rounding only
             torch.testing.assert_close(p.double(), expected, rtol=2e-6, atol=1e-2 * 1e-5)
+            root = None
+            if m_dtype == torch.uint4:  # the sqrt(v) of the stored exp_avg_sq, which that assertion checks
+                root = formats.state_root(opt.state[p]["exp_avg_sq"], opt.state[p]["exp_avg_sq_scale"], p.shape)
             _assert_state_rounded_as_specified(state_values(opt, p, "exp_avg"), state["m"], m_dtype, False,
-                                               f"step {step} params[{i}] exp_avg")
+                                               f"step {step} params[{i}] exp_avg", root)
             _assert_state_rounded_as_specified(state_values(opt, p, "exp_avg_sq"), state["v"], v_dtype, True,
                                                f"step {step} params[{i}] exp_avg_sq")
             if amsgrad:
@@ -252,8 +258,7 @@ def test_state_bytes_per_parameter(config):
 # ---- no explosion for tiny and rare gradients -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("v", ["u8", "u4"])
-@pytest.mark.parametrize("m", ["u8", "u4"])
+@pytest.mark.parametrize("m,v", [("u8", "u8"), ("u8", "u4"), ("u4", "u4")], ids=["u8-u8", "u8-u4", "u4-u4"])
 def test_tiny_and_rare_gradients_never_make_the_update_explode(m, v, backend):
     """Per block, one element with gradients ~1, the others 1e-7 of it (their v is 1e-14 of the block's largest);
     and 'rare rows' that see a gradient every 25th step and exact zeros in between. After 200 steps every element
@@ -400,7 +405,10 @@ def test_a_gradient_near_float32s_largest_leaves_exp_avg_finite_and_no_param_nan
     p = opt.param_groups[0]["params"][0]
     exp_avg = state_values(opt, p, "exp_avg")
     assert bool(exp_avg.isfinite().all())
-    assert float(exp_avg[OVERFLOWED]) == pytest.approx(float(torch_state["exp_avg"][OVERFLOWED]), rel=0.25)
+    if v == "u4":  # m / sqrt(v) with sqrt(v) = inf: stored as 0 (_spec.EXP_AVG_RELATIVE), its update is 0 anyway
+        assert float(exp_avg[OVERFLOWED]) == 0.0
+    else:
+        assert float(exp_avg[OVERFLOWED]) == pytest.approx(float(torch_state["exp_avg"][OVERFLOWED]), rel=0.25)
 
 
 # ---- idempotent quantisation: what makes a canonical checkpoint resume exactly ----------------------------------
@@ -429,9 +437,12 @@ def _blocks_of_values(draw, second_moment: bool):
 @given(data=st.data())
 def test_encode_decode_encode_gives_back_the_same_bits(dtype, second_moment, data):
     x = data.draw(_blocks_of_values(second_moment))
-    codes, scales = formats.encode_state(x, dtype, second_moment)
-    decoded = formats.decode_state(codes, scales, second_moment, x.shape)
-    again, again_scales = formats.encode_state(decoded, dtype, second_moment)
+    root = None
+    if dtype == torch.uint4 and not second_moment:  # coded relative to a 4-bit exp_avg_sq's sqrt(v): here of x * x
+        root = formats.state_root(*formats.encode_state(x * x, dtype, True), x.shape)
+    codes, scales = formats.encode_state(x, dtype, second_moment, root)
+    decoded = formats.decode_state(codes, scales, second_moment, x.shape, root)
+    again, again_scales = formats.encode_state(decoded, dtype, second_moment, root)
     if dtype == torch.float16:  # fp16 codes are values: NaN stays NaN, its payload is not kept
         torch.testing.assert_close(again, codes, rtol=0, atol=0, equal_nan=True)
     else:
@@ -454,8 +465,14 @@ def test_encode_decode_encode_gives_back_the_same_bits(dtype, second_moment, dat
         fmt = LOW_BIT_FORMATS[dtype]
         gap = max(b - a for a, b in zip(fmt.exp_avg_levels, fmt.exp_avg_levels[1:]))
         scale = scales.float().repeat_interleave(fmt.block)[:x.numel()]
-        # (stochastic rounding: within a gap; blocks below 2**-126 are stored as zero)
-        ok = ~finite_block | ((decoded - x).abs() <= gap * scale * (1 + 1e-6) + 2.0**-126)
+        # (stochastic rounding: within a gap; blocks below 2**-126 are stored as zero). The 4-bit exp_avg: r = m / u
+        # within a gap of its block's scale, so m within that times u (plus float32 rounding of r and of q * u);
+        # where u = inf (an overflowed v) m reads 0
+        if root is None:
+            ok = ~finite_block | ((decoded - x).abs() <= gap * scale * (1 + 1e-6) + 2.0**-126)
+        else:
+            ok = (~finite_block | torch.isinf(root)
+                  | ((decoded - x).abs() <= gap * scale * root * (1 + 1e-5) + 2.0**-126 * (1 + root)))
         assert bool(ok.all())
 
 
@@ -472,9 +489,11 @@ def test_exp_avg_rounding_is_unbiased_between_non_zero_levels(dtype):
     x = fmt.exp_avg_levels[1] + (1.0 - fmt.exp_avg_levels[1]) * torch.rand(200 * fmt.block, generator=g)
     x[::fmt.block] = 1.0
     x = torch.where(torch.rand(x.shape, generator=g) < 0.5, -x, x)
-    decoded = formats.decode_state(*formats.encode_state(x, dtype, False), False, x.shape)
-    down = reference.round_low_bit(x.double(), dtype, False, exp_avg_rounding="down")
-    up = reference.round_low_bit(x.double(), dtype, False, exp_avg_rounding="up")
+    # (the 4-bit exp_avg codes m / sqrt(v): with sqrt(v) = 1, m itself)
+    root = torch.ones_like(x) if fmt.exp_avg_relative else None
+    decoded = formats.decode_state(*formats.encode_state(x, dtype, False, root), False, x.shape, root)
+    down = reference.round_low_bit(x.double(), dtype, False, exp_avg_rounding="down", root=root)
+    up = reference.round_low_bit(x.double(), dtype, False, exp_avg_rounding="up", root=root)
     assert bool(((decoded.double() == down) | (decoded.double() == up)).all())
     # each error of a magnitude is a two-point variable with variance <= spacing**2 / 4
     bound = 4 * float((up - down).pow(2).mean().sqrt()) / 2 / math.sqrt(x.numel())
@@ -487,14 +506,18 @@ def test_a_decaying_exp_avg_decays_like_fp32s_and_never_sticks(m, backend):
     """Rare rows: elements that see one gradient and then only zeros (m <- beta1 * m), in blocks whose largest
     moment keeps growing. Nearest rounding let such an m stick at a level (the row kept moving at its last speed:
     69x fp32 AdamW's drift); toward zero made it decay far too fast (4-bit: to 0 within 10 steps). Rounded
-    stochastically, the rows' mean |m| stays within 15% of fp32's while it is above the lowest non-zero level."""
+    stochastically, the rows' mean |m| stays within 15% of fp32's while it is above the lowest non-zero level (the
+    4-bit exp_avg, m / sqrt(v), rounds stochastically below it too: its rows, whose ratio falls under 1/7 of their
+    block's largest from the 6th step on, stay within 15% for all 30 steps; toward zero there, they kept 1% of
+    fp32's |m| after 30 steps)."""
     n = 8 * 256
     g = torch.Generator().manual_seed(0)
     first = (0.5 + 0.5 * torch.rand(n, generator=g)) * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
     rows = torch.ones(n, dtype=torch.bool)
     rows[::128] = False
     moments = {}
-    for name, dtypes in (("fp32", ("fp32", "fp32")), ("lowbit", (m, "fp32"))):
+    # (a 4-bit exp_avg only with a 4-bit exp_avg_sq, relative to which it is coded)
+    for name, dtypes in (("fp32", ("fp32", "fp32")), ("lowbit", (m, "u4" if m == "u4" else "fp32"))):
         p = torch.nn.Parameter(torch.zeros(n))
         opt = _optimizer([p], *dtypes, mode=2, lr=1e-3)
         moments[name] = []
@@ -517,6 +540,89 @@ def test_the_code_maps_are_as_specified():
         assert fmt.exp_avg_levels[0] == 0.0, "exp_avg needs an exact zero (params without gradient stay put)"
         assert fmt.exp_avg_sq_levels[0] > 0.0, "no zero level for sqrt(v): the zero-point problem"
     assert Q8.bytes_per_element() * 2 <= 2.05 and Q4.bytes_per_element() * 2 <= 1.05
+    # the 4-bit exp_avg holds m / sqrt(v) on 7 linear magnitudes k / 7 (float32), the 8-bit one m itself
+    assert Q4.exp_avg_levels == tuple(float(torch.tensor(k / 7, dtype=torch.float32)) for k in range(8))
+    assert Q4.exp_avg_relative and not Q8.exp_avg_relative
+
+
+# ---- the 4-bit exp_avg: m / sqrt(v) on linear levels (ort_optim._spec.EXP_AVG_RELATIVE) ---------------------------
+
+
+def _moment_pair(seed=0):
+    """m and v over 7 blocks of 128 (the last partial): magnitudes over six decades, |m| / sqrt(v) around 1; an
+    all-zero block of both; an overflowed v (inf) with a finite m; tiny v under a large m."""
+    g = torch.Generator().manual_seed(seed)
+    n = 6 * 128 + 37
+    v = (torch.randn(n, generator=g, dtype=torch.float64) * torch.logspace(-6, 0, n, dtype=torch.float64)) ** 2
+    m = torch.randn(n, generator=g, dtype=torch.float64) * v.sqrt() * 2
+    v[128:256], m[128:256] = 0.0, 0.0
+    v[300], m[300] = math.inf, 5.0
+    v[400:410], m[400:410] = 1e-30, 1e-3
+    return m.float(), v.float()
+
+
+@pytest.mark.parametrize("step", [0, 7], ids=["conversion", "step"])
+def test_4bit_exp_avg_codes_m_over_the_decoded_sqrt_v_as_the_float64_reference(step):
+    """exp_avg_sq is coded first; its codes decode to u = level * |s| (inf for an overflowed v); exp_avg's codes
+    then hold r = m / u (0 where u = 0) under exp_avg's block rule (nearest for a conversion, stochastic in a step),
+    and read back as q * u (0 where q = 0): bit for bit as tests/reference.py's quantiser, written from the rules."""
+    m, v = _moment_pair()
+    v_codes, v_scales = formats.quantize_low_bit(v, Q4, True)
+    u = formats.low_bit_root(v_codes, v_scales, Q4, v.shape)
+    assert torch.equal(bits(u), bits(reference.round_low_bit(v.double(), torch.uint4, True, as_root=True).float()))
+    codes, scales = formats.quantize_low_bit(m, Q4, False, step, root=u)
+    got = formats.dequantize_low_bit(codes, scales, Q4, False, m.shape, root=u)
+    want = reference.round_low_bit(m.double(), torch.uint4, False, step, root=u).float()
+    assert torch.equal(bits(got), bits(want))
+    # the edges: the overflowed v's m reads as 0 (its update is 0 anyway), the zero block as 0, nothing explodes
+    assert float(got[300]) == 0.0 and bool((got[128:256] == 0).all()) and bool(torch.isfinite(got).all())
+    assert bool((got[400:410].abs() <= m[400:410].abs() * (1 + 2 / 7)).all())
+    # the coupling: the same codes read through another sqrt(v) scale with it
+    assert torch.equal(formats.dequantize_low_bit(codes, scales, Q4, False, m.shape, root=2 * u), 2 * got)
+    with pytest.raises(ValueError, match="relative to its exp_avg_sq"):
+        formats.quantize_low_bit(m, Q4, False, step)
+    with pytest.raises(ValueError, match="relative to its exp_avg_sq"):
+        formats.dequantize_low_bit(codes, scales, Q4, False, m.shape)
+
+
+def test_4bit_exp_avg_error_is_bounded_in_update_space():
+    """What the linear map of m / sqrt(v) buys: the stored m's error, measured in units of sqrt(v) (the update's),
+    is at most one level spacing of its block's scale of r, 1/7, so an element's update error does not depend on how
+    its gradient compares with its block's largest; m on decade levels (the 4-bit exp_avg before) exceeds that for
+    small-ratio elements in blocks with a large one."""
+    m, v = _moment_pair(seed=3)
+    keep = torch.isfinite(v) & (v > 0)
+    u = formats.state_root(*formats.quantize_low_bit(v, Q4, True), v.shape)
+    codes, scales = formats.quantize_low_bit(m, Q4, False, 5, root=u)
+    got = formats.dequantize_low_bit(codes, scales, Q4, False, m.shape, root=u)
+    s_r = scales.float().repeat_interleave(Q4.block)[:m.numel()]
+    err = ((got - m).abs() / u)[keep]
+    assert bool((err <= s_r[keep] / 7 * (1 + 1e-5) + 1e-30).all())
+
+
+def test_a_4bit_exp_avg_needs_a_4bit_exp_avg_sq():
+    """A 4-bit exp_avg is decoded through its exp_avg_sq's codes: any other exp_avg_sq is refused, naming the
+    options, before anything is created."""
+    for v in (torch.uint8, torch.float32, torch.bfloat16, torch.float8_e4m3fn, None):
+        with pytest.raises(ValueError, match=r"exp_avg_dtype=torch.uint4 .*set exp_avg_sq_dtype=torch.uint4"):
+            FusedAdam(_params(), exp_avg_dtype=torch.uint4, exp_avg_sq_dtype=v)
+    FusedAdam(_params(), exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint4)  # the other way round is fine
+
+
+def test_the_op_refuses_a_4bit_exp_avg_beside_another_exp_avg_sq_and_writes_nothing(backend):
+    p, g = torch.randn(300), torch.randn(300)
+    v = torch.rand(300)
+    v_codes, v_scales = formats.encode_state(v, torch.uint8, True)
+    u = formats.state_root(*formats.encode_state(v, torch.uint4, True), v.shape)
+    m_codes, m_scales = formats.encode_state(torch.randn(300) * 1e-2, torch.uint4, False, u)
+    before = [t.clone() for t in (p, m_codes, v_codes, m_scales, v_scales)]
+    op = torch.ops.ort_optim.adam_step_ if backend == "native" else reference_backend.adam_step_
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] holds 4-bit codes.*exp_avg_sqs\[0\] is not 4-bit"):
+        op([p], [g], [m_codes], [v_codes], [], [], [m_scales], [v_scales], [], torch.zeros(1, dtype=torch.float64),
+           lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=2, bias_correction=True,
+           maximize=False)
+    for b, a in zip(before, (p, m_codes, v_codes, m_scales, v_scales)):
+        assert torch.equal(bits(b), bits(a))
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------------
@@ -526,7 +632,7 @@ CHECKPOINT_CASES = {
     "4bit": dict(m="u4", v="u4"),
     "8bit-m-fp16-v": dict(m="u8", v="fp16", amsgrad=True),
     "bf16-sr-4bit": dict(m="u4", v="u4", sr=True, seed=7, dtype=torch.bfloat16),
-    "bf16-master-4bit-m": dict(m="u4", v="fp32", master=True, dtype=torch.bfloat16),
+    "bf16-master-4bit": dict(m="u4", v="u4", master=True, dtype=torch.bfloat16),
 }
 
 
@@ -764,16 +870,25 @@ def _codes_of(values, dtype, second_moment):
     return formats.encode_state(values, dtype, second_moment)
 
 
+def _relative_codes(values, state, shape):
+    """4-bit exp_avg codes and scales of values, relative to the 4-bit exp_avg_sq in state (_spec.EXP_AVG_RELATIVE),
+    and the values they decode to."""
+    root = formats.state_root(state["exp_avg_sq"], state["exp_avg_sq_scale"], shape)
+    codes, scales = formats.encode_state(values, torch.uint4, False, root)
+    return codes, scales, formats.decode_state(codes, scales, False, shape, root)
+
+
 # what is assigned to optimizer.state[p] of the 300x7 param of an optimizer with 8-bit exp_avg, 4-bit exp_avg_sq
+# (make(p, optimizer.state[p]); the values a checkpoint would hold, or make(p, optimizer.state[p]) of them)
 ASSIGNED = {
-    "float32 values": ({"exp_avg": lambda p: torch.full(p.shape, 0.25)}, {"exp_avg": torch.full((300, 7), 0.25)}),
+    "float32 values": ({"exp_avg": lambda p, s: torch.full(p.shape, 0.25)}, {"exp_avg": torch.full((300, 7), 0.25)}),
     "4-bit codes into 8-bit": (
-        {"exp_avg": lambda p: _codes_of(torch.full(p.shape, 0.25), torch.uint4, False)[0],
-         "exp_avg_scale": lambda p: _codes_of(torch.full(p.shape, 0.25), torch.uint4, False)[1]},
-        {"exp_avg": torch.full((300, 7), 0.25)}),
+        {"exp_avg": lambda p, s: _relative_codes(torch.full(p.shape, 0.25), s, p.shape)[0],
+         "exp_avg_scale": lambda p, s: _relative_codes(torch.full(p.shape, 0.25), s, p.shape)[1]},
+        {"exp_avg": lambda p, s: _relative_codes(torch.full(p.shape, 0.25), s, p.shape)[2]}),
     "8-bit codes into 4-bit": (
-        {"exp_avg_sq": lambda p: _codes_of(torch.full(p.shape, 4e-6), torch.uint8, True)[0],
-         "exp_avg_sq_scale": lambda p: _codes_of(torch.full(p.shape, 4e-6), torch.uint8, True)[1]},
+        {"exp_avg_sq": lambda p, s: _codes_of(torch.full(p.shape, 4e-6), torch.uint8, True)[0],
+         "exp_avg_sq_scale": lambda p, s: _codes_of(torch.full(p.shape, 4e-6), torch.uint8, True)[1]},
         {"exp_avg_sq": formats.decode_state(*_codes_of(torch.full((300, 7), 4e-6), torch.uint8, True),
                                                       True, (300, 7))}),
 }
@@ -786,8 +901,9 @@ def test_assigned_moments_are_adopted_into_the_low_bit_layout(assigned, backend)
     params, opt = _stepped()
     p = params[0]
     entries, values = ASSIGNED[assigned]
+    values = {key: value(p, opt.state[p]) if callable(value) else value for key, value in values.items()}
     for key, make in entries.items():
-        opt.state[p][key] = make(p)
+        opt.state[p][key] = make(p, opt.state[p])
     expected_params = [torch.nn.Parameter(q.detach().clone()) for q in params]
     expected = _optimizer(expected_params, "u8", "u4")
     sd = opt.state_dict()
@@ -914,7 +1030,7 @@ def test_step_in_backward_equals_step_with_low_bit_states(sr, backend):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Tanh(), torch.nn.Linear(300, 3))
         model.to(torch.bfloat16)
-        opt = FusedAdam(model.parameters(), lr=1e-2, exp_avg_dtype=torch.uint4, exp_avg_sq_dtype=torch.uint8,
+        opt = FusedAdam(model.parameters(), lr=1e-2, exp_avg_dtype=torch.uint4, exp_avg_sq_dtype=torch.uint4,
                         stochastic_rounding=sr, stochastic_rounding_seed=5, step_in_backward=in_backward)
         g = torch.Generator().manual_seed(3)
         for _ in range(3):
@@ -945,8 +1061,10 @@ def test_a_scaled_step_writes_the_unscaled_gradients_back_with_low_bit_states(ba
 # ---- against torch.optim.AdamW, through the public API ---------------------------------------------------------------
 
 LOW_BIT = ("u8", "u4")
-# every (exp_avg, exp_avg_sq) pair with at least one low-bit moment: 16 pairs
-LOW_BIT_PAIRS = [(m, v) for m, v in itertools.product(STATE_DTYPES, STATE_DTYPES) if m in LOW_BIT or v in LOW_BIT]
+# every (exp_avg, exp_avg_sq) pair with at least one low-bit moment that the options accept (a 4-bit exp_avg only with
+# a 4-bit exp_avg_sq)
+LOW_BIT_PAIRS = [(m, v) for m, v in itertools.product(STATE_DTYPES, STATE_DTYPES)
+                 if (m in LOW_BIT or v in LOW_BIT) and (m != "u4" or v == "u4")]
 LR, WD, EPS = 1e-2, 0.1, 1e-8
 
 
@@ -1077,7 +1195,7 @@ def test_maximize_param_groups_and_a_tensor_lr_track_torch(combo, backend):
 
 
 @pytest.mark.no_interpreter
-@pytest.mark.parametrize("combo", [("u8", "u4"), ("u4", "u8")], ids=_ids([("u8", "u4"), ("u4", "u8")]))
+@pytest.mark.parametrize("combo", [("u8", "u4"), ("u4", "u4")], ids=_ids([("u8", "u4"), ("u4", "u4")]))
 def test_loss_scaling_by_a_power_of_two_gives_the_same_bits(combo, backend):
     """step(grad_scale=1024) on gradients times 1024 (exact in float32) is the unscaled step, bit for bit; a
     non-finite scaled gradient skips the step and changes nothing."""
@@ -1129,7 +1247,7 @@ def state_bytes(opt) -> int:
     return sum(storages.values())
 
 
-BYTES_PER_PARAM = {("u8", "u8"): 2.05, ("u4", "u4"): 1.05, ("u8", "u4"): 1.55, ("u4", "u8"): 1.55}
+BYTES_PER_PARAM = {("u8", "u8"): 2.05, ("u4", "u4"): 1.05, ("u8", "u4"): 1.55}
 # codes plus scales of one moment with n elements: the formats' own arithmetic (8-bit: a byte per element and a
 # float32 per 256; 4-bit: two codes per byte and a bfloat16 per 128)
 FORMAT_BYTES = {"u8": lambda n: n + 4 * -(-n // 256), "u4": lambda n: (n + 1) // 2 + 2 * -(-n // 128)}
@@ -1209,18 +1327,18 @@ def test_a_second_moment_that_rounds_to_zero_never_makes_the_update_explode(comb
 # element). Block-quantised moments cannot: each element is stored relative to its block's largest. The ranges
 # below are what the formats give (the movement over fp32 AdamW's, per band of gradient / block's largest),
 # measured with 1.2x headroom; they are the formats' documented limits, not targets:
-# * 4-bit exp_avg (smallest non-zero level 0.01, rounded toward zero below it): elements under 1% of their block's
-#   largest barely move (torch: fully); above, exp_avg sits on one of two coarse levels for tens of steps at a time
-#   (the stochastic rounding is unbiased per step, but 0.9 m + 0.1 g mostly rounds back to the level it came from), so
-#   100 steps move 0.5-2.4x of fp32's.
+# * 4-bit exp_avg (m / sqrt(v) on linear levels): a steady gradient's m / sqrt(v) is the same for every element
+#   (Adam is scale-free), so the block's ratios are all near its largest and every element moves about like fp32
+#   AdamW's (with m itself on decade levels, elements under 1% of their block's largest did not move at all);
+#   what remains is sqrt(v)'s rounding:
 # * 4-bit sqrt(v) (smallest level 0.001): elements under 1e-3 of their block's largest read a larger sqrt(v) than
-#   theirs and move less (down to 0.11x), never more.
+#   theirs and move less (down to 0.04x), and sqrt(v) on levels 10-40% apart moves the others 0.3-1.6x.
 # * 8-bit: within 0.7-1.6x everywhere, 0.9-1.1x above 1e-2.
 STEADY_BANDS = ((1e-4, 1e-3), (1e-3, 1e-2), (1e-2, 1e-1), (1e-1, 1.01))
 STEADY_MOVEMENT = {  # per band: (least, most) movement over fp32 AdamW's
     ("u8", "u8"): ((0.55, 1.9), (0.65, 1.45), (0.75, 1.3), (0.75, 1.25)),
     ("u8", "u4"): ((0.09, 1.2), (0.25, 2.2), (0.4, 1.8), (0.55, 1.55)),
-    ("u4", "u4"): ((0.0, 0.25), (0.0, 0.25), (0.1, 2.9), (0.4, 2.4)),
+    ("u4", "u4"): ((0.018, 1.25), (0.23, 1.95), (0.39, 1.8), (0.53, 1.6)),
 }
 
 
@@ -1304,7 +1422,7 @@ RESUME_CASES = {
     "u8-fp32-params": ("u8", "u8", "fp32", False),
     "u4-amsgrad": ("u4", "u4", "fp32", True),
     "u8-u4-bf16-master": ("u8", "u4", "bf16-master", False),
-    "u4-bf16-bf16-sr": ("u4", "bf16", "bf16-sr", True),
+    "bf16-u4-bf16-sr": ("bf16", "u4", "bf16-sr", True),
     "fp16-u8-fp16": ("fp16", "u8", "fp16", False),
 }
 
@@ -1368,7 +1486,7 @@ def test_a_checkpoint_loads_with_weights_only_after_adam_w_mode_was_set_to_an_en
 def test_loading_an_optimizers_own_checkpoint_mid_run_changes_nothing(backend):
     runs = []
     for reload in (False, True):
-        params, opt = _trained("u4", "u8")
+        params, opt = _trained("u4", "u4")
         if reload:
             opt.load_state_dict(opt.state_dict())
         _train_steps(params, opt, 3, first=4)
@@ -1406,6 +1524,40 @@ def _trained(m, v, amsgrad=True, steps=4):
     opt = _fused(params, m, v, amsgrad=amsgrad)
     _train_steps(params, opt, steps)
     return params, opt
+
+
+def test_a_checkpoint_of_the_earlier_4bit_format_loads_as_its_values_re_encoded(backend):
+    """Checkpoints hold decoded float32 moments, not codes, so no format is misread: a 4-bit checkpoint saved when
+    the 4-bit exp_avg was m itself on decade levels (0, 0.01 .. 1) holds those values, which load as they are and
+    are coded into the current format (exp_avg_sq first, then exp_avg relative to its decoded sqrt(v), each to its
+    nearest code, as formats.quantize_low_bit converts); training continues from them."""
+    earlier = dataclasses.replace(Q4, exp_avg_levels=(0.0,) + decade_levels((1, 2, 4)), exp_avg_relative=False)
+    params = _params()
+    opt = _optimizer(params, "fp32", "fp32")
+    _train(params, opt, 3)
+    sd = opt.state_dict()
+    for i, p in enumerate(params):  # what the earlier 4-bit format saved: its decoded values
+        saved = sd["state"][i]
+        m_codes, m_scales = formats.quantize_low_bit(saved["exp_avg"], earlier, False, step=3)
+        saved["exp_avg"] = formats.dequantize_low_bit(m_codes, m_scales, earlier, False, p.shape)
+        saved["exp_avg_sq"] = formats.dequantize_low_bit(*formats.quantize_low_bit(saved["exp_avg_sq"], Q4, True),
+                                                         Q4, True, p.shape)
+    target_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    target = _optimizer(target_params, "u4", "u4")
+    target.load_state_dict(sd)
+    for i, p in enumerate(target_params):
+        state, saved = target.state[p], sd["state"][i]
+        v_codes, v_scales = formats.quantize_low_bit(saved["exp_avg_sq"], Q4, True)
+        assert torch.equal(state["exp_avg_sq"], v_codes) and torch.equal(bits(state["exp_avg_sq_scale"]), bits(v_scales))
+        root = formats.low_bit_root(v_codes, v_scales, Q4, p.shape)
+        m_codes, m_scales = formats.quantize_low_bit(saved["exp_avg"], Q4, False, 0, root)
+        assert torch.equal(state["exp_avg"], m_codes) and torch.equal(bits(state["exp_avg_scale"]), bits(m_scales))
+        # the values decode exactly (v's levels are the same) and m rounds to its nearest code of m / sqrt(v)
+        assert torch.equal(bits(state_values(target, p, "exp_avg_sq")), bits(saved["exp_avg_sq"]))
+        gap = 1 / 7 * m_scales.float().repeat_interleave(Q4.block)[:p.numel()].view(p.shape) * root
+        assert bool(((state_values(target, p, "exp_avg") - saved["exp_avg"]).abs() <= gap / 2 * (1 + 1e-5)).all())
+    _train(target_params, target, 2, first=3)
+    assert all(bool(torch.isfinite(p).all()) for p in target_params)
 
 
 @pytest.mark.no_interpreter
@@ -2155,6 +2307,15 @@ def _fsdp_fp8_scenarios(rank, world_size, tmp_dir):
     """FSDP2 (2 ranks, uneven shards) with fp8 moments (e4m3fn m, e5m2 v, amsgrad): the states are fp8 pieces of
     each rank's shard; a dcp.save / dcp.load checkpoint at the same world size resumes bit for bit; the saved moments
     are the decoded float32 values."""
+    return _fsdp_scenarios(rank, world_size, tmp_dir, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _fsdp_4bit_scenarios(rank, world_size, tmp_dir):
+    """The same with 4-bit moments: exp_avg coded against exp_avg_sq's codes of the same local piece."""
+    return _fsdp_scenarios(rank, world_size, tmp_dir, torch.uint4, torch.uint4)
+
+
+def _fsdp_scenarios(rank, world_size, tmp_dir, m_dtype, v_dtype):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -2170,7 +2331,7 @@ def _fsdp_fp8_scenarios(rank, world_size, tmp_dir):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, FusedAdam(model.parameters(), lr=1e-2, amsgrad=True, adam_w_mode=AdamWMode.ADAMW_TORCH,
-                                exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2)
+                                exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype)
 
     def train(model, opt, steps, start):
         for step in range(start, start + steps):
@@ -2217,6 +2378,19 @@ def test_fsdp2_fp8_states_and_dcp_resume_bit_for_bit(tmp_path):
             assert torch.equal(bits(a), bits(b)), rank
 
 
+@pytest.mark.distributed
+@pytest.mark.skipif(TORCH_VERSION < (2, 6), reason=f"FSDP2 and torch.distributed.checkpoint on CPU with gloo need "
+                    f"torch >= 2.6; this environment has torch {torch.__version__}")
+def test_fsdp2_4bit_states_and_dcp_resume_bit_for_bit(tmp_path):
+    from distributed_harness import run_ranks
+
+    for rank, out in enumerate(run_ranks(_fsdp_4bit_scenarios, 2, tmp_path)):
+        assert out["dtypes"] == ["torch.uint8"] * 3, (rank, out)  # (4-bit codes, two per byte)
+        assert "torch.float32" in out["saved_dtypes"] and "torch.uint8" not in out["saved_dtypes"]
+        for a, b in zip(out["resumed"], out["uninterrupted"]):
+            assert torch.equal(bits(a), bits(b)), rank
+
+
 # ---- how much the formats change the update (a bound per format) --------------------------------------------------
 # The update-space error: the expected squared change of the update m / sqrt(v) that storing one moment causes
 # (exp_avg rounded stochastically, sqrt(v) to its level nearest in 1/sqrt(v)), over the update's own squared size, on
@@ -2242,14 +2416,15 @@ def _update_error(m, v, m_hat, v_hat) -> float:
     return float(((m_hat / v_hat.sqrt() - update) ** 2).sum() / (update**2).sum())
 
 
-def _round_trip(values, fmt, second_moment, step):
-    codes, scales = formats.quantize_low_bit(values, fmt, second_moment, step)
-    return formats.dequantize_low_bit(codes, scales, fmt, second_moment, values.shape)
+def _round_trip(values, fmt, second_moment, step, root=None):
+    codes, scales = formats.quantize_low_bit(values, fmt, second_moment, step, root)
+    return formats.dequantize_low_bit(codes, scales, fmt, second_moment, values.shape, root)
 
 
 # (exp_avg, sqrt(v)) bounds: measured on seeds 0-2 (5 stochastic roundings each) with about 10% headroom.
-# 4-bit: exp_avg 0.284-0.289, sqrt(v) 0.043-0.044; 8-bit: exp_avg 0.011-0.0127, sqrt(v) 0.0017-0.0020.
-BOUNDS = {"8-bit": (0.014, 0.0022), "4-bit": (0.32, 0.048)}
+# 4-bit: exp_avg (m / sqrt(v) on linear levels, against the stored sqrt(v)) 0.0257-0.0266, sqrt(v) 0.043-0.044;
+# 8-bit: exp_avg 0.011-0.0127, sqrt(v) 0.0017-0.0020. (m itself on 4-bit decade levels: 0.284-0.289.)
+BOUNDS = {"8-bit": (0.014, 0.0022), "4-bit": (0.029, 0.048)}
 
 
 @pytest.mark.parametrize("fmt", [Q8, Q4], ids=["8bit", "4bit"])
@@ -2257,7 +2432,10 @@ def test_stored_moments_change_the_update_by_at_most_the_formats_bound(fmt):
     m_bound, v_bound = BOUNDS[fmt.name]
     for seed in range(3):
         m, v = _moment_like_blocks(seed)
-        m_error = sum(_update_error(m, v, _round_trip(m, fmt, False, step), v) for step in range(1, 6)) / 5
+        # (the 4-bit exp_avg is coded against the stored sqrt(v): _spec.EXP_AVG_RELATIVE)
+        root = formats.low_bit_root(*formats.quantize_low_bit(v, fmt, True), fmt, v.shape) if fmt.exp_avg_relative \
+            else None
+        m_error = sum(_update_error(m, v, _round_trip(m, fmt, False, step, root), v) for step in range(1, 6)) / 5
         v_error = _update_error(m, v, m, _round_trip(v, fmt, True, 0))
         assert 0 < m_error <= m_bound, (seed, m_error)
         assert 0 < v_error <= v_bound, (seed, v_error)
