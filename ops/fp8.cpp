@@ -66,12 +66,12 @@ void fp8_load(const uint8_t* codes, const float* scales, int64_t off, int64_t n,
     if (!values.flagged) {
       const __m512 mul = _mm512_set1_ps(kMb == 2 ? s : 256.0f * s);
       for (; i + 16 <= len; i += 16) {
-        const __m256i c16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + off + q + i)));
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + off + q + i));
+        const __m256i c16 = _mm256_cvtepu8_epi16(bytes);
         const __m256i mag = _mm256_and_si256(c16, _mm256_set1_epi16(0x7F));
         if (kMb == 2 && _mm256_cmpge_epu16_mask(mag, _mm256_set1_epi16(0x7C))) break;
-        const __m256i h = kMb == 2 ? _mm256_slli_epi16(c16, 8)
-                                   : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c16, _mm256_set1_epi16(0x80)), 8),
-                                                     _mm256_slli_epi16(mag, 7));
+        const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(c16, _mm256_set1_epi16(0x80)), 8);
+        const __m256i h = kMb == 2 ? _mm256_slli_epi16(c16, 8) : _mm256_or_si256(sign, _mm256_slli_epi16(mag, 7));
         __m512 x = _mm512_mul_ps(_mm512_cvtph_ps(h), mul);
         if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
         _mm512_storeu_ps(d + i, x);

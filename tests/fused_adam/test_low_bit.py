@@ -1915,7 +1915,8 @@ def test_both_cpu_backends_give_the_same_bits(amsgrad, m_dtype, v_dtype, monkeyp
         for _ in range(6):
             for p in params:
                 spread = 10.0 ** (torch.rand(p.shape, generator=g) * 8 - 7)
-                p.grad = torch.randn(p.shape, generator=g) * spread * 10.0 ** float(torch.randint(-6, 2, (), generator=g))
+                scale = 10.0 ** float(torch.randint(-6, 2, (), generator=g))
+                p.grad = torch.randn(p.shape, generator=g) * spread * scale
             opt.step()
         results.append(optimizer_snapshot(opt))
     assert_same_snapshot(*results)
