@@ -39,9 +39,9 @@ class TensorWatch : public torch::CustomClassHolder {
 
   // -1 when the bucket can step now: each param's TensorImpl is the planned one (identities: the params' then the
   // idle params' TensorImpl addresses, now), every tensor is as it was (data pointers of storages re-allocated in
-  // place are followed where follow() says so), every param has a usable gradient (dense, on the param's device, a dtype it can take, its
-  // shape, a storage that holds it) and no idle param has one. Else the position of the first param that cannot
-  // (params.size() + j for idle_params[j]). Writes no tensor.
+  // place are followed where follow() says so), every param has a usable gradient (dense, on the param's device, a
+  // dtype it can take, its shape, a storage that holds it) and no idle param has one. Else the position of the
+  // first param that cannot (params.size() + j for idle_params[j]). Writes no tensor.
   int64_t check(std::vector<int64_t> identities);
 
   size_t size() const { return param_impls_.size(); }

@@ -1,6 +1,6 @@
 """What validation costs a FusedAdam step: the share of the step that re-validates its plan (ort_optim/_plan.py,
-``Plan.read_grads_if_valid``: the rule above the tensors, then every tensor and gradient through the native watches, or through
-Python fingerprints where the native library is not loaded).
+``Plan.read_grads_if_valid``: the rule above the tensors, then every tensor and gradient through the native
+watches, or through Python fingerprints where the native library is not loaded).
 
 Rows:
 
@@ -11,9 +11,9 @@ Rows:
   this thread's CPU time (``time.thread_time``), which a loaded machine's scheduler does not inflate (on a shared
   machine, a wall-clock millisecond call is often several times its CPU time).
 * ``triton host``: the host side of a step on the Triton backend (``ORT_OPTIM_BACKEND=triton``), on CPU tensors with
-  the Triton launch replaced by a no-op, so that only the host's work is timed: ``Plan.read_grads_if_valid()`` through the native
-  watch against the Python fingerprints (the fallback where the native library is not loaded), and the whole
-  ``FusedAdam.step()`` with each; 2000 x 1K and GPT-2 small's 148 tensors (first dims / 8: validation reads no data),
+  the Triton launch replaced by a no-op, so that only the host's work is timed: ``Plan.read_grads_if_valid()``
+  through the native watch against the Python fingerprints (the fallback where the native library is not loaded),
+  and the whole ``FusedAdam.step()`` with each; 2000 x 1K and GPT-2 small's 148 tensors (first dims / 8: validation reads no data),
   interleaved, warm caches (the host's metadata is what a GPU step's host reads), one thread; ``cpu_*``: the same
   timed by this thread's CPU time.
 
