@@ -13,9 +13,9 @@ Rows:
 * ``triton host``: the host side of a step on the Triton backend (``ORT_OPTIM_BACKEND=triton``), on CPU tensors with
   the Triton launch replaced by a no-op, so that only the host's work is timed: ``Plan.read_grads_if_valid()``
   through the native watch against the Python fingerprints (the fallback where the native library is not loaded),
-  and the whole ``FusedAdam.step()`` with each; 2000 x 1K and GPT-2 small's 148 tensors (first dims / 8: validation reads no data),
-  interleaved, warm caches (the host's metadata is what a GPU step's host reads), one thread; ``cpu_*``: the same
-  timed by this thread's CPU time.
+  and the whole ``FusedAdam.step()`` with each; 2000 x 1K and GPT-2 small's 148 tensors (first dims / 8:
+  validation reads no data), interleaved, warm caches (the host's metadata is what a GPU step's host reads), one
+  thread; ``cpu_*``: the same timed by this thread's CPU time.
 
     python -m ort_optim.bench --sections validation      # or alone:
     python -m ort_optim.bench.validation [--quick]
