@@ -182,13 +182,6 @@ inline uint32_t fp8_regular_inverse(uint32_t amax) {
 }
 
 #ifdef ORT_OPTIM_FP8_AVX512
-inline __m512i fmix32x16(__m512i x) {  // fmix32 on 16 lanes
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0x85EBCA6Bu)));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0xC2B2AE35u)));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
 
 // fp8_code of 16 elements with bits b of a regular block (finite, no overflowed v; amax: the bits of its largest
 // magnitude, inv: 1 / its scale) and 16 random bits per lane. Two cases that most vectors lack take branches: the

@@ -123,17 +123,6 @@ void low_bit_load(const LowBit& f, const uint8_t* codes, const void* scales, int
   }
 }
 
-#ifdef ORT_OPTIM_LOW_BIT_AVX512
-inline __m512i fmix32x16(__m512i x) {  // fmix32 on 16 lanes
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0x85EBCA6Bu)));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0xC2B2AE35u)));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
-
-#endif
-
 // Codes of one block of (finite) values u[0, len) with 1 / scale inv, written as the format stores them. Signed:
 // exp_avg's map (sign-magnitude codes).
 template <int kBits, bool kSigned>

@@ -7,6 +7,10 @@
 
 #include "conversions.h"
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace ort_optim {
 
 inline uint64_t splitmix64(uint64_t x) {
@@ -23,6 +27,16 @@ inline uint32_t fmix32(uint32_t x) {  // murmur3's 32-bit finaliser
   x *= 0xC2B2AE35u;
   return x ^ (x >> 16);
 }
+
+#ifdef __AVX512F__
+inline __m512i fmix32x16(__m512i x) {  // fmix32 on 16 lanes
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0x85EBCA6Bu)));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0xC2B2AE35u)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+#endif
 
 // dst[i] = bf16(src[i]) rounded stochastically: up in magnitude with probability (the dropped 16 bits) / 2^16, from
 // 16 random bits of hash(key, element index off + i). key = splitmix64(rounding key ^ splitmix64(step)). Non-finite

@@ -121,15 +121,30 @@ def low_bit_root(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, s
     an overflowed v (code 0 in a block whose scale has its sign bit set, and is no NaN), NaN in a NaN block. What a
     relative exp_avg is coded against (_spec.EXP_AVG_RELATIVE); v = u * u."""
     n = math.prod(shape)
+    flat = _unpacked(codes, fmt, n)
+    u = _times_block_scales(decode_table(fmt, True).to(codes.device)[flat], scales.float().abs(), fmt)
+    return torch.where(_overflow_flags(scales, fmt, n) & (flat == 0), torch.full_like(u, math.inf), u).view(shape)
+
+
+def _unpacked(codes: torch.Tensor, fmt: LowBitFormat, n: int) -> torch.Tensor:
+    """The first n codes (int64, one per element) of a low-bit state's storage: 4-bit codes two per byte, element
+    2j in the low nibble of byte j."""
     flat = codes.reshape(-1)
     if fmt.bits == 4:
         flat = torch.stack([flat & 0xF, flat >> 4], dim=1).reshape(-1)
-    flat = flat[:n].long()
-    table = decode_table(fmt, True).to(codes.device)
-    u = torch.nn.functional.pad(table[flat], (0, -n % fmt.block)).view(-1, fmt.block)
-    u = (u * scales.float().abs()[:, None]).reshape(-1)[:n]
-    flagged = (torch.signbit(scales.float()) & ~torch.isnan(scales.float())).repeat_interleave(fmt.block)[:n]
-    return torch.where(flagged & (flat == 0), torch.full_like(u, math.inf), u).view(shape)
+    return flat[:n].long()
+
+
+def _times_block_scales(values: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat | Fp8Format) -> torch.Tensor:
+    """Flat per-element values times their block's (float32) scale (fmt.block elements a block)."""
+    n = values.numel()
+    return (torch.nn.functional.pad(values, (0, -n % fmt.block)).view(-1, fmt.block) * scales[:, None]).reshape(-1)[:n]
+
+
+def _overflow_flags(scales: torch.Tensor, fmt: LowBitFormat | Fp8Format, n: int) -> torch.Tensor:
+    """Per element: its block's scale has its sign bit set and is no NaN (the block holds an overflowed v, whose
+    code 0 reads as inf)."""
+    return (torch.signbit(scales.float()) & ~torch.isnan(scales.float())).repeat_interleave(fmt.block)[:n]
 
 
 def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: bool, step: int = 0,
@@ -202,17 +217,12 @@ def dequantize_low_bit(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFor
     m = q * root, 0 where q = 0 (_spec.EXP_AVG_RELATIVE)."""
     n = math.prod(shape)
     u_pair = _relative_root(fmt, second_moment, root, n, "dequantize_low_bit")
-    flat = codes.reshape(-1)
-    if fmt.bits == 4:
-        flat = torch.stack([flat & 0xF, flat >> 4], dim=1).reshape(-1)
-    flat = flat[:n].long()
-    table = decode_table(fmt, second_moment).to(codes.device)
-    values = torch.nn.functional.pad(table[flat], (0, -n % fmt.block)).view(-1, fmt.block)
-    values = (values * scales.float()[:, None]).reshape(-1)[:n]
+    flat = _unpacked(codes, fmt, n)
+    values = _times_block_scales(decode_table(fmt, second_moment).to(codes.device)[flat], scales.float(), fmt)
     if u_pair is not None:
         values = torch.where(values == 0, torch.zeros_like(values), values * u_pair)
     if second_moment:  # code 0 in a block whose scale has its sign bit set (and is no NaN): an overflowed v, inf
-        flagged = (torch.signbit(scales.float()) & ~torch.isnan(scales.float())).repeat_interleave(fmt.block)[:n]
+        flagged = _overflow_flags(scales, fmt, n)
         values = torch.where(flagged & (flat == 0), torch.full_like(values, math.inf), values * values)
     return values.view(shape)
 
@@ -328,12 +338,10 @@ def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format, se
     moment; code 0 in a block whose scale has its sign bit set, and is no NaN, is an overflowed v = inf). torch's own
     float8 -> float32 conversion reads the codes (exact: every fp8 value is a float32)."""
     n = math.prod(shape)
-    u = torch.nn.functional.pad(codes.reshape(-1).float(), (0, -n % fmt.block)).view(-1, fmt.block)
-    u = (u * scales.float()[:, None]).reshape(-1)[:n]
+    u = _times_block_scales(codes.reshape(-1).float(), scales.float(), fmt)
     if not second_moment:
         return u.view(shape)
-    flagged = (torch.signbit(scales.float()) & ~torch.isnan(scales.float())).repeat_interleave(fmt.block)[:n]
-    overflowed = flagged & (codes.reshape(-1).view(torch.uint8) == 0)
+    overflowed = _overflow_flags(scales, fmt, n) & (codes.reshape(-1).view(torch.uint8) == 0)
     return torch.where(overflowed, torch.full_like(u, math.inf), u * u).view(shape)
 
 

@@ -236,6 +236,18 @@ def _quant_blocks(x, mask, offs, SECOND: tl.constexpr, NB: tl.constexpr, QB: tl.
 
 
 @_device
+def _q4_codes(addr, scale_addr, offs, mask, BLOCK: tl.constexpr):
+    """A 4-bit state's codes (int32) and block scales (float32, from their bfloat16 bits) of BLOCK consecutive
+    elements. Two codes per byte: element 2j in the low nibble of byte j, 2j+1 in the high one."""
+    even_offs, _ = tl.split(tl.reshape(offs, (BLOCK // 2, 2)))
+    even_mask, _ = tl.split(tl.reshape(mask, (BLOCK // 2, 2)))
+    packed = tl.load(addr.to(tl.pointer_type(tl.uint8)) + even_offs // 2, mask=even_mask, other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK,))
+    s_bits = tl.load(scale_addr.to(tl.pointer_type(tl.uint16)) + offs // 128, mask=mask, other=0)
+    return codes, (s_bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@_device
 def _load_low_bit(addr, scale_addr, lut_ptr, offs, mask, DT: tl.constexpr, SECOND: tl.constexpr,
                   BLOCK: tl.constexpr):
     """Values of an 8-bit (DT == Q8) or 4-bit (DT == Q4) state: table[code] * scale (squared for SECOND). Masked
@@ -245,13 +257,7 @@ def _load_low_bit(addr, scale_addr, lut_ptr, offs, mask, DT: tl.constexpr, SECON
         s = tl.load(scale_addr.to(tl.pointer_type(tl.float32)) + offs // 256, mask=mask, other=0.0)
         bits = 8
     else:
-        # two codes per byte: element 2j in the low nibble of byte j, 2j+1 in the high one
-        even_offs, _ = tl.split(tl.reshape(offs, (BLOCK // 2, 2)))
-        even_mask, _ = tl.split(tl.reshape(mask, (BLOCK // 2, 2)))
-        packed = tl.load(addr.to(tl.pointer_type(tl.uint8)) + even_offs // 2, mask=even_mask, other=0).to(tl.int32)
-        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK,))
-        s_bits = tl.load(scale_addr.to(tl.pointer_type(tl.uint16)) + offs // 128, mask=mask, other=0)
-        s = (s_bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        codes, s = _q4_codes(addr, scale_addr, offs, mask, BLOCK)
         bits = 4
     if SECOND:
         u = tl.load(lut_ptr + (1 << bits) + codes) * s
@@ -268,12 +274,7 @@ def _load_low_bit(addr, scale_addr, lut_ptr, offs, mask, DT: tl.constexpr, SECON
 def _q4_root(addr, scale_addr, lut_ptr, offs, mask, BLOCK: tl.constexpr):
     """The decoded sqrt(v) of a 4-bit second moment's codes, as formats.low_bit_root: level * |s|, inf for code 0 in
     a flagged block (an overflowed v), NaN in a NaN block. What a 4-bit exp_avg is decoded through."""
-    even_offs, _ = tl.split(tl.reshape(offs, (BLOCK // 2, 2)))
-    even_mask, _ = tl.split(tl.reshape(mask, (BLOCK // 2, 2)))
-    packed = tl.load(addr.to(tl.pointer_type(tl.uint8)) + even_offs // 2, mask=even_mask, other=0).to(tl.int32)
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK,))
-    s_bits = tl.load(scale_addr.to(tl.pointer_type(tl.uint16)) + offs // 128, mask=mask, other=0)
-    s = (s_bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    codes, s = _q4_codes(addr, scale_addr, offs, mask, BLOCK)
     u = tl.load(lut_ptr + 16 + codes) * tl.abs(s)
     return tl.where((s.to(tl.int32, bitcast=True) < 0) & (s == s) & (codes == 0), float("inf"), u)
 
