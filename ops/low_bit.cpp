@@ -45,10 +45,12 @@ inline __m512 lookup128(const __m512* t, __m512i idx) {
 // d[0, len) = the values of one block's codes c (8-bit: one per byte; 4-bit: element 2j in the low nibble of byte
 // j), scale s; v = u * u for a second moment. The scalar loops are the reference and do the vector loops' tails.
 // kRoot (a second moment): also root[0, len) = u = |level * s|, the decoded sqrt(v) (= level * |s| bit for bit: the
-// rounding is symmetric, only the sign differs).
-template <int kBits, bool kSecondMoment, bool kRoot = false>
+// rounding is symmetric, only the sign differs). kRelative (a relative 4-bit exp_avg): d[i] = q * root[i], 0 where
+// q = 0, with q = level * s (low_bit_relative_load).
+template <int kBits, bool kSecondMoment, bool kRoot = false, bool kRelative = false>
 void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, float* d, float* root = nullptr) {
   static_assert(kSecondMoment || !kRoot, "a root is decoded with a second moment");
+  static_assert(!kRelative || (kBits == 4 && !kSecondMoment), "a relative exp_avg is 4-bit");
   const float* decode = map.decode();
   int64_t i = 0;
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
@@ -92,6 +94,10 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
       __m512 x = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table), s16);
       if constexpr (kRoot) _mm512_storeu_ps(root + i, _mm512_abs_ps(x));
       if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
+      if constexpr (kRelative) {  // (not equal, unordered: a NaN q multiplies, as in the scalar loop)
+        x = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NEQ_UQ), x,
+                                _mm512_loadu_ps(root + i));
+      }
       _mm512_storeu_ps(d + i, x);
     }
   }
@@ -99,7 +105,7 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
   for (; i < len; ++i) {
     const float x = (kBits == 8 ? decode[c[i]] : decode[(c[i >> 1] >> ((i & 1) * 4)) & 15]) * s;
     if constexpr (kRoot) root[i] = std::fabs(x);
-    d[i] = kSecondMoment ? x * x : x;
+    d[i] = kSecondMoment ? x * x : kRelative ? (x == 0.0f ? 0.0f : x * root[i]) : x;
   }
 }
 
@@ -314,7 +320,7 @@ void load_root(const LowBit& f, const uint8_t* codes, const void* scales, int64_
 // Writes src[0, n) as the codes and scales of elements [off, off + n). root: sqrt(src) when the caller has it (a
 // second moment's codes hold sqrt(v)), else nullptr. A relative exp_avg (f.relative): divisor = u, the decoded
 // sqrt(v) it is coded against (src holds m, the codes r = m / u). A 4-bit second moment: stored_root, where given,
-// receives the decoded sqrt(v) of the codes written (low_bit_root's values).
+// receives the decoded sqrt(v) of the codes written (load_root's values).
 template <int kBits, bool kSecondMoment>
 void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t off, int64_t n, uint8_t* codes,
                    void* scales, uint32_t step, const float* divisor = nullptr, float* stored_root = nullptr) {
@@ -427,8 +433,8 @@ void relative_load(const LowBit& f, const uint8_t* codes, const void* scales, co
         if (code == 0) v[q + i] = u[q + i] = std::numeric_limits<float>::infinity();
       }
     }
-    decode_block<kBits, false>(f.exp_avg, codes + byte, f.scale(scales, (off + q) / f.block), len, m + q);
-    for (int64_t i = q; i < q + len; ++i) m[i] = m[i] == 0.0f ? 0.0f : m[i] * u[i];  // q = level * s_r
+    decode_block<kBits, false, false, true>(f.exp_avg, codes + byte, f.scale(scales, (off + q) / f.block), len, m + q,
+                                            u + q);
   }
 }
 
@@ -436,14 +442,14 @@ void relative_load(const LowBit& f, const uint8_t* codes, const void* scales, co
 
 void low_bit_relative_load(const LowBit& f, const uint8_t* codes, const void* scales, const uint8_t* sq_codes,
                            const void* sq_scales, int64_t off, int64_t n, float* m, float* v, float* u) {
-  f.bits == 8 ? relative_load<8>(f, codes, scales, sq_codes, sq_scales, off, n, m, v, u)
-              : relative_load<4>(f, codes, scales, sq_codes, sq_scales, off, n, m, v, u);
+  TORCH_CHECK(f.bits == 4, "ort_optim: a relative exp_avg is 4-bit");
+  relative_load<4>(f, codes, scales, sq_codes, sq_scales, off, n, m, v, u);
 }
 
 void low_bit_relative_store(const LowBit& f, const float* m, const float* u, int64_t off, int64_t n, uint8_t* codes,
                             void* scales, uint32_t step) {
-  f.bits == 8 ? low_bit_store<8, false>(f, m, nullptr, off, n, codes, scales, step, u)
-              : low_bit_store<4, false>(f, m, nullptr, off, n, codes, scales, step, u);
+  TORCH_CHECK(f.bits == 4, "ort_optim: a relative exp_avg is 4-bit");
+  low_bit_store<4, false>(f, m, nullptr, off, n, codes, scales, step, u);
 }
 
 const LowBit& q8() {
