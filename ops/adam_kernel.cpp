@@ -50,24 +50,10 @@ struct BlockMax {
 //
 // kAmax: also find the block maxima (when a state is stored as scaled fp16), in the same pass rather than in one more
 // pass per state. kRoot: also write sqrt(v) (sqrt(vmax) with amsgrad), which a low-bit second moment stores, to root.
-// MIn, VIn: where the loop reads m and v: the arrays it writes (InPlace), or readers of stored codes (Q8Values,
-// Fp8Values), which decode in the loop's vector lanes while the division and square root units are busy.
-struct InPlace {};
-
-template <typename T, typename In>
-inline T read_moment(const In& in, const T* x, int64_t i) {
-  if constexpr (std::is_same_v<In, InPlace>) {
-    return x[i];
-  } else {
-    return in(i);
-  }
-}
-
-template <typename T, int64_t kMode, bool kAmsgrad, bool kAmax, bool kRoot = false, typename MIn = InPlace,
-          typename VIn = InPlace>
+template <typename T, int64_t kMode, bool kAmsgrad, bool kAmax, bool kRoot = false>
 BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
                    T* __restrict__ vmax, int64_t n, const TensorWork& w, const Hyper& h,
-                   T* __restrict__ root = nullptr, MIn m_in = {}, VIn v_in = {}) {
+                   T* __restrict__ root = nullptr) {
   const T grad_mul = T(h.grad_mul), b2 = T(h.beta2), one_minus_b1 = T(1.0 - h.beta1),
           one_minus_b2 = T(1.0 - h.beta2);
   const T eps = T(h.eps), wd = T(h.weight_decay), step_size = T(w.step_size), bc2_sqrt = T(w.bc2_sqrt);
@@ -83,9 +69,8 @@ BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m
     T gi = g[i] * grad_mul;  // unscale (and negate for maximize)
     if (kMode == kAdamL2) gi = gi + wd * p[i];  // L2: the decay enters the moments (not written back to .grad)
     if (kMode == kAdamWTorch) p[i] = p[i] * torch_decay;
-    const T mi = read_moment<T>(m_in, m, i), vi0 = read_moment<T>(v_in, v, i);
-    m[i] = mi + one_minus_b1 * (gi - mi);  // = b1*m + (1-b1)*g, in torch's lerp form
-    v[i] = vi0 * b2 + one_minus_b2 * gi * gi;
+    m[i] = m[i] + one_minus_b1 * (gi - m[i]);  // = b1*m + (1-b1)*g, in torch's lerp form
+    v[i] = v[i] * b2 + one_minus_b2 * gi * gi;
     T vi = v[i];
     if (kAmsgrad) {
       vmax[i] = std::max(vmax[i], vi);  // the max of the raw v; bias correction comes after
@@ -308,59 +293,29 @@ void write_back(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   }
 }
 
-// Moments stored one byte per element with a scale per 256 (8-bit codes, fp8), without amsgrad: each block of 256 is
-// decoded inside the update's loop (adam_loop with readers of the codes) instead of in passes of its own, whose
-// lookups and bit operations then run while the loop waits on its divisions and square root, and is stored right
-// after, from the L1 cache. The same values as staging, bit for bit.
-constexpr int64_t kCodeBlock = 256;
-static_assert(spec::kQ8Block == kCodeBlock && spec::kFp8Block == kCodeBlock, "one-byte codes in blocks of 256");
+// fp8 moments (both), without amsgrad: each block of 256 (one scale of each moment) is decoded, updated and stored
+// while it is in the L1 cache, with the block maxima found by the update's loop and one loop that hashes each element
+// once and codes both moments (fp8_store_pair). The same values as staging, bit for bit.
+static_assert(spec::kFp8Block == 256, "fp8 blocks of 256");
 
-// k(reader_at), where reader_at(off) reads the block of 256 at off of a one-byte coded moment; false if the moment is
-// not stored so.
-template <bool kSecondMoment, typename K>
-bool with_reader(const TensorWork& w, K&& k) {
-  const LowBit* low_bit = kSecondMoment ? w.exp_avg_sq_low_bit : w.exp_avg_low_bit;
-  const Fp8* fp8 = kSecondMoment ? w.exp_avg_sq_fp8 : w.exp_avg_fp8;
-  const uint8_t* codes = static_cast<const uint8_t*>(kSecondMoment ? w.exp_avg_sq : w.exp_avg);
-  const float* scales = kSecondMoment ? w.exp_avg_sq_scale : w.exp_avg_scale;
-  const auto flagged = [&](float s) { return kSecondMoment && overflow_flagged(s); };
-  if (fp8 && fp8->mantissa_bits == 3) {
-    k([=](int64_t off) {
-      const float s = scales[off / kCodeBlock];
-      return Fp8Values<3, 7, kSecondMoment>{codes + off, s, flagged(s)};
-    });
-  } else if (fp8) {
-    k([=](int64_t off) {
-      const float s = scales[off / kCodeBlock];
-      return Fp8Values<2, 15, kSecondMoment>{codes + off, s, flagged(s)};
-    });
-  } else {
-    return false;
-  }
-  return true;
-}
-
-// The update and store of the block [off, off + n) (in blocks of 256) of a tensor whose moments are both one-byte
-// codes; false (nothing done) otherwise. p, g: the block's params and gradients as staged.
+// The update and store of the block [off, off + n) (in blocks of 256) of a tensor whose moments are both fp8; false
+// (nothing done) otherwise. p, g: the block's params and gradients as staged.
 template <int64_t kMode>
 bool update_coded(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
                   const float* g) {
-  bool done = false;
-  with_reader<false>(w, [&](auto m_at) {
-    done = with_reader<true>(w, [&](auto v_at) {
-      for (int64_t o = 0; o < n; o += kCodeBlock) {
-        const int64_t len = std::min(kCodeBlock, n - o);
-        adam_loop<float, kMode, false, false, true>(p + o, g + o, s.m + o, s.v + o, nullptr, len, w, h, s.root + o,
-                                                     m_at(off + o), v_at(off + o));
-        if (w.exp_avg_fp8 || w.exp_avg_sq_fp8) fp8_random_bits(s.m + o, off + o, len, w.step, s.fp8_rnd + o);
-        store_state<float>(s.m + o, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off + o, len, 0, w.exp_avg_low_bit,
-                           false, nullptr, w.step, w.exp_avg_fp8, s.fp8_rnd + o);
-        store_state<float>(s.v + o, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off + o, len, 0,
-                           w.exp_avg_sq_low_bit, true, s.root + o, w.step, w.exp_avg_sq_fp8, s.fp8_rnd + o);
-      }
-    });
-  });
-  return done;
+  if (!w.exp_avg_fp8 || !w.exp_avg_sq_fp8) return false;
+  for (int64_t o = 0; o < n; o += spec::kFp8Block) {
+    const int64_t len = std::min<int64_t>(spec::kFp8Block, n - o);
+    fp8_load(*w.exp_avg_fp8, false, w.exp_avg, w.exp_avg_scale, off + o, len, s.m + o);
+    fp8_load(*w.exp_avg_sq_fp8, true, w.exp_avg_sq, w.exp_avg_sq_scale, off + o, len, s.v + o);
+    const BlockMax max = adam_loop<float, kMode, false, true, true>(p + o, g + o, s.m + o, s.v + o, nullptr, len, w, h,
+                                                                    s.root + o);
+    // (sqrt is monotonic and correctly rounded: the largest sqrt(v) is the square root of the largest v)
+    fp8_store_pair(*w.exp_avg_fp8, *w.exp_avg_sq_fp8, s.m + o, s.v + o, s.root + o, max.m,
+                   abs_bits(std::sqrt(bits_to_float(max.v))), off + o, len, w.step, w.exp_avg, w.exp_avg_scale,
+                   w.exp_avg_sq, w.exp_avg_sq_scale, s.fp8_rnd + o);
+  }
+  return true;
 }
 
 // The sum of squares of g[0, n), as adam_loop adds it up (the same simd reduction over the same block).
@@ -372,16 +327,18 @@ inline double square_sum(const float* __restrict__ g, int64_t n) {
 }
 
 // One block of one tensor: [off, off + n) with off a multiple of kBlock.
-// grad_squares receives the block's sum of squares of the gradients as loaded (adam_loop's).
+// grad_squares receives the block's sum of squares of the gradients as loaded (adam_loop's); squares: whether the
+// caller reads it (the coded path adds it up in a pass of its own, else skipped).
 template <typename T, int64_t kMode, bool kAmsgrad>
-void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s, double& grad_squares) {
+void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s, double& grad_squares,
+                bool squares) {
   T* g = stage<T>(w.grad, w.grad_type, nullptr, off, n, s.g);
   T* p = w.master ? stage<T>(w.master, at::kFloat, nullptr, off, n, s.p)
                   : stage<T>(w.param, w.param_type, nullptr, off, n, s.p);
   bool coded = false;
   if constexpr (std::is_same_v<T, float> && !kAmsgrad) {
     coded = update_coded<kMode>(w, h, off, n, s, p, g);
-    if (coded) grad_squares = square_sum(g, n);
+    if (coded) grad_squares = squares ? square_sum(g, n) : 0.0;
   }
   if (!coded) update_staged<T, kMode, kAmsgrad>(w, h, off, n, s, p, g, grad_squares);
   write_back<T>(w, h, off, n, s, p, g);
@@ -407,7 +364,7 @@ void run_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& 
       for (int64_t off = item.begin; off < item.end; off += kBlock) {
         double block_squares;
         adam_block<T, kMode, kAmsgrad>(work[item.tensor], h, off, std::min(kBlock, item.end - off), scratch,
-                                       block_squares);
+                                       block_squares, grad_squares != nullptr);
         item_squares += block_squares;
       }
       if (grad_squares != nullptr) grad_squares[i] = item_squares;

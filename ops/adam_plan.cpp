@@ -54,18 +54,15 @@ int64_t TensorWatch::check(std::vector<int64_t> identities) {
     // (compared before anything is read through it: a swapped param's planned TensorImpl may be freed)
     if (ids[i] != reinterpret_cast<int64_t>(param_impls_[i])) return release(int64_t(i));
     Watch* w = &watches_[i * per_param_];
-    if (!still(w[0])) return release(int64_t(i));
-    for (size_t k = 1; k < per_param_; ++k) {
-      if (!still(w[k])) return release(int64_t(i));
-      // (the last watch is the param's step tensor, whose data the step reads afresh)
-      if (w[k].moved && k + 1 < per_param_) moved(i, k - 1);
+    for (size_t k = 0; k < per_param_; ++k) {
+      if (!still(w[k], i, k)) return release(int64_t(i));
     }
     const at::Tensor& g = grad_of(param_impls_[i]);
     if (!usable_grad(g, w[0])) return release(int64_t(i));
     grads_[i] = &g;
     checked_params_[i] = const_cast<c10::TensorImpl*>(param_impls_[i]);
   }
-  if (!still(watches_.back())) return release(int64_t(n));
+  if (!still(watches_.back(), n, 0)) return release(int64_t(n));
   checked_ = true;
   return -1;
 }
@@ -84,7 +81,7 @@ TensorWatch::Watch TensorWatch::watch(const at::Tensor& t) {
   return w;
 }
 
-bool TensorWatch::still(Watch& w) const {
+bool TensorWatch::still(Watch& w, size_t param, size_t k) {
   const c10::TensorImpl* impl = w.impl;
   const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
   if (storage != w.storage.unsafeGetStorageImpl() || impl->storage_offset() != w.offset ||
@@ -95,8 +92,10 @@ bool TensorWatch::still(Watch& w) const {
   const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
   const int64_t* geometry = geometry_.data() + w.geometry;
   if (sizes.size() != w.dim || !same(sizes, geometry) || !same(strides, geometry + w.dim)) return false;
-  w.moved = storage->data() != w.data;
-  if (w.moved) w.data = storage->data();
+  const void* data = storage->data();
+  if (data == w.data) return true;
+  if (!follow(param, k)) return false;  // (and w.data stays: the next check fails too)
+  w.data = data;
   return true;
 }
 
@@ -293,8 +292,10 @@ void AdamPlan::mark_written(bool unscaled_grads) {
   }
 }
 
-void AdamPlan::moved(size_t i, size_t slot) {
-  const auto* list = state_lists_[slot];
+bool AdamPlan::follow(size_t i, size_t k) {
+  // (the params, step tensors and steps are read afresh at every step; a state's data pointer is in work_)
+  if (i == size() || k == 0 || k == state_lists_.size() + 1) return true;
+  const auto* list = state_lists_[k - 1];
   void* data = (*list)[i].data_ptr();  // (materialises a copy-on-write storage)
   TensorWork& tw = work_[i];
   if (list == &exp_avgs_) tw.exp_avg = data;
@@ -304,6 +305,7 @@ void AdamPlan::moved(size_t i, size_t slot) {
   if (list == &exp_avg_scales_) tw.exp_avg_scale = static_cast<float*>(data);
   if (list == &exp_avg_sq_scales_) tw.exp_avg_sq_scale = static_cast<float*>(data);
   if (list == &max_exp_avg_sq_scales_) tw.max_exp_avg_sq_scale = static_cast<float*>(data);
+  return true;
 }
 
 }  // namespace ort_optim

@@ -20,7 +20,7 @@ namespace ort_optim {
 // bytes: every tensor's metadata is cold again by the next step. A watch records, once, what each tensor of a
 // bucket is (its storage, data pointer, offset, dtype, device, sizes and strides); check(), before every step,
 // compares each with what it is now, and checks every param's gradient. It is a cache that cannot be wrong: anything
-// that changed (but a storage re-allocated in place, which is followed) makes check() fail, and FusedAdam plans
+// that changed (but a storage re-allocated in place, which AdamPlan follows) makes check() fail, and FusedAdam plans
 // again (validating everything) before anything is written. It compares metadata only and never touches data, so it
 // serves tensors of any device: FusedAdam's CPU buckets through AdamPlan, its CUDA (Triton) buckets directly.
 //
@@ -39,17 +39,20 @@ class TensorWatch : public torch::CustomClassHolder {
 
   // -1 when the bucket can step now: each param's TensorImpl is the planned one (identities: the params' then the
   // idle params' TensorImpl addresses, now), every tensor is as it was (data pointers of storages re-allocated in
-  // place are followed), every param has a usable gradient (dense, on the param's device, a dtype it can take, its
-  // shape, a storage that holds it) and no idle param has one. Else the position of the first param that cannot
-  // (params.size() + j for idle_params[j]). Writes no tensor.
+  // place are followed where follow() says so), every param has a usable gradient (dense, on the param's device, a
+  // dtype it can take, its shape, a storage that holds it) and no idle param has one. Else the position of the
+  // first param that cannot (params.size() + j for idle_params[j]). Writes no tensor.
   int64_t check(std::vector<int64_t> identities);
 
   size_t size() const { return param_impls_.size(); }
 
  protected:
-  // A state's storage was re-allocated in place (same storage object, new memory) at this check: AdamPlan points
-  // its kernel's view at the new memory. slot: the index in states_.
-  virtual void moved(size_t param, size_t slot) {}
+  // The storage of a watched tensor was re-allocated in place (the same storage object, other memory: resize_(0)
+  // then resize_(n), as CPU offload does) since the last check: whether the watch's user follows it to its new
+  // memory (AdamPlan re-resolves its kernel's pointers and says yes). A bare watch says no, so check() fails: its
+  // caller keeps the tensors' addresses (the Triton backend's launch plan) and plans again. param: the param's
+  // position (size() for steps); k: its watch (0 the param, 1 + j states_[j], then its step tensor).
+  virtual bool follow(size_t param, size_t k) { return false; }
 
   // What check() resolved for the step: the params' TensorImpls and gradients (valid until the next check() or
   // release(); FusedAdam steps right after checking).
@@ -76,14 +79,13 @@ class TensorWatch : public torch::CustomClassHolder {
     c10::Device device;
     uint32_t geometry;   // its sizes, then its strides: geometry_[geometry, geometry + 2 * dim)
     uint16_t dim;
-    bool moved = false;  // the storage's data moved (re-allocated in place) at the last check()
   };
 
   Watch watch(const at::Tensor& t);
 
-  // Whether the tensor still views the same storage the same way, and that storage still holds the view; records
-  // whether the storage's data moved (the same storage re-allocated: resize_(0), then resize_(n)).
-  bool still(Watch& w) const;
+  // Whether the tensor still views the same storage the same way, that storage still holds the view, and its
+  // memory is where it was or the watch's user follows it there (follow(param, k)).
+  bool still(Watch& w, size_t param, size_t k);
 
   // a == b[0, a.size()): a loop, where std::equal would call memcmp for the one or two dims of a typical tensor.
   static bool same(c10::IntArrayRef a, const int64_t* b);
@@ -134,7 +136,7 @@ class AdamPlan : public TensorWatch {
   at::Tensor grad_stats();
 
  private:
-  void moved(size_t param, size_t slot) override;
+  bool follow(size_t param, size_t k) override;
 
   // The params check() resolved as at::Tensors for the step, borrowed: they share the TensorImpl without a reference
   // (the caller's Python params own it), so holding them between check() and step() never makes swap_tensors refuse

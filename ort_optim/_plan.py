@@ -20,11 +20,12 @@ itself.
   very list (a list put in its place is told by identity), at that count; the group's ``amsgrad`` (it adds a state
   list), the optimizer's state layout options and the backend (native plans exist only while the native CPU op runs)
   must be unchanged (O(groups));
-* per tensor (params, grads, states, masters, scales, steps): the same storage, data pointer (a storage re-allocated
-  in place is re-resolved), storage size, dtype, device, shape, strides and TensorImpl (``torch.utils.swap_tensors``
-  gives a param another), and which params have gradients: in C++ by the native plans of CPU buckets (``backends.AdamPlan``,
-  a ``TensorWatch`` that compares metadata only and also steps), and in Python by :func:`fingerprints` for the
-  buckets of other backends and wherever the native library is not loaded.
+* per tensor (params, grads, states, masters, scales, steps): the same storage, data pointer (a native plan
+  re-resolves a storage re-allocated in place; the buckets of other backends plan again, as their launch plans keep
+  addresses), storage size, dtype, device, shape, strides and TensorImpl (``torch.utils.swap_tensors``
+  gives a param another), and which params have gradients: in C++ by native watches (``backends.TensorWatch``, which
+  compare metadata only, so they serve every device: the native plans of CPU buckets, a watch of their own for the
+  buckets of other backends), or, where the native library is not loaded, in Python by :func:`fingerprints`.
 
 When the rule fails, the step builds a new plan, which raises (naming ``param_groups[i]['params'][j]``) for anything
 that cannot be honoured, before any write.
@@ -227,6 +228,7 @@ class Bucket:
     step_tensors: list[torch.Tensor] = field(default_factory=list)  # those views (`.data = t` replaces their storage)
     rounding_keys: Optional[torch.Tensor] = None  # int64 [n]: stochastic rounding of bfloat16 params, else None
     native: Optional[backends.AdamPlan] = None  # on the native CPU backend
+    watch: Optional[backends.TensorWatch] = None  # other backends' buckets, while the native library is loaded
     fingerprints: list = field(default_factory=list)  # of every tensor above, for the Python check (neither of those)
     grads: list = field(default_factory=list)  # this step's gradients (other backends; a native plan reads its own)
     pending: list = field(default_factory=list)  # (slot, DTensor gradient) to redistribute into grads this step
@@ -253,8 +255,11 @@ class Bucket:
                                  self.step_tensors, self.launch_cache)
 
     def unchanged(self) -> bool:
-        """The check of a bucket without a native plan, in Python: every tensor has the fingerprint it had when
-        planned, and every gradient read (GroupPlan.read_grads) is usable."""
+        """The check of a bucket without a native plan: its TensorWatch where the op library is loaded, else in
+        Python: every tensor has the fingerprint it had when planned, and every gradient read (GroupPlan.read_grads)
+        is usable."""
+        if self.watch is not None:
+            return self.watch.check() < 0
         return fingerprints(self.tensors()) == self.fingerprints and all(
             g is None or _usable_grad(g, p) for g, p in zip(self.grads, self.params))
 
@@ -578,9 +583,13 @@ def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: Sta
                 bucket.params, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.max_exp_avg_sqs, bucket.master_params,
                 bucket.exp_avg_scales, bucket.exp_avg_sq_scales, bucket.max_exp_avg_sq_scales, bucket.steps,
                 watch_idle, step_tensors=bucket.step_tensors)
+        elif not bucket.holds_dtensor_pieces and backends.native_available():
+            # (a native watch compares metadata only, whatever the device: the gradients are read in Python for the
+            # launch, and checked by the watch; a storage re-allocated in place fails its check, as the launch plan
+            # keeps the tensors' addresses)
+            bucket.watch = backends.TensorWatch.create(bucket.params, bucket.state_lists(), bucket.steps,
+                                                       bucket.step_tensors)
         else:
-            # (a TensorWatch could check these buckets natively, but it does not yet follow a state whose storage is
-            # reallocated in place, as a native plan does: the Python fingerprints check them)
             bucket.fingerprints = fingerprints(bucket.tensors())
     watchers = [b.native for b in buckets]
     if all_native and not buckets and params:  # a group without gradients: a plan that only watches

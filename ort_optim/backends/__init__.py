@@ -31,6 +31,7 @@ from . import triton as triton_backend  # imports no triton until its first kern
 
 BACKENDS = ("auto", "native", "torch", "triton")
 AdamPlan = native.AdamPlan
+TensorWatch = native.TensorWatch
 
 
 def backend() -> str:
@@ -212,7 +213,7 @@ class PlanRunner:
 class OpRunner:
     """The runner of a bucket on the op of its device's backend (:func:`adam_step_`: Triton, the reference, or the
     registered op, as while torch.compile traces). ``lists()`` gives the op's lists with this step's gradients;
-    ``check()`` is the caller's check of them (the bucket's fingerprints); ``step_tensors`` are the
+    ``check()`` is the caller's check of them (the bucket's TensorWatch or fingerprints); ``step_tensors`` are the
     views of the steps that ``optimizer.state[p]['step']`` holds, marked for autograd after a step (their version
     counters are their own); ``launch_cache`` is the dict the Triton backend keeps its launch plan in (see
     :func:`adam_step_`)."""

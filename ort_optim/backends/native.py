@@ -193,8 +193,7 @@ _IMPL = operator.attrgetter("_cdata")
 
 
 class TensorWatch:
-    """The checking half of :class:`AdamPlan`: a native watch over one bucket's tensors (ops/README.md,
-    "TensorWatch"), of any device: it compares metadata
+    """A native watch over one bucket's tensors (ops/README.md, "TensorWatch"), of any device: it compares metadata
     only (storage, data pointer, offset, dtype, device, sizes, strides) and never touches data.
 
     :meth:`check` compares every tensor with what it was at creation and checks every param's gradient (dense, on
@@ -208,8 +207,17 @@ class TensorWatch:
         self._native = native
         self._watched = params + idle_params  # (their TensorImpls now are what check() compares)
 
+    @classmethod
+    def create(cls, params, state_lists, steps, step_tensors, idle_params=()) -> "TensorWatch":
+        """A watch over params, their non-empty state lists (n tensors each), step tensors and steps. idle_params:
+        params without a gradient now, which the watch requires to stay so."""
+        params, idle_params = list(params), list(idle_params)
+        return cls(torch.classes.ort_optim.TensorWatch(params, [list(s) for s in state_lists if len(s)],
+                                                       list(step_tensors), steps, idle_params), params, idle_params)
+
     def check(self) -> int:
-        """-1 when the bucket can step now: every tensor is as it was (storages re-allocated in place are followed),
+        """-1 when the bucket can step now: every tensor is as it was (a storage re-allocated in place is not: its
+        caller keeps addresses; an AdamPlan follows it),
         every param is the TensorImpl it was (not swapped) and has a usable gradient, and no idle param has one.
         Otherwise the position of the first param that cannot (``len(params) + j`` for ``idle_params[j]``); nothing
         is written either way."""

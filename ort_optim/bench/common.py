@@ -57,31 +57,34 @@ def measure_bandwidth(quick: bool) -> dict:
     return result
 
 
-def interleaved_samples(candidates: dict[str, Callable[[], None]], warmup: int, reps: int) -> dict[str, list[float]]:
+def interleaved_samples(candidates: dict[str, Callable[[], None]], warmup: int, reps: int,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds of every call of each candidate, run round robin so that machine noise hits all alike: sample i of
-    every candidate comes from the same round (pair them for per-round ratios)."""
+    every candidate comes from the same round (pair them for per-round ratios). ``clock``: see time_after_probe."""
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for rep in range(warmup + reps):
         for name, fn in candidates.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
             if rep >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
     return times
 
 
-def time_interleaved(candidates: dict[str, Callable[[], None]], warmup: int, reps: int) -> dict[str, float]:
+def time_interleaved(candidates: dict[str, Callable[[], None]], warmup: int, reps: int,
+                     clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median seconds per call of each candidate, run round robin (interleaved_samples)."""
-    return {name: statistics.median(values) for name, values in interleaved_samples(candidates, warmup, reps).items()}
+    return {name: statistics.median(values)
+            for name, values in interleaved_samples(candidates, warmup, reps, clock).items()}
 
 
-def time_interleaved_one_thread(candidates: dict[str, Callable[[], None]], warmup: int, reps: int
-                                ) -> dict[str, float]:
+def time_interleaved_one_thread(candidates: dict[str, Callable[[], None]], warmup: int, reps: int,
+                                clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """time_interleaved on one intra-op thread (the thread count is restored after): for hot, cache-resident steps
     whose compute is divided by the thread count afterwards. A short parallel region on a shared 2-core machine
     waits for whichever of its threads the scheduler took away (measured: a 250 us step took 8-16 ms under load)."""
     with one_intra_op_thread():
-        return time_interleaved(candidates, warmup, reps)
+        return time_interleaved(candidates, warmup, reps, clock)
 
 
 @contextmanager
@@ -96,13 +99,16 @@ def one_intra_op_thread():
 
 
 def time_after_probe(candidates: dict[str, Callable[[], None]], moved_bytes: dict[str, float], quick: bool,
-                     warmup: int, reps: int, prepare: Optional[Callable[[], None]] = None
+                     warmup: int, reps: int, prepare: Optional[Callable[[], None]] = None,
+                     clock: Callable[[], float] = time.perf_counter
                      ) -> tuple[dict[str, float], dict[str, float], float]:
     """Times each candidate right after an in-place ``x.mul_(c)`` over 512 MB (256 MB with quick), in one loop:
     probe, first candidate, probe, second candidate, and so on. The probe evicts the caches, so every candidate runs
     cold, as an optimizer step does in training (forward and backward evict the last-level cache in between), and
     it measures the memory bandwidth (8 bytes per element: read and write) at that moment, under the same load.
-    ``prepare``, if given, runs untimed before each probe (to give every call the same inputs).
+    ``prepare``, if given, runs untimed before each probe (to give every call the same inputs). ``clock`` times the
+    candidates (``time.thread_time``: the CPU time of this thread, which a loaded machine's scheduler does not
+    inflate); the probe is timed by the wall clock.
 
     Returns (median seconds per candidate; each candidate's bandwidth as a fraction of the probe's, from its
     ``moved_bytes`` per call: the median over repetitions of the ratio to the probe run just before it; the
@@ -119,11 +125,12 @@ def time_after_probe(candidates: dict[str, Callable[[], None]], moved_bytes: dic
             start = time.perf_counter()
             x.mul_(1.0000001)
             middle = time.perf_counter()
+            begin = clock()
             fn()
-            end = time.perf_counter()
+            took = clock() - begin
             if rep >= warmup:
-                times[name].append(end - middle)
-                fractions[name].append((moved_bytes[name] / (end - middle)) / (probe_bytes / (middle - start)))
+                times[name].append(took)
+                fractions[name].append((moved_bytes[name] / took) / (probe_bytes / (middle - start)))
                 probes.append(middle - start)
     return ({name: statistics.median(v) for name, v in times.items()},
             {name: statistics.median(v) for name, v in fractions.items()},

@@ -370,7 +370,7 @@ def run(quick: bool) -> list[dict]:
 
 # ---- where the low-bit step's time goes: the limit probe ------------------------------------------------------
 
-LIMIT_CONFIGS = ["fp32", "uint8", "uint4", "fp8"]  # (fp8 moves the bytes of uint8: the 8-bit floor probe is its floor)
+LIMIT_CONFIGS = ["fp32", "uint8", "uint4", "fp8", "fp8 e5m2"]  # (fp8 moves uint8's bytes: the 8-bit probe is its floor)
 FLOOR_NAMES = {8: "linear 8-bit floor", 4: "linear 4-bit floor"}  # probes.LowBitFloorStep: bounds, not formats
 HOT_NUMEL = 256 * 1024  # one tensor whose step stays in the caches (fp32: 4 MB of p, g, m, v; low-bit: 2.6 MB)
 TINY_NUMEL = 1024  # a step that is all overhead (dispatch, plan), subtracted from the hot step
@@ -459,7 +459,7 @@ def run_limit(quick: bool) -> list[dict]:
         if fp32_cold_ns:
             row["hot_ns_needed_for_1.2x"] = fp32_cold_ns / 1.2
         # the step's cold time over the floor probe's of its width, in the same run (fp8 moves 8-bit's bytes)
-        width = {"uint8": 8, "fp8": 8, "uint4": 4}.get(name)
+        width = {"uint8": 8, "fp8": 8, "fp8 e5m2": 8, "uint4": 4}.get(name)
         if width and FLOOR_NAMES[width] in cold:
             row["cold_vs_floor_probe"] = cold[name] / cold[FLOOR_NAMES[width]]
         rows.append(row)

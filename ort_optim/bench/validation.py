@@ -1,18 +1,21 @@
 """What validation costs a FusedAdam step: the share of the step that re-validates its plan (ort_optim/_plan.py,
-``Plan.valid``: the rule above the tensors, then every tensor and gradient through the native watches, or through
-Python fingerprints where the native library is not loaded).
+``Plan.read_grads_if_valid``: the rule above the tensors, then every tensor and gradient through the native
+watches, or through Python fingerprints where the native library is not loaded).
 
 Rows:
 
 * ``native CPU``: 2000 x 1K fp32 params on the native CPU backend, one thread. Each call runs right after a cold
   ``x.mul_(c)`` probe that evicts the caches (common.time_after_probe), as an optimizer step runs in training, calls
-  interleaved: ``FusedAdam.step()`` as a whole, and ``Plan.valid()`` alone (what each step re-validates).
-  ``share`` = validation / step; the target is at most 10%.
+  interleaved: ``FusedAdam.step()`` as a whole, and ``Plan.read_grads_if_valid()`` alone (what each step re-validates).
+  ``share`` = validation / step; the target is at most 10%. ``cpu_share``: the same from a second pass timed by
+  this thread's CPU time (``time.thread_time``), which a loaded machine's scheduler does not inflate (on a shared
+  machine, a wall-clock millisecond call is often several times its CPU time).
 * ``triton host``: the host side of a step on the Triton backend (``ORT_OPTIM_BACKEND=triton``), on CPU tensors with
-  the Triton launch replaced by a no-op, so that only the host's work is timed: ``Plan.valid()`` through the native
-  watch against the Python fingerprints (the fallback where the native library is not loaded), and the whole
-  ``FusedAdam.step()`` with each; 2000 x 1K and GPT-2 small's 148 tensors (first dims / 8: validation reads no data),
-  interleaved, warm caches (the host's metadata is what a GPU step's host reads), one thread.
+  the Triton launch replaced by a no-op, so that only the host's work is timed: ``Plan.read_grads_if_valid()``
+  through the native watch against the Python fingerprints (the fallback where the native library is not loaded),
+  and the whole ``FusedAdam.step()`` with each; 2000 x 1K and GPT-2 small's 148 tensors (first dims / 8:
+  validation reads no data), interleaved, warm caches (the host's metadata is what a GPU step's host reads), one
+  thread; ``cpu_*``: the same timed by this thread's CPU time.
 
     python -m ort_optim.bench --sections validation      # or alone:
     python -m ort_optim.bench.validation [--quick]
@@ -21,8 +24,10 @@ Rows:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import time
 from contextlib import contextmanager
 
 import torch
@@ -46,8 +51,23 @@ def _environment(name: str, value: str):
             os.environ[name] = previous
 
 
+@contextmanager
+def _gc_paused():
+    """Python's cyclic collector off while timing, as timeit does: the Python fingerprints allocate thousands of
+    tracked objects per check (torch.Size tuples), so collections they trigger would be charged to whichever call
+    happens to run next, the native watch's included."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _validation(opt: FusedAdam):
-    return lambda: opt._plan.valid(opt.param_groups, opt.state, opt._layout)
+    return lambda: opt._plan.read_grads_if_valid(opt.param_groups, opt.state, opt._layout)
 
 
 def run_native_cpu(quick: bool) -> list[dict]:
@@ -55,13 +75,18 @@ def run_native_cpu(quick: bool) -> list[dict]:
     opt = FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
     with one_intra_op_thread():
         opt.step()  # (plans)
-        calls = {"FusedAdam.step()": opt.step, "validation (Plan.valid)": _validation(opt)}
+        calls = {"FusedAdam.step()": opt.step, "validation (Plan.read_grads_if_valid)": _validation(opt)}
         numel = sum(p.numel() for p in params)
-        medians, _, probe_gbps = time_after_probe(calls, dict.fromkeys(calls, 28.0 * numel), quick,
-                                                  warmup=2, reps=5 if quick else 15)
-    step, check = medians["FusedAdam.step()"], medians["validation (Plan.valid)"]
+        medians, cpu = ({}, {})
+        for clock, out in ((time.perf_counter, medians), (time.thread_time, cpu)):
+            timed, _, probe_gbps = time_after_probe(calls, dict.fromkeys(calls, 28.0 * numel), quick, warmup=2,
+                                                    reps=5 if quick else 15, clock=clock)
+            out.update(timed)
+    step, check = medians["FusedAdam.step()"], medians["validation (Plan.read_grads_if_valid)"]
+    cpu_step, cpu_check = cpu["FusedAdam.step()"], cpu["validation (Plan.read_grads_if_valid)"]
     return [{"section": "validation", "path": "native CPU", "workload": "2000x1K", "caches": "evicted",
              "check": "native watch", "step_ms": step * 1e3, "validation_ms": check * 1e3, "share": check / step,
+             "cpu_step_ms": cpu_step * 1e3, "cpu_validation_ms": cpu_check * 1e3, "cpu_share": cpu_check / cpu_step,
              "target_share": 0.10, "probe_GBps": probe_gbps, "native": backends.native_available()}]
 
 
@@ -69,6 +94,7 @@ def _python_fallback(opt: FusedAdam) -> None:
     """The plan's buckets checked as where the native library is not loaded: Python fingerprints, no native watch."""
     for planned in opt._plan.groups:
         for bucket in planned.buckets:
+            bucket.watch = None
             bucket.fingerprints = _plan.fingerprints(bucket.tensors())
 
 
@@ -82,7 +108,7 @@ def run_triton_host(quick: bool) -> list[dict]:
                                      ("gpt2-small", WORKLOADS["gpt2-small"](True))):
                 params = make_params(shapes)
                 optimizers = {}
-                for check in ("Python fingerprints",):  # (the buckets of other backends have no native watch)
+                for check in ("native watch", "Python fingerprints"):
                     opt = optimizers[check] = FusedAdam(params, lr=1e-3)
                     opt.step()  # (plans)
                     if check == "Python fingerprints":
@@ -93,13 +119,16 @@ def run_triton_host(quick: bool) -> list[dict]:
                 for check, opt in optimizers.items():
                     calls[f"validation, {check}"] = _validation(opt)
                     calls[f"step, {check}"] = opt.step
-                medians = time_interleaved_one_thread(calls, warmup=3, reps=10 if quick else 40)
+                medians, cpu = (time_interleaved_one_thread(calls, warmup=3, reps=10 if quick else 40, clock=clock)
+                                for clock in (time.perf_counter, time.thread_time))
                 for check in optimizers:
                     rows.append({"section": "validation", "path": "triton host (launch stubbed)",
                                  "workload": workload, "tensors": len(shapes), "caches": "warm", "check": check,
                                  "step_ms": medians[f"step, {check}"] * 1e3,
                                  "validation_ms": medians[f"validation, {check}"] * 1e3,
                                  "share": medians[f"validation, {check}"] / medians[f"step, {check}"],
+                                 "cpu_step_ms": cpu[f"step, {check}"] * 1e3,
+                                 "cpu_validation_ms": cpu[f"validation, {check}"] * 1e3,
                                  "target_ms": 1.0 if workload == "2000x1K" else None})
     finally:
         triton_backend.adam_step_ = launch
@@ -108,7 +137,8 @@ def run_triton_host(quick: bool) -> list[dict]:
 
 def run(quick: bool) -> list[dict]:
     """The ``validation`` section's rows (module docstring)."""
-    return (run_native_cpu(quick) if backends.native_available() else []) + run_triton_host(quick)
+    with _gc_paused():
+        return (run_native_cpu(quick) if backends.native_available() else []) + run_triton_host(quick)
 
 
 def main(argv=None) -> int:

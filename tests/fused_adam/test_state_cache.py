@@ -313,6 +313,8 @@ def test_a_storage_reallocated_in_place_is_written_where_it_now_is(which, backen
         assert bool((decoy == 7.0).all()), "a step wrote into freed memory"
     if backend == "native":  # followed in C++: the same storage, re-resolved, not planned again
         assert builds[0] == 0
+    else:  # planned again, once: the other backends' buckets keep addresses (the Triton backend's launch plan)
+        assert builds[0] == 1
 
 
 def test_master_weights_reallocated_in_place_are_followed(backend):

@@ -1,6 +1,6 @@
 """FusedAdam's steps with other Python threads running, as a specification.
 
-Torch runs the methods of the native step cache (``backends.AdamPlan`` and its base, ``native.TensorWatch``; ops/README.md)
+Torch runs the methods of the native step cache (``backends.TensorWatch`` and ``backends.AdamPlan``, ops/README.md)
 with the GIL released, so another Python thread runs while they check and step: a DataLoader's pin-memory thread, a
 logger, or any thread of a free-threaded CPython. The step cache holds no Python object and reads nothing that it does
 not hold or that the step's caller does not vouch for (each param's TensorImpl, read under the GIL at every check),
@@ -8,10 +8,12 @@ so memory that another thread frees and allocates again cannot pass for what the
 
 The specification: steps taken while another thread allocates and frees tensors in a loop, replaces the gradients of
 other tensors and gives other tensors new memory (``.data =``) give, bit for bit, what the same steps give without
-that thread. Between steps the training thread itself does what forces
-the cache to notice freed memory: new gradient tensors at every step (the old ones freed), a param given new memory
-(``.data =``, its old storage freed), a param swapped for another tensor (``torch.utils.swap_tensors``, the TensorImpl
-it had freed right after), a moment given new memory. Every backend (the native CPU plans, the pure-PyTorch reference,
+that thread, and the params torch.optim.AdamW gives for the same steps. Between steps the training thread itself does
+what forces the cache to notice freed or moved objects: new gradient tensors at every step (the old ones freed), a param
+given new memory (``.data =``, its old storage freed), a param swapped for another tensor (``torch.utils.swap_tensors``)
+with the TensorImpl it had freed right after, a param swapped with the TensorImpl it had kept alive, gradient and all,
+by the other tensor (a cache that kept reading that TensorImpl would step the other tensor instead of the param), a
+moment given new memory. Every backend (the native CPU plans, the pure-PyTorch reference,
 and with ``ORT_OPTIM_BACKEND=triton`` the Triton kernels, whose buckets the native watch checks where the library is
 loaded).
 """
@@ -56,6 +58,7 @@ def _train(optimizer_class, grads: list[list[torch.Tensor]], with_thread: bool) 
     stop = threading.Event()
     others = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES[:16]]
     thread = threading.Thread(target=_churn, args=(stop, others), daemon=True)
+    kept = []  # the tensors that hold what swapped params had
     interval = sys.getswitchinterval()
     if with_thread:
         sys.setswitchinterval(1e-5)  # (hand the GIL over often: the threads interleave within a step)
@@ -73,6 +76,12 @@ def _train(optimizer_class, grads: list[list[torch.Tensor]], with_thread: bool) 
                 torch.utils.swap_tensors(p, replacement)  # p gets another TensorImpl ...
                 del replacement  # ... and the one it had is freed
                 p.grad = grads[step][step].clone()
+            if step % 4 == 0 and step > 0:
+                p = params[step]
+                replacement = torch.nn.Parameter(p.detach() * 1.0)
+                torch.utils.swap_tensors(p, replacement)  # p gets another TensorImpl; the one it had, with its
+                kept.append(replacement)  # gradient, lives on in the replacement
+                p.grad = grads[step][step].clone()
             if step % 4 == 3 and isinstance(opt, FusedAdam):
                 state = opt.state[params[step]]
                 state["exp_avg"].data = state["exp_avg"].clone()  # a moment given new memory
@@ -87,11 +96,24 @@ def _train(optimizer_class, grads: list[list[torch.Tensor]], with_thread: bool) 
 
 
 def _fused_adam(params, **options) -> FusedAdam:
-    return FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, **options)  # (torch's AdamW math)
+    return FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, **options)  # (torch's AdamW)
+
+
+def _assert_torch_adamw_steps(run: dict, grads: list[list[torch.Tensor]]) -> None:
+    reference = _train(torch.optim.AdamW, grads, with_thread=False)
+    for i, (p, expected) in enumerate(zip(run["params"], reference["params"])):
+        # (float32 rounding: the update's operations in another order than torch's)
+        torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"params[{i}] vs AdamW: {m}")
+
+
+def test_steps_over_params_given_new_memory_or_swapped_are_torch_adamw_steps(backend):
+    grads = _grads(seed=1)
+    _assert_torch_adamw_steps(_train(_fused_adam, grads, with_thread=False), grads)
 
 
 def test_steps_with_another_thread_freeing_and_allocating_tensors_are_bit_for_bit_the_steps_without(backend):
     grads = _grads(seed=1)
     alone = _train(_fused_adam, grads, with_thread=False)
+    _assert_torch_adamw_steps(alone, grads)  # (so that "the same" cannot mean "equally wrong")
     for _ in range(3):  # (the interleaving differs from run to run: several chances to read what was freed)
         assert_tree_bitwise_equal(_train(_fused_adam, grads, with_thread=True), alone, "with another thread")
