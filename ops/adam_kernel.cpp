@@ -96,6 +96,7 @@ BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m
 template <typename T>
 struct Scratch {
   T p[kBlock], g[kBlock], m[kBlock], v[kBlock], vmax[kBlock], root[kBlock];
+  T u[kBlock];  // the decoded sqrt(v) of the stored codes that a relative 4-bit exp_avg is coded against
   uint32_t fp8_rnd[kBlock];  // the random bits of fp8 states (fp8_random_bits)
 };
 
@@ -177,21 +178,23 @@ template <typename T, int64_t kMode, bool kAmsgrad>
 void update_staged(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s, T* p, T* g,
                    double& grad_squares) {
   // A 4-bit exp_avg holds m / sqrt(v) (ort_optim/_spec.py, EXP_AVG_RELATIVE): it is decoded through exp_avg_sq's
-  // codes as stored with it, and coded after exp_avg_sq's new codes are written, against them.
+  // codes as stored with it (decoded with v, in one pass), and coded after exp_avg_sq's new codes are written,
+  // against the sqrt(v) they read back as (which their encoder gives).
   bool relative = false;
   T* m;
   if constexpr (std::is_same_v<T, float>) relative = w.exp_avg_low_bit && w.exp_avg_low_bit->relative;
   if constexpr (std::is_same_v<T, float>) {
     if (relative) {
       low_bit_relative_load(*w.exp_avg_low_bit, static_cast<const uint8_t*>(w.exp_avg), w.exp_avg_scale,
-                            static_cast<const uint8_t*>(w.exp_avg_sq), w.exp_avg_sq_scale, off, n, s.m, s.root);
+                            static_cast<const uint8_t*>(w.exp_avg_sq), w.exp_avg_sq_scale, off, n, s.m, s.v, s.u);
     }
   }
   m = relative ? s.m
                : stage<T>(w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, s.m, w.exp_avg_low_bit, false,
                           w.exp_avg_fp8);
-  T* v = stage<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v, w.exp_avg_sq_low_bit, true,
-                  w.exp_avg_sq_fp8);
+  T* v = relative ? s.v
+                  : stage<T>(w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, s.v, w.exp_avg_sq_low_bit,
+                             true, w.exp_avg_sq_fp8);
   T* vmax = kAmsgrad ? stage<T>(w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, s.vmax,
                                 w.exp_avg_sq_low_bit, true, w.exp_avg_sq_fp8)
                      : s.vmax;
@@ -225,7 +228,13 @@ void update_staged(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, 
     store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, max.m, w.exp_avg_low_bit, false, nullptr,
                    w.step, w.exp_avg_fp8, s.fp8_rnd);
   }
-  if (v == s.v) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (relative) {  // exp_avg_sq, and the sqrt(v) its codes read back as into s.u
+      low_bit_store(*w.exp_avg_sq_low_bit, true, s.v, kAmsgrad ? nullptr : root, off, n,
+                    static_cast<uint8_t*>(w.exp_avg_sq), w.exp_avg_sq_scale, w.step, s.u);
+    }
+  }
+  if (v == s.v && !relative) {
     store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, max.v, w.exp_avg_sq_low_bit, true,
                    kAmsgrad ? nullptr : root, w.step, w.exp_avg_sq_fp8, s.fp8_rnd);
   }
@@ -234,9 +243,9 @@ void update_staged(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, 
                    w.exp_avg_sq_low_bit, true, root, w.step, w.exp_avg_sq_fp8, s.fp8_rnd);
   }
   if constexpr (std::is_same_v<T, float>) {
-    if (relative) {  // (s.root is free again: scratch for the new sqrt(v))
-      low_bit_relative_store(*w.exp_avg_low_bit, s.m, static_cast<const uint8_t*>(w.exp_avg_sq), w.exp_avg_sq_scale,
-                             off, n, static_cast<uint8_t*>(w.exp_avg), w.exp_avg_scale, w.step, s.root);
+    if (relative) {
+      low_bit_relative_store(*w.exp_avg_low_bit, s.m, s.u, off, n, static_cast<uint8_t*>(w.exp_avg), w.exp_avg_scale,
+                             w.step);
     }
   }
 }

@@ -44,8 +44,13 @@ inline __m512 lookup128(const __m512* t, __m512i idx) {
 
 // d[0, len) = the values of one block's codes c (8-bit: one per byte; 4-bit: element 2j in the low nibble of byte
 // j), scale s; v = u * u for a second moment. The scalar loops are the reference and do the vector loops' tails.
-template <int kBits, bool kSecondMoment>
-void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, float* d) {
+// kRoot (a second moment): also root[0, len) = u = |level * s|, the decoded sqrt(v) (= level * |s| bit for bit: the
+// rounding is symmetric, only the sign differs). kRelative (a relative 4-bit exp_avg): d[i] = q * root[i], 0 where
+// q = 0, with q = level * s (low_bit_relative_load).
+template <int kBits, bool kSecondMoment, bool kRoot = false, bool kRelative = false>
+void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, float* d, float* root = nullptr) {
+  static_assert(kSecondMoment || !kRoot, "a root is decoded with a second moment");
+  static_assert(!kRelative || (kBits == 4 && !kSecondMoment), "a relative exp_avg is 4-bit");
   const float* decode = map.decode();
   int64_t i = 0;
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
@@ -76,6 +81,7 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
       for (int k = 0; k < 4; ++k) r[k] = _mm512_mask_blend_ps(b5, r[2 * k], r[2 * k + 1]);
       for (int k = 0; k < 2; ++k) r[k] = _mm512_mask_blend_ps(b6, r[2 * k], r[2 * k + 1]);
       __m512 x = _mm512_mul_ps(_mm512_mask_blend_ps(b7, r[0], r[1]), s16);
+      if constexpr (kRoot) _mm512_storeu_ps(root + i, _mm512_abs_ps(x));
       if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
       _mm512_storeu_ps(d + i, x);
     }
@@ -86,14 +92,20 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
       const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i / 2));
       const __m128i codes = _mm_unpacklo_epi8(bytes, _mm_srli_epi16(bytes, 4));
       __m512 x = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table), s16);
+      if constexpr (kRoot) _mm512_storeu_ps(root + i, _mm512_abs_ps(x));
       if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
+      if constexpr (kRelative) {  // (not equal, unordered: a NaN q multiplies, as in the scalar loop)
+        x = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NEQ_UQ), x,
+                                _mm512_loadu_ps(root + i));
+      }
       _mm512_storeu_ps(d + i, x);
     }
   }
 #endif
   for (; i < len; ++i) {
     const float x = (kBits == 8 ? decode[c[i]] : decode[(c[i >> 1] >> ((i & 1) * 4)) & 15]) * s;
-    d[i] = kSecondMoment ? x * x : x;
+    if constexpr (kRoot) root[i] = std::fabs(x);
+    d[i] = kSecondMoment ? x * x : kRelative ? (x == 0.0f ? 0.0f : x * root[i]) : x;
   }
 }
 
@@ -124,10 +136,12 @@ void low_bit_load(const LowBit& f, const uint8_t* codes, const void* scales, int
 }
 
 // Codes of one block of (finite) values u[0, len) with 1 / scale inv, written as the format stores them. Signed:
-// exp_avg's map (sign-magnitude codes).
-template <int kBits, bool kSigned>
+// exp_avg's map (sign-magnitude codes). kDecoded (4-bit sqrt(v)): also decoded[0, len) = level * s, the values the
+// codes read back as with scale s.
+template <int kBits, bool kSigned, bool kDecoded = false>
 void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, uint8_t* out, uint64_t first_index,
-                  uint32_t step) {
+                  uint32_t step, float* decoded = nullptr, float s = 0.0f) {
+  static_assert(!kDecoded || (kBits == 4 && !kSigned), "decoded values are taken from a 4-bit sqrt(v)'s codes");
   const int sign_bit = map.sign_bit();
   int64_t i = 0;
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
@@ -204,6 +218,10 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
       const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(lowered, lo), threshold, _CMP_GT_OQ);
       code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
     }
+    if constexpr (kDecoded) {
+      _mm512_storeu_ps(decoded + i, _mm512_mul_ps(_mm512_permutexvar_ps(code, _mm512_load_ps(map.decode())),
+                                                  _mm512_set1_ps(s)));
+    }
     if constexpr (kSigned) {  // the sign, for a non-zero magnitude of a negative value
       const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ) &
                                  _mm512_test_epi32_mask(code, code);
@@ -225,6 +243,7 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
     const int m = kSigned ? map.stochastic_magnitude_code(a, exp_avg_random_bits(u[i], first_index + uint64_t(i), step))
                           : map.magnitude_code(a);
     c[i - tail] = uint8_t(m | ((kSigned && u[i] < 0.0f && m > 0) ? sign_bit : 0));
+    if constexpr (kDecoded) decoded[i] = map.decode()[m] * s;
   }
   if constexpr (kBits == 8) {
     std::memcpy(out + tail, c, len - tail);
@@ -259,11 +278,41 @@ uint32_t block_amax(const float* x, int64_t len, bool sqrt, float* u) {
   return amax;
 }
 
+// r[i] = m[i] / u[i] (IEEE division), 0 where u[i] = 0 (a relative exp_avg's ratio); returns the bits of the largest
+// |r[i]|, as block_amax.
+uint32_t block_ratio_amax(const float* m, const float* u, int64_t len, float* r) {
+  uint32_t amax = 0;
+  int64_t i = 0;
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+  __m512i amax16 = _mm512_setzero_si512();
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  for (; i + 16 <= len; i += 16) {
+    const __m512 ui = _mm512_loadu_ps(u + i);
+    // (not equal, unordered: a NaN u divides, as in the scalar loop; masked-off lanes are +0)
+    const __mmask16 nonzero = _mm512_cmp_ps_mask(ui, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    const __m512 x = _mm512_maskz_div_ps(nonzero, _mm512_loadu_ps(m + i), ui);
+    _mm512_storeu_ps(r + i, x);
+    amax16 = _mm512_max_epu32(amax16, _mm512_and_si512(_mm512_castps_si512(x), abs_mask));
+  }
+  amax = _mm512_reduce_max_epu32(amax16);
+#endif
+  for (; i < len; ++i) {
+    r[i] = u[i] == 0.0f ? 0.0f : m[i] / u[i];
+    amax = std::max(amax, float_to_bits(r[i]) & 0x7FFFFFFFu);
+  }
+  return amax;
+}
+
+template <int kBits>
+void load_root(const LowBit& f, const uint8_t* codes, const void* scales, int64_t off, int64_t n, float* u);
+
 // Writes src[0, n) as the codes and scales of elements [off, off + n). root: sqrt(src) when the caller has it (a
-// second moment's codes hold sqrt(v)), else nullptr.
+// second moment's codes hold sqrt(v)), else nullptr. A relative exp_avg (f.relative): divisor = u, the decoded
+// sqrt(v) it is coded against (src holds m, the codes r = m / u). A 4-bit second moment: stored_root, where given,
+// receives the decoded sqrt(v) of the codes written (load_root's values).
 template <int kBits, bool kSecondMoment>
 void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t off, int64_t n, uint8_t* codes,
-                   void* scales, uint32_t step) {
+                   void* scales, uint32_t step, const float* divisor = nullptr, float* stored_root = nullptr) {
   const CodeMap& map = f.map(kSecondMoment);
   const bool second_moment = kSecondMoment;
   float sqrt_v[256];
@@ -271,7 +320,13 @@ void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t
     const int64_t len = std::min<int64_t>(f.block, n - q);
     const bool take_sqrt = second_moment && !root;
     const float* u = take_sqrt ? sqrt_v : root ? root + q : src + q;
-    uint32_t amax = block_amax(take_sqrt ? src + q : u, len, take_sqrt, sqrt_v);
+    uint32_t amax;
+    if (!kSecondMoment && divisor) {
+      amax = block_ratio_amax(src + q, divisor + q, len, sqrt_v);  // (sqrt_v holds the ratios)
+      u = sqrt_v;
+    } else {
+      amax = block_amax(take_sqrt ? src + q : u, len, take_sqrt, sqrt_v);
+    }
     // sqrt(v) = inf and no NaN (whose bits exceed inf's): v overflowed float32, as torch's AdamW keeps it. The block
     // is coded by its finite values (codes >= 1), the overflowed ones take code 0, and the scale its sign bit
     // (_spec.LowBitFormat): one element never makes its block's scale inf or NaN.
@@ -292,9 +347,21 @@ void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t
     if (amax < 0x00800000u) amax = 0;  // below float32's smallest normal: a zero block (_spec.MIN_SCALE)
     uint8_t* out = kBits == 8 ? codes + off + q : codes + (off + q) / 2;
     float s;
+    // the decoded sqrt(v) comes from the encoder, but for the rare overflowed and NaN blocks (decoded after storing)
+    bool root_decoded = false;
     if (amax < 0x7F800000u) {
       s = bits_to_float(amax);
-      encode_block<kBits, !kSecondMoment>(map, u, len, s > 0.0f ? 1.0f / s : 0.0f, out, uint64_t(off + q), step);
+      if constexpr (kSecondMoment && kBits == 4) {
+        if (stored_root && !overflowed) {
+          // (s is the bfloat16 scale as stored, read back exactly; >= 0)
+          encode_block<kBits, false, true>(map, u, len, s > 0.0f ? 1.0f / s : 0.0f, out, uint64_t(off + q), step,
+                                           stored_root + q, s);
+          root_decoded = true;
+        }
+      }
+      if (!root_decoded) {
+        encode_block<kBits, !kSecondMoment>(map, u, len, s > 0.0f ? 1.0f / s : 0.0f, out, uint64_t(off + q), step);
+      }
       if (overflowed) {
         const float* v_root = take_sqrt ? sqrt_v : root ? root + q : src + q;
         for (int64_t i = 0; i < len; ++i) {
@@ -316,6 +383,7 @@ void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t
     } else {
       static_cast<float*>(scales)[block_index] = s;
     }
+    if (kSecondMoment && stored_root && !root_decoded) load_root<kBits>(f, codes, scales, off + q, len, stored_root + q);
   }
 }
 
@@ -337,24 +405,40 @@ void load_root(const LowBit& f, const uint8_t* codes, const void* scales, int64_
   }
 }
 
-void low_bit_root(const LowBit& f, const uint8_t* codes, const void* scales, int64_t off, int64_t n, float* u) {
-  f.bits == 8 ? load_root<8>(f, codes, scales, off, n, u) : load_root<4>(f, codes, scales, off, n, u);
+
+// Per block, in one pass over the codes of each moment: v and u = sqrt(v) from exp_avg_sq's codes (as
+// low_bit_load<kBits, true> and load_root), then m = q * u.
+template <int kBits>
+void relative_load(const LowBit& f, const uint8_t* codes, const void* scales, const uint8_t* sq_codes,
+                   const void* sq_scales, int64_t off, int64_t n, float* m, float* v, float* u) {
+  for (int64_t q = 0; q < n; q += f.block) {
+    const int64_t len = std::min<int64_t>(f.block, n - q);
+    const int64_t byte = kBits == 8 ? off + q : (off + q) / 2;
+    const float s = f.scale(sq_scales, (off + q) / f.block);
+    decode_block<kBits, true, true>(f.exp_avg_sq, sq_codes + byte, s, len, v + q, u + q);
+    if (overflow_flagged(s)) {  // an overflowed v (code 0 in a flagged block) reads as v = u = inf
+      for (int64_t i = 0; i < len; ++i) {
+        const int code = kBits == 8 ? sq_codes[byte + i] : (sq_codes[byte + (i >> 1)] >> ((i & 1) * 4)) & 15;
+        if (code == 0) v[q + i] = u[q + i] = std::numeric_limits<float>::infinity();
+      }
+    }
+    decode_block<kBits, false, false, true>(f.exp_avg, codes + byte, f.scale(scales, (off + q) / f.block), len, m + q,
+                                            u + q);
+  }
 }
 
 }  // namespace
 
 void low_bit_relative_load(const LowBit& f, const uint8_t* codes, const void* scales, const uint8_t* sq_codes,
-                           const void* sq_scales, int64_t off, int64_t n, float* dst, float* u) {
-  low_bit_load(f, false, codes, scales, off, n, dst);  // q = level * s_r
-  low_bit_root(f, sq_codes, sq_scales, off, n, u);
-  for (int64_t i = 0; i < n; ++i) dst[i] = dst[i] == 0.0f ? 0.0f : dst[i] * u[i];
+                           const void* sq_scales, int64_t off, int64_t n, float* m, float* v, float* u) {
+  TORCH_CHECK(f.bits == 4, "ort_optim: a relative exp_avg is 4-bit");
+  relative_load<4>(f, codes, scales, sq_codes, sq_scales, off, n, m, v, u);
 }
 
-void low_bit_relative_store(const LowBit& f, float* src, const uint8_t* sq_codes, const void* sq_scales, int64_t off,
-                            int64_t n, uint8_t* codes, void* scales, uint32_t step, float* u) {
-  low_bit_root(f, sq_codes, sq_scales, off, n, u);
-  for (int64_t i = 0; i < n; ++i) src[i] = u[i] == 0.0f ? 0.0f : src[i] / u[i];
-  low_bit_store(f, false, src, nullptr, off, n, codes, scales, step);
+void low_bit_relative_store(const LowBit& f, const float* m, const float* u, int64_t off, int64_t n, uint8_t* codes,
+                            void* scales, uint32_t step) {
+  TORCH_CHECK(f.bits == 4, "ort_optim: a relative exp_avg is 4-bit");
+  low_bit_store<4, false>(f, m, nullptr, off, n, codes, scales, step, u);
 }
 
 const LowBit& q8() {
@@ -382,12 +466,12 @@ void low_bit_load(const LowBit& f, bool second_moment, const uint8_t* codes, con
 }
 
 void low_bit_store(const LowBit& f, bool second_moment, const float* src, const float* root, int64_t off, int64_t n,
-                   uint8_t* codes, void* scales, uint32_t step) {
+                   uint8_t* codes, void* scales, uint32_t step, float* stored_root) {
   if (f.bits == 8) {
-    second_moment ? low_bit_store<8, true>(f, src, root, off, n, codes, scales, step)
+    second_moment ? low_bit_store<8, true>(f, src, root, off, n, codes, scales, step, nullptr, stored_root)
                   : low_bit_store<8, false>(f, src, root, off, n, codes, scales, step);
   } else {
-    second_moment ? low_bit_store<4, true>(f, src, root, off, n, codes, scales, step)
+    second_moment ? low_bit_store<4, true>(f, src, root, off, n, codes, scales, step, nullptr, stored_root)
                   : low_bit_store<4, false>(f, src, root, off, n, codes, scales, step);
   }
 }

@@ -180,17 +180,20 @@ void low_bit_load(const LowBit& f, bool second_moment, const uint8_t* codes, con
 
 // Writes src[0, n) as the codes and scales of elements [off, off + n). root: sqrt(src) when the caller has it (a
 // second moment's codes hold sqrt(v)), else nullptr. step: the Adam step (from 1) of an exp_avg, mixed into its
-// stochastic rounding.
+// stochastic rounding. stored_root (a second moment), where given: receives the decoded sqrt(v) of the codes written,
+// u = level * |s| (inf for an overflowed v, NaN in a NaN block), which a relative exp_avg is coded against.
 void low_bit_store(const LowBit& f, bool second_moment, const float* src, const float* root, int64_t off, int64_t n,
-                   uint8_t* codes, void* scales, uint32_t step = 0);
+                   uint8_t* codes, void* scales, uint32_t step = 0, float* stored_root = nullptr);
 
 // A relative exp_avg (f.relative; _spec.EXP_AVG_RELATIVE), elements [off, off + n) with off a multiple of the block,
-// against the exp_avg_sq codes sq_codes / sq_scales of the same format. u: scratch for n floats (the decoded sqrt(v)).
-// Load: dst = m = q * u (0 where q = 0), u from the exp_avg_sq codes as they were stored with this exp_avg.
+// against the exp_avg_sq codes sq_codes / sq_scales of the same format.
+// Load: v = exp_avg_sq's values (as low_bit_load), u = its decoded sqrt(v), m = q * u (0 where q = 0), from the
+// exp_avg_sq codes as they were stored with this exp_avg; one pass over each moment's codes.
 void low_bit_relative_load(const LowBit& f, const uint8_t* codes, const void* scales, const uint8_t* sq_codes,
-                           const void* sq_scales, int64_t off, int64_t n, float* dst, float* u);
-// Store, after exp_avg_sq's new codes are written: src becomes r = m / u (0 where u = 0), coded as exp_avg.
-void low_bit_relative_store(const LowBit& f, float* src, const uint8_t* sq_codes, const void* sq_scales, int64_t off,
-                            int64_t n, uint8_t* codes, void* scales, uint32_t step, float* u);
+                           const void* sq_scales, int64_t off, int64_t n, float* m, float* v, float* u);
+// Store, after exp_avg_sq's new codes are written: m becomes r = m / u (0 where u = 0), coded as exp_avg, with u the
+// decoded sqrt(v) of those codes (low_bit_store's stored_root).
+void low_bit_relative_store(const LowBit& f, const float* m, const float* u, int64_t off, int64_t n, uint8_t* codes,
+                            void* scales, uint32_t step);
 
 }  // namespace ort_optim
