@@ -145,7 +145,7 @@ def adam_step_(
             m_scales, v_scales = optional(exp_avg_scales, i), optional(exp_avg_sq_scales, i)
             m = _read_state(exp_avgs[i], m_scales, compute, False, param.shape,
                             _root(exp_avgs[i], m_scales, exp_avg_sqs[i], v_scales, param.shape))
-            v = _read_state(exp_avg_sqs[i], optional(exp_avg_sq_scales, i), compute, True, param.shape)
+            v = _read_state(exp_avg_sqs[i], v_scales, compute, True, param.shape)
             if adam_w_mode == 0:
                 g = g + weight_decay * p
             if adam_w_mode == 2:
