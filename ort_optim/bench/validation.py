@@ -8,9 +8,9 @@ Rows:
   ``x.mul_(c)`` probe that evicts the caches (common.time_after_probe), as an optimizer step runs in training, calls
   interleaved: ``FusedAdam.step()`` as a whole, and ``Plan.read_grads_if_valid()`` alone (what each step re-validates).
   ``share`` = validation / step; the target is at most 10%. ``between_steps``: what happens to the params and
-  gradients before each call (untimed, BETWEEN_STEPS): nothing; gradients written in place (``zero_grad(set_to_none=
-  False)`` then backward); new gradient tensors (``zero_grad()`` then backward); or params and gradients both
-  written in place, as another optimizer stepping the same params does (bench fp32's candidates). Each of these
+  gradients before each call (untimed, BETWEEN_STEPS): nothing; gradients written in place
+  (``zero_grad(set_to_none=False)`` then backward); new gradient tensors (``zero_grad()`` then backward); or params
+  and gradients both written in place, as another optimizer stepping the same params does (bench fp32's candidates). Each of these
   bumps autograd's version counters or gives new tensors, which a sound check must see and a fast one must not
   re-plan for: a row whose step or share stands out from the first shows a check that does (``plans_built``
   counts the timed steps' new plans: 0 unless the check failed). ``cpu_share``: the same from a second pass timed by
