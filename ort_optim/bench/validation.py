@@ -10,12 +10,12 @@ Rows:
   ``share`` = validation / step; the target is at most 10%. ``between_steps``: what happens to the params and
   gradients before each call (untimed, BETWEEN_STEPS): nothing; gradients written in place
   (``zero_grad(set_to_none=False)`` then backward); new gradient tensors (``zero_grad()`` then backward); or params
-  and gradients both written in place, as another optimizer stepping the same params does (bench fp32's candidates). Each of these
-  bumps autograd's version counters or gives new tensors, which a sound check must see and a fast one must not
-  re-plan for: a row whose step or share stands out from the first shows a check that does (``plans_built``
-  counts the timed steps' new plans: 0 unless the check failed). ``cpu_share``: the same from a second pass timed by
-  this thread's CPU time (``time.thread_time``), which a loaded machine's scheduler does not inflate (on a shared
-  machine, a wall-clock millisecond call is often several times its CPU time).
+  and gradients both written in place, as another optimizer stepping the same params does (bench fp32's
+  candidates). Each of these bumps autograd's version counters or gives new tensors, which a sound check must see
+  and a fast one must not re-plan for: a row whose step or share stands out from the first shows a check that does
+  (``plans_built`` counts the timed steps' new plans: 0 unless the check failed). ``cpu_share``: the same from a
+  second pass timed by this thread's CPU time (``time.thread_time``), which a loaded machine's scheduler does not
+  inflate (on a shared machine, a wall-clock millisecond call is often several times its CPU time).
 * ``triton host``: the host side of a step on the Triton backend (``ORT_OPTIM_BACKEND=triton``), on CPU tensors with
   the Triton launch replaced by a no-op, so that only the host's work is timed: ``Plan.read_grads_if_valid()``
   through the native watch against the Python fingerprints (the fallback where the native library is not loaded),
