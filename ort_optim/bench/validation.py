@@ -7,9 +7,15 @@ Rows:
 * ``native CPU``: 2000 x 1K fp32 params on the native CPU backend, one thread. Each call runs right after a cold
   ``x.mul_(c)`` probe that evicts the caches (common.time_after_probe), as an optimizer step runs in training, calls
   interleaved: ``FusedAdam.step()`` as a whole, and ``Plan.read_grads_if_valid()`` alone (what each step re-validates).
-  ``share`` = validation / step; the target is at most 10%. ``cpu_share``: the same from a second pass timed by
-  this thread's CPU time (``time.thread_time``), which a loaded machine's scheduler does not inflate (on a shared
-  machine, a wall-clock millisecond call is often several times its CPU time).
+  ``share`` = validation / step; the target is at most 10%. ``between_steps``: what happens to the params and
+  gradients before each call (untimed, BETWEEN_STEPS): nothing; gradients written in place
+  (``zero_grad(set_to_none=False)`` then backward); new gradient tensors (``zero_grad()`` then backward); or params
+  and gradients both written in place, as another optimizer stepping the same params does (bench fp32's
+  candidates). Each of these bumps autograd's version counters or gives new tensors, which a sound check must see
+  and a fast one must not re-plan for: a row whose step or share stands out from the first shows a check that does
+  (``plans_built`` counts the timed steps' new plans: 0 unless the check failed). ``cpu_share``: the same from a
+  second pass timed by this thread's CPU time (``time.thread_time``), which a loaded machine's scheduler does not
+  inflate (on a shared machine, a wall-clock millisecond call is often several times its CPU time).
 * ``triton host``: the host side of a step on the Triton backend (``ORT_OPTIM_BACKEND=triton``), on CPU tensors with
   the Triton launch replaced by a no-op, so that only the host's work is timed: ``Plan.read_grads_if_valid()``
   through the native watch against the Python fingerprints (the fallback where the native library is not loaded),
@@ -70,24 +76,63 @@ def _validation(opt: FusedAdam):
     return lambda: opt._plan.read_grads_if_valid(opt.param_groups, opt.state, opt._layout)
 
 
+# What happens to the params and gradients between two steps of the native CPU rows (untimed, before the probe):
+# nothing; what training does to them (autograd's version counters bump, gradient tensors come and go); or both
+# written by another optimizer's in-place step over the same params, as bench fp32's candidates do to each other.
+BETWEEN_STEPS = ("nothing", "grads written in place", "new grad tensors", "params and grads written in place")
+
+
+def _between_steps(kind: str, params: list, grads: list):
+    if kind == "nothing":
+        return None
+    if kind == "grads written in place":  # zero_grad(set_to_none=False), then backward accumulating into p.grad
+        return lambda: torch._foreach_copy_([p.grad for p in params], grads)
+    if kind == "new grad tensors":  # zero_grad() (set_to_none=True), then backward: new tensors every step
+
+        def new_grads():
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+
+        return new_grads
+
+    def write_both():
+        torch._foreach_add_(params, grads, alpha=-1e-3)
+        torch._foreach_copy_([p.grad for p in params], grads)
+
+    return write_both
+
+
 def run_native_cpu(quick: bool) -> list[dict]:
-    params = make_params(WORKLOADS["2000x1K"](quick))
-    opt = FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
-    with one_intra_op_thread():
-        opt.step()  # (plans)
-        calls = {"FusedAdam.step()": opt.step, "validation (Plan.read_grads_if_valid)": _validation(opt)}
-        numel = sum(p.numel() for p in params)
-        medians, cpu = ({}, {})
-        for clock, out in ((time.perf_counter, medians), (time.thread_time, cpu)):
-            timed, _, probe_gbps = time_after_probe(calls, dict.fromkeys(calls, 28.0 * numel), quick, warmup=2,
-                                                    reps=5 if quick else 15, clock=clock)
-            out.update(timed)
-    step, check = medians["FusedAdam.step()"], medians["validation (Plan.read_grads_if_valid)"]
-    cpu_step, cpu_check = cpu["FusedAdam.step()"], cpu["validation (Plan.read_grads_if_valid)"]
-    return [{"section": "validation", "path": "native CPU", "workload": "2000x1K", "caches": "evicted",
-             "check": "native watch", "step_ms": step * 1e3, "validation_ms": check * 1e3, "share": check / step,
-             "cpu_step_ms": cpu_step * 1e3, "cpu_validation_ms": cpu_check * 1e3, "cpu_share": cpu_check / cpu_step,
-             "target_share": 0.10, "probe_GBps": probe_gbps, "native": backends.native_available()}]
+    rows = []
+    for between in BETWEEN_STEPS:
+        params = make_params(WORKLOADS["2000x1K"](quick))
+        grads = [p.grad.clone() for p in params]
+        opt = FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
+        prepare = _between_steps(between, params, grads)
+        with one_intra_op_thread():
+            opt.step()  # (plans)
+            plans = [opt._plan]  # (each plan the timed calls step with: more than one means they planned again)
+
+            def step():
+                opt.step()
+                plans.append(opt._plan)
+
+            calls = {"FusedAdam.step()": step, "validation (Plan.read_grads_if_valid)": _validation(opt)}
+            numel = sum(p.numel() for p in params)
+            medians, cpu = ({}, {})
+            for clock, out in ((time.perf_counter, medians), (time.thread_time, cpu)):
+                timed, _, probe_gbps = time_after_probe(calls, dict.fromkeys(calls, 28.0 * numel), quick, warmup=2,
+                                                        reps=5 if quick else 15, prepare=prepare, clock=clock)
+                out.update(timed)
+        step, check = medians["FusedAdam.step()"], medians["validation (Plan.read_grads_if_valid)"]
+        cpu_step, cpu_check = cpu["FusedAdam.step()"], cpu["validation (Plan.read_grads_if_valid)"]
+        rows.append({"section": "validation", "path": "native CPU", "workload": "2000x1K", "caches": "evicted",
+                     "between_steps": between, "check": "native watch", "step_ms": step * 1e3,
+                     "validation_ms": check * 1e3, "share": check / step, "cpu_step_ms": cpu_step * 1e3,
+                     "cpu_validation_ms": cpu_check * 1e3, "cpu_share": cpu_check / cpu_step, "target_share": 0.10,
+                     "plans_built": len({id(plan) for plan in plans}) - 1, "probe_GBps": probe_gbps,
+                     "native": backends.native_available()})
+    return rows
 
 
 def _python_fallback(opt: FusedAdam) -> None:
