@@ -5,7 +5,9 @@
 // call go into ONE at::parallel_for, and each chunk is processed in blocks of kBlock elements that are first
 // converted into small float (or double) scratch arrays. The Adam math then runs over plain arrays, which the compiler
 // vectorises; the fp16/bf16 conversions around it are explicit (F16C, bit tricks), because c10::Half in a loop
-// stays scalar and runs at a tenth of memory speed.
+// stays scalar and runs at a tenth of memory speed. Tensors whose moments are both fp8 take their own path
+// (update_fp8), in blocks of 256: the update's divisions and square roots, which the fp32 step is bound by, run in
+// one loop with the coding of the block before, which needs the other vector ports.
 
 #include "adam_kernel.h"
 

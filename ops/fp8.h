@@ -2,8 +2,9 @@
 // "fp8 states"; ort_optim/_spec.py, Fp8Format, states the rules and ort_optim/formats.py's quantize_fp8 is the
 // definition, bit for bit). Decoded and encoded by exponent and mantissa arithmetic on the bits (no tables, no
 // search), in branch-free loops over one block that the compiler vectorises, with AVX-512 by 16 lanes at once (the
-// decode through float16's conversion); the Adam kernel calls the loads and stores per block of 256, and stores
-// both moments of a block in one loop that hashes each element once (fp8_store_pair).
+// decode through float16's conversion, fp8_values16). Both moments of a block are coded in one loop that hashes
+// each element once (Fp8PairCoder): fp8_store_pair's, and the Adam kernel's, which codes one block while it updates
+// the next (update_fp8 in adam_kernel.cpp).
 #pragma once
 
 #include <c10/core/ScalarType.h>
