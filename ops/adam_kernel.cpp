@@ -100,9 +100,12 @@ struct Scratch {
   T p[kBlock], g[kBlock], m[kBlock], v[kBlock], vmax[kBlock], root[kBlock];
   T u[kBlock];  // the decoded sqrt(v) of the stored codes that a relative 4-bit exp_avg is coded against
   uint32_t fp8_rnd[kBlock];  // the random bits of fp8 states (fp8_random_bits)
-  // Tensors with both moments fp8 (update_fp8): two blocks of 256 of m, v and sqrt(v), used in turn, and the block
-  // updated last, whose codes are not written yet (pending.w: its tensor, or nullptr).
-  float fp8_m[2][256], fp8_v[2][256], fp8_root[2][256];
+  // Tensors with both moments fp8 (update_fp8) hold two blocks of 256 of m, v and sqrt(v) in the first 512 elements
+  // of m, v and root, used in turn (slots 0 and 1), and the block updated last, whose codes are not written yet
+  // (pending.w: its tensor, or nullptr).
+  float* fp8_m(int slot) { return reinterpret_cast<float*>(m) + 256 * slot; }
+  float* fp8_v(int slot) { return reinterpret_cast<float*>(v) + 256 * slot; }
+  float* fp8_root(int slot) { return reinterpret_cast<float*>(root) + 256 * slot; }
   struct Pending {
     const TensorWork* w = nullptr;
     int64_t off = 0, len = 0;
@@ -368,7 +371,7 @@ inline void store_pending_fp8(Scratch<float>& s) {
   auto& b = s.pending;
   if (b.w == nullptr) return;
   const TensorWork& w = *b.w;
-  fp8_store_pair(*w.exp_avg_fp8, *w.exp_avg_sq_fp8, s.fp8_m[b.slot], s.fp8_v[b.slot], s.fp8_root[b.slot], b.max_m,
+  fp8_store_pair(*w.exp_avg_fp8, *w.exp_avg_sq_fp8, s.fp8_m(b.slot), s.fp8_v(b.slot), s.fp8_root(b.slot), b.max_m,
                  b.max_root, b.off, b.len, w.step, w.exp_avg, w.exp_avg_scale, w.exp_avg_sq, w.exp_avg_sq_scale,
                  s.fp8_rnd);
   b.w = nullptr;
@@ -391,7 +394,7 @@ void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
     const int64_t len = std::min(kB, n - o);
     auto& pending = s.pending;
     const int slot = pending.w != nullptr && pending.slot == 0 ? 1 : 0;
-    float *m = s.fp8_m[slot], *v = s.fp8_v[slot], *root = s.fp8_root[slot];
+    float *m = s.fp8_m(slot), *v = s.fp8_v(slot), *root = s.fp8_root(slot);
     uint32_t max_m = 0, max_root = 0;
     bool done = false;
 #ifdef ORT_OPTIM_FP8_AVX512
@@ -416,7 +419,7 @@ void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
       };
       // Updates this block; coder: codes the pending one too (or nullptr).
       const auto update = [&](Fp8PairCoder<FM, FV>* coder) {
-        const float *pm = s.fp8_m[pending.slot], *proot = s.fp8_root[pending.slot];
+        const float *pm = s.fp8_m(pending.slot), *proot = s.fp8_root(pending.slot);
         __m512i max_m16 = _mm512_setzero_si512(), max_root16 = _mm512_setzero_si512();
         for (int64_t i = 0; i < kB; i += 16) {
           __m512 mi, vi;
@@ -469,9 +472,10 @@ void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   }
 }
 
-// update_fp8 of a tensor whose moments are both fp8; false (nothing done) otherwise.
+// update_fp8 of a tensor whose moments are both fp8; false (nothing done) otherwise. (Not inlined: inlined, its
+// loops cost the staged path of the other formats 2% in the same function.)
 template <int64_t kMode>
-bool update_coded(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
+__attribute__((noinline)) bool update_coded(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
                   const float* g) {
   if (!w.exp_avg_fp8 || !w.exp_avg_sq_fp8) return false;
   const auto update = [&](auto fm_type, auto fv_type) {
@@ -507,7 +511,10 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
     coded = update_coded<kMode>(w, h, off, n, s, p, g);
     if (coded) grad_squares = squares ? square_sum(g, n) : 0.0;
   }
-  if (!coded) update_staged<T, kMode, kAmsgrad>(w, h, off, n, s, p, g, grad_squares);
+  if (!coded) {
+    if constexpr (std::is_same_v<T, float>) store_pending_fp8(s);  // (its block is in s.m, s.v and s.root)
+    update_staged<T, kMode, kAmsgrad>(w, h, off, n, s, p, g, grad_squares);
+  }
   write_back<T>(w, h, off, n, s, p, g);
 }
 
