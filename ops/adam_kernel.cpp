@@ -5,7 +5,9 @@
 // call go into ONE at::parallel_for, and each chunk is processed in blocks of kBlock elements that are first
 // converted into small float (or double) scratch arrays. The Adam math then runs over plain arrays, which the compiler
 // vectorises; the fp16/bf16 conversions around it are explicit (F16C, bit tricks), because c10::Half in a loop
-// stays scalar and runs at a tenth of memory speed.
+// stays scalar and runs at a tenth of memory speed. Tensors whose moments are both fp8 take their own path
+// (update_fp8), in blocks of 256: the update's divisions and square roots, which the fp32 step is bound by, run in
+// one loop with the coding of the block before, which needs the other vector ports.
 
 #include "adam_kernel.h"
 
@@ -98,6 +100,18 @@ struct Scratch {
   T p[kBlock], g[kBlock], m[kBlock], v[kBlock], vmax[kBlock], root[kBlock];
   T u[kBlock];  // the decoded sqrt(v) of the stored codes that a relative 4-bit exp_avg is coded against
   uint32_t fp8_rnd[kBlock];  // the random bits of fp8 states (fp8_random_bits)
+  // Tensors with both moments fp8 (update_fp8) hold two blocks of 256 of m, v and sqrt(v) in the first 512 elements
+  // of m, v and root, used in turn (slots 0 and 1), and the block updated last, whose codes are not written yet
+  // (pending.w: its tensor, or nullptr).
+  float* fp8_m(int slot) { return reinterpret_cast<float*>(m) + 256 * slot; }
+  float* fp8_v(int slot) { return reinterpret_cast<float*>(v) + 256 * slot; }
+  float* fp8_root(int slot) { return reinterpret_cast<float*>(root) + 256 * slot; }
+  struct Pending {
+    const TensorWork* w = nullptr;
+    int64_t off = 0, len = 0;
+    uint32_t max_m = 0, max_root = 0;  // the bits of the block's largest |m| and sqrt(v)
+    int slot = 0;
+  } pending;
 };
 
 // second_moment: the state is exp_avg_sq or max_exp_avg_sq, whose scaled fp16 and low-bit codes hold sqrt(v).
@@ -293,27 +307,184 @@ void write_back(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   }
 }
 
-// fp8 moments (both), without amsgrad: each block of 256 (one scale of each moment) is decoded, updated and stored
-// while it is in the L1 cache, with the block maxima found by the update's loop and one loop that hashes each element
-// once and codes both moments (fp8_store_pair). The same values as staging, bit for bit.
+// fp8 moments (both), without amsgrad: each block of 256 (one scale of each moment) is updated with its block
+// maxima found by the update's loop, and coded by one loop that hashes each element once and codes both moments
+// (Fp8PairCoder). The update is bound by its divisions and square root, the coding by the other vector ports: with
+// AVX-512 one loop updates a block while it codes the block before, so the two overlap. The same bits as staging.
 static_assert(spec::kFp8Block == 256, "fp8 blocks of 256");
 
-// The update and store of the block [off, off + n) (in blocks of 256) of a tensor whose moments are both fp8; false
-// (nothing done) otherwise. p, g: the block's params and gradients as staged.
+#ifdef ORT_OPTIM_FP8_AVX512
+// adam_loop<float, kMode, false, true, true> on 16 elements: the same operations in the same order, each rounded
+// separately (so the same bits); p updated in place, the moments from mi and vi into m and v, root = sqrt(v), the
+// maxima of |m| and |v| (abs_bits) into max_m and max_v.
 template <int64_t kMode>
-bool update_coded(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
+struct Adam16 {
+  __m512 grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay;
+
+  Adam16(const TensorWork& w, const Hyper& h)
+      : grad_mul(_mm512_set1_ps(float(h.grad_mul))),
+        b2(_mm512_set1_ps(float(h.beta2))),
+        one_minus_b1(_mm512_set1_ps(float(1.0 - h.beta1))),
+        one_minus_b2(_mm512_set1_ps(float(1.0 - h.beta2))),
+        eps(_mm512_set1_ps(float(h.eps))),
+        wd(_mm512_set1_ps(float(h.weight_decay))),
+        step_size(_mm512_set1_ps(float(w.step_size))),
+        bc2_sqrt(_mm512_set1_ps(float(w.bc2_sqrt))),
+        torch_decay(_mm512_set1_ps(float(1.0 - h.lr * h.weight_decay))),
+        hf_decay(_mm512_set1_ps(float(h.lr * h.weight_decay))) {}
+
+  // The moments of 16 elements: from mi and vi (as decoded) into m and v; the maxima of |m| into max_m.
+  inline void moments(const float* p, const float* g, __m512 mi, __m512 vi, float* m, float* v,
+                      __m512i& max_m) const {
+    __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g), grad_mul);
+    if (kMode == kAdamL2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, _mm512_loadu_ps(p)));
+    mi = _mm512_add_ps(mi, _mm512_mul_ps(one_minus_b1, _mm512_sub_ps(gi, mi)));
+    vi = _mm512_add_ps(_mm512_mul_ps(vi, b2), _mm512_mul_ps(_mm512_mul_ps(one_minus_b2, gi), gi));
+    _mm512_storeu_ps(m, mi);
+    _mm512_storeu_ps(v, vi);
+    max_m = _mm512_max_epu32(max_m, _mm512_and_si512(_mm512_castps_si512(mi), _mm512_set1_epi32(0x7FFFFFFF)));
+  }
+
+  // Then the params of the same 16 elements: p updated in place, root = sqrt(v), the maxima of |sqrt(v)| into
+  // max_root.
+  inline void params(float* p, const float* m, const float* v, float* root, __m512i& max_root) const {
+    __m512 pi = _mm512_loadu_ps(p);
+    if (kMode == kAdamWTorch) pi = _mm512_mul_ps(pi, torch_decay);
+    const __m512 mi = _mm512_loadu_ps(m), sqrt_vi = _mm512_sqrt_ps(_mm512_loadu_ps(v));
+    if (kMode == kAdamWTorch) {
+      pi = _mm512_sub_ps(pi, _mm512_mul_ps(step_size, _mm512_div_ps(mi, _mm512_add_ps(_mm512_div_ps(sqrt_vi, bc2_sqrt),
+                                                                                        eps))));
+    } else {
+      pi = _mm512_sub_ps(pi, _mm512_mul_ps(step_size, _mm512_div_ps(mi, _mm512_add_ps(sqrt_vi, eps))));
+      if (kMode == kAdamWTransformers) pi = _mm512_sub_ps(pi, _mm512_mul_ps(hf_decay, pi));
+    }
+    _mm512_storeu_ps(p, pi);
+    _mm512_storeu_ps(root, sqrt_vi);
+    max_root = _mm512_max_epu32(max_root,
+                                _mm512_and_si512(_mm512_castps_si512(sqrt_vi), _mm512_set1_epi32(0x7FFFFFFF)));
+  }
+};
+#endif
+
+// Writes the codes of the pending fp8 block (Scratch::pending), if any.
+inline void store_pending_fp8(Scratch<float>& s) {
+  auto& b = s.pending;
+  if (b.w == nullptr) return;
+  const TensorWork& w = *b.w;
+  fp8_store_pair(*w.exp_avg_fp8, *w.exp_avg_sq_fp8, s.fp8_m(b.slot), s.fp8_v(b.slot), s.fp8_root(b.slot), b.max_m,
+                 b.max_root, b.off, b.len, w.step, w.exp_avg, w.exp_avg_scale, w.exp_avg_sq, w.exp_avg_sq_scale,
+                 s.fp8_rnd);
+  b.w = nullptr;
+}
+
+// The update of the block [off, off + n) (in blocks of 256) of a tensor whose moments are both fp8 (FM and FV). Each
+// block of 256 is updated and left pending: its codes are written while the next one is updated (by the same thread:
+// its next block, or the first block of its next work item with the same formats), in one loop that also decodes the
+// block it updates, where both are whole blocks of 16-lane vectors and the pending one is regular (Fp8PairCoder);
+// else before the update (store_pending_fp8). The blocks' m, v and sqrt(v) go to two slots used in turn. p, g: the
+// block's params and gradients as staged. The caller writes the last pending block when its work items are done.
+template <int64_t kMode, class FM, class FV>
+void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
+                const float* g) {
+  constexpr int64_t kB = spec::kFp8Block;
+#ifdef ORT_OPTIM_FP8_AVX512
+  const Adam16<kMode> adam16(w, h);
+#endif
+  for (int64_t o = 0; o < n; o += kB) {
+    const int64_t len = std::min(kB, n - o);
+    auto& pending = s.pending;
+    const int slot = pending.w != nullptr && pending.slot == 0 ? 1 : 0;
+    float *m = s.fp8_m(slot), *v = s.fp8_v(slot), *root = s.fp8_root(slot);
+    uint32_t max_m = 0, max_root = 0;
+    bool done = false;
+#ifdef ORT_OPTIM_FP8_AVX512
+    if (len == kB) {
+      const float scale_m = w.exp_avg_scale[(off + o) / kB], scale_v = w.exp_avg_sq_scale[(off + o) / kB];
+      const uint8_t* codes_m = static_cast<const uint8_t*>(w.exp_avg) + off + o;
+      const uint8_t* codes_v = static_cast<const uint8_t*>(w.exp_avg_sq) + off + o;
+      // decoded in the loop, but for a flagged exp_avg_sq (an overflowed v): decoded before
+      const bool decode = !overflow_flagged(scale_v);
+      if (!decode) {
+        fp8_load(*w.exp_avg_fp8, false, w.exp_avg, w.exp_avg_scale, off + o, len, m);
+        fp8_load(*w.exp_avg_sq_fp8, true, w.exp_avg_sq, w.exp_avg_sq_scale, off + o, len, v);
+      }
+      const __m512 mul_m = _mm512_set1_ps(fp8_multiplier<FM::kMb>(scale_m)),
+                   mul_v = _mm512_set1_ps(fp8_multiplier<FV::kMb>(scale_v));
+      const Fp8Values<FM::kMb, FM::kBias, false> values_m{codes_m, scale_m, false};
+      const Fp8Values<FV::kMb, FV::kBias, true> values_v{codes_v, scale_v, false};
+      const auto scalar16 = [](const auto& values, int64_t i) {  // (an e5m2 vector that fp8_values16 leaves)
+        alignas(64) float x[16];
+        for (int j = 0; j < 16; ++j) x[j] = values(i + j);
+        return _mm512_load_ps(x);
+      };
+      // Updates this block; coder: codes the pending one too (or nullptr).
+      const auto update = [&](Fp8PairCoder<FM, FV>* coder) {
+        const float *pm = s.fp8_m(pending.slot), *proot = s.fp8_root(pending.slot);
+        __m512i max_m16 = _mm512_setzero_si512(), max_root16 = _mm512_setzero_si512();
+        for (int64_t i = 0; i < kB; i += 16) {
+          __m512 mi, vi;
+          if (decode) {
+            if (!fp8_values16<FM::kMb, false>(codes_m + i, mul_m, mi)) mi = scalar16(values_m, i);
+            if (!fp8_values16<FV::kMb, true>(codes_v + i, mul_v, vi)) vi = scalar16(values_v, i);
+          } else {
+            mi = _mm512_loadu_ps(m + i);
+            vi = _mm512_loadu_ps(v + i);
+          }
+          adam16.moments(p + o + i, g + o + i, mi, vi, m + i, v + i, max_m16);
+        }
+        // (the divisions and square roots, with the other ports' work of the pending block's codes)
+        for (int64_t i = 0; i < kB; i += 16) {
+          adam16.params(p + o + i, m + i, v + i, root + i, max_root16);
+          if (coder) coder->code16(pm + i, proot + i, i);
+        }
+        max_m = _mm512_reduce_max_epu32(max_m16);
+        max_root = _mm512_reduce_max_epu32(max_root16);
+      };
+      if (pending.w != nullptr && pending.len == kB && pending.w->exp_avg_fp8 == w.exp_avg_fp8 &&
+          pending.w->exp_avg_sq_fp8 == w.exp_avg_sq_fp8) {
+        const TensorWork& pw = *pending.w;
+        Fp8PairCoder<FM, FV> coder(pending.max_m, pending.max_root, pending.off, pw.step,
+                                   static_cast<uint8_t*>(pw.exp_avg), static_cast<uint8_t*>(pw.exp_avg_sq));
+        if (coder.regular()) {
+          update(&coder);
+          coder.write_scales(pw.exp_avg_scale, pw.exp_avg_sq_scale, pending.off / kB);
+          pending.w = nullptr;
+          done = true;
+        }
+      }
+      if (!done) {
+        store_pending_fp8(s);
+        update(nullptr);
+        done = true;
+      }
+    }
+#endif
+    if (!done) {
+      store_pending_fp8(s);
+      fp8_load(*w.exp_avg_fp8, false, w.exp_avg, w.exp_avg_scale, off + o, len, m);
+      fp8_load(*w.exp_avg_sq_fp8, true, w.exp_avg_sq, w.exp_avg_sq_scale, off + o, len, v);
+      const BlockMax max = adam_loop<float, kMode, false, true, true>(p + o, g + o, m, v, nullptr, len, w, h, root);
+      max_m = max.m;
+      // (sqrt is monotonic and correctly rounded: the largest sqrt(v) is the square root of the largest v)
+      max_root = abs_bits(std::sqrt(bits_to_float(max.v)));
+    }
+    pending = {&w, off + o, len, max_m, max_root, slot};
+  }
+}
+
+// update_fp8 of a tensor whose moments are both fp8; false (nothing done) otherwise. (Not inlined: inlined, its
+// loops cost the staged path of the other formats 2% in the same function.)
+template <int64_t kMode>
+__attribute__((noinline)) bool update_coded(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
                   const float* g) {
   if (!w.exp_avg_fp8 || !w.exp_avg_sq_fp8) return false;
-  for (int64_t o = 0; o < n; o += spec::kFp8Block) {
-    const int64_t len = std::min<int64_t>(spec::kFp8Block, n - o);
-    fp8_load(*w.exp_avg_fp8, false, w.exp_avg, w.exp_avg_scale, off + o, len, s.m + o);
-    fp8_load(*w.exp_avg_sq_fp8, true, w.exp_avg_sq, w.exp_avg_sq_scale, off + o, len, s.v + o);
-    const BlockMax max = adam_loop<float, kMode, false, true, true>(p + o, g + o, s.m + o, s.v + o, nullptr, len, w, h,
-                                                                    s.root + o);
-    // (sqrt is monotonic and correctly rounded: the largest sqrt(v) is the square root of the largest v)
-    fp8_store_pair(*w.exp_avg_fp8, *w.exp_avg_sq_fp8, s.m + o, s.v + o, s.root + o, max.m,
-                   abs_bits(std::sqrt(bits_to_float(max.v))), off + o, len, w.step, w.exp_avg, w.exp_avg_scale,
-                   w.exp_avg_sq, w.exp_avg_sq_scale, s.fp8_rnd + o);
+  const auto update = [&](auto fm_type, auto fv_type) {
+    update_fp8<kMode, decltype(fm_type), decltype(fv_type)>(w, h, off, n, s, p, g);
+  };
+  if (w.exp_avg_fp8->mantissa_bits == 3) {
+    w.exp_avg_sq_fp8->mantissa_bits == 3 ? update(Fp8E4M3{}, Fp8E4M3{}) : update(Fp8E4M3{}, Fp8E5M2{});
+  } else {
+    w.exp_avg_sq_fp8->mantissa_bits == 3 ? update(Fp8E5M2{}, Fp8E4M3{}) : update(Fp8E5M2{}, Fp8E5M2{});
   }
   return true;
 }
@@ -340,7 +511,10 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
     coded = update_coded<kMode>(w, h, off, n, s, p, g);
     if (coded) grad_squares = squares ? square_sum(g, n) : 0.0;
   }
-  if (!coded) update_staged<T, kMode, kAmsgrad>(w, h, off, n, s, p, g, grad_squares);
+  if (!coded) {
+    if constexpr (std::is_same_v<T, float>) store_pending_fp8(s);  // (its block is in s.m, s.v and s.root)
+    update_staged<T, kMode, kAmsgrad>(w, h, off, n, s, p, g, grad_squares);
+  }
   write_back<T>(w, h, off, n, s, p, g);
 }
 
@@ -369,6 +543,7 @@ void run_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& 
       }
       if (grad_squares != nullptr) grad_squares[i] = item_squares;
     }
+    if constexpr (std::is_same_v<T, float>) store_pending_fp8(scratch);
   });
 }
 

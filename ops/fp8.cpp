@@ -9,11 +9,6 @@
 #include "conversions.h"
 #include "rounding.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
-    defined(ORT_OPTIM_F16C)
-#define ORT_OPTIM_FP8_AVX512 1
-#endif
-
 namespace ort_optim {
 namespace {
 
@@ -31,22 +26,6 @@ uint32_t fp8_block_amax(const float* x, int64_t len, bool sqrt, float* u) {
   return amax;
 }
 
-
-// y >= 0 (finite, below 2**(emax + 1)) rounded to nearest even in the format, as a code (not saturated): normal values
-// by rounding the float32 mantissa to kMb bits, subnormal ones by adding and subtracting 2**23 to y * 2**(bias - 1 +
-// kMb) (< 9: the float32 addition rounds to nearest even at integers; the build forbids contracting or
-// reassociating it).
-template <int kMb, int kBias>
-inline int32_t fp8_round(float y) {
-  constexpr int kShift = 23 - kMb;
-  const uint32_t b = float_to_bits(y);
-  const int32_t normal = int32_t((b + (1u << (kShift - 1)) - 1u + ((b >> kShift) & 1u)) >> kShift) -
-                         ((127 - kBias) << kMb);
-  const float scaled = y * bits_to_float(uint32_t(127 + kBias - 1 + kMb) << 23);
-  const int32_t subnormal = int32_t((scaled + 8388608.0f) - 8388608.0f);
-  return y < bits_to_float(uint32_t(127 + 1 - kBias) << 23) ? subnormal : normal;
-}
-
 // dst[0, n) = the values of elements [off, off + n) (off a multiple of kFp8Block): code * scale, squared for a
 // second moment (which holds sqrt(v)).
 template <int kMb, int kBias, bool kSecondMoment>
@@ -58,22 +37,9 @@ void fp8_load(const uint8_t* codes, const float* scales, int64_t off, int64_t n,
     float* d = dst + q;
     int64_t i = 0;
 #ifdef ORT_OPTIM_FP8_AVX512
-    // The same values as Fp8Values, 16 codes at once: as float16 bits (sign at bit 15), converted exactly by one
-    // instruction. e5m2 is float16's top byte (its magnitudes from 0x7C, which no encoder writes, are float16's inf
-    // and NaN: those vectors go to the scalar loop); e4m3's magnitude below bit 14 reads as its value * 2**-8
-    // (float16's exponent bias is 15, e4m3's 7; subnormals included), made exact again by the 2**8 folded into the
-    // power-of-two scale (k <= 119: no overflow).
-    if (!values.flagged) {
-      const __m512 mul = _mm512_set1_ps(kMb == 2 ? s : 256.0f * s);
-      for (; i + 16 <= len; i += 16) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + off + q + i));
-        const __m256i c16 = _mm256_cvtepu8_epi16(bytes);
-        const __m256i mag = _mm256_and_si256(c16, _mm256_set1_epi16(0x7F));
-        if (kMb == 2 && _mm256_cmpge_epu16_mask(mag, _mm256_set1_epi16(0x7C))) break;
-        const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(c16, _mm256_set1_epi16(0x80)), 8);
-        const __m256i h = kMb == 2 ? _mm256_slli_epi16(c16, 8) : _mm256_or_si256(sign, _mm256_slli_epi16(mag, 7));
-        __m512 x = _mm512_mul_ps(_mm512_cvtph_ps(h), mul);
-        if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
+    if (!values.flagged) {  // 16 codes at once (fp8_values16), the rest of the block by the scalar loop from the first
+      const __m512 mul = _mm512_set1_ps(fp8_multiplier<kMb>(s));  // e5m2 vector that fp8_values16 leaves to it
+      for (__m512 x; i + 16 <= len && fp8_values16<kMb, kSecondMoment>(codes + off + q + i, mul, x); i += 16) {
         _mm512_storeu_ps(d + i, x);
       }
     }
@@ -110,15 +76,6 @@ inline uint8_t fp8_code(float x, uint32_t amax, float inv, uint32_t random16) {
   return uint8_t(code);
 }
 
-// A block's exponent k for its largest magnitude amax (bits; finite): the smallest k with amax / 2**k rounding to at
-// most the largest finite code (amax's mantissa at 2**emax tells whether its exponent suffices), capped at
-// 127 - emax. The block is coded with scale 2**k if amax > 0 and k >= spec::kFp8MinExponent, else it is a zero block.
-template <int kMb, int kBias, int kEmax, int kMaxCode>
-inline int32_t fp8_block_exponent(uint32_t amax) {
-  const int32_t e = int32_t(amax >> 23) - 127;
-  const float top = bits_to_float((amax & 0x7FFFFFu) | (uint32_t(kEmax + 127) << 23));
-  return std::min(e - kEmax + (fp8_round<kMb, kBias>(top) > kMaxCode ? 1 : 0), 127 - kEmax);
-}
 
 // Writes src[0, n) (v for a second moment; root: sqrt(v) when the caller has it) as the codes and scales of elements
 // [off, off + n), in a step, rounding stochastically with rnd (fp8_code).
@@ -172,61 +129,20 @@ void fp8_store(const float* src, const float* root, int64_t off, int64_t n, uint
   }
 }
 
-// The bits of 1 / 2**k for a block that fp8_store codes with a scale 2**k (finite amax > 0, not overflowed); 0 for
-// every other block (zero, non-finite, overflowed), which the plain stores handle.
-template <int kMb, int kBias, int kEmax, int kMaxCode>
-inline uint32_t fp8_regular_inverse(uint32_t amax) {
-  if (amax == 0 || amax >= 0x7F800000u) return 0;
-  const int32_t k = fp8_block_exponent<kMb, kBias, kEmax, kMaxCode>(amax);
-  return k < spec::kFp8MinExponent ? 0 : uint32_t(127 - k) << 23;
-}
 
-#ifdef ORT_OPTIM_FP8_AVX512
-
-// fp8_code of 16 elements with bits b of a regular block (finite, no overflowed v; amax: the bits of its largest
-// magnitude, inv: 1 / its scale) and 16 random bits per lane. Two cases that most vectors lack take branches: the
-// block's largest magnitude (to nearest even) and subnormal codes.
-template <int kMb, int kBias, int kMaxCode, bool kSecondMoment>
-inline __m512i fp8_codes16(__m512i b, __m512i amax, __m512 inv, __m512i random16) {
-  constexpr int kShift = 23 - kMb;
-  const __m512 min_normal = _mm512_set1_ps(bits_to_float(uint32_t(127 + 1 - kBias) << 23));
-  const __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF));
-  const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(ab), inv);
-  const __m512i yb = _mm512_castps_si512(y);
-  __m512i add = _mm512_slli_epi32(random16, kShift - 16);
-  const __mmask16 top = _mm512_cmpeq_epi32_mask(ab, amax);
-  if (top) {
-    const __m512i even = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(yb, kShift), _mm512_set1_epi32(1)),
-                                          _mm512_set1_epi32(int((1u << (kShift - 1)) - 1u)));
-    add = _mm512_mask_blend_epi32(top, add, even);
-  }
-  __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(yb, add), kShift),
-                                  _mm512_set1_epi32((127 - kBias) << kMb));
-  const __mmask16 subnormal = _mm512_cmp_ps_mask(y, min_normal, _CMP_LT_OQ);
-  if (subnormal) {
-    const __m512i fixed = _mm512_cvttps_epi32(
-        _mm512_mul_ps(_mm512_min_ps(y, min_normal), _mm512_set1_ps(bits_to_float(uint32_t(127 + kBias + 22) << 23))));
-    code = _mm512_mask_blend_epi32(subnormal, code, _mm512_srli_epi32(_mm512_add_epi32(fixed, add), kShift));
-  }
-  code = _mm512_min_epi32(code, _mm512_set1_epi32(kMaxCode));
-  if constexpr (kSecondMoment) return _mm512_max_epi32(code, _mm512_set1_epi32(1));  // (no inf in a regular block)
-  const __mmask16 negative = _mm512_movepi32_mask(b) & _mm512_test_epi32_mask(code, code);
-  return _mm512_mask_or_epi32(code, negative, code, _mm512_set1_epi32(0x80));
-}
-#endif
 
 // Both fp8 moments of one block of len <= kFp8Block elements in a step (fp8_store_pair): one loop hashes each element
-// once and codes both moments, when both blocks are regular; else the two plain stores.
-template <int kMbM, int kBiasM, int kEmaxM, int kMaxM, int kMbV, int kBiasV, int kEmaxV, int kMaxV>
+// once and codes both moments (Fp8PairCoder), when both blocks are regular; else the two plain stores.
+template <class FM, class FV>
 void fp8_store_pair(const float* m, const float* v, const float* root, uint32_t amax_m, uint32_t amax_v, int64_t off,
                     int64_t len, uint32_t step, uint8_t* codes_m, float* scales_m, uint8_t* codes_v, float* scales_v,
                     uint32_t* rnd) {
-  const uint32_t inv_m = fp8_regular_inverse<kMbM, kBiasM, kEmaxM, kMaxM>(amax_m),
-                 inv_v = fp8_regular_inverse<kMbV, kBiasV, kEmaxV, kMaxV>(amax_v);
+  const uint32_t inv_m = fp8_regular_inverse<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode>(amax_m),
+                 inv_v = fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode>(amax_v);
   if (inv_m == 0 || inv_v == 0) {
     fp8_random_bits(m, off, len, step, rnd);
-    fp8_store<kMbM, kBiasM, kEmaxM, kMaxM, false>(m, nullptr, off, len, codes_m, scales_m, rnd);
-    fp8_store<kMbV, kBiasV, kEmaxV, kMaxV, true>(v, root, off, len, codes_v, scales_v, rnd);
+    fp8_store<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode, false>(m, nullptr, off, len, codes_m, scales_m, rnd);
+    fp8_store<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode, true>(v, root, off, len, codes_v, scales_v, rnd);
     return;
   }
   const float im = bits_to_float(inv_m), iv = bits_to_float(inv_v);
@@ -235,27 +151,13 @@ void fp8_store_pair(const float* m, const float* v, const float* root, uint32_t 
   uint8_t* __restrict__ cv = codes_v + off;
   int64_t i = 0;
 #ifdef ORT_OPTIM_FP8_AVX512
-  const __m512i amax_m16 = _mm512_set1_epi32(int(amax_m)), amax_v16 = _mm512_set1_epi32(int(amax_v));
-  const __m512 im16 = _mm512_set1_ps(im), iv16 = _mm512_set1_ps(iv);
-  __m512i e_hash = _mm512_mullo_epi32(
-      _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(off))),
-                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-      _mm512_set1_epi32(int(0x9E3779B1u)));
-  for (; i + 16 <= len; i += 16) {
-    const __m512i bm = _mm512_castps_si512(_mm512_loadu_ps(m + i)), bv = _mm512_castps_si512(_mm512_loadu_ps(root + i));
-    const __m512i r = fmix32x16(_mm512_xor_si512(_mm512_xor_si512(bm, e_hash), _mm512_set1_epi32(int(step_hash))));
-    e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(16u * 0x9E3779B1u)));
-    const __m512i code_m = fp8_codes16<kMbM, kBiasM, kMaxM, false>(bm, amax_m16, im16, _mm512_srli_epi32(r, 16));
-    const __m512i code_v = fp8_codes16<kMbV, kBiasV, kMaxV, true>(
-        bv, amax_v16, iv16, _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(cm + i), _mm512_cvtepi32_epi8(code_m));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(cv + i), _mm512_cvtepi32_epi8(code_v));
-  }
+  Fp8PairCoder<FM, FV> coder(amax_m, amax_v, off, step, codes_m, codes_v);
+  for (; i + 16 <= len; i += 16) coder.code16(m + i, root + i, i);
 #endif
   for (; i < len; ++i) {
     const uint32_t r = fmix32(float_to_bits(m[i]) ^ (e0 + uint32_t(i) * 0x9E3779B1u) ^ step_hash);
-    cm[i] = fp8_code<kMbM, kBiasM, kMaxM, false>(m[i], amax_m, im, r >> 16);
-    cv[i] = fp8_code<kMbV, kBiasV, kMaxV, true>(root[i], amax_v, iv, r & 0xFFFFu);
+    cm[i] = fp8_code<FM::kMb, FM::kBias, FM::kMaxCode, false>(m[i], amax_m, im, r >> 16);
+    cv[i] = fp8_code<FV::kMb, FV::kBias, FV::kMaxCode, true>(root[i], amax_v, iv, r & 0xFFFFu);
   }
   scales_m[off / kFp8Block] = bits_to_float((254u << 23) - inv_m);
   scales_v[off / kFp8Block] = bits_to_float((254u << 23) - inv_v);
@@ -299,18 +201,14 @@ void fp8_store_pair(const Fp8& fm, const Fp8& fv, const float* m, const float* v
                     void* codes_v, float* scales_v, uint32_t* rnd) {
   uint8_t* cm = static_cast<uint8_t*>(codes_m);
   uint8_t* cv = static_cast<uint8_t*>(codes_v);
-  if (fm.mantissa_bits == 3 && fv.mantissa_bits == 3) {
-    fp8_store_pair<3, 7, 8, 0x7E, 3, 7, 8, 0x7E>(m, v, root, amax_m, amax_v, off, len, step, cm, scales_m, cv, scales_v,
-                                                 rnd);
-  } else if (fm.mantissa_bits == 3) {
-    fp8_store_pair<3, 7, 8, 0x7E, 2, 15, 15, 0x7B>(m, v, root, amax_m, amax_v, off, len, step, cm, scales_m, cv,
-                                                   scales_v, rnd);
-  } else if (fv.mantissa_bits == 3) {
-    fp8_store_pair<2, 15, 15, 0x7B, 3, 7, 8, 0x7E>(m, v, root, amax_m, amax_v, off, len, step, cm, scales_m, cv,
-                                                   scales_v, rnd);
+  const auto pair = [&](auto fm_type, auto fv_type) {
+    fp8_store_pair<decltype(fm_type), decltype(fv_type)>(m, v, root, amax_m, amax_v, off, len, step, cm, scales_m, cv,
+                                                         scales_v, rnd);
+  };
+  if (fm.mantissa_bits == 3) {
+    fv.mantissa_bits == 3 ? pair(Fp8E4M3{}, Fp8E4M3{}) : pair(Fp8E4M3{}, Fp8E5M2{});
   } else {
-    fp8_store_pair<2, 15, 15, 0x7B, 2, 15, 15, 0x7B>(m, v, root, amax_m, amax_v, off, len, step, cm, scales_m, cv,
-                                                     scales_v, rnd);
+    fv.mantissa_bits == 3 ? pair(Fp8E5M2{}, Fp8E4M3{}) : pair(Fp8E5M2{}, Fp8E5M2{});
   }
 }
 

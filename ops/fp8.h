@@ -2,17 +2,25 @@
 // "fp8 states"; ort_optim/_spec.py, Fp8Format, states the rules and ort_optim/formats.py's quantize_fp8 is the
 // definition, bit for bit). Decoded and encoded by exponent and mantissa arithmetic on the bits (no tables, no
 // search), in branch-free loops over one block that the compiler vectorises, with AVX-512 by 16 lanes at once (the
-// decode through float16's conversion); the Adam kernel calls the loads and stores per block of 256, and stores
-// both moments of a block in one loop that hashes each element once (fp8_store_pair).
+// decode through float16's conversion, fp8_values16). Both moments of a block are coded in one loop that hashes
+// each element once (Fp8PairCoder): fp8_store_pair's, and the Adam kernel's, which codes one block while it updates
+// the next (update_fp8 in adam_kernel.cpp).
 #pragma once
 
 #include <c10/core/ScalarType.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
 #include "conversions.h"
 #include "ort_optim_spec.h"  // generated from ort_optim/_spec.py into the build folder (backends/native.py)
+#include "rounding.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(ORT_OPTIM_F16C)
+#define ORT_OPTIM_FP8_AVX512 1
+#endif
 
 namespace ort_optim {
 
@@ -39,6 +47,157 @@ struct Fp8Values {
     return x;
   }
 };
+
+// y >= 0 (finite, below 2**(emax + 1)) rounded to nearest even in the format, as a code (not saturated): normal values
+// by rounding the float32 mantissa to kMb bits, subnormal ones by adding and subtracting 2**23 to y * 2**(bias - 1 +
+// kMb) (< 9: the float32 addition rounds to nearest even at integers; the build forbids contracting or
+// reassociating it).
+template <int kMb, int kBias>
+inline int32_t fp8_round(float y) {
+  constexpr int kShift = 23 - kMb;
+  const uint32_t b = float_to_bits(y);
+  const int32_t normal = int32_t((b + (1u << (kShift - 1)) - 1u + ((b >> kShift) & 1u)) >> kShift) -
+                         ((127 - kBias) << kMb);
+  const float scaled = y * bits_to_float(uint32_t(127 + kBias - 1 + kMb) << 23);
+  const int32_t subnormal = int32_t((scaled + 8388608.0f) - 8388608.0f);
+  return y < bits_to_float(uint32_t(127 + 1 - kBias) << 23) ? subnormal : normal;
+}
+
+// A block's exponent k for its largest magnitude amax (bits; finite): the smallest k with amax / 2**k rounding to at
+// most the largest finite code (amax's mantissa at 2**emax tells whether its exponent suffices), capped at
+// 127 - emax. The block is coded with scale 2**k if amax > 0 and k >= spec::kFp8MinExponent, else it is a zero block.
+template <int kMb, int kBias, int kEmax, int kMaxCode>
+inline int32_t fp8_block_exponent(uint32_t amax) {
+  const int32_t e = int32_t(amax >> 23) - 127;
+  const float top = bits_to_float((amax & 0x7FFFFFu) | (uint32_t(kEmax + 127) << 23));
+  return std::min(e - kEmax + (fp8_round<kMb, kBias>(top) > kMaxCode ? 1 : 0), 127 - kEmax);
+}
+
+// The bits of 1 / 2**k for a block that fp8_store codes with a scale 2**k (finite amax > 0, not overflowed); 0 for
+// every other block (zero, non-finite, overflowed), which the plain stores handle.
+template <int kMb, int kBias, int kEmax, int kMaxCode>
+inline uint32_t fp8_regular_inverse(uint32_t amax) {
+  if (amax == 0 || amax >= 0x7F800000u) return 0;
+  const int32_t k = fp8_block_exponent<kMb, kBias, kEmax, kMaxCode>(amax);
+  return k < spec::kFp8MinExponent ? 0 : uint32_t(127 - k) << 23;
+}
+
+#ifdef ORT_OPTIM_FP8_AVX512
+
+// fp8_code of 16 elements with bits b of a regular block (finite, no overflowed v; amax: the bits of its largest
+// magnitude, inv: 1 / its scale) and 16 random bits per lane. Two cases that most vectors lack take branches: the
+// block's largest magnitude (to nearest even) and subnormal codes.
+template <int kMb, int kBias, int kMaxCode, bool kSecondMoment>
+inline __m512i fp8_codes16(__m512i b, __m512i amax, __m512 inv, __m512i random16) {
+  constexpr int kShift = 23 - kMb;
+  const __m512 min_normal = _mm512_set1_ps(bits_to_float(uint32_t(127 + 1 - kBias) << 23));
+  const __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(ab), inv);
+  const __m512i yb = _mm512_castps_si512(y);
+  __m512i add = _mm512_slli_epi32(random16, kShift - 16);
+  const __mmask16 top = _mm512_cmpeq_epi32_mask(ab, amax);
+  if (top) {
+    const __m512i even = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(yb, kShift), _mm512_set1_epi32(1)),
+                                          _mm512_set1_epi32(int((1u << (kShift - 1)) - 1u)));
+    add = _mm512_mask_blend_epi32(top, add, even);
+  }
+  __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(yb, add), kShift),
+                                  _mm512_set1_epi32((127 - kBias) << kMb));
+  const __mmask16 subnormal = _mm512_cmp_ps_mask(y, min_normal, _CMP_LT_OQ);
+  if (subnormal) {
+    const __m512i fixed = _mm512_cvttps_epi32(
+        _mm512_mul_ps(_mm512_min_ps(y, min_normal), _mm512_set1_ps(bits_to_float(uint32_t(127 + kBias + 22) << 23))));
+    code = _mm512_mask_blend_epi32(subnormal, code, _mm512_srli_epi32(_mm512_add_epi32(fixed, add), kShift));
+  }
+  code = _mm512_min_epi32(code, _mm512_set1_epi32(kMaxCode));
+  if constexpr (kSecondMoment) return _mm512_max_epi32(code, _mm512_set1_epi32(1));  // (no inf in a regular block)
+  const __mmask16 negative = _mm512_movepi32_mask(b) & _mm512_test_epi32_mask(code, code);
+  return _mm512_mask_or_epi32(code, negative, code, _mm512_set1_epi32(0x80));
+}
+#endif
+
+// The two fp8 formats as types, for the templates below: mantissa bits, exponent bias, largest exponent, largest
+// finite magnitude code (the values of kFp8E4M3 and kFp8E5M2).
+template <int kMb_, int kBias_, int kEmax_, int kMaxCode_>
+struct Fp8Type {
+  static constexpr int kMb = kMb_, kBias = kBias_, kEmax = kEmax_, kMaxCode = kMaxCode_;
+};
+using Fp8E4M3 = Fp8Type<3, 7, 8, 0x7E>;
+using Fp8E5M2 = Fp8Type<2, 15, 15, 0x7B>;
+
+#ifdef ORT_OPTIM_FP8_AVX512
+// The codes of both fp8 moments of one block of 256 elements in a step, 16 elements per call of code16 (in order),
+// when both blocks are regular (fp8_regular_inverse of both amax non-zero): the same codes and scales as
+// fp8_random_bits then fp8_store of each moment. amax_m, amax_v: the bits of the block's largest |m| and sqrt(v).
+// fp8_store_pair's vector loop, and the Adam kernel's loop that codes one block while it updates the next.
+template <class FM, class FV>
+struct Fp8PairCoder {
+  uint32_t inv_m, inv_v;  // the bits of 1 / scale of each moment; 0: not a regular block (nothing coded here)
+  __m512i amax_m16, amax_v16, e_hash, step_hash;
+  __m512 im16, iv16;
+  uint8_t* cm;
+  uint8_t* cv;
+
+  Fp8PairCoder(uint32_t amax_m, uint32_t amax_v, int64_t off, uint32_t step, uint8_t* codes_m, uint8_t* codes_v)
+      : inv_m(fp8_regular_inverse<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode>(amax_m)),
+        inv_v(fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode>(amax_v)),
+        amax_m16(_mm512_set1_epi32(int(amax_m))),
+        amax_v16(_mm512_set1_epi32(int(amax_v))),
+        e_hash(_mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(off))),
+                                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                                     14, 15)),
+                                  _mm512_set1_epi32(int(0x9E3779B1u)))),
+        step_hash(_mm512_set1_epi32(int(step * 0x85EBCA77u + 0x6A09E667u))),
+        im16(_mm512_set1_ps(bits_to_float(inv_m))),
+        iv16(_mm512_set1_ps(bits_to_float(inv_v))),
+        cm(codes_m + off),
+        cv(codes_v + off) {}
+
+  bool regular() const { return inv_m != 0 && inv_v != 0; }
+
+  // Elements [i, i + 16) of the block: m and root (= sqrt(v)) point at element i.
+  inline void code16(const float* m, const float* root, int64_t i) {
+    const __m512i bm = _mm512_castps_si512(_mm512_loadu_ps(m)), bv = _mm512_castps_si512(_mm512_loadu_ps(root));
+    const __m512i r = fmix32x16(_mm512_xor_si512(_mm512_xor_si512(bm, e_hash), step_hash));
+    e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(16u * 0x9E3779B1u)));
+    const __m512i code_m = fp8_codes16<FM::kMb, FM::kBias, FM::kMaxCode, false>(bm, amax_m16, im16,
+                                                                                _mm512_srli_epi32(r, 16));
+    const __m512i code_v = fp8_codes16<FV::kMb, FV::kBias, FV::kMaxCode, true>(
+        bv, amax_v16, iv16, _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(cm + i), _mm512_cvtepi32_epi8(code_m));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(cv + i), _mm512_cvtepi32_epi8(code_v));
+  }
+
+  // The scales 2**k of both blocks (the block index: off / spec::kFp8Block).
+  void write_scales(float* scales_m, float* scales_v, int64_t block) const {
+    scales_m[block] = bits_to_float((254u << 23) - inv_m);
+    scales_v[block] = bits_to_float((254u << 23) - inv_v);
+  }
+};
+#endif
+
+#ifdef ORT_OPTIM_FP8_AVX512
+// Fp8Values of 16 codes c[0, 16) of a block that is not flagged, as float16 bits (sign at bit 15) converted exactly by
+// one instruction: e5m2 is float16's top byte (its magnitudes from 0x7C, which no encoder writes, are float16's inf
+// and NaN: then false, nothing decoded); e4m3's magnitude below bit 14 reads as its value * 2**-8 (float16's exponent
+// bias is 15, e4m3's 7; subnormals included), made exact again by the 2**8 folded into the power-of-two scale
+// (k <= 119: no overflow). mul: fp8_multiplier of the block's scale.
+template <int kMb>
+inline float fp8_multiplier(float s) {
+  return kMb == 2 ? s : 256.0f * s;
+}
+template <int kMb, bool kSecondMoment>
+inline bool fp8_values16(const uint8_t* c, __m512 mul, __m512& x) {
+  const __m256i c16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+  const __m256i mag = _mm256_and_si256(c16, _mm256_set1_epi16(0x7F));
+  if (kMb == 2 && _mm256_cmpge_epu16_mask(mag, _mm256_set1_epi16(0x7C))) return false;
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(c16, _mm256_set1_epi16(0x80)), 8);
+  const __m256i h = kMb == 2 ? _mm256_slli_epi16(c16, 8) : _mm256_or_si256(sign, _mm256_slli_epi16(mag, 7));
+  x = _mm512_mul_ps(_mm512_cvtph_ps(h), mul);
+  if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
+  return true;
+}
+#endif
 
 // The fp8 format of a state dtype, or nullptr.
 const Fp8* fp8_of(at::ScalarType t);

@@ -2052,23 +2052,29 @@ def test_many_steps_follow_adamw_within_the_formats_precision(backend, m_dtype, 
                                               (torch.float8_e4m3fn, torch.float8_e5m2)],
                          ids=["e4m3fn", "e5m2", "e4m3fn-e5m2"])
 @pytest.mark.parametrize("amsgrad", [False, True])
-def test_both_cpu_backends_give_the_same_bits(amsgrad, m_dtype, v_dtype, monkeypatch):
+@pytest.mark.parametrize("mode", list(AdamWMode), ids=[m.name for m in AdamWMode])
+def test_both_cpu_backends_give_the_same_bits(amsgrad, mode, m_dtype, v_dtype, monkeypatch):
     """Every element's gradient has its own magnitude over eight decades, so that blocks hold subnormal codes and
-    zeros beside their largest values; blocks end inside a vector of 16 (the (300, 7) param)."""
+    zeros beside their largest values; blocks end inside a vector of 16 (the (300, 7) param); a param ends on a whole
+    block before the next one starts (the (768,) param), one spans two work items of 64K elements, and one gradient
+    of 1e30 overflows v (its block's scale flagged) in the third of six steps."""
     from conftest import select_backend
 
-    shapes = [(300, 7), (5,), (), (1024,)]
+    shapes = [(768,), (300, 7), (5,), (), (1024,), (66000,)]
     results = []
     for name in ("native", "torch"):
         select_backend(monkeypatch, name)
         params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(9))) for s in shapes]
-        opt = FusedAdam(params, lr=1e-2, amsgrad=amsgrad, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype)
+        opt = FusedAdam(params, lr=1e-2, amsgrad=amsgrad, weight_decay=0.1, adam_w_mode=mode, exp_avg_dtype=m_dtype,
+                        exp_avg_sq_dtype=v_dtype)
         g = torch.Generator().manual_seed(2)
-        for _ in range(6):
+        for step in range(6):
             for p in params:
                 spread = 10.0 ** (torch.rand(p.shape, generator=g) * 8 - 7)
                 scale = 10.0 ** float(torch.randint(-6, 2, (), generator=g))
                 p.grad = torch.randn(p.shape, generator=g) * spread * scale
+            if step == 2:
+                params[0].grad[300] = 1e30
             opt.step()
         results.append(optimizer_snapshot(opt))
     assert_same_snapshot(*results)
