@@ -151,11 +151,14 @@ def _assert_state_rounded_as_specified(got: torch.Tensor, exact: torch.Tensor, d
     other way: then it is as close to the exact value as the reference's choice, up to that rounding. A low-bit
     exp_avg rounds stochastically with random bits hashed from its float32 value (which the float64 reference does
     not reproduce to the bit): it must be one of the two levels around the exact value (for the 4-bit exp_avg, the
-    levels of m / u times u, root u: the decoded sqrt(v) of the exp_avg_sq stored with it)."""
+    levels of m / u times u, root u: the decoded sqrt(v) of the exp_avg_sq stored with it); so must a 4-bit
+    exp_avg_sq."""
     slack = 1e-5 * float(exact.abs().max())
-    if dtype in reference.LOW_BIT_DTYPES and not second_moment:
-        down = reference.round_low_bit(exact, dtype, False, exp_avg_rounding="down", root=root)
-        up = reference.round_low_bit(exact, dtype, False, exp_avg_rounding="up", root=root)
+    # a 4-bit sqrt(v) in a step rounds stochastically as well (_spec.EXP_AVG_SQ_STOCHASTIC), from its own bits
+    stochastic_v = second_moment and dtype == torch.uint4 and Q4.exp_avg_sq_stochastic
+    if dtype in reference.LOW_BIT_DTYPES and (not second_moment or stochastic_v):
+        down = reference.round_low_bit(exact, dtype, second_moment, 1, exp_avg_rounding="down", root=root)
+        up = reference.round_low_bit(exact, dtype, second_moment, 1, exp_avg_rounding="up", root=root)
         between = (got.double() >= torch.minimum(down, up) - slack) & (got.double() <= torch.maximum(down, up) + slack)
         assert bool(between.all()), f"{what}: stored values outside the two levels around the exact ones"
         return
