@@ -1341,8 +1341,9 @@ def test_a_second_moment_that_rounds_to_zero_never_makes_the_update_explode(comb
 STEADY_BANDS = ((1e-4, 1e-3), (1e-3, 1e-2), (1e-2, 1e-1), (1e-1, 1.01))
 STEADY_MOVEMENT = {  # per band: (least, most) movement over fp32 AdamW's
     ("u8", "u8"): ((0.55, 1.9), (0.65, 1.45), (0.75, 1.3), (0.75, 1.25)),
-    ("u8", "u4"): ((0.09, 1.2), (0.25, 2.2), (0.4, 1.8), (0.55, 1.55)),
-    ("u4", "u4"): ((0.018, 1.25), (0.23, 1.95), (0.39, 1.8), (0.53, 1.6)),
+    # (4-bit sqrt(v) rounds stochastically: elements at 0.001-0.01 of their block's largest sit in its widest gaps)
+    ("u8", "u4"): ((0.09, 1.2), (0.35, 3.0), (0.6, 1.95), (0.7, 1.4)),
+    ("u4", "u4"): ((0.03, 1.25), (0.18, 3.0), (0.5, 1.95), (0.7, 1.4)),
 }
 
 
