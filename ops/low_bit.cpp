@@ -25,10 +25,16 @@ namespace {
 
 template <size_t N, size_t M>
 LowBit make_low_bit(int bits, int block, bool bf16_scales, const float (&m_levels)[N], const float (&m_thresholds)[N - 1],
-                    const float (&v_levels)[M], const float (&v_thresholds)[M - 1], bool relative) {
+                    const float (&v_levels)[M], const float (&v_thresholds)[M - 1], bool relative,
+                    bool sq_stochastic, const float (&v_sr_thresholds)[M - 1], const float (&v_squares)[M],
+                    const float (&v_square_gaps)[M]) {
+  const CodeMap v_nearest(v_levels, v_thresholds, int(M), false, bits, 1.0f);
   return LowBit{bits, block, bf16_scales,
                 CodeMap(m_levels, m_thresholds, int(N), true, bits, spec::kExpAvgSnap, /*sr_from_zero=*/relative),
-                CodeMap(v_levels, v_thresholds, int(M), false, bits, 1.0f), relative};
+                v_nearest, relative, sq_stochastic,
+                sq_stochastic ? CodeMap(v_levels, v_sr_thresholds, int(M), false, bits, spec::kExpAvgSnap,
+                                        /*sr_from_zero=*/true, v_squares, v_square_gaps)
+                              : v_nearest};
 }
 
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
@@ -137,11 +143,14 @@ void low_bit_load(const LowBit& f, const uint8_t* codes, const void* scales, int
 
 // Codes of one block of (finite) values u[0, len) with 1 / scale inv, written as the format stores them. Signed:
 // exp_avg's map (sign-magnitude codes). kDecoded (4-bit sqrt(v)): also decoded[0, len) = level * s, the values the
-// codes read back as with scale s.
-template <int kBits, bool kSigned, bool kDecoded = false>
+// codes read back as with scale s. kSquare (4-bit sqrt(v) in a step): rounded stochastically, unbiased in v, by a map
+// built with squares (_spec.EXP_AVG_SQ_STOCHASTIC).
+template <int kBits, bool kSigned, bool kDecoded = false, bool kSquare = false>
 void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, uint8_t* out, uint64_t first_index,
                   uint32_t step, float* decoded = nullptr, float s = 0.0f) {
   static_assert(!kDecoded || (kBits == 4 && !kSigned), "decoded values are taken from a 4-bit sqrt(v)'s codes");
+  static_assert(!kSquare || (kBits == 4 && !kSigned), "sqrt(v) rounds in the square in the 4-bit format");
+  constexpr bool kStochastic = kSigned || kSquare;
   const int sign_bit = map.sign_bit();
   int64_t i = 0;
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
@@ -171,9 +180,9 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   constexpr int kTableRegs = kBits == 8 ? 8 : 1;
   __m512 level_table[kTableRegs], gap_table[kTableRegs];
   __m512i e_hash = _mm512_setzero_si512();
-  if constexpr (kSigned) {
+  if constexpr (kStochastic) {
     for (int k = 0; k < kTableRegs; ++k) {
-      level_table[k] = _mm512_load_ps(map.decode() + 16 * k);
+      level_table[k] = _mm512_load_ps((kSquare ? map.squares() : map.decode()) + 16 * k);
       gap_table[k] = _mm512_load_ps(map.sr_step() + 16 * k);
     }
     e_hash = _mm512_mullo_epi32(
@@ -196,10 +205,11 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
       const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
       code = map.magnitude_codes_by_search<kSigned ? 8 : 16>(a);
     }
-    if constexpr (kSigned) {  // stochastically one level up: CodeMap::stochastic_magnitude_code, 16 lanes
+    if constexpr (kStochastic) {  // stochastically one level up: CodeMap::stochastic_magnitude_code, 16 lanes
       const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
-      const __m512 lowered = _mm512_castsi512_ps(_mm512_max_epi32(
+      __m512 lowered = _mm512_castsi512_ps(_mm512_max_epi32(
           _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(int(spec::kExpAvgSrUlps))), _mm512_setzero_si512()));
+      if constexpr (kSquare) lowered = _mm512_mul_ps(lowered, lowered);  // (lo is then the level's square)
       // lo = levels[code] and hi - lo from registers (permutes, not gathers: a 16-lane gather costs about as much as
       // the rest of this loop on Zen 4)
       __m512 lo, gap;
@@ -240,8 +250,9 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   const int64_t tail = i;  // the scalar loop does what the vector loop left (and everything without AVX-512)
   for (; i < len; ++i) {
     const float a = std::fabs(u[i]) * inv;
-    const int m = kSigned ? map.stochastic_magnitude_code(a, exp_avg_random_bits(u[i], first_index + uint64_t(i), step))
-                          : map.magnitude_code(a);
+    const int m = kStochastic
+                      ? map.stochastic_magnitude_code(a, exp_avg_random_bits(u[i], first_index + uint64_t(i), step))
+                      : map.magnitude_code(a);
     c[i - tail] = uint8_t(m | ((kSigned && u[i] < 0.0f && m > 0) ? sign_bit : 0));
     if constexpr (kDecoded) decoded[i] = map.decode()[m] * s;
   }
@@ -348,18 +359,28 @@ void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t
     uint8_t* out = kBits == 8 ? codes + off + q : codes + (off + q) / 2;
     float s;
     // the decoded sqrt(v) comes from the encoder, but for the rare overflowed and NaN blocks (decoded after storing)
-    bool root_decoded = false;
+    bool root_decoded = false, encoded = false;
     if (amax < 0x7F800000u) {
       s = bits_to_float(amax);
       if constexpr (kSecondMoment && kBits == 4) {
+        // in a step, a stochastic sqrt(v) (_spec.EXP_AVG_SQ_STOCHASTIC); conversions keep the nearest rule
+        const bool in_square = f.sq_stochastic && step != 0;
+        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
         if (stored_root && !overflowed) {
           // (s is the bfloat16 scale as stored, read back exactly; >= 0)
-          encode_block<kBits, false, true>(map, u, len, s > 0.0f ? 1.0f / s : 0.0f, out, uint64_t(off + q), step,
-                                           stored_root + q, s);
-          root_decoded = true;
+          if (in_square) {
+            encode_block<kBits, false, true, true>(f.exp_avg_sq_sr, u, len, inv, out, uint64_t(off + q), step,
+                                                   stored_root + q, s);
+          } else {
+            encode_block<kBits, false, true>(map, u, len, inv, out, uint64_t(off + q), step, stored_root + q, s);
+          }
+          root_decoded = encoded = true;
+        } else if (in_square) {
+          encode_block<kBits, false, false, true>(f.exp_avg_sq_sr, u, len, inv, out, uint64_t(off + q), step);
+          encoded = true;
         }
       }
-      if (!root_decoded) {
+      if (!encoded) {
         encode_block<kBits, !kSecondMoment>(map, u, len, s > 0.0f ? 1.0f / s : 0.0f, out, uint64_t(off + q), step);
       }
       if (overflowed) {
@@ -444,13 +465,17 @@ void low_bit_relative_store(const LowBit& f, const float* m, const float* u, int
 const LowBit& q8() {
   static const LowBit f = make_low_bit(spec::kQ8Bits, spec::kQ8Block, spec::kQ8Bf16Scales, spec::kQ8ExpAvgLevels,
                                        spec::kQ8ExpAvgThresholds, spec::kQ8ExpAvgSqLevels, spec::kQ8ExpAvgSqThresholds,
-                                       spec::kQ8ExpAvgRelative);
+                                       spec::kQ8ExpAvgRelative, spec::kQ8ExpAvgSqStochastic,
+                                       spec::kQ8ExpAvgSqSrThresholds, spec::kQ8ExpAvgSqSquares,
+                                       spec::kQ8ExpAvgSqSquareGaps);
   return f;
 }
 const LowBit& q4() {
   static const LowBit f = make_low_bit(spec::kQ4Bits, spec::kQ4Block, spec::kQ4Bf16Scales, spec::kQ4ExpAvgLevels,
                                        spec::kQ4ExpAvgThresholds, spec::kQ4ExpAvgSqLevels, spec::kQ4ExpAvgSqThresholds,
-                                       spec::kQ4ExpAvgRelative);
+                                       spec::kQ4ExpAvgRelative, spec::kQ4ExpAvgSqStochastic,
+                                       spec::kQ4ExpAvgSqSrThresholds, spec::kQ4ExpAvgSqSquares,
+                                       spec::kQ4ExpAvgSqSquareGaps);
   return f;
 }
 

@@ -30,10 +30,14 @@ class CodeMap {
   // thresholds: count - 1 increasing decision thresholds (ort_optim._spec.thresholds); snap: the factor applied to
   // a normalised magnitude before the search (exp_avg rounds toward zero, EXP_AVG_SNAP; 1 for sqrt(v)).
   // sr_from_zero: exp_avg rounds stochastically from magnitude 0 too (the relative 4-bit exp_avg, _spec.EXP_AVG_RELATIVE).
+  // squares, square_gaps (a sqrt(v) map rounded stochastically, _spec.EXP_AVG_SQ_STOCHASTIC; thresholds are then the
+  // levels above the lowest): the rounding is unbiased in the square, with these tables (_spec.square_tables).
   CodeMap(const float* levels, const float* thresholds, int count, bool is_signed, int bits, float snap,
-          bool sr_from_zero = false)
-      : sign_bit_(is_signed ? 1 << (bits - 1) : 0), snap_(snap), sr_from_zero_(sr_from_zero) {
+          bool sr_from_zero = false, const float* squares = nullptr, const float* square_gaps = nullptr)
+      : sign_bit_(is_signed ? 1 << (bits - 1) : 0), count_(count), snap_(snap), sr_from_zero_(sr_from_zero),
+        in_square_(squares != nullptr) {
     TORCH_CHECK(count == (is_signed ? 1 << (bits - 1) : 1 << bits), "ort_optim: code map has ", count, " levels");
+    TORCH_CHECK(!in_square_ || count <= 16, "ort_optim: a map rounded in the square has at most 16 levels");
     mid_.assign(thresholds, thresholds + count - 1);
     mid_.push_back(std::numeric_limits<float>::infinity());
     for (int c = 0; c < (1 << bits); ++c) {
@@ -41,7 +45,8 @@ class CodeMap {
       decode_[c] = (c & sign_bit_) ? -levels[magnitude] : levels[magnitude];
     }
     // Stochastic rounding's gap to the next level, hi - lo in float32 (as the rule computes it), per magnitude.
-    for (int j = 0; j + 1 < count; ++j) gap_[j] = levels[j + 1] - levels[j];
+    for (int j = 0; j + 1 < count; ++j) gap_[j] = in_square_ ? square_gaps[j] : levels[j + 1] - levels[j];
+    for (int j = 0; j < count && in_square_; ++j) square_[j] = squares[j];
     // The vector encoder's form of it: gap * 2^-24 (exact: a power of two on a normal float), so that one multiply
     // gives (r >> 8) * 2^-24 * gap with the same rounding; +inf where the rule never rounds up (magnitude 0, the
     // top level), so that the comparison itself says no (inf, or NaN for r >> 8 == 0, is never exceeded).
@@ -126,14 +131,18 @@ class CodeMap {
   int sign_bit() const { return sign_bit_; }
   const float* decode() const { return decode_; }
   const float* sr_step() const { return sr_step_; }
+  const float* squares() const { return square_; }
   // The magnitude code rounded stochastically (exp_avg; _spec.EXP_AVG_SR_ULPS has the rule): from the non-zero level
   // at or below (magnitude_code), one level up iff (lowered(a) - lo) > (r >> 8) * 2^-24 * (hi - lo). r: 32 random bits.
+  // A map built with squares (sqrt(v), _spec.EXP_AVG_SQ_STOCHASTIC): iff (lowered(a)^2 - lo^2) > (r >> 8) * 2^-24 *
+  // (hi^2 - lo^2), from the lowest level too.
   inline int stochastic_magnitude_code(float a, uint32_t r) const {
     const int m = magnitude_code(a);
     // below the lowest non-zero level (toward zero, unless sr_from_zero), or the top one
-    if ((m == 0 && !sr_from_zero_) || m + 1 >= sign_bit_) return m;
+    if ((m == 0 && !sr_from_zero_) || m + 1 >= count_) return m;
     const uint32_t ab = float_to_bits(a);
     const float lowered = bits_to_float(ab > spec::kExpAvgSrUlps ? ab - spec::kExpAvgSrUlps : 0u);
+    if (in_square_) return m + ((lowered * lowered - square_[m]) > float(r >> 8) * 0x1p-24f * gap_[m]);
     return m + ((lowered - decode_[m]) > float(r >> 8) * 0x1p-24f * gap_[m]);
   }
 
@@ -141,10 +150,13 @@ class CodeMap {
   static constexpr int kShift = 15;  // keeps the exponent and 8 mantissa bits
   static constexpr uint32_t kLowMask = (1u << kShift) - 1, kNever = 1u << kShift;
   int sign_bit_;
+  int count_;
   float snap_;
   bool sr_from_zero_;
+  bool in_square_;
   alignas(64) float decode_[256] = {0.0f};
-  alignas(64) float gap_[256] = {0.0f};  // gap_[j] = levels[j + 1] - levels[j]; 0 past the top level
+  alignas(64) float gap_[256] = {0.0f};  // gap_[j] = levels[j + 1] - levels[j] (or of their squares); 0 past the top
+  alignas(64) float square_[16] = {0.0f};  // a sqrt(v) map rounded in the square: levels[j]^2
   alignas(64) float sr_step_[256];       // gap_[j] * 2^-24 where exp_avg may round up from magnitude j, else +inf
   alignas(64) float search_[16];
   alignas(64) float step_[2][16];  // the search's tables for steps 1 and 2: step_[s - 1][j] = search_[j + s - 1]
@@ -160,6 +172,10 @@ struct LowBit {
   CodeMap exp_avg, exp_avg_sq;  // exp_avg_sq's codes hold sqrt(v)
   // exp_avg's codes hold r = m / u, u the decoded sqrt(v) of exp_avg_sq in this format (_spec.EXP_AVG_RELATIVE)
   bool relative;
+  // sqrt(v) rounds stochastically in a step, unbiased in v, with this map (_spec.EXP_AVG_SQ_STOCHASTIC); conversions
+  // (step 0) keep exp_avg_sq's nearest rule
+  bool sq_stochastic;
+  CodeMap exp_avg_sq_sr;
 
   const CodeMap& map(bool second_moment) const { return second_moment ? exp_avg_sq : exp_avg; }
   float scale(const void* scales, int64_t block_index) const {

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from ._spec import (EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_FORMATS, MIN_SCALE, FP16_LIMIT, LOW_BIT_FORMATS, QUANT_BLOCK,
-                    Fp8Format, LowBitFormat, low_bit_format, num_blocks, thresholds)
+                    Fp8Format, LowBitFormat, low_bit_format, num_blocks, square_tables, thresholds)
 
 # ---- the hash of the stochastic roundings (ops/README.md) -----------------------------------------------------------
 
@@ -178,7 +178,17 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
     inv = torch.where(usable, 1.0 / torch.where(usable, scales, torch.ones_like(scales)), torch.zeros_like(scales))
     a = blocks.abs() * inv[:, None]
     levels = _levels(fmt, second_moment)
-    if second_moment:
+    if second_moment and step and fmt.exp_avg_sq_stochastic:  # unbiased in v (_spec.EXP_AVG_SQ_STOCHASTIC)
+        a_up = a * EXP_AVG_SNAP
+        a_up = torch.where(a_up < 1.0, a_up, torch.ones_like(a_up))
+        bounds = torch.tensor(thresholds(levels, False), dtype=torch.float32)
+        codes = torch.searchsorted(bounds, a_up.reshape(-1).contiguous(), right=True).view_as(a)
+        squares, gaps = (torch.tensor(t, dtype=torch.float32) for t in square_tables(levels))
+        lowered = (a.view(torch.int32) - EXP_AVG_SR_ULPS).clamp_min(0).view(torch.float32)
+        r = exp_avg_random_bits(torch.nn.functional.pad(u, (0, -n % fmt.block)), step).view_as(a)
+        up = (lowered * lowered - squares[codes]) > (r >> 8).float() * 2.0**-24 * gaps[codes]
+        codes = codes + (up & (codes < len(levels) - 1)).long()
+    elif second_moment:
         a = torch.where(a < 1.0, a, torch.ones_like(a))
         bounds = torch.tensor(thresholds(levels, True), dtype=torch.float32)
         codes = torch.searchsorted(bounds, a.reshape(-1).contiguous(), right=True).view_as(a)

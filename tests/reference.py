@@ -210,7 +210,8 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
     level at or below / the next one up (the two candidates). root: for the 4-bit exp_avg, the decoded sqrt(v) u of
     its exp_avg_sq (float32 values): what is coded is then r = m / u (the float64 quotient rounded to float32, which
     is the correctly rounded float32 one; 0 where u = 0), and it reads back as q * u in float32 (0 where q = 0).
-    as_root: for a second moment, sqrt(v) as its codes read back (level * scale; inf for an overflowed v), not v."""
+    as_root: for a second moment, sqrt(v) as its codes read back (level * scale; inf for an overflowed v), not v.
+    A 4-bit second moment in a step (step != 0) rounds stochastically too (exp_avg_rounding applies to it)."""
     fmt = _low_bit_spec(dtype)
     if not second_moment and fmt.exp_avg_relative and root is not _NO_ROOT:
         assert root is not None, "the 4-bit exp_avg is coded relative to its exp_avg_sq's sqrt(v): pass root"
@@ -225,13 +226,17 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
     # the factor 1 + 2**-20 that keeps decoded levels on themselves (exp_avg's top threshold is 1 - 2**-8, so the
     # block's largest element keeps the top code), then, from a non-zero level, one up with probability
     # (a - lo) / (hi - lo)
+    # sqrt(v) in a step of the 4-bit format: like exp_avg (the level at or below after the factor 1 + 2**-20, top
+    # threshold 1 - 2**-8), then one up with probability (a^2 - lo^2) / (hi^2 - lo^2), unbiased in v, from every
+    # level below the top one; random bits from sqrt(v)'s own float32 bits
+    v_stochastic = second_moment and step != 0 and fmt.exp_avg_sq_stochastic
     low, high = levels[:-1].double(), levels[1:].double()
-    thresholds = (2.0 * low * high / (low + high)).float() if second_moment else torch.cat(
+    thresholds = (2.0 * low * high / (low + high)).float() if second_moment and not v_stochastic else torch.cat(
         [levels[1:-1], torch.tensor([1.0 - 2.0**-8])])
     flat = x.reshape(-1).float()
     u = flat.double().sqrt().float() if second_moment else flat  # correctly rounded float32 sqrt
     scales = low_bit_scales(u, dtype)
-    random = torch.from_numpy(exp_avg_random_bits(flat, step).astype(np.int64))
+    random = torch.from_numpy(exp_avg_random_bits(u if v_stochastic else flat, step).astype(np.int64))
     out = torch.empty_like(u)
     for b, s in enumerate(scales.tolist()):
         chunk = u[b * fmt.block:(b + 1) * fmt.block]
@@ -245,8 +250,17 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
             continue
         inv = torch.tensor(1.0, dtype=torch.float32) / s if s > 0 else torch.tensor(0.0)
         a = chunk.abs() * inv
-        snapped = a * torch.tensor(1.0 + 2.0**-20, dtype=torch.float32) if not second_moment else a
+        snapped = a * torch.tensor(1.0 + 2.0**-20, dtype=torch.float32) if not second_moment or v_stochastic else a
         index = (snapped.clamp(max=1.0)[:, None] >= thresholds[None, :]).sum(dim=1)
+        if v_stochastic:
+            nxt = levels[(index + 1).clamp(max=len(levels) - 1)]
+            lowered = (a.view(torch.int32) - 8).clamp(min=0).view(torch.float32)  # 8 float32 ulps down
+            r = random[b * fmt.block:(b + 1) * fmt.block]
+            lo2, hi2 = levels[index] * levels[index], nxt * nxt  # float32 squares
+            threshold = (r // 256).float() * torch.tensor(2.0**-24) * (hi2 - lo2)
+            up = (lowered * lowered - lo2) > threshold if exp_avg_rounding == "stochastic" else torch.full_like(
+                a, exp_avg_rounding == "up", dtype=torch.bool)
+            index = index + ((index < len(levels) - 1) & up).long()
         if not second_moment and exp_avg_rounding != "down":
             # and above zero: toward zero below levels[1], except the 4-bit exp_avg of m / sqrt(v), stochastic there too
             below_top = ((index >= 0) if fmt.exp_avg_relative else (index > 0)) & (index < len(levels) - 1)

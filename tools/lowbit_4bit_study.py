@@ -76,11 +76,14 @@ from ort_optim.bench.lowbit import TrainingRun  # noqa: E402
 
 Q4 = _spec.Q4
 DECADE_M = (0.0,) + _spec.decade_levels((1, 2, 4))
-Q4_DECADES = dataclasses.replace(Q4, exp_avg_levels=DECADE_M, exp_avg_relative=False)
+Q4_NEAREST_V = dataclasses.replace(Q4, exp_avg_sq_levels=_spec.decade_levels((1, 2, 4, 9)), exp_avg_sq_stochastic=False)
+Q4_DECADES = dataclasses.replace(Q4_NEAREST_V, exp_avg_levels=DECADE_M, exp_avg_relative=False)
 LINEAR_M = (0.0,) + tuple(k / 7 for k in range(1, 8))
 GEOMETRIC_M = (0.0, 0.01, 0.05, 0.12, 0.22, 0.38, 0.62, 1.0)
 DENSE_V = (0.001, 0.004, 0.01, 0.02, 0.04, 0.07, 0.1, 0.14, 0.19, 0.26, 0.34, 0.44, 0.56, 0.7, 0.85, 1.0)
 LINEAR_V = tuple((k + 1) / 16 for k in range(16))
+TOP_V = (0.001, 0.006, 0.02, 0.05, 0.1, 0.13, 0.16, 0.2, 0.25, 0.3, 0.37, 0.45, 0.55, 0.67, 0.82, 1.0)
+GEOMETRIC_V = tuple(_spec._f32(10.0 ** (-3 + 3 * k / 15)) for k in range(16))
 TARGET = 0.015  # the mean training loss of 4-bit moments within +1.5% of fp32 moments'
 
 
@@ -109,10 +112,13 @@ class Candidate:
                 total += n * self.fmt.bits / 8 + self.fmt.num_scales(n) * self.fmt.scale_dtype.itemsize
         return total / count
 
-    def second_moment(self, v: torch.Tensor) -> torch.Tensor:
-        """v -> its decoded value."""
+    def second_moment(self, v: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """v -> its decoded value (step: the Adam step, for a format whose sqrt(v) rounds stochastically)."""
         if self.rank1 and v.dim() >= 2:
             return _rank1(v, self.fmt, self.linear_v)
+        if self.fmt.exp_avg_sq_stochastic:  # a step's rounding: its random bits hash v and the step
+            codes, scales = formats.quantize_low_bit(v, self.fmt, True, step)
+            return formats.dequantize_low_bit(codes, scales, self.fmt, True, v.shape)
         codes, scales = formats.quantize_low_bit(v, self.fmt, True)
         return formats.dequantize_low_bit(codes, scales, self.fmt, True, v.shape)
 
@@ -120,7 +126,7 @@ class Candidate:
         """m -> its decoded value (step: the Adam step, whose number the stochastic rounding mixes in; 0 rounds to
         nearest). v: the exact new second moment that second_moment stored as v_decoded."""
         if self.fmt.exp_avg_relative:  # the stored format: coded against the u that v's codes decode to
-            root = formats.low_bit_root(*formats.quantize_low_bit(v, self.fmt, True), self.fmt, v.shape)
+            root = formats.sqrt_f32(v_decoded)  # (= low_bit_root of v's codes: sqrt(u * u) is u in float32)
             codes, scales = formats.quantize_low_bit(m, self.fmt, False, 0 if self.nearest else step, root)
             return formats.dequantize_low_bit(codes, scales, self.fmt, False, m.shape, root)
         if not self.relative:
@@ -167,7 +173,7 @@ CANDIDATES = {
     "4-bit": Candidate(fmt=Q4),
     "4-bit decades": Candidate(),
     "4-bit nearest": Candidate(nearest=True),
-    "4-bit block 64": Candidate(fmt=dataclasses.replace(Q4_DECADES, block=64)),
+    "4-bit decades block 64": Candidate(fmt=dataclasses.replace(Q4_DECADES, block=64)),
     "geometric m + dense v": Candidate(fmt=dataclasses.replace(Q4_DECADES, exp_avg_levels=GEOMETRIC_M,
                                                                exp_avg_sq_levels=DENSE_V)),
     "rank-1 v": Candidate(rank1=True),
@@ -175,6 +181,13 @@ CANDIDATES = {
     "m/sqrt(v) linear": Candidate(fmt=dataclasses.replace(Q4_DECADES, exp_avg_levels=LINEAR_M), relative=True),
     "m/sqrt(v) linear nearest": Candidate(fmt=dataclasses.replace(Q4_DECADES, exp_avg_levels=LINEAR_M),
                                               relative=True, nearest=True),
+    "4-bit nearest v": Candidate(fmt=Q4_NEAREST_V),
+    "4-bit decade v": Candidate(fmt=dataclasses.replace(Q4, exp_avg_sq_levels=Q4_NEAREST_V.exp_avg_sq_levels)),
+    "4-bit top v": Candidate(fmt=dataclasses.replace(Q4, exp_avg_sq_levels=TOP_V)),
+    "4-bit geometric v": Candidate(fmt=dataclasses.replace(Q4, exp_avg_sq_levels=GEOMETRIC_V)),
+    "4-bit block 64": Candidate(fmt=dataclasses.replace(Q4, block=64)),
+    "4-bit nearest v block 32": Candidate(fmt=dataclasses.replace(Q4_NEAREST_V, block=32)),
+    "4-bit nearest dense v": Candidate(fmt=dataclasses.replace(Q4_NEAREST_V, exp_avg_sq_levels=DENSE_V)),
     "FusedAdam uint4": Real(torch.uint4),
     "FusedAdam fp32": Real(torch.float32),
 }
@@ -232,7 +245,7 @@ def train(run: TrainingRun, candidate, snapshots: list | None = None, every: int
                 if snapshots is not None and step % every == 0:
                     snapshots.append((step, m.clone(), v.clone()))
                 if candidate is not None:
-                    v_stored = candidate.second_moment(v)
+                    v_stored = candidate.second_moment(v, step)
                     m, v = candidate.first_moment(m, v_stored, step, v), v_stored
                 state[p] = (m, v)
                 p.grad = None
@@ -257,6 +270,27 @@ def digits_task(seed: int, steps: int = 300, lr: float = 3e-3) -> TrainingRun:
                        lambda step: lr)
 
 
+@functools.lru_cache(maxsize=None)
+def _all_digits():
+    from sklearn.datasets import load_digits
+    x, y = load_digits(return_X_y=True)
+    return torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y, dtype=torch.long)
+
+
+def digits_plain_task(seed: int, steps: int = 300, lr: float = 3e-3) -> TrainingRun:
+    """The MLP 64-256-256-10 with GELU and no LayerNorm on all of scikit-learn's digits (pixels / 16), AdamW lr 3e-3,
+    weight decay 0.01, batch 64 drawn with torch.randint: a dense classifier as a new user writes one."""
+    x, y = _all_digits()
+    generator = torch.Generator().manual_seed(1000 + seed)
+    batches = [(x[i], y[i]) for i in (torch.randint(0, len(x), (64,), generator=generator) for _ in range(steps))]
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                                torch.nn.GELU(), torch.nn.Linear(256, 10))
+    loss = lambda m, batch: torch.nn.functional.cross_entropy(m(batch[0]), batch[1])  # noqa: E731
+    return TrainingRun(model, [dict(params=list(model.parameters()), weight_decay=1e-2)], batches, loss,
+                       lambda step: lr)
+
+
 def gpt_task(seed: int, size: str) -> TrainingRun:
     import lowbit_quality
     return lowbit_quality.gpt_task(seed, torch.float32, size)
@@ -266,11 +300,13 @@ def make_task(task: str, seed: int, quick: bool) -> TrainingRun:
     size = "quick" if quick else "default"
     if task == "digits":
         return digits_task(seed, steps=60 if quick else 300)
+    if task == "digits-plain":
+        return digits_plain_task(seed, steps=60 if quick else 300)
     if task == "zipf":
         return lowbit.zipf_task(seed, torch.float32, size)
     if task == "gpt":
         return gpt_task(seed, size)
-    raise ValueError(f"unknown task {task!r}: choose from digits, zipf, gpt")
+    raise ValueError(f"unknown task {task!r}: choose from digits, digits-plain, zipf, gpt")
 
 
 def run_one(job) -> dict:
@@ -302,7 +338,7 @@ def update_error(task: str, seed: int, names, quick: bool) -> list[dict]:
         for step, m, v in snapshots:
             bc1, bc2 = 1 - b1 ** step, math.sqrt(1 - b2 ** step)
             exact = (m / bc1) / (v.sqrt() / bc2 + run.eps)
-            v_stored = candidate.second_moment(v)
+            v_stored = candidate.second_moment(v, step)
             m_stored = candidate.first_moment(m, v_stored, step, v)
             stored = (m_stored / bc1) / (v_stored.sqrt() / bc2 + run.eps)
             m_only = (m_stored / bc1) / (v.sqrt() / bc2 + run.eps)

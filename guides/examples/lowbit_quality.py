@@ -23,7 +23,8 @@ A configuration that cannot run here is reported with the reason.
 
 Reported per task and configuration: the mean training loss over all steps for every seed; the relative difference
 of its seed average to the baseline's; whether that is within the tolerance (8-bit and 16-bit moments 1%, 4-bit 1.5%,
-bf16 without master weights 2% of the bf16 run with fp32 masters) and within the seed-to-seed spread (the range,
+bf16 without master weights 2% of the bf16 run with fp32 masters; 4-bit moments may train up to 3% faster,
+FASTER_BY_BITS) and within the seed-to-seed spread (the range,
 max - min, of the baseline's per-seed mean losses); the final loss (last 10% of steps); the state's bytes per
 parameter, measured from ``optimizer.state`` (distinct storages, step counts excluded). Written to ``--out``
 (default ``results/``): ``lowbit_quality.json`` (per-step losses included), ``lowbit_quality.md`` (the tables) and
@@ -61,6 +62,11 @@ TASK_NAMES = ("gpt", "digits", "zipf")
 # without master weights against the bf16 run with fp32 master weights (2% on the GPT example).
 TOLERANCE_BY_BITS = {16: 0.01, 8: 0.01, 4: 0.015}
 TOLERANCE_NO_MASTER = 0.02
+# How much faster than its baseline a configuration may train, where that differs from its tolerance: 4-bit moments
+# round sqrt(v) stochastically in a step (unbiased in v), and on 16 levels that raises the mean update by a few
+# percent (E[1/sqrt(v)] > 1/sqrt(E[v])): training runs up to about 2% faster than with fp32 moments
+# (guides/low-bit-states.md, "The 4-bit second moment").
+FASTER_BY_BITS = {4: 0.03}
 
 GPT_SIZES = {
     "quick": dict(n_layer=1, d_model=32, n_head=2, block=32, batch=8, steps=40, warmup=4, lr=3e-3),
@@ -173,7 +179,9 @@ def summarize(results: dict) -> list[dict]:
                     row["baseline_spread"] = max(ref_means) - min(ref_means) if len(ref_means) > 1 else None
             if tol is not None and "rel_diff_vs_baseline" in row:
                 row["tolerance"] = tol
-                row["within_tolerance"] = abs(row["rel_diff_vs_baseline"]) <= tol and not row["diverged"]
+                row["tolerance_faster"] = FASTER_BY_BITS.get(CONFIGS[name].bits, tol)
+                row["within_tolerance"] = (-row["tolerance_faster"] <= row["rel_diff_vs_baseline"] <= tol
+                                           and not row["diverged"])
                 spread = row["baseline_spread"]
                 base_mean = row["mean_loss"] / (1.0 + row["rel_diff_vs_baseline"])
                 row["within_seed_spread"] = (abs(row["mean_loss"] - base_mean) <= spread

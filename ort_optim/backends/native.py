@@ -70,6 +70,10 @@ def spec_header() -> str:
             array(f"k{tag}ExpAvgSqLevels", fmt.exp_avg_sq_levels),
             array(f"k{tag}ExpAvgThresholds", _spec.thresholds(fmt.exp_avg_levels, False)),
             array(f"k{tag}ExpAvgSqThresholds", _spec.thresholds(fmt.exp_avg_sq_levels, True)),
+            f"constexpr bool k{tag}ExpAvgSqStochastic = {'true' if fmt.exp_avg_sq_stochastic else 'false'};",
+            array(f"k{tag}ExpAvgSqSrThresholds", _spec.thresholds(fmt.exp_avg_sq_levels, False)),
+            array(f"k{tag}ExpAvgSqSquares", _spec.square_tables(fmt.exp_avg_sq_levels)[0]),
+            array(f"k{tag}ExpAvgSqSquareGaps", _spec.square_tables(fmt.exp_avg_sq_levels)[1]),
         ]
     lines += [f"constexpr float kExpAvgSnap = {_spec.EXP_AVG_SNAP.hex()}f;",
               f"constexpr uint32_t kExpAvgSrUlps = {_spec.EXP_AVG_SR_ULPS};",

@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._spec import (EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_FORMATS, MIN_SCALE, QUANT_BLOCK, Q4, Q8,
-                     LowBitFormat, thresholds)
+                     LowBitFormat, square_tables, thresholds)
 from .._versions import mark_modified, step_taken
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
@@ -64,6 +64,9 @@ _LOW_BIT = {Q8.scale_dtype: (4, Q8), Q4.scale_dtype: (5, Q4)}
 if not Q4.exp_avg_relative or Q8.exp_avg_relative:  # what the kernels implement (_spec.EXP_AVG_RELATIVE)
     raise RuntimeError("ort_optim: the Triton kernels code a 4-bit exp_avg relative to its exp_avg_sq and an 8-bit one "
                        "as m itself; ort_optim._spec's formats say otherwise")
+if not Q4.exp_avg_sq_stochastic or Q8.exp_avg_sq_stochastic:  # (_spec.EXP_AVG_SQ_STOCHASTIC)
+    raise RuntimeError("ort_optim: the Triton kernels round a 4-bit sqrt(v) stochastically in a step and an 8-bit one "
+                       "to nearest; ort_optim._spec's formats say otherwise")
 # fp8 states hold their codes in the float8 dtypes themselves, with float32 power-of-two scales (_spec.Fp8Format).
 _FP8 = {torch.float8_e4m3fn: 6, torch.float8_e5m2: 7}
 _FLOAT_STORAGE = (torch.float32, torch.float16, torch.bfloat16)
@@ -425,8 +428,10 @@ def _lut(fmt: LowBitFormat, device: torch.device) -> torch.Tensor:
             raise RuntimeError(f"ort_optim: the Triton kernels need 2**(bits-1) exp_avg and 2**bits exp_avg_sq levels "
                                f"in the {fmt.name} format, got {len(m_levels)} and {len(v_levels)}")
         inf = float("inf")  # padding of the midpoint lists to 2**k entries: never probed
+        squares, square_gaps = square_tables(tuple(v_levels))
         values = (m_levels + [-x for x in m_levels] + v_levels + list(thresholds(tuple(m_levels), False)) + [inf]
-                  + list(thresholds(tuple(v_levels), True)) + [inf])
+                  + list(thresholds(tuple(v_levels), True)) + [inf] + list(thresholds(tuple(v_levels), False))
+                  + [inf] + list(squares) + list(square_gaps))
         host = torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda")
         table = host.to(device, non_blocking=True) if device.type == "cuda" else host
         if _capturing(device):

@@ -208,6 +208,9 @@ def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, step, DT
 #   [2**BITS, 2**(BITS+1))           sqrt(v) value of each exp_avg_sq code (relative to the block's scale)
 #   [2**(BITS+1), +2**(BITS-1))      exp_avg thresholds (_spec.thresholds: 2**(BITS-1) - 1 of them, then padding)
 #   [2**(BITS+1) + 2**(BITS-1), +2**BITS)  exp_avg_sq thresholds (reciprocal midpoints: 2**BITS - 1, then padding)
+#   [2**(BITS+2) - 2**(BITS-1), +2**BITS)  exp_avg_sq's stochastic rounding (_spec.EXP_AVG_SQ_STOCHASTIC): the
+#                                    levels above the lowest as thresholds (thresholds(levels, False), then padding),
+#   then 2**BITS level squares and 2**BITS square gaps (_spec.square_tables)
 # A full binary tree of 2**k - 1 sorted thresholds: k probes find #{thresholds <= a}.
 
 
@@ -320,10 +323,27 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
         LEVEL_BITS: tl.constexpr = BITS - 1
         THRESHOLDS: tl.constexpr = 2 << BITS
     code = tl.zeros((NB, QB), dtype=tl.int32)
-    for level in tl.static_range(LEVEL_BITS):
-        half = 1 << (LEVEL_BITS - 1 - level)
-        probe = tl.load(lut_ptr + THRESHOLDS + code + (half - 1))
-        code = tl.where(probe <= a, code + half, code)
+    if SECOND and DT == 5:  # sqrt(v) in a step: stochastic, unbiased in v (_spec.EXP_AVG_SQ_STOCHASTIC)
+        SR_THRESHOLDS: tl.constexpr = (4 << BITS) - (1 << (BITS - 1))
+        a_up = a_raw * EXP_AVG_SNAP
+        a_up = tl.where(a_up < 1.0, a_up, 1.0)
+        for level in tl.static_range(BITS):
+            half = 1 << (BITS - 1 - level)
+            probe = tl.load(lut_ptr + SR_THRESHOLDS + code + (half - 1))
+            code = tl.where(probe <= a_up, code + half, code)
+        e = offs2.to(tl.uint32)  # the element index's low 32 bits
+        r = _fmix32(_fmix32(u2.to(tl.uint32, bitcast=True) ^ (e * 0x9E3779B1)) ^ (step * 0x85EBCA77 + 0x6A09E667))
+        ab = a_raw.to(tl.uint32, bitcast=True)
+        lowered = tl.where(ab > EXP_AVG_SR_ULPS, ab - EXP_AVG_SR_ULPS, 0).to(tl.float32, bitcast=True)
+        lo2 = tl.load(lut_ptr + SR_THRESHOLDS + (1 << BITS) + code)
+        gap2 = tl.load(lut_ptr + SR_THRESHOLDS + (2 << BITS) + code)
+        up = (lowered * lowered - lo2) > (r >> 8).to(tl.float32) * 5.9604644775390625e-08 * gap2  # 2**-24
+        code = tl.where(up & (code < (1 << BITS) - 1), code + 1, code)
+    else:
+        for level in tl.static_range(LEVEL_BITS):
+            half = 1 << (LEVEL_BITS - 1 - level)
+            probe = tl.load(lut_ptr + THRESHOLDS + code + (half - 1))
+            code = tl.where(probe <= a, code + half, code)
     if not SECOND:  # stochastic rounding from a non-zero level below the top one (_spec.EXP_AVG_SR_ULPS)
         e = offs2.to(tl.uint32)  # the element index's low 32 bits
         r = _fmix32(_fmix32(u2.to(tl.uint32, bitcast=True) ^ (e * 0x9E3779B1)) ^ (step * 0x85EBCA77 + 0x6A09E667))
