@@ -242,6 +242,7 @@ MEMORY = {
 }
 
 
+@pytest.mark.no_interpreter  # (the states' bytes are laid out above the backends; GPT-2 shapes take minutes there)
 @pytest.mark.parametrize("config", MEMORY)
 def test_state_bytes_per_parameter(config):
     dtype, m, v, master, sr, bound = MEMORY[config]
@@ -1612,10 +1613,15 @@ def test_a_low_bit_checkpoint_loads_into_torch_adamw():
     sd = opt.state_dict()
     for i, q in enumerate(twin):
         assert torch.equal(torch_opt.state[q]["exp_avg"], sd["state"][i]["exp_avg"])
+    # Then both continue alike: as close as the formats track torch at all (the bounds of the from_optimizer test
+    # below; a step's stochastic rounding of a 4-bit sqrt(v) moves single elements by up to its level gap).
+    start = torch.cat([q.detach().reshape(-1).clone() for q in twin])
     _train_steps(params, opt, 5, first=4)
     _train_steps(twin, torch_opt, 5, first=4)
-    for p, q in zip(params, twin):
-        torch.testing.assert_close(p, q, rtol=0, atol=0.15 * 5 * LR)
+    ours = torch.cat([p.detach().reshape(-1) for p in params])
+    theirs = torch.cat([q.detach().reshape(-1) for q in twin])
+    error = float((ours - theirs).norm() / (theirs - start).norm())
+    assert error <= MOMENT_ERROR["u8"] + MOMENT_ERROR_SQ["u4"], error
 
 
 @pytest.mark.no_interpreter
@@ -2125,6 +2131,7 @@ def test_resume_from_a_checkpoint_is_bit_exact(backend, dtype, amsgrad):
         assert torch.equal(bits(p), bits(p2))
 
 
+@pytest.mark.no_interpreter  # (as test_state_bytes_per_parameter)
 def test_state_bytes_per_param_at_most_2_05():
     from ort_optim.bench.lowbit import memory
 
