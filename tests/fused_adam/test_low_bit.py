@@ -1128,6 +1128,13 @@ MOMENT_ERROR_SQ = {"u8": 0.01, "u4": 0.1, "fp32": 0.0, "bf16": 0.01, "fp16": 0.0
 PARAM_ROUNDING = {"fp32": 0.0, "bf16-master": 0.04, "bf16": 0.3, "bf16-sr": 0.25, "fp16-master": 0.01, "fp16": 0.03}
 
 
+def _tracking_error(params, twin, start) -> float:
+    """How far params ended from the torch-stepped twin, relative to how far the twin moved from start."""
+    ours = torch.cat([p.detach().reshape(-1) for p in params])
+    theirs = torch.cat([q.detach().reshape(-1) for q in twin])
+    return float((ours - theirs).norm() / (theirs - start).norm())
+
+
 def _assert_tracks_torch(param_case, m, v, mode=AdamWMode.ADAMW_TORCH, amsgrad=False, steps=20):
     dtype, master, sr = PARAM_CASES[param_case]
     params = _model_params(dtype)
@@ -1618,9 +1625,7 @@ def test_a_low_bit_checkpoint_loads_into_torch_adamw():
     start = torch.cat([q.detach().reshape(-1).clone() for q in twin])
     _train_steps(params, opt, 5, first=4)
     _train_steps(twin, torch_opt, 5, first=4)
-    ours = torch.cat([p.detach().reshape(-1) for p in params])
-    theirs = torch.cat([q.detach().reshape(-1) for q in twin])
-    error = float((ours - theirs).norm() / (theirs - start).norm())
+    error = _tracking_error(params, twin, start)
     assert error <= MOMENT_ERROR["u8"] + MOMENT_ERROR_SQ["u4"], error
 
 
@@ -1653,9 +1658,7 @@ def test_from_optimizer_continues_like_the_torch_optimizer(source, combo, backen
     start = torch.cat([p.detach().reshape(-1).clone() for p in params])
     _train_steps(params, fused, 10, first=5)
     _train_steps(twin, twin_opt, 10, first=5)
-    ours = torch.cat([p.detach().reshape(-1) for p in params])
-    theirs = torch.cat([q.detach().reshape(-1) for q in twin])
-    error = float((ours - theirs).norm() / (theirs - start).norm())
+    error = _tracking_error(params, twin, start)
     assert error <= MOMENT_ERROR[combo[0]] + MOMENT_ERROR_SQ[combo[1]], error
 
 
