@@ -10,6 +10,7 @@ sources in that folder, and loaded on first use, never at import time. Dispatch 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import io
@@ -116,14 +117,45 @@ def build_dir() -> Path:
     return cache / "ops" / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
 
 
+@contextlib.contextmanager
+def build_lock(folder: Path):
+    """Serialises the builds into ``folder`` (a torch.utils.cpp_extension build directory) across processes, and
+    clears what a killed build left behind.
+
+    cpp_extension's own lock is a file, ``folder/lock``, created at the start of a build and removed at its end: a
+    build killed in between (Ctrl-C at the wrong moment, a CI timeout) leaves it, and every later build then waits for
+    it forever, printing nothing. This lock is an ``fcntl.flock`` on ``folder/build.flock``, which the kernel releases
+    when its holder dies. Every build of ours takes it first, so while it is held no other build of ours is running,
+    and a ``lock`` file found then was left by a dead one: it is removed (with a warning naming it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                warnings.warn(f"ort_optim: removed {stale}, left by a build that was killed (no build of ours "
+                              "holds the folder now)", RuntimeWarning, stacklevel=3)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def build(verbose: bool = False) -> Path:
-    """Compiles ops/ with torch.utils.cpp_extension (idempotent) and returns the library's path."""
+    """Compiles ops/ with torch.utils.cpp_extension (idempotent) and returns the library's path. Builds into one
+    folder never run at once, and a build killed midway does not block the next one (:func:`build_lock`)."""
     with contextlib.redirect_stderr(io.StringIO()) if not verbose else contextlib.nullcontext():
         # Importing cpp_extension on a CUDA build of torch without a GPU prints "No CUDA runtime is found, using
         # CUDA_HOME=...": noise for a CPU-only library (and the one line beside `make setup`'s own).
         from torch.utils.cpp_extension import load
 
     folder = build_dir()
+    with build_lock(folder):
+        _build_into(folder, load, verbose)
+    return folder / "ort_optim_ops.so"
+
+
+def _build_into(folder: Path, load, verbose: bool) -> None:
     sources = folder / "src"  # (compiler messages name these copies: the same files as ops/, by the folder's key)
     sources.mkdir(parents=True, exist_ok=True)
     for path in _source_files():
@@ -144,7 +176,6 @@ def build(verbose: bool = False) -> Path:
         is_python_module=False,
         verbose=verbose,
     )
-    return folder / "ort_optim_ops.so"
 
 
 def _register_fakes() -> None:

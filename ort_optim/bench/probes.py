@@ -37,8 +37,9 @@ def library():
         with contextlib.redirect_stderr(io.StringIO()):  # cpp_extension's "No CUDA runtime" line, as in native.build
             from torch.utils.cpp_extension import load
 
-            return load(name="ort_optim_bench_probes", sources=[str(source)], extra_cflags=native.CFLAGS,
-                        extra_ldflags=["-fopenmp"], build_directory=str(folder))
+            with native.build_lock(folder):
+                return load(name="ort_optim_bench_probes", sources=[str(source)], extra_cflags=native.CFLAGS,
+                            extra_ldflags=["-fopenmp"], build_directory=str(folder))
     except Exception as error:  # a compiler error is a reason to skip the probe rows, not to stop the benchmark
         raise ProbeUnavailable(f"building {source.name} failed: {error}") from error
 
