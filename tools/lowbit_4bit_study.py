@@ -49,7 +49,8 @@ Tasks (each seed fixes the initial weights and the batches; every candidate of a
 * ``gpt``: the small GPT of ``guides/examples/lowbit_quality.py`` (2 layers x 64, 300 steps).
 
 Reported per task and candidate: the paired relative difference of the mean training loss (over all steps) to the
-baseline (``--baseline``, fp32 moments in the simulation by default), its mean over seeds with its standard error, the ratio of the seed-averaged losses, the range over seeds.
+baseline (``--baseline``, fp32 moments in the simulation by default), its mean over seeds with its standard error,
+the ratio of the seed-averaged losses, the range over seeds.
 Written to ``--out``: ``lowbit_4bit_study.json`` (every run) and ``lowbit_4bit_study.md`` (the table). With
 ``--update-error``: the update-space error of each candidate on the moments of one fp32 run (no training noise).
 With ``--update-factor``: how much the 4-bit sqrt(v)'s stochastic rounding enlarges the update in expectation, on

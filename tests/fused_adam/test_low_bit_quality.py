@@ -1,18 +1,21 @@
-"""The low-bit quality harness (guides/examples/lowbit_quality.py) in its --quick mode: one tiny training task per
-moment format, whose mean training loss must stay within the format's tolerance of the fp32-moment run (8-bit and
-fp16 moments 1%, 4-bit 1.5%; bf16 params without master weights, stochastically rounded, 2% of the bf16 run with fp32
-master weights), with the state's measured bytes per parameter within test_low_bit.py's limits (2.05 bytes for 8-bit
-moments, 1.05 for 4-bit).
+"""Low-bit moments train as well as fp32 moments, measured with FusedAdam on the quality harness's tasks
+(guides/examples/lowbit_quality.py).
 
-The tasks are the harness's three in their quick sizes, one seed, one thread (about 15 s in all): the Zipf
-bag-of-tokens classifier (most embedding rows see rare, tiny gradients: the hard case for a quantised second moment,
-80 steps), the digits MLP (60 steps: where 4-bit moments with sqrt(v) rounded to its arithmetic nearest level trained
-3.5% faster than fp32 moments, a larger effective learning rate, not better quality) and the GPT (1 layer, 40 steps).
-The tolerance is symmetric (a format that trains faster than fp32 moments is as far off the baseline as one that
-trains slower), except that 4-bit moments may train up to 3% faster: their stochastic sqrt(v) raises the mean
-update by a few percent (guides/low-bit-states.md, "The 4-bit second moment"). The state's bytes are checked on the Zipf task (its 131K params; the quick GPT's tiny tensors pay
-for partial blocks). The full experiment (3 tasks x 3 seeds, torchao and bitsandbytes alongside) is the harness
-without --quick; its numbers are in guides/low-bit-states.md.
+In --quick mode (about 15 s, one seed, one thread): one tiny run of each task per moment format, whose mean training
+loss must stay within the format's tolerance of the fp32-moment run (8-bit and fp16 moments 1%, 4-bit 1.5%; bf16
+params without master weights, stochastically rounded, 2% of the bf16 run with fp32 master weights), with the
+state's measured bytes per parameter within test_low_bit.py's limits (2.05 bytes for 8-bit moments, 1.05 for
+4-bit). The tasks: the Zipf bag-of-tokens classifier (most embedding rows see rare, tiny gradients: the hard case
+for a quantised second moment, 80 steps), the digits MLP (60 steps: where 4-bit moments with sqrt(v) rounded to its
+arithmetic nearest level trained 3.5% faster than fp32 moments, a larger effective learning rate, not better
+quality) and the GPT (1 layer, 40 steps). The tolerance is symmetric (a format that trains faster than fp32 moments
+is as far off the baseline as one that trains slower), except that 4-bit moments may train up to 3% faster: their
+stochastic sqrt(v) enlarges the mean update (guides/low-bit-states.md, "The 4-bit second moment"). The state's bytes
+are checked on the Zipf task (its 131K params; the quick GPT's tiny tensors pay for partial blocks).
+
+Marked slow (about 3 minutes on one core): at full size, three paired seeds, 4-bit, 8-bit and fp8 moments within
++1.5%, +0.5% and +1% of fp32 moments on the plain digits MLP, Zipf and the GPT. The full experiment (more seeds,
+torchao and bitsandbytes alongside) is the harness without --quick; its numbers are in guides/low-bit-states.md.
 """
 
 from __future__ import annotations
