@@ -14,13 +14,15 @@ transformations a candidate adds (rank-1 normalisation, exp_avg relative to sqrt
 
 Candidates (``CANDIDATES``; B/param counts codes and scales of both moments):
 
-* ``4-bit``: the stored format, ``_spec.Q4`` (block 128, bfloat16 scales; sqrt(v) on 16 levels 0.001 .. 1, nearest
-  in 1/sqrt(v); exp_avg as r = m / sqrt(v) on 7 linear magnitudes k / 7, rounded stochastically, below 1/7 too:
-  ``_spec.EXP_AVG_RELATIVE``), through ``formats``' own coupled encoder and decoder.
+* ``4-bit``: the stored format, ``_spec.Q4`` (block 128, bfloat16 scales; sqrt(v) on 16 dense levels 0.001 .. 1,
+  rounded stochastically in a step, unbiased in v: ``_spec.EXP_AVG_SQ_STOCHASTIC``; exp_avg as r = m / sqrt(v) on 7
+  linear magnitudes k / 7, rounded stochastically, below 1/7 too: ``_spec.EXP_AVG_RELATIVE``), through ``formats``'
+  own coupled encoder and decoder.
 * ``4-bit decades``: the earlier 4-bit exp_avg, m itself on the levels 0, 0.1 .. 1 in decades (``DECADE_M``),
-  rounded stochastically; sqrt(v) as in ``4-bit``. The candidates below build on it unless they say otherwise.
+  rounded stochastically; sqrt(v) on the earlier decade map 0.001, 0.0055, 0.01, .. 1, nearest in 1/sqrt(v)
+  (``Q4_NEAREST_V``). The candidates below build on it unless they say otherwise.
 * ``4-bit nearest``: ``4-bit decades`` with exp_avg rounded to the nearest level instead.
-* ``4-bit block 64``: ``4-bit decades`` with both moments in blocks of 64 (1.0625 B/param).
+* ``4-bit decades block 64``: ``4-bit decades`` with both moments in blocks of 64 (1.0625 B/param).
 * ``geometric m + dense v``: denser levels where most elements of a block lie (exp_avg 0.01, 0.05, 0.12, 0.22,
   0.38, 0.62, 1; sqrt(v) 0.001, 0.004, 0.01, 0.02, ... 0.85, 1).
 * ``rank-1 v``: sqrt(v) of a matrix normalised per element by min(its row's maximum, its column's maximum) (Li et al.
