@@ -14,13 +14,15 @@ transformations a candidate adds (rank-1 normalisation, exp_avg relative to sqrt
 
 Candidates (``CANDIDATES``; B/param counts codes and scales of both moments):
 
-* ``4-bit``: the stored format, ``_spec.Q4`` (block 128, bfloat16 scales; sqrt(v) on 16 levels 0.001 .. 1, nearest
-  in 1/sqrt(v); exp_avg as r = m / sqrt(v) on 7 linear magnitudes k / 7, rounded stochastically, below 1/7 too:
-  ``_spec.EXP_AVG_RELATIVE``), through ``formats``' own coupled encoder and decoder.
+* ``4-bit``: the stored format, ``_spec.Q4`` (block 128, bfloat16 scales; sqrt(v) on 16 dense levels 0.001 .. 1,
+  rounded stochastically in a step, unbiased in v: ``_spec.EXP_AVG_SQ_STOCHASTIC``; exp_avg as r = m / sqrt(v) on 7
+  linear magnitudes k / 7, rounded stochastically, below 1/7 too: ``_spec.EXP_AVG_RELATIVE``), through ``formats``'
+  own coupled encoder and decoder.
 * ``4-bit decades``: the earlier 4-bit exp_avg, m itself on the levels 0, 0.1 .. 1 in decades (``DECADE_M``),
-  rounded stochastically; sqrt(v) as in ``4-bit``. The candidates below build on it unless they say otherwise.
+  rounded stochastically; sqrt(v) on the earlier decade map 0.001, 0.0055, 0.01, .. 1, nearest in 1/sqrt(v)
+  (``Q4_NEAREST_V``). The candidates below build on it unless they say otherwise.
 * ``4-bit nearest``: ``4-bit decades`` with exp_avg rounded to the nearest level instead.
-* ``4-bit block 64``: ``4-bit decades`` with both moments in blocks of 64 (1.0625 B/param).
+* ``4-bit decades block 64``: ``4-bit decades`` with both moments in blocks of 64 (1.0625 B/param).
 * ``geometric m + dense v``: denser levels where most elements of a block lie (exp_avg 0.01, 0.05, 0.12, 0.22,
   0.38, 0.62, 1; sqrt(v) 0.001, 0.004, 0.01, 0.02, ... 0.85, 1).
 * ``rank-1 v``: sqrt(v) of a matrix normalised per element by min(its row's maximum, its column's maximum) (Li et al.
@@ -35,19 +37,26 @@ Candidates (``CANDIDATES``; B/param counts codes and scales of both moments):
 * ``m/sqrt(v) linear nearest``: the same, r rounded to the nearest level.
 * ``FusedAdam uint4`` / ``FusedAdam fp32``: not a simulation: ``ort_optim.FusedAdam`` itself (adam_w_mode
   ADAMW_TORCH, whatever backend runs: the native CPU kernel where it is built) with ``torch.uint4`` moments / fp32
-  moments. Pair them with ``--baseline "FusedAdam fp32"``.
+  moments. Pair them with ``--baseline "FusedAdam fp32"``. ``FusedAdam fp32 m + uint4 v``: an fp32 exp_avg beside
+  the 4-bit exp_avg_sq (the second moment's share of the 4-bit difference). ``FusedAdam fp32 lr x1.027`` / ``x1.05``:
+  fp32 moments at a 2.7% / 5% larger learning rate (what a uniformly larger mean update alone does).
 
 Tasks (each seed fixes the initial weights and the batches; every candidate of a seed sees the same ones):
 
 * ``digits``: the MLP of ``guides/examples/digits.py`` (64-256-256-10, LayerNorm, GELU) on scikit-learn's digits,
   AdamW lr 3e-3, weight decay 0.01, batch 64, 300 steps.
+* ``digits-1e-3``: the quality harness's digits task (this MLP at lr 1e-3, ``guides/examples/lowbit_quality.py``).
+* ``digits-plain``: the plain MLP (no LayerNorm, lr 3e-3) of ``guides/examples/lowbit_quality.py``.
 * ``zipf``: the Zipf bag-of-tokens classifier of ``ort_optim.bench.lowbit.zipf_task`` (16384 x 32 embeddings).
 * ``gpt``: the small GPT of ``guides/examples/lowbit_quality.py`` (2 layers x 64, 300 steps).
 
 Reported per task and candidate: the paired relative difference of the mean training loss (over all steps) to the
-baseline (``--baseline``, fp32 moments in the simulation by default), its mean over seeds with its standard error, the ratio of the seed-averaged losses, the range over seeds.
+baseline (``--baseline``, fp32 moments in the simulation by default), its mean over seeds with its standard error,
+the ratio of the seed-averaged losses, the range over seeds.
 Written to ``--out``: ``lowbit_4bit_study.json`` (every run) and ``lowbit_4bit_study.md`` (the table). With
 ``--update-error``: the update-space error of each candidate on the moments of one fp32 run (no training noise).
+With ``--update-factor``: how much the 4-bit sqrt(v)'s stochastic rounding enlarges the update in expectation, on
+the moments of fp32 runs (``update_factor``).
 """
 
 from __future__ import annotations
@@ -156,16 +165,26 @@ def _rank1(v: torch.Tensor, fmt: _spec.LowBitFormat, linear_v: bool) -> torch.Te
 
 @dataclasses.dataclass(frozen=True)
 class Real:
-    """ort_optim.FusedAdam itself with moments of this dtype (not a simulation)."""
+    """ort_optim.FusedAdam itself with moments of these dtypes (not a simulation); lr_scale multiplies the task's
+    learning rate (fp32 moments at the larger mean update that a format's rounding gives)."""
 
     dtype: torch.dtype
+    exp_avg_sq_dtype: torch.dtype | None = None  # None: dtype
+    lr_scale: float = 1.0
+
+    @property
+    def dtypes(self) -> tuple:
+        return self.dtype, self.exp_avg_sq_dtype or self.dtype
 
     def bytes_per_param(self, shapes) -> float:
-        fmt = _spec.LOW_BIT_FORMATS.get(self.dtype)
-        if fmt is None:
-            return 2 * self.dtype.itemsize
-        return sum(2 * (math.prod(s) * fmt.bits / 8 + fmt.num_scales(math.prod(s)) * fmt.scale_dtype.itemsize)
-                   for s in shapes) / sum(math.prod(s) for s in shapes)
+        total = 0.0
+        for dtype in self.dtypes:
+            fmt = _spec.LOW_BIT_FORMATS.get(dtype)
+            for shape in shapes:
+                n = math.prod(shape)
+                total += n * dtype.itemsize if fmt is None else \
+                    n * fmt.bits / 8 + fmt.num_scales(n) * fmt.scale_dtype.itemsize
+        return total / sum(math.prod(s) for s in shapes)
 
 
 CANDIDATES = {
@@ -190,6 +209,9 @@ CANDIDATES = {
     "4-bit nearest dense v": Candidate(fmt=dataclasses.replace(Q4_NEAREST_V, exp_avg_sq_levels=DENSE_V)),
     "FusedAdam uint4": Real(torch.uint4),
     "FusedAdam fp32": Real(torch.float32),
+    "FusedAdam fp32 m + uint4 v": Real(torch.float32, torch.uint4),
+    "FusedAdam fp32 lr x1.027": Real(torch.float32, lr_scale=1.027),
+    "FusedAdam fp32 lr x1.05": Real(torch.float32, lr_scale=1.05),
 }
 
 
@@ -201,12 +223,13 @@ def train_fused(run: TrainingRun, real: Real) -> float:
     from ort_optim import AdamWMode, FusedAdam
 
     groups = [dict(params=group["params"], weight_decay=group.get("weight_decay", 0.0)) for group in run.groups]
+    exp_avg_dtype, exp_avg_sq_dtype = real.dtypes
     opt = FusedAdam(groups, lr=run.lr_at(0), betas=run.betas, eps=run.eps, adam_w_mode=AdamWMode.ADAMW_TORCH,
-                    exp_avg_dtype=real.dtype, exp_avg_sq_dtype=real.dtype)
+                    exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
     losses = []
     for step, batch in enumerate(run.batches, start=1):
         for group in opt.param_groups:
-            group["lr"] = run.lr_at(step - 1)
+            group["lr"] = run.lr_at(step - 1) * real.lr_scale
         loss = run.loss(run.model, batch)
         loss.backward()
         losses.append(float(loss.detach()))
@@ -270,25 +293,9 @@ def digits_task(seed: int, steps: int = 300, lr: float = 3e-3) -> TrainingRun:
                        lambda step: lr)
 
 
-@functools.lru_cache(maxsize=None)
-def _all_digits():
-    from sklearn.datasets import load_digits
-    x, y = load_digits(return_X_y=True)
-    return torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y, dtype=torch.long)
-
-
-def digits_plain_task(seed: int, steps: int = 300, lr: float = 3e-3) -> TrainingRun:
-    """The MLP 64-256-256-10 with GELU and no LayerNorm on all of scikit-learn's digits (pixels / 16), AdamW lr 3e-3,
-    weight decay 0.01, batch 64 drawn with torch.randint: a dense classifier as a new user writes one."""
-    x, y = _all_digits()
-    generator = torch.Generator().manual_seed(1000 + seed)
-    batches = [(x[i], y[i]) for i in (torch.randint(0, len(x), (64,), generator=generator) for _ in range(steps))]
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
-                                torch.nn.GELU(), torch.nn.Linear(256, 10))
-    loss = lambda m, batch: torch.nn.functional.cross_entropy(m(batch[0]), batch[1])  # noqa: E731
-    return TrainingRun(model, [dict(params=list(model.parameters()), weight_decay=1e-2)], batches, loss,
-                       lambda step: lr)
+def digits_plain_task(seed: int, size: str) -> TrainingRun:
+    import lowbit_quality
+    return lowbit_quality.digits_plain_task(seed, torch.float32, size)
 
 
 def gpt_task(seed: int, size: str) -> TrainingRun:
@@ -301,12 +308,15 @@ def make_task(task: str, seed: int, quick: bool) -> TrainingRun:
     if task == "digits":
         return digits_task(seed, steps=60 if quick else 300)
     if task == "digits-plain":
-        return digits_plain_task(seed, steps=60 if quick else 300)
+        return digits_plain_task(seed, size)
+    if task == "digits-1e-3":
+        import lowbit_quality
+        return lowbit_quality.digits_task(seed, torch.float32, size)
     if task == "zipf":
         return lowbit.zipf_task(seed, torch.float32, size)
     if task == "gpt":
         return gpt_task(seed, size)
-    raise ValueError(f"unknown task {task!r}: choose from digits, digits-plain, zipf, gpt")
+    raise ValueError(f"unknown task {task!r}: choose from digits, digits-1e-3, digits-plain, zipf, gpt")
 
 
 def run_one(job) -> dict:
@@ -348,6 +358,41 @@ def update_error(task: str, seed: int, names, quick: bool) -> list[dict]:
             bias += float(((stored - exact).double() * exact.double()).sum())
         rows.append(dict(task=task, candidate=name, both=both / total, exp_avg=alone / total, bias=bias / total))
     return rows
+
+
+def update_factor(task: str, seed: int, quick: bool, every: int = 25) -> dict:
+    """The 4-bit sqrt(v)'s expected effect on the update, exactly (no sampling), on the moments of one fp32 run
+    (every ``every``-th step): an element whose sqrt(v) lies at a = sqrt(v) / s in its block (s: the block's
+    bfloat16 scale) between the levels lo < a <= hi is stored as hi with probability p = (a^2 - lo^2) / (hi^2 - lo^2),
+    so its update m / sqrt(v) is multiplied in expectation by f = a (p / hi + (1 - p) / lo) >= 1 (Jensen); below the
+    lowest level it is stored as that level, f = a / lowest < 1. Reported: the mean of f weighted by the element's
+    |update| |m| / sqrt(v) ("factor"), and the share of the |update| in elements below the lowest level with their
+    mean f, and in the bottom three gaps (a < the fourth level)."""
+    torch.set_num_threads(1)
+    run = make_task(task, seed, quick)
+    snapshots = []
+    train(run, None, snapshots, every)
+    levels = torch.tensor(Q4.exp_avg_sq_levels, dtype=torch.float64)
+    weight = weighted = below = below_f = bottom = 0.0
+    for _, m, v in snapshots:
+        codes, scales = formats.quantize_low_bit(v, Q4, True)  # (the block scales; the codes are not used)
+        u = formats.sqrt_f32(v).double().reshape(-1)
+        s = scales.double().abs().repeat_interleave(Q4.block)[: u.numel()]
+        a = torch.where(s > 0, u / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(u)).clamp(max=1.0)
+        hi_index = torch.searchsorted(levels, a).clamp(1, len(levels) - 1)  # levels[i-1] < a <= levels[i]
+        lo, hi = levels[hi_index - 1], levels[hi_index]
+        p = (a * a - lo * lo) / (hi * hi - lo * lo)
+        f = torch.where(a < levels[0], a / levels[0], a * (p / hi + (1 - p) / lo))
+        w = torch.where(u > 0, m.double().abs().reshape(-1) / torch.where(u > 0, u, torch.ones_like(u)),
+                        torch.zeros_like(u))
+        weight += float(w.sum())
+        weighted += float((w * f).sum())
+        low = a < levels[0]
+        below += float(w[low].sum())
+        below_f += float((w * f)[low].sum())
+        bottom += float(w[a < levels[3]].sum())
+    return dict(task=task, seed=seed, factor=weighted / weight, below_share=below / weight,
+                below_factor=below_f / below if below else math.nan, bottom_share=bottom / weight)
 
 
 # ---- report --------------------------------------------------------------------------------------------------------
@@ -407,6 +452,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--update-error", action="store_true",
                         help="instead of training every candidate: the update-space error on one fp32 run per task "
                              "(the first seed)")
+    parser.add_argument("--update-factor", action="store_true",
+                        help="instead of training: the 4-bit sqrt(v)'s expected update factor on the moments of one "
+                             "fp32 run per task and seed (exact, no sampling)")
     args = parser.parse_args(argv)
     names = args.candidates.split(",")
     unknown = [n for n in names if n not in CANDIDATES]
@@ -417,6 +465,14 @@ def main(argv=None) -> list[dict]:
     if args.baseline not in names:
         names.insert(0, args.baseline)
     seeds = [0, 1] if args.quick else parse_seeds(args.seeds)
+    if args.update_factor:
+        rows = [update_factor(task, seed, args.quick) for task in args.tasks.split(",") for seed in seeds]
+        print("| task | seed | expected update factor | |update| share below the lowest level (its factor) | "
+              "|update| share below the fourth level |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['task']} | {r['seed']} | {r['factor']:.4f} | {100 * r['below_share']:.2f}% "
+                  f"({r['below_factor']:.3f}) | {100 * r['bottom_share']:.2f}% |")
+        return rows
     if args.update_error:
         rows = [row for task in args.tasks.split(",") for row in update_error(task, seeds[0], names, args.quick)]
         print("| task | candidate | both moments | exp_avg alone | bias |\n|---|---|---|---|---|")

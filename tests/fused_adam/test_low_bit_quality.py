@@ -1,22 +1,26 @@
-"""The low-bit quality harness (guides/examples/lowbit_quality.py) in its --quick mode: one tiny training task per
-moment format, whose mean training loss must stay within the format's tolerance of the fp32-moment run (8-bit and
-fp16 moments 1%, 4-bit 1.5%; bf16 params without master weights, stochastically rounded, 2% of the bf16 run with fp32
-master weights), with the state's measured bytes per parameter within test_low_bit.py's limits (2.05 bytes for 8-bit
-moments, 1.05 for 4-bit).
+"""Low-bit moments train as well as fp32 moments, measured with FusedAdam on the quality harness's tasks
+(guides/examples/lowbit_quality.py).
 
-The tasks are the harness's three in their quick sizes, one seed, one thread (about 15 s in all): the Zipf
-bag-of-tokens classifier (most embedding rows see rare, tiny gradients: the hard case for a quantised second moment,
-80 steps), the digits MLP (60 steps: where 4-bit moments with sqrt(v) rounded to its arithmetic nearest level trained
-3.5% faster than fp32 moments, a larger effective learning rate, not better quality) and the GPT (1 layer, 40 steps).
-The tolerance is symmetric (a format that trains faster than fp32 moments is as far off the baseline as one that
-trains slower), except that 4-bit moments may train up to 3% faster: their stochastic sqrt(v) raises the mean
-update by a few percent (guides/low-bit-states.md, "The 4-bit second moment"). The state's bytes are checked on the Zipf task (its 131K params; the quick GPT's tiny tensors pay
-for partial blocks). The full experiment (3 tasks x 3 seeds, torchao and bitsandbytes alongside) is the harness
-without --quick; its numbers are in guides/low-bit-states.md.
+In --quick mode (about 15 s, one seed, one thread): one tiny run of each task per moment format, whose mean training
+loss must stay within the format's tolerance of the fp32-moment run (8-bit and fp16 moments 1%, 4-bit 1.5%; bf16
+params without master weights, stochastically rounded, 2% of the bf16 run with fp32 master weights), with the
+state's measured bytes per parameter within test_low_bit.py's limits (2.05 bytes for 8-bit moments, 1.05 for
+4-bit). The tasks: the Zipf bag-of-tokens classifier (most embedding rows see rare, tiny gradients: the hard case
+for a quantised second moment, 80 steps), the digits MLP (60 steps: where 4-bit moments with sqrt(v) rounded to its
+arithmetic nearest level trained 3.5% faster than fp32 moments, a larger effective learning rate, not better
+quality) and the GPT (1 layer, 40 steps). The tolerance is symmetric (a format that trains faster than fp32 moments
+is as far off the baseline as one that trains slower), except that 4-bit moments may train up to 5% faster: their
+stochastic sqrt(v) enlarges the mean update as a 5% larger learning rate would (guides/low-bit-states.md, "The 4-bit second moment"). The state's bytes
+are checked on the Zipf task (its 131K params; the quick GPT's tiny tensors pay for partial blocks).
+
+Marked slow (about 3 minutes on one core): at full size, three paired seeds, 4-bit, 8-bit and fp8 moments within
++1.5%, +0.5% and +1% of fp32 moments on the plain digits MLP, Zipf and the GPT. The full experiment (more seeds,
+torchao and bitsandbytes alongside) is the harness without --quick; its numbers are in guides/low-bit-states.md.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -84,7 +88,7 @@ def test_loss_within_tolerance_of_the_baseline(quick_run, task, config):
     row = _row(summary, task, config)
     assert row["baseline"] == baseline and row["tolerance"] == tolerance
     assert not row["diverged"]
-    faster = 0.03 if "uint4" in config else tolerance  # (lowbit_quality.FASTER_BY_BITS)
+    faster = 0.05 if "uint4" in config else tolerance  # (lowbit_quality.FASTER_BY_BITS)
     assert row["tolerance_faster"] == faster
     assert -faster <= row["rel_diff_vs_baseline"] <= tolerance, \
         f"{task}, {config}: mean loss {row['mean_loss']:.4f} is {100 * row['rel_diff_vs_baseline']:+.2f}% from " \
@@ -126,49 +130,44 @@ def test_limit_probe_bytes_per_param(options, expected):
     assert lowbit_quality.lowbit.moved_bytes_per_param(config) == pytest.approx(expected, rel=1e-12)
 
 
-# ---- 4-bit moments on a dense classifier as a new user writes one --------------------------------------------------
+# ---- the issue's bound on three kinds of task, >= 3 paired seeds ---------------------------------------------------
+
+# moment format -> the largest allowed paired mean of (mean loss / fp32 moments' mean loss - 1), one-sided
+BOUNDS = {"uint8": 0.005, "fp8": 0.01, "uint4": 0.015}
+# How much lower than fp32 moments' a format's mean loss may be: a larger effective learning rate shows as faster
+# training (4-bit sqrt(v) at the arithmetic midpoints of its levels trained digits 6% faster), and is caught too.
+FASTER_BOUND = -0.05
+SEEDS = (0, 1, 2)
 
 
-def _plain_digits_mean_loss(seed: int, moments) -> float:
-    """The mean training loss over 300 steps of an MLP 64-256-256-10 with GELU and no LayerNorm on all of
-    scikit-learn's digits (pixels / 16), FusedAdam with torch's AdamW math (lr 3e-3, eps 1e-8, weight decay 0.01),
-    batches of 64 drawn with torch.randint; moments None (fp32) or a moment dtype for both moments."""
-    from sklearn.datasets import load_digits
-
-    from ort_optim import AdamWMode, FusedAdam
-
-    x, y = load_digits(return_X_y=True)
-    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
-                                torch.nn.GELU(), torch.nn.Linear(256, 10))
-    options = {} if moments is None else dict(exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
-    opt = FusedAdam(model.parameters(), lr=3e-3, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=0.01,
-                    **options)
-    generator = torch.Generator().manual_seed(1000 + seed)
-    losses = []
-    for _ in range(300):
-        index = torch.randint(0, len(x), (64,), generator=generator)
-        loss = torch.nn.functional.cross_entropy(model(x[index]), y[index])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    return sum(losses) / len(losses)
-
-
-@pytest.mark.slow
-def test_4bit_moments_train_a_plain_mlp_on_digits_within_1_5_percent_of_fp32_moments():
-    """Seeds 0, 1, 2 paired (the same weights and batches for both): the mean over seeds of the relative difference
-    of the mean training loss is at most +1.5% (4-bit sqrt(v) rounded to nearest stuck on its levels here and trained
-    4.7% slower on every seed), and not below -5% (a larger effective learning rate, as the arithmetic midpoints
-    gave, is caught too). Measured: -1.5%, -2.3%, -2.2% (guides/low-bit-states.md, "Choosing the 4-bit format")."""
+@functools.lru_cache(maxsize=None)
+def _mean_loss(task: str, seed: int, config: str) -> float:
+    """FusedAdam (the backend that runs: the native CPU kernel where it is built) on one of the harness's tasks, one
+    seed, one thread: the training loss averaged over all steps."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        diffs = [_plain_digits_mean_loss(seed, torch.uint4) / _plain_digits_mean_loss(seed, None) - 1
-                 for seed in (0, 1, 2)]
+        config = lowbit_quality.CONFIGS[config]
+        result = lowbit_quality.lowbit.train(lowbit_quality.TASKS[task](seed, config.param_dtype), config)
     finally:
         torch.set_num_threads(threads)
+    assert not result["diverged"]
+    return result["mean_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moments", list(BOUNDS))
+@pytest.mark.parametrize("task", ["digits-plain", "zipf", "gpt"])
+def test_low_bit_moments_train_within_the_bound_of_fp32_moments(task, moments):
+    """Seeds 0, 1, 2 paired (the same weights and batches for both; 300 steps of each task at its default size): the
+    mean over seeds of the relative difference of the mean training loss to fp32 moments' is at most +1.5% for 4-bit
+    moments, +0.5% for 8-bit, +1% for fp8 (float8_e4m3fn), and not below -5%. The tasks: the plain MLP on digits (a
+    dense classifier as a new user writes one: no LayerNorm, lr 3e-3, where 4-bit sqrt(v) rounded to its nearest
+    level stuck and trained 4.7% slower), the Zipf bag-of-tokens classifier (rare, tiny gradients of most embedding
+    rows) and the small GPT. Measured on more seeds (10, 10 and 5; guides/low-bit-states.md, "Quality"), seed
+    averages against fp32 moments': 4-bit -2.24%, +0.57%, -0.93%; 8-bit +0.19%, +0.06%, -0.04%; fp8 +0.02%, +0.04%,
+    +0.13%. The stochastic roundings draw their bits from a hash of the state, so a seed's losses repeat exactly from
+    run to run: what is bounded is the mean of three fixed paired differences, with no margin added for noise."""
+    diffs = [_mean_loss(task, seed, moments) / _mean_loss(task, seed, "fp32") - 1 for seed in SEEDS]
     mean = sum(diffs) / len(diffs)
-    assert -0.05 <= mean <= 0.015, [f"{100 * d:+.2f}%" for d in diffs]
+    assert FASTER_BOUND <= mean <= BOUNDS[moments], [f"{100 * d:+.2f}%" for d in diffs]
