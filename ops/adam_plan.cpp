@@ -1,9 +1,6 @@
 // TensorWatch and AdamPlan (declared, with their contracts, in adam_plan.h).
 #include "adam_plan.h"
 
-#include <ATen/Parallel.h>
-
-#include <atomic>
 #include <unordered_set>
 
 #include "grad_stats.h"
@@ -42,7 +39,6 @@ TensorWatch::TensorWatch(const std::vector<at::Tensor>& params, std::vector<std:
 
 int64_t TensorWatch::check(std::vector<int64_t> identities) {
   release();
-  moved_.clear();  // (what a check that threw left)
   const size_t n = param_impls_.size();
   TORCH_CHECK(identities.size() == n + idle_impls_.size(), "ort_optim.TensorWatch: check() takes the TensorImpl ",
               "addresses of the ", n, " params and ", idle_impls_.size(), " idle params, got ", identities.size());
@@ -53,54 +49,22 @@ int64_t TensorWatch::check(std::vector<int64_t> identities) {
   }
   grads_.resize(n);
   checked_params_.resize(n);
-  // The params in the chunks of the step's own partition (kParamGrain), one chunk per intra-op thread, each stopping
-  // at its first failure: the earliest failure of all is the serial loop's answer, as every param before it passes.
-  std::atomic<int64_t> failed{int64_t(n)};
-  at::parallel_for(0, int64_t(n), kParamGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (i > failed.load(std::memory_order_relaxed)) return;  // (an earlier param fails already)
-      if (!check_param(size_t(i), ids, size_t(end))) {
-        int64_t first = failed.load(std::memory_order_relaxed);
-        while (i < first && !failed.compare_exchange_weak(first, i, std::memory_order_relaxed)) {
-        }
-        return;
-      }
+  for (size_t i = 0; i < n; ++i) {
+    prefetch_metadata(i, ids);
+    // (compared before anything is read through it: a swapped param's planned TensorImpl may be freed)
+    if (ids[i] != reinterpret_cast<int64_t>(param_impls_[i])) return release(int64_t(i));
+    Watch* w = &watches_[i * per_param_];
+    for (size_t k = 0; k < per_param_; ++k) {
+      if (!still(w[k], i, k)) return release(int64_t(i));
     }
-  });
-  const int64_t first = failed.load();
-  const bool steps_still = first == int64_t(n) && still(watches_.back(), n, 0);
-  follow_moved();
-  if (first < int64_t(n)) return release(first);
-  if (!steps_still) return release(int64_t(n));
+    const at::Tensor& g = grad_of(param_impls_[i]);
+    if (!usable_grad(g, w[0])) return release(int64_t(i));
+    grads_[i] = &g;
+    checked_params_[i] = const_cast<c10::TensorImpl*>(param_impls_[i]);
+  }
+  if (!still(watches_.back(), n, 0)) return release(int64_t(n));
   checked_ = true;
   return -1;
-}
-
-void TensorWatch::follow_moved() {
-  for (const Moved& m : moved_) {
-    follow(m.param, m.k);
-    m.watch->data = m.data;
-  }
-  moved_.clear();
-}
-
-bool TensorWatch::check_param(size_t i, const int64_t* ids, size_t end) {
-  prefetch_metadata(i, ids, end);
-  // (compared before anything is read through it: a swapped param's planned TensorImpl may be freed)
-  if (ids[i] != reinterpret_cast<int64_t>(param_impls_[i])) return false;
-  Watch* w = &watches_[i * per_param_];
-  for (size_t k = 0; k < per_param_; ++k) {
-    if (!still(w[k], i, k)) return false;
-  }
-  const at::Tensor& g = grad_of(param_impls_[i]);
-  if (!usable_grad(g, w[0])) return false;
-  grads_[i] = &g;
-  checked_params_[i] = const_cast<c10::TensorImpl*>(param_impls_[i]);
-  if (prefetch_counters_) {  // (the step bumps them on this thread: step.h, mark_written)
-    prefetch_counter(param_impls_[i]);
-    prefetch_counter(w[per_param_ - 1].impl);
-  }
-  return true;
 }
 
 int64_t TensorWatch::release(int64_t result) {
@@ -130,9 +94,8 @@ bool TensorWatch::still(Watch& w, size_t param, size_t k) {
   if (sizes.size() != w.dim || !same(sizes, geometry) || !same(strides, geometry + w.dim)) return false;
   const void* data = storage->data();
   if (data == w.data) return true;
-  if (!follows(param, k)) return false;  // (and w.data stays: the next check fails too)
-  std::lock_guard<std::mutex> lock(moved_mutex_);
-  moved_.push_back({&w, param, k, data});
+  if (!follow(param, k)) return false;  // (and w.data stays: the next check fails too)
+  w.data = data;
   return true;
 }
 
@@ -154,9 +117,10 @@ bool TensorWatch::usable_grad(const at::Tensor& g, const Watch& param) const {
 
 const at::Tensor& TensorWatch::grad_of(const c10::TensorImpl* p) { return p->grad(); }
 
-void TensorWatch::prefetch_metadata(size_t i, const int64_t* ids, size_t n) const {
+void TensorWatch::prefetch_metadata(size_t i, const int64_t* ids) const {
   // (only TensorImpls the caller's snapshot vouches for, or states the watch holds: a prefetch of freed memory is
-  // harmless, but its chains are not followed; only up to n, the end of this thread's chunk)
+  // harmless, but its chains are not followed)
+  const size_t n = param_impls_.size();
   auto param = [&](size_t k) -> const c10::TensorImpl* {
     return ids[k] == reinterpret_cast<int64_t>(param_impls_[k]) ? param_impls_[k] : nullptr;
   };
@@ -263,7 +227,6 @@ AdamPlan::AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_a
   }
   for (const at::Tensor& t : step_tensors_) add_counter(t);
   add_counter(steps_);
-  prefetch_counters_ = true;
 }
 
 AdamPlan::~AdamPlan() { forget_params(); }
@@ -313,36 +276,25 @@ at::Tensor AdamPlan::grad_stats() {
   return grad_stats_of(grads_);
 }
 
-template <typename ImplOf>
-void AdamPlan::mark_range(ImplOf impl_of, int64_t begin, int64_t end) {
-  VersionBumps bumps;
-  for (int64_t j = begin - 1; j >= 0; --j) {  // (the counter bumped last before begin, as the list's serial bumps)
-    if (bumps.follow(impl_of(j))) break;
-  }
-  for (int64_t i = begin; i < end; ++i) {
-    if (i + int64_t(kCounterLookahead) < end) prefetch_counter(impl_of(i + kCounterLookahead));
-    bumps.add(impl_of(i));
-  }
-}
-
 void AdamPlan::mark_written(bool unscaled_grads) {
-  const int64_t n = int64_t(param_pointers_.size()), m = int64_t(state_counters_.size());
-  auto param = [this](int64_t i) { return param_pointers_[i]->unsafeGetTensorImpl(); };
-  auto grad = [this](int64_t i) { return grads_[i]->unsafeGetTensorImpl(); };
-  auto state = [this](int64_t i) { return state_counters_[i]; };
-  // Each thread bumps the counters of the params it checked (the same partition: their counters are in its cache),
-  // their gradients', and its share of the other counters.
-  at::parallel_for(0, n, kParamGrain, [&](int64_t begin, int64_t end) {
-    mark_range(param, begin, end);
-    if (unscaled_grads) mark_range(grad, begin, end);
-    mark_range(state, begin * m / n, end == n ? m : end * m / n);
-  });
-  if (n == 0) mark_range(state, 0, m);
+  VersionBumps bumps;
+  const size_t n = param_pointers_.size(), m = state_counters_.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kCounterLookahead < n) prefetch_counter(param_pointers_[i + kCounterLookahead]->unsafeGetTensorImpl());
+    bumps.add(*param_pointers_[i]);
+  }
+  if (unscaled_grads) {
+    for (const at::Tensor* g : grads_) bumps.add(*g);
+  }
+  for (size_t i = 0; i < m; ++i) {
+    if (i + kCounterLookahead < m) prefetch_counter(state_counters_[i + kCounterLookahead]);
+    bumps.add(state_counters_[i]);
+  }
 }
 
-void AdamPlan::follow(size_t i, size_t k) {
+bool AdamPlan::follow(size_t i, size_t k) {
   // (the params, step tensors and steps are read afresh at every step; a state's data pointer is in work_)
-  if (i == size() || k == 0 || k == state_lists_.size() + 1) return;
+  if (i == size() || k == 0 || k == state_lists_.size() + 1) return true;
   const auto* list = state_lists_[k - 1];
   void* data = (*list)[i].data_ptr();  // (materialises a copy-on-write storage)
   TensorWork& tw = work_[i];
@@ -353,6 +305,7 @@ void AdamPlan::follow(size_t i, size_t k) {
   if (list == &exp_avg_scales_) tw.exp_avg_scale = static_cast<float*>(data);
   if (list == &exp_avg_sq_scales_) tw.exp_avg_sq_scale = static_cast<float*>(data);
   if (list == &max_exp_avg_sq_scales_) tw.max_exp_avg_sq_scale = static_cast<float*>(data);
+  return true;
 }
 
 }  // namespace ort_optim

@@ -10,7 +10,6 @@
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 
-#include <mutex>
 #include <vector>
 
 #include "adam_kernel.h"
@@ -40,10 +39,9 @@ class TensorWatch : public torch::CustomClassHolder {
 
   // -1 when the bucket can step now: each param's TensorImpl is the planned one (identities: the params' then the
   // idle params' TensorImpl addresses, now), every tensor is as it was (data pointers of storages re-allocated in
-  // place are followed where follows() says so), every param has a usable gradient (dense, on the param's device, a
+  // place are followed where follow() says so), every param has a usable gradient (dense, on the param's device, a
   // dtype it can take, its shape, a storage that holds it) and no idle param has one. Else the position of the
-  // first param that cannot (params.size() + j for idle_params[j]). Writes no tensor. The params are checked in
-  // chunks over the intra-op threads (at::parallel_for), the answer is the same.
+  // first param that cannot (params.size() + j for idle_params[j]). Writes no tensor.
   int64_t check(std::vector<int64_t> identities);
 
   size_t size() const { return param_impls_.size(); }
@@ -53,11 +51,8 @@ class TensorWatch : public torch::CustomClassHolder {
   // then resize_(n), as CPU offload does) since the last check: whether the watch's user follows it to its new
   // memory (AdamPlan re-resolves its kernel's pointers and says yes). A bare watch says no, so check() fails: its
   // caller keeps the tensors' addresses (the Triton backend's launch plan) and plans again. param: the param's
-  // position (size() for steps); k: its watch (0 the param, 1 + j states_[j], then its step tensor). follows() is
-  // asked by check()'s threads (it reads nothing that changes); follow(), which re-resolves, by check() alone, after
-  // them (re-resolving may materialise a copy-on-write storage, which two threads must not do at once).
-  virtual bool follows(size_t param, size_t k) const { return false; }
-  virtual void follow(size_t param, size_t k) {}
+  // position (size() for steps); k: its watch (0 the param, 1 + j states_[j], then its step tensor).
+  virtual bool follow(size_t param, size_t k) { return false; }
 
   // What check() resolved for the step: the params' TensorImpls and gradients (valid until the next check() or
   // release(); FusedAdam steps right after checking).
@@ -65,10 +60,6 @@ class TensorWatch : public torch::CustomClassHolder {
   std::vector<const at::Tensor*> grads_;
   bool checked_ = false;
   int64_t release(int64_t result = -1);
-
-  // Whether check() prefetches, for each param that passes, the version counters of the param and its step tensor,
-  // which AdamPlan's step bumps (on the thread that checked the param: the same partition).
-  bool prefetch_counters_ = false;
 
   std::vector<std::vector<at::Tensor>> states_;
   std::vector<at::Tensor> step_tensors_;
@@ -93,29 +84,13 @@ class TensorWatch : public torch::CustomClassHolder {
   Watch watch(const at::Tensor& t);
 
   // Whether the tensor still views the same storage the same way, that storage still holds the view, and its
-  // memory is where it was or the watch's user follows it there (follows(param, k): then noted in moved_, for
-  // follow_moved()).
+  // memory is where it was or the watch's user follows it there (follow(param, k)).
   bool still(Watch& w, size_t param, size_t k);
-
-  // follow() for each watch still() found moved, and its new data pointer recorded (w.data).
-  void follow_moved();
-
-  struct Moved {
-    Watch* watch;
-    size_t param, k;
-    const void* data;
-  };
-  std::vector<Moved> moved_;  // (rare: appended under moved_mutex_ by check()'s threads)
-  std::mutex moved_mutex_;
 
   // a == b[0, a.size()): a loop, where std::equal would call memcmp for the one or two dims of a typical tensor.
   static bool same(c10::IntArrayRef a, const int64_t* b);
 
   bool usable_grad(const at::Tensor& g, const Watch& param) const;
-
-  // Whether param i can step now (its part of check()); records its gradient. end: the end of the calling thread's
-  // chunk, which prefetching stays within. Threads check disjoint params: each writes only param i's entries.
-  bool check_param(size_t i, const int64_t* ids, size_t end);
 
   // p.grad without Tensor::grad()'s is_leaf() check, which costs a call per param and warns for a non-leaf param
   // without a gradient (an idle param may be one).
@@ -123,9 +98,9 @@ class TensorWatch : public torch::CustomClassHolder {
 
   // What check() reads is a chain of dependent pointers per param (its TensorImpl, then its storage and autograd
   // meta, then the grad's TensorImpl and storage; the states' TensorImpls), all cold by the next step. Walked one
-  // param at a time, the core waits on one miss after another; prefetching each link a few params ahead (below n)
-  // keeps several in flight.
-  void prefetch_metadata(size_t i, const int64_t* identities, size_t n) const;
+  // param at a time, the core waits on one miss after another; prefetching each link a few params ahead keeps
+  // several in flight.
+  void prefetch_metadata(size_t i, const int64_t* identities) const;
 
   static void prefetch_object(const void* object, size_t bytes);
 
@@ -161,8 +136,7 @@ class AdamPlan : public TensorWatch {
   at::Tensor grad_stats();
 
  private:
-  bool follows(size_t param, size_t k) const override { return true; }
-  void follow(size_t param, size_t k) override;
+  bool follow(size_t param, size_t k) override;
 
   // The params check() resolved as at::Tensors for the step, borrowed: they share the TensorImpl without a reference
   // (the caller's Python params own it), so holding them between check() and step() never makes swap_tensors refuse
@@ -172,13 +146,9 @@ class AdamPlan : public TensorWatch {
 
   // Bumps the version counters of what a step writes (see VersionBumps), called by update() before its kernel runs:
   // the params (as check() resolved them), the gradients when they are unscaled in place, then the states, step
-  // tensors and steps, one tensor per counter (state_counters_). Each list is bumped as VersionBumps bumps it in
-  // order (a counter shared by consecutive tensors once), in chunks over the intra-op threads. Each counter is an
-  // allocation of its own, cold by the step: check() prefetched the params' and step tensors' on the thread that
-  // bumps them, and each chunk prefetches a few tensors ahead.
+  // tensors and steps, one tensor per counter (state_counters_). Each counter is an allocation of its own, cold by
+  // now: they are prefetched a few tensors ahead.
   void mark_written(bool unscaled_grads);
-  template <typename ImplOf>
-  static void mark_range(ImplOf impl_of, int64_t begin, int64_t end);
   static constexpr size_t kCounterLookahead = 8;
 
   std::vector<at::Tensor> exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_, master_params_, exp_avg_scales_,

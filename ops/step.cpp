@@ -51,27 +51,6 @@ static void read_betas(const at::Tensor& betas, double& beta1, double& beta2) {
   beta2 = b[stride];
 }
 
-// What update() reads of params[i] and grads[i] (their TensorImpls, then their storages), cold by the step (or in
-// another core's cache: AdamPlan checks them on several threads): asked for a few tensors ahead, so that several
-// misses are in flight at once.
-static void prefetch_ahead(const std::vector<const at::Tensor*>& params,
-                           const std::vector<const at::Tensor*>& grads, size_t i) {
-  constexpr size_t kImplAhead = 8, kStorageAhead = 4;
-  auto impl = [](const at::Tensor* t) { return t->unsafeGetTensorImpl(); };
-  if (i + kImplAhead < params.size()) {
-    for (const c10::TensorImpl* t : {impl(params[i + kImplAhead]), impl(grads[i + kImplAhead])}) {
-      for (size_t b = 0; b < sizeof(c10::TensorImpl); b += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(t) + b);
-      }
-    }
-  }
-  if (i + kStorageAhead < params.size()) {
-    for (const c10::TensorImpl* t : {impl(params[i + kStorageAhead]), impl(grads[i + kStorageAhead])}) {
-      __builtin_prefetch(t->unsafe_storage().unsafeGetStorageImpl());  // (nullptr without one: harmless)
-    }
-  }
-}
-
 void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
             const std::vector<const at::Tensor*>& params, const std::vector<const at::Tensor*>& grads,
             double* steps, bool is_double, bool amsgrad, const StepOptions& o, const MarkWritten& mark_written) {
@@ -93,7 +72,6 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
   std::vector<std::pair<size_t, at::Tensor>> param_copies, grad_copies;
   double last_t = -1.0, step_size = 0.0, bc2_sqrt = 1.0;
   for (size_t i = 0; i < params.size(); ++i) {
-    prefetch_ahead(params, grads, i);
     const at::Tensor& p = *params[i];
     const at::Tensor& g = *grads[i];
     TensorWork& w = work[i];

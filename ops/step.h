@@ -61,13 +61,6 @@ class VersionBumps {
     last_ = counter;
     impl->bump_version();
   }
-  // Takes impl's counter as the last one bumped (when it has one), without bumping it: a chunk of a list whose
-  // earlier tensors another thread bumps. Whether impl has a counter.
-  bool follow(const c10::TensorImpl* impl) {
-    const void* counter = counter_of(impl);
-    if (counter != nullptr) last_ = counter;
-    return counter != nullptr;
-  }
   void add(at::TensorList tensors) {
     for (const at::Tensor& t : tensors) add(t);
   }
@@ -75,11 +68,6 @@ class VersionBumps {
  private:
   const void* last_ = nullptr;
 };
-
-// Params per chunk, at least, of the loops over a plan's params that are split over the intra-op threads (its
-// check() and its version counters' bumps): with the kernel's one work item per small param, chunks of the same
-// params on the same threads as the kernel's, so each thread finds warm what it checked.
-constexpr int64_t kParamGrain = 64;
 
 // Called by update() once the step is known to be taken, with whether it unscales the gradients in place too.
 using MarkWritten = std::function<void(bool grads)>;

@@ -1508,8 +1508,8 @@ def test_plans_are_not_used_once_another_backend_is_selected(monkeypatch):
     assert calls == [1]
 
 
-# More params than one chunk per thread of a plan's check and of its version counters' bumps, which are split over the
-# intra-op threads (ops/step.h, kParamGrain).
+# Enough params for a loop over them to be split over two intra-op threads (the kernel's at::parallel_for splits its work
+# items, one per small param, into one chunk per thread): what a plan answers and marks must not depend on it.
 MANY = [(5,), (3, 4)] * 150
 
 
@@ -1536,7 +1536,7 @@ def _planned_many(monkeypatch) -> tuple[FusedAdam, list, backends.AdamPlan]:
 @pytest.mark.parametrize("bad", [(3,), (170,), (3, 170), (149, 150), (299,)])
 def test_a_plan_checked_on_several_threads_answers_the_first_param_that_cannot_step(bad, monkeypatch,
                                                                                    two_intra_op_threads):
-    """Each thread checks a chunk of the params and stops at its first failure; the answer is the serial one."""
+    """With two intra-op threads, the answer is the first param that cannot step, wherever the others are."""
     opt, params, plan = _planned_many(monkeypatch)
     for p in params:
         p.grad = torch.ones_like(p)
@@ -1548,7 +1548,7 @@ def test_a_plan_checked_on_several_threads_answers_the_first_param_that_cannot_s
 
 
 def test_a_storage_reallocated_in_place_is_followed_by_a_check_on_several_threads(monkeypatch, two_intra_op_threads):
-    """Every param's moment moved at once (one flat buffer): both threads find theirs moved, the plan follows them."""
+    """Every param's moment moved at once (one flat buffer), two intra-op threads: the plan follows them all."""
     select_backend(monkeypatch, "native")
     twin = Twin(params=_params(shapes=MANY))
     twin.step(2)
@@ -1564,8 +1564,9 @@ def test_a_storage_reallocated_in_place_is_followed_by_a_check_on_several_thread
 
 def test_a_step_on_several_threads_marks_what_it_writes_as_on_one_and_gives_the_same_bits(monkeypatch):
     """Params that are views of one buffer share its version counter, which a step marks once (consecutive tensors
-    with one counter are marked once, ops/step.h): on several threads too, where the views span the threads' chunks;
-    every other param and step tensor is marked once, and the bits are those of one thread."""
+    with one counter are marked once, ops/step.h), with two intra-op threads as with one, the views spanning both
+    threads' halves of the params; every other param and step tensor is marked once, and the bits are those of one
+    thread."""
     select_backend(monkeypatch, "native")
 
     def run(threads: int) -> tuple[dict, list]:
