@@ -4,7 +4,9 @@ watches, or through Python fingerprints where the native library is not loaded).
 
 Rows:
 
-* ``native CPU``: 2000 x 1K fp32 params on the native CPU backend, one thread. Each call runs right after a cold
+* ``native CPU``: 2000 x 1K fp32 params on the native CPU backend, on one intra-op thread and on torch's default
+  count (``threads``: the step's kernel splits its work over them; the check runs on the calling thread, so its
+  share grows with the threads). Each call runs right after a cold
   ``x.mul_(c)`` probe that evicts the caches (common.time_after_probe), as an optimizer step runs in training, calls
   interleaved: ``FusedAdam.step()`` as a whole, and ``Plan.read_grads_if_valid()`` alone (what each step re-validates).
   ``share`` = validation / step; the target is at most 10%. ``between_steps``: what happens to the params and
@@ -15,7 +17,8 @@ Rows:
   and a fast one must not re-plan for: a row whose step or share stands out from the first shows a check that does
   (``plans_built`` counts the timed steps' new plans: 0 unless the check failed). ``cpu_share``: the same from a
   second pass timed by this thread's CPU time (``time.thread_time``), which a loaded machine's scheduler does not
-  inflate (on a shared machine, a wall-clock millisecond call is often several times its CPU time).
+  inflate (on a shared machine, a wall-clock millisecond call is often several times its CPU time); one-thread rows
+  only (None on the others: a thread's CPU time is not the time of a call split over several).
 * ``triton host``: the host side of a step on the Triton backend (``ORT_OPTIM_BACKEND=triton``), on CPU tensors with
   the Triton launch replaced by a no-op, so that only the host's work is timed: ``Plan.read_grads_if_valid()``
   through the native watch against the Python fingerprints (the fallback where the native library is not loaded),
@@ -102,37 +105,55 @@ def _between_steps(kind: str, params: list, grads: list):
     return write_both
 
 
+@contextmanager
+def _intra_op_threads(threads: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def run_native_cpu(quick: bool) -> list[dict]:
     rows = []
-    for between in BETWEEN_STEPS:
-        params = make_params(WORKLOADS["2000x1K"](quick))
-        grads = [p.grad.clone() for p in params]
-        opt = FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
-        prepare = _between_steps(between, params, grads)
-        with one_intra_op_thread():
-            opt.step()  # (plans)
-            plans = [opt._plan]  # (each plan the timed calls step with: more than one means they planned again)
-
-            def step():
-                opt.step()
-                plans.append(opt._plan)
-
-            calls = {"FusedAdam.step()": step, "validation (Plan.read_grads_if_valid)": _validation(opt)}
-            numel = sum(p.numel() for p in params)
-            medians, cpu = ({}, {})
-            for clock, out in ((time.perf_counter, medians), (time.thread_time, cpu)):
-                timed, _, probe_gbps = time_after_probe(calls, dict.fromkeys(calls, 28.0 * numel), quick, warmup=2,
-                                                        reps=5 if quick else 15, prepare=prepare, clock=clock)
-                out.update(timed)
-        step, check = medians["FusedAdam.step()"], medians["validation (Plan.read_grads_if_valid)"]
-        cpu_step, cpu_check = cpu["FusedAdam.step()"], cpu["validation (Plan.read_grads_if_valid)"]
-        rows.append({"section": "validation", "path": "native CPU", "workload": "2000x1K", "caches": "evicted",
-                     "between_steps": between, "check": "native watch", "step_ms": step * 1e3,
-                     "validation_ms": check * 1e3, "share": check / step, "cpu_step_ms": cpu_step * 1e3,
-                     "cpu_validation_ms": cpu_check * 1e3, "cpu_share": cpu_check / cpu_step, "target_share": 0.10,
-                     "plans_built": len({id(plan) for plan in plans}) - 1, "probe_GBps": probe_gbps,
-                     "native": backends.native_available()})
+    for threads in sorted({1, torch.get_num_threads()}):
+        for between in BETWEEN_STEPS:
+            rows.append(_native_cpu_row(quick, threads, between))
     return rows
+
+
+def _native_cpu_row(quick: bool, threads: int, between: str) -> dict:
+    params = make_params(WORKLOADS["2000x1K"](quick))
+    grads = [p.grad.clone() for p in params]
+    opt = FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    prepare = _between_steps(between, params, grads)
+    with _intra_op_threads(threads):
+        opt.step()  # (plans)
+        plans = [opt._plan]  # (each plan the timed calls step with: more than one means they planned again)
+
+        def step():
+            opt.step()
+            plans.append(opt._plan)
+
+        calls = {"FusedAdam.step()": step, "validation (Plan.read_grads_if_valid)": _validation(opt)}
+        numel = sum(p.numel() for p in params)
+        # (this thread's CPU time says nothing of a step split over several threads: wall clock alone there)
+        clocks = {"wall": time.perf_counter, "cpu": time.thread_time} if threads == 1 else {"wall": time.perf_counter}
+        timed = {}
+        for kind, clock in clocks.items():
+            timed[kind], _, probe_gbps = time_after_probe(calls, dict.fromkeys(calls, 28.0 * numel), quick, warmup=2,
+                                                          reps=5 if quick else 15, prepare=prepare, clock=clock)
+    step, check = (timed["wall"][name] for name in calls)
+    cpu_step, cpu_check = (timed["cpu"][name] for name in calls) if "cpu" in timed else (None, None)
+    return {"section": "validation", "path": "native CPU", "workload": "2000x1K", "caches": "evicted",
+            "threads": threads, "between_steps": between, "check": "native watch", "step_ms": step * 1e3,
+            "validation_ms": check * 1e3, "share": check / step,
+            "cpu_step_ms": None if cpu_step is None else cpu_step * 1e3,
+            "cpu_validation_ms": None if cpu_check is None else cpu_check * 1e3,
+            "cpu_share": None if cpu_check is None else cpu_check / cpu_step, "target_share": 0.10,
+            "plans_built": len({id(plan) for plan in plans}) - 1, "probe_GBps": probe_gbps,
+            "native": backends.native_available()}
 
 
 def _python_fallback(opt: FusedAdam) -> None:

@@ -1506,3 +1506,92 @@ def test_plans_are_not_used_once_another_backend_is_selected(monkeypatch):
         p.grad = torch.ones_like(p)
     opt.step()
     assert calls == [1]
+
+
+# Enough params for a loop over them to be split over two intra-op threads (the kernel's at::parallel_for splits its work
+# items, one per small param, into one chunk per thread): what a plan answers and marks must not depend on it.
+MANY = [(5,), (3, 4)] * 150
+
+
+@pytest.fixture
+def two_intra_op_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _planned_many(monkeypatch) -> tuple[FusedAdam, list, backends.AdamPlan]:
+    select_backend(monkeypatch, "native")
+    params = _params(shapes=MANY)
+    opt = FusedAdam(params, weight_decay=0.1)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    (bucket,) = opt._plan.groups[0].buckets
+    return opt, params, bucket.native
+
+
+@pytest.mark.parametrize("bad", [(3,), (170,), (3, 170), (149, 150), (299,)])
+def test_a_plan_checked_on_several_threads_answers_the_first_param_that_cannot_step(bad, monkeypatch,
+                                                                                   two_intra_op_threads):
+    """With two intra-op threads, the answer is the first param that cannot step, wherever the others are."""
+    opt, params, plan = _planned_many(monkeypatch)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    assert plan.check() == -1
+    for i in bad:
+        _float64_grad(params[i])  # (a dtype the param cannot take)
+    assert plan.check() == min(bad)
+    assert plan.check() == min(bad)  # (and nothing was written or followed that changes the answer)
+
+
+def test_a_storage_reallocated_in_place_is_followed_by_a_check_on_several_threads(monkeypatch, two_intra_op_threads):
+    """Every param's moment moved at once (one flat buffer), two intra-op threads: the plan follows them all."""
+    select_backend(monkeypatch, "native")
+    twin = Twin(params=_params(shapes=MANY))
+    twin.step(2)
+    builds = _count_builds(monkeypatch)
+    change = _offload_and_restore(OFFLOADED["exp_avg"])
+    change(twin.opt, twin.ours)
+    twin.step(2)
+    twin.assert_matches()
+    for decoy in change.decoys:
+        assert bool((decoy == 7.0).all()), "a step wrote into freed memory"
+    assert builds[0] == 0
+
+
+def test_a_step_on_several_threads_marks_what_it_writes_as_on_one_and_gives_the_same_bits(monkeypatch):
+    """Params that are views of one buffer share its version counter, which a step marks once (consecutive tensors
+    with one counter are marked once, ops/step.h), with two intra-op threads as with one, the views spanning both
+    threads' halves of the params; every other param and step tensor is marked once, and the bits are those of one
+    thread."""
+    select_backend(monkeypatch, "native")
+
+    def run(threads: int) -> tuple[dict, list]:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            g = torch.Generator().manual_seed(4)
+            flat = torch.randn(200, 4, generator=g)
+            params = [torch.nn.Parameter(v) for v in flat] + _params(seed=1, shapes=MANY[:100])
+            opt = FusedAdam(params, weight_decay=0.1)
+            marks = []
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=g)
+                steps = [opt.state[p]["step"] for p in params] if opt.state else []
+                before = [flat._version] + [p._version for p in params[200:]] + [t._version for t in steps]
+                opt.step()
+                after = [flat._version] + [p._version for p in params[200:]] + [t._version for t in steps]
+                marks.append([b - a for a, b in zip(before, after)])
+            return optimizer_snapshot(opt), marks
+        finally:
+            torch.set_num_threads(previous)
+
+    one, one_marks = run(1)
+    two, two_marks = run(2)
+    assert_same_snapshot(one, two)
+    assert two_marks == one_marks
+    assert all(set(step) == {1} for step in two_marks), two_marks
