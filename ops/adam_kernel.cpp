@@ -511,26 +511,16 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
       adam16.moments(p + j, g + j, _mm512_loadu_ps(s.m + j), _mm512_loadu_ps(s.v + j), s.m + j, s.v + j, max_m16);
       adam16.params(p + j, s.m + j, s.v + j, s.root + j, max_root16);
     };
-    if (pending) {
-      const int64_t pb = b - kB;
-      const auto code32 = [&](int64_t i) {  // exp_avg's codes of the pending block's elements [i, i + 32)
-        const __m512i c0 = coder_m.codes4(_mm512_loadu_ps(r + pb + i), _mm512_load_ps(random_m + i));
-        const __m512i c1 = coder_m.codes4(_mm512_loadu_ps(r + pb + i + 16), _mm512_load_ps(random_m + i + 16));
-        Coder16<4, true>::store4x2(c0, c1, codes_m + (off + pb + i) / 2);
-      };
-      if (b < n) {
-        for (int64_t i = 0; i < kB; i += 32) {
-          update16(i);
-          update16(i + 16);
-          code32(i);
-        }
-      } else {
-        for (int64_t i = 0; i < kB; i += 32) code32(i);
-      }
-      pending = false;
-    } else if (b < n) {
-      for (int64_t i = 0; i < kB; i += 16) update16(i);
+    const auto code16 = [&](int64_t i) {  // exp_avg's codes of the pending block's elements [i, i + 16)
+      const int64_t j = b - kB + i;
+      Coder16<4, true>::store4(coder_m.codes4(_mm512_loadu_ps(r + j), _mm512_load_ps(random_m + i)),
+                               codes_m + (off + j) / 2);
+    };
+    for (int64_t i = 0; i < kB; i += 16) {
+      if (b < n) update16(i);
+      if (pending) code16(i);
     }
+    pending = false;
     if (b == n) break;
     const uint32_t amax_root = _mm512_reduce_max_epu32(max_root16);
     if (amax_root >= 0x7F800000u) {  // an overflowed v, or a NaN
@@ -541,7 +531,9 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
     const float scale_v = bits_to_float(f.scale_bits(amax_root));
     f.store_scale(w.exp_avg_sq_scale, (off + b) / kB, scale_v);
     coder_v.set_inverse(scale_v > 0.0f ? 1.0f / scale_v : 0.0f);
-    for (int64_t i = 0; i < kB; i += 16) _mm512_store_ps(random_v + i, coder_v.random16(_mm512_loadu_ps(s.root + b + i)));
+    for (int64_t i = 0; i < kB; i += 16) {
+      _mm512_store_ps(random_v + i, coder_v.random16(_mm512_loadu_ps(s.root + b + i)));
+    }
     const __m512 scale_v16 = _mm512_set1_ps(scale_v);
     __m512i max_r16 = _mm512_setzero_si512();
     const auto ratios16 = [&](int64_t i, __m512i code) {  // u and r = m / u of elements b + [i, i + 16)
@@ -554,12 +546,10 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
       _mm512_storeu_ps(r + j, x);
       max_r16 = _mm512_max_epu32(max_r16, _mm512_and_si512(_mm512_castps_si512(x), abs_mask));
     };
-    for (int64_t i = 0; i < kB; i += 32) {
-      const __m512i c0 = coder_v.codes4(_mm512_loadu_ps(s.root + b + i), _mm512_load_ps(random_v + i));
-      const __m512i c1 = coder_v.codes4(_mm512_loadu_ps(s.root + b + i + 16), _mm512_load_ps(random_v + i + 16));
-      Coder16<4, false, true>::store4x2(c0, c1, codes_v + (off + b + i) / 2);
-      ratios16(i, c0);
-      ratios16(i + 16, c1);
+    for (int64_t i = 0; i < kB; i += 16) {
+      const __m512i code = coder_v.codes4(_mm512_loadu_ps(s.root + b + i), _mm512_load_ps(random_v + i));
+      Coder16<4, false, true>::store4(code, codes_v + (off + b + i) / 2);
+      ratios16(i, code);
     }
     const uint32_t scale_m_bits = f.scale_bits(_mm512_reduce_max_epu32(max_r16));
     if (scale_m_bits >= 0x7F800000u) {  // non-finite ratios

@@ -251,8 +251,6 @@ struct Coder16 {
                          inv);
   }
 
-  // The codes of 16 values x whose magnitudes a (magnitude(x)) have the level codes code (round to nearest, or the
-  // level at or below for a stochastic map): rounded one level up stochastically, and the sign.
   // The stochastic rounding's random numbers of 16 values x (the next 16 elements): float(r >> 8), r the 32 random
   // bits of each (exp_avg_random_bits).
   inline __m512 random16(__m512 x) {
@@ -261,6 +259,9 @@ struct Coder16 {
     r = fmix32x16(_mm512_xor_si512(fmix32x16(r), step_key));
     return _mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8));
   }
+  // The codes of 16 values x whose magnitudes a (magnitude(x)) have the level codes code (round to nearest, or the
+  // level at or below for a stochastic map): rounded one level up stochastically, and the sign. random: random16(x),
+  // where taken before (in a loop of its own).
   inline __m512i finish(__m512 x, __m512 a, __m512i code) {
     return finish(x, a, code, kStochastic ? random16(x) : _mm512_setzero_ps());
   }
@@ -306,20 +307,6 @@ struct Coder16 {
   static inline void store4(__m512i code, uint8_t* out) {
     const __m128i pairs = _mm_maddubs_epi16(_mm512_cvtepi32_epi8(code), _mm_set1_epi16(0x1001));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(pairs, pairs));
-  }
-  // store4 of 32 codes (a: elements 0-15, b: 16-31), 16 bytes: each 64-bit lane's pair as its low byte
-  // (c[2j] | c[2j + 1] << 4), and one byte permute of both registers (AVX-512 VBMI) takes the 16 low bytes.
-  static inline void store4x2(__m512i a, __m512i b, uint8_t* out) {
-#ifdef __AVX512VBMI__
-    a = _mm512_or_si512(a, _mm512_srli_epi64(a, 28));
-    b = _mm512_or_si512(b, _mm512_srli_epi64(b, 28));
-    // (bytes 0..15 of the index: 0, 8, .., 56 from a, 64, .., 120 from b)
-    const __m512i idx = _mm512_set_epi64(0, 0, 0, 0, 0, 0, 0x7870686058504840ll, 0x3830282018100800ll);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_castsi512_si128(_mm512_permutex2var_epi8(a, idx, b)));
-#else
-    store4(a, out);
-    store4(b, out + 8);
-#endif
   }
 };
 #endif
