@@ -7,7 +7,8 @@
 // vectorises; the fp16/bf16 conversions around it are explicit (F16C, bit tricks), because c10::Half in a loop
 // stays scalar and runs at a tenth of memory speed. Tensors whose moments are both fp8 take their own path
 // (update_fp8), in blocks of 256: the update's divisions and square roots, which the fp32 step is bound by, run in
-// one loop with the coding of the block before, which needs the other vector ports.
+// one loop with the coding of the block before, which needs the other vector ports. Tensors with 4-bit moments do the
+// same in blocks of 128 (update_q4).
 
 #include "adam_kernel.h"
 
@@ -472,11 +473,108 @@ void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   }
 }
 
-// update_fp8 of a tensor whose moments are both fp8; false (nothing done) otherwise. (Not inlined: inlined, its
-// loops cost the staged path of the other formats 2% in the same function.)
+// 4-bit moments (exp_avg relative to exp_avg_sq, sqrt(v) rounded stochastically), without amsgrad, in a block of
+// whole 128-element blocks: the same bits as staging (update_staged), in fewer passes that overlap. Per 128-element
+// block b, after the decode of the whole block: one loop updates b (Adam16: the divisions and square roots, bound by
+// the divider) and writes the exp_avg codes of block b - 1 (hashes, searches and permutes: the other vector ports);
+// a second loop writes b's exp_avg_sq codes (Coder16), the sqrt(v) u they read back as and the ratios r = m / u, with
+// r's block maximum. A block holding an overflowed v or a NaN, and an exp_avg block of non-finite ratios, take the
+// plain stores. false (nothing done) where the tensor or block does not fit (staged then).
+#if defined(ORT_OPTIM_FP8_AVX512) && defined(ORT_OPTIM_LOW_BIT_AVX512)
+template <int64_t kMode>
+bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
+               const float* g) {
+  constexpr int64_t kB = 128;
+  if (!w.exp_avg_low_bit || w.exp_avg_sq_low_bit != w.exp_avg_low_bit) return false;
+  const LowBit& f = *w.exp_avg_low_bit;
+  if (f.bits != 4 || f.block != kB || !f.relative || !f.sq_stochastic || w.step == 0 || n % kB != 0) return false;
+  auto* codes_m = static_cast<uint8_t*>(w.exp_avg);
+  auto* codes_v = static_cast<uint8_t*>(w.exp_avg_sq);
+  store_pending_fp8(s);  // (its block is in s.m, s.v and s.root)
+  low_bit_relative_load(f, codes_m, w.exp_avg_scale, codes_v, w.exp_avg_sq_scale, off, n, s.m, s.v, s.u);
+  const Adam16<kMode> adam16(w, h);
+  float* r = s.vmax;  // the ratios r = m / u that exp_avg's codes hold (no amsgrad: vmax is free)
+  const __m512 v_levels = _mm512_load_ps(f.exp_avg_sq_sr.decode());
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  // The random numbers of both moments' stochastic rounding (Coder16::random16: chains of four multiplies) are taken
+  // in loops of their own before the loops that code: in those, the uops that wait on the multiplies would fill the
+  // scheduler (measured: 4-5% slower in the update loop, or in the coding loops).
+  alignas(64) float random_v[kB], random_m[kB];
+  Coder16<4, false, true> coder_v(f.exp_avg_sq_sr, 0.0f, 0, w.step);
+  Coder16<4, true> coder_m(f.exp_avg, 0.0f, 0, w.step);
+  bool pending = false;  // block b - kB's exp_avg codes are written in block b's update loop
+  for (int64_t b = 0; b <= n; b += kB) {  // (b == n: the last block's exp_avg codes)
+    __m512i max_m16 = _mm512_setzero_si512(), max_root16 = _mm512_setzero_si512();
+    coder_v.start(uint64_t(off + b));
+    const auto update16 = [&](int64_t i) {
+      const int64_t j = b + i;
+      adam16.moments(p + j, g + j, _mm512_loadu_ps(s.m + j), _mm512_loadu_ps(s.v + j), s.m + j, s.v + j, max_m16);
+      adam16.params(p + j, s.m + j, s.v + j, s.root + j, max_root16);
+    };
+    const auto code16 = [&](int64_t i) {  // exp_avg's codes of the pending block's elements [i, i + 16)
+      const int64_t j = b - kB + i;
+      Coder16<4, true>::store4(coder_m.codes4(_mm512_loadu_ps(r + j), _mm512_load_ps(random_m + i)),
+                               codes_m + (off + j) / 2);
+    };
+    for (int64_t i = 0; i < kB; i += 16) {
+      if (b < n) update16(i);
+      if (pending) code16(i);
+    }
+    pending = false;
+    if (b == n) break;
+    const uint32_t amax_root = _mm512_reduce_max_epu32(max_root16);
+    if (amax_root >= 0x7F800000u) {  // an overflowed v, or a NaN
+      low_bit_store(f, true, s.v + b, s.root + b, off + b, kB, codes_v, w.exp_avg_sq_scale, w.step, s.u + b);
+      low_bit_relative_store(f, s.m + b, s.u + b, off + b, kB, codes_m, w.exp_avg_scale, w.step);
+      continue;
+    }
+    const float scale_v = bits_to_float(f.scale_bits(amax_root));
+    f.store_scale(w.exp_avg_sq_scale, (off + b) / kB, scale_v);
+    coder_v.set_inverse(scale_v > 0.0f ? 1.0f / scale_v : 0.0f);
+    for (int64_t i = 0; i < kB; i += 16) {
+      _mm512_store_ps(random_v + i, coder_v.random16(_mm512_loadu_ps(s.root + b + i)));
+    }
+    const __m512 scale_v16 = _mm512_set1_ps(scale_v);
+    __m512i max_r16 = _mm512_setzero_si512();
+    const auto ratios16 = [&](int64_t i, __m512i code) {  // u and r = m / u of elements b + [i, i + 16)
+      const int64_t j = b + i;
+      const __m512 u = _mm512_mul_ps(_mm512_permutexvar_ps(code, v_levels), scale_v16);
+      _mm512_storeu_ps(s.u + j, u);
+      // (block_ratio_amax: not equal, unordered, so that a NaN u divides; masked-off lanes are +0)
+      const __m512 x = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_NEQ_UQ),
+                                           _mm512_loadu_ps(s.m + j), u);
+      _mm512_storeu_ps(r + j, x);
+      max_r16 = _mm512_max_epu32(max_r16, _mm512_and_si512(_mm512_castps_si512(x), abs_mask));
+    };
+    for (int64_t i = 0; i < kB; i += 16) {
+      const __m512i code = coder_v.codes4(_mm512_loadu_ps(s.root + b + i), _mm512_load_ps(random_v + i));
+      Coder16<4, false, true>::store4(code, codes_v + (off + b + i) / 2);
+      ratios16(i, code);
+    }
+    const uint32_t scale_m_bits = f.scale_bits(_mm512_reduce_max_epu32(max_r16));
+    if (scale_m_bits >= 0x7F800000u) {  // non-finite ratios
+      low_bit_relative_store(f, s.m + b, s.u + b, off + b, kB, codes_m, w.exp_avg_scale, w.step);
+      continue;
+    }
+    const float scale_m = bits_to_float(scale_m_bits);
+    f.store_scale(w.exp_avg_scale, (off + b) / kB, scale_m);
+    coder_m.set_inverse(scale_m > 0.0f ? 1.0f / scale_m : 0.0f);
+    coder_m.start(uint64_t(off + b));
+    for (int64_t i = 0; i < kB; i += 16) _mm512_store_ps(random_m + i, coder_m.random16(_mm512_loadu_ps(r + b + i)));
+    pending = true;
+  }
+  return true;
+}
+#endif
+
+// update_q4 of a tensor with 4-bit moments, update_fp8 of one whose moments are both fp8; false (nothing done)
+// otherwise. (Not inlined: inlined, its loops cost the staged path of the other formats 2% in the same function.)
 template <int64_t kMode>
 __attribute__((noinline)) bool update_coded(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
                   const float* g) {
+#if defined(ORT_OPTIM_FP8_AVX512) && defined(ORT_OPTIM_LOW_BIT_AVX512)
+  if (w.exp_avg_low_bit) return update_q4<kMode>(w, h, off, n, s, p, g);
+#endif
   if (!w.exp_avg_fp8 || !w.exp_avg_sq_fp8) return false;
   const auto update = [&](auto fm_type, auto fv_type) {
     update_fp8<kMode, decltype(fm_type), decltype(fv_type)>(w, h, off, n, s, p, g);

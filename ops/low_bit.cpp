@@ -37,16 +37,6 @@ LowBit make_low_bit(int bits, int block, bool bf16_scales, const float (&m_level
                               : v_nearest};
 }
 
-#ifdef ORT_OPTIM_LOW_BIT_AVX512
-// t[idx] for 16 indices in [0, 128), t in 8 registers: four 2-register permutes on the low 5 bits, bits 5 and 6 pick.
-inline __m512 lookup128(const __m512* t, __m512i idx) {
-  __m512 r[4];
-  for (int k = 0; k < 4; ++k) r[k] = _mm512_permutex2var_ps(t[2 * k], idx, t[2 * k + 1]);
-  const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
-  const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
-  return _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[0], r[1]), _mm512_mask_blend_ps(b5, r[2], r[3]));
-}
-#endif
 
 // d[0, len) = the values of one block's codes c (8-bit: one per byte; 4-bit: element 2j in the low nibble of byte
 // j), scale s; v = u * u for a second moment. The scalar loops are the reference and do the vector loops' tails.
@@ -154,10 +144,10 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   const int sign_bit = map.sign_bit();
   int64_t i = 0;
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
-  const __m512 inv16 = _mm512_set1_ps(inv);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   const int64_t vector_end = len & ~int64_t(15);
 #ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
+  const __m512 inv16 = _mm512_set1_ps(inv);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   alignas(64) uint32_t keys[256], entries[256];
   if constexpr (kBits == 8) {
     for (; i < vector_end; i += 16) {
@@ -175,21 +165,7 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   }
 #endif
 
-  // exp_avg's stochastic rounding: its levels and gaps in registers (8 or 1 of each: 128 or 16 entries), and
-  // each lane's e * 0x9E3779B1 (e = first_index + i + lane), advanced by 16 * 0x9E3779B1 per iteration.
-  constexpr int kTableRegs = kBits == 8 ? 8 : 1;
-  __m512 level_table[kTableRegs], gap_table[kTableRegs];
-  __m512i e_hash = _mm512_setzero_si512();
-  if constexpr (kStochastic) {
-    for (int k = 0; k < kTableRegs; ++k) {
-      level_table[k] = _mm512_load_ps((kSquare ? map.squares() : map.decode()) + 16 * k);
-      gap_table[k] = _mm512_load_ps(map.sr_step() + 16 * k);
-    }
-    e_hash = _mm512_mullo_epi32(
-        _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(first_index))),
-                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-        _mm512_set1_epi32(int(0x9E3779B1u)));
-  }
+  Coder16<kBits, kSigned, kSquare> coder(map, inv, first_index, step);
   for (i = 0; i < vector_end; i += 16) {
     const __m512 x = _mm512_loadu_ps(u + i);
     __m512i code;
@@ -197,52 +173,18 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
 #ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
       code = CodeMap::codes_of_entries(_mm512_load_si512(keys + i), _mm512_load_si512(entries + i));
 #else
-      const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
-      const __m512i key = map.bucket_keys(a);
+      const __m512i key = map.bucket_keys(coder.magnitude(x));
       code = CodeMap::codes_of_entries(key, map.entries(key));
 #endif
+      code = coder.finish(x, coder.magnitude(x), code);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(code));
     } else {
-      const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
-      code = map.magnitude_codes_by_search<kSigned ? 8 : 16>(a);
-    }
-    if constexpr (kStochastic) {  // stochastically one level up: CodeMap::stochastic_magnitude_code, 16 lanes
-      const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
-      __m512 lowered = _mm512_castsi512_ps(_mm512_max_epi32(
-          _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(int(spec::kExpAvgSrUlps))), _mm512_setzero_si512()));
-      if constexpr (kSquare) lowered = _mm512_mul_ps(lowered, lowered);  // (lo is then the level's square)
-      // lo = levels[code] and hi - lo from registers (permutes, not gathers: a 16-lane gather costs about as much as
-      // the rest of this loop on Zen 4)
-      __m512 lo, gap;
-      if constexpr (kBits == 8) {
-        lo = lookup128(level_table, code);
-        gap = lookup128(gap_table, code);
-      } else {
-        lo = _mm512_permutexvar_ps(code, level_table[0]);
-        gap = _mm512_permutexvar_ps(code, gap_table[0]);
+      code = coder.codes4(x);
+      if constexpr (kDecoded) {
+        _mm512_storeu_ps(decoded + i, _mm512_mul_ps(_mm512_permutexvar_ps(code, _mm512_load_ps(map.decode())),
+                                                    _mm512_set1_ps(s)));
       }
-      __m512i r = _mm512_xor_si512(_mm512_castps_si512(x), e_hash);  // e * 0x9E3779B1, stepped by addition
-      e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(16u * 0x9E3779B1u)));
-      r = _mm512_xor_si512(fmix32x16(r), _mm512_set1_epi32(int(step * 0x85EBCA77u + 0x6A09E667u)));
-      r = fmix32x16(r);
-      const __m512 threshold = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), gap);
-      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(lowered, lo), threshold, _CMP_GT_OQ);
-      code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
-    }
-    if constexpr (kDecoded) {
-      _mm512_storeu_ps(decoded + i, _mm512_mul_ps(_mm512_permutexvar_ps(code, _mm512_load_ps(map.decode())),
-                                                  _mm512_set1_ps(s)));
-    }
-    if constexpr (kSigned) {  // the sign, for a non-zero magnitude of a negative value
-      const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ) &
-                                 _mm512_test_epi32_mask(code, code);
-      code = _mm512_mask_or_epi32(code, negative, code, _mm512_set1_epi32(sign_bit));
-    }
-    const __m128i bytes = _mm512_cvtepi32_epi8(code);
-    if constexpr (kBits == 8) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), bytes);
-    } else {  // element 2j's code in the low nibble of byte j, 2j + 1's in the high one: c[2j] + 16 * c[2j + 1]
-      const __m128i pairs = _mm_maddubs_epi16(bytes, _mm_set1_epi16(0x1001));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), _mm_packus_epi16(pairs, pairs));
+      decltype(coder)::store4(code, out + i / 2);
     }
   }
 #endif
@@ -352,10 +294,7 @@ void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t
       }
       u = finite_u;
     }
-    // The scale: the block's absolute maximum, rounded to nearest even where the format stores bfloat16 scales
-    // (which may overflow to inf: then the block is non-finite, like one holding inf).
-    if (f.bf16_scales && amax < 0x7F800000u) amax = (amax + 0x7FFFu + ((amax >> 16) & 1u)) & 0xFFFF0000u;
-    if (amax < 0x00800000u) amax = 0;  // below float32's smallest normal: a zero block (_spec.MIN_SCALE)
+    amax = f.scale_bits(amax);  // the scale
     uint8_t* out = kBits == 8 ? codes + off + q : codes + (off + q) / 2;
     float s;
     // the decoded sqrt(v) comes from the encoder, but for the rare overflowed and NaN blocks (decoded after storing)
@@ -398,12 +337,7 @@ void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t
       s = std::numeric_limits<float>::quiet_NaN();
       std::memset(out, 0, kBits == 8 ? len : (len + 1) / 2);
     }
-    const int64_t block_index = (off + q) / f.block;
-    if (f.bf16_scales) {
-      static_cast<uint16_t*>(scales)[block_index] = uint16_t(float_to_bits(s) >> 16);
-    } else {
-      static_cast<float*>(scales)[block_index] = s;
-    }
+    f.store_scale(scales, (off + q) / f.block, s);
     if (kSecondMoment && stored_root && !root_decoded) load_root<kBits>(f, codes, scales, off + q, len, stored_root + q);
   }
 }

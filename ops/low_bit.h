@@ -13,6 +13,7 @@
 
 #include "conversions.h"
 #include "ort_optim_spec.h"  // generated from ort_optim/_spec.py into the build folder (backends/native.py)
+#include "rounding.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ORT_OPTIM_LOW_BIT_AVX512 1
@@ -178,11 +179,137 @@ struct LowBit {
   CodeMap exp_avg_sq_sr;
 
   const CodeMap& map(bool second_moment) const { return second_moment ? exp_avg_sq : exp_avg; }
+  // The bits of the scale of a block whose largest magnitude has the bits amax (finite, or a block holding inf or
+  // NaN): amax rounded to nearest even where the format stores bfloat16 scales (which may overflow to inf: then the
+  // block is non-finite, like one holding inf), 0 below float32's smallest normal (a zero block, _spec.MIN_SCALE).
+  uint32_t scale_bits(uint32_t amax) const {
+    if (bf16_scales && amax < 0x7F800000u) amax = (amax + 0x7FFFu + ((amax >> 16) & 1u)) & 0xFFFF0000u;
+    return amax < 0x00800000u ? 0 : amax;
+  }
+  void store_scale(void* scales, int64_t block_index, float s) const {
+    if (bf16_scales) {
+      static_cast<uint16_t*>(scales)[block_index] = uint16_t(float_to_bits(s) >> 16);
+    } else {
+      static_cast<float*>(scales)[block_index] = s;
+    }
+  }
   float scale(const void* scales, int64_t block_index) const {
     return bf16_scales ? bits_to_float(uint32_t(static_cast<const uint16_t*>(scales)[block_index]) << 16)
                        : static_cast<const float*>(scales)[block_index];
   }
 };
+
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+// t[idx] for 16 indices in [0, 128), t in 8 registers: four 2-register permutes on the low 5 bits, bits 5 and 6 pick.
+inline __m512 lookup128(const __m512* t, __m512i idx) {
+  __m512 r[4];
+  for (int k = 0; k < 4; ++k) r[k] = _mm512_permutex2var_ps(t[2 * k], idx, t[2 * k + 1]);
+  const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+  const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+  return _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[0], r[1]), _mm512_mask_blend_ps(b5, r[2], r[3]));
+}
+
+// The codes of one block, 16 values at a time and in order (encode_block's vector loop; the Adam kernel's fused
+// 4-bit step codes with it too): the values' magnitudes times 1 / scale inv, rounded to a level of map; kSigned:
+// exp_avg's map (sign-magnitude codes); kSquare: sqrt(v) rounded stochastically in the square. The stochastic
+// rounding (CodeMap::stochastic_magnitude_code, 16 lanes) takes its level and the gap to the next one from registers
+// (8 or 1 of each: 128 or 16 entries; permutes, not gathers: a 16-lane gather costs about as much as the rest of
+// this loop on Zen 4), and each lane's e * 0x9E3779B1 (e = first_index + i + lane), advanced by 16 * 0x9E3779B1
+// per call.
+template <int kBits, bool kSigned, bool kSquare = false>
+struct Coder16 {
+  static constexpr bool kStochastic = kSigned || kSquare;
+  static constexpr int kTableRegs = kBits == 8 ? 8 : 1;
+  const CodeMap& map;
+  __m512 inv;
+  __m512 level_table[kTableRegs], gap_table[kTableRegs];
+  __m512i e_hash, step_key;
+
+  Coder16(const CodeMap& code_map, float inverse, uint64_t first_index, uint32_t step)
+      : map(code_map), inv(_mm512_set1_ps(inverse)) {
+    if constexpr (kStochastic) {
+      for (int k = 0; k < kTableRegs; ++k) {
+        level_table[k] = _mm512_load_ps((kSquare ? map.squares() : map.decode()) + 16 * k);
+        gap_table[k] = _mm512_load_ps(map.sr_step() + 16 * k);
+      }
+      start(first_index);
+      step_key = _mm512_set1_epi32(int(step * 0x85EBCA77u + 0x6A09E667u));
+    }
+  }
+
+  // The next call codes (or takes the random numbers of) element first_index and the 15 after it.
+  void start(uint64_t first_index) {
+    e_hash = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(first_index))),
+                                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                                _mm512_set1_epi32(int(0x9E3779B1u)));
+  }
+  void set_inverse(float inverse) { inv = _mm512_set1_ps(inverse); }
+
+  // |x| / scale
+  inline __m512 magnitude(__m512 x) const {
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF))),
+                         inv);
+  }
+
+  // The stochastic rounding's random numbers of 16 values x (the next 16 elements): float(r >> 8), r the 32 random
+  // bits of each (exp_avg_random_bits).
+  inline __m512 random16(__m512 x) {
+    __m512i r = _mm512_xor_si512(_mm512_castps_si512(x), e_hash);  // e * 0x9E3779B1, stepped by addition
+    e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(16u * 0x9E3779B1u)));
+    r = fmix32x16(_mm512_xor_si512(fmix32x16(r), step_key));
+    return _mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8));
+  }
+  // The codes of 16 values x whose magnitudes a (magnitude(x)) have the level codes code (round to nearest, or the
+  // level at or below for a stochastic map): rounded one level up stochastically, and the sign. random: random16(x),
+  // where taken before (in a loop of its own).
+  inline __m512i finish(__m512 x, __m512 a, __m512i code) {
+    return finish(x, a, code, kStochastic ? random16(x) : _mm512_setzero_ps());
+  }
+  inline __m512i finish(__m512 x, __m512 a, __m512i code, __m512 random) {
+    if constexpr (kStochastic) {
+      __m512 lowered = _mm512_castsi512_ps(_mm512_max_epi32(
+          _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(int(spec::kExpAvgSrUlps))),
+          _mm512_setzero_si512()));
+      if constexpr (kSquare) lowered = _mm512_mul_ps(lowered, lowered);  // (lo is then the level's square)
+      __m512 lo, gap;
+      if constexpr (kBits == 8) {
+        lo = lookup128(level_table, code);
+        gap = lookup128(gap_table, code);
+      } else {
+        lo = _mm512_permutexvar_ps(code, level_table[0]);
+        gap = _mm512_permutexvar_ps(code, gap_table[0]);
+      }
+      const __m512 threshold = _mm512_mul_ps(random, gap);
+      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(lowered, lo), threshold, _CMP_GT_OQ);
+      code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
+    }
+    if constexpr (kSigned) {  // the sign, for a non-zero magnitude of a negative value
+      const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ) &
+                                 _mm512_test_epi32_mask(code, code);
+      code = _mm512_mask_or_epi32(code, negative, code, _mm512_set1_epi32(map.sign_bit()));
+    }
+    return code;
+  }
+
+  // 4-bit maps: the codes of 16 values, by the binary search over the thresholds in registers.
+  inline __m512i codes4(__m512 x) {
+    static_assert(kBits == 4, "the search in registers is the 4-bit maps'");
+    const __m512 a = magnitude(x);
+    return finish(x, a, map.template magnitude_codes_by_search<kSigned ? 8 : 16>(a));
+  }
+  inline __m512i codes4(__m512 x, __m512 random) {  // with random16(x), taken before
+    const __m512 a = magnitude(x);
+    return finish(x, a, map.template magnitude_codes_by_search<kSigned ? 8 : 16>(a), random);
+  }
+
+  // 16 4-bit codes written as the format stores them: element 2j's code in the low nibble of byte j, 2j + 1's in the
+  // high one (c[2j] + 16 * c[2j + 1]), 8 bytes.
+  static inline void store4(__m512i code, uint8_t* out) {
+    const __m128i pairs = _mm_maddubs_epi16(_mm512_cvtepi32_epi8(code), _mm_set1_epi16(0x1001));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(pairs, pairs));
+  }
+};
+#endif
 
 // The two formats, built once from ort_optim_spec.h: 8-bit codes with float32 scales, 4-bit codes (two per byte)
 // with bfloat16 scales.

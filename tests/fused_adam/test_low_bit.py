@@ -2067,15 +2067,18 @@ def test_many_steps_follow_adamw_within_the_formats_precision(backend, m_dtype, 
 
 @pytest.mark.parametrize("m_dtype,v_dtype", [(torch.float8_e4m3fn, torch.float8_e4m3fn),
                                               (torch.float8_e5m2, torch.float8_e5m2),
-                                              (torch.float8_e4m3fn, torch.float8_e5m2)],
-                         ids=["e4m3fn", "e5m2", "e4m3fn-e5m2"])
+                                              (torch.float8_e4m3fn, torch.float8_e5m2),
+                                              (torch.uint4, torch.uint4)],
+                         ids=["e4m3fn", "e5m2", "e4m3fn-e5m2", "uint4"])
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("mode", list(AdamWMode), ids=[m.name for m in AdamWMode])
 def test_both_cpu_backends_give_the_same_bits(amsgrad, mode, m_dtype, v_dtype, monkeypatch):
     """Every element's gradient has its own magnitude over eight decades, so that blocks hold subnormal codes and
     zeros beside their largest values; blocks end inside a vector of 16 (the (300, 7) param); a param ends on a whole
-    block before the next one starts (the (768,) param), one spans two work items of 64K elements, and one gradient
-    of 1e30 overflows v (its block's scale flagged) in the third of six steps."""
+    block before the next one starts (the (768,) param: six whole 4-bit blocks, fewer than a work block), one spans
+    two work items of 64K elements, and one gradient of 1e30 overflows v (its block's scale flagged) in the third of
+    six steps. The fp8 pairs and the 4-bit format each take a path of their own in the native kernel (blocks
+    updated while the block before is coded)."""
     from conftest import select_backend
 
     shapes = [(768,), (300, 7), (5,), (), (1024,), (66000,)]
