@@ -714,6 +714,7 @@ def test_under_distributed_data_parallel_the_first_backward_is_refused_before_an
     if not dist.is_available() or dist.is_initialized():
         pytest.skip("needs torch.distributed, without a process group already set up")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    ddp = None
     try:
         model = TinyLM(branch_every=1)
         ddp = torch.nn.parallel.DistributedDataParallel(model) if order == "DDP made first" else None
@@ -732,7 +733,8 @@ def test_under_distributed_data_parallel_the_first_backward_is_refused_before_an
             model(lm_tokens(1), 0).backward()  # (the module itself too: its params are DDP's)
         assert set(_steps_taken(opt).values()) == {0}
     finally:
-        dist.destroy_process_group()
+        ddp = None  # (freed before its process group: _destroy_process_group)
+        _destroy_process_group()
 
 
 @pytest.mark.parametrize("pattern", ["step() after backward", "zero_grad() before backward", "backward only"])
@@ -746,6 +748,7 @@ def test_under_distributed_data_parallel_made_after_the_first_backward_a_second_
     if not dist.is_available() or dist.is_initialized():
         pytest.skip("needs torch.distributed, without a process group already set up")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    ddp = None
     try:
         model = TinyLM(branch_every=1)
         opt = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
@@ -763,7 +766,20 @@ def test_under_distributed_data_parallel_made_after_the_first_backward_a_second_
                 opt.step() if pattern.startswith("step()") else opt.zero_grad()
         assert set(_steps_taken(opt).values()) == {2}  # once per backward, never twice
     finally:
-        dist.destroy_process_group()
+        ddp = None  # (freed before its process group: _destroy_process_group)
+        _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    """Destroys the process group once the DDP module is dropped and collected (its reducer, and the reference cycles
+    a refused backward's traceback leaves): destroy_process_group shuts the group's worker threads down with the GIL
+    released. The other order can hang: the reducer, freed last under the GIL, destroys the gloo group and joins a
+    worker thread that is finishing an allreduce the refused backward started, and which needs the GIL to release
+    that work's saved Python state (seen with torch 2.13)."""
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()
 
 
 @pytest.mark.slow
