@@ -145,15 +145,12 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   int64_t i = 0;
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
   const int64_t vector_end = len & ~int64_t(15);
+  Coder16<kBits, kSigned, kSquare> coder(map, inv, first_index, step);
 #ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
-  const __m512 inv16 = _mm512_set1_ps(inv);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   alignas(64) uint32_t keys[256], entries[256];
   if constexpr (kBits == 8) {
     for (; i < vector_end; i += 16) {
-      const __m512 x = _mm512_loadu_ps(u + i);
-      const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_mask)), inv16);
-      _mm512_store_si512(keys + i, map.bucket_keys(a));
+      _mm512_store_si512(keys + i, map.bucket_keys(coder.magnitude(_mm512_loadu_ps(u + i))));
     }
     for (i = 0; i < vector_end; ++i) {
       uint32_t key = keys[i];
@@ -165,18 +162,18 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   }
 #endif
 
-  Coder16<kBits, kSigned, kSquare> coder(map, inv, first_index, step);
   for (i = 0; i < vector_end; i += 16) {
     const __m512 x = _mm512_loadu_ps(u + i);
     __m512i code;
     if constexpr (kBits == 8) {
+      const __m512 a = coder.magnitude(x);
 #ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
       code = CodeMap::codes_of_entries(_mm512_load_si512(keys + i), _mm512_load_si512(entries + i));
 #else
-      const __m512i key = map.bucket_keys(coder.magnitude(x));
+      const __m512i key = map.bucket_keys(a);
       code = CodeMap::codes_of_entries(key, map.entries(key));
 #endif
-      code = coder.finish(x, coder.magnitude(x), code);
+      code = coder.finish(x, a, code);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(code));
     } else {
       code = coder.codes4(x);
