@@ -151,31 +151,27 @@ def build(verbose: bool = False) -> Path:
 
     folder = build_dir()
     with build_lock(folder):
-        _build_into(folder, load, verbose)
+        sources = folder / "src"  # (compiler messages name these copies: the same files as ops/, by the folder's key)
+        sources.mkdir(parents=True, exist_ok=True)
+        for path in _source_files():
+            copy = sources / path.name
+            if not copy.exists() or copy.read_bytes() != path.read_bytes():  # (a rewrite would make ninja recompile)
+                copy.write_bytes(path.read_bytes())
+        header, text = folder / "ort_optim_spec.h", spec_header()
+        if not header.exists() or header.read_text() != text:  # (a rewrite makes ninja recompile the kernels: 25-50 s)
+            header.write_text(text)
+        load(
+            name="ort_optim_ops",
+            sources=[str(sources / name) for name in SOURCES if name.endswith(".cpp")],
+            extra_cflags=CFLAGS,
+            # (--as-needed: torch's build adds -ltorch_python, which the library does not use)
+            extra_ldflags=["-fopenmp", "-Wl,--as-needed"],
+            extra_include_paths=[str(folder)],
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=verbose,
+        )
     return folder / "ort_optim_ops.so"
-
-
-def _build_into(folder: Path, load, verbose: bool) -> None:
-    sources = folder / "src"  # (compiler messages name these copies: the same files as ops/, by the folder's key)
-    sources.mkdir(parents=True, exist_ok=True)
-    for path in _source_files():
-        copy = sources / path.name
-        if not copy.exists() or copy.read_bytes() != path.read_bytes():  # (a rewrite would make ninja recompile)
-            copy.write_bytes(path.read_bytes())
-    header, text = folder / "ort_optim_spec.h", spec_header()
-    if not header.exists() or header.read_text() != text:  # (a rewrite makes ninja recompile the kernels: 25-50 s)
-        header.write_text(text)
-    load(
-        name="ort_optim_ops",
-        sources=[str(sources / name) for name in SOURCES if name.endswith(".cpp")],
-        extra_cflags=CFLAGS,
-        # (--as-needed: torch's build adds -ltorch_python, which the library does not use)
-        extra_ldflags=["-fopenmp", "-Wl,--as-needed"],
-        extra_include_paths=[str(folder)],
-        build_directory=str(folder),
-        is_python_module=False,
-        verbose=verbose,
-    )
 
 
 def _register_fakes() -> None:
