@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))  # the package under test, whatever the working di
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/reference.py
 
 from ort_optim import backends  # noqa: E402
-from ort_optim.bench.common import one_intra_op_thread  # noqa: E402
+from ort_optim.bench.common import intra_op_threads  # noqa: E402
 
 # One intra-op thread for the FusedAdam specification tests: on the shared 2-core machines a second OpenMP thread that
 # has to wait for a busy core makes small tensor ops 20x slower. The kernels' results do not depend on the thread
@@ -35,7 +35,7 @@ def _one_intra_op_thread(request):
     if request.module.__name__ not in SINGLE_THREAD_MODULES:
         yield
         return
-    with one_intra_op_thread():
+    with intra_op_threads(1):
         yield
 
 

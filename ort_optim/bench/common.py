@@ -83,19 +83,19 @@ def time_interleaved_one_thread(candidates: dict[str, Callable[[], None]], warmu
     """time_interleaved on one intra-op thread (the thread count is restored after): for hot, cache-resident steps
     whose compute is divided by the thread count afterwards. A short parallel region on a shared 2-core machine
     waits for whichever of its threads the scheduler took away (measured: a 250 us step took 8-16 ms under load)."""
-    with one_intra_op_thread():
+    with intra_op_threads(1):
         return time_interleaved(candidates, warmup, reps, clock)
 
 
 @contextmanager
-def one_intra_op_thread():
-    """torch on one intra-op thread inside the block; the thread count is restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def intra_op_threads(threads: int):
+    """torch on this many intra-op threads inside the block; the thread count is restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(previous)
 
 
 def time_after_probe(candidates: dict[str, Callable[[], None]], moved_bytes: dict[str, float], quick: bool,

@@ -44,7 +44,7 @@ import torch
 from .. import _plan, backends
 from ..backends import triton as triton_backend
 from ..fused_adam import AdamWMode, FusedAdam
-from .common import WORKLOADS, make_params, one_intra_op_thread, time_after_probe, time_interleaved_one_thread
+from .common import WORKLOADS, intra_op_threads, make_params, time_after_probe, time_interleaved_one_thread
 
 
 @contextmanager
@@ -105,16 +105,6 @@ def _between_steps(kind: str, params: list, grads: list):
     return write_both
 
 
-@contextmanager
-def _intra_op_threads(threads: int):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def run_native_cpu(quick: bool) -> list[dict]:
     rows = []
     for threads in sorted({1, torch.get_num_threads()}):
@@ -128,7 +118,7 @@ def _native_cpu_row(quick: bool, threads: int, between: str) -> dict:
     grads = [p.grad.clone() for p in params]
     opt = FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
     prepare = _between_steps(between, params, grads)
-    with _intra_op_threads(threads):
+    with intra_op_threads(threads):
         opt.step()  # (plans)
         plans = [opt._plan]  # (each plan the timed calls step with: more than one means they planned again)
 
@@ -169,7 +159,7 @@ def run_triton_host(quick: bool) -> list[dict]:
     launch = triton_backend.adam_step_
     triton_backend.adam_step_ = lambda *args, grad_norm=False, **kwargs: torch.zeros(2) if grad_norm else None
     try:
-        with _environment("ORT_OPTIM_BACKEND", "triton"), one_intra_op_thread():
+        with _environment("ORT_OPTIM_BACKEND", "triton"), intra_op_threads(1):
             for workload, shapes in (("2000x1K", WORKLOADS["2000x1K"](quick)),
                                      ("gpt2-small", WORKLOADS["gpt2-small"](True))):
                 params = make_params(shapes)

@@ -59,15 +59,6 @@ else:
 BNB_KEY = "__bnb_optimizer_quant_state__"
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """One intra-op thread: small tensors on the shared 2-core machines run fastest so (results do not depend on it)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 # ---- the layouts, built from plain tensors -----------------------------------------------------------------------
 
 

@@ -77,6 +77,7 @@ from conftest import (
 )
 
 from ort_optim import AdamWMode, FusedAdam, _plan, backends
+from ort_optim.bench.common import intra_op_threads
 
 TOL = dict(rtol=1e-5, atol=1e-7)
 SHAPES = [(5,), (3, 4), ()]
@@ -1515,10 +1516,8 @@ MANY = [(5,), (3, 4)] * 150
 
 @pytest.fixture
 def two_intra_op_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(previous)
+    with intra_op_threads(2):
+        yield
 
 
 def _planned_many(monkeypatch) -> tuple[FusedAdam, list, backends.AdamPlan]:
@@ -1570,9 +1569,7 @@ def test_a_step_on_several_threads_marks_what_it_writes_as_on_one_and_gives_the_
     select_backend(monkeypatch, "native")
 
     def run(threads: int) -> tuple[dict, list]:
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with intra_op_threads(threads):
             g = torch.Generator().manual_seed(4)
             flat = torch.randn(200, 4, generator=g)
             params = [torch.nn.Parameter(v) for v in flat] + _params(seed=1, shapes=MANY[:100])
@@ -1587,8 +1584,6 @@ def test_a_step_on_several_threads_marks_what_it_writes_as_on_one_and_gives_the_
                 after = [flat._version] + [p._version for p in params[200:]] + [t._version for t in steps]
                 marks.append([b - a for a, b in zip(before, after)])
             return optimizer_snapshot(opt), marks
-        finally:
-            torch.set_num_threads(previous)
 
     one, one_marks = run(1)
     two, two_marks = run(2)
