@@ -23,6 +23,7 @@ Rank 0 prints the loss every ``--log-every`` steps and, at the end, a JSON line 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -177,48 +178,57 @@ def main(argv=None) -> int:
 
     rank, world, device = setup()
     try:
-        model, batches, cfg = build(args, device)
-        model, dp_rank, dp_size, group = parallelize(model, args, world, device)
-        opt = optimizer_for(model, args, cfg, group)
-        start = load(model, opt, args.load) if args.load else 0
-        losses, opt_ms = [], []
-        for step in range(start, start + cfg["steps"]):
-            if args.model == "gpt":
-                for g in opt.param_groups:
-                    g["lr"] = gpt.lr_at(min(step, cfg["steps"] - 1), cfg)
-            x, y = batches(step % cfg["steps"] if args.model == "gpt" else step)
-            x, y = x.chunk(dp_size)[dp_rank].to(device), y.chunk(dp_size)[dp_rank].to(device)
-            opt.zero_grad()
-            loss = model(x, y)
-            loss.backward()
-            t0 = time.perf_counter()
-            opt.step()
-            opt_ms.append((time.perf_counter() - t0) * 1e3)
-            loss = loss.detach().clone()
-            if dp_size > 1:  # the mean over the data-parallel ranks (for the log only)
-                dist.all_reduce(loss)
-                loss /= world  # (tp ranks of a 2d row hold equal losses: summing them all and dividing by world works)
-            losses.append(float(loss))
-            if rank == 0 and (step - start) % args.log_every == 0:
-                print(f"step {step:4d}  loss {losses[-1]:.4f}  optimizer {opt_ms[-1]:.2f} ms"
-                      f"{'  (skipped)' if opt.last_step_skipped else ''}", flush=True)
-        if args.save:
-            save(model, opt, args.save, start + cfg["steps"])
-        summary = dict(parallel=args.parallel, model=args.model, world=world, start=start, steps=cfg["steps"],
-                       first_loss=losses[0], final_loss=losses[-1], finite=all(map(math.isfinite, losses)),
-                       optimizer_ms_median=sorted(opt_ms)[len(opt_ms) // 2], saved=args.save, loaded=args.load)
+        summary = train(args, rank, world, device)
         if rank == 0:
             print(json.dumps(summary), flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(summary))
-        # With torch 2.4, destroy_process_group() can deadlock if a gloo worker thread is still freeing the tensors
-        # of the last collective (DCP's save ends with one): the destructor holds the GIL while it joins that
-        # thread, and the thread needs the GIL. A barrier first lets that thread finish. (Not in `finally`: after
-        # an error on one rank the others would wait in it.)
+        # The model, the optimizer and their DTensors are gone with train()'s frame; collecting their reference
+        # cycles now frees whatever they held of the process group while it is alive, not at interpreter exit,
+        # where a gloo worker thread still running can abort the process. With torch 2.4, destroy_process_group()
+        # can also deadlock if a gloo worker thread is still freeing the tensors of the last collective (DCP's save
+        # ends with one): the destructor holds the GIL while it joins that thread, and the thread needs the GIL. A
+        # barrier first lets that thread finish. (Not in `finally`: after an error on one rank the others would wait
+        # in it.)
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def train(args, rank: int, world: int, device: torch.device) -> dict:
+    """Builds, parallelizes, optionally resumes, trains and optionally saves; returns this rank's summary of the run."""
+    model, batches, cfg = build(args, device)
+    model, dp_rank, dp_size, group = parallelize(model, args, world, device)
+    opt = optimizer_for(model, args, cfg, group)
+    start = load(model, opt, args.load) if args.load else 0
+    losses, opt_ms = [], []
+    for step in range(start, start + cfg["steps"]):
+        if args.model == "gpt":
+            for g in opt.param_groups:
+                g["lr"] = gpt.lr_at(min(step, cfg["steps"] - 1), cfg)
+        x, y = batches(step % cfg["steps"] if args.model == "gpt" else step)
+        x, y = x.chunk(dp_size)[dp_rank].to(device), y.chunk(dp_size)[dp_rank].to(device)
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        t0 = time.perf_counter()
+        opt.step()
+        opt_ms.append((time.perf_counter() - t0) * 1e3)
+        loss = loss.detach().clone()
+        if dp_size > 1:  # the mean over the data-parallel ranks (for the log only)
+            dist.all_reduce(loss)
+            loss /= world  # (tp ranks of a 2d row hold equal losses: summing them all and dividing by world works)
+        losses.append(float(loss))
+        if rank == 0 and (step - start) % args.log_every == 0:
+            print(f"step {step:4d}  loss {losses[-1]:.4f}  optimizer {opt_ms[-1]:.2f} ms"
+                  f"{'  (skipped)' if opt.last_step_skipped else ''}", flush=True)
+    if args.save:
+        save(model, opt, args.save, start + cfg["steps"])
+    return dict(parallel=args.parallel, model=args.model, world=world, start=start, steps=cfg["steps"],
+                first_loss=losses[0], final_loss=losses[-1], finite=all(map(math.isfinite, losses)),
+                optimizer_ms_median=sorted(opt_ms)[len(opt_ms) // 2], saved=args.save, loaded=args.load)
 
 
 if __name__ == "__main__":
