@@ -42,10 +42,7 @@ TensorWatch::TensorWatch(const std::vector<at::Tensor>& params, std::vector<std:
   // The cache lines check() reads of each param's planned objects (prefetch_ahead), each listed once: the first
   // param that reads a line (a storage its states share, the steps') lists it, later ones find it cached.
   storage_data_offset_ = metadata::storage_data_offset();
-  std::unordered_set<uintptr_t> seen;
-  auto add = [&](uintptr_t line) {
-    if (seen.insert(line).second) lines_.push_back(line);
-  };
+  auto add = [&](uintptr_t line) { lines_.push_back(line); };
   for (size_t i = 0; i < n; ++i) {
     line_begin_.push_back(uint32_t(lines_.size()));
     const Watch* w = &watches_[i * per_param_];
@@ -56,6 +53,8 @@ TensorWatch::TensorWatch(const std::vector<at::Tensor>& params, std::vector<std:
     metadata::meta_lines(param_impls_[i]->autograd_meta(), add);
   }
   line_begin_.push_back(uint32_t(lines_.size()));
+  metadata::keep_first(lines_, line_begin_);
+  lines_.shrink_to_fit();
 }
 
 namespace {

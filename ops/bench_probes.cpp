@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <unordered_set>
 #include <vector>
 
 #include "metadata_lines.h"
@@ -214,23 +213,22 @@ void mixed_floor_step(const std::vector<at::Tensor>& params, const std::vector<a
 // The distinct cache lines a check reads for these tensors, in the check's order: per param its TensorImpl, its
 // storage, each state's TensorImpl and storage (states: per state list, one tensor per param), its step tensor's,
 // its AutogradMeta's grad field, its gradient's TensorImpl and storage; then steps'. As TensorWatch lists them for
-// AdamPlan (data pointers compared for states only), plus the gradients it finds at check time.
-at::Tensor validation_floor_lines(const std::vector<at::Tensor>& params,
-                                  const std::vector<std::vector<at::Tensor>>& states,
-                                  const std::vector<at::Tensor>& step_tensors, const at::Tensor& steps) {
+// AdamPlan (data pointers compared for states only), plus the gradients it finds at check time. Written into out
+// (int64, listed lines first); returns how many. (Listing allocates a few large buffers only: see keep_first.)
+int64_t validation_floor_lines(const std::vector<at::Tensor>& params,
+                               const std::vector<std::vector<at::Tensor>>& states,
+                               const std::vector<at::Tensor>& step_tensors, const at::Tensor& steps, at::Tensor out) {
   namespace md = ort_optim::metadata;
+  TORCH_CHECK(step_tensors.size() == params.size(), "one step tensor per param");
+  for (const auto& list : states) TORCH_CHECK(list.size() == params.size(), "every state list needs one tensor per param");
   const size_t data_offset = md::storage_data_offset();
-  std::vector<int64_t> lines;
-  std::unordered_set<uintptr_t> seen;
-  auto add = [&](uintptr_t line) {
-    if (seen.insert(line).second) lines.push_back(int64_t(line));
-  };
+  std::vector<uintptr_t> all;  // in order, with repeats until keep_first
+  all.reserve(32 * (params.size() + 1));
+  auto add = [&](uintptr_t line) { all.push_back(line); };
   auto watched = [&](const at::Tensor& t, md::Role role, bool data) {
     md::impl_lines(t.unsafeGetTensorImpl(), role, t.dim(), add);
     md::storage_lines(t.storage().unsafeGetStorageImpl(), data, data_offset, add);
   };
-  TORCH_CHECK(step_tensors.size() == params.size(), "one step tensor per param");
-  for (const auto& list : states) TORCH_CHECK(list.size() == params.size(), "every state list needs one tensor per param");
   for (size_t i = 0; i < params.size(); ++i) {
     TORCH_CHECK(params[i].grad().defined(), "params[", i, "] has no gradient");
     watched(params[i], md::Role::kParam, false);
@@ -240,18 +238,25 @@ at::Tensor validation_floor_lines(const std::vector<at::Tensor>& params,
     watched(params[i].grad(), md::Role::kGrad, false);
   }
   watched(steps, md::Role::kWatched, false);
-  return at::tensor(lines, at::kLong);
+  std::vector<uint32_t> no_begins;
+  md::keep_first(all, no_begins);
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && size_t(out.numel()) >= all.size(),
+              "out must be a contiguous int64 tensor of at least ", all.size(), " elements");
+  std::copy(all.begin(), all.end(), out.data_ptr<int64_t>());
+  const int64_t count = int64_t(all.size());
+  return count;
 }
 
-// One load per listed line, the line `ahead` places later prefetched first: the least a check of these lines can
-// cost. Returns the bytes' sum (so that the loads cannot be left out).
-int64_t touch_lines(const at::Tensor& lines, int64_t ahead) {
+// One load per listed line (lines[0, count)), the line `ahead` places later prefetched first: the least a check of
+// these lines can cost. Returns the bytes' sum (so that the loads cannot be left out).
+int64_t touch_lines(const at::Tensor& lines, int64_t count, int64_t ahead) {
+  TORCH_CHECK(lines.scalar_type() == at::kLong && lines.is_contiguous() && count <= lines.numel(),
+              "lines must be a contiguous int64 tensor of at least count elements");
   const int64_t* line = lines.data_ptr<int64_t>();
-  const int64_t n = lines.numel();
   int64_t sum = 0;
-  for (int64_t i = 0; i < std::min(n, ahead); ++i) __builtin_prefetch(reinterpret_cast<const void*>(line[i]));
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + ahead < n) __builtin_prefetch(reinterpret_cast<const void*>(line[i + ahead]));
+  for (int64_t i = 0; i < std::min(count, ahead); ++i) __builtin_prefetch(reinterpret_cast<const void*>(line[i]));
+  for (int64_t i = 0; i < count; ++i) {
+    if (i + ahead < count) __builtin_prefetch(reinterpret_cast<const void*>(line[i + ahead]));
     sum += *reinterpret_cast<const volatile char*>(line[i]);
   }
   return sum;

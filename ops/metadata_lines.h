@@ -17,8 +17,10 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace ort_optim::metadata {
 
@@ -111,6 +113,26 @@ inline const at::Tensor* grad_field(const c10::TensorImpl* param) {
 template <class Add>
 inline void meta_lines(const c10::AutogradMetaInterface* meta, Add&& add) {
   if (meta != nullptr) range(&static_cast<const torch::autograd::AutogradMeta*>(meta)->grad_, sizeof(void*), add);
+}
+
+// Keeps each line of `lines` at its first place only; `begins` (ascending positions in lines, e.g. where each
+// param's lines start) move with the lines they point at. Sorts a copy rather than filling a hash set: a set's
+// thousands of small nodes, freed, would take the holes in the heap where the next tensors' metadata goes.
+inline void keep_first(std::vector<uintptr_t>& lines, std::vector<uint32_t>& begins) {
+  std::vector<uintptr_t> sorted(lines);
+  std::sort(sorted.begin(), sorted.end());
+  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+  std::vector<char> kept(sorted.size(), 0);
+  size_t out = 0, b = 0;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    for (; b < begins.size() && begins[b] == i; ++b) begins[b] = uint32_t(out);
+    const size_t k = std::lower_bound(sorted.begin(), sorted.end(), lines[i]) - sorted.begin();
+    if (kept[k]) continue;
+    kept[k] = 1;
+    lines[out++] = lines[i];
+  }
+  for (; b < begins.size(); ++b) begins[b] = uint32_t(out);
+  lines.resize(out);
 }
 
 }  // namespace ort_optim::metadata

@@ -96,16 +96,26 @@ class ValidationFloor:
     (TensorWatch::check) of these tensors. buckets: the plan's (ort_optim._plan.Bucket: params, state_lists(),
     step_tensors, steps). :meth:`list_lines` lists the lines again (untimed) after the gradients change."""
 
+    MAX_LINES_PER_PARAM = 64  # (about 20 in practice: see metadata_lines.h)
+
     def __init__(self, buckets: list, ahead: int = 32):
         self.lib, self.ahead, self.buckets = library(), ahead, list(buckets)
+        # (one buffer per bucket, allocated once: listing again allocates nothing the step's tensors would notice)
+        self.lines = [torch.empty(self.MAX_LINES_PER_PARAM * (len(b.params) + 1), dtype=torch.int64)
+                      for b in self.buckets]
+        self.counts = [0] * len(self.buckets)
         self.list_lines()
 
     def list_lines(self) -> None:
-        self.lines = [self.lib.validation_floor_lines(b.params, [s for s in b.state_lists() if s], b.step_tensors,
-                                                      b.steps)
-                      for b in self.buckets]
-        self.line_count = sum(lines.numel() for lines in self.lines)
+        for j, b in enumerate(self.buckets):
+            self.counts[j] = self.lib.validation_floor_lines(b.params, [s for s in b.state_lists() if s],
+                                                             b.step_tensors, b.steps, self.lines[j])
+        self.line_count = sum(self.counts)
+
+    def listed(self, j: int = 0) -> list[int]:
+        """Bucket j's lines, as addresses."""
+        return self.lines[j][: self.counts[j]].tolist()
 
     def __call__(self) -> None:
-        for lines in self.lines:
-            self.lib.touch_lines(lines, self.ahead)
+        for lines, count in zip(self.lines, self.counts):
+            self.lib.touch_lines(lines, count, self.ahead)

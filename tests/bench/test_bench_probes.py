@@ -93,8 +93,7 @@ def test_validation_floor_lists_each_metadata_line_a_check_reads_once_and_loads_
     opt = FusedAdam(params, lr=1e-3)
     opt.step()
     floor = probes.ValidationFloor([bucket for _, _, bucket in opt._plan.buckets()], ahead=4)
-    (lines,) = floor.lines
-    listed = lines.tolist()
+    listed = floor.listed()
     assert len(set(listed)) == len(listed) and all(line % 64 == 0 for line in listed)
     # every TensorImpl the check reads (param, gradient, moments, step tensor) has the lines of its fields listed:
     # its fields span at least 3 lines from its first one
@@ -106,10 +105,10 @@ def test_validation_floor_lists_each_metadata_line_a_check_reads_once_and_loads_
     assert 12 * len(params) <= len(listed) <= 30 * len(params) + 8
     # and each listed line is loaded: the sum of one byte per line (its first), as the lines hold them
     expected = sum(ctypes.c_int8.from_address(line).value for line in listed)
-    assert library.touch_lines(lines, 4) == expected
+    assert library.touch_lines(floor.lines[0], floor.counts[0], 4) == expected
     # new gradient tensors: their lines are listed again
     old_grad = params[0].grad._cdata
     params[0].grad = params[0].grad.clone()
     floor.list_lines()
     assert any(params[0].grad._cdata - params[0].grad._cdata % 64 <= line < params[0].grad._cdata + 256
-               for line in floor.lines[0].tolist()) and params[0].grad._cdata != old_grad
+               for line in floor.listed()) and params[0].grad._cdata != old_grad
