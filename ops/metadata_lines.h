@@ -74,7 +74,8 @@ inline void impl_lines(const c10::TensorImpl* t, Role role, int64_t dim, Add&& a
   if (dim <= C10_SIZES_AND_STRIDES_MAX_INLINE_SIZE) {
     range(sas + sizeof(size_t), dim * sizeof(int64_t), add);
     range(sas + sizeof(size_t) + C10_SIZES_AND_STRIDES_MAX_INLINE_SIZE * sizeof(int64_t), dim * sizeof(int64_t), add);
-  } else {  // (the heap array, sizes then strides: its pointer is read to find it)
+  } else if (role != Role::kGrad) {  // (the heap array, sizes then strides, found through sizes() of a tensor the
+    // watch has validated; a gradient's, not validated yet, is not prefetched: sizes() can throw for exotic layouts)
     range(t->sizes().data(), 2 * dim * sizeof(int64_t), add);
   }
   range(base + ImplFields::kStorageOffset, sizeof(int64_t), add);
