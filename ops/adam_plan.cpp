@@ -1,9 +1,11 @@
 // TensorWatch and AdamPlan (declared, with their contracts, in adam_plan.h).
 #include "adam_plan.h"
 
+#include <algorithm>
 #include <unordered_set>
 
 #include "grad_stats.h"
+#include "metadata_lines.h"
 #include "step.h"
 #include "validation.h"
 
@@ -13,7 +15,7 @@ namespace ort_optim {
 
 TensorWatch::TensorWatch(const std::vector<at::Tensor>& params, std::vector<std::vector<at::Tensor>> states,
                          std::vector<at::Tensor> step_tensors, at::Tensor steps,
-                         const std::vector<at::Tensor>& idle_params)
+                         const std::vector<at::Tensor>& idle_params, bool data_read_afresh)
     : states_(std::move(states)), step_tensors_(std::move(step_tensors)), steps_(std::move(steps)) {
   const size_t n = params.size();
   for (const auto& list : states_) {
@@ -27,14 +29,100 @@ TensorWatch::TensorWatch(const std::vector<at::Tensor>& params, std::vector<std:
   // Per param, its tensors in a fixed order: the param, its states (in states_' order) and its step tensor
   // (`step.data = t` gives it another storage, which the step must then honour, as torch.optim does); then steps.
   per_param_ = 2 + states_.size();
+  const bool compare_all = !data_read_afresh;
   for (size_t i = 0; i < n; ++i) {
     param_impls_.push_back(params[i].unsafeGetTensorImpl());
-    watches_.push_back(watch(params[i]));
-    for (const auto& list : states_) watches_.push_back(watch(list[i]));
-    watches_.push_back(watch(step_tensors_[i]));
+    watches_.push_back(watch(params[i], compare_all));
+    for (const auto& list : states_) watches_.push_back(watch(list[i], true));
+    watches_.push_back(watch(step_tensors_[i], compare_all));
   }
-  watches_.push_back(watch(steps_));
+  watches_.push_back(watch(steps_, compare_all));
   for (const at::Tensor& q : idle_params) idle_impls_.push_back(q.unsafeGetTensorImpl());
+
+  // The cache lines check() reads of each param's planned objects (prefetch_ahead), each listed once: the first
+  // param that reads a line (a storage its states share, the steps') lists it, later ones find it cached.
+  storage_data_offset_ = metadata::storage_data_offset();
+  auto add = [&](uintptr_t line) { lines_.push_back(line); };
+  for (size_t i = 0; i < n; ++i) {
+    line_begin_.push_back(uint32_t(lines_.size()));
+    const Watch* w = &watches_[i * per_param_];
+    for (size_t k = 0; k < per_param_; ++k) {
+      metadata::impl_lines(w[k].impl, k == 0 ? metadata::Role::kParam : metadata::Role::kWatched, w[k].dim, add);
+      metadata::storage_lines(w[k].storage.unsafeGetStorageImpl(), w[k].compare_data, storage_data_offset_, add);
+    }
+    metadata::meta_lines(param_impls_[i]->autograd_meta(), add);
+  }
+  line_begin_.push_back(uint32_t(lines_.size()));
+  metadata::keep_first(lines_, line_begin_);
+  lines_.shrink_to_fit();
+}
+
+namespace {
+
+// a == b[0, a.size()): a loop, where std::equal would call memcmp for the one or two dims of a typical tensor.
+inline bool same(c10::IntArrayRef a, const int64_t* b) {
+  for (size_t d = 0; d < a.size(); ++d) {
+    if (a[d] != b[d]) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// Each read below is of a field that can change under a watched tensor without changing its TensorImpl (set_(),
+// resize_(), as_strided_(), `t.data = x`, untyped_storage().resize_()): the storage it views, its offset, dtype,
+// sizes and strides, its storage's size and (where compared) data. Its device is its storage's.
+inline bool TensorWatch::still(Watch& w, size_t param, size_t k) {
+  const c10::TensorImpl* impl = w.impl;
+  const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+  if (storage != w.storage.unsafeGetStorageImpl() || impl->storage_offset() != w.offset ||
+      impl->dtype() != w.dtype || storage->nbytes() < w.bytes) {
+    return false;
+  }
+  const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+  const int64_t* geometry = geometry_.data() + w.geometry;
+  if (sizes.size() != w.dim || !same(sizes, geometry) || !same(strides, geometry + w.dim)) return false;
+  if (!w.compare_data) return true;
+  const void* data = storage->data();
+  if (data == w.data) return true;
+  if (!follow(param, k)) return false;  // (and w.data stays: the next check fails too)
+  w.data = data;
+  return true;
+}
+
+// A gradient is a new tensor whenever zero_grad() set it to None: everything it is gets read.
+inline bool TensorWatch::usable_grad(const at::Tensor* g, const Watch& param) const {
+  if (g == nullptr || !g->defined() || g->layout() != at::kStrided || g->device() != param.device) return false;
+  const at::ScalarType gt = g->scalar_type();
+  if (!(is_double_ ? gt == at::kDouble : is_float_storage(gt))) return false;
+  const c10::IntArrayRef sizes = g->sizes();
+  if (sizes.size() != param.dim || !same(sizes, geometry_.data() + param.geometry)) return false;
+  return g->has_storage() && g->storage().nbytes() >= bytes_needed(*g);
+}
+
+inline void TensorWatch::prefetch_ahead(size_t i, const int64_t* ids) const {
+  // (only TensorImpls the caller's snapshot vouches for are followed to what they point to: a prefetch of freed
+  // memory is harmless, but reading a pointer out of it is not)
+  const size_t n = param_impls_.size();
+  auto prefetch = [](uintptr_t line) { __builtin_prefetch(reinterpret_cast<const void*>(line)); };
+  auto grad = [&](size_t k) -> const c10::TensorImpl* {
+    if (ids[k] != reinterpret_cast<int64_t>(param_impls_[k])) return nullptr;
+    const at::Tensor* g = metadata::grad_field(param_impls_[k]);
+    return g != nullptr && g->defined() ? g->unsafeGetTensorImpl() : nullptr;
+  };
+  if (i + kPlannedAhead < n) {
+    for (uint32_t l = line_begin_[i + kPlannedAhead]; l < line_begin_[i + kPlannedAhead + 1]; ++l) prefetch(lines_[l]);
+  }
+  if (i + kGradAhead < n) {
+    if (const c10::TensorImpl* g = grad(i + kGradAhead)) {
+      metadata::impl_lines(g, metadata::Role::kGrad, watches_[(i + kGradAhead) * per_param_].dim, prefetch);
+    }
+  }
+  if (i + kGradStorageAhead < n) {
+    if (const c10::TensorImpl* g = grad(i + kGradStorageAhead)) {
+      metadata::storage_lines(g->unsafe_storage().unsafeGetStorageImpl(), false, storage_data_offset_, prefetch);
+    }
+  }
 }
 
 int64_t TensorWatch::check(std::vector<int64_t> identities) {
@@ -45,21 +133,26 @@ int64_t TensorWatch::check(std::vector<int64_t> identities) {
   const int64_t* ids = identities.data();
   for (size_t j = 0; j < idle_impls_.size(); ++j) {
     const c10::TensorImpl* q = idle_impls_[j];
-    if (ids[n + j] != reinterpret_cast<int64_t>(q) || grad_of(q).defined()) return int64_t(n + j);
+    if (ids[n + j] != reinterpret_cast<int64_t>(q)) return int64_t(n + j);
+    const at::Tensor* g = metadata::grad_field(q);
+    if (g != nullptr && g->defined()) return int64_t(n + j);
   }
   grads_.resize(n);
   checked_params_.resize(n);
+  for (size_t i = 0; i < std::min(n, kPlannedAhead); ++i) {
+    for (uint32_t l = line_begin_[i]; l < line_begin_[i + 1]; ++l) __builtin_prefetch(reinterpret_cast<void*>(lines_[l]));
+  }
   for (size_t i = 0; i < n; ++i) {
-    prefetch_metadata(i, ids);
+    prefetch_ahead(i, ids);
     // (compared before anything is read through it: a swapped param's planned TensorImpl may be freed)
     if (ids[i] != reinterpret_cast<int64_t>(param_impls_[i])) return release(int64_t(i));
     Watch* w = &watches_[i * per_param_];
     for (size_t k = 0; k < per_param_; ++k) {
       if (!still(w[k], i, k)) return release(int64_t(i));
     }
-    const at::Tensor& g = grad_of(param_impls_[i]);
+    const at::Tensor* g = metadata::grad_field(param_impls_[i]);
     if (!usable_grad(g, w[0])) return release(int64_t(i));
-    grads_[i] = &g;
+    grads_[i] = g;
     checked_params_[i] = const_cast<c10::TensorImpl*>(param_impls_[i]);
   }
   if (!still(watches_.back(), n, 0)) return release(int64_t(n));
@@ -72,93 +165,13 @@ int64_t TensorWatch::release(int64_t result) {
   return result;
 }
 
-TensorWatch::Watch TensorWatch::watch(const at::Tensor& t) {
+TensorWatch::Watch TensorWatch::watch(const at::Tensor& t, bool compare_data) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  Watch w{impl,     t.storage(), t.storage().data(), t.storage_offset(), bytes_needed(t), t.dtype(), t.device(),
-          uint32_t(geometry_.size()), uint16_t(t.dim())};
+  Watch w{impl,       t.storage(), t.storage().data(),         t.storage_offset(), bytes_needed(t),
+          t.dtype(),  t.device(),  uint32_t(geometry_.size()), uint16_t(t.dim()),  compare_data};
   geometry_.insert(geometry_.end(), t.sizes().begin(), t.sizes().end());
   geometry_.insert(geometry_.end(), t.strides().begin(), t.strides().end());
   return w;
-}
-
-bool TensorWatch::still(Watch& w, size_t param, size_t k) {
-  const c10::TensorImpl* impl = w.impl;
-  const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
-  if (storage != w.storage.unsafeGetStorageImpl() || impl->storage_offset() != w.offset ||
-      impl->dtype() != w.dtype || storage->nbytes() < w.bytes) {
-    return false;
-  }
-  // (a storage keeps its device; a tensor cannot view another device's storage)
-  const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
-  const int64_t* geometry = geometry_.data() + w.geometry;
-  if (sizes.size() != w.dim || !same(sizes, geometry) || !same(strides, geometry + w.dim)) return false;
-  const void* data = storage->data();
-  if (data == w.data) return true;
-  if (!follow(param, k)) return false;  // (and w.data stays: the next check fails too)
-  w.data = data;
-  return true;
-}
-
-bool TensorWatch::same(c10::IntArrayRef a, const int64_t* b) {
-  for (size_t d = 0; d < a.size(); ++d) {
-    if (a[d] != b[d]) return false;
-  }
-  return true;
-}
-
-bool TensorWatch::usable_grad(const at::Tensor& g, const Watch& param) const {
-  if (!g.defined() || g.layout() != at::kStrided || g.device() != param.device) return false;
-  const at::ScalarType gt = g.scalar_type();
-  if (!(is_double_ ? gt == at::kDouble : is_float_storage(gt))) return false;
-  const c10::IntArrayRef sizes = g.sizes();
-  if (sizes.size() != param.dim || !same(sizes, geometry_.data() + param.geometry)) return false;
-  return g.has_storage() && g.storage().nbytes() >= bytes_needed(g);
-}
-
-const at::Tensor& TensorWatch::grad_of(const c10::TensorImpl* p) { return p->grad(); }
-
-void TensorWatch::prefetch_metadata(size_t i, const int64_t* ids) const {
-  // (only TensorImpls the caller's snapshot vouches for, or states the watch holds: a prefetch of freed memory is
-  // harmless, but its chains are not followed)
-  const size_t n = param_impls_.size();
-  auto param = [&](size_t k) -> const c10::TensorImpl* {
-    return ids[k] == reinterpret_cast<int64_t>(param_impls_[k]) ? param_impls_[k] : nullptr;
-  };
-  if (i + 12 < n) {
-    prefetch_object(param_impls_[i + 12], sizeof(c10::TensorImpl));
-    const Watch* w = &watches_[(i + 12) * per_param_];
-    for (size_t k = 1; k < per_param_; ++k) prefetch_object(w[k].impl, sizeof(c10::TensorImpl));
-  }
-  if (i + 8 < n) {
-    if (const c10::TensorImpl* impl = param(i + 8)) {
-      prefetch_object(impl->unsafe_storage().unsafeGetStorageImpl(), 64);
-      if (const auto* meta = impl->autograd_meta()) prefetch_object(meta, 128);
-    }
-    const Watch* w = &watches_[(i + 8) * per_param_];
-    for (size_t k = 1; k < per_param_; ++k) {
-      prefetch_object(w[k].impl->unsafe_storage().unsafeGetStorageImpl(), 64);
-    }
-  }
-  if (i + 4 < n) {
-    if (const c10::TensorImpl* impl = param(i + 4)) {
-      const auto* meta = impl->autograd_meta();
-      const at::Tensor* grad = meta ? &meta->grad() : nullptr;
-      if (grad && grad->defined()) prefetch_object(grad->unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
-    }
-  }
-  if (i + 2 < n) {
-    if (const c10::TensorImpl* impl = param(i + 2)) {
-      const auto* meta = impl->autograd_meta();
-      const at::Tensor* grad = meta ? &meta->grad() : nullptr;
-      if (grad && grad->defined()) {
-        prefetch_object(grad->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), 64);
-      }
-    }
-  }
-}
-
-void TensorWatch::prefetch_object(const void* object, size_t bytes) {
-  for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(object) + b);
 }
 
 // ---- AdamPlan -------------------------------------------------------------------------------------------------------
@@ -190,7 +203,7 @@ AdamPlan::AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_a
                                    {exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
                                     exp_avg_sq_scales, max_exp_avg_sq_scales},
                                    steps),
-                  step_tensors, steps, idle_params),
+                  step_tensors, steps, idle_params, /*data_read_afresh=*/true),
       exp_avgs_(std::move(exp_avgs)),
       exp_avg_sqs_(std::move(exp_avg_sqs)),
       max_exp_avg_sqs_(std::move(max_exp_avg_sqs)),
@@ -202,6 +215,8 @@ AdamPlan::AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_a
                           exp_avg_scales_, exp_avg_sq_scales_, max_exp_avg_sq_scales_};
   work_ = state_work(params, states);
   items_ = work_items(work_);
+  borrowed_.resize(params.size());
+  for (const at::Tensor& t : borrowed_) param_pointers_.push_back(&t);
   const std::vector<at::Tensor>* lists[] = {&exp_avgs_,       &exp_avg_sqs_,       &max_exp_avg_sqs_, &master_params_,
                                             &exp_avg_scales_, &exp_avg_sq_scales_, &max_exp_avg_sq_scales_};
   for (const auto* list : lists) {
@@ -239,19 +254,18 @@ int64_t AdamPlan::check(std::vector<int64_t> identities) {
 }
 
 void AdamPlan::borrow_params() {
-  borrowed_.reserve(checked_params_.size());
-  param_pointers_.resize(checked_params_.size());
-  for (c10::TensorImpl* impl : checked_params_) {
-    // (reclaim: an at::Tensor over the TensorImpl that took no reference; forget_params() releases it unreleased)
-    borrowed_.emplace_back(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim(impl));
+  // (reclaim: an at::Tensor over the TensorImpl that took no reference; forget_params() releases it unreleased.
+  // borrowed_ keeps its n slots, undefined between steps, so param_pointers_ point into it for the plan's life.)
+  const size_t n = checked_params_.size();
+  for (size_t i = 0; i < n; ++i) {
+    borrowed_[i] = at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim(checked_params_[i]));
   }
-  for (size_t i = 0; i < borrowed_.size(); ++i) param_pointers_[i] = &borrowed_[i];
+  borrowed_count_ = n;
 }
 
 void AdamPlan::forget_params() {
-  for (at::Tensor& t : borrowed_) t.unsafeReleaseTensorImpl();
-  borrowed_.clear();
-  param_pointers_.clear();
+  for (size_t i = 0; i < borrowed_count_; ++i) borrowed_[i].unsafeReleaseTensorImpl();
+  borrowed_count_ = 0;
 }
 
 at::Tensor AdamPlan::step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,

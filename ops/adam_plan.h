@@ -35,7 +35,8 @@ class TensorWatch : public torch::CustomClassHolder {
   // optimizer.state[p]['step'] holds (a view of steps for FusedAdam's buckets); idle_params: params that have no
   // gradient now, whose gradient check() watches (none for buckets whose caller reads the gradients itself).
   TensorWatch(const std::vector<at::Tensor>& params, std::vector<std::vector<at::Tensor>> states,
-              std::vector<at::Tensor> step_tensors, at::Tensor steps, const std::vector<at::Tensor>& idle_params);
+              std::vector<at::Tensor> step_tensors, at::Tensor steps, const std::vector<at::Tensor>& idle_params)
+      : TensorWatch(params, std::move(states), std::move(step_tensors), std::move(steps), idle_params, false) {}
 
   // -1 when the bucket can step now: each param's TensorImpl is the planned one (identities: the params' then the
   // idle params' TensorImpl addresses, now), every tensor is as it was (data pointers of storages re-allocated in
@@ -47,6 +48,12 @@ class TensorWatch : public torch::CustomClassHolder {
   size_t size() const { return param_impls_.size(); }
 
  protected:
+  // data_read_afresh: the watch's user reads the data pointers of the params, step tensors and steps afresh at
+  // every step (AdamPlan does), so check() need not compare them; a bare watch compares every tensor's.
+  TensorWatch(const std::vector<at::Tensor>& params, std::vector<std::vector<at::Tensor>> states,
+              std::vector<at::Tensor> step_tensors, at::Tensor steps, const std::vector<at::Tensor>& idle_params,
+              bool data_read_afresh);
+
   // The storage of a watched tensor was re-allocated in place (the same storage object, other memory: resize_(0)
   // then resize_(n), as CPU offload does) since the last check: whether the watch's user follows it to its new
   // memory (AdamPlan re-resolves its kernel's pointers and says yes). A bare watch says no, so check() fails: its
@@ -79,30 +86,30 @@ class TensorWatch : public torch::CustomClassHolder {
     c10::Device device;
     uint32_t geometry;   // its sizes, then its strides: geometry_[geometry, geometry + 2 * dim)
     uint16_t dim;
+    bool compare_data;  // whether check() compares its storage's data pointer (see data_read_afresh)
   };
 
-  Watch watch(const at::Tensor& t);
+  Watch watch(const at::Tensor& t, bool compare_data);
 
   // Whether the tensor still views the same storage the same way, that storage still holds the view, and its
-  // memory is where it was or the watch's user follows it there (follow(param, k)).
+  // memory is where it was (if compared) or the watch's user follows it there (follow(param, k)). (Defined inline
+  // in adam_plan.cpp, as the other helpers of check()'s loop: no call per tensor.)
   bool still(Watch& w, size_t param, size_t k);
 
-  // a == b[0, a.size()): a loop, where std::equal would call memcmp for the one or two dims of a typical tensor.
-  static bool same(c10::IntArrayRef a, const int64_t* b);
+  // A usable gradient for the param: see check().
+  bool usable_grad(const at::Tensor* g, const Watch& param) const;
 
-  bool usable_grad(const at::Tensor& g, const Watch& param) const;
-
-  // p.grad without Tensor::grad()'s is_leaf() check, which costs a call per param and warns for a non-leaf param
-  // without a gradient (an idle param may be one).
-  static const at::Tensor& grad_of(const c10::TensorImpl* p);
-
-  // What check() reads is a chain of dependent pointers per param (its TensorImpl, then its storage and autograd
-  // meta, then the grad's TensorImpl and storage; the states' TensorImpls), all cold by the next step. Walked one
-  // param at a time, the core waits on one miss after another; prefetching each link a few params ahead keeps
-  // several in flight.
-  void prefetch_metadata(size_t i, const int64_t* identities) const;
-
-  static void prefetch_object(const void* object, size_t bytes);
+  // What check() reads is a chain of dependent pointers per param: its TensorImpl, storage and AutogradMeta and its
+  // states' TensorImpls and storages (all known when planned), then its gradient's TensorImpl (found through the
+  // AutogradMeta), then that one's storage; all cold by the next step. Walked one param at a time, the core waits
+  // on one miss after another. check() prefetches the cache lines of the fields it reads (metadata_lines.h), each
+  // link of the chain a few params before the next link needs it: the planned lines kPlannedAhead params ahead
+  // (listed once, when planned: lines_), a gradient's TensorImpl kGradAhead ahead, its storage kGradStorageAhead.
+  static constexpr size_t kPlannedAhead = 6, kGradAhead = 3, kGradStorageAhead = 1;
+  void prefetch_ahead(size_t i, const int64_t* identities) const;
+  std::vector<uintptr_t> lines_;        // per param i: [line_begin_[i], line_begin_[i + 1]), each line listed once
+  std::vector<uint32_t> line_begin_;
+  size_t storage_data_offset_ = 0;      // (metadata::storage_data_offset)
 
   std::vector<const c10::TensorImpl*> param_impls_, idle_impls_;  // identities, see above
   size_t per_param_ = 2;                                          // watches per param: the param, its states, its step
@@ -155,8 +162,9 @@ class AdamPlan : public TensorWatch {
       exp_avg_sq_scales_, max_exp_avg_sq_scales_;
   std::vector<const std::vector<at::Tensor>*> state_lists_;  // the non-empty lists above, in states_' order
   std::vector<c10::TensorImpl*> state_counters_;             // what mark_written() bumps besides the params and grads
-  std::vector<at::Tensor> borrowed_;                         // see borrow_params()
-  std::vector<const at::Tensor*> param_pointers_;
+  std::vector<at::Tensor> borrowed_;                         // see borrow_params(): n slots
+  size_t borrowed_count_ = 0;                                // how many hold a borrowed TensorImpl
+  std::vector<const at::Tensor*> param_pointers_;            // &borrowed_[i]
   std::vector<TensorWork> work_;
   std::vector<WorkItem> items_;
 };

@@ -10,6 +10,11 @@
 // * mixed_floor_step: the memory traffic of the mixed-precision step (fp16 params and gradients, fp32 masters and
 //   moments: 30 bytes per element) with one multiply-add per array and nothing else, in one parallel region over
 //   (tensor, chunk) work items like ours: the floor set by the tensors' layout (many small allocations) alone.
+// * validation_floor_lines / touch_lines: the floor of a plan's check (TensorWatch::check in adam_plan.cpp) over the
+//   same tensors: the cache lines of the metadata fields the check must read (metadata_lines.h, the same lists the
+//   check prefetches), listed once (untimed), then touched with ideal prefetching and no logic: one load per line,
+//   each line prefetched `ahead` lines before. What a check cannot go below however little it computes: its time is
+//   the time to bring these lines in.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -18,6 +23,8 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "metadata_lines.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -203,9 +210,63 @@ void mixed_floor_step(const std::vector<at::Tensor>& params, const std::vector<a
   });
 }
 
+// The distinct cache lines a check reads for these tensors, in the check's order: per param its TensorImpl, its
+// storage, each state's TensorImpl and storage (states: per state list, one tensor per param), its step tensor's,
+// its AutogradMeta's grad field, its gradient's TensorImpl and storage; then steps'. As TensorWatch lists them for
+// AdamPlan (data pointers compared for states only), plus the gradients it finds at check time. Written into out
+// (int64, listed lines first); returns how many. (Listing allocates a few large buffers only: see keep_first.)
+int64_t validation_floor_lines(const std::vector<at::Tensor>& params,
+                               const std::vector<std::vector<at::Tensor>>& states,
+                               const std::vector<at::Tensor>& step_tensors, const at::Tensor& steps, at::Tensor out) {
+  namespace md = ort_optim::metadata;
+  TORCH_CHECK(step_tensors.size() == params.size(), "one step tensor per param");
+  for (const auto& list : states) TORCH_CHECK(list.size() == params.size(), "every state list needs one tensor per param");
+  const size_t data_offset = md::storage_data_offset();
+  std::vector<uintptr_t> all;  // in order, with repeats until keep_first
+  all.reserve(32 * (params.size() + 1));
+  auto add = [&](uintptr_t line) { all.push_back(line); };
+  auto watched = [&](const at::Tensor& t, md::Role role, bool data) {
+    md::impl_lines(t.unsafeGetTensorImpl(), role, t.dim(), add);
+    md::storage_lines(t.storage().unsafeGetStorageImpl(), data, data_offset, add);
+  };
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(params[i].grad().defined(), "params[", i, "] has no gradient");
+    watched(params[i], md::Role::kParam, false);
+    for (const auto& list : states) watched(list[i], md::Role::kWatched, true);
+    watched(step_tensors[i], md::Role::kWatched, false);
+    md::meta_lines(params[i].unsafeGetTensorImpl()->autograd_meta(), add);
+    watched(params[i].grad(), md::Role::kGrad, false);
+  }
+  watched(steps, md::Role::kWatched, false);
+  std::vector<uint32_t> no_begins;
+  md::keep_first(all, no_begins);
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && size_t(out.numel()) >= all.size(),
+              "out must be a contiguous int64 tensor of at least ", all.size(), " elements");
+  std::copy(all.begin(), all.end(), out.data_ptr<int64_t>());
+  const int64_t count = int64_t(all.size());
+  return count;
+}
+
+// One load per listed line (lines[0, count)), the line `ahead` places later prefetched first: the least a check of
+// these lines can cost. Returns the bytes' sum (so that the loads cannot be left out).
+int64_t touch_lines(const at::Tensor& lines, int64_t count, int64_t ahead) {
+  TORCH_CHECK(lines.scalar_type() == at::kLong && lines.is_contiguous() && count <= lines.numel(),
+              "lines must be a contiguous int64 tensor of at least count elements");
+  const int64_t* line = lines.data_ptr<int64_t>();
+  int64_t sum = 0;
+  for (int64_t i = 0; i < std::min(count, ahead); ++i) __builtin_prefetch(reinterpret_cast<const void*>(line[i]));
+  for (int64_t i = 0; i < count; ++i) {
+    if (i + ahead < count) __builtin_prefetch(reinterpret_cast<const void*>(line[i + ahead]));
+    sum += *reinterpret_cast<const volatile char*>(line[i]);
+  }
+  return sum;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lowbit_floor_step", &lowbit_floor_step, "the cheapest block-quantised Adam step (a bound, not a format)");
   m.def("mixed_floor_step", &mixed_floor_step, "the mixed step's memory traffic with no arithmetic to speak of");
+  m.def("validation_floor_lines", &validation_floor_lines, "the cache lines a plan's check reads for these tensors");
+  m.def("touch_lines", &touch_lines, "one load per line, ideally prefetched: the floor of a check of these lines");
 }

@@ -10,19 +10,6 @@ void check_list_length(const at::TensorList& list, size_t n, const char* name, b
               list.size(), " tensors but params has ", n, optional ? " (pass n tensors or none)" : "");
 }
 
-size_t bytes_needed(int64_t offset, c10::IntArrayRef sizes, c10::IntArrayRef strides, size_t element_size) {
-  int64_t last = offset;
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    if (sizes[d] == 0) return 0;
-    last += (sizes[d] - 1) * strides[d];
-  }
-  return size_t(last + 1) * element_size;
-}
-
-size_t bytes_needed(const at::Tensor& t) {
-  return bytes_needed(t.storage_offset(), t.sizes(), t.strides(), t.element_size());
-}
-
 namespace {
 
 // A storage freed or shrunk in place (untyped_storage().resize_(0), as CPU offload and FSDP do) under a tensor that

@@ -23,8 +23,19 @@ struct StateLists {
 void check_list_length(const at::TensorList& list, size_t n, const char* name, bool optional);
 
 // Bytes of its storage a view reaches (0 for an empty tensor): from the storage's start to the end of its last element.
-size_t bytes_needed(int64_t offset, c10::IntArrayRef sizes, c10::IntArrayRef strides, size_t element_size);
-size_t bytes_needed(const at::Tensor& t);
+// (inline: TensorWatch::check() calls it for every gradient)
+inline size_t bytes_needed(int64_t offset, c10::IntArrayRef sizes, c10::IntArrayRef strides, size_t element_size) {
+  int64_t last = offset;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 0) return 0;
+    last += (sizes[d] - 1) * strides[d];
+  }
+  return size_t(last + 1) * element_size;
+}
+
+inline size_t bytes_needed(const at::Tensor& t) {
+  return bytes_needed(t.storage_offset(), t.sizes(), t.strides(), t.element_size());
+}
 
 // The low-bit format of a uint8 state, told by its scales' dtype: float32 -> 8-bit, bfloat16 -> 4-bit.
 const LowBit* low_bit_of(const at::Tensor& state, const at::Tensor& scales);

@@ -33,13 +33,15 @@ OPS_DIR = next((d for d in (_PACKAGE.parent / "ops", _PACKAGE / "_ops") if (d / 
 # they share (.h); all of them go into the cache key and into a wheel. ops/bench_probes.cpp is not one of them.
 SOURCES = ("schema.cpp", "registration.cpp", "step.cpp", "adam_kernel.cpp", "adam_kernel.h", "validation.cpp",
            "validation.h", "grad_stats.cpp", "grad_stats.h", "adam_plan.cpp", "adam_plan.h", "low_bit.cpp",
-           "low_bit.h", "fp8.cpp", "fp8.h", "conversions.h", "rounding.h", "step.h")
+           "low_bit.h", "fp8.cpp", "fp8.h", "conversions.h", "rounding.h", "step.h", "metadata_lines.h")
 # -fno-math-errno lets sqrt vectorise; -march=native is safe because the build folder is keyed by the CPU flags;
 # -ffp-contract=off keeps every multiply and add separately rounded, as ops/README.md specifies, so the CPU kernel
 # and the Triton kernels agree bit for bit (the update is memory-bound: FMA would buy nothing). The pure-PyTorch
 # path matches the moments bit for bit but can differ from them in the last bit of a few parameter elements.
+# -fno-semantic-interposition: a shared library's own functions may be called directly and inlined, not through
+# the PLT (nothing interposes them): the per-tensor helpers of the plan's check() cost no call.
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp",
-          "-std=c++17"]
+          "-fno-semantic-interposition", "-std=c++17"]
 
 
 def _cpu_flags() -> str:

@@ -25,11 +25,13 @@ class ProbeUnavailable(RuntimeError):
 
 @functools.lru_cache(maxsize=None)
 def library():
-    """The probe module (``lowbit_floor_step``, ``mixed_floor_step``); raises ProbeUnavailable with the reason."""
+    """The probe module (``lowbit_floor_step``, ``mixed_floor_step``, ``validation_floor_lines``, ``touch_lines``);
+    raises ProbeUnavailable with the reason."""
     source = native.OPS_DIR / "bench_probes.cpp"
     if not source.exists():
         raise ProbeUnavailable(f"{source} is not in this install")
-    digest = hashlib.sha256(source.read_bytes() + " ".join(native.CFLAGS).encode()).hexdigest()[:16]
+    header = native.OPS_DIR / "metadata_lines.h"  # (the validation floor's lines: the plan's check's own list)
+    digest = hashlib.sha256(source.read_bytes() + header.read_bytes() + " ".join(native.CFLAGS).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("ORT_OPTIM_CACHE", Path.home() / ".cache" / "ort-optim"))
     folder = cache / "bench-probes" / f"torch-{torch.__version__}-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -39,7 +41,8 @@ def library():
 
             with native.build_lock(folder):
                 return load(name="ort_optim_bench_probes", sources=[str(source)], extra_cflags=native.CFLAGS,
-                            extra_ldflags=["-fopenmp"], build_directory=str(folder))
+                            extra_ldflags=["-fopenmp"], extra_include_paths=[str(native.OPS_DIR)],
+                            build_directory=str(folder))
     except Exception as error:  # a compiler error is a reason to skip the probe rows, not to stop the benchmark
         raise ProbeUnavailable(f"building {source.name} failed: {error}") from error
 
@@ -83,3 +86,36 @@ class MixedFloorStep:
     def __call__(self) -> None:
         self.lib.mixed_floor_step(self.params, self.grads, self.masters, self.exp_avgs, self.exp_avg_sqs, 0.5,
                                   self.prefetch_ahead)
+
+
+class ValidationFloor:
+    """A callable of ``touch_lines`` over the cache lines of tensor metadata that a plan's check reads for its
+    buckets (``validation_floor_lines``, per bucket: each param's TensorImpl, storage and AutogradMeta, its states'
+    and step tensor's TensorImpls and storages, its gradient's TensorImpl and storage, then the steps'; each line
+    once): one load per line, ``ahead`` lines prefetched before it, nothing else. The floor of a check
+    (TensorWatch::check) of these tensors. buckets: the plan's (ort_optim._plan.Bucket: params, state_lists(),
+    step_tensors, steps). :meth:`list_lines` lists the lines again (untimed) after the gradients change."""
+
+    MAX_LINES_PER_PARAM = 64  # (about 20 in practice: see metadata_lines.h)
+
+    def __init__(self, buckets: list, ahead: int = 32):
+        self.lib, self.ahead, self.buckets = library(), ahead, list(buckets)
+        # (one buffer per bucket, allocated once: listing again allocates nothing the step's tensors would notice)
+        self.lines = [torch.empty(self.MAX_LINES_PER_PARAM * (len(b.params) + 1), dtype=torch.int64)
+                      for b in self.buckets]
+        self.counts = [0] * len(self.buckets)
+        self.list_lines()
+
+    def list_lines(self) -> None:
+        for j, b in enumerate(self.buckets):
+            self.counts[j] = self.lib.validation_floor_lines(b.params, [s for s in b.state_lists() if s],
+                                                             b.step_tensors, b.steps, self.lines[j])
+        self.line_count = sum(self.counts)
+
+    def listed(self, j: int = 0) -> list[int]:
+        """Bucket j's lines, as addresses."""
+        return self.lines[j][: self.counts[j]].tolist()
+
+    def __call__(self) -> None:
+        for lines, count in zip(self.lines, self.counts):
+            self.lib.touch_lines(lines, count, self.ahead)

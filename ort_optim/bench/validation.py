@@ -9,7 +9,11 @@ Rows:
   share grows with the threads). Each call runs right after a cold
   ``x.mul_(c)`` probe that evicts the caches (common.time_after_probe), as an optimizer step runs in training, calls
   interleaved: ``FusedAdam.step()`` as a whole, and ``Plan.read_grads_if_valid()`` alone (what each step re-validates).
-  ``share`` = validation / step; the target is at most 10%. ``between_steps``: what happens to the params and
+  ``share`` = validation / step; the target is at most 10%. ``floor_ms``: the validation floor probe
+  (probes.ValidationFloor), timed in the same loop after the same eviction: one load of each cache line of tensor
+  metadata the check must read for these params (the lines the check itself prefetches), ideally prefetched, no
+  logic; ``check_per_floor`` = validation / floor, and ``floor_share`` = floor / step, the share no check of these
+  tensors' metadata can go below on this machine. ``between_steps``: what happens to the params and
   gradients before each call (untimed, BETWEEN_STEPS): nothing; gradients written in place
   (``zero_grad(set_to_none=False)`` then backward); new gradient tensors (``zero_grad()`` then backward); or params
   and gradients both written in place, as another optimizer stepping the same params does (bench fp32's
@@ -42,6 +46,7 @@ from contextlib import contextmanager
 import torch
 
 from .. import _plan, backends
+from . import probes
 from ..backends import triton as triton_backend
 from ..fused_adam import AdamWMode, FusedAdam
 from .common import WORKLOADS, intra_op_threads, make_params, time_after_probe, time_interleaved_one_thread
@@ -117,7 +122,7 @@ def _native_cpu_row(quick: bool, threads: int, between: str) -> dict:
     params = make_params(WORKLOADS["2000x1K"](quick))
     grads = [p.grad.clone() for p in params]
     opt = FusedAdam(params, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
-    prepare = _between_steps(between, params, grads)
+    between_steps = _between_steps(between, params, grads)
     with intra_op_threads(threads):
         opt.step()  # (plans)
         plans = [opt._plan]  # (each plan the timed calls step with: more than one means they planned again)
@@ -127,6 +132,18 @@ def _native_cpu_row(quick: bool, threads: int, between: str) -> dict:
             plans.append(opt._plan)
 
         calls = {"FusedAdam.step()": step, "validation (Plan.read_grads_if_valid)": _validation(opt)}
+        try:
+            floor = probes.ValidationFloor([bucket for _, _, bucket in opt._plan.buckets()])
+            calls["validation floor (probe)"] = floor
+        except probes.ProbeUnavailable:
+            floor = None
+
+        def prepare():
+            if between_steps is not None:
+                between_steps()
+            if floor is not None:
+                floor.list_lines()  # (the gradients' lines may be new ones)
+
         numel = sum(p.numel() for p in params)
         # (this thread's CPU time says nothing of a step split over several threads: wall clock alone there)
         clocks = {"wall": time.perf_counter, "cpu": time.thread_time} if threads == 1 else {"wall": time.perf_counter}
@@ -134,11 +151,16 @@ def _native_cpu_row(quick: bool, threads: int, between: str) -> dict:
         for kind, clock in clocks.items():
             timed[kind], _, probe_gbps = time_after_probe(calls, dict.fromkeys(calls, 28.0 * numel), quick, warmup=2,
                                                           reps=5 if quick else 15, prepare=prepare, clock=clock)
-    step, check = (timed["wall"][name] for name in calls)
-    cpu_step, cpu_check = (timed["cpu"][name] for name in calls) if "cpu" in timed else (None, None)
+    step, check = (timed["wall"][name] for name in list(calls)[:2])
+    floor_time = timed["wall"].get("validation floor (probe)")
+    cpu_step, cpu_check = (timed["cpu"][name] for name in list(calls)[:2]) if "cpu" in timed else (None, None)
     return {"section": "validation", "path": "native CPU", "workload": "2000x1K", "caches": "evicted",
             "threads": threads, "between_steps": between, "check": "native watch", "step_ms": step * 1e3,
             "validation_ms": check * 1e3, "share": check / step,
+            "floor_ms": None if floor_time is None else floor_time * 1e3,
+            "check_per_floor": None if floor_time is None else check / floor_time,
+            "floor_share": None if floor_time is None else floor_time / step,
+            "floor_lines": None if floor is None else floor.line_count,
             "cpu_step_ms": None if cpu_step is None else cpu_step * 1e3,
             "cpu_validation_ms": None if cpu_check is None else cpu_check * 1e3,
             "cpu_share": None if cpu_check is None else cpu_check / cpu_step, "target_share": 0.10,

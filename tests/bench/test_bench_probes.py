@@ -5,9 +5,12 @@ mixed_limit); a probe that skipped work would make that bound a lie. So each is 
 reference of exactly what it claims to compute, over several steps.
 """
 
+import ctypes
+
 import pytest
 import torch
 
+from ort_optim import FusedAdam
 from ort_optim.bench import probes
 
 
@@ -80,3 +83,32 @@ def test_mixed_floor_step_moves_every_array(library):
             torch.testing.assert_close(m, g.float(), rtol=0, atol=0)  # from zeros: 0 * 0.5 + g
             torch.testing.assert_close(v, g.float(), rtol=0, atol=0)
             torch.testing.assert_close(q, expected.half(), rtol=0, atol=0)
+
+
+def test_validation_floor_lists_each_metadata_line_a_check_reads_once_and_loads_it(library):
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((3,), (64, 16), (70,))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator)
+    opt = FusedAdam(params, lr=1e-3)
+    opt.step()
+    floor = probes.ValidationFloor([bucket for _, _, bucket in opt._plan.buckets()], ahead=4)
+    listed = floor.listed()
+    assert len(set(listed)) == len(listed) and all(line % 64 == 0 for line in listed)
+    # every TensorImpl the check reads (param, gradient, moments, step tensor) has the lines of its fields listed:
+    # its fields span at least 3 lines from its first one
+    for p in params:
+        state = opt.state[p]
+        for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"]):
+            address = t._cdata
+            assert sum(address - address % 64 <= line < address + 256 for line in listed) >= 3
+    assert 12 * len(params) <= len(listed) <= 30 * len(params) + 8
+    # and each listed line is loaded: the sum of one byte per line (its first), as the lines hold them
+    expected = sum(ctypes.c_int8.from_address(line).value for line in listed)
+    assert library.touch_lines(floor.lines[0], floor.counts[0], 4) == expected
+    # new gradient tensors: their lines are listed again
+    old_grad = params[0].grad._cdata
+    params[0].grad = params[0].grad.clone()
+    floor.list_lines()
+    assert any(params[0].grad._cdata - params[0].grad._cdata % 64 <= line < params[0].grad._cdata + 256
+               for line in floor.listed()) and params[0].grad._cdata != old_grad
