@@ -387,10 +387,8 @@ def test_an_overflowed_second_moment_is_coded_as_the_reference_quantiser_says(v,
     assert torch.isinf(exact[OVERFLOWED])
     state = first_step(MOMENT_DTYPES[v])
     fmt = _moment_format(v)
-    if fmt in FP8_FORMATS.values():
-        codes, scales = formats.quantize_fp8(exact, fmt, True, 1, exp_avg=exact_state["exp_avg"])
-    else:
-        codes, scales = formats.quantize_low_bit(exact, fmt, True, 1)
+    quantize = formats.quantize_fp8 if fmt in FP8_FORMATS.values() else formats.quantize_low_bit
+    codes, scales = quantize(exact, fmt, True, 1, exp_avg=exact_state["exp_avg"])
     assert bool(torch.signbit(scales[OVERFLOWED // fmt.block])) and int(torch.signbit(scales).sum()) == 1
     assert torch.equal(bits(state["exp_avg_sq"]), bits(codes))
     assert torch.equal(bits(state["exp_avg_sq_scale"]), bits(scales))
@@ -1351,7 +1349,8 @@ STEADY_MOVEMENT = {  # per band: (least, most) movement over fp32 AdamW's
     ("u8", "u8"): ((0.55, 1.9), (0.65, 1.45), (0.75, 1.3), (0.75, 1.25)),
     # (4-bit sqrt(v) rounds stochastically: elements at 0.001-0.01 of their block's largest sit in its widest gaps)
     ("u8", "u4"): ((0.09, 1.2), (0.35, 3.0), (0.6, 1.95), (0.7, 1.4)),
-    ("u4", "u4"): ((0.03, 1.25), (0.18, 3.0), (0.5, 1.95), (0.7, 1.4)),
+    # (the band's largest is the largest of about 230 stochastic draws: 2.7-3.2 over magnitudes scaled by 1 + k/1000)
+    ("u4", "u4"): ((0.03, 1.25), (0.18, 3.5), (0.5, 1.95), (0.7, 1.4)),
 }
 
 
