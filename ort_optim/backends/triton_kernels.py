@@ -664,9 +664,10 @@ def _adam_block(
     # ptxas does better storing it last.
     if not HAS_MASTER:
         _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
-    # The moments' random bits (_spec.MOMENT_RANDOM_BITS): one hash per element, taken here where two stores use it
-    # (fp8 states, a 4-bit exp_avg_sq), by the store itself for an 8-bit exp_avg alone
-    SHARED_RND: tl.constexpr = M_DT >= 6 or V_DT >= 5
+    # The moments' random bits (_spec.MOMENT_RANDOM_BITS): one hash per element of m, taken here for fp8 and 4-bit
+    # states (two stores use it, or a 4-bit exp_avg's store, which codes m / u), by the store itself for an 8-bit
+    # exp_avg beside a second moment that takes none
+    SHARED_RND: tl.constexpr = M_DT >= 5 or V_DT >= 5
     if SHARED_RND:
         rnd = _moment_random_bits(m, offs, m_step)
     else:
