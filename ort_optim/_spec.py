@@ -85,9 +85,10 @@ def reciprocal_midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
 #   A low-bit map rounds one level up iff the fraction d / gap of the way to the next level exceeds
 #        sr_uniform(r16) = (2 * r16 + 1) * 2**-17 (float32, exact): the midpoints of 2**16 equal steps of (0, 1), so
 #        P(up) = round(d / gap * 2**16) / 2**16: off by at most 2**-17 of a gap for one value and unbiased on average
-#        over where d / gap falls between the steps (without the half step, (r16 * 2**-16), every rounding would be
-#        biased up by 2**-17 of a gap on average, and a 4-bit v, whose per-step bias compounds about 1 / (1 - beta2)
-#        = 1000-fold in its average, by up to 1.5% where its levels are a factor 2 apart in v).
+#        over where d / gap falls between the steps (exactly, over v spread across the 4-bit map: -7e-9 of v per
+#        rounding). Without the half step (r16 * 2**-16) every rounding is biased up by 2**-17 of a gap on average,
+#        +9e-6 of v per rounding over the 4-bit map, which v's average compounds about 1 / (1 - beta2) = 1000-fold
+#        to about +0.9%.
 # exp_avg rounds stochastically to one of its two neighbouring levels, up with probability (a - lo) / (hi - lo): the
 # rounding is unbiased, so a decaying moment (g = 0 on a rare embedding row: m <- beta1 * m) decays like fp32's in
 # expectation and cannot stick. Nearest rounding sticks: m * beta1 rounds back to the same level whenever the levels

@@ -504,6 +504,24 @@ def test_exp_avg_rounding_is_unbiased_between_non_zero_levels(dtype):
     assert abs(float((down.abs() - x.double().abs()).mean())) > 10 * bound  # toward zero: biased
 
 
+def test_the_roundings_uniform_numbers_are_the_midpoints_of_2_16_steps():
+    """A low-bit map leaves its level upward iff the fraction f of the gap exceeds sr_uniform(r16), r16 the
+    moment's 16 random bits (_spec.MOMENT_RANDOM_BITS): the midpoints (2 r16 + 1) * 2**-17, so that P(up) is f
+    rounded to a multiple of 2**-16 (within 2**-17 of f) and unbiased on average over f. The lower ends
+    r16 * 2**-16 are biased up by 2**-17 on average (a 4-bit v compounds that 1000-fold), checked too so that the
+    test can fail."""
+    r16 = torch.arange(2**16)
+    f = torch.rand(20000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def p_up(u):  # #{r16 : u(r16) < f} / 2**16 for every f
+        return torch.searchsorted(u.double().sort().values, f) / 2**16
+
+    error = p_up(formats.sr_uniform(r16)) - f
+    assert float(error.abs().max()) <= 2**-17
+    assert abs(float(error.mean())) < 2e-7  # (its standard error: 2**-17 / sqrt(3 * 20000) = 3e-8)
+    assert float((p_up(r16.float() * 2**-16) - f).mean()) > 6e-6
+
+
 @pytest.mark.parametrize("m", ["u8", "u4"])
 def test_a_decaying_exp_avg_decays_like_fp32s_and_never_sticks(m, backend):
     """Rare rows: elements that see one gradient and then only zeros (m <- beta1 * m), in blocks whose largest
