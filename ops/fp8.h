@@ -214,8 +214,8 @@ void fp8_store(const Fp8& f, bool second_moment, const float* src, const float* 
 
 // Both moments of one block in a step (off a multiple of spec::kFp8Block, len <= spec::kFp8Block): m, root =
 // sqrt(v) (v: the second moment, as fp8_store takes it), amax_m and amax_v the bits of the block's largest |m| and
-// root (found by the caller); the same codes and scales as moment_random_bits, then fp8_store of each, in one loop where
-// both blocks get a scale (rnd: len scratch words for the other case).
+// root (found by the caller); the same codes and scales as moment_random_bits, then fp8_store of each, in one loop
+// where both blocks get a scale (rnd: len scratch words for the other case).
 void fp8_store_pair(const Fp8& fm, const Fp8& fv, const float* m, const float* v, const float* root, uint32_t amax_m,
                     uint32_t amax_v, int64_t off, int64_t len, uint32_t step, void* codes_m, float* scales_m,
                     void* codes_v, float* scales_v, uint32_t* rnd);

@@ -79,7 +79,7 @@ def reciprocal_midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
 #   r = fmix32(bits(m) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) (uint32 arithmetic; e the element's index
 #        in its tensor, step the Adam step from 1); exp_avg rounds with r16 = r >> 16, exp_avg_sq and max_exp_avg_sq
 #        with r16 = r & 0xFFFF. One hash (murmur3's finaliser: two 32-bit multiplies) per element serves both moments,
-#        whose bits never coincide; a hash of the new moment's own bits, not of a seed: it needs no key and no
+#        whose bits never coincide; a hash of the new exp_avg's own bits, not of a seed: it needs no key and no
 #        generator state, every backend computes it from what it already holds, and resume is exact because the bits
 #        depend only on the state and the gradient. Conversions outside a step round to nearest and take no bits.
 #   A low-bit map rounds one level up iff the fraction d / gap of the way to the next level exceeds
@@ -121,8 +121,8 @@ EXP_AVG_SR_ULPS = 8
 #   encode: r = m / u (IEEE division, correctly rounded), r = 0 where u = 0 (a zero block of v: its |g|, so its |m|,
 #        are below 2**-126; nothing is lost that a float32 update could use); r then takes LowBitFormat's exp_avg rule
 #        (block scale, toward-zero index, stochastic rounding with exp_avg's random bits, which hash m's float32 bits
-#        and element index; nearest for conversions), except that below the lowest non-zero level r also rounds stochastically
-#        (between 0 and 1/7), not toward zero: the explosion that rule prevents cannot happen here, since the decoded
+#        and element index; nearest for conversions), except that below the lowest non-zero level r also rounds
+#        stochastically (between 0 and 1/7), not toward zero: the explosion that rule prevents cannot happen here, since the decoded
 #        update |q| * u / (u_true + eps) is at most about twice the block's largest ratio, whatever v; and toward zero
 #        it dropped the momentum of every element whose ratio is under 1/7 of its block's largest (the
 #        noise-dominated ones, whose momentum carries their drift): digits at lr 1e-3 trained 7.5% slower than with

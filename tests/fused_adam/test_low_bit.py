@@ -154,7 +154,7 @@ def _assert_state_rounded_as_specified(got: torch.Tensor, exact: torch.Tensor, d
     levels of m / u times u, root u: the decoded sqrt(v) of the exp_avg_sq stored with it); so must a 4-bit
     exp_avg_sq."""
     slack = 1e-5 * float(exact.abs().max())
-    # a 4-bit sqrt(v) in a step rounds stochastically as well (_spec.EXP_AVG_SQ_STOCHASTIC), from its own bits
+    # a 4-bit sqrt(v) in a step rounds stochastically as well (_spec.EXP_AVG_SQ_STOCHASTIC), with the step's random bits
     stochastic_v = second_moment and dtype == torch.uint4 and Q4.exp_avg_sq_stochastic
     if dtype in reference.LOW_BIT_DTYPES and (not second_moment or stochastic_v):
         down = reference.round_low_bit(exact, dtype, second_moment, 1, exp_avg_rounding="down", root=root)
