@@ -100,7 +100,7 @@ template <typename T>
 struct Scratch {
   T p[kBlock], g[kBlock], m[kBlock], v[kBlock], vmax[kBlock], root[kBlock];
   T u[kBlock];  // the decoded sqrt(v) of the stored codes that a relative 4-bit exp_avg is coded against
-  uint32_t fp8_rnd[kBlock];  // the random bits of fp8 states (fp8_random_bits)
+  uint32_t rnd[kBlock];  // the random bits of low-bit and fp8 states (moment_random_bits)
   // Tensors with both moments fp8 (update_fp8) hold two blocks of 256 of m, v and sqrt(v) in the first 512 elements
   // of m, v and root, used in turn (slots 0 and 1), and the block updated last, whose codes are not written yet
   // (pending.w: its tensor, or nullptr).
@@ -143,16 +143,15 @@ void load_state(const void* base, at::ScalarType type, const float* scales, int6
 template <typename T>
 void store_state(const T* src, void* base, at::ScalarType type, float* scales, int64_t off, int64_t n,
                  uint32_t amax_bits, const LowBit* low_bit = nullptr, bool second_moment = false,
-                 const float* root = nullptr, uint32_t step = 0, const Fp8* fp8 = nullptr,
-                 const uint32_t* fp8_rnd = nullptr) {
+                 const float* root = nullptr, const Fp8* fp8 = nullptr, const uint32_t* rnd = nullptr) {
   char* dst = static_cast<char*>(base) + off * c10::elementSize(type);
   if constexpr (std::is_same_v<T, float>) {
     if (fp8) {
-      fp8_store(*fp8, second_moment, src, root, off, n, base, scales, fp8_rnd);
+      fp8_store(*fp8, second_moment, src, root, off, n, base, scales, rnd);
       return;
     }
     if (low_bit) {
-      low_bit_store(*low_bit, second_moment, src, root, off, n, static_cast<uint8_t*>(base), scales, step);
+      low_bit_store(*low_bit, second_moment, src, root, off, n, static_cast<uint8_t*>(base), scales, rnd);
       return;
     }
     if (scales && second_moment && spec::kFp16SqrtSecondMoment) {
@@ -234,33 +233,35 @@ void update_staged(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, 
     max = adam_loop<T, kMode, kAmsgrad, false>(p, g, m, v, vmax, n, w, h);
   }
   grad_squares = max.grad_squares;
-  if constexpr (std::is_same_v<T, float>) {  // one hash per element for both fp8 moments
-    if (w.exp_avg_fp8 || w.exp_avg_sq_fp8) fp8_random_bits(m, off, n, w.step, s.fp8_rnd);
+  if constexpr (std::is_same_v<T, float>) {  // one hash per element for both moments (_spec.MOMENT_RANDOM_BITS)
+    if (w.exp_avg_fp8 || w.exp_avg_sq_fp8 || w.exp_avg_low_bit || w.exp_avg_sq_low_bit) {
+      moment_random_bits(m, off, n, w.step, s.rnd);
+    }
   }
 
   // Write back what was staged.
   if (m == s.m && !relative) {
     store_state<T>(s.m, w.exp_avg, w.exp_avg_type, w.exp_avg_scale, off, n, max.m, w.exp_avg_low_bit, false, nullptr,
-                   w.step, w.exp_avg_fp8, s.fp8_rnd);
+                   w.exp_avg_fp8, s.rnd);
   }
   if constexpr (std::is_same_v<T, float>) {
     if (relative) {  // exp_avg_sq, and the sqrt(v) its codes read back as into s.u
       low_bit_store(*w.exp_avg_sq_low_bit, true, s.v, kAmsgrad ? nullptr : root, off, n,
-                    static_cast<uint8_t*>(w.exp_avg_sq), w.exp_avg_sq_scale, w.step, s.u);
+                    static_cast<uint8_t*>(w.exp_avg_sq), w.exp_avg_sq_scale, s.rnd, s.u);
     }
   }
   if (v == s.v && !relative) {
     store_state<T>(s.v, w.exp_avg_sq, w.exp_avg_sq_type, w.exp_avg_sq_scale, off, n, max.v, w.exp_avg_sq_low_bit, true,
-                   kAmsgrad ? nullptr : root, w.step, w.exp_avg_sq_fp8, s.fp8_rnd);
+                   kAmsgrad ? nullptr : root, w.exp_avg_sq_fp8, s.rnd);
   }
   if (kAmsgrad && vmax == s.vmax) {
     store_state<T>(s.vmax, w.max_exp_avg_sq, w.exp_avg_sq_type, w.max_exp_avg_sq_scale, off, n, max.vmax,
-                   w.exp_avg_sq_low_bit, true, root, w.step, w.exp_avg_sq_fp8, s.fp8_rnd);
+                   w.exp_avg_sq_low_bit, true, root, w.exp_avg_sq_fp8, s.rnd);
   }
   if constexpr (std::is_same_v<T, float>) {
     if (relative) {
       low_bit_relative_store(*w.exp_avg_low_bit, s.m, s.u, off, n, static_cast<uint8_t*>(w.exp_avg), w.exp_avg_scale,
-                             w.step);
+                             s.rnd);
     }
   }
 }
@@ -374,7 +375,7 @@ inline void store_pending_fp8(Scratch<float>& s) {
   const TensorWork& w = *b.w;
   fp8_store_pair(*w.exp_avg_fp8, *w.exp_avg_sq_fp8, s.fp8_m(b.slot), s.fp8_v(b.slot), s.fp8_root(b.slot), b.max_m,
                  b.max_root, b.off, b.len, w.step, w.exp_avg, w.exp_avg_scale, w.exp_avg_sq, w.exp_avg_sq_scale,
-                 s.fp8_rnd);
+                 s.rnd);
   b.w = nullptr;
 }
 
@@ -496,16 +497,16 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
   float* r = s.vmax;  // the ratios r = m / u that exp_avg's codes hold (no amsgrad: vmax is free)
   const __m512 v_levels = _mm512_load_ps(f.exp_avg_sq_sr.decode());
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
-  // The random numbers of both moments' stochastic rounding (Coder16::random16: chains of four multiplies) are taken
-  // in loops of their own before the loops that code: in those, the uops that wait on the multiplies would fill the
-  // scheduler (measured: 4-5% slower in the update loop, or in the coding loops).
-  alignas(64) float random_v[kB], random_m[kB];
-  Coder16<4, false, true> coder_v(f.exp_avg_sq_sr, 0.0f, 0, w.step);
-  Coder16<4, true> coder_m(f.exp_avg, 0.0f, 0, w.step);
+  // The random bits of both moments' stochastic rounding (one hash per element: a chain of two multiplies) are taken
+  // in a loop of their own before the loops that code: in those, the uops that wait on the multiplies would fill the
+  // scheduler (measured with the former two hashes per moment: 4-5% slower in the update loop, or in the coding loops).
+  using CoderV = Coder16<4, false, true>;
+  using CoderM = Coder16<4, true>;
+  CoderV coder_v(f.exp_avg_sq_sr, 0.0f);
+  CoderM coder_m(f.exp_avg, 0.0f);
   bool pending = false;  // block b - kB's exp_avg codes are written in block b's update loop
   for (int64_t b = 0; b <= n; b += kB) {  // (b == n: the last block's exp_avg codes)
     __m512i max_m16 = _mm512_setzero_si512(), max_root16 = _mm512_setzero_si512();
-    coder_v.start(uint64_t(off + b));
     const auto update16 = [&](int64_t i) {
       const int64_t j = b + i;
       adam16.moments(p + j, g + j, _mm512_loadu_ps(s.m + j), _mm512_loadu_ps(s.v + j), s.m + j, s.v + j, max_m16);
@@ -513,8 +514,7 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
     };
     const auto code16 = [&](int64_t i) {  // exp_avg's codes of the pending block's elements [i, i + 16)
       const int64_t j = b - kB + i;
-      Coder16<4, true>::store4(coder_m.codes4(_mm512_loadu_ps(r + j), _mm512_load_ps(random_m + i)),
-                               codes_m + (off + j) / 2);
+      CoderM::store4(coder_m.codes4(_mm512_loadu_ps(r + j), CoderM::random16(s.rnd + j)), codes_m + (off + j) / 2);
     };
     for (int64_t i = 0; i < kB; i += 16) {
       if (b < n) update16(i);
@@ -522,18 +522,16 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
     }
     pending = false;
     if (b == n) break;
+    moment_random_bits(s.m + b, off + b, kB, w.step, s.rnd + b);
     const uint32_t amax_root = _mm512_reduce_max_epu32(max_root16);
     if (amax_root >= 0x7F800000u) {  // an overflowed v, or a NaN
-      low_bit_store(f, true, s.v + b, s.root + b, off + b, kB, codes_v, w.exp_avg_sq_scale, w.step, s.u + b);
-      low_bit_relative_store(f, s.m + b, s.u + b, off + b, kB, codes_m, w.exp_avg_scale, w.step);
+      low_bit_store(f, true, s.v + b, s.root + b, off + b, kB, codes_v, w.exp_avg_sq_scale, s.rnd + b, s.u + b);
+      low_bit_relative_store(f, s.m + b, s.u + b, off + b, kB, codes_m, w.exp_avg_scale, s.rnd + b);
       continue;
     }
     const float scale_v = bits_to_float(f.scale_bits(amax_root));
     f.store_scale(w.exp_avg_sq_scale, (off + b) / kB, scale_v);
     coder_v.set_inverse(scale_v > 0.0f ? 1.0f / scale_v : 0.0f);
-    for (int64_t i = 0; i < kB; i += 16) {
-      _mm512_store_ps(random_v + i, coder_v.random16(_mm512_loadu_ps(s.root + b + i)));
-    }
     const __m512 scale_v16 = _mm512_set1_ps(scale_v);
     __m512i max_r16 = _mm512_setzero_si512();
     const auto ratios16 = [&](int64_t i, __m512i code) {  // u and r = m / u of elements b + [i, i + 16)
@@ -547,20 +545,18 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
       max_r16 = _mm512_max_epu32(max_r16, _mm512_and_si512(_mm512_castps_si512(x), abs_mask));
     };
     for (int64_t i = 0; i < kB; i += 16) {
-      const __m512i code = coder_v.codes4(_mm512_loadu_ps(s.root + b + i), _mm512_load_ps(random_v + i));
-      Coder16<4, false, true>::store4(code, codes_v + (off + b + i) / 2);
+      const __m512i code = coder_v.codes4(_mm512_loadu_ps(s.root + b + i), CoderV::random16(s.rnd + b + i));
+      CoderV::store4(code, codes_v + (off + b + i) / 2);
       ratios16(i, code);
     }
     const uint32_t scale_m_bits = f.scale_bits(_mm512_reduce_max_epu32(max_r16));
     if (scale_m_bits >= 0x7F800000u) {  // non-finite ratios
-      low_bit_relative_store(f, s.m + b, s.u + b, off + b, kB, codes_m, w.exp_avg_scale, w.step);
+      low_bit_relative_store(f, s.m + b, s.u + b, off + b, kB, codes_m, w.exp_avg_scale, s.rnd + b);
       continue;
     }
     const float scale_m = bits_to_float(scale_m_bits);
     f.store_scale(w.exp_avg_scale, (off + b) / kB, scale_m);
     coder_m.set_inverse(scale_m > 0.0f ? 1.0f / scale_m : 0.0f);
-    coder_m.start(uint64_t(off + b));
-    for (int64_t i = 0; i < kB; i += 16) _mm512_store_ps(random_m + i, coder_m.random16(_mm512_loadu_ps(r + b + i)));
     pending = true;
   }
   return true;

@@ -140,7 +140,7 @@ void fp8_store_pair(const float* m, const float* v, const float* root, uint32_t 
   const uint32_t inv_m = fp8_regular_inverse<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode>(amax_m),
                  inv_v = fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode>(amax_v);
   if (inv_m == 0 || inv_v == 0) {
-    fp8_random_bits(m, off, len, step, rnd);
+    moment_random_bits(m, off, len, step, rnd);
     fp8_store<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode, false>(m, nullptr, off, len, codes_m, scales_m, rnd);
     fp8_store<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode, true>(v, root, off, len, codes_v, scales_v, rnd);
     return;
@@ -167,11 +167,6 @@ void fp8_store_pair(const float* m, const float* v, const float* root, uint32_t 
 
 const Fp8* fp8_of(at::ScalarType t) {
   return t == at::kFloat8_e4m3fn ? &kFp8E4M3 : t == at::kFloat8_e5m2 ? &kFp8E5M2 : nullptr;
-}
-
-void fp8_random_bits(const float* m, int64_t off, int64_t n, uint32_t step, uint32_t* r) {
-  const uint32_t e0 = uint32_t(off) * 0x9E3779B1u, step_hash = step * 0x85EBCA77u + 0x6A09E667u;
-  for (int64_t i = 0; i < n; ++i) r[i] = fmix32(float_to_bits(m[i]) ^ (e0 + uint32_t(i) * 0x9E3779B1u) ^ step_hash);
 }
 
 void fp8_load(const Fp8& f, bool second_moment, const void* codes, const float* scales, int64_t off, int64_t n,

@@ -128,7 +128,7 @@ using Fp8E5M2 = Fp8Type<2, 15, 15, 0x7B>;
 #ifdef ORT_OPTIM_FP8_AVX512
 // The codes of both fp8 moments of one block of 256 elements in a step, 16 elements per call of code16 (in order),
 // when both blocks are regular (fp8_regular_inverse of both amax non-zero): the same codes and scales as
-// fp8_random_bits then fp8_store of each moment. amax_m, amax_v: the bits of the block's largest |m| and sqrt(v).
+// moment_random_bits then fp8_store of each moment. amax_m, amax_v: the bits of the block's largest |m| and sqrt(v).
 // fp8_store_pair's vector loop, and the Adam kernel's loop that codes one block while it updates the next.
 template <class FM, class FV>
 struct Fp8PairCoder {
@@ -202,25 +202,20 @@ inline bool fp8_values16(const uint8_t* c, __m512 mul, __m512& x) {
 // The fp8 format of a state dtype, or nullptr.
 const Fp8* fp8_of(at::ScalarType t);
 
-// The random bits of the fp8 states of elements [off, off + n) in a step, from the step's new exp_avg m:
-// fmix32(bits(m[i]) ^ (off + i) * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)); an fp8 exp_avg rounds with the top
-// 16 bits, an fp8 second moment with the low 16 (formats.fp8_random_bits).
-void fp8_random_bits(const float* m, int64_t off, int64_t n, uint32_t step, uint32_t* r);
-
 // dst[0, n) = the values of elements [off, off + n) (off a multiple of spec::kFp8Block): code * scale, squared for a
 // second moment (which holds sqrt(v)).
 void fp8_load(const Fp8& f, bool second_moment, const void* codes, const float* scales, int64_t off, int64_t n,
               float* dst);
 
 // Writes src[0, n) (v for a second moment; root: sqrt(v) when the caller has it) as the codes and scales of elements
-// [off, off + n), rounding stochastically with rnd (fp8_random_bits of this step's exp_avg).
+// [off, off + n), rounding stochastically with rnd (moment_random_bits of this step's exp_avg).
 void fp8_store(const Fp8& f, bool second_moment, const float* src, const float* root, int64_t off, int64_t n,
                void* codes, float* scales, const uint32_t* rnd);
 
 // Both moments of one block in a step (off a multiple of spec::kFp8Block, len <= spec::kFp8Block): m, root =
 // sqrt(v) (v: the second moment, as fp8_store takes it), amax_m and amax_v the bits of the block's largest |m| and
-// root (found by the caller); the same codes and scales as fp8_random_bits, then fp8_store of each, in one loop where
-// both blocks get a scale (rnd: len scratch words for the other case).
+// root (found by the caller); the same codes and scales as moment_random_bits, then fp8_store of each, in one loop
+// where both blocks get a scale (rnd: len scratch words for the other case).
 void fp8_store_pair(const Fp8& fm, const Fp8& fv, const float* m, const float* v, const float* root, uint32_t amax_m,
                     uint32_t amax_v, int64_t off, int64_t len, uint32_t step, void* codes_m, float* scales_m,
                     void* codes_v, float* scales_v, uint32_t* rnd);

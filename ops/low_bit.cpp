@@ -105,12 +105,6 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
   }
 }
 
-// The random bits of exp_avg's stochastic rounding: a hash of the value's float32 bits, its element index e and the
-// step (_spec.EXP_AVG_SR_ULPS).
-inline uint32_t exp_avg_random_bits(float x, uint64_t e, uint32_t step) {
-  return fmix32(fmix32(float_to_bits(x) ^ (uint32_t(e) * 0x9E3779B1u)) ^ (step * 0x85EBCA77u + 0x6A09E667u));
-}
-
 // dst[0, n) = the values of elements [off, off + n) (off a multiple of the format's block); v = u * u for a second
 // moment.
 template <int kBits, bool kSecondMoment>
@@ -134,10 +128,11 @@ void low_bit_load(const LowBit& f, const uint8_t* codes, const void* scales, int
 // Codes of one block of (finite) values u[0, len) with 1 / scale inv, written as the format stores them. Signed:
 // exp_avg's map (sign-magnitude codes). kDecoded (4-bit sqrt(v)): also decoded[0, len) = level * s, the values the
 // codes read back as with scale s. kSquare (4-bit sqrt(v) in a step): rounded stochastically, unbiased in v, by a map
-// built with squares (_spec.EXP_AVG_SQ_STOCHASTIC).
+// built with squares (_spec.EXP_AVG_SQ_STOCHASTIC). rnd: the random bits of the block's elements (moment_random_bits)
+// where the map rounds stochastically (exp_avg, kSquare), else unused.
 template <int kBits, bool kSigned, bool kDecoded = false, bool kSquare = false>
-void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, uint8_t* out, uint64_t first_index,
-                  uint32_t step, float* decoded = nullptr, float s = 0.0f) {
+void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, uint8_t* out, const uint32_t* rnd,
+                  float* decoded = nullptr, float s = 0.0f) {
   static_assert(!kDecoded || (kBits == 4 && !kSigned), "decoded values are taken from a 4-bit sqrt(v)'s codes");
   static_assert(!kSquare || (kBits == 4 && !kSigned), "sqrt(v) rounds in the square in the 4-bit format");
   constexpr bool kStochastic = kSigned || kSquare;
@@ -145,7 +140,8 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   int64_t i = 0;
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
   const int64_t vector_end = len & ~int64_t(15);
-  Coder16<kBits, kSigned, kSquare> coder(map, inv, first_index, step);
+  using Coder = Coder16<kBits, kSigned, kSquare>;
+  Coder coder(map, inv);
 #ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
   alignas(64) uint32_t keys[256], entries[256];
   if constexpr (kBits == 8) {
@@ -173,15 +169,15 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
       const __m512i key = map.bucket_keys(a);
       code = CodeMap::codes_of_entries(key, map.entries(key));
 #endif
-      code = coder.finish(x, a, code);
+      code = coder.finish(x, a, code, kStochastic ? Coder::random16(rnd + i) : _mm512_setzero_ps());
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(code));
     } else {
-      code = coder.codes4(x);
+      code = coder.codes4(x, kStochastic ? Coder::random16(rnd + i) : _mm512_setzero_ps());
       if constexpr (kDecoded) {
         _mm512_storeu_ps(decoded + i, _mm512_mul_ps(_mm512_permutexvar_ps(code, _mm512_load_ps(map.decode())),
                                                     _mm512_set1_ps(s)));
       }
-      decltype(coder)::store4(code, out + i / 2);
+      Coder::store4(code, out + i / 2);
     }
   }
 #endif
@@ -190,7 +186,7 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   for (; i < len; ++i) {
     const float a = std::fabs(u[i]) * inv;
     const int m = kStochastic
-                      ? map.stochastic_magnitude_code(a, exp_avg_random_bits(u[i], first_index + uint64_t(i), step))
+                      ? map.stochastic_magnitude_code(a, kSigned ? rnd[i] >> 16 : rnd[i] & 0xFFFFu)
                       : map.magnitude_code(a);
     c[i - tail] = uint8_t(m | ((kSigned && u[i] < 0.0f && m > 0) ? sign_bit : 0));
     if constexpr (kDecoded) decoded[i] = map.decode()[m] * s;
@@ -259,10 +255,11 @@ void load_root(const LowBit& f, const uint8_t* codes, const void* scales, int64_
 // Writes src[0, n) as the codes and scales of elements [off, off + n). root: sqrt(src) when the caller has it (a
 // second moment's codes hold sqrt(v)), else nullptr. A relative exp_avg (f.relative): divisor = u, the decoded
 // sqrt(v) it is coded against (src holds m, the codes r = m / u). A 4-bit second moment: stored_root, where given,
-// receives the decoded sqrt(v) of the codes written (load_root's values).
+// receives the decoded sqrt(v) of the codes written (load_root's values). rnd: the step's random bits of the elements
+// (moment_random_bits), nullptr outside a step.
 template <int kBits, bool kSecondMoment>
 void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t off, int64_t n, uint8_t* codes,
-                   void* scales, uint32_t step, const float* divisor = nullptr, float* stored_root = nullptr) {
+                   void* scales, const uint32_t* rnd, const float* divisor = nullptr, float* stored_root = nullptr) {
   const CodeMap& map = f.map(kSecondMoment);
   const bool second_moment = kSecondMoment;
   float sqrt_v[256];
@@ -300,24 +297,24 @@ void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t
       s = bits_to_float(amax);
       if constexpr (kSecondMoment && kBits == 4) {
         // in a step, a stochastic sqrt(v) (_spec.EXP_AVG_SQ_STOCHASTIC); conversions keep the nearest rule
-        const bool in_square = f.sq_stochastic && step != 0;
+        const bool in_square = f.sq_stochastic && rnd != nullptr;
         const float inv = s > 0.0f ? 1.0f / s : 0.0f;
         if (stored_root && !overflowed) {
           // (s is the bfloat16 scale as stored, read back exactly; >= 0)
           if (in_square) {
-            encode_block<kBits, false, true, true>(f.exp_avg_sq_sr, u, len, inv, out, uint64_t(off + q), step,
-                                                   stored_root + q, s);
+            encode_block<kBits, false, true, true>(f.exp_avg_sq_sr, u, len, inv, out, rnd + q, stored_root + q, s);
           } else {
-            encode_block<kBits, false, true>(map, u, len, inv, out, uint64_t(off + q), step, stored_root + q, s);
+            encode_block<kBits, false, true>(map, u, len, inv, out, nullptr, stored_root + q, s);
           }
           root_decoded = encoded = true;
         } else if (in_square) {
-          encode_block<kBits, false, false, true>(f.exp_avg_sq_sr, u, len, inv, out, uint64_t(off + q), step);
+          encode_block<kBits, false, false, true>(f.exp_avg_sq_sr, u, len, inv, out, rnd + q);
           encoded = true;
         }
       }
       if (!encoded) {
-        encode_block<kBits, !kSecondMoment>(map, u, len, s > 0.0f ? 1.0f / s : 0.0f, out, uint64_t(off + q), step);
+        encode_block<kBits, !kSecondMoment>(map, u, len, s > 0.0f ? 1.0f / s : 0.0f, out,
+                                            kSecondMoment ? nullptr : rnd + q);
       }
       if (overflowed) {
         const float* v_root = take_sqrt ? sqrt_v : root ? root + q : src + q;
@@ -388,9 +385,9 @@ void low_bit_relative_load(const LowBit& f, const uint8_t* codes, const void* sc
 }
 
 void low_bit_relative_store(const LowBit& f, const float* m, const float* u, int64_t off, int64_t n, uint8_t* codes,
-                            void* scales, uint32_t step) {
+                            void* scales, const uint32_t* rnd) {
   TORCH_CHECK(f.bits == 4, "ort_optim: a relative exp_avg is 4-bit");
-  low_bit_store<4, false>(f, m, nullptr, off, n, codes, scales, step, u);
+  low_bit_store<4, false>(f, m, nullptr, off, n, codes, scales, rnd, u);
 }
 
 const LowBit& q8() {
@@ -422,13 +419,13 @@ void low_bit_load(const LowBit& f, bool second_moment, const uint8_t* codes, con
 }
 
 void low_bit_store(const LowBit& f, bool second_moment, const float* src, const float* root, int64_t off, int64_t n,
-                   uint8_t* codes, void* scales, uint32_t step, float* stored_root) {
+                   uint8_t* codes, void* scales, const uint32_t* rnd, float* stored_root) {
   if (f.bits == 8) {
-    second_moment ? low_bit_store<8, true>(f, src, root, off, n, codes, scales, step, nullptr, stored_root)
-                  : low_bit_store<8, false>(f, src, root, off, n, codes, scales, step);
+    second_moment ? low_bit_store<8, true>(f, src, root, off, n, codes, scales, rnd, nullptr, stored_root)
+                  : low_bit_store<8, false>(f, src, root, off, n, codes, scales, rnd);
   } else {
-    second_moment ? low_bit_store<4, true>(f, src, root, off, n, codes, scales, step, nullptr, stored_root)
-                  : low_bit_store<4, false>(f, src, root, off, n, codes, scales, step);
+    second_moment ? low_bit_store<4, true>(f, src, root, off, n, codes, scales, rnd, nullptr, stored_root)
+                  : low_bit_store<4, false>(f, src, root, off, n, codes, scales, rnd);
   }
 }
 

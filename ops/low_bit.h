@@ -48,11 +48,11 @@ class CodeMap {
     // Stochastic rounding's gap to the next level, hi - lo in float32 (as the rule computes it), per magnitude.
     for (int j = 0; j + 1 < count; ++j) gap_[j] = in_square_ ? square_gaps[j] : levels[j + 1] - levels[j];
     for (int j = 0; j < count && in_square_; ++j) square_[j] = squares[j];
-    // The vector encoder's form of it: gap * 2^-24 (exact: a power of two on a normal float), so that one multiply
-    // gives (r >> 8) * 2^-24 * gap with the same rounding; +inf where the rule never rounds up (magnitude 0, the
-    // top level), so that the comparison itself says no (inf, or NaN for r >> 8 == 0, is never exceeded).
+    // The vector encoder's form of it: gap * 2^-17 (exact: a power of two on a normal float), so that one multiply
+    // gives ((2 * r16 + 1) * 2^-17) * gap with the same rounding; +inf where the rule never rounds up (magnitude 0,
+    // the top level), so that the comparison itself says no (inf is never exceeded).
     for (int j = 0; j < 256; ++j) {
-      sr_step_[j] = j >= (sr_from_zero ? 0 : 1) && j + 1 < count ? gap_[j] * 0x1p-24f
+      sr_step_[j] = j >= (sr_from_zero ? 0 : 1) && j + 1 < count ? gap_[j] * 0x1p-17f
                                                                   : std::numeric_limits<float>::infinity();
     }
     // The binary search's table: the thresholds, padded with +inf to 16 (only used for up to 15 thresholds).
@@ -134,17 +134,19 @@ class CodeMap {
   const float* sr_step() const { return sr_step_; }
   const float* squares() const { return square_; }
   // The magnitude code rounded stochastically (exp_avg; _spec.EXP_AVG_SR_ULPS has the rule): from the non-zero level
-  // at or below (magnitude_code), one level up iff (lowered(a) - lo) > (r >> 8) * 2^-24 * (hi - lo). r: 32 random bits.
-  // A map built with squares (sqrt(v), _spec.EXP_AVG_SQ_STOCHASTIC): iff (lowered(a)^2 - lo^2) > (r >> 8) * 2^-24 *
-  // (hi^2 - lo^2), from the lowest level too.
-  inline int stochastic_magnitude_code(float a, uint32_t r) const {
+  // at or below (magnitude_code), one level up iff (lowered(a) - lo) > ((2 * r16 + 1) * 2^-17) * (hi - lo). r16: the
+  // moment's 16 random bits (_spec.MOMENT_RANDOM_BITS). A map built with squares (sqrt(v),
+  // _spec.EXP_AVG_SQ_STOCHASTIC): iff (lowered(a)^2 - lo^2) > ((2 * r16 + 1) * 2^-17) * (hi^2 - lo^2), from the
+  // lowest level too.
+  inline int stochastic_magnitude_code(float a, uint32_t r16) const {
     const int m = magnitude_code(a);
     // below the lowest non-zero level (toward zero, unless sr_from_zero), or the top one
     if ((m == 0 && !sr_from_zero_) || m + 1 >= count_) return m;
     const uint32_t ab = float_to_bits(a);
     const float lowered = bits_to_float(ab > spec::kExpAvgSrUlps ? ab - spec::kExpAvgSrUlps : 0u);
-    if (in_square_) return m + ((lowered * lowered - square_[m]) > float(r >> 8) * 0x1p-24f * gap_[m]);
-    return m + ((lowered - decode_[m]) > float(r >> 8) * 0x1p-24f * gap_[m]);
+    const float uniform = float(2 * r16 + 1) * 0x1p-17f;  // (exact)
+    if (in_square_) return m + ((lowered * lowered - square_[m]) > uniform * gap_[m]);
+    return m + ((lowered - decode_[m]) > uniform * gap_[m]);
   }
 
  private:
@@ -158,7 +160,7 @@ class CodeMap {
   alignas(64) float decode_[256] = {0.0f};
   alignas(64) float gap_[256] = {0.0f};  // gap_[j] = levels[j + 1] - levels[j] (or of their squares); 0 past the top
   alignas(64) float square_[16] = {0.0f};  // a sqrt(v) map rounded in the square: levels[j]^2
-  alignas(64) float sr_step_[256];       // gap_[j] * 2^-24 where exp_avg may round up from magnitude j, else +inf
+  alignas(64) float sr_step_[256];       // gap_[j] * 2^-17 where exp_avg may round up from magnitude j, else +inf
   alignas(64) float search_[16];
   alignas(64) float step_[2][16];  // the search's tables for steps 1 and 2: step_[s - 1][j] = search_[j + s - 1]
   std::vector<float> mid_;
@@ -214,8 +216,8 @@ inline __m512 lookup128(const __m512* t, __m512i idx) {
 // exp_avg's map (sign-magnitude codes); kSquare: sqrt(v) rounded stochastically in the square. The stochastic
 // rounding (CodeMap::stochastic_magnitude_code, 16 lanes) takes its level and the gap to the next one from registers
 // (8 or 1 of each: 128 or 16 entries; permutes, not gathers: a 16-lane gather costs about as much as the rest of
-// this loop on Zen 4), and each lane's e * 0x9E3779B1 (e = first_index + i + lane), advanced by 16 * 0x9E3779B1
-// per call.
+// this loop on Zen 4), and its random numbers from the step's hashes (moment_random_bits, taken once per element
+// for both moments).
 template <int kBits, bool kSigned, bool kSquare = false>
 struct Coder16 {
   static constexpr bool kStochastic = kSigned || kSquare;
@@ -223,26 +225,16 @@ struct Coder16 {
   const CodeMap& map;
   __m512 inv;
   __m512 level_table[kTableRegs], gap_table[kTableRegs];
-  __m512i e_hash, step_key;
 
-  Coder16(const CodeMap& code_map, float inverse, uint64_t first_index, uint32_t step)
-      : map(code_map), inv(_mm512_set1_ps(inverse)) {
+  Coder16(const CodeMap& code_map, float inverse) : map(code_map), inv(_mm512_set1_ps(inverse)) {
     if constexpr (kStochastic) {
       for (int k = 0; k < kTableRegs; ++k) {
         level_table[k] = _mm512_load_ps((kSquare ? map.squares() : map.decode()) + 16 * k);
         gap_table[k] = _mm512_load_ps(map.sr_step() + 16 * k);
       }
-      start(first_index);
-      step_key = _mm512_set1_epi32(int(step * 0x85EBCA77u + 0x6A09E667u));
     }
   }
 
-  // The next call codes (or takes the random numbers of) element first_index and the 15 after it.
-  void start(uint64_t first_index) {
-    e_hash = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(first_index))),
-                                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-                                _mm512_set1_epi32(int(0x9E3779B1u)));
-  }
   void set_inverse(float inverse) { inv = _mm512_set1_ps(inverse); }
 
   // |x| / scale
@@ -251,20 +243,18 @@ struct Coder16 {
                          inv);
   }
 
-  // The stochastic rounding's random numbers of 16 values x (the next 16 elements): float(r >> 8), r the 32 random
-  // bits of each (exp_avg_random_bits).
-  inline __m512 random16(__m512 x) {
-    __m512i r = _mm512_xor_si512(_mm512_castps_si512(x), e_hash);  // e * 0x9E3779B1, stepped by addition
-    e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(16u * 0x9E3779B1u)));
-    r = fmix32x16(_mm512_xor_si512(fmix32x16(r), step_key));
-    return _mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8));
+  // The stochastic rounding's random numbers of 16 elements, float(2 * r16 + 1) (sr_step holds the gaps times
+  // 2^-17), from their 32 random bits rnd[0, 16) (moment_random_bits): r16 = the top 16 for exp_avg, the low 16 for
+  // sqrt(v). Shifts and a conversion, no multiply.
+  static inline __m512 random16(const uint32_t* rnd) {
+    const __m512i r = _mm512_loadu_si512(rnd);
+    const __m512i twice = kSquare ? _mm512_and_si512(_mm512_slli_epi32(r, 1), _mm512_set1_epi32(0x1FFFE))
+                                  : _mm512_srli_epi32(r, 15);  // (bit 0 is then set by the or)
+    return _mm512_cvtepi32_ps(_mm512_or_si512(twice, _mm512_set1_epi32(1)));
   }
   // The codes of 16 values x whose magnitudes a (magnitude(x)) have the level codes code (round to nearest, or the
-  // level at or below for a stochastic map): rounded one level up stochastically, and the sign. random: random16(x),
-  // where taken before (in a loop of its own).
-  inline __m512i finish(__m512 x, __m512 a, __m512i code) {
-    return finish(x, a, code, kStochastic ? random16(x) : _mm512_setzero_ps());
-  }
+  // level at or below for a stochastic map): rounded one level up stochastically, and the sign. random:
+  // random16 of the values' random bits (unused for a map that rounds to nearest).
   inline __m512i finish(__m512 x, __m512 a, __m512i code, __m512 random) {
     if constexpr (kStochastic) {
       __m512 lowered = _mm512_castsi512_ps(_mm512_max_epi32(
@@ -291,13 +281,9 @@ struct Coder16 {
     return code;
   }
 
-  // 4-bit maps: the codes of 16 values, by the binary search over the thresholds in registers.
-  inline __m512i codes4(__m512 x) {
+  // 4-bit maps: the codes of 16 values, by the binary search over the thresholds in registers. random: as finish's.
+  inline __m512i codes4(__m512 x, __m512 random) {
     static_assert(kBits == 4, "the search in registers is the 4-bit maps'");
-    const __m512 a = magnitude(x);
-    return finish(x, a, map.template magnitude_codes_by_search<kSigned ? 8 : 16>(a));
-  }
-  inline __m512i codes4(__m512 x, __m512 random) {  // with random16(x), taken before
     const __m512 a = magnitude(x);
     return finish(x, a, map.template magnitude_codes_by_search<kSigned ? 8 : 16>(a), random);
   }
@@ -322,11 +308,12 @@ void low_bit_load(const LowBit& f, bool second_moment, const uint8_t* codes, con
                   int64_t n, float* dst);
 
 // Writes src[0, n) as the codes and scales of elements [off, off + n). root: sqrt(src) when the caller has it (a
-// second moment's codes hold sqrt(v)), else nullptr. step: the Adam step (from 1) of an exp_avg, mixed into its
-// stochastic rounding. stored_root (a second moment), where given: receives the decoded sqrt(v) of the codes written,
-// u = level * |s| (inf for an overflowed v, NaN in a NaN block), which a relative exp_avg is coded against.
+// second moment's codes hold sqrt(v)), else nullptr. rnd: the step's random bits of elements [off, off + n)
+// (moment_random_bits of the step's new exp_avg), which an exp_avg and a 4-bit sqrt(v) round stochastically with.
+// stored_root (a second moment), where given: receives the decoded sqrt(v) of the codes written, u = level * |s|
+// (inf for an overflowed v, NaN in a NaN block), which a relative exp_avg is coded against.
 void low_bit_store(const LowBit& f, bool second_moment, const float* src, const float* root, int64_t off, int64_t n,
-                   uint8_t* codes, void* scales, uint32_t step = 0, float* stored_root = nullptr);
+                   uint8_t* codes, void* scales, const uint32_t* rnd, float* stored_root = nullptr);
 
 // A relative exp_avg (f.relative; _spec.EXP_AVG_RELATIVE), elements [off, off + n) with off a multiple of the block,
 // against the exp_avg_sq codes sq_codes / sq_scales of the same format.
@@ -337,6 +324,6 @@ void low_bit_relative_load(const LowBit& f, const uint8_t* codes, const void* sc
 // Store, after exp_avg_sq's new codes are written: m becomes r = m / u (0 where u = 0), coded as exp_avg, with u the
 // decoded sqrt(v) of those codes (low_bit_store's stored_root).
 void low_bit_relative_store(const LowBit& f, const float* m, const float* u, int64_t off, int64_t n, uint8_t* codes,
-                            void* scales, uint32_t step);
+                            void* scales, const uint32_t* rnd);
 
 }  // namespace ort_optim

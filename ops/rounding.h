@@ -1,6 +1,7 @@
 // Stochastic rounding of bfloat16 params (ops/README.md, "Stochastic rounding"), and the counter-based hashes it is
-// built from (splitmix64, murmur3's fmix32), which the low-bit exp_avg's stochastic rounding uses too. No generator
-// state: the random bits are a function of (key, step, element), so a run resumes exactly from a checkpoint.
+// built from (splitmix64, murmur3's fmix32), and the random bits of the low-bit and fp8 moments' stochastic rounding.
+// No generator state: the random bits are a function of (key or state, step, element), so a run resumes exactly from
+// a checkpoint.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +38,28 @@ inline __m512i fmix32x16(__m512i x) {  // fmix32 on 16 lanes
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 #endif
+
+// The random bits of the moment states' stochastic rounding in a step (ort_optim/_spec.py, MOMENT_RANDOM_BITS; the
+// low-bit and fp8 formats): r[i] = fmix32(bits(m[i]) ^ (off + i) * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) for
+// the step's new exp_avg m of elements [off, off + n). exp_avg rounds with r >> 16, exp_avg_sq and max_exp_avg_sq
+// with r & 0xFFFF: one hash per element for both moments.
+inline void moment_random_bits(const float* m, int64_t off, int64_t n, uint32_t step, uint32_t* r) {
+  const uint32_t e0 = uint32_t(off) * 0x9E3779B1u, step_hash = step * 0x85EBCA77u + 0x6A09E667u;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512i e_hash = _mm512_add_epi32(
+      _mm512_set1_epi32(int(e0)),
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(int(0x9E3779B1u))));
+  const __m512i step16 = _mm512_set1_epi32(int(step_hash));
+  for (; i + 16 <= n; i += 16) {  // (the element hash advances by addition)
+    const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(m + i));
+    _mm512_storeu_si512(r + i, fmix32x16(_mm512_xor_si512(_mm512_xor_si512(b, e_hash), step16)));
+    e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(16u * 0x9E3779B1u)));
+  }
+#endif
+  for (; i < n; ++i) r[i] = fmix32(float_to_bits(m[i]) ^ (e0 + uint32_t(i) * 0x9E3779B1u) ^ step_hash);
+}
 
 // dst[i] = bf16(src[i]) rounded stochastically: up in magnitude with probability (the dropped 16 bits) / 2^16, from
 // 16 random bits of hash(key, element index off + i). key = splitmix64(rounding key ^ splitmix64(step)). Non-finite

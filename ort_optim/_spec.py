@@ -74,6 +74,21 @@ def reciprocal_midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(_f32(2.0 * a * b / (a + b)) for a, b in zip(levels, levels[1:]))
 
 
+# MOMENT_RANDOM_BITS: the random bits of every moment state that rounds stochastically in a step (the low-bit maps'
+# exp_avg and 4-bit sqrt(v), the fp8 formats' codes). Per element, from the step's new exp_avg m (float32):
+#   r = fmix32(bits(m) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) (uint32 arithmetic; e the element's index
+#        in its tensor, step the Adam step from 1); exp_avg rounds with r16 = r >> 16, exp_avg_sq and max_exp_avg_sq
+#        with r16 = r & 0xFFFF. One hash (murmur3's finaliser: two 32-bit multiplies) per element serves both moments,
+#        whose bits never coincide; a hash of the new exp_avg's own bits, not of a seed: it needs no key and no
+#        generator state, every backend computes it from what it already holds, and resume is exact because the bits
+#        depend only on the state and the gradient. Conversions outside a step round to nearest and take no bits.
+#   A low-bit map rounds one level up iff the fraction d / gap of the way to the next level exceeds
+#        sr_uniform(r16) = (2 * r16 + 1) * 2**-17 (float32, exact): the midpoints of 2**16 equal steps of (0, 1), so
+#        P(up) = round(d / gap * 2**16) / 2**16: off by at most 2**-17 of a gap for one value and unbiased on average
+#        over where d / gap falls between the steps (exactly, over v spread across the 4-bit map: -7e-9 of v per
+#        rounding). Without the half step (r16 * 2**-16) every rounding is biased up by 2**-17 of a gap on average,
+#        +9e-6 of v per rounding over the 4-bit map, which v's average compounds about 1 / (1 - beta2) = 1000-fold
+#        to about +0.9%.
 # exp_avg rounds stochastically to one of its two neighbouring levels, up with probability (a - lo) / (hi - lo): the
 # rounding is unbiased, so a decaying moment (g = 0 on a rare embedding row: m <- beta1 * m) decays like fp32's in
 # expectation and cannot stick. Nearest rounding sticks: m * beta1 rounds back to the same level whenever the levels
@@ -86,18 +101,14 @@ def reciprocal_midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
 #        itself); the top threshold is EXP_AVG_TOP (not 1), so the block's largest element always gets the top code
 #        even where its scale was rounded up into bfloat16 (by at most 2**-9), and the scale survives a re-encode;
 #   between two non-zero levels (1 <= j < top), the code is j + 1 iff, in float32,
-#        (lowered(a) - lo) > (r >> 8) * 2**-24 * (levels[j+1] - lo),
+#        (lowered(a) - lo) > sr_uniform(r16) * (levels[j+1] - lo),
 #        lowered(a) = the float whose bits are bits(a) - EXP_AVG_SR_ULPS (clamped at 0): a value on a level (up to the
 #        decode noise) never moves, so encoding stays idempotent and checkpoints canonical; an integer step, not a
 #        multiplication, so no backend can fuse it into an FMA (the Triton kernels on a GPU would);
 #   below the lowest non-zero level (j = 0) it rounds toward zero: rounding a tiny m up to levels[1] * s would make the
 #        update of an element whose v is tiny too (1e-7 of its block's gradients) explode (measured: 105 lr in one
 #        step; tests/fused_adam/test_low_bit.py bounds it at 4 lr), and a moment that small decays to 0 rather than sticks;
-#   r = 32 random bits: fmix32(fmix32(bits(m) ^ e * 0x9E3779B1) ^ (step * 0x85EBCA77 + 0x6A09E667)) (uint32 arithmetic;
-#        e the element's index in its tensor, step the Adam step from 1, 0 for conversions outside a step). A hash
-#        of the new moment's own float32 bits, not of a seed: it needs no key and no generator state, every backend
-#        computes it from what it already holds, and resume is exact because the bits depend only on the state and
-#        the gradient.
+#   r16 = the 16 random bits of exp_avg (MOMENT_RANDOM_BITS), sr_uniform(r16) = (2 * r16 + 1) * 2**-17 in float32.
 EXP_AVG_SNAP = 1.0 + 2.0**-20
 EXP_AVG_TOP = 1.0 - 2.0**-8
 EXP_AVG_SR_ULPS = 8
@@ -109,9 +120,9 @@ EXP_AVG_SR_ULPS = 8
 #        u of the exp_avg_sq codes stored with it. With amsgrad, u is exp_avg_sq's, never max_exp_avg_sq's;
 #   encode: r = m / u (IEEE division, correctly rounded), r = 0 where u = 0 (a zero block of v: its |g|, so its |m|,
 #        are below 2**-126; nothing is lost that a float32 update could use); r then takes LowBitFormat's exp_avg rule
-#        (block scale, toward-zero index, stochastic rounding whose random bits hash r's float32 bits and element
-#        index; nearest for conversions), except that below the lowest non-zero level r also rounds stochastically
-#        (between 0 and 1/7), not toward zero: the explosion that rule prevents cannot happen here, since the decoded
+#        (block scale, toward-zero index, stochastic rounding with exp_avg's random bits, which hash m's float32 bits
+#        and element index; nearest for conversions), except that below the lowest non-zero level r also rounds
+#        stochastically (between 0 and 1/7), not toward zero: the explosion that rule prevents cannot happen here, since the decoded
 #        update |q| * u / (u_true + eps) is at most about twice the block's largest ratio, whatever v; and toward zero
 #        it dropped the momentum of every element whose ratio is under 1/7 of its block's largest (the
 #        noise-dominated ones, whose momentum carries their drift): digits at lr 1e-3 trained 7.5% slower than with
@@ -134,12 +145,11 @@ EXP_AVG_SR_ULPS = 8
 #   lo = levels[j], j = #{k >= 1 : thresholds[k-1] <= min(a * EXP_AVG_SNAP, 1)}, the thresholds being the levels
 #        above the lowest and EXP_AVG_TOP for the top one (thresholds(levels, False), the search exp_avg uses);
 #   the code is j + 1 iff j is below the top level and, in float32,
-#        (lowered(a) * lowered(a) - SQUARES[j]) > (r >> 8) * 2**-24 * SQUARE_GAPS[j],
+#        (lowered(a) * lowered(a) - SQUARES[j]) > sr_uniform(r16) * SQUARE_GAPS[j],
 #        with SQUARES[j] = levels[j]**2 and SQUARE_GAPS[j] = SQUARES[j+1] - SQUARES[j] rounded to float32
 #        (square_tables), lowered() as for exp_avg (a value on a level stays: re-encoding a decoded v is idempotent);
 #        below the lowest level (a < levels[0]) the difference is negative: the lowest level (no zero, as nearest);
-#   r = 32 random bits: exp_avg's hash (EXP_AVG_SR_ULPS) of sqrt(v)'s own float32 bits (the correctly rounded sqrt
-#        of the new v), the element's index and the step.
+#   r16 = the 16 random bits of a second moment (MOMENT_RANDOM_BITS), sr_uniform as for exp_avg.
 # Blocks whose largest magnitude is below float32's smallest normal (2**-126) are stored as zero blocks (scale 0):
 # 1/s would overflow, and subnormal scales cannot round-trip.
 MIN_SCALE = 2.0**-126

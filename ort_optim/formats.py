@@ -95,13 +95,21 @@ def _round_to(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return amax.to(dtype).float()
 
 
-def exp_avg_random_bits(x: torch.Tensor, step: int) -> torch.Tensor:
-    """The 32 random bits of each element of an exp_avg being quantised (float32 x, flat: element e is x[e]), as
-    int64 in [0, 2**32): fmix32(fmix32(bits(x[e]) ^ e * 0x9E3779B1) ^ (step * 0x85EBCA77 + 0x6A09E667)), in uint32
-    arithmetic (_spec.EXP_AVG_SR_ULPS says why the value's own bits)."""
-    b = x.view(torch.int32).long() & MASK32
-    e = torch.arange(x.numel(), dtype=torch.int64)
-    return fmix32(fmix32(b ^ ((e * 0x9E3779B1) & MASK32)) ^ ((step * 0x85EBCA77 + 0x6A09E667) & MASK32))
+def moment_random_bits(exp_avg: torch.Tensor, step: int) -> torch.Tensor:
+    """The random bits of the low-bit and fp8 states' stochastic rounding in a step (_spec.MOMENT_RANDOM_BITS), from
+    the step's new exp_avg (float32 m, flat: element e is m[e]), as int64 in [0, 2**32): fmix32(bits(m[e]) ^
+    e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) in uint32 arithmetic. One hash per element serves both
+    moments: exp_avg takes its top 16 bits, exp_avg_sq and max_exp_avg_sq its low 16."""
+    b = _bits(exp_avg.float())
+    e = torch.arange(exp_avg.numel(), dtype=torch.int64)
+    return fmix32(b ^ ((e * 0x9E3779B1) & MASK32) ^ ((step * 0x85EBCA77 + 0x6A09E667) & MASK32))
+
+
+def sr_uniform(r16: torch.Tensor) -> torch.Tensor:
+    """The uniform numbers that a low-bit map's stochastic rounding compares against (_spec.MOMENT_RANDOM_BITS):
+    float32 (2 * r16 + 1) * 2**-17 for 16 random bits r16 (int64 in [0, 2**16)), the midpoints of 2**16 equal steps
+    of (0, 1)."""
+    return (2 * r16 + 1).float() * 2.0**-17
 
 
 def _relative_root(fmt: LowBitFormat, second_moment: bool, root: Optional[torch.Tensor], n: int,
@@ -148,7 +156,8 @@ def _overflow_flags(scales: torch.Tensor, fmt: LowBitFormat | Fp8Format, n: int)
 
 
 def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: bool, step: int = 0,
-                     root: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     root: Optional[torch.Tensor] = None,
+                     exp_avg: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 values (v itself for a second moment: its square root is what gets coded) -> (uint8 codes in
     fmt.storage_shape, scales of fmt.scale_dtype, one per block). step: the Adam step (from 1) whose exp_avg this
     is, mixed into its stochastic rounding; 0 for conversions outside a step (checkpoint loads, from_optimizer),
@@ -156,9 +165,18 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
     smallest error of a one-off conversion (the step's stochastic rounding is unbiased over steps, but its error on
     one tensor is a third larger: 0.0114 against 0.0086 mean absolute error on randn(1024, 1024)). root: for an
     exp_avg of a relative format (4-bit), the decoded sqrt(v) of its exp_avg_sq as just encoded (low_bit_root):
-    what is coded is then r = m / root (_spec.EXP_AVG_RELATIVE)."""
+    what is coded is then r = m / root (_spec.EXP_AVG_RELATIVE). exp_avg: the step's new exp_avg (float32 m), whose
+    hash gives the stochastic rounding's random bits (moment_random_bits, _spec.MOMENT_RANDOM_BITS): the values
+    themselves for an exp_avg; required for a second moment that rounds stochastically (the 4-bit one, step > 0)."""
     x = values.detach().float().reshape(-1)
     n = x.numel()
+    r16 = None  # the 16 random bits of each element (padded to whole blocks), in a step
+    if step and (not second_moment or fmt.exp_avg_sq_stochastic):
+        if second_moment and (exp_avg is None or exp_avg.numel() != n):
+            raise ValueError(f"quantize_low_bit: a {fmt.name} second moment's stochastic rounding (step > 0) needs "
+                             f"the step's exp_avg ({n} elements)")
+        r = moment_random_bits(x if not second_moment else exp_avg.detach().float().reshape(-1), step)
+        r16 = torch.nn.functional.pad(r & 0xFFFF if second_moment else r >> 16, (0, -n % fmt.block))
     u_pair = _relative_root(fmt, second_moment, root, n, "quantize_low_bit")
     if u_pair is not None:  # r = m / u, 0 where u = 0
         x = torch.where(u_pair == 0, torch.zeros_like(x), x / u_pair)
@@ -185,8 +203,7 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
         codes = torch.searchsorted(bounds, a_up.reshape(-1).contiguous(), right=True).view_as(a)
         squares, gaps = (torch.tensor(t, dtype=torch.float32) for t in square_tables(levels))
         lowered = (a.view(torch.int32) - EXP_AVG_SR_ULPS).clamp_min(0).view(torch.float32)
-        r = exp_avg_random_bits(torch.nn.functional.pad(u, (0, -n % fmt.block)), step).view_as(a)
-        up = (lowered * lowered - squares[codes]) > (r >> 8).float() * 2.0**-24 * gaps[codes]
+        up = (lowered * lowered - squares[codes]) > sr_uniform(r16).view_as(a) * gaps[codes]
         codes = codes + (up & (codes < len(levels) - 1)).long()
     elif second_moment:
         a = torch.where(a < 1.0, a, torch.ones_like(a))
@@ -201,8 +218,7 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
         lo, hi = table[codes], table[codes + 1]
         if step:
             lowered = (a.view(torch.int32) - EXP_AVG_SR_ULPS).clamp_min(0).view(torch.float32)
-            r = exp_avg_random_bits(torch.nn.functional.pad(x, (0, -n % fmt.block)), step).view_as(a)
-            up = (lowered - lo) > (r >> 8).float() * 2.0**-24 * (hi - lo)
+            up = (lowered - lo) > sr_uniform(r16).view_as(a) * (hi - lo)
             # (from level 0 too for a relative exp_avg: _spec.EXP_AVG_RELATIVE)
             from_level = (codes >= 0) if fmt.exp_avg_relative else (codes > 0)
             codes = codes + (up & from_level & (codes < len(levels) - 1)).long()
@@ -277,17 +293,6 @@ def fp8_round(y: torch.Tensor, fmt: Fp8Format, random: Optional[torch.Tensor] = 
     return torch.where(random >= 0, stochastic, nearest)
 
 
-def fp8_random_bits(exp_avg: torch.Tensor, step: int) -> torch.Tensor:
-    """The random bits of an fp8 state's stochastic rounding in a step, from the step's new exp_avg (float32 m, flat:
-    element e is m[e]), as int64 in [0, 2**32): fmix32(bits(m[e]) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667))
-    in uint32 arithmetic. One hash per element serves both moments: an fp8 exp_avg takes its top 16 bits, an fp8
-    exp_avg_sq (and max_exp_avg_sq) its low 16 (two moments of one element never share random bits, and the step
-    hashes once per element, not once per moment)."""
-    b = _bits(exp_avg.float())
-    e = torch.arange(exp_avg.numel(), dtype=torch.int64)
-    return fmix32(b ^ ((e * 0x9E3779B1) & MASK32) ^ ((step * 0x85EBCA77 + 0x6A09E667) & MASK32))
-
-
 def fp8_block_exponents(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """Each block's k (int64) for its largest magnitude amax (finite, non-negative float32): the smallest k with
     fp8_round(amax * 2**-k) <= fmt.max_code, capped at 127 - emax (ort_optim._spec.Fp8Format)."""
@@ -302,7 +307,7 @@ def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool, step
                  exp_avg: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 values (v itself for a second moment: its square root is what gets coded) -> (fmt.dtype codes of the
     values' shape, float32 power-of-two scales, one per block of fmt.block). step: the Adam step (from 1) that
-    produced the values, whose codes then round stochastically (random bits: fp8_random_bits of that step's exp_avg,
+    produced the values, whose codes then round stochastically (random bits: moment_random_bits of that step's exp_avg,
     the values themselves for exp_avg, required for a second moment), except each block's largest magnitudes, which
     round to nearest even (so that the scale survives a decode and re-encode); 0 for conversions outside a step: to
     nearest even."""
@@ -328,7 +333,7 @@ def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool, step
     if step:
         if second_moment and (exp_avg is None or exp_avg.numel() != n):
             raise ValueError("quantize_fp8: a second moment's stochastic rounding (step > 0) needs the step's exp_avg")
-        r = fp8_random_bits(x if not second_moment else exp_avg.detach().float().reshape(-1), step)
+        r = moment_random_bits(x if not second_moment else exp_avg.detach().float().reshape(-1), step)
         r = torch.nn.functional.pad(r & 0xFFFF if second_moment else r >> 16, (0, -n % fmt.block)).view_as(a)
         random = torch.where(a == amax[:, None], -1, r)
     codes = fp8_round(y, fmt, random).clamp_max(fmt.max_code)

@@ -155,7 +155,8 @@ def round_state(x: torch.Tensor, dtype: torch.dtype, second_moment: bool = False
 # The levels and block sizes are the specification's data (ort_optim._spec); the quantiser below is written from
 # the README's rules: scale = block absmax (rounded to nearest bfloat16 for 4-bit), normalised a = fp32(|u| * fp32(1/s))
 # clamped to 1; sqrt(v) (exp_avg_sq) takes the level nearest in 1/sqrt(v), exp_avg the largest level <= a or,
-# stochastically, the next one up (random bits: a hash of the value's float32 bits, its index and the step). A second
+# stochastically, the next one up (random bits: a hash of the step's new exp_avg's float32 bits, the index and the
+# step). A second
 # moment's overflowed v (sqrt(v) = inf) reads back as inf, and its block is quantised by its other values.
 
 LOW_BIT_DTYPES = (torch.uint8, torch.uint4)
@@ -192,32 +193,44 @@ def _fmix32(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint32(16))
 
 
-def exp_avg_random_bits(values: torch.Tensor, step: int) -> np.ndarray:
-    """uint32 random bits of exp_avg's stochastic rounding: fmix32(fmix32(bits(x[e]) ^ e * 0x9E3779B1) ^
-    (step * 0x85EBCA77 + 0x6A09E667)) for float32 values x (flat), element index e."""
+def moment_random_bits(exp_avg: torch.Tensor, step: int) -> np.ndarray:
+    """uint32 random bits of a moment's stochastic rounding in a step: fmix32(bits(m[e]) ^ e * 0x9E3779B1 ^
+    (step * 0x85EBCA77 + 0x6A09E667)) for the step's new exp_avg m (float32, flat), element index e."""
     with np.errstate(over="ignore"):
-        bits = values.float().numpy().view(np.uint32)
+        bits = exp_avg.float().numpy().view(np.uint32)
         e = np.arange(bits.size, dtype=np.uint32)
         salt = np.uint32((step * 0x85EBCA77 + 0x6A09E667) % 2**32)
-        return _fmix32(_fmix32(bits ^ (e * np.uint32(0x9E3779B1))) ^ salt)
+        return _fmix32(bits ^ (e * np.uint32(0x9E3779B1)) ^ salt)
+
+
+def uniform16(r16: torch.Tensor) -> torch.Tensor:
+    """The stochastic rounding's uniform number from 16 random bits: (r16 + 1/2) / 2**16, in float32."""
+    return (r16.double() + 0.5).float() * torch.tensor(2.0**-16)
 
 
 def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step: int = 0,
                   exp_avg_rounding: str = "stochastic", root: Optional[torch.Tensor] = None,
-                  as_root: bool = False) -> torch.Tensor:
+                  as_root: bool = False, exp_avg: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x (float64) as a low-bit state reads back, as float64. exp_avg_rounding: "stochastic" (the format's rule,
     random bits from step; step 0, a conversion outside a step: the nearest level, ties up), or "down" / "up": the
     level at or below / the next one up (the two candidates). root: for the 4-bit exp_avg, the decoded sqrt(v) u of
     its exp_avg_sq (float32 values): what is coded is then r = m / u (the float64 quotient rounded to float32, which
     is the correctly rounded float32 one; 0 where u = 0), and it reads back as q * u in float32 (0 where q = 0).
     as_root: for a second moment, sqrt(v) as its codes read back (level * scale; inf for an overflowed v), not v.
-    A 4-bit second moment in a step (step != 0) rounds stochastically too (exp_avg_rounding applies to it)."""
+    A 4-bit second moment in a step (step != 0) rounds stochastically too (exp_avg_rounding applies to it).
+    exp_avg: the step's new exp_avg m, whose hash gives the random bits (x itself for an exp_avg): exp_avg takes the
+    hash's top 16 bits, a second moment its low 16; a level is left upward iff the fraction of the gap exceeds
+    (r16 + 1/2) / 2**16."""
+    if exp_avg is None:
+        assert not (second_moment and step and exp_avg_rounding == "stochastic" and dtype == torch.uint4), \
+            "a 4-bit second moment rounds with the random bits of the step's exp_avg: pass exp_avg"
+        exp_avg = x
     fmt = _low_bit_spec(dtype)
     if not second_moment and fmt.exp_avg_relative and root is not _NO_ROOT:
         assert root is not None, "the 4-bit exp_avg is coded relative to its exp_avg_sq's sqrt(v): pass root"
         u = root.reshape(-1).double()
         r = torch.where(u == 0, torch.zeros_like(u), x.reshape(-1).float().double() / u).float()
-        q = round_low_bit(r.double(), dtype, False, step, exp_avg_rounding, root=_NO_ROOT)
+        q = round_low_bit(r.double(), dtype, False, step, exp_avg_rounding, root=_NO_ROOT, exp_avg=exp_avg)
         q = q.float()
         return torch.where(q == 0, torch.zeros_like(q), q * u.float()).double().view(x.shape)
     levels = torch.tensor(fmt.exp_avg_sq_levels if second_moment else fmt.exp_avg_levels, dtype=torch.float32)
@@ -228,7 +241,7 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
     # (a - lo) / (hi - lo)
     # sqrt(v) in a step of the 4-bit format: like exp_avg (the level at or below after the factor 1 + 2**-20, top
     # threshold 1 - 2**-8), then one up with probability (a^2 - lo^2) / (hi^2 - lo^2), unbiased in v, from every
-    # level below the top one; random bits from sqrt(v)'s own float32 bits
+    # level below the top one; random bits: the low 16 of the step's exp_avg hash
     v_stochastic = second_moment and step != 0 and fmt.exp_avg_sq_stochastic
     low, high = levels[:-1].double(), levels[1:].double()
     thresholds = (2.0 * low * high / (low + high)).float() if second_moment and not v_stochastic else torch.cat(
@@ -236,7 +249,8 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
     flat = x.reshape(-1).float()
     u = flat.double().sqrt().float() if second_moment else flat  # correctly rounded float32 sqrt
     scales = low_bit_scales(u, dtype)
-    random = torch.from_numpy(exp_avg_random_bits(u if v_stochastic else flat, step).astype(np.int64))
+    hashed = moment_random_bits(exp_avg.reshape(-1).float(), step).astype(np.int64)
+    random = torch.from_numpy(hashed & 0xFFFF if second_moment else hashed >> 16)
     out = torch.empty_like(u)
     for b, s in enumerate(scales.tolist()):
         chunk = u[b * fmt.block:(b + 1) * fmt.block]
@@ -257,7 +271,7 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
             lowered = (a.view(torch.int32) - 8).clamp(min=0).view(torch.float32)  # 8 float32 ulps down
             r = random[b * fmt.block:(b + 1) * fmt.block]
             lo2, hi2 = levels[index] * levels[index], nxt * nxt  # float32 squares
-            threshold = (r // 256).float() * torch.tensor(2.0**-24) * (hi2 - lo2)
+            threshold = uniform16(r) * (hi2 - lo2)
             up = (lowered * lowered - lo2) > threshold if exp_avg_rounding == "stochastic" else torch.full_like(
                 a, exp_avg_rounding == "up", dtype=torch.bool)
             index = index + ((index < len(levels) - 1) & up).long()
@@ -273,7 +287,7 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
                 nxt = levels[(index + 1).clamp(max=len(levels) - 1)]
                 lowered = (a.view(torch.int32) - 8).clamp(min=0).view(torch.float32)  # 8 float32 ulps down
                 r = random[b * fmt.block:(b + 1) * fmt.block]
-                threshold = (r // 256).float() * torch.tensor(2.0**-24) * (nxt - levels[index])
+                threshold = uniform16(r) * (nxt - levels[index])
                 up = below_top & ((lowered - levels[index]) > threshold)
             index = index + up.long()
         if bool(overflowed.any()):

@@ -134,9 +134,10 @@ def reference_step(args: list, hp: dict) -> None:
                                              second, step, None if m is None else torch.from_numpy(m.astype(np.float32)))
             t.copy_(codes.view(t.shape))
             scales.copy_(canonical_nan(new_scales))
-        elif scales is not None and t.dtype == torch.uint8:  # (step: mixed into exp_avg's stochastic rounding)
+        elif scales is not None and t.dtype == torch.uint8:  # (m: the step's exp_avg, as for fp8)
             codes, new_scales = quantize_low_bit(torch.from_numpy(values.astype(np.float32)),
-                                                 low_bit_format(scales.dtype), second, step, root)
+                                                 low_bit_format(scales.dtype), second, step, root,
+                                                 None if m is None else torch.from_numpy(m.astype(np.float32)))
             t.copy_(codes.view(t.shape))
             scales.copy_(canonical_nan(new_scales))
         elif scales is not None:

@@ -121,12 +121,13 @@ class Candidate:
                 total += n * self.fmt.bits / 8 + self.fmt.num_scales(n) * self.fmt.scale_dtype.itemsize
         return total / count
 
-    def second_moment(self, v: torch.Tensor, step: int = 0) -> torch.Tensor:
-        """v -> its decoded value (step: the Adam step, for a format whose sqrt(v) rounds stochastically)."""
+    def second_moment(self, v: torch.Tensor, step: int = 0, m: torch.Tensor | None = None) -> torch.Tensor:
+        """v -> its decoded value (step: the Adam step, for a format whose sqrt(v) rounds stochastically; m: that
+        step's exp_avg, whose hash gives the random bits)."""
         if self.rank1 and v.dim() >= 2:
             return _rank1(v, self.fmt, self.linear_v)
-        if self.fmt.exp_avg_sq_stochastic:  # a step's rounding: its random bits hash v and the step
-            codes, scales = formats.quantize_low_bit(v, self.fmt, True, step)
+        if self.fmt.exp_avg_sq_stochastic:  # a step's rounding: its random bits hash m and the step
+            codes, scales = formats.quantize_low_bit(v, self.fmt, True, step, exp_avg=m)
             return formats.dequantize_low_bit(codes, scales, self.fmt, True, v.shape)
         codes, scales = formats.quantize_low_bit(v, self.fmt, True)
         return formats.dequantize_low_bit(codes, scales, self.fmt, True, v.shape)
@@ -268,7 +269,7 @@ def train(run: TrainingRun, candidate, snapshots: list | None = None, every: int
                 if snapshots is not None and step % every == 0:
                     snapshots.append((step, m.clone(), v.clone()))
                 if candidate is not None:
-                    v_stored = candidate.second_moment(v, step)
+                    v_stored = candidate.second_moment(v, step, m)
                     m, v = candidate.first_moment(m, v_stored, step, v), v_stored
                 state[p] = (m, v)
                 p.grad = None
@@ -348,7 +349,7 @@ def update_error(task: str, seed: int, names, quick: bool) -> list[dict]:
         for step, m, v in snapshots:
             bc1, bc2 = 1 - b1 ** step, math.sqrt(1 - b2 ** step)
             exact = (m / bc1) / (v.sqrt() / bc2 + run.eps)
-            v_stored = candidate.second_moment(v, step)
+            v_stored = candidate.second_moment(v, step, m)
             m_stored = candidate.first_moment(m, v_stored, step, v)
             stored = (m_stored / bc1) / (v_stored.sqrt() / bc2 + run.eps)
             m_only = (m_stored / bc1) / (v.sqrt() / bc2 + run.eps)

@@ -337,13 +337,14 @@ def write(out: Path, results: dict, rows: list[dict], header: list[str], **about
 
 def report_from_json(paths: list[Path], out: Path) -> int:
     """The table and the plot of earlier runs' JSON files, merged (later files win per task and configuration; same
-    columns as a run's own)."""
+    columns as a run's own). A merged file (this function's own JSON) counts as the runs it lists."""
     results: dict = {}
     header, sources = [], []
     for path in paths:
         saved = json.loads(path.read_text())
-        header.append(describe(saved["command"], saved["meta"]))
-        sources.append(dict(command=saved["command"], meta=saved["meta"]))
+        for source in saved.get("sources") or [dict(command=saved["command"], meta=saved["meta"])]:
+            header.append(describe(source["command"], source["meta"]))
+            sources.append(source)
         for task, by_config in saved["results"].items():
             for name, entry in by_config.items():
                 results.setdefault(task, {})[name] = entry if "skipped" in entry else \

@@ -42,7 +42,7 @@ def _write_state(values: torch.Tensor, state: torch.Tensor, scales: Optional[tor
     elif state.dtype in FP8_FORMATS:
         codes, new_scales = quantize_fp8(values, FP8_FORMATS[state.dtype], second_moment, step, exp_avg)
     else:
-        codes, new_scales = quantize_low_bit(values, low_bit_format(scales.dtype), second_moment, step, root)
+        codes, new_scales = quantize_low_bit(values, low_bit_format(scales.dtype), second_moment, step, root, exp_avg)
     state.copy_(codes.view(state.shape))
     scales.copy_(new_scales)
 

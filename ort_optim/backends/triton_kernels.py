@@ -176,15 +176,18 @@ def _load_state(addr, scale_addr, lut_ptr, offs, mask, block_index, DT: tl.const
 
 
 @_device
-def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, step, DT: tl.constexpr, SCALED: tl.constexpr,
-                 SECOND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, rnd=0):
+def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, DT: tl.constexpr, SCALED: tl.constexpr,
+                 SECOND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, rnd=0, step=0,
+                 HASH_HERE: tl.constexpr = False):
     """Stores x into a moment state. Returns, for a 4-bit second moment (DT == Q4), the decoded sqrt(v) of the codes
-    written (what a 4-bit exp_avg is coded against, _spec.EXP_AVG_RELATIVE), else 0."""
+    written (what a 4-bit exp_avg is coded against, _spec.EXP_AVG_RELATIVE), else 0. rnd: the step's random bits
+    (_moment_random_bits of its exp_avg), or with HASH_HERE (an 8-bit exp_avg, x the exp_avg itself) hashed from x
+    and step where the store uses them."""
     root = 0.0
-    if DT >= 6:  # (rnd: _fp8_random_bits of this step's exp_avg)
+    if DT >= 6:  # (rnd: _moment_random_bits of this step's exp_avg)
         _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT, SECOND, BLOCK)
     elif DT >= 4:
-        root = _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT, SECOND, BLOCK)
+        root = _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, rnd, step, DT, SECOND, BLOCK, HASH_HERE)
     elif SCALED:
         if SECOND:
             x = _sqrt(x, False)
@@ -283,8 +286,8 @@ def _q4_root(addr, scale_addr, lut_ptr, offs, mask, BLOCK: tl.constexpr):
 
 
 @_device
-def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.constexpr, SECOND: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, rnd, step, DT: tl.constexpr, SECOND: tl.constexpr,
+                   BLOCK: tl.constexpr, HASH_HERE: tl.constexpr):
     """Encodes float32 values x (v for SECOND: its square root is coded) into an 8-bit or 4-bit state and its
     scales, as formats.quantize_low_bit: per block the scale is the absolute maximum (rounded to nearest bfloat16
     for 4-bit; 0 below float32's smallest normal), NaN for a block with an inf or NaN (whose codes are then 0), except
@@ -292,7 +295,9 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
     the overflowed elements and codes >= 1 for the others; the
     code of a normalised value a = min(|x| * (1/s) (* EXP_AVG_SNAP for exp_avg), 1) is the count of the format's
     thresholds <= a (_spec.thresholds), with the sign bit for a negative exp_avg; an exp_avg between two non-zero
-    levels then rounds stochastically one up (_spec.EXP_AVG_SR_ULPS; step: the uint32 Adam step, from 1). Returns
+    levels then rounds stochastically one up (_spec.EXP_AVG_SR_ULPS; rnd: _moment_random_bits of the step's exp_avg,
+    the top 16 bits for exp_avg, the low 16 for a 4-bit second moment; with HASH_HERE hashed here from x, the exp_avg,
+    and step, right where they are used: held from the start, they cost sm_80 8 bytes of spills). Returns
     for a 4-bit SECOND moment the decoded sqrt(v) of the codes written (as _q4_root would read them back), else 0."""
     if DT == 4:
         QB: tl.constexpr = 256
@@ -331,13 +336,13 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
             half = 1 << (BITS - 1 - level)
             probe = tl.load(lut_ptr + SR_THRESHOLDS + code + (half - 1))
             code = tl.where(probe <= a_up, code + half, code)
-        e = offs2.to(tl.uint32)  # the element index's low 32 bits
-        r = _fmix32(_fmix32(u2.to(tl.uint32, bitcast=True) ^ (e * 0x9E3779B1)) ^ (step * 0x85EBCA77 + 0x6A09E667))
+        rnd2 = tl.reshape(rnd, (NB, QB))
+        uniform = ((rnd2 & 0xFFFF) * 2 + 1).to(tl.float32) * 7.62939453125e-06  # 2**-17 (formats.sr_uniform)
         ab = a_raw.to(tl.uint32, bitcast=True)
         lowered = tl.where(ab > EXP_AVG_SR_ULPS, ab - EXP_AVG_SR_ULPS, 0).to(tl.float32, bitcast=True)
         lo2 = tl.load(lut_ptr + SR_THRESHOLDS + (1 << BITS) + code)
         gap2 = tl.load(lut_ptr + SR_THRESHOLDS + (2 << BITS) + code)
-        up = (lowered * lowered - lo2) > (r >> 8).to(tl.float32) * 5.9604644775390625e-08 * gap2  # 2**-24
+        up = (lowered * lowered - lo2) > uniform * gap2
         code = tl.where(up & (code < (1 << BITS) - 1), code + 1, code)
     else:
         for level in tl.static_range(LEVEL_BITS):
@@ -345,13 +350,16 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, step, DT: tl.conste
             probe = tl.load(lut_ptr + THRESHOLDS + code + (half - 1))
             code = tl.where(probe <= a, code + half, code)
     if not SECOND:  # stochastic rounding from a non-zero level below the top one (_spec.EXP_AVG_SR_ULPS)
-        e = offs2.to(tl.uint32)  # the element index's low 32 bits
-        r = _fmix32(_fmix32(u2.to(tl.uint32, bitcast=True) ^ (e * 0x9E3779B1)) ^ (step * 0x85EBCA77 + 0x6A09E667))
+        if HASH_HERE:
+            rnd2 = _moment_random_bits(u2, offs2, step)
+        else:
+            rnd2 = tl.reshape(rnd, (NB, QB))
+        uniform = ((rnd2 >> 16) * 2 + 1).to(tl.float32) * 7.62939453125e-06  # 2**-17 (formats.sr_uniform)
         ab = a_raw.to(tl.uint32, bitcast=True)
         lowered = tl.where(ab > EXP_AVG_SR_ULPS, ab - EXP_AVG_SR_ULPS, 0).to(tl.float32, bitcast=True)
         lo = tl.load(lut_ptr + code)
         hi = tl.load(lut_ptr + code + 1)
-        up = (lowered - lo) > (r >> 8).to(tl.float32) * 5.9604644775390625e-08 * (hi - lo)  # 2**-24
+        up = (lowered - lo) > uniform * (hi - lo)
         if DT == 5:  # the 4-bit exp_avg (m / sqrt(v)) rounds stochastically from level 0 too (EXP_AVG_RELATIVE)
             code = tl.where(up & (code < (1 << (BITS - 1)) - 1), code + 1, code)
         else:
@@ -402,10 +410,11 @@ def _fp8_round(y, MB: tl.constexpr, BIAS: tl.constexpr):
 
 
 @_device
-def _fp8_random_bits(m, offs, step):
-    """The random bits of the fp8 states of these elements in a step, from the step's new exp_avg m, as
-    formats.fp8_random_bits: fmix32(bits(m) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) (uint32; e the
-    element index's low 32 bits); exp_avg rounds with the top 16, a second moment with the low 16."""
+def _moment_random_bits(m, offs, step):
+    """The random bits of the low-bit and fp8 states of these elements in a step, from the step's new exp_avg m, as
+    formats.moment_random_bits (_spec.MOMENT_RANDOM_BITS): fmix32(bits(m) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 +
+    0x6A09E667)) (uint32; e the element index's low 32 bits); exp_avg rounds with the top 16, a second moment with
+    the low 16."""
     e = offs.to(tl.uint32)
     return _fmix32(m.to(tl.uint32, bitcast=True) ^ (e * 0x9E3779B1) ^ (step * 0x85EBCA77 + 0x6A09E667))
 
@@ -457,7 +466,7 @@ def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: t
     block with inf or NaN (codes 0), except a second moment's overflowed v (sqrt(v) = inf): the scale of the finite
     ones with the sign bit set, code 0 for the overflowed elements and codes >= 1 for the others; 0 for an all-zero
     block or one with k < FP8_MIN_EXPONENT. Codes round
-    stochastically (rnd: _fp8_random_bits of the step's exp_avg; the top 16 bits for exp_avg, the low 16 for a
+    stochastically (rnd: _moment_random_bits of the step's exp_avg; the top 16 bits for exp_avg, the low 16 for a
     second moment) except the block's largest magnitudes, which round to nearest even; they saturate at the largest
     finite code;
     exp_avg keeps its sign (never -0), sqrt(v) gets at least the smallest subnormal code in a usable block."""
@@ -655,22 +664,26 @@ def _adam_block(
     # ptxas does better storing it last.
     if not HAS_MASTER:
         _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
-    if M_DT >= 6 or V_DT >= 6:  # one hash per element for both fp8 moments
-        rnd = _fp8_random_bits(m, offs, m_step)
+    # The moments' random bits (_spec.MOMENT_RANDOM_BITS): one hash per element of m, taken here for fp8 and 4-bit
+    # states (two stores use it, or a 4-bit exp_avg's store, which codes m / u), by the store itself for an 8-bit
+    # exp_avg beside a second moment that takes none
+    SHARED_RND: tl.constexpr = M_DT >= 5 or V_DT >= 5
+    if SHARED_RND:
+        rnd = _moment_random_bits(m, offs, m_step)
     else:
         rnd = 0
     if M_DT != 5:
-        _store_state(m_addr, ms_addr, m_lut_ptr, offs, m, mask, block_index, m_step, M_DT, M_SCALED, False, ALIGNED,
-                     BLOCK, rnd)
-    root = _store_state(v_addr, vs_addr, v_lut_ptr, offs, v, mask, block_index, m_step, V_DT, V_SCALED, True, ALIGNED,
-                        BLOCK, rnd)
+        _store_state(m_addr, ms_addr, m_lut_ptr, offs, m, mask, block_index, M_DT, M_SCALED, False, ALIGNED, BLOCK,
+                     rnd, m_step, M_DT == 4 and not SHARED_RND)
+    root = _store_state(v_addr, vs_addr, v_lut_ptr, offs, v, mask, block_index, V_DT, V_SCALED, True, ALIGNED, BLOCK,
+                        rnd)
     if AMSGRAD:
-        _store_state(vmax_addr, vmaxs_addr, v_lut_ptr, offs, vmax, mask, block_index, m_step, V_DT, V_SCALED, True,
-                     ALIGNED, BLOCK, rnd)
+        _store_state(vmax_addr, vmaxs_addr, v_lut_ptr, offs, vmax, mask, block_index, V_DT, V_SCALED, True, ALIGNED,
+                     BLOCK, rnd)
     if M_DT == 5:  # after exp_avg_sq: r = m / u against its new codes, 0 where u = 0 (_spec.EXP_AVG_RELATIVE)
         r = tl.where(root == 0.0, 0.0, _div(m, root, False))
-        _store_state(m_addr, ms_addr, m_lut_ptr, offs, r, mask, block_index, m_step, M_DT, M_SCALED, False, ALIGNED,
-                     BLOCK, rnd)
+        _store_state(m_addr, ms_addr, m_lut_ptr, offs, r, mask, block_index, M_DT, M_SCALED, False, ALIGNED, BLOCK,
+                     rnd)
     if HAS_MASTER:
         _store_param(p_addr, master_addr, offs, p, mask, sr_key, P_DT, HAS_MASTER, HAS_SR, ALIGNED)
     return squares
@@ -784,7 +797,7 @@ def adam_kernel(
         sr_key = _splitmix64(key ^ _splitmix64(t.to(tl.uint64)))
     else:
         sr_key = 0
-    m_step = t.to(tl.int64).to(tl.uint32)  # mixed into a low-bit exp_avg's stochastic rounding
+    m_step = t.to(tl.int64).to(tl.uint32)  # mixed into the moment states' stochastic rounding
     if UNSCALE_GRADS:
         grad_scale = _to_compute(tl.load(grad_scale_ptr), F64)
     else:
