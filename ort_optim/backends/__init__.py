@@ -34,11 +34,20 @@ AdamPlan = native.AdamPlan
 TensorWatch = native.TensorWatch
 
 
+# The value of ORT_OPTIM_BACKEND last read (None: unset) and the backend it selects: read again only when it changed.
+_selected: tuple[Optional[str], str] = (None, "auto")
+
+
 def backend() -> str:
-    """The backend selected by ORT_OPTIM_BACKEND: auto (default), native, torch or triton."""
-    name = os.environ.get("ORT_OPTIM_BACKEND", "auto").lower()
+    """The backend selected by ORT_OPTIM_BACKEND now: auto (default), native, torch or triton."""
+    global _selected
+    value = os.environ.get("ORT_OPTIM_BACKEND")
+    if value == _selected[0]:
+        return _selected[1]
+    name = "auto" if value is None else value.lower()
     if name not in BACKENDS:
         raise ValueError(f"ORT_OPTIM_BACKEND={name!r} is not one of {', '.join(BACKENDS)}")
+    _selected = (value, name)
     return name
 
 
