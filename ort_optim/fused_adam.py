@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-from itertools import chain
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from . import _checkpoint, _group_options, _migration, _plan, backends
 from ._backward_step import BackwardStep, loss_scaling_refused, max_grad_norm_refused
@@ -29,10 +26,6 @@ _TRACED_STEP = tuple(int(part) for part in torch.__version__.split("+")[0].split
 # step with grad_scale. Steps read them; _leaving_out() switches them off for the steps taken inside it.
 _PLAIN_NORM = True
 _UNSCALE_GRADS = True
-
-# The op overloads behind torch.autograd.profiler.record_function (FusedAdam.profile_hook_step).
-_RECORD_ENTER = torch.ops.profiler._record_function_enter_new.default
-_RECORD_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 
 
 @contextlib.contextmanager
@@ -179,44 +172,6 @@ class FusedAdam(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True
-
-    @staticmethod
-    def profile_hook_step(func: Callable) -> Callable:
-        """torch.optim.Optimizer's wrapper of ``step`` (its constructor installs it, once per class, as for every
-        torch optimizer): the profiler's label ``Optimizer.step#<class name>.step`` around the global and the
-        optimizer's step pre hooks, ``step`` itself, ``_optimizer_step_code`` and the post hooks, in torch.optim's
-        order and protocol (a pre hook may return new ``(args, kwargs)``). The label is the RecordFunction that
-        ``torch.autograd.profiler.record_function`` records (user scope, seen by every profiler and observer), entered
-        through the op overloads it calls, without its Python dispatch: that dispatch cost more than all of FusedAdam's
-        own Python per step (measured on 2000 params with the caches evicted: 60-90 us against 20-45 us for the
-        overloads). Inside torch.compile it is torch.optim's own wrapper."""
-        torch_wrapper = torch.optim.Optimizer.profile_hook_step(func)
-
-        @functools.wraps(func)
-        def wrapper(*args, **kwargs):
-            if torch.compiler.is_compiling():
-                return torch_wrapper(*args, **kwargs)
-            self = args[0]
-            record = _RECORD_ENTER(f"Optimizer.step#{self.__class__.__name__}.step", None)
-            try:
-                for pre_hook in chain(_global_optimizer_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
-                    result = pre_hook(self, args, kwargs)
-                    if result is not None:
-                        if isinstance(result, tuple) and len(result) == 2:
-                            args, kwargs = result
-                        else:
-                            raise RuntimeError(
-                                f"{func} must return None or a tuple of (new_args, new_kwargs), but got {result}.")
-                out = func(*args, **kwargs)
-                self._optimizer_step_code()
-                for post_hook in chain(self._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
-                    post_hook(self, args, kwargs)
-                return out
-            finally:
-                with torch._C.DisableTorchFunctionSubclass():  # (as record_function leaves it)
-                    _RECORD_EXIT(record)
-
-        return wrapper
 
     def __init__(
         self,
