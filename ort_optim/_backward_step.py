@@ -28,7 +28,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from . import _group_options, _heap, _plan, backends
+from . import _heap, _plan, backends
 from .integrations.ddp import ddp_reducing, ddp_refused
 
 class BackwardStep:
@@ -45,9 +45,6 @@ class BackwardStep:
         # param -> ((optimizer.state.version, amsgrad, the group's rounding options, the backend choice, the layout
         # options), its runner on a native plan, the optimizer.state container) when it was planned
         self._plans: dict[torch.Tensor, tuple[tuple, backends.PlanRunner, Any]] = {}
-        # id(group) -> (the group, _group_options.signature(group), its validated hyperparameters as the op's keyword
-        # arguments)
-        self._hypers: dict[int, tuple[dict, tuple, dict]] = {}
         self._accumulating = 0
         self._updated: dict[torch.Tensor, None] = {}  # params updated by a hook since the last step()/zero_grad()
         self.setup_checked = False  # check_setup() passed (it runs once: before the first update, or at step())
@@ -324,7 +321,7 @@ class BackwardStep:
         changed since); otherwise validated first as step() validates (a bad gradient raises naming the param, with
         nothing written), then planned again, or run through the op."""
         group_index, index, group = self._where[p]
-        hyper = self._hyperparameters(optimizer, group_index, group)
+        hyper = optimizer._checked_groups.of(group_index, group, optimizer.master_weights)
         amsgrad = bool(group["amsgrad"])
         # (the backend is chosen by ORT_OPTIM_BACKEND at every step: a plan made under another choice is not used;
         # nor one made before master_weights or a state dtype option changed, whose states step() would convert)
@@ -342,20 +339,6 @@ class BackwardStep:
             return
         with torch.no_grad():
             self._step_validated(optimizer, p, group_index, index, group, hyper, amsgrad, key)
-
-    def _hyperparameters(self, optimizer: torch.optim.Optimizer, group_index: int, group: dict) -> dict:
-        """The group's hyperparameters as the op's keyword arguments, validated as step() validates them (raising
-        naming the group), or as they were validated at an earlier hook while their values are the same."""
-        signature = _group_options.signature(group)
-        if signature is not None:  # (stochastic_rounding is refused with master weights, which may be switched on later)
-            signature = (signature, optimizer.master_weights)
-        cached = self._hypers.get(id(group))
-        if signature is not None and cached is not None and cached[0] is group and cached[1] == signature:
-            return cached[2]
-        _group_options.check_group(group, _group_options.group_where(group_index), optimizer.master_weights)
-        hyper = _group_options.hyperparameters(group)
-        self._hypers[id(group)] = (group, signature, hyper)
-        return hyper
 
     def _step_validated(self, optimizer: torch.optim.Optimizer, p: torch.Tensor, group_index: int, index: int,
                         group: dict,

@@ -3,7 +3,9 @@ options, and step()'s loss-scaling arguments.
 
 The constructor, ``add_param_group``, ``load_state_dict`` (through ort_optim/_checkpoint.py) and every ``step()``
 (and every update made in backward) call :func:`check_group`, so a value is accepted or refused the same way
-wherever it comes in. Each fault has one exception type and one message, which starts with the entry it is about:
+wherever it comes in (steps and updates through :class:`CheckedGroups`, which validates a group again whenever one
+of its options differs, in value or type, from what was last accepted, and at every step while one is a tensor).
+Each fault has one exception type and one message, which starts with the entry it is about:
 
 * a value of the wrong type (a string, a bool where a number belongs, a betas element that is a list): TypeError;
 * a value of the right type out of range (negative, NaN or inf, a beta outside [0, 1), betas that are not a pair,
@@ -153,18 +155,60 @@ def hyperparameters(group: dict) -> dict:
     )
 
 
+# The types of option values that signature() compares by value: immutable numbers, whose == with the same type tells
+# whether the value changed (True == 1 == 1.0, hence the types beside the values).
+_PLAIN_NUMBERS = frozenset((int, float, bool))
+
+
 def signature(group: dict) -> Optional[tuple]:
-    """The plain values a group's options are made of, with their types, to tell whether they changed since they were
-    validated; None when one is a tensor (its value can change in place: validated every time)."""
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)):
+    """Everything :func:`check_group` reads from a group, as plain values with their types, to tell whether the group
+    changed since it was validated; None when one is not a plain number (a tensor, whose value can change in place;
+    a value of another type; a missing key): such a group is validated every time."""
+    get = group.get
+    betas = get("betas")
+    if type(betas) not in (tuple, list) or len(betas) != 2:
         return None
-    values = (group["lr"], *betas, group["eps"], group["weight_decay"], group["adam_w_mode"], group["bias_correction"],
-              group["maximize"], group["amsgrad"], group.get("stochastic_rounding", False),
-              group.get("stochastic_rounding_seed", 0), *(key in group for key in OPTIMIZER_WIDE_KEYS))
-    if not all(isinstance(v, (int, float)) for v in values):
+    values = (get("lr"), betas[0], betas[1], get("eps"), get("weight_decay"), get("adam_w_mode"),
+              get("bias_correction"), get("maximize"), get("amsgrad"), get("stochastic_rounding", False),
+              get("stochastic_rounding_seed", 0), *(key in group for key in OPTIMIZER_WIDE_KEYS))
+    types = tuple(map(type, values))
+    if not _PLAIN_NUMBERS.issuperset(types) and not all(isinstance(v, (int, float)) for v in values):
         return None
-    return tuple((type(v), v) for v in values)
+    return values, types
+
+
+class CheckedGroups:
+    """The param groups' options as :func:`check_group` last accepted them, and their :func:`hyperparameters`: a
+    group is validated again only when its :func:`signature` (or the optimizer's master_weights) changed since, or
+    when it has none (a tensor option: validated every time). A group is told by identity (a dict put in its place
+    is validated) at its position (which names it in errors)."""
+
+    def __init__(self) -> None:
+        # position in param_groups -> (the group, its signature, master_weights, its hyperparameters)
+        self._checked: dict[int, tuple] = {}
+
+    def hyperparameters(self, groups: list, master_weights: bool) -> list[dict]:
+        """:meth:`of` every group, in order."""
+        if len(self._checked) > len(groups):  # (groups removed: their entries go)
+            self._checked = {index: entry for index, entry in self._checked.items() if index < len(groups)}
+        return [self.of(index, group, master_weights) for index, group in enumerate(groups)]
+
+    def of(self, index: int, group: dict, master_weights: bool) -> dict:
+        """The hyperparameters of ``param_groups[index]`` as the op's keyword arguments (a dict shared between calls:
+        not to be written into), validated as :func:`check_group` validates them (raising as it does, naming the
+        group, before anything changes), or as they were validated at an earlier call while nothing changed."""
+        entry = self._checked.get(index)
+        if entry is not None and entry[0] is group and entry[2] is master_weights:
+            current = signature(group)
+            if current is not None and current == entry[1]:
+                return entry[3]
+        self._checked.pop(index, None)
+        check_group(group, group_where(index), master_weights)
+        hyper = hyperparameters(group)
+        current = signature(group)
+        if current is not None:
+            self._checked[index] = (group, current, master_weights, hyper)
+        return hyper
 
 
 def stochastic_rounding_refused(name: str) -> ValueError:

@@ -281,7 +281,10 @@ class GroupPlan:
         """The per-tensor part of the rule (see the module docstring), after reading this step's gradients into the
         buckets (read_grads); a False leaves them half read, for a new plan to replace."""
         if self.native:
-            return all(w.check() < 0 for w in self.watchers)
+            for watcher in self.watchers:
+                if watcher.check() >= 0:
+                    return False
+            return True
         if not self.read_grads():
             return False
         return all(bucket.runner.check() for bucket in self.buckets)
@@ -317,13 +320,21 @@ class Plan:
     state_version: int
     layout: StateLayout  # the optimizer's state layout
     native: bool  # whether CPU buckets run on the native op (have native plans)
+    has_dtensors: bool = field(init=False)  # whether any group has DTensor params
+
+    def __post_init__(self) -> None:
+        self.has_dtensors = any(planned.has_dtensors for planned in self.groups)
 
     def read_grads_if_valid(self, groups: list[dict], state: OptimizerState, layout: StateLayout) -> bool:
         """Whether this plan still describes the optimizer's param groups, state and layout (the rule in the module
         docstring); when it does, the buckets are ready to step (native plans checked, other buckets' gradients
         read into bucket.grads)."""
-        return (self.describes(groups, state, layout, backends.runs_natively(CPU))
-                and all(planned.read_grads_if_current() for planned in self.groups))
+        if not self.describes(groups, state, layout, backends.runs_natively(CPU)):
+            return False
+        for planned in self.groups:
+            if not planned.read_grads_if_current():
+                return False
+        return True
 
     def describes(self, groups: list[dict], state: OptimizerState, layout: StateLayout, native: bool) -> bool:
         """The part of the rule above the tensors: the same state container at the same version, the same layout and
@@ -339,11 +350,6 @@ class Plan:
                     or _rounding(group) != planned.rounding):
                 return False
         return True
-
-    @property
-    def has_dtensors(self) -> bool:
-        """Whether any group has DTensor params."""
-        return any(planned.has_dtensors for planned in self.groups)
 
     def resolve_grads(self, writes_grads: bool) -> None:
         """Brings the gradients laid out unlike their DTensor params to the params' layout (dtensor.local_grad), once

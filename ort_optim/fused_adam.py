@@ -213,6 +213,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.capturable = capturable
         self._plan: Optional[_plan.Plan] = None  # the step cache (ort_optim/_plan.py)
+        self._checked_groups = _group_options.CheckedGroups()  # the options last accepted (steps, backward updates)
         # The last step's report (last_grad_norm, last_found_inf): a dict, whose writes a step traced by
         # torch.compile replays (TorchDynamo drops attribute writes on an optimizer made inside a traced step).
         self._last: dict[str, Optional[torch.Tensor]] = {"grad_norm": None, "found_inf": None}
@@ -263,6 +264,7 @@ class FusedAdam(torch.optim.Optimizer):
         super().__setstate__(state)  # (it puts "state" into __dict__, under the property: wrap it)
         self.state = self.__dict__.pop("state", self.__dict__.get("_state_container", {}))
         self._plan = None  # the cache (native plans cannot be copied): rebuilt at the next step
+        self._checked_groups = _group_options.CheckedGroups()
         self._partitions_checked = False
         self._last = {"grad_norm": None, "found_inf": None}
         self._backward = None
@@ -398,7 +400,6 @@ class FusedAdam(torch.optim.Optimizer):
         """
         return self._last["found_inf"] is not None and bool(self._last["found_inf"].item() != 0)
 
-    @torch.no_grad()
     def step(
         self,
         closure: Optional[Callable[[], Any]] = None,
@@ -407,11 +408,21 @@ class FusedAdam(torch.optim.Optimizer):
         found_inf: Optional[torch.Tensor] = None,
     ):
         """Performs one optimization step; see the class docstring for grad_scale and found_inf."""
-        if torch.compiler.is_compiling() and not _TRACED_STEP:
-            # (an older TorchDynamo: the step runs outside the graph, a graph break; their inductor cannot
-            # functionalize an op that mutates tensor lists)
-            return torch._dynamo.disable(self._step)(closure, grad_scale, found_inf)
-        return self._step(closure, grad_scale, found_inf)
+        if torch.compiler.is_compiling():
+            with torch.no_grad():
+                if not _TRACED_STEP:
+                    # (an older TorchDynamo: the step runs outside the graph, a graph break; their inductor cannot
+                    # functionalize an op that mutates tensor lists)
+                    return torch._dynamo.disable(self._step)(closure, grad_scale, found_inf)
+                return self._step(closure, grad_scale, found_inf)
+        # Eager: torch.no_grad() as the two calls into torch's grad mode that its context manager makes, without
+        # the context manager's Python layers (a step on thousands of small params is short enough to notice them).
+        grad_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return self._step(closure, grad_scale, found_inf)
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
 
     def _step(self, closure, grad_scale, found_inf):
         loss = None
@@ -426,15 +437,17 @@ class FusedAdam(torch.optim.Optimizer):
         # Whether backward updated params since the last step() or zero_grad(): this step() then finishes only the
         # rest, and its norm would be of that rest alone (last_grad_norm stays None). After backward calls that all
         # ran inside accumulate(), it is a normal step over every gradient, and reports their norm.
-        self._finishes_backward = self._backward is not None and self._backward.updated_any
-        if self._backward is not None:
-            if not self._backward.setup_checked:  # (once)
-                self._backward.check_setup(self)
-            self._backward.check_updated_once()
-            self._backward.restore_hooks()
-        if self._backward is not None and (grad_scale is not None or found_inf is not None):
-            raise loss_scaling_refused()
-        _group_options.check_scaling_arguments(grad_scale, found_inf)
+        backward = self._backward
+        self._finishes_backward = backward is not None and backward.updated_any
+        if backward is not None:
+            if not backward.setup_checked:  # (once)
+                backward.check_setup(self)
+            backward.check_updated_once()
+            backward.restore_hooks()
+            if grad_scale is not None or found_inf is not None:
+                raise loss_scaling_refused()
+        if grad_scale is not None or found_inf is not None:
+            _group_options.check_scaling_arguments(grad_scale, found_inf)
         if torch.compiler.is_compiling() and _TRACED_STEP and self._backward is None and self._init_group():
             self._check_capturable_grad_scale(grad_scale)
             # Traced by torch.compile: _init_group ran outside the graph (validated everything, planned); what it
@@ -446,18 +459,18 @@ class FusedAdam(torch.optim.Optimizer):
                 raise RuntimeError("ort_optim: a traced FusedAdam step found its plan out of date; please report")
             self._launch(plan, grad_scale, found_inf, traced=True)
             return loss
-        self._validate_options(grad_scale)
+        hypers = self._validate_options(grad_scale)
         # The one step path: the plan (valid, or built again after validating everything), then the backend ops.
         plan = self._plan
-        layout = self._layout
-        if plan is None or not plan.read_grads_if_valid(self.param_groups, self.state, layout):
-            plan = self._plan = _plan.build(self.param_groups, self.state, layout)
+        groups, state, layout = self.param_groups, self.state, self._layout
+        if plan is None or not plan.read_grads_if_valid(groups, state, layout):
+            plan = self._plan = _plan.build(groups, state, layout)
             # (a plan describes what it was built from: if not, this is a bug, not a user error)
-            if not plan.read_grads_if_valid(self.param_groups, self.state, layout):
+            if not plan.read_grads_if_valid(groups, state, layout):
                 raise RuntimeError("ort_optim: a FusedAdam plan was not valid right after it was built; please report")
         if plan.has_dtensors:  # (gradients laid out unlike their DTensor params: to the params' layout, once per step)
             plan.resolve_grads(writes_grads=grad_scale is not None and _UNSCALE_GRADS)
-        self._launch(plan, grad_scale, found_inf)
+        self._launch(plan, grad_scale, found_inf, hypers)
         return loss
 
     def _init_group(self) -> bool:
@@ -488,13 +501,13 @@ class FusedAdam(torch.optim.Optimizer):
                 return False
         return True
 
-    def _validate_options(self, grad_scale) -> None:
-        """What a step checks before it plans: every group's options, capturable's demands, and clipping under a
-        partitioning DeepSpeed optimizer (once)."""
-        for group_index, group in enumerate(self.param_groups):
-            _group_options.check_group(group, group_where(group_index), self.master_weights)
-        self._check_capturable_grad_scale(grad_scale)
+    def _validate_options(self, grad_scale) -> list[dict]:
+        """What a step checks before it plans: every group's options (those that changed since the last step that
+        accepted them, or that are tensors: _group_options.CheckedGroups), capturable's demands, and clipping under a
+        partitioning DeepSpeed optimizer (once). Returns each group's hyperparameters as the op's keyword arguments."""
+        hypers = self._checked_groups.hyperparameters(self.param_groups, self.master_weights)
         if self.capturable:  # checked before anything changes (state creation included), like everything else
+            self._check_capturable_grad_scale(grad_scale)
             for group_index, group in enumerate(self.param_groups):
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor):
@@ -504,6 +517,7 @@ class FusedAdam(torch.optim.Optimizer):
                                              f"device ({p.device}), got a tensor on {lr.device}")
         if self.max_grad_norm is not None and not self._partitions_checked and self.pipeline_group is None:
             self._check_clipping_sees_every_partition()
+        return hypers
 
     def _check_capturable_grad_scale(self, grad_scale) -> None:
         if self.capturable and grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
@@ -530,13 +544,15 @@ class FusedAdam(torch.optim.Optimizer):
                 "are disjoint, like pipeline stages, and their sums of squares are then added")
         self._partitions_checked = scanned
 
-    def _launch(self, plan: _plan.Plan, grad_scale, found_inf, traced: bool = False) -> None:
+    def _launch(self, plan: _plan.Plan, grad_scale, found_inf, hypers: Optional[list[dict]] = None,
+                traced: bool = False) -> None:
         """The one route from a valid plan to the kernels, whatever the backend: every bucket has a runner
         (ort_optim.backends: check, stats, step; the plan has checked them). A step that unscales or clips first
         reduces the buckets' gradient statistics into one (over the ranks too, when they decide together), from which
         backends.scaling makes the multiplier and the skip flag; then one runner step per bucket applies them. Sets
-        the step's report: last_grad_norm and last_found_inf. traced: the step is traced by torch.compile (its float
-        lr and betas go to the op as tensors, see _traced_hyperparameters)."""
+        the step's report: last_grad_norm and last_found_inf. hypers: each group's hyperparameters as validated
+        (_validate_options). traced: the step is traced by torch.compile (its float lr and betas go to the op as
+        tensors, see _traced_hyperparameters)."""
         buckets = list(plan.buckets())
         scaled = grad_scale is not None or self.max_grad_norm is not None
         # (the reduction carries the clipping norm and the skip decision: needed only when the step computes them;
@@ -552,24 +568,25 @@ class FusedAdam(torch.optim.Optimizer):
                 and (backends.runs_natively(device) or backends.update_reports_grad_norm(device)))
             self._last["grad_norm"] = torch.zeros((), dtype=torch.float32, device=device) if reports else None
             return
-        devices = list(dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets)) or [
-            next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)]
-        unscaled = self._grad_scale_per_device(buckets, grad_scale)
+        unscaled = self._grad_scale_per_device(buckets, grad_scale) if grad_scale is not None else None
         if scaled:
+            devices = list(dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets)) or [
+                next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)]
             stats = self._global_grad_stats(buckets, devices[0], reduction)
             multiplier, self._last["grad_norm"], skip = backends.scaling(stats, grad_scale, self.max_grad_norm,
                                                                          found_inf)
             per_device = {device: multiplier.to(device, non_blocking=True).reshape(1) for device in devices}
             scaling = backends.Scaling(per_device, skip, unscaled)
             self._last["found_inf"] = skip
-        else:
+        else:  # (then there are buckets: a step without any returned above)
             scaling = backends.Scaling(found_inf=found_inf)
             self._last["grad_norm"] = None
             # The caller's own tensor (any dtype, 0-dim or not, a buffer it may zero for the next iteration, as apex's
             # overflow buffer is): last_found_inf is this step's verdict as a float32 [1] of its own on the params'
-            # device, computed there (no host sync), so a reference kept to it does not change with the buffer.
+            # device (the first bucket's), computed there (no host sync), so a reference kept to it does not change
+            # with the buffer.
             self._last["found_inf"] = None if found_inf is None else (
-                found_inf.to(devices[0]).reshape(()) != 0).float().reshape(1)
+                found_inf.to(buckets[0][2].params[0].device).reshape(()) != 0).float().reshape(1)
         if unscaled and (len(buckets) > 1 or buckets[0][2].native is None):  # ({} without any gradient)
             _plan.check_grads_writable(buckets)
         # A plain step reports the norm too where the update's own pass can sum the squares it reads.
@@ -577,16 +594,19 @@ class FusedAdam(torch.optim.Optimizer):
         stats = []
         for group_index, group, bucket in buckets:
             try:
-                hyper = (_traced_hyperparameters(group, bucket.steps.device) if traced
-                         else _group_options.hyperparameters(group))
+                hyper = _traced_hyperparameters(group, bucket.steps.device) if traced else hypers[group_index]
                 stats.append(bucket.runner.step(hyper, scaling, grad_norm=plain_norm))
             except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
                 raise _plan.name_op_error(exc, group_index, bucket) from exc
         if plain_norm:  # the buckets' sums of squares added in bucket order, as _global_grad_stats
-            # On the first accelerator's device when the buckets span CPU and CUDA: host-to-device copies of the CPU
-            # buckets' sums need no synchronisation, a non-blocking copy the other way would be read unfinished.
-            main = next((s.device for s in stats if s.device.type != "cpu"), stats[0].device)
-            self._last["grad_norm"] = sum(s.to(main, non_blocking=True) for s in stats)[0].sqrt()
+            if len(stats) == 1:
+                total = stats[0]
+            else:
+                # On the first accelerator's device when the buckets span CPU and CUDA: host-to-device copies of the
+                # CPU buckets' sums need no synchronisation, a non-blocking copy the other way would be read unfinished.
+                main = next((s.device for s in stats if s.device.type != "cpu"), stats[0].device)
+                total = sum(s.to(main, non_blocking=True) for s in stats)
+            self._last["grad_norm"] = total[0].sqrt()
 
     def _plain_norm_from_update(self, plan: _plan.Plan, buckets: list, grad_scale, found_inf) -> bool:
         """Whether this step's update passes report the gradients' norm (last_grad_norm without a stats pass): a

@@ -413,6 +413,43 @@ def test_step_hooks_per_optimizer_and_global_fire_around_every_step():
     assert calls == [("global-pre", True), ("pre", True), ("post", True), ("global-post", True)] * 2
 
 
+def test_a_step_pre_hook_may_replace_the_arguments_and_must_return_them_as_torch_optim_says():
+    p, opt = one_param_optimizer()
+    p.grad = torch.ones_like(p)
+    handle = opt.register_step_pre_hook(lambda o, args, kwargs: ((o,), {"closure": lambda: torch.tensor(7.0)}))
+    assert float(opt.step()) == 7.0  # (the closure the hook put in)
+    handle.remove()
+    for o in (opt, torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])):
+        handle = o.register_step_pre_hook(lambda o, args, kwargs: "not a pair")
+        before = optimizer_snapshot(o)
+        with pytest.raises(RuntimeError, match=r"must return None or a tuple of \(new_args, new_kwargs\), but got "
+                                               r"not a pair\."):
+            o.step()
+        handle.remove()
+        assert_tree_bitwise_equal(optimizer_snapshot(o), before, "optimizer")
+
+
+def test_each_step_is_labelled_for_the_profiler_as_torch_optim_labels_its_optimizers():
+    """torch.profiler shows ``Optimizer.step#FusedAdam.step`` once per step, in the scope of torch's own label
+    (``Optimizer.step#AdamW.step``: a user annotation); a step that raises closes its label."""
+    p, opt = one_param_optimizer()
+    q = torch.nn.Parameter(torch.zeros(3))
+    ref = torch.optim.AdamW([q])
+    with torch.profiler.profile() as prof:
+        for _ in range(2):
+            p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+            opt.step()
+            ref.step()
+        opt.param_groups[0]["lr"] = -1.0
+        with pytest.raises(ValueError, match=r"param_groups\[0\]: lr must be >= 0"):
+            opt.step()
+    labels = [e for e in prof.events() if e.name.startswith("Optimizer.step#")]
+    ours = [e for e in labels if e.name == "Optimizer.step#FusedAdam.step"]
+    theirs = [e for e in labels if e.name == "Optimizer.step#AdamW.step"]
+    assert len(ours) == 3 and len(theirs) == 2, [e.name for e in labels]
+    assert {e.scope for e in ours} == {e.scope for e in theirs}
+
+
 def test_state_dict_hooks_run_and_the_post_hook_sees_the_canonical_form():
     """register_state_dict_post_hook's hook gets what state_dict() returns (here: unscaled float32 moments, no
     block scales, although the optimizer stores fp16 codes), and what it returns is returned."""

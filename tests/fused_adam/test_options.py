@@ -5,6 +5,9 @@ param removed from its group."""
 
 from __future__ import annotations
 
+import copy
+
+import numpy as np
 import pytest
 import torch
 from conftest import assert_tree_bitwise_equal, optimizer_snapshot
@@ -75,6 +78,85 @@ def test_each_fault_is_one_error_wherever_the_value_comes_in(options, error, mes
     with pytest.raises(error, match=rf"state_dict\['param_groups'\]\[0\]\['{key}'\]" + message):
         opt.load_state_dict(sd)
     assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
+# ---- options changed between steps ----------------------------------------------------------------------------------
+# A step validates a group's options again whenever any of them differs from what the last step accepted (in value or
+# in type), and reads them as they are now.
+
+# (id, group options written before the first step, the change after two steps, error type, message after the
+# entry's name)
+CHANGES_REFUSED = [
+    ("betas-list-edited-in-place", dict(betas=[0.9, 0.999]),
+     lambda opt: opt.param_groups[0]["betas"].__setitem__(1, 1.0), ValueError, r"betas\[1\] must be in \[0, 1\)"),
+    ("amsgrad-0-for-False", {}, lambda opt: opt.param_groups[0].__setitem__("amsgrad", 0), TypeError,
+     r"amsgrad must be True or False \(a bool\), got int 0"),
+    ("maximize-0.0-for-False", {}, lambda opt: opt.param_groups[0].__setitem__("maximize", 0.0), TypeError,
+     r"maximize must be True or False \(a bool\), got float 0\.0"),
+    ("weight-decay-True-for-1", dict(weight_decay=1), lambda opt: opt.param_groups[0].__setitem__("weight_decay", True),
+     TypeError, r"weight_decay must be a number, got bool True"),
+    ("lr-numpy-nan", {}, lambda opt: opt.param_groups[0].__setitem__("lr", np.float64("nan")), ValueError,
+     r"lr must be finite, got nan"),
+    ("stochastic-rounding-then-master-weights", dict(stochastic_rounding=True),
+     lambda opt: setattr(opt, "master_weights", True), ValueError,
+     r"stochastic_rounding=True is for bfloat16 params without master weights"),
+]
+
+
+@pytest.mark.parametrize("options,change,error,message", [c[1:] for c in CHANGES_REFUSED],
+                         ids=[c[0] for c in CHANGES_REFUSED])
+def test_an_option_changed_after_accepted_steps_is_refused_at_every_step_until_changed_back(
+        options, change, error, message, backend):
+    """A value equal to the accepted one but of another type (0 for False, True for 1), a betas list edited in place,
+    a NaN, stochastic rounding once the optimizer has master weights: each step refuses it with the error of the
+    constructor, naming the group, and leaves everything as it was; changed back, the optimizer steps again."""
+    params = _params()
+    opt = FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    opt.param_groups[0].update(copy.deepcopy(options))
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    accepted = ({**opt.param_groups[0], "betas": list(opt.param_groups[0]["betas"])}, opt.master_weights)
+    change(opt)
+    before = optimizer_snapshot(opt)
+    for _ in range(2):
+        with pytest.raises(error, match=r"param_groups\[0\]: " + message):
+            opt.step()
+        assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+    opt.param_groups[0].update(accepted[0], params=opt.param_groups[0]["params"])
+    opt.master_weights = accepted[1]
+    opt.step()
+    assert not torch.equal(params[0].detach(), before["p0.0"])
+
+
+def test_options_changed_between_steps_take_effect_as_in_torch():
+    """Each step reads the options as they are then: values replaced, and a betas list edited in place (against
+    torch.optim.AdamW with the same changes: rtol 1e-5, atol 1e-7 over 6 fp32 steps)."""
+    changes = [
+        lambda group: None,
+        lambda group: group.update(lr=0.05),
+        lambda group: group["betas"].__setitem__(0, 0.5),
+        lambda group: group.update(weight_decay=0.3, eps=1e-3),
+        lambda group: group.update(maximize=True, bias_correction=True),
+        lambda group: (group.update(lr=np.float64(0.01)), group["betas"].__setitem__(1, 0.9)),
+    ]
+    ours, theirs = _params(), _params()
+    opt = FusedAdam(ours, lr=1e-3, eps=1e-8, weight_decay=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    ref = torch.optim.AdamW(theirs, lr=1e-3, eps=1e-8, weight_decay=1e-2, foreach=False)
+    for o in (opt, ref):
+        o.param_groups[0]["betas"] = [0.9, 0.999]  # (a list, edited in place below)
+    g = torch.Generator().manual_seed(1)
+    for change in changes:
+        for o in (opt, ref):
+            change(o.param_groups[0])
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        opt.step()
+        ref.step()
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-7)
 
 
 def _torch_run(make_options, steps: int = 6) -> list[torch.Tensor]:

@@ -1131,6 +1131,28 @@ def test_a_backend_switched_between_steps_steps_like_a_fresh_optimizer_on_it(lay
         assert_steps_like_a_fresh_optimizer(opt, steps=1)
 
 
+def test_an_unknown_backend_set_between_steps_is_refused_at_every_step_and_unset_selects_auto(backend, monkeypatch):
+    """An ORT_OPTIM_BACKEND that names no backend, set between steps, is refused by every step (not only the first),
+    naming the variable and the choices, before anything changes; set to a backend again, or unset (auto), the next
+    steps are a fresh optimizer's on that backend."""
+    params, opt = _setup("fp32-amsgrad")
+    for seed in range(2):
+        _set_grads_all(params, seed)
+        opt.step()
+    monkeypatch.setenv("ORT_OPTIM_BACKEND", "gpu")
+    before = _meta_safe_snapshot(opt)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"ORT_OPTIM_BACKEND='gpu' is not one of auto, native, torch, triton"):
+            opt.step()
+    assert_same_snapshot(before, _meta_safe_snapshot(opt))
+    select_backend(monkeypatch, backend)
+    assert_steps_like_a_fresh_optimizer(opt, steps=1)
+    monkeypatch.delenv("ORT_OPTIM_BACKEND")
+    assert backends.backend() == "auto"
+    _set_grads_all(params, 3)
+    assert_steps_like_a_fresh_optimizer(opt, steps=1)
+
+
 # ---- against torch.optim.AdamW: a group dict put in place of another -----------------------------------------------
 
 
