@@ -107,21 +107,10 @@ def implementation(device: torch.device):
     return torch.ops.ort_optim
 
 
-# (the value of ORT_OPTIM_BACKEND, whether CPU tensors run on the native library under it): implementation()'s answer
-# for the CPU, which depends on that value alone once native_available() has been tried.
-_cpu_native: Optional[tuple[Optional[str], bool]] = None
-
-
 def runs_natively(device: torch.device) -> bool:
     """Whether the ops for tensors on this device run the native CPU library now: the backend selected at this moment,
     and not while torch.compile traces (native plans exist only then)."""
-    global _cpu_native
-    if device.type != "cpu" or torch.compiler.is_compiling():
-        return False
-    value = os.environ.get("ORT_OPTIM_BACKEND")
-    if _cpu_native is None or _cpu_native[0] != value:
-        _cpu_native = (value, implementation(device) is torch.ops.ort_optim)
-    return _cpu_native[1]
+    return device.type == "cpu" and not torch.compiler.is_compiling() and implementation(device) is torch.ops.ort_optim
 
 
 def update_reports_grad_norm(device: torch.device) -> bool:
