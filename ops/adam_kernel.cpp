@@ -612,14 +612,6 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   write_back<T>(w, h, off, n, s, p, g);
 }
 
-void prefetch_item(const TensorWork& w, const WorkItem& item) {
-  prefetch_range(w.grad, c10::elementSize(w.grad_type), item.begin, item.end);
-  prefetch_range(w.master ? static_cast<const void*>(w.master) : w.param,
-                 w.master ? sizeof(float) : c10::elementSize(w.param_type), item.begin, item.end);
-  prefetch_range(w.exp_avg, c10::elementSize(w.exp_avg_type), item.begin, item.end);
-  prefetch_range(w.exp_avg_sq, c10::elementSize(w.exp_avg_sq_type), item.begin, item.end);
-}
-
 template <typename T, int64_t kMode, bool kAmsgrad>
 void run_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& items, const Hyper& h,
               double* grad_squares) {
@@ -627,7 +619,6 @@ void run_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& 
     Scratch<T> scratch;
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& item = items[i];
-      if (i + 1 < end) prefetch_item(work[items[i + 1].tensor], items[i + 1]);
       double item_squares = 0.0;
       for (int64_t off = item.begin; off < item.end; off += kBlock) {
         double block_squares;

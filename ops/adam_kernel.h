@@ -59,17 +59,6 @@ struct WorkItem {
 
 std::vector<WorkItem> make_work_items(const std::vector<int64_t>& numels);
 
-// Hardware prefetchers stop at page boundaries, so with many small tensors every tensor would start with cold
-// misses; asking for the first kPrefetchBytes of the next work item's arrays hides them.
-constexpr int64_t kPrefetchBytes = 4096;
-
-inline void prefetch_range(const void* base, size_t element_size, int64_t begin, int64_t end) {
-  if (base == nullptr) return;
-  const char* p = static_cast<const char*>(base) + begin * element_size;
-  const int64_t bytes = std::min<int64_t>((end - begin) * int64_t(element_size), kPrefetchBytes);
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
-}
-
 // The update of every work item, in one parallel region; T is float, or double for float64 params.
 // grad_squares: nullptr, or one slot per work item for the sum of squares of its gradients (as loaded, before any
 // multiplier): the blocks' sums from the update loop, added in block order (the plain step's gradient norm).

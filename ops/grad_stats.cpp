@@ -121,10 +121,6 @@ double sum_of_squares(const std::vector<WorkItem>& items, Source source) {
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& item = items[i];
-      if (i + 1 < end) {
-        const auto [next, next_type] = source(items[i + 1].tensor);
-        prefetch_range(next, c10::elementSize(next_type), items[i + 1].begin, items[i + 1].end);
-      }
       const auto [data, type] = source(item.tensor);
       partial[i] = square_sum(data, type, item.begin, item.end);
     }
