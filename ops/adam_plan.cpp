@@ -100,13 +100,13 @@ inline bool TensorWatch::usable_grad(const at::Tensor* g, const Watch& param) co
   return g->has_storage() && g->storage().nbytes() >= bytes_needed(*g);
 }
 
-inline void TensorWatch::prefetch_ahead(size_t i, const int64_t* ids) const {
-  // (only TensorImpls the caller's snapshot vouches for are followed to what they point to: a prefetch of freed
+inline void TensorWatch::prefetch_ahead(size_t i, const c10::TensorImpl* const* ids) const {
+  // (only planned TensorImpls that the params are now are followed to what they point to: a prefetch of freed
   // memory is harmless, but reading a pointer out of it is not)
   const size_t n = param_impls_.size();
   auto prefetch = [](uintptr_t line) { __builtin_prefetch(reinterpret_cast<const void*>(line)); };
   auto grad = [&](size_t k) -> const c10::TensorImpl* {
-    if (ids[k] != reinterpret_cast<int64_t>(param_impls_[k])) return nullptr;
+    if (ids[k] != param_impls_[k]) return nullptr;
     const at::Tensor* g = metadata::grad_field(param_impls_[k]);
     return g != nullptr && g->defined() ? g->unsafeGetTensorImpl() : nullptr;
   };
@@ -125,15 +125,17 @@ inline void TensorWatch::prefetch_ahead(size_t i, const int64_t* ids) const {
   }
 }
 
-int64_t TensorWatch::check(std::vector<int64_t> identities) {
+int64_t TensorWatch::check(const c10::List<at::Tensor>& now) {
   release();
   const size_t n = param_impls_.size();
-  TORCH_CHECK(identities.size() == n + idle_impls_.size(), "ort_optim.TensorWatch: check() takes the TensorImpl ",
-              "addresses of the ", n, " params and ", idle_impls_.size(), " idle params, got ", identities.size());
-  const int64_t* ids = identities.data();
+  TORCH_CHECK(now.size() == n + idle_impls_.size(), "ort_optim.TensorWatch: check() takes the ", n, " params and ",
+              idle_impls_.size(), " idle params, got ", now.size(), " tensors");
+  now_.resize(now.size());
+  for (size_t i = 0; i < now.size(); ++i) now_[i] = now[i].unsafeGetTensorImpl();  // (no reference taken)
+  const c10::TensorImpl* const* ids = now_.data();
   for (size_t j = 0; j < idle_impls_.size(); ++j) {
     const c10::TensorImpl* q = idle_impls_[j];
-    if (ids[n + j] != reinterpret_cast<int64_t>(q)) return int64_t(n + j);
+    if (ids[n + j] != q) return int64_t(n + j);
     const at::Tensor* g = metadata::grad_field(q);
     if (g != nullptr && g->defined()) return int64_t(n + j);
   }
@@ -145,7 +147,7 @@ int64_t TensorWatch::check(std::vector<int64_t> identities) {
   for (size_t i = 0; i < n; ++i) {
     prefetch_ahead(i, ids);
     // (compared before anything is read through it: a swapped param's planned TensorImpl may be freed)
-    if (ids[i] != reinterpret_cast<int64_t>(param_impls_[i])) return release(int64_t(i));
+    if (ids[i] != param_impls_[i]) return release(int64_t(i));
     Watch* w = &watches_[i * per_param_];
     for (size_t k = 0; k < per_param_; ++k) {
       if (!still(w[k], i, k)) return release(int64_t(i));
@@ -246,9 +248,9 @@ AdamPlan::AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_a
 
 AdamPlan::~AdamPlan() { forget_params(); }
 
-int64_t AdamPlan::check(std::vector<int64_t> identities) {
+int64_t AdamPlan::check(const c10::List<at::Tensor>& now) {
   forget_params();
-  const int64_t result = TensorWatch::check(std::move(identities));
+  const int64_t result = TensorWatch::check(now);
   if (result < 0) borrow_params();
   return result;
 }

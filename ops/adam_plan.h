@@ -3,8 +3,8 @@
 // steps are the adam_step_ op's (step.h).
 //
 // Neither holds or reads a Python object: the op library uses no Python C API (it does not depend on the Python ABI)
-// and their methods, which torch runs with the GIL released, read only tensors they hold or that the caller's
-// snapshot names (see check()).
+// and their methods, which torch runs with the GIL released, read only tensors they hold or that the caller passes
+// (see check()).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,11 +24,13 @@ namespace ort_optim {
 // again (validating everything) before anything is written. It compares metadata only and never touches data, so it
 // serves tensors of any device: FusedAdam's CPU buckets through AdamPlan, its CUDA (Triton) buckets directly.
 //
-// Params are not held, not even weakly: torch.utils.swap_tensors (model.to() with swap-on-conversion) refuses a
-// tensor that anything else references. The watch keeps each param's TensorImpl address as an identity only;
-// check() takes the caller's snapshot of the params' TensorImpl addresses (Tensor._cdata, read under the GIL from
-// the Python params it keeps alive) and reads a param only through an address equal to the one planned. A swapped
-// param has another TensorImpl: check() fails before reading anything through it.
+// Params are not held between calls, not even weakly: torch.utils.swap_tensors (model.to() with swap-on-conversion)
+// refuses a tensor that anything else references. The watch keeps each param's TensorImpl address as an identity
+// only; check() takes the params as they are now (the caller's Python params, converted by torch's binding under
+// the GIL into at::Tensors held for the call) and reads a param only through a TensorImpl equal to the one planned.
+// A swapped param has another TensorImpl: check() fails before reading anything through the planned one. (The list
+// costs a third of a snapshot of the params' addresses as Python ints, Tensor._cdata: each of those allocates an
+// int.)
 class TensorWatch : public torch::CustomClassHolder {
  public:
   // states: the bucket's non-empty per-param state lists (n tensors each); step_tensors: per param, the tensor
@@ -38,12 +40,12 @@ class TensorWatch : public torch::CustomClassHolder {
               std::vector<at::Tensor> step_tensors, at::Tensor steps, const std::vector<at::Tensor>& idle_params)
       : TensorWatch(params, std::move(states), std::move(step_tensors), std::move(steps), idle_params, false) {}
 
-  // -1 when the bucket can step now: each param's TensorImpl is the planned one (identities: the params' then the
-  // idle params' TensorImpl addresses, now), every tensor is as it was (data pointers of storages re-allocated in
+  // -1 when the bucket can step now: each param's TensorImpl is the planned one (now: the params, then the idle
+  // params, as they are now), every tensor is as it was (data pointers of storages re-allocated in
   // place are followed where follow() says so), every param has a usable gradient (dense, on the param's device, a
   // dtype it can take, its shape, a storage that holds it) and no idle param has one. Else the position of the
   // first param that cannot (params.size() + j for idle_params[j]). Writes no tensor.
-  int64_t check(std::vector<int64_t> identities);
+  int64_t check(const c10::List<at::Tensor>& now);
 
   size_t size() const { return param_impls_.size(); }
 
@@ -106,12 +108,13 @@ class TensorWatch : public torch::CustomClassHolder {
   // link of the chain a few params before the next link needs it: the planned lines kPlannedAhead params ahead
   // (listed once, when planned: lines_), a gradient's TensorImpl kGradAhead ahead, its storage kGradStorageAhead.
   static constexpr size_t kPlannedAhead = 6, kGradAhead = 3, kGradStorageAhead = 1;
-  void prefetch_ahead(size_t i, const int64_t* identities) const;
+  void prefetch_ahead(size_t i, const c10::TensorImpl* const* now) const;
   std::vector<uintptr_t> lines_;        // per param i: [line_begin_[i], line_begin_[i + 1]), each line listed once
   std::vector<uint32_t> line_begin_;
   size_t storage_data_offset_ = 0;      // (metadata::storage_data_offset)
 
   std::vector<const c10::TensorImpl*> param_impls_, idle_impls_;  // identities, see above
+  std::vector<const c10::TensorImpl*> now_;                        // check()'s: the TensorImpls of `now`
   size_t per_param_ = 2;                                          // watches per param: the param, its states, its step
   std::vector<Watch> watches_;                                    // per param i: [i * per_param_, (i + 1) * per_param_)
   std::vector<int64_t> geometry_;
@@ -129,7 +132,7 @@ class AdamPlan : public TensorWatch {
            std::vector<at::Tensor> idle_params);
   ~AdamPlan() override;
 
-  int64_t check(std::vector<int64_t> identities);
+  int64_t check(const c10::List<at::Tensor>& now);
 
   // One step with the params' current gradients, after a successful check(). grad_norm: also return grad_stats'
   // float32 [sum of squares, 1.0 if not finite] of the gradients as loaded, from the update's own pass (NaN sum when

@@ -14,7 +14,6 @@ import fcntl
 import functools
 import hashlib
 import io
-import operator
 import os
 import platform
 import warnings
@@ -220,11 +219,6 @@ def available() -> bool:
     return _load_native()
 
 
-# A param's TensorImpl address, read under the GIL (Tensor._cdata): the identities a native watch compares before it
-# reads a param (ops/adam_plan.h, TensorWatch).
-_IMPL = operator.attrgetter("_cdata")
-
-
 class TensorWatch:
     """A native watch over one bucket's tensors (ops/README.md, "TensorWatch"), of any device: it compares metadata
     only (storage, data pointer, offset, dtype, device, sizes, strides) and never touches data.
@@ -232,13 +226,13 @@ class TensorWatch:
     :meth:`check` compares every tensor with what it was at creation and checks every param's gradient (dense, on
     the param's device, a dtype it can take, its shape, a storage that holds it). It holds the states and step tensors
     but not the params (``torch.utils.swap_tensors`` refuses a tensor referenced elsewhere, even weakly): this wrapper
-    keeps them and gives the native watch, at each check, their TensorImpl addresses, which it compares with the
-    planned ones before reading a param through them. Its methods hold no Python object and run without the GIL.
+    keeps them and passes them to each check, whose TensorImpls the native watch compares with the planned ones
+    before reading a param through them. Its methods hold no Python object and run without the GIL.
     """
 
     def __init__(self, native, params: list, idle_params: list) -> None:
         self._native = native
-        self._watched = params + idle_params  # (their TensorImpls now are what check() compares)
+        self._watched = params + idle_params  # (their TensorImpls now are what check() compares with the planned)
 
     @classmethod
     def create(cls, params, state_lists, steps, step_tensors, idle_params=()) -> "TensorWatch":
@@ -254,7 +248,7 @@ class TensorWatch:
         every param is the TensorImpl it was (not swapped) and has a usable gradient, and no idle param has one.
         Otherwise the position of the first param that cannot (``len(params) + j`` for ``idle_params[j]``); nothing
         is written either way."""
-        return self._native.check(list(map(_IMPL, self._watched)))
+        return self._native.check(self._watched)
 
 
 class AdamPlan(TensorWatch):
