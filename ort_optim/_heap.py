@@ -1,4 +1,7 @@
-"""Giving the memory of freed CPU gradients back to the system, so that step_in_backward's saving shows in RSS.
+"""How the optimizer's CPU memory meets the C library and the kernel: freed CPU gradients given back to the system,
+so that step_in_backward's saving shows in RSS; and the flat state buffers placed on transparent huge pages.
+
+Freed gradients:
 
 glibc's malloc serves a request below its mmap threshold from the heap, and it raises that threshold (up to 32 MiB)
 each time a block it had mapped on its own is freed. After the first gradient step_in_backward frees, the gradients of
@@ -14,12 +17,23 @@ per :data:`TRIM_EVERY_BYTES` of freed gradients bounds the memory kept free but 
 cost of one call (about 1 ms on a heap of a few hundred MB) and of refaulting the pages that get reused. An allocator
 preloaded in glibc's place (jemalloc, tcmalloc) returns memory its own way, and glibc's malloc_trim finds none of its
 blocks; on other C libraries nothing is called.
+
+Huge pages: a step streams every moment (and master) once, and with 4 KiB pages each 4 KiB of each stream costs a
+TLB miss, a page walk, that the hardware prefetchers wait for. :func:`zeros` asks Linux to back a flat state buffer
+with 2 MiB transparent huge pages (``madvise(MADV_HUGEPAGE)`` on the buffer's whole 2 MiB pages, before the zero
+fill that faults them in), as the kernel offers them to a process that asks where
+``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` (and to every process where it is ``always``;
+``never`` turns them off). Measured on GPT-2 small's shapes (AMD EPYC, 2 threads, guides/benchmarks.md): the fp32
+step 5% faster with its moments on huge pages. The memory is the same (the buffer is filled anyway); a fault may
+compact memory to find a 2 MiB page, once, when the state is made. Elsewhere (other systems, a refused advice) the
+buffer is plain zeros.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -41,6 +55,38 @@ def _glibc_malloc_trim() -> Optional[Callable[[int], int]]:
 
 
 _MALLOC_TRIM = _glibc_malloc_trim()
+
+HUGE_PAGE = 2 * 2**20
+_MADV_HUGEPAGE = 14  # (linux/mman.h)
+
+
+def _linux_madvise() -> Optional[Callable[[int, int, int], int]]:
+    """The C library's madvise on Linux, or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        advise = ctypes.CDLL(None, use_errno=True).madvise
+    except (AttributeError, OSError):
+        return None
+    advise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    advise.restype = ctypes.c_int
+    return advise
+
+
+_MADVISE = _linux_madvise()
+
+
+def zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros(numel, dtype=dtype, device=device)``; on the CPU under Linux, its whole 2 MiB pages advised to
+    be transparent huge pages before they are first written (see the module docstring)."""
+    if device.type != "cpu" or _MADVISE is None or numel * dtype.itemsize < 2 * HUGE_PAGE:
+        return torch.zeros(numel, dtype=dtype, device=device)
+    buffer = torch.empty(numel, dtype=dtype, device=device)
+    start = buffer.data_ptr()
+    begin = -(-start // HUGE_PAGE) * HUGE_PAGE
+    end = (start + numel * dtype.itemsize) // HUGE_PAGE * HUGE_PAGE
+    _MADVISE(begin, end - begin, _MADV_HUGEPAGE)  # (a refusal, EINVAL without THP, leaves plain pages)
+    return buffer.zero_()
 
 
 class FreedMemory:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _spec
+from . import _heap, _spec
 from ._spec import FP8_FORMATS, LOW_BIT_FORMATS, LOW_PRECISION
 
 # State views in one flat buffer start a multiple of this many elements apart (256 bytes for float32).
@@ -93,7 +93,7 @@ class StateLayout:
                 # each view starts aligned; the buffer ends where the last view does (no padding after it)
                 offsets.append(-(-total // STATE_ALIGN) * STATE_ALIGN)
                 total = offsets[-1] + math.prod(shape)
-            flat = torch.zeros(total, dtype=dtype, device=device)
+            flat = _heap.zeros(total, dtype, device)  # (on huge pages where the system gives them)
             for i, offset, shape in zip(indices, offsets, shapes):
                 view = flat[offset:offset + math.prod(shape)].view(shape)
                 if key == "master_param":

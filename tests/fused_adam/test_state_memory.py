@@ -1,0 +1,65 @@
+"""Where FusedAdam's CPU state lives: the moments (and masters) of a bucket's params in one flat buffer per kind, whose
+whole 2 MiB pages are advised to be transparent huge pages on Linux before they are first written (ort_optim/_heap.py):
+a step streams each of them once, and 4 KiB pages cost a page walk per 4 KiB of each stream."""
+
+import sys
+
+import pytest
+import torch
+
+from ort_optim import FusedAdam, _heap
+
+
+def _vm_flags_of(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds address (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                begin, end = (int(x, 16) for x in fields[0].split("-"))
+                inside = begin <= address < end
+            elif inside and fields[0] == "VmFlags:":
+                return fields[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("numel", [0, 1, 1000, 3 * 2**20 + 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_state_buffer_is_zeros_of_its_size_and_dtype(numel, dtype):
+    buffer = _heap.zeros(numel, dtype, torch.device("cpu"))
+    assert buffer.shape == (numel,) and buffer.dtype == dtype and buffer.device.type == "cpu"
+    assert not buffer.any()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_the_flat_moment_buffers_are_advised_as_huge_pages():
+    params = [torch.nn.Parameter(torch.randn(2**20)) for _ in range(3)]  # 12 MiB per moment buffer
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = FusedAdam(params, lr=1e-3)
+    optimizer.step()
+    for key in ("exp_avg", "exp_avg_sq"):
+        storage = optimizer.state[params[0]][key].untyped_storage()
+        assert storage.nbytes() >= 3 * 4 * 2**20  # (one buffer for the three params)
+        # the advice is on the buffer's whole 2 MiB pages: one inside it
+        inside = -(-storage.data_ptr() // _heap.HUGE_PAGE) * _heap.HUGE_PAGE
+        assert "hg" in _vm_flags_of(inside), f"{key}'s buffer was not advised as huge pages"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_huge_pages_do_not_change_the_update():
+    torch.manual_seed(0)
+    values = [torch.randn(2**20) for _ in range(2)]
+    grads = [[torch.randn(2**20) for _ in range(2)] for _ in range(3)]
+    ours = [torch.nn.Parameter(v.clone()) for v in values]
+    theirs = [torch.nn.Parameter(v.clone()) for v in values]
+    optimizers = [FusedAdam(ours, lr=1e-2, adam_w_mode=2, eps=1e-8, weight_decay=1e-2),
+                  torch.optim.AdamW(theirs, lr=1e-2, weight_decay=1e-2)]
+    for step_grads in grads:
+        for params, optimizer in zip((ours, theirs), optimizers):
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            optimizer.step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # float32: a few ulps over 3 steps
