@@ -257,11 +257,14 @@ inline float fp8_multiplier(float s) {
 }
 template <int kMb, bool kSecondMoment>
 inline bool fp8_values16(const uint8_t* c, __m512 mul, __m512& x) {
-  const __m256i c16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-  const __m256i mag = _mm256_and_si256(c16, _mm256_set1_epi16(0x7F));
-  if (kMb == 2 && _mm256_cmpge_epu16_mask(mag, _mm256_set1_epi16(0x7C))) return false;
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(c16, _mm256_set1_epi16(0x80)), 8);
-  const __m256i h = kMb == 2 ? _mm256_slli_epi16(c16, 8) : _mm256_or_si256(sign, _mm256_slli_epi16(mag, 7));
+  const __m128i c8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  __m256i h;
+  if constexpr (kMb == 2) {
+    if (_mm_cmpge_epu8_mask(_mm_add_epi8(c8, c8), _mm_set1_epi8(char(0xF8)))) return false;  // (the magnitude * 2)
+    h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(c8), 8);
+  } else {  // (sign-extended, the sign reaches bits 14 and 15: bit 14 cleared)
+    h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c8), 7), _mm256_set1_epi16(int16_t(0xBFFF)));
+  }
   x = _mm512_mul_ps(_mm512_cvtph_ps(h), mul);
   if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
   return true;
