@@ -4,7 +4,10 @@
 // search), in branch-free loops over one block that the compiler vectorises, with AVX-512 by 16 lanes at once (the
 // decode through float16's conversion, fp8_values16). Both moments of a block are coded in one loop that hashes
 // each element once (Fp8PairCoder): fp8_store_pair's, and the Adam kernel's, which codes one block while it updates
-// the next (update_fp8 in adam_kernel.cpp).
+// the next (update_fp8 in adam_kernel.cpp). That loop is bound by its vector instructions (the update's divisions
+// and square roots run beside them), so its common case is short: a vector whose codes are all normal (no zero, no
+// subnormal code) is coded by integer arithmetic on the bits (Fp8Coder16), finished on the packed bytes; the others
+// take the general form (fp8_codes16).
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -127,12 +130,12 @@ using Fp8E5M2 = Fp8Type<2, 15, 15, 0x7B>;
 
 #ifdef ORT_OPTIM_FP8_AVX512
 // One moment's codes of 16 elements of a regular block (fp8_regular_inverse of amax_bits non-zero), for
-// Fp8PairCoder. The elements whose y = |x| / scale is normal in the format (|x| >= low, as bits)
-// take a shorter form of fp8_codes16: y's bits are |x|'s less k << 23 (scale 2**k: exact), so the code is
-// ((|x| + add) >> (23 - kMb)) - ((127 - bias + k) << kMb), normal (>= 1: no zero, no second moment's floor), whose
-// difference and cap are taken on the packed bytes (the code before the cap is below 256); the block's largest
-// magnitudes take the nearest-even code of amax * inv, found once (top). The other elements (zero, subnormal codes,
-// a second moment's sign bit, which then fails |x| >= low as a signed integer) take fp8_codes16.
+// Fp8PairCoder. The elements whose y = |x| / scale is normal in the format (|x| >= low, as bits) take a shorter form of
+// fp8_codes16: y's bits are |x|'s less k << 23 (scale 2**k: exact), so the code is ((|x| + add) >> (23 - kMb)) -
+// ((127 - bias + k) << kMb), normal (>= 1: no zero, and a second moment needs no floor), whose difference and cap are
+// taken on the packed bytes (the code before the cap is below 256, so its low byte less the bias's is the code); the
+// block's largest magnitudes take the nearest-even code of amax * inv, found once (top). The other elements (zero,
+// subnormal codes, a second moment's sign bit, which then fails |x| >= low as a signed integer) take fp8_codes16.
 template <class F, bool kSecondMoment>
 struct Fp8Coder16 {
   static constexpr int kShift = 23 - F::kMb;
