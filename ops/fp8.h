@@ -4,7 +4,10 @@
 // search), in branch-free loops over one block that the compiler vectorises, with AVX-512 by 16 lanes at once (the
 // decode through float16's conversion, fp8_values16). Both moments of a block are coded in one loop that hashes
 // each element once (Fp8PairCoder): fp8_store_pair's, and the Adam kernel's, which codes one block while it updates
-// the next (update_fp8 in adam_kernel.cpp).
+// the next (update_fp8 in adam_kernel.cpp). That loop is bound by its vector instructions (the update's divisions
+// and square roots run beside them), so its common case is short: a vector whose codes are all normal (no zero, no
+// subnormal code) is coded by integer arithmetic on the bits (Fp8Coder16), finished on the packed bytes; the others
+// take the general form (fp8_codes16).
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -85,16 +88,16 @@ inline uint32_t fp8_regular_inverse(uint32_t amax) {
 #ifdef ORT_OPTIM_FP8_AVX512
 
 // fp8_code of 16 elements with bits b of a regular block (finite, no overflowed v; amax: the bits of its largest
-// magnitude, inv: 1 / its scale) and 16 random bits per lane. Two cases that most vectors lack take branches: the
-// block's largest magnitude (to nearest even) and subnormal codes.
+// magnitude, inv: 1 / its scale), with add the random bits placed right below the kept bits (16 random bits shifted
+// left by 23 - kMb - 16). Every case: Fp8PairCoder::code16 takes it for the vectors that its shorter form leaves out.
+// Two cases that most vectors lack take branches: the block's largest magnitude (to nearest even) and subnormal codes.
 template <int kMb, int kBias, int kMaxCode, bool kSecondMoment>
-inline __m512i fp8_codes16(__m512i b, __m512i amax, __m512 inv, __m512i random16) {
+inline __m512i fp8_codes16(__m512i b, __m512i amax, __m512 inv, __m512i add) {
   constexpr int kShift = 23 - kMb;
   const __m512 min_normal = _mm512_set1_ps(bits_to_float(uint32_t(127 + 1 - kBias) << 23));
   const __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF));
   const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(ab), inv);
   const __m512i yb = _mm512_castps_si512(y);
-  __m512i add = _mm512_slli_epi32(random16, kShift - 16);
   const __mmask16 top = _mm512_cmpeq_epi32_mask(ab, amax);
   if (top) {
     const __m512i even = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(yb, kShift), _mm512_set1_epi32(1)),
@@ -126,6 +129,64 @@ using Fp8E4M3 = Fp8Type<3, 7, 8, 0x7E>;
 using Fp8E5M2 = Fp8Type<2, 15, 15, 0x7B>;
 
 #ifdef ORT_OPTIM_FP8_AVX512
+// One moment's codes of 16 elements of a regular block (fp8_regular_inverse of amax_bits non-zero), for
+// Fp8PairCoder. The elements whose y = |x| / scale is normal in the format (|x| >= low, as bits) take a shorter form of
+// fp8_codes16: y's bits are |x|'s less k << 23 (scale 2**k: exact), so the code is ((|x| + add) >> (23 - kMb)) -
+// ((127 - bias + k) << kMb), normal (>= 1: no zero, and a second moment needs no floor), whose difference and cap are
+// taken on the packed bytes (the code before the cap is below 256, so its low byte less the bias's is the code); the
+// block's largest magnitudes take the nearest-even code of amax * inv, found once (top). The other elements (zero,
+// subnormal codes, a second moment's sign bit, which then fails |x| >= low as a signed integer) take fp8_codes16.
+template <class F, bool kSecondMoment>
+struct Fp8Coder16 {
+  static constexpr int kShift = 23 - F::kMb;
+  __m512i amax, low;
+  __m512 inv;
+  __m128i bias, max_code, top;
+
+  Fp8Coder16(uint32_t amax_bits, uint32_t inv_bits) {
+    const int32_t k = 127 - int32_t(inv_bits >> 23);
+    const float inv_f = bits_to_float(inv_bits);
+    amax = _mm512_set1_epi32(int(amax_bits));
+    inv = _mm512_set1_ps(inv_f);
+    // (min_normal * 2**k as bits; the block exponent keeps it a normal float32 for every k a regular block takes,
+    // and the lowest normal float32 if not: every float32 subnormal |x| takes fp8_codes16)
+    low = _mm512_set1_epi32(std::max(128 - F::kBias + k, 1) << 23);
+    bias = _mm_set1_epi8(char(uint32_t(127 - F::kBias + k) << F::kMb));
+    max_code = _mm_set1_epi8(char(F::kMaxCode));
+    top = _mm_set1_epi8(char(std::min(fp8_round<F::kMb, F::kBias>(bits_to_float(amax_bits) * inv_f), F::kMaxCode)));
+  }
+
+  // The lanes of ab (= |x| as bits; a second moment: x's bits) that take fp8_codes16.
+  inline __mmask16 other(__m512i ab) const { return _mm512_cmplt_epi32_mask(ab, low); }
+
+  // The codes of the lanes that other() leaves, with b x's bits and ab its magnitude's.
+  inline __m128i normal_codes(__m512i b, __m512i ab, __m512i add) const {
+    __m128i c = _mm512_cvtepi32_epi8(_mm512_srli_epi32(_mm512_add_epi32(ab, add), kShift));
+    c = _mm_min_epu8(_mm_sub_epi8(c, bias), max_code);
+    c = _mm_mask_mov_epi8(c, _mm512_cmpeq_epi32_mask(ab, amax), top);
+    if constexpr (!kSecondMoment) {  // the sign (the code is not 0): + 0x80
+      c = _mm_mask_add_epi8(c, _mm512_movepi32_mask(b), c, _mm_set1_epi8(char(0x80)));
+    }
+    return c;
+  }
+
+  // The codes of every lane.
+  inline __m128i codes(__m512i b, __m512i add) const {
+    return _mm512_cvtepi32_epi8(fp8_codes16<F::kMb, F::kBias, F::kMaxCode, kSecondMoment>(b, amax, inv, add));
+  }
+
+  // fp8_codes16's add for the 16 random bits r >> 16 (kHigh; exp_avg) or r & 0xFFFF (exp_avg_sq) of
+  // r = fmix32(...) = x ^ (x >> 16), with x the hash before fmix32's last step: r >> 16 is x >> 16, and
+  // r & 0xFFFF is (x ^ (x >> 16)) & 0xFFFF.
+  template <bool kHigh>
+  static inline __m512i random_add(__m512i x) {
+    constexpr int kLeft = kShift - 16;
+    const __m512i high = _mm512_srli_epi32(x, 16 - kLeft), mask = _mm512_set1_epi32(int(0xFFFFu << kLeft));
+    if constexpr (kHigh) return _mm512_and_si512(high, mask);
+    return _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, kLeft), high, mask, 0x28);  // (a ^ b) & c
+  }
+};
+
 // The codes of both fp8 moments of one block of 256 elements in a step, 16 elements per call of code16 (in order),
 // when both blocks are regular (fp8_regular_inverse of both amax non-zero): the same codes and scales as
 // moment_random_bits then fp8_store of each moment. amax_m, amax_v: the bits of the block's largest |m| and sqrt(v).
@@ -133,39 +194,50 @@ using Fp8E5M2 = Fp8Type<2, 15, 15, 0x7B>;
 template <class FM, class FV>
 struct Fp8PairCoder {
   uint32_t inv_m, inv_v;  // the bits of 1 / scale of each moment; 0: not a regular block (nothing coded here)
-  __m512i amax_m16, amax_v16, e_hash, step_hash;
-  __m512 im16, iv16;
+  Fp8Coder16<FM, false> coder_m;
+  Fp8Coder16<FV, true> coder_v;
+  __m512i e_hash, step_hash;
   uint8_t* cm;
   uint8_t* cv;
 
   Fp8PairCoder(uint32_t amax_m, uint32_t amax_v, int64_t off, uint32_t step, uint8_t* codes_m, uint8_t* codes_v)
       : inv_m(fp8_regular_inverse<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode>(amax_m)),
         inv_v(fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode>(amax_v)),
-        amax_m16(_mm512_set1_epi32(int(amax_m))),
-        amax_v16(_mm512_set1_epi32(int(amax_v))),
+        coder_m(amax_m, inv_m),
+        coder_v(amax_v, inv_v),
         e_hash(_mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(off))),
                                                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
                                                                      14, 15)),
                                   _mm512_set1_epi32(int(0x9E3779B1u)))),
         step_hash(_mm512_set1_epi32(int(step * 0x85EBCA77u + 0x6A09E667u))),
-        im16(_mm512_set1_ps(bits_to_float(inv_m))),
-        iv16(_mm512_set1_ps(bits_to_float(inv_v))),
         cm(codes_m + off),
         cv(codes_v + off) {}
 
   bool regular() const { return inv_m != 0 && inv_v != 0; }
 
-  // Elements [i, i + 16) of the block: m and root (= sqrt(v)) point at element i.
+  // Elements [i, i + 16) of the block: m and root (= sqrt(v)) point at element i. fmix32 of moment_random_bits
+  // without its last step (Fp8Coder16::random_add).
   inline void code16(const float* m, const float* root, int64_t i) {
     const __m512i bm = _mm512_castps_si512(_mm512_loadu_ps(m)), bv = _mm512_castps_si512(_mm512_loadu_ps(root));
-    const __m512i r = fmix32x16(_mm512_xor_si512(_mm512_xor_si512(bm, e_hash), step_hash));
+    __m512i x = _mm512_ternarylogic_epi32(bm, e_hash, step_hash, 0x96);  // (a ^ b ^ c)
     e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(16u * 0x9E3779B1u)));
-    const __m512i code_m = fp8_codes16<FM::kMb, FM::kBias, FM::kMaxCode, false>(bm, amax_m16, im16,
-                                                                                _mm512_srli_epi32(r, 16));
-    const __m512i code_v = fp8_codes16<FV::kMb, FV::kBias, FV::kMaxCode, true>(
-        bv, amax_v16, iv16, _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(cm + i), _mm512_cvtepi32_epi8(code_m));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(cv + i), _mm512_cvtepi32_epi8(code_v));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0x85EBCA6Bu)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0xC2B2AE35u)));
+    const __m512i add_m = Fp8Coder16<FM, false>::template random_add<true>(x);
+    const __m512i add_v = Fp8Coder16<FV, true>::template random_add<false>(x);
+    const __m512i ab_m = _mm512_and_si512(bm, _mm512_set1_epi32(0x7FFFFFFF));
+    __m128i code_m, code_v;
+    if (__builtin_expect((coder_m.other(ab_m) | coder_v.other(bv)) == 0, 1)) {
+      code_m = coder_m.normal_codes(bm, ab_m, add_m);
+      code_v = coder_v.normal_codes(bv, bv, add_v);
+    } else {
+      code_m = coder_m.codes(bm, add_m);
+      code_v = coder_v.codes(bv, add_v);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(cm + i), code_m);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(cv + i), code_v);
   }
 
   // The scales 2**k of both blocks (the block index: off / spec::kFp8Block).
@@ -188,11 +260,14 @@ inline float fp8_multiplier(float s) {
 }
 template <int kMb, bool kSecondMoment>
 inline bool fp8_values16(const uint8_t* c, __m512 mul, __m512& x) {
-  const __m256i c16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-  const __m256i mag = _mm256_and_si256(c16, _mm256_set1_epi16(0x7F));
-  if (kMb == 2 && _mm256_cmpge_epu16_mask(mag, _mm256_set1_epi16(0x7C))) return false;
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(c16, _mm256_set1_epi16(0x80)), 8);
-  const __m256i h = kMb == 2 ? _mm256_slli_epi16(c16, 8) : _mm256_or_si256(sign, _mm256_slli_epi16(mag, 7));
+  const __m128i c8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  __m256i h;
+  if constexpr (kMb == 2) {
+    if (_mm_cmpge_epu8_mask(_mm_add_epi8(c8, c8), _mm_set1_epi8(char(0xF8)))) return false;  // (the magnitude * 2)
+    h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(c8), 8);
+  } else {  // (sign-extended, the sign reaches bits 14 and 15: bit 14 cleared)
+    h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c8), 7), _mm256_set1_epi16(int16_t(0xBFFF)));
+  }
   x = _mm512_mul_ps(_mm512_cvtph_ps(h), mul);
   if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
   return true;
