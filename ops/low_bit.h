@@ -87,19 +87,22 @@ class CodeMap {
 
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
   // magnitude_code of 16 normalised magnitudes (finite, >= 0) by the packed bucket table (8-bit maps), in three
-  // steps: bucket_keys, then the entries (one 16-lane gather, entries; or entry per element, scalar loads, where
-  // those are faster: on AMD Zen 4 16 scalar loads take about two thirds of the time of one gather, on Intel's
-  // Sapphire Rapids a gather takes 0.55 ns per element less), then codes.
+  // steps: bucket_keys, then the entries (one 16-lane gather, entries; or scalar loads of entry_table() at
+  // entry_indices, where those are faster: on AMD Zen 4 16 scalar loads take about two thirds of the time of one
+  // gather, on Intel's Sapphire Rapids a gather takes 0.55 ns per element less), then codes_of_entries.
   inline __m512i bucket_keys(__m512 a) const {
     a = _mm512_min_ps(_mm512_mul_ps(a, _mm512_set1_ps(snap_)), _mm512_set1_ps(1.0f));
     // Below the first bucket, every value gets the first bucket's code, as the clamp b < 0 ? 0 does above; its
     // start has low bits 0, which never reach the first threshold above it.
     return _mm512_max_epu32(_mm512_castps_si512(a), _mm512_set1_epi32(int(min_bucket_ << kShift)));
   }
-  inline uint32_t entry(uint32_t key) const { return packed_[(key >> kShift) - min_bucket_]; }
-  inline __m512i entries(__m512i key) const {  // entry() of 16 keys
-    const __m512i b = _mm512_sub_epi32(_mm512_srli_epi32(key, kShift), _mm512_set1_epi32(int(min_bucket_)));
-    return _mm512_i32gather_epi32(b, packed_.data(), 4);
+  // The entries of 16 keys: entry_table()[entry_indices(key)].
+  inline __m512i entry_indices(__m512i key) const {
+    return _mm512_sub_epi32(_mm512_srli_epi32(key, kShift), _mm512_set1_epi32(int(min_bucket_)));
+  }
+  const uint32_t* entry_table() const { return packed_.data(); }
+  inline __m512i entries(__m512i key) const {
+    return _mm512_i32gather_epi32(entry_indices(key), packed_.data(), 4);
   }
   static inline __m512i codes_of_entries(__m512i key, __m512i e) {
     const __m512i c = _mm512_srli_epi32(e, 16);
