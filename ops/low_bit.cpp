@@ -56,6 +56,15 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
     const __m512 table[8] = {_mm512_load_ps(decode), _mm512_load_ps(decode + 16), _mm512_load_ps(decode + 32),
                              _mm512_load_ps(decode + 48), _mm512_load_ps(decode + 64), _mm512_load_ps(decode + 80),
                              _mm512_load_ps(decode + 96), _mm512_load_ps(decode + 112)};
+#ifdef ORT_OPTIM_LOW_BIT_BYTE_PLANES
+    __m512i planes[4][4];
+    map.load_planes(planes);
+    for (; i + 64 <= len; i += 64) {
+      __m512i x[4];
+      CodeMap::levels64<true>(planes, _mm512_loadu_si512(c + i), x);
+      for (int k = 0; k < 4; ++k) _mm512_storeu_ps(d + i + 16 * k, _mm512_mul_ps(_mm512_castsi512_ps(x[k]), s16));
+    }
+#endif
     for (; i + 16 <= len; i += 16) {
       const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
       const __m512i sign = _mm512_and_si512(_mm512_slli_epi32(idx, 24), _mm512_set1_epi32(int(0x80000000u)));
@@ -65,6 +74,20 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
   } else if constexpr (kBits == 8) {
     // The 256 levels in 16 registers: eight 2-register permutes look up the code's low 5 bits in each 32-level
     // eighth of the table, and its top 3 bits pick one of the eight (a gather is twice as slow on AMD Zen 4).
+#ifdef ORT_OPTIM_LOW_BIT_BYTE_PLANES
+    __m512i planes[4][4];
+    map.load_planes(planes);
+    for (; i + 64 <= len; i += 64) {
+      __m512i levels[4];
+      CodeMap::levels64<false>(planes, _mm512_loadu_si512(c + i), levels);
+      for (int k = 0; k < 4; ++k) {
+        __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(levels[k]), s16);
+        if constexpr (kRoot) _mm512_storeu_ps(root + i + 16 * k, _mm512_abs_ps(x));
+        if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
+        _mm512_storeu_ps(d + i + 16 * k, x);
+      }
+    }
+#endif
     __m512 table[16];
     for (int k = 0; k < 16; ++k) table[k] = _mm512_load_ps(decode + 16 * k);
     for (; i + 16 <= len; i += 16) {

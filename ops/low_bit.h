@@ -21,6 +21,10 @@
 // loads beat a gather there (CodeMap::bucket_keys)
 #if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
 #define ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES 1
+// and 8-bit codes decode 64 at a time by byte permutes (CodeMap::levels64), where AVX-512 VBMI has them
+#ifdef __AVX512VBMI__
+#define ORT_OPTIM_LOW_BIT_BYTE_PLANES 1
+#endif
 #endif
 #endif
 
@@ -56,6 +60,9 @@ class CodeMap {
                                                                   : std::numeric_limits<float>::infinity();
     }
     // The binary search's table: the thresholds, padded with +inf to 16 (only used for up to 15 thresholds).
+    for (int c = 0; c < 256; ++c) {
+      for (int j = 0; j < 4; ++j) planes_[j][c] = uint8_t(float_to_bits(decode_[c]) >> (8 * j));
+    }
     for (int j = 0; j < 16; ++j) search_[j] = j < count - 1 ? thresholds[j] : std::numeric_limits<float>::infinity();
     for (int step = 1; step <= 2; ++step) {
       for (int j = 0; j < 16; ++j) step_[step - 1][j] = j + step - 1 < 16 ? search_[j + step - 1] : search_[15];
@@ -132,6 +139,46 @@ class CodeMap {
   }
 #endif
 
+#ifdef ORT_OPTIM_LOW_BIT_BYTE_PLANES
+  // The levels of 64 8-bit codes c (bytes), as the bits of four vectors of 16 floats (codes 16k to 16k + 15 in
+  // out[k]): each byte of the float bits looked up in its own 256-byte table ("plane", 4 registers: two 128-byte
+  // permutes and a blend by the code's top bit; kSigned: sign-magnitude codes, one permute of the 128 magnitudes
+  // and the code's top bit as the sign), then interleaved into 32-bit lanes. The unpacks interleave within 128-bit
+  // lanes, so the codes are first permuted into the order that leaves the values in order. 22 vector instructions
+  // per 64 codes where lookup128 takes 9 and the 256-level lookup 18 per 16 (about 2x faster on AMD Zen 4).
+  // planes: load_planes's registers.
+  template <bool kSigned>
+  static inline void levels64(const __m512i (&planes)[4][4], __m512i c, __m512i (&out)[4]) {
+    // byte 16L + 4k + r <- code 16k + 4L + r
+    const __m512i order = _mm512_set_epi8(63, 62, 61, 60, 47, 46, 45, 44, 31, 30, 29, 28, 15, 14, 13, 12,  //
+                                          59, 58, 57, 56, 43, 42, 41, 40, 27, 26, 25, 24, 11, 10, 9, 8,  //
+                                          55, 54, 53, 52, 39, 38, 37, 36, 23, 22, 21, 20, 7, 6, 5, 4,  //
+                                          51, 50, 49, 48, 35, 34, 33, 32, 19, 18, 17, 16, 3, 2, 1, 0);
+    c = _mm512_permutexvar_epi8(order, c);
+    __m512i b[4];
+    const __mmask64 top = _mm512_movepi8_mask(c);
+    for (int j = 0; j < 4; ++j) {
+      b[j] = _mm512_permutex2var_epi8(planes[j][0], c, planes[j][1]);  // (the index's low 7 bits)
+      if constexpr (!kSigned) {
+        b[j] = _mm512_mask_blend_epi8(top, b[j], _mm512_permutex2var_epi8(planes[j][2], c, planes[j][3]));
+      }
+    }
+    if constexpr (kSigned) b[3] = _mm512_or_si512(b[3], _mm512_and_si512(c, _mm512_set1_epi8(char(0x80))));
+    const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_unpacklo_epi16(lo01, lo23);
+    out[1] = _mm512_unpackhi_epi16(lo01, lo23);
+    out[2] = _mm512_unpacklo_epi16(hi01, hi23);
+    out[3] = _mm512_unpackhi_epi16(hi01, hi23);
+  }
+  // levels64's tables (kSigned: the first two registers of each plane, the 128 magnitudes' bytes).
+  void load_planes(__m512i (&planes)[4][4]) const {
+    for (int j = 0; j < 4; ++j) {
+      for (int k = 0; k < 4; ++k) planes[j][k] = _mm512_load_si512(planes_[j] + 64 * k);
+    }
+  }
+#endif
+
   int sign_bit() const { return sign_bit_; }
   const float* decode() const { return decode_; }
   const float* sr_step() const { return sr_step_; }
@@ -164,6 +211,7 @@ class CodeMap {
   alignas(64) float gap_[256] = {0.0f};  // gap_[j] = levels[j + 1] - levels[j] (or of their squares); 0 past the top
   alignas(64) float square_[16] = {0.0f};  // a sqrt(v) map rounded in the square: levels[j]^2
   alignas(64) float sr_step_[256];       // gap_[j] * 2^-17 where exp_avg may round up from magnitude j, else +inf
+  alignas(64) uint8_t planes_[4][256];  // planes_[j][c]: byte j of the bits of decode_[c]
   alignas(64) float search_[16];
   alignas(64) float step_[2][16];  // the search's tables for steps 1 and 2: step_[s - 1][j] = search_[j + s - 1]
   std::vector<float> mid_;
