@@ -163,55 +163,18 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   int64_t i = 0;
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
   const int64_t vector_end = len & ~int64_t(15);
-  using Coder = Coder16<kBits, kSigned, kSquare>;
-  Coder coder(map, inv);
-#ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
-  // The keys, and the entries' indices in the table (computed 16 at a time, so that the scalar loop only loads);
-  // the loop takes 4 indices in two 64-bit loads and inserts the entries into vectors, written 16 at a time (on AMD
-  // Zen 4 about 14% of the 8-bit step less than one load and store of each 32-bit key and entry: the stores cost).
-  alignas(64) uint32_t keys[256], index[256], entries[256];
   if constexpr (kBits == 8) {
+    Coder8<kSigned> coder(map);
+    coder.prepare(u, vector_end, inv);
     for (; i < vector_end; i += 16) {
-      const __m512i key = map.bucket_keys(coder.magnitude(_mm512_loadu_ps(u + i)));
-      _mm512_store_si512(keys + i, key);
-      _mm512_store_si512(index + i, map.entry_indices(key));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(coder.code16(u, i, rnd)));
     }
-    const uint32_t* table = map.entry_table();
-    for (i = 0; i < vector_end; i += 16) {
-      __m128i e[4];
-      for (int k = 0; k < 4; ++k) {
-        uint64_t k01, k23;
-        std::memcpy(&k01, index + i + 4 * k, 8);
-        std::memcpy(&k23, index + i + 4 * k + 2, 8);
-#ifdef __GNUC__
-        asm("" : "+r"(k01), "+r"(k23));  // keeps the loads scalar: vectorised, the compiler emulates a gather
-#endif
-        e[k] = _mm_cvtsi32_si128(int(table[uint32_t(k01)]));
-        e[k] = _mm_insert_epi32(e[k], int(table[k01 >> 32]), 1);
-        e[k] = _mm_insert_epi32(e[k], int(table[uint32_t(k23)]), 2);
-        e[k] = _mm_insert_epi32(e[k], int(table[k23 >> 32]), 3);
-      }
-      _mm512_store_si512(entries + i, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(e[1], e[0])),
-                                                         _mm256_set_m128i(e[3], e[2]), 1));
-    }
-  }
-#endif
-
-  for (i = 0; i < vector_end; i += 16) {
-    const __m512 x = _mm512_loadu_ps(u + i);
-    __m512i code;
-    if constexpr (kBits == 8) {
-      const __m512 a = coder.magnitude(x);
-#ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
-      code = CodeMap::codes_of_entries(_mm512_load_si512(keys + i), _mm512_load_si512(entries + i));
-#else
-      const __m512i key = map.bucket_keys(a);
-      code = CodeMap::codes_of_entries(key, map.entries(key));
-#endif
-      code = coder.finish(x, a, code, kStochastic ? Coder::random16(rnd + i) : _mm512_setzero_ps());
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(code));
-    } else {
-      code = coder.codes4(x, kStochastic ? Coder::random16(rnd + i) : _mm512_setzero_ps());
+  } else {
+    using Coder = Coder16<kBits, kSigned, kSquare>;
+    Coder coder(map, inv);
+    for (; i < vector_end; i += 16) {
+      const __m512 x = _mm512_loadu_ps(u + i);
+      const __m512i code = coder.codes4(x, kStochastic ? Coder::random16(rnd + i) : _mm512_setzero_ps());
       if constexpr (kDecoded) {
         _mm512_storeu_ps(decoded + i, _mm512_mul_ps(_mm512_permutexvar_ps(code, _mm512_load_ps(map.decode())),
                                                     _mm512_set1_ps(s)));
