@@ -563,6 +563,7 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
 }
 #endif
 
+#if defined(ORT_OPTIM_LOW_BIT_FUSED_Q8) && defined(ORT_OPTIM_FP8_AVX512)
 // 8-bit moments, without amsgrad, in a block of whole 256-element blocks: the same bits as staging (update_staged),
 // with the coding of each block overlapping the update of the next. After the decode of the whole block: per
 // 256-element block b, one loop updates b (Adam16: the divisions and square roots, bound by the divider) and writes
@@ -621,6 +622,7 @@ bool update_q8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
   }
   return true;
 }
+#endif
 
 // update_q4 of a tensor with 4-bit moments, update_fp8 of one whose moments are both fp8; false (nothing done)
 // otherwise. (Not inlined: inlined, its loops cost the staged path of the other formats 2% in the same function.)
@@ -628,10 +630,10 @@ template <int64_t kMode>
 __attribute__((noinline)) bool update_coded(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
                   const float* g) {
 #if defined(ORT_OPTIM_FP8_AVX512) && defined(ORT_OPTIM_LOW_BIT_AVX512)
-  if (w.exp_avg_low_bit) {
-    return w.exp_avg_low_bit->bits == 8 ? update_q8<kMode>(w, h, off, n, s, p, g)
-                                        : update_q4<kMode>(w, h, off, n, s, p, g);
-  }
+#ifdef ORT_OPTIM_LOW_BIT_FUSED_Q8
+  if (w.exp_avg_low_bit && w.exp_avg_low_bit->bits == 8) return update_q8<kMode>(w, h, off, n, s, p, g);
+#endif
+  if (w.exp_avg_low_bit) return update_q4<kMode>(w, h, off, n, s, p, g);
 #endif
   if (!w.exp_avg_fp8 || !w.exp_avg_sq_fp8) return false;
   const auto update = [&](auto fm_type, auto fv_type) {

@@ -22,6 +22,8 @@
 // loads beat a gather there (CodeMap::bucket_keys)
 #if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
 #define ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES 1
+// and the 8-bit step codes each block while it updates the next (the Adam kernel's update_q8, measured only there);
+#define ORT_OPTIM_LOW_BIT_FUSED_Q8 1
 // and 8-bit codes decode 64 at a time by byte permutes (CodeMap::levels64), where AVX-512 VBMI has them
 #ifdef __AVX512VBMI__
 #define ORT_OPTIM_LOW_BIT_BYTE_PLANES 1
