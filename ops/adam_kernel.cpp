@@ -624,8 +624,9 @@ bool update_q8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
 }
 #endif
 
-// update_q4 of a tensor with 4-bit moments, update_fp8 of one whose moments are both fp8; false (nothing done)
-// otherwise. (Not inlined: inlined, its loops cost the staged path of the other formats 2% in the same function.)
+// update_q8 of a tensor with 8-bit moments (on AMD Zen 4), update_q4 of one with 4-bit moments, update_fp8 of one
+// whose moments are both fp8; false (nothing done) otherwise. (Not inlined: inlined, its loops cost the staged path
+// of the other formats 2% in the same function.)
 template <int64_t kMode>
 __attribute__((noinline)) bool update_coded(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
                   const float* g) {
