@@ -563,12 +563,77 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
 }
 #endif
 
-// update_q4 of a tensor with 4-bit moments, update_fp8 of one whose moments are both fp8; false (nothing done)
-// otherwise. (Not inlined: inlined, its loops cost the staged path of the other formats 2% in the same function.)
+#if defined(ORT_OPTIM_LOW_BIT_FUSED_Q8) && defined(ORT_OPTIM_FP8_AVX512)
+// 8-bit moments, without amsgrad, in a block of whole 256-element blocks: the same bits as staging (update_staged),
+// with the coding of each block overlapping the update of the next. After the decode of the whole block: per
+// 256-element block b, one loop updates b (Adam16: the divisions and square roots, bound by the divider) and writes
+// both moments' codes of block b - 1 (Coder8::code16: loads, compares and permutes, the other ports); then b's random
+// bits, scales and Coder8::prepare. A block whose m or sqrt(v) is not finite (an overflowed v, a NaN) takes the plain
+// stores. false (nothing done) where the tensor or block does not fit (staged then).
+template <int64_t kMode>
+bool update_q8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
+               const float* g) {
+  constexpr int64_t kB = 256;
+  if (!w.exp_avg_low_bit || w.exp_avg_sq_low_bit != w.exp_avg_low_bit) return false;
+  const LowBit& f = *w.exp_avg_low_bit;
+  if (f.bits != 8 || f.block != kB || f.relative || f.sq_stochastic || f.bf16_scales || w.step == 0 || n % kB != 0) {
+    return false;
+  }
+  auto* codes_m = static_cast<uint8_t*>(w.exp_avg);
+  auto* codes_v = static_cast<uint8_t*>(w.exp_avg_sq);
+  store_pending_fp8(s);  // (its block is in s.m, s.v and s.root)
+  low_bit_load(f, false, codes_m, w.exp_avg_scale, off, n, s.m);
+  low_bit_load(f, true, codes_v, w.exp_avg_sq_scale, off, n, s.v);
+  const Adam16<kMode> adam16(w, h);
+  Coder8<true> coder_m(f.exp_avg);
+  Coder8<false> coder_v(f.exp_avg_sq);
+  bool pending = false;  // block b - kB's codes are written in block b's update loop
+  for (int64_t b = 0; b <= n; b += kB) {  // (b == n: the last block's codes)
+    __m512i max_m16 = _mm512_setzero_si512(), max_root16 = _mm512_setzero_si512();
+    const int64_t c = b - kB;  // the pending block
+    for (int64_t i = 0; i < kB; i += 16) {
+      if (b < n) {
+        const int64_t j = b + i;
+        adam16.moments(p + j, g + j, _mm512_loadu_ps(s.m + j), _mm512_loadu_ps(s.v + j), s.m + j, s.v + j, max_m16);
+        adam16.params(p + j, s.m + j, s.v + j, s.root + j, max_root16);
+      }
+      if (pending) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes_m + off + c + i),
+                         _mm512_cvtepi32_epi8(coder_m.code16(s.m + c, i, s.rnd + c)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes_v + off + c + i),
+                         _mm512_cvtepi32_epi8(coder_v.code16(s.root + c, i, nullptr)));
+      }
+    }
+    pending = false;
+    if (b == n) break;
+    moment_random_bits(s.m + b, off + b, kB, w.step, s.rnd + b);
+    const uint32_t amax_m = _mm512_reduce_max_epu32(max_m16), amax_root = _mm512_reduce_max_epu32(max_root16);
+    if (amax_m >= 0x7F800000u || amax_root >= 0x7F800000u) {  // inf or NaN in m, an overflowed v, or a NaN
+      low_bit_store(f, false, s.m + b, nullptr, off + b, kB, codes_m, w.exp_avg_scale, s.rnd + b);
+      low_bit_store(f, true, s.v + b, s.root + b, off + b, kB, codes_v, w.exp_avg_sq_scale, s.rnd + b);
+      continue;
+    }
+    const float scale_m = bits_to_float(f.scale_bits(amax_m)), scale_v = bits_to_float(f.scale_bits(amax_root));
+    f.store_scale(w.exp_avg_scale, (off + b) / kB, scale_m);
+    f.store_scale(w.exp_avg_sq_scale, (off + b) / kB, scale_v);
+    coder_m.prepare(s.m + b, kB, scale_m > 0.0f ? 1.0f / scale_m : 0.0f);
+    coder_v.prepare(s.root + b, kB, scale_v > 0.0f ? 1.0f / scale_v : 0.0f);
+    pending = true;
+  }
+  return true;
+}
+#endif
+
+// update_q8 of a tensor with 8-bit moments (on AMD Zen 4), update_q4 of one with 4-bit moments, update_fp8 of one
+// whose moments are both fp8; false (nothing done) otherwise. (Not inlined: inlined, its loops cost the staged path
+// of the other formats 2% in the same function.)
 template <int64_t kMode>
 __attribute__((noinline)) bool update_coded(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
                   const float* g) {
 #if defined(ORT_OPTIM_FP8_AVX512) && defined(ORT_OPTIM_LOW_BIT_AVX512)
+#ifdef ORT_OPTIM_LOW_BIT_FUSED_Q8
+  if (w.exp_avg_low_bit && w.exp_avg_low_bit->bits == 8) return update_q8<kMode>(w, h, off, n, s, p, g);
+#endif
   if (w.exp_avg_low_bit) return update_q4<kMode>(w, h, off, n, s, p, g);
 #endif
   if (!w.exp_avg_fp8 || !w.exp_avg_sq_fp8) return false;

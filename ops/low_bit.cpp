@@ -6,12 +6,15 @@
 // portable path finds it with one table lookup on the float's top bits (exponent and 8 mantissa bits, so no bucket
 // holds two thresholds: checked when the map is built) plus one comparison, instead of a binary search over the
 // levels. With AVX-512 (ORT_OPTIM_LOW_BIT_AVX512) 16 elements go at once and give the same bits: 8-bit codes decode
-// by permutes of the 256 levels held in registers and encode through a packed bucket table (the bucket's code and
-// its threshold's low bits, so the comparison needs no second lookup) read with one gather per 16 (scalar loads on
-// AMD Zen 4, ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES); 4-bit codes decode by
-// a permute of the 16 levels held in a register and encode by a binary search over the thresholds in registers.
-// The scalar path takes about 15x the fp32-moment step's time, the vectorised one 2-5x (guides/low-bit-states.md,
-// "Speed", has the measurements and why the remaining cost is compute, not bytes).
+// by permutes of the 256 levels held in registers (on AMD Zen 4 with VBMI, ORT_OPTIM_LOW_BIT_BYTE_PLANES: 64 at a
+// time, by byte permutes of the levels' four byte planes) and encode (Coder8) through a packed bucket table (the
+// bucket's code and its threshold's low bits, so the comparison needs no second lookup) read with one gather per 16
+// (scalar loads on AMD Zen 4, ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES); 4-bit codes decode by a permute of the 16 levels
+// held in a register and encode by a binary search over the thresholds in registers. The Adam kernel's fused 4-bit
+// step (and on AMD Zen 4 its fused 8-bit step, ORT_OPTIM_LOW_BIT_FUSED_Q8) codes a block in the loop that updates
+// the next. The scalar path takes about 15x the fp32-moment step's time, the vectorised one about 2-3x (one thread,
+// hot, on AMD Zen 4: 8-bit 1.75 ns per parameter in the kernel where the staged path with gathers took 2.6;
+// guides/low-bit-states.md, "Speed", has the measurements and why the remaining cost is compute, not bytes).
 
 #include "low_bit.h"
 
@@ -56,6 +59,15 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
     const __m512 table[8] = {_mm512_load_ps(decode), _mm512_load_ps(decode + 16), _mm512_load_ps(decode + 32),
                              _mm512_load_ps(decode + 48), _mm512_load_ps(decode + 64), _mm512_load_ps(decode + 80),
                              _mm512_load_ps(decode + 96), _mm512_load_ps(decode + 112)};
+#ifdef ORT_OPTIM_LOW_BIT_BYTE_PLANES
+    __m512i planes[4][4];
+    map.load_planes(planes);
+    for (; i + 64 <= len; i += 64) {
+      __m512i x[4];
+      CodeMap::levels64<true>(planes, _mm512_loadu_si512(c + i), x);
+      for (int k = 0; k < 4; ++k) _mm512_storeu_ps(d + i + 16 * k, _mm512_mul_ps(_mm512_castsi512_ps(x[k]), s16));
+    }
+#endif
     for (; i + 16 <= len; i += 16) {
       const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
       const __m512i sign = _mm512_and_si512(_mm512_slli_epi32(idx, 24), _mm512_set1_epi32(int(0x80000000u)));
@@ -65,6 +77,20 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
   } else if constexpr (kBits == 8) {
     // The 256 levels in 16 registers: eight 2-register permutes look up the code's low 5 bits in each 32-level
     // eighth of the table, and its top 3 bits pick one of the eight (a gather is twice as slow on AMD Zen 4).
+#ifdef ORT_OPTIM_LOW_BIT_BYTE_PLANES
+    __m512i planes[4][4];
+    map.load_planes(planes);
+    for (; i + 64 <= len; i += 64) {
+      __m512i levels[4];
+      CodeMap::levels64<false>(planes, _mm512_loadu_si512(c + i), levels);
+      for (int k = 0; k < 4; ++k) {
+        __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(levels[k]), s16);
+        if constexpr (kRoot) _mm512_storeu_ps(root + i + 16 * k, _mm512_abs_ps(x));
+        if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
+        _mm512_storeu_ps(d + i + 16 * k, x);
+      }
+    }
+#endif
     __m512 table[16];
     for (int k = 0; k < 16; ++k) table[k] = _mm512_load_ps(decode + 16 * k);
     for (; i + 16 <= len; i += 16) {
@@ -140,39 +166,18 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   int64_t i = 0;
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
   const int64_t vector_end = len & ~int64_t(15);
-  using Coder = Coder16<kBits, kSigned, kSquare>;
-  Coder coder(map, inv);
-#ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
-  alignas(64) uint32_t keys[256], entries[256];
   if constexpr (kBits == 8) {
+    Coder8<kSigned> coder(map);
+    coder.prepare(u, vector_end, inv);
     for (; i < vector_end; i += 16) {
-      _mm512_store_si512(keys + i, map.bucket_keys(coder.magnitude(_mm512_loadu_ps(u + i))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(coder.code16(u, i, rnd)));
     }
-    for (i = 0; i < vector_end; ++i) {
-      uint32_t key = keys[i];
-#ifdef __GNUC__
-      asm("" : "+r"(key));  // keeps the loop scalar: vectorised, the compiler emulates a gather, slower still
-#endif
-      entries[i] = map.entry(key);
-    }
-  }
-#endif
-
-  for (i = 0; i < vector_end; i += 16) {
-    const __m512 x = _mm512_loadu_ps(u + i);
-    __m512i code;
-    if constexpr (kBits == 8) {
-      const __m512 a = coder.magnitude(x);
-#ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
-      code = CodeMap::codes_of_entries(_mm512_load_si512(keys + i), _mm512_load_si512(entries + i));
-#else
-      const __m512i key = map.bucket_keys(a);
-      code = CodeMap::codes_of_entries(key, map.entries(key));
-#endif
-      code = coder.finish(x, a, code, kStochastic ? Coder::random16(rnd + i) : _mm512_setzero_ps());
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(code));
-    } else {
-      code = coder.codes4(x, kStochastic ? Coder::random16(rnd + i) : _mm512_setzero_ps());
+  } else {
+    using Coder = Coder16<kBits, kSigned, kSquare>;
+    Coder coder(map, inv);
+    for (; i < vector_end; i += 16) {
+      const __m512 x = _mm512_loadu_ps(u + i);
+      const __m512i code = coder.codes4(x, kStochastic ? Coder::random16(rnd + i) : _mm512_setzero_ps());
       if constexpr (kDecoded) {
         _mm512_storeu_ps(decoded + i, _mm512_mul_ps(_mm512_permutexvar_ps(code, _mm512_load_ps(map.decode())),
                                                     _mm512_set1_ps(s)));

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -18,9 +19,16 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ORT_OPTIM_LOW_BIT_AVX512 1
 // AMD Zen 4 and 5 (which compilers without znver4 take for znver3, the same family with AVX-512): CodeMap's scalar
-// loads beat a gather there (CodeMap::bucket_keys)
+// loads beat a gather there (CodeMap::bucket_keys, Coder8::prepare);
 #if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
 #define ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES 1
+// the 8-bit step codes each block in the loop that updates the next (the Adam kernel's update_q8: 8% faster there,
+// measured only there);
+#define ORT_OPTIM_LOW_BIT_FUSED_Q8 1
+// and 8-bit codes decode 64 at a time by byte permutes (CodeMap::levels64), where AVX-512 VBMI has them
+#ifdef __AVX512VBMI__
+#define ORT_OPTIM_LOW_BIT_BYTE_PLANES 1
+#endif
 #endif
 #endif
 
@@ -56,6 +64,9 @@ class CodeMap {
                                                                   : std::numeric_limits<float>::infinity();
     }
     // The binary search's table: the thresholds, padded with +inf to 16 (only used for up to 15 thresholds).
+    for (int c = 0; c < 256; ++c) {
+      for (int j = 0; j < 4; ++j) planes_[j][c] = uint8_t(float_to_bits(decode_[c]) >> (8 * j));
+    }
     for (int j = 0; j < 16; ++j) search_[j] = j < count - 1 ? thresholds[j] : std::numeric_limits<float>::infinity();
     for (int step = 1; step <= 2; ++step) {
       for (int j = 0; j < 16; ++j) step_[step - 1][j] = j + step - 1 < 16 ? search_[j + step - 1] : search_[15];
@@ -87,19 +98,22 @@ class CodeMap {
 
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
   // magnitude_code of 16 normalised magnitudes (finite, >= 0) by the packed bucket table (8-bit maps), in three
-  // steps: bucket_keys, then the entries (one 16-lane gather, entries; or entry per element, scalar loads, where
-  // those are faster: on AMD Zen 4 16 scalar loads take about two thirds of the time of one gather, on Intel's
-  // Sapphire Rapids a gather takes 0.55 ns per element less), then codes.
+  // steps: bucket_keys, then the entries (one 16-lane gather, entries; or scalar loads of entry_table() at
+  // entry_indices, where those are faster: on AMD Zen 4 16 scalar loads take about two thirds of the time of one
+  // gather, on Intel's Sapphire Rapids a gather takes 0.55 ns per element less), then codes_of_entries.
   inline __m512i bucket_keys(__m512 a) const {
     a = _mm512_min_ps(_mm512_mul_ps(a, _mm512_set1_ps(snap_)), _mm512_set1_ps(1.0f));
     // Below the first bucket, every value gets the first bucket's code, as the clamp b < 0 ? 0 does above; its
     // start has low bits 0, which never reach the first threshold above it.
     return _mm512_max_epu32(_mm512_castps_si512(a), _mm512_set1_epi32(int(min_bucket_ << kShift)));
   }
-  inline uint32_t entry(uint32_t key) const { return packed_[(key >> kShift) - min_bucket_]; }
-  inline __m512i entries(__m512i key) const {  // entry() of 16 keys
-    const __m512i b = _mm512_sub_epi32(_mm512_srli_epi32(key, kShift), _mm512_set1_epi32(int(min_bucket_)));
-    return _mm512_i32gather_epi32(b, packed_.data(), 4);
+  // The entries of 16 keys: entry_table()[entry_indices(key)].
+  inline __m512i entry_indices(__m512i key) const {
+    return _mm512_sub_epi32(_mm512_srli_epi32(key, kShift), _mm512_set1_epi32(int(min_bucket_)));
+  }
+  const uint32_t* entry_table() const { return packed_.data(); }
+  inline __m512i entries(__m512i key) const {
+    return _mm512_i32gather_epi32(entry_indices(key), packed_.data(), 4);
   }
   static inline __m512i codes_of_entries(__m512i key, __m512i e) {
     const __m512i c = _mm512_srli_epi32(e, 16);
@@ -126,6 +140,48 @@ class CodeMap {
       c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, t, _CMP_GE_OQ), c, _mm512_set1_epi32(step));
     }
     return c;
+  }
+#endif
+
+#ifdef ORT_OPTIM_LOW_BIT_BYTE_PLANES
+  // The levels of 64 8-bit codes c (bytes), as the bits of four vectors of 16 floats (codes 16k to 16k + 15 in
+  // out[k]): each byte of the float bits looked up in its own 256-byte table ("plane", 4 registers: two 128-byte
+  // permutes and a blend by the code's top bit; kSigned: sign-magnitude codes, one permute of the 128 magnitudes
+  // and the code's top bit as the sign), then interleaved into 32-bit lanes. The unpacks interleave within 128-bit
+  // lanes, so the codes are first permuted into the order that leaves the values in order. 22 vector instructions
+  // per 64 codes where lookup128 takes 9 and the 256-level lookup 18 per 16: on AMD Zen 4 the decodes of the 8-bit
+  // step take about 10% of its time less. (Coding exp_avg with it instead of lookup128, 64 at a time, measured no
+  // faster.)
+  // planes: load_planes's registers.
+  template <bool kSigned>
+  static inline void levels64(const __m512i (&planes)[4][4], __m512i c, __m512i (&out)[4]) {
+    // byte 16L + 4k + r <- code 16k + 4L + r
+    const __m512i order = _mm512_set_epi8(63, 62, 61, 60, 47, 46, 45, 44, 31, 30, 29, 28, 15, 14, 13, 12,  //
+                                          59, 58, 57, 56, 43, 42, 41, 40, 27, 26, 25, 24, 11, 10, 9, 8,  //
+                                          55, 54, 53, 52, 39, 38, 37, 36, 23, 22, 21, 20, 7, 6, 5, 4,  //
+                                          51, 50, 49, 48, 35, 34, 33, 32, 19, 18, 17, 16, 3, 2, 1, 0);
+    c = _mm512_permutexvar_epi8(order, c);
+    __m512i b[4];
+    const __mmask64 top = _mm512_movepi8_mask(c);
+    for (int j = 0; j < 4; ++j) {
+      b[j] = _mm512_permutex2var_epi8(planes[j][0], c, planes[j][1]);  // (the index's low 7 bits)
+      if constexpr (!kSigned) {
+        b[j] = _mm512_mask_blend_epi8(top, b[j], _mm512_permutex2var_epi8(planes[j][2], c, planes[j][3]));
+      }
+    }
+    if constexpr (kSigned) b[3] = _mm512_or_si512(b[3], _mm512_and_si512(c, _mm512_set1_epi8(char(0x80))));
+    const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_unpacklo_epi16(lo01, lo23);
+    out[1] = _mm512_unpackhi_epi16(lo01, lo23);
+    out[2] = _mm512_unpacklo_epi16(hi01, hi23);
+    out[3] = _mm512_unpackhi_epi16(hi01, hi23);
+  }
+  // levels64's tables (kSigned: the first two registers of each plane, the 128 magnitudes' bytes).
+  void load_planes(__m512i (&planes)[4][4]) const {
+    for (int j = 0; j < 4; ++j) {
+      for (int k = 0; k < 4; ++k) planes[j][k] = _mm512_load_si512(planes_[j] + 64 * k);
+    }
   }
 #endif
 
@@ -161,6 +217,7 @@ class CodeMap {
   alignas(64) float gap_[256] = {0.0f};  // gap_[j] = levels[j + 1] - levels[j] (or of their squares); 0 past the top
   alignas(64) float square_[16] = {0.0f};  // a sqrt(v) map rounded in the square: levels[j]^2
   alignas(64) float sr_step_[256];       // gap_[j] * 2^-17 where exp_avg may round up from magnitude j, else +inf
+  alignas(64) uint8_t planes_[4][256];  // planes_[j][c]: byte j of the bits of decode_[c]
   alignas(64) float search_[16];
   alignas(64) float step_[2][16];  // the search's tables for steps 1 and 2: step_[s - 1][j] = search_[j + s - 1]
   std::vector<float> mid_;
@@ -211,8 +268,8 @@ inline __m512 lookup128(const __m512* t, __m512i idx) {
   return _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[0], r[1]), _mm512_mask_blend_ps(b5, r[2], r[3]));
 }
 
-// The codes of one block, 16 values at a time and in order (encode_block's vector loop; the Adam kernel's fused
-// 4-bit step codes with it too): the values' magnitudes times 1 / scale inv, rounded to a level of map; kSigned:
+// The codes of one block, 16 values at a time and in order (encode_block's vector loop, through Coder8 for 8-bit
+// codes; the Adam kernel's fused steps code with it too): the values' magnitudes times 1 / scale inv, rounded to a level of map; kSigned:
 // exp_avg's map (sign-magnitude codes); kSquare: sqrt(v) rounded stochastically in the square. The stochastic
 // rounding (CodeMap::stochastic_magnitude_code, 16 lanes) takes its level and the gap to the next one from registers
 // (8 or 1 of each: 128 or 16 entries; permutes, not gathers: a 16-lane gather costs about as much as the rest of
@@ -293,6 +350,71 @@ struct Coder16 {
   static inline void store4(__m512i code, uint8_t* out) {
     const __m128i pairs = _mm_maddubs_epi16(_mm512_cvtepi32_epi8(code), _mm_set1_epi16(0x1001));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(pairs, pairs));
+  }
+};
+
+// The 8-bit codes of one block of (finite) values u[0, len) (len <= 256), 16 values at a time and in order, in two
+// steps: prepare (the bucket keys of the block's whole vectors, and with ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES their
+// entries), then code16 per 16 values. kSigned: exp_avg's map, rounded stochastically (Coder16). encode_block codes
+// with it, and the Adam kernel's fused 8-bit step, which codes a block while it updates the next one.
+template <bool kSigned>
+struct Coder8 {
+  Coder16<8, kSigned> coder;
+#ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
+  alignas(64) uint32_t keys[256], index[256], entries[256];
+#endif
+
+  explicit Coder8(const CodeMap& map) : coder(map, 0.0f) {}
+
+  // u[0, vector_end) (vector_end a multiple of 16, at most 256), coded with 1 / scale inv.
+  void prepare(const float* u, int64_t vector_end, float inverse) {
+    coder.set_inverse(inverse);
+#ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
+    // The keys, and the entries' indices in the table (computed 16 at a time, so that the scalar loop only loads);
+    // the loop takes 4 indices in two 64-bit loads and inserts the entries into vectors, written 16 at a time (on
+    // AMD Zen 4 about 14% of the 8-bit step less than one load and store of each 32-bit key and entry).
+    const CodeMap& map = coder.map;
+    for (int64_t i = 0; i < vector_end; i += 16) {
+      const __m512i key = map.bucket_keys(coder.magnitude(_mm512_loadu_ps(u + i)));
+      _mm512_store_si512(keys + i, key);
+      _mm512_store_si512(index + i, map.entry_indices(key));
+    }
+    const uint32_t* table = map.entry_table();
+    for (int64_t i = 0; i < vector_end; i += 16) {
+      __m128i e[4];
+      for (int k = 0; k < 4; ++k) {
+        uint64_t k01, k23;
+        std::memcpy(&k01, index + i + 4 * k, 8);
+        std::memcpy(&k23, index + i + 4 * k + 2, 8);
+#ifdef __GNUC__
+        asm("" : "+r"(k01), "+r"(k23));  // keeps the loads scalar: vectorised, the compiler emulates a gather
+#endif
+        e[k] = _mm_cvtsi32_si128(int(table[uint32_t(k01)]));
+        e[k] = _mm_insert_epi32(e[k], int(table[k01 >> 32]), 1);
+        e[k] = _mm_insert_epi32(e[k], int(table[uint32_t(k23)]), 2);
+        e[k] = _mm_insert_epi32(e[k], int(table[k23 >> 32]), 3);
+      }
+      _mm512_store_si512(entries + i, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(e[1], e[0])),
+                                                         _mm256_set_m128i(e[3], e[2]), 1));
+    }
+#else
+    (void)u;
+    (void)vector_end;
+#endif
+  }
+
+  // The codes of u[i, i + 16) (i a multiple of 16 below prepare's vector_end); rnd: the random bits of the block's
+  // elements (moment_random_bits) for exp_avg, else unused.
+  inline __m512i code16(const float* u, int64_t i, const uint32_t* rnd) {
+    const __m512 x = _mm512_loadu_ps(u + i);
+    const __m512 a = coder.magnitude(x);
+#ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
+    const __m512i code = CodeMap::codes_of_entries(_mm512_load_si512(keys + i), _mm512_load_si512(entries + i));
+#else
+    const __m512i key = coder.map.bucket_keys(a);
+    const __m512i code = CodeMap::codes_of_entries(key, coder.map.entries(key));
+#endif
+    return coder.finish(x, a, code, kSigned ? Coder16<8, kSigned>::random16(rnd + i) : _mm512_setzero_ps());
   }
 };
 #endif

@@ -141,6 +141,32 @@ def test_native_and_reference_backends_agree_bit_for_bit(combo, mode, amsgrad, p
     assert_same_snapshot(snapshots["native"], snapshots["torch"])
 
 
+@pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4")], ids=["u8", "u4"])
+def test_the_backends_agree_bit_for_bit_on_whole_blocks_holding_zero_overflowed_and_nan_ones(combo, monkeypatch):
+    """A param of whole 1024-element blocks (the native kernel's fused low-bit steps take those; a partial last block
+    is staged, as in _params): a block of zero gradients, then an overflowing gradient element in another block and
+    (8-bit) a NaN gradient in a third (blocks the fused steps hand to the plain stores). Both backends give the same
+    bits. (A 4-bit NaN block's params are NaN in both, with other NaN bits: 0x7FC00000 native, 0x7FFF0000 from the
+    reference, which carries the bfloat16 NaN scale's bits.)"""
+    snapshots = {}
+    for name in ("native", "torch"):
+        select_backend(monkeypatch, name)
+        p = torch.nn.Parameter(torch.randn(2048, generator=torch.Generator().manual_seed(0)))
+        opt = _optimizer([p], *combo)
+        g = torch.Generator().manual_seed(3)
+        for step in range(4):
+            grad = torch.randn(p.shape, generator=g) * 1e-2
+            grad[512:768] = 0.0
+            if step == 1:
+                grad[OVERFLOWED] = OVERFLOWING_GRAD
+            if step == 2 and combo == ("u8", "u8"):
+                grad[1024 + 300] = float("nan")
+            p.grad = grad
+            opt.step()
+        snapshots[name] = optimizer_snapshot(opt)
+    assert_same_snapshot(snapshots["native"], snapshots["torch"])
+
+
 # ---- each step against the float64 reference --------------------------------------------------------------------
 
 
