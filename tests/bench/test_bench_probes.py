@@ -5,7 +5,6 @@ mixed_limit); a probe that skipped work would make that bound a lie. So each is 
 reference of exactly what it claims to compute, over several steps.
 """
 
-import ctypes
 
 import pytest
 import torch
@@ -103,9 +102,16 @@ def test_validation_floor_lists_each_metadata_line_a_check_reads_once_and_loads_
             address = t._cdata
             assert sum(address - address % 64 <= line < address + 256 for line in listed) >= 3
     assert 12 * len(params) <= len(listed) <= 30 * len(params) + 8
-    # and each listed line is loaded: the sum of one byte per line (its first), as the lines hold them
-    expected = sum(ctypes.c_int8.from_address(line).value for line in listed)
-    assert library.touch_lines(floor.lines[0], floor.counts[0], 4) == expected
+    # and each line given is loaded: the sum of one byte per line (its first). On a buffer of known bytes: the listed
+    # lines' first bytes may belong to neighbouring heap objects (refcounts) that move while the test reads them
+    buffer = torch.randint(-128, 128, (64 * 50,), dtype=torch.int8, generator=generator)
+    assert buffer.data_ptr() % 64 == 0  # (torch's CPU allocator aligns to 64 bytes)
+    order = torch.randperm(50, generator=generator).tolist()
+    lines = torch.tensor([buffer.data_ptr() + 64 * i for i in order], dtype=torch.int64)
+    expected = sum(int(buffer[64 * i]) for i in order)
+    assert library.touch_lines(lines, len(order), 4) == expected
+    assert library.touch_lines(lines, 10, 4) == sum(int(buffer[64 * i]) for i in order[:10])
+    assert floor.counts[0] == len(listed)
     # new gradient tensors: their lines are listed again
     old_grad = params[0].grad._cdata
     params[0].grad = params[0].grad.clone()
