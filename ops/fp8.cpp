@@ -146,7 +146,7 @@ void fp8_store_pair(const float* m, const float* v, const float* root, uint32_t 
     return;
   }
   const float im = bits_to_float(inv_m), iv = bits_to_float(inv_v);
-  const uint32_t e0 = uint32_t(off) * 0x9E3779B1u, step_hash = step * 0x85EBCA77u + 0x6A09E667u;
+  const uint32_t step_hash = moment_step_hash(step);
   uint8_t* __restrict__ cm = codes_m + off;
   uint8_t* __restrict__ cv = codes_v + off;
   int64_t i = 0;
@@ -155,7 +155,7 @@ void fp8_store_pair(const float* m, const float* v, const float* root, uint32_t 
   for (; i + 16 <= len; i += 16) coder.code16(m + i, root + i, i);
 #endif
   for (; i < len; ++i) {
-    const uint32_t r = fmix32(float_to_bits(m[i]) ^ (e0 + uint32_t(i) * 0x9E3779B1u) ^ step_hash);
+    const uint32_t r = moment_random_bits_of(m[i], off + i, step_hash);
     cm[i] = fp8_code<FM::kMb, FM::kBias, FM::kMaxCode, false>(m[i], amax_m, im, r >> 16);
     cv[i] = fp8_code<FV::kMb, FV::kBias, FV::kMaxCode, true>(root[i], amax_v, iv, r & 0xFFFFu);
   }

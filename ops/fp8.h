@@ -205,11 +205,8 @@ struct Fp8PairCoder {
         inv_v(fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode>(amax_v)),
         coder_m(amax_m, inv_m),
         coder_v(amax_v, inv_v),
-        e_hash(_mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(off))),
-                                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
-                                                                     14, 15)),
-                                  _mm512_set1_epi32(int(0x9E3779B1u)))),
-        step_hash(_mm512_set1_epi32(int(step * 0x85EBCA77u + 0x6A09E667u))),
+        e_hash(element_hash16(off)),
+        step_hash(_mm512_set1_epi32(int(moment_step_hash(step)))),
         cm(codes_m + off),
         cv(codes_v + off) {}
 
@@ -219,12 +216,8 @@ struct Fp8PairCoder {
   // without its last step (Fp8Coder16::random_add).
   inline void code16(const float* m, const float* root, int64_t i) {
     const __m512i bm = _mm512_castps_si512(_mm512_loadu_ps(m)), bv = _mm512_castps_si512(_mm512_loadu_ps(root));
-    __m512i x = _mm512_ternarylogic_epi32(bm, e_hash, step_hash, 0x96);  // (a ^ b ^ c)
-    e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(16u * 0x9E3779B1u)));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0x85EBCA6Bu)));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0xC2B2AE35u)));
+    const __m512i x = fmix32x16_but_last(_mm512_ternarylogic_epi32(bm, e_hash, step_hash, 0x96));  // (a ^ b ^ c)
+    e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(kElementHashStep16)));
     const __m512i add_m = Fp8Coder16<FM, false>::template random_add<true>(x);
     const __m512i add_v = Fp8Coder16<FV, true>::template random_add<false>(x);
     const __m512i ab_m = _mm512_and_si512(bm, _mm512_set1_epi32(0x7FFFFFFF));

@@ -30,35 +30,52 @@ inline uint32_t fmix32(uint32_t x) {  // murmur3's 32-bit finaliser
 }
 
 #ifdef __AVX512F__
-inline __m512i fmix32x16(__m512i x) {  // fmix32 on 16 lanes
+// fmix32 on 16 lanes without its last step (x ^ (x >> 16)), for a caller that takes the result's two halves apart
+// (Fp8PairCoder::code16 folds that step into each half).
+inline __m512i fmix32x16_but_last(__m512i x) {
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
   x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0x85EBCA6Bu)));
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0xC2B2AE35u)));
+  return _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0xC2B2AE35u)));
+}
+
+inline __m512i fmix32x16(__m512i x) {  // fmix32 on 16 lanes
+  x = fmix32x16_but_last(x);
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
+
+// The element hashes e * 0x9E3779B1 (uint32) of elements off to off + 15, one per lane, of the moments' random bits
+// (moment_random_bits); the next 16 elements' are these plus kElementHashStep16.
+inline __m512i element_hash16(int64_t off) {
+  return _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(off))),
+                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                            _mm512_set1_epi32(int(0x9E3779B1u)));
+}
+constexpr uint32_t kElementHashStep16 = 16u * 0x9E3779B1u;
 #endif
 
 // The random bits of the moment states' stochastic rounding in a step (ort_optim/_spec.py, MOMENT_RANDOM_BITS; the
-// low-bit and fp8 formats): r[i] = fmix32(bits(m[i]) ^ (off + i) * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) for
-// the step's new exp_avg m of elements [off, off + n). exp_avg rounds with r >> 16, exp_avg_sq and max_exp_avg_sq
-// with r & 0xFFFF: one hash per element for both moments.
+// low-bit and fp8 formats): r = fmix32(bits(m) ^ e * 0x9E3779B1 ^ moment_step_hash(step)) for element e of a tensor
+// whose new exp_avg there is m. exp_avg rounds with r >> 16, exp_avg_sq and max_exp_avg_sq with r & 0xFFFF: one hash
+// per element for both moments. moment_random_bits gives r[i] of elements [off, off + n); the vector coders that hash
+// as they code take the same pieces (element_hash16, fmix32x16).
+inline uint32_t moment_step_hash(uint32_t step) { return step * 0x85EBCA77u + 0x6A09E667u; }
+inline uint32_t moment_random_bits_of(float m, int64_t e, uint32_t step_hash) {
+  return fmix32(float_to_bits(m) ^ (uint32_t(e) * 0x9E3779B1u) ^ step_hash);
+}
 inline void moment_random_bits(const float* m, int64_t off, int64_t n, uint32_t step, uint32_t* r) {
-  const uint32_t e0 = uint32_t(off) * 0x9E3779B1u, step_hash = step * 0x85EBCA77u + 0x6A09E667u;
+  const uint32_t step_hash = moment_step_hash(step);
   int64_t i = 0;
 #ifdef __AVX512F__
-  __m512i e_hash = _mm512_add_epi32(
-      _mm512_set1_epi32(int(e0)),
-      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                         _mm512_set1_epi32(int(0x9E3779B1u))));
+  __m512i e_hash = element_hash16(off);
   const __m512i step16 = _mm512_set1_epi32(int(step_hash));
   for (; i + 16 <= n; i += 16) {  // (the element hash advances by addition)
     const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(m + i));
     _mm512_storeu_si512(r + i, fmix32x16(_mm512_xor_si512(_mm512_xor_si512(b, e_hash), step16)));
-    e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(16u * 0x9E3779B1u)));
+    e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(kElementHashStep16)));
   }
 #endif
-  for (; i < n; ++i) r[i] = fmix32(float_to_bits(m[i]) ^ (e0 + uint32_t(i) * 0x9E3779B1u) ^ step_hash);
+  for (; i < n; ++i) r[i] = moment_random_bits_of(m[i], off + i, step_hash);
 }
 
 // dst[i] = bf16(src[i]) rounded stochastically: up in magnitude with probability (the dropped 16 bits) / 2^16, from

@@ -197,15 +197,14 @@ class CheckedGroups:
         """The hyperparameters of ``param_groups[index]`` as the op's keyword arguments (a dict shared between calls:
         not to be written into), validated as :func:`check_group` validates them (raising as it does, naming the
         group, before anything changes), or as they were validated at an earlier call while nothing changed."""
+        current = signature(group)  # (check_group and hyperparameters only read the group)
         entry = self._checked.get(index)
-        if entry is not None and entry[0] is group and entry[2] is master_weights:
-            current = signature(group)
-            if current is not None and current == entry[1]:
-                return entry[3]
+        if (current is not None and entry is not None and entry[0] is group and entry[2] is master_weights
+                and current == entry[1]):
+            return entry[3]
         self._checked.pop(index, None)
         check_group(group, group_where(index), master_weights)
         hyper = hyperparameters(group)
-        current = signature(group)
         if current is not None:
             self._checked[index] = (group, current, master_weights, hyper)
         return hyper
