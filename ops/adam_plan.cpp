@@ -45,12 +45,7 @@ TensorWatch::TensorWatch(const std::vector<at::Tensor>& params, std::vector<std:
   auto add = [&](uintptr_t line) { lines_.push_back(line); };
   for (size_t i = 0; i < n; ++i) {
     line_begin_.push_back(uint32_t(lines_.size()));
-    const Watch* w = &watches_[i * per_param_];
-    for (size_t k = 0; k < per_param_; ++k) {
-      metadata::impl_lines(w[k].impl, k == 0 ? metadata::Role::kParam : metadata::Role::kWatched, w[k].dim, add);
-      metadata::storage_lines(w[k].storage.unsafeGetStorageImpl(), w[k].compare_data, storage_data_offset_, add);
-    }
-    metadata::meta_lines(param_impls_[i]->autograd_meta(), add);
+    metadata::planned_lines(params[i], states_, i, step_tensors_[i], compare_all, storage_data_offset_, add);
   }
   line_begin_.push_back(uint32_t(lines_.size()));
   metadata::keep_first(lines_, line_begin_);

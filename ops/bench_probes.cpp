@@ -225,19 +225,16 @@ int64_t validation_floor_lines(const std::vector<at::Tensor>& params,
   std::vector<uintptr_t> all;  // in order, with repeats until keep_first
   all.reserve(32 * (params.size() + 1));
   auto add = [&](uintptr_t line) { all.push_back(line); };
-  auto watched = [&](const at::Tensor& t, md::Role role, bool data) {
+  auto watched = [&](const at::Tensor& t, md::Role role) {
     md::impl_lines(t.unsafeGetTensorImpl(), role, t.dim(), add);
-    md::storage_lines(t.storage().unsafeGetStorageImpl(), data, data_offset, add);
+    md::storage_lines(t.storage().unsafeGetStorageImpl(), false, data_offset, add);
   };
   for (size_t i = 0; i < params.size(); ++i) {
     TORCH_CHECK(params[i].grad().defined(), "params[", i, "] has no gradient");
-    watched(params[i], md::Role::kParam, false);
-    for (const auto& list : states) watched(list[i], md::Role::kWatched, true);
-    watched(step_tensors[i], md::Role::kWatched, false);
-    md::meta_lines(params[i].unsafeGetTensorImpl()->autograd_meta(), add);
-    watched(params[i].grad(), md::Role::kGrad, false);
+    md::planned_lines(params[i], states, i, step_tensors[i], /*compare_data=*/false, data_offset, add);
+    watched(params[i].grad(), md::Role::kGrad);
   }
-  watched(steps, md::Role::kWatched, false);
+  watched(steps, md::Role::kWatched);
   std::vector<uint32_t> no_begins;
   md::keep_first(all, no_begins);
   TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && size_t(out.numel()) >= all.size(),

@@ -116,6 +116,24 @@ inline void meta_lines(const c10::AutogradMetaInterface* meta, Add&& add) {
   if (meta != nullptr) range(&static_cast<const torch::autograd::AutogradMeta*>(meta)->grad_, sizeof(void*), add);
 }
 
+// What a check reads of param i's planned tensors, in the check's order: the param's TensorImpl and storage, each
+// state's (states: per state list, one tensor per param; their data pointers compared), its step tensor's, and its
+// AutogradMeta's grad field. compare_data: whether the param's and step tensor's storage data pointers are compared
+// too (a bare TensorWatch's; AdamPlan reads them afresh at each step). TensorWatch lists these when it plans; the
+// benchmark's validation floor probe lists the same.
+template <class Add>
+inline void planned_lines(const at::Tensor& param, const std::vector<std::vector<at::Tensor>>& states, size_t i,
+                          const at::Tensor& step_tensor, bool compare_data, size_t data_offset, Add&& add) {
+  auto watched = [&](const at::Tensor& t, Role role, bool data) {
+    impl_lines(t.unsafeGetTensorImpl(), role, t.dim(), add);
+    storage_lines(t.storage().unsafeGetStorageImpl(), data, data_offset, add);
+  };
+  watched(param, Role::kParam, compare_data);
+  for (const auto& list : states) watched(list[i], Role::kWatched, true);
+  watched(step_tensor, Role::kWatched, compare_data);
+  meta_lines(param.unsafeGetTensorImpl()->autograd_meta(), add);
+}
+
 // Keeps each line of `lines` at its first place only; `begins` (ascending positions in lines, e.g. where each
 // param's lines start) move with the lines they point at. Sorts a copy rather than filling a hash set: a set's
 // thousands of small nodes, freed, would take the holes in the heap where the next tensors' metadata goes.
