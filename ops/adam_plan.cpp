@@ -105,9 +105,7 @@ inline void TensorWatch::prefetch_ahead(size_t i, const c10::TensorImpl* const* 
     const at::Tensor* g = metadata::grad_field(param_impls_[k]);
     return g != nullptr && g->defined() ? g->unsafeGetTensorImpl() : nullptr;
   };
-  if (i + kPlannedAhead < n) {
-    for (uint32_t l = line_begin_[i + kPlannedAhead]; l < line_begin_[i + kPlannedAhead + 1]; ++l) prefetch(lines_[l]);
-  }
+  if (i + kPlannedAhead < n) prefetch_planned(i + kPlannedAhead);
   if (i + kGradAhead < n) {
     if (const c10::TensorImpl* g = grad(i + kGradAhead)) {
       metadata::impl_lines(g, metadata::Role::kGrad, watches_[(i + kGradAhead) * per_param_].dim, prefetch);
@@ -136,9 +134,7 @@ int64_t TensorWatch::check(const c10::List<at::Tensor>& now) {
   }
   grads_.resize(n);
   checked_params_.resize(n);
-  for (size_t i = 0; i < std::min(n, kPlannedAhead); ++i) {
-    for (uint32_t l = line_begin_[i]; l < line_begin_[i + 1]; ++l) __builtin_prefetch(reinterpret_cast<void*>(lines_[l]));
-  }
+  for (size_t i = 0; i < std::min(n, kPlannedAhead); ++i) prefetch_planned(i);
   for (size_t i = 0; i < n; ++i) {
     prefetch_ahead(i, ids);
     // (compared before anything is read through it: a swapped param's planned TensorImpl may be freed)

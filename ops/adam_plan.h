@@ -109,6 +109,9 @@ class TensorWatch : public torch::CustomClassHolder {
   // (listed once, when planned: lines_), a gradient's TensorImpl kGradAhead ahead, its storage kGradStorageAhead.
   static constexpr size_t kPlannedAhead = 6, kGradAhead = 3, kGradStorageAhead = 1;
   void prefetch_ahead(size_t i, const c10::TensorImpl* const* now) const;
+  void prefetch_planned(size_t i) const {  // param i's planned lines
+    for (uint32_t l = line_begin_[i]; l < line_begin_[i + 1]; ++l) __builtin_prefetch(reinterpret_cast<void*>(lines_[l]));
+  }
   std::vector<uintptr_t> lines_;        // per param i: [line_begin_[i], line_begin_[i + 1]), each line listed once
   std::vector<uint32_t> line_begin_;
   size_t storage_data_offset_ = 0;      // (metadata::storage_data_offset)
