@@ -54,7 +54,8 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
   int64_t i = 0;
 #ifdef ORT_OPTIM_LOW_BIT_AVX512
   const __m512 s16 = _mm512_set1_ps(s);
-  if constexpr (kBits == 8 && !kSecondMoment) {
+  // (the map's own signedness picks the 8-bit branch: load_root decodes the unsigned sqrt(v) map as a first moment)
+  if (kBits == 8 && !kSecondMoment && map.sign_bit() != 0) {
     // exp_avg: sign-magnitude codes, so the 128 magnitudes (lookup128) and the code's top bit as the float's sign
     const __m512 table[8] = {_mm512_load_ps(decode), _mm512_load_ps(decode + 16), _mm512_load_ps(decode + 32),
                              _mm512_load_ps(decode + 48), _mm512_load_ps(decode + 64), _mm512_load_ps(decode + 80),
@@ -74,7 +75,7 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
       const __m512 x = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(lookup128(table, idx)), sign));
       _mm512_storeu_ps(d + i, _mm512_mul_ps(x, s16));
     }
-  } else if constexpr (kBits == 8) {
+  } else if (kBits == 8) {
     // The 256 levels in 16 registers: eight 2-register permutes look up the code's low 5 bits in each 32-level
     // eighth of the table, and its top 3 bits pick one of the eight (a gather is twice as slow on AMD Zen 4).
 #ifdef ORT_OPTIM_LOW_BIT_BYTE_PLANES
