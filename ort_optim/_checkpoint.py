@@ -106,7 +106,8 @@ def to_canonical(state: dict, key: str, shape: torch.Size) -> torch.Tensor:
 def from_canonical(state: dict, key: str, value: torch.Tensor) -> None:
     """Writes canonical values (float32/float64, the param's shape, the state's device) into the storage of
     ``state[key]`` (and its companions, such as the block scales), in place. Every format is idempotent:
-    from_canonical(to_canonical(state)) writes back the same bits, which is what makes a resume exact. A 4-bit
+    from_canonical(to_canonical(state)) writes back the same bits, which is what makes a resume exact (a NaN comes
+    back as a NaN, its sign and payload not kept: conversions between float widths, torch's included, change them). A 4-bit
     exp_avg is coded relative to ``state['exp_avg_sq']`` as stored at the call: write exp_avg_sq first
     (:data:`CONVERSION_ORDER`)."""
     layout = storage_layout(state, key)

@@ -13,6 +13,7 @@ from typing import Iterable, Optional
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the package under test, whatever the working directory
@@ -94,6 +95,16 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> No
         raise AssertionError(f"{what}: not bit-for-bit equal (max abs diff {float(diff.nan_to_num(1e300).max())})")
 
 
+def assert_bitwise_equal_but_nan_bits(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    """Bit for bit, except that a NaN equals any NaN: a NaN's sign and payload are not specified (conversions between
+    float widths, torch's included, do not keep them), only that it stays NaN."""
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    if a.is_floating_point():
+        assert torch.equal(a.isnan(), b.isnan()), f"{what}: NaN in different places"
+        a, b = (torch.where(t.isnan(), torch.zeros_like(t), t) for t in (a.detach(), b.detach()))
+    assert_bitwise_equal(a, b, what)
+
+
 def optimizer_snapshot(opt: torch.optim.Optimizer, extra: Iterable[torch.Tensor] = ()) -> dict:
     """Copies of everything an optimizer step may touch: params, grads, every state tensor (keys included),
     param group hyperparameters, plus any extra tensors."""
@@ -101,8 +112,9 @@ def optimizer_snapshot(opt: torch.optim.Optimizer, extra: Iterable[torch.Tensor]
     for gi, group in enumerate(opt.param_groups):
         for k, v in group.items():
             if k != "params":
-                if isinstance(v, torch.Tensor):  # (a tensor without data, on the meta device, by its description)
-                    v = ("meta", v.dtype, tuple(v.shape)) if v.is_meta else v.detach().clone()
+                if isinstance(v, torch.Tensor):  # (a tensor without data, meta or fake, by its description)
+                    no_data = v.is_meta or isinstance(v, FakeTensor)
+                    v = ("no data", str(v.device), v.dtype, tuple(v.shape)) if no_data else v.detach().clone()
                 snap[f"group{gi}.{k}"] = v
         for pi, p in enumerate(group["params"]):
             snap[f"p{gi}.{pi}"] = p.detach().clone()

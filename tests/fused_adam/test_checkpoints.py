@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from conftest import (
     BACKENDS,
     assert_bitwise_equal,
+    assert_bitwise_equal_but_nan_bits,
     assert_same_snapshot,
     assert_tree_bitwise_equal,
     optimizer_snapshot,
@@ -1159,11 +1160,11 @@ def _continue_both(a_params, a, b_params, b, steps=2) -> None:
         _grads(b_params, 50 + step)
         a.step()
         b.step()
-    for p, q in zip(a_params, b_params):
-        assert_bitwise_equal(p.detach(), q.detach(), "param")
+    for p, q in zip(a_params, b_params):  # (NaN moments, from a checkpoint holding them, stay NaN of unspecified bits)
+        assert_bitwise_equal_but_nan_bits(p.detach(), q.detach(), "param")
         assert a.state[p].keys() == b.state[q].keys()
         for key in a.state[p]:
-            assert_bitwise_equal(a.state[p][key], b.state[q][key], key)
+            assert_bitwise_equal_but_nan_bits(a.state[p][key], b.state[q][key], key)
 
 
 def _same_meaning(a: dict, b: dict) -> bool:

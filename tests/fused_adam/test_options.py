@@ -228,6 +228,30 @@ def test_hyperparameter_tensors_on_an_accelerator_are_refused_saying_so(options,
         FusedAdam(_params(), **options)
 
 
+def test_an_lr_tensor_without_data_is_refused_wherever_it_comes_from():
+    """An lr tensor may live on an accelerator (the kernel reads it there), but one on the meta device (a checkpoint
+    loaded with map_location="meta") holds no value that any step could read: refused at construction,
+    add_param_group, load_state_dict and step, naming the entry, and nothing changes."""
+    meta_lr = torch.tensor(1e-3, device="meta")
+    message = "is a tensor on the meta device, which holds no value"
+    with pytest.raises(ValueError, match=rf"FusedAdam: lr {message}"):
+        FusedAdam(_params(), lr=meta_lr)
+    opt, params = _stepped()
+    sd = opt.state_dict()
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=rf"param_groups\[1\]: lr {message}"):
+        opt.add_param_group({"params": _params(1), "lr": meta_lr})
+    sd["param_groups"][0]["lr"] = meta_lr
+    with pytest.raises(ValueError, match=rf"state_dict\['param_groups'\]\[0\]\['lr'\] {message}"):
+        opt.load_state_dict(sd)
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+    opt.param_groups[0]["lr"] = meta_lr  # written later: the step refuses it before anything changes
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=rf"param_groups\[0\]: lr {message}"):
+        opt.step()
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
 @pytest.mark.parametrize("key,value", [("exp_avg_dtype", torch.uint8), ("exp_avg_sq_dtype", torch.bfloat16),
                                        ("master_weights", True)])
 def test_optimizer_wide_options_in_a_group_are_refused_naming_the_key_and_the_group(key, value):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from conftest import (BACKENDS, assert_bitwise_equal, assert_same_snapshot, optimizer_snapshot, select_backend,
                       state_values)
 from reference import ReferenceAdam
@@ -594,7 +595,8 @@ def test_a_hyperparameter_made_invalid_after_construction_fails_the_step_and_cha
 @pytest.mark.parametrize("case", ["float-grad-scale", "lr-tensor-on-another-device"])
 def test_capturable_refusals_come_before_anything_changes(case):
     """capturable=True (CUDA graphs) refuses a float grad_scale and an lr tensor on another device than the params
-    (here the meta device stands in for another device); like every failed step, it changes nothing."""
+    (here a fake CUDA tensor, which has a device and no data, stands in for one); like every failed step, it changes
+    nothing."""
     opt, _ = _multi_bucket_setup()
     capturable = FusedAdam([p for group in opt.param_groups for p in group["params"]], lr=torch.tensor(1e-3),
                            capturable=True)
@@ -610,8 +612,9 @@ def test_capturable_refusals_come_before_anything_changes(case):
         kwargs["grad_scale"] = 2.0
         message = r"capturable=True: pass grad_scale as a tensor"
     else:
-        capturable.param_groups[0]["lr"] = torch.tensor(1e-3, device="meta")
-        message = r"param_groups\[0\]: capturable=True needs lr on the params' device \(cpu\), got a tensor on meta"
+        with FakeTensorMode():
+            capturable.param_groups[0]["lr"] = torch.empty((), device="cuda")
+        message = r"param_groups\[0\]: capturable=True needs lr on the params' device \(cpu\), got a tensor on cuda"
     before = optimizer_snapshot(capturable)
     with pytest.raises(ValueError, match=message):
         capturable.step(**kwargs)
