@@ -10,7 +10,9 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import assert_tree_bitwise_equal, optimizer_snapshot
+from conftest import assert_tree_bitwise_equal, fuzz_examples, optimizer_snapshot
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ort_optim import AdamWMode, FusedAdam
 
@@ -78,6 +80,80 @@ def test_each_fault_is_one_error_wherever_the_value_comes_in(options, error, mes
     with pytest.raises(error, match=rf"state_dict\['param_groups'\]\[0\]\['{key}'\]" + message):
         opt.load_state_dict(sd)
     assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
+# ---- any values, wherever they come in -------------------------------------------------------------------------------
+
+_NUMBERS = [0.0, 1e-3, 0.5, 1, -1e-3, float("nan"), float("inf"), 1e300, 10**400, np.float32(1e-3), True, None, "1e-3",
+            torch.tensor(1e-3), torch.tensor(1e-3, dtype=torch.float64), torch.tensor([1e-3, 1e-3]),
+            torch.tensor(1), torch.tensor(float("nan")), torch.tensor(1e-3, device="meta")]
+OPTION_VALUES = {
+    "lr": _NUMBERS,
+    "eps": _NUMBERS,
+    "weight_decay": _NUMBERS,
+    "betas": [(0.9, 0.999), [0.8, 0.99], (0.0, 0.0), (0.9,), (0.9, 0.999, 0.5), (1.0, 0.5), (-0.1, 0.5),
+              (0.9, float("nan")), (torch.tensor(0.9), 0.999), (torch.tensor(0.9, device="meta"), 0.999),
+              (True, 0.5), ([0.9], 0.5), "0.9", None, 0.9],
+    "amsgrad": [True, False, 1, 0, "False", None, torch.tensor(True)],
+    "maximize": [True, False, 0.0, "True"],
+    "bias_correction": [True, False, 1, None],
+    "adam_w_mode": [0, 1, 2, AdamWMode.ADAMW_TORCH, 3, -1, True, 2.0, "2", None],
+    "stochastic_rounding_seed": [0, 7, 2**64 - 1, 2**64, -1, 1.5, True, "3", None],
+}
+
+
+def _entry_outcomes(options: dict) -> dict:
+    """Each way a group's options come in, given the same options: (accepted, error type, message without the
+    entry's name); a refusal must name the entry of one of the options and change nothing."""
+    outcomes = {}
+
+    def attempt(where: str, names: dict, call, opt=None) -> None:
+        before = None if opt is None else optimizer_snapshot(opt)
+        try:
+            call()
+        except (ValueError, TypeError) as error:
+            message = str(error)
+            prefix = next((names[key] for key in options if message.startswith(names[key])), None)
+            assert prefix is not None, f"{where}: the error names none of {sorted(options)}: {message}"
+            if opt is not None:
+                assert_tree_bitwise_equal(optimizer_snapshot(opt), before, f"{where}: optimizer")
+            outcomes[where] = (False, type(error), message[len(prefix):])
+            return
+        outcomes[where] = (True, None, None)
+
+    attempt("constructor", {k: f"FusedAdam: {k}" for k in options}, lambda: FusedAdam(_params(), **options))
+    # (the stepped optimizers keep amsgrad's max_exp_avg_sq as the options ask: turning amsgrad on over states made
+    # without it is refused for those states, test_state_cache.py)
+    amsgrad = options.get("amsgrad") is True
+    opt, _ = _stepped(amsgrad=amsgrad)
+    attempt("add_param_group", {k: f"param_groups[1]: {k}" for k in options},
+            lambda: opt.add_param_group({"params": _params(1), **options}), opt)
+    opt, _ = _stepped(amsgrad=amsgrad)
+    opt.param_groups[0].update(options)
+    attempt("step", {k: f"param_groups[0]: {k}" for k in options}, opt.step, opt)
+    opt, _ = _stepped(amsgrad=amsgrad)
+    sd = opt.state_dict()
+    sd["param_groups"][0].update(options)
+    attempt("load_state_dict", {k: f"state_dict['param_groups'][0]['{k}']" for k in options},
+            lambda: opt.load_state_dict(sd), opt)
+    if outcomes["load_state_dict"][0]:  # and the loaded options step
+        attempt("step after load_state_dict", {k: f"param_groups[0]: {k}" for k in options}, opt.step, opt)
+    return outcomes
+
+
+@settings(max_examples=fuzz_examples(300), deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.dictionaries(st.sampled_from(sorted(OPTION_VALUES)), st.integers(0, 10**6), min_size=1, max_size=3))
+def test_property_any_options_are_accepted_or_refused_alike_wherever_they_come_in(choices):
+    """Values of every kind (numbers in and out of range, NaN, bools, strings, None, tensors of other dtypes, shapes
+    and devices), up to three options at once: the constructor, add_param_group, a write into param_groups before
+    step() and load_state_dict all accept them, or all refuse them with the same exception and message after the
+    name of the entry (whichever option check_group's fixed order meets first), changing nothing; accepted options
+    step."""
+    options = {key: OPTION_VALUES[key][index % len(OPTION_VALUES[key])] for key, index in choices.items()}
+    outcomes = _entry_outcomes(options)
+    assert outcomes.pop("step after load_state_dict", (True,))[0], "loaded options that do not step"
+    assert len(set(outcomes.values())) == 1, f"{options}: {outcomes}"
 
 
 # ---- options changed between steps ----------------------------------------------------------------------------------
