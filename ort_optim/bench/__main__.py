@@ -2,7 +2,8 @@
 
 Every workload runs all its implementations interleaved (round robin, after warm-up) and reports medians, the
 ratio against each alternative, the bytes each step must move, and the fraction of the memory bandwidth measured in
-the same run. It prints tables, writes JSON (``--out``, default results/bench.json) and a PNG chart of the ratios.
+the same run. It prints tables, writes JSON (``--out``, default results/bench.json, or results/bench-quick.json with
+``--quick``), the tables in markdown and a PNG chart of the ratios.
 Absolute times move between runs on shared machines; the ratios are what we quote.
 """
 
@@ -113,8 +114,11 @@ def main(argv=None) -> int:
                         help="comma-separated: fp32, mixed, states, fp16_optimizer, overhead, "
                              + ", ".join(EXTRA_SECTIONS))
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's CPU Adam")
-    parser.add_argument("--out", default="results/bench.json", help="JSON output (a PNG chart is saved beside it)")
+    parser.add_argument("--out", default=None, help="JSON output (a PNG chart and the markdown tables are saved "
+                        "beside it); default results/bench.json, results/bench-quick.json with --quick (so that a "
+                        "quick look does not overwrite a full run's tables)")
     args = parser.parse_args(argv)
+    args.out = args.out or ("results/bench-quick.json" if args.quick else "results/bench.json")
     reps = args.reps or (3 if args.quick else 5)
     sections = set(args.sections.split(","))
     torch.manual_seed(0)
