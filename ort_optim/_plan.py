@@ -51,6 +51,7 @@ import torch
 from . import _checkpoint, _spec, backends, formats
 from ._checkpoint import MOMENT_KEYS
 from ._layout import StateLayout
+from ._versions import tracks_versions
 from ._spec import FP8_FORMATS, LOW_BIT_FORMATS, SUPPORTED_PARAM_DTYPES, num_blocks
 from .integrations import dtensor
 
@@ -635,6 +636,14 @@ def check_state(layout: StateLayout, p: torch.Tensor, state: ParamState, amsgrad
         adoptions += _check_tensor_entry(p, state, "master_param", torch.float32, where)
     elif has_master:  # (a param that became float16/bfloat16 under its optimizer): its master starts from it
         adoptions.append(_Adoption(state, "master_param", p.detach().to(torch.float32, copy=True).contiguous()))
+    # A tensor made under inference_mode and given other data with `.data =` since has no version counter, yet is not
+    # an inference tensor: nothing can view it, not even inside inference_mode. Kept as is, the native kernel would
+    # write it through pointers but the other backends' views of it fail; adopted as a copy, every backend steps it.
+    adopted = {a.key for a in adoptions}
+    for key, value in state.items():
+        if (key not in adopted and isinstance(value, torch.Tensor) and not value.is_inference()
+                and not tracks_versions(value)):
+            adoptions.append(_Adoption(state, key, value.clone()))
     return adoptions
 
 
@@ -800,16 +809,18 @@ def _check_step(p, state, where, device) -> list[_Adoption]:
         problem = _storage_problem(value)
         if problem is not None:
             raise ValueError(f"{what} {problem}")
-        number = float(value.detach().reshape(()).double().cpu())  # (a host sync, only when planning)
+        number = float(value.item())  # (a host sync, only when planning; no view: _versions.tracks_versions)
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)
     else:
         raise TypeError(f"{what} must be a one-element tensor or a number, got {type(value).__name__}")
     if not (0 <= number <= 2.0**53 and number == int(number)):
         raise ValueError(f"{what} must be a whole number in [0, 2**53], got {number!r}")
-    if isinstance(value, torch.Tensor) and value.dtype == torch.float64 and value.dim() == 0 and value.device == device:
+    if (isinstance(value, torch.Tensor) and value.dtype == torch.float64 and value.dim() == 0 and value.device == device
+            and tracks_versions(value)):
         return []
     return [_Adoption(state, "step", torch.tensor(number, dtype=torch.float64, device=device))]
+
 
 
 # ---- params that share memory ---------------------------------------------------------------------------------------

@@ -48,11 +48,22 @@ def step_taken(found_inf: Optional[torch.Tensor]) -> bool:
     return found_inf is None or found_inf.device.type != "cpu" or float(found_inf) == 0.0
 
 
+def tracks_versions(t: torch.Tensor) -> bool:
+    """Whether t has an autograd version counter. One made under torch.inference_mode() has none, and keeps none when
+    given other data with ``.data =`` (while ``is_inference()`` then says False): such a tensor can be neither viewed
+    nor written in place outside inference mode. A plan adopts such a state['step'] as a new tensor (it re-points
+    step tensors into its buckets' steps), and the reference backend writes such states inside inference_mode."""
+    try:
+        t._version
+    except RuntimeError:
+        return False
+    return True
+
+
 def mark_modified(tensors: Iterable[torch.Tensor]) -> None:
     """Bumps the autograd version counter of each tensor (a view shares its base's), as an in-place op would;
     tensors without one are skipped: inference tensors, and a tensor made under torch.inference_mode() that was given
-    normal data with ``.data =`` (it keeps its missing counter, while ``is_inference()`` says False: a state['step']
-    loaded under inference_mode, then planned). Not while torch.compile traces: a traced step mutates functionalized
+    normal data with ``.data =`` (it keeps its missing counter, while ``is_inference()`` says False). Not while torch.compile traces: a traced step mutates functionalized
     copies, which torch writes back into the real tensors with in-place copies that mark them."""
     if torch.compiler.is_compiling():
         return

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._spec import FP8_FORMATS, low_bit_format, splitmix64
+from .._versions import tracks_versions
 from ..formats import (MASK32, decode_state, fmix32, is_relative, quantize_fp8, quantize_fp16, quantize_low_bit,
                        sqrt_f32, state_root)
 
@@ -182,13 +183,13 @@ def adam_step_(
                 grads[i].copy_(grads[i].to(compute) / grad_scale.to(compute).reshape(()))
         steps.add_(1.0)
 
-    # A tensor made under torch.inference_mode() (a checkpoint loaded there, say) can be written in place only inside
-    # it. The native and Triton kernels write through pointers either way; so does this path, instead of failing
+    # A tensor made under torch.inference_mode() (a checkpoint loaded there, say), also one given other data with
+    # `.data =` since, can be written in place only inside it. The native and Triton kernels write through pointers either way; so does this path, instead of failing
     # halfway with some tensors written. Its in-place torch ops mark what they write for autograd (version counters,
     # inside inference_mode too, for every tensor that has one), as the other backends do (ort_optim/_versions.py).
     written = [*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs, *master_params, *exp_avg_scales,
                *exp_avg_sq_scales, *max_exp_avg_sq_scales, steps, *(grads if grad_scale is not None else ())]
-    with torch.inference_mode() if any(t.is_inference() for t in written) else contextlib.nullcontext():
+    with torch.inference_mode() if not all(map(tracks_versions, written)) else contextlib.nullcontext():
         update()
 
 

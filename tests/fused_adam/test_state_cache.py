@@ -66,7 +66,10 @@ from typing import Callable
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from conftest import (
+    fuzz_examples,
     assert_same_snapshot,
     optimizer_snapshot,
     select_backend,
@@ -900,6 +903,23 @@ def _load_in_inference_mode(opt) -> None:
         opt.load_state_dict(saved)
 
 
+def _inference_state_stepped_then_replanned(opt, params) -> None:
+    """A checkpoint loaded under inference_mode, a step (which plans around its state tensors), then a change that
+    makes the next step plan again (a new group)."""
+    _load_in_inference_mode(opt)
+    opt.step()
+    _second_group(opt, params)
+
+
+def _inference_moment_stepped_then_given_new_data(opt, params) -> None:
+    """An inference-mode exp_avg, a step, then `exp_avg.data = a new tensor`: the tensor keeps its missing version
+    counter while is_inference() says False."""
+    opt.state[params[1]]["exp_avg"] = _inference_copy(opt.state[params[1]]["exp_avg"])
+    opt.step()
+    moment = opt.state[params[1]]["exp_avg"]
+    moment.data = moment.data.clone()
+
+
 def _load_partial(opt, params) -> None:
     saved = copy.deepcopy(opt.state_dict())
     del saved["state"][1]
@@ -954,6 +974,8 @@ ACTIONS = {
     "exp_avg an inference-mode tensor": lambda opt, ps: _set_item(
         opt.state[ps[1]], "exp_avg", _inference_copy(opt.state[ps[1]]["exp_avg"])),
     "state loaded under inference_mode": lambda opt, ps: _load_in_inference_mode(opt),
+    "state loaded under inference_mode, stepped, planned again": _inference_state_stepped_then_replanned,
+    "exp_avg an inference-mode tensor, stepped, given new data": _inference_moment_stepped_then_given_new_data,
     "exp_avg.data = a new tensor": lambda opt, ps: setattr(opt.state[ps[1]]["exp_avg"], "data",
                                                            opt.state[ps[1]]["exp_avg"].data.clone()),
     "exp_avg storage freed and re-allocated": lambda opt, ps: _realloc(opt.state[ps[0]]["exp_avg"]),
@@ -1013,6 +1035,51 @@ def test_after_any_action_the_step_equals_a_fresh_optimizers(action, layout, bac
     _set_grads_all(params, 2)
     ACTIONS[action](opt, params)
     assert_steps_like_a_fresh_optimizer(opt)
+
+
+# Sequences of actions: the plan is validated against what changed since the step before, so an action can only be
+# missed in combination with another; hypothesis draws sequences of up to four actions, each followed by a step (plain
+# or scaled), and every step must equal a fresh optimizer's, or both refuse alike (assert_steps_like_a_fresh_optimizer).
+# An action that cannot apply to the state the ones before left (a gradient already removed) is drawn again.
+
+
+@settings(max_examples=fuzz_examples(300), deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(layout=st.sampled_from(ACTION_LAYOUTS), data=st.data())
+def test_after_any_sequence_of_actions_each_step_equals_a_fresh_optimizers(layout, data, backend):
+    params, opt = _setup(layout)
+    for seed in range(2):
+        _set_grads_all(params, seed)
+        opt.step()
+    names = sorted(ACTIONS)
+    for k in range(data.draw(st.integers(1, 4), label="actions")):
+        _set_grads_all(params, 10 + k)
+        action = data.draw(st.sampled_from(names), label=f"action {k}")
+        step_kind = data.draw(st.sampled_from(["plain", "grad_scale", "grad_scale and found_inf tensors"]),
+                              label=f"step {k}")
+        try:
+            ACTIONS[action](opt, params)
+        except (AttributeError, TypeError, ValueError, RuntimeError, IndexError, KeyError):
+            event("an action not applicable")
+            continue  # (not applicable to this state, or refused by the API it calls: state_dict(), say)
+        event(f"steps compared: {k}")
+        try:
+            fresh_copy(opt)
+        except (ValueError, TypeError):
+            assert_steps_like_a_fresh_optimizer(opt, steps=1, step_kind=step_kind)  # (refused alike)
+            return
+        before = _meta_safe_snapshot(opt)
+        assert_steps_like_a_fresh_optimizer(opt, steps=1, step_kind=step_kind)
+        if _same_snapshot(before, _meta_safe_snapshot(opt)):
+            return  # refused (and unchanged): no later step can run either
+
+
+def _same_snapshot(a: dict, b: dict) -> bool:
+    try:
+        assert_same_snapshot(a, b)
+        return True
+    except AssertionError:
+        return False
 
 
 # The scaled steps on the layouts whose plans differ most (fp32 master weights beside fp16 params; 8-bit codes), on
