@@ -220,7 +220,7 @@ def _check_id(value: Any, where: str) -> None:
         raise TypeError(f"{where} must be a parameter id (an int, as optimizer.state_dict() saves), got {_show(value)}")
 
 
-def _check_moment(value: Any, param: torch.Tensor, key: str, where: str) -> torch.Tensor:
+def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed: str) -> torch.Tensor:
     """A moment or master of the checkpoint, as a fresh canonical tensor on the param's device.
 
     What is refused is what training cannot produce: a tensor that is not a dense floating-point one of the param's
@@ -235,7 +235,8 @@ def _check_moment(value: Any, param: torch.Tensor, key: str, where: str) -> torc
     if not value.is_floating_point():
         raise TypeError(f"{where} must be a floating-point tensor, got {_show(value)}")
     if value.shape != param.shape:
-        raise ValueError(f"{where} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
+        raise ValueError(f"{where} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)} (the one whose "
+                         f"id {listed} gives)")
     dtype = torch.float32 if key == "master_param" else canonical_dtype(param)
     out = value.detach().to(param.device, dtype, copy=True)
     if bool((torch.isfinite(value.detach().to(param.device)) & ~torch.isfinite(out)).any()):
@@ -317,7 +318,7 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
         raise ValueError(f"{entry('param_groups')} has {len(saved_groups)} param groups but this optimizer has "
                          f"{len(param_groups)}")
 
-    id_to_param: dict[Any, tuple[int, torch.Tensor]] = {}
+    id_to_param: dict[Any, tuple[int, int, torch.Tensor]] = {}  # saved id -> (group, position, param)
     new_groups, group_steps = [], []
     for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
         if not isinstance(saved, dict):
@@ -347,7 +348,7 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
             if saved_id in id_to_param:
                 raise ValueError(f"{entry('param_groups', gi, 'params', j)}: parameter id {saved_id!r} is listed "
                                  "twice; each parameter has one id")
-            id_to_param[saved_id] = (gi, p)
+            id_to_param[saved_id] = (gi, j, p)
         if _torch_adam_with_l2(saved):
             raise ValueError(
                 f"{entry('param_groups', gi)} comes from torch.optim.Adam with weight_decay={saved['weight_decay']} "
@@ -376,16 +377,19 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
         if saved_id not in id_to_param:
             raise ValueError(f"{where}: parameter id {saved_id!r} is listed in no {entry('param_groups')}[i]"
                              "['params']")
-        gi, p = id_to_param[saved_id]
+        gi, j, p = id_to_param[saved_id]
         new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], gi, group_steps[gi], where, layout.init_state,
-                                              nonfinite)
+                                              nonfinite, listed=entry("param_groups", gi, "params", j))
     for group in new_groups:
         del group["params"]
     return PreparedLoad(new_groups, new_state, nonfinite)
 
 
 def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index: int, group_step: Optional[float],
-                           where: str, init_state: Callable[[torch.Tensor, bool], dict], nonfinite: list[str]) -> dict:
+                           where: str, init_state: Callable[[torch.Tensor, bool], dict], nonfinite: list[str],
+                           listed: str) -> dict:
+    """The state of param p as the checkpoint's entry saved (at where) gives it; listed: the param_groups entry that
+    gives p's id (errors about p's shape name it: ids swapped there are the usual cause)."""
     if not isinstance(saved, dict):
         raise TypeError(f"{where} must be a dict of state tensors, got {_show(saved)}")
     for key in saved:
@@ -406,7 +410,7 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
     else:
         raise ValueError(f"{where} has no 'step' (nor does its param group, {entry('param_groups', group_index)}, "
                          "have one, as ORT's FusedAdam saves)")
-    values = {key: _check_moment(saved[key], p, key, f"{where}[{key!r}]")
+    values = {key: _check_moment(saved[key], p, key, f"{where}[{key!r}]", listed)
               for key in MOMENT_KEYS + ("master_param",) if key in saved}
     nonfinite += nonfinite_entries(values, where)
 

@@ -474,6 +474,9 @@ BAD_CHECKPOINTS = [
      r"state_dict\['state'\]\[1\]\['step'\] must be finite"),
     ("moment-not-a-tensor", _bad(_set(["state", 1, "exp_avg"], [0.0] * 6)), TypeError,
      r"state_dict\['state'\]\[1\]\['exp_avg'\] must be a tensor, got list"),
+    ("ids-swapped", _bad(_swap(["param_groups", 0, "params", 0], ["param_groups", 0, "params", 1])), ValueError,
+     r"state_dict\['state'\]\[\d\]\['exp_avg'\] has shape .*, the parameter .* \(the one whose id "
+     r"state_dict\['param_groups'\]\[0\]\['params'\]\[\d\] gives\)"),
     ("wrong-shape", _bad(_set(["state", 1, "exp_avg"], torch.zeros(5))), ValueError,
      r"state_dict\['state'\]\[1\]\['exp_avg'\] has shape \(5,\), the parameter \(6,\)"),
     ("integer-moment", _bad(_set(["state", 1, "exp_avg"], torch.zeros(6, dtype=torch.int32))), TypeError,
