@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from typing import Any, Callable, Optional
 
 import torch
@@ -248,19 +249,40 @@ def check_optimizer_options(master_weights: Any, exp_avg_dtype: Any, exp_avg_sq_
             raise TypeError(f"FusedAdam: {name} must be True or False, got {value!r}")
 
 
+def _in_float32(value: float) -> float:
+    """|value| rounded to float32 (inf where it overflows float32, 0 where it underflows)."""
+    try:
+        return abs(struct.unpack("f", struct.pack("f", value))[0])
+    except OverflowError:
+        return math.inf
+
+
 def check_scaling_arguments(grad_scale: Any, found_inf: Any) -> None:
     """step()'s grad_scale (a real number or a one-element floating-point tensor) and found_inf (a one-element
-    tensor), checked before anything changes."""
+    tensor), checked before anything changes.
+    The op unscales in float32 by a grad_scale that must be finite and non-zero there: a number is checked here, a
+    tensor's value by the op (reading it here would cost a host read per step)."""
     if grad_scale is not None:
         if isinstance(grad_scale, torch.Tensor):
             if grad_scale.numel() != 1 or not grad_scale.is_floating_point():
                 raise ValueError(f"step(): grad_scale must be a float or a one-element floating-point tensor, got a "
                                  f"{grad_scale.dtype} tensor of shape {tuple(grad_scale.shape)}")
+            if grad_scale.is_meta:
+                raise ValueError("step(): grad_scale is a tensor on the meta device, which holds no value")
+            value = None  # (read by the op: reading it here would be a host read per step)
         elif not is_number(grad_scale):
             raise TypeError(f"step(): grad_scale must be a float or a one-element tensor, got {grad_scale!r}")
-        elif not math.isfinite(grad_scale):
-            raise ValueError(f"step(): grad_scale must be finite, got {grad_scale!r}")
+        else:
+            try:
+                value = float(grad_scale)
+            except OverflowError:  # (an int beyond any float)
+                value = math.inf
+        if value is not None and not (math.isfinite(value) and 0.0 != _in_float32(value) != math.inf):
+            raise ValueError(f"step(): grad_scale must be finite and non-zero in float32 (the step unscales by it "
+                             f"there), got {value!r}")
     if found_inf is not None and not isinstance(found_inf, torch.Tensor):
         raise TypeError(f"step(): found_inf must be a one-element tensor (non-zero: skip the step), got {found_inf!r}")
     if found_inf is not None and found_inf.numel() != 1:
         raise ValueError(f"step(): found_inf must be a one-element tensor, got shape {tuple(found_inf.shape)}")
+    if found_inf is not None and found_inf.is_meta:
+        raise ValueError("step(): found_inf is a tensor on the meta device, which holds no value")

@@ -32,11 +32,15 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
+import re
 
 import numpy as np
 import pytest
 import torch
-from conftest import assert_bitwise_equal, assert_tree_bitwise_equal, optimizer_snapshot
+from conftest import assert_bitwise_equal, assert_same_snapshot, assert_tree_bitwise_equal, fuzz_examples, optimizer_snapshot
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from reference import adam_update
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -594,6 +598,55 @@ def test_bad_grad_scale_or_found_inf_is_refused_naming_it_and_changes_nothing(ar
     with pytest.raises(error, match=message):
         opt.step(**arguments)
     assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
+GRAD_SCALES = [None, 2.0, 0.5, 1, 0.0, -2.0, float("inf"), float("nan"), 1e-300, 1e300, 10**400, True, "2",
+               np.float32(4.0),
+               torch.tensor(2.0), torch.tensor(2.0, dtype=torch.float64), torch.tensor(2.0).half(), torch.tensor([8.0]),
+               torch.tensor([2.0, 3.0]), torch.tensor(2), torch.tensor(0.0), torch.tensor(-1.0),
+               torch.tensor(float("inf")), torch.tensor(float("nan")), torch.tensor(2.0, device="meta")]
+FOUND_INFS = [None, torch.zeros(1), torch.ones(1), torch.tensor(0.0), torch.tensor(3), torch.tensor(True),
+              torch.tensor(False), torch.zeros(2), 1.0, 0, torch.tensor(float("nan")), torch.zeros(1).half(),
+              torch.zeros(1, device="meta")]
+
+
+@settings(max_examples=fuzz_examples(200), deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(range(len(GRAD_SCALES))), st.sampled_from(range(len(FOUND_INFS))), st.booleans())
+def test_property_any_grad_scale_and_found_inf_give_the_same_step_on_both_cpu_backends_or_one_refusal(
+        scale_index, found_index, clipped):
+    """Step arguments of every kind (numbers in and out of range, bools, strings, tensors of other dtypes, shapes and
+    devices): the native and the reference backend take the step alike, bit for bit (and last_found_inf alike), or
+    both refuse it with the same exception and message, which names the argument, changing nothing."""
+    outcomes = []
+    for name in ("native", "torch"):
+        os.environ["ORT_OPTIM_BACKEND"] = name
+        try:
+            params = [torch.nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(0))),
+                      torch.nn.Parameter(torch.randn(3, generator=torch.Generator().manual_seed(1)).half())]
+            opt = FusedAdam(params, master_weights=True, max_grad_norm=1.0 if clipped else None)
+            for k in range(2):
+                for i, p in enumerate(params):
+                    p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * k + i)).to(p.dtype)
+                opt.step()
+            before = optimizer_snapshot(opt)
+            arguments = dict(grad_scale=GRAD_SCALES[scale_index], found_inf=FOUND_INFS[found_index])
+            try:
+                opt.step(**{key: value for key, value in arguments.items() if value is not None})
+            except (ValueError, TypeError) as error:
+                assert re.search(r"\b(grad_scale|found_inf)\b", str(error)), str(error)
+                assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+                outcomes.append((type(error), str(error)))
+                continue
+            outcomes.append(({k: v for k, v in optimizer_snapshot(opt).items()}, opt.last_found_inf))
+        finally:
+            del os.environ["ORT_OPTIM_BACKEND"]
+    (a, a_flag), (b, b_flag) = outcomes
+    if isinstance(a, type) or isinstance(b, type):
+        assert outcomes[0] == outcomes[1], outcomes
+        return
+    assert_same_snapshot(a, b)
+    assert (a_flag is None) == (b_flag is None) and (a_flag is None or torch.equal(a_flag, b_flag)), (a_flag, b_flag)
 
 
 # ---- from_optimizer and checkpoints --------------------------------------------------------------------------------
