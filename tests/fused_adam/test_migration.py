@@ -31,7 +31,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_bitwise_equal, assert_same_snapshot, optimizer_snapshot
+from conftest import assert_bitwise_equal, assert_same_snapshot, fuzz_examples, optimizer_snapshot
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from ort_optim import AdamWMode, FusedAdam
 from ort_optim._spec import STATE_DTYPES
 
@@ -199,6 +201,8 @@ def tree_bits(tree):
         return {k: tree_bits(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return [tree_bits(v) for v in tree]
+    if isinstance(tree, torch.Tensor) and tree.is_meta:  # (no data: by its description)
+        return ("meta tensor", type(tree), tree.dtype, tuple(tree.shape))
     if isinstance(tree, torch.Tensor):
         return ("tensor", type(tree), tree.dtype, tuple(tree.shape), tree.detach().as_subclass(torch.Tensor).clone())
     if isinstance(tree, _Standin):
@@ -218,6 +222,8 @@ def assert_tree_same(a, b, where="state_dict"):
     elif isinstance(a, tuple) and a and a[0] == "tensor":
         assert a[:4] == b[:4], where
         assert_bitwise_equal(a[4], b[4], where)
+    elif isinstance(a, float) and a != a:  # NaN is NaN
+        assert isinstance(b, float) and b != b, where
     else:
         assert a == b, where
 
@@ -469,6 +475,11 @@ REFUSALS = {
     "torchao-codes-dtype": (lambda: _torchao_with(lambda sd: setattr(sd["state"][0]["exp_avg"], "codes",
                                                                      torch.zeros(SHAPES[0], dtype=torch.int8))),
                             "torch.uint8"),
+    "torchao-meta-scale": (lambda: _torchao_with(lambda sd: setattr(sd["state"][0]["exp_avg"], "scale",
+                                                                    torch.zeros(2, device="meta")), "4bit"),
+                           "OptimState4bit.scale must be a dense tensor with data"),
+    "bnb-meta-absmax": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(
+        absmax1=torch.zeros(17, device="meta"))), "['absmax1'] must be a dense tensor with data"),
     "unknown-subclass": (lambda: _torchao_with(_unknown_subclass, "fp8"), "Wrapped"),
     "unknown-subclass-in-a-plain-checkpoint": (lambda: (_plain_with(_unknown_subclass), make_params), "Wrapped"),
 }
@@ -490,6 +501,78 @@ def test_unknown_layouts_are_refused_by_name_and_change_nothing(case):
     assert str(info.value).startswith("state_dict["), str(info.value)
     assert_same_snapshot(before, optimizer_snapshot(opt))
     assert_tree_same(given, tree_bits(sd))
+
+
+# Any change to a foreign checkpoint's entries, the library objects' attributes included: it loads (and the optimizer
+# steps), or it is refused with an error that starts with the entry's name, and nothing changes.
+FOREIGN_SOURCES = {
+    "bitsandbytes": lambda: (bnb_state_dict()[0], bnb_params),
+    **{f"torchao {kind}": (lambda kind=kind: (torchao_state_dict(kind, real=False)[0], make_params))
+       for kind in TORCHAO_KINDS},
+}
+ODD_VALUES = [None, 0, -1, 1.5, float("nan"), "x", True, [], {}, torch.tensor(float("nan")), torch.zeros(0),
+              torch.zeros(3), torch.ones(7, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64),
+              torch.full((4,), -1.0), torch.zeros(2, device="meta"), torch.zeros(64, 128, dtype=torch.float16),
+              torch.zeros(64, 128, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8), torch.ones(16),
+              torch.ones(32)]
+
+
+def _foreign_paths(tree, prefix=()):
+    """Every entry of a checkpoint tree (dict keys, list items, a library object's attributes), containers first."""
+    out = []
+    children = (vars(tree) if isinstance(tree, _Standin) else tree if isinstance(tree, dict)
+                else dict(enumerate(tree)) if isinstance(tree, list) else {})
+    for key, value in children.items():
+        out.append(prefix + (key,))
+        out += _foreign_paths(value, prefix + (key,))
+    return out
+
+
+def _foreign_set(tree, path, value, delete=False):
+    parent = tree
+    for key in path[:-1]:
+        parent = vars(parent)[key] if isinstance(parent, _Standin) else parent[key]
+    container = vars(parent) if isinstance(parent, _Standin) else parent
+    if delete:
+        del container[path[-1]]
+    else:
+        container[path[-1]] = value
+
+
+@settings(max_examples=fuzz_examples(200), deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(source=st.sampled_from(sorted(FOREIGN_SOURCES)), moments=st.sampled_from([torch.uint8, torch.float32]),
+       data=st.data())
+def test_property_a_changed_foreign_checkpoint_loads_and_steps_or_is_refused_by_name(source, moments, data):
+    sd, make = FOREIGN_SOURCES[source]()
+    for k in range(data.draw(st.integers(1, 3), label="changes")):
+        paths = [p for p in _foreign_paths(sd) if p[-1] != "params"]
+        if not paths:
+            break
+        path = data.draw(st.sampled_from(paths), label=f"path {k}")
+        if data.draw(st.booleans(), label=f"delete {k}"):
+            _foreign_set(sd, path, None, delete=True)
+        else:
+            _foreign_set(sd, path, copy.deepcopy(data.draw(st.sampled_from(ODD_VALUES), label=f"value {k}")))
+    params = make(seed=3)
+    opt = FusedAdam(params, lr=5e-4, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before, given = optimizer_snapshot(opt), tree_bits(sd)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (inf/NaN moments load, with a warning)
+            opt.load_state_dict(sd)
+    except (ValueError, TypeError) as error:
+        assert str(error).startswith("state_dict"), str(error)
+        assert_same_snapshot(before, optimizer_snapshot(opt))
+        assert_tree_same(given, tree_bits(sd))
+        return
+    assert_tree_same(given, tree_bits(sd))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
 
 
 @pytest.mark.skipif(TORCHAO_MISSING is not None, reason=TORCHAO_MISSING or "")
