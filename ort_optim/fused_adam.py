@@ -162,8 +162,9 @@ class FusedAdam(torch.optim.Optimizer):
     updates on the device; the min-scale flag is read by the next eager step (guides/fused-adam.md, "torch.compile").
     Older torch (2.4.1): best effort, ``step()`` runs outside the graph (one graph break; the eager step).
 
-    ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element tensor)
-    divides every gradient inside the kernel, and the step leaves the unscaled gradient in ``p.grad``; ``found_inf``
+    ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element floating-point
+    tensor, finite and non-zero in float32, as torch's GradScaler keeps its scale) divides every gradient inside the
+    kernel, and the step leaves the unscaled gradient in ``p.grad``; ``found_inf``
     (one-element tensor) turns the step into a no-op when non-zero. With ``grad_scale`` or ``max_grad_norm`` the step
     also skips itself on inf/NaN gradients (:attr:`last_step_skipped`, :attr:`last_grad_norm`).
 
