@@ -107,8 +107,8 @@ def from_canonical(state: dict, key: str, value: torch.Tensor) -> None:
     """Writes canonical values (float32/float64, the param's shape, the state's device) into the storage of
     ``state[key]`` (and its companions, such as the block scales), in place. Every format is idempotent:
     from_canonical(to_canonical(state)) writes back the same bits, which is what makes a resume exact (a NaN comes
-    back as a NaN, its sign and payload not kept: conversions between float widths, torch's included, change them). A 4-bit
-    exp_avg is coded relative to ``state['exp_avg_sq']`` as stored at the call: write exp_avg_sq first
+    back as a NaN, its sign and payload not kept: conversions between float widths, torch's included, change them).
+    A 4-bit exp_avg is coded relative to ``state['exp_avg_sq']`` as stored at the call: write exp_avg_sq first
     (:data:`CONVERSION_ORDER`)."""
     layout = storage_layout(state, key)
     if layout == "plain":
@@ -192,10 +192,15 @@ def _require_number(value: Any, where: str) -> float:
     return number
 
 
-def _require_scalar_tensor(value: torch.Tensor, where: str) -> float:
-    """The value of a one-element real tensor (a 0-dim one, or shape [1])."""
+def require_data(value: torch.Tensor, where: str) -> None:
+    """A tensor a checkpoint's values are read from: dense, and off the meta device (which holds no values)."""
     if value.layout != torch.strided or value.is_meta:
         raise TypeError(f"{where} must be a dense tensor with data, got {_show(value)}")
+
+
+def _require_scalar_tensor(value: torch.Tensor, where: str) -> float:
+    """The value of a one-element real tensor (a 0-dim one, or shape [1])."""
+    require_data(value, where)
     if value.dtype == torch.bool or value.is_complex():
         raise TypeError(f"{where} must be a real number, got {_show(value)}")
     if value.numel() != 1 or value.dim() > 1:
@@ -230,8 +235,7 @@ def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed:
     load as they are, and load_state_dict warns (:func:`warn_nonfinite`)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where} must be a tensor, got {_show(value)}")
-    if value.layout != torch.strided or value.is_meta:
-        raise TypeError(f"{where} must be a dense tensor with data, got {_show(value)}")
+    require_data(value, where)
     if not value.is_floating_point():
         raise TypeError(f"{where} must be a floating-point tensor, got {_show(value)}")
     if value.shape != param.shape:

@@ -71,10 +71,10 @@ def _value(value: Any, name: str, any_device: bool = False) -> Optional[float]:
         if value.numel() != 1 or value.dim() > 1:
             raise ValueError(f"{name} must hold exactly one number, got {show(value)}")
         if value.device.type != "cpu":
-            if any_device and value.is_meta:  # (a checkpoint loaded with map_location="meta": no step can read it)
-                raise ValueError(f"{name} is a tensor on the meta device, which holds no value; pass a float or a "
-                                 "tensor with data")
             if any_device:
+                if value.is_meta:  # (a checkpoint loaded with map_location="meta": no step can read it)
+                    raise ValueError(f"{name} is a tensor on the meta device, which holds no value; pass a float or "
+                                     "a tensor with data")
                 return None
             raise ValueError(f"{name}: a tensor on {value.device} is not supported (the op reads this value on the "
                              "host at every step, which would synchronise with the device); pass a float or a "

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from ._checkpoint import _show, entry
+from ._checkpoint import _show, entry, require_data
 from ._spec import AdamWMode
 
 TORCHAO_STATES = {  # class name -> what it is (the classes of torchao.optim.subclass_8bit, _4bit, _fp8)
@@ -198,14 +198,8 @@ def _attr(value: Any, name: str, where: str, dtype: Optional[torch.dtype] = None
         raise TypeError(f"{where}: torchao {kind}.{name} must be a plain tensor, got {_show(t)}")
     if dtype is not None and t.dtype != dtype:
         raise TypeError(f"{where}: torchao {kind}.{name} must be {dtype}, got {_show(t)}")
-    _require_data(t, f"{where}: torchao {kind}.{name}")
+    require_data(t, f"{where}: torchao {kind}.{name}")
     return t.detach()
-
-
-def _require_data(t: torch.Tensor, what: str) -> None:
-    """A library state's component must hold values: a dense tensor off the meta device."""
-    if t.layout != torch.strided or t.is_meta:
-        raise TypeError(f"{what} must be a dense tensor with data, got {_show(t)}")
 
 
 def _torchao_values(value: Any, where: str) -> torch.Tensor:
@@ -285,7 +279,7 @@ def _bnb_decode(quant: dict, i: int, where: str) -> torch.Tensor:
     codes = quant.get(f"state{i}")
     if not isinstance(codes, torch.Tensor) or type(codes) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"{where}['state{i}'] must be a tensor, got {_show(codes)}")
-    _require_data(codes, f"{where}['state{i}']")
+    require_data(codes, f"{where}['state{i}']")
     if codes.dtype != torch.uint8:
         for key in (f"qmap{i}", f"absmax{i}"):
             if key in quant:
@@ -299,7 +293,7 @@ def _bnb_decode(quant: dict, i: int, where: str) -> torch.Tensor:
                              "(a layout ort_optim does not read)")
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.dtype != torch.float32:
             raise TypeError(f"{where}[{key!r}] must be a float32 tensor, got {_show(t)}")
-        _require_data(t, f"{where}[{key!r}]")
+        require_data(t, f"{where}[{key!r}]")
         parts[key] = t.detach().reshape(-1)
     qmap, absmax = parts[f"qmap{i}"], parts[f"absmax{i}"]
     if qmap.numel() != 256:

@@ -822,7 +822,6 @@ def _check_step(p, state, where, device) -> list[_Adoption]:
     return [_Adoption(state, "step", torch.tensor(number, dtype=torch.float64, device=device))]
 
 
-
 # ---- params that share memory ---------------------------------------------------------------------------------------
 
 
