@@ -41,6 +41,29 @@ LowBit make_low_bit(int bits, int block, bool bf16_scales, const float (&m_level
 }
 
 
+#ifdef ORT_OPTIM_LOW_BIT_BYTE_PLANES
+// decode_block's 8-bit vector loop, 64 codes at a time (CodeMap::levels64): d = level * s, squared for a second
+// moment, root = |level * s| (kRoot); kSigned: exp_avg's sign-magnitude codes. Returns how many elements it decoded
+// (a multiple of 64; decode_block's loops do the rest).
+template <bool kSigned, bool kSecondMoment, bool kRoot>
+inline int64_t decode_planes(const CodeMap& map, const uint8_t* c, __m512 s16, int64_t len, float* d, float* root) {
+  __m512i planes[4][4];
+  map.load_planes(planes);
+  int64_t i = 0;
+  for (; i + 64 <= len; i += 64) {
+    __m512i levels[4];
+    CodeMap::levels64<kSigned>(planes, _mm512_loadu_si512(c + i), levels);
+    for (int k = 0; k < 4; ++k) {
+      __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(levels[k]), s16);
+      if constexpr (kRoot) _mm512_storeu_ps(root + i + 16 * k, _mm512_abs_ps(x));
+      if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
+      _mm512_storeu_ps(d + i + 16 * k, x);
+    }
+  }
+  return i;
+}
+#endif
+
 // d[0, len) = the values of one block's codes c (8-bit: one per byte; 4-bit: element 2j in the low nibble of byte
 // j), scale s; v = u * u for a second moment. The scalar loops are the reference and do the vector loops' tails.
 // kRoot (a second moment): also root[0, len) = u = |level * s|, the decoded sqrt(v) (= level * |s| bit for bit: the
@@ -61,13 +84,7 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
                              _mm512_load_ps(decode + 48), _mm512_load_ps(decode + 64), _mm512_load_ps(decode + 80),
                              _mm512_load_ps(decode + 96), _mm512_load_ps(decode + 112)};
 #ifdef ORT_OPTIM_LOW_BIT_BYTE_PLANES
-    __m512i planes[4][4];
-    map.load_planes(planes);
-    for (; i + 64 <= len; i += 64) {
-      __m512i x[4];
-      CodeMap::levels64<true>(planes, _mm512_loadu_si512(c + i), x);
-      for (int k = 0; k < 4; ++k) _mm512_storeu_ps(d + i + 16 * k, _mm512_mul_ps(_mm512_castsi512_ps(x[k]), s16));
-    }
+    i = decode_planes<true, false, false>(map, c, s16, len, d, root);
 #endif
     for (; i + 16 <= len; i += 16) {
       const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
@@ -79,18 +96,7 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
     // The 256 levels in 16 registers: eight 2-register permutes look up the code's low 5 bits in each 32-level
     // eighth of the table, and its top 3 bits pick one of the eight (a gather is twice as slow on AMD Zen 4).
 #ifdef ORT_OPTIM_LOW_BIT_BYTE_PLANES
-    __m512i planes[4][4];
-    map.load_planes(planes);
-    for (; i + 64 <= len; i += 64) {
-      __m512i levels[4];
-      CodeMap::levels64<false>(planes, _mm512_loadu_si512(c + i), levels);
-      for (int k = 0; k < 4; ++k) {
-        __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(levels[k]), s16);
-        if constexpr (kRoot) _mm512_storeu_ps(root + i + 16 * k, _mm512_abs_ps(x));
-        if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
-        _mm512_storeu_ps(d + i + 16 * k, x);
-      }
-    }
+    i = decode_planes<false, kSecondMoment, kRoot>(map, c, s16, len, d, root);
 #endif
     __m512 table[16];
     for (int k = 0; k < 16; ++k) table[k] = _mm512_load_ps(decode + 16 * k);
