@@ -213,7 +213,8 @@ struct Fp8PairCoder {
   bool regular() const { return inv_m != 0 && inv_v != 0; }
 
   // Elements [i, i + 16) of the block: m and root (= sqrt(v)) point at element i. fmix32 of moment_random_bits
-  // without its last step (Fp8Coder16::random_add).
+  // without its last step (Fp8Coder16::random_add); m's raw bits, as a regular block holds no NaN m (its largest |m|
+  // is finite).
   inline void code16(const float* m, const float* root, int64_t i) {
     const __m512i bm = _mm512_castps_si512(_mm512_loadu_ps(m)), bv = _mm512_castps_si512(_mm512_loadu_ps(root));
     const __m512i x = fmix32x16_but_last(_mm512_ternarylogic_epi32(bm, e_hash, step_hash, 0x96));  // (a ^ b ^ c)

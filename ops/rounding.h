@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "conversions.h"
+#include "ort_optim_spec.h"  // generated from ort_optim/_spec.py into the build folder (backends/native.py)
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -60,8 +61,11 @@ constexpr uint32_t kElementHashStep16 = 16u * 0x9E3779B1u;
 // per element for both moments. moment_random_bits gives r[i] of elements [off, off + n); the vector coders that hash
 // as they code take the same pieces (element_hash16, fmix32x16).
 inline uint32_t moment_step_hash(uint32_t step) { return step * 0x85EBCA77u + 0x6A09E667u; }
+// A NaN m hashes as the canonical NaN (spec::kCanonicalNan): a NaN's sign and payload depend on the operations that
+// made it, which differ between backends.
+inline uint32_t moment_hash_bits(float m) { return m != m ? spec::kCanonicalNan : float_to_bits(m); }
 inline uint32_t moment_random_bits_of(float m, int64_t e, uint32_t step_hash) {
-  return fmix32(float_to_bits(m) ^ (uint32_t(e) * 0x9E3779B1u) ^ step_hash);
+  return fmix32(moment_hash_bits(m) ^ (uint32_t(e) * 0x9E3779B1u) ^ step_hash);
 }
 inline void moment_random_bits(const float* m, int64_t off, int64_t n, uint32_t step, uint32_t* r) {
   const uint32_t step_hash = moment_step_hash(step);
@@ -70,7 +74,9 @@ inline void moment_random_bits(const float* m, int64_t off, int64_t n, uint32_t 
   __m512i e_hash = element_hash16(off);
   const __m512i step16 = _mm512_set1_epi32(int(step_hash));
   for (; i + 16 <= n; i += 16) {  // (the element hash advances by addition)
-    const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(m + i));
+    const __m512 x = _mm512_loadu_ps(m + i);
+    const __m512i b = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castps_si512(x),
+                                              _mm512_set1_epi32(int(spec::kCanonicalNan)));
     _mm512_storeu_si512(r + i, fmix32x16(_mm512_xor_si512(_mm512_xor_si512(b, e_hash), step16)));
     e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(kElementHashStep16)));
   }

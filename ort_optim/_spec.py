@@ -77,8 +77,9 @@ def reciprocal_midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
 # MOMENT_RANDOM_BITS: the random bits of every moment state that rounds stochastically in a step (the low-bit maps'
 # exp_avg and 4-bit sqrt(v), the fp8 formats' codes). Per element, from the step's new exp_avg m (float32):
 #   r = fmix32(bits(m) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) (uint32 arithmetic; e the element's index
-#        in its tensor, step the Adam step from 1); exp_avg rounds with r16 = r >> 16, exp_avg_sq and max_exp_avg_sq
-#        with r16 = r & 0xFFFF. One hash (murmur3's finaliser: two 32-bit multiplies) per element serves both moments,
+#        in its tensor, step the Adam step from 1; bits(m) = CANONICAL_NAN for every NaN m: a NaN's sign and payload
+#        depend on the operations that made it, which differ between backends, and its v still rounds with these
+#        bits); exp_avg rounds with r16 = r >> 16, exp_avg_sq and max_exp_avg_sq with r16 = r & 0xFFFF. One hash (murmur3's finaliser: two 32-bit multiplies) per element serves both moments,
 #        whose bits never coincide; a hash of the new exp_avg's own bits, not of a seed: it needs no key and no
 #        generator state, every backend computes it from what it already holds, and resume is exact because the bits
 #        depend only on the state and the gradient. Conversions outside a step round to nearest and take no bits.
@@ -109,6 +110,7 @@ def reciprocal_midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
 #        update of an element whose v is tiny too (1e-7 of its block's gradients) explode (measured: 105 lr in one
 #        step; tests/fused_adam/test_low_bit.py bounds it at 4 lr), and a moment that small decays to 0 rather than sticks;
 #   r16 = the 16 random bits of exp_avg (MOMENT_RANDOM_BITS), sr_uniform(r16) = (2 * r16 + 1) * 2**-17 in float32.
+CANONICAL_NAN = 0x7FC00000  # the bits a NaN exp_avg hashes as (MOMENT_RANDOM_BITS)
 EXP_AVG_SNAP = 1.0 + 2.0**-20
 EXP_AVG_TOP = 1.0 - 2.0**-8
 EXP_AVG_SR_ULPS = 8

@@ -17,7 +17,12 @@ from typing import Optional
 
 import torch
 
-from ._spec import (EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_FORMATS, MIN_SCALE, FP16_LIMIT, LOW_BIT_FORMATS, QUANT_BLOCK,
+try:
+    import numpy
+except ImportError:  # (torch runs without numpy; sqrt_f64 then takes torch's float64 sqrt)
+    numpy = None
+
+from ._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_FORMATS, MIN_SCALE, FP16_LIMIT, LOW_BIT_FORMATS, QUANT_BLOCK,
                     Fp8Format, LowBitFormat, low_bit_format, num_blocks, square_tables, thresholds)
 
 # ---- the hash of the stochastic roundings (ops/README.md) -----------------------------------------------------------
@@ -77,6 +82,19 @@ def sqrt_f32(x: torch.Tensor) -> torch.Tensor:
     return x.double().sqrt().float()
 
 
+def sqrt_f64(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float64 square root, as the native and Triton kernels take it. torch's own float64 sqrt on
+    the CPU is not (its vectorised sqrt differs in the last bit for about 1% of values), so a float64 param would
+    step differently on the reference backend: on the CPU this is numpy's (the hardware's instruction), on other
+    devices torch's (CUDA's float64 sqrt is correctly rounded)."""
+    if x.device.type != "cpu" or numpy is None:
+        return x.sqrt()
+    out = torch.empty_like(x)
+    with numpy.errstate(invalid="ignore"):  # (a negative v, only from a damaged state: NaN, as torch gives)
+        numpy.sqrt(x.detach().numpy(), out=out.numpy())
+    return out
+
+
 def _levels(fmt: LowBitFormat, second_moment: bool) -> tuple[float, ...]:
     return fmt.exp_avg_sq_levels if second_moment else fmt.exp_avg_levels
 
@@ -98,9 +116,11 @@ def _round_to(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def moment_random_bits(exp_avg: torch.Tensor, step: int) -> torch.Tensor:
     """The random bits of the low-bit and fp8 states' stochastic rounding in a step (_spec.MOMENT_RANDOM_BITS), from
     the step's new exp_avg (float32 m, flat: element e is m[e]), as int64 in [0, 2**32): fmix32(bits(m[e]) ^
-    e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) in uint32 arithmetic. One hash per element serves both
-    moments: exp_avg takes its top 16 bits, exp_avg_sq and max_exp_avg_sq its low 16."""
-    b = _bits(exp_avg.float())
+    e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) in uint32 arithmetic, every NaN hashed as CANONICAL_NAN.
+    One hash per element serves both moments: exp_avg takes its top 16 bits, exp_avg_sq and max_exp_avg_sq its low
+    16."""
+    m = exp_avg.float()
+    b = torch.where(m.isnan(), CANONICAL_NAN, _bits(m))
     e = torch.arange(exp_avg.numel(), dtype=torch.int64)
     return fmix32(b ^ ((e * 0x9E3779B1) & MASK32) ^ ((step * 0x85EBCA77 + 0x6A09E667) & MASK32))
 

@@ -79,6 +79,7 @@ def spec_header() -> str:
         ]
     lines += [f"constexpr float kExpAvgSnap = {_spec.EXP_AVG_SNAP.hex()}f;",
               f"constexpr uint32_t kExpAvgSrUlps = {_spec.EXP_AVG_SR_ULPS};",
+              f"constexpr uint32_t kCanonicalNan = {_spec.CANONICAL_NAN:#x}u;",
               f"constexpr bool kFp16SqrtSecondMoment = {'true' if _spec.FP16_SQRT_SECOND_MOMENT else 'false'};",
               f"constexpr int kFp8Block = {_spec.FP8_E4M3.block};",
               f"constexpr int kFp8MinExponent = {_spec.FP8_E4M3.min_exponent};",

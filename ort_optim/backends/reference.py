@@ -17,7 +17,7 @@ import torch
 from .._spec import FP8_FORMATS, low_bit_format, splitmix64
 from .._versions import tracks_versions
 from ..formats import (MASK32, decode_state, fmix32, is_relative, quantize_fp8, quantize_fp16, quantize_low_bit,
-                       sqrt_f32, state_root)
+                       sqrt_f32, sqrt_f64, state_root)
 
 
 def _read_state(state: torch.Tensor, scales: Optional[torch.Tensor], dtype: torch.dtype, second_moment: bool,
@@ -160,7 +160,7 @@ def adam_step_(
                 # (torch.maximum would propagate either)
                 vmax = torch.where(old < v, v, old)
                 v_used = vmax
-            root = v_used.sqrt() if compute == torch.float64 else sqrt_f32(v_used)
+            root = sqrt_f64(v_used) if compute == torch.float64 else sqrt_f32(v_used)
             if adam_w_mode == 2:
                 p = p - (lr / bc1) * (m / (root / math.sqrt(bc2) + eps))
             else:

@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import (EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_FORMATS, MIN_SCALE, QUANT_BLOCK, Q4, Q8,
+from .._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_FORMATS, MIN_SCALE, QUANT_BLOCK, Q4, Q8,
                      LowBitFormat, square_tables, thresholds)
 from .._versions import mark_modified, step_taken
 
@@ -127,8 +127,9 @@ _kernels_module = None
 
 
 def _check_spec(module) -> None:
-    if (module.EXP_AVG_SNAP.value, module.MIN_SCALE.value, module.EXP_AVG_SR_ULPS.value,
-            module.FP8_MIN_EXPONENT.value) != (EXP_AVG_SNAP, MIN_SCALE, EXP_AVG_SR_ULPS, FP8_E4M3.min_exponent):
+    if (module.EXP_AVG_SNAP.value, module.MIN_SCALE.value, module.EXP_AVG_SR_ULPS.value, module.FP8_MIN_EXPONENT.value,
+            module.CANONICAL_NAN.value) != (EXP_AVG_SNAP, MIN_SCALE, EXP_AVG_SR_ULPS, FP8_E4M3.min_exponent,
+                                            CANONICAL_NAN):
         raise RuntimeError("ort_optim: triton_kernels' low-bit constants differ from ort_optim._spec's")
 
 

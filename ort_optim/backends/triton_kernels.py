@@ -53,6 +53,7 @@ FP8_MIN_EXPONENT = tl.constexpr(-110)
 EXP_AVG_SNAP = tl.constexpr(1.0 + 2.0**-20)
 MIN_SCALE = tl.constexpr(2.0**-126)
 EXP_AVG_SR_ULPS = tl.constexpr(8)
+CANONICAL_NAN = tl.constexpr(0x7FC00000)
 
 # Columns of the per-tensor table (int64). The addresses of optional tensors are 0 when absent (never read then).
 COL_PARAM, COL_EXP_AVG, COL_EXP_AVG_SQ, COL_MAX_EXP_AVG_SQ, COL_MASTER = 0, 1, 2, 3, 4
@@ -413,10 +414,11 @@ def _fp8_round(y, MB: tl.constexpr, BIAS: tl.constexpr):
 def _moment_random_bits(m, offs, step):
     """The random bits of the low-bit and fp8 states of these elements in a step, from the step's new exp_avg m, as
     formats.moment_random_bits (_spec.MOMENT_RANDOM_BITS): fmix32(bits(m) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 +
-    0x6A09E667)) (uint32; e the element index's low 32 bits); exp_avg rounds with the top 16, a second moment with
-    the low 16."""
+    0x6A09E667)) (uint32; e the element index's low 32 bits; a NaN m hashed as _spec.CANONICAL_NAN); exp_avg rounds
+    with the top 16, a second moment with the low 16."""
     e = offs.to(tl.uint32)
-    return _fmix32(m.to(tl.uint32, bitcast=True) ^ (e * 0x9E3779B1) ^ (step * 0x85EBCA77 + 0x6A09E667))
+    b = tl.where(m != m, CANONICAL_NAN, m.to(tl.uint32, bitcast=True))
+    return _fmix32(b ^ (e * 0x9E3779B1) ^ (step * 0x85EBCA77 + 0x6A09E667))
 
 
 @_device

@@ -395,6 +395,30 @@ def test_one_overflowing_gradient_element_makes_no_param_nan_and_leaves_its_bloc
         assert torch.equal(bits(got[others]), bits(twin[others]))
 
 
+@pytest.mark.parametrize("v", ["u4", "e4m3", "e5m2"])
+def test_a_nan_exp_avg_gives_its_second_moment_the_same_random_bits_whatever_the_nans_sign_and_payload(v, backend):
+    """The second moments that round stochastically in a step (4-bit sqrt(v), fp8) take their random bits from the
+    hash of the step's new m (_spec.MOMENT_RANDOM_BITS). An element whose m is NaN (its param is lost, its v is not)
+    hashes every NaN as _spec.CANONICAL_NAN: a NaN's sign and payload depend on the operations that made it, which
+    differ between backends, so its v would otherwise round differently on each."""
+    def run(nan_bits: int):
+        p = torch.nn.Parameter(torch.randn(3 * 256 + 17, generator=torch.Generator().manual_seed(0)))
+        opt = FusedAdam([p], lr=1e-2, weight_decay=0.1, exp_avg_sq_dtype=MOMENT_DTYPES[v])
+        g = torch.Generator().manual_seed(1)
+        for step in range(3):
+            p.grad = torch.randn(p.shape, generator=g)
+            if step == 1:  # a NaN m in every other element of the second block
+                m = opt.state[p]["exp_avg"]
+                m.view(torch.int32)[256:512:2] = torch.tensor(nan_bits, dtype=torch.int64).to(torch.int32)
+            opt.step()
+        return p.detach(), opt.state[p]
+    (p_a, a), (p_b, b) = run(0x7FC00000), run(0xFFC01234 - 2**32)  # float("nan"); a negative NaN with a payload
+    assert bool(p_a[256:512:2].isnan().all()) and bool(p_b[256:512:2].isnan().all())
+    for key in ("exp_avg_sq", "exp_avg_sq_scale"):
+        assert torch.equal(bits(a[key]), bits(b[key])), key
+    assert torch.equal(p_a.isnan(), p_b.isnan()) and torch.equal(bits(p_a[~p_a.isnan()]), bits(p_b[~p_b.isnan()]))
+
+
 @pytest.mark.parametrize("v", ["u8", "u4", "e4m3", "e5m2"])
 def test_an_overflowed_second_moment_is_coded_as_the_reference_quantiser_says(v, backend):
     """The backend's codes and scales of a step whose v overflows in one element are the reference quantiser's of
