@@ -48,7 +48,8 @@ struct BlockMax {
 //   p = p - lr * sqrt(bc2) / bc1 * (m / (sqrt(v) + eps))          modes 0, 1 (ORT/HF: eps outside the correction)
 //   p = p - lr * wd * p                      mode 1 (HF AdamW): decoupled decay, after the update
 //
-// with bc1 = 1 - beta1^t, bc2 = 1 - beta2^t (t: the param's step, from 1), formed in double per tensor (TensorWork).
+// with bc1 = 1 - beta1^t, bc2 = 1 - beta2^t (t: the param's step, from 1; beta^t by step.cpp's beta_power), formed
+// in double per tensor (TensorWork).
 // Every operation is rounded separately (-ffp-contract=off), so the Triton kernels give the same bits.
 //
 // kAmax: also find the block maxima (when a state is stored as scaled fp16), in the same pass rather than in one more

@@ -10,6 +10,23 @@
 
 namespace ort_optim {
 
+namespace {
+
+// beta^t for a whole t in [0, 2^53] (a bias correction's power): binary exponentiation from t's lowest bit, so that
+// every backend forms the same float64 products in the same order (_spec.beta_power; the Triton kernels, which
+// cannot call libdevice's pow in Triton's interpreter, and the reference backend): float64 params step to the same
+// bits on each. A few float64 ulps from a correctly rounded pow, far below what a float32 step can see.
+double beta_power(double beta, double t) {
+  double result = 1.0;
+  for (uint64_t e = uint64_t(t); e != 0; e >>= 1) {
+    if (e & 1) result *= beta;
+    beta *= beta;
+  }
+  return result;
+}
+
+}  // namespace
+
 std::vector<TensorWork> state_work(at::TensorList params, const StateLists& s) {
   std::vector<TensorWork> work(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
@@ -94,8 +111,8 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     w.grad_type = g.scalar_type();
     const double t = steps[i] + 1.0;
     if (t != last_t) {  // the params of a bucket usually share their step count: two pow() per call, not per param
-      const double bc1 = o.bias_correction ? 1.0 - std::pow(beta1, t) : 1.0;
-      const double bc2 = o.bias_correction ? 1.0 - std::pow(beta2, t) : 1.0;
+      const double bc1 = o.bias_correction ? 1.0 - beta_power(beta1, t) : 1.0;
+      const double bc2 = o.bias_correction ? 1.0 - beta_power(beta2, t) : 1.0;
       step_size = o.mode == kAdamWTorch ? lr / bc1 : lr * std::sqrt(bc2) / bc1;
       bc2_sqrt = std::sqrt(bc2);
       last_t = t;

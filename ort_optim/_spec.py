@@ -38,6 +38,20 @@ def num_blocks(numel: int) -> int:
     return (numel + QUANT_BLOCK - 1) // QUANT_BLOCK
 
 
+def beta_power(beta: float, t: int) -> float:
+    """beta**t for a whole t in [0, 2**53] (a bias correction's power, in float64), by binary exponentiation from t's
+    lowest bit: the same products in the same order on every backend (ops/step.cpp; the Triton kernels cannot call
+    libdevice's pow in Triton's interpreter), so that float64 params step to the same bits on each. A few float64
+    ulps from a correctly rounded pow."""
+    result, e = 1.0, int(t)
+    while e:
+        if e & 1:
+            result *= beta
+        beta *= beta
+        e >>= 1
+    return result
+
+
 # ---- block-quantised moments: 8-bit (torch.uint8) and 4-bit (torch.uint4) states (ops/README.md, "low-bit states") --
 
 

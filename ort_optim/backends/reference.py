@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import FP8_FORMATS, low_bit_format, splitmix64
+from .._spec import FP8_FORMATS, beta_power, low_bit_format, splitmix64
 from .._versions import tracks_versions
 from ..formats import (MASK32, decode_state, fmix32, is_relative, quantize_fp8, quantize_fp16, quantize_low_bit,
                        sqrt_f32, sqrt_f64, state_root)
@@ -138,8 +138,8 @@ def adam_step_(
         for i, param in enumerate(params):
             compute = torch.float64 if param.dtype == torch.float64 else torch.float32
             t = float(steps[i]) + 1.0
-            bc1 = 1.0 - beta1**t if bias_correction else 1.0
-            bc2 = 1.0 - beta2**t if bias_correction else 1.0
+            bc1 = 1.0 - beta_power(beta1, t) if bias_correction else 1.0
+            bc2 = 1.0 - beta_power(beta2, t) if bias_correction else 1.0
             master = optional(master_params, i)
             p = (master if master is not None else param).to(compute, copy=True)
             g = grads[i].to(compute) * grad_mul

@@ -557,7 +557,8 @@ def _f64(bits):
 
 @_device
 def _powi(base, t):
-    """base ** t for float64 base and a whole float64 t >= 0, by repeated squaring."""
+    """base ** t for float64 base and a whole float64 t >= 0, by binary exponentiation from t's lowest bit: the
+    products of _spec.beta_power and the CPU kernel's, in their order."""
     e = t.to(tl.int64)
     result = base * 0.0 + 1.0
     while e > 0:

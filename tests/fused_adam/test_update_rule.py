@@ -4,7 +4,8 @@
   without fp32 master weights), on both CPU backends, over a parameter set with the shapes that broke other fused
   optimizers (0-dim, empty in the middle and LAST, odd sizes, a param larger than one 64K-element work chunk,
   transposed / strided / channels_last views), with an LR schedule and lr as float or 0-dim tensor.
-* The native op and the pure-PyTorch fallback agree bit for bit.
+* The native op and the pure-PyTorch fallback agree bit for bit; any configuration (sizes, layouts, dtypes, moment
+  formats, options, clipping, loss scales, gradients with inf and NaN) steps alike on two backends (a property).
 * ADAMW_TORCH is torch.optim.AdamW (also with amsgrad and maximize).
 * Step counts are per parameter; params without a gradient are skipped entirely.
 * Bad hyperparameters and bad gradients raise a clear error naming the option or the parameter, and a failed step
