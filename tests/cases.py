@@ -5,6 +5,10 @@
 * ``Tiny``: a two-layer MLP and its seeded loss ``tiny_loss``.
 * ``STATE_DTYPES``: the moment storage dtypes by their short names; ``PARAM_CASES``: param dtype, master weights and
   stochastic rounding by name.
+* ``configurations`` and ``gradients``: hypothesis strategies of whole optimizer configurations (param sizes around
+  every block and vector width the kernels split by, layouts, param and moment dtypes, per-group options) and of
+  gradients (tiny to overflowing, with inf and NaN elements, missing), for the properties that step any
+  configuration.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from hypothesis import strategies as st
 
-from ort_optim import FusedAdam
+from ort_optim import AdamWMode, FusedAdam
 
 # Moment storage dtypes (exp_avg_dtype, exp_avg_sq_dtype) by short name: 8-bit and 4-bit codes, fp32, bf16, fp16.
 STATE_DTYPES = {"u8": torch.uint8, "u4": torch.uint4, "fp32": torch.float32, "bf16": torch.bfloat16,
@@ -114,3 +119,92 @@ def tiny_loss(model, step: int):
     g = torch.Generator().manual_seed(1000 + step)
     return model(torch.randn(5, 6, generator=g)).square().mean() * 50
 
+
+
+# ---- drawn configurations ------------------------------------------------------------------------------------------
+
+# Sizes around every block and vector width the kernels split by (16 lanes, 128/256-element low-bit and fp8 blocks,
+# 1024-element fp16 blocks), layouts, param dtypes (with master weights or not) and moment dtypes.
+SIZES_AROUND_BLOCKS = (0, 1, 3, 15, 16, 17, 127, 128, 129, 255, 256, 257, 513, 1023, 1024, 1025, 2049)
+LAYOUTS = ("flat", "matrix", "transposed", "strided")
+DRAWN_PARAMS = {"fp32": (torch.float32, False), "fp64": (torch.float64, False), "bf16": (torch.bfloat16, False),
+                "fp16": (torch.float16, False), "bf16-master": (torch.bfloat16, True),
+                "fp16-master": (torch.float16, True)}
+MOMENT_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.uint4, torch.float8_e4m3fn,
+                 torch.float8_e5m2)
+# gradient magnitudes from float32's smallest normals to beyond float16's range and to v overflowing float32, and the
+# values put into them
+GRAD_MAGNITUDES = (0.0, 1e-38, 1e-20, 1e-6, 1e-2, 1.0, 3e2, 1e5, 1e21, 1e36)
+SPECIAL_VALUES = (float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 3e38)
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """A drawn optimizer: its params (sizes, layouts, one dtype), optimizer-wide options and 1-2 groups of options
+    (the params dealt round-robin; an lr of "tensor" is a 0-dim tensor)."""
+    dtype: torch.dtype
+    sizes: tuple
+    layouts: tuple
+    options: dict
+    groups: tuple
+
+    def params(self) -> list[torch.nn.Parameter]:
+        out = []
+        for i, (size, layout) in enumerate(zip(self.sizes, self.layouts)):
+            g = torch.Generator().manual_seed(i)
+            if layout == "strided":
+                out.append(torch.nn.Parameter((0.1 * torch.randn(2 * size, generator=g)).to(self.dtype)[::2]))
+                continue
+            value = (0.1 * torch.randn(size, generator=g)).to(self.dtype)
+            if layout != "flat" and size % 3 == 0 and size:
+                value = value.reshape(3, size // 3)
+                if layout == "transposed":
+                    value = value.t().contiguous().t()
+            out.append(torch.nn.Parameter(value))
+        return out
+
+    def param_groups(self, params: list) -> list[dict]:
+        n = len(self.groups)
+        return [dict(group, params=params[k::n], lr=torch.tensor(0.01) if group["lr"] == "tensor" else group["lr"])
+                for k, group in enumerate(self.groups) if params[k::n]]
+
+
+@st.composite
+def configurations(draw, clipping: bool = True) -> Configuration:
+    dtype, master = DRAWN_PARAMS[draw(st.sampled_from(sorted(DRAWN_PARAMS)), "params")]
+    sizes = tuple(draw(st.lists(st.sampled_from(SIZES_AROUND_BLOCKS), min_size=1, max_size=4), "sizes"))
+    layouts = tuple(draw(st.sampled_from(LAYOUTS)) for _ in sizes)
+    options = dict(master_weights=master, exp_avg_dtype=draw(st.sampled_from(MOMENT_DTYPES), "exp_avg_dtype"),
+                   exp_avg_sq_dtype=draw(st.sampled_from(MOMENT_DTYPES), "exp_avg_sq_dtype"))
+    if clipping:
+        options["max_grad_norm"] = draw(st.sampled_from((None, 1.0, 1e-3)), "max_grad_norm")
+    groups = tuple(dict(lr=draw(st.sampled_from((1e-3, 0.1, "tensor"))),
+                        betas=draw(st.sampled_from(((0.9, 0.999), (0.0, 0.5), (0.99, 0.9999)))),
+                        eps=draw(st.sampled_from((1e-8, 1e-6, 0.0))),
+                        weight_decay=draw(st.sampled_from((0.0, 0.01, 1.5))),
+                        adam_w_mode=draw(st.sampled_from(list(AdamWMode))),
+                        bias_correction=draw(st.booleans()), amsgrad=draw(st.booleans()),
+                        maximize=draw(st.booleans()),
+                        stochastic_rounding=draw(st.booleans()) and dtype == torch.bfloat16 and not master)
+                   for _ in range(draw(st.integers(1, 2), "groups")))
+    return Configuration(dtype, sizes, layouts, options, groups)
+
+
+def gradients(count: int, missing: bool = True):
+    """Strategy: the gradients of `count` params for one step, each (magnitude, [(position, index into
+    SPECIAL_VALUES)]) for gradient() to make, or (one in eight, where missing) None: no gradient."""
+    one = st.tuples(st.sampled_from(GRAD_MAGNITUDES),
+                    st.lists(st.tuples(st.integers(0, 10**4), st.integers(0, len(SPECIAL_VALUES) - 1)), max_size=2))
+    if missing:
+        one = st.integers(0, 7).flatmap(lambda k: st.none() if k == 0 else one)
+    return st.lists(one, min_size=count, max_size=count)
+
+
+def gradient(p: torch.Tensor, spec: tuple, seed: int) -> torch.Tensor:
+    """The gradient of param p that spec draws: normal values of its magnitude, special values at its positions."""
+    magnitude, specials = spec
+    grad = torch.randn(p.numel(), generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * magnitude
+    for position, which in specials:
+        if p.numel():
+            grad[position % p.numel()] = SPECIAL_VALUES[which]
+    return grad.to(p.dtype).reshape(p.shape)

@@ -167,6 +167,18 @@ def assert_same_snapshot(a: dict, b: dict) -> None:
             assert x == y, f"{key}: {x!r} != {y!r}"
 
 
+def assert_same_snapshot_but_nan_bits(a: dict, b: dict) -> None:
+    """assert_same_snapshot, with a NaN equal to any NaN (assert_bitwise_equal_but_nan_bits)."""
+    assert a.keys() == b.keys(), f"different entries: {sorted(set(a) ^ set(b))}"
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor), f"{key}: {x!r} vs {y!r}"
+            assert_bitwise_equal_but_nan_bits(x, y, key)
+        else:
+            assert x == y or (x != x and y != y), f"{key}: {x!r} != {y!r}"
+
+
 def state_values(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> Optional[torch.Tensor]:
     """A moment's float32/float64 values, decoding fp16 and low-bit states stored with block scales."""
     state = opt.state[p]

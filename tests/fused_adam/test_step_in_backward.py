@@ -4,7 +4,8 @@
   freed: after backward no gradient is left, and the gradients never all exist at once.
 * Over many steps the params and states come out bit for bit as from step() after backward, for every mode and
   state layout (amsgrad, maximize, masters, fp16 and bf16 moments, 8-bit moments, float64, lr tensors, several
-  groups, a frozen param, a param the loss does not use, a param used twice), on every CPU backend.
+  groups, a frozen param, a param the loss does not use, a param used twice), on every CPU backend; and for any
+  drawn configuration, gradients and micro-batches (a property).
 * step() finishes what the hooks left: params whose gradient was set without backward.
 * Gradient accumulation: backward inside ``optimizer.accumulate()`` only accumulates; the backward after it steps
   with the sum, bit for bit as step() after the same backward calls.
@@ -76,8 +77,12 @@ from typing import Callable, Optional
 
 import pytest
 import torch
-from cases import LM_STEPS, LMCase, Tiny, TinyLM, decay_groups, lm_tokens, tiny_loss, train_lm
-from conftest import assert_same_snapshot, assert_tree_bitwise_equal, optimizer_snapshot
+from cases import (LM_STEPS, LMCase, Tiny, TinyLM, configurations, decay_groups, gradient, gradients, lm_tokens,
+                   tiny_loss, train_lm)
+from conftest import (assert_same_snapshot, assert_same_snapshot_but_nan_bits, assert_tree_bitwise_equal,
+                      fuzz_examples, optimizer_snapshot)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
 from ort_optim import AdamWMode, FusedAdam
@@ -1171,6 +1176,56 @@ def test_step_in_backward_equals_the_normal_loop_bit_for_bit(name, backend):
         stepped, in_backward = scenario.compare(stepped), scenario.compare(in_backward)
     _assert_same(stepped, in_backward)
     assert in_backward.state, "nothing was stepped"
+
+
+def _drawn_run(config, iterations, in_backward: bool) -> list:
+    """A drawn configuration trained through backward: per micro-batch a loss sum((p * c).sum()) over the params
+    that have a drawn gradient c (so that gradient is c, and accumulates), every micro-batch but the last inside
+    accumulate(), then step() and zero_grad(). Returns a snapshot per iteration, or ends with ("refused", type,
+    message) where something raises."""
+    params = config.params()
+    try:
+        opt = FusedAdam(config.param_groups(params), step_in_backward=in_backward, **config.options)
+    except (ValueError, TypeError) as error:
+        return [("refused", type(error), str(error))]
+    history = []
+    for k, micro_batches in enumerate(iterations):
+        try:
+            for j, grads in enumerate(micro_batches):
+                terms = [(p * gradient(p, grad, 1000 * k + 100 * j + i).detach()).sum()
+                         for i, (p, grad) in enumerate(zip(params, grads)) if grad is not None]
+                if terms:
+                    last = j == len(micro_batches) - 1
+                    with contextlib.nullcontext() if last else opt.accumulate():
+                        torch.stack([t.double() for t in terms]).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        except (ValueError, TypeError, RuntimeError) as error:
+            history.append(("refused", type(error), str(error)))
+            break
+        history.append(optimizer_snapshot(opt))
+    return history
+
+
+@settings(max_examples=fuzz_examples(100), deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_property_any_configuration_steps_in_backward_as_after_it(backend, data):
+    """Any mix of param sizes, layouts, param and moment dtypes, master weights, per-group options and gradients
+    (tiny, huge, with inf and NaN elements, missing: params the loss does not use), over 1-3 iterations of 1-2
+    micro-batches (accumulate()): step_in_backward=True leaves every param, gradient and state as step() after
+    backward does, bit for bit after every iteration, or both refuse alike."""
+    config = data.draw(configurations(clipping=False), "configuration")
+    iterations = [[data.draw(gradients(len(config.sizes)), "gradients")
+                   for _ in range(data.draw(st.integers(1, 2), "micro-batches"))]
+                  for _ in range(data.draw(st.integers(1, 3), "iterations"))]
+    stepped, in_backward = (_drawn_run(config, iterations, flag) for flag in (False, True))
+    assert len(stepped) == len(in_backward), (stepped[-1:], in_backward[-1:])
+    for a, b in zip(stepped, in_backward):
+        if isinstance(a, tuple) or isinstance(b, tuple):
+            assert a == b
+        else:
+            assert_same_snapshot_but_nan_bits(a, b)
 
 
 @pytest.mark.parametrize("call", ["step", "zero_grad"])
