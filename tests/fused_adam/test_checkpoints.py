@@ -14,6 +14,10 @@
   names the mutated entry, one of its ancestors or descendants; in both cases the given dict is never written, and
   after a refusal the optimizer and the model are bit-identical. The number of examples per property is bounded for
   ``make check``; ORT_OPTIM_FUZZ_EXAMPLES sets it for long fuzzing (tests/conftest.py).
+* Any checkpoint of any drawn configuration (param sizes, layouts and dtypes, moment formats, master weights,
+  options, after steps with gradients holding inf and NaN) loads into any other configuration of the same params, or
+  is refused naming the entry with nothing changed; what loaded saves a checkpoint that restores it exactly, and
+  continues bit for bit like a twin loaded from that checkpoint (a property).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import io
 
 import pytest
 import torch
+from cases import Configuration, configurations, gradient, gradients
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from conftest import (
@@ -30,6 +35,7 @@ from conftest import (
     assert_bitwise_equal,
     assert_bitwise_equal_but_nan_bits,
     assert_same_snapshot,
+    assert_same_snapshot_but_nan_bits,
     assert_tree_bitwise_equal,
     optimizer_snapshot,
     select_backend,
@@ -1239,3 +1245,63 @@ def test_the_fuzzer_reaches_both_outcomes_and_every_kind_of_base():
     probe()
     assert outcomes["refused"] > 50 and outcomes["accepted"] > 30, outcomes
     assert bases == {"original"} | set(FOREIGN), bases
+
+
+def _trained(config: Configuration, steps: list):
+    params = config.params()
+    opt = FusedAdam(config.param_groups(params), **config.options)
+    for k, grads in enumerate(steps):
+        for i, (p, grad) in enumerate(zip(params, grads)):
+            p.grad = None if grad is None else gradient(p, grad, 1000 * k + i)
+        opt.step()
+    return params, opt
+
+
+@settings(max_examples=fuzz_examples(150), deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_property_a_checkpoint_of_any_configuration_loads_into_any_other_exactly_or_is_refused(data):
+    """A checkpoint of a drawn configuration, after 1-2 steps (gradients with inf and NaN elements, missing), loaded
+    into another configuration of the same params (other moment formats, master weights, group options): refused
+    with an error naming the entry and nothing changed (neither optimizer, nor params, nor the given dict), or
+    loaded; then the loaded optimizer's own checkpoint restores a twin exactly, and both continue bit for bit."""
+    source = data.draw(configurations(), "source")
+    target = data.draw(configurations(), "target")
+    master = data.draw(st.booleans(), "target master weights") and source.dtype in (torch.float16, torch.bfloat16)
+    target = Configuration(source.dtype, source.sizes, source.layouts, dict(target.options, master_weights=master),
+                           target.groups)
+    if len(target.groups) != len(source.groups):
+        target = Configuration(target.dtype, target.sizes, target.layouts, target.options,
+                               (target.groups * 2)[:len(source.groups)])
+    steps = [data.draw(gradients(len(source.sizes)), "gradients") for _ in range(data.draw(st.integers(1, 2)))]
+    try:
+        _, trained = _trained(source, steps)
+        params, opt = _trained(target, [])
+    except (ValueError, TypeError):
+        return  # (a configuration refused at construction or at its first step: test_options and the step tests)
+    sd = trained.state_dict()
+    pristine = _clone(sd)
+    before = optimizer_snapshot(opt)
+    try:
+        opt.load_state_dict(sd)
+    except (ValueError, TypeError) as error:
+        assert str(error).startswith("state_dict"), str(error)
+        assert_same_snapshot(before, optimizer_snapshot(opt))
+        assert_tree_bitwise_equal(sd, pristine, "the given dict")
+        return
+    assert_tree_bitwise_equal(sd, pristine, "the given dict")
+    saved = opt.state_dict()
+    twin_params, twin = _trained(target, [])
+    with torch.no_grad():
+        for p, q in zip(params, twin_params):
+            q.copy_(p)
+    twin.load_state_dict(saved)
+    assert_tree_bitwise_equal(twin.state_dict(), saved, "twin")
+    more = [data.draw(gradients(len(source.sizes), missing=False), "more gradients") for _ in range(2)]
+    for k, grads in enumerate(more):
+        for i, (p, q, grad) in enumerate(zip(params, twin_params, grads)):
+            p.grad = gradient(p, grad, 5000 + 1000 * k + i)
+            q.grad = p.grad.clone()
+        opt.step()
+        twin.step()
+        assert_same_snapshot_but_nan_bits(optimizer_snapshot(opt), optimizer_snapshot(twin))

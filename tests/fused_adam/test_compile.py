@@ -1,5 +1,7 @@
 """FusedAdam under torch.compile: a compiled step traces to the registered op (one node per bucket), adds no graph
-break and no recompile over many steps with schedulers and loss scaling, and computes what the eager step computes.
+break and no recompile over many steps with schedulers and loss scaling, and computes what the eager step computes;
+any drawn configuration (param and moment dtypes, master weights, options, clipping, gradients with inf and NaN)
+compiles without a break and steps as eager, bit for bit (a property).
 
 Counts come from torch._dynamo.utils.counters after torch._dynamo.reset(): ``graph_break`` (every break, with its
 reason) and ``stats.unique_graphs``. Each count is compared with torch.optim.AdamW's in the same harness: the harness
@@ -11,7 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_bitwise_equal
+from cases import configurations, gradient, gradients
+from conftest import assert_bitwise_equal, assert_same_snapshot_but_nan_bits, fuzz_examples, optimizer_snapshot
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ort_optim import AdamWMode, FusedAdam, backends
 from ort_optim.fp16_optimizer import FP16_Optimizer
@@ -293,3 +298,52 @@ def test_a_compiled_step_after_eager_steps_writes_the_states_in_place():
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs):
         assert_bitwise_equal(a, b, "param")
+
+
+def _drawn_steps(config, steps, compiled: bool) -> tuple[list, int]:
+    """The drawn configuration stepped (compiled or not) with each drawn gradient list and grad_scale: a snapshot per
+    step, or ("refused", type, message) where a step raises; and the graph breaks."""
+    params = config.params()
+    opt = FusedAdam(config.param_groups(params), **config.options)
+    run = torch.compile(lambda **kwargs: opt.step(**kwargs)) if compiled else opt.step
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    history = []
+    for k, (grads, grad_scale) in enumerate(steps):
+        for i, (p, grad) in enumerate(zip(params, grads)):
+            p.grad = None if grad is None else gradient(p, grad, 1000 * k + i)
+        try:
+            run(**({} if grad_scale is None else {"grad_scale": torch.tensor(grad_scale)}))
+        except Exception as error:  # (under torch.compile a refusal may come wrapped: compared by its message)
+            history.append(("refused", str(error).split("\n")[0]))
+            break
+        history.append(optimizer_snapshot(opt))
+    return history, sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+@NEWEST
+@settings(max_examples=fuzz_examples(30), deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_property_any_configuration_compiles_without_breaks_and_steps_as_eager(data):
+    """Any drawn configuration (param sizes, layouts and dtypes, master weights, moment formats, per-group options,
+    clipping) and gradients (with inf and NaN elements, missing), with or without a grad_scale tensor: the compiled
+    step adds no graph break and leaves every param, gradient and state as the eager step does, bit for bit, after
+    each of 1-3 steps; or both refuse the same step with the same message."""
+    config = data.draw(configurations(), "configuration")
+    grad_scale = data.draw(st.sampled_from((None, 1024.0)), "grad_scale")
+    steps = [(data.draw(gradients(len(config.sizes)), "gradients"), grad_scale)
+             for _ in range(data.draw(st.integers(1, 3), "steps"))]
+    try:
+        FusedAdam(config.param_groups(config.params()), **config.options)
+    except (ValueError, TypeError):
+        return  # (refused at construction: nothing to compile; test_options covers those refusals)
+    (eager, _), (compiled, breaks) = (_drawn_steps(config, steps, flag) for flag in (False, True))
+    assert len(eager) == len(compiled), (eager[-1:], compiled[-1:])
+    for a, b in zip(eager, compiled):
+        if isinstance(a, tuple) or isinstance(b, tuple):
+            assert a == b
+        else:
+            assert_same_snapshot_but_nan_bits(a, b)
+    if not isinstance(compiled[-1], tuple):
+        assert breaks == 0, f"{breaks} graph breaks"
