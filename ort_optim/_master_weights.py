@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from . import backends
+from .formats import sqrt_f32
 from .fused_adam import FusedAdam
 from .integrations import dtensor
 
@@ -568,7 +569,7 @@ class WrapperMasters:
         for grads in by_device.values():
             norms = torch._foreach_norm(grads, 2.0)
             total = total + torch.stack(norms).float().square().sum().to(owner._main_device)
-        norm = total.sqrt()
+        norm = sqrt_f32(total)  # (correctly rounded: the same bits eagerly and compiled, as backends.scaling's)
         if dtensor.is_dtensor(norm):  # DTensor gradients (FSDP2, TP): their global norm, a plain tensor as elsewhere
             norm = norm.full_tensor()
         self.last_grad_norm = norm

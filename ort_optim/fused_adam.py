@@ -14,6 +14,7 @@ from ._group_options import constructor_where, group_where
 from ._layout import StateLayout
 from ._plan import describe
 from ._spec import SUPPORTED_PARAM_DTYPES, AdamWMode
+from .formats import sqrt_f32
 from .integrations import dtensor
 
 
@@ -607,7 +608,7 @@ class FusedAdam(torch.optim.Optimizer):
                 # CPU buckets' sums need no synchronisation, a non-blocking copy the other way would be read unfinished.
                 main = next((s.device for s in stats if s.device.type != "cpu"), stats[0].device)
                 total = sum(s.to(main, non_blocking=True) for s in stats)
-            self._last["grad_norm"] = total[0].sqrt()
+            self._last["grad_norm"] = sqrt_f32(total[0])
 
     def _plain_norm_from_update(self, plan: _plan.Plan, buckets: list, grad_scale, found_inf) -> bool:
         """Whether this step's update passes report the gradients' norm (last_grad_norm without a stats pass): a

@@ -193,10 +193,10 @@ def configurations(draw, clipping: bool = True) -> Configuration:
 def gradients(count: int, missing: bool = True):
     """Strategy: the gradients of `count` params for one step, each (magnitude, [(position, index into
     SPECIAL_VALUES)]) for gradient() to make, or (one in eight, where missing) None: no gradient."""
-    one = st.tuples(st.sampled_from(GRAD_MAGNITUDES),
-                    st.lists(st.tuples(st.integers(0, 10**4), st.integers(0, len(SPECIAL_VALUES) - 1)), max_size=2))
-    if missing:
-        one = st.integers(0, 7).flatmap(lambda k: st.none() if k == 0 else one)
+    present = st.tuples(st.sampled_from(GRAD_MAGNITUDES),
+                        st.lists(st.tuples(st.integers(0, 10**4), st.integers(0, len(SPECIAL_VALUES) - 1)),
+                                 max_size=2))
+    one = st.integers(0, 7).flatmap(lambda k: st.none() if k == 7 else present) if missing else present
     return st.lists(one, min_size=count, max_size=count)
 
 

@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import torch
 
 from .. import _versions
+from ..formats import sqrt_f32
 from . import native, reference
 from . import triton as triton_backend  # imports no triton until its first kernel call
 
@@ -156,7 +157,9 @@ def scaling(stats: torch.Tensor, grad_scale: Optional[Union[float, torch.Tensor]
     * ``multiplier`` (0-dim) :math:`= \\frac{1}{s} \\min(1, \\frac{c}{n + 10^{-6}})`, the factor of every gradient
       (``inv_grad_scale`` of the ops), with :math:`s` = grad_scale (1 without), :math:`c` = max_grad_norm (no clipping
       without) and :math:`n` the norm below (torch's clip_grad_norm_ coefficient, clamped as it clamps);
-    * ``norm`` (0-dim) :math:`n = \\sqrt{\\textrm{stats}[0]} / s`, the global L2 norm of the unscaled gradients;
+    * ``norm`` (0-dim) :math:`n = \\sqrt{\\textrm{stats}[0]} / s`, the global L2 norm of the unscaled gradients (the
+      square root correctly rounded, formats.sqrt_f32: torch's own float32 sqrt on the CPU is not, and a compiled
+      step's is, so the two would clip differently);
     * ``skip`` (float32 [1], 1.0: skip the step, the ops' ``found_inf``): a gradient holds inf/NaN, the unscaled
       norm is not finite (unscaling by 1/s overflows when s < 1 and a gradient is large: every :math:`|g|/s \\le n`,
       so a finite norm proves that unscaling stays finite), or found_inf is non-zero."""
@@ -166,7 +169,7 @@ def scaling(stats: torch.Tensor, grad_scale: Optional[Union[float, torch.Tensor]
         scale = grad_scale.to(main, torch.float32) if isinstance(grad_scale, torch.Tensor) else \
             torch.tensor(float(grad_scale), dtype=torch.float32, device=main)
         inv = inv / scale.reshape(())
-    norm = stats[0].sqrt() * inv
+    norm = sqrt_f32(stats[0]) * inv  # (correctly rounded: the same bits eagerly, compiled and on CUDA)
     if max_grad_norm is not None:
         inv = inv * torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
     skip = ((stats[1] > 0) | ~torch.isfinite(norm)).float()

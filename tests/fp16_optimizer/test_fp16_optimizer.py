@@ -15,12 +15,15 @@ import copy
 import inspect
 import io
 import math
+import os
 import threading
 import warnings
 
 import pytest
 import torch
-from conftest import assert_bitwise_equal, assert_tree_bitwise_equal, fuzz_examples
+from cases import configurations, gradient, gradients
+from conftest import (assert_bitwise_equal, assert_same_snapshot_but_nan_bits, assert_tree_bitwise_equal,
+                      fuzz_examples, optimizer_snapshot)
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
@@ -1314,3 +1317,64 @@ def test_stochastic_rounding_in_a_later_group_is_refused_naming_it():
     with pytest.raises(ValueError, match="stochastic_rounding"):
         fp16.add_param_group({"params": params[1:], "stochastic_rounding": True})
     assert len(fp16.param_groups) == 1
+
+
+# ---- any configuration ------------------------------------------------------------------------------------------------
+
+
+def _wrapped_run(config, iterations, scaler: dict, max_grad_norm) -> list:
+    """FP16_Optimizer(FusedAdam(config)) over drawn gradients (the loss sum((p * c).sum()) gives p the gradient c,
+    times the loss scale): a snapshot with the loss scale, overflow flag and skipped steps per iteration, or
+    ("refused", type, message)."""
+    params = config.params()
+    try:
+        opt = FP16_Optimizer(FusedAdam(config.param_groups(params), **config.options), max_grad_norm=max_grad_norm,
+                             **scaler)
+    except (ValueError, TypeError) as error:
+        return [("refused", type(error), str(error))]
+    history = []
+    for k, grads in enumerate(iterations):
+        try:
+            opt.zero_grad()
+            terms = [(p * gradient(p, grad, 1000 * k + i).detach()).sum()
+                     for i, (p, grad) in enumerate(zip(params, grads)) if grad is not None]
+            if terms:
+                opt.backward(torch.stack([t.float() for t in terms]).sum())
+            opt.step()
+        except (ValueError, TypeError, RuntimeError) as error:
+            history.append(("refused", type(error), str(error)))
+            break
+        history.append(optimizer_snapshot(opt.optimizer) | {"loss_scale": opt.loss_scale, "overflow": opt.overflow,
+                                                             "skipped_steps": opt.skipped_steps})
+    return history
+
+
+@settings(max_examples=fuzz_examples(100), deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_property_any_wrapped_configuration_steps_alike_on_both_cpu_backends(data):
+    """FP16_Optimizer around FusedAdam of any drawn configuration (param and moment dtypes, master weights, options),
+    with a drawn loss-scale policy and clipping, over 1-4 iterations of drawn gradients (tiny to overflowing, inf and
+    NaN elements: skipped steps and backoffs): the native and the reference backend give the same params, gradients,
+    states, loss scale, overflow flags and skipped steps, bit for bit, or the same refusal."""
+    config = data.draw(configurations(clipping=False), "configuration")
+    scaler = dict(init_scale=data.draw(st.sampled_from((1.0, 2.0**10, 2.0**16)), "init_scale"),
+                  growth_interval=data.draw(st.sampled_from((1, 2, 2000)), "growth_interval"),
+                  hysteresis=data.draw(st.sampled_from((1, 2)), "hysteresis"), min_scale_action="clamp")
+    max_grad_norm = data.draw(st.sampled_from((None, 1.0)), "max_grad_norm")
+    iterations = [data.draw(gradients(len(config.sizes)), "gradients")
+                  for _ in range(data.draw(st.integers(1, 4), "iterations"))]
+    outcomes = []
+    for backend in ("native", "torch"):
+        os.environ["ORT_OPTIM_BACKEND"] = backend
+        try:
+            outcomes.append(_wrapped_run(config, iterations, scaler, max_grad_norm))
+        finally:
+            del os.environ["ORT_OPTIM_BACKEND"]
+    native, reference = outcomes
+    assert len(native) == len(reference), (native[-1:], reference[-1:])
+    for a, b in zip(native, reference):
+        if isinstance(a, tuple) or isinstance(b, tuple):
+            assert a == b
+        else:
+            assert_same_snapshot_but_nan_bits(a, b)
