@@ -144,7 +144,9 @@ class FusedAdam(torch.optim.Optimizer):
     ``max_grad_norm``), with no graph break of its own and no recompile while nothing changes: a tensor lr changed in
     place by a scheduler (``LambdaLR``), per-group options, ``step(grad_scale=<tensor>)``, ``max_grad_norm`` and
     ``FP16_Optimizer(FusedAdam)`` were each run 40 steps with the same graphs throughout and results bit for bit
-    those of the eager step. What cannot be traced runs outside the graph, in ``_init_group`` (which TorchDynamo calls
+    those of the eager step; so were drawn configurations of every param and moment dtype, master weights, group
+    option, clipping and gradients with inf and NaN (the clip coefficient's square root is correctly rounded in
+    both: torch's own CPU float32 sqrt is not, and a compiled one is). What cannot be traced runs outside the graph, in ``_init_group`` (which TorchDynamo calls
     eagerly when it traces, as for torch.optim's optimizers): the option checks, state creation and adoption, and the
     plan. TorchDynamo's guards on what the step then reads (params and gradients, which params have one, the group
     dicts and their float options, ``optimizer.state``'s mutation count, the plan) stand in for the per-step check:

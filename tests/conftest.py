@@ -179,6 +179,17 @@ def assert_same_snapshot_but_nan_bits(a: dict, b: dict) -> None:
             assert x == y or (x != x and y != y), f"{key}: {x!r} != {y!r}"
 
 
+def assert_same_history(first: list, second: list) -> None:
+    """Two runs' histories, one entry per step: a snapshot (assert_same_snapshot_but_nan_bits), or a refusal (a
+    tuple, such as ("refused", type, message)) that must be the same, ending the run."""
+    assert len(first) == len(second), (first[-1:], second[-1:])
+    for a, b in zip(first, second):
+        if isinstance(a, tuple) or isinstance(b, tuple):
+            assert a == b
+        else:
+            assert_same_snapshot_but_nan_bits(a, b)
+
+
 def state_values(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> Optional[torch.Tensor]:
     """A moment's float32/float64 values, decoding fp16 and low-bit states stored with block scales."""
     state = opt.state[p]

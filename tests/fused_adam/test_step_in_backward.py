@@ -79,8 +79,8 @@ import pytest
 import torch
 from cases import (LM_STEPS, LMCase, Tiny, TinyLM, configurations, decay_groups, gradient, gradients, lm_tokens,
                    tiny_loss, train_lm)
-from conftest import (assert_same_snapshot, assert_same_snapshot_but_nan_bits, assert_tree_bitwise_equal,
-                      fuzz_examples, optimizer_snapshot)
+from conftest import (assert_same_history, assert_same_snapshot, assert_tree_bitwise_equal, fuzz_examples,
+                      optimizer_snapshot)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
@@ -1219,13 +1219,7 @@ def test_property_any_configuration_steps_in_backward_as_after_it(backend, data)
     iterations = [[data.draw(gradients(len(config.sizes)), "gradients")
                    for _ in range(data.draw(st.integers(1, 2), "micro-batches"))]
                   for _ in range(data.draw(st.integers(1, 3), "iterations"))]
-    stepped, in_backward = (_drawn_run(config, iterations, flag) for flag in (False, True))
-    assert len(stepped) == len(in_backward), (stepped[-1:], in_backward[-1:])
-    for a, b in zip(stepped, in_backward):
-        if isinstance(a, tuple) or isinstance(b, tuple):
-            assert a == b
-        else:
-            assert_same_snapshot_but_nan_bits(a, b)
+    assert_same_history(*(_drawn_run(config, iterations, flag) for flag in (False, True)))
 
 
 @pytest.mark.parametrize("call", ["step", "zero_grad"])
