@@ -156,27 +156,21 @@ def assert_tree_bitwise_equal(a, b, where: str = "state") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def assert_same_snapshot(a: dict, b: dict) -> None:
+def assert_same_snapshot(a: dict, b: dict, nan_bits: bool = True) -> None:
+    """Two optimizer_snapshot()s: the same entries, tensors bit for bit; nan_bits=False: a NaN equals any NaN
+    (assert_bitwise_equal_but_nan_bits)."""
     assert a.keys() == b.keys(), f"different entries: {sorted(set(a) ^ set(b))}"
     for key in a:
         x, y = a[key], b[key]
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
             assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor), f"{key}: {x!r} vs {y!r}"
-            assert_bitwise_equal(x, y, key)
+            (assert_bitwise_equal if nan_bits else assert_bitwise_equal_but_nan_bits)(x, y, key)
         else:
-            assert x == y, f"{key}: {x!r} != {y!r}"
+            assert x == y or (not nan_bits and x != x and y != y), f"{key}: {x!r} != {y!r}"
 
 
 def assert_same_snapshot_but_nan_bits(a: dict, b: dict) -> None:
-    """assert_same_snapshot, with a NaN equal to any NaN (assert_bitwise_equal_but_nan_bits)."""
-    assert a.keys() == b.keys(), f"different entries: {sorted(set(a) ^ set(b))}"
-    for key in a:
-        x, y = a[key], b[key]
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor), f"{key}: {x!r} vs {y!r}"
-            assert_bitwise_equal_but_nan_bits(x, y, key)
-        else:
-            assert x == y or (x != x and y != y), f"{key}: {x!r} != {y!r}"
+    assert_same_snapshot(a, b, nan_bits=False)
 
 
 def assert_same_history(first: list, second: list) -> None:

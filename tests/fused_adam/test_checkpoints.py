@@ -1247,7 +1247,7 @@ def test_the_fuzzer_reaches_both_outcomes_and_every_kind_of_base():
     assert bases == {"original"} | set(FOREIGN), bases
 
 
-def _trained(config: Configuration, steps: list):
+def _configured(config: Configuration, steps: list):
     params = config.params()
     opt = FusedAdam(config.param_groups(params), **config.options)
     for k, grads in enumerate(steps):
@@ -1275,8 +1275,8 @@ def test_property_a_checkpoint_of_any_configuration_loads_into_any_other_exactly
                                (target.groups * 2)[:len(source.groups)])
     steps = [data.draw(gradients(len(source.sizes)), "gradients") for _ in range(data.draw(st.integers(1, 2)))]
     try:
-        _, trained = _trained(source, steps)
-        params, opt = _trained(target, [])
+        _, trained = _configured(source, steps)
+        params, opt = _configured(target, [])
     except (ValueError, TypeError):
         return  # (a configuration refused at construction or at its first step: test_options and the step tests)
     sd = trained.state_dict()
@@ -1291,7 +1291,7 @@ def test_property_a_checkpoint_of_any_configuration_loads_into_any_other_exactly
         return
     assert_tree_bitwise_equal(sd, pristine, "the given dict")
     saved = opt.state_dict()
-    twin_params, twin = _trained(target, [])
+    twin_params, twin = _configured(target, [])
     with torch.no_grad():
         for p, q in zip(params, twin_params):
             q.copy_(p)
