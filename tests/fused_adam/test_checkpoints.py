@@ -1261,8 +1261,8 @@ def _configured(config: Configuration, steps: list):
           suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_property_a_checkpoint_of_any_configuration_loads_into_any_other_exactly_or_is_refused(data):
-    """A checkpoint of a drawn configuration, after 1-2 steps (gradients with inf and NaN elements, missing), loaded
-    into another configuration of the same params (other moment formats, master weights, group options): refused
+    """A checkpoint of a drawn configuration, after 1-2 steps (gradients with inf and NaN elements, missing), saved
+    with torch.save and read with torch.load(weights_only=True), loaded into another configuration of the same params (other moment formats, master weights, group options): refused
     with an error naming the entry and nothing changed (neither optimizer, nor params, nor the given dict), or
     loaded; then the loaded optimizer's own checkpoint restores a twin exactly, and both continue bit for bit."""
     source = data.draw(configurations(), "source")
@@ -1279,7 +1279,7 @@ def test_property_a_checkpoint_of_any_configuration_loads_into_any_other_exactly
         params, opt = _configured(target, [])
     except (ValueError, TypeError):
         return  # (a configuration refused at construction or at its first step: test_options and the step tests)
-    sd = trained.state_dict()
+    sd = _roundtrip(trained.state_dict())  # (through torch.save and torch.load(weights_only=True))
     pristine = _clone(sd)
     before = optimizer_snapshot(opt)
     try:
