@@ -1257,6 +1257,7 @@ def _configured(config: Configuration, steps: list):
     return params, opt
 
 
+@pytest.mark.filterwarnings("ignore:load_state_dict.*inf or NaN:RuntimeWarning")  # (the steps' inf and NaN gradients)
 @settings(max_examples=fuzz_examples(150), deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(st.data())
