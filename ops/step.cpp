@@ -110,7 +110,7 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     w.param_type = p.scalar_type();
     w.grad_type = g.scalar_type();
     const double t = steps[i] + 1.0;
-    if (t != last_t) {  // the params of a bucket usually share their step count: two pow() per call, not per param
+    if (t != last_t) {  // the params of a bucket usually share their step count: two powers per call, not per param
       const double bc1 = o.bias_correction ? 1.0 - beta_power(beta1, t) : 1.0;
       const double bc2 = o.bias_correction ? 1.0 - beta_power(beta2, t) : 1.0;
       step_size = o.mode == kAdamWTorch ? lr / bc1 : lr * std::sqrt(bc2) / bc1;

@@ -93,8 +93,8 @@ def reciprocal_midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
 #   r = fmix32(bits(m) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) (uint32 arithmetic; e the element's index
 #        in its tensor, step the Adam step from 1; bits(m) = CANONICAL_NAN for every NaN m: a NaN's sign and payload
 #        depend on the operations that made it, which differ between backends, and its v still rounds with these
-#        bits); exp_avg rounds with r16 = r >> 16, exp_avg_sq and max_exp_avg_sq with r16 = r & 0xFFFF. One hash (murmur3's finaliser: two 32-bit multiplies) per element serves both moments,
-#        whose bits never coincide; a hash of the new exp_avg's own bits, not of a seed: it needs no key and no
+#        bits); exp_avg rounds with r16 = r >> 16, exp_avg_sq and max_exp_avg_sq with r16 = r & 0xFFFF. One hash
+#        (murmur3's finaliser: two 32-bit multiplies) per element serves both moments, whose bits never coincide; a hash of the new exp_avg's own bits, not of a seed: it needs no key and no
 #        generator state, every backend computes it from what it already holds, and resume is exact because the bits
 #        depend only on the state and the gradient. Conversions outside a step round to nearest and take no bits.
 #   A low-bit map rounds one level up iff the fraction d / gap of the way to the next level exceeds
