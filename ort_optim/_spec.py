@@ -92,11 +92,12 @@ def reciprocal_midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
 # exp_avg and 4-bit sqrt(v), the fp8 formats' codes). Per element, from the step's new exp_avg m (float32):
 #   r = fmix32(bits(m) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 + 0x6A09E667)) (uint32 arithmetic; e the element's index
 #        in its tensor, step the Adam step from 1; bits(m) = CANONICAL_NAN for every NaN m: a NaN's sign and payload
-#        depend on the operations that made it, which differ between backends, and its v still rounds with these
-#        bits); exp_avg rounds with r16 = r >> 16, exp_avg_sq and max_exp_avg_sq with r16 = r & 0xFFFF. One hash
-#        (murmur3's finaliser: two 32-bit multiplies) per element serves both moments, whose bits never coincide; a hash of the new exp_avg's own bits, not of a seed: it needs no key and no
-#        generator state, every backend computes it from what it already holds, and resume is exact because the bits
-#        depend only on the state and the gradient. Conversions outside a step round to nearest and take no bits.
+#        depend on the operations that made it, which differ between backends, and its v still rounds with these bits);
+#        exp_avg rounds with r16 = r >> 16, exp_avg_sq and max_exp_avg_sq with r16 = r & 0xFFFF. One hash (murmur3's
+#        finaliser: two 32-bit multiplies) per element serves both moments, whose bits never coincide; a hash of the new
+#        exp_avg's own bits, not of a seed: it needs no key and no generator state, every backend computes it from what
+#        it already holds, and resume is exact because the bits depend only on the state and the gradient. Conversions
+#        outside a step round to nearest and take no bits.
 #   A low-bit map rounds one level up iff the fraction d / gap of the way to the next level exceeds
 #        sr_uniform(r16) = (2 * r16 + 1) * 2**-17 (float32, exact): the midpoints of 2**16 equal steps of (0, 1), so
 #        P(up) = round(d / gap * 2**16) / 2**16: off by at most 2**-17 of a gap for one value and unbiased on average

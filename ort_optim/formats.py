@@ -22,8 +22,8 @@ try:
 except ImportError:  # (torch runs without numpy; sqrt_f64 then takes torch's float64 sqrt)
     numpy = None
 
-from ._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_FORMATS, MIN_SCALE, FP16_LIMIT, LOW_BIT_FORMATS, QUANT_BLOCK,
-                    Fp8Format, LowBitFormat, low_bit_format, num_blocks, square_tables, thresholds)
+from ._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_FORMATS, MIN_SCALE, FP16_LIMIT, LOW_BIT_FORMATS,
+                    QUANT_BLOCK, Fp8Format, LowBitFormat, low_bit_format, num_blocks, square_tables, thresholds)
 
 # ---- the hash of the stochastic roundings (ops/README.md) -----------------------------------------------------------
 

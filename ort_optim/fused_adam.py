@@ -139,37 +139,37 @@ class FusedAdam(torch.optim.Optimizer):
             all-reduce of the same two floats (default None). A DeepSpeed ZeRO client with ``max_grad_norm`` needs
             it (the ZeRO data-parallel group).
 
-    ``torch.compile`` (torch >= 2.13, as tested). A ``step()`` inside a compiled function traces to one call of
-    the registered op ``torch.ops.ort_optim.adam_step_`` per bucket (and ``grad_stats`` with ``grad_scale`` or
+    ``torch.compile`` (torch >= 2.13, as tested). A ``step()`` inside a compiled function traces to one call of the
+    registered op ``torch.ops.ort_optim.adam_step_`` per bucket (and ``grad_stats`` with ``grad_scale`` or
     ``max_grad_norm``), with no graph break of its own and no recompile while nothing changes: a tensor lr changed in
     place by a scheduler (``LambdaLR``), per-group options, ``step(grad_scale=<tensor>)``, ``max_grad_norm`` and
-    ``FP16_Optimizer(FusedAdam)`` were each run 40 steps with the same graphs throughout and results bit for bit
-    those of the eager step; so were drawn configurations of every param and moment dtype, master weights, group
-    option, clipping and gradients with inf and NaN (the clip coefficient's square root is correctly rounded in
-    both: torch's own CPU float32 sqrt is not, and a compiled one is). What cannot be traced runs outside the graph, in ``_init_group`` (which TorchDynamo calls
-    eagerly when it traces, as for torch.optim's optimizers): the option checks, state creation and adoption, and the
-    plan. TorchDynamo's guards on what the step then reads (params and gradients, which params have one, the group
-    dicts and their float options, ``optimizer.state``'s mutation count, the plan) stand in for the per-step check:
-    any change re-traces, which validates again. So inside a compiled step the value of a tensor lr is checked when
-    the step is traced, not at every step. A float lr and the betas reach the op as float64 tensors made inside the
-    graph (``lr_tensor``, ``betas_tensor``), so a scheduler that writes new floats at every step costs one recompile,
-    not one per value: ``OneCycleLR(cycle_momentum=True)`` (a new float lr and beta1 at every step) compiles twice
-    (TorchDynamo traces a float as a constant first, and as a graph input once it has changed) and then runs one
-    graph for 40 steps, bit for bit the eager results; torch.optim.AdamW's compiled step recompiles at every step
-    until TorchDynamo's recompile limit (8 graphs), then runs eagerly. eps and weight_decay stay floats of the op: a
-    change recompiles. Not traced (the step runs as plain Python inside the compiled function,
-    with graph breaks): ``step_in_backward``, DTensor params, ``process_group``/``pipeline_group``, a backend other
-    than the native library (``ORT_OPTIM_BACKEND=torch``), tensor betas/eps/weight_decay (read on the host). States
-    get a storage each when the step is traced (those an eager step laid out as views of one buffer are copied once:
-    inductor would copy the whole buffer around the op at every step). ``FP16_Optimizer(FusedAdam)``: its scaler
-    updates on the device; the min-scale flag is read by the next eager step (guides/fused-adam.md, "torch.compile").
-    Older torch (2.4.1): best effort, ``step()`` runs outside the graph (one graph break; the eager step).
+    ``FP16_Optimizer(FusedAdam)`` were each run 40 steps with the same graphs throughout and results bit for bit those
+    of the eager step; so were drawn configurations of every param and moment dtype, master weights, group option,
+    clipping and gradients with inf and NaN (the clip coefficient's square root is correctly rounded in both: torch's
+    own CPU float32 sqrt is not, and a compiled one is). What cannot be traced runs outside the graph, in
+    ``_init_group`` (which TorchDynamo calls eagerly when it traces, as for torch.optim's optimizers): the option
+    checks, state creation and adoption, and the plan. TorchDynamo's guards on what the step then reads (params and
+    gradients, which params have one, the group dicts and their float options, ``optimizer.state``'s mutation count, the
+    plan) stand in for the per-step check: any change re-traces, which validates again. So inside a compiled step the
+    value of a tensor lr is checked when the step is traced, not at every step. A float lr and the betas reach the op as
+    float64 tensors made inside the graph (``lr_tensor``, ``betas_tensor``), so a scheduler that writes new floats at
+    every step costs one recompile, not one per value: ``OneCycleLR(cycle_momentum=True)`` (a new float lr and beta1 at
+    every step) compiles twice (TorchDynamo traces a float as a constant first, and as a graph input once it has
+    changed) and then runs one graph for 40 steps, bit for bit the eager results; torch.optim.AdamW's compiled step
+    recompiles at every step until TorchDynamo's recompile limit (8 graphs), then runs eagerly. eps and weight_decay
+    stay floats of the op: a change recompiles. Not traced (the step runs as plain Python inside the compiled function,
+    with graph breaks): ``step_in_backward``, DTensor params, ``process_group``/``pipeline_group``, a backend other than
+    the native library (``ORT_OPTIM_BACKEND=torch``), tensor betas/eps/weight_decay (read on the host). States get a
+    storage each when the step is traced (those an eager step laid out as views of one buffer are copied once: inductor
+    would copy the whole buffer around the op at every step). ``FP16_Optimizer(FusedAdam)``: its scaler updates on the
+    device; the min-scale flag is read by the next eager step (guides/fused-adam.md, "torch.compile"). Older torch
+    (2.4.1): best effort, ``step()`` runs outside the graph (one graph break; the eager step).
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element floating-point
     tensor, finite and non-zero in float32, as torch's GradScaler keeps its scale) divides every gradient inside the
-    kernel, and the step leaves the unscaled gradient in ``p.grad``; ``found_inf``
-    (one-element tensor) turns the step into a no-op when non-zero. With ``grad_scale`` or ``max_grad_norm`` the step
-    also skips itself on inf/NaN gradients (:attr:`last_step_skipped`, :attr:`last_grad_norm`).
+    kernel, and the step leaves the unscaled gradient in ``p.grad``; ``found_inf`` (one-element tensor) turns the step
+    into a no-op when non-zero. With ``grad_scale`` or ``max_grad_norm`` the step also skips itself on inf/NaN gradients
+    (:attr:`last_step_skipped`, :attr:`last_grad_norm`).
 
     guides/fused-adam.md holds the rest of the contract: the step's cache and what it notices, what is refused, the
     autograd version counters, loss scaling and skipped steps, ``step_in_backward``, and distributed training.

@@ -120,7 +120,6 @@ def tiny_loss(model, step: int):
     return model(torch.randn(5, 6, generator=g)).square().mean() * 50
 
 
-
 # ---- drawn configurations ------------------------------------------------------------------------------------------
 
 # Sizes around every block and vector width the kernels split by (16 lanes, 128/256-element low-bit and fp8 blocks,

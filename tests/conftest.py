@@ -87,11 +87,18 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "", nan_mask: Optional[torch.Tensor] = None
+                         ) -> None:
+    """Bit for bit; the elements where nan_mask is set are left out (assert_bitwise_equal_but_nan_bits)."""
     assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
     assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-    if not torch.equal(bits(a), bits(b)):
+    a_bits, b_bits = bits(a), bits(b)
+    if nan_mask is not None:
+        a_bits, b_bits = (t.masked_fill(nan_mask.contiguous(), 0) for t in (a_bits, b_bits))
+    if not torch.equal(a_bits, b_bits):
         diff = (a.double() - b.double()).abs()
+        if nan_mask is not None:
+            diff = diff.masked_fill(nan_mask, 0.0)
         raise AssertionError(f"{what}: not bit-for-bit equal (max abs diff {float(diff.nan_to_num(1e300).max())})")
 
 
@@ -99,17 +106,13 @@ def assert_bitwise_equal_but_nan_bits(a: torch.Tensor, b: torch.Tensor, what: st
     """Bit for bit, except that a NaN equals any NaN: a NaN's sign and payload are not specified (conversions between
     float widths, torch's included, do not keep them), only that it stays NaN."""
     assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    nan = None
     if a.is_floating_point():
         # (through float32 and the raw bits: torch 2.4 has no isnan or fill for the float8 dtypes)
-        a_nan, b_nan = a.detach().float().isnan(), b.detach().float().isnan()
-        assert torch.equal(a_nan, b_nan), f"{what}: NaN in different places"
-        assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-        a_bits, b_bits = (bits(t).masked_fill(a_nan.contiguous(), 0) for t in (a, b))
-        if not torch.equal(a_bits, b_bits):
-            diff = (a.double() - b.double()).abs()
-            raise AssertionError(f"{what}: not bit-for-bit equal (max abs diff {float(diff.nan_to_num(1e300).max())})")
-        return
-    assert_bitwise_equal(a, b, what)
+        nan = a.detach().float().isnan()
+        assert torch.equal(nan, b.detach().float().isnan()), f"{what}: NaN in different places"
+    assert_bitwise_equal(a, b, what, nan_mask=nan)
 
 
 def optimizer_snapshot(opt: torch.optim.Optimizer, extra: Iterable[torch.Tensor] = ()) -> dict:

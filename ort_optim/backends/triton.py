@@ -43,8 +43,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_FORMATS, MIN_SCALE, QUANT_BLOCK, Q4, Q8,
-                     LowBitFormat, square_tables, thresholds)
+from .._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_FORMATS, MIN_SCALE, QUANT_BLOCK, Q4,
+                     Q8, LowBitFormat, square_tables, thresholds)
 from .._versions import mark_modified, step_taken
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).

@@ -15,7 +15,6 @@ import copy
 import inspect
 import io
 import math
-import os
 import threading
 import warnings
 
@@ -23,7 +22,7 @@ import pytest
 import torch
 from cases import configurations, gradient, gradients
 from conftest import (assert_bitwise_equal, assert_same_history, assert_tree_bitwise_equal, fuzz_examples,
-                      optimizer_snapshot)
+                      optimizer_snapshot, select_backend)
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
@@ -1319,7 +1318,7 @@ def test_stochastic_rounding_in_a_later_group_is_refused_naming_it():
     assert len(fp16.param_groups) == 1
 
 
-# ---- any configuration ------------------------------------------------------------------------------------------------
+# ---- any configuration ----------------------------------------------------------------------------------------------
 
 
 def _wrapped_run(config, iterations, scaler: dict, max_grad_norm) -> list:
@@ -1366,9 +1365,7 @@ def test_property_any_wrapped_configuration_steps_alike_on_both_cpu_backends(dat
                   for _ in range(data.draw(st.integers(1, 4), "iterations"))]
     outcomes = []
     for backend in ("native", "torch"):
-        os.environ["ORT_OPTIM_BACKEND"] = backend
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            select_backend(patch, backend)
             outcomes.append(_wrapped_run(config, iterations, scaler, max_grad_norm))
-        finally:
-            del os.environ["ORT_OPTIM_BACKEND"]
     assert_same_history(*outcomes)

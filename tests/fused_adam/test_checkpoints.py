@@ -1263,9 +1263,10 @@ def _configured(config: Configuration, steps: list):
 @given(st.data())
 def test_property_a_checkpoint_of_any_configuration_loads_into_any_other_exactly_or_is_refused(data):
     """A checkpoint of a drawn configuration, after 1-2 steps (gradients with inf and NaN elements, missing), saved
-    with torch.save and read with torch.load(weights_only=True), loaded into another configuration of the same params (other moment formats, master weights, group options): refused
-    with an error naming the entry and nothing changed (neither optimizer, nor params, nor the given dict), or
-    loaded; then the loaded optimizer's own checkpoint restores a twin exactly, and both continue bit for bit."""
+    with torch.save and read with torch.load(weights_only=True), loaded into another configuration of the same params
+    (other moment formats, master weights, group options): refused with an error naming the entry and nothing changed
+    (neither optimizer, nor params, nor the given dict), or loaded; then the loaded optimizer's own checkpoint restores
+    a twin exactly, and both continue bit for bit."""
     source = data.draw(configurations(), "source")
     target = data.draw(configurations(), "target")
     master = data.draw(st.booleans(), "target master weights") and source.dtype in (torch.float16, torch.bfloat16)

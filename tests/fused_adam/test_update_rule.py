@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import re
 from dataclasses import dataclass
 
@@ -26,8 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 from cases import configurations, gradient, gradients
-from conftest import (BACKENDS, assert_bitwise_equal, assert_same_snapshot, assert_same_snapshot_but_nan_bits,
-                      fuzz_examples, optimizer_snapshot, select_backend, state_values)
+from conftest import (BACKENDS, assert_bitwise_equal, assert_same_history, assert_same_snapshot,
+                      assert_same_snapshot_but_nan_bits, fuzz_examples, optimizer_snapshot, select_backend,
+                      state_values)
 from reference import ReferenceAdam
 
 from ort_optim import AdamWMode, FusedAdam
@@ -263,7 +263,7 @@ def test_native_op_and_fallback_agree_bit_for_bit_for_200_steps(config, monkeypa
         assert state_a.keys() == state_b.keys(), name
         for key in state_a:
             assert_bitwise_equal(state_a[key], state_b[key], f"{key} of {name!r}")
-        assert float(native.states[0]["step"]) == STEPS
+        assert float(state_a["step"]) == STEPS, name
 
 
 # The two backends the property compares: the native kernel and the reference backend; in the Triton suite
@@ -286,49 +286,47 @@ def test_property_any_configuration_steps_alike_on_two_backends(data):
               data.draw(st.sampled_from((None, 1024.0, 0.5, "tensor")), "grad_scale"))
              for _ in range(data.draw(st.integers(1, 3), "steps"))]
 
-    outcomes = []
-    suite_backend = os.environ.get("ORT_OPTIM_BACKEND")
+    histories, norms = [], []
     for backend in PROPERTY_BACKENDS:
-        os.environ["ORT_OPTIM_BACKEND"] = backend
+        with pytest.MonkeyPatch.context() as patch:
+            select_backend(patch, backend)
+            history, reported = _drawn_steps(config, steps)
+        histories.append(history)
+        norms.append(reported)
+    assert_same_history(*histories)
+    # the norm where both backends report one (the reference backend does not in a plain step), each summed in its
+    # own order
+    for a, b in zip(*norms):
+        if a is not None and b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=0, equal_nan=True)
+
+
+def _drawn_steps(config, steps) -> tuple[list, list]:
+    """The drawn configuration stepped with each drawn gradient list and grad_scale on the selected backend: per step
+    a snapshot with found_inf and the skip flag (or ("refused", type, message), ending the run, after checking that
+    the refused step changed nothing), and the reported gradient norm."""
+    params = config.params()
+    try:
+        opt = FusedAdam(config.param_groups(params), **config.options)
+    except (ValueError, TypeError) as error:
+        return [("refused", type(error), str(error))], []
+    history, norms = [], []
+    for k, (grads, grad_scale) in enumerate(steps):
+        for i, (p, grad) in enumerate(zip(params, grads)):
+            p.grad = None if grad is None else gradient(p, grad, 1000 * k + i)
+        scale = torch.tensor(4096.0) if grad_scale == "tensor" else grad_scale
+        before = optimizer_snapshot(opt)
         try:
-            params = config.params()
-            history = []
-            try:
-                opt = FusedAdam(config.param_groups(params), **config.options)
-            except (ValueError, TypeError) as error:
-                outcomes.append([("refused", type(error), str(error))])
-                continue
-            for k, (grads, grad_scale) in enumerate(steps):
-                for i, (p, grad) in enumerate(zip(params, grads)):
-                    p.grad = None if grad is None else gradient(p, grad, 1000 * k + i)
-                scale = torch.tensor(4096.0) if grad_scale == "tensor" else grad_scale
-                before = optimizer_snapshot(opt)
-                try:
-                    opt.step(**({} if scale is None else {"grad_scale": scale}))
-                except (ValueError, TypeError, RuntimeError) as error:
-                    assert_same_snapshot_but_nan_bits(optimizer_snapshot(opt), before)
-                    history.append(("refused", type(error), str(error)))
-                    break
-                found_inf, norm = opt.last_found_inf, opt.last_grad_norm
-                reports = {"last_found_inf": None if found_inf is None else found_inf.clone(),
-                           "last_step_skipped": opt.last_step_skipped}
-                history.append((optimizer_snapshot(opt) | reports, None if norm is None else norm.clone()))
-            outcomes.append(history)
-        finally:
-            os.environ.pop("ORT_OPTIM_BACKEND")
-            if suite_backend is not None:
-                os.environ["ORT_OPTIM_BACKEND"] = suite_backend
-    first, second = outcomes
-    assert len(first) == len(second), (first[-1:], second[-1:])
-    for a, b in zip(first, second):
-        if a[0] == "refused" or b[0] == "refused":
-            assert a == b
-            continue
-        assert_same_snapshot_but_nan_bits(a[0], b[0])
-        # the norm where both backends report one (the reference backend does not in a plain step), summed in
-        # their own orders
-        if a[1] is not None and b[1] is not None:
-            torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=0, equal_nan=True)
+            opt.step(**({} if scale is None else {"grad_scale": scale}))
+        except (ValueError, TypeError, RuntimeError) as error:
+            assert_same_snapshot_but_nan_bits(optimizer_snapshot(opt), before)
+            history.append(("refused", type(error), str(error)))
+            break
+        found_inf, norm = opt.last_found_inf, opt.last_grad_norm
+        history.append(optimizer_snapshot(opt) | {"last_found_inf": None if found_inf is None else found_inf.clone(),
+                                                  "last_step_skipped": opt.last_step_skipped})
+        norms.append(None if norm is None else norm.clone())
+    return history, norms
 
 
 def test_the_parity_tolerances_can_tell_the_modes_apart():
