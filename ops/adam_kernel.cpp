@@ -569,7 +569,7 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
 // with the coding of each block overlapping the update of the next. After the decode of the whole block: per
 // 256-element block b, one loop updates b (Adam16: the divisions and square roots, bound by the divider) and writes
 // both moments' codes of block b - 1 (Coder8::code16: loads, compares and permutes, the other ports); then b's random
-// bits, scales and Coder8::prepare. A block whose m or sqrt(v) is not finite (an overflowed v, a NaN) takes the plain
+// bits and scales. A block whose m or sqrt(v) is not finite (an overflowed v, a NaN) takes the plain
 // stores. false (nothing done) where the tensor or block does not fit (staged then).
 template <int64_t kMode>
 bool update_q8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
@@ -617,8 +617,8 @@ bool update_q8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
     const float scale_m = bits_to_float(f.scale_bits(amax_m)), scale_v = bits_to_float(f.scale_bits(amax_root));
     f.store_scale(w.exp_avg_scale, (off + b) / kB, scale_m);
     f.store_scale(w.exp_avg_sq_scale, (off + b) / kB, scale_v);
-    coder_m.prepare(s.m + b, kB, scale_m > 0.0f ? 1.0f / scale_m : 0.0f);
-    coder_v.prepare(s.root + b, kB, scale_v > 0.0f ? 1.0f / scale_v : 0.0f);
+    coder_m.set_inverse(scale_m > 0.0f ? 1.0f / scale_m : 0.0f);
+    coder_v.set_inverse(scale_v > 0.0f ? 1.0f / scale_v : 0.0f);
     pending = true;
   }
   return true;

@@ -175,7 +175,7 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
   const int64_t vector_end = len & ~int64_t(15);
   if constexpr (kBits == 8) {
     Coder8<kSigned> coder(map);
-    coder.prepare(u, vector_end, inv);
+    coder.set_inverse(inv);
     for (; i < vector_end; i += 16) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(coder.code16(u, i, rnd)));
     }

@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
+#include <iterator>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -18,12 +20,10 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ORT_OPTIM_LOW_BIT_AVX512 1
-// AMD Zen 4 and 5 (which compilers without znver4 take for znver3, the same family with AVX-512): CodeMap's scalar
-// loads beat a gather there (CodeMap::bucket_keys, Coder8::prepare);
+// AMD Zen 4 and 5 (which compilers without znver4 take for znver3, the same family with AVX-512): the 8-bit step
+// codes each block in the loop that updates the next (the Adam kernel's update_q8: 8% faster there, measured only
+// there);
 #if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
-#define ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES 1
-// the 8-bit step codes each block in the loop that updates the next (the Adam kernel's update_q8: 8% faster there,
-// measured only there);
 #define ORT_OPTIM_LOW_BIT_FUSED_Q8 1
 // and 8-bit codes decode 64 at a time by byte permutes (CodeMap::levels64), where AVX-512 VBMI has them
 #ifdef __AVX512VBMI__
@@ -71,6 +71,7 @@ class CodeMap {
     for (int step = 1; step <= 2; ++step) {
       for (int j = 0; j < 16; ++j) step_[step - 1][j] = j + step - 1 < 16 ? search_[j + step - 1] : search_[15];
     }
+    build_binades(levels, thresholds, count, is_signed ? 1 : 0);
     min_bucket_ = float_to_bits(mid_[0]) >> kShift;
     const uint32_t max_bucket = float_to_bits(1.0f) >> kShift;
     for (uint32_t b = min_bucket_; b <= max_bucket; ++b) {
@@ -79,11 +80,6 @@ class CodeMap {
       const int below_end = int(std::lower_bound(mid_.begin(), mid_.end(), end) - mid_.begin());
       TORCH_CHECK(below_end - at_or_below <= 1, "ort_optim: two code thresholds within one search bucket");
       bucket_.push_back(uint8_t(at_or_below));
-      // mid_[at_or_below] is the first threshold above the bucket's start: if it lies inside the bucket, a value of
-      // the bucket reaches it exactly when its low bits do; if not, never (kNever exceeds every low part).
-      const uint32_t next = float_to_bits(mid_[at_or_below]);
-      const uint32_t low = (next >> kShift) == b ? next & kLowMask : kNever;
-      packed_.push_back(uint32_t(at_or_below) << 16 | low);
     }
   }
 
@@ -92,36 +88,29 @@ class CodeMap {
     a = a * snap_;
     a = a < 1.0f ? a : 1.0f;
     const int64_t b = int64_t(float_to_bits(a) >> kShift) - int64_t(min_bucket_);
-    const int c = bucket_[b < 0 ? 0 : b];
+    if (b < 0) return 0;  // below the first threshold's bucket
+    const int c = bucket_[b];
     return c + (a >= mid_[c]);
   }
 
-#ifdef ORT_OPTIM_LOW_BIT_AVX512
-  // magnitude_code of 16 normalised magnitudes (finite, >= 0) by the packed bucket table (8-bit maps), in three
-  // steps: bucket_keys, then the entries (one 16-lane gather, entries; or scalar loads of entry_table() at
-  // entry_indices, where those are faster: on AMD Zen 4 16 scalar loads take about two thirds of the time of one
-  // gather, on Intel's Sapphire Rapids a gather takes 0.55 ns per element less), then codes_of_entries.
-  inline __m512i bucket_keys(__m512 a) const {
-    a = _mm512_min_ps(_mm512_mul_ps(a, _mm512_set1_ps(snap_)), _mm512_set1_ps(1.0f));
-    // Below the first bucket, every value gets the first bucket's code, as the clamp b < 0 ? 0 does above; its
-    // start has low bits 0, which never reach the first threshold above it.
-    return _mm512_max_epu32(_mm512_castps_si512(a), _mm512_set1_epi32(int(min_bucket_ << kShift)));
-  }
-  // The entries of 16 keys: entry_table()[entry_indices(key)].
-  inline __m512i entry_indices(__m512i key) const {
-    return _mm512_sub_epi32(_mm512_srli_epi32(key, kShift), _mm512_set1_epi32(int(min_bucket_)));
-  }
-  const uint32_t* entry_table() const { return packed_.data(); }
-  inline __m512i entries(__m512i key) const {
-    return _mm512_i32gather_epi32(entry_indices(key), packed_.data(), 4);
-  }
-  static inline __m512i codes_of_entries(__m512i key, __m512i e) {
-    const __m512i c = _mm512_srli_epi32(e, 16);
-    const __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_and_si512(key, _mm512_set1_epi32(kLowMask)),
-                                                 _mm512_and_si512(e, _mm512_set1_epi32(0xFFFF)));
-    return _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
-  }
+  // How a map's codes follow from the bits of a normalised magnitude a in [0, 1] (a * snap clamped to 1), where its
+  // levels are a binade grid (_spec.binade_levels: both 8-bit maps). Binade t (a in [2^-t, 2^-(t-1)); t = 0 for
+  // a = 1) holds 2^mb levels, so the level at or below a has the code (bits(a) >> (23 - mb)) - offset(t), and the
+  // level above it is that level's bits plus 1 << (23 - mb): codes by shifts and adds, no search. kFloor: the code
+  // is the level at or below (exp_avg: its thresholds are the levels, except the top one, kept in top()); kMidpoint:
+  // the nearest level (sqrt(v) nearest in sqrt(v): its thresholds are the arithmetic midpoints), the same shift one
+  // bit short, plus one, halved; kNone: not a binade grid (the 4-bit maps, which search in registers).
+  enum class Binades { kNone, kFloor, kMidpoint };
+  Binades binades() const { return binades_; }
+  float top() const { return top_; }
+  // Per binade, at its position (below): the shift in the low byte, the code offset above it (the code of the level
+  // at or below = (bits >> shift) - offset); shift 31 (and a non-positive offset) where a binade holds no levels.
+  const int32_t* binade_table() const { return binade_; }
+  // Per binade, at its position: the unit of its levels times 2^-17 (exp_avg's stochastic rounding: hi - lo), +inf
+  // where exp_avg never rounds up (the top level and zero).
+  const float* sr_unit() const { return sr_unit_; }
 
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
   // The same by a binary search over the thresholds T (kLevels - 1 of them: 7 or 15) held in registers (4-bit
   // maps). Its first step compares with a constant, the second picks one of two constants, the others permute.
   template <int kLevels>
@@ -186,6 +175,8 @@ class CodeMap {
 #endif
 
   int sign_bit() const { return sign_bit_; }
+  int count() const { return count_; }
+  float snap() const { return snap_; }
   const float* decode() const { return decode_; }
   const float* sr_step() const { return sr_step_; }
   const float* squares() const { return square_; }
@@ -207,7 +198,6 @@ class CodeMap {
 
  private:
   static constexpr int kShift = 15;  // keeps the exponent and 8 mantissa bits
-  static constexpr uint32_t kLowMask = (1u << kShift) - 1, kNever = 1u << kShift;
   int sign_bit_;
   int count_;
   float snap_;
@@ -223,7 +213,55 @@ class CodeMap {
   std::vector<float> mid_;
   uint32_t min_bucket_ = 0;
   std::vector<uint8_t> bucket_;
-  std::vector<uint32_t> packed_;  // per bucket: its code << 16 | the low bits of the threshold inside it, or kNever
+  // The binade tables are indexed by the position of binade t, the low 5 bits of its float32 exponent 127 - t: t = 0
+  // (a = 1) at 31, t = 1..31 at 30..0; the coder clamps magnitudes to 2^-30 from below, so the exponent of any
+  // magnitude it codes finds its binade's entry without a range check (which needs every level above 2^-30).
+  static int position(int t) { return (127 - t) & 31; }
+  Binades binades_ = Binades::kNone;
+  float top_ = 1.0f;
+  alignas(64) int32_t binade_[32] = {0};
+  alignas(64) float sr_unit_[32] = {0.0f};
+
+  // Fills the binade tables where levels[first, count) (ascending, levels[count - 1] == 1) are a binade grid down to
+  // 2^-29 at most and the thresholds fit kFloor or kMidpoint; leaves binades_ kNone otherwise.
+  void build_binades(const float* levels, const float* thresholds, int count, int first) {
+    if (levels[count - 1] != 1.0f) return;
+    int width[32] = {0}, base[32] = {0}, t = 0;
+    for (int end = count - 1; end > first;) {  // binade t = 1, 2, ..: levels[start, end)
+      if (++t > 29) return;
+      const float low = std::ldexp(1.0f, -t);
+      int start = end;
+      while (start > first && levels[start - 1] >= low) --start;
+      const int n = end - start;
+      if (n == 0 || (n & (n - 1)) != 0 || n > (1 << 22)) return;
+      for (int f = 0; f < n; ++f) {
+        if (levels[start + f] != low * (1.0f + float(f) / float(n))) return;
+      }
+      width[t] = __builtin_ctz(unsigned(n));
+      base[t] = start;
+      end = start;
+    }
+    const int lowest = t;
+    bool floor = true, midpoint = first == 0;
+    for (int k = 0; k + 2 < count; ++k) floor = floor && thresholds[k] == levels[k + 1];
+    for (int k = 0; k + 1 < count; ++k) midpoint = midpoint && thresholds[k] == (levels[k] + levels[k + 1]) / 2;
+    if (floor && thresholds[count - 2] > levels[count - 2] && thresholds[count - 2] <= 1.0f) {
+      top_ = thresholds[count - 2];
+      binades_ = Binades::kFloor;
+    } else if (midpoint) {
+      binades_ = Binades::kMidpoint;
+    } else {
+      return;
+    }
+    for (int b = 0; b < 32; ++b) {  // (shift 31 keeps nothing of a magnitude: the code is -offset)
+      int32_t& entry = binade_[position(b)];
+      if (b == 0) entry = 31 | -(count - 1) * 256;
+      else if (b <= lowest) entry = (23 - width[b]) | (((127 - b) << width[b]) - base[b]) * 256;
+      else entry = 31;  // below the grid: code 0 (exp_avg's zero, sqrt(v)'s lowest level)
+      sr_unit_[position(b)] = b >= 1 && b <= lowest ? std::ldexp(1.0f, -b - width[b] - 17)
+                                                    : std::numeric_limits<float>::infinity();
+    }
+  }
 };
 
 struct LowBit {
@@ -353,68 +391,78 @@ struct Coder16 {
   }
 };
 
-// The 8-bit codes of one block of (finite) values u[0, len) (len <= 256), 16 values at a time and in order, in two
-// steps: prepare (the bucket keys of the block's whole vectors, and with ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES their
-// entries), then code16 per 16 values. kSigned: exp_avg's map, rounded stochastically (Coder16). encode_block codes
-// with it, and the Adam kernel's fused 8-bit step, which codes a block while it updates the next one.
+// The 8-bit codes of (finite) values, 16 at a time, by bit arithmetic on the binade grid of the map
+// (CodeMap::Binades): per value, its binade's entry (shift and offset: one permute of a 32-entry table held in two
+// registers, indexed by the exponent's low 5 bits), then kSigned (exp_avg, kFloor): the level at or below (its bits
+// are the magnitude's with the mantissa cut to the binade's width), rounded stochastically one unit of the binade
+// up; sqrt(v) (kMidpoint): the nearest level, by the shift one bit short plus one, halved (a carry out of the
+// binade lands on the next binade's first level, whose code is next). No table of levels, gaps or thresholds: the
+// same codes as the scalar CodeMap::stochastic_magnitude_code and magnitude_code, which search the thresholds.
+// encode_block codes with it, and the Adam kernel's fused 8-bit step, which codes a block while it updates the next.
 template <bool kSigned>
 struct Coder8 {
-  Coder16<8, kSigned> coder;
-#ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
-  alignas(64) uint32_t keys[256], index[256], entries[256];
-#endif
+  const CodeMap& map;
+  __m512 inv = _mm512_setzero_ps();
+  // (the map's constants, in registers: read through the map in the loop, they would be reloaded after every store)
+  const __m512 snap, top;
+  const __m512i sign_bit;
+  __m512i binade[2];
+  __m512 sr_unit[2];
 
-  explicit Coder8(const CodeMap& map) : coder(map, 0.0f) {}
-
-  // u[0, vector_end) (vector_end a multiple of 16, at most 256), coded with 1 / scale inv.
-  void prepare(const float* u, int64_t vector_end, float inverse) {
-    coder.set_inverse(inverse);
-#ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
-    // The keys, and the entries' indices in the table (computed 16 at a time, so that the scalar loop only loads);
-    // the loop takes 4 indices in two 64-bit loads and inserts the entries into vectors, written 16 at a time (on
-    // AMD Zen 4 about 14% of the 8-bit step less than one load and store of each 32-bit key and entry).
-    const CodeMap& map = coder.map;
-    for (int64_t i = 0; i < vector_end; i += 16) {
-      const __m512i key = map.bucket_keys(coder.magnitude(_mm512_loadu_ps(u + i)));
-      _mm512_store_si512(keys + i, key);
-      _mm512_store_si512(index + i, map.entry_indices(key));
+  explicit Coder8(const CodeMap& code_map)
+      : map(code_map), snap(_mm512_set1_ps(map.snap())), top(_mm512_set1_ps(map.top())),
+        sign_bit(_mm512_set1_epi32(map.sign_bit())) {
+    TORCH_CHECK(map.binades() == (kSigned ? CodeMap::Binades::kFloor : CodeMap::Binades::kMidpoint),
+                "ort_optim: the 8-bit vector coder needs levels on a binade grid (_spec.binade_levels), exp_avg's "
+                "rounded from the level at or below, sqrt(v)'s to the nearest in sqrt(v)");
+    for (int k = 0; k < 2; ++k) {
+      binade[k] = _mm512_load_si512(map.binade_table() + 16 * k);
+      sr_unit[k] = _mm512_load_ps(map.sr_unit() + 16 * k);
     }
-    const uint32_t* table = map.entry_table();
-    for (int64_t i = 0; i < vector_end; i += 16) {
-      __m128i e[4];
-      for (int k = 0; k < 4; ++k) {
-        uint64_t k01, k23;
-        std::memcpy(&k01, index + i + 4 * k, 8);
-        std::memcpy(&k23, index + i + 4 * k + 2, 8);
-#ifdef __GNUC__
-        asm("" : "+r"(k01), "+r"(k23));  // keeps the loads scalar: vectorised, the compiler emulates a gather
-#endif
-        e[k] = _mm_cvtsi32_si128(int(table[uint32_t(k01)]));
-        e[k] = _mm_insert_epi32(e[k], int(table[k01 >> 32]), 1);
-        e[k] = _mm_insert_epi32(e[k], int(table[uint32_t(k23)]), 2);
-        e[k] = _mm_insert_epi32(e[k], int(table[k23 >> 32]), 3);
-      }
-      _mm512_store_si512(entries + i, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(e[1], e[0])),
-                                                         _mm256_set_m128i(e[3], e[2]), 1));
-    }
-#else
-    (void)u;
-    (void)vector_end;
-#endif
   }
 
-  // The codes of u[i, i + 16) (i a multiple of 16 below prepare's vector_end); rnd: the random bits of the block's
-  // elements (moment_random_bits) for exp_avg, else unused.
-  inline __m512i code16(const float* u, int64_t i, const uint32_t* rnd) {
+  // The values to code next are divided by scale (1 / scale = inverse; 0 for a zero block).
+  void set_inverse(float inverse) { inv = _mm512_set1_ps(inverse); }
+
+  // The codes of u[i, i + 16); rnd: the random bits of the block's elements (moment_random_bits) for exp_avg, else
+  // unused.
+  inline __m512i code16(const float* u, int64_t i, const uint32_t* rnd) const {
     const __m512 x = _mm512_loadu_ps(u + i);
-    const __m512 a = coder.magnitude(x);
-#ifdef ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES
-    const __m512i code = CodeMap::codes_of_entries(_mm512_load_si512(keys + i), _mm512_load_si512(entries + i));
-#else
-    const __m512i key = coder.map.bucket_keys(a);
-    const __m512i code = CodeMap::codes_of_entries(key, coder.map.entries(key));
-#endif
-    return coder.finish(x, a, code, kSigned ? Coder16<8, kSigned>::random16(rnd + i) : _mm512_setzero_ps());
+    const __m512i abs_bits = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
+    const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(abs_bits), inv);
+    // (clamped to 2^-30 from below, where every value codes as exp_avg's 0 or sqrt(v)'s lowest level: its exponent's
+    // low 5 bits then index the tables without a range check; sqrt(v)'s snap is 1)
+    __m512 c = _mm512_min_ps(_mm512_max_ps(kSigned ? _mm512_mul_ps(a, snap) : a, _mm512_set1_ps(0x1p-30f)),
+                             _mm512_set1_ps(1.0f));
+    if constexpr (kSigned) {  // the top threshold (below 1): the top level from there
+      c = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, top, _CMP_GE_OQ), c, _mm512_set1_ps(1.0f));
+    }
+    const __m512i bits = _mm512_castps_si512(c);
+    const __m512i position = _mm512_srli_epi32(bits, 23);  // (permutes read its low 5 bits)
+    const __m512i entry = _mm512_permutex2var_epi32(binade[0], position, binade[1]);
+    const __m512i shift = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
+    const __m512i offset = _mm512_srai_epi32(entry, 8);
+    if constexpr (!kSigned) {
+      const __m512i half_units = _mm512_srlv_epi32(bits, _mm512_sub_epi32(shift, _mm512_set1_epi32(1)));
+      return _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(half_units, _mm512_set1_epi32(1)), 1), offset);
+    } else {
+      // (CodeMap::stochastic_magnitude_code) up iff (lowered(a) - lo) > ((2 * r16 + 1) * 2^-17) * (hi - lo), from a
+      // non-zero level below the top one. hi - lo is the binade's unit, +inf at zero and the top level, so that no
+      // lane there rounds up; lowered(a) is not clamped at 0: below 8 ulps it is negative or NaN, and never rounds up.
+      __m512i code = _mm512_sub_epi32(_mm512_srlv_epi32(bits, shift), offset);
+      const __m512i lo = _mm512_and_si512(bits, _mm512_sllv_epi32(_mm512_set1_epi32(-1), shift));
+      const __m512 lowered = _mm512_castsi512_ps(
+          _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(int(spec::kExpAvgSrUlps))));
+      const __m512i r = _mm512_srli_epi32(_mm512_loadu_si512(rnd + i), 15);  // 2 * r16 (bit 0 set by the or)
+      const __m512 random = _mm512_cvtepi32_ps(_mm512_or_si512(r, _mm512_set1_epi32(1)));
+      const __m512 unit = _mm512_permutex2var_ps(sr_unit[0], position, sr_unit[1]);
+      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(lowered, _mm512_castsi512_ps(lo)),
+                                              _mm512_mul_ps(random, unit), _CMP_GT_OQ);
+      code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
+      const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ) &
+                                 _mm512_test_epi32_mask(code, code);
+      return _mm512_mask_or_epi32(code, negative, code, sign_bit);
+    }
   }
 };
 #endif

@@ -74,6 +74,19 @@ def decade_levels(counts: tuple[int, ...]) -> tuple[float, ...]:
     return tuple(levels)
 
 
+def binade_levels(mantissa_bits: tuple[int, ...]) -> tuple[float, ...]:
+    """Positive quantisation levels in (0, 1], ascending: 1, and in each binade [2**-(i + 1), 2**-i) the
+    2**mantissa_bits[i] values ``2**-(i + 1) * (1 + f / 2**mantissa_bits[i])``: a binary floating-point grid whose
+    mantissa width may shrink from binade to binade (finer steps near the block's maximum, fewer levels far below
+    it, down to 2**-len(mantissa_bits)). A normalised magnitude's level at or below is its float32 bits with the
+    mantissa cut to its binade's width, and the level above adds one unit of that width: coding is bit arithmetic,
+    with no search and no table of levels."""
+    levels = [1.0]
+    for i, bits in enumerate(mantissa_bits):
+        levels.extend(2.0 ** -(i + 1) * (1 + f / 2**bits) for f in range(2**bits))
+    return tuple(sorted(levels))
+
+
 def reciprocal_midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
     """The float32 decision thresholds of sqrt(v) between consecutive levels a < b: ``2ab / (a + b)`` (computed in
     float64 from the float32 levels, rounded to float32), where 1/x is halfway between 1/a and 1/b. A normalised
@@ -172,11 +185,17 @@ EXP_AVG_SR_ULPS = 8
 MIN_SCALE = 2.0**-126
 
 
-def thresholds(levels: tuple[float, ...], second_moment: bool) -> tuple[float, ...]:
-    """The decision thresholds of a code map: for sqrt(v) the reciprocal midpoints (the nearest level in 1/sqrt(v));
-    for exp_avg the levels above zero (applied to a * EXP_AVG_SNAP: the level at or below, from which exp_avg rounds
-    stochastically up or stays)."""
-    return reciprocal_midpoints(levels) if second_moment else tuple(levels[1:-1]) + (EXP_AVG_TOP,)
+def thresholds(levels: tuple[float, ...], second_moment: bool, nearest: str = "reciprocal") -> tuple[float, ...]:
+    """The decision thresholds of a code map: for sqrt(v) the midpoints between neighbouring levels, reciprocal
+    (``nearest="reciprocal"``: the nearest level in 1/sqrt(v), :func:`reciprocal_midpoints`) or arithmetic
+    (``"root"``: the nearest level in sqrt(v) itself, (a + b) / 2 rounded to float32); for exp_avg the levels above
+    zero (applied to a * EXP_AVG_SNAP: the level at or below, from which exp_avg rounds stochastically up or
+    stays)."""
+    if not second_moment:
+        return tuple(levels[1:-1]) + (EXP_AVG_TOP,)
+    if nearest == "root":
+        return tuple(_f32((a + b) / 2) for a, b in zip(levels, levels[1:]))
+    return reciprocal_midpoints(levels)
 
 
 def square_tables(levels: tuple[float, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -226,6 +245,13 @@ class LowBitFormat:
     exp_avg_relative: bool = False
     # sqrt(v) rounded stochastically in a step, unbiased in v (EXP_AVG_SQ_STOCHASTIC states the rule)
     exp_avg_sq_stochastic: bool = False
+    # which level sqrt(v) rounds to where it rounds to nearest: "reciprocal" (nearest in 1/sqrt(v)) or "root"
+    # (nearest in sqrt(v)); thresholds() gives the midpoints of either
+    exp_avg_sq_nearest: str = "reciprocal"
+
+    def sq_thresholds(self) -> tuple[float, ...]:
+        """The thresholds sqrt(v) rounds to nearest by (conversions; every step where it is not stochastic)."""
+        return thresholds(self.exp_avg_sq_levels, True, self.exp_avg_sq_nearest)
 
     def num_scales(self, numel: int) -> int:
         return (numel + self.block - 1) // self.block
@@ -245,8 +271,9 @@ class LowBitFormat:
 # exp_avg: 127 magnitudes from 1e-6 to 1 (+ zero, signs); exp_avg_sq: 256 levels of sqrt(v) from 5.5e-8 to 1.
 Q8 = LowBitFormat(
     name="8-bit", bits=8, block=256, scale_dtype=torch.float32,
-    exp_avg_levels=(0.0,) + decade_levels((1, 2, 4, 8, 16, 32, 64)),
-    exp_avg_sq_levels=decade_levels((2, 2, 4, 8, 16, 32, 64, 128)),
+    exp_avg_levels=(0.0,) + binade_levels((5, 4, 4, 4, 3, 3, 3, 2, 2, 1, 1, 1) + (0,) * 8),
+    exp_avg_sq_levels=binade_levels((5, 5, 5, 5, 5, 4, 4, 4, 3, 3, 3, 2, 2, 1, 1) + (0,) * 11),
+    exp_avg_sq_nearest="root",
 )
 # 4-bit: Li et al.'s block 128 for both moments, with bfloat16 scales (float32's exponent range, half its bytes):
 # 2 * (0.5 + 2/128) = 1.031 bytes/param. exp_avg: r = m / sqrt(v) (EXP_AVG_RELATIVE) on 7 linear magnitudes k/7

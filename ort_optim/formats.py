@@ -227,7 +227,7 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
         codes = codes + (up & (codes < len(levels) - 1)).long()
     elif second_moment:
         a = torch.where(a < 1.0, a, torch.ones_like(a))
-        bounds = torch.tensor(thresholds(levels, True), dtype=torch.float32)
+        bounds = torch.tensor(fmt.sq_thresholds(), dtype=torch.float32)
         codes = torch.searchsorted(bounds, a.reshape(-1).contiguous(), right=True).view_as(a)
     else:  # stochastic rounding between the level at or below and the next one (ort_optim._spec.EXP_AVG_SR_ULPS)
         a_up = a * EXP_AVG_SNAP

@@ -154,7 +154,8 @@ def round_state(x: torch.Tensor, dtype: torch.dtype, second_moment: bool = False
 # ---- low-bit states, from the format's definition (ops/README.md, "low-bit states") -------------------------------
 # The levels and block sizes are the specification's data (ort_optim._spec); the quantiser below is written from
 # the README's rules: scale = block absmax (rounded to nearest bfloat16 for 4-bit), normalised a = fp32(|u| * fp32(1/s))
-# clamped to 1; sqrt(v) (exp_avg_sq) takes the level nearest in 1/sqrt(v), exp_avg the largest level <= a or,
+# clamped to 1; sqrt(v) (exp_avg_sq) takes the level nearest in 1/sqrt(v) (the 8-bit format's: in sqrt(v)), exp_avg
+# the largest level <= a or,
 # stochastically, the next one up (random bits: a hash of the step's new exp_avg's float32 bits, the index and the
 # step). A second
 # moment's overflowed v (sqrt(v) = inf) reads back as inf, and its block is quantised by its other values.
@@ -235,7 +236,8 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
         return torch.where(q == 0, torch.zeros_like(q), q * u.float()).double().view(x.shape)
     levels = torch.tensor(fmt.exp_avg_sq_levels if second_moment else fmt.exp_avg_levels, dtype=torch.float32)
     # sqrt(v): the nearest level in 1/sqrt(v) (thresholds 2ab / (a + b) between levels a < b, in float64, rounded to
-    # float32); exp_avg: the level at or below (thresholds at the levels), after
+    # float32), or in a format whose sqrt(v) rounds to the nearest in sqrt(v) itself (exp_avg_sq_nearest "root", the
+    # 8-bit one) the arithmetic midpoints (a + b) / 2; exp_avg: the level at or below (thresholds at the levels), after
     # the factor 1 + 2**-20 that keeps decoded levels on themselves (exp_avg's top threshold is 1 - 2**-8, so the
     # block's largest element keeps the top code), then, from a non-zero level, one up with probability
     # (a - lo) / (hi - lo)
@@ -244,7 +246,8 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
     # level below the top one; random bits: the low 16 of the step's exp_avg hash
     v_stochastic = second_moment and step != 0 and fmt.exp_avg_sq_stochastic
     low, high = levels[:-1].double(), levels[1:].double()
-    thresholds = (2.0 * low * high / (low + high)).float() if second_moment and not v_stochastic else torch.cat(
+    midpoints = (low + high) / 2.0 if fmt.exp_avg_sq_nearest == "root" else 2.0 * low * high / (low + high)
+    thresholds = midpoints.float() if second_moment and not v_stochastic else torch.cat(
         [levels[1:-1], torch.tensor([1.0 - 2.0**-8])])
     flat = x.reshape(-1).float()
     u = flat.double().sqrt().float() if second_moment else flat  # correctly rounded float32 sqrt

@@ -71,7 +71,7 @@ def spec_header() -> str:
             array(f"k{tag}ExpAvgLevels", fmt.exp_avg_levels),
             array(f"k{tag}ExpAvgSqLevels", fmt.exp_avg_sq_levels),
             array(f"k{tag}ExpAvgThresholds", _spec.thresholds(fmt.exp_avg_levels, False)),
-            array(f"k{tag}ExpAvgSqThresholds", _spec.thresholds(fmt.exp_avg_sq_levels, True)),
+            array(f"k{tag}ExpAvgSqThresholds", fmt.sq_thresholds()),
             f"constexpr bool k{tag}ExpAvgSqStochastic = {'true' if fmt.exp_avg_sq_stochastic else 'false'};",
             array(f"k{tag}ExpAvgSqSrThresholds", _spec.thresholds(fmt.exp_avg_sq_levels, False)),
             array(f"k{tag}ExpAvgSqSquares", _spec.square_tables(fmt.exp_avg_sq_levels)[0]),

@@ -431,7 +431,7 @@ def _lut(fmt: LowBitFormat, device: torch.device) -> torch.Tensor:
         inf = float("inf")  # padding of the midpoint lists to 2**k entries: never probed
         squares, square_gaps = square_tables(tuple(v_levels))
         values = (m_levels + [-x for x in m_levels] + v_levels + list(thresholds(tuple(m_levels), False)) + [inf]
-                  + list(thresholds(tuple(v_levels), True)) + [inf] + list(thresholds(tuple(v_levels), False))
+                  + list(fmt.sq_thresholds()) + [inf] + list(thresholds(tuple(v_levels), False))
                   + [inf] + list(squares) + list(square_gaps))
         host = torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda")
         table = host.to(device, non_blocking=True) if device.type == "cuda" else host

@@ -1415,8 +1415,9 @@ def test_a_second_moment_that_rounds_to_zero_never_makes_the_update_explode(comb
 STEADY_BANDS = ((1e-4, 1e-3), (1e-3, 1e-2), (1e-2, 1e-1), (1e-1, 1.01))
 STEADY_MOVEMENT = {  # per band: (least, most) movement over fp32 AdamW's
     ("u8", "u8"): ((0.55, 1.9), (0.65, 1.45), (0.75, 1.3), (0.75, 1.25)),
-    # (4-bit sqrt(v) rounds stochastically: elements at 0.001-0.01 of their block's largest sit in its widest gaps)
-    ("u8", "u4"): ((0.09, 1.2), (0.35, 3.0), (0.6, 1.95), (0.7, 1.4)),
+    # (4-bit sqrt(v) rounds stochastically: elements at 0.001-0.01 of their block's largest sit in its widest gaps;
+    # the band's largest is the largest of about 230 stochastic draws, as below)
+    ("u8", "u4"): ((0.09, 1.2), (0.35, 3.5), (0.6, 1.95), (0.7, 1.4)),
     # (the band's largest is the largest of about 230 stochastic draws: 2.7-3.2 over magnitudes scaled by 1 + k/1000)
     ("u4", "u4"): ((0.03, 1.25), (0.18, 3.5), (0.5, 1.95), (0.7, 1.4)),
 }
@@ -2552,8 +2553,8 @@ def _round_trip(values, fmt, second_moment, step, root=None):
 
 # (exp_avg, sqrt(v)) bounds: measured on seeds 0-2 (5 stochastic roundings each) with about 10% headroom.
 # 4-bit: exp_avg (m / sqrt(v) on linear levels, against the stored sqrt(v)) 0.0257-0.0266, sqrt(v) 0.043-0.044;
-# 8-bit: exp_avg 0.011-0.0127, sqrt(v) 0.0017-0.0020. (m itself on 4-bit decade levels: 0.284-0.289.)
-BOUNDS = {"8-bit": (0.014, 0.0022), "4-bit": (0.029, 0.048)}
+# 8-bit: exp_avg 0.0092-0.0099, sqrt(v) 0.0020-0.0024. (m itself on 4-bit decade levels: 0.284-0.289.)
+BOUNDS = {"8-bit": (0.011, 0.0027), "4-bit": (0.029, 0.048)}
 
 
 @pytest.mark.parametrize("fmt", [Q8, Q4], ids=["8bit", "4bit"])
