@@ -95,17 +95,20 @@ class CodeMap {
 
   // How a map's codes follow from the bits of a normalised magnitude a in [0, 1] (a * snap clamped to 1), where its
   // levels are a binade grid (_spec.binade_levels: both 8-bit maps). Binade t (a in [2^-t, 2^-(t-1)); t = 0 for
-  // a = 1) holds 2^mb levels, so the level at or below a has the code (bits(a) >> (23 - mb)) - offset(t), and the
+  // a >= 1) holds 2^mb levels, so the level at or below a has the code (bits(a) >> (23 - mb)) - offset(t), and the
   // level above it is that level's bits plus 1 << (23 - mb): codes by shifts and adds, no search. kFloor: the code
   // is the level at or below (exp_avg: its thresholds are the levels, except the top one, kept in top()); kMidpoint:
-  // the nearest level (sqrt(v) nearest in sqrt(v): its thresholds are the arithmetic midpoints), the same shift one
-  // bit short, plus one, halved; kNone: not a binade grid (the 4-bit maps, which search in registers).
+  // the nearest level (sqrt(v) nearest in sqrt(v): its thresholds are the arithmetic midpoints), by the same shift
+  // one bit short: ((bits(a) >> (22 - mb)) - (2 * offset(t) - 1)) >> 1; kNone: not a binade grid (the 4-bit maps,
+  // which search in registers).
   enum class Binades { kNone, kFloor, kMidpoint };
   Binades binades() const { return binades_; }
   float top() const { return top_; }
-  // Per binade, at its position (below): the shift in the low byte, the code offset above it (the code of the level
-  // at or below = (bits >> shift) - offset); shift 31 (and a non-positive offset) where a binade holds no levels.
-  const int32_t* binade_table() const { return binade_; }
+  // Per binade, at its position (below): the shift and the offset above (kFloor: 23 - mb and offset(t); kMidpoint:
+  // 22 - mb and 2 * offset(t) - 1); shift 31 (kMidpoint: 30) where a binade holds no levels, whose code is then
+  // -offset: the top code for t = 0, 0 below the grid.
+  const int32_t* binade_shift() const { return shift_; }
+  const int32_t* binade_offset() const { return offset_; }
   // Per binade, at its position: the unit of its levels times 2^-17 (exp_avg's stochastic rounding: hi - lo), +inf
   // where exp_avg never rounds up (the top level and zero).
   const float* sr_unit() const { return sr_unit_; }
@@ -219,7 +222,8 @@ class CodeMap {
   static int position(int t) { return (127 - t) & 31; }
   Binades binades_ = Binades::kNone;
   float top_ = 1.0f;
-  alignas(64) int32_t binade_[32] = {0};
+  alignas(64) int32_t shift_[32] = {0};
+  alignas(64) int32_t offset_[32] = {0};
   alignas(64) float sr_unit_[32] = {0.0f};
 
   // Fills the binade tables where levels[first, count) (ascending, levels[count - 1] == 1) are a binade grid down to
@@ -254,10 +258,12 @@ class CodeMap {
       return;
     }
     for (int b = 0; b < 32; ++b) {  // (shift 31 keeps nothing of a magnitude: the code is -offset)
-      int32_t& entry = binade_[position(b)];
-      if (b == 0) entry = 31 | -(count - 1) * 256;
-      else if (b <= lowest) entry = (23 - width[b]) | (((127 - b) << width[b]) - base[b]) * 256;
-      else entry = 31;  // below the grid: code 0 (exp_avg's zero, sqrt(v)'s lowest level)
+      const bool midpoint = binades_ == Binades::kMidpoint;
+      // the floor code's shift and offset; 0 below the grid (exp_avg's zero, sqrt(v)'s lowest level)
+      const int shift = b >= 1 && b <= lowest ? 23 - width[b] : 31;
+      const int offset = b == 0 ? -(count - 1) : b <= lowest ? ((127 - b) << width[b]) - base[b] : 0;
+      shift_[position(b)] = midpoint ? shift - 1 : shift;
+      offset_[position(b)] = midpoint ? 2 * offset - (b >= 1 && b <= lowest ? 1 : 0) : offset;
       sr_unit_[position(b)] = b >= 1 && b <= lowest ? std::ldexp(1.0f, -b - width[b] - 17)
                                                     : std::numeric_limits<float>::infinity();
     }
@@ -406,7 +412,7 @@ struct Coder8 {
   // (the map's constants, in registers: read through the map in the loop, they would be reloaded after every store)
   const __m512 snap, top;
   const __m512i sign_bit;
-  __m512i binade[2];
+  __m512i shifts[2], offsets[2];
   __m512 sr_unit[2];
 
   explicit Coder8(const CodeMap& code_map)
@@ -416,7 +422,8 @@ struct Coder8 {
                 "ort_optim: the 8-bit vector coder needs levels on a binade grid (_spec.binade_levels), exp_avg's "
                 "rounded from the level at or below, sqrt(v)'s to the nearest in sqrt(v)");
     for (int k = 0; k < 2; ++k) {
-      binade[k] = _mm512_load_si512(map.binade_table() + 16 * k);
+      shifts[k] = _mm512_load_si512(map.binade_shift() + 16 * k);
+      offsets[k] = _mm512_load_si512(map.binade_offset() + 16 * k);
       sr_unit[k] = _mm512_load_ps(map.sr_unit() + 16 * k);
     }
   }
@@ -431,20 +438,18 @@ struct Coder8 {
     const __m512i abs_bits = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
     const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(abs_bits), inv);
     // (clamped to 2^-30 from below, where every value codes as exp_avg's 0 or sqrt(v)'s lowest level: its exponent's
-    // low 5 bits then index the tables without a range check; sqrt(v)'s snap is 1)
-    __m512 c = _mm512_min_ps(_mm512_max_ps(kSigned ? _mm512_mul_ps(a, snap) : a, _mm512_set1_ps(0x1p-30f)),
-                             _mm512_set1_ps(1.0f));
+    // low 5 bits then index the tables without a range check; not clamped to 1: a value a few ulps above it, from
+    // the rounding of |x| / scale, has t = 0 all the same, the top code; sqrt(v)'s snap is 1)
+    __m512 c = _mm512_max_ps(kSigned ? _mm512_mul_ps(a, snap) : a, _mm512_set1_ps(0x1p-30f));
     if constexpr (kSigned) {  // the top threshold (below 1): the top level from there
       c = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, top, _CMP_GE_OQ), c, _mm512_set1_ps(1.0f));
     }
     const __m512i bits = _mm512_castps_si512(c);
     const __m512i position = _mm512_srli_epi32(bits, 23);  // (permutes read its low 5 bits)
-    const __m512i entry = _mm512_permutex2var_epi32(binade[0], position, binade[1]);
-    const __m512i shift = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
-    const __m512i offset = _mm512_srai_epi32(entry, 8);
-    if constexpr (!kSigned) {
-      const __m512i half_units = _mm512_srlv_epi32(bits, _mm512_sub_epi32(shift, _mm512_set1_epi32(1)));
-      return _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(half_units, _mm512_set1_epi32(1)), 1), offset);
+    const __m512i shift = _mm512_permutex2var_epi32(shifts[0], position, shifts[1]);
+    const __m512i offset = _mm512_permutex2var_epi32(offsets[0], position, offsets[1]);
+    if constexpr (!kSigned) {  // (half units of the binade, less the doubled offset and one, halved)
+      return _mm512_srai_epi32(_mm512_sub_epi32(_mm512_srlv_epi32(bits, shift), offset), 1);
     } else {
       // (CodeMap::stochastic_magnitude_code) up iff (lowered(a) - lo) > ((2 * r16 + 1) * 2^-17) * (hi - lo), from a
       // non-zero level below the top one. hi - lo is the binade's unit, +inf at zero and the top level, so that no

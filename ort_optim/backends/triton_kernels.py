@@ -211,7 +211,8 @@ def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, DT: tl.c
 #   [0, 2**BITS)                     exp_avg value of each code (sign-magnitude: the top bit negates)
 #   [2**BITS, 2**(BITS+1))           sqrt(v) value of each exp_avg_sq code (relative to the block's scale)
 #   [2**(BITS+1), +2**(BITS-1))      exp_avg thresholds (_spec.thresholds: 2**(BITS-1) - 1 of them, then padding)
-#   [2**(BITS+1) + 2**(BITS-1), +2**BITS)  exp_avg_sq thresholds (reciprocal midpoints: 2**BITS - 1, then padding)
+#   [2**(BITS+1) + 2**(BITS-1), +2**BITS)  exp_avg_sq thresholds (LowBitFormat.sq_thresholds, the midpoints its
+#                                    exp_avg_sq_nearest names: 2**BITS - 1, then padding)
 #   [2**(BITS+2) - 2**(BITS-1), +2**BITS)  exp_avg_sq's stochastic rounding (_spec.EXP_AVG_SQ_STOCHASTIC): the
 #                                    levels above the lowest as thresholds (thresholds(levels, False), then padding),
 #   then 2**BITS level squares and 2**BITS square gaps (_spec.square_tables)
