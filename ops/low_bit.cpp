@@ -7,13 +7,12 @@
 // holds two thresholds: checked when the map is built) plus one comparison, instead of a binary search over the
 // levels. With AVX-512 (ORT_OPTIM_LOW_BIT_AVX512) 16 elements go at once and give the same bits: 8-bit codes decode
 // by permutes of the 256 levels held in registers (on AMD Zen 4 with VBMI, ORT_OPTIM_LOW_BIT_BYTE_PLANES: 64 at a
-// time, by byte permutes of the levels' four byte planes) and encode (Coder8) through a packed bucket table (the
-// bucket's code and its threshold's low bits, so the comparison needs no second lookup) read with one gather per 16
-// (scalar loads on AMD Zen 4, ORT_OPTIM_LOW_BIT_SCALAR_ENTRIES); 4-bit codes decode by a permute of the 16 levels
-// held in a register and encode by a binary search over the thresholds in registers. The Adam kernel's fused 4-bit
-// step (and on AMD Zen 4 its fused 8-bit step, ORT_OPTIM_LOW_BIT_FUSED_Q8) codes a block in the loop that updates
-// the next. The scalar path takes about 15x the fp32-moment step's time, the vectorised one about 2-3x (one thread,
-// hot, on AMD Zen 4: 8-bit 1.75 ns per parameter in the kernel where the staged path with gathers took 2.6;
+// time, by byte permutes of the levels' four byte planes) and encode (Coder8) by bit arithmetic on the maps' binade
+// grids (the binade's shift and offset from two tables in registers, no search); 4-bit codes decode by a permute of
+// the 16 levels held in a register and encode by a binary search over the thresholds in registers. The Adam
+// kernel's fused 4-bit step (and on AMD Zen 4 its fused 8-bit step, ORT_OPTIM_LOW_BIT_FUSED_Q8) codes a block in the
+// loop that updates the next. The scalar path takes about 15x the fp32-moment step's time, the vectorised one about
+// 2-4x (one thread, hot, on AMD Zen 4: 8-bit 1.12 ns per parameter in the kernel against 0.61 for fp32 moments;
 // guides/low-bit-states.md, "Speed", has the measurements and why the remaining cost is compute, not bytes).
 
 #include "low_bit.h"

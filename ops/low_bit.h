@@ -312,27 +312,24 @@ inline __m512 lookup128(const __m512* t, __m512i idx) {
   return _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[0], r[1]), _mm512_mask_blend_ps(b5, r[2], r[3]));
 }
 
-// The codes of one block, 16 values at a time and in order (encode_block's vector loop, through Coder8 for 8-bit
-// codes; the Adam kernel's fused steps code with it too): the values' magnitudes times 1 / scale inv, rounded to a level of map; kSigned:
-// exp_avg's map (sign-magnitude codes); kSquare: sqrt(v) rounded stochastically in the square. The stochastic
-// rounding (CodeMap::stochastic_magnitude_code, 16 lanes) takes its level and the gap to the next one from registers
-// (8 or 1 of each: 128 or 16 entries; permutes, not gathers: a 16-lane gather costs about as much as the rest of
-// this loop on Zen 4), and its random numbers from the step's hashes (moment_random_bits, taken once per element
-// for both moments).
+// The 4-bit codes of one block, 16 values at a time and in order (encode_block's vector loop; the Adam kernel's
+// fused 4-bit step codes with it too): the values' magnitudes times 1 / scale inv, rounded to a level of map;
+// kSigned: exp_avg's map (sign-magnitude codes); kSquare: sqrt(v) rounded stochastically in the square. The
+// stochastic rounding (CodeMap::stochastic_magnitude_code, 16 lanes) takes its level and the gap to the next one from
+// one register each (a permute, not a gather: a 16-lane gather costs about as much as the rest of this loop on Zen
+// 4), and its random numbers from the step's hashes (moment_random_bits, taken once per element for both moments).
 template <int kBits, bool kSigned, bool kSquare = false>
 struct Coder16 {
+  static_assert(kBits == 4, "Coder16 codes the 4-bit maps (Coder8 the 8-bit ones)");
   static constexpr bool kStochastic = kSigned || kSquare;
-  static constexpr int kTableRegs = kBits == 8 ? 8 : 1;
   const CodeMap& map;
   __m512 inv;
-  __m512 level_table[kTableRegs], gap_table[kTableRegs];
+  __m512 level_table, gap_table;
 
   Coder16(const CodeMap& code_map, float inverse) : map(code_map), inv(_mm512_set1_ps(inverse)) {
     if constexpr (kStochastic) {
-      for (int k = 0; k < kTableRegs; ++k) {
-        level_table[k] = _mm512_load_ps((kSquare ? map.squares() : map.decode()) + 16 * k);
-        gap_table[k] = _mm512_load_ps(map.sr_step() + 16 * k);
-      }
+      level_table = _mm512_load_ps(kSquare ? map.squares() : map.decode());
+      gap_table = _mm512_load_ps(map.sr_step());
     }
   }
 
@@ -362,14 +359,8 @@ struct Coder16 {
           _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(int(spec::kExpAvgSrUlps))),
           _mm512_setzero_si512()));
       if constexpr (kSquare) lowered = _mm512_mul_ps(lowered, lowered);  // (lo is then the level's square)
-      __m512 lo, gap;
-      if constexpr (kBits == 8) {
-        lo = lookup128(level_table, code);
-        gap = lookup128(gap_table, code);
-      } else {
-        lo = _mm512_permutexvar_ps(code, level_table[0]);
-        gap = _mm512_permutexvar_ps(code, gap_table[0]);
-      }
+      const __m512 lo = _mm512_permutexvar_ps(code, level_table);
+      const __m512 gap = _mm512_permutexvar_ps(code, gap_table);
       const __m512 threshold = _mm512_mul_ps(random, gap);
       const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(lowered, lo), threshold, _CMP_GT_OQ);
       code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
@@ -382,9 +373,8 @@ struct Coder16 {
     return code;
   }
 
-  // 4-bit maps: the codes of 16 values, by the binary search over the thresholds in registers. random: as finish's.
+  // The codes of 16 values, by the binary search over the thresholds in registers. random: as finish's.
   inline __m512i codes4(__m512 x, __m512 random) {
-    static_assert(kBits == 4, "the search in registers is the 4-bit maps'");
     const __m512 a = magnitude(x);
     return finish(x, a, map.template magnitude_codes_by_search<kSigned ? 8 : 16>(a), random);
   }

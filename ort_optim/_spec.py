@@ -219,8 +219,9 @@ class LowBitFormat:
     * exp_avg_sq / max_exp_avg_sq: the code stores ``u = sqrt(v)``, ``v = (exp_avg_sq_levels[code] * s) ** 2``; the
       levels have no zero (Li et al. 2023's zero-point problem: a v rounded to 0 makes m / (sqrt(v) + eps) explode;
       here a tiny v reads as at least ``exp_avg_sq_levels[0] * s``, which can only shrink its update); sqrt(v)
-      rounds to the level nearest in 1/sqrt(v) (ties up; :func:`reciprocal_midpoints`), except in a step of a
-      format with ``exp_avg_sq_stochastic``: stochastically, unbiased in v (EXP_AVG_SQ_STOCHASTIC).
+      rounds to the level nearest in 1/sqrt(v) (ties up; :func:`reciprocal_midpoints`), or with
+      ``exp_avg_sq_nearest="root"`` (the 8-bit format) to the level nearest in sqrt(v) (ties up), except in a step
+      of a format with ``exp_avg_sq_stochastic``: stochastically, unbiased in v (EXP_AVG_SQ_STOCHASTIC).
     * ``s`` = the block's absolute maximum (of m, or of u), rounded to nearest even in ``scale_dtype`` (normalised
       values are clamped to 1); a block with inf or NaN (or a maximum beyond the scale dtype's range) gets
       s = NaN, an all-zero block s = 0.
@@ -274,14 +275,15 @@ class LowBitFormat:
 # 32 levels in [0.5, 1), 16 in each of the next three binades, 8, 8, 8, 4, 4, 2, 2, 2, then one per binade.
 # exp_avg_sq: 256 levels of sqrt(v) from 2**-26 (1.5e-8) to 1, 32 in each of the top five binades (down to 1/32),
 # then 16, 16, 16, 8, 8, 8, 4, 4, 2, 2 and one per binade; rounded to the level nearest in sqrt(v) (the arithmetic
-# midpoints: the nearest in 1/sqrt(v) differs by less than a quarter of the square of the relative step, 0.02% of a
-# level where most elements lie, and costs a table lookup per element). Measured against the decade maps it replaced
-# ((0,) + decade_levels((1, 2, 4, 8, 16, 32, 64)) and decade_levels((2, 2, 4, 8, 16, 32, 64, 128)), nearest in
-# 1/sqrt(v); guides/low-bit-states.md, "Quality"): mean loss against fp32 moments on digits-plain +0.14% (was
-# +0.21%), digits -0.34%, zipf +0.05%, GPT -0.04% (10, 10, 10 and 5 seeds); conversion error on randn(1024, 1024)
-# 0.0075 (was 0.0086; bitsandbytes' blockwise quantizer 0.0100), on v = randn**2 0.0108 (was 0.0081; bitsandbytes'
-# 0.0165). Candidates that lost: e3m4 exp_avg (16 levels per binade down to 2**-10: zipf +9.3%, its rare rows' tiny
-# m rounded to zero) and e4m4 sqrt(v) (v's conversion error 1.3x bitsandbytes').
+# midpoints: the nearest in 1/sqrt(v) differs by less than a quarter of the square of the relative step, under 0.03%
+# of a level where most elements lie, and costs a table lookup per element). Measured (guides/low-bit-states.md,
+# "Formats" and "Quality"): mean loss against fp32 moments on digits-plain +0.14%, digits -0.34%, zipf +0.05%, GPT
+# -0.04% (10, 10, 10 and 5 seeds; decade maps, (0,) + decade_levels((1, 2, 4, 8, 16, 32, 64)) and
+# decade_levels((2, 2, 4, 8, 16, 32, 64, 128)) nearest in 1/sqrt(v), measured +0.21%, -0.36%, +0.05%, -0.00%);
+# conversion error on randn(1024, 1024) 0.0075 (decade maps 0.0086, bitsandbytes' blockwise quantizer 0.0100), on
+# v = randn**2 0.0108 (decade maps 0.0081, bitsandbytes' 0.0165). Grids that lost: an e3m4 exp_avg (16 levels per
+# binade down to 2**-10: zipf +9.3%, its rare rows' tiny m rounded to zero) and an e4m4 sqrt(v) (v's conversion
+# error 1.3x bitsandbytes').
 Q8 = LowBitFormat(
     name="8-bit", bits=8, block=256, scale_dtype=torch.float32,
     exp_avg_levels=(0.0,) + binade_levels((5, 4, 4, 4, 3, 3, 3, 2, 2, 1, 1, 1) + (0,) * 8),

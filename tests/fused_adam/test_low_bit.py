@@ -1647,9 +1647,10 @@ def _blockwise_error(values: torch.Tensor, exact: torch.Tensor, block: int, seco
     return worst
 
 
-# largest error of one stored value, over its block's largest (the gap between the top levels, rounding to nearest for
-# sqrt(v); exp_avg rounds stochastically to either neighbour: the whole gap): 8-bit 0.9/64 per decade, 4-bit 0.9/4
-QUANTISATION_ERROR = {"u8": (0.015, 0.008), "u4": (0.23, 0.11)}  # (exp_avg, sqrt(exp_avg_sq))
+# largest error of one stored value, over its block's largest (the gap between the top levels: half of it where
+# sqrt(v) rounds to nearest; exp_avg rounds stochastically to either neighbour: the whole gap): 8-bit 1/64 (32 levels
+# in the top binade; sqrt(v) half of that), 4-bit 0.9/4
+QUANTISATION_ERROR = {"u8": (0.0157, 0.0079), "u4": (0.23, 0.11)}  # (exp_avg, sqrt(exp_avg_sq))
 BLOCK = {"u8": 256, "u4": 128}
 
 
@@ -1694,6 +1695,37 @@ def test_a_checkpoint_of_the_earlier_4bit_format_loads_as_its_values_re_encoded(
         assert bool(((ratio <= 1.4) & (ratio >= 1 / 1.4) | (saved["exp_avg_sq"] == 0)).all())
         gap = 1 / 7 * m_scales.float().repeat_interleave(Q4.block)[:p.numel()].view(p.shape) * root
         assert bool(((state_values(target, p, "exp_avg") - saved["exp_avg"]).abs() <= gap / 2 * (1 + 1e-5)).all())
+    _train(target_params, target, 2, first=3)
+    assert all(bool(torch.isfinite(p).all()) for p in target_params)
+
+
+def test_a_checkpoint_of_the_earlier_8bit_format_loads_as_its_values_re_encoded(backend):
+    """An 8-bit checkpoint saved when both 8-bit maps were decade maps (exp_avg: 127 magnitudes on seven decades
+    from 1e-6; sqrt(v): 256 levels on eight decades from 5.5e-8, nearest in 1/sqrt(v)) holds those values: they load
+    as they are, each coded to its nearest level of the current binade maps (formats.quantize_low_bit), within the
+    current format's rounding error of the saved value, and training continues from them."""
+    earlier = dataclasses.replace(Q8, exp_avg_levels=(0.0,) + decade_levels((1, 2, 4, 8, 16, 32, 64)),
+                                  exp_avg_sq_levels=decade_levels((2, 2, 4, 8, 16, 32, 64, 128)),
+                                  exp_avg_sq_nearest="reciprocal")
+    params = _params()
+    opt = _optimizer(params, "fp32", "fp32")
+    _train(params, opt, 3)
+    sd = opt.state_dict()
+    for i, p in enumerate(params):  # what the earlier 8-bit format saved: its decoded values
+        saved = sd["state"][i]
+        for key, second in (("exp_avg", False), ("exp_avg_sq", True)):
+            codes, scales = formats.quantize_low_bit(saved[key], earlier, second, step=3 if not second else 0)
+            saved[key] = formats.dequantize_low_bit(codes, scales, earlier, second, p.shape)
+    target_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    target = _optimizer(target_params, "u8", "u8")
+    target.load_state_dict(sd)
+    for i, p in enumerate(target_params):
+        state, saved = target.state[p], sd["state"][i]
+        for key, second in (("exp_avg", False), ("exp_avg_sq", True)):
+            codes, scales = formats.quantize_low_bit(saved[key], Q8, second)
+            assert torch.equal(state[key], codes) and torch.equal(bits(state[key + "_scale"]), bits(scales)), key
+            error = _blockwise_error(state_values(target, p, key), saved[key], Q8.block, second)
+            assert error <= QUANTISATION_ERROR["u8"][second], (i, key, error)
     _train(target_params, target, 2, first=3)
     assert all(bool(torch.isfinite(p).all()) for p in target_params)
 
