@@ -1661,6 +1661,25 @@ def _trained(m, v, amsgrad=True, steps=4):
     return params, opt
 
 
+def _loaded_from_a_checkpoint_of(earlier, target: str):
+    """A checkpoint as a FusedAdam with moments in the format `earlier` saved it after 3 steps (its decoded values:
+    fp32 moments coded as that format codes them, exp_avg rounded as in step 3), loaded into a FusedAdam with `target`
+    moments on copies of the params: (the checkpoint, the params, the optimizer)."""
+    params = _params()
+    opt = _optimizer(params, "fp32", "fp32")
+    _train(params, opt, 3)
+    sd = opt.state_dict()
+    for i, p in enumerate(params):
+        saved = sd["state"][i]
+        for key, second in (("exp_avg", False), ("exp_avg_sq", True)):
+            codes, scales = formats.quantize_low_bit(saved[key], earlier, second, step=0 if second else 3)
+            saved[key] = formats.dequantize_low_bit(codes, scales, earlier, second, p.shape)
+    target_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    target = _optimizer(target_params, target, target)
+    target.load_state_dict(sd)
+    return sd, target_params, target
+
+
 def test_a_checkpoint_of_the_earlier_4bit_format_loads_as_its_values_re_encoded(backend):
     """Checkpoints hold decoded float32 moments, not codes, so no format is misread: a 4-bit checkpoint saved when
     the 4-bit exp_avg was m itself on decade levels (0, 0.01 .. 1) and sqrt(v) was on the decade levels 0.001,
@@ -1669,19 +1688,7 @@ def test_a_checkpoint_of_the_earlier_4bit_format_loads_as_its_values_re_encoded(
     nearest code, as formats.quantize_low_bit converts); training continues from them."""
     earlier = dataclasses.replace(Q4, exp_avg_levels=(0.0,) + decade_levels((1, 2, 4)), exp_avg_relative=False,
                                   exp_avg_sq_levels=decade_levels((1, 2, 4, 9)), exp_avg_sq_stochastic=False)
-    params = _params()
-    opt = _optimizer(params, "fp32", "fp32")
-    _train(params, opt, 3)
-    sd = opt.state_dict()
-    for i, p in enumerate(params):  # what the earlier 4-bit format saved: its decoded values
-        saved = sd["state"][i]
-        m_codes, m_scales = formats.quantize_low_bit(saved["exp_avg"], earlier, False, step=3)
-        saved["exp_avg"] = formats.dequantize_low_bit(m_codes, m_scales, earlier, False, p.shape)
-        saved["exp_avg_sq"] = formats.dequantize_low_bit(
-            *formats.quantize_low_bit(saved["exp_avg_sq"], earlier, True), earlier, True, p.shape)
-    target_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    target = _optimizer(target_params, "u4", "u4")
-    target.load_state_dict(sd)
+    sd, target_params, target = _loaded_from_a_checkpoint_of(earlier, "u4")
     for i, p in enumerate(target_params):
         state, saved = target.state[p], sd["state"][i]
         v_codes, v_scales = formats.quantize_low_bit(saved["exp_avg_sq"], Q4, True)
@@ -1707,18 +1714,7 @@ def test_a_checkpoint_of_the_earlier_8bit_format_loads_as_its_values_re_encoded(
     earlier = dataclasses.replace(Q8, exp_avg_levels=(0.0,) + decade_levels((1, 2, 4, 8, 16, 32, 64)),
                                   exp_avg_sq_levels=decade_levels((2, 2, 4, 8, 16, 32, 64, 128)),
                                   exp_avg_sq_nearest="reciprocal")
-    params = _params()
-    opt = _optimizer(params, "fp32", "fp32")
-    _train(params, opt, 3)
-    sd = opt.state_dict()
-    for i, p in enumerate(params):  # what the earlier 8-bit format saved: its decoded values
-        saved = sd["state"][i]
-        for key, second in (("exp_avg", False), ("exp_avg_sq", True)):
-            codes, scales = formats.quantize_low_bit(saved[key], earlier, second, step=3 if not second else 0)
-            saved[key] = formats.dequantize_low_bit(codes, scales, earlier, second, p.shape)
-    target_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    target = _optimizer(target_params, "u8", "u8")
-    target.load_state_dict(sd)
+    sd, target_params, target = _loaded_from_a_checkpoint_of(earlier, "u8")
     for i, p in enumerate(target_params):
         state, saved = target.state[p], sd["state"][i]
         for key, second in (("exp_avg", False), ("exp_avg_sq", True)):
