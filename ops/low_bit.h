@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <iterator>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -93,7 +92,7 @@ class CodeMap {
     return c + (a >= mid_[c]);
   }
 
-  // How a map's codes follow from the bits of a normalised magnitude a in [0, 1] (a * snap clamped to 1), where its
+  // How a map's codes follow from the bits of a normalised magnitude a (a * snap for exp_avg), where its
   // levels are a binade grid (_spec.binade_levels: both 8-bit maps). Binade t (a in [2^-t, 2^-(t-1)); t = 0 for
   // a >= 1) holds 2^mb levels, so the level at or below a has the code (bits(a) >> (23 - mb)) - offset(t), and the
   // level above it is that level's bits plus 1 << (23 - mb): codes by shifts and adds, no search. kFloor: the code
