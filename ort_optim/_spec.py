@@ -271,24 +271,26 @@ class LowBitFormat:
 # 8-bit: bitsandbytes' and torchao's choice, block 256 with a float32 absmax: 2 * (1 + 4/256) = 2.031 bytes/param.
 # Both maps are binade grids (binade_levels), so every backend codes by bit arithmetic (the native kernel: shifts, one
 # table permute, no search), with a dynamic map's shape: the finest steps near the block's largest, fewer levels per
-# binade further down, far down to small values. exp_avg: 127 magnitudes from 2**-20 (9.5e-7) to 1 (+ zero, signs):
-# 32 levels in [0.5, 1), 16 in each of the next three binades, 8, 8, 8, 4, 4, 2, 2, 2, then one per binade.
-# exp_avg_sq: 256 levels of sqrt(v) from 2**-26 (1.5e-8) to 1, 32 in each of the top five binades (down to 1/32),
-# then 16, 16, 16, 8, 8, 8, 4, 4, 2, 2 and one per binade; rounded to the level nearest in sqrt(v) (the arithmetic
-# midpoints: the nearest in 1/sqrt(v) differs by less than a quarter of the square of the relative step, under 0.03%
-# of a level where most elements lie, and costs a table lookup per element). Measured (guides/low-bit-states.md,
-# "Formats" and "Quality"): mean loss against fp32 moments on digits-plain +0.14%, digits -0.34%, zipf +0.05%, GPT
-# -0.04% (10, 10, 10 and 5 seeds; decade maps, (0,) + decade_levels((1, 2, 4, 8, 16, 32, 64)) and
-# decade_levels((2, 2, 4, 8, 16, 32, 64, 128)) nearest in 1/sqrt(v), measured +0.21%, -0.36%, +0.05%, -0.00%);
-# conversion error on randn(1024, 1024) 0.0075 (decade maps 0.0086, bitsandbytes' blockwise quantizer 0.0100), on
-# v = randn**2 0.0108 (decade maps 0.0081, bitsandbytes' 0.0165). Grids that lost: an e3m4 exp_avg (16 levels per
-# binade down to 2**-10: zipf +14.3% and digits-plain +3.2% beside the decade sqrt(v), 5 seeds; its rare rows' tiny m
-# round to zero) and an e4m4 sqrt(v) (v's conversion error 1.3x bitsandbytes'; beside the decade exp_avg, zipf +0.13%
-# and digits-plain +0.26%).
+# binade further down, far down to small values. exp_avg: 127 magnitudes from 2**-20 (9.5e-7) to 1 (+ zero, signs): 32
+# levels in each of [0.5, 1) and [0.25, 0.5), then 16, 8, 8, 4, 4, 4, 4, 2, 2, 2 and one per binade. exp_avg_sq: 256
+# levels of sqrt(v) from 2**-25 (3.0e-8) to 1, 64 in [0.5, 1), 32 in each of the next three binades, then 16, 16, 16, 8,
+# 8, 8, 4, 4, 2, 2 and one per binade; rounded to the level nearest in sqrt(v) (the arithmetic midpoints: the nearest in
+# 1/sqrt(v) differs by less than a quarter of the square of the relative step, under 0.03% of a level where most
+# elements lie, and costs a table lookup per element). Measured (guides/low-bit-states.md, "Formats" and "Quality"):
+# mean loss against fp32 moments on digits-plain +0.13%, digits -0.34%, zipf +0.03%, GPT -0.06% (10, 10, 10 and 5 seeds;
+# decade maps, (0,) + decade_levels((1, 2, 4, 8, 16, 32, 64)) and decade_levels((2, 2, 4, 8, 16, 32, 64, 128)) nearest
+# in 1/sqrt(v), measured +0.21%, -0.36%, +0.05%, -0.00%); conversion error at most bitsandbytes' blockwise quantizer's
+# on every tensor tried: randn(1024, 1024) 0.0061 (bitsandbytes 0.0100; decade maps 0.0086), uniform exp_avg 0.88x, v =
+# randn**2 0.48x, uniform v 0.80x, an AdamW-like v 0.65x bitsandbytes'. Grids that lost: exp_avg with 32 levels in [0.5,
+# 1) only and 16 in each of the next three binades, and sqrt(v) with 32 levels in each of the top five (uniform exp_avg
+# 1.01x, uniform v 1.5x, AdamW-like v 1.3x, v concentrated near its block's largest 3.1x bitsandbytes' error); an e3m4
+# exp_avg (16 levels per binade down to 2**-10: zipf +14.3% and digits-plain +3.2% beside the decade sqrt(v), 5 seeds;
+# its rare rows' tiny m round to zero) and an e4m4 sqrt(v) (v's conversion error 1.3x bitsandbytes'; beside the decade
+# exp_avg, zipf +0.13% and digits-plain +0.26%).
 Q8 = LowBitFormat(
     name="8-bit", bits=8, block=256, scale_dtype=torch.float32,
-    exp_avg_levels=(0.0,) + binade_levels((5, 4, 4, 4, 3, 3, 3, 2, 2, 1, 1, 1) + (0,) * 8),
-    exp_avg_sq_levels=binade_levels((5, 5, 5, 5, 5, 4, 4, 4, 3, 3, 3, 2, 2, 1, 1) + (0,) * 11),
+    exp_avg_levels=(0.0,) + binade_levels((5, 5, 4, 3, 3, 2, 2, 2, 2, 1, 1, 1) + (0,) * 8),
+    exp_avg_sq_levels=binade_levels((6, 5, 5, 5, 4, 4, 4, 3, 3, 3, 2, 2, 1, 1) + (0,) * 11),
     exp_avg_sq_nearest="root",
 )
 # 4-bit: Li et al.'s block 128 for both moments, with bfloat16 scales (float32's exponent range, half its bytes):

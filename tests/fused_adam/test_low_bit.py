@@ -1648,9 +1648,9 @@ def _blockwise_error(values: torch.Tensor, exact: torch.Tensor, block: int, seco
 
 
 # largest error of one stored value, over its block's largest (the gap between the top levels: half of it where
-# sqrt(v) rounds to nearest; exp_avg rounds stochastically to either neighbour: the whole gap): 8-bit 1/64 (32 levels
-# in the top binade; sqrt(v) half of that), 4-bit 0.9/4
-QUANTISATION_ERROR = {"u8": (0.0157, 0.0079), "u4": (0.23, 0.11)}  # (exp_avg, sqrt(exp_avg_sq))
+# sqrt(v) rounds to nearest; exp_avg rounds stochastically to either neighbour: the whole gap): 8-bit exp_avg 1/64 (32
+# levels in its top binades), sqrt(v) half of 1/128 (64 levels in its top binade, 32 in the next), 4-bit 0.9/4
+QUANTISATION_ERROR = {"u8": (0.0157, 0.004), "u4": (0.23, 0.11)}  # (exp_avg, sqrt(exp_avg_sq))
 BLOCK = {"u8": 256, "u4": 128}
 
 
@@ -2451,8 +2451,8 @@ def _bitsandbytes_blockwise_error(x: torch.Tensor):
 @pytest.mark.slow
 def test_8bit_conversion_rounds_to_nearest_no_worse_than_bitsandbytes():
     """Loading fp32 moments into 8-bit codes (checkpoints, from_optimizer) picks the nearest level (the exp_avg
-    levels' nearest; sqrt(v) nearest in 1/sqrt(v), as in a step), so its mean absolute error on randn(1024, 1024)
-    (0.0075; 0.0100 with the step's stochastic rounding) is at most bitsandbytes' blockwise dynamic quantizer's with
+    levels' nearest; sqrt(v) nearest in sqrt(v), as in a step), so its mean absolute error on randn(1024, 1024)
+    (0.0061; 0.0082 with the step's stochastic rounding) is at most bitsandbytes' blockwise dynamic quantizer's with
     its defaults on the same tensor (0.0100), and below 0.011 (bitsandbytes' own test bound) where bitsandbytes is
     absent. (With bitsandbytes' blocks of 256, as in its optimizers, its error is 0.00853.)"""
     x = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
@@ -2468,6 +2468,42 @@ def test_8bit_conversion_rounds_to_nearest_no_worse_than_bitsandbytes():
     assert bool(((values.view(-1, 256) - blocks).abs() <= (nearest - blocks).abs() + 1e-6 * amax).all())
     theirs = _bitsandbytes_blockwise_error(x)
     assert ours <= (theirs if theirs is not None else 0.011), (ours, theirs)
+
+
+def _adam_like_second_moment() -> torch.Tensor:
+    """v after 50 steps of AdamW's average (beta2 0.999) of squared gradients whose rows have scales from 1e-3 to 1."""
+    g = torch.Generator().manual_seed(4)
+    v = torch.zeros(1024, 1024)
+    scale = torch.logspace(-3, 0, 1024)[torch.randperm(1024, generator=g)].view(-1, 1)
+    for _ in range(50):
+        v.mul_(0.999).add_(0.001 * (torch.randn(1024, 1024, generator=g) * scale) ** 2)
+    return v
+
+
+# Tensors of other shapes than randn's, with bitsandbytes' blockwise dynamic quantizer's mean absolute error on each
+# (quantize_blockwise with its defaults, bitsandbytes 0.50.2 in the newest-torch environment: used where it is absent).
+CONVERSION_CASES = {
+    "uniform exp_avg": (False, lambda: torch.rand(1024, 1024, generator=torch.Generator().manual_seed(1)) * 2 - 1,
+                        0.003214),
+    "v = randn**2": (True, lambda: torch.randn(1024, 1024, generator=torch.Generator().manual_seed(2)) ** 2, 0.016395),
+    "v = rand": (True, lambda: torch.rand(1024, 1024, generator=torch.Generator().manual_seed(3)), 0.0032047),
+    "AdamW-like v": (True, _adam_like_second_moment, 2.7671e-05),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CONVERSION_CASES)
+def test_8bit_conversion_of_other_moment_shapes_is_no_worse_than_bitsandbytes(case):
+    """The same bound on tensors whose mass lies elsewhere: a uniform exp_avg (most values near the block's largest,
+    where exp_avg's map has 32 levels per binade), v = randn**2 (most values far below it), a uniform v and an AdamW-like
+    v (rows of gradient scales 1e-3 .. 1): converted into 8-bit codes, each has a mean absolute error at most
+    bitsandbytes' blockwise dynamic quantizer's on the same tensor (which codes v itself, where ours codes sqrt(v))."""
+    second, make, recorded = CONVERSION_CASES[case]
+    x = make()
+    codes, scales = formats.encode_state(x, torch.uint8, second)
+    ours = float((formats.decode_state(codes, scales, second, x.shape) - x).abs().mean())
+    theirs = _bitsandbytes_blockwise_error(x)
+    assert ours <= (theirs if theirs is not None else recorded), (ours, theirs)
 
 
 def test_8bit_step_rounding_stays_stochastic():
@@ -2633,8 +2669,8 @@ def _round_trip(values, fmt, second_moment, step, root=None):
 
 # (exp_avg, sqrt(v)) bounds: measured on seeds 0-2 (5 stochastic roundings each) with about 10% headroom.
 # 4-bit: exp_avg (m / sqrt(v) on linear levels, against the stored sqrt(v)) 0.0257-0.0266, sqrt(v) 0.043-0.044;
-# 8-bit: exp_avg 0.0092-0.0099, sqrt(v) 0.0020-0.0024. (m itself on 4-bit decade levels: 0.284-0.289.)
-BOUNDS = {"8-bit": (0.011, 0.0027), "4-bit": (0.029, 0.048)}
+# 8-bit: exp_avg 0.0102-0.0108, sqrt(v) 0.0030-0.0036. (m itself on 4-bit decade levels: 0.284-0.289.)
+BOUNDS = {"8-bit": (0.012, 0.004), "4-bit": (0.029, 0.048)}
 
 
 @pytest.mark.parametrize("fmt", [Q8, Q4], ids=["8bit", "4bit"])
