@@ -177,7 +177,6 @@ class CodeMap {
 #endif
 
   int sign_bit() const { return sign_bit_; }
-  int count() const { return count_; }
   float snap() const { return snap_; }
   const float* decode() const { return decode_; }
   const float* sr_step() const { return sr_step_; }
@@ -256,15 +255,16 @@ class CodeMap {
     } else {
       return;
     }
+    const bool nearest = binades_ == Binades::kMidpoint;
     for (int b = 0; b < 32; ++b) {  // (shift 31 keeps nothing of a magnitude: the code is -offset)
-      const bool midpoint = binades_ == Binades::kMidpoint;
+      const bool levels_in_b = b >= 1 && b <= lowest;
       // the floor code's shift and offset; 0 below the grid (exp_avg's zero, sqrt(v)'s lowest level)
-      const int shift = b >= 1 && b <= lowest ? 23 - width[b] : 31;
-      const int offset = b == 0 ? -(count - 1) : b <= lowest ? ((127 - b) << width[b]) - base[b] : 0;
-      shift_[position(b)] = midpoint ? shift - 1 : shift;
-      offset_[position(b)] = midpoint ? 2 * offset - (b >= 1 && b <= lowest ? 1 : 0) : offset;
-      sr_unit_[position(b)] = b >= 1 && b <= lowest ? std::ldexp(1.0f, -b - width[b] - 17)
-                                                    : std::numeric_limits<float>::infinity();
+      const int shift = levels_in_b ? 23 - width[b] : 31;
+      const int offset = b == 0 ? -(count - 1) : levels_in_b ? ((127 - b) << width[b]) - base[b] : 0;
+      shift_[position(b)] = nearest ? shift - 1 : shift;
+      offset_[position(b)] = nearest ? 2 * offset - (levels_in_b ? 1 : 0) : offset;
+      sr_unit_[position(b)] =
+          levels_in_b ? std::ldexp(1.0f, -b - width[b] - 17) : std::numeric_limits<float>::infinity();
     }
   }
 };
@@ -387,7 +387,7 @@ struct Coder16 {
 };
 
 // The 8-bit codes of (finite) values, 16 at a time, by bit arithmetic on the binade grid of the map
-// (CodeMap::Binades): per value, its binade's entry (shift and offset: one permute of a 32-entry table held in two
+// (CodeMap::Binades): per value, its binade's shift and offset (one permute each of a 32-entry table held in two
 // registers, indexed by the exponent's low 5 bits), then kSigned (exp_avg, kFloor): the level at or below (its bits
 // are the magnitude's with the mantissa cut to the binade's width), rounded stochastically one unit of the binade
 // up; sqrt(v) (kMidpoint): the nearest level, by the shift one bit short plus one, halved (a carry out of the
