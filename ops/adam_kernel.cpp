@@ -316,6 +316,38 @@ void write_back(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
 // AVX-512 one loop updates a block while it codes the block before, so the two overlap. The same bits as staging.
 static_assert(spec::kFp8Block == 256, "fp8 blocks of 256");
 
+// The sum of squares of g[0, n), as adam_loop adds it up (the same simd reduction over the same block).
+inline double square_sum(const float* __restrict__ g, int64_t n) {
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < n; ++i) squares += g[i] * g[i];
+  return double(squares);
+}
+
+// A block's sum of squares of the gradients as loaded (the plain step's norm), added up by the coded loops, which
+// load the gradients anyway (a pass of its own took 3-8% of the coded step), in square_sum's order: element i in
+// lane i % 16 in element order, then the lanes one after the other from +0, as the vectorised simd reduction does
+// (the same bits). whole: every element was added, in order; else square_sum reads the block again.
+struct SquareSum {
+#ifdef ORT_OPTIM_FP8_AVX512
+  __m512 lanes = _mm512_setzero_ps();  // (Adam16::moments adds to it)
+#endif
+  bool whole = false;
+
+  double total(const float* g, int64_t n) const {
+#ifdef ORT_OPTIM_FP8_AVX512
+    if (whole) {
+      alignas(64) float lane[16];
+      _mm512_store_ps(lane, lanes);
+      float sum = 0.0f;
+      for (const float x : lane) sum += x;
+      return double(sum);
+    }
+#endif
+    return square_sum(g, n);
+  }
+};
+
 #ifdef ORT_OPTIM_FP8_AVX512
 // adam_loop<float, kMode, false, true, true> on 16 elements: the same operations in the same order, each rounded
 // separately (so the same bits); p updated in place, the moments from mi and vi into m and v, root = sqrt(v), the
@@ -336,10 +368,13 @@ struct Adam16 {
         torch_decay(_mm512_set1_ps(float(1.0 - h.lr * h.weight_decay))),
         hf_decay(_mm512_set1_ps(float(h.lr * h.weight_decay))) {}
 
-  // The moments of 16 elements: from mi and vi (as decoded) into m and v; the maxima of |m| into max_m.
-  inline void moments(const float* p, const float* g, __m512 mi, __m512 vi, float* m, float* v,
-                      __m512i& max_m) const {
-    __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g), grad_mul);
+  // The moments of 16 elements: from mi and vi (as decoded) into m and v; the maxima of |m| into max_m, the
+  // gradients' squares into squares (SquareSum's lanes, kept in a register by the caller's loop).
+  inline void moments(const float* p, const float* g, __m512 mi, __m512 vi, float* m, float* v, __m512i& max_m,
+                      __m512& squares) const {
+    const __m512 g_loaded = _mm512_loadu_ps(g);
+    squares = _mm512_add_ps(squares, _mm512_mul_ps(g_loaded, g_loaded));
+    __m512 gi = _mm512_mul_ps(g_loaded, grad_mul);
     if (kMode == kAdamL2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, _mm512_loadu_ps(p)));
     mi = _mm512_add_ps(mi, _mm512_mul_ps(one_minus_b1, _mm512_sub_ps(gi, mi)));
     vi = _mm512_add_ps(_mm512_mul_ps(vi, b2), _mm512_mul_ps(_mm512_mul_ps(one_minus_b2, gi), gi));
@@ -388,10 +423,12 @@ inline void store_pending_fp8(Scratch<float>& s) {
 // block's params and gradients as staged. The caller writes the last pending block when its work items are done.
 template <int64_t kMode, class FM, class FV>
 void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
-                const float* g) {
+                const float* g, SquareSum& squares) {
   constexpr int64_t kB = spec::kFp8Block;
 #ifdef ORT_OPTIM_FP8_AVX512
   const Adam16<kMode> adam16(w, h);
+  squares.whole = n % kB == 0;  // (every block a whole one: each is updated by Adam16)
+  __m512 squares16 = _mm512_setzero_ps();
 #endif
   for (int64_t o = 0; o < n; o += kB) {
     const int64_t len = std::min(kB, n - o);
@@ -433,7 +470,7 @@ void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
             mi = _mm512_loadu_ps(m + i);
             vi = _mm512_loadu_ps(v + i);
           }
-          adam16.moments(p + o + i, g + o + i, mi, vi, m + i, v + i, max_m16);
+          adam16.moments(p + o + i, g + o + i, mi, vi, m + i, v + i, max_m16, squares16);
         }
         // (the divisions and square roots, with the other ports' work of the pending block's codes)
         for (int64_t i = 0; i < kB; i += 16) {
@@ -473,6 +510,9 @@ void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
     }
     pending = {&w, off + o, len, max_m, max_root, slot};
   }
+#ifdef ORT_OPTIM_FP8_AVX512
+  squares.lanes = squares16;
+#endif
 }
 
 // 4-bit moments (exp_avg relative to exp_avg_sq, sqrt(v) rounded stochastically), without amsgrad, in a block of
@@ -485,7 +525,7 @@ void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
 #if defined(ORT_OPTIM_FP8_AVX512) && defined(ORT_OPTIM_LOW_BIT_AVX512)
 template <int64_t kMode>
 bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
-               const float* g) {
+               const float* g, SquareSum& squares) {
   constexpr int64_t kB = 128;
   if (!w.exp_avg_low_bit || w.exp_avg_sq_low_bit != w.exp_avg_low_bit) return false;
   const LowBit& f = *w.exp_avg_low_bit;
@@ -495,6 +535,7 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
   store_pending_fp8(s);  // (its block is in s.m, s.v and s.root)
   low_bit_relative_load(f, codes_m, w.exp_avg_scale, codes_v, w.exp_avg_sq_scale, off, n, s.m, s.v, s.u);
   const Adam16<kMode> adam16(w, h);
+  __m512 squares16 = _mm512_setzero_ps();  // (squares' lanes, in a register)
   float* r = s.vmax;  // the ratios r = m / u that exp_avg's codes hold (no amsgrad: vmax is free)
   const __m512 v_levels = _mm512_load_ps(f.exp_avg_sq_sr.decode());
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
@@ -510,7 +551,8 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
     __m512i max_m16 = _mm512_setzero_si512(), max_root16 = _mm512_setzero_si512();
     const auto update16 = [&](int64_t i) {
       const int64_t j = b + i;
-      adam16.moments(p + j, g + j, _mm512_loadu_ps(s.m + j), _mm512_loadu_ps(s.v + j), s.m + j, s.v + j, max_m16);
+      adam16.moments(p + j, g + j, _mm512_loadu_ps(s.m + j), _mm512_loadu_ps(s.v + j), s.m + j, s.v + j, max_m16,
+                       squares16);
       adam16.params(p + j, s.m + j, s.v + j, s.root + j, max_root16);
     };
     const auto code16 = [&](int64_t i) {  // exp_avg's codes of the pending block's elements [i, i + 16)
@@ -560,6 +602,7 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
     coder_m.set_inverse(scale_m > 0.0f ? 1.0f / scale_m : 0.0f);
     pending = true;
   }
+  squares.lanes = squares16;
   return true;
 }
 #endif
@@ -573,7 +616,7 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
 // stores. false (nothing done) where the tensor or block does not fit (staged then).
 template <int64_t kMode>
 bool update_q8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
-               const float* g) {
+               const float* g, SquareSum& squares) {
   constexpr int64_t kB = 256;
   if (!w.exp_avg_low_bit || w.exp_avg_sq_low_bit != w.exp_avg_low_bit) return false;
   const LowBit& f = *w.exp_avg_low_bit;
@@ -586,6 +629,7 @@ bool update_q8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
   low_bit_load(f, false, codes_m, w.exp_avg_scale, off, n, s.m);
   low_bit_load(f, true, codes_v, w.exp_avg_sq_scale, off, n, s.v);
   const Adam16<kMode> adam16(w, h);
+  __m512 squares16 = _mm512_setzero_ps();  // (squares' lanes, in a register)
   Coder8<true> coder_m(f.exp_avg);
   Coder8<false> coder_v(f.exp_avg_sq);
   bool pending = false;  // block b - kB's codes are written in block b's update loop
@@ -595,7 +639,8 @@ bool update_q8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
     for (int64_t i = 0; i < kB; i += 16) {
       if (b < n) {
         const int64_t j = b + i;
-        adam16.moments(p + j, g + j, _mm512_loadu_ps(s.m + j), _mm512_loadu_ps(s.v + j), s.m + j, s.v + j, max_m16);
+        adam16.moments(p + j, g + j, _mm512_loadu_ps(s.m + j), _mm512_loadu_ps(s.v + j), s.m + j, s.v + j, max_m16,
+                       squares16);
         adam16.params(p + j, s.m + j, s.v + j, s.root + j, max_root16);
       }
       if (pending) {
@@ -621,25 +666,29 @@ bool update_q8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
     coder_v.set_inverse(scale_v > 0.0f ? 1.0f / scale_v : 0.0f);
     pending = true;
   }
+  squares.lanes = squares16;
   return true;
 }
 #endif
 
 // update_q8 of a tensor with 8-bit moments (on AMD Zen 4), update_q4 of one with 4-bit moments, update_fp8 of one
 // whose moments are both fp8; false (nothing done) otherwise. (Not inlined: inlined, its loops cost the staged path
-// of the other formats 2% in the same function.)
+// of the other formats 2% in the same function.) squares: the block's sum of squares of the gradients, where the
+// coded loops add it up.
 template <int64_t kMode>
 __attribute__((noinline)) bool update_coded(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
-                  const float* g) {
+                  const float* g, SquareSum& squares) {
 #if defined(ORT_OPTIM_FP8_AVX512) && defined(ORT_OPTIM_LOW_BIT_AVX512)
 #ifdef ORT_OPTIM_LOW_BIT_FUSED_Q8
-  if (w.exp_avg_low_bit && w.exp_avg_low_bit->bits == 8) return update_q8<kMode>(w, h, off, n, s, p, g);
+  if (w.exp_avg_low_bit && w.exp_avg_low_bit->bits == 8) {
+    return squares.whole = update_q8<kMode>(w, h, off, n, s, p, g, squares);
+  }
 #endif
-  if (w.exp_avg_low_bit) return update_q4<kMode>(w, h, off, n, s, p, g);
+  if (w.exp_avg_low_bit) return squares.whole = update_q4<kMode>(w, h, off, n, s, p, g, squares);
 #endif
   if (!w.exp_avg_fp8 || !w.exp_avg_sq_fp8) return false;
   const auto update = [&](auto fm_type, auto fv_type) {
-    update_fp8<kMode, decltype(fm_type), decltype(fv_type)>(w, h, off, n, s, p, g);
+    update_fp8<kMode, decltype(fm_type), decltype(fv_type)>(w, h, off, n, s, p, g, squares);
   };
   if (w.exp_avg_fp8->mantissa_bits == 3) {
     w.exp_avg_sq_fp8->mantissa_bits == 3 ? update(Fp8E4M3{}, Fp8E4M3{}) : update(Fp8E4M3{}, Fp8E5M2{});
@@ -649,17 +698,9 @@ __attribute__((noinline)) bool update_coded(const TensorWork& w, const Hyper& h,
   return true;
 }
 
-// The sum of squares of g[0, n), as adam_loop adds it up (the same simd reduction over the same block).
-inline double square_sum(const float* __restrict__ g, int64_t n) {
-  float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-  for (int64_t i = 0; i < n; ++i) squares += g[i] * g[i];
-  return double(squares);
-}
-
 // One block of one tensor: [off, off + n) with off a multiple of kBlock.
-// grad_squares receives the block's sum of squares of the gradients as loaded (adam_loop's); squares: whether the
-// caller reads it (the coded path adds it up in a pass of its own, else skipped).
+// grad_squares receives the block's sum of squares of the gradients as loaded (adam_loop's, or SquareSum's in the
+// coded loops: the same bits); squares: whether the caller reads it.
 template <typename T, int64_t kMode, bool kAmsgrad>
 void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<T>& s, double& grad_squares,
                 bool squares) {
@@ -668,8 +709,9 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
                   : stage<T>(w.param, w.param_type, nullptr, off, n, s.p);
   bool coded = false;
   if constexpr (std::is_same_v<T, float> && !kAmsgrad) {
-    coded = update_coded<kMode>(w, h, off, n, s, p, g);
-    if (coded) grad_squares = squares ? square_sum(g, n) : 0.0;
+    SquareSum sum;
+    coded = update_coded<kMode>(w, h, off, n, s, p, g, sum);
+    if (coded) grad_squares = squares ? sum.total(g, n) : 0.0;
   }
   if (!coded) {
     if constexpr (std::is_same_v<T, float>) store_pending_fp8(s);  // (its block is in s.m, s.v and s.root)

@@ -635,6 +635,29 @@ def test_a_plain_step_reports_the_norm_from_its_own_update_pass_on_the_native_pa
         torch.testing.assert_close(opt.last_grad_norm, expected, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("numel", [1024, 1024 + 37], ids=["whole-blocks", "with-a-tail"])
+@pytest.mark.parametrize("moment_dtype", [torch.uint8, torch.uint4, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["uint8", "uint4", "fp8-e4m3fn", "fp8-e5m2"])
+def test_a_plain_steps_norm_does_not_depend_on_the_moment_dtype(moment_dtype, numel, monkeypatch):
+    """The native kernels' coded-moment loops add up the squares as they load each gradient, in the order the
+    fp32-moment update does: the same last_grad_norm, bit for bit, step after step. (One param of one 1K-element
+    work block, so that the norm is that block's float sum, where another order shows: the Triton kernels sum per
+    program, and the pure-PyTorch backend reports no plain norm.)"""
+    select_backend(monkeypatch, "native")
+    norms = {}
+    for dtype in (torch.float32, moment_dtype):
+        param = torch.nn.Parameter(torch.randn(numel, generator=torch.Generator().manual_seed(1)))
+        opt = FusedAdam([param], exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
+        g = torch.Generator().manual_seed(5)
+        norms[dtype] = []
+        for _ in range(20):
+            param.grad = torch.randn(numel, generator=g)
+            opt.step()
+            norms[dtype].append(opt.last_grad_norm.clone())
+    for fp32_norm, coded_norm in zip(norms[torch.float32], norms[moment_dtype]):
+        assert_bitwise_equal(coded_norm, fp32_norm, "last_grad_norm")
+
+
 def test_a_plain_step_with_found_inf_or_an_inf_gradient_reports_what_it_read(backend):
     """found_inf without grad_scale skips the step before any pass reads the gradients: no norm (NaN from the update
     pass that skipped, None where plain steps report none). An inf gradient in a plain step is not skipped
