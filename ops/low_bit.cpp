@@ -7,9 +7,10 @@
 // holds two thresholds: checked when the map is built) plus one comparison, instead of a binary search over the
 // levels. With AVX-512 (ORT_OPTIM_LOW_BIT_AVX512) 16 elements go at once and give the same bits: 8-bit codes decode
 // by permutes of the 256 levels held in registers (on AMD Zen 4 with VBMI, ORT_OPTIM_LOW_BIT_BYTE_PLANES: 64 at a
-// time, by byte permutes of the levels' four byte planes) and encode (Coder8) by bit arithmetic on the maps' binade
-// grids (the binade's shift and offset from two tables in registers, no search); 4-bit codes decode by a permute of
-// the 16 levels held in a register and encode by a binary search over the thresholds in registers. The Adam
+// time, by byte permutes of the levels' byte planes: the top two, as the levels are bfloat16 values) and encode
+// (Coder8) by bit arithmetic on the maps' binade grids (the binade's shift and offset from two tables in registers,
+// no search); 4-bit codes decode by a permute of the 16 levels held in a register and encode by a binary search
+// over the thresholds in registers. The Adam
 // kernel's fused 4-bit step (and on AMD Zen 4 its fused 8-bit step, ORT_OPTIM_LOW_BIT_FUSED_Q8) codes a block in the
 // loop that updates the next. The scalar path takes about 15x the fp32-moment step's time, the vectorised one about
 // 2-4x (one thread, hot, on AMD Zen 4: 8-bit 1.12 ns per parameter in the kernel against 0.61 for fp32 moments;
@@ -44,14 +45,14 @@ LowBit make_low_bit(int bits, int block, bool bf16_scales, const float (&m_level
 // decode_block's 8-bit vector loop, 64 codes at a time (CodeMap::levels64): d = level * s, squared for a second
 // moment, root = |level * s| (kRoot); kSigned: exp_avg's sign-magnitude codes. Returns how many elements it decoded
 // (a multiple of 64; decode_block's loops do the rest).
-template <bool kSigned, bool kSecondMoment, bool kRoot>
+template <bool kSigned, bool kSecondMoment, bool kRoot, bool kTop2>
 inline int64_t decode_planes(const CodeMap& map, const uint8_t* c, __m512 s16, int64_t len, float* d, float* root) {
   __m512i planes[4][4];
   map.load_planes(planes);
   int64_t i = 0;
   for (; i + 64 <= len; i += 64) {
     __m512i levels[4];
-    CodeMap::levels64<kSigned>(planes, _mm512_loadu_si512(c + i), levels);
+    CodeMap::levels64<kSigned, kTop2>(planes, _mm512_loadu_si512(c + i), levels);
     for (int k = 0; k < 4; ++k) {
       __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(levels[k]), s16);
       if constexpr (kRoot) _mm512_storeu_ps(root + i + 16 * k, _mm512_abs_ps(x));
@@ -60,6 +61,11 @@ inline int64_t decode_planes(const CodeMap& map, const uint8_t* c, __m512 s16, i
     }
   }
   return i;
+}
+template <bool kSigned, bool kSecondMoment, bool kRoot>
+inline int64_t decode_planes(const CodeMap& map, const uint8_t* c, __m512 s16, int64_t len, float* d, float* root) {
+  return map.bf16_levels() ? decode_planes<kSigned, kSecondMoment, kRoot, true>(map, c, s16, len, d, root)
+                           : decode_planes<kSigned, kSecondMoment, kRoot, false>(map, c, s16, len, d, root);
 }
 #endif
 

@@ -667,6 +667,11 @@ def test_the_code_maps_are_as_specified():
     # the 4-bit exp_avg holds m / sqrt(v) on 7 linear magnitudes k / 7 (float32), the 8-bit one m itself
     assert Q4.exp_avg_levels == tuple(float(torch.tensor(k / 7, dtype=torch.float32)) for k in range(8))
     assert Q4.exp_avg_relative and not Q8.exp_avg_relative
+    # the 8-bit levels (binade grids, at most 6 mantissa bits) are bfloat16 values: the native decoder looks up only
+    # their top two bytes (CodeMap::bf16_levels; a map without this property decodes all four, the same values)
+    for levels in (Q8.exp_avg_levels, Q8.exp_avg_sq_levels):
+        as_float = torch.tensor(levels, dtype=torch.float32)
+        assert torch.equal(as_float.to(torch.bfloat16).float(), as_float)
 
 
 # ---- the 4-bit exp_avg: m / sqrt(v) on linear levels (ort_optim._spec.EXP_AVG_RELATIVE) ---------------------------
