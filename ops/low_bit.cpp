@@ -13,7 +13,7 @@
 // over the thresholds in registers. The Adam
 // kernel's fused 4-bit step (and on AMD Zen 4 its fused 8-bit step, ORT_OPTIM_LOW_BIT_FUSED_Q8) codes a block in the
 // loop that updates the next. The scalar path takes about 15x the fp32-moment step's time, the vectorised one about
-// 2-4x (one thread, hot, on AMD Zen 4: 8-bit 1.12 ns per parameter in the kernel against 0.61 for fp32 moments;
+// 2-4x (one thread, hot, on AMD Zen 4: 8-bit 1.11 ns per parameter in the kernel against 0.55 for fp32 moments;
 // guides/low-bit-states.md, "Speed", has the measurements and why the remaining cost is compute, not bytes).
 
 #include "low_bit.h"
