@@ -326,8 +326,10 @@ inline double square_sum(const float* __restrict__ g, int64_t n) {
 
 // A block's sum of squares of the gradients as loaded (the plain step's norm), added up by the coded loops, which
 // load the gradients anyway (a pass of its own took 3-8% of the coded step), in square_sum's order: element i in
-// lane i % 16 in element order, then the lanes one after the other from +0, as the vectorised simd reduction does
-// (the same bits). whole: every element was added, in order; else square_sum reads the block again.
+// lane i % 16 in element order, then the lanes one after the other from +0, as GCC vectorises the simd reduction
+// (the same bits; a compiler that reduces in another order would differ by rounding, which
+// tests/fused_adam/test_state_cache.py would show). whole: every element was added, in order; else square_sum reads
+// the block again.
 struct SquareSum {
 #ifdef ORT_OPTIM_FP8_AVX512
   __m512 lanes = _mm512_setzero_ps();  // (Adam16::moments adds to it)
