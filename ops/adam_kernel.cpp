@@ -554,7 +554,7 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
     const auto update16 = [&](int64_t i) {
       const int64_t j = b + i;
       adam16.moments(p + j, g + j, _mm512_loadu_ps(s.m + j), _mm512_loadu_ps(s.v + j), s.m + j, s.v + j, max_m16,
-                       squares16);
+                     squares16);
       adam16.params(p + j, s.m + j, s.v + j, s.root + j, max_root16);
     };
     const auto code16 = [&](int64_t i) {  // exp_avg's codes of the pending block's elements [i, i + 16)
