@@ -521,7 +521,7 @@ void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
 // whole 128-element blocks: the same bits as staging (update_staged), in fewer passes that overlap. Per 128-element
 // block b, after the decode of the whole block: one loop updates b (Adam16: the divisions and square roots, bound by
 // the divider) and writes the exp_avg codes of block b - 1 (hashes, searches and permutes: the other vector ports);
-// a second loop writes b's exp_avg_sq codes (Coder16), the sqrt(v) u they read back as and the ratios r = m / u, with
+// a second loop writes b's exp_avg_sq codes (Coder4), the sqrt(v) u they read back as and the ratios r = m / u, with
 // r's block maximum. A block holding an overflowed v or a NaN, and an exp_avg block of non-finite ratios, take the
 // plain stores. false (nothing done) where the tensor or block does not fit (staged then).
 #if defined(ORT_OPTIM_FP8_AVX512) && defined(ORT_OPTIM_LOW_BIT_AVX512)
@@ -544,8 +544,8 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
   // The random bits of both moments' stochastic rounding (one hash per element: a chain of two multiplies) are taken
   // in a loop of their own before the loops that code: in those, the uops that wait on the multiplies would fill the
   // scheduler (measured with the former two hashes per moment: 4-5% slower in the update loop, or in the coding loops).
-  using CoderV = Coder16<4, false, true>;
-  using CoderM = Coder16<4, true>;
+  using CoderV = Coder4<false, true>;
+  using CoderM = Coder4<true>;
   CoderV coder_v(f.exp_avg_sq_sr, 0.0f);
   CoderM coder_m(f.exp_avg, 0.0f);
   bool pending = false;  // block b - kB's exp_avg codes are written in block b's update loop

@@ -9,12 +9,12 @@
 // by permutes of the 256 levels held in registers (on AMD Zen 4 with VBMI, ORT_OPTIM_LOW_BIT_BYTE_PLANES: 64 at a
 // time, by byte permutes of the levels' byte planes: the top two, as the levels are bfloat16 values) and encode
 // (Coder8) by bit arithmetic on the maps' binade grids (the binade's shift and offset from two tables in registers,
-// no search); 4-bit codes decode by a permute of the 16 levels held in a register and encode by a binary search
-// over the thresholds in registers. The Adam
-// kernel's fused 4-bit step (and on AMD Zen 4 its fused 8-bit step, ORT_OPTIM_LOW_BIT_FUSED_Q8) codes a block in the
-// loop that updates the next. The scalar path takes about 15x the fp32-moment step's time, the vectorised one about
-// 2-4x (one thread, hot, on AMD Zen 4: 8-bit 1.11 ns per parameter in the kernel against 0.55 for fp32 moments;
-// guides/low-bit-states.md, "Speed", has the measurements and why the remaining cost is compute, not bytes).
+// no search); 4-bit codes decode by a permute of the 16 levels held in a register and encode (Coder4) by a binary
+// search over the thresholds in registers. The Adam kernel's fused 4-bit step (and on AMD Zen 4 its fused 8-bit step,
+// ORT_OPTIM_LOW_BIT_FUSED_Q8) codes a block in the loop that updates the next. The scalar path takes about 15x the
+// fp32-moment step's time, the vectorised one about 2-4x (one thread, hot, on AMD Zen 4: 8-bit 1.11 ns per parameter
+// in the kernel against 0.55 for fp32 moments; guides/low-bit-states.md, "Speed", has the measurements and why the
+// remaining cost is compute, not bytes).
 
 #include "low_bit.h"
 
@@ -185,7 +185,7 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(coder.code16(u, i, rnd)));
     }
   } else {
-    using Coder = Coder16<kBits, kSigned, kSquare>;
+    using Coder = Coder4<kSigned, kSquare>;
     Coder coder(map, inv);
     for (; i < vector_end; i += 16) {
       const __m512 x = _mm512_loadu_ps(u + i);

@@ -326,15 +326,14 @@ inline __m512 lookup128(const __m512* t, __m512i idx) {
 // stochastic rounding (CodeMap::stochastic_magnitude_code, 16 lanes) takes its level and the gap to the next one from
 // one register each (a permute, not a gather: a 16-lane gather costs about as much as the rest of this loop on Zen
 // 4), and its random numbers from the step's hashes (moment_random_bits, taken once per element for both moments).
-template <int kBits, bool kSigned, bool kSquare = false>
-struct Coder16 {
-  static_assert(kBits == 4, "Coder16 codes the 4-bit maps (Coder8 the 8-bit ones)");
+template <bool kSigned, bool kSquare = false>
+struct Coder4 {
   static constexpr bool kStochastic = kSigned || kSquare;
   const CodeMap& map;
   __m512 inv;
   __m512 level_table, gap_table;
 
-  Coder16(const CodeMap& code_map, float inverse) : map(code_map), inv(_mm512_set1_ps(inverse)) {
+  Coder4(const CodeMap& code_map, float inverse) : map(code_map), inv(_mm512_set1_ps(inverse)) {
     if constexpr (kStochastic) {
       level_table = _mm512_load_ps(kSquare ? map.squares() : map.decode());
       gap_table = _mm512_load_ps(map.sr_step());

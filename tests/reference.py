@@ -155,10 +155,9 @@ def round_state(x: torch.Tensor, dtype: torch.dtype, second_moment: bool = False
 # The levels and block sizes are the specification's data (ort_optim._spec); the quantiser below is written from
 # the README's rules: scale = block absmax (rounded to nearest bfloat16 for 4-bit), normalised a = fp32(|u| * fp32(1/s))
 # clamped to 1; sqrt(v) (exp_avg_sq) takes the level nearest in 1/sqrt(v) (the 8-bit format's: in sqrt(v)), exp_avg
-# the largest level <= a or,
-# stochastically, the next one up (random bits: a hash of the step's new exp_avg's float32 bits, the index and the
-# step). A second
-# moment's overflowed v (sqrt(v) = inf) reads back as inf, and its block is quantised by its other values.
+# the largest level <= a or, stochastically, the next one up (random bits: a hash of the step's new exp_avg's float32
+# bits, the index and the step). A second moment's overflowed v (sqrt(v) = inf) reads back as inf, and its block is
+# quantised by its other values.
 
 LOW_BIT_DTYPES = (torch.uint8, torch.uint4)
 _NO_ROOT = object()  # round_low_bit's inner call that codes r itself
