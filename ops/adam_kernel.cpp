@@ -574,7 +574,7 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
       low_bit_relative_store(f, s.m + b, s.u + b, off + b, kB, codes_m, w.exp_avg_scale, s.rnd + b);
       continue;
     }
-    const float scale_v = bits_to_float(f.scale_bits(amax_root));
+    const float scale_v = bits_to_float(f.scale_bits(amax_root, true));
     f.store_scale(w.exp_avg_sq_scale, (off + b) / kB, scale_v);
     coder_v.set_inverse(scale_v > 0.0f ? 1.0f / scale_v : 0.0f);
     const __m512 scale_v16 = _mm512_set1_ps(scale_v);
@@ -594,7 +594,7 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
       CoderV::store4(code, codes_v + (off + b + i) / 2);
       ratios16(i, code);
     }
-    const uint32_t scale_m_bits = f.scale_bits(_mm512_reduce_max_epu32(max_r16));
+    const uint32_t scale_m_bits = f.scale_bits(_mm512_reduce_max_epu32(max_r16), false);
     if (scale_m_bits >= 0x7F800000u) {  // non-finite ratios
       low_bit_relative_store(f, s.m + b, s.u + b, off + b, kB, codes_m, w.exp_avg_scale, s.rnd + b);
       continue;
@@ -661,7 +661,8 @@ bool update_q8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
       low_bit_store(f, true, s.v + b, s.root + b, off + b, kB, codes_v, w.exp_avg_sq_scale, s.rnd + b);
       continue;
     }
-    const float scale_m = bits_to_float(f.scale_bits(amax_m)), scale_v = bits_to_float(f.scale_bits(amax_root));
+    const float scale_m = bits_to_float(f.scale_bits(amax_m, false)),
+                scale_v = bits_to_float(f.scale_bits(amax_root, true));
     f.store_scale(w.exp_avg_scale, (off + b) / kB, scale_m);
     f.store_scale(w.exp_avg_sq_scale, (off + b) / kB, scale_v);
     coder_m.set_inverse(scale_m > 0.0f ? 1.0f / scale_m : 0.0f);

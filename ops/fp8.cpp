@@ -105,11 +105,12 @@ void fp8_store(const float* src, const float* root, int64_t off, int64_t n, uint
       s = std::numeric_limits<float>::quiet_NaN();
       std::memset(out, 0, len);
     } else {
-      const int32_t k = fp8_block_exponent<kMb, kBias, kEmax, kMaxCode>(amax);
+      int32_t k = fp8_block_exponent<kMb, kBias, kEmax, kMaxCode>(amax);
       if (amax == 0 || k < spec::kFp8MinExponent) {
         s = 0.0f;
         std::memset(out, 0, len);
       } else {
+        if (kSecondMoment) k = std::max(k, fp8_min_sq_exponent<kMb>());
         s = bits_to_float(uint32_t(k + 127) << 23);
         const float inv = bits_to_float(uint32_t(127 - k) << 23);
         const uint32_t* r = rnd + q;
@@ -137,8 +138,8 @@ template <class FM, class FV>
 void fp8_store_pair(const float* m, const float* v, const float* root, uint32_t amax_m, uint32_t amax_v, int64_t off,
                     int64_t len, uint32_t step, uint8_t* codes_m, float* scales_m, uint8_t* codes_v, float* scales_v,
                     uint32_t* rnd) {
-  const uint32_t inv_m = fp8_regular_inverse<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode>(amax_m),
-                 inv_v = fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode>(amax_v);
+  const uint32_t inv_m = fp8_regular_inverse<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode, false>(amax_m),
+                 inv_v = fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode, true>(amax_v);
   if (inv_m == 0 || inv_v == 0) {
     moment_random_bits(m, off, len, step, rnd);
     fp8_store<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode, false>(m, nullptr, off, len, codes_m, scales_m, rnd);

@@ -76,13 +76,23 @@ inline int32_t fp8_block_exponent(uint32_t amax) {
   return std::min(e - kEmax + (fp8_round<kMb, kBias>(top) > kMaxCode ? 1 : 0), 127 - kEmax);
 }
 
-// The bits of 1 / 2**k for a block that fp8_store codes with a scale 2**k (finite amax > 0, not overflowed); 0 for
-// every other block (zero, non-finite, overflowed), which the plain stores handle.
-template <int kMb, int kBias, int kEmax, int kMaxCode>
+// A second moment's smallest block exponent k (_spec.Fp8Format.min_sq_exponent, _spec.MIN_SQRT_V): below it, the
+// block is coded with this k.
+template <int kMb>
+constexpr int32_t fp8_min_sq_exponent() {
+  static_assert(kMb == 3 || kMb == 2, "e4m3fn or e5m2");
+  return kMb == 3 ? spec::kFp8E4M3MinSqExponent : spec::kFp8E5M2MinSqExponent;
+}
+
+// The bits of 1 / 2**k for a block that fp8_store codes with a scale 2**k (finite amax > 0, not overflowed; for a
+// second moment k at least fp8_min_sq_exponent); 0 for every other block (zero, non-finite, overflowed, a second
+// moment's below that floor), which the plain stores handle.
+template <int kMb, int kBias, int kEmax, int kMaxCode, bool kSecondMoment>
 inline uint32_t fp8_regular_inverse(uint32_t amax) {
   if (amax == 0 || amax >= 0x7F800000u) return 0;
   const int32_t k = fp8_block_exponent<kMb, kBias, kEmax, kMaxCode>(amax);
-  return k < spec::kFp8MinExponent ? 0 : uint32_t(127 - k) << 23;
+  if (k < spec::kFp8MinExponent || (kSecondMoment && k < fp8_min_sq_exponent<kMb>())) return 0;
+  return uint32_t(127 - k) << 23;
 }
 
 #ifdef ORT_OPTIM_FP8_AVX512
@@ -201,8 +211,8 @@ struct Fp8PairCoder {
   uint8_t* cv;
 
   Fp8PairCoder(uint32_t amax_m, uint32_t amax_v, int64_t off, uint32_t step, uint8_t* codes_m, uint8_t* codes_v)
-      : inv_m(fp8_regular_inverse<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode>(amax_m)),
-        inv_v(fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode>(amax_v)),
+      : inv_m(fp8_regular_inverse<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode, false>(amax_m)),
+        inv_v(fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode, true>(amax_v)),
         coder_m(amax_m, inv_m),
         coder_v(amax_v, inv_v),
         e_hash(element_hash16(off)),

@@ -30,14 +30,15 @@ template <size_t N, size_t M>
 LowBit make_low_bit(int bits, int block, bool bf16_scales, const float (&m_levels)[N], const float (&m_thresholds)[N - 1],
                     const float (&v_levels)[M], const float (&v_thresholds)[M - 1], bool relative,
                     bool sq_stochastic, const float (&v_sr_thresholds)[M - 1], const float (&v_squares)[M],
-                    const float (&v_square_gaps)[M]) {
+                    const float (&v_square_gaps)[M], float min_sq_scale) {
   const CodeMap v_nearest(v_levels, v_thresholds, int(M), false, bits, 1.0f);
   return LowBit{bits, block, bf16_scales,
                 CodeMap(m_levels, m_thresholds, int(N), true, bits, spec::kExpAvgSnap, /*sr_from_zero=*/relative),
                 v_nearest, relative, sq_stochastic,
                 sq_stochastic ? CodeMap(v_levels, v_sr_thresholds, int(M), false, bits, spec::kExpAvgSnap,
                                         /*sr_from_zero=*/true, v_squares, v_square_gaps)
-                              : v_nearest};
+                              : v_nearest,
+                float_to_bits(min_sq_scale)};
 }
 
 
@@ -305,7 +306,7 @@ void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t
       }
       u = finite_u;
     }
-    amax = f.scale_bits(amax);  // the scale
+    amax = f.scale_bits(amax, kSecondMoment);  // the scale
     uint8_t* out = kBits == 8 ? codes + off + q : codes + (off + q) / 2;
     float s;
     // the decoded sqrt(v) comes from the encoder, but for the rare overflowed and NaN blocks (decoded after storing)
@@ -412,7 +413,7 @@ const LowBit& q8() {
                                        spec::kQ8ExpAvgThresholds, spec::kQ8ExpAvgSqLevels, spec::kQ8ExpAvgSqThresholds,
                                        spec::kQ8ExpAvgRelative, spec::kQ8ExpAvgSqStochastic,
                                        spec::kQ8ExpAvgSqSrThresholds, spec::kQ8ExpAvgSqSquares,
-                                       spec::kQ8ExpAvgSqSquareGaps);
+                                       spec::kQ8ExpAvgSqSquareGaps, spec::kQ8MinSqScale);
   return f;
 }
 const LowBit& q4() {
@@ -420,7 +421,7 @@ const LowBit& q4() {
                                        spec::kQ4ExpAvgThresholds, spec::kQ4ExpAvgSqLevels, spec::kQ4ExpAvgSqThresholds,
                                        spec::kQ4ExpAvgRelative, spec::kQ4ExpAvgSqStochastic,
                                        spec::kQ4ExpAvgSqSrThresholds, spec::kQ4ExpAvgSqSquares,
-                                       spec::kQ4ExpAvgSqSquareGaps);
+                                       spec::kQ4ExpAvgSqSquareGaps, spec::kQ4MinSqScale);
   return f;
 }
 

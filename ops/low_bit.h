@@ -288,14 +288,17 @@ struct LowBit {
   // (step 0) keep exp_avg_sq's nearest rule
   bool sq_stochastic;
   CodeMap exp_avg_sq_sr;
+  uint32_t min_sq_scale;  // the bits of a non-zero second-moment block's smallest scale (_spec.MIN_SQRT_V)
 
   const CodeMap& map(bool second_moment) const { return second_moment ? exp_avg_sq : exp_avg; }
   // The bits of the scale of a block whose largest magnitude has the bits amax (finite, or a block holding inf or
   // NaN): amax rounded to nearest even where the format stores bfloat16 scales (which may overflow to inf: then the
-  // block is non-finite, like one holding inf), 0 below float32's smallest normal (a zero block, _spec.MIN_SCALE).
-  uint32_t scale_bits(uint32_t amax) const {
+  // block is non-finite, like one holding inf), 0 below float32's smallest normal (a zero block, _spec.MIN_SCALE),
+  // and for a second moment at least min_sq_scale (_spec.MIN_SQRT_V).
+  uint32_t scale_bits(uint32_t amax, bool second_moment) const {
     if (bf16_scales && amax < 0x7F800000u) amax = (amax + 0x7FFFu + ((amax >> 16) & 1u)) & 0xFFFF0000u;
-    return amax < 0x00800000u ? 0 : amax;
+    if (amax < 0x00800000u) return 0;
+    return second_moment ? std::max(amax, min_sq_scale) : amax;
   }
   void store_scale(void* scales, int64_t block_index, float s) const {
     if (bf16_scales) {

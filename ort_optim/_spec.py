@@ -183,6 +183,16 @@ EXP_AVG_SR_ULPS = 8
 # Blocks whose largest magnitude is below float32's smallest normal (2**-126) are stored as zero blocks (scale 0):
 # 1/s would overflow, and subnormal scales cannot round-trip.
 MIN_SCALE = 2.0**-126
+# MIN_SQRT_V: the smallest decoded sqrt(v) of a non-zero code of a block-scaled second moment (the low-bit and fp8
+# formats). A non-zero block's scale s is at least the smallest power of two under which the format's smallest
+# non-zero level times s reaches MIN_SQRT_V (LowBitFormat.min_sq_scale, Fp8Format.min_sq_exponent). Why: v decodes as
+# u * u in float32, and below u = 2**-63 that square is subnormal, with too few bits to tell neighbouring levels
+# apart: two codes would decode to one v, and a checkpoint (which holds v) would resume with the other code, whose u
+# differs (the 4-bit exp_avg is coded relative to u) or whose v, re-coded in a step that skips its update, differs.
+# With the floor every code decodes to its own normal v and re-encodes to itself. A block whose sqrt(v) all lie below
+# the floor is coded against it (its largest element below the top level); a v below MIN_SQRT_V**2 (1.2e-38) reads
+# back as the block's smallest level, which can only shrink its update, as the maps' missing zero does.
+MIN_SQRT_V = 2.0**-63
 
 
 def thresholds(levels: tuple[float, ...], second_moment: bool, nearest: str = "reciprocal") -> tuple[float, ...]:
@@ -224,7 +234,8 @@ class LowBitFormat:
       of a format with ``exp_avg_sq_stochastic``: stochastically, unbiased in v (EXP_AVG_SQ_STOCHASTIC).
     * ``s`` = the block's absolute maximum (of m, or of u), rounded to nearest even in ``scale_dtype`` (normalised
       values are clamped to 1); a block with inf or NaN (or a maximum beyond the scale dtype's range) gets
-      s = NaN, an all-zero block s = 0.
+      s = NaN, an all-zero block (a maximum below MIN_SCALE) s = 0; a second moment's s is at least
+      :attr:`min_sq_scale` (MIN_SQRT_V: every code then decodes to its own normal float32 v).
     * Except a second moment whose v overflowed float32 (one gradient element above about 5.8e20 at beta2 = 0.999
       makes (1 - beta2) * g * g inf, and torch.optim.AdamW keeps that v = inf): such an element takes code 0 and
       reads back as v = inf, the block's other elements are coded as if it were absent (with codes >= 1: one on
@@ -253,6 +264,17 @@ class LowBitFormat:
     def sq_thresholds(self) -> tuple[float, ...]:
         """The thresholds sqrt(v) rounds to nearest by (conversions; every step where it is not stochastic)."""
         return thresholds(self.exp_avg_sq_levels, True, self.exp_avg_sq_nearest)
+
+    @property
+    def min_sq_scale(self) -> float:
+        """The smallest scale of a non-zero second-moment block (MIN_SQRT_V): the least power of two s with
+        min(exp_avg_sq_levels) * s >= MIN_SQRT_V."""
+        k = math.ceil(math.log2(MIN_SQRT_V / min(self.exp_avg_sq_levels)))
+        while min(self.exp_avg_sq_levels) * 2.0 ** (k - 1) >= MIN_SQRT_V:  # (log2's rounding, either way)
+            k -= 1
+        while min(self.exp_avg_sq_levels) * 2.0**k < MIN_SQRT_V:
+            k += 1
+        return 2.0**k
 
     def num_scales(self, numel: int) -> int:
         return (numel + self.block - 1) // self.block
@@ -343,7 +365,8 @@ class Fp8Format:
       2**E``: read from amax's exponent bits, no logarithm, no search. Rounding is monotone and scale-invariant on
       normal values, so a decoded block, whose largest value is a code times ``2**k``, gets the same k again: encoding
       is idempotent and a resume exact. k is capped at ``127 - emax`` (the largest code times 2**k stays finite;
-      codes then saturate at max_value, only for |values| near float32's largest).
+      codes then saturate at max_value, only for |values| near float32's largest). A second moment's k is at least
+      :attr:`min_sq_exponent` (MIN_SQRT_V: every non-zero code then decodes to its own normal float32 v).
     * Every element is ``x * 2**-k`` (exact) rounded to nearest even in the format by exponent and mantissa
       arithmetic on its float32 bits (subnormal codes by ``rint(y * 2**(bias - 1 + mantissa_bits))``), saturating
       at max_value. exp_avg keeps its sign (never -0); u rounds up to the smallest subnormal code instead of 0 in
@@ -384,6 +407,12 @@ class Fp8Format:
     @property
     def max_value(self) -> float:
         return 1.75 * 2.0**self.emax
+
+    @property
+    def min_sq_exponent(self) -> int:
+        """The smallest k of a non-zero second-moment block (MIN_SQRT_V): the smallest subnormal code,
+        2**(1 - bias - mantissa_bits), times 2**k reaches MIN_SQRT_V (e4m3fn: -54, e5m2: -47)."""
+        return int(math.log2(MIN_SQRT_V)) + self.bias - 1 + self.mantissa_bits
 
     def num_scales(self, numel: int) -> int:
         return (numel + self.block - 1) // self.block

@@ -210,6 +210,8 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
     amax = finite.abs().amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
     scales = _round_to(amax, fmt.scale_dtype)
     scales = torch.where(scales < MIN_SCALE, torch.zeros_like(scales), scales)  # (NaN compares False: kept)
+    if second_moment:  # (_spec.MIN_SQRT_V)
+        scales = torch.where(scales > 0, scales.clamp_min(fmt.min_sq_scale), scales)
     scales = torch.where(torch.isfinite(scales), scales, torch.full_like(scales, math.nan))
     flagged = overflowed.any(dim=1) & ~torch.isnan(scales)
     usable = (scales > 0) & torch.isfinite(scales)
@@ -345,6 +347,8 @@ def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool, step
     flagged = overflowed.any(dim=1) & finite
     k = fp8_block_exponents(torch.where(finite, amax, torch.zeros_like(amax)), fmt)
     usable = finite & (amax > 0) & (k >= fmt.min_exponent)
+    if second_moment:  # (_spec.MIN_SQRT_V)
+        k = k.clamp_min(fmt.min_sq_exponent)
     k = torch.where(usable, k, torch.zeros_like(k))
     scales = torch.where(usable, _from_bits((k + 127) << 23), torch.where(finite, 0.0, math.nan))
     inverse = _from_bits((127 - k) << 23)

@@ -76,6 +76,7 @@ def spec_header() -> str:
             array(f"k{tag}ExpAvgSqSrThresholds", _spec.thresholds(fmt.exp_avg_sq_levels, False)),
             array(f"k{tag}ExpAvgSqSquares", _spec.square_tables(fmt.exp_avg_sq_levels)[0]),
             array(f"k{tag}ExpAvgSqSquareGaps", _spec.square_tables(fmt.exp_avg_sq_levels)[1]),
+            f"constexpr float k{tag}MinSqScale = {fmt.min_sq_scale.hex()}f;",
         ]
     lines += [f"constexpr float kExpAvgSnap = {_spec.EXP_AVG_SNAP.hex()}f;",
               f"constexpr uint32_t kExpAvgSrUlps = {_spec.EXP_AVG_SR_ULPS};",
@@ -83,6 +84,8 @@ def spec_header() -> str:
               f"constexpr bool kFp16SqrtSecondMoment = {'true' if _spec.FP16_SQRT_SECOND_MOMENT else 'false'};",
               f"constexpr int kFp8Block = {_spec.FP8_E4M3.block};",
               f"constexpr int kFp8MinExponent = {_spec.FP8_E4M3.min_exponent};",
+              f"constexpr int kFp8E4M3MinSqExponent = {_spec.FP8_E4M3.min_sq_exponent};",
+              f"constexpr int kFp8E5M2MinSqExponent = {_spec.FP8_E5M2.min_sq_exponent};",
               "}  // namespace spec", "}  // namespace ort_optim", ""]
     return "\n".join(lines)
 

@@ -54,6 +54,11 @@ EXP_AVG_SNAP = tl.constexpr(1.0 + 2.0**-20)
 MIN_SCALE = tl.constexpr(2.0**-126)
 EXP_AVG_SR_ULPS = tl.constexpr(8)
 CANONICAL_NAN = tl.constexpr(0x7FC00000)
+# a non-zero second-moment block's smallest scale (_spec.MIN_SQRT_V): 8-bit and 4-bit scales, fp8 exponents
+Q8_MIN_SQ_SCALE = tl.constexpr(2.0**-38)
+Q4_MIN_SQ_SCALE = tl.constexpr(2.0**-53)
+FP8_E4M3_MIN_SQ_EXPONENT = tl.constexpr(-54)
+FP8_E5M2_MIN_SQ_EXPONENT = tl.constexpr(-47)
 
 # Columns of the per-tensor table (int64). The addresses of optional tensors are 0 when absent (never read then).
 COL_PARAM, COL_EXP_AVG, COL_EXP_AVG_SQ, COL_MAX_EXP_AVG_SQ, COL_MASTER = 0, 1, 2, 3, 4
@@ -314,6 +319,11 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, rnd, step, DT: tl.c
     if DT == 5:  # the scale is stored in bfloat16: rounded to nearest even (may overflow to inf)
         amax = (_bf16_bits(amax).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     amax = tl.where(amax < MIN_SCALE, 0.0, amax)  # a subnormal maximum: a zero block
+    if SECOND:  # (_spec.MIN_SQRT_V)
+        if DT == 4:
+            amax = tl.where(amax > 0.0, tl.maximum(amax, Q8_MIN_SQ_SCALE), amax)
+        else:
+            amax = tl.where(amax > 0.0, tl.maximum(amax, Q4_MIN_SQ_SCALE), amax)
     s = tl.where(block_bad | (amax == float("inf")), float("nan"), amax)
     usable = s > 0.0  # false for NaN
     inv = tl.where(usable, (1.0 / tl.where(usable, s, 1.0).to(tl.float64)).to(tl.float32), 0.0)
@@ -468,7 +478,7 @@ def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: t
     divided by 2**k rounding to nearest even to at most the largest finite code (capped at 127 - emax); NaN for a
     block with inf or NaN (codes 0), except a second moment's overflowed v (sqrt(v) = inf): the scale of the finite
     ones with the sign bit set, code 0 for the overflowed elements and codes >= 1 for the others; 0 for an all-zero
-    block or one with k < FP8_MIN_EXPONENT. Codes round
+    block or one with k < FP8_MIN_EXPONENT; a second moment's k at least its FP8_*_MIN_SQ_EXPONENT. Codes round
     stochastically (rnd: _moment_random_bits of the step's exp_avg; the top 16 bits for exp_avg, the low 16 for a
     second moment) except the block's largest magnitudes, which round to nearest even; they saturate at the largest
     finite code;
@@ -492,6 +502,11 @@ def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: t
     k = e - EMAX + (_fp8_round(top, MB, BIAS) > MAX_CODE).to(tl.int32)
     k = tl.minimum(k, 127 - EMAX)
     usable = (block_bad == 0) & (amax > 0.0) & (k >= FP8_MIN_EXPONENT)
+    if SECOND:  # (_spec.MIN_SQRT_V)
+        if DT == 6:
+            k = tl.maximum(k, FP8_E4M3_MIN_SQ_EXPONENT)
+        else:
+            k = tl.maximum(k, FP8_E5M2_MIN_SQ_EXPONENT)
     k = tl.where(usable, k, 0)
     s = tl.where(usable, _pow2(k), tl.where(block_bad, float("nan"), 0.0))
     y = tl.where(usable[:, None], au * _pow2(-k)[:, None], 0.0)

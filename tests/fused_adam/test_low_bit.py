@@ -519,18 +519,63 @@ def test_a_gradient_near_float32s_largest_leaves_exp_avg_finite_and_no_param_nan
 
 # ---- idempotent quantisation: what makes a canonical checkpoint resume exactly ----------------------------------
 
+
+def _tiny_second_moment_runs(dtype, how: str):
+    """A FusedAdam with this moment dtype whose second moment lies below float32's normal range (v under 2**-126,
+    sqrt(v) under 2**-63) in some elements: stepped with gradients of about 1e-18 (half of each block 1000x smaller),
+    or loaded from torch.optim.AdamW's state after one step with gradients of about 1e-20 (v near 1e-41: subnormal)."""
+    p = torch.nn.Parameter(torch.randn(1024, generator=torch.Generator().manual_seed(0)))
+    opt = FusedAdam([p], lr=1e-3, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
+    grads = [torch.randn(1024, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    for g in grads:
+        g[:512] *= 1e-3
+    if how == "stepped":
+        for g in grads:
+            p.grad = g * 1e-18
+            opt.step()
+    else:
+        q = torch.nn.Parameter(p.detach().clone())
+        torch_opt = torch.optim.AdamW([q], lr=1e-3, betas=(0.9, 0.5))
+        q.grad = grads[0] * 1e-20
+        torch_opt.step()
+        assert float(torch_opt.state[q]["exp_avg_sq"].abs().min()) < 2.0**-126
+        opt.load_state_dict(torch_opt.state_dict())
+    return p, opt
+
+
+@pytest.mark.parametrize("how", ["stepped", "loaded"])
+@pytest.mark.parametrize("v", ["u8", "u4", "e4m3", "e5m2"])
+def test_a_second_moment_below_float32s_normal_range_resumes_exactly(v, how, backend):
+    """Where v = u * u would be subnormal, its few bits cannot tell neighbouring levels apart: two codes would read
+    back as one v, and a twin restored from the checkpoint (which holds v) would hold the other code, whose u differs
+    (the 4-bit exp_avg is coded relative to it) or whose v a skipped step leaves apart. The second moment's block
+    scale has a floor (_spec.MIN_SQRT_V) under which no code reads back below 2**-63: the twin holds the same bits."""
+    p, opt = _tiny_second_moment_runs(MOMENT_DTYPES[v], how)
+    saved = opt.state_dict()
+    q = torch.nn.Parameter(p.detach().clone())
+    twin = FusedAdam([q], lr=1e-3, exp_avg_dtype=MOMENT_DTYPES[v], exp_avg_sq_dtype=MOMENT_DTYPES[v])
+    twin.load_state_dict(saved)
+    assert_tree_bitwise_equal(twin.state_dict(), saved, "twin")
+    for key, value in opt.state[p].items():
+        assert torch.equal(bits(value), bits(twin.state[q][key])), key
+    v_read = formats.decode_state(opt.state[p]["exp_avg_sq"], opt.state[p]["exp_avg_sq_scale"], True, p.shape)
+    assert float(v_read[v_read > 0].min()) >= 2.0**-126  # (every v it reads back is a normal float32)
+
+
+
 _SPECIAL = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e-45, -3e-42, 1e-39]
 
 
 @st.composite
 def _blocks_of_values(draw, second_moment: bool):
     """Float32 values: normal magnitudes from 2**-50 to 2**100, zeros, subnormals, inf and NaN; each block starts with
-    an anchor (a normal value or a special one), so that a block's scale is normal, zero or non-finite. (A block of
-    nothing but subnormals is the one case where a re-encode may move a code; README, "low-bit states".)"""
+    an anchor (a normal value down to float32's smallest, a subnormal, or a special one), so that a block's scale is
+    normal (down to the second moment's floor, _spec.MIN_SQRT_V, and below it), zero or non-finite."""
     normal = st.floats(min_value=2.0**-50, max_value=2.0**100, width=32)
     element = st.one_of(st.sampled_from(_SPECIAL), normal, normal.map(lambda x: -x))
     values = draw(st.lists(element, min_size=1, max_size=300))
-    anchor = st.one_of(normal, st.sampled_from([0.0, math.nan, math.inf]))
+    tiny = st.floats(min_value=2.0**-149, max_value=2.0**-50, width=32)
+    anchor = st.one_of(normal, tiny, st.sampled_from([0.0, math.nan, math.inf]))
     for start in range(0, len(values), 128):
         values[start] = draw(anchor)
     x = torch.tensor(values, dtype=torch.float32)
@@ -538,7 +583,8 @@ def _blocks_of_values(draw, second_moment: bool):
 
 
 @pytest.mark.parametrize("second_moment", [False, True], ids=["exp_avg", "exp_avg_sq"])
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint4, torch.float16], ids=["8bit", "4bit", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint4, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["8bit", "4bit", "fp16", "e4m3", "e5m2"])
 @settings(max_examples=fuzz_examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_encode_decode_encode_gives_back_the_same_bits(dtype, second_moment, data):
