@@ -79,7 +79,8 @@ class StateLayout:
             fmt = LOW_BIT_FORMATS.get(dtype) or FP8_FORMATS.get(dtype)
             if not one_buffer and not fmt:
                 for i in indices:
-                    states[i][key] = (params[i].detach().to(dtype, copy=True) if key == "master_param"
+                    states[i][key] = (params[i].detach().to(dtype, copy=True, memory_format=torch.contiguous_format)
+                                      if key == "master_param"  # (a copy keeps a strided param's strides else)
                                       else torch.zeros(params[i].shape, dtype=dtype, device=device))
                 continue
             if fmt:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import configurations, gradient, gradients
+from cases import Configuration, configurations, gradient, gradients
 from conftest import assert_bitwise_equal, assert_same_history, fuzz_examples, optimizer_snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -319,6 +319,25 @@ def _drawn_steps(config, steps, compiled: bool) -> tuple[list, int]:
             break
         history.append(optimizer_snapshot(opt))
     return history, sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+@NEWEST
+def test_a_strided_params_master_made_in_a_compiled_step_is_contiguous_and_steps_as_eager():
+    """A param whose state is made inside a compiled step (its first gradient comes after the first step) gets an
+    fp32 master as the op takes every state tensor, contiguous, whatever the param's strides (a transposed fp16
+    param's master was a transposed copy: refused by the op)."""
+    group = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adam_w_mode=AdamWMode.ADAM_L2_REGULARIZATION,
+                 bias_correction=True, amsgrad=True, maximize=False, stochastic_rounding=False)
+    config = Configuration(torch.float16, (0, 0, 1023, 1024), ("flat", "flat", "transposed", "flat"),
+                           dict(master_weights=True, exp_avg_dtype=None, exp_avg_sq_dtype=None, max_grad_norm=None),
+                           (group,))
+    assert not config.params()[2].is_contiguous()
+    ones = (1.0, [])
+    steps = [([ones, ones, None, ones], None), ([ones] * 4, None), ([ones] * 4, None)]
+    (eager, _), (compiled, breaks) = (_drawn_steps(config, steps, flag) for flag in (False, True))
+    assert not any(isinstance(entry, tuple) for entry in eager + compiled), (eager[-1:], compiled[-1:])
+    assert_same_history(eager, compiled)
+    assert breaks == 0
 
 
 @NEWEST
