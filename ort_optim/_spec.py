@@ -268,13 +268,9 @@ class LowBitFormat:
     @property
     def min_sq_scale(self) -> float:
         """The smallest scale of a non-zero second-moment block (MIN_SQRT_V): the least power of two s with
-        min(exp_avg_sq_levels) * s >= MIN_SQRT_V."""
-        k = math.ceil(math.log2(MIN_SQRT_V / min(self.exp_avg_sq_levels)))
-        while min(self.exp_avg_sq_levels) * 2.0 ** (k - 1) >= MIN_SQRT_V:  # (log2's rounding, either way)
-            k -= 1
-        while min(self.exp_avg_sq_levels) * 2.0**k < MIN_SQRT_V:
-            k += 1
-        return 2.0**k
+        min(exp_avg_sq_levels) * s >= MIN_SQRT_V. With the level m * 2**e (m in [0.5, 1), math.frexp), that is
+        MIN_SQRT_V * 2**(1 - e) (8-bit: 2**-38, 4-bit: 2**-53)."""
+        return math.ldexp(MIN_SQRT_V, 1 - math.frexp(min(self.exp_avg_sq_levels))[1])
 
     def num_scales(self, numel: int) -> int:
         return (numel + self.block - 1) // self.block

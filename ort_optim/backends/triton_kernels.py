@@ -309,9 +309,11 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, rnd, step, DT: tl.c
     if DT == 4:
         QB: tl.constexpr = 256
         BITS: tl.constexpr = 8
+        MIN_SQ_SCALE: tl.constexpr = Q8_MIN_SQ_SCALE
     else:
         QB: tl.constexpr = 128
         BITS: tl.constexpr = 4
+        MIN_SQ_SCALE: tl.constexpr = Q4_MIN_SQ_SCALE
     NB: tl.constexpr = BLOCK // QB
     u2, m2, offs2, au, overflowed, block_bad, amax = _quant_blocks(x, mask, offs, SECOND, NB, QB)
     if SECOND:  # a flagged block (see reference.quantize_low_bit)
@@ -320,10 +322,7 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, rnd, step, DT: tl.c
         amax = (_bf16_bits(amax).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     amax = tl.where(amax < MIN_SCALE, 0.0, amax)  # a subnormal maximum: a zero block
     if SECOND:  # (_spec.MIN_SQRT_V)
-        if DT == 4:
-            amax = tl.where(amax > 0.0, tl.maximum(amax, Q8_MIN_SQ_SCALE), amax)
-        else:
-            amax = tl.where(amax > 0.0, tl.maximum(amax, Q4_MIN_SQ_SCALE), amax)
+        amax = tl.where(amax > 0.0, tl.maximum(amax, MIN_SQ_SCALE), amax)
     s = tl.where(block_bad | (amax == float("inf")), float("nan"), amax)
     usable = s > 0.0  # false for NaN
     inv = tl.where(usable, (1.0 / tl.where(usable, s, 1.0).to(tl.float64)).to(tl.float32), 0.0)
@@ -488,11 +487,13 @@ def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: t
         BIAS: tl.constexpr = 7
         EMAX: tl.constexpr = 8
         MAX_CODE: tl.constexpr = 0x7E
+        MIN_SQ_EXPONENT: tl.constexpr = FP8_E4M3_MIN_SQ_EXPONENT
     else:
         MB: tl.constexpr = 2
         BIAS: tl.constexpr = 15
         EMAX: tl.constexpr = 15
         MAX_CODE: tl.constexpr = 0x7B
+        MIN_SQ_EXPONENT: tl.constexpr = FP8_E5M2_MIN_SQ_EXPONENT
     QB: tl.constexpr = 256
     NB: tl.constexpr = BLOCK // QB
     u2, m2, offs2, au, overflowed, block_bad, amax = _quant_blocks(x, mask, offs, SECOND, NB, QB)
@@ -503,10 +504,7 @@ def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: t
     k = tl.minimum(k, 127 - EMAX)
     usable = (block_bad == 0) & (amax > 0.0) & (k >= FP8_MIN_EXPONENT)
     if SECOND:  # (_spec.MIN_SQRT_V)
-        if DT == 6:
-            k = tl.maximum(k, FP8_E4M3_MIN_SQ_EXPONENT)
-        else:
-            k = tl.maximum(k, FP8_E5M2_MIN_SQ_EXPONENT)
+        k = tl.maximum(k, MIN_SQ_EXPONENT)
     k = tl.where(usable, k, 0)
     s = tl.where(usable, _pow2(k), tl.where(block_bad, float("nan"), 0.0))
     y = tl.where(usable[:, None], au * _pow2(-k)[:, None], 0.0)

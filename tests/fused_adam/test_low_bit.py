@@ -562,7 +562,6 @@ def test_a_second_moment_below_float32s_normal_range_resumes_exactly(v, how, bac
     assert float(v_read[v_read > 0].min()) >= 2.0**-126  # (every v it reads back is a normal float32)
 
 
-
 _SPECIAL = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e-45, -3e-42, 1e-39]
 
 
