@@ -272,11 +272,15 @@ class GroupPlan:
     params_version: int
     amsgrad: bool
     rounding: tuple  # the group's (stochastic_rounding, stochastic_rounding_seed): they decide the rounding keys
-    has_grad: tuple  # which params had a gradient
+    has_grad: list[bool]  # which params had a gradient
     buckets: list[Bucket]
     native: bool  # every bucket has a native plan: they watch the gradients (watchers), Python reads none
     watchers: list = field(default_factory=list)  # native plans to check(): the buckets', or one over idle params
     has_dtensors: bool = False  # the group has DTensor params
+    in_order: bool = field(init=False)  # one bucket holds every param, in order: it takes the gradients as read
+
+    def __post_init__(self) -> None:
+        self.in_order = len(self.buckets) == 1 and self.buckets[0].indices == list(range(len(self.params)))
 
     def read_grads_if_current(self) -> bool:
         """The per-tensor part of the rule (see the module docstring), after reading this step's gradients into the
@@ -296,7 +300,7 @@ class GroupPlan:
         :meth:`read_grads_if_current` that torch.compile can trace: it reads no data pointers (there, TorchDynamo's guards on the
         tensors it reads stand in for the fingerprints)."""
         grads = [p.grad for p in self.params]
-        if tuple(g is not None for g in grads) != self.has_grad:
+        if [g is not None for g in grads] != self.has_grad:
             return False
         pending = {}  # position: gradient to redistribute (Plan.resolve_grads, once the plan holds)
         if self.has_dtensors:
@@ -306,8 +310,9 @@ class GroupPlan:
                        if g is not None and dtensor.needs_redistribution(p, g)}
             grads = [None if i in pending else dtensor.local(g) for i, g in enumerate(grads)]
         for bucket in self.buckets:
-            bucket.grads = [grads[i] for i in bucket.indices]
-            bucket.pending = [(slot, pending[i]) for slot, i in enumerate(bucket.indices) if i in pending]
+            bucket.grads = grads if self.in_order else [grads[i] for i in bucket.indices]
+            bucket.pending = ([(slot, pending[i]) for slot, i in enumerate(bucket.indices) if i in pending]
+                              if pending else [])
             if bucket.holds_dtensor_pieces and not all(dtensor.local(self.params[i]) is q
                                            for i, q in zip(bucket.indices, bucket.params)):
                 return False  # (a DTensor given another local tensor: what it holds now is what must be stepped)
@@ -603,7 +608,7 @@ def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: Sta
         watchers = [backends.AdamPlan.create([], [], [], [], [], [], [], [], torch.zeros(0, dtype=torch.float64),
                                              idle, step_tensors=[])]
     return GroupPlan(group, params, params.version, bool(group["amsgrad"]), _rounding(group),
-                     tuple(g is not None for g in grads), buckets, all_native, watchers, dtensors)
+                     [g is not None for g in grads], buckets, all_native, watchers, dtensors)
 
 
 # ---- states: what is used as is, adopted or refused -----------------------------------------------------------------
