@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from contextlib import contextmanager
@@ -57,17 +58,35 @@ def measure_bandwidth(quick: bool) -> dict:
     return result
 
 
+@contextmanager
+def gc_paused():
+    """Python's cyclic collector off inside the block (after one collection), as timeit does while it times: a
+    collection is triggered by the count of objects allocated since the last, so one that a candidate which allocates
+    many (torch's for-loop optimizers, DeepSpeed's Python loops, the Python fingerprints) triggers would be charged to
+    whichever call happens to run next."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def interleaved_samples(candidates: dict[str, Callable[[], None]], warmup: int, reps: int,
                         clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds of every call of each candidate, run round robin so that machine noise hits all alike: sample i of
-    every candidate comes from the same round (pair them for per-round ratios). ``clock``: see time_after_probe."""
+    every candidate comes from the same round (pair them for per-round ratios), with the cyclic collector paused
+    (gc_paused). ``clock``: see time_after_probe."""
     times: dict[str, list[float]] = {name: [] for name in candidates}
-    for rep in range(warmup + reps):
-        for name, fn in candidates.items():
-            start = clock()
-            fn()
-            if rep >= warmup:
-                times[name].append(clock() - start)
+    with gc_paused():
+        for rep in range(warmup + reps):
+            for name, fn in candidates.items():
+                start = clock()
+                fn()
+                if rep >= warmup:
+                    times[name].append(clock() - start)
     return times
 
 

@@ -37,7 +37,6 @@ Rows:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import time
@@ -49,7 +48,7 @@ from .. import _plan, backends
 from . import probes
 from ..backends import triton as triton_backend
 from ..fused_adam import AdamWMode, FusedAdam
-from .common import WORKLOADS, intra_op_threads, make_params, time_after_probe, time_interleaved_one_thread
+from .common import WORKLOADS, gc_paused, intra_op_threads, make_params, time_after_probe, time_interleaved_one_thread
 
 
 @contextmanager
@@ -63,21 +62,6 @@ def _environment(name: str, value: str):
             del os.environ[name]
         else:
             os.environ[name] = previous
-
-
-@contextmanager
-def _gc_paused():
-    """Python's cyclic collector off while timing, as timeit does: the Python fingerprints allocate thousands of
-    tracked objects per check (torch.Size tuples), so collections they trigger would be charged to whichever call
-    happens to run next, the native watch's included."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _validation(opt: FusedAdam):
@@ -215,7 +199,7 @@ def run_triton_host(quick: bool) -> list[dict]:
 
 def run(quick: bool) -> list[dict]:
     """The ``validation`` section's rows (module docstring)."""
-    with _gc_paused():
+    with gc_paused():  # (the Python fingerprints allocate thousands of tracked objects per check)
         return (run_native_cpu(quick) if backends.native_available() else []) + run_triton_host(quick)
 
 

@@ -237,8 +237,9 @@ def _stats_on(tensors: list[torch.Tensor], device: Any) -> torch.Tensor:
     for t in tensors:
         by_device.setdefault(t.device, []).append(t)
     total = torch.zeros(2, dtype=torch.float32, device=device)
-    for group in by_device.values():
-        total = total + backends.grad_stats(group).to(device)
+    with torch.no_grad():  # (the statistics of gradients: nothing to differentiate)
+        for group in by_device.values():
+            total = total + backends.grad_stats(group).to(device)
     return total
 
 
@@ -286,7 +287,7 @@ def _make_get_grad_norm_direct(module):
             if hasattr(p, pipe_replicated) and p.ds_pipe_replicated:
                 continue
             if is_model_parallel_parameter(p) or (self.model_parallel_rank == 0):
-                selected.append(g.data)
+                selected.append(g)  # (not g.data, as DeepSpeed's loop: a new tensor object per gradient and step)
         if selected:
             device = get_accelerator().current_device_name()
             stats = _stats_on(selected, device)
