@@ -423,6 +423,17 @@ inline void store_pending_fp8(Scratch<float>& s) {
 // block it updates, where both are whole blocks of 16-lane vectors and the pending one is regular (Fp8PairCoder);
 // else before the update (store_pending_fp8). The blocks' m, v and sqrt(v) go to two slots used in turn. p, g: the
 // block's params and gradients as staged. The caller writes the last pending block when its work items are done.
+#ifdef ORT_OPTIM_FP8_AVX512
+// The 16 values of an fp8 vector that fp8_values16 leaves (e5m2 with an inf or NaN code), element by element. Out of
+// line: inlined, the rare fallback's code sat in the decode loop and slowed every vector.
+template <class Values>
+__attribute__((noinline, cold)) __m512 fp8_scalar16(const Values& values, int64_t i) {
+  alignas(64) float x[16];
+  for (int j = 0; j < 16; ++j) x[j] = values(i + j);
+  return _mm512_load_ps(x);
+}
+#endif
+
 template <int64_t kMode, class FM, class FV>
 void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
                 const float* g, SquareSum& squares) {
@@ -441,45 +452,40 @@ void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
     bool done = false;
 #ifdef ORT_OPTIM_FP8_AVX512
     if (len == kB) {
-      const float scale_m = w.exp_avg_scale[(off + o) / kB], scale_v = w.exp_avg_sq_scale[(off + o) / kB];
-      const uint8_t* codes_m = static_cast<const uint8_t*>(w.exp_avg) + off + o;
-      const uint8_t* codes_v = static_cast<const uint8_t*>(w.exp_avg_sq) + off + o;
-      // decoded in the loop, but for a flagged exp_avg_sq (an overflowed v): decoded before
-      const bool decode = !overflow_flagged(scale_v);
-      if (!decode) {
+      // The moments, decoded in their loop, but for a flagged exp_avg_sq (an overflowed v): decoded before.
+      __m512i max_m16 = _mm512_setzero_si512();
+      if (overflow_flagged(w.exp_avg_sq_scale[(off + o) / kB])) {
         fp8_load(*w.exp_avg_fp8, false, w.exp_avg, w.exp_avg_scale, off + o, len, m);
         fp8_load(*w.exp_avg_sq_fp8, true, w.exp_avg_sq, w.exp_avg_sq_scale, off + o, len, v);
-      }
-      const __m512 mul_m = _mm512_set1_ps(fp8_multiplier<FM::kMb>(scale_m)),
-                   mul_v = _mm512_set1_ps(fp8_multiplier<FV::kMb>(scale_v));
-      const Fp8Values<FM::kMb, FM::kBias, false> values_m{codes_m, scale_m, false};
-      const Fp8Values<FV::kMb, FV::kBias, true> values_v{codes_v, scale_v, false};
-      const auto scalar16 = [](const auto& values, int64_t i) {  // (an e5m2 vector that fp8_values16 leaves)
-        alignas(64) float x[16];
-        for (int j = 0; j < 16; ++j) x[j] = values(i + j);
-        return _mm512_load_ps(x);
-      };
-      // Updates this block; coder: codes the pending one too (or nullptr).
-      const auto update = [&](Fp8PairCoder<FM, FV>* coder) {
-        const float *pm = s.fp8_m(pending.slot), *proot = s.fp8_root(pending.slot);
-        __m512i max_m16 = _mm512_setzero_si512(), max_root16 = _mm512_setzero_si512();
+        for (int64_t i = 0; i < kB; i += 16) {
+          adam16.moments(p + o + i, g + o + i, _mm512_loadu_ps(m + i), _mm512_loadu_ps(v + i), m + i, v + i, max_m16,
+                         squares16);
+        }
+      } else {
+        const float scale_m = w.exp_avg_scale[(off + o) / kB], scale_v = w.exp_avg_sq_scale[(off + o) / kB];
+        const uint8_t* codes_m = static_cast<const uint8_t*>(w.exp_avg) + off + o;
+        const uint8_t* codes_v = static_cast<const uint8_t*>(w.exp_avg_sq) + off + o;
+        const __m512 mul_m = _mm512_set1_ps(fp8_multiplier<FM::kMb>(scale_m)),
+                     mul_v = _mm512_set1_ps(fp8_multiplier<FV::kMb>(scale_v));
+        const Fp8Values<FM::kMb, FM::kBias, false> values_m{codes_m, scale_m, false};
+        const Fp8Values<FV::kMb, FV::kBias, true> values_v{codes_v, scale_v, false};
         for (int64_t i = 0; i < kB; i += 16) {
           __m512 mi, vi;
-          if (decode) {
-            if (!fp8_values16<FM::kMb, false>(codes_m + i, mul_m, mi)) mi = scalar16(values_m, i);
-            if (!fp8_values16<FV::kMb, true>(codes_v + i, mul_v, vi)) vi = scalar16(values_v, i);
-          } else {
-            mi = _mm512_loadu_ps(m + i);
-            vi = _mm512_loadu_ps(v + i);
-          }
+          if (!fp8_values16<FM::kMb, false>(codes_m + i, mul_m, mi)) mi = fp8_scalar16(values_m, i);
+          if (!fp8_values16<FV::kMb, true>(codes_v + i, mul_v, vi)) vi = fp8_scalar16(values_v, i);
           adam16.moments(p + o + i, g + o + i, mi, vi, m + i, v + i, max_m16, squares16);
         }
-        // (the divisions and square roots, with the other ports' work of the pending block's codes)
+      }
+      max_m = _mm512_reduce_max_epu32(max_m16);
+      // The params: the divisions and square roots, with the other ports' work of the pending block's codes
+      // (coder; nullptr: none).
+      const auto update = [&](Fp8PairCoder<FM, FV>* coder) {
+        const float *pm = s.fp8_m(pending.slot), *proot = s.fp8_root(pending.slot);
+        __m512i max_root16 = _mm512_setzero_si512();
         for (int64_t i = 0; i < kB; i += 16) {
           adam16.params(p + o + i, m + i, v + i, root + i, max_root16);
           if (coder) coder->code16(pm + i, proot + i, i);
         }
-        max_m = _mm512_reduce_max_epu32(max_m16);
         max_root = _mm512_reduce_max_epu32(max_root16);
       };
       if (pending.w != nullptr && pending.len == kB && pending.w->exp_avg_fp8 == w.exp_avg_fp8 &&

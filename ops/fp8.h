@@ -224,8 +224,9 @@ struct Fp8PairCoder {
 
   // Elements [i, i + 16) of the block: m and root (= sqrt(v)) point at element i. fmix32 of moment_random_bits
   // without its last step (Fp8Coder16::random_add); m's raw bits, as a regular block holds no NaN m (its largest |m|
-  // is finite).
-  inline void code16(const float* m, const float* root, int64_t i) {
+  // is finite). Always inlined: update_fp8 calls it inside the params' loop, whose other ports' work it is; called
+  // out of line there (as GCC chose once that loop grew), the step took 20% longer.
+  __attribute__((always_inline)) inline void code16(const float* m, const float* root, int64_t i) {
     const __m512i bm = _mm512_castps_si512(_mm512_loadu_ps(m)), bv = _mm512_castps_si512(_mm512_loadu_ps(root));
     const __m512i x = fmix32x16_but_last(_mm512_ternarylogic_epi32(bm, e_hash, step_hash, 0x96));  // (a ^ b ^ c)
     e_hash = _mm512_add_epi32(e_hash, _mm512_set1_epi32(int(kElementHashStep16)));
