@@ -363,6 +363,10 @@ class Fp8Format:
       is idempotent and a resume exact. k is capped at ``127 - emax`` (the largest code times 2**k stays finite;
       codes then saturate at max_value, only for |values| near float32's largest). A second moment's k is at least
       :attr:`min_sq_exponent` (MIN_SQRT_V: every non-zero code then decodes to its own normal float32 v).
+    * A code reads as its bits say: exponent and mantissa (subnormal codes: mantissa * 2**(1 - bias -
+      mantissa_bits)), the sign bit; torch's float8 value for every code written below. The codes never written
+      (e5m2's 0x7C-0x7F, which torch reads as inf and NaN; e4m3fn's 0x7F, its NaN) read as the finite values their
+      bits give beyond max_value, on every backend: one rule, no test per code in the kernels' decode loops.
     * Every element is ``x * 2**-k`` (exact) rounded to nearest even in the format by exponent and mantissa
       arithmetic on its float32 bits (subnormal codes by ``rint(y * 2**(bias - 1 + mantissa_bits))``), saturating
       at max_value. exp_avg keeps its sign (never -0); u rounds up to the smallest subnormal code instead of 0 in

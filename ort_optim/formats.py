@@ -374,10 +374,18 @@ def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool, step
 def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format, second_moment: bool,
                    shape: torch.Size) -> torch.Tensor:
     """fp8 codes and their power-of-two block scales -> float32 values of the given shape (v = u * u for a second
-    moment; code 0 in a block whose scale has its sign bit set, and is no NaN, is an overflowed v = inf). torch's own
-    float8 -> float32 conversion reads the codes (exact: every fp8 value is a float32)."""
+    moment; code 0 in a block whose scale has its sign bit set, and is no NaN, is an overflowed v = inf). Each code
+    reads as its bits say (ort_optim._spec.Fp8Format: normal codes by exponent and mantissa, subnormal ones as
+    mantissa * 2**(1 - bias - mantissa_bits)): torch's float8 conversion for every code the encoder writes, and for
+    the ones it never writes (e5m2's inf and NaN codes 0x7C-0x7F, e4m3fn's NaN 0x7F) the finite values beyond the
+    largest that their bits give, as every kernel reads them."""
     n = math.prod(shape)
-    u = _times_block_scales(codes.reshape(-1).float(), scales.float(), fmt)
+    c = codes.reshape(-1).view(torch.uint8).to(torch.int32)
+    mag, mb = c & 0x7F, fmt.mantissa_bits
+    normal = ((mag << (23 - mb)) + ((127 - fmt.bias) << 23)).view(torch.float32)
+    subnormal = (mag & ((1 << mb) - 1)).float() * 2.0 ** (1 - fmt.bias - mb)
+    u = torch.where((mag >> mb) == 0, subnormal, normal)
+    u = _times_block_scales(torch.where((c & 0x80) != 0, -u, u), scales.float(), fmt)
     if not second_moment:
         return u.view(shape)
     overflowed = _overflow_flags(scales, fmt, n) & (codes.reshape(-1).view(torch.uint8) == 0)

@@ -70,8 +70,8 @@ import pytest
 import reference
 import torch
 from cases import PARAM_CASES, STATE_DTYPES
-from conftest import (assert_same_snapshot, assert_tree_bitwise_equal, bits, fuzz_examples, optimizer_snapshot,
-                      select_backend, state_values)
+from conftest import (BACKENDS, assert_same_snapshot, assert_tree_bitwise_equal, bits, fuzz_examples,
+                      optimizer_snapshot, select_backend, state_values)
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ort_optim import AdamWMode, FusedAdam, formats
@@ -2460,6 +2460,44 @@ def test_an_fp8_state_holding_an_overflowed_v_is_adopted_as_is_and_steps_alike(b
     assert_tree_bitwise_equal(opts[1].state_dict(), opts[0].state_dict(), "adopted")
     assert bool(params[0].isfinite().all()) and bool(torch.isinf(state_values(opts[0], params[0], "exp_avg_sq")[300]))
 
+
+# (key, dtype, code): e5m2's inf code and a NaN code (both signs), e4m3fn's NaN code, in either moment
+NEVER_WRITTEN_CODES = [("exp_avg_sq", torch.float8_e5m2, 0x7C), ("exp_avg_sq", torch.float8_e5m2, 0x7F),
+                       ("exp_avg", torch.float8_e5m2, 0xFD), ("exp_avg", torch.float8_e4m3fn, 0x7F),
+                       ("exp_avg_sq", torch.float8_e4m3fn, 0xFF)]
+
+
+@pytest.mark.parametrize("key, dtype, code", NEVER_WRITTEN_CODES,
+                         ids=[f"{k}-{FP8_IDS[FP8.index(d)]}-{c:#x}" for k, d, c in NEVER_WRITTEN_CODES])
+def test_fp8_codes_the_encoder_never_writes_read_as_their_bits_on_every_backend(key, dtype, code, monkeypatch):
+    """A code no encoder writes (torch reads it as inf or NaN), put into a state's data by hand, reads on every backend
+    as the finite value its bits give (_spec.Fp8Format: exponent, mantissa and sign, beyond max_value): state_dict()
+    holds that value, and the steps after it are the same bits on every backend."""
+    fmt = FP8_FORMATS[dtype]
+    mag = code & 0x7F
+    exact = (1 + (mag & ((1 << fmt.mantissa_bits) - 1)) / 2**fmt.mantissa_bits) * 2.0 ** (
+        (mag >> fmt.mantissa_bits) - fmt.bias)  # (float64, from the bits: a normal code)
+    exact = -exact if code & 0x80 else exact
+    runs = {}
+    for backend in ("native", "torch") if len(BACKENDS) > 1 else BACKENDS:
+        select_backend(monkeypatch, backend)
+        p = torch.nn.Parameter(torch.randn(512, generator=torch.Generator().manual_seed(0)))
+        opt = FusedAdam([p], lr=1e-2, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
+        grad = torch.randn(512, generator=torch.Generator().manual_seed(1))
+        p.grad = grad.clone()
+        opt.step()
+        opt.state[p][key].view(torch.uint8)[5] = code
+        scale = float(opt.state[p][key + "_scale"][0])
+        value = float(state_values(opt, p, key)[5])
+        assert value == (exact * scale) ** 2 if key == "exp_avg_sq" else exact * scale, (value, exact, scale)
+        assert math.isfinite(value)
+        for _ in range(3):
+            p.grad = grad.clone()
+            opt.step()
+        assert bool(p.isfinite().all())
+        runs[backend] = optimizer_snapshot(opt)
+    for backend, run in runs.items():
+        assert_tree_bitwise_equal(run, next(iter(runs.values())), backend)
 
 def test_from_an_fp32_checkpoint_and_from_optimizer():
     """torch.optim.AdamW's moments load into fp8 as their nearest codes (a conversion), and from_optimizer does the
