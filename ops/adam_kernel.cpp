@@ -417,12 +417,6 @@ inline void store_pending_fp8(Scratch<float>& s) {
   b.w = nullptr;
 }
 
-// The update of the block [off, off + n) (in blocks of 256) of a tensor whose moments are both fp8 (FM and FV). Each
-// block of 256 is updated and left pending: its codes are written while the next one is updated (by the same thread:
-// its next block, or the first block of its next work item with the same formats), in one loop that also decodes the
-// block it updates, where both are whole blocks of 16-lane vectors and the pending one is regular (Fp8PairCoder);
-// else before the update (store_pending_fp8). The blocks' m, v and sqrt(v) go to two slots used in turn. p, g: the
-// block's params and gradients as staged. The caller writes the last pending block when its work items are done.
 #ifdef ORT_OPTIM_FP8_AVX512
 // The 16 values of an fp8 vector that fp8_values16 leaves (e5m2 with an inf or NaN code), element by element. Out of
 // line: inlined, the rare fallback's code sat in the decode loop and slowed every vector.
@@ -434,6 +428,12 @@ __attribute__((noinline, cold)) __m512 fp8_scalar16(const Values& values, int64_
 }
 #endif
 
+// The update of the block [off, off + n) (in blocks of 256) of a tensor whose moments are both fp8 (FM and FV). Each
+// block of 256 is updated and left pending: its codes are written while the next one is updated (by the same thread:
+// its next block, or the first block of its next work item with the same formats), in one loop that also decodes the
+// block it updates, where both are whole blocks of 16-lane vectors and the pending one is regular (Fp8PairCoder);
+// else before the update (store_pending_fp8). The blocks' m, v and sqrt(v) go to two slots used in turn. p, g: the
+// block's params and gradients as staged. The caller writes the last pending block when its work items are done.
 template <int64_t kMode, class FM, class FV>
 void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
                 const float* g, SquareSum& squares) {

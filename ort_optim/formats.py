@@ -388,7 +388,7 @@ def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format, se
     u = _times_block_scales(torch.where((c & 0x80) != 0, -u, u), scales.float(), fmt)
     if not second_moment:
         return u.view(shape)
-    overflowed = _overflow_flags(scales, fmt, n) & (codes.reshape(-1).view(torch.uint8) == 0)
+    overflowed = _overflow_flags(scales, fmt, n) & (c == 0)
     return torch.where(overflowed, torch.full_like(u, math.inf), u * u).view(shape)
 
 

@@ -2479,7 +2479,7 @@ def test_fp8_codes_the_encoder_never_writes_read_as_their_bits_on_every_backend(
         (mag >> fmt.mantissa_bits) - fmt.bias)  # (float64, from the bits: a normal code)
     exact = -exact if code & 0x80 else exact
     runs = {}
-    for backend in ("native", "torch") if len(BACKENDS) > 1 else BACKENDS:
+    for backend in BACKENDS:
         select_backend(monkeypatch, backend)
         p = torch.nn.Parameter(torch.randn(512, generator=torch.Generator().manual_seed(0)))
         opt = FusedAdam([p], lr=1e-2, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
@@ -2498,6 +2498,7 @@ def test_fp8_codes_the_encoder_never_writes_read_as_their_bits_on_every_backend(
         runs[backend] = optimizer_snapshot(opt)
     for backend, run in runs.items():
         assert_tree_bitwise_equal(run, next(iter(runs.values())), backend)
+
 
 def test_from_an_fp32_checkpoint_and_from_optimizer():
     """torch.optim.AdamW's moments load into fp8 as their nearest codes (a conversion), and from_optimizer does the
