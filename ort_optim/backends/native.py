@@ -39,8 +39,10 @@ SOURCES = ("schema.cpp", "registration.cpp", "step.cpp", "adam_kernel.cpp", "ada
 # path matches the moments bit for bit but can differ from them in the last bit of a few parameter elements.
 # -fno-semantic-interposition: a shared library's own functions may be called directly and inlined, not through
 # the PLT (nothing interposes them): the per-tensor helpers of the plan's check() cost no call.
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp",
-          "-fno-semantic-interposition", "-std=c++17"]
+# No -std: torch.utils.cpp_extension passes the C++ standard its own headers need (C++17 for torch 2.4, C++20 from
+# torch 2.13 on; torch 2.14's headers do not compile as C++17), and a later -std of ours would override it.
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math",
+          "-ffp-contract=off", "-fopenmp", "-fno-semantic-interposition"]
 
 
 def _cpu_flags() -> str:

@@ -214,6 +214,20 @@ def test_the_library_does_not_depend_on_the_python_abi():
     assert not [name for name in undefined if name.startswith(("Py", "_Py", "THP"))]
 
 
+def test_the_library_compiles_in_the_cxx_standard_torchs_headers_need():
+    """torch.utils.cpp_extension passes the C++ standard that the installed torch's headers are written in (C++17 for
+    torch 2.4, C++20 from 2.13 on; torch 2.14's headers use C++20's <=> and string_view::starts_with); the build adds
+    none of its own, which would come after torch's and override it (a library that stops compiling with the next
+    torch). Read from the compile command of the library's own build folder."""
+    if not backends.native_available():
+        pytest.skip("the native library could not be built here")
+    ninja = (backends.native.build_dir() / "build.ninja").read_text()
+    cflags = next(line for line in ninja.splitlines() if line.startswith("cflags ="))
+    standards = re.findall(r"-std=\S+", cflags)
+    assert len(standards) == 1, f"the compile command names {len(standards)} C++ standards: {standards}"
+    assert not any(flag.startswith("-std=") for flag in backends.native.CFLAGS)
+
+
 def test_the_library_cache_is_keyed_by_the_sources_not_where_they_are(tmp_path, monkeypatch):
     """A checkout, another clone and an installed wheel (its copy of ops/ in ort_optim/_ops) with the same sources share
     one folder; changed sources get another. (The build compiles the copy inside the folder: the wheel test below
