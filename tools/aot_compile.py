@@ -143,12 +143,24 @@ ARG_TYPES = {
 }
 
 
-def find_ptxas() -> str | None:
-    candidates = [os.environ.get("TRITON_PTXAS_PATH")]
+def find_ptxas(arch: int) -> str | None:
+    """The ptxas that triton compiles for arch with, so that ``-v`` reads PTX of an ISA it knows: triton >= 3.4
+    chooses one per arch through its knobs (TRITON_PTXAS_PATH, TRITON_PTXAS_BLACKWELL_PATH; triton 3.9 takes its
+    CUDA 13 build for sm_90 and newer and writes PTX that its CUDA 12 ptxas refuses); older triton takes
+    TRITON_PTXAS_PATH, then its bundled ptxas, then PATH's."""
     import triton
 
-    candidates.append(str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"))
-    candidates.append(shutil.which("ptxas"))
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError:
+        get_ptxas = None
+    if get_ptxas is not None:
+        try:
+            return get_ptxas(arch).path
+        except RuntimeError:  # (the knob found no such binary)
+            return None
+    candidates = [os.environ.get("TRITON_PTXAS_PATH"),
+                  str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"), shutil.which("ptxas")]
     for c in candidates:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
@@ -244,19 +256,20 @@ def main(argv=None) -> int:
     except ImportError as exc:
         print(f"cannot compile ahead of time: this triton lacks the API ({exc})")
         return 3
-    ptxas = find_ptxas()
-    if ptxas is None:
-        print("cannot compile ahead of time: no ptxas (set TRITON_PTXAS_PATH)")
+    archs = [int(a) for a in args.arch.split(",")]
+    ptxas = {arch: find_ptxas(arch) for arch in archs}
+    if None in ptxas.values():
+        print(f"cannot compile ahead of time: no ptxas for sm_{min(a for a in archs if ptxas[a] is None)} (set "
+              "TRITON_PTXAS_PATH)")
         return 3
-    os.environ.setdefault("TRITON_PTXAS_PATH", ptxas)
     from ort_optim.backends import triton_kernels as k
 
-    archs = [int(a) for a in args.arch.split(",")]
     workdir = args.out or Path(os.environ.get("TMPDIR", "/tmp")) / f"ort_optim_aot_{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
-    report = {"triton": triton.__version__, "ptxas": ptxas, "kernels": []}
+    report = {"triton": triton.__version__, "ptxas": {f"sm_{arch}": path for arch, path in ptxas.items()},
+              "kernels": []}
     failures = []
-    print(f"triton {triton.__version__}, ptxas {ptxas}")
+    print(f"triton {triton.__version__}, ptxas " + ", ".join(f"{path} (sm_{arch})" for arch, path in ptxas.items()))
     print(f"{'variant':48} {'arch':>5} {'sec':>5} {'regs':>5} {'spill':>5} {'v4 ld':>6} {'scalar ld':>9}  notes")
     for name, kernel_name, constexprs in variants(full=not args.quick):
         fn = getattr(k, kernel_name)
@@ -269,7 +282,7 @@ def main(argv=None) -> int:
                                           options={"num_warps": args.num_warps, "enable_fp_fusion": False})
                 ptx = compiled.asm["ptx"]
                 entry.update(ptx_report(ptx))
-                entry.update(run_ptxas(ptxas, ptx, arch, workdir))
+                entry.update(run_ptxas(ptxas[arch], ptx, arch, workdir))
                 entry["cubin_bytes"] = len(compiled.asm["cubin"])
                 if args.out:
                     (args.out / f"{name}.sm{arch}.ptx").write_text(ptx)
