@@ -124,22 +124,35 @@ def build_dir() -> Path:
     return cache / "ops" / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
 
 
+def _baton_lock() -> bool:
+    """Whether torch.utils.cpp_extension locks a build folder with a FileBaton (torch < 2.14): a ``lock`` file whose
+    existence is the lock. torch >= 2.14 takes a filelock.FileLock instead, an flock on that file, which stays on disk
+    after every build and blocks nothing once its holder is gone."""
+    from torch.utils import cpp_extension
+
+    return hasattr(cpp_extension, "FileBaton")
+
+
 @contextlib.contextmanager
-def build_lock(folder: Path):
+def build_lock(folder: Path, stale_lock_blocks: Optional[bool] = None):
     """Serialises the builds into ``folder`` (a torch.utils.cpp_extension build directory) across processes, and
     clears what a killed build left behind.
 
-    cpp_extension's own lock is a file, ``folder/lock``, created at the start of a build and removed at its end: a
-    build killed in between (Ctrl-C at the wrong moment, a CI timeout) leaves it, and every later build then waits for
-    it forever, printing nothing. This lock is an ``fcntl.flock`` on ``folder/build.flock``, which the kernel releases
-    when its holder dies. Every build of ours takes it first, so while it is held no other build of ours is running,
-    and a ``lock`` file found then was left by a dead one: it is removed (with a warning naming it)."""
+    cpp_extension's own lock before torch 2.14 is a file, ``folder/lock``, created at the start of a build and removed
+    at its end: a build killed in between (Ctrl-C at the wrong moment, a CI timeout) leaves it, and every later build
+    then waits for it forever, printing nothing. This lock is an ``fcntl.flock`` on ``folder/build.flock``, which the
+    kernel releases when its holder dies. Every build of ours takes it first, so while it is held no other build of
+    ours is running, and a ``lock`` file found then was left by a dead one: it is removed (with a warning naming it).
+    stale_lock_blocks: whether such a file blocks builds (default: whether this torch's cpp_extension locks with a
+    FileBaton, :func:`_baton_lock`); from torch 2.14 on, its lock is an flock too, whose file is left alone."""
+    if stale_lock_blocks is None:
+        stale_lock_blocks = _baton_lock()
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "build.flock", "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             stale = folder / "lock"
-            if stale.exists():
+            if stale_lock_blocks and stale.exists():
                 warnings.warn(f"ort_optim: removed {stale}, left by a build that was killed (no build of ours "
                               "holds the folder now)", RuntimeWarning, stacklevel=3)
                 stale.unlink(missing_ok=True)
