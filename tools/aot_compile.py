@@ -144,10 +144,10 @@ ARG_TYPES = {
 
 
 def find_ptxas(arch: int) -> str | None:
-    """The ptxas that triton compiles for arch with, so that ``-v`` reads PTX of an ISA it knows: triton >= 3.4
-    chooses one per arch through its knobs (TRITON_PTXAS_PATH, TRITON_PTXAS_BLACKWELL_PATH; triton 3.9 takes its
-    CUDA 13 build for sm_90 and newer and writes PTX that its CUDA 12 ptxas refuses); older triton takes
-    TRITON_PTXAS_PATH, then its bundled ptxas, then PATH's."""
+    """The ptxas that triton compiles for arch with, so that ``-v`` reads PTX of an ISA it knows: a triton with
+    ``get_ptxas(arch)`` (3.6, 3.8 and 3.9 here) chooses one per arch through its knobs (TRITON_PTXAS_PATH,
+    TRITON_PTXAS_BLACKWELL_PATH; triton 3.9 takes its CUDA 13 build for sm_90 and newer and writes PTX that its
+    CUDA 12 ptxas refuses); an older one (3.0) takes TRITON_PTXAS_PATH, then its bundled ptxas, then PATH's."""
     import triton
 
     try:
