@@ -7,9 +7,9 @@
   an :class:`FP16_Optimizer` wrapper (a torch optimizer to hooks, schedulers and checkpoints) that scales the
   loss, keeps fp32 master weights for fp16/bf16 parameters, unscales and checks the gradients with multi-tensor ops,
   clips, and updates or skips (guides/fp16-optimizer.md);
-* a DeepSpeed ZeRO stage 1/2 optimizer (what ``deepspeed.initialize`` returns): its overflow check and gradient-norm
-  loops are replaced in place by ort_optim's fused ``grad_stats`` op and the same object is returned, as ORT does
-  (see :mod:`ort_optim.integrations.deepspeed`);
+* a DeepSpeed ZeRO stage 1, 2 or 3 optimizer (what ``deepspeed.initialize`` returns): its overflow check and
+  gradient-norm loops are replaced in place by ort_optim's fused ``grad_stats`` op and the same object is returned, as
+  ORT does for stages 1 and 2 (see :mod:`ort_optim.integrations.deepspeed`);
 * an Apex amp optimizer (``_amp_stash``): refused with a pointer to the migration guide (Apex amp was removed
   upstream).
 
@@ -82,10 +82,10 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
 
     * a ``torch.optim.Optimizer`` (ours, torch's, or DeepSpeed's plain ones such as ``DeepSpeedCPUAdam``): returns
       an ``FP16_Optimizer`` wrapping it (below);
-    * a DeepSpeed ZeRO stage 1/2 optimizer, a DeepSpeed engine, or accelerate's wrapper of one: patches the ZeRO
-      optimizer's overflow check and gradient norm with ort_optim's fused op and returns **the object passed in**
-      (as ORT does; no kwargs are accepted there). Other DeepSpeed objects that are not torch optimizers (ZeRO 3,
-      DeepSpeed's own FP16_Optimizer, ...) get one warning and come back unchanged;
+    * a DeepSpeed ZeRO stage 1, 2 or 3 optimizer, a DeepSpeed engine, or accelerate's wrapper of one: patches the
+      ZeRO optimizer's overflow check and gradient norm with ort_optim's fused op and returns **the object passed in**
+      (as ORT does; no kwargs are accepted there). Other DeepSpeed objects that are not torch optimizers
+      (DeepSpeed's own FP16_Optimizer, BF16_Optimizer, ...) get one warning and come back unchanged;
     * an Apex amp optimizer: ``TypeError`` pointing to the migration guide.
 
     The wrapper, usage::
@@ -214,7 +214,7 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
                             f"{list(_SCALER_OPTIONS)}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
-                f"FP16_Optimizer wraps a torch.optim.Optimizer or a DeepSpeed ZeRO stage 1/2 optimizer, got "
+                f"FP16_Optimizer wraps a torch.optim.Optimizer or a DeepSpeed ZeRO stage 1, 2 or 3 optimizer, got "
                 f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
             )
         if isinstance(optimizer, FP16_Optimizer):

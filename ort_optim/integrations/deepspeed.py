@@ -8,7 +8,7 @@ DeepSpeed does around them: the all-reduces over the data- and model-parallel gr
 pipeline-replication filters, the -1 for a non-finite norm, the return types and devices.
 
 The methods are recognised by their names and signatures, never by their source text (ORT 1.19 compared source
-text and silently stopped patching after DeepSpeed 0.9.2). The shapes known here (DeepSpeed 0.10 to 0.16 at least):
+text and silently stopped patching after DeepSpeed 0.9.2). The shapes known here (tested with DeepSpeed 0.16.9 and 0.19.8):
 
 * ``has_overflow_serial(self, params)`` -> bool tensor [1] on the accelerator: any ``p.grad`` non-finite;
 * ``has_overflow_partitioned_grads_serial(self)`` -> bool tensor [1]: any tensor of ``self.averaged_gradients[i]``
@@ -94,7 +94,7 @@ def is_engine_or_zero(obj: Any) -> bool:
 
 
 def loss_scaling_target(obj: Any) -> Optional[Any]:
-    """What ``FP16_Optimizer(obj)`` hands to DeepSpeed instead of wrapping obj: the ZeRO stage 1/2 optimizer obj is or
+    """What ``FP16_Optimizer(obj)`` hands to DeepSpeed instead of wrapping obj: the ZeRO optimizer obj is or
     holds (patched), or the DeepSpeed object that is not a torch optimizer that obj is or holds through
     ``.optimizer`` (an engine, accelerate's wrapper of one: patched when it is a known ZeRO shape, else a warning);
     None for anything else (a torch optimizer, wrapped)."""
