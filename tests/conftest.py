@@ -69,6 +69,16 @@ def backend(request, monkeypatch) -> str:
     return request.param
 
 
+@pytest.fixture
+def deepspeed_loss_scaler(monkeypatch):
+    """DeepSpeed's fp16 loss-scaler module (deepspeed.runtime.fp16.loss_scaler), its scalers usable outside a process
+    group (their logging asks torch.distributed for the rank: answered 0); skips where DeepSpeed does not import."""
+    module = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler",
+                                 reason="DeepSpeed is not importable in this environment")
+    monkeypatch.setattr(module, "dist", type("D", (), {"get_rank": staticmethod(lambda: 0)}))
+    return module
+
+
 # ---- bit-exact snapshots -------------------------------------------------------------------------------------------
 
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}

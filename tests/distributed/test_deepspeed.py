@@ -420,14 +420,11 @@ def test_deepspeed_cpu_accelerator_refuses_fp16_by_itself(results):
     assert not results[0]["fp16_supported"]
 
 
-def deepspeed_scales(monkeypatch) -> list[float]:
+def deepspeed_scales(loss_scaler) -> list[float]:
     """The loss scale after each step of the fp16 runs, from DeepSpeed's own DynamicLossScaler fed their overflow
     flags with their config (ds_config). Its growth rule differs between releases: DeepSpeed 0.16.9 grows after
     loss_scale_window consecutive good steps, as torch's GradScaler does (256, 512, 512, 256, 256, 512, 512 here);
     0.19.8 one good step later (256, 256, 256, 128, 128, 128, 64)."""
-    from deepspeed.runtime.fp16 import loss_scaler
-
-    monkeypatch.setattr(loss_scaler, "dist", type("D", (), {"get_rank": staticmethod(lambda: 0)}))  # (its logging)
     fp16 = ds_config(1)["fp16"]
     scaler = loss_scaler.DynamicLossScaler(init_scale=2.0 ** fp16["initial_scale_power"],
                                            scale_window=fp16["loss_scale_window"], min_scale=fp16["min_loss_scale"],
@@ -440,8 +437,8 @@ def deepspeed_scales(monkeypatch) -> list[float]:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_patched_training_equals_deepspeed_step_for_step(results, stage, monkeypatch):
-    scales = deepspeed_scales(monkeypatch)
+def test_patched_training_equals_deepspeed_step_for_step(results, stage, deepspeed_loss_scaler):
+    scales = deepspeed_scales(deepspeed_loss_scaler)
     assert scales[3] == scales[2] / 2  # (the runs back off: hysteresis 2 absorbs the overflow of step 2, not of 3)
     for rank, out in enumerate(results):
         plain, patched = out[("fp16", stage, "plain")], out[("fp16", stage, "patched")]

@@ -148,17 +148,14 @@ def test_scaler_rejects_bad_policy():
             DynamicLossScaler(**kwargs)
 
 
-def test_scaler_matches_deepspeed_dynamic_loss_scaler(monkeypatch):
+def test_scaler_matches_deepspeed_dynamic_loss_scaler(deepspeed_loss_scaler):
     """The same flag sequence through DeepSpeed's own DynamicLossScaler (when DeepSpeed imports), where DeepSpeed
     grows the scale after scale_window consecutive good steps, as torch's GradScaler and this scaler do (DeepSpeed
     0.16.9, the ORTModule stack's). DeepSpeed 0.19.8 grows one good step later (its stable interval leaves out the
     first good step after an overflow or the start): there the scales differ by that rule alone (the class docstring
     says so)."""
-    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler",
-                                      reason="DeepSpeed is not importable in this environment")
-    monkeypatch.setattr(loss_scaler, "dist", type("D", (), {"get_rank": staticmethod(lambda: 0)}))
-    probe = loss_scaler.DynamicLossScaler(init_scale=2.0, scale_window=2, min_scale=1, delayed_shift=1,
-                                          consecutive_hysteresis=False)
+    probe = deepspeed_loss_scaler.DynamicLossScaler(init_scale=2.0, scale_window=2, min_scale=1, delayed_shift=1,
+                                                    consecutive_hysteresis=False)
     probe.update_scale(False)
     probe.update_scale(False)
     if probe.cur_scale == 2.0:
@@ -166,8 +163,8 @@ def test_scaler_matches_deepspeed_dynamic_loss_scaler(monkeypatch):
                     "0.19), not after scale_window as torch's GradScaler, DeepSpeed 0.16 and ort_optim do")
     flags = [0, 1, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1]
     for consecutive in (False, True):
-        ds = loss_scaler.DynamicLossScaler(init_scale=2**10, scale_window=3, min_scale=1, delayed_shift=2,
-                                           consecutive_hysteresis=consecutive)
+        ds = deepspeed_loss_scaler.DynamicLossScaler(init_scale=2**10, scale_window=3, min_scale=1,
+                                                     delayed_shift=2, consecutive_hysteresis=consecutive)
         expected = []
         for bad in flags:
             ds.update_scale(bool(bad))
