@@ -243,7 +243,10 @@ def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed:
                          f"id {listed} gives)")
     dtype = torch.float32 if key == "master_param" else canonical_dtype(param)
     out = value.detach().to(param.device, dtype, copy=True)
-    if bool((torch.isfinite(value.detach().to(param.device)) & ~torch.isfinite(out)).any()):
+    source = value.detach().to(param.device)
+    if source.element_size() == 1:  # float8: exact in float32, where torch has isfinite (not for float8 itself)
+        source = source.float()
+    if bool((torch.isfinite(source) & ~torch.isfinite(out)).any()):
         raise ValueError(f"{where} holds inf or NaN once converted to float32 (values beyond its range)")
     if key != "exp_avg" and key != "master_param" and bool((out < 0).any()):
         raise ValueError(f"{where} holds negative values; a second moment is a mean of squares")

@@ -530,6 +530,31 @@ def test_a_value_beyond_bfloat16s_range_is_refused_for_bf16_storage():
     assert_same_snapshot(before, optimizer_snapshot(opt))
 
 
+@pytest.mark.parametrize("target", [None, torch.float8_e4m3fn, torch.uint8], ids=["fp32", "fp8", "8-bit"])
+@pytest.mark.parametrize("saved", [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_a_checkpoint_with_its_moments_cast_to_a_narrower_float_loads_as_those_values(saved, target):
+    """A torch AdamW checkpoint whose moments were cast to save space (float8 included, which torch's AdamW loads
+    too): every value is exact in float32, so it loads as if saved in float32."""
+    p = torch.nn.Parameter(torch.randn(300))
+    source = torch.optim.AdamW([p])
+    for _ in range(3):
+        p.grad = torch.randn(300)
+        source.step()
+    narrow = copy.deepcopy(source.state_dict())
+    for key in ("exp_avg", "exp_avg_sq"):
+        narrow["state"][0][key] = narrow["state"][0][key].to(saved)
+    wide = copy.deepcopy(narrow)
+    for key in ("exp_avg", "exp_avg_sq"):
+        wide["state"][0][key] = wide["state"][0][key].float()
+    kwargs = {} if target is None else dict(exp_avg_dtype=target, exp_avg_sq_dtype=target)
+    optimizers = []
+    for sd in (narrow, wide):
+        q = torch.nn.Parameter(p.detach().clone())
+        optimizers.append(FusedAdam([q], adam_w_mode=AdamWMode.ADAMW_TORCH, **kwargs))
+        optimizers[-1].load_state_dict(sd)
+    assert_tree_bitwise_equal(optimizers[0].state_dict(), optimizers[1].state_dict())
+
+
 # Accepted variations of a checkpoint: what torch and ORT write, and JSON-safe spellings of the same values
 GOOD_VARIATIONS = {
     "int-step": _set(["state", 1, "step"], 4),
