@@ -46,9 +46,18 @@ TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable",
 # Every checkpoint of the Adam family has these (ORT's, torch's, ours); the other options default to this
 # optimizer's current values when missing (ORT's FusedAdam saves no adam_w_mode, amsgrad or maximize).
 REQUIRED_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
-# Options of other torch optimizers: a group carrying one comes from an optimizer whose state cannot continue here.
-FOREIGN_OPTION_KEYS = ("momentum", "dampening", "nesterov", "momentum_decay", "rho", "lr_decay",
-                       "initial_accumulator_value", "centered", "alpha", "lambd", "t0", "etas", "step_sizes")
+# The options of other torch optimizers: a group carrying one comes from an optimizer whose state cannot continue here.
+FOREIGN_OPTIMIZERS = {"SGD": ("momentum", "dampening", "nesterov"), "RMSprop": ("alpha", "centered", "momentum"),
+                      "Adagrad": ("lr_decay", "initial_accumulator_value"), "NAdam": ("momentum_decay",),
+                      "Adadelta": ("rho",), "ASGD": ("lambd", "t0", "alpha"), "Rprop": ("etas", "step_sizes")}
+FOREIGN_OPTION_KEYS = tuple(dict.fromkeys(key for keys in FOREIGN_OPTIMIZERS.values() for key in keys))
+
+
+def _foreign_optimizers(keys: set) -> list[str]:
+    """The torch optimizers whose options a group with these keys carries: those it has all the options of, else
+    those it has any of."""
+    whole = [name for name, own in FOREIGN_OPTIMIZERS.items() if set(own) <= keys]
+    return whole or [name for name, own in FOREIGN_OPTIMIZERS.items() if set(own) & keys]
 # Steps are counted in float64, exact up to 2**53.
 MAX_STEP = 2.0**53
 
@@ -296,7 +305,7 @@ def _torch_adam_with_l2(saved: dict) -> bool:
 def _foreign_torch_optimizer(saved: dict) -> bool:
     """A group saved by a torch optimizer other than Adam and AdamW (RAdam, Adamax, ...), as far as its keys tell:
     torch's optimizers save their implementation switches (foreach, differentiable, ...), and Adam and AdamW always
-    save amsgrad too, which RAdam and Adamax do not have (NAdam's momentum_decay is a FOREIGN_OPTION_KEYS entry)."""
+    save amsgrad too, which RAdam and Adamax do not have (NAdam's momentum_decay is a FOREIGN_OPTIMIZERS option)."""
     return "amsgrad" not in saved and "adam_w_mode" not in saved and any(
         key in saved for key in ("foreach", "differentiable", "capturable"))
 
@@ -330,14 +339,17 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
     for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
         if not isinstance(saved, dict):
             raise TypeError(f"{entry('param_groups', gi)} must be a dict, got {_show(saved)}")
-        for key in REQUIRED_GROUP_KEYS:
-            if key not in saved:
-                raise ValueError(f"{entry('param_groups', gi)} has no {key!r}; a checkpoint of Adam has "
-                                 f"{', '.join(map(repr, REQUIRED_GROUP_KEYS))}")
         foreign = [key for key in FOREIGN_OPTION_KEYS if key in saved]
         if foreign:
-            raise ValueError(f"{entry('param_groups', gi)} has {foreign}, options of another optimizer (SGD, "
-                             "RMSprop, NAdam, ...): its state cannot continue as Adam")
+            names = " or ".join(_foreign_optimizers(set(saved)))
+            raise ValueError(f"{entry('param_groups', gi)} has {foreign}, options of torch.optim's {names}, not of "
+                             "Adam: its state cannot continue as Adam. Load it into the optimizer that saved it; to "
+                             "start FusedAdam from its params, load only the model's weights")
+        for key in REQUIRED_GROUP_KEYS:
+            if key not in saved:
+                raise ValueError(f"{entry('param_groups', gi)} has no {key!r}, so it is not an Adam checkpoint (its "
+                                 f"keys: {', '.join(map(repr, saved))}); a checkpoint of Adam has "
+                                 f"{', '.join(map(repr, REQUIRED_GROUP_KEYS))}")
         if _foreign_torch_optimizer(saved):
             raise ValueError(
                 f"{entry('param_groups', gi)} comes from a torch optimizer other than Adam and AdamW (it has torch's "

@@ -320,6 +320,10 @@ def _bnb_state(state: dict, where: str) -> dict:
             raise ValueError(f"{quant_where}[{key!r}]: a bitsandbytes state key ort_optim does not read (an Adam "
                              f"state has {', '.join(BNB_STATE_KEYS)}; {key!r} belongs to another optimizer, option or "
                              "version)")
+    if "state1" in quant and "state2" not in quant:
+        raise ValueError(f"{quant_where} has 'state1' but no 'state2': one moment, the state of bitsandbytes' Lion, "
+                         "SGD with momentum, RMSprop or Adagrad, not of Adam (whose v is state2). FusedAdam continues "
+                         f"{READ_LAYOUTS}")
     for i in (1, 2):
         if f"state{i}" not in quant:
             raise ValueError(f"{quant_where} has no 'state{i}' (bitsandbytes' Adam moment {'m' if i == 1 else 'v'})")

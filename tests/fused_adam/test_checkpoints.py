@@ -416,7 +416,7 @@ BAD_CHECKPOINTS = [
     ("unknown-param-id", _bad(_set(["state", 17], {})), ValueError,
      r"state_dict\['state'\]\[17\]: parameter id 17 is listed in no"),
     ("sgd-group", _bad(_set(["param_groups", 0, "momentum"], 0.9)), ValueError,
-     r"state_dict\['param_groups'\]\[0\] has \['momentum'\], options of another optimizer"),
+     r"state_dict\['param_groups'\]\[0\] has \['momentum'\], options of torch.optim's SGD or RMSprop, not of Adam"),
     # group options, strictly typed (a "False" from a config file is not True)
     ("maximize-string", _bad(_set(["param_groups", 0, "maximize"], "False")), TypeError,
      r"state_dict\['param_groups'\]\[0\]\['maximize'\] must be True or False \(a bool\), got str 'False'"),

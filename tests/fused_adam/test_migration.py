@@ -418,6 +418,16 @@ def _torchao_with(change, kind="8bit"):
     return sd, make_params
 
 
+def _torch_optimizer_state(kind):
+    """A stepped torch optimizer's state_dict over make_params(): a layout of another update rule."""
+    params = make_params()
+    opt = kind(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return opt.state_dict(), make_params
+
+
 def _plain_with(change):
     """A torch.optim.AdamW checkpoint of make_params() with one state changed."""
     params = make_params()
@@ -462,7 +472,14 @@ REFUSALS = {
                       "16 values"),
     "bnb-negative-v": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(qmap2=-dynamic_map(False))),
                        "negative"),
-    "bnb-lion": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].pop("state2")), "no 'state2'"),
+    "bnb-lion": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].pop("state2")),
+                 "has 'state1' but no 'state2': one moment, the state of bitsandbytes' Lion"),
+    "torch-sgd": (lambda: _torch_optimizer_state(lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9)),
+                  "options of torch.optim's SGD, not of Adam"),
+    "torch-adagrad": (lambda: _torch_optimizer_state(torch.optim.Adagrad), "options of torch.optim's Adagrad"),
+    "torch-rmsprop": (lambda: _torch_optimizer_state(torch.optim.RMSprop),
+                      "options of torch.optim's RMSprop, not of Adam"),
+    "torch-adamax": (lambda: _torch_optimizer_state(torch.optim.Adamax), "Adamax"),
     "torchao-other-class": (lambda: _torchao_with(lambda sd: sd["state"][0].update(
         exp_avg=standin("OptimStateFp8WithDynamicRangeExpansion")(codes=torch.zeros(1), scale=torch.ones(1)))),
         "OptimStateFp8WithDynamicRangeExpansion"),
