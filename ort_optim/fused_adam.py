@@ -404,6 +404,12 @@ class FusedAdam(torch.optim.Optimizer):
         """
         return self._last["found_inf"] is not None and bool(self._last["found_inf"].item() != 0)
 
+    @torch._disable_dynamo
+    def _step_outside_graph(self, closure, grad_scale, found_inf):
+        """_step, run eagerly where a compiled function calls it: one function that TorchDynamo skips, the same at
+        every call (a wrapper made per call is a new function each time, and each re-traces the calling frame)."""
+        return self._step(closure, grad_scale, found_inf)
+
     def step(
         self,
         closure: Optional[Callable[[], Any]] = None,
@@ -417,7 +423,7 @@ class FusedAdam(torch.optim.Optimizer):
                 if not _TRACED_STEP:
                     # (an older TorchDynamo: the step runs outside the graph, a graph break; their inductor cannot
                     # functionalize an op that mutates tensor lists)
-                    return torch._dynamo.disable(self._step)(closure, grad_scale, found_inf)
+                    return self._step_outside_graph(closure, grad_scale, found_inf)
                 return self._step(closure, grad_scale, found_inf)
         # Eager: torch.no_grad() as the two calls into torch's grad mode that its context manager makes, without
         # the context manager's Python layers (a step on thousands of small params is short enough to notice them).

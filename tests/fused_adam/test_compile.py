@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ort_optim import AdamWMode, FusedAdam, backends
+from ort_optim import fused_adam as fused_adam_module
 from ort_optim.fp16_optimizer import FP16_Optimizer
 
 NEWEST = pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
@@ -243,8 +244,13 @@ def test_fp16_optimizer_around_fused_adam_compiles_without_recompiles_and_matche
         assert_bitwise_equal(a, b, "param")
 
 
-def test_a_compiled_step_on_any_torch_computes_what_the_eager_step_computes():
-    """On every torch: the traced route (newest) or the plain-Python one (older), 10 steps, bit for bit."""
+@pytest.mark.parametrize("route", ["this torch's", "outside the graph"])
+def test_a_compiled_step_on_any_torch_computes_what_the_eager_step_computes_and_traces_once(route, monkeypatch):
+    """On every torch: the traced route (newest) or the step run outside the graph (older torch; forced here on any),
+    10 steps, bit for bit. Nothing is traced again after the second step (a step run outside the graph is one
+    function that TorchDynamo skips, not a new one per call)."""
+    if route == "outside the graph":
+        monkeypatch.setattr(fused_adam_module, "_TRACED_STEP", False)
     steps = 10
     runs = []
     for compiled in (False, True):
@@ -257,6 +263,9 @@ def test_a_compiled_step_on_any_torch_computes_what_the_eager_step_computes():
             _grads(model, i)
             run()
             scheduler.step()
+            if i == 1:
+                frames = torch._dynamo.utils.counters["frames"]["total"]
+        assert torch._dynamo.utils.counters["frames"]["total"] == frames, "a compiled step traced again"
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs):
         assert_bitwise_equal(a, b, "param")
