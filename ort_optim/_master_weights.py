@@ -97,7 +97,8 @@ class InnerMasters:
     step() hands FusedAdam no grad_scale when every gradient is one of those, unwritten since (a retry after a step
     post hook raised, a second step() on the same gradients), and the loss scale when none is; a mix (an update that
     raised half way, a backward without zero_grad that reached only some params) is refused, changing nothing. A
-    step() that raises before the update (a pre hook) leaves the gradients scaled and recorded as such."""
+    step() that raises before the update (a pre hook) leaves the gradients scaled and recorded as such. A step that
+    torch.compile traces keeps no record and counts every gradient as scaled (see step)."""
 
     def __init__(self, optimizer: FusedAdam, max_grad_norm: Optional[float]) -> None:
         """Checks that the FusedAdam can take fp32 masters and the clipping, writing nothing (see apply())."""
@@ -172,7 +173,11 @@ class InnerMasters:
                  if p.grad is not None]
         if not distributed and not grads:
             raise RuntimeError(NO_GRADIENTS)
-        unscaled = [self._unscaled.holds(p, g) for _, _, p, g in grads]
+        # Inside a traced step the gradients' versions are not read (each read is a data-dependent value that splits
+        # the graph, and the weak references guard on each gradient's identity, a recompile per new gradient): the
+        # gradients count as scaled, as a backward leaves them.
+        traced = torch.compiler.is_compiling()
+        unscaled = [False if traced else self._unscaled.holds(p, g) for _, _, p, g in grads]
         if any(unscaled):
             if not all(unscaled):
                 gi, j = next((gi, j) for (gi, j, _, _), done in zip(grads, unscaled) if not done)
@@ -195,14 +200,18 @@ class InnerMasters:
             for on_device in grads_by_device.values():
                 given = torch.maximum(given, backends.grad_stats(on_device)[1].to(owner._main_device))
             given = owner._reduce_found_inf(given.reshape(1)).reshape(())
-        versions = [g._version for _, _, _, g in grads]
-        try:
-            opt.step(grad_scale=scale, found_inf=given)
-        finally:
+        if traced:  # (nothing to record; and no try block, which TorchDynamo cannot resume in after a graph break)
             self._unscaled = _Versions()
-            for (_, _, p, g), version, done in zip(grads, versions, unscaled):
-                if done or g._version != version:  # (FusedAdam wrote it back unscaled)
-                    self._unscaled.add(p, g)
+            opt.step(grad_scale=scale, found_inf=given)
+        else:
+            versions = [g._version for _, _, _, g in grads]
+            try:
+                opt.step(grad_scale=scale, found_inf=given)
+            finally:
+                self._unscaled = _Versions()
+                for (_, _, p, g), version, done in zip(grads, versions, unscaled):
+                    if done or g._version != version:  # (FusedAdam wrote it back unscaled)
+                        self._unscaled.add(p, g)
         found = opt.last_found_inf
         if found is None:  # no parameter had a gradient on this rank: nothing was (or could be) updated here
             found = torch.zeros((), dtype=torch.float32, device=owner._main_device) if given is None else given

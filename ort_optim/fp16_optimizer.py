@@ -107,8 +107,12 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
 
     A ``step()`` that raises (a step hook of the wrapped optimizer, or its step) leaves the loss scale, its counters
     and the model's params as they were, and a retry equals a step that never failed, as under torch.amp.GradScaler:
-    FusedAdam never writes the gradients; for other optimizers the wrapper remembers which gradients it unscaled in
-    place (the fp32 params') and does not unscale them again (:class:`~ort_optim._master_weights.WrapperMasters`).
+    the wrapper remembers which gradients were left unscaled (those FusedAdam wrote back unscaled; for other
+    optimizers, the fp32 params' that it unscaled in place) and does not unscale them again
+    (:class:`~ort_optim._master_weights.InnerMasters`, :class:`~ort_optim._master_weights.WrapperMasters`). Not inside
+    a step traced by torch.compile, with FusedAdam: there every gradient counts as scaled, as a backward leaves it
+    (reading the gradients' autograd versions would cut the graph, and keeping them would recompile at every new
+    gradient), so a compiled step that raised is retried after a new backward.
 
     Construction is all-or-nothing: every option and every parameter is checked before the wrapped optimizer is
     changed (a TypeError/ValueError names the option or ``param_groups[i]['params'][j]``).

@@ -61,13 +61,16 @@ def _grads(model: torch.nn.Module, step: int, scale: float = 1.0) -> None:
 
 
 def _run(make_opt, make_scheduler, compiled: bool, step_kwargs=lambda: {}, grad_scale: float = 1.0,
-         wrap=lambda opt: opt):
-    """STEPS steps of (gradients set eagerly, then the optimizer's step compiled or not, then the scheduler); returns
-    the params, (graph breaks, unique graphs)."""
+         wrap=lambda opt: opt, schedule_wrapper: bool = False):
+    """STEPS steps of (gradients set eagerly, then the optimizer's step compiled or not, then the scheduler, of the
+    optimizer or, with schedule_wrapper, of the wrapper around it); returns the params, (graph breaks, unique
+    graphs)."""
     model = _model()
     opt = make_opt(model)
-    scheduler = make_scheduler(opt)
+    scheduler = None if schedule_wrapper else make_scheduler(opt)
     stepper = wrap(opt)
+    if schedule_wrapper:
+        scheduler = make_scheduler(stepper)
     kwargs = step_kwargs()
 
     def step():
@@ -208,13 +211,17 @@ def test_a_change_the_step_must_see_retraces_and_is_validated():
 
 @pytest.mark.slow
 @NEWEST
+@pytest.mark.parametrize("scheduled", ["FP16_Optimizer", "FusedAdam"])
 @pytest.mark.parametrize("schedule", ["lambda-lr", "one-cycle-lr"])
-def test_fp16_optimizer_around_fused_adam_compiles_without_recompiles_and_matches_eager(schedule):
-    """FP16_Optimizer(FusedAdam).step() with fp16 params and masters: the same graphs at every step after the second
-    (no recompile; under OneCycleLR, the second step's is the one of its changed float beta1, see
-    test_a_compiled_step_under_one_cycle_lr_with_momentum_compiles_at_most_twice_and_matches_eager), no graph break
-    from a host read (the loss scaler updates on the device and its min-scale flag is not read inside a traced step),
-    and the eager result."""
+def test_fp16_optimizer_around_fused_adam_compiles_without_recompiles_and_matches_eager(schedule, scheduled):
+    """FP16_Optimizer(FusedAdam).step() with fp16 params and masters: the wrapper's logic is traced with the step,
+    with no graph break of its own (no host read: the loss scaler updates on the device and its min-scale flag is not
+    read inside a traced step) and the same graphs at every step after the second (no recompile; under OneCycleLR,
+    the second step's is the one of its changed float beta1, see
+    test_a_compiled_step_under_one_cycle_lr_with_momentum_compiles_at_most_twice_and_matches_eager), and the eager
+    result. A scheduler of the FP16_Optimizer: one graph (two under OneCycleLR). A scheduler of the FusedAdam inside:
+    its wrapper of FusedAdam.step is a function TorchDynamo skips, so each graph is cut in two there (every break is
+    that one)."""
     make_scheduler = _lambda_lr if schedule == "lambda-lr" else _one_cycle
 
     def make(model):
@@ -222,7 +229,8 @@ def test_fp16_optimizer_around_fused_adam_compiles_without_recompiles_and_matche
         return FusedAdam(model.parameters(), lr=torch.tensor(1e-2), master_weights=True)
 
     wrap = lambda opt: FP16_Optimizer(opt)  # noqa: E731
-    eager, _, _ = _run(make, make_scheduler, compiled=False, wrap=wrap)
+    on_wrapper = scheduled == "FP16_Optimizer"
+    eager, _, _ = _run(make, make_scheduler, compiled=False, wrap=wrap, schedule_wrapper=on_wrapper)
     graphs_after = {}
 
     def counting_scheduler(opt):
@@ -236,9 +244,12 @@ def test_fp16_optimizer_around_fused_adam_compiles_without_recompiles_and_matche
         scheduler.step = step
         return scheduler
 
-    compiled, counts, _ = _run(make, counting_scheduler, compiled=True, wrap=wrap)
+    compiled, counts, _ = _run(make, counting_scheduler, compiled=True, wrap=wrap, schedule_wrapper=on_wrapper)
     assert graphs_after[2] == graphs_after[STEPS] == counts[1], graphs_after
     reasons = list(torch._dynamo.utils.counters["graph_break"])
+    assert all("lr_scheduler" in reason for reason in reasons), reasons
+    # (a step cut in two by the inner scheduler's wrapper: each of its graphs in two pieces)
+    assert counts[1] == (1 if schedule == "lambda-lr" else 2) * (1 if on_wrapper else 2), counts
     assert not any("item()" in reason or "Tensor.item" in reason for reason in reasons), reasons
     for a, b in zip(compiled, eager):
         assert_bitwise_equal(a, b, "param")
