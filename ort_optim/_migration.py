@@ -33,6 +33,7 @@ TORCHAO_STATES = {  # class name -> what it is (the classes of torchao.optim.sub
     "OptimState4bit": "4-bit codes, two per byte, with a 16-value map (AdamW4bit)",
     "OptimStateFp8": "float8_e4m3fn codes (AdamWFp8)",
 }
+TORCHAO_GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "amsgrad"}  # (lr: a float32 tensor)
 BNB_QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes' state_dict() nests its tensors under it
 BNB_STATE_KEYS = ("state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2")
 # bitsandbytes' param groups carry AdEMAMix's options (alpha, t_alpha, t_beta3) whatever the optimizer; the others are
@@ -93,6 +94,12 @@ def source_of(state_dict: Any) -> Optional[str]:
     if any(isinstance(g, dict) and {"alpha", "t_alpha", "t_beta3"} <= set(g) for g in groups):
         return "bitsandbytes"
     if any(isinstance(s, dict) and any(_is_torchao(v) for v in s.values()) for s in states):
+        return "torchao"
+    # before its first step, or with every param under 4096 elements, a torchao optimizer saves no state of its own,
+    # but its groups have exactly its keys, lr a tensor (torch's Adam and AdamW save their implementation switches too,
+    # ORT's FusedAdam bias_correction)
+    if groups and all(isinstance(g, dict) and set(g) == TORCHAO_GROUP_KEYS and type(g["lr"]) is torch.Tensor
+                      for g in groups):
         return "torchao"
     return None
 

@@ -388,6 +388,28 @@ def test_a_bitsandbytes_state_dict_saved_before_its_first_step_loads_its_groups(
     assert not any(opt.state.values())
 
 
+@pytest.mark.parametrize("params", ["before the first step", "all under 4096 elements"])
+def test_a_torchao_state_dict_without_torchao_states_is_told_by_its_groups(params):
+    """No torchao state: its groups (exactly torchao's keys, lr a tensor) tell its layout, so its options map as in
+    every torchao load (ADAMW_TORCH, lr a float); the small params' plain moments load as they are."""
+    sd, _ = torchao_state_dict("8bit", real=False)
+    small = torch.nn.Parameter(torch.randn(SMALL))
+    if params == "before the first step":
+        sd["state"] = {}
+    else:
+        sd["state"] = {0: {"step": torch.tensor(5.0), "exp_avg": torch.full(SMALL, 0.25),
+                           "exp_avg_sq": torch.full(SMALL, 0.5)}}
+        sd["param_groups"][0]["params"] = [0]
+    opt = FusedAdam(make_params() if params == "before the first step" else [small])
+    opt.load_state_dict(sd)
+    group = opt.param_groups[0]
+    assert group["adam_w_mode"] == AdamWMode.ADAMW_TORCH and isinstance(group["lr"], float), group
+    assert group["lr"] == float(torch.tensor(3e-3))
+    if params == "all under 4096 elements":
+        assert float(opt.state[small]["step"]) == 5.0
+        assert torch.equal(opt.state[small]["exp_avg"], torch.full(SMALL, 0.25))
+
+
 NEUTRAL = {"alpha": 0.0, "t_alpha": None, "t_beta3": None, "max_unorm": 0.0, "percentile_clipping": 100,
            "skip_zeros": False, "block_wise": True, "optim_bits": 8, "min_8bit_size": 4096, "is_paged": True}
 NOT_NEUTRAL = {"alpha": 5.0, "t_alpha": 1000, "t_beta3": 1000, "max_unorm": 1.0, "percentile_clipping": 5,
