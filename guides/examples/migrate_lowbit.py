@@ -5,7 +5,7 @@ low-bit AdamW continues on FusedAdam from the source optimizer's own checkpoint.
 For each source optimizer that is installed (torchao's AdamW8bit, AdamW4bit, AdamWFp8; bitsandbytes' Adam8bit,
 AdamW8bit, PagedAdamW8bit), the script trains a small MLP for BEFORE steps, saves the optimizer's state_dict with
 torch.save and loads it back with torch.load(weights_only=True), then continues AFTER steps three ways from the same
-params: with the source optimizer, with FusedAdam loading the checkpoint (fp32 moments, and 8-bit moments), and with
+params: with the source optimizer, with FusedAdam loading the checkpoint (fp32, 8-bit, 4-bit and fp8 moments), and with
 a fresh FusedAdam (same hyperparameters, moments restarted from zero). It prints the mean |loss difference| from the
 source's own continuation per step and asserts that the migrated runs stay much closer than the restart. Exits with
 77 ("SKIP: ...") where neither library is installed (the torch 2.4.1 environment).
@@ -30,6 +30,9 @@ from ort_optim import AdamWMode, FusedAdam  # noqa: E402
 BEFORE, AFTER = 30, 30
 HYPER = dict(lr=3e-3, weight_decay=0.01)  # the source optimizer's; the checkpoint carries them over
 CLOSER = 5.0  # a migrated run must be at least this many times closer to the source's continuation than a restart
+# FusedAdam's moment dtypes the checkpoint is loaded into (None: fp32)
+TARGETS = {"fp32 moments": None, "8-bit moments": torch.uint8, "4-bit moments": torch.uint4,
+           "fp8 moments": torch.float8_e4m3fn}
 
 
 def sources() -> dict:
@@ -98,10 +101,8 @@ def main() -> int:
         at_save = copy.deepcopy(model)
         distances = {}
         theirs = train(model, source, batches[BEFORE:])
-        for leg, options, load in (("fp32 moments", {}, True),
-                                   ("8-bit moments", dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
-                                    True),
-                                   ("restart", {}, False)):
+        for leg, options, load in [(leg, dict(exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype), True)
+                                   for leg, dtype in TARGETS.items()] + [("restart", {}, False)]:
             resumed = copy.deepcopy(at_save)
             if load:
                 optimizer = FusedAdam(resumed.parameters(), **options)
@@ -114,11 +115,12 @@ def main() -> int:
 
     print(f"\n{BEFORE} steps with the source optimizer, then {AFTER} more: "
           "mean |loss - the source's continuation| per step")
-    print(f"{'source':<30}{'final loss':>11}{'fp32 moments':>14}{'8-bit moments':>15}{'restart':>10}")
+    legs = list(TARGETS) + ["restart"]
+    print(f"{'source':<30}{'final loss':>11}" + "".join(f"{leg:>15}" for leg in legs))
     for label, final, d in rows:
-        print(f"{label:<30}{final:>11.4f}{d['fp32 moments']:>14.5f}{d['8-bit moments']:>15.5f}{d['restart']:>10.5f}")
+        print(f"{label:<30}{final:>11.4f}" + "".join(f"{d[leg]:>15.5f}" for leg in legs))
     for label, _, d in rows:
-        for leg in ("fp32 moments", "8-bit moments"):
+        for leg in TARGETS:
             assert d[leg] * CLOSER < d["restart"], (label, leg, d)
     print("OK")
     return 0

@@ -705,6 +705,7 @@ def test_a_run_continues_on_fusedadam_as_with_its_source_optimizer(library, name
         return sum(abs(a - b) for a, b in zip(losses, theirs)) / len(theirs)
 
     restart = distance(example.train(*continued({}, load=False), batches[example.BEFORE:]))
-    for moments in ({}, {"exp_avg_dtype": torch.uint8, "exp_avg_sq_dtype": torch.uint8}):
+    for dtype in example.TARGETS.values():  # fp32, 8-bit, 4-bit and fp8 moments
+        moments = {"exp_avg_dtype": dtype, "exp_avg_sq_dtype": dtype}
         ours = distance(example.train(*continued(moments, load=True), batches[example.BEFORE:]))
         assert ours < 0.2 * restart, (moments, ours, restart)
