@@ -331,6 +331,28 @@ def test_an_inf_or_nan_gradient_sets_last_found_inf_and_changes_nothing(bad, how
     assert_same_snapshot(before, optimizer_snapshot(opt))  # params, masters, moments, steps and gradients
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grad,scale,skipped", [(3e19, 1.0, True), (1.5e19, 0.5, False), (1e19, 0.01, False),
+                                                (1e37, 0.01, True), (1e18, 1.0, False)],
+                         ids=["3e19-at-1", "1.5e19-at-0.5", "1e19-at-0.01", "1e37-at-0.01", "1e18-at-1"])
+def test_the_skip_follows_the_scaled_float32_sum_of_squares_then_the_unscaled_norm(grad, scale, skipped, backend,
+                                                                                  monkeypatch):
+    """guides/fused-adam.md: the gradients' sum of squares is taken in float32 as given (it overflows above a norm
+    of about 1.8e19), then the norm is unscaled (a scale below 1 can overflow it): either not finite skips."""
+    select_backend(monkeypatch, backend)
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = FusedAdam([p], lr=1e-3)
+    p.grad = torch.ones(4)
+    opt.step()  # (a state to keep)
+    p.grad = torch.tensor([grad, 0.0, 0.0, 0.0])
+    before = optimizer_snapshot(opt)
+    opt.step(grad_scale=scale)
+    assert opt.last_step_skipped is skipped
+    assert bool(torch.isfinite(opt.last_grad_norm)) is not skipped
+    if skipped:
+        assert_same_snapshot(before, optimizer_snapshot(opt))
+    else:
+        torch.testing.assert_close(opt.last_grad_norm, torch.tensor(grad / scale), rtol=1e-6, atol=0)
 @pytest.mark.no_interpreter
 def test_updates_made_in_backward_leave_the_telemetry_none_as_documented():
     """No pass reads every gradient when each param is updated from its own hook: last_grad_norm and last_found_inf
