@@ -185,6 +185,33 @@ def _fsdp_case(mesh, rank, name):
             "plans": len({id(plan) for plan in plans})}
 
 
+CODED_MOMENTS = (torch.uint8, torch.uint4, torch.float8_e4m3fn)
+
+
+def _fsdp_coded_case(mesh, rank, dtype) -> dict:
+    """8-bit, 4-bit or fp8 moments under FSDP2, without clipping, beside a FusedAdam over plain copies of this rank's
+    local pieces stepped with their local gradients: the blocks and the stochastic roundings' element indices are the
+    piece's, so the two must agree bit for bit."""
+    from ort_optim.integrations import dtensor
+
+    kwargs = dict(clip=None, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
+    model = _fsdp(mesh)
+    opt = make_optimizer(model.parameters(), **kwargs)
+    pieces = [nn.Parameter(dtensor.local(p).detach().clone()) for p in model.parameters()]
+    pieces_opt = make_optimizer(pieces, **kwargs)
+    for step in range(STEPS):
+        x, y = batch(step)
+        x, y = x.chunk(mesh.size())[rank], y.chunk(mesh.size())[rank]
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        for p, q in zip(model.parameters(), pieces):
+            q.grad = dtensor.local(p.grad).detach().clone()
+        opt.step()
+        pieces_opt.step()
+    return {"params": [dtensor.local(p).detach().clone() for p in model.parameters()],
+            "pieces": [q.detach().clone() for q in pieces]}
+
+
 def _local_tensor_changes(mesh) -> dict:
     """An engine that gives a DTensor param another local tensor (FSDP2 does at its lazy init) or frees and
     re-allocates its storage in place between steps: each step must update what the DTensor holds then, as a
@@ -415,6 +442,8 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     for name in FSDP_CASES:
         out[f"fsdp-{name}"] = _fsdp_case(pair_mesh, pair_rank, name)
     out["fsdp-world"] = _fsdp_case(world_mesh, rank, "fp32-clip")
+    for dtype in CODED_MOMENTS:
+        out[f"fsdp-coded-{dtype}"] = _fsdp_coded_case(pair_mesh, pair_rank, dtype)
 
     model = _fsdp(pair_mesh)
     out["fsdp-inf"] = _train(model, make_optimizer(model.parameters()), pair_rank, 2, poison=(2, 1))

@@ -5,7 +5,8 @@ each step's full gradients also step a FusedAdam over full-size copies in the wo
 clipping, since the update is per element; within 1e-6 with clipping, whose norm is summed in another order), and
 the parent trains the same model on the whole batch in one process (within 5e-5 after several clipped steps: the
 engines average the ranks' gradients instead of one batch's). FSDP2 over all 4 ranks (one rank holds an empty shard),
-bf16 params with masters and low-precision moments, a DTensor given a new local tensor or reallocated storage, an inf
+bf16 params with masters and low-precision moments, 8-bit, 4-bit and fp8 moments against a FusedAdam stepping each
+rank's local pieces (they are coded per piece), a DTensor given a new local tensor or reallocated storage, an inf
 on one rank skipping the step everywhere (with FP16_Optimizer and torch.amp.GradScaler too), and bad input refused
 naming the param with nothing changed.
 
@@ -47,6 +48,16 @@ def test_fsdp2_equals_full_tensor_shadow(mesh_results, name):
         assert out["plans"] == 1  # planned at the first step, valid at every later one (FSDP2 keeps its shards)
     if name == "world":
         assert mesh_results[3]["fsdp-world"]["local_shapes"][2] == (0, 16)  # an empty shard took part
+
+
+@mesh.needs_fsdp2
+@pytest.mark.parametrize("dtype", mesh.CODED_MOMENTS, ids=str)
+def test_fsdp2_with_coded_moments_equals_fused_adam_stepping_each_ranks_pieces(mesh_results, dtype):
+    """8-bit, 4-bit and fp8 moments are coded per local piece (its blocks, its element indices for the stochastic
+    rounding): each rank's update is a FusedAdam's over its pieces, bit for bit, not the full tensor's."""
+    for r in mesh_results:
+        out = r[f"fsdp-coded-{dtype}"]
+        mesh.assert_bitwise(out["params"], out["pieces"], f"rank {r['rank']} {dtype}")
 
 
 @mesh.needs_fsdp2
