@@ -51,13 +51,6 @@ FOREIGN_OPTIMIZERS = {"SGD": ("momentum", "dampening", "nesterov"), "RMSprop": (
                       "Adagrad": ("lr_decay", "initial_accumulator_value"), "NAdam": ("momentum_decay",),
                       "Adadelta": ("rho",), "ASGD": ("lambd", "t0", "alpha"), "Rprop": ("etas", "step_sizes")}
 FOREIGN_OPTION_KEYS = tuple(dict.fromkeys(key for keys in FOREIGN_OPTIMIZERS.values() for key in keys))
-
-
-def _foreign_optimizers(keys: set) -> list[str]:
-    """The torch optimizers whose options a group with these keys carries: those it has all the options of, else
-    those it has any of."""
-    whole = [name for name, own in FOREIGN_OPTIMIZERS.items() if set(own) <= keys]
-    return whole or [name for name, own in FOREIGN_OPTIMIZERS.items() if set(own) & keys]
 # Steps are counted in float64, exact up to 2**53.
 MAX_STEP = 2.0**53
 
@@ -300,6 +293,13 @@ def _torch_adam_with_l2(saved: dict) -> bool:
     return ("adam_w_mode" not in saved and saved.get("decoupled_weight_decay") is False
             and isinstance(saved.get("weight_decay"), (int, float)) and not isinstance(saved["weight_decay"], bool)
             and saved["weight_decay"] > 0)
+
+
+def _foreign_optimizers(keys: set) -> list[str]:
+    """The torch optimizers whose options a group with these keys carries: those it has all the options of, else
+    those it has any of."""
+    whole = [name for name, own in FOREIGN_OPTIMIZERS.items() if set(own) <= keys]
+    return whole or [name for name, own in FOREIGN_OPTIMIZERS.items() if set(own) & keys]
 
 
 def _foreign_torch_optimizer(saved: dict) -> bool:
