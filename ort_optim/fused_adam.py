@@ -157,8 +157,8 @@ class FusedAdam(torch.optim.Optimizer):
     every step) compiles twice (TorchDynamo traces a float as a constant first, and as a graph input once it has
     changed) and then runs one graph for 40 steps, bit for bit the eager results; torch.optim.AdamW's compiled step
     recompiles at every step until TorchDynamo's recompile limit (8 graphs), then runs eagerly. eps and weight_decay
-    stay floats of the op: a change recompiles. Not traced (the step runs as plain Python inside the compiled function,
-    with graph breaks): ``step_in_backward``, DTensor params, ``process_group``/``pipeline_group``, a backend other than
+    stay floats of the op: a change recompiles. Not traced (the update runs eagerly, outside the graph: one graph
+    break): ``step_in_backward``, DTensor params, ``process_group``/``pipeline_group``, a backend other than
     the native library (``ORT_OPTIM_BACKEND=torch``), tensor betas/eps/weight_decay (read on the host). States get a
     storage each when the step is traced (those an eager step laid out as views of one buffer are copied once: inductor
     would copy the whole buffer around the op at every step). ``FP16_Optimizer(FusedAdam)``: its scaler updates on the
@@ -469,6 +469,16 @@ class FusedAdam(torch.optim.Optimizer):
                 raise RuntimeError("ort_optim: a traced FusedAdam step found its plan out of date; please report")
             self._launch(plan, grad_scale, found_inf, traced=True)
             return loss
+        if torch.compiler.is_compiling():
+            # Not traced (DTensor params, a process or pipeline group, ops that are not registered, step_in_backward,
+            # an option or state that is refused): the update runs eagerly, one graph break, raising as it does eagerly
+            self._update_outside_graph(grad_scale, found_inf)
+        else:
+            self._update(grad_scale, found_inf)
+        return loss
+
+    def _update(self, grad_scale, found_inf) -> None:
+        """The step after its closure and argument checks: validate what changed, plan if needed, launch."""
         hypers = self._validate_options(grad_scale)
         # The one step path: the plan (valid, or built again after validating everything), then the backend ops.
         plan = self._plan
@@ -481,17 +491,21 @@ class FusedAdam(torch.optim.Optimizer):
         if plan.has_dtensors:  # (gradients laid out unlike their DTensor params: to the params' layout, once per step)
             plan.resolve_grads(writes_grads=grad_scale is not None and _UNSCALE_GRADS)
         self._launch(plan, grad_scale, found_inf, hypers)
-        return loss
+
+    @torch._disable_dynamo
+    def _update_outside_graph(self, grad_scale, found_inf) -> None:
+        """_update, run eagerly where a compiled function calls it (see _step_outside_graph)."""
+        self._update(grad_scale, found_inf)
 
     def _init_group(self) -> bool:
         """The part of a step that torch.compile cannot trace, run outside the graph: TorchDynamo calls an optimizer's
         ``_init_group`` eagerly when it traces ``step()`` (as for torch.optim's optimizers) and guards the state and
         gradients it then reads. Validates the options, then builds the plan (without native plans: the traced step
-        calls the registered op, which traces as one node) unless the current one still holds. False (the step is
-        then traced as plain Python, with graph breaks) where the traced path does not apply: DTensor params or a
-        process/pipeline group (their collectives), or ops that are not registered (ORT_OPTIM_BACKEND=torch, no
-        native library). Also False for an option or a state it refuses: the plain path then raises the error itself
-        (an error out of this call would reach the user wrapped in TorchDynamo's own)."""
+        calls the registered op, which traces as one node) unless the current one still holds. False where the traced
+        path does not apply: DTensor params or a process/pipeline group (their collectives), or ops that are not registered (ORT_OPTIM_BACKEND=torch, no
+        native library): the update then runs eagerly, outside the graph (_update_outside_graph). Also False for an
+        option or a state it refuses: the eager update then raises the error itself (an error out of this call would
+        reach the user wrapped in TorchDynamo's own)."""
         try:
             self._validate_options(None)
         except (ValueError, TypeError):

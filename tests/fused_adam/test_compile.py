@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import Configuration, configurations, gradient, gradients
-from conftest import assert_bitwise_equal, assert_same_history, fuzz_examples, optimizer_snapshot
+from conftest import assert_bitwise_equal, assert_same_history, fuzz_examples, optimizer_snapshot, select_backend
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -252,6 +252,36 @@ def test_fp16_optimizer_around_fused_adam_compiles_without_recompiles_and_matche
     assert counts[1] == (1 if schedule == "lambda-lr" else 2) * (1 if on_wrapper else 2), counts
     assert not any("item()" in reason or "Tensor.item" in reason for reason in reasons), reasons
     for a, b in zip(compiled, eager):
+        assert_bitwise_equal(a, b, "param")
+
+
+@NEWEST
+@pytest.mark.parametrize("moments", [
+    {}, {"exp_avg_dtype": torch.uint8, "exp_avg_sq_dtype": torch.uint8},
+    {"exp_avg_dtype": torch.uint4, "exp_avg_sq_dtype": torch.uint4},
+    {"exp_avg_dtype": torch.float8_e4m3fn, "exp_avg_sq_dtype": torch.float8_e5m2, "amsgrad": True},
+    {"stochastic_rounding": True}], ids=["fp32", "8-bit", "4-bit", "fp8-amsgrad", "bf16-stochastic-rounding"])
+def test_a_step_that_is_not_traced_updates_eagerly_outside_the_graph(moments, monkeypatch):
+    """The reference backend (as DTensor params, process groups and step_in_backward): the update runs eagerly, one
+    graph break, and computes the eager results bit for bit; no graph holds any of its ops (traced piecewise, its bit
+    arithmetic for low-bit states failed inductor's C++ code generation)."""
+    select_backend(monkeypatch, "torch")
+    runs = []
+    for compiled in (False, True):
+        model = _model()
+        if moments.get("stochastic_rounding"):
+            model.bfloat16()
+        opt = FusedAdam(model.parameters(), lr=1e-2, **moments)
+        run = torch.compile(lambda: opt.step()) if compiled else opt.step
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        for i in range(6):
+            _grads(model, i)
+            run()
+        if compiled:
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
         assert_bitwise_equal(a, b, "param")
 
 
