@@ -18,8 +18,8 @@ from .formats import sqrt_f32
 from .integrations import dtensor
 
 
-# Whether step() takes its traced route under torch.compile (_init_group): the TorchDynamo it is tested with. Older
-# ones (torch 2.4's fails inside its optimizer support) trace the step as plain Python, with graph breaks.
+# Whether step() takes its traced route under torch.compile (_init_group): the TorchDynamo it is tested with. Under
+# older ones (torch 2.4's fails inside its optimizer support) the step runs eagerly, outside the graph.
 _TRACED_STEP = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 # Parts of a step that measurements price by leaving them out (ort_optim/bench, tools/gpu_check.py); not options. A
