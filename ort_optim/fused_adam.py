@@ -163,7 +163,7 @@ class FusedAdam(torch.optim.Optimizer):
     storage each when the step is traced (those an eager step laid out as views of one buffer are copied once: inductor
     would copy the whole buffer around the op at every step). ``FP16_Optimizer(FusedAdam)``: its scaler updates on the
     device; the min-scale flag is read by the next eager step (guides/fused-adam.md, "torch.compile"). Older torch
-    (2.4.1): best effort, ``step()`` runs outside the graph (one graph break; the eager step).
+    (2.4.1): best effort, the update runs outside the graph (one graph break; the eager update).
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element floating-point
     tensor, finite and non-zero in float32, as torch's GradScaler keeps its scale) divides every gradient inside the
@@ -404,12 +404,6 @@ class FusedAdam(torch.optim.Optimizer):
         """
         return self._last["found_inf"] is not None and bool(self._last["found_inf"].item() != 0)
 
-    @torch._disable_dynamo
-    def _step_outside_graph(self, closure, grad_scale, found_inf):
-        """_step, run eagerly where a compiled function calls it: one function that TorchDynamo skips, the same at
-        every call (a wrapper made per call is a new function each time, and each re-traces the calling frame)."""
-        return self._step(closure, grad_scale, found_inf)
-
     def step(
         self,
         closure: Optional[Callable[[], Any]] = None,
@@ -420,10 +414,6 @@ class FusedAdam(torch.optim.Optimizer):
         """Performs one optimization step; see the class docstring for grad_scale and found_inf."""
         if torch.compiler.is_compiling():
             with torch.no_grad():
-                if not _TRACED_STEP:
-                    # (an older TorchDynamo: the step runs outside the graph, a graph break; their inductor cannot
-                    # functionalize an op that mutates tensor lists)
-                    return self._step_outside_graph(closure, grad_scale, found_inf)
                 return self._step(closure, grad_scale, found_inf)
         # Eager: torch.no_grad() as the two calls into torch's grad mode that its context manager makes, without
         # the context manager's Python layers (a step on thousands of small params is short enough to notice them).
@@ -470,8 +460,9 @@ class FusedAdam(torch.optim.Optimizer):
             self._launch(plan, grad_scale, found_inf, traced=True)
             return loss
         if torch.compiler.is_compiling():
-            # Not traced (DTensor params, a process or pipeline group, ops that are not registered, step_in_backward,
-            # an option or state that is refused): the update runs eagerly, one graph break, raising as it does eagerly
+            # Not traced (an older TorchDynamo, whose inductor cannot functionalize an op that mutates tensor lists;
+            # DTensor params, a process or pipeline group, ops that are not registered, step_in_backward, an option or
+            # state that is refused): the update runs eagerly, one graph break, raising as it does eagerly
             self._update_outside_graph(grad_scale, found_inf)
         else:
             self._update(grad_scale, found_inf)
@@ -494,7 +485,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     @torch._disable_dynamo
     def _update_outside_graph(self, grad_scale, found_inf) -> None:
-        """_update, run eagerly where a compiled function calls it (see _step_outside_graph)."""
+        """_update, run eagerly where a compiled function calls it: one function that TorchDynamo skips, the same at
+        every call (a wrapper made per call is a new function each time, and each re-traces the calling frame)."""
         self._update(grad_scale, found_inf)
 
     def _init_group(self) -> bool:
@@ -502,10 +494,10 @@ class FusedAdam(torch.optim.Optimizer):
         ``_init_group`` eagerly when it traces ``step()`` (as for torch.optim's optimizers) and guards the state and
         gradients it then reads. Validates the options, then builds the plan (without native plans: the traced step
         calls the registered op, which traces as one node) unless the current one still holds. False where the traced
-        path does not apply: DTensor params or a process/pipeline group (their collectives), or ops that are not registered (ORT_OPTIM_BACKEND=torch, no
-        native library): the update then runs eagerly, outside the graph (_update_outside_graph). Also False for an
-        option or a state it refuses: the eager update then raises the error itself (an error out of this call would
-        reach the user wrapped in TorchDynamo's own)."""
+        path does not apply: DTensor params or a process/pipeline group (their collectives), or ops that are not
+        registered (ORT_OPTIM_BACKEND=torch, no native library): the update then runs eagerly, outside the graph
+        (_update_outside_graph). Also False for an option or a state it refuses: the eager update then raises the error
+        itself (an error out of this call would reach the user wrapped in TorchDynamo's own)."""
         try:
             self._validate_options(None)
         except (ValueError, TypeError):
