@@ -200,15 +200,14 @@ class InnerMasters:
             for on_device in grads_by_device.values():
                 given = torch.maximum(given, backends.grad_stats(on_device)[1].to(owner._main_device))
             given = owner._reduce_found_inf(given.reshape(1)).reshape(())
+        self._unscaled = _Versions()  # (filled again below, after the step, where it is kept)
         if traced:  # (nothing to record; and no try block, which TorchDynamo cannot resume in after a graph break)
-            self._unscaled = _Versions()
             opt.step(grad_scale=scale, found_inf=given)
         else:
             versions = [g._version for _, _, _, g in grads]
             try:
                 opt.step(grad_scale=scale, found_inf=given)
             finally:
-                self._unscaled = _Versions()
                 for (_, _, p, g), version, done in zip(grads, versions, unscaled):
                     if done or g._version != version:  # (FusedAdam wrote it back unscaled)
                         self._unscaled.add(p, g)

@@ -353,6 +353,8 @@ def test_the_skip_follows_the_scaled_float32_sum_of_squares_then_the_unscaled_no
         assert_same_snapshot(before, optimizer_snapshot(opt))
     else:
         torch.testing.assert_close(opt.last_grad_norm, torch.tensor(grad / scale), rtol=1e-6, atol=0)
+
+
 @pytest.mark.no_interpreter
 def test_updates_made_in_backward_leave_the_telemetry_none_as_documented():
     """No pass reads every gradient when each param is updated from its own hook: last_grad_norm and last_found_inf
