@@ -491,7 +491,7 @@ void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
       if (pending.w != nullptr && pending.len == kB && pending.w->exp_avg_fp8 == w.exp_avg_fp8 &&
           pending.w->exp_avg_sq_fp8 == w.exp_avg_sq_fp8) {
         const TensorWork& pw = *pending.w;
-        Fp8PairCoder<FM, FV> coder(pending.max_m, pending.max_root, pending.off, pw.step,
+        Fp8PairCoder<FM, FV> coder(pending.max_m, pending.max_root, s.fp8_m(pending.slot), pending.off, pw.step,
                                    static_cast<uint8_t*>(pw.exp_avg), static_cast<uint8_t*>(pw.exp_avg_sq));
         if (coder.regular()) {
           update(&coder);
@@ -580,7 +580,7 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
       low_bit_relative_store(f, s.m + b, s.u + b, off + b, kB, codes_m, w.exp_avg_scale, s.rnd + b);
       continue;
     }
-    const float scale_v = bits_to_float(f.scale_bits(amax_root, true));
+    const float scale_v = bits_to_float(f.scale_bits(amax_root, true, s.rnd + b));
     f.store_scale(w.exp_avg_sq_scale, (off + b) / kB, scale_v);
     coder_v.set_inverse(scale_v > 0.0f ? 1.0f / scale_v : 0.0f);
     const __m512 scale_v16 = _mm512_set1_ps(scale_v);
@@ -600,7 +600,7 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
       CoderV::store4(code, codes_v + (off + b + i) / 2);
       ratios16(i, code);
     }
-    const uint32_t scale_m_bits = f.scale_bits(_mm512_reduce_max_epu32(max_r16), false);
+    const uint32_t scale_m_bits = f.scale_bits(_mm512_reduce_max_epu32(max_r16), false, s.rnd + b);
     if (scale_m_bits >= 0x7F800000u) {  // non-finite ratios
       low_bit_relative_store(f, s.m + b, s.u + b, off + b, kB, codes_m, w.exp_avg_scale, s.rnd + b);
       continue;

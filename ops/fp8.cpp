@@ -48,25 +48,25 @@ void fp8_load(const uint8_t* codes, const float* scales, int64_t off, int64_t n,
   }
 }
 
-// The code of one element u (sqrt(v) for a second moment) of a block with largest magnitude amax (bits) and
-// 1 / scale inv, rounding stochastically with 16 random bits: they are added right below the kept bits (normal
-// values: to the float32 bits; subnormal ones: to the value in fixed point with as many fraction bits, truncated from
-// min(y, the smallest normal) * 2**(bias + 22)) and truncated. The block's largest magnitudes (always normal) add half
-// an ulp minus one plus the lowest kept bit instead: to nearest even, so that the scale survives a decode and
-// re-encode. One formula for every element, without branches: a loop over it vectorises.
-template <int kMb, int kBias, int kMaxCode, bool kSecondMoment>
-inline uint8_t fp8_code(float x, uint32_t amax, float inv, uint32_t random16) {
+// The code of one element u (sqrt(v) for a second moment) of a block with largest magnitude amax (bits), coded as top
+// (the code of fp8_coded_amax), and 1 / scale inv, rounding stochastically with 16 random bits: they are added right
+// below the kept bits (normal values: to the float32 bits; subnormal ones: to the value in fixed point with as many
+// fraction bits, truncated from min(y, the smallest normal) * 2**(bias + 22)) and truncated, then capped at top. The
+// block's largest magnitudes take top, so that a decoded block's largest value is the coded one and a re-encode
+// gives the same scale. One formula for every element, without branches: a loop over it vectorises.
+template <int kMb, int kBias, bool kSecondMoment>
+inline uint8_t fp8_code(float x, uint32_t amax, int32_t top, float inv, uint32_t random16) {
   constexpr int kShift = 23 - kMb;
   const float min_normal = bits_to_float(uint32_t(127 + 1 - kBias) << 23);
   const float to_fixed = bits_to_float(uint32_t(127 + kBias + 22) << 23);
   const uint32_t b = float_to_bits(x), ab = b & 0x7FFFFFFFu;
   const float y = bits_to_float(ab) * inv;
   const uint32_t yb = float_to_bits(y);
-  const uint32_t add = ab == amax ? (1u << (kShift - 1)) - 1u + ((yb >> kShift) & 1u) : random16 << (kShift - 16);
+  const uint32_t add = random16 << (kShift - 16);
   const int32_t normal = int32_t((yb + add) >> kShift) - ((127 - kBias) << kMb);
   const int32_t fixed = int32_t(std::min(y, min_normal) * to_fixed);
   const int32_t subnormal = int32_t((uint32_t(fixed) + add) >> kShift);
-  int32_t code = std::min(y < min_normal ? subnormal : normal, kMaxCode);
+  int32_t code = ab == amax ? top : std::min(y < min_normal ? subnormal : normal, top);
   if constexpr (kSecondMoment) {
     // no zero level for sqrt(v) (the zero-point problem); code 0 is an overflowed v (only in a flagged block)
     code = ab == 0x7F800000u ? 0 : std::max(code, 1);
@@ -105,18 +105,19 @@ void fp8_store(const float* src, const float* root, int64_t off, int64_t n, uint
       s = std::numeric_limits<float>::quiet_NaN();
       std::memset(out, 0, len);
     } else {
-      int32_t k = fp8_block_exponent<kMb, kBias, kEmax, kMaxCode>(amax);
-      if (amax == 0 || k < spec::kFp8MinExponent) {
+      const uint32_t* r = rnd + q;
+      const uint32_t coded = fp8_coded_amax_sr<kMb, kEmax>(amax, kSecondMoment ? r[0] & 0xFFFFu : r[0] >> 16);
+      if (fp8_zero_block<kEmax>(coded)) {
         s = 0.0f;
         std::memset(out, 0, len);
       } else {
+        int32_t k = fp8_block_exponent<kEmax>(coded);
         if (kSecondMoment) k = std::max(k, fp8_min_sq_exponent<kMb>());
         s = bits_to_float(uint32_t(k + 127) << 23);
         const float inv = bits_to_float(uint32_t(127 - k) << 23);
-        const uint32_t* r = rnd + q;
+        const int32_t top = std::min(fp8_round<kMb, kBias>(bits_to_float(coded) * inv), kMaxCode);
         for (int64_t i = 0; i < len; ++i) {
-          out[i] = fp8_code<kMb, kBias, kMaxCode, kSecondMoment>(u[i], amax, inv,
-                                                                 kSecondMoment ? r[i] & 0xFFFFu : r[i] >> 16);
+          out[i] = fp8_code<kMb, kBias, kSecondMoment>(u[i], amax, top, inv, kSecondMoment ? r[i] & 0xFFFFu : r[i] >> 16);
         }
       }
       if (overflowed) {
@@ -138,8 +139,11 @@ template <class FM, class FV>
 void fp8_store_pair(const float* m, const float* v, const float* root, uint32_t amax_m, uint32_t amax_v, int64_t off,
                     int64_t len, uint32_t step, uint8_t* codes_m, float* scales_m, uint8_t* codes_v, float* scales_v,
                     uint32_t* rnd) {
-  const uint32_t inv_m = fp8_regular_inverse<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode, false>(amax_m),
-                 inv_v = fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode, true>(amax_v);
+  const uint32_t step_hash = moment_step_hash(step), r0 = moment_random_bits_of(m[0], off, step_hash);
+  const uint32_t coded_m = fp8_coded_amax_sr<FM::kMb, FM::kEmax>(amax_m, r0 >> 16),
+                 coded_v = fp8_coded_amax_sr<FV::kMb, FV::kEmax>(amax_v, r0 & 0xFFFFu);
+  const uint32_t inv_m = fp8_regular_inverse<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode, false>(coded_m),
+                 inv_v = fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode, true>(coded_v);
   if (inv_m == 0 || inv_v == 0) {
     moment_random_bits(m, off, len, step, rnd);
     fp8_store<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode, false>(m, nullptr, off, len, codes_m, scales_m, rnd);
@@ -147,18 +151,19 @@ void fp8_store_pair(const float* m, const float* v, const float* root, uint32_t 
     return;
   }
   const float im = bits_to_float(inv_m), iv = bits_to_float(inv_v);
-  const uint32_t step_hash = moment_step_hash(step);
+  const int32_t top_m = std::min(fp8_round<FM::kMb, FM::kBias>(bits_to_float(coded_m) * im), FM::kMaxCode),
+                top_v = std::min(fp8_round<FV::kMb, FV::kBias>(bits_to_float(coded_v) * iv), FV::kMaxCode);
   uint8_t* __restrict__ cm = codes_m + off;
   uint8_t* __restrict__ cv = codes_v + off;
   int64_t i = 0;
 #ifdef ORT_OPTIM_FP8_AVX512
-  Fp8PairCoder<FM, FV> coder(amax_m, amax_v, off, step, codes_m, codes_v);
+  Fp8PairCoder<FM, FV> coder(amax_m, amax_v, m, off, step, codes_m, codes_v);
   for (; i + 16 <= len; i += 16) coder.code16(m + i, root + i, i);
 #endif
   for (; i < len; ++i) {
     const uint32_t r = moment_random_bits_of(m[i], off + i, step_hash);
-    cm[i] = fp8_code<FM::kMb, FM::kBias, FM::kMaxCode, false>(m[i], amax_m, im, r >> 16);
-    cv[i] = fp8_code<FV::kMb, FV::kBias, FV::kMaxCode, true>(root[i], amax_v, iv, r & 0xFFFFu);
+    cm[i] = fp8_code<FM::kMb, FM::kBias, false>(m[i], amax_m, top_m, im, r >> 16);
+    cv[i] = fp8_code<FV::kMb, FV::kBias, true>(root[i], amax_v, top_v, iv, r & 0xFFFFu);
   }
   scales_m[off / kFp8Block] = bits_to_float((254u << 23) - inv_m);
   scales_v[off / kFp8Block] = bits_to_float((254u << 23) - inv_v);

@@ -66,14 +66,41 @@ inline int32_t fp8_round(float y) {
   return y < bits_to_float(uint32_t(127 + 1 - kBias) << 23) ? subnormal : normal;
 }
 
-// A block's exponent k for its largest magnitude amax (bits; finite): the smallest k with amax / 2**k rounding to at
-// most the largest finite code (amax's mantissa at 2**emax tells whether its exponent suffices), capped at
-// 127 - emax. The block is coded with scale 2**k if amax > 0 and k >= spec::kFp8MinExponent, else it is a zero block.
-template <int kMb, int kBias, int kEmax, int kMaxCode>
+// A block's exponent k for a largest magnitude amax (bits; finite, normal): the smallest k with amax / 2**k at most the
+// largest finite value, 1.75 * 2**emax in both formats (amax's mantissa tells whether its exponent suffices), capped
+// at 127 - emax.
+template <int kEmax>
 inline int32_t fp8_block_exponent(uint32_t amax) {
   const int32_t e = int32_t(amax >> 23) - 127;
-  const float top = bits_to_float((amax & 0x7FFFFFu) | (uint32_t(kEmax + 127) << 23));
-  return std::min(e - kEmax + (fp8_round<kMb, kBias>(top) > kMaxCode ? 1 : 0), 127 - kEmax);
+  return std::min(e - kEmax + ((amax & 0x7FFFFFu) > spec::kFp8MaxMantissa ? 1 : 0), 127 - kEmax);
+}
+
+// The bits of a block's largest magnitude as the block codes it (_spec.Fp8Format; formats.fp8_coded_amax): amax (bits;
+// finite) divided by 2**k0, k0 = fp8_block_exponent(amax), rounded in the format with add below the kept bits (the
+// random bits of a step; half an ulp minus one plus the lowest kept bit: to nearest even), at most the largest finite
+// value, times 2**k0. 0 where amax lies below 2**(emax + kFp8MinExponent - 1): a zero block however it rounds.
+template <int kMb, int kEmax>
+inline uint32_t fp8_coded_amax(uint32_t amax, uint32_t add) {
+  if (int32_t(amax >> 23) - 127 < kEmax + spec::kFp8MinExponent - 1) return 0;
+  constexpr int kShift = 23 - kMb;
+  const int32_t k0 = fp8_block_exponent<kEmax>(amax);
+  const uint32_t y = amax - (uint32_t(k0) << 23);  // (amax / 2**k0: normal, exponent emax - 1 or emax)
+  const uint32_t kept = ((y + add) >> kShift) << kShift;
+  return std::min(kept, (uint32_t(kEmax + 127) << 23) | spec::kFp8MaxMantissa) + (uint32_t(k0) << 23);
+}
+
+// fp8_coded_amax in a step: rounded stochastically with 16 random bits (those of the block's first element).
+template <int kMb, int kEmax>
+inline uint32_t fp8_coded_amax_sr(uint32_t amax, uint32_t random16) {
+  return amax >= 0x7F800000u ? amax : fp8_coded_amax<kMb, kEmax>(amax, random16 << (23 - kMb - 16));
+}
+
+// Whether a block whose coded largest magnitude is coded_amax (bits, fp8_coded_amax) is a zero block (scale 0, codes
+// 0): below 2**(emax + kFp8MinExponent). A decoded block's largest value is coded_amax itself, so a re-encode decides
+// the same.
+template <int kEmax>
+inline bool fp8_zero_block(uint32_t coded_amax) {
+  return int32_t(coded_amax >> 23) - 127 < kEmax + spec::kFp8MinExponent;
 }
 
 // A second moment's smallest block exponent k (_spec.Fp8Format.min_sq_exponent, _spec.MIN_SQRT_V): below it, the
@@ -84,36 +111,30 @@ constexpr int32_t fp8_min_sq_exponent() {
   return kMb == 3 ? spec::kFp8E4M3MinSqExponent : spec::kFp8E5M2MinSqExponent;
 }
 
-// The bits of 1 / 2**k for a block that fp8_store codes with a scale 2**k (finite amax > 0, not overflowed; for a
-// second moment k at least fp8_min_sq_exponent); 0 for every other block (zero, non-finite, overflowed, a second
-// moment's below that floor), which the plain stores handle.
+// The bits of 1 / 2**k for a block that fp8_store codes with a scale 2**k, k = fp8_block_exponent(coded_amax) (a
+// finite, non-zero block, not overflowed; for a second moment k at least fp8_min_sq_exponent); 0 for every other
+// block (zero, non-finite, overflowed, a second moment's below that floor), which the plain stores handle.
 template <int kMb, int kBias, int kEmax, int kMaxCode, bool kSecondMoment>
-inline uint32_t fp8_regular_inverse(uint32_t amax) {
-  if (amax == 0 || amax >= 0x7F800000u) return 0;
-  const int32_t k = fp8_block_exponent<kMb, kBias, kEmax, kMaxCode>(amax);
-  if (k < spec::kFp8MinExponent || (kSecondMoment && k < fp8_min_sq_exponent<kMb>())) return 0;
+inline uint32_t fp8_regular_inverse(uint32_t coded_amax) {
+  if (coded_amax >= 0x7F800000u || fp8_zero_block<kEmax>(coded_amax)) return 0;
+  const int32_t k = fp8_block_exponent<kEmax>(coded_amax);
+  if (kSecondMoment && k < fp8_min_sq_exponent<kMb>()) return 0;
   return uint32_t(127 - k) << 23;
 }
 
 #ifdef ORT_OPTIM_FP8_AVX512
 
 // fp8_code of 16 elements with bits b of a regular block (finite, no overflowed v; amax: the bits of its largest
-// magnitude, inv: 1 / its scale), with add the random bits placed right below the kept bits (16 random bits shifted
-// left by 23 - kMb - 16). Every case: Fp8PairCoder::code16 takes it for the vectors that its shorter form leaves out.
-// Two cases that most vectors lack take branches: the block's largest magnitude (to nearest even) and subnormal codes.
-template <int kMb, int kBias, int kMaxCode, bool kSecondMoment>
-inline __m512i fp8_codes16(__m512i b, __m512i amax, __m512 inv, __m512i add) {
+// magnitude, top: the code of its coded largest magnitude, inv: 1 / its scale), with add the random bits placed right
+// below the kept bits (16 random bits shifted left by 23 - kMb - 16). Every case: Fp8PairCoder::code16 takes it for
+// the vectors that its shorter form leaves out. Subnormal codes, which most vectors lack, take a branch.
+template <int kMb, int kBias, bool kSecondMoment>
+inline __m512i fp8_codes16(__m512i b, __m512i amax, __m512i top, __m512 inv, __m512i add) {
   constexpr int kShift = 23 - kMb;
   const __m512 min_normal = _mm512_set1_ps(bits_to_float(uint32_t(127 + 1 - kBias) << 23));
   const __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF));
   const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(ab), inv);
   const __m512i yb = _mm512_castps_si512(y);
-  const __mmask16 top = _mm512_cmpeq_epi32_mask(ab, amax);
-  if (top) {
-    const __m512i even = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(yb, kShift), _mm512_set1_epi32(1)),
-                                          _mm512_set1_epi32(int((1u << (kShift - 1)) - 1u)));
-    add = _mm512_mask_blend_epi32(top, add, even);
-  }
   __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(yb, add), kShift),
                                   _mm512_set1_epi32((127 - kBias) << kMb));
   const __mmask16 subnormal = _mm512_cmp_ps_mask(y, min_normal, _CMP_LT_OQ);
@@ -122,7 +143,7 @@ inline __m512i fp8_codes16(__m512i b, __m512i amax, __m512 inv, __m512i add) {
         _mm512_mul_ps(_mm512_min_ps(y, min_normal), _mm512_set1_ps(bits_to_float(uint32_t(127 + kBias + 22) << 23))));
     code = _mm512_mask_blend_epi32(subnormal, code, _mm512_srli_epi32(_mm512_add_epi32(fixed, add), kShift));
   }
-  code = _mm512_min_epi32(code, _mm512_set1_epi32(kMaxCode));
+  code = _mm512_mask_mov_epi32(_mm512_min_epi32(code, top), _mm512_cmpeq_epi32_mask(ab, amax), top);
   if constexpr (kSecondMoment) return _mm512_max_epi32(code, _mm512_set1_epi32(1));  // (no inf in a regular block)
   const __mmask16 negative = _mm512_movepi32_mask(b) & _mm512_test_epi32_mask(code, code);
   return _mm512_mask_or_epi32(code, negative, code, _mm512_set1_epi32(0x80));
@@ -144,26 +165,29 @@ using Fp8E5M2 = Fp8Type<2, 15, 15, 0x7B>;
 // fp8_codes16: y's bits are |x|'s less k << 23 (scale 2**k: exact), so the code is ((|x| + add) >> (23 - kMb)) -
 // ((127 - bias + k) << kMb), normal (>= 1: no zero, and a second moment needs no floor), whose difference and cap are
 // taken on the packed bytes (the code before the cap is below 256, so its low byte less the bias's is the code); the
-// block's largest magnitudes take the nearest-even code of amax * inv, found once (top). The other elements (zero,
-// subnormal codes, a second moment's sign bit, which then fails |x| >= low as a signed integer) take fp8_codes16.
+// cap is the code of the coded largest magnitude (top, found once), which the block's largest magnitudes take. The
+// other elements (zero, subnormal codes, a second moment's sign bit, which then fails |x| >= low as a signed
+// integer) take fp8_codes16.
 template <class F, bool kSecondMoment>
 struct Fp8Coder16 {
   static constexpr int kShift = 23 - F::kMb;
-  __m512i amax, low;
+  __m512i amax, low, top32;
   __m512 inv;
-  __m128i bias, max_code, top;
+  __m128i bias, top;
 
-  Fp8Coder16(uint32_t amax_bits, uint32_t inv_bits) {
+  // amax_bits: the block's largest magnitude; coded_bits: as coded (fp8_coded_amax); inv_bits: 1 / the block's scale.
+  Fp8Coder16(uint32_t amax_bits, uint32_t coded_bits, uint32_t inv_bits) {
     const int32_t k = 127 - int32_t(inv_bits >> 23);
     const float inv_f = bits_to_float(inv_bits);
+    const int32_t top_code = std::min(fp8_round<F::kMb, F::kBias>(bits_to_float(coded_bits) * inv_f), F::kMaxCode);
     amax = _mm512_set1_epi32(int(amax_bits));
+    top32 = _mm512_set1_epi32(top_code);
     inv = _mm512_set1_ps(inv_f);
     // (min_normal * 2**k as bits; the block exponent keeps it a normal float32 for every k a regular block takes,
     // and the lowest normal float32 if not: every float32 subnormal |x| takes fp8_codes16)
     low = _mm512_set1_epi32(std::max(128 - F::kBias + k, 1) << 23);
     bias = _mm_set1_epi8(char(uint32_t(127 - F::kBias + k) << F::kMb));
-    max_code = _mm_set1_epi8(char(F::kMaxCode));
-    top = _mm_set1_epi8(char(std::min(fp8_round<F::kMb, F::kBias>(bits_to_float(amax_bits) * inv_f), F::kMaxCode)));
+    top = _mm_set1_epi8(char(top_code));
   }
 
   // The lanes of ab (= |x| as bits; a second moment: x's bits) that take fp8_codes16.
@@ -172,7 +196,7 @@ struct Fp8Coder16 {
   // The codes of the lanes that other() leaves, with b x's bits and ab its magnitude's.
   inline __m128i normal_codes(__m512i b, __m512i ab, __m512i add) const {
     __m128i c = _mm512_cvtepi32_epi8(_mm512_srli_epi32(_mm512_add_epi32(ab, add), kShift));
-    c = _mm_min_epu8(_mm_sub_epi8(c, bias), max_code);
+    c = _mm_min_epu8(_mm_sub_epi8(c, bias), top);
     c = _mm_mask_mov_epi8(c, _mm512_cmpeq_epi32_mask(ab, amax), top);
     if constexpr (!kSecondMoment) {  // the sign (the code is not 0): + 0x80
       c = _mm_mask_add_epi8(c, _mm512_movepi32_mask(b), c, _mm_set1_epi8(char(0x80)));
@@ -182,7 +206,7 @@ struct Fp8Coder16 {
 
   // The codes of every lane.
   inline __m128i codes(__m512i b, __m512i add) const {
-    return _mm512_cvtepi32_epi8(fp8_codes16<F::kMb, F::kBias, F::kMaxCode, kSecondMoment>(b, amax, inv, add));
+    return _mm512_cvtepi32_epi8(fp8_codes16<F::kMb, F::kBias, kSecondMoment>(b, amax, top32, inv, add));
   }
 
   // fp8_codes16's add for the 16 random bits r >> 16 (kHigh; exp_avg) or r & 0xFFFF (exp_avg_sq) of
@@ -203,6 +227,7 @@ struct Fp8Coder16 {
 // fp8_store_pair's vector loop, and the Adam kernel's loop that codes one block while it updates the next.
 template <class FM, class FV>
 struct Fp8PairCoder {
+  uint32_t r0, coded_m, coded_v;  // the block's first element's random bits; each largest magnitude as coded
   uint32_t inv_m, inv_v;  // the bits of 1 / scale of each moment; 0: not a regular block (nothing coded here)
   Fp8Coder16<FM, false> coder_m;
   Fp8Coder16<FV, true> coder_v;
@@ -210,11 +235,16 @@ struct Fp8PairCoder {
   uint8_t* cm;
   uint8_t* cv;
 
-  Fp8PairCoder(uint32_t amax_m, uint32_t amax_v, int64_t off, uint32_t step, uint8_t* codes_m, uint8_t* codes_v)
-      : inv_m(fp8_regular_inverse<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode, false>(amax_m)),
-        inv_v(fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode, true>(amax_v)),
-        coder_m(amax_m, inv_m),
-        coder_v(amax_v, inv_v),
+  // m: the block's new exp_avg (its first element's random bits round both largest magnitudes).
+  Fp8PairCoder(uint32_t amax_m, uint32_t amax_v, const float* m, int64_t off, uint32_t step, uint8_t* codes_m,
+               uint8_t* codes_v)
+      : r0(moment_random_bits_of(m[0], off, moment_step_hash(step))),
+        coded_m(fp8_coded_amax_sr<FM::kMb, FM::kEmax>(amax_m, r0 >> 16)),
+        coded_v(fp8_coded_amax_sr<FV::kMb, FV::kEmax>(amax_v, r0 & 0xFFFFu)),
+        inv_m(fp8_regular_inverse<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode, false>(coded_m)),
+        inv_v(fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode, true>(coded_v)),
+        coder_m(amax_m, coded_m, inv_m),
+        coder_v(amax_v, coded_v, inv_v),
         e_hash(element_hash16(off)),
         step_hash(_mm512_set1_epi32(int(moment_step_hash(step)))),
         cm(codes_m + off),

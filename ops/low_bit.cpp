@@ -306,7 +306,7 @@ void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t
       }
       u = finite_u;
     }
-    amax = f.scale_bits(amax, kSecondMoment);  // the scale
+    amax = f.scale_bits(amax, kSecondMoment, rnd != nullptr ? rnd + q : nullptr);  // the scale
     uint8_t* out = kBits == 8 ? codes + off + q : codes + (off + q) / 2;
     float s;
     // the decoded sqrt(v) comes from the encoder, but for the rare overflowed and NaN blocks (decoded after storing)

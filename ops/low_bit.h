@@ -291,12 +291,28 @@ struct LowBit {
   uint32_t min_sq_scale;  // the bits of a non-zero second-moment block's smallest scale (_spec.MIN_SQRT_V)
 
   const CodeMap& map(bool second_moment) const { return second_moment ? exp_avg_sq : exp_avg; }
+
+  // a (bits; finite) rounded to one of the bfloat16 values lo <= a < hi next to it, hi iff (a^2 - lo^2) >
+  // ((2 * r16 + 1) * 2^-17) * (hi^2 - lo^2) (squares: unbiased in v, for sqrt(v)), else iff (a - lo) > ... * (hi - lo)
+  // (unbiased), in float32 (_spec.BF16_SCALE_STOCHASTIC); a itself where it is a bfloat16 value.
+  static uint32_t bf16_stochastic(uint32_t a_bits, uint32_t r16, bool squares) {
+    if ((a_bits & 0xFFFFu) == 0) return a_bits;
+    const uint32_t lo_bits = a_bits & 0xFFFF0000u;
+    const float a = bits_to_float(a_bits), lo = bits_to_float(lo_bits), hi = bits_to_float(lo_bits + 0x10000u);
+    const float uniform = float(2 * r16 + 1) * 0x1p-17f;  // (exact)
+    const bool up = squares ? (a * a - lo * lo) > uniform * (hi * hi - lo * lo) : (a - lo) > uniform * (hi - lo);
+    return up ? lo_bits + 0x10000u : lo_bits;
+  }
   // The bits of the scale of a block whose largest magnitude has the bits amax (finite, or a block holding inf or
-  // NaN): amax rounded to nearest even where the format stores bfloat16 scales (which may overflow to inf: then the
-  // block is non-finite, like one holding inf), 0 below float32's smallest normal (a zero block, _spec.MIN_SCALE),
-  // and for a second moment at least min_sq_scale (_spec.MIN_SQRT_V).
-  uint32_t scale_bits(uint32_t amax, bool second_moment) const {
-    if (bf16_scales && amax < 0x7F800000u) amax = (amax + 0x7FFFu + ((amax >> 16) & 1u)) & 0xFFFF0000u;
+  // NaN): where the format stores bfloat16 scales, amax rounded to bfloat16, in a step stochastically with the random
+  // bits of the block's first element rnd[0] (moment_random_bits; _spec.BF16_SCALE_STOCHASTIC), else (rnd null) to
+  // nearest even (which may overflow to inf: then the block is non-finite, like one holding inf); 0 below float32's
+  // smallest normal (a zero block, _spec.MIN_SCALE), and for a second moment at least min_sq_scale (_spec.MIN_SQRT_V).
+  uint32_t scale_bits(uint32_t amax, bool second_moment, const uint32_t* rnd = nullptr) const {
+    if (bf16_scales && amax < 0x7F800000u) {
+      amax = rnd != nullptr ? bf16_stochastic(amax, second_moment ? rnd[0] & 0xFFFFu : rnd[0] >> 16, second_moment)
+                            : (amax + 0x7FFFu + ((amax >> 16) & 1u)) & 0xFFFF0000u;
+    }
     if (amax < 0x00800000u) return 0;
     return second_moment ? std::max(amax, min_sq_scale) : amax;
   }

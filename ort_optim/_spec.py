@@ -127,8 +127,10 @@ def reciprocal_midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
 # Exactly, for a normalised magnitude a = |m| / s (float32):
 #   lo = levels[j], j = #{k >= 1 : thresholds[k-1] <= min(a * EXP_AVG_SNAP, 1)} (the toward-zero index: EXP_AVG_SNAP
 #        = 1 + 2**-20 absorbs the float32 noise of decode-then-encode, a decoded level reads back within 3 * 2**-24 of
-#        itself); the top threshold is EXP_AVG_TOP (not 1), so the block's largest element always gets the top code
-#        even where its scale was rounded up into bfloat16 (by at most 2**-9), and the scale survives a re-encode;
+#        itself); the top threshold is the format's exp_avg_top (not 1), so the block's largest element always gets
+#        the top code even where its scale was rounded up into bfloat16, and the scale survives a re-encode: EXP_AVG_TOP
+#        = 1 - 2**-8 (a scale rounded to nearest: up by at most 2**-9), 1 - 2**-7 for the 4-bit format, whose scale
+#        rounds stochastically in a step (BF16_SCALE_STOCHASTIC: up by less than 2**-7);
 #   between two non-zero levels (1 <= j < top), the code is j + 1 iff, in float32,
 #        (lowered(a) - lo) > sr_uniform(r16) * (levels[j+1] - lo),
 #        lowered(a) = the float whose bits are bits(a) - EXP_AVG_SR_ULPS (clamped at 0): a value on a level (up to the
@@ -141,6 +143,14 @@ def reciprocal_midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
 CANONICAL_NAN = 0x7FC00000  # the bits a NaN exp_avg hashes as (MOMENT_RANDOM_BITS)
 EXP_AVG_SNAP = 1.0 + 2.0**-20
 EXP_AVG_TOP = 1.0 - 2.0**-8
+# BF16_SCALE_STOCHASTIC: a block's bfloat16 scale (the 4-bit format's, of sqrt(v) and of r = m / sqrt(v)) is its
+# largest magnitude a rounded to bfloat16 stochastically in a step: between the bfloat16 values lo <= a < hi next to
+# it, hi iff, in float32, (a * a - lo * lo) > sr_uniform(r16) * (hi * hi - lo * lo) for sqrt(v) (unbiased in v) and
+# (a - lo) > sr_uniform(r16) * (hi - lo) for r (unbiased), r16 the random bits of the block's first element (its
+# moment's 16, MOMENT_RANDOM_BITS); a itself where it is a bfloat16 value, inf or NaN. Conversions round to nearest
+# even. The block's largest element decodes to the scale (the top code), so the scale is its stored value: rounded to
+# nearest, it stuck as any moment rounded to nearest does (v growing by 0.1% a step rounds back to the same bfloat16
+# value; one element with gradient 1 at every step kept v = 0.18 where torch's AdamW reaches 0.98).
 EXP_AVG_SR_ULPS = 8
 # EXP_AVG_RELATIVE (a format with exp_avg_relative, the 4-bit one; both moments must then be stored in it). Per
 # element, in float32, with u the decoded sqrt(v) of exp_avg_sq (level * |s|: a flagged block's scale is negative;
@@ -195,14 +205,15 @@ MIN_SCALE = 2.0**-126
 MIN_SQRT_V = 2.0**-63
 
 
-def thresholds(levels: tuple[float, ...], second_moment: bool, nearest: str = "reciprocal") -> tuple[float, ...]:
+def thresholds(levels: tuple[float, ...], second_moment: bool, nearest: str = "reciprocal",
+               top: float = EXP_AVG_TOP) -> tuple[float, ...]:
     """The decision thresholds of a code map: for sqrt(v) the midpoints between neighbouring levels, reciprocal
     (``nearest="reciprocal"``: the nearest level in 1/sqrt(v), :func:`reciprocal_midpoints`) or arithmetic
     (``"root"``: the nearest level in sqrt(v) itself, (a + b) / 2 rounded to float32); for exp_avg the levels above
     zero (applied to a * EXP_AVG_SNAP: the level at or below, from which exp_avg rounds stochastically up or
     stays)."""
     if not second_moment:
-        return tuple(levels[1:-1]) + (EXP_AVG_TOP,)
+        return tuple(levels[1:-1]) + (top,)
     if nearest == "root":
         return tuple(_f32((a + b) / 2) for a, b in zip(levels, levels[1:]))
     return reciprocal_midpoints(levels)
@@ -232,7 +243,8 @@ class LowBitFormat:
       rounds to the level nearest in 1/sqrt(v) (ties up; :func:`reciprocal_midpoints`), or with
       ``exp_avg_sq_nearest="root"`` (the 8-bit format) to the level nearest in sqrt(v) (ties up), except in a step
       of a format with ``exp_avg_sq_stochastic``: stochastically, unbiased in v (EXP_AVG_SQ_STOCHASTIC).
-    * ``s`` = the block's absolute maximum (of m, or of u), rounded to nearest even in ``scale_dtype`` (normalised
+    * ``s`` = the block's absolute maximum (of m, or of u), in ``scale_dtype``: float32 exactly; bfloat16 rounded to
+      nearest even in a conversion, stochastically in a step (BF16_SCALE_STOCHASTIC) (normalised
       values are clamped to 1); a block with inf or NaN (or a maximum beyond the scale dtype's range) gets
       s = NaN, an all-zero block (a maximum below MIN_SCALE) s = 0; a second moment's s is at least
       :attr:`min_sq_scale` (MIN_SQRT_V: every code then decodes to its own normal float32 v).
@@ -260,10 +272,19 @@ class LowBitFormat:
     # which level sqrt(v) rounds to where it rounds to nearest: "reciprocal" (nearest in 1/sqrt(v)) or "root"
     # (nearest in sqrt(v)); thresholds() gives the midpoints of either
     exp_avg_sq_nearest: str = "reciprocal"
+    # the top threshold of the stochastic roundings (EXP_AVG_TOP): at or below its block's largest magnitude over the
+    # scale, so that the largest always gets the top code (a bfloat16 scale rounded up in a step: 1 - 2**-7)
+    exp_avg_top: float = EXP_AVG_TOP
 
     def sq_thresholds(self) -> tuple[float, ...]:
         """The thresholds sqrt(v) rounds to nearest by (conversions; every step where it is not stochastic)."""
         return thresholds(self.exp_avg_sq_levels, True, self.exp_avg_sq_nearest)
+
+    def sr_thresholds(self, second_moment: bool) -> tuple[float, ...]:
+        """The thresholds of a stochastic rounding's level at or below (exp_avg's; a stochastic sqrt(v)'s): the
+        levels above the lowest, then exp_avg_top."""
+        return thresholds(self.exp_avg_sq_levels if second_moment else self.exp_avg_levels, False,
+                          top=self.exp_avg_top)
 
     @property
     def min_sq_scale(self) -> float:
@@ -332,6 +353,7 @@ Q4 = LowBitFormat(
                                               0.44, 0.56, 0.7, 0.85, 1.0)),
     exp_avg_relative=True,
     exp_avg_sq_stochastic=True,
+    exp_avg_top=1.0 - 2.0**-7,
 )
 # The exp_avg_dtype / exp_avg_sq_dtype options that select a low-bit format; their states are stored as uint8 codes.
 LOW_BIT_FORMATS = {torch.uint8: Q8, torch.uint4: Q4}
@@ -355,26 +377,30 @@ class Fp8Format:
     value of an element is ``code * s`` (exact in float32: a power-of-two scale only moves the exponent), for
     exp_avg_sq / max_exp_avg_sq that of ``u = sqrt(v)``: ``v = (code * s) ** 2``, as the other scaled formats.
 
-    * ``k`` is the smallest integer for which the block's largest magnitude ``amax`` (of m, or of u), divided by
-      ``2**k`` and rounded to nearest even in the format, does not exceed the format's largest finite value
-      (``max_value``: 448 for e4m3fn, 57344 for e5m2). It is ``E - emax`` or ``E - emax + 1`` for ``amax = 1.f *
-      2**E``: read from amax's exponent bits, no logarithm, no search. Rounding is monotone and scale-invariant on
-      normal values, so a decoded block, whose largest value is a code times ``2**k``, gets the same k again: encoding
-      is idempotent and a resume exact. k is capped at ``127 - emax`` (the largest code times 2**k stays finite;
-      codes then saturate at max_value, only for |values| near float32's largest). A second moment's k is at least
-      :attr:`min_sq_exponent` (MIN_SQRT_V: every non-zero code then decodes to its own normal float32 v).
+    * The block's largest magnitude ``amax`` (of m, or of u) is coded first (formats.fp8_coded_amax): divided by
+      ``2**k0``, k0 the smallest integer with ``amax / 2**k0 <= max_value`` (448 for e4m3fn, 57344 for e5m2; both
+      ``1.75 * 2**emax``, so k0 is ``E - emax`` or ``E - emax + 1`` for ``amax = 1.f * 2**E``: read from amax's
+      exponent and mantissa bits, no logarithm, no search; capped at ``127 - emax``), rounded in the format like any
+      element (in a step stochastically, with the random bits of the block's first element; in a conversion to
+      nearest even), times 2**k0: ``M``. k is the same rule's for M (k0 or k0 - 1). Every element equal to amax takes
+      M's code and no element's code exceeds it, so a decoded block's largest value is M, which gives the same k and
+      codes again: encoding is idempotent and a resume exact. Rounded like the others, the largest magnitude cannot
+      stick on its level (rounded to nearest, a decaying m and a slowly growing v did: tests/fused_adam/test_low_bit.py).
+      Codes saturate at max_value only where k is capped (|values| near float32's largest). A second moment's k is at
+      least :attr:`min_sq_exponent` (MIN_SQRT_V: every non-zero code then decodes to its own normal float32 v).
     * A code reads as its bits say: exponent and mantissa (subnormal codes: mantissa * 2**(1 - bias -
       mantissa_bits)), the sign bit; torch's float8 value for every code written below. The codes never written
       (e5m2's 0x7C-0x7F, which torch reads as inf and NaN; e4m3fn's 0x7F, its NaN) read as the finite values their
       bits give beyond max_value, on every backend: one rule, no test per code in the kernels' decode loops.
-    * Every element is ``x * 2**-k`` (exact) rounded to nearest even in the format by exponent and mantissa
-      arithmetic on its float32 bits (subnormal codes by ``rint(y * 2**(bias - 1 + mantissa_bits))``), saturating
-      at max_value. exp_avg keeps its sign (never -0); u rounds up to the smallest subnormal code instead of 0 in
+    * Every element is ``x * 2**-k`` (exact) rounded in the format by exponent and mantissa arithmetic on its
+      float32 bits (conversions to nearest even, subnormal codes by ``rint(y * 2**(bias - 1 + mantissa_bits))``; a
+      step stochastically, formats.fp8_round), at most M's code. exp_avg keeps its sign (never -0); u rounds up to the smallest subnormal code instead of 0 in
       a non-zero block: a v that would read as 0 reads as the smallest level of its block instead, which can only
       shrink its update (the zero-point problem, as in the low-bit formats).
-    * A block with inf or NaN gets s = NaN and codes 0 (it reads back as NaN, as an fp32 moment would); a block
-      whose k would be below ``min_exponent`` (amax under about 2**-102 for e4m3fn, 2**-95 for e5m2) is a zero block,
-      s = 0: so every decoded value is a normal float32 (no backend flushes it differently).
+    * A block with inf or NaN gets s = NaN and codes 0 (it reads back as NaN, as an fp32 moment would); a block whose
+      M is below ``2**(emax + min_exponent)`` (2**-102 for e4m3fn, 2**-95 for e5m2) is a zero block, s = 0: so every
+      decoded value is a normal float32 (no backend flushes it differently), and a decoded block, whose largest value
+      is M, is a zero block again exactly when it was.
     * Except a second moment whose v overflowed float32 (one gradient element above about 5.8e20 at beta2 = 0.999
       makes (1 - beta2) * g * g inf, and torch.optim.AdamW keeps that v = inf), as in the low-bit formats: such an
       element takes code 0 (a code u never takes otherwise) and reads back as v = inf, the block's other elements
@@ -407,6 +433,12 @@ class Fp8Format:
     @property
     def max_value(self) -> float:
         return 1.75 * 2.0**self.emax
+
+    @property
+    def max_mantissa(self) -> int:
+        """max_value's float32 mantissa bits (0.75: 0x600000, both formats): a magnitude whose mantissa exceeds them
+        at 2**emax is beyond max_value."""
+        return int((self.max_value / 2.0**self.emax - 1) * 2**23)
 
     @property
     def min_sq_exponent(self) -> int:

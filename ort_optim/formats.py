@@ -23,7 +23,7 @@ except ImportError:  # (torch runs without numpy; sqrt_f64 then takes torch's fl
     numpy = None
 
 from ._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_FORMATS, MIN_SCALE, FP16_LIMIT, LOW_BIT_FORMATS,
-                    QUANT_BLOCK, Fp8Format, LowBitFormat, low_bit_format, num_blocks, square_tables, thresholds)
+                    QUANT_BLOCK, Fp8Format, LowBitFormat, low_bit_format, num_blocks, square_tables)
 
 # ---- the hash of the stochastic roundings (ops/README.md) -----------------------------------------------------------
 
@@ -111,6 +111,20 @@ def decode_table(fmt: LowBitFormat, second_moment: bool) -> torch.Tensor:
 def _round_to(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 values rounded to nearest even in dtype (float32 or bfloat16), as float32."""
     return amax.to(dtype).float()
+
+
+def bf16_scales_stochastic(amax: torch.Tensor, r16: torch.Tensor, second_moment: bool) -> torch.Tensor:
+    """Blocks' largest magnitudes (float32) rounded to bfloat16 stochastically (_spec.BF16_SCALE_STOCHASTIC) with
+    16 random bits each (int64): unbiased in v (a second moment's sqrt(v)) or in the value, as float32."""
+    b = _bits(amax)
+    lo = _from_bits(b & 0xFFFF0000)
+    hi = _from_bits((b & 0xFFFF0000) + 0x10000)
+    if second_moment:
+        up = (amax * amax - lo * lo) > sr_uniform(r16) * (hi * hi - lo * lo)
+    else:
+        up = (amax - lo) > sr_uniform(r16) * (hi - lo)
+    rounded = torch.where(up, hi, lo)
+    return torch.where(torch.isfinite(amax) & ((b & 0xFFFF) != 0), rounded, amax)
 
 
 def moment_random_bits(exp_avg: torch.Tensor, step: int) -> torch.Tensor:
@@ -208,7 +222,10 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
     overflowed = torch.isposinf(blocks) if second_moment else torch.zeros_like(blocks, dtype=torch.bool)
     finite = torch.where(overflowed, torch.zeros_like(blocks), blocks)
     amax = finite.abs().amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
-    scales = _round_to(amax, fmt.scale_dtype)
+    if r16 is not None and fmt.scale_dtype == torch.bfloat16:  # in a step (_spec.BF16_SCALE_STOCHASTIC)
+        scales = _round_to(bf16_scales_stochastic(amax, r16.view(-1, fmt.block)[:, 0], second_moment), fmt.scale_dtype)
+    else:
+        scales = _round_to(amax, fmt.scale_dtype)
     scales = torch.where(scales < MIN_SCALE, torch.zeros_like(scales), scales)  # (NaN compares False: kept)
     if second_moment:  # (_spec.MIN_SQRT_V)
         scales = torch.where(scales > 0, scales.clamp_min(fmt.min_sq_scale), scales)
@@ -221,7 +238,7 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
     if second_moment and step and fmt.exp_avg_sq_stochastic:  # unbiased in v (_spec.EXP_AVG_SQ_STOCHASTIC)
         a_up = a * EXP_AVG_SNAP
         a_up = torch.where(a_up < 1.0, a_up, torch.ones_like(a_up))
-        bounds = torch.tensor(thresholds(levels, False), dtype=torch.float32)
+        bounds = torch.tensor(fmt.sr_thresholds(True), dtype=torch.float32)
         codes = torch.searchsorted(bounds, a_up.reshape(-1).contiguous(), right=True).view_as(a)
         squares, gaps = (torch.tensor(t, dtype=torch.float32) for t in square_tables(levels))
         lowered = (a.view(torch.int32) - EXP_AVG_SR_ULPS).clamp_min(0).view(torch.float32)
@@ -234,7 +251,7 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
     else:  # stochastic rounding between the level at or below and the next one (ort_optim._spec.EXP_AVG_SR_ULPS)
         a_up = a * EXP_AVG_SNAP
         a_up = torch.where(a_up < 1.0, a_up, torch.ones_like(a_up))
-        bounds = torch.tensor(thresholds(levels, False), dtype=torch.float32)
+        bounds = torch.tensor(fmt.sr_thresholds(False), dtype=torch.float32)
         codes = torch.searchsorted(bounds, a_up.reshape(-1).contiguous(), right=True).view_as(a)
         table = torch.tensor(levels + (levels[-1],), dtype=torch.float32)
         lo, hi = table[codes], table[codes + 1]
@@ -316,13 +333,35 @@ def fp8_round(y: torch.Tensor, fmt: Fp8Format, random: Optional[torch.Tensor] = 
 
 
 def fp8_block_exponents(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """Each block's k (int64) for its largest magnitude amax (finite, non-negative float32): the smallest k with
-    fp8_round(amax * 2**-k) <= fmt.max_code, capped at 127 - emax (ort_optim._spec.Fp8Format)."""
+    """Each block's k (int64) for a largest magnitude amax (finite, non-negative float32, not a zero block's): the
+    smallest k with amax * 2**-k <= fmt.max_value, capped at 127 - emax (ort_optim._spec.Fp8Format)."""
     b = _bits(amax)
     e = ((b >> 23) & 0xFF) - 127
-    top = _from_bits((b & 0x807FFFFF) | ((fmt.emax + 127) << 23))  # amax * 2**-(e - emax): its mantissa at 2**emax
-    k = e - fmt.emax + (fp8_round(top, fmt) > fmt.max_code).long()
+    k = e - fmt.emax + ((b & 0x7FFFFF) > fmt.max_mantissa).long()
     return k.clamp_max(127 - fmt.emax)
+
+
+def fp8_coded_amax(amax: torch.Tensor, fmt: Fp8Format, random: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Each block's largest magnitude as the block codes it (float32; ort_optim._spec.Fp8Format): amax * 2**-k0,
+    k0 = fp8_block_exponents(amax), rounded in fmt (stochastically with 16 random bits, int64 in [0, 2**16), as
+    fp8_round; to nearest even where random is None) and saturated at max_value, times 2**k0. 0 where amax lies
+    below 2**(emax + min_exponent - 1): a zero block however it rounds."""
+    b = _bits(amax)
+    e = ((b >> 23) & 0xFF) - 127
+    live = e >= fmt.emax + fmt.min_exponent - 1
+    k0 = torch.where(live, fp8_block_exponents(amax, fmt), torch.zeros_like(e))
+    y = torch.where(live, b - (k0 << 23), torch.zeros_like(b))  # (amax * 2**-k0: normal, exponent emax - 1 or emax)
+    shift = 23 - fmt.mantissa_bits
+    add = (1 << (shift - 1)) - 1 + ((y >> shift) & 1) if random is None else random << (shift - 16)
+    kept = ((y + add) >> shift) << shift
+    coded = torch.clamp_max(kept, ((fmt.emax + 127) << 23) | fmt.max_mantissa) + (k0 << 23)
+    return torch.where(live, _from_bits(coded), torch.zeros_like(amax))
+
+
+def fp8_zero_blocks(coded_amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Whether each block, by its coded largest magnitude (fp8_coded_amax), is a zero block: below 2**(emax +
+    min_exponent) (ort_optim._spec.Fp8Format)."""
+    return ((_bits(coded_amax) >> 23) & 0xFF) - 127 < fmt.emax + fmt.min_exponent
 
 
 def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool, step: int = 0,
@@ -330,9 +369,9 @@ def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool, step
     """float32 values (v itself for a second moment: its square root is what gets coded) -> (fmt.dtype codes of the
     values' shape, float32 power-of-two scales, one per block of fmt.block). step: the Adam step (from 1) that
     produced the values, whose codes then round stochastically (random bits: moment_random_bits of that step's exp_avg,
-    the values themselves for exp_avg, required for a second moment), except each block's largest magnitudes, which
-    round to nearest even (so that the scale survives a decode and re-encode); 0 for conversions outside a step: to
-    nearest even."""
+    the values themselves for exp_avg, required for a second moment), each block's largest magnitude too (with the
+    bits of the block's first element: fp8_coded_amax, whose result sets the scale and is the code of every element
+    equal to that magnitude, and caps the others); 0 for conversions outside a step: to nearest even."""
     x = values.detach().float().reshape(-1)
     n = x.numel()
     u = sqrt_f32(x) if second_moment else x
@@ -345,22 +384,25 @@ def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool, step
     amax = a.amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
     finite = torch.isfinite(amax)
     flagged = overflowed.any(dim=1) & finite
-    k = fp8_block_exponents(torch.where(finite, amax, torch.zeros_like(amax)), fmt)
-    usable = finite & (amax > 0) & (k >= fmt.min_exponent)
+    random = None
+    if step:
+        if second_moment and (exp_avg is None or exp_avg.numel() != n):
+            raise ValueError("quantize_fp8: a second moment's stochastic rounding (step > 0) needs the step's exp_avg")
+        r = moment_random_bits(x if not second_moment else exp_avg.detach().float().reshape(-1), step)
+        random = torch.nn.functional.pad(r & 0xFFFF if second_moment else r >> 16, (0, -n % fmt.block)).view_as(a)
+    coded = fp8_coded_amax(torch.where(finite, amax, torch.zeros_like(amax)), fmt,
+                           None if random is None else random[:, 0])
+    usable = finite & ~fp8_zero_blocks(coded, fmt)
+    k = fp8_block_exponents(coded, fmt)
     if second_moment:  # (_spec.MIN_SQRT_V)
         k = k.clamp_min(fmt.min_sq_exponent)
     k = torch.where(usable, k, torch.zeros_like(k))
     scales = torch.where(usable, _from_bits((k + 127) << 23), torch.where(finite, 0.0, math.nan))
     inverse = _from_bits((127 - k) << 23)
     y = torch.where(usable[:, None], a * inverse[:, None], torch.zeros_like(a))
-    random = None
-    if step:
-        if second_moment and (exp_avg is None or exp_avg.numel() != n):
-            raise ValueError("quantize_fp8: a second moment's stochastic rounding (step > 0) needs the step's exp_avg")
-        r = moment_random_bits(x if not second_moment else exp_avg.detach().float().reshape(-1), step)
-        r = torch.nn.functional.pad(r & 0xFFFF if second_moment else r >> 16, (0, -n % fmt.block)).view_as(a)
-        random = torch.where(a == amax[:, None], -1, r)
-    codes = fp8_round(y, fmt, random).clamp_max(fmt.max_code)
+    top = fp8_round(torch.where(usable, coded * inverse, torch.zeros_like(coded)), fmt).clamp_max(fmt.max_code)
+    codes = torch.minimum(fp8_round(y, fmt, random), top[:, None])
+    codes = torch.where(a == amax[:, None], top[:, None], codes)
     if second_moment:
         codes = torch.where(usable[:, None] | flagged[:, None], codes.clamp_min(1), codes)
         codes = torch.where(overflowed, torch.zeros_like(codes), codes)

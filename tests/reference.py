@@ -153,7 +153,8 @@ def round_state(x: torch.Tensor, dtype: torch.dtype, second_moment: bool = False
 
 # ---- low-bit states, from the format's definition (ops/README.md, "low-bit states") -------------------------------
 # The levels and block sizes are the specification's data (ort_optim._spec); the quantiser below is written from
-# the README's rules: scale = block absmax (rounded to nearest bfloat16 for 4-bit), normalised a = fp32(|u| * fp32(1/s))
+# the README's rules: scale = block absmax (rounded to bfloat16 for 4-bit: to nearest, in a step stochastically),
+# normalised a = fp32(|u| * fp32(1/s))
 # clamped to 1; sqrt(v) (exp_avg_sq) takes the level nearest in 1/sqrt(v) (the 8-bit format's: in sqrt(v)), exp_avg
 # the largest level <= a or, stochastically, the next one up (random bits: a hash of the step's new exp_avg's float32
 # bits, the index and the step). A second moment's overflowed v (sqrt(v) = inf) reads back as inf, and its block is
@@ -169,19 +170,51 @@ def _low_bit_spec(dtype: torch.dtype):
     return _spec.LOW_BIT_FORMATS[dtype]
 
 
-def low_bit_scales(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 per-block scales of float32 values u (flat): each block's absolute maximum, rounded to nearest even
-    in bfloat16 where the format stores bfloat16 scales; NaN for a block holding inf or NaN."""
+def low_bit_scales(u: torch.Tensor, dtype: torch.dtype, first_random: Optional[torch.Tensor] = None,
+                   second_moment: bool = False, bf16_scale: str = "nearest") -> torch.Tensor:
+    """float32 per-block scales of float32 values u (flat): each block's absolute maximum, rounded to bfloat16 where
+    the format stores bfloat16 scales: to nearest even, or in a step (first_random: the 16 random bits of each
+    block's first element) to one of the two bfloat16 values around it, up with probability (a^2 - lo^2) / (hi^2 -
+    lo^2) for a second moment's sqrt(v) (unbiased in v) and (a - lo) / (hi - lo) otherwise, compared in float32 with
+    the uniform number of the bits; NaN for a block holding inf or NaN. bf16_scale "below" / "above" (without
+    first_random): the bfloat16 value at or below / the next one up instead of the nearest (the two candidates)."""
     fmt = _low_bit_spec(dtype)
     scales = []
-    for start in range(0, u.numel(), fmt.block):
+    for index, start in enumerate(range(0, u.numel(), fmt.block)):
         amax = u[start:start + fmt.block].abs().max().reshape(())
         if fmt.scale_dtype == torch.bfloat16:
-            amax = amax.to(torch.bfloat16).float()  # nearest even
+            nearest = amax.to(torch.bfloat16).float()
+            if first_random is not None and bool(torch.isfinite(amax)) and float(nearest) != float(amax):
+                lo = _bf16_below(float(amax))
+                hi = _bf16_above(float(lo))
+                uniform = uniform16(first_random[index])
+                if second_moment:
+                    up = bool(amax * amax - lo * lo > uniform * (hi * hi - lo * lo))
+                else:
+                    up = bool(amax - lo > uniform * (hi - lo))
+                amax = hi if up else lo
+            elif bf16_scale != "nearest" and bool(torch.isfinite(amax)) and float(nearest) != float(amax):
+                lo = _bf16_below(float(amax))
+                amax = lo if bf16_scale == "below" else _bf16_above(float(lo))
+            else:
+                amax = nearest
         amax = float(amax)
         # blocks below float32's smallest normal are zero blocks
         scales.append(math.nan if not math.isfinite(amax) else 0.0 if amax < 2.0**-126 else amax)
     return torch.tensor(scales, dtype=torch.float32)
+
+
+def _bf16_below(x: float) -> torch.Tensor:
+    """The largest bfloat16 value <= x (x finite, >= 0), as a float32 scalar tensor."""
+    b = torch.bfloat16
+    down = torch.tensor(x, dtype=torch.float32).to(b).float()
+    return down if float(down) <= x else torch.nextafter(down.to(b), torch.tensor(0.0, dtype=b)).float()
+
+
+def _bf16_above(lo: float) -> torch.Tensor:
+    """The next bfloat16 value above lo (finite, >= 0), as a float32 scalar tensor (inf past the largest)."""
+    b = torch.bfloat16
+    return torch.nextafter(torch.tensor(lo, dtype=b), torch.tensor(math.inf, dtype=b)).float()
 
 
 def _fmix32(x: np.ndarray) -> np.ndarray:
@@ -210,7 +243,8 @@ def uniform16(r16: torch.Tensor) -> torch.Tensor:
 
 def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step: int = 0,
                   exp_avg_rounding: str = "stochastic", root: Optional[torch.Tensor] = None,
-                  as_root: bool = False, exp_avg: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  as_root: bool = False, exp_avg: Optional[torch.Tensor] = None,
+                  bf16_scale: str = "nearest") -> torch.Tensor:
     """x (float64) as a low-bit state reads back, as float64. exp_avg_rounding: "stochastic" (the format's rule,
     random bits from step; step 0, a conversion outside a step: the nearest level, ties up), or "down" / "up": the
     level at or below / the next one up (the two candidates). root: for the 4-bit exp_avg, the decoded sqrt(v) u of
@@ -220,7 +254,8 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
     A 4-bit second moment in a step (step != 0) rounds stochastically too (exp_avg_rounding applies to it).
     exp_avg: the step's new exp_avg m, whose hash gives the random bits (x itself for an exp_avg): exp_avg takes the
     hash's top 16 bits, a second moment its low 16; a level is left upward iff the fraction of the gap exceeds
-    (r16 + 1/2) / 2**16."""
+    (r16 + 1/2) / 2**16. bf16_scale: with exp_avg_rounding "down" or "up", the bfloat16 scales' rounding
+    (low_bit_scales: "nearest", or the candidates of a step's stochastic rounding, "below" and "above")."""
     if exp_avg is None:
         assert not (second_moment and step and exp_avg_rounding == "stochastic" and dtype == torch.uint4), \
             "a 4-bit second moment rounds with the random bits of the step's exp_avg: pass exp_avg"
@@ -230,29 +265,32 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
         assert root is not None, "the 4-bit exp_avg is coded relative to its exp_avg_sq's sqrt(v): pass root"
         u = root.reshape(-1).double()
         r = torch.where(u == 0, torch.zeros_like(u), x.reshape(-1).float().double() / u).float()
-        q = round_low_bit(r.double(), dtype, False, step, exp_avg_rounding, root=_NO_ROOT, exp_avg=exp_avg)
+        q = round_low_bit(r.double(), dtype, False, step, exp_avg_rounding, root=_NO_ROOT, exp_avg=exp_avg,
+                          bf16_scale=bf16_scale)
         q = q.float()
         return torch.where(q == 0, torch.zeros_like(q), q * u.float()).double().view(x.shape)
     levels = torch.tensor(fmt.exp_avg_sq_levels if second_moment else fmt.exp_avg_levels, dtype=torch.float32)
     # sqrt(v): the nearest level in 1/sqrt(v) (thresholds 2ab / (a + b) between levels a < b, in float64, rounded to
     # float32), or in a format whose sqrt(v) rounds to the nearest in sqrt(v) itself (exp_avg_sq_nearest "root", the
     # 8-bit one) the arithmetic midpoints (a + b) / 2; exp_avg: the level at or below (thresholds at the levels), after
-    # the factor 1 + 2**-20 that keeps decoded levels on themselves (exp_avg's top threshold is 1 - 2**-8, so the
+    # the factor 1 + 2**-20 that keeps decoded levels on themselves (exp_avg's top threshold is the format's exp_avg_top, so the
     # block's largest element keeps the top code), then, from a non-zero level, one up with probability
     # (a - lo) / (hi - lo)
     # sqrt(v) in a step of the 4-bit format: like exp_avg (the level at or below after the factor 1 + 2**-20, top
-    # threshold 1 - 2**-8), then one up with probability (a^2 - lo^2) / (hi^2 - lo^2), unbiased in v, from every
+    # threshold exp_avg_top), then one up with probability (a^2 - lo^2) / (hi^2 - lo^2), unbiased in v, from every
     # level below the top one; random bits: the low 16 of the step's exp_avg hash
     v_stochastic = second_moment and step != 0 and fmt.exp_avg_sq_stochastic
     low, high = levels[:-1].double(), levels[1:].double()
     midpoints = (low + high) / 2.0 if fmt.exp_avg_sq_nearest == "root" else 2.0 * low * high / (low + high)
     thresholds = midpoints.float() if second_moment and not v_stochastic else torch.cat(
-        [levels[1:-1], torch.tensor([1.0 - 2.0**-8])])
+        [levels[1:-1], torch.tensor([fmt.exp_avg_top])])
     flat = x.reshape(-1).float()
     u = flat.double().sqrt().float() if second_moment else flat  # correctly rounded float32 sqrt
-    scales = low_bit_scales(u, dtype)
     hashed = moment_random_bits(exp_avg.reshape(-1).float(), step).astype(np.int64)
     random = torch.from_numpy(hashed & 0xFFFF if second_moment else hashed >> 16)
+    # in a step, a bfloat16 scale rounds stochastically with the bits of its block's first element
+    first = random[::fmt.block] if step != 0 and exp_avg_rounding == "stochastic" else None
+    scales = low_bit_scales(u, dtype, first, second_moment, bf16_scale)
     out = torch.empty_like(u)
     for b, s in enumerate(scales.tolist()):
         chunk = u[b * fmt.block:(b + 1) * fmt.block]
@@ -260,7 +298,8 @@ def round_low_bit(x: torch.Tensor, dtype: torch.dtype, second_moment: bool, step
         if second_moment and bool(overflowed.any()) and not bool(chunk.isnan().any()):
             # v overflowed float32 (as torch.optim.AdamW keeps it, inf): that element reads back as inf; the block
             # is quantised by its finite values, which take a level >= levels[1] (level 0 is the overflow's code)
-            s = float(low_bit_scales(torch.where(overflowed, torch.zeros_like(chunk), chunk), dtype)[0])
+            s = float(low_bit_scales(torch.where(overflowed, torch.zeros_like(chunk), chunk), dtype,
+                                     None if first is None else first[b:b + 1], second_moment, bf16_scale)[0])
         elif not math.isfinite(s):
             out[b * fmt.block:(b + 1) * fmt.block] = math.nan
             continue

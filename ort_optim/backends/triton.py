@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_E5M2, FP8_FORMATS, MIN_SCALE,
-                     QUANT_BLOCK, Q4, Q8, LowBitFormat, square_tables, thresholds)
+                     QUANT_BLOCK, Q4, Q8, LowBitFormat, square_tables)
 from .._versions import mark_modified, step_taken
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
@@ -128,10 +128,10 @@ _kernels_module = None
 
 def _check_spec(module) -> None:
     if (module.EXP_AVG_SNAP.value, module.MIN_SCALE.value, module.EXP_AVG_SR_ULPS.value, module.FP8_MIN_EXPONENT.value,
-            module.CANONICAL_NAN.value, module.Q8_MIN_SQ_SCALE.value, module.Q4_MIN_SQ_SCALE.value,
-            module.FP8_E4M3_MIN_SQ_EXPONENT.value, module.FP8_E5M2_MIN_SQ_EXPONENT.value) != (
-            EXP_AVG_SNAP, MIN_SCALE, EXP_AVG_SR_ULPS, FP8_E4M3.min_exponent, CANONICAL_NAN, Q8.min_sq_scale,
-            Q4.min_sq_scale, FP8_E4M3.min_sq_exponent, FP8_E5M2.min_sq_exponent):
+            module.FP8_MAX_MANTISSA.value, module.CANONICAL_NAN.value, module.Q8_MIN_SQ_SCALE.value,
+            module.Q4_MIN_SQ_SCALE.value, module.FP8_E4M3_MIN_SQ_EXPONENT.value, module.FP8_E5M2_MIN_SQ_EXPONENT.value) != (
+            EXP_AVG_SNAP, MIN_SCALE, EXP_AVG_SR_ULPS, FP8_E4M3.min_exponent, FP8_E4M3.max_mantissa, CANONICAL_NAN,
+            Q8.min_sq_scale, Q4.min_sq_scale, FP8_E4M3.min_sq_exponent, FP8_E5M2.min_sq_exponent):
         raise RuntimeError("ort_optim: triton_kernels' low-bit constants differ from ort_optim._spec's")
 
 
@@ -432,8 +432,8 @@ def _lut(fmt: LowBitFormat, device: torch.device) -> torch.Tensor:
                                f"in the {fmt.name} format, got {len(m_levels)} and {len(v_levels)}")
         inf = float("inf")  # padding of the midpoint lists to 2**k entries: never probed
         squares, square_gaps = square_tables(tuple(v_levels))
-        values = (m_levels + [-x for x in m_levels] + v_levels + list(thresholds(tuple(m_levels), False)) + [inf]
-                  + list(fmt.sq_thresholds()) + [inf] + list(thresholds(tuple(v_levels), False))
+        values = (m_levels + [-x for x in m_levels] + v_levels + list(fmt.sr_thresholds(False)) + [inf]
+                  + list(fmt.sq_thresholds()) + [inf] + list(fmt.sr_thresholds(True))
                   + [inf] + list(squares) + list(square_gaps))
         host = torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda")
         table = host.to(device, non_blocking=True) if device.type == "cuda" else host

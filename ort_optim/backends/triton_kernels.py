@@ -49,6 +49,7 @@ def _device(fn):
 F32, F16, BF16, F64, Q8, Q4, FP8_E4M3, FP8_E5M2 = 0, 1, 2, 3, 4, 5, 6, 7
 # _spec.Fp8Format's smallest block exponent (asserted equal by triton.py)
 FP8_MIN_EXPONENT = tl.constexpr(-110)
+FP8_MAX_MANTISSA = tl.constexpr(0x600000)
 # _spec's constants of the low-bit encoders (asserted equal by triton.py)
 EXP_AVG_SNAP = tl.constexpr(1.0 + 2.0**-20)
 MIN_SCALE = tl.constexpr(2.0**-126)
@@ -293,11 +294,28 @@ def _q4_root(addr, scale_addr, lut_ptr, offs, mask, BLOCK: tl.constexpr):
 
 
 @_device
+def _bf16_stochastic(a, r16, SQUARES: tl.constexpr):
+    """Finite a >= 0 rounded to one of the bfloat16 values lo <= a < hi next to it, as formats.bf16_scales_stochastic
+    (_spec.BF16_SCALE_STOCHASTIC): hi iff (a^2 - lo^2) > uniform * (hi^2 - lo^2) with SQUARES (unbiased in v), else
+    iff (a - lo) > uniform * (hi - lo), uniform = (2 * r16 + 1) * 2**-17; a itself where it is a bfloat16 value."""
+    b = a.to(tl.uint32, bitcast=True)
+    lo_bits = b & 0xFFFF0000
+    lo = lo_bits.to(tl.float32, bitcast=True)
+    hi = (lo_bits + 0x10000).to(tl.float32, bitcast=True)
+    uniform = (r16 * 2 + 1).to(tl.float32) * 7.62939453125e-06  # 2**-17 (formats.sr_uniform)
+    if SQUARES:
+        up = (a * a - lo * lo) > uniform * (hi * hi - lo * lo)
+    else:
+        up = (a - lo) > uniform * (hi - lo)
+    return tl.where((b & 0xFFFF) == 0, a, tl.where(up, hi, lo))
+
+
+@_device
 def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, rnd, step, DT: tl.constexpr, SECOND: tl.constexpr,
                    BLOCK: tl.constexpr, HASH_HERE: tl.constexpr):
     """Encodes float32 values x (v for SECOND: its square root is coded) into an 8-bit or 4-bit state and its
-    scales, as formats.quantize_low_bit: per block the scale is the absolute maximum (rounded to nearest bfloat16
-    for 4-bit; 0 below float32's smallest normal), NaN for a block with an inf or NaN (whose codes are then 0), except
+    scales, as formats.quantize_low_bit: per block the scale is the absolute maximum (rounded to bfloat16 for 4-bit,
+    stochastically as in a step; 0 below float32's smallest normal), NaN for a block with an inf or NaN (whose codes are then 0), except
     a second moment's overflowed v (sqrt(v) = inf): the maximum of the finite ones with the sign bit set, code 0 for
     the overflowed elements and codes >= 1 for the others; the
     code of a normalised value a = min(|x| * (1/s) (* EXP_AVG_SNAP for exp_avg), 1) is the count of the format's
@@ -318,8 +336,15 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, rnd, step, DT: tl.c
     u2, m2, offs2, au, overflowed, block_bad, amax = _quant_blocks(x, mask, offs, SECOND, NB, QB)
     if SECOND:  # a flagged block (see reference.quantize_low_bit)
         flagged = tl.max(overflowed.to(tl.int32), axis=1) > 0
-    if DT == 5:  # the scale is stored in bfloat16: rounded to nearest even (may overflow to inf)
-        amax = (_bf16_bits(amax).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    if DT == 5:  # the scale is stored in bfloat16: in a step rounded stochastically with the random bits of the
+        # block's first element (_spec.BF16_SCALE_STOCHASTIC)
+        rnd_first = tl.reshape(rnd, (NB, QB))
+        if SECOND:
+            rnd_first = rnd_first & 0xFFFF
+        else:
+            rnd_first = rnd_first >> 16
+        rnd_first = tl.sum(tl.where(tl.arange(0, QB)[None, :] == 0, rnd_first, 0), axis=1)
+        amax = _bf16_stochastic(amax, rnd_first, SECOND)
     amax = tl.where(amax < MIN_SCALE, 0.0, amax)  # a subnormal maximum: a zero block
     if SECOND:  # (_spec.MIN_SQRT_V)
         amax = tl.where(amax > 0.0, tl.maximum(amax, MIN_SQ_SCALE), amax)
@@ -421,6 +446,24 @@ def _fp8_round(y, MB: tl.constexpr, BIAS: tl.constexpr):
 
 
 @_device
+def _fp8_coded_amax(amax, r16, MB: tl.constexpr, EMAX: tl.constexpr):
+    """Each block's largest magnitude as the block codes it, as formats.fp8_coded_amax with random bits r16: amax
+    (finite, >= 0) divided by 2**k0 (k0 the smallest with it at most the largest finite value, capped at 127 -
+    emax), rounded stochastically in the format (normal: the top two binades), saturated, times 2**k0; 0 below
+    2**(emax + FP8_MIN_EXPONENT - 1)."""
+    SHIFT: tl.constexpr = 23 - MB
+    b = amax.to(tl.int32, bitcast=True)
+    e = ((b >> 23) & 0xFF) - 127
+    live = e >= EMAX + FP8_MIN_EXPONENT - 1
+    k0 = tl.minimum(e - EMAX + ((b & 0x7FFFFF) > FP8_MAX_MANTISSA).to(tl.int32), 127 - EMAX)
+    k0 = tl.where(live, k0, 0)
+    y = tl.where(live, b - (k0 << 23), 0)
+    kept = ((y + (r16 << (SHIFT - 16))) >> SHIFT) << SHIFT
+    coded = tl.minimum(kept, FP8_MAX_MANTISSA | ((EMAX + 127) << 23)) + (k0 << 23)
+    return tl.where(live, coded.to(tl.float32, bitcast=True), 0.0)
+
+
+@_device
 def _moment_random_bits(m, offs, step):
     """The random bits of the low-bit and fp8 states of these elements in a step, from the step's new exp_avg m, as
     formats.moment_random_bits (_spec.MOMENT_RANDOM_BITS): fmix32(bits(m) ^ e * 0x9E3779B1 ^ (step * 0x85EBCA77 +
@@ -473,15 +516,16 @@ def _load_fp8(addr, scale_addr, offs, mask, DT: tl.constexpr, SECOND: tl.constex
 @_device
 def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: tl.constexpr, BLOCK: tl.constexpr):
     """Encodes float32 values x (v for SECOND: its square root is coded) into an fp8 state and its scales, as
-    formats.quantize_fp8: per block of 256 the scale 2**k, k the smallest with the block's largest magnitude
-    divided by 2**k rounding to nearest even to at most the largest finite code (capped at 127 - emax); NaN for a
-    block with inf or NaN (codes 0), except a second moment's overflowed v (sqrt(v) = inf): the scale of the finite
-    ones with the sign bit set, code 0 for the overflowed elements and codes >= 1 for the others; 0 for an all-zero
-    block or one with k < FP8_MIN_EXPONENT; a second moment's k at least its FP8_*_MIN_SQ_EXPONENT. Codes round
-    stochastically (rnd: _moment_random_bits of the step's exp_avg; the top 16 bits for exp_avg, the low 16 for a
-    second moment) except the block's largest magnitudes, which round to nearest even; they saturate at the largest
-    finite code;
-    exp_avg keeps its sign (never -0), sqrt(v) gets at least the smallest subnormal code in a usable block."""
+    formats.quantize_fp8: per block of 256 the block's largest magnitude as coded (formats.fp8_coded_amax: divided by
+    2**k0, k0 the smallest with it at most the largest finite value (capped at 127 - emax), rounded stochastically with
+    the random bits of the block's first element, times 2**k0), and the scale 2**k, k the same rule's for it; NaN for
+    a block with inf or NaN (codes 0), except a second moment's overflowed v (sqrt(v) = inf): the scale of the finite
+    ones with the sign bit set, code 0 for the overflowed elements and codes >= 1 for the others; 0 for a block whose
+    coded largest magnitude is below 2**(emax + FP8_MIN_EXPONENT) (an all-zero block too); a second moment's k at
+    least its FP8_*_MIN_SQ_EXPONENT. Codes round stochastically (rnd: _moment_random_bits of the step's exp_avg; the
+    top 16 bits for exp_avg, the low 16 for a second moment), capped at the coded largest magnitude's code, which the
+    block's largest magnitudes take; exp_avg keeps its sign (never -0), sqrt(v) gets at least the smallest subnormal
+    code in a usable block."""
     if DT == 6:
         MB: tl.constexpr = 3
         BIAS: tl.constexpr = 7
@@ -497,24 +541,26 @@ def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: t
     QB: tl.constexpr = 256
     NB: tl.constexpr = BLOCK // QB
     u2, m2, offs2, au, overflowed, block_bad, amax = _quant_blocks(x, mask, offs, SECOND, NB, QB)
-    b = amax.to(tl.int32, bitcast=True)
-    e = ((b >> 23) & 0xFF) - 127
-    top = ((b & 0x7FFFFF) | ((EMAX + 127) << 23)).to(tl.float32, bitcast=True)  # (amax >= 0: no sign bit)
-    k = e - EMAX + (_fp8_round(top, MB, BIAS) > MAX_CODE).to(tl.int32)
-    k = tl.minimum(k, 127 - EMAX)
-    usable = (block_bad == 0) & (amax > 0.0) & (k >= FP8_MIN_EXPONENT)
-    if SECOND:  # (_spec.MIN_SQRT_V)
-        k = tl.maximum(k, MIN_SQ_EXPONENT)
-    k = tl.where(usable, k, 0)
-    s = tl.where(usable, _pow2(k), tl.where(block_bad, float("nan"), 0.0))
-    y = tl.where(usable[:, None], au * _pow2(-k)[:, None], 0.0)
     r2 = tl.reshape(rnd, (NB, QB))
     if SECOND:
         r16 = r2 & 0xFFFF
     else:
         r16 = r2 >> 16
-    code = tl.where(au == amax[:, None], _fp8_round(y, MB, BIAS), _fp8_round_stochastic(y, r16, MB, BIAS))
-    code = tl.minimum(code, MAX_CODE)
+    first = tl.arange(0, QB)[None, :] == 0
+    r_first = tl.sum(tl.where(first, r16, 0), axis=1)  # (the block's first element's random bits)
+    coded = _fp8_coded_amax(tl.where(block_bad == 0, amax, 0.0), r_first, MB, EMAX)
+    cb = coded.to(tl.int32, bitcast=True)
+    k = ((cb >> 23) & 0xFF) - 127 - EMAX + ((cb & 0x7FFFFF) > FP8_MAX_MANTISSA).to(tl.int32)
+    k = tl.minimum(k, 127 - EMAX)
+    usable = (block_bad == 0) & (((cb >> 23) & 0xFF) - 127 >= EMAX + FP8_MIN_EXPONENT)
+    if SECOND:  # (_spec.MIN_SQRT_V)
+        k = tl.maximum(k, MIN_SQ_EXPONENT)
+    k = tl.where(usable, k, 0)
+    s = tl.where(usable, _pow2(k), tl.where(block_bad, float("nan"), 0.0))
+    y = tl.where(usable[:, None], au * _pow2(-k)[:, None], 0.0)
+    top = tl.minimum(_fp8_round(tl.where(usable, coded * _pow2(-k), 0.0), MB, BIAS), MAX_CODE)
+    code = tl.minimum(_fp8_round_stochastic(y, r16, MB, BIAS), top[:, None])
+    code = tl.where(au == amax[:, None], top[:, None], code)
     if SECOND:  # in a flagged block code 0 means v = inf; finite values take codes >= 1, the scale its sign bit
         flagged = (tl.max(overflowed.to(tl.int32), axis=1) > 0) & (block_bad == 0)
         code = tl.where(usable[:, None] | flagged[:, None], tl.maximum(code, 1), code)
