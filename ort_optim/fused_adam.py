@@ -483,6 +483,12 @@ class FusedAdam(torch.optim.Optimizer):
             plan.resolve_grads(writes_grads=grad_scale is not None and _UNSCALE_GRADS)
         self._launch(plan, grad_scale, found_inf, hypers)
 
+    if not _TRACED_STEP:
+        # Older TorchDynamo never traces the update, also where it runs step()'s own frame eagerly but compiles the
+        # frames it calls (after it gave up on that frame: a step_in_backward optimizer compiled earlier in the
+        # process made it compile _launch, whose op its inductor cannot functionalize).
+        _update = torch._disable_dynamo(_update)
+
     @torch._disable_dynamo
     def _update_outside_graph(self, grad_scale, found_inf) -> None:
         """_update, run eagerly where a compiled function calls it: one function that TorchDynamo skips, the same at

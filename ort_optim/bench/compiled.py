@@ -11,7 +11,7 @@ faster), plus the graph breaks and graphs TorchDynamo made for each (``torch._dy
 ``torch._dynamo.reset()``).
 
     python -m ort_optim.bench --sections compiled      # or alone:
-    python -m ort_optim.bench.compiled [--quick]
+    python -m ort_optim.bench.compiled [--quick] [--width 256 --layers 8]
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ def _setup(make_optimizer, make_scheduler, width: int, layers: int, batch: int):
     return step
 
 
-def run(quick: bool) -> list[dict]:
-    """Rows for ``python -m ort_optim.bench``: one per schedule and optimizer."""
+def run(quick: bool, width: int = 256, layers: int = 8) -> list[dict]:
+    """Rows for ``python -m ort_optim.bench``: one per schedule and optimizer (the model: layers x Linear(width,
+    width))."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -62,7 +63,7 @@ def run(quick: bool) -> list[dict]:
 
     from .common import interleaved_samples
 
-    width, layers, batch = 256, 8, 32
+    batch = 32
     makers = {
         "torch.optim.AdamW (compiled step)": lambda lr: lambda ps: torch.optim.AdamW(ps, lr=lr),
         "ort_optim FusedAdam (compiled step)": lambda lr: lambda ps: FusedAdam(ps, lr=lr, eps=1e-8, weight_decay=1e-2,
@@ -101,8 +102,10 @@ def run(quick: bool) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--width", type=int, default=256, help="of each Linear(width, width) layer")
+    parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args(argv)
-    for row in run(args.quick):
+    for row in run(args.quick, args.width, args.layers):
         print(row)
     return 0
 

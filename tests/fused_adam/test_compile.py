@@ -312,6 +312,36 @@ def test_a_compiled_step_on_any_torch_computes_what_the_eager_step_computes_and_
         assert_bitwise_equal(a, b, "param")
 
 
+def test_a_compiled_step_after_a_compiled_step_in_backward_run_computes_what_the_eager_step_computes():
+    """A compiled train step of a step_in_backward optimizer first (its update runs outside the graph), then another
+    FusedAdam's compiled step in the same process: bit for bit the eager step's. On torch 2.4.1 TorchDynamo then ran
+    step()'s frame eagerly but compiled the frames it calls, and its inductor refused the op ("alias annotations")."""
+    w = torch.nn.Parameter(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))
+    first = FusedAdam([w], lr=1e-2, step_in_backward=True)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+
+    def train():
+        (x @ w).square().mean().backward()
+        first.step()
+        first.zero_grad()
+
+    torch._dynamo.reset()
+    compiled_train = torch.compile(train)
+    for _ in range(3):
+        compiled_train()
+    runs = []
+    for compiled in (False, True):
+        model = _model()
+        opt = _fused(model)
+        run = torch.compile(opt.step) if compiled else opt.step
+        for i in range(3):
+            _grads(model, i)
+            run()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert_bitwise_equal(a, b, "param")
+
+
 @pytest.mark.slow
 @NEWEST
 def test_a_compiled_step_after_eager_steps_writes_the_states_in_place():
