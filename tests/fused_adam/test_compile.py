@@ -312,6 +312,36 @@ def test_a_compiled_step_on_any_torch_computes_what_the_eager_step_computes_and_
         assert_bitwise_equal(a, b, "param")
 
 
+@NEWEST
+@pytest.mark.parametrize("change", ["another shape", "another dtype", "freed storage"])
+def test_a_state_changed_in_place_between_compiled_steps_is_refused_and_nothing_is_written(change):
+    """The optimizer's own tensors are guarded by identity in a traced step (as torch.optim's states are: guards on
+    their metadata cost more than a small model's step). A state whose metadata is changed in place between
+    compiled steps (`.data =` another shape or dtype, its storage freed) is refused before anything is written: by
+    the compiled graph's input check or the op's own; its values are another matter (the same shape: see eager)."""
+    params = [torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+    opt = FusedAdam(params, lr=1e-2)
+    step = torch.compile(opt.step)
+    torch._dynamo.reset()
+    for i in range(2):
+        for p in params:
+            p.grad = torch.full_like(p, 0.1 * (i + 1))
+        step()
+    state = opt.state[params[1]]["exp_avg"]
+    if change == "another shape":
+        state.data = torch.zeros(4)
+    elif change == "another dtype":
+        state.data = torch.zeros(8, 8, dtype=torch.float64)
+    else:
+        state.untyped_storage().resize_(0)
+    before = [p.detach().clone() for p in params] + [opt.state[p]["exp_avg_sq"].clone() for p in params]
+    with pytest.raises((AssertionError, RuntimeError, ValueError)):
+        step()
+    after = [p.detach().clone() for p in params] + [opt.state[p]["exp_avg_sq"].clone() for p in params]
+    for a, b in zip(before, after):
+        assert_bitwise_equal(a, b, "tensor")
+
+
 def test_a_compiled_step_after_a_compiled_step_in_backward_run_computes_what_the_eager_step_computes():
     """A compiled train step of a step_in_backward optimizer first (its update runs outside the graph), then another
     FusedAdam's compiled step in the same process: bit for bit the eager step's. On torch 2.4.1 TorchDynamo then ran
