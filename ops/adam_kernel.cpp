@@ -164,7 +164,7 @@ void store_state(const T* src, void* base, at::ScalarType type, float* scales, i
         root = u;
       }
       store_fp16_scaled(root, n, reinterpret_cast<uint16_t*>(dst), scales + off / kBlock,
-                        float_to_bits(std::sqrt(bits_to_float(amax_bits))) & 0x7FFFFFFFu);
+                        float_to_bits(std::sqrt(bits_to_float(amax_bits))) & 0x7FFFFFFFu, /*no_zero=*/true);
       return;
     }
     if (scales) {

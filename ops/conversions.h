@@ -165,10 +165,25 @@ inline float fp16_block_scale(float amax) {
 
 // Writes a block of values as fp16 codes with one power-of-two scale; scale_out receives s (value = code / s).
 // amax_bits: the bits of the block's largest |value| (see abs_bits), found by the Adam loop while the values were in
-// registers.
-inline void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_out, uint32_t amax_bits) {
+// registers; where it is inf or NaN the scale is the largest finite one's (an overflowed v or an inf gradient's
+// moment keeps its own value, the others theirs). no_zero (a second moment's sqrt(v)): a positive value that would
+// round to 0 takes the smallest subnormal code (no zero level: formats.quantize_fp16).
+inline void store_fp16_scaled(const float* src, int64_t n, uint16_t* dst, float* scale_out, uint32_t amax_bits,
+                              bool no_zero = false) {
+  if (amax_bits >= 0x7F800000u) {
+    amax_bits = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t b = float_to_bits(src[i]) & 0x7FFFFFFFu;
+      if (b < 0x7F800000u) amax_bits = std::max(amax_bits, b);
+    }
+  }
   float s = fp16_block_scale(bits_to_float(amax_bits));
   float_to_half(src, n, dst, s);
+  if (no_zero) {
+    for (int64_t i = 0; i < n; ++i) {
+      if ((dst[i] & 0x7FFFu) == 0 && src[i] > 0.0f) dst[i] = 1;
+    }
+  }
   *scale_out = s;
 }
 

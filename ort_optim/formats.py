@@ -50,20 +50,30 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp16_block_scales(values: torch.Tensor) -> torch.Tensor:
-    """The power-of-two scale per 1024-element block of float32 values (ops/README.md, "fp16 states")."""
-    amax = _blocks(values.float()).abs().amax(dim=1)
+    """The power-of-two scale per 1024-element block of float32 values (ops/README.md, "fp16 states"), chosen by the
+    block's largest finite magnitude: an inf or NaN element (an overflowed v, an inf or NaN gradient's moment) keeps
+    its own value and leaves the others' scale as without it."""
+    blocks = _blocks(values.float()).abs()
+    amax = torch.where(torch.isfinite(blocks), blocks, torch.zeros_like(blocks)).amax(dim=1)
     mantissa, exponent = torch.frexp(amax)
     k = torch.where(mantissa == 0.5, 16 - exponent, 15 - exponent).clamp(-126, 126)
     rounded = torch.ldexp(amax, k.float()).half().float()
     k = torch.where(rounded <= FP16_LIMIT / 2, k + 1, k).clamp(-126, 126)
-    usable = (amax > 0) & torch.isfinite(amax)
+    usable = amax > 0
     return torch.where(usable, torch.ldexp(torch.ones_like(amax), k.float()), torch.ones_like(amax))
 
 
-def quantize_fp16(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 values -> (float16 codes of the same shape, float32 block scales)."""
+def quantize_fp16(values: torch.Tensor, second_moment: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 values -> (float16 codes of the same shape, float32 block scales). second_moment (values: sqrt(v)):
+    a positive value that would round to 0 takes the smallest subnormal code instead (no zero level, as the other
+    scaled formats: a v read back as 0 would make m / (sqrt(v) + eps) explode)."""
     scales = fp16_block_scales(values)
-    codes = (_blocks(values.float()) * scales[:, None]).half().reshape(-1)[: values.numel()]
+    blocks = _blocks(values.float())
+    codes = (blocks * scales[:, None]).half()
+    if second_moment:
+        tiny = torch.tensor(2.0**-24, dtype=torch.float16)
+        codes = torch.where((codes == 0) & (blocks > 0), tiny, codes)
+    codes = codes.reshape(-1)[: values.numel()]
     return codes.view(values.shape), scales
 
 
@@ -457,7 +467,7 @@ def encode_state(values: torch.Tensor, dtype: torch.dtype, second_moment: bool,
     if dtype in FP8_FORMATS:
         return quantize_fp8(values, FP8_FORMATS[dtype], second_moment)
     if dtype == torch.float16:
-        return quantize_fp16(sqrt_f32(values.float()) if second_moment else values.float())
+        return quantize_fp16(sqrt_f32(values.float()) if second_moment else values.float(), second_moment)
     return values.to(dtype), None
 
 

@@ -118,7 +118,7 @@ def fp16_block_scale(amax: float) -> float:
     return 2.0 ** max(-126, min(126, k))
 
 
-def round_fp16_blocks(x: torch.Tensor) -> torch.Tensor:
+def round_fp16_blocks(x: torch.Tensor, no_zero: bool = False) -> torch.Tensor:
     """x (float64) as an fp16 state stores it: per 1024-element block (in flattened order) a power-of-two scale
     s = 2**k chosen by :func:`fp16_block_scale`'s rule, values rounded to fp16 after scaling. Returns the float64
     values the codes represent (code / s). Vectorised over blocks; :func:`fp16_block_scale` is the scalar form."""
@@ -127,8 +127,9 @@ def round_fp16_blocks(x: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return x.clone()
     padded = torch.nn.functional.pad(flat, (0, -n % FP16_BLOCK)).view(-1, FP16_BLOCK)
-    amax = padded.abs().amax(dim=1).double()
-    usable = (amax > 0) & torch.isfinite(amax)
+    magnitudes = padded.abs()
+    amax = torch.where(torch.isfinite(magnitudes), magnitudes, torch.zeros_like(magnitudes)).amax(dim=1).double()
+    usable = amax > 0
     safe = torch.where(usable, amax, torch.ones_like(amax))
     k = torch.floor(torch.log2(32768.0 / safe))  # first guess: amax * 2**k in (16384, 32768]
     for _ in range(2):  # fix the guess where rounding to fp16 leaves the interval
@@ -136,6 +137,8 @@ def round_fp16_blocks(x: torch.Tensor) -> torch.Tensor:
         k = torch.where((safe * 2.0**k).float().half().double() > 32768.0, k - 1, k)
     s = torch.where(usable, 2.0 ** k.clamp(-126, 126), torch.ones_like(amax)).float()
     codes = (padded * s[:, None]).half()
+    if no_zero:
+        codes = torch.where((codes == 0) & (padded > 0), torch.tensor(2.0**-24, dtype=torch.float16), codes)
     return (codes.float() / s[:, None]).reshape(-1)[:n].double().view(x.shape)
 
 
@@ -146,7 +149,7 @@ def round_state(x: torch.Tensor, dtype: torch.dtype, second_moment: bool = False
     if dtype in LOW_BIT_DTYPES:
         return round_low_bit(x, dtype, second_moment, step)
     if dtype == torch.float16 and second_moment:
-        root = round_fp16_blocks(x.float().double().sqrt().float().double())
+        root = round_fp16_blocks(x.float().double().sqrt().float().double(), no_zero=True)
         return (root.float() * root.float()).double()
     return round_fp16_blocks(x) if dtype == torch.float16 else round_to(x, dtype)
 

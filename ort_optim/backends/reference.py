@@ -39,7 +39,8 @@ def _write_state(values: torch.Tensor, state: torch.Tensor, scales: Optional[tor
         state.copy_(values)
         return
     if state.dtype == torch.float16:
-        codes, new_scales = quantize_fp16(sqrt_f32(values.float()) if second_moment else values.float())
+        codes, new_scales = quantize_fp16(sqrt_f32(values.float()) if second_moment else values.float(),
+                                          second_moment)
     elif state.dtype in FP8_FORMATS:
         codes, new_scales = quantize_fp8(values, FP8_FORMATS[state.dtype], second_moment, step, exp_avg)
     else:

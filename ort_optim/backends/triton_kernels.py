@@ -198,13 +198,16 @@ def _store_state(addr, scale_addr, lut_ptr, offs, x, mask, block_index, DT: tl.c
     elif SCALED:
         if SECOND:
             x = _sqrt(x, False)
-        # A block holding a NaN is non-finite and gets s = 1, as in the CPU kernel (whose maximum over |x|'s bits
-        # puts NaN above inf) and the reference (torch's amax propagates NaN): flagged apart, since a float max
-        # would keep or drop the NaN depending on where it runs. Masked lanes are left out.
-        amax = tl.max(tl.where(mask & (x == x), tl.abs(x), 0.0), axis=0)
-        has_nan = tl.max((mask & (x != x)).to(tl.int32), axis=0) > 0
-        s = tl.where(has_nan, 1.0, _fp16_block_scale(amax))
-        _store(addr, offs, x * s, mask, 1, ALIGNED)
+        # The scale of the block's largest finite magnitude (an inf or NaN element keeps its own value: as
+        # formats.fp16_block_scales). Masked lanes are left out.
+        amax = tl.max(tl.where(mask & (x == x) & (tl.abs(x) != float("inf")), tl.abs(x), 0.0), axis=0)
+        s = _fp16_block_scale(amax)
+        if SECOND:  # no zero level: a positive sqrt(v) that would round to 0 takes the smallest subnormal code
+            y = (x * s).to(tl.float16).to(tl.float32)
+            y = tl.where((y == 0.0) & (x > 0.0), 5.960464477539063e-08, y)  # (2**-24)
+            _store(addr, offs, y, mask, 1, ALIGNED)
+        else:
+            _store(addr, offs, x * s, mask, 1, ALIGNED)
         tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + block_index, s)
     else:
         _store(addr, offs, x, mask, DT, ALIGNED)

@@ -452,6 +452,46 @@ def test_one_overflowing_gradient_element_makes_no_param_nan_and_leaves_its_bloc
         assert torch.equal(bits(got[others]), bits(twin[others]))
 
 
+def test_fp16_moments_keep_an_overflowed_v_to_itself_and_never_read_a_positive_v_as_zero(backend):
+    """fp16 moments (a power-of-two scale per 1024 elements; exp_avg_sq as sqrt(v)): the scale is the block's largest
+    finite magnitude's, so one gradient element whose v overflows float32 (torch's AdamW keeps v = inf, and that
+    element's update 0) leaves its block's other v as they are; before, the block took the scale 1 and every v
+    beyond fp16's range read as inf, freezing those params. And a positive sqrt(v) under the block's smallest
+    subnormal reads as that subnormal, not 0 (whose update m / eps exploded: 2.4x torch's movement at eps 1e-12):
+    its update can only shrink. Gradients [1e21, 1e19, 1e18, 1e10, 1] for three steps, then [1e4, 1e-8] of which
+    only the first is non-zero after one step, against torch.optim.AdamW."""
+    def run(make):
+        q = torch.nn.Parameter(torch.zeros(5))
+        opt = make([q])
+        for _ in range(3):
+            q.grad = torch.tensor([1e21, 1e19, 1e18, 1e10, 1.0])
+            opt.step()
+        return q.detach(), opt
+    fp16 = lambda ps: FusedAdam(ps, lr=0.1, eps=1e-8, adam_w_mode=AdamWMode.ADAMW_TORCH, weight_decay=0.0,
+                                exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)
+    got, opt = run(fp16)
+    want, _ = run(lambda ps: torch.optim.AdamW(ps, lr=0.1, eps=1e-8, weight_decay=0.0))
+    v = state_values(opt, opt.param_groups[0]["params"][0], "exp_avg_sq")
+    assert torch.isinf(v[0]) and bool(torch.isfinite(v[1:]).all()), v
+    assert torch.allclose(got[:3], want[:3], rtol=2e-3), (got, want)  # (the large ones train as torch's)
+    # 1e-10 of the block's largest gradient: m on a few subnormal steps of its scale, but training (frozen before)
+    assert 0.5 <= float(got[3] / want[3]) <= 1.1, (got, want)
+    assert 0 < float(got[4] / want[4]) <= 1 + 2e-3, (got, want)  # (sqrt(v) on the floor: its update only shrinks)
+    for eps in (1e-12, 0.0):
+        q = torch.nn.Parameter(torch.zeros(2))
+        r = torch.nn.Parameter(torch.zeros(2))
+        opt = FusedAdam([q], lr=0.01, eps=eps, adam_w_mode=AdamWMode.ADAMW_TORCH, weight_decay=0.0,
+                        exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)
+        torch_opt = torch.optim.AdamW([r], lr=0.01, eps=eps, weight_decay=0.0)
+        for step in range(20):
+            q.grad = torch.tensor([1e4 if step == 0 else 0.0, 1e-8])
+            r.grad = q.grad.clone()
+            opt.step()
+            torch_opt.step()
+        assert 0 < float(state_values(opt, q, "exp_avg_sq")[1])
+        assert abs(float(q[1])) <= abs(float(r[1])) * (1 + 1e-3), (float(q[1]), float(r[1]))
+
+
 @pytest.mark.parametrize("v", ["u4", "e4m3", "e5m2"])
 def test_a_nan_exp_avg_gives_its_second_moment_the_same_random_bits_whatever_the_nans_sign_and_payload(v, backend):
     """The second moments that round stochastically in a step (4-bit sqrt(v), fp8) take their random bits from the
