@@ -74,17 +74,22 @@ def ref_scale(amax: float) -> float:
     return math.ldexp(1.0, min(max(k, -126), 126))
 
 
-def ref_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float32 values -> (float16 codes, float32 scales), as the CPU kernel stores an fp16 state."""
+def ref_quantize(x: np.ndarray, no_zero: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """float32 values -> (float16 codes, float32 scales), as the CPU kernel stores an fp16 state: the scale of each
+    block's largest finite magnitude; no_zero (a second moment's sqrt(v)): a positive value that would round to 0
+    takes the smallest subnormal, 2**-24."""
     n = x.size
     codes = np.empty(n, dtype=np.float16)
     scales = np.empty((n + 1023) // 1024, dtype=np.float32)
     for b in range(scales.size):
         blk = x[b * 1024:(b + 1) * 1024]
-        # (a NaN makes the block's maximum NaN, non-finite: s = 1, as the CPU kernel's maximum over |x|'s bits)
-        s = ref_scale(float(np.abs(blk).max())) if blk.size else 1.0
+        finite = np.abs(blk)[np.isfinite(blk)]
+        s = ref_scale(float(finite.max())) if finite.size else 1.0
         scales[b] = s
-        codes[b * 1024:(b + 1) * 1024] = (blk * np.float32(s)).astype(np.float16)
+        block_codes = (blk * np.float32(s)).astype(np.float16)
+        if no_zero:
+            block_codes = np.where((block_codes == 0) & (blk > 0), np.float16(2.0**-24), block_codes)
+        codes[b * 1024:(b + 1) * 1024] = block_codes
     return codes, scales
 
 
@@ -141,7 +146,7 @@ def reference_step(args: list, hp: dict) -> None:
             t.copy_(codes.view(t.shape))
             scales.copy_(canonical_nan(new_scales))
         elif scales is not None:
-            codes, new_scales = ref_quantize(np.sqrt(values) if second else values)
+            codes, new_scales = ref_quantize(np.sqrt(values) if second else values, no_zero=second)
             t.copy_(torch.from_numpy(codes).reshape(t.shape))
             scales.copy_(torch.from_numpy(new_scales))
         else:
@@ -251,7 +256,7 @@ def make_case(combo: str, amsgrad: bool, seed: int, shapes=SHAPES, grad_dtype=No
                 outs.append(scales)
             elif dtype == F16 and scaled:
                 flat = value.float().reshape(-1).numpy()
-                codes, scales = ref_quantize(np.sqrt(flat) if second else flat)
+                codes, scales = ref_quantize(np.sqrt(flat) if second else flat, no_zero=second)
                 out.append(torch.from_numpy(codes).reshape(shape))
                 outs.append(torch.from_numpy(scales))
             else:

@@ -346,7 +346,7 @@ def _store_low_bit(addr, scale_addr, lut_ptr, offs, x, mask, rnd, step, DT: tl.c
             rnd_first = rnd_first & 0xFFFF
         else:
             rnd_first = rnd_first >> 16
-        rnd_first = tl.sum(tl.where(tl.arange(0, QB)[None, :] == 0, rnd_first, 0), axis=1)
+        rnd_first = tl.max(tl.where(tl.arange(0, QB)[None, :] == 0, rnd_first, 0), axis=1)
         amax = _bf16_stochastic(amax, rnd_first, SECOND)
     amax = tl.where(amax < MIN_SCALE, 0.0, amax)  # a subnormal maximum: a zero block
     if SECOND:  # (_spec.MIN_SQRT_V)
@@ -550,7 +550,7 @@ def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: t
     else:
         r16 = r2 >> 16
     first = tl.arange(0, QB)[None, :] == 0
-    r_first = tl.sum(tl.where(first, r16, 0), axis=1)  # (the block's first element's random bits)
+    r_first = tl.max(tl.where(first, r16, 0), axis=1)  # (the block's first element's random bits)
     coded = _fp8_coded_amax(tl.where(block_bad == 0, amax, 0.0), r_first, MB, EMAX)
     cb = coded.to(tl.int32, bitcast=True)
     k = ((cb >> 23) & 0xFF) - 127 - EMAX + ((cb & 0x7FFFFF) > FP8_MAX_MANTISSA).to(tl.int32)
