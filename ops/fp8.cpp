@@ -115,7 +115,7 @@ void fp8_store(const float* src, const float* root, int64_t off, int64_t n, uint
         if (kSecondMoment) k = std::max(k, fp8_min_sq_exponent<kMb>());
         s = bits_to_float(uint32_t(k + 127) << 23);
         const float inv = bits_to_float(uint32_t(127 - k) << 23);
-        const int32_t top = std::min(fp8_round<kMb, kBias>(bits_to_float(coded) * inv), kMaxCode);
+        const int32_t top = fp8_top_code<kMb, kBias, kMaxCode>(coded, inv);
         for (int64_t i = 0; i < len; ++i) {
           out[i] = fp8_code<kMb, kBias, kSecondMoment>(u[i], amax, top, inv, kSecondMoment ? r[i] & 0xFFFFu : r[i] >> 16);
         }
@@ -151,8 +151,8 @@ void fp8_store_pair(const float* m, const float* v, const float* root, uint32_t 
     return;
   }
   const float im = bits_to_float(inv_m), iv = bits_to_float(inv_v);
-  const int32_t top_m = std::min(fp8_round<FM::kMb, FM::kBias>(bits_to_float(coded_m) * im), FM::kMaxCode),
-                top_v = std::min(fp8_round<FV::kMb, FV::kBias>(bits_to_float(coded_v) * iv), FV::kMaxCode);
+  const int32_t top_m = fp8_top_code<FM::kMb, FM::kBias, FM::kMaxCode>(coded_m, im),
+                top_v = fp8_top_code<FV::kMb, FV::kBias, FV::kMaxCode>(coded_v, iv);
   uint8_t* __restrict__ cm = codes_m + off;
   uint8_t* __restrict__ cv = codes_v + off;
   int64_t i = 0;

@@ -95,6 +95,13 @@ inline uint32_t fp8_coded_amax_sr(uint32_t amax, uint32_t random16) {
   return amax >= 0x7F800000u ? amax : fp8_coded_amax<kMb, kEmax>(amax, random16 << (23 - kMb - 16));
 }
 
+// The code of a block's coded largest magnitude (bits, fp8_coded_amax) at the block's 1 / scale inv: the code every
+// element equal to the largest takes and none exceeds (exact, but at a second moment's floor of k: to nearest even).
+template <int kMb, int kBias, int kMaxCode>
+inline int32_t fp8_top_code(uint32_t coded_amax, float inv) {
+  return std::min(fp8_round<kMb, kBias>(bits_to_float(coded_amax) * inv), kMaxCode);
+}
+
 // Whether a block whose coded largest magnitude is coded_amax (bits, fp8_coded_amax) is a zero block (scale 0, codes
 // 0): below 2**(emax + kFp8MinExponent). A decoded block's largest value is coded_amax itself, so a re-encode decides
 // the same.
@@ -179,7 +186,7 @@ struct Fp8Coder16 {
   Fp8Coder16(uint32_t amax_bits, uint32_t coded_bits, uint32_t inv_bits) {
     const int32_t k = 127 - int32_t(inv_bits >> 23);
     const float inv_f = bits_to_float(inv_bits);
-    const int32_t top_code = std::min(fp8_round<F::kMb, F::kBias>(bits_to_float(coded_bits) * inv_f), F::kMaxCode);
+    const int32_t top_code = fp8_top_code<F::kMb, F::kBias, F::kMaxCode>(coded_bits, inv_f);
     amax = _mm512_set1_epi32(int(amax_bits));
     top32 = _mm512_set1_epi32(top_code);
     inv = _mm512_set1_ps(inv_f);
