@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ._group_options import check_group
+from ._group_options import check_group, show
 from ._layout import StateLayout
 from ._spec import AdamWMode
 from . import formats
@@ -58,14 +58,6 @@ MAX_STEP = 2.0**53
 def entry(*keys) -> str:
     """The expression that names an entry of a checkpoint: entry('state', 3, 'step') == "state_dict['state'][3]['step']"."""
     return "state_dict" + "".join(f"[{key!r}]" for key in keys)
-
-
-def _show(value: Any) -> str:
-    """A short description of a value for an error message."""
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
 
 
 # ---- conversions between storage and the canonical form ------------------------------------------------------------
@@ -184,7 +176,7 @@ def _copy(value: Any, plain_values: bool = False) -> Any:
 def _require_number(value: Any, where: str) -> float:
     """A real number (Python's or numpy's; bool is not one): its float value, finite."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{where} must be a number, got {_show(value)}")
+        raise TypeError(f"{where} must be a number, got {show(value)}")
     try:
         number = float(value)
     except OverflowError:
@@ -196,17 +188,17 @@ def _require_number(value: Any, where: str) -> float:
 
 def require_data(value: torch.Tensor, where: str) -> None:
     """A tensor a checkpoint's values are read from: dense, and off the meta device (which holds no values)."""
-    if value.layout != torch.strided or value.is_meta:
-        raise TypeError(f"{where} must be a dense tensor with data, got {_show(value)}")
+    if value.layout != torch.strided or value.is_nested or value.is_meta:
+        raise TypeError(f"{where} must be a dense tensor with data, got {show(value)}")
 
 
 def _require_scalar_tensor(value: torch.Tensor, where: str) -> float:
-    """The value of a one-element real tensor (a 0-dim one, or shape [1])."""
+    """The value of a one-element real tensor (of any shape, as torch.optim reads a step)."""
     require_data(value, where)
     if value.dtype == torch.bool or value.is_complex():
-        raise TypeError(f"{where} must be a real number, got {_show(value)}")
-    if value.numel() != 1 or value.dim() > 1:
-        raise ValueError(f"{where} must hold exactly one number, got {_show(value)}")
+        raise TypeError(f"{where} must be a real number, got {show(value)}")
+    if value.numel() != 1:
+        raise ValueError(f"{where} must hold exactly one number, got {show(value)}")
     number = float(value.detach().reshape(()).double().cpu())
     if not math.isfinite(number):
         raise ValueError(f"{where} must be finite, got {number}")
@@ -224,7 +216,7 @@ def check_step(value: Any, where: str) -> float:
 def _check_id(value: Any, where: str) -> None:
     # torch saves positions (ints); FSDP's full optimizer state dicts key by parameter names (str)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"{where} must be a parameter id (an int, as optimizer.state_dict() saves), got {_show(value)}")
+        raise TypeError(f"{where} must be a parameter id (an int, as optimizer.state_dict() saves), got {show(value)}")
 
 
 def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed: str) -> torch.Tensor:
@@ -236,10 +228,10 @@ def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed:
     whose square overflowed float32, as torch.optim.AdamW keeps it; the moments and masters of a diverged run): they
     load as they are, and load_state_dict warns (:func:`warn_nonfinite`)."""
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{where} must be a tensor, got {_show(value)}")
+        raise TypeError(f"{where} must be a tensor, got {show(value)}")
     require_data(value, where)
     if not value.is_floating_point():
-        raise TypeError(f"{where} must be a floating-point tensor, got {_show(value)}")
+        raise TypeError(f"{where} must be a floating-point tensor, got {show(value)}")
     if value.shape != param.shape:
         raise ValueError(f"{where} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)} (the one whose "
                          f"id {listed} gives)")
@@ -316,7 +308,7 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
     entry."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict with 'state' and 'param_groups' (from optimizer.state_dict()), "
-                        f"got {_show(state_dict)}")
+                        f"got {show(state_dict)}")
     for key in ("state", "param_groups"):
         if key not in state_dict:
             raise ValueError(f"state_dict must be a dict with 'state' and 'param_groups' (from "
@@ -327,9 +319,9 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
                              "'param_groups' (pass the optimizer's part of a bigger checkpoint)")
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
     if not isinstance(saved_groups, (list, tuple)):
-        raise TypeError(f"{entry('param_groups')} must be a list of dicts, got {_show(saved_groups)}")
+        raise TypeError(f"{entry('param_groups')} must be a list of dicts, got {show(saved_groups)}")
     if not isinstance(saved_state, dict):
-        raise TypeError(f"{entry('state')} must be a dict from parameter id to state dict, got {_show(saved_state)}")
+        raise TypeError(f"{entry('state')} must be a dict from parameter id to state dict, got {show(saved_state)}")
     if len(saved_groups) != len(param_groups):
         raise ValueError(f"{entry('param_groups')} has {len(saved_groups)} param groups but this optimizer has "
                          f"{len(param_groups)}")
@@ -338,7 +330,7 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
     new_groups, group_steps = [], []
     for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
         if not isinstance(saved, dict):
-            raise TypeError(f"{entry('param_groups', gi)} must be a dict, got {_show(saved)}")
+            raise TypeError(f"{entry('param_groups', gi)} must be a dict, got {show(saved)}")
         foreign = [key for key in FOREIGN_OPTION_KEYS if key in saved]
         if foreign:
             names = " or ".join(_foreign_optimizers(set(saved)))
@@ -358,7 +350,7 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
                 "saved it; to start FusedAdam from its params, load only the model's weights")
         ids = saved["params"]
         if not isinstance(ids, (list, tuple)):
-            raise TypeError(f"{entry('param_groups', gi, 'params')} must be a list of parameter ids, got {_show(ids)}")
+            raise TypeError(f"{entry('param_groups', gi, 'params')} must be a list of parameter ids, got {show(ids)}")
         if len(ids) != len(group["params"]):
             raise ValueError(f"{entry('param_groups', gi, 'params')} lists {len(ids)} params but this optimizer's "
                              f"param_groups[{gi}] has {len(group['params'])}")
@@ -410,7 +402,7 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
     """The state of param p as the checkpoint's entry saved (at where) gives it; listed: the param_groups entry that
     gives p's id (errors about p's shape name it: ids swapped there are the usual cause)."""
     if not isinstance(saved, dict):
-        raise TypeError(f"{where} must be a dict of state tensors, got {_show(saved)}")
+        raise TypeError(f"{where} must be a dict of state tensors, got {show(saved)}")
     for key in saved:
         if key in UNFLATTEN_PLACEHOLDER_KEYS and isinstance(saved[key], dict) and not saved[key]:
             continue

@@ -26,6 +26,7 @@ import struct
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from ._spec import STATE_DTYPES, AdamWMode
 
@@ -48,6 +49,8 @@ def is_number(value: Any) -> bool:
 def show(value: Any) -> str:
     """A short description of a value for an error message."""
     if isinstance(value, torch.Tensor):
+        if value.is_nested:  # (whose shape cannot be read)
+            return f"a nested {value.dtype} tensor on {value.device}"
         return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
     text = repr(value)
     return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
@@ -66,9 +69,9 @@ def _value(value: Any, name: str, any_device: bool = False) -> Optional[float]:
     """The float value of a hyperparameter (a number or a one-element floating-point tensor); None for a tensor whose
     value is not read here (an accelerator's lr: reading it would synchronise)."""
     if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided or not value.is_floating_point():
+        if value.layout != torch.strided or value.is_nested or not value.is_floating_point():
             raise TypeError(f"{name} must be a number or a one-element floating-point tensor, got {show(value)}")
-        if value.numel() != 1 or value.dim() > 1:
+        if value.numel() != 1:
             raise ValueError(f"{name} must hold exactly one number, got {show(value)}")
         if value.device.type != "cpu":
             if any_device:
@@ -146,15 +149,18 @@ def check_group(group: dict, where: Where, master_weights: bool) -> None:
         raise ValueError(f"{where('adam_w_mode')} must be an AdamWMode (0, 1 or 2), got {mode!r}")
 
 
-def hyperparameters(group: dict) -> dict:
+def hyperparameters(group: dict, read_betas: bool = True) -> dict:
     """A validated group's hyperparameters as the op's keyword arguments (all but inv_grad_scale, found_inf,
-    grad_scale): host floats (CPU tensors read), lr as ``lr_tensor`` when it is a tensor."""
+    grad_scale): host floats (CPU tensors read), lr as ``lr_tensor`` when it is a tensor. read_betas=False leaves
+    beta1 and beta2 at 0.0, for a caller that passes them as ``betas_tensor`` (a traced step: reading a tensor beta
+    on the host would split its graph)."""
     lr = group["lr"]
-    lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+    # (any one-element tensor, as torch.optim takes it; the op reads one of at most one dimension)
+    lr_tensor = (lr if lr.dim() <= 1 else lr.reshape(())) if isinstance(lr, torch.Tensor) else None
+    beta1, beta2 = (float(beta) for beta in group["betas"]) if read_betas else (0.0, 0.0)
     return dict(
-        lr=0.0 if lr_tensor is not None else float(lr), beta1=float(group["betas"][0]),
-        beta2=float(group["betas"][1]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-        adam_w_mode=int(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
+        lr=0.0 if lr_tensor is not None else float(lr), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+        weight_decay=float(group["weight_decay"]), adam_w_mode=int(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
         maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
     )
 
@@ -241,12 +247,39 @@ def check_optimizer_options(master_weights: Any, exp_avg_dtype: Any, exp_avg_sq_
         # (ort_optim._spec.EXP_AVG_RELATIVE: the 4-bit exp_avg holds m / sqrt(v), decoded through exp_avg_sq's codes)
         raise ValueError("exp_avg_dtype=torch.uint4 stores exp_avg relative to a 4-bit second moment (its codes hold "
                          f"m / sqrt(v)): set exp_avg_sq_dtype=torch.uint4 too, got {exp_avg_sq_dtype!r}")
-    if max_grad_norm is not None and not (is_number(max_grad_norm) and max_grad_norm > 0
-                                          and math.isfinite(max_grad_norm)):
-        raise ValueError(f"max_grad_norm must be None or a float > 0, got {max_grad_norm!r}")
+    check_max_grad_norm(max_grad_norm)
     for name, value in dict(flags, master_weights=master_weights).items():
         if not isinstance(value, bool):
             raise TypeError(f"FusedAdam: {name} must be True or False, got {value!r}")
+
+
+def check_max_grad_norm(value: Any) -> Optional[float]:
+    """max_grad_norm (FusedAdam's and FP16_Optimizer's): None, or a real number > 0 that stays > 0 and finite in
+    float32 (the clip coefficient max_grad_norm / norm is float32); returned as a float."""
+    if value is None:
+        return None
+    if not is_number(value):
+        raise TypeError(f"max_grad_norm must be None or a real number > 0, got {show(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # (an int beyond float64's range)
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"max_grad_norm must be finite, got {value!r}")
+    if not (number > 0 and 0 < _in_float32(number) < math.inf):
+        raise ValueError(f"max_grad_norm must be None or a float > 0 within float32's range, got {value!r}")
+    return number
+
+
+def check_process_group(value: Any, name: str) -> None:
+    """A torch.distributed group option: None (see the option's docstring) or a ProcessGroup, as
+    ``torch.distributed.new_group`` returns it (``torch.distributed.group.WORLD`` is the default group's)."""
+    if value is None or (dist.is_available() and isinstance(value, dist.ProcessGroup)):
+        return
+    hint = ("; for a DeviceMesh, pass the group of one of its dims (mesh.get_group(dim))"
+            if type(value).__name__ == "DeviceMesh" else "")
+    raise TypeError(f"{name} must be None or a torch.distributed ProcessGroup (torch.distributed.new_group(ranks), or "
+                    f"torch.distributed.group.WORLD), got {show(value)}{hint}")
 
 
 def _in_float32(value: float) -> float:

@@ -187,10 +187,13 @@ class InnerMasters:
                     "by an update that raised), and one step cannot unscale only some. Call zero_grad() before "
                     "backward(loss); nothing was changed")
             scale = None  # (every gradient holds its unscaled value already)
-        if distributed and opt._reduction() is None:
-            # Our own flag, reduced over the ranks, goes in as found_inf (FusedAdam ORs it with its own check, which
-            # also covers a gradient that overflows when unscaled by a scale below 1). A FusedAdam over DTensor params
-            # or with a process_group decides globally itself, in the all-reduce that also carries its norm.
+        reduction = opt._reduction() if distributed else None
+        if distributed and (reduction is None or not reduction.spans(owner._overflow_groups())):
+            # Our own flag, reduced over the wrapper's groups, goes in as found_inf (FusedAdam ORs it with its own
+            # check, which also covers a gradient that overflows when unscaled by a scale below 1). A FusedAdam over
+            # DTensor params or with a process_group decides globally itself, in the all-reduce that also carries its
+            # norm: enough where that reduction spans the wrapper's groups too (a model-parallel group it does not
+            # reduce over would otherwise let the stages decide apart).
             grads_by_device: dict[torch.device, list[torch.Tensor]] = {}
             for group in opt.param_groups:
                 for p in group["params"]:

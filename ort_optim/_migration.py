@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from ._checkpoint import _show, entry, require_data
+from ._checkpoint import entry, require_data
+from ._group_options import show
 from ._spec import AdamWMode
 
 TORCHAO_STATES = {  # class name -> what it is (the classes of torchao.optim.subclass_8bit, _4bit, _fp8)
@@ -144,15 +145,15 @@ def _check_top_level(state_dict: dict, source: str) -> None:
             raise ValueError(f"{entry(key)}: unknown key in a {source} optimizer state_dict, which has only 'state' "
                              "and 'param_groups'")
     if not isinstance(state_dict["state"], dict):
-        raise TypeError(f"{entry('state')} must be a dict from parameter id to state, got {_show(state_dict['state'])}")
+        raise TypeError(f"{entry('state')} must be a dict from parameter id to state, got {show(state_dict['state'])}")
     if not isinstance(state_dict["param_groups"], (list, tuple)):
-        raise TypeError(f"{entry('param_groups')} must be a list of dicts, got {_show(state_dict['param_groups'])}")
+        raise TypeError(f"{entry('param_groups')} must be a list of dicts, got {show(state_dict['param_groups'])}")
     for gi, group in enumerate(state_dict["param_groups"]):
         if not isinstance(group, dict):
-            raise TypeError(f"{entry('param_groups', gi)} must be a dict, got {_show(group)}")
+            raise TypeError(f"{entry('param_groups', gi)} must be a dict, got {show(group)}")
     for pid, state in state_dict["state"].items():
         if not isinstance(state, dict):
-            raise TypeError(f"{entry('state', pid)} must be a dict of state tensors, got {_show(state)}")
+            raise TypeError(f"{entry('state', pid)} must be a dict of state tensors, got {show(state)}")
 
 
 def _adam_group(group: dict, gi: int, lr: Any) -> dict:
@@ -202,9 +203,9 @@ def _attr(value: Any, name: str, where: str, dtype: Optional[torch.dtype] = None
                          "torchao 0.18's: codes, scale and, for 8-bit and 4-bit, qmap)")
     t = getattr(value, name)
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise TypeError(f"{where}: torchao {kind}.{name} must be a plain tensor, got {_show(t)}")
+        raise TypeError(f"{where}: torchao {kind}.{name} must be a plain tensor, got {show(t)}")
     if dtype is not None and t.dtype != dtype:
-        raise TypeError(f"{where}: torchao {kind}.{name} must be {dtype}, got {_show(t)}")
+        raise TypeError(f"{where}: torchao {kind}.{name} must be {dtype}, got {show(t)}")
     require_data(t, f"{where}: torchao {kind}.{name}")
     return t.detach()
 
@@ -285,7 +286,7 @@ def _bnb_decode(quant: dict, i: int, where: str) -> torch.Tensor:
     """state{i} decoded: float32 states as they are; uint8 codes as qmap{i}[code] * absmax{i}[block]."""
     codes = quant.get(f"state{i}")
     if not isinstance(codes, torch.Tensor) or type(codes) not in (torch.Tensor, torch.nn.Parameter):
-        raise TypeError(f"{where}['state{i}'] must be a tensor, got {_show(codes)}")
+        raise TypeError(f"{where}['state{i}'] must be a tensor, got {show(codes)}")
     require_data(codes, f"{where}['state{i}']")
     if codes.dtype != torch.uint8:
         for key in (f"qmap{i}", f"absmax{i}"):
@@ -299,7 +300,7 @@ def _bnb_decode(quant: dict, i: int, where: str) -> torch.Tensor:
             raise ValueError(f"{where} has 8-bit state{i} but no {key!r}, without which its codes have no values "
                              "(a layout ort_optim does not read)")
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.dtype != torch.float32:
-            raise TypeError(f"{where}[{key!r}] must be a float32 tensor, got {_show(t)}")
+            raise TypeError(f"{where}[{key!r}] must be a float32 tensor, got {show(t)}")
         require_data(t, f"{where}[{key!r}]")
         parts[key] = t.detach().reshape(-1)
     qmap, absmax = parts[f"qmap{i}"], parts[f"absmax{i}"]
@@ -317,7 +318,7 @@ def _bnb_state(state: dict, where: str) -> dict:
     if BNB_QUANT_STATE_KEY in state:
         quant, quant_where = state[BNB_QUANT_STATE_KEY], f"{where}[{BNB_QUANT_STATE_KEY!r}]"
         if not isinstance(quant, dict):
-            raise TypeError(f"{quant_where} must be a dict of state tensors, got {_show(quant)}")
+            raise TypeError(f"{quant_where} must be a dict of state tensors, got {show(quant)}")
         for key in state:
             if key not in ("step", BNB_QUANT_STATE_KEY):
                 raise ValueError(f"{where}[{key!r}]: a key a bitsandbytes Adam state does not have (it has 'step' and "

@@ -655,17 +655,22 @@ def check_state(layout: StateLayout, p: torch.Tensor, state: ParamState, amsgrad
 def _state_tensor(p: torch.Tensor, state: ParamState, key: str, where: str) -> torch.Tensor:
     value = state[key]
     what = f"{where}: optimizer.state[p][{key!r}]"
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.layout != torch.strided:
-        raise TypeError(f"{what} must be a dense floating-point tensor, got {type(value).__name__}"
-                        + (f" {value.dtype} {value.layout}" if isinstance(value, torch.Tensor) else ""))
+    if (not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.layout != torch.strided
+            or value.is_nested):
+        raise TypeError(f"{what} must be a dense floating-point tensor, got {_checkpoint.show(value)}")
+    # (the state was assigned, or the param changed under its state: the message says both ways out)
     if value.shape != p.shape:
-        raise ValueError(f"{what} has shape {tuple(value.shape)}: its optimizer state was made for shape "
-                         f"{tuple(value.shape)}; a parameter cannot change shape under its optimizer")
+        raise ValueError(f"{what} has shape {tuple(value.shape)} but the parameter has shape {tuple(p.shape)}: a "
+                         "state holds one value per element of its parameter. Assign a tensor of the parameter's "
+                         "shape, or delete optimizer.state[p] to start the param afresh (a parameter cannot change "
+                         "shape under its optimizer)")
     if value.device != p.device:
         raise ValueError(f"{what} is on {value.device}, the parameter on {p.device}")
     if (value.dtype == torch.float64) != (p.dtype == torch.float64):
-        raise ValueError(f"{what} is {value.dtype} but the parameter is {p.dtype}: a parameter cannot switch to or "
-                         "from float64 under its optimizer (float64 params keep float64 states)")
+        raise ValueError(f"{what} is {value.dtype} but the parameter is {p.dtype}: a float64 state goes with a "
+                         "float64 parameter only, and a float64 parameter keeps float64 states. Assign it as .to({p.dtype if p.dtype == torch.float64 else torch.float32}), "
+                         "or delete optimizer.state[p] to start the param afresh (a parameter cannot switch to or "
+                         "from float64 under its optimizer)")
     problem = _storage_problem(value)
     if problem is not None:
         raise ValueError(f"{what} {problem}")

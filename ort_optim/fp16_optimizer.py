@@ -28,10 +28,12 @@ from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
+from ._group_options import check_max_grad_norm, check_process_group
 from ._master_weights import InnerMasters, WrapperMasters, step_in_backward_refused
 from .fused_adam import FusedAdam
-from .loss_scaler import FLOAT32_MAX, SCALE_RANGE, DynamicLossScaler, LossScaleUnderflowError, _float32, _real
+from .loss_scaler import SCALE_RANGE, DynamicLossScaler, LossScaleUnderflowError
 
 # (DynamicLossScaler, LossScaleUnderflowError and SCALE_RANGE live in ort_optim.loss_scaler; importable from here too,
 # ONNX Runtime's module for FP16_Optimizer)
@@ -44,16 +46,6 @@ STATE_FORMAT = "ort_optim.FP16_Optimizer/1"
 # defaults.
 _SCALER_OPTIONS = {name: parameter for name, parameter in inspect.signature(DynamicLossScaler).parameters.items()
                    if name != "device"}
-
-
-def check_max_grad_norm(value: Any) -> Optional[float]:
-    """None, or a finite float > 0 that stays > 0 and finite in float32 (the clip coefficient is float32)."""
-    if value is None:
-        return None
-    value = _real("max_grad_norm", value)
-    if not (value > 0 and 0 < _float32(value) <= FLOAT32_MAX):
-        raise ValueError(f"max_grad_norm must be None or a float > 0 within float32's range, got {value!r}")
-    return value
 
 
 def _fused_adam_inside(obj: Any) -> Optional[FusedAdam]:
@@ -236,6 +228,9 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         except TypeError:
             raise TypeError(f"model_parallel_groups must be a sequence of process groups, got "
                             f"{type(model_parallel_groups).__name__}") from None
+        check_process_group(process_group, "FP16_Optimizer: process_group")
+        for index, group in enumerate(model_parallel_groups):  # (None: the default group, as for process_group)
+            check_process_group(group, f"FP16_Optimizer: model_parallel_groups[{index}]")
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not params:
             raise ValueError("FP16_Optimizer: the optimizer has no parameters")
@@ -354,24 +349,24 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         """Clears the model's gradients (and the masters', which exist only inside step())."""
         self._masters.zero_grad(set_to_none)
 
+    def _overflow_groups(self) -> list:
+        """The groups over which the overflow flag is MAX-reduced, in order: the data-parallel group (None: the
+        default group), then the model-parallel groups."""
+        return [self.process_group] + list(self.model_parallel_groups)
+
     def _reduce_found_inf(self, found_inf: torch.Tensor) -> torch.Tensor:
         """MAX over the data-parallel group and the model-parallel groups (all ranks then decide alike)."""
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()):
             return found_inf
-        groups = [self.process_group] + list(self.model_parallel_groups)
-        for group in groups:
+        for group in self._overflow_groups():
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
         return found_inf
 
     def _distributed(self) -> bool:
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()):
             return False
-        return any(dist.get_world_size(g) > 1 for g in [self.process_group] + list(self.model_parallel_groups))
+        return any(dist.get_world_size(g) > 1 for g in self._overflow_groups())
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):

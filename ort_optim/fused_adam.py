@@ -51,10 +51,11 @@ def _traced_hyperparameters(group: dict, device: torch.device) -> dict:
     (a guard on its value: one graph per value), and so is one given to ``torch.tensor``, ``torch.as_tensor`` or
     ``torch.full``; one added to a tensor stays an input. Hence a float64 zero plus each value. The op reads the same
     float64 values (exactly the floats), so the step computes what the eager step computes."""
-    hyper = _group_options.hyperparameters(group)
+    hyper = _group_options.hyperparameters(group, read_betas=False)
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    beta1, beta2 = group["betas"]
-    hyper.update(beta1=0.0, beta2=0.0, betas_tensor=torch.stack([zero + beta1, zero + beta2]))
+    # (betas: floats, or one-element tensors of any shape and floating dtype, as the eager step takes them)
+    betas = [(zero + beta).reshape(()).to(torch.float64) for beta in group["betas"]]
+    hyper.update(betas_tensor=torch.stack(betas))
     if hyper["lr_tensor"] is None:
         hyper.update(lr=0.0, lr_tensor=zero + group["lr"])
     return hyper
@@ -205,6 +206,8 @@ class FusedAdam(torch.optim.Optimizer):
         _group_options.check_optimizer_options(
             master_weights, exp_avg_dtype, exp_avg_sq_dtype, max_grad_norm,
             dict(set_grad_none=set_grad_none, capturable=capturable, step_in_backward=step_in_backward))
+        _group_options.check_process_group(process_group, "FusedAdam: process_group")
+        _group_options.check_process_group(pipeline_group, "FusedAdam: pipeline_group")
         defaults = dict(
             lr=lr, bias_correction=bias_correction, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
             eps=eps, adam_w_mode=adam_w_mode, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
@@ -328,8 +331,9 @@ class FusedAdam(torch.optim.Optimizer):
                 if p.dtype not in SUPPORTED_PARAM_DTYPES:
                     raise ValueError(
                         f"{describe(group_index, index, p)}: FusedAdam supports float32, float64, float16 and "
-                        f"bfloat16 params; complex or integer params are not supported (use torch.view_as_real for "
-                        f"complex ones)"
+                        f"bfloat16 params, not {p.dtype} (complex params: torch.view_as_real; float8 params: train "
+                        "bfloat16 or float32 weights and cast them to float8 in the forward, as float8 training "
+                        "recipes do)"
                     )
                 dtensor.check_placements(p, describe(group_index, index, p))
                 if dtensor.is_dtensor(p) and self.step_in_backward:

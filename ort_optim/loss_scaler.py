@@ -328,10 +328,14 @@ class DynamicLossScaler:
         return values
 
     def load_state_dict(self, sd: dict, where: str = "state_dict") -> None:
-        """Restores the state (validated first: nothing changes on an error, which names the entry)."""
+        """Restores the state (validated first: nothing changes on an error, which names the entry). The policy
+        stays this scaler's: a saved ``hysteresis_left`` above this scaler's ``hysteresis`` (a checkpoint of a
+        scaler with more hysteresis) is lowered to it, so that no more overflows are tolerated than this policy
+        allows."""
         self._load_values(self.validate_state_dict(sd, where))
 
     def _load_values(self, values: dict[str, Any]) -> None:
+        values = dict(values, hysteresis_left=min(values["hysteresis_left"], self.hysteresis))
         for key, number in values.items():
             getattr(self, key).fill_(number)
         self.underflow.fill_(False)

@@ -180,6 +180,17 @@ class Reduction:
     size: int
     stages: tuple = ()  # then over each of these (pipeline stages: disjoint params, summed with weight 1)
 
+    def spans(self, groups: Iterable[Any]) -> bool:
+        """Whether a flag all-reduced here is all-reduced over each of ``groups`` (None: the default group) too:
+        each is one of this reduction's groups (or has one rank), or this reduction runs over every rank."""
+        import torch.distributed as dist
+
+        own = self.groups + self.stages
+        world = dist.get_world_size()
+        if any(g is None or dist.get_world_size(g) == world for g in own):
+            return True
+        return all(g is not None and (dist.get_world_size(g) == 1 or any(g is o for o in own)) for g in groups)
+
 
 def reduction_for(params: Iterable[torch.Tensor], process_group: Any = None,
                   pipeline_group: Any = None) -> Optional[Reduction]:

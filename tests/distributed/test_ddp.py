@@ -22,6 +22,7 @@ import mesh_scenarios as mesh
 import pytest
 import torch_scenarios as against_torch
 import torch
+import torch.distributed as dist
 from distributed_harness import run_ranks
 from torch import nn
 
@@ -204,10 +205,27 @@ def test_a_step_without_any_gradient_changes_nothing_with_or_without_loss_scalin
         assert torch.equal(p, torch.ones(3)) and not opt.state.get(p) and not opt.last_step_skipped, kwargs
 
 
+def _unconnected_group() -> dist.ProcessGroup:
+    """A ProcessGroup object of 2 ranks that no process joins (enough for options checked at construction)."""
+    try:
+        return dist.ProcessGroup(0, 2)  # (torch >= 2.6: rank, size)
+    except TypeError:
+        return dist.ProcessGroup(dist.HashStore(), 0, 2)
+
+
 def test_step_in_backward_with_a_process_group_is_refused():
     # (its per-param updates would run before DDP has averaged the gradients)
     with pytest.raises(ValueError, match="process_group.*step_in_backward=False"):
-        FusedAdam([nn.Parameter(torch.ones(2))], step_in_backward=True, process_group=object())
+        FusedAdam([nn.Parameter(torch.ones(2))], step_in_backward=True, process_group=_unconnected_group())
+
+
+@pytest.mark.parametrize("name", ["process_group", "pipeline_group"])
+@pytest.mark.parametrize("value", [object(), [0, 1], 2, "gloo"], ids=["object", "rank-list", "int", "str"])
+def test_a_group_option_that_is_not_a_process_group_is_refused_at_construction_naming_it(name, value):
+    # (accepted, it failed at the first step inside torch.distributed, after the state had been created)
+    p = nn.Parameter(torch.ones(2))
+    with pytest.raises(TypeError, match=f"FusedAdam: {name} must be None or a torch.distributed ProcessGroup"):
+        FusedAdam([p], max_grad_norm=1.0, **{name: value})
 
 
 # ---- DDP, against torch.optim.AdamW in the same engine ---------------------------------------------------------------

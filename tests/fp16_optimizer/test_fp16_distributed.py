@@ -2,6 +2,8 @@
 
 * An inf on one rank only: both ranks skip the step and keep identical scales and parameters (the overflow flag is
   MAX-reduced over the data-parallel group and any model-parallel groups before deciding).
+* On 4 ranks (2 pipeline stages x 2 replicas), an inf on one stage skips the step on every rank, also where the inner
+  FusedAdam all-reduces its own decision over the data-parallel group only.
 * DDP on two ranks equals one process on the concatenated batch.
 """
 
@@ -130,3 +132,47 @@ def test_ddp_equals_one_process_on_the_concatenated_batch(results, kind, dtype):
     diff = max(float((got - want).abs().max()) for got, want in zip(ranks[0]["masters"], single))
     print(f"{kind} {dtype}: max |DDP - single| = {diff:.3g}")
     assert diff <= TOLERANCE[dtype], diff
+
+
+# ---- the wrapper's groups beside FusedAdam's own reduction -----------------------------------------------------------
+# 4 ranks: 2 pipeline stages (stage rank // 2) x 2 data-parallel replicas (data-parallel groups {0, 1} and {2, 3},
+# pipeline groups {0, 2} and {1, 3}). The inner FusedAdam all-reduces its skip decision over its data-parallel group only; the wrapper is told
+# the pipeline group too, and its flag must span it: an inf on one stage skips the step on every rank.
+
+GRID = 4
+
+
+def _stages_decide_together(rank, world_size, tmp_dir):
+    dp = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])][rank // 2]  # (every rank makes every group, in order)
+    pp = [dist.new_group(ranks) for ranks in ([0, 2], [1, 3])][rank % 2]
+    out = {}
+    for inner in ("FusedAdam(process_group=dp)", "FusedAdam(process_group=dp, pipeline_group=pp)", "SGD"):
+        model = make_model(torch.float16)
+        params = list(model.parameters())
+        opt = (torch.optim.SGD(params, lr=0.05) if inner == "SGD" else
+               FusedAdam(params, lr=1e-2, process_group=dp, pipeline_group=pp if "pipeline" in inner else None))
+        opt = FP16_Optimizer(opt, init_scale=2.0**8, process_group=dp, model_parallel_groups=[pp])
+        record = []
+        for step in range(3):
+            x, y = full_batch(step, torch.float16)  # (the same batch on every rank: replicas agree without DDP)
+            opt.zero_grad()
+            opt.backward(loss_of(model, x, y))
+            if rank == 2 and step == 1:  # one rank of the second stage only
+                model[0].weight.grad[0, 0] = float("inf")
+            opt.step()
+            record.append((opt.skipped, opt.loss_scale))
+        out[inner] = record
+    return out
+
+
+@pytest.fixture(scope="module")
+def grid_results(tmp_path_factory):
+    return run_ranks(_stages_decide_together, GRID, tmp_path_factory.mktemp("fp16_grid"))
+
+
+@pytest.mark.parametrize("inner", ["FusedAdam(process_group=dp)", "FusedAdam(process_group=dp, pipeline_group=pp)",
+                                   "SGD"])
+def test_an_inf_on_one_pipeline_stage_skips_the_step_on_every_rank(grid_results, inner):
+    records = [r[inner] for r in grid_results]
+    assert all(record == records[0] for record in records), records
+    assert records[0] == [(False, 256.0), (True, 128.0), (False, 128.0)]

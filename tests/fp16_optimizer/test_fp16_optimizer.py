@@ -112,6 +112,25 @@ def test_scaler_hand_checked_sequence():
     assert got == [64.0, 32.0, 16.0, 16.0, 32.0, 32.0, 16.0]
 
 
+def test_a_loaded_state_keeps_this_scalers_hysteresis_policy():
+    # A checkpoint of a scaler with hysteresis 3 (two overflows still to absorb) loaded into one with hysteresis 1:
+    # every overflow backs off, as this policy says, not only the third.
+    saved = DynamicLossScaler(init_scale=64.0, hysteresis=3).state_dict()
+    scaler = DynamicLossScaler(init_scale=8.0, hysteresis=1)
+    scaler.load_state_dict(saved)
+    assert int(scaler.hysteresis_left) == 1
+    scales = []
+    for _ in range(3):
+        scaler.update(torch.tensor(1.0))
+        scales.append(float(scaler.scale))
+    assert scales == [32.0, 16.0, 8.0]
+    # a saved count within this policy is kept as it is
+    saved = DynamicLossScaler(init_scale=64.0, hysteresis=2).state_dict()
+    scaler = DynamicLossScaler(init_scale=8.0, hysteresis=3)
+    scaler.load_state_dict(saved)
+    assert int(scaler.hysteresis_left) == 2
+
+
 def test_scaler_growth_is_counted_from_the_last_overflow():
     # An overflow absorbed by the hysteresis still restarts the growth count.
     got, _ = run_scaler([0, 0, 1, 0, 0, 0], init_scale=8.0, growth_interval=3, hysteresis=2)
@@ -786,8 +805,10 @@ BAD_OPTIONS = [
     (dict(max_grad_norm=1e39), ValueError, "max_grad_norm must be None or a float > 0 within float32's range"),
     (dict(max_grad_norm=1e-50), ValueError, "max_grad_norm must be None or a float > 0 within float32's range"),
     (dict(max_grad_norm=float("inf")), ValueError, "max_grad_norm must be finite"),
-    (dict(max_grad_norm="1.0"), TypeError, "max_grad_norm must be a real number"),
+    (dict(max_grad_norm="1.0"), TypeError, "max_grad_norm must be None or a real number > 0"),
     (dict(model_parallel_groups=5), TypeError, "model_parallel_groups must be a sequence"),
+    (dict(model_parallel_groups=[[0, 1]]), TypeError, "model_parallel_groups[0] must be None or a torch.distributed"),
+    (dict(process_group="gloo"), TypeError, "process_group must be None or a torch.distributed ProcessGroup"),
     (dict(init_scal=2.0), TypeError, "unexpected keyword arguments ['init_scal']"),
     (dict(device="cpu"), TypeError, "unexpected keyword arguments ['device']"),
 ]

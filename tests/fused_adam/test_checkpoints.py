@@ -515,6 +515,22 @@ def test_an_invalid_checkpoint_is_refused_with_an_error_naming_the_entry_and_cha
     _steps(target, target_params, 2, 1)  # and it still steps
 
 
+def test_a_nested_tensor_moment_is_refused_naming_the_entry_and_changes_nothing():
+    # (a nested tensor has no shape to read: a plain check of it raised torch's internal error)
+    params, opt = _trained_mixed()
+    target_params, target = _fresh_like(params)
+    _steps(target, target_params, 0, 2)
+    before = optimizer_snapshot(target)
+    bad = opt.state_dict()
+    nested = torch.nested.nested_tensor([torch.zeros(3), torch.ones(3)])
+    bad["state"][1]["exp_avg"] = nested
+    with pytest.raises(TypeError, match=r"state_dict\['state'\]\[1\]\['exp_avg'\] must be a dense tensor with data, "
+                                        r"got a nested torch.float32 tensor"):
+        target.load_state_dict(bad)
+    assert_same_snapshot(before, optimizer_snapshot(target))
+    assert bad["state"][1]["exp_avg"] is nested and torch.equal(nested.unbind()[1], torch.ones(3))
+
+
 def test_a_value_beyond_bfloat16s_range_is_refused_for_bf16_storage():
     """3.4e38 is a finite float32 that rounds to inf in bfloat16: checked in the storage dtype, not only in float32."""
     p = torch.nn.Parameter(torch.randn(4))
@@ -560,6 +576,8 @@ GOOD_VARIATIONS = {
     "int-step": _set(["state", 1, "step"], 4),
     "float32-step-tensor": _set(["state", 1, "step"], torch.tensor(4.0)),
     "one-element-step": _set(["state", 1, "step"], torch.tensor([4.0])),
+    "one-element-2d-step": _set(["state", 1, "step"], torch.tensor([[4.0]])),  # (torch.optim takes any one-element)
+    "one-element-2d-lr": _set(["param_groups", 0, "lr"], torch.tensor([[0.01]])),
     "betas-list": _set(["param_groups", 0, "betas"], [0.9, 0.999]),
     "adam-w-mode-enum": _set(["param_groups", 0, "adam_w_mode"], AdamWMode.ADAMW_TRANSFORMERS),
     "extra-group-key": _set(["param_groups", 0, "initial_lr"], 0.01),

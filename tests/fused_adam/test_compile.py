@@ -107,6 +107,23 @@ def test_a_compiled_step_computes_what_the_eager_step_computes():
 
 
 @NEWEST
+@pytest.mark.parametrize("shape", [(), (1, 1)], ids=["0-dim", "1x1"])
+def test_tensor_betas_and_lr_of_any_one_element_shape_compile_without_breaks_and_step_as_eager(shape):
+    # (a tensor beta once was read on the host inside the traced step: a graph break per step)
+    def make(model, tensors=True):
+        betas = (torch.tensor(0.8).reshape(shape), torch.tensor(0.99).reshape(shape)) if tensors else (0.8, 0.99)
+        return FusedAdam(_groups(model), lr=torch.tensor(1e-2).reshape(shape), adam_w_mode=AdamWMode.ADAMW_TORCH,
+                         betas=betas)
+
+    eager, _, _ = _run(make, _lambda_lr, compiled=False)
+    compiled, counts, _ = _run(make, _lambda_lr, compiled=True)
+    _, float_counts, _ = _run(lambda model: make(model, tensors=False), _lambda_lr, compiled=True)
+    assert counts == float_counts and counts[1] == 1, (counts, float_counts)  # (the scheduler's own break aside)
+    for a, b in zip(compiled, eager):
+        assert_bitwise_equal(a, b, "param")
+
+
+@NEWEST
 def test_the_traced_graph_calls_the_registered_op():
     model = _model()
     opt = _fused(model)

@@ -189,8 +189,11 @@ BAD_OPTIONS = [
     ("beta2-inf", dict(betas=(0.9, float("inf"))), ValueError, r"betas\[1\] must be in \[0, 1\), got inf"),
     ("betas-none", dict(betas=None), ValueError, r"betas must be a pair \(beta1, beta2\), got None"),
     ("betas-three", dict(betas=(0.9, 0.99, 0.999)), ValueError, r"betas must be a pair"),
-    ("max-grad-norm-nan", dict(max_grad_norm=float("nan")), ValueError, r"max_grad_norm must be None or a float > 0"),
-    ("max-grad-norm-string", dict(max_grad_norm="1.0"), ValueError, r"max_grad_norm must be None or a float > 0"),
+    ("max-grad-norm-nan", dict(max_grad_norm=float("nan")), ValueError, r"max_grad_norm must be finite"),
+    ("max-grad-norm-string", dict(max_grad_norm="1.0"), TypeError, r"max_grad_norm must be None or a real number > 0"),
+    ("max-grad-norm-bool", dict(max_grad_norm=True), TypeError, r"max_grad_norm must be None or a real number > 0"),
+    ("max-grad-norm-tensor", dict(max_grad_norm=torch.tensor(1.0)), TypeError, r"max_grad_norm must be None or a real"),
+    ("max-grad-norm-float32-zero", dict(max_grad_norm=1e-50), ValueError, r"a float > 0 within float32's range"),
 ]
 
 

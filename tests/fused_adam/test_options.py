@@ -268,6 +268,9 @@ def _fused_run(make_options, steps: int = 6, convert_after: int = 0) -> list[tor
 TENSOR_OPTIONS = {
     "betas": lambda: dict(betas=(torch.tensor(0.9), torch.tensor(0.999))),
     "lr-and-betas": lambda: dict(lr=torch.tensor(1e-2), betas=(torch.tensor(0.8), torch.tensor(0.99))),
+    # one-element tensors of any shape, as torch.optim takes them
+    "lr-and-betas-of-shape-1x1": lambda: dict(lr=torch.tensor([[1e-2]]),
+                                              betas=(torch.tensor([[0.8]]), torch.tensor([[0.99]]))),
 }
 
 

@@ -1544,7 +1544,8 @@ def _float64_param(p):
 
 BAD_STEPS = [
     ("float64-grad", _float64_grad, r"its gradient has dtype torch\.float64"),
-    ("param-changed-shape", _new_shape, r"its optimizer state was made for shape \(6,\)"),
+    ("param-changed-shape", _new_shape,
+     r"has shape \(6,\) but the parameter has shape .*cannot change shape under its optimizer"),
     ("param-became-float64", _float64_param, r"cannot switch to or from float64"),
 ]
 
