@@ -266,6 +266,21 @@ def warn_nonfinite(entries: list[str]) -> None:
         "before it was saved)", RuntimeWarning, stacklevel=3)
 
 
+def warn_dropped_masters(entries: list[str]) -> None:
+    """The warning of a load whose fp32 masters this optimizer does not keep (master_weights=False, or an fp32
+    param): the params' own values are what the run continues from."""
+    if not entries:
+        return
+    import warnings
+
+    shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+    warnings.warn(
+        f"load_state_dict: {shown}: this optimizer keeps no fp32 master weights for "
+        f"{'that param' if len(entries) == 1 else 'those params'} (master_weights=False, or an fp32 param), so the checkpoint's masters are not loaded and the run continues "
+        "from the params' own values (what the model's state_dict restored: the masters rounded to the param "
+        "dtype). Build the optimizer with master_weights=True to continue with them", RuntimeWarning, stacklevel=3)
+
+
 # ---- loading -------------------------------------------------------------------------------------------------------
 
 
@@ -277,6 +292,7 @@ class PreparedLoad:
     groups: list[dict]
     state: dict
     nonfinite: list[str]  # the entries holding inf or NaN, loaded as they are (warn_nonfinite once the load is done)
+    dropped_masters: list[str]  # masters of params this optimizer keeps none for (warn_dropped_masters)
 
 
 def _torch_adam_with_l2(saved: dict) -> bool:
@@ -382,6 +398,7 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
 
     new_state: dict[torch.Tensor, dict] = {}
     nonfinite: list[str] = []
+    dropped_masters: list[str] = []
     for saved_id, saved in saved_state.items():
         where = entry("state", saved_id)
         _check_id(saved_id, f"{where} (its key)")
@@ -391,9 +408,11 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
         gi, j, p = id_to_param[saved_id]
         new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], gi, group_steps[gi], where, layout.init_state,
                                               nonfinite, listed=entry("param_groups", gi, "params", j))
+        if "master_param" in saved and "master_param" not in new_state[p]:
+            dropped_masters.append(f"{where}['master_param']")
     for group in new_groups:
         del group["params"]
-    return PreparedLoad(new_groups, new_state, nonfinite)
+    return PreparedLoad(new_groups, new_state, nonfinite, dropped_masters)
 
 
 def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index: int, group_step: Optional[float],

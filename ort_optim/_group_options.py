@@ -34,6 +34,8 @@ from ._spec import STATE_DTYPES, AdamWMode
 # than silently ignored there.
 OPTIMIZER_WIDE_KEYS = ("master_weights", "exp_avg_dtype", "exp_avg_sq_dtype")
 BOOL_OPTIONS = ("bias_correction", "amsgrad", "maximize", "stochastic_rounding")
+# What every group holds (the constructor's defaults fill them in; stochastic_rounding and its seed default to off).
+REQUIRED_KEYS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction", "amsgrad", "maximize")
 # The hyperparameters that may be one-element tensors, and where.
 TENSOR_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
@@ -110,6 +112,12 @@ def _flag(group: dict, key: str, where: Where) -> None:
 def check_group(group: dict, where: Where, master_weights: bool) -> None:
     """Every FusedAdam option of a param group (see the module docstring); where(key) names an entry in errors.
     Raises before anything changes; changes nothing."""
+    for key in REQUIRED_KEYS:
+        if key not in group:  # (as torch.optim's add_param_group: a ValueError naming the option)
+            raise ValueError(
+                f"{where(key)} is missing: a param group needs every option of the optimizer's defaults (a group "
+                "appended to optimizer.param_groups directly gets none; add groups with optimizer.add_param_group, "
+                "which fills them in)")
     for key in OPTIMIZER_WIDE_KEYS:
         if key in group:
             raise ValueError(

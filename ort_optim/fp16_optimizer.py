@@ -24,6 +24,7 @@ torch's ``fused=True`` optimizers).
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
@@ -42,6 +43,14 @@ __all__ = ["FP16_Optimizer", "DynamicLossScaler", "LossScaleUnderflowError", "SC
 MIGRATION_GUIDE = ("guides/fp16-optimizer.md, section 'Migrating from Apex amp O2', and the diff in guides/migration.md, "
                    "section '4. Apex amp O2 -> FP16_Optimizer'")
 STATE_FORMAT = "ort_optim.FP16_Optimizer/1"
+# ONNX Runtime's FP16_Optimizer(torch optimizer) warns and returns the optimizer itself, so its users call
+# loss.backward(); ours unscales the gradients by 1 / scale, which would shrink unscaled ones by it, silently.
+UNSCALED_BACKWARD = (
+    "FP16_Optimizer.step(): no loss was scaled through this wrapper since the last step (opt.backward(loss), or "
+    "opt.scale_loss(loss).backward()); gradients from a plain loss.backward() are unscaled by 1 / loss_scale all the "
+    "same, which makes the update loss_scale times too small. Call opt.backward(loss) instead of loss.backward() "
+    "(ONNX Runtime's FP16_Optimizer returned a torch optimizer unwrapped, so code written for it calls "
+    "loss.backward())")
 # The loss scaler's options, which FP16_Optimizer takes as keywords and hands on: DynamicLossScaler's, with its
 # defaults.
 _SCALER_OPTIONS = {name: parameter for name, parameter in inspect.signature(DynamicLossScaler).parameters.items()
@@ -87,6 +96,11 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
             opt.zero_grad()
             opt.backward(loss_fn(model(x), y))   # (loss * scale).backward()
             opt.step()                           # unscale, check inf/NaN, clip, update or skip, adjust the scale
+
+    Gradients must come from ``opt.backward(loss)`` (or ``opt.scale_loss(loss).backward()``): ``step()`` unscales
+    whatever gradients it finds by ``1 / loss_scale``. The first ``step()`` of a wrapper that finds no loss scaled
+    through it since the previous step warns (UserWarning): code written for ONNX Runtime's FP16_Optimizer, which
+    returns a torch optimizer unwrapped, calls ``loss.backward()``.
 
     Master weights, one of two ways chosen at construction (:mod:`ort_optim._master_weights`): with
     :class:`~ort_optim.FusedAdam` inside, its own fp32 masters and fused unscale/skip/clip path are used
@@ -253,6 +267,8 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         self._main_device = main_device
         self.scaler = scaler
         self._masters = masters
+        self._scaled_since_step = False  # (scale_loss since the last step(): gradients are scaled)
+        self._warned_unscaled = False
         masters.apply()
         self._devices = sorted({p.device for p in params}, key=str)
 
@@ -339,6 +355,7 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale`` in float32, for callers that run backward themselves."""
+        self._scaled_since_step = True
         return loss.float() * self.scaler.scale.to(loss.device, non_blocking=True)
 
     def backward(self, loss: torch.Tensor, retain_graph: Optional[bool] = None, **kwargs: Any) -> None:
@@ -390,6 +407,11 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         checked = self._masters.step(self)  # (whether it already read the scaler's min-scale flag on the host)
         if blocking and not checked and not traced:
             self.scaler.check(blocking=True)
+        # (after a step that did not raise: its retry needs no new backward)
+        if not self._scaled_since_step and not traced and not self._warned_unscaled:
+            self._warned_unscaled = True  # (once per wrapper)
+            warnings.warn(UNSCALED_BACKWARD, UserWarning, stacklevel=3)
+        self._scaled_since_step = False
         return loss
 
     # ---- masters -------------------------------------------------------------------------------------------------

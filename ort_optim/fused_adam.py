@@ -845,6 +845,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.state.clear()
         self.state.update(prepared.state)  # (the state's version changes: the next step plans again)
         _checkpoint.warn_nonfinite(prepared.nonfinite)
+        _checkpoint.warn_dropped_masters(prepared.dropped_masters)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

@@ -119,7 +119,9 @@ class _Bool(_Kind):
         return "1" if value else "0"
 
     def ort_accepts(self, raw: str) -> bool:
-        return not self.ort_reads_int or raw.strip() in ("0", "1")
+        if self.ort_reads_int:  # (int() ignores surrounding spaces)
+            return raw.strip() in ("0", "1")
+        return self.parse(raw) == (raw.lower() in ("true", "1", "yes"))  # (no strip: " 1" reads as off)
 
 
 class _OnIfSet(_Kind):

@@ -30,6 +30,9 @@ from ort_optim import FusedAdam
 from ort_optim.fp16_optimizer import SCALE_RANGE, DynamicLossScaler, FP16_Optimizer, LossScaleUnderflowError
 
 LOW = (torch.float16, torch.bfloat16)
+# Tests that write gradients by hand (standing for scaled ones) step without a backward through the wrapper: the
+# warning that says so (test_a_plain_loss_backward_before_step_is_warned_about_once) is expected there.
+pytestmark = pytest.mark.filterwarnings(r"ignore:FP16_Optimizer\.step\(\). no loss was scaled:UserWarning")
 
 
 # ---- the policy, written out as a plain reference ------------------------------------------------------------------
@@ -966,6 +969,36 @@ def test_group_that_cannot_be_scaled_is_refused_naming_it_before_any_write():
 # ---- closures ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("inner", ["SGD", "FusedAdam"])
+def test_a_plain_loss_backward_before_step_is_warned_about_once(inner):
+    """Code written for ONNX Runtime's FP16_Optimizer (which returned a torch optimizer unwrapped) calls
+    loss.backward(): the gradients are unscaled all the same, and the update would be loss_scale times too small
+    without a word. The first such step warns; backward through the wrapper (opt.backward, opt.scale_loss) does not."""
+    params = fp16_params()
+    make = (lambda ps: torch.optim.SGD(ps, lr=0.1)) if inner == "SGD" else (lambda ps: FusedAdam(ps, lr=1e-3))
+    opt = FP16_Optimizer(make(params), init_scale=64.0)
+
+    def loss():
+        return sum((p.float() ** 2).sum() for p in params)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for backward in (lambda: opt.backward(loss()), lambda: opt.scale_loss(loss()).backward()):
+            opt.zero_grad()
+            backward()
+            opt.step()
+    message = r"FP16_Optimizer.step\(\): no loss was scaled through this wrapper .* Call opt.backward\(loss\)"
+    opt.zero_grad()
+    loss().backward()
+    with pytest.warns(UserWarning, match=message):
+        opt.step()
+    with warnings.catch_warnings():  # once per wrapper
+        warnings.simplefilter("error")
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+
+
 def test_closure_is_called_once_before_unscaling():
     results = []
     for use_closure in (False, True):
@@ -1243,7 +1276,9 @@ def test_property_loss_scaler_entry_loads_exactly_or_is_refused_naming_it(change
         assert_tree_bitwise_equal(before, wrapper_picture(opt, params))
         return
     for key, value in checkpoint["loss_scaler"].items():
-        if key != "policy":
+        if key == "hysteresis_left":  # (never above this scaler's policy)
+            assert opt.scaler.hysteresis_left.item() == min(value.item(), opt.scaler.hysteresis)
+        elif key != "policy":
             assert getattr(opt.scaler, key).item() == value.item(), key
 
 

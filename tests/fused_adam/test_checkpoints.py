@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -513,6 +514,26 @@ def test_an_invalid_checkpoint_is_refused_with_an_error_naming_the_entry_and_cha
     assert_same_snapshot(before, optimizer_snapshot(target))
     assert_tree_bitwise_equal(bad, pristine, "the given dict")
     _steps(target, target_params, 2, 1)  # and it still steps
+
+
+def test_masters_that_this_optimizer_does_not_keep_are_dropped_with_a_warning_naming_them():
+    """A checkpoint of an optimizer with fp32 masters, loaded into one without (master_weights=False): the run
+    continues from the params' own values, and the warning says so; with master_weights=True nothing is said."""
+    params, opt = _trained_mixed()
+    sd = opt.state_dict()
+    masters = [key for key, state in sd["state"].items() if "master_param" in state]
+    assert masters, "the trained optimizer keeps masters"
+    _, with_masters = _fresh_like(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with_masters.load_state_dict(sd)
+    twin = _clone_params(params)
+    without = FusedAdam(twin, lr=torch.tensor(1e-2), weight_decay=0.1, amsgrad=True, exp_avg_dtype=torch.float16,
+                        exp_avg_sq_dtype=torch.float16)
+    with pytest.warns(RuntimeWarning, match=rf"state_dict\['state'\]\[{masters[0]}\]\['master_param'\].*"
+                                            "keeps no fp32 master weights"):
+        without.load_state_dict(sd)
+    assert not any("master_param" in state for state in without.state.values())
 
 
 def test_a_nested_tensor_moment_is_refused_naming_the_entry_and_changes_nothing():

@@ -331,6 +331,26 @@ def test_an_lr_tensor_without_data_is_refused_wherever_it_comes_from():
     assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
 
 
+@pytest.mark.parametrize("change", ["appended-without-defaults", "lr-deleted"])
+def test_a_group_missing_an_option_is_refused_naming_the_group_and_the_option(change):
+    """A group appended to param_groups directly has none of the defaults (add_param_group fills them in); torch's
+    step raises a bare KeyError there. Refused, naming the group and the option, and nothing changes."""
+    opt, params = _stepped()
+    extra = _params(1)
+    for p in extra:
+        p.grad = torch.ones_like(p)
+    if change == "appended-without-defaults":
+        opt.param_groups.append({"params": extra})
+        where = r"param_groups\[1\]: lr is missing"
+    else:
+        del opt.param_groups[0]["lr"]
+        where = r"param_groups\[0\]: lr is missing"
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=where + r": .*optimizer.add_param_group"):
+        opt.step()
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
 @pytest.mark.parametrize("key,value", [("exp_avg_dtype", torch.uint8), ("exp_avg_sq_dtype", torch.bfloat16),
                                        ("master_weights", True)])
 def test_optimizer_wide_options_in_a_group_are_refused_naming_the_key_and_the_group(key, value):

@@ -695,6 +695,11 @@ def test_describe_of_from_env_says_environment():
         ({"ORTMODULE_LOG_LEVEL": "info"}, "looks the exact upper-case name up, so it cannot read this as meant; "
                                           "write ORTMODULE_LOG_LEVEL=INFO"),
         ({"ORTMODULE_SKIPCHECK_POLICY": "skip_check_device"}, "write ORTMODULE_SKIPCHECK_POLICY=SKIP_CHECK_DEVICE"),
+        # ORT compares value.lower() without stripping: " 1" and "true " read as off
+        ({"ORTMODULE_FALLBACK_RETRY": " 1"}, "ORTMODULE_FALLBACK_RETRY=' 1': ORT 1.19.2 reads it with value.lower() "
+                                             "in (true, 1, yes), so it cannot read this as meant; write "
+                                             "ORTMODULE_FALLBACK_RETRY=1"),
+        ({"ORTMODULE_FALLBACK_RETRY": "true "}, "write ORTMODULE_FALLBACK_RETRY=1"),
         ({"ORTMODULE_MEMORY_OPT_LEVEL": "3"}, "memory_opt_level (ORTMODULE_MEMORY_OPT_LEVEL): got '3'"),
         ({"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "0", "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER": "1"},
          "label sparse optimizer off"),
