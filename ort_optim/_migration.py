@@ -35,6 +35,10 @@ TORCHAO_STATES = {  # class name -> what it is (the classes of torchao.optim.sub
     "OptimStateFp8": "float8_e4m3fn codes (AdamWFp8)",
 }
 TORCHAO_GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "amsgrad"}  # (lr: a float32 tensor)
+# Keys of the groups of torch's Adam/AdamW, ORT's FusedAdam and FusedAdam, which torchao's groups do not have.
+OTHER_ADAM_GROUP_KEYS = {"foreach", "capturable", "differentiable", "fused", "maximize", "decoupled_weight_decay",
+                         "bias_correction", "adam_w_mode"}
+BNB_ONE_STATE_GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay"}
 BNB_QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes' state_dict() nests its tensors under it
 BNB_STATE_KEYS = ("state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2")
 # bitsandbytes' param groups carry AdEMAMix's options (alpha, t_alpha, t_beta3) whatever the optimizer; the others are
@@ -97,12 +101,28 @@ def source_of(state_dict: Any) -> Optional[str]:
     if any(isinstance(s, dict) and any(_is_torchao(v) for v in s.values()) for s in states):
         return "torchao"
     # before its first step, or with every param under 4096 elements, a torchao optimizer saves no state of its own,
-    # but its groups have exactly its keys, lr a tensor (torch's Adam and AdamW save their implementation switches too,
-    # ORT's FusedAdam bias_correction)
-    if groups and all(isinstance(g, dict) and set(g) == TORCHAO_GROUP_KEYS and type(g["lr"]) is torch.Tensor
-                      for g in groups):
+    # but its groups have its keys, lr a tensor, and none of the keys the others save (torch's Adam and AdamW their
+    # implementation switches, ORT's FusedAdam and ours bias_correction); keys an LR scheduler or the user added
+    # (initial_lr, max_lr, a tag) are kept, as torch keeps them
+    if groups and all(isinstance(g, dict) and TORCHAO_GROUP_KEYS <= set(g) and not OTHER_ADAM_GROUP_KEYS & set(g)
+                      and type(g["lr"]) is torch.Tensor for g in groups):
         return "torchao"
+    # bitsandbytes' one-state optimizers (Lion8bit, SGD8bit, RMSprop8bit) save groups of exactly these keys, with
+    # eps = 0 (Lion) or beta2 = 0 (SGD's momentum and RMSprop's alpha go in betas[0]): not Adam, refused by
+    # _bnb_group, also before their first step (after it, their 'state1' without a 'state2' tells)
+    if any(_bnb_one_state_group(g) for g in groups):
+        return "bitsandbytes"
     return None
+
+
+def _bnb_one_state_group(group: Any) -> bool:
+    """Whether a param group is one of bitsandbytes' one-state optimizers (Lion8bit, SGD8bit, RMSprop8bit): exactly
+    their keys, with eps = 0 (Lion) or beta2 = 0 (SGD's momentum and RMSprop's alpha are betas[0])."""
+    if not (isinstance(group, dict) and set(group) == BNB_ONE_STATE_GROUP_KEYS):
+        return False
+    betas = group["betas"]
+    beta2 = betas[1] if isinstance(betas, (tuple, list)) and len(betas) == 2 else None
+    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0 for v in (group["eps"], beta2))
 
 
 def canonical_checkpoint(state_dict: Any) -> Any:
@@ -164,6 +184,11 @@ def _adam_group(group: dict, gi: int, lr: Any) -> dict:
     if isinstance(betas, (list, tuple)) and len(betas) == 3:
         raise ValueError(f"{entry('param_groups', gi, 'betas')} has three betas {tuple(betas)!r}: AdEMAMix's, "
                          "whose second momentum FusedAdam does not have")
+    # (neither library saves these; a value that changes the update is not the source's math: refused, not replaced)
+    for key, value in (("adam_w_mode", int(AdamWMode.ADAMW_TORCH)), ("bias_correction", True), ("maximize", False)):
+        if key in group and not (isinstance(group[key], bool) == isinstance(value, bool) and group[key] == value):
+            raise ValueError(f"{entry('param_groups', gi, key)} is {group[key]!r}, which changes the update; the "
+                             f"source optimizer's update is torch's AdamW's ({key}={value!r})")
     out = dict(group)
     out["lr"] = lr
     out.update(adam_w_mode=int(AdamWMode.ADAMW_TORCH), bias_correction=True, maximize=False)
@@ -256,6 +281,11 @@ def _bnb_group(group: dict, gi: int) -> dict:
     AdamW8bit run the same step ("adam"): on CPU (bitsandbytes.backends.cpu.ops) exactly torch's AdamW (p *= 1 -
     lr * wd, then p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)); the CUDA kernel applies the decay after the
     update instead, which differs by lr * wd times the update. No amsgrad."""
+    if _bnb_one_state_group(group):
+        raise ValueError(f"{entry('param_groups', gi)} is a bitsandbytes one-state optimizer's group (eps "
+                         f"{group['eps']!r}, betas {tuple(group['betas'])!r}: Lion8bit's, SGD8bit's or "
+                         "RMSprop8bit's, which keep one moment and step by another rule than Adam's); FusedAdam "
+                         "continues only bitsandbytes' Adam8bit and AdamW8bit (and their paged variants)")
     out = dict(group)
     for key, (neutral, expected) in BNB_GROUP_OPTIONS.items():
         if key in out:

@@ -388,11 +388,15 @@ def test_a_bitsandbytes_state_dict_saved_before_its_first_step_loads_its_groups(
     assert not any(opt.state.values())
 
 
-@pytest.mark.parametrize("params", ["before the first step", "all under 4096 elements"])
+@pytest.mark.parametrize("params", ["before the first step", "all under 4096 elements", "with a scheduler's keys"])
 def test_a_torchao_state_dict_without_torchao_states_is_told_by_its_groups(params):
-    """No torchao state: its groups (exactly torchao's keys, lr a tensor) tell its layout, so its options map as in
-    every torchao load (ADAMW_TORCH, lr a float); the small params' plain moments load as they are."""
+    """No torchao state: its groups (torchao's keys, lr a tensor, none of the keys torch's or ORT's Adam save) tell
+    its layout, so its options map as in every torchao load (ADAMW_TORCH, lr a float); the small params' plain
+    moments load as they are. Keys an LR scheduler adds (initial_lr) are kept, as torch keeps them."""
     sd, _ = torchao_state_dict("8bit", real=False)
+    if params == "with a scheduler's keys":
+        sd["param_groups"][0].update(initial_lr=3e-3, max_lr=3e-3)
+        params = "before the first step"
     small = torch.nn.Parameter(torch.randn(SMALL))
     if params == "before the first step":
         sd["state"] = {}
@@ -474,7 +478,25 @@ def _unknown_subclass(sd):
     sd["state"][0]["exp_avg"] = torch.Tensor._make_subclass(Wrapped, torch.zeros(SHAPES[0]))
 
 
+def _bnb_one_state_before_its_first_step(eps, betas):
+    """The state_dict of bitsandbytes' Lion8bit / SGD8bit / RMSprop8bit before their first step: groups of exactly
+    these keys, no state (after a step, their 'state1' without a 'state2' tells them)."""
+    group = {"params": [0, 1, 2], "lr": 1e-4, "betas": betas, "eps": eps, "weight_decay": 0}
+    return {"state": {}, "param_groups": [group]}, make_params
+
+
 REFUSALS = {
+    "bnb-lion-before-its-first-step": (lambda: _bnb_one_state_before_its_first_step(0.0, (0.9, 0.99)),
+                                       "a bitsandbytes one-state optimizer's group"),
+    "bnb-sgd-before-its-first-step": (lambda: _bnb_one_state_before_its_first_step(0.0, (0.9, 0)),
+                                      "a bitsandbytes one-state optimizer's group"),
+    "bnb-rmsprop-before-its-first-step": (lambda: _bnb_one_state_before_its_first_step(1e-8, (0.99, 0)),
+                                          "a bitsandbytes one-state optimizer's group"),
+    **{f"{library}-{key}": (lambda library=library, key=key, value=value: (
+        _bnb_with if library == "bnb" else _torchao_with)(lambda sd: sd["param_groups"][0].update({key: value})),
+        f"['param_groups'][0]['{key}'] is {value!r}, which changes the update")
+       for library in ("bnb", "torchao")
+       for key, value in (("maximize", True), ("adam_w_mode", 0), ("bias_correction", False))},
     **{f"bnb-{key}": (lambda key=key: _bnb_with(lambda sd: sd["param_groups"][0].update({key: NOT_NEUTRAL[key]})),
                       f"['param_groups'][0]['{key}']") for key in NOT_NEUTRAL},
     "bnb-ademamix-betas": (lambda: _bnb_with(lambda sd: sd["param_groups"][0].update(betas=(0.9, 0.999, 0.9999))),
