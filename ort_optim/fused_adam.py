@@ -91,7 +91,9 @@ class FusedAdam(torch.optim.Optimizer):
         adam_w_mode: the weight-decay variant (default ``ADAMW_TRANSFORMERS``, as ORT). A bool, apex's form of this
             argument, is refused (ORT read True as ``ADAMW_TRANSFORMERS``; apex's True is ``ADAMW_TORCH``'s math).
         weight_decay: :math:`\lambda` (default 0.0, as ORT; torch's AdamW uses 1e-2).
-        set_grad_none: ``zero_grad()`` sets gradients to None (default True).
+        set_grad_none: ``zero_grad()`` sets gradients to None (default True); an explicit
+            ``zero_grad(set_to_none=False)`` zeroes them all the same, as torch's (ORT's FusedAdam ignores the
+            argument while this is True).
         amsgrad: use :math:`\max_{s\le t} v_s` in the denominator (default False).
         maximize: ascend instead of descend (default False).
         master_weights: keep an fp32 master copy (``state['master_param']``) of fp16/bf16 params; the update is done
