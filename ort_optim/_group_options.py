@@ -251,14 +251,24 @@ def check_optimizer_options(master_weights: Any, exp_avg_dtype: Any, exp_avg_sq_
     """The constructor's optimizer-wide options (flags: name -> value of the options that must be bools)."""
     check_dtype_option("exp_avg_dtype", exp_avg_dtype)
     check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
+    check_dtype_pair(exp_avg_dtype, exp_avg_sq_dtype)
+    check_max_grad_norm(max_grad_norm)
+    for name, value in dict(flags, master_weights=master_weights).items():
+        check_flag(name, value)
+
+
+def check_dtype_pair(exp_avg_dtype: Optional[torch.dtype], exp_avg_sq_dtype: Optional[torch.dtype]) -> None:
+    """The two moment dtypes together (each checked by check_dtype_option)."""
     if exp_avg_dtype == torch.uint4 and exp_avg_sq_dtype != torch.uint4:
         # (ort_optim._spec.EXP_AVG_RELATIVE: the 4-bit exp_avg holds m / sqrt(v), decoded through exp_avg_sq's codes)
         raise ValueError("exp_avg_dtype=torch.uint4 stores exp_avg relative to a 4-bit second moment (its codes hold "
                          f"m / sqrt(v)): set exp_avg_sq_dtype=torch.uint4 too, got {exp_avg_sq_dtype!r}")
-    check_max_grad_norm(max_grad_norm)
-    for name, value in dict(flags, master_weights=master_weights).items():
-        if not isinstance(value, bool):
-            raise TypeError(f"FusedAdam: {name} must be True or False, got {value!r}")
+
+
+def check_flag(name: str, value: Any) -> None:
+    """An optimizer-wide option that must be a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"FusedAdam: {name} must be True or False, got {value!r}")
 
 
 def check_max_grad_norm(value: Any) -> Optional[float]:

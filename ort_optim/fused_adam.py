@@ -273,6 +273,9 @@ class FusedAdam(torch.optim.Optimizer):
         state.setdefault("pipeline_group", None)
         super().__setstate__(state)  # (it puts "state" into __dict__, under the property: wrap it)
         self.state = self.__dict__.pop("state", self.__dict__.get("_state_container", {}))
+        for name in self._CHECKED_OPTIONS:  # (likewise: through their checked setters)
+            if name in self.__dict__:
+                setattr(self, name, self.__dict__.pop(name))
         self._plan = None  # the cache (native plans cannot be copied): rebuilt at the next step
         self._checked_groups = _group_options.CheckedGroups()
         self._partitions_checked = False
@@ -354,6 +357,46 @@ class FusedAdam(torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise
             self._backward.watch(group_index, group)
+
+    # Optimizer-wide options that may change between steps (FP16_Optimizer switches master_weights on and sets
+    # max_grad_norm; a run may move its moments to another dtype, which the next step converts them to), checked when
+    # set, as at construction: a bad value raises there, naming the option, and nothing changes.
+    _CHECKED_OPTIONS = ("master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm")
+
+    @property
+    def master_weights(self) -> bool:
+        return self._master_weights
+
+    @master_weights.setter
+    def master_weights(self, value: bool) -> None:
+        _group_options.check_flag("master_weights", value)
+        self._master_weights = value
+
+    @property
+    def exp_avg_dtype(self) -> Optional[torch.dtype]:
+        return self._exp_avg_dtype
+
+    @exp_avg_dtype.setter
+    def exp_avg_dtype(self, value: Optional[torch.dtype]) -> None:
+        _group_options.check_dtype_option("exp_avg_dtype", value)
+        self._exp_avg_dtype = value
+
+    @property
+    def exp_avg_sq_dtype(self) -> Optional[torch.dtype]:
+        return self._exp_avg_sq_dtype
+
+    @exp_avg_sq_dtype.setter
+    def exp_avg_sq_dtype(self, value: Optional[torch.dtype]) -> None:
+        _group_options.check_dtype_option("exp_avg_sq_dtype", value)
+        self._exp_avg_sq_dtype = value
+
+    @property
+    def max_grad_norm(self) -> Optional[float]:
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: Optional[float]) -> None:
+        self._max_grad_norm = _group_options.check_max_grad_norm(value)
 
     @property
     def _layout(self) -> StateLayout:
@@ -545,6 +588,7 @@ class FusedAdam(torch.optim.Optimizer):
         accepted them, or that are tensors: _group_options.CheckedGroups), capturable's demands, and clipping under a
         partitioning DeepSpeed optimizer (once). Returns each group's hyperparameters as the op's keyword arguments."""
         hypers = self._checked_groups.hyperparameters(self.param_groups, self.master_weights)
+        _group_options.check_dtype_pair(self.exp_avg_dtype, self.exp_avg_sq_dtype)  # (each may have changed alone)
         if self.capturable:  # checked before anything changes (state creation included), like everything else
             self._check_capturable_grad_scale(grad_scale)
             for group_index, group in enumerate(self.param_groups):

@@ -337,6 +337,40 @@ def test_an_lr_tensor_without_data_is_refused_wherever_it_comes_from():
     assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
 
 
+@pytest.mark.parametrize("name,value,error,message", [
+    ("max_grad_norm", -1.0, ValueError, "max_grad_norm must be None or a float > 0"),
+    ("max_grad_norm", "1", TypeError, "max_grad_norm must be None or a real number > 0"),
+    ("master_weights", 1, TypeError, "master_weights must be True or False"),
+    ("exp_avg_dtype", "uint8", ValueError, "exp_avg_dtype must be None, torch.float32"),
+    ("exp_avg_sq_dtype", torch.int8, ValueError, "exp_avg_sq_dtype must be None, torch.float32"),
+], ids=["max-grad-norm-negative", "max-grad-norm-string", "master-weights-int", "exp-avg-dtype-string",
+        "exp-avg-sq-dtype-int8"])
+def test_an_optimizer_wide_option_set_between_steps_is_checked_when_set(name, value, error, message):
+    """FP16_Optimizer sets master_weights and max_grad_norm on the FusedAdam it wraps, and a run may move its moments
+    to another dtype between steps: a bad value is refused where it is set, as at construction, and nothing
+    changes (it once stepped with a negative max_grad_norm, or failed inside the step)."""
+    opt, params = _stepped()
+    before = (optimizer_snapshot(opt), getattr(opt, name))
+    with pytest.raises(error, match=message):
+        setattr(opt, name, value)
+    assert_tree_bitwise_equal((optimizer_snapshot(opt), getattr(opt, name)), before, "optimizer")
+
+
+def test_moment_dtypes_changed_between_steps_are_checked_together_at_the_step():
+    """Each moment dtype may be set alone (one at a time); a 4-bit exp_avg needs a 4-bit exp_avg_sq, checked at the
+    next step before anything changes, and the pair then converts the states."""
+    opt, params = _stepped()
+    opt.exp_avg_dtype = torch.uint4
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match="set exp_avg_sq_dtype=torch.uint4 too"):
+        opt.step()
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+    opt.exp_avg_sq_dtype = torch.uint4
+    opt.step()
+    assert all(state["exp_avg"].dtype == torch.uint8 and state["exp_avg_scale"].dtype == torch.bfloat16
+               for state in opt.state.values())
+
+
 @pytest.mark.parametrize("change", ["appended-without-defaults", "lr-deleted"])
 def test_a_group_missing_an_option_is_refused_naming_the_group_and_the_option(change):
     """A group appended to param_groups directly has none of the defaults (add_param_group fills them in); torch's
