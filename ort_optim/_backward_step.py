@@ -57,8 +57,10 @@ class BackwardStep:
         self._check_queued: Optional[int] = None
         self._task: tuple[Optional[int], bool] = (None, False)  # (the last hook's graph task, whether it is nested)
         # Once check_updated_once() found a param updated with another gradient, every later hook, step() and
-        # zero_grad() raises the same error (until remove_backward_hooks()): none may update it again.
+        # zero_grad() raises the same error while such a gradient is there (cleared by hand, the next step() or
+        # zero_grad() goes on without it; remove_backward_hooks() ends it too): none may update a param again.
         self._refusal: Optional[str] = None
+        self._refused: list[torch.Tensor] = []  # (the params whose gradient written after their update it is about)
         # TorchDynamo must not trace the hook: torch.compile of a function that calls backward() would compile the
         # hooks that the engine calls from it (measured before this wrapper, torch 2.4.1 and 2.13: an error out of
         # tracing, or another param's state looked up for a param). It runs eagerly, as autograd's engine calls it.
@@ -133,7 +135,7 @@ class BackwardStep:
         self._setup_handles.clear()
         self._impls.clear()
         self._unhooked.clear()
-        self._refusal = None
+        self._refusal, self._refused = None, []
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
@@ -281,13 +283,18 @@ class BackwardStep:
         record of the updated params (forget=False: a gradient written after this backward must still be found by
         step()), and in step() and zero_grad(), which clear it."""
         if self._refusal is not None:
-            raise ValueError(self._refusal)
+            # (refused until the gradients written after the update are gone: cleared by hand, the next step() or
+            # zero_grad() goes on, without them; backward calls before that keep raising)
+            if any(p.grad is not None for p in self._refused):
+                raise ValueError(self._refusal)
+            self._refusal, self._refused = None, []
         updated = self._updated
         if forget:
             self._updated = {}
         for p in updated:
             if p.grad is not None:
                 group_index, index, _ = self._where[p]
+                self._refused = [q for q in updated if q.grad is not None]
                 self._refusal = (
                     f"{_plan.describe(group_index, index, p)} was updated in backward by step_in_backward=True, and "
                     "has a gradient again: something wrote it after autograd's accumulation (code after backward, or "

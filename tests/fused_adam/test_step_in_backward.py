@@ -1358,6 +1358,31 @@ def test_a_gradient_written_after_backward_for_a_param_updated_in_it_is_refused_
     assert_same_snapshot(before, optimizer_snapshot(opt))
 
 
+@pytest.mark.parametrize("then", ["step()", "zero_grad()"])
+def test_once_the_gradient_written_after_backward_is_cleared_training_goes_on(then):
+    """The refusal lasts while that gradient is there (every backward before raises too); cleared by hand, the next
+    step() or zero_grad() goes on without it, and later iterations update as a fresh run would."""
+    nets = [ThreeLayers(), ThreeLayers()]
+    opts = [FusedAdam(_trained(net), lr=1e-2, step_in_backward=True) for net in nets]
+    for net in nets:
+        net(_x(0)).backward()
+    net, opt = nets[0], opts[0]
+    net.head.bias.grad = torch.ones_like(net.head.bias)
+    with pytest.raises(ValueError, match="has a gradient again"):
+        opt.zero_grad() if then == "zero_grad()" else opt.step()
+    with pytest.raises(ValueError, match="has a gradient again"):
+        net(_x(1)).backward()
+    net.zero_grad(set_to_none=True)  # (the model's own: the hand-written gradient, and the refused backward's)
+    for twin_opt in opts:
+        twin_opt.zero_grad() if then == "zero_grad()" else twin_opt.step()
+    for step in (1, 2):
+        for twin, twin_opt in zip(nets, opts):
+            twin(_x(step)).backward()
+            twin_opt.step()
+    assert_tree_bitwise_equal([p.detach() for p in nets[0].parameters()], [p.detach() for p in nets[1].parameters()],
+                              "params")
+
+
 def test_master_weights_switched_off_under_masters_is_refused_by_the_first_hook_with_nothing_written(backend):
     """As step() refuses it (a state with a master_param for a param that keeps none), naming the param."""
     net = ThreeLayers(torch.bfloat16)
