@@ -452,8 +452,9 @@ def max_grad_norm_refused(max_grad_norm: float) -> ValueError:
 def loss_scaling_refused() -> ValueError:
     return ValueError(
         "grad_scale/found_inf (loss scaling, torch.amp.GradScaler) need every gradient before the first update, but "
-        "step_in_backward=True already updated each parameter during backward. Use step_in_backward=False with loss "
-        "scaling (or bf16 autocast, which needs none)")
+        "step_in_backward=True updates each parameter during backward, as soon as its gradient is ready (here, or "
+        "in the next backward outside accumulate()). Use step_in_backward=False with loss scaling (or bf16 autocast, "
+        "which needs none)")
 
 
 def _state_lists(state: dict, amsgrad: bool) -> list[list[torch.Tensor]]:
