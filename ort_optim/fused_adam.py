@@ -61,6 +61,24 @@ def _traced_hyperparameters(group: dict, device: torch.device) -> dict:
     return hyper
 
 
+class _CheckedOption:
+    """An attribute checked when set (``check(name, value)`` raises, naming it, or returns nothing or the value to
+    keep), stored as ``_<name>``."""
+
+    def __init__(self, check: Callable[[str, Any], Any]) -> None:
+        self.check = check
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        checked = self.check(self.name, value)
+        setattr(obj, self.slot, value if checked is None else checked)
+
+
 class FusedAdam(torch.optim.Optimizer):
     r"""Multi-tensor Adam/AdamW whose update is one call of ort_optim's fused op per (device, dtype) bucket.
 
@@ -363,40 +381,10 @@ class FusedAdam(torch.optim.Optimizer):
     # set, as at construction: a bad value raises there, naming the option, and nothing changes.
     _CHECKED_OPTIONS = ("master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm")
 
-    @property
-    def master_weights(self) -> bool:
-        return self._master_weights
-
-    @master_weights.setter
-    def master_weights(self, value: bool) -> None:
-        _group_options.check_flag("master_weights", value)
-        self._master_weights = value
-
-    @property
-    def exp_avg_dtype(self) -> Optional[torch.dtype]:
-        return self._exp_avg_dtype
-
-    @exp_avg_dtype.setter
-    def exp_avg_dtype(self, value: Optional[torch.dtype]) -> None:
-        _group_options.check_dtype_option("exp_avg_dtype", value)
-        self._exp_avg_dtype = value
-
-    @property
-    def exp_avg_sq_dtype(self) -> Optional[torch.dtype]:
-        return self._exp_avg_sq_dtype
-
-    @exp_avg_sq_dtype.setter
-    def exp_avg_sq_dtype(self, value: Optional[torch.dtype]) -> None:
-        _group_options.check_dtype_option("exp_avg_sq_dtype", value)
-        self._exp_avg_sq_dtype = value
-
-    @property
-    def max_grad_norm(self) -> Optional[float]:
-        return self._max_grad_norm
-
-    @max_grad_norm.setter
-    def max_grad_norm(self, value: Optional[float]) -> None:
-        self._max_grad_norm = _group_options.check_max_grad_norm(value)
+    master_weights = _CheckedOption(_group_options.check_flag)
+    exp_avg_dtype = _CheckedOption(_group_options.check_dtype_option)
+    exp_avg_sq_dtype = _CheckedOption(_group_options.check_dtype_option)
+    max_grad_norm = _CheckedOption(lambda name, value: _group_options.check_max_grad_norm(value))
 
     @property
     def _layout(self) -> StateLayout:
