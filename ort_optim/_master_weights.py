@@ -188,7 +188,9 @@ class InnerMasters:
                     "backward(loss); nothing was changed")
             scale = None  # (every gradient holds its unscaled value already)
         reduction = opt._reduction() if distributed else None
-        if distributed and (reduction is None or not reduction.spans(owner._overflow_groups())):
+        # (the wrapper's process_group left None is the group of the FusedAdam's own decision where it has one)
+        explicit = [g for g in owner._overflow_groups() if g is not None]
+        if distributed and (reduction is None or not reduction.spans(explicit)):
             # Our own flag, reduced over the wrapper's groups, goes in as found_inf (FusedAdam ORs it with its own
             # check, which also covers a gradient that overflows when unscaled by a scale below 1). A FusedAdam over
             # DTensor params or with a process_group decides globally itself, in the all-reduce that also carries its
@@ -197,8 +199,8 @@ class InnerMasters:
             grads_by_device: dict[torch.device, list[torch.Tensor]] = {}
             for group in opt.param_groups:
                 for p in group["params"]:
-                    if p.grad is not None:
-                        grads_by_device.setdefault(p.grad.device, []).append(p.grad)
+                    if p.grad is not None:  # (a DTensor's local piece: each rank checks its own)
+                        grads_by_device.setdefault(p.grad.device, []).append(dtensor.local(p.grad))
             given = torch.zeros((), dtype=torch.float32, device=owner._main_device)
             for on_device in grads_by_device.values():
                 given = torch.maximum(given, backends.grad_stats(on_device)[1].to(owner._main_device))

@@ -170,7 +170,9 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         max_grad_norm: clip the unscaled gradients to this global L2 norm (default None: no clipping). It can be
             changed later (``opt.max_grad_norm = 0.5``); with FusedAdam it is FusedAdam's own ``max_grad_norm``.
         process_group: data-parallel group over which the overflow flag is all-reduced with MAX before deciding
-            (default: the default group when torch.distributed is initialised, else none).
+            (default: the default group when torch.distributed is initialised, else none; with a FusedAdam inside
+            that all-reduces its own decision, over DTensor params' meshes or its own process_group/pipeline_group,
+            that decision's groups).
         model_parallel_groups: further groups (tensor/pipeline parallel) over which the flag is MAX-reduced.
 
     Attributes: ``loss_scale`` (float), ``overflow``/``skipped`` (whether the last step was skipped),

@@ -513,6 +513,7 @@ class FusedAdam(torch.optim.Optimizer):
         plan = self._plan
         groups, state, layout = self.param_groups, self.state, self._layout
         if plan is None or not plan.read_grads_if_valid(groups, state, layout):
+            self._reduction()  # (params on meshes it refuses: raised before the new plan creates any state)
             plan = self._plan = _plan.build(groups, state, layout)
             # (a plan describes what it was built from: if not, this is a bug, not a user error)
             if not plan.read_grads_if_valid(groups, state, layout):

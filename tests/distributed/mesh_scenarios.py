@@ -404,6 +404,22 @@ def _refusals(mesh, other_mesh) -> dict:
     except ValueError as exc:
         out["bad-shape"] = str(exc)
     out["bad-shape-untouched"] = all(torch.equal(full(opt.state[w][k]), v) for k, v in before.items())
+    # params on meshes over ranks {0, 1} and {1, 2}, which together do not span the world: no global norm without a
+    # process_group; refused at the first step, before any state is made (every rank creates both meshes)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    apart = [DeviceMesh("cpu", ranks) for ranks in ([0, 1], [1, 2])]
+    ws = [nn.Parameter(distribute_tensor(torch.ones(4, 3), m, [Shard(0)])) for m in apart]
+    for p, m in zip(ws, apart):
+        p.grad = distribute_tensor(torch.ones(4, 3), m, [Shard(0)])
+    opt = make_optimizer(ws)
+    try:
+        opt.step()
+        out["meshes-apart"] = "no error"
+    except ValueError as exc:
+        out["meshes-apart"] = str(exc)
+    out["meshes-apart-untouched"] = (all(torch.equal(p.to_local(), torch.ones_like(p.to_local())) for p in ws)
+                                     and not any(opt.state.get(p) for p in ws) and not opt.state_dict()["state"])
     appended = make_optimizer([nn.Parameter(torch.zeros(1))])
     appended.param_groups[0]["params"].append(w)  # (not through add_param_group)
     out["appended-dtensor-reduces"] = appended._reduction() is not None

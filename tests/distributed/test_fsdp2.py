@@ -117,6 +117,9 @@ def test_bad_distributed_input_is_refused_naming_the_param_and_changes_nothing(m
         assert "state_dict['state'][0]['exp_avg']" in out["bad-shape"] and "(2, 4)" in out["bad-shape"], \
             out["bad-shape"]
         assert out["plain-grad-untouched"] and out["mesh-untouched"] and out["bad-shape-untouched"]
+        assert "device meshes over different sets of ranks ([[0, 1], [1, 2]])" in out["meshes-apart"], \
+            out["meshes-apart"]
+        assert out["meshes-apart-untouched"]
         assert "param_groups[0]['params'][0]" in out["step-in-backward"] and "DTensor" in out["step-in-backward"]
         assert out["appended-dtensor-reduces"]
 
