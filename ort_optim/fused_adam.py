@@ -191,7 +191,10 @@ class FusedAdam(torch.optim.Optimizer):
     tensor, finite and non-zero in float32, as torch's GradScaler keeps its scale) divides every gradient inside the
     kernel, and the step leaves the unscaled gradient in ``p.grad``; ``found_inf`` (one-element tensor) turns the step
     into a no-op when non-zero. With ``grad_scale`` or ``max_grad_norm`` the step also skips itself on inf/NaN gradients
-    (:attr:`last_step_skipped`, :attr:`last_grad_norm`).
+    (:attr:`last_step_skipped`, :attr:`last_grad_norm`); in distributed training (DTensor params, ``process_group``,
+    ``pipeline_group``) that flag is all-reduced with the norm, so every rank skips alike, while a ``found_inf`` given
+    by the caller is taken as given on each rank, as torch's fused optimizers take it (torch.amp.GradScaler and
+    FP16_Optimizer hand every rank the same one).
 
     guides/fused-adam.md holds the rest of the contract: the step's cache and what it notices, what is refused, the
     autograd version counters, loss scaling and skipped steps, ``step_in_backward``, and distributed training.
