@@ -330,6 +330,9 @@ def _make_get_grad_norm_direct_stage3(module):
         if selected:
             stats = _stats_on(selected, device)
             total = torch.where(stats[1] > 0, torch.full_like(stats[0], math.nan), stats[0]).double()
+            if bool(torch.isinf(total)):  # (one host read) finite gradients whose squares overflow float32 (norm
+                # above 1.8e19): DeepSpeed's float64 sum holds them, and clips with that norm; so does this one
+                total = torch.stack([g.detach().double().pow(2).sum() for g in selected]).sum().to(device)
         else:
             total = torch.zeros((), dtype=torch.float64, device=device)
         # DeepSpeed's stage 3 sums and reduces in float64 and returns a float64 norm: so do we

@@ -186,6 +186,12 @@ def _compare_functions(opt, rank: int, stage: int) -> list[str]:
         same(opt.has_overflow_serial(holders), cls.has_overflow_serial(opt, holders), f"has_overflow_serial({poison})")
         same(opt.get_grad_norm_direct(tensors, holders), cls.get_grad_norm_direct(opt, tensors, holders),
              f"get_grad_norm_direct(crafted, {poison})")
+    # finite fp32 gradients whose squares overflow float32 (norm 3e20): stage 3 sums in float64 and clips with that
+    # norm; stages 1 and 2 round the sum to float32 and report -1, both DeepSpeed's and ours
+    tensors = [torch.full((10,), 1e20), torch.ones(3)]
+    holders = [torch.zeros(t.shape) for t in tensors]
+    same(opt.get_grad_norm_direct(tensors, holders), cls.get_grad_norm_direct(opt, tensors, holders),
+         "get_grad_norm_direct(norm beyond float32)")
     return bad
 
 
