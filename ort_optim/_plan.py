@@ -629,10 +629,11 @@ def check_state(layout: StateLayout, p: torch.Tensor, state: ParamState, amsgrad
                 raise ValueError(f"{where}: amsgrad is on but this parameter's state has no max_exp_avg_sq{hint}")
             raise ValueError(f"{where}: its optimizer state has no '{key}'{hint}")
     adoptions += _check_step(p, state, where, layout.steps_device(p))
-    # exp_avg last: a 4-bit one is coded relative to exp_avg_sq (_spec.EXP_AVG_RELATIVE), checked before it
+    # exp_avg last: a 4-bit one is coded relative to exp_avg_sq (_spec.EXP_AVG_RELATIVE), checked before it, and read
+    # as it will be once its adoptions are made (values assigned in place of 4-bit codes become codes and scales)
     for key, dtype in (("exp_avg_sq", v_dtype), ("max_exp_avg_sq", v_dtype), ("exp_avg", m_dtype)):
         if key in state and (amsgrad or key != "max_exp_avg_sq"):
-            adoptions += _check_moment(layout, p, state, key, dtype, where)
+            adoptions += _check_moment(layout, p, state, key, dtype, where, _after(state, adoptions))
     if "master_param" in state:
         if not has_master:
             raise ValueError(
@@ -650,6 +651,17 @@ def check_state(layout: StateLayout, p: torch.Tensor, state: ParamState, amsgrad
                 and not tracks_versions(value)):
             adoptions.append(_Adoption(state, key, value.clone()))
     return adoptions
+
+
+def _after(state: ParamState, adoptions: list[_Adoption]) -> dict:
+    """What state holds once these adoptions are made (a new dict; state itself is not written)."""
+    view = dict(state)
+    for adoption in adoptions:
+        if adoption.value is None:
+            view.pop(adoption.key, None)
+        else:
+            view[adoption.key] = adoption.value
+    return view
 
 
 def _state_tensor(p: torch.Tensor, state: ParamState, key: str, where: str) -> torch.Tensor:
@@ -684,7 +696,7 @@ def _check_tensor_entry(p, state, key, dtype, where) -> list[_Adoption]:
     return [_Adoption(state, key, value.detach().to(dtype, memory_format=torch.contiguous_format, copy=True))]
 
 
-def _check_moment(layout: StateLayout, p, state, key, dtype, where) -> list[_Adoption]:
+def _check_moment(layout: StateLayout, p, state, key, dtype, where, reads: dict) -> list[_Adoption]:
     """A moment in the layout this optimizer would create for p now is used as is (float16 ones with valid block
     scales in state[key + '_scale'], uint8 codes with valid 8-bit or 4-bit block scales there); any other floating
     tensor of p's shape, or low-bit codes of the other low-bit format, is taken as values and converted into that
@@ -699,7 +711,9 @@ def _check_moment(layout: StateLayout, p, state, key, dtype, where) -> list[_Ado
                     and formats.is_relative(pair, state.get("exp_avg_sq_scale"))):
                 raise ValueError(f"{where}: optimizer.state[p]['exp_avg'] holds {fmt.name} codes, which are coded "
                                  f"relative to a {fmt.name} exp_avg_sq, but optimizer.state[p]['exp_avg_sq'] is not "
-                                 f"{fmt.name} codes; delete optimizer.state[p] to start the param afresh")
+                                 f"{fmt.name} codes (the codes exp_avg was made with are gone, and with them its "
+                                 "values): assign exp_avg's values too, or delete optimizer.state[p] to start the "
+                                 "param afresh")
         if LOW_BIT_FORMATS.get(dtype) is fmt and value.is_contiguous():
             return []
         scaled = True
@@ -717,12 +731,17 @@ def _check_moment(layout: StateLayout, p, state, key, dtype, where) -> list[_Ado
             raise ValueError(f"{where}: optimizer.state[p][{key + '_scale'!r}] must be a contiguous float32 tensor of "
                              f"{num_blocks(value.numel())} positive block scales on {value.device}")
     source = {key: value, key + "_scale": scale} if scaled else {key: value}
-    if key == "exp_avg":  # (a 4-bit exp_avg decodes and encodes relative to its exp_avg_sq: _spec.EXP_AVG_RELATIVE)
-        source.update({k: state[k] for k in ("exp_avg_sq", "exp_avg_sq_scale") if k in state})
+    pair = ("exp_avg_sq", "exp_avg_sq_scale")
+    if key == "exp_avg" and value.dtype == torch.uint8:
+        # (4-bit exp_avg codes decode relative to the exp_avg_sq codes they were made with: the pair as it is now;
+        # _spec.EXP_AVG_RELATIVE)
+        source.update({k: state[k] for k in pair if k in state})
     values = _checkpoint.to_canonical(source, key, p.shape)
     fresh = layout.init_state(p, amsgrad=key == "max_exp_avg_sq")  # (a state in the layout, to fill)
     if key == "exp_avg" and formats.is_relative(fresh["exp_avg"], fresh.get("exp_avg_scale")):
-        _checkpoint.from_canonical(fresh, "exp_avg_sq", _checkpoint.to_canonical(source, "exp_avg_sq", p.shape))
+        # (and encode relative to exp_avg_sq as the state will hold it, once its own adoption is made)
+        stored = {k: reads[k] for k in pair if k in reads}
+        _checkpoint.from_canonical(fresh, "exp_avg_sq", _checkpoint.to_canonical(stored, "exp_avg_sq", p.shape))
     _checkpoint.from_canonical(fresh, key, values)
     companion = key + "_scale"
     return [_Adoption(state, key, fresh[key])] + (

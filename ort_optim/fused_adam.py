@@ -489,7 +489,8 @@ class FusedAdam(torch.optim.Optimizer):
                 raise loss_scaling_refused()
         if grad_scale is not None or found_inf is not None:
             _group_options.check_scaling_arguments(grad_scale, found_inf)
-        if torch.compiler.is_compiling() and _TRACED_STEP and self._backward is None and self._init_group():
+        if (torch.compiler.is_compiling() and _TRACED_STEP and self._backward is None
+                and self._init_group(unscales=grad_scale is not None)):
             self._check_capturable_grad_scale(grad_scale)
             # Traced by torch.compile: _init_group ran outside the graph (validated everything, planned); what it
             # read is guarded by TorchDynamo, and the check below makes the plan's own rule part of those guards, so
@@ -537,7 +538,7 @@ class FusedAdam(torch.optim.Optimizer):
         every call (a wrapper made per call is a new function each time, and each re-traces the calling frame)."""
         self._update(grad_scale, found_inf)
 
-    def _init_group(self) -> bool:
+    def _init_group(self, unscales: bool = False) -> bool:
         """The part of a step that torch.compile cannot trace, run outside the graph: TorchDynamo calls an optimizer's
         ``_init_group`` eagerly when it traces ``step()`` (as for torch.optim's optimizers) and guards the state and
         gradients it then reads. Validates the options, then builds the plan (without native plans: the traced step
@@ -545,7 +546,9 @@ class FusedAdam(torch.optim.Optimizer):
         path does not apply: DTensor params or a process/pipeline group (their collectives), or ops that are not
         registered (ORT_OPTIM_BACKEND=torch, no native library): the update then runs eagerly, outside the graph
         (_update_outside_graph). Also False for an option or a state it refuses: the eager update then raises the error
-        itself (an error out of this call would reach the user wrapped in TorchDynamo's own)."""
+        itself (an error out of this call would reach the user wrapped in TorchDynamo's own). unscales: the step
+        writes unscaled gradients back (a grad_scale), whose overlap check reads what a traced step cannot (a host
+        int per non-contiguous gradient: a graph break, after which TorchDynamo's restarted analysis diverged)."""
         try:
             self._validate_options(None)
         except (ValueError, TypeError):
@@ -562,6 +565,11 @@ class FusedAdam(torch.optim.Optimizer):
             try:
                 self._plan = _plan.build(self.param_groups, self.state, layout, traced=True)
             except (ValueError, TypeError):
+                return False
+        if unscales:
+            try:
+                _plan.check_grads_writable(list(self._plan.buckets()))
+            except ValueError:
                 return False
         # The optimizer's own tensors (states, masters, scales, steps) are guarded by identity, as torch.optim's
         # states are: a guard on each one's metadata (and on aliasing among them) cost more than the step itself on
@@ -662,7 +670,7 @@ class FusedAdam(torch.optim.Optimizer):
             # with the buffer.
             self._last["found_inf"] = None if found_inf is None else (
                 found_inf.to(buckets[0][2].params[0].device).reshape(()) != 0).float().reshape(1)
-        if unscaled and (len(buckets) > 1 or buckets[0][2].native is None):  # ({} without any gradient)
+        if unscaled and not traced and (len(buckets) > 1 or buckets[0][2].native is None):  # (traced: _init_group)
             _plan.check_grads_writable(buckets)
         # A plain step reports the norm too where the update's own pass can sum the squares it reads.
         plain_norm = self._plain_norm_from_update(plan, buckets, grad_scale, found_inf)

@@ -124,6 +124,33 @@ def test_tensor_betas_and_lr_of_any_one_element_shape_compile_without_breaks_and
 
 
 @NEWEST
+def test_a_compiled_step_with_a_grad_scale_and_non_contiguous_gradients_matches_eager_without_breaks():
+    """channels_last convolutions and transposed weights have gradients with other strides; unscaled in place, they
+    are checked for self-overlap first, a host read that a traced step cannot make (it split the graph, and
+    TorchDynamo's restarted analysis then raised SpeculationLogDivergence): the check runs in _init_group."""
+    runs = []
+    for compiled in (False, True):
+        model = _model()
+        opt = _fused(model)
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        step = torch.compile(lambda: opt.step(grad_scale=torch.tensor(1024.0))) if compiled else (
+            lambda: opt.step(grad_scale=torch.tensor(1024.0)))
+        for i in range(4):
+            g = torch.Generator().manual_seed(i)
+            for p in model.parameters():  # (transposed storage: non-contiguous for the 2-d weights)
+                p.grad = (torch.randn(tuple(reversed(p.shape)), generator=g) * 1024).t() if p.dim() == 2 else \
+                    torch.randn(p.shape, generator=g) * 1024
+            step()
+        runs.append(([p.detach().clone() for p in model.parameters()] + [p.grad.clone() for p in model.parameters()],
+                     sum(counters["graph_break"].values())))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert_bitwise_equal(a, b, "param or unscaled gradient")
+    assert runs[1][1] == 0, f"{runs[1][1]} graph breaks"
+
+
+@NEWEST
 def test_the_traced_graph_calls_the_registered_op():
     model = _model()
     opt = _fused(model)

@@ -1186,6 +1186,34 @@ def test_assigned_moments_are_adopted_into_the_low_bit_layout(assigned, backend)
     assert_same_snapshot(_state_snapshot(opt), _state_snapshot(expected))
 
 
+@pytest.mark.parametrize("order", ["exp_avg_sq first", "exp_avg first"])
+def test_values_assigned_key_by_key_to_4bit_moments_are_adopted_as_a_checkpoint_of_them_loads(order, backend):
+    """4-bit moments, float values assigned to both keys one at a time: the exp_avg_sq left beside its old block
+    scales until the step adopts it, exp_avg is coded relative to the exp_avg_sq the state will hold (it once read the
+    new float values through the old scales as codes, and raised). The same bits as loading those values."""
+    params, opt = _stepped("u4", "u4")
+    p = params[0]
+    values = {"exp_avg": torch.full(p.shape, 0.01), "exp_avg_sq": torch.full(p.shape, 4e-4)}
+    sd = opt.state_dict()
+    sd["state"][0].update(values)
+    for key in (["exp_avg_sq", "exp_avg"] if order == "exp_avg_sq first" else ["exp_avg", "exp_avg_sq"]):
+        opt.state[p][key] = values[key].clone()
+    expected_params = [torch.nn.Parameter(q.detach().clone()) for q in params]
+    expected = _optimizer(expected_params, "u4", "u4")
+    expected.load_state_dict(sd)
+    _train(params, opt, 1, first=2)
+    _train(expected_params, expected, 1, first=2)
+    assert_same_snapshot(_state_snapshot(opt), _state_snapshot(expected))
+
+
+def test_a_4bit_exp_avg_whose_exp_avg_sq_codes_were_replaced_is_refused_and_nothing_changes(backend):
+    """4-bit exp_avg codes hold m / sqrt(v) of the exp_avg_sq codes they were made with: with those replaced by values,
+    exp_avg's values are gone; refused, saying to assign them too."""
+    params, opt = _stepped("u4", "u4")
+    opt.state[params[0]]["exp_avg_sq"] = torch.full(params[0].shape, 4e-4)
+    _assert_step_refused(opt, r"optimizer.state\[p\]\['exp_avg'\] holds 4-bit codes.*assign exp_avg's values too")
+
+
 def test_low_bit_states_in_the_layout_are_used_as_is(backend):
     """Codes and scales of the optimizer's own format (a moment reset, say) are taken as they are: no copy."""
     params, opt = _stepped()
