@@ -204,7 +204,8 @@ class InnerMasters:
             given = torch.zeros((), dtype=torch.float32, device=owner._main_device)
             for on_device in grads_by_device.values():
                 given = torch.maximum(given, backends.grad_stats(on_device)[1].to(owner._main_device))
-            given = owner._reduce_found_inf(given.reshape(1)).reshape(())
+            # (beside a FusedAdam's own reduction, over the wrapper's explicit groups only: it covers the rest)
+            given = owner._reduce_found_inf(given.reshape(1), None if reduction is None else explicit).reshape(())
         self._unscaled = _Versions()  # (filled again below, after the step, where it is kept)
         if traced:  # (nothing to record; and no try block, which TorchDynamo cannot resume in after a graph break)
             opt.step(grad_scale=scale, found_inf=given)

@@ -373,11 +373,12 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         default group), then the model-parallel groups."""
         return [self.process_group] + list(self.model_parallel_groups)
 
-    def _reduce_found_inf(self, found_inf: torch.Tensor) -> torch.Tensor:
-        """MAX over the data-parallel group and the model-parallel groups (all ranks then decide alike)."""
+    def _reduce_found_inf(self, found_inf: torch.Tensor, groups: Optional[list] = None) -> torch.Tensor:
+        """MAX over the data-parallel group and the model-parallel groups, or over groups where given (all ranks then
+        decide alike)."""
         if not (dist.is_available() and dist.is_initialized()):
             return found_inf
-        for group in self._overflow_groups():
+        for group in self._overflow_groups() if groups is None else groups:
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
         return found_inf
