@@ -34,7 +34,7 @@ from ort_optim.fp16_optimizer import FP16_Optimizer  # noqa: E402
 
 SKIP = 77
 STEPS = 8
-RTOL = 1e-4  # the fused norm sums squares in float64; DeepSpeed sums per-tensor float32 norms
+RTOL = 1e-4  # the two sum the squares in other orders and precisions (DeepSpeed's in float64 per tensor)
 
 
 def single_process_env() -> None:
