@@ -21,6 +21,7 @@ import copy
 import enum
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -252,13 +253,16 @@ def nonfinite_entries(values: dict, where: str) -> list[str]:
     return [f"{where}[{key!r}]" for key, value in values.items() if not bool(torch.isfinite(value).all())]
 
 
+def _listed(entries: list[str]) -> str:
+    """The first three entries, and how many more, for a warning."""
+    return ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+
+
 def warn_nonfinite(entries: list[str]) -> None:
     """The warning of a load whose moments or masters hold inf or NaN (loaded as they are, see :func:`_check_moment`)."""
     if not entries:
         return
-    import warnings
-
-    shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+    shown = _listed(entries)
     warnings.warn(
         f"load_state_dict: {shown} {'holds' if len(entries) == 1 else 'hold'} inf or NaN; loaded as they are, so training continues exactly as it would "
         "have without the checkpoint (a second moment whose square overflowed float32 stays inf, as in "
@@ -271,13 +275,10 @@ def warn_dropped_masters(entries: list[str]) -> None:
     param): the params' own values are what the run continues from."""
     if not entries:
         return
-    import warnings
-
-    shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
     warnings.warn(
-        f"load_state_dict: {shown}: this optimizer keeps no fp32 master weights for "
-        f"{'that param' if len(entries) == 1 else 'those params'} (master_weights=False, or an fp32 param), so the checkpoint's masters are not loaded and the run continues "
-        "from the params' own values (what the model's state_dict restored: the masters rounded to the param "
+        f"load_state_dict: {_listed(entries)}: this optimizer keeps no fp32 master weights for "
+        f"{'that param' if len(entries) == 1 else 'those params'} (master_weights=False, or an fp32 param), so the "
+        "checkpoint's masters are not loaded and the run continues from the params' own values (what the model's state_dict restored: the masters rounded to the param "
         "dtype). Build the optimizer with master_weights=True to continue with them", RuntimeWarning, stacklevel=3)
 
 

@@ -168,8 +168,8 @@ def hyperparameters(group: dict, read_betas: bool = True) -> dict:
     beta1, beta2 = (float(beta) for beta in group["betas"]) if read_betas else (0.0, 0.0)
     return dict(
         lr=0.0 if lr_tensor is not None else float(lr), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
-        weight_decay=float(group["weight_decay"]), adam_w_mode=int(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
-        maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
+        weight_decay=float(group["weight_decay"]), adam_w_mode=int(group["adam_w_mode"]),
+        bias_correction=bool(group["bias_correction"]), maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
     )
 
 

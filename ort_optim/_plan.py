@@ -50,6 +50,7 @@ import torch
 
 from . import _checkpoint, _spec, backends, formats
 from ._checkpoint import MOMENT_KEYS
+from ._group_options import show
 from ._layout import StateLayout
 from ._versions import tracks_versions
 from ._spec import FP8_FORMATS, LOW_BIT_FORMATS, SUPPORTED_PARAM_DTYPES, num_blocks
@@ -669,7 +670,7 @@ def _state_tensor(p: torch.Tensor, state: ParamState, key: str, where: str) -> t
     what = f"{where}: optimizer.state[p][{key!r}]"
     if (not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.layout != torch.strided
             or value.is_nested):
-        raise TypeError(f"{what} must be a dense floating-point tensor, got {_checkpoint.show(value)}")
+        raise TypeError(f"{what} must be a dense floating-point tensor, got {show(value)}")
     # (the state was assigned, or the param changed under its state: the message says both ways out)
     if value.shape != p.shape:
         raise ValueError(f"{what} has shape {tuple(value.shape)} but the parameter has shape {tuple(p.shape)}: a "
@@ -680,7 +681,8 @@ def _state_tensor(p: torch.Tensor, state: ParamState, key: str, where: str) -> t
         raise ValueError(f"{what} is on {value.device}, the parameter on {p.device}")
     if (value.dtype == torch.float64) != (p.dtype == torch.float64):
         raise ValueError(f"{what} is {value.dtype} but the parameter is {p.dtype}: a float64 state goes with a "
-                         "float64 parameter only, and a float64 parameter keeps float64 states. Assign it as .to({p.dtype if p.dtype == torch.float64 else torch.float32}), "
+                         "float64 parameter only, and a float64 parameter keeps float64 states. Assign it as "
+                         f".to({p.dtype if p.dtype == torch.float64 else torch.float32}), "
                          "or delete optimizer.state[p] to start the param afresh (a parameter cannot switch to or "
                          "from float64 under its optimizer)")
     problem = _storage_problem(value)

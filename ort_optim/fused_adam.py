@@ -294,8 +294,8 @@ class FusedAdam(torch.optim.Optimizer):
         state.setdefault("pipeline_group", None)
         super().__setstate__(state)  # (it puts "state" into __dict__, under the property: wrap it)
         self.state = self.__dict__.pop("state", self.__dict__.get("_state_container", {}))
-        for name in self._CHECKED_OPTIONS:  # (likewise: through their checked setters)
-            if name in self.__dict__:
+        for name, attribute in vars(FusedAdam).items():  # (likewise: through their checked setters)
+            if isinstance(attribute, _CheckedOption) and name in self.__dict__:
                 setattr(self, name, self.__dict__.pop(name))
         self._plan = None  # the cache (native plans cannot be copied): rebuilt at the next step
         self._checked_groups = _group_options.CheckedGroups()
@@ -382,8 +382,6 @@ class FusedAdam(torch.optim.Optimizer):
     # Optimizer-wide options that may change between steps (FP16_Optimizer switches master_weights on and sets
     # max_grad_norm; a run may move its moments to another dtype, which the next step converts them to), checked when
     # set, as at construction: a bad value raises there, naming the option, and nothing changes.
-    _CHECKED_OPTIONS = ("master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm")
-
     master_weights = _CheckedOption(_group_options.check_flag)
     exp_avg_dtype = _CheckedOption(_group_options.check_dtype_option)
     exp_avg_sq_dtype = _CheckedOption(_group_options.check_dtype_option)

@@ -136,8 +136,9 @@ def test_ddp_equals_one_process_on_the_concatenated_batch(results, kind, dtype):
 
 # ---- the wrapper's groups beside FusedAdam's own reduction -----------------------------------------------------------
 # 4 ranks: 2 pipeline stages (stage rank // 2) x 2 data-parallel replicas (data-parallel groups {0, 1} and {2, 3},
-# pipeline groups {0, 2} and {1, 3}). The inner FusedAdam all-reduces its skip decision over its data-parallel group only; the wrapper is told
-# the pipeline group too, and its flag must span it: an inf on one stage skips the step on every rank.
+# pipeline groups {0, 2} and {1, 3}). The inner FusedAdam all-reduces its skip decision over its data-parallel group
+# only; the wrapper is told the pipeline group too, and its flag must span it: an inf on one stage skips the step on
+# every rank.
 
 GRID = 4
 

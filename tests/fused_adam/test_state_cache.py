@@ -1546,7 +1546,7 @@ BAD_STEPS = [
     ("float64-grad", _float64_grad, r"its gradient has dtype torch\.float64"),
     ("param-changed-shape", _new_shape,
      r"has shape \(6,\) but the parameter has shape .*cannot change shape under its optimizer"),
-    ("param-became-float64", _float64_param, r"cannot switch to or from float64"),
+    ("param-became-float64", _float64_param, r"Assign it as \.to\(torch\.float64\).*cannot switch to or from float64"),
 ]
 
 
