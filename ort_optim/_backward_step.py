@@ -24,7 +24,7 @@ import contextlib
 import os
 import sys
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -43,8 +43,8 @@ class BackwardStep:
         self._impls: dict[torch.Tensor, int] = {}  # param -> its C++ tensor (p._cdata) when its hook was connected
         self._unhooked: dict[torch.Tensor, None] = {}  # params given without requires_grad (not hooked yet)
         # param -> ((optimizer.state.version, amsgrad, the group's rounding options, the backend choice, the layout
-        # options), its runner on a native plan, the optimizer.state container) when it was planned
-        self._plans: dict[torch.Tensor, tuple[tuple, backends.PlanRunner, Any]] = {}
+        # options), its runner on a native plan) when it was planned
+        self._plans: dict[torch.Tensor, tuple[tuple, backends.PlanRunner]] = {}
         self._accumulating = 0
         self._updated: dict[torch.Tensor, None] = {}  # params updated by a hook since the last step()/zero_grad()
         self.setup_checked = False  # check_setup() passed (it runs once: before the first update, or at step())
@@ -339,8 +339,8 @@ class BackwardStep:
         key = (optimizer.state.version, amsgrad, rounding, position, os.environ.get("ORT_OPTIM_BACKEND"),
                optimizer._layout)
         cached = self._plans.get(p)
-        # (a new optimizer.state container is told by identity: its mutation count says nothing about the old one's)
-        if (cached is not None and cached[0] == key and cached[2] is optimizer.state
+        # (a new optimizer.state container has a version of its own: _plan.new_version)
+        if (cached is not None and cached[0] == key
                 and not torch.compiler.is_compiling() and cached[1].check()):
             cached[1].step(hyper)  # (through the plan's pointers; it marks what it wrote)
             return
@@ -360,7 +360,7 @@ class BackwardStep:
                     [p], *lists, state["step"].view(1), step_tensors=[state["step"]]), keys)
                 if not runner.check():  # validated above: a plan that cannot step now is a bug, not a user error
                     raise RuntimeError("ort_optim: a per-param plan could not step right after it was built")
-                self._plans[p] = (key, runner, optimizer.state)
+                self._plans[p] = (key, runner)
             else:  # (validated just now; the op marks what it writes, the step view included)
                 runner = backends.OpRunner(lambda: [[p], [p.grad], *lists, state["step"].view(1)], lambda: True,
                                            p.device, keys)

@@ -11,13 +11,13 @@ itself.
 
 :meth:`Plan.read_grads_if_valid` applies the single validity rule at every step (and reads the step's gradients):
 
-* ``optimizer.state`` is an :class:`OptimizerState`: each mutation of it or of a param's state dict bumps its version,
-  and a plan is valid only for that very container (one put in its place is told by identity: a new container's
-  count says nothing about the old one's) at the version it was built at (O(1));
+* ``optimizer.state`` is an :class:`OptimizerState`: each mutation of it or of a param's state dict gives it a new
+  version (an object, told by identity), and a plan is valid only for that very container (one put in its place is
+  told by identity) at the version it was built at (O(1));
 * each param group must still be the dict the plan was built from (a dict put in its place, ``{**group, 'lr': x}``
   say, is told by identity: the step reads the hyperparameters from the group the plan holds), and each
-  ``param_groups[i]['params']`` is a :class:`ParamList` that counts its mutations: the group must still hold that
-  very list (a list put in its place is told by identity), at that count; the group's ``amsgrad`` (it adds a state
+  ``param_groups[i]['params']`` is a :class:`ParamList` that marks its mutations the same way: the group must still
+  hold that very list (a list put in its place is told by identity), at that version; the group's ``amsgrad`` (it adds a state
   list), the optimizer's state layout options and the backend (native plans exist only while the native CPU op runs)
   must be unchanged (O(groups));
 * per tensor (params, grads, states, masters, scales, steps): the same storage, data pointer (a native plan
@@ -65,7 +65,16 @@ def describe(group_index: int, index: int, param: torch.Tensor) -> str:
     return f"param_groups[{group_index}]['params'][{index}] (shape {tuple(param.shape)}, {param.dtype})"
 
 
-# ---- containers that count their mutations --------------------------------------------------------------------------
+# ---- containers that mark their mutations ---------------------------------------------------------------------------
+
+
+def new_version() -> object:
+    """A container's version after a mutation: a new object, told from every other by identity. torch.compile guards
+    an object's identity; an int that changed between two compilations it makes a symbol (automatic dynamic), and an
+    analysis restarted with the symbol in place of the constant takes another path through the plan's check than the
+    first one took (TorchDynamo's SpeculationLogDivergence)."""
+    return object()
+
 
 
 class ParamState(dict):
@@ -78,7 +87,7 @@ class ParamState(dict):
         self._owner = owner
 
     def _bump(self) -> None:
-        self._owner.version += 1
+        self._owner.version = new_version()
 
     def __setitem__(self, key, value) -> None:
         super().__setitem__(key, value)
@@ -117,7 +126,8 @@ class ParamState(dict):
 
 
 class OptimizerState(collections.defaultdict):
-    """``optimizer.state``: a ``defaultdict(dict)`` of :class:`ParamState` that counts its mutations (``version``).
+    """``optimizer.state``: a ``defaultdict(dict)`` of :class:`ParamState` that marks its mutations (``version``, a new
+    object at each: :func:`new_version`).
 
     Assigning a dict to ``state[p]`` stores a :class:`ParamState` copy of it (a ParamState of this container is stored
     as is), so later changes must go through ``optimizer.state[p]``, not through the dict that was assigned.
@@ -125,7 +135,7 @@ class OptimizerState(collections.defaultdict):
 
     def __init__(self, items=()):
         super().__init__(None)
-        self.version = 0
+        self.version = new_version()
         for key, value in dict(items).items():
             self[key] = value
 
@@ -144,23 +154,23 @@ class OptimizerState(collections.defaultdict):
 
     def __setitem__(self, key, value) -> None:
         super().__setitem__(key, self._wrap(value))
-        self.version += 1
+        self.version = new_version()
 
     def __delitem__(self, key) -> None:
         super().__delitem__(key)
-        self.version += 1
+        self.version = new_version()
 
     def pop(self, *args):
-        self.version += 1
+        self.version = new_version()
         return super().pop(*args)
 
     def popitem(self):
-        self.version += 1
+        self.version = new_version()
         return super().popitem()
 
     def clear(self) -> None:
         super().clear()
-        self.version += 1
+        self.version = new_version()
 
     def update(self, *args, **kwargs) -> None:
         for key, value in dict(*args, **kwargs).items():
@@ -185,11 +195,11 @@ class OptimizerState(collections.defaultdict):
 
 
 class ParamList(list):
-    """A param group's ``params`` list that counts its mutations (``version``)."""
+    """A param group's ``params`` list that marks its mutations (``version``, a new object at each)."""
 
     def __init__(self, items=()):
         super().__init__(items)
-        self.version = 0
+        self.version = new_version()
 
     def __reduce__(self):  # copies and pickles are plain lists
         return list, (list(self),)
@@ -197,7 +207,7 @@ class ParamList(list):
 
 def _counting(method):
     def mutate(self, *args, **kwargs):
-        self.version += 1
+        self.version = new_version()
         return method(self, *args, **kwargs)
 
     mutate.__name__ = method.__name__
@@ -270,7 +280,7 @@ class Bucket:
 class GroupPlan:
     group: dict
     params: ParamList  # the group's list when planned, and its version then
-    params_version: int
+    params_version: object
     amsgrad: bool
     rounding: tuple  # the group's (stochastic_rounding, stochastic_rounding_seed): they decide the rounding keys
     has_grad: list[bool]  # which params had a gradient
@@ -324,7 +334,7 @@ class GroupPlan:
 class Plan:
     groups: list[GroupPlan]
     state: OptimizerState  # the optimizer's state container it was built for
-    state_version: int
+    state_version: object
     layout: StateLayout  # the optimizer's state layout
     native: bool  # whether CPU buckets run on the native op (have native plans)
     has_dtensors: bool = field(init=False)  # whether any group has DTensor params
@@ -347,13 +357,13 @@ class Plan:
         """The part of the rule above the tensors: the same state container at the same version, the same layout and
         backend choice, the same group dicts with the same params lists at the same versions and the same amsgrad
         and rounding options (O(groups), and traceable by torch.compile, which guards on what it reads)."""
-        if (state is not self.state or self.state_version != state.version or self.layout != layout
+        if (state is not self.state or self.state_version is not state.version or self.layout != layout
                 or self.native != native or len(groups) != len(self.groups)):
             return False
         for group, planned in zip(groups, self.groups):
             params = group["params"]
             if (group is not planned.group or params is not planned.params
-                    or params.version != planned.params_version or bool(group["amsgrad"]) != planned.amsgrad
+                    or params.version is not planned.params_version or bool(group["amsgrad"]) != planned.amsgrad
                     or _rounding(group) != planned.rounding):
                 return False
         return True

@@ -268,7 +268,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     @property
     def state(self) -> _plan.OptimizerState:
-        """Per-param state, as torch.optim's ``optimizer.state``: a defaultdict of dicts that counts its mutations,
+        """Per-param state, as torch.optim's ``optimizer.state``: a defaultdict of dicts that marks its mutations,
         so that the step notices them (guides/fused-adam.md)."""
         return self._state_container
 

@@ -227,6 +227,38 @@ def test_a_compiled_step_under_one_cycle_lr_with_momentum_compiles_at_most_twice
             assert_bitwise_equal(opt.state[p][key], eager_opt.state[q][key], key)
 
 
+@NEWEST
+@pytest.mark.parametrize("lr", ["float-lr", "tensor-lr"])
+def test_a_compiled_step_after_a_refused_one_steps_and_computes_what_the_eager_steps_compute(lr, monkeypatch):
+    """A step refused for an option (a negative lr), then the option set back: the next compiled step steps, and
+    every step computes what the eager steps compute. With cold caches, TorchDynamo compiles that step twice over
+    (the lr guard failed, then an analysis restarted for the float lr): the plan's version marks must read the same
+    both times (ints read as constants, then as symbols, took another path: SpeculationLogDivergence)."""
+    monkeypatch.setattr(torch.compiler.config, "force_disable_caches", True)
+
+    def lr_of(value):
+        return value if lr == "float-lr" else torch.tensor(value)
+
+    results = []
+    for compiled in (False, True):
+        model = _model()
+        opt = FusedAdam(model.parameters(), lr=lr_of(1e-2))
+        step = torch.compile(lambda: opt.step()) if compiled else (lambda: opt.step())
+        torch._dynamo.reset()
+        opt.param_groups[0]["lr"] = lr_of(-1e-2)
+        _grads(model, 0)
+        with pytest.raises(ValueError, match=r"param_groups\[0\]: lr must be >= 0"):
+            step()
+        assert not opt.state
+        opt.param_groups[0]["lr"] = lr_of(1e-2)
+        for i in range(1, 6):
+            _grads(model, i)
+            step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for compiled_param, eager_param in zip(results[1], results[0]):
+        assert_bitwise_equal(compiled_param, eager_param, "param")
+
+
 @pytest.mark.slow
 @NEWEST
 def test_a_change_the_step_must_see_retraces_and_is_validated():
