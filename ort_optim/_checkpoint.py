@@ -407,6 +407,10 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
             raise ValueError(f"{where}: parameter id {saved_id!r} is listed in no {entry('param_groups')}[i]"
                              "['params']")
         gi, j, p = id_to_param[saved_id]
+        if isinstance(saved, dict) and not saved:
+            # torch.optim's state is a defaultdict: reading state[p] of a param that has not stepped yet leaves an empty
+            # dict, which its state_dict() saves. No state yet, as torch.optim loads it.
+            continue
         new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], gi, group_steps[gi], where, layout.init_state,
                                               nonfinite, listed=entry("param_groups", gi, "params", j))
         if "master_param" in saved and "master_param" not in new_state[p]:

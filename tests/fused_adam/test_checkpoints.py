@@ -709,6 +709,47 @@ def test_a_torch_adamw_checkpoint_loads_into_fused_adam_and_both_stay_equal(vari
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("route", ["load_state_dict", "from_optimizer"])
+def test_a_torch_checkpoint_with_an_empty_state_for_a_param_that_never_stepped_loads_as_torch_loads_it(
+        route, backend, monkeypatch):
+    """torch.optim's state is a defaultdict: reading state[p] of a param without a gradient yet (logging its step, say)
+    leaves an empty dict, which its state_dict() saves. That param has no state yet: it starts at step 1 when its
+    gradient comes, as in torch.optim.AdamW loaded from the same checkpoint."""
+    select_backend(monkeypatch, backend)
+    torch_params = _fp32_params()
+    theirs = torch.optim.AdamW(torch_params, lr=1e-2, foreach=False)
+    frozen = torch_params[1]
+    for step in range(5):
+        _set_grads(torch_params, step)
+        frozen.grad = None
+        theirs.step()
+    assert theirs.state[frozen].get("step") is None  # (the read that leaves the empty dict)
+    sd = theirs.state_dict()
+    assert sd["state"][1] == {}
+    params = _clone_params(torch_params)
+    if route == "load_state_dict":
+        ours = FusedAdam(params, lr=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=1e-2)
+        ours.load_state_dict(sd)
+    else:
+        source = _torch_adamw_loaded(params, sd)
+        assert source.state_dict()["state"][1] == {}
+        ours = FusedAdam.from_optimizer(source)
+    assert not ours.state.get(params[1]) and float(ours.state[params[0]]["step"]) == 5
+    torch_copy = _clone_params(torch_params)
+    theirs_copy = _torch_adamw_loaded(torch_copy, sd)
+    _steps(ours, params, 5, 10)
+    _steps(theirs_copy, torch_copy, 5, 10)
+    for p, q in zip(params, torch_copy):
+        torch.testing.assert_close(p, q.detach(), **TOL)
+
+
+def _torch_adamw_loaded(params, sd):
+    opt = torch.optim.AdamW(params, lr=1e-2, foreach=False)
+    opt.load_state_dict(sd)
+    return opt
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("torch_class", [torch.optim.Adam, torch.optim.AdamW], ids=["Adam", "AdamW"])
 def test_from_optimizer_continues_exactly_as_torch_would(torch_class, backend, monkeypatch):
     """Two param groups with their own hyperparameters, amsgrad in one; converted after 15 steps."""
