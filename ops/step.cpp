@@ -75,14 +75,16 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
   check_rounding_keys(o.rounding_keys, params, work);
   double beta1 = o.beta1, beta2 = o.beta2;
   if (o.betas_tensor.has_value()) read_betas(*o.betas_tensor, beta1, beta2);
+  // grad_scale is checked before a skip returns: a zero or NaN scale makes the unscaled norm non-finite, so the
+  // skip flag computed from it is set, and the bad scale would pass as an overflow. (0.0 below: none given.)
+  const double grad_scale = o.grad_scale.has_value() ? scalar_value(o.grad_scale, "grad_scale") : 0.0;
+  TORCH_CHECK(!o.grad_scale.has_value() || (std::isfinite(grad_scale) && grad_scale != 0.0),
+              "ort_optim::adam_step_: grad_scale must be finite and non-zero, got ", grad_scale);
   const bool found_inf = o.found_inf.has_value() && scalar_value(o.found_inf, "found_inf") != 0.0;
   if (o.grad_square_sum != nullptr) *o.grad_square_sum = std::numeric_limits<double>::quiet_NaN();
   if (found_inf) return;  // skipped: nothing written
   double grad_mul = o.inv_grad_scale.has_value() ? scalar_value(o.inv_grad_scale, "inv_grad_scale") : 1.0;
   const double lr = o.lr_tensor.has_value() ? scalar_value(o.lr_tensor, "lr_tensor") : o.lr;
-  double grad_scale = o.grad_scale.has_value() ? scalar_value(o.grad_scale, "grad_scale") : 0.0;
-  TORCH_CHECK(grad_scale == 0.0 || (std::isfinite(grad_scale) && grad_scale != 0.0),
-              "ort_optim::adam_step_: grad_scale must be finite and non-zero, got ", grad_scale);
 
   // Non-contiguous params and grads are processed through contiguous copies; params (and grads when they are
   // unscaled in place) are copied back at the end.
@@ -103,7 +105,8 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     } else {
       // (checked here, before anything is written: an expand()ed gradient cannot receive one value per element)
       TORCH_CHECK(grad_scale == 0.0 || at::has_internal_overlap(g) != at::MemOverlap::Yes, "ort_optim::adam_step_: ",
-                  "grads[", i, "] overlaps itself (an expand()ed tensor), so it cannot be unscaled in place");
+                  "grads[", i, "] overlaps itself (an expand()ed tensor), so it cannot be unscaled in place: give it "
+                  "its own memory (grad.contiguous()) or step without grad_scale");
       grad_copies.emplace_back(i, g.contiguous());
       w.grad = grad_copies.back().second.data_ptr();
     }

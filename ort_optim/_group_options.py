@@ -312,7 +312,8 @@ def check_scaling_arguments(grad_scale: Any, found_inf: Any) -> None:
     """step()'s grad_scale (a real number or a one-element floating-point tensor) and found_inf (a one-element
     tensor), checked before anything changes.
     The op unscales in float32 by a grad_scale that must be finite and non-zero there: a number is checked here, a
-    tensor's value by the op (reading it here would cost a host read per step)."""
+    tensor's value by the op on the CPU (reading it here would be a host read per step; on an accelerator nothing
+    reads it, which would synchronise with the device: a zero or non-finite scale skips the step, backends.scaling)."""
     if grad_scale is not None:
         if isinstance(grad_scale, torch.Tensor):
             if grad_scale.numel() != 1 or not grad_scale.is_floating_point():

@@ -463,12 +463,13 @@ class _Adoption:
 
 
 def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayout,
-          native: Optional[bool] = None, traced: bool = False) -> Plan:
+          native: Optional[bool] = None, traced: bool = False, unscales: bool = False) -> Plan:
     """Validates everything a step needs, then creates and adopts state (in optimizer_state, laid out by layout) and
     buckets the params of groups (the optimizer's param_groups). Raises ValueError or TypeError naming
     ``param_groups[i]['params'][j]`` (and the state key) before any write. native: whether CPU buckets get native
     plans (default: when the native CPU op runs now); traced: for a step that torch.compile traces (no native plans,
-    fresh states in storages of their own)."""
+    fresh states in storages of their own); unscales: the step that plans writes the unscaled gradients back (a
+    grad_scale), so a gradient that cannot hold them is refused here too (check_grads_writable)."""
     for group in groups:
         if not isinstance(group["params"], ParamList):
             group["params"] = ParamList(group["params"])
@@ -492,6 +493,8 @@ def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayo
             problem = _storage_problem(p) or _grad_problem(g, p, same_shape=same_layout)
             if problem is not None:
                 raise ValueError(f"{where}: {problem if problem.startswith('its') else 'it ' + problem}")
+            if unscales and same_layout and not grad_writable(g):
+                raise ValueError(unwritable_grad_message(where))
             if state:
                 adoptions += check_state(layout, p, state, bool(group["amsgrad"]), where)
                 stateful.append((group_index, index, p, state))
@@ -1010,16 +1013,25 @@ def check_grads_writable(buckets: list) -> None:
     for group_index, _, bucket in buckets:
         grads = bucket.grads if bucket.native is None else [p.grad for p in bucket.params]
         for k, g in enumerate(grads):
-            # (1: torch's MemOverlap::Yes, the same test the native and Triton ops make)
-            if not g.is_contiguous() and torch._debug_has_internal_overlap(g) == 1:
-                raise ValueError(
-                    f"{describe(group_index, bucket.indices[k], bucket.params[k])}'s grad overlaps itself (an "
-                    "expand()ed tensor), so it cannot be unscaled in place: give it its own memory (grad.contiguous())"
-                    " or step without grad_scale")
+            if not grad_writable(g):
+                raise ValueError(unwritable_grad_message(describe(group_index, bucket.indices[k], bucket.params[k])))
+
+
+def grad_writable(g: torch.Tensor) -> bool:
+    """Whether g can take the unscaled gradient, one value per element (the test the native and Triton ops make:
+    1 is torch's MemOverlap::Yes, an expand()ed tensor). Only a non-contiguous gradient can overlap itself."""
+    return g.is_contiguous() or torch._debug_has_internal_overlap(g) != 1
+
+
+def unwritable_grad_message(where: str) -> str:
+    """The refusal of a gradient that fails grad_writable: the ops' message, as name_op_error words it."""
+    return (f"{where}'s grad overlaps itself (an expand()ed tensor), so it cannot be unscaled in place: give it its "
+            "own memory (grad.contiguous()) or step without grad_scale")
 
 
 def name_op_error(exc: Exception, group_index: int, bucket: Bucket) -> ValueError:
-    """The op's error with each ``list[k]`` it mentions written as the param it stands for."""
+    """The op's error as step() reports it: without the op's name (the caller called step()), each ``list[k]`` it
+    mentions written as the param it stands for."""
 
     def name(match: re.Match) -> str:
         k = int(match.group(2))
@@ -1028,4 +1040,4 @@ def name_op_error(exc: Exception, group_index: int, bucket: Bucket) -> ValueErro
         where = describe(group_index, bucket.indices[k], bucket.params[k])
         return where if match.group(1) == "params" else f"{where}'s {match.group(1)[:-1]}"
 
-    return ValueError(_LIST_ENTRY.sub(name, str(exc)))
+    return ValueError(_LIST_ENTRY.sub(name, str(exc).removeprefix("ort_optim::adam_step_: ")))

@@ -419,8 +419,10 @@ class FusedAdam(torch.optim.Optimizer):
         program, added by one more tiny program in a fixed order (deterministic for a given launch; float32
         squares, so a plain step's norm above about 1.8e19 reads inf). A plain step on the reference backend
         (pure PyTorch: ``ORT_OPTIM_BACKEND=torch``, or CUDA without triton), or with DTensor params or a
-        process_group (where the norm would need a collective of its own), leaves it None, and so does a step whose
-        params span several of these paths when one of them cannot report; so do updates made in backward
+        process_group (where the norm would need a collective of its own), or traced by torch.compile (the registered
+        op returns nothing; with grad_scale or max_grad_norm the statistics pass gives the norm), leaves it None, and
+        so does a step whose params span several of these paths when one of them cannot report; so do updates made in
+        backward
         (step_in_backward: a step() after a backward that updated params, which finishes only the rest; not one after
         backward calls that all ran inside accumulate(), a normal step over every gradient). A step without any gradient
         reports 0.0 where one with gradients would report their norm (clip_grad_norm_ returns 0 for no gradients), and
@@ -516,7 +518,7 @@ class FusedAdam(torch.optim.Optimizer):
         groups, state, layout = self.param_groups, self.state, self._layout
         if plan is None or not plan.read_grads_if_valid(groups, state, layout):
             self._reduction()  # (params on meshes it refuses: raised before the new plan creates any state)
-            plan = self._plan = _plan.build(groups, state, layout)
+            plan = self._plan = _plan.build(groups, state, layout, unscales=grad_scale is not None and _UNSCALE_GRADS)
             # (a plan describes what it was built from: if not, this is a bug, not a user error)
             if not plan.read_grads_if_valid(groups, state, layout):
                 raise RuntimeError("ort_optim: a FusedAdam plan was not valid right after it was built; please report")
@@ -561,7 +563,7 @@ class FusedAdam(torch.optim.Optimizer):
         if plan is None or not (plan.describes(self.param_groups, self.state, layout, native=False)
                                 and all(planned.read_grads_if_current() for planned in plan.groups)):
             try:
-                self._plan = _plan.build(self.param_groups, self.state, layout, traced=True)
+                self._plan = _plan.build(self.param_groups, self.state, layout, traced=True, unscales=unscales)
             except (ValueError, TypeError):
                 return False
         if unscales:
@@ -654,20 +656,18 @@ class FusedAdam(torch.optim.Optimizer):
             devices = list(dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets)) or [
                 next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)]
             stats = self._global_grad_stats(buckets, devices[0], reduction)
-            multiplier, self._last["grad_norm"], skip = backends.scaling(stats, grad_scale, self.max_grad_norm,
-                                                                         found_inf)
+            multiplier, grad_norm, skip = backends.scaling(stats, grad_scale, self.max_grad_norm, found_inf)
             per_device = {device: multiplier.to(device, non_blocking=True).reshape(1) for device in devices}
             scaling = backends.Scaling(per_device, skip, unscaled)
-            self._last["found_inf"] = skip
+            report = {"grad_norm": grad_norm, "found_inf": skip}
         else:  # (then there are buckets: a step without any returned above)
             scaling = backends.Scaling(found_inf=found_inf)
-            self._last["grad_norm"] = None
             # The caller's own tensor (any dtype, 0-dim or not, a buffer it may zero for the next iteration, as apex's
             # overflow buffer is): last_found_inf is this step's verdict as a float32 [1] of its own on the params'
             # device (the first bucket's), computed there (no host sync), so a reference kept to it does not change
             # with the buffer.
-            self._last["found_inf"] = None if found_inf is None else (
-                found_inf.to(buckets[0][2].params[0].device).reshape(()) != 0).float().reshape(1)
+            report = {"grad_norm": None, "found_inf": None if found_inf is None else (
+                found_inf.to(buckets[0][2].params[0].device).reshape(()) != 0).float().reshape(1)}
         if unscaled and not traced and (len(buckets) > 1 or buckets[0][2].native is None):  # (traced: _init_group)
             _plan.check_grads_writable(buckets)
         # A plain step reports the norm too where the update's own pass can sum the squares it reads.
@@ -687,7 +687,8 @@ class FusedAdam(torch.optim.Optimizer):
                 # CPU buckets' sums need no synchronisation, a non-blocking copy the other way would be read unfinished.
                 main = next((s.device for s in stats if s.device.type != "cpu"), stats[0].device)
                 total = sum(s.to(main, non_blocking=True) for s in stats)
-            self._last["grad_norm"] = sqrt_f32(total[0])
+            report["grad_norm"] = sqrt_f32(total[0])
+        self._last.update(report)  # (after the updates: a step that raised reports what the last one did)
 
     def _plain_norm_from_update(self, plan: _plan.Plan, buckets: list, grad_scale, found_inf) -> bool:
         """Whether this step's update passes report the gradients' norm (last_grad_norm without a stats pass): a

@@ -125,10 +125,15 @@ def assert_bitwise_equal_but_nan_bits(a: torch.Tensor, b: torch.Tensor, what: st
     assert_bitwise_equal(a, b, what, nan_mask=nan)
 
 
-def optimizer_snapshot(opt: torch.optim.Optimizer, extra: Iterable[torch.Tensor] = ()) -> dict:
+def optimizer_snapshot(opt: torch.optim.Optimizer, extra: Iterable[torch.Tensor] = (), report: bool = False) -> dict:
     """Copies of everything an optimizer step may touch: params, grads, every state tensor (keys included),
-    param group hyperparameters, plus any extra tensors."""
+    param group hyperparameters, plus any extra tensors; with report, a FusedAdam's report of its last step too
+    (last_grad_norm and last_found_inf: what a refused step keeps, and what a plain step leaves None on some paths)."""
     snap = {}
+    for name in ("last_grad_norm", "last_found_inf") if report else ():
+        if isinstance(getattr(type(opt), name, None), property):
+            value = getattr(opt, name)
+            snap[name] = value.detach().clone() if isinstance(value, torch.Tensor) else value
     for gi, group in enumerate(opt.param_groups):
         for k, v in group.items():
             if k != "params":

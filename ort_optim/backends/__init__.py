@@ -162,7 +162,8 @@ def scaling(stats: torch.Tensor, grad_scale: Optional[Union[float, torch.Tensor]
       step's is, so the two would clip differently);
     * ``skip`` (float32 [1], 1.0: skip the step, the ops' ``found_inf``): a gradient holds inf/NaN, the unscaled
       norm is not finite (unscaling by 1/s overflows when s < 1 and a gradient is large: every :math:`|g|/s \\le n`,
-      so a finite norm proves that unscaling stays finite), or found_inf is non-zero."""
+      so a finite norm proves that unscaling stays finite), s is zero or not finite (a tensor grad_scale on an
+      accelerator, whose value step() does not read; on the CPU it is refused), or found_inf is non-zero."""
     main = stats.device
     inv = torch.ones((), dtype=torch.float32, device=main)
     if grad_scale is not None:
@@ -173,6 +174,8 @@ def scaling(stats: torch.Tensor, grad_scale: Optional[Union[float, torch.Tensor]
     if max_grad_norm is not None:
         inv = inv * torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
     skip = ((stats[1] > 0) | ~torch.isfinite(norm)).float()
+    if grad_scale is not None:  # (a scale of inf: every gradient times 0; one that is 0 or NaN makes the norm NaN)
+        skip = torch.maximum(skip, (~torch.isfinite(inv) | (inv == 0)).float())
     if found_inf is not None:
         skip = torch.maximum(skip, (found_inf.to(main).reshape(()) != 0).float())
     return inv, norm, skip.reshape(1)

@@ -119,15 +119,18 @@ def adam_step_(
             raise RuntimeError(f"ort_optim::adam_step_: exp_avgs[{i}] holds 4-bit codes, which are coded relative to "
                                f"a 4-bit exp_avg_sq, but exp_avg_sqs[{i}] is not 4-bit codes: store both moments as "
                                "torch.uint4")
+    if grad_scale is not None:  # checked before anything is written, and before a skip returns, as the native op does
+        if not (math.isfinite(float(grad_scale)) and float(grad_scale) != 0.0):
+            raise RuntimeError(f"ort_optim::adam_step_: grad_scale must be finite and non-zero, got "
+                               f"{float(grad_scale):g}")  # (as the native op prints a double)
     if found_inf is not None and float(found_inf) != 0.0:
         return
-    if grad_scale is not None:  # checked before anything is written, as the native op does
-        if not (math.isfinite(float(grad_scale)) and float(grad_scale) != 0.0):
-            raise RuntimeError(f"ort_optim::adam_step_: grad_scale must be finite and non-zero, got {float(grad_scale)}")
+    if grad_scale is not None:
         for i, g in enumerate(grads):
             if torch._debug_has_internal_overlap(g) == 1:
                 raise RuntimeError(f"ort_optim::adam_step_: grads[{i}] overlaps itself (an expand()ed tensor), so it "
-                                   "cannot be unscaled in place")
+                                   "cannot be unscaled in place: give it its own memory (grad.contiguous()) or step "
+                                   "without grad_scale")
     lr = float(lr_tensor) if lr_tensor is not None else lr
     grad_mul = (float(inv_grad_scale) if inv_grad_scale is not None else 1.0) * (-1.0 if maximize else 1.0)
     amsgrad = len(max_exp_avg_sqs) > 0

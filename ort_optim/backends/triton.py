@@ -703,7 +703,7 @@ def adam_step_(
               f"({steps.device}), got {betas_tensor.dtype} of shape {list(betas_tensor.shape)} on "
               f"{betas_tensor.device}")
     if n == 0:
-        return torch.zeros(2, dtype=torch.float32) if grad_norm else None
+        return _stats_without_elements(found_inf, steps.device) if grad_norm else None
     device = params[0].device
     _check_device(device, "adam_step_")
     k = kernels()
@@ -758,7 +758,8 @@ def adam_step_(
                     if grad_scale is not None and work_grads is not grads else [])
     for i in copied_grads:  # before anything is written
         if torch._debug_has_internal_overlap(grads[i]) == 1:
-            _fail(f"grads[{i}] overlaps itself (an expand()ed tensor), so it cannot be unscaled in place")
+            _fail(f"grads[{i}] overlaps itself (an expand()ed tensor), so it cannot be unscaled in place: give it its "
+                  "own memory (grad.contiguous()) or step without grad_scale")
 
     # Scalars that live on the device: same device as the params (copied there if given elsewhere).
     lr_t, inv_t, found_t = _on_device(lr_tensor, device), _on_device(inv_grad_scale, device), _on_device(found_inf,
@@ -831,7 +832,16 @@ def adam_step_(
                        *exp_avg_sq_scales, *max_exp_avg_sq_scales, steps, *(grads if grad_scale is not None else ())])
     if not grad_norm:
         return None
-    return stats if stats is not None else torch.zeros(2, dtype=torch.float32, device=device)
+    return stats if stats is not None else _stats_without_elements(found_t, device)
+
+
+def _stats_without_elements(found_inf: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """adam_step_'s grad_norm result where no gradient holds an element (no kernel sums any): [0, 0], or [NaN, 1]
+    where found_inf skips the step, as a skipped pass reports whatever it holds (computed on the device: no sync)."""
+    if found_inf is None:
+        return torch.zeros(2, dtype=torch.float32, device=device)
+    skipped = found_inf.reshape(()).to(device) != 0
+    return torch.stack([torch.where(skipped, float("nan"), 0.0), skipped.float()])
 
 
 # ---- grad_stats -----------------------------------------------------------------------------------------------

@@ -580,6 +580,14 @@ BAD_STEP_ARGUMENTS = [
      r"grad_scale must be a float or a one-element floating-point tensor, got a torch\.float32 tensor of shape"),
     ("grad-scale-int-tensor", dict(grad_scale=torch.tensor([2])), ValueError, r"one-element floating-point tensor"),
     ("grad-scale-nan", dict(grad_scale=float("nan")), ValueError, r"grad_scale must be finite"),
+    # (a zero or NaN scale makes the unscaled norm non-finite: it must not pass as an overflow that skips the step)
+    ("grad-scale-tensor-zero", dict(grad_scale=torch.tensor(0.0)), ValueError,
+     r"^grad_scale must be finite and non-zero, got 0"),
+    ("grad-scale-tensor-minus-zero", dict(grad_scale=torch.tensor(-0.0)), ValueError, r"got -0"),
+    ("grad-scale-tensor-nan", dict(grad_scale=torch.tensor(float("nan"))), ValueError, r"grad_scale must be finite"),
+    ("grad-scale-tensor-inf", dict(grad_scale=torch.tensor(float("inf"))), ValueError, r"grad_scale must be finite"),
+    ("grad-scale-tensor-float32-underflow", dict(grad_scale=torch.tensor(1e-50, dtype=torch.float64)), ValueError,
+     r"grad_scale must be finite and non-zero, got 0"),
     ("found-inf-float", dict(found_inf=1.0), TypeError, r"found_inf must be a one-element tensor .*got 1\.0"),
     ("found-inf-two-elements", dict(found_inf=torch.zeros(2)), ValueError,
      r"found_inf must be a one-element tensor, got shape \(2,\)"),
@@ -597,10 +605,11 @@ def test_bad_grad_scale_or_found_inf_is_refused_naming_it_and_changes_nothing(ar
         opt.step()
     for p in params:
         p.grad = torch.randn_like(p)
-    before = optimizer_snapshot(opt)
+    before = optimizer_snapshot(opt, report=True)
+    assert before["last_grad_norm"] is not None  # (the report of the last step, which a refused one keeps)
     with pytest.raises(error, match=message):
         opt.step(**arguments)
-    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+    assert_tree_bitwise_equal(optimizer_snapshot(opt, report=True), before, "optimizer")
 
 
 GRAD_SCALES = [None, 2.0, 0.5, 1, 0.0, -2.0, float("inf"), float("nan"), 1e-300, 1e300, 10**400, True, "2",

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ import torch
 from conftest import BACKENDS, assert_bitwise_equal, assert_same_snapshot, optimizer_snapshot, select_backend
 from cases import decay_groups, LM_STEPS, lm_tokens, LMCase, Tiny, tiny_loss, TinyLM, train_lm
 
-from ort_optim import AdamWMode, FusedAdam
+from ort_optim import AdamWMode, FusedAdam, backends
 from ort_optim._spec import QUANT_BLOCK
 
 # param dtype, grad dtype, master weights
@@ -147,20 +148,38 @@ def test_without_grad_scale_p_grad_is_never_written_not_even_clipped(backend, mo
             assert_bitwise_equal(p.grad, g, "grad")
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.0, math.inf, -math.inf, math.nan])
+def test_a_grad_scale_tensor_that_is_zero_or_not_finite_skips_where_nothing_reads_it(scale):
+    """On an accelerator no host code reads a grad_scale tensor (that would synchronise with the device): the skip
+    decision itself skips the step for a scale of 0, inf or NaN (inf alone would multiply every gradient by 0 and step
+    on momentum and decay alone). On the CPU the op refuses such a scale before it reads the skip flag (the tests of
+    step()'s arguments)."""
+    stats = torch.tensor([4.0, 0.0])
+    for clip in (None, 1.0):
+        _, _, skip = backends.scaling(stats, torch.tensor(scale), clip, None)
+        assert skip.tolist() == [1.0], (scale, clip)
+    _, _, skip = backends.scaling(stats, torch.tensor(2.0), None, None)
+    assert skip.tolist() == [0.0]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_an_expanded_gradient_cannot_be_unscaled_in_place_and_is_refused_before_anything_changes(backend,
+@pytest.mark.parametrize("when", ["first step", "later step"])
+def test_an_expanded_gradient_cannot_be_unscaled_in_place_and_is_refused_before_anything_changes(when, backend,
                                                                                                   monkeypatch):
+    """Refused before anything changes, the first step's state creation included (its plan refuses it)."""
     select_backend(monkeypatch, backend)
     p = torch.nn.Parameter(torch.randn(4))
     opt = FusedAdam([p], lr=1e-3)
-    p.grad = torch.ones(4)
-    opt.step(grad_scale=2.0)
+    if when == "later step":
+        p.grad = torch.ones(4)
+        opt.step(grad_scale=2.0)
     p.grad = torch.full((1,), 8.0).expand(4)
-    before = optimizer_snapshot(opt)
+    before = optimizer_snapshot(opt, report=True)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] .*'s grad overlaps itself \(an "
                                          r"expand\(\)ed tensor\), so it cannot be unscaled in place"):
         opt.step(grad_scale=2.0)
-    assert_same_snapshot(before, optimizer_snapshot(opt))
+    assert_same_snapshot(before, optimizer_snapshot(opt, report=True))
+    assert bool(opt.state.get(p)) == (when == "later step")
     opt.step()  # without a scale it is only read: fine
     assert p.grad.tolist() == [8.0] * 4
 

@@ -137,9 +137,9 @@ def _count_builds(monkeypatch) -> list[int]:
     builds = [0]
     build = _plan.build
 
-    def counting(*args):
+    def counting(*args, **kwargs):
         builds[0] += 1
-        return build(*args)
+        return build(*args, **kwargs)
 
     monkeypatch.setattr(_plan, "build", counting)
     return builds
@@ -1438,9 +1438,9 @@ def _run(scenario: Scenario, planned: bool, monkeypatch, skips: list | None = No
         calls[-1] += 1
         return op(*args, **kwargs)
 
-    def counting_build(*args):
+    def counting_build(*args, **kwargs):
         builds[-1] += 1
-        return build(*args)
+        return build(*args, **kwargs)
 
     monkeypatch.setattr(backends, "adam_step_", counting_op)
     monkeypatch.setattr(_plan, "build", counting_build)
