@@ -75,6 +75,12 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
   check_rounding_keys(o.rounding_keys, params, work);
   double beta1 = o.beta1, beta2 = o.beta2;
   if (o.betas_tensor.has_value()) read_betas(*o.betas_tensor, beta1, beta2);
+  const double lr = o.lr_tensor.has_value() ? scalar_value(o.lr_tensor, "lr_tensor") : o.lr;
+  // The step's own rules for the values it reads (step() checks them first; a step traced by torch.compile with a
+  // scheduler's lr or betas as graph inputs reaches here without that check).
+  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, "ort_optim::adam_step_: lr must be finite and >= 0, got ", lr);
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "ort_optim::adam_step_: betas[0] must be in [0, 1), got ", beta1);
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "ort_optim::adam_step_: betas[1] must be in [0, 1), got ", beta2);
   // grad_scale is checked before a skip returns: a zero or NaN scale makes the unscaled norm non-finite, so the
   // skip flag computed from it is set, and the bad scale would pass as an overflow. (0.0 below: none given.)
   const double grad_scale = o.grad_scale.has_value() ? scalar_value(o.grad_scale, "grad_scale") : 0.0;
@@ -84,7 +90,6 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
   if (o.grad_square_sum != nullptr) *o.grad_square_sum = std::numeric_limits<double>::quiet_NaN();
   if (found_inf) return;  // skipped: nothing written
   double grad_mul = o.inv_grad_scale.has_value() ? scalar_value(o.inv_grad_scale, "inv_grad_scale") : 1.0;
-  const double lr = o.lr_tensor.has_value() ? scalar_value(o.lr_tensor, "lr_tensor") : o.lr;
 
   // Non-contiguous params and grads are processed through contiguous copies; params (and grads when they are
   // unscaled in place) are copied back at the end.

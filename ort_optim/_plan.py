@@ -12,14 +12,14 @@ itself.
 :meth:`Plan.read_grads_if_valid` applies the single validity rule at every step (and reads the step's gradients):
 
 * ``optimizer.state`` is an :class:`OptimizerState`: each mutation of it or of a param's state dict gives it a new
-  version (an object, told by identity), and a plan is valid only for that very container (one put in its place is
+  version (:func:`new_version`), and a plan is valid only for that very container (one put in its place is
   told by identity) at the version it was built at (O(1));
 * each param group must still be the dict the plan was built from (a dict put in its place, ``{**group, 'lr': x}``
   say, is told by identity: the step reads the hyperparameters from the group the plan holds), and each
   ``param_groups[i]['params']`` is a :class:`ParamList` that marks its mutations the same way: the group must still
-  hold that very list (a list put in its place is told by identity), at that version; the group's ``amsgrad`` (it adds a state
-  list), the optimizer's state layout options and the backend (native plans exist only while the native CPU op runs)
-  must be unchanged (O(groups));
+  hold that very list (a list put in its place is told by identity), at that version; the group's ``amsgrad`` (it
+  adds a state list), the optimizer's state layout options and the backend (native plans exist only while the native
+  CPU op runs) must be unchanged (O(groups));
 * per tensor (params, grads, states, masters, scales, steps): the same storage, data pointer (a native plan
   re-resolves a storage re-allocated in place; the buckets of other backends plan again, as their launch plans keep
   addresses), storage size, dtype, device, shape, strides and TensorImpl (``torch.utils.swap_tensors``
@@ -41,6 +41,7 @@ follow storages that an engine frees and re-allocates, and which reads the local
 from __future__ import annotations
 
 import collections
+import itertools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -68,13 +69,17 @@ def describe(group_index: int, index: int, param: torch.Tensor) -> str:
 # ---- containers that mark their mutations ---------------------------------------------------------------------------
 
 
-def new_version() -> object:
-    """A container's version after a mutation: a new object, told from every other by identity. torch.compile guards
-    an object's identity; an int that changed between two compilations it makes a symbol (automatic dynamic), and an
-    analysis restarted with the symbol in place of the constant takes another path through the plan's check than the
-    first one took (TorchDynamo's SpeculationLogDivergence)."""
-    return object()
+_VERSIONS = itertools.count()
 
+
+def new_version() -> str:
+    """A container's version after a mutation: a string that no other version in the process equals (so a new
+    container's never equals an old one's). A string because torch.compile guards it by its value and never makes it a
+    symbol: an int that changed between two compilations it makes a symbol (automatic dynamic), and an analysis
+    restarted with the symbol in place of the constant takes another path through the plan's check than the first one
+    took (TorchDynamo's SpeculationLogDivergence); an identity test of two plain objects it folds while tracing,
+    guarding neither (a state assigned between compiled steps then went unnoticed)."""
+    return f"v{next(_VERSIONS)}"
 
 
 class ParamState(dict):
@@ -127,7 +132,7 @@ class ParamState(dict):
 
 class OptimizerState(collections.defaultdict):
     """``optimizer.state``: a ``defaultdict(dict)`` of :class:`ParamState` that marks its mutations (``version``, a new
-    object at each: :func:`new_version`).
+    one at each: :func:`new_version`).
 
     Assigning a dict to ``state[p]`` stores a :class:`ParamState` copy of it (a ParamState of this container is stored
     as is), so later changes must go through ``optimizer.state[p]``, not through the dict that was assigned.
@@ -195,7 +200,7 @@ class OptimizerState(collections.defaultdict):
 
 
 class ParamList(list):
-    """A param group's ``params`` list that marks its mutations (``version``, a new object at each)."""
+    """A param group's ``params`` list that marks its mutations (``version``, a new one at each: :func:`new_version`)."""
 
     def __init__(self, items=()):
         super().__init__(items)
@@ -280,7 +285,7 @@ class Bucket:
 class GroupPlan:
     group: dict
     params: ParamList  # the group's list when planned, and its version then
-    params_version: object
+    params_version: str
     amsgrad: bool
     rounding: tuple  # the group's (stochastic_rounding, stochastic_rounding_seed): they decide the rounding keys
     has_grad: list[bool]  # which params had a gradient
@@ -334,7 +339,7 @@ class GroupPlan:
 class Plan:
     groups: list[GroupPlan]
     state: OptimizerState  # the optimizer's state container it was built for
-    state_version: object
+    state_version: str
     layout: StateLayout  # the optimizer's state layout
     native: bool  # whether CPU buckets run on the native op (have native plans)
     has_dtensors: bool = field(init=False)  # whether any group has DTensor params
@@ -357,13 +362,13 @@ class Plan:
         """The part of the rule above the tensors: the same state container at the same version, the same layout and
         backend choice, the same group dicts with the same params lists at the same versions and the same amsgrad
         and rounding options (O(groups), and traceable by torch.compile, which guards on what it reads)."""
-        if (state is not self.state or self.state_version is not state.version or self.layout != layout
+        if (state is not self.state or self.state_version != state.version or self.layout != layout
                 or self.native != native or len(groups) != len(self.groups)):
             return False
         for group, planned in zip(groups, self.groups):
             params = group["params"]
             if (group is not planned.group or params is not planned.params
-                    or params.version is not planned.params_version or bool(group["amsgrad"]) != planned.amsgrad
+                    or params.version != planned.params_version or bool(group["amsgrad"]) != planned.amsgrad
                     or _rounding(group) != planned.rounding):
                 return False
         return True

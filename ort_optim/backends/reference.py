@@ -105,6 +105,13 @@ def adam_step_(
                                f"beta2) on the steps' device ({steps.device}), got {betas_tensor.dtype} of shape "
                                f"{list(betas_tensor.shape)} on {betas_tensor.device}")
         beta1, beta2 = betas_tensor.tolist()
+    lr = float(lr_tensor) if lr_tensor is not None else lr
+    # the step's own rules for the values it reads, as the native op checks them (step() checks them first)
+    if not (math.isfinite(lr) and lr >= 0.0):
+        raise RuntimeError(f"ort_optim::adam_step_: lr must be finite and >= 0, got {lr:g}")
+    for i, beta in enumerate((beta1, beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise RuntimeError(f"ort_optim::adam_step_: betas[{i}] must be in [0, 1), got {beta:g}")
     if rounding_keys is not None:
         if rounding_keys.dtype != torch.int64 or rounding_keys.shape != (len(params),):
             raise RuntimeError(f"ort_optim::adam_step_: rounding_keys must be an int64 tensor of shape [{len(params)}]")
@@ -131,7 +138,6 @@ def adam_step_(
                 raise RuntimeError(f"ort_optim::adam_step_: grads[{i}] overlaps itself (an expand()ed tensor), so it "
                                    "cannot be unscaled in place: give it its own memory (grad.contiguous()) or step "
                                    "without grad_scale")
-    lr = float(lr_tensor) if lr_tensor is not None else lr
     grad_mul = (float(inv_grad_scale) if inv_grad_scale is not None else 1.0) * (-1.0 if maximize else 1.0)
     amsgrad = len(max_exp_avg_sqs) > 0
 

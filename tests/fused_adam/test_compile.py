@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import Configuration, configurations, gradient, gradients
-from conftest import assert_bitwise_equal, assert_same_history, fuzz_examples, optimizer_snapshot, select_backend
+from conftest import (assert_bitwise_equal, assert_same_history, assert_tree_bitwise_equal, fuzz_examples,
+                      optimizer_snapshot, select_backend)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -257,6 +258,64 @@ def test_a_compiled_step_after_a_refused_one_steps_and_computes_what_the_eager_s
         results.append([p.detach().clone() for p in model.parameters()])
     for compiled_param, eager_param in zip(results[1], results[0]):
         assert_bitwise_equal(compiled_param, eager_param, "param")
+
+
+@NEWEST
+@pytest.mark.parametrize("assignment", ["exp_avg zeroed", "step set", "update()", "a bad shape"])
+def test_state_assigned_between_compiled_steps_is_stepped_or_refused_as_eager(assignment):
+    """Tensors assigned to optimizer.state[p] between compiled steps become the state from then on (the step traces
+    again, as torch.optim.AdamW's does), or are refused with the eager error, nothing written."""
+
+    def assign(state, p):
+        if assignment == "exp_avg zeroed":
+            state["exp_avg"] = torch.zeros_like(p)
+        elif assignment == "step set":
+            state["step"] = torch.tensor(10.0)
+        elif assignment == "update()":
+            state.update(exp_avg_sq=torch.ones_like(p))
+        else:
+            state["exp_avg"] = torch.zeros(3)
+
+    results = []
+    for compiled in (False, True):
+        model = _model()
+        opt = FusedAdam(model.parameters(), lr=1e-2)
+        step = torch.compile(lambda: opt.step()) if compiled else (lambda: opt.step())
+        torch._dynamo.reset()
+        outcome = []
+        for i in range(4):
+            _grads(model, i)
+            if i == 2:
+                assign(opt.state[next(model.parameters())], next(model.parameters()))
+            try:
+                step()
+            except ValueError as error:
+                outcome.append(str(error))
+        results.append((optimizer_snapshot(opt), outcome))
+    (eager, eager_errors), (compiled, compiled_errors) = results
+    assert compiled_errors == eager_errors and bool(eager_errors) == (assignment == "a bad shape")
+    assert_tree_bitwise_equal(compiled, eager, "compiled vs eager")
+
+
+@NEWEST
+def test_a_scheduled_float_lr_that_turns_negative_is_refused_by_a_compiled_step_before_it_writes():
+    """A float lr that a scheduler changes is an input of the compiled graph (TorchDynamo's automatic dynamic), so
+    the check that step() makes before tracing does not see its later values: the op checks the values it reads
+    (the native CPU op; not the Triton kernels) and refuses a negative lr before writing anything."""
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.3 * i)  # 1, 0.7, 0.4, 0.1, -0.2
+    step = torch.compile(lambda: opt.step())
+    torch._dynamo.reset()
+    for i in range(4):
+        _grads(model, i)
+        step()
+        scheduler.step()
+    _grads(model, 4)
+    before = optimizer_snapshot(opt)
+    with pytest.raises((ValueError, RuntimeError), match=r"lr must be (finite and )?>= 0, got -0\.002"):
+        step()
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
 
 
 @pytest.mark.slow
