@@ -490,8 +490,8 @@ class FusedAdam(torch.optim.Optimizer):
         if grad_scale is not None or found_inf is not None:
             _group_options.check_scaling_arguments(grad_scale, found_inf)
         if (torch.compiler.is_compiling() and _TRACED_STEP and self._backward is None
-                and self._init_group(unscales=grad_scale is not None)):
-            self._check_capturable_grad_scale(grad_scale)
+                and self._init_group(unscales=grad_scale is not None,
+                                     number_scale=grad_scale is not None and not isinstance(grad_scale, torch.Tensor))):
             # Traced by torch.compile: _init_group ran outside the graph (validated everything, planned); what it
             # read is guarded by TorchDynamo, and the check below makes the plan's own rule part of those guards, so
             # any change re-traces (and re-validates) instead of stepping with a stale plan.
@@ -538,7 +538,7 @@ class FusedAdam(torch.optim.Optimizer):
         every call (a wrapper made per call is a new function each time, and each re-traces the calling frame)."""
         self._update(grad_scale, found_inf)
 
-    def _init_group(self, unscales: bool = False) -> bool:
+    def _init_group(self, unscales: bool = False, number_scale: bool = False) -> bool:
         """The part of a step that torch.compile cannot trace, run outside the graph: TorchDynamo calls an optimizer's
         ``_init_group`` eagerly when it traces ``step()`` (as for torch.optim's optimizers) and guards the state and
         gradients it then reads. Validates the options, then builds the plan (without native plans: the traced step
@@ -548,10 +548,13 @@ class FusedAdam(torch.optim.Optimizer):
         (_update_outside_graph). Also False for an option or a state it refuses: the eager update then raises the error
         itself (an error out of this call would reach the user wrapped in TorchDynamo's own). unscales: the step
         writes unscaled gradients back (a grad_scale), whose overlap check reads what a traced step cannot (a host
-        int per non-contiguous gradient: a graph break, after which TorchDynamo's restarted analysis diverged)."""
+        int per non-contiguous gradient: a graph break, after which TorchDynamo's restarted analysis diverged).
+        number_scale: that grad_scale is a number, which capturable=True refuses (before anything is planned)."""
         try:
             self._validate_options(None)
         except (ValueError, TypeError):
+            return False
+        if self.capturable and number_scale:
             return False
         if self.process_group is not None or self.pipeline_group is not None or self._has_dtensors:
             return False

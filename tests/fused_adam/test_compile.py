@@ -298,6 +298,29 @@ def test_state_assigned_between_compiled_steps_is_stepped_or_refused_as_eager(as
 
 
 @NEWEST
+@pytest.mark.parametrize("case", ["expanded gradient, grad_scale tensor", "capturable, grad_scale number"])
+def test_a_first_compiled_step_refused_as_eager_creates_no_state(case):
+    """A first step refused by a check that depends on step()'s arguments: the eager ValueError, and no state created
+    (the traced step's planning runs before the graph, so these checks run before it plans)."""
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-2, capturable=case.startswith("capturable"))
+    step = torch.compile(lambda scale: opt.step(grad_scale=scale))
+    torch._dynamo.reset()
+    _grads(model, 0)
+    if case.startswith("expanded"):
+        first = next(model.parameters())
+        first.grad = torch.ones(1).expand(first.shape)
+        scale, message = torch.tensor(4.0), r"'s grad overlaps itself \(an expand\(\)ed tensor\)"
+    else:
+        scale, message = 4.0, r"capturable=True: pass grad_scale as a tensor"
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=message):
+        step(scale)
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+    assert not opt.state
+
+
+@NEWEST
 def test_a_scheduled_float_lr_that_turns_negative_is_refused_by_a_compiled_step_before_it_writes():
     """A float lr that a scheduler changes is an input of the compiled graph (TorchDynamo's automatic dynamic), so
     the check that step() makes before tracing does not see its later values: the op checks the values it reads
