@@ -556,7 +556,10 @@ def rounding_keys(groups: list[dict], group_index: int, indices: list[int], p: t
     if not stochastic or p.dtype != torch.bfloat16 or has_master:
         return None
     first = sum(len(g["params"]) for g in groups[:group_index])
-    return torch.tensor([_spec.rounding_key(int(seed), first + i) for i in indices], dtype=torch.int64)
+    # (on the params' device, copied there once per plan: the kernels read them at every step, and a CUDA graph
+    # cannot capture a copy from pageable host memory)
+    return torch.tensor([_spec.rounding_key(int(seed), first + i) for i in indices], dtype=torch.int64,
+                        device=p.device)
 
 
 def _storage_kind(state: dict, key: str) -> tuple:

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import backends
 from ._group_options import check_max_grad_norm, check_process_group
 from ._master_weights import InnerMasters, WrapperMasters, step_in_backward_refused
 from .fused_adam import FusedAdam
@@ -358,7 +359,7 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale`` in float32, for callers that run backward themselves."""
         self._scaled_since_step = True
-        return loss.float() * self.scaler.scale.to(loss.device, non_blocking=True)
+        return loss.float() * backends.to_device(self.scaler.scale, loss.device)
 
     def backward(self, loss: torch.Tensor, retain_graph: Optional[bool] = None, **kwargs: Any) -> None:
         """Backpropagates ``loss * scale`` (gradients accumulate, scaled, until step())."""

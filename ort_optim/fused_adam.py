@@ -658,9 +658,12 @@ class FusedAdam(torch.optim.Optimizer):
         if scaled:
             devices = list(dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets)) or [
                 next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)]
-            stats = self._global_grad_stats(buckets, devices[0], reduction)
+            # (on the first accelerator's device when the buckets span CPU and CUDA, as the plain norm below: the
+            # CPU buckets' sums reach it without waiting, and the multiplier and skip flag come back to the CPU once)
+            main = next((d for d in devices if d.type != "cpu"), devices[0])
+            stats = self._global_grad_stats(buckets, main, reduction)
             multiplier, grad_norm, skip = backends.scaling(stats, grad_scale, self.max_grad_norm, found_inf)
-            per_device = {device: multiplier.to(device, non_blocking=True).reshape(1) for device in devices}
+            per_device = {device: backends.to_device(multiplier, device).reshape(1) for device in devices}
             scaling = backends.Scaling(per_device, skip, unscaled)
             report = {"grad_norm": grad_norm, "found_inf": skip}
         else:  # (then there are buckets: a step without any returned above)
@@ -712,7 +715,7 @@ class FusedAdam(torch.optim.Optimizer):
             return None
         devices = dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets)
         if isinstance(grad_scale, torch.Tensor):
-            return {d: grad_scale.to(d, torch.float32, non_blocking=True).reshape(1) for d in devices}
+            return {d: backends.to_device(grad_scale, d, torch.float32).reshape(1) for d in devices}
         # (a fill on the device, not a copy from the host: no synchronisation)
         return {d: torch.full((1,), float(grad_scale), dtype=torch.float32, device=d) for d in devices}
 
@@ -726,7 +729,7 @@ class FusedAdam(torch.optim.Optimizer):
         per_bucket = [FusedAdam._bucket_stats(group, bucket, reduction) for _, group, bucket in buckets]
         if not per_bucket:  # (a rank without gradients: its share of the reduction)
             return dtensor.all_reduce_stats(torch.zeros(2, device=device), reduction)
-        stats = sum(s.to(device, non_blocking=True) for s in per_bucket)
+        stats = sum(backends.to_device(s, device) for s in per_bucket)
         return dtensor.all_reduce_stats(stats, reduction)
 
     @staticmethod

@@ -362,17 +362,19 @@ def check_same_stream(device: torch.device) -> None:
     assert_bitwise(args, ref, "step on a non-default stream")
 
 
-def check_graph_capture(device: torch.device, steps: int = 6, clip: bool = False) -> None:
+def check_graph_capture(device: torch.device, steps: int = 6, clip: bool = False, stochastic: bool = False) -> None:
     """FusedAdam(capturable=True).step() captured once in a CUDA graph and replayed with new gradients, a changing lr
     (a device tensor updated in place) and a skipped step (found_inf) equals the same steps run eagerly, bit for
     bit, fp16 moments and per-parameter step counts included. clip=True adds max_grad_norm and a grad_scale tensor,
-    so grad_stats and the unscale/clip arithmetic are in the graph too."""
+    so grad_stats and the unscale/clip arithmetic are in the graph too; stochastic=True steps bfloat16 params
+    without masters, rounded stochastically (the rounding keys live on the device: no host copy in the graph)."""
     from ort_optim import FusedAdam
 
     shapes = [(1000, 1030), (4096,), (), (33, 17)]
+    dtype = torch.bfloat16 if stochastic else torch.float32
     gen = torch.Generator().manual_seed(5)
-    init = [torch.randn(s, generator=gen) for s in shapes]
-    all_grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
+    init = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    all_grads = [[torch.randn(s, generator=gen).to(dtype) for s in shapes] for _ in range(steps)]
     lrs = [1e-3, 2e-3, 5e-4, 1e-3, 4e-3, 3e-3][:steps]
     skips = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0][:steps]
 
@@ -380,7 +382,8 @@ def check_graph_capture(device: torch.device, steps: int = 6, clip: bool = False
         params = [torch.nn.Parameter(p.clone().to(device)) for p in init]
         lr = torch.tensor(lrs[0], device=device)
         opt = FusedAdam(params, lr=lr, adam_w_mode=2, weight_decay=0.01, amsgrad=True, exp_avg_dtype=F16,
-                        exp_avg_sq_dtype=F16, capturable=True, max_grad_norm=1.0 if clip else None)
+                        exp_avg_sq_dtype=F16, capturable=True, max_grad_norm=1.0 if clip else None,
+                        stochastic_rounding=stochastic)
         return params, lr, opt
 
     scale = torch.tensor(8.0, device=device) if clip else None
@@ -393,7 +396,7 @@ def check_graph_capture(device: torch.device, steps: int = 6, clip: bool = False
         opt_e.step(found_inf=torch.tensor([skips[i]], device=device), grad_scale=scale)
 
     params_g, lr_g, opt_g = make()
-    static_grads = [torch.zeros(s, device=device) for s in shapes]
+    static_grads = [torch.zeros(s, device=device, dtype=dtype) for s in shapes]
     found = torch.zeros(1, device=device)
     for p, g in zip(params_g, static_grads):
         p.grad = g
@@ -426,6 +429,36 @@ def check_graph_capture(device: torch.device, steps: int = 6, clip: bool = False
         for key in se:
             assert torch.equal(raw(se[key]), raw(sg[key])), f"param {j} state {key}: graph replay differs"
         assert float(sg["step"]) == steps - sum(skips), f"param {j}: step count {float(sg['step'])}"
+
+
+def check_mixed_devices(device: torch.device, steps: int = 4) -> None:
+    """One FusedAdam over params on the CPU and on the GPU, with a grad_scale and a found_inf tensor on the GPU and
+    max_grad_norm, equals the same steps over CPU copies of every param (rtol 1e-6: the two sum the norm's squares in
+    other orders), skips included. The multiplier, skip flag and scale computed on the GPU reach the CPU buckets by
+    copies that wait for them (a non-blocking copy to the host is read by the CPU kernels before it lands)."""
+    from ort_optim import FusedAdam
+
+    shapes = [(1000, 1030), (4096,), (33, 17), (777,)]
+    gen = torch.Generator().manual_seed(11)
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    all_grads = [[torch.randn(s, generator=gen) * 64 for s in shapes] for _ in range(steps)]
+    skips = [0.0, 1.0, 0.0, 0.0][:steps]
+
+    def run(devices, flags_device):
+        params = [torch.nn.Parameter(p.clone().to(d)) for p, d in zip(init, devices)]
+        opt = FusedAdam(params, lr=1e-3, max_grad_norm=1.0)
+        scale = torch.tensor(64.0, device=flags_device)
+        for i in range(steps):
+            for p, g in zip(params, all_grads[i]):
+                p.grad = g.to(p.device)
+            opt.step(grad_scale=scale, found_inf=torch.tensor([skips[i]], device=flags_device))
+        return [p.detach().cpu() for p in params] + [opt.state[p][k].cpu() for p in params
+                                                     for k in ("exp_avg", "exp_avg_sq", "step")]
+
+    mixed = run([device, "cpu", device, "cpu"], device)
+    on_cpu = run(["cpu"] * len(shapes), "cpu")
+    for i, (a, b) in enumerate(zip(mixed, on_cpu)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0, msg=lambda m, i=i: f"tensor {i}: {m}")
 
 
 def total_norm(grads) -> float:

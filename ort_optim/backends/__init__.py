@@ -148,6 +148,13 @@ def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 # ---- the runners: one bucket's check, statistics and step -------------------------------------------------------
 
 
+def to_device(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """t on device (and dtype) without synchronising where that is safe: a copy to an accelerator is queued on its
+    stream (non-blocking); one to the CPU waits for it, since a non-blocking copy from an accelerator hands back host
+    memory the copy has not filled yet, which the CPU kernels would read at once."""
+    return t.to(device=device, dtype=dtype, non_blocking=torch.device(device).type != "cpu")
+
+
 def scaling(stats: torch.Tensor, grad_scale: Optional[Union[float, torch.Tensor]], max_grad_norm: Optional[float],
             found_inf: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one definition of a step's loss-scale unscaling, global-norm clipping and skip decision, from the
@@ -193,7 +200,7 @@ class Scaling(NamedTuple):
     def on(self, device: torch.device) -> dict:
         """The ops' keyword arguments for tensors on this device."""
         return dict(inv_grad_scale=None if self.inv_grad_scale is None else self.inv_grad_scale[device],
-                    found_inf=None if self.found_inf is None else self.found_inf.to(device, non_blocking=True),
+                    found_inf=None if self.found_inf is None else to_device(self.found_inf, device),
                     grad_scale=None if self.grad_scale is None else self.grad_scale[device])
 
 

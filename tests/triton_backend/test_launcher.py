@@ -84,3 +84,16 @@ def test_a_kept_compiled_kernel_gets_what_jitfunction_run_gives_it(tmp_path):
     env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"), ORT_OPTIM_TRITON_FAST_LAUNCH="1")
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_the_gpu_check_passes_its_correctness_checks_in_a_dry_run(tmp_path):
+    """tools/gpu_check.py, the one script a lent GPU runs, goes through its checks on CPU tensors in Triton's
+    interpreter: a check it could not even set up (a moment combination the optimizer no longer offers, say) fails
+    here, not on the GPU."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--out", str(tmp_path), "--dry-run",
+                           "--skip-bench", "--skip-pytest"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items() if k != "ORT_OPTIM_BACKEND"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "0 failed" in proc.stdout, proc.stdout[-3000:]
