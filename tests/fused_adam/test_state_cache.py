@@ -1178,7 +1178,8 @@ def _tied_by_views(opt, params) -> None:
 
 
 SHARING = {
-    "the same param twice": (lambda opt, ps: opt.param_groups[0]["params"].append(ps[0]), r"share memory"),
+    "the same param twice": (lambda opt, ps: opt.param_groups[0]["params"].append(ps[0]),
+                              r" is param_groups\[0\]\['params'\]\[0\] .* listed again: list each parameter once"),
     "two params viewing one storage": (_tied_by_views, r"share memory"),
     "one state dict for two params": (lambda opt, ps: _late_param(opt, ps, opt.state[ps[0]]), r"one optimizer state"),
     "one moment for two params": (_share_a_moment, r"\['exp_avg_sq'\] and .*\['exp_avg_sq'\] share memory"),
