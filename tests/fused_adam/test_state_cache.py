@@ -807,7 +807,7 @@ def _everything(opt: FusedAdam) -> list:
 
 def _meta_safe_snapshot(opt):
     return {k: ("meta", v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) and v.is_meta else v
-            for k, v in optimizer_snapshot(opt).items()}
+            for k, v in optimizer_snapshot(opt, report=True).items()}
 
 
 def assert_steps_like_a_fresh_optimizer(opt: FusedAdam, steps: int = 2, step_kind: str = "plain") -> None:
