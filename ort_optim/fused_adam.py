@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
@@ -59,6 +60,38 @@ def _traced_hyperparameters(group: dict, device: torch.device) -> dict:
     if hyper["lr_tensor"] is None:
         hyper.update(lr=0.0, lr_tensor=zero + group["lr"])
     return hyper
+
+
+def _release_with(optimizer: "FusedAdam", tensors: list) -> None:
+    """Lets the graph being traced drop these tensors when the optimizer dies, as TorchDynamo arranges for the state
+    tensors it finds itself in a torch.optim optimizer: tensors marked static are attributes of the compiled graph
+    module, which the calling module's globals keep for the rest of the process (``torch._dynamo.reset()`` does not
+    drop them), so without this a compiled train step kept every param and state alive after ``del model, opt``.
+    Uses TorchDynamo's graph finalizers (private API: without them it does nothing)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        output = InstructionTranslator.current_tx().output
+        add_graph_finalizer = output.add_graph_finalizer
+    except Exception:  # (not tracing, or another TorchDynamo)
+        return
+    ids = {id(t) for t in tensors}
+    context = output.tracing_context
+
+    def init_finalizer(gm: torch.fx.GraphModule) -> None:
+        names = [name for name, t in [*gm._buffers.items(), *gm._parameters.items()] if id(t) in ids]
+
+        def clear() -> None:
+            for name in names:
+                gm._buffers.pop(name, None)
+                gm._parameters.pop(name, None)
+            for flat in (context.params_flat, getattr(context, "params_flat_unwrap_subclasses", None)):
+                if flat:
+                    flat.clear()
+
+        weakref.finalize(optimizer, clear)
+
+    add_graph_finalizer(init_finalizer)
 
 
 class _CheckedOption:
@@ -580,10 +613,11 @@ class FusedAdam(torch.optim.Optimizer):
         # 1491, 1.0x). Their metadata is the plan's to check (an in-place change of a state's shape or dtype makes the
         # compiled graph's input check raise, writing nothing); the params keep their metadata guards, so
         # `p.data = t` re-traces and plans again as the eager step does.
-        for planned in self._plan.groups:
-            for bucket in planned.buckets:
-                for tensor in [t for lst in bucket.state_lists() + [bucket.step_tensors] for t in lst] + [bucket.steps]:
-                    torch._dynamo.mark_static_address(tensor, guard=True)
+        static = [t for planned in self._plan.groups for bucket in planned.buckets
+                  for t in [t for lst in bucket.state_lists() + [bucket.step_tensors] for t in lst] + [bucket.steps]]
+        for tensor in static:
+            torch._dynamo.mark_static_address(tensor, guard=True)
+        _release_with(self, static + [p for group in self.param_groups for p in group["params"]])
         return True
 
     def _validate_options(self, grad_scale) -> list[dict]:

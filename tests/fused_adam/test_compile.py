@@ -321,6 +321,36 @@ def test_a_first_compiled_step_refused_as_eager_creates_no_state(case):
 
 
 @NEWEST
+def test_a_compiled_train_step_lets_its_model_and_states_go_when_they_are_deleted():
+    """The compiled graph holds the optimizer's static tensors (states, params) as attributes, and the calling module's
+    globals hold the graph for the rest of the process: deleting the model and the optimizer frees them all the same,
+    as for torch.optim.AdamW (each traced graph drops them when the optimizer dies)."""
+    import gc
+    import weakref
+
+    def one_run():
+        model = _model()
+        opt = FusedAdam(model.parameters(), lr=1e-2)
+        x = torch.randn(3, 16)
+
+        def train_step():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        step = torch.compile(train_step)
+        for _ in range(2):
+            step()
+        first = next(model.parameters())
+        return weakref.ref(first), weakref.ref(opt.state[first]["exp_avg"]), weakref.ref(opt)
+
+    torch._dynamo.reset()
+    refs = one_run()
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True], "param, exp_avg, optimizer still alive"
+
+
+@NEWEST
 def test_a_scheduled_float_lr_that_turns_negative_is_refused_by_a_compiled_step_before_it_writes():
     """A float lr that a scheduler changes is an input of the compiled graph (TorchDynamo's automatic dynamic), so
     the check that step() makes before tracing does not see its later values: the op checks the values it reads
