@@ -31,10 +31,18 @@ import torch
 from . import _heap, _plan, backends
 from .integrations.ddp import ddp_reducing, ddp_refused
 
+def _remove_handles(*handles: dict) -> None:
+    """Removes the hooks of these dicts (param -> its hook's handle) and empties them."""
+    for by_param in handles:
+        for handle in by_param.values():
+            handle.remove()
+        by_param.clear()
+
+
 class BackwardStep:
     """The hooks of one FusedAdam(step_in_backward=True) (given as ``optimizer``; ort_optim.fused_adam imports this
-    module, not the other way). They hold the optimizer weakly: once it is gone, they do
-    nothing (gradients then accumulate as without it)."""
+    module, not the other way). They hold this object, and through it the optimizer, weakly: once the optimizer is
+    gone, this object goes with it and removes them (gradients then accumulate as without it)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
@@ -64,7 +72,19 @@ class BackwardStep:
         # TorchDynamo must not trace the hook: torch.compile of a function that calls backward() would compile the
         # hooks that the engine calls from it (measured before this wrapper, torch 2.4.1 and 2.13: an error out of
         # tracing, or another param's state looked up for a param). It runs eagerly, as autograd's engine calls it.
-        self._eager_hook = torch._dynamo.disable(self._hook)
+        # The hooks hold this object weakly: a param holds its hooks, and a hook holding the object that holds the
+        # param is a cycle through autograd's C++ hook storage, which the garbage collector does not see (measured:
+        # the model and every state stayed alive after `del optimizer, model`). When this object goes (with its
+        # optimizer), its hooks are removed from the params.
+        step = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            this = step()
+            if this is not None:
+                this._hook(p)
+
+        self._eager_hook = torch._dynamo.disable(hook)
+        weakref.finalize(self, _remove_handles, self._handles, self._setup_handles)
         self._freed = _heap.FreedMemory()  # gives the freed gradients' memory back (glibc's heap, ort_optim/_heap.py)
 
     def watch(self, group_index: int, group: dict) -> None:
@@ -129,10 +149,7 @@ class BackwardStep:
 
     def remove(self) -> None:
         """Removes every hook: backward then only accumulates gradients."""
-        for handle in [*self._handles.values(), *self._setup_handles.values()]:
-            handle.remove()
-        self._handles.clear()
-        self._setup_handles.clear()
+        _remove_handles(self._handles, self._setup_handles)
         self._impls.clear()
         self._unhooked.clear()
         self._refusal, self._refused = None, []

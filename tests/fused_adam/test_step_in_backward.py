@@ -648,6 +648,37 @@ def test_remove_backward_hooks_turns_the_optimizer_back_into_a_plain_one():
     assert float(opt.last_found_inf) == 0
 
 
+@pytest.mark.parametrize("deleted", ["the optimizer", "the optimizer and the model"])
+def test_an_optimizer_stepping_in_backward_lets_its_states_and_params_go_when_deleted(deleted):
+    """The hooks hold the optimizer's in-backward stepper weakly (a hook that held it would hold the params through
+    autograd's hook storage, which the garbage collector does not see): `del opt` frees the states, its hooks leave
+    the params, and a new in-backward optimizer on the same model trains it as a first one would."""
+    import weakref
+
+    model = TinyLM()
+    opt = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
+    model(lm_tokens(0), 0).backward()
+    refs = [weakref.ref(opt), weakref.ref(opt.state[model.hidden.weight]["exp_avg"])]
+    del opt
+    if deleted == "the optimizer and the model":
+        refs.append(weakref.ref(model.hidden.weight))
+        del model
+        gc.collect()
+        assert all(r() is None for r in refs)
+        return
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    fresh = TinyLM()
+    model.load_state_dict(fresh.state_dict())
+    second = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
+    reference = FusedAdam(fresh.parameters(), lr=1e-2, step_in_backward=True)
+    for k in range(2):
+        model(lm_tokens(k), k).backward()
+        fresh(lm_tokens(k), k).backward()
+    assert_same_snapshot(optimizer_snapshot(second), optimizer_snapshot(reference))
+
+
 def test_a_second_optimizer_stepping_in_backward_over_the_same_params_is_an_error_until_the_first_is_removed():
     """The first optimizer's hook (registered first) would update the params and take their gradients; the second
     one's finds none: an error naming the param, instead of silently stepping with the wrong optimizer."""
