@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -89,11 +89,7 @@ class StateLayout:
                     states[i][key] = codes.view(dtype) if dtype in FP8_FORMATS else codes  # (torch 2.4 cannot fill fp8)
                 continue
             shapes = [params[i].shape for i in indices]
-            offsets, total = [], 0
-            for shape in shapes:
-                # each view starts aligned; the buffer ends where the last view does (no padding after it)
-                offsets.append(-(-total // STATE_ALIGN) * STATE_ALIGN)
-                total = offsets[-1] + math.prod(shape)
+            offsets, total = _flat_offsets([math.prod(shape) for shape in shapes])
             flat = _heap.zeros(total, dtype, device)  # (on huge pages where the system gives them)
             for i, offset, shape in zip(indices, offsets, shapes):
                 view = flat[offset:offset + math.prod(shape)].view(shape)
@@ -101,3 +97,43 @@ class StateLayout:
                     view.copy_(params[i].detach())
                 states[i][key] = view
         return states
+
+
+def _flat_offsets(numels: list[int]) -> tuple[list[int], int]:
+    """Where views of these sizes start in a flat buffer, and its length: each view starts aligned (STATE_ALIGN
+    elements), and the buffer ends where the last view does (no padding after it)."""
+    offsets, total = [], 0
+    for numel in numels:
+        offsets.append(-(-total // STATE_ALIGN) * STATE_ALIGN)
+        total = offsets[-1] + numel
+    return offsets, total
+
+
+def compact_flat_buffers(states: Iterable[dict]) -> None:
+    """Re-homes state tensors that are views of one storage of which they use less than 7/8 (after ``del
+    optimizer.state[p]``, or a state tensor replaced, the rest of a flat buffer stays allocated as long as any view of
+    it lives: up to twice the state's memory): copies them into a flat buffer of their own sizes, laid out as
+    init_states lays out one, through ``.data =`` (the same tensor objects, holding the same values). Step counts
+    (which every plan stacks again), inference tensors and tensors that are a whole storage are left alone."""
+    by_storage: dict[tuple, list[torch.Tensor]] = {}
+    for state in states:
+        for key, t in state.items():
+            if (key != "step" and isinstance(t, torch.Tensor) and t.numel() and t.is_contiguous()
+                    and not t.is_inference() and t.layout == torch.strided):
+                storage = t.untyped_storage()
+                if t.numel() * t.element_size() < storage.nbytes():
+                    views = by_storage.setdefault((t.device, storage.data_ptr()), [])
+                    if all(v is not t for v in views):
+                        views.append(t)
+    for views in by_storage.values():
+        dtype, nbytes = views[0].dtype, views[0].untyped_storage().nbytes()
+        if any(v.dtype != dtype for v in views):
+            continue
+        offsets, total = _flat_offsets([v.numel() for v in views])
+        if total * views[0].element_size() * 8 >= nbytes * 7:
+            continue
+        flat = _heap.zeros(total, dtype, views[0].device)
+        for view, offset in zip(views, offsets):
+            home = flat[offset:offset + view.numel()].view(view.shape)
+            home.copy_(view)
+            view.data = home

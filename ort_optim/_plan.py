@@ -52,7 +52,7 @@ import torch
 from . import _checkpoint, _spec, backends, formats
 from ._checkpoint import MOMENT_KEYS
 from ._group_options import show
-from ._layout import StateLayout
+from ._layout import StateLayout, compact_flat_buffers
 from ._versions import tracks_versions
 from ._spec import FP8_FORMATS, LOW_BIT_FORMATS, SUPPORTED_PARAM_DTYPES, num_blocks
 from .integrations import dtensor
@@ -513,6 +513,7 @@ def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayo
             del adoption.state[adoption.key]
         else:
             adoption.state[adoption.key] = adoption.value
+    compact_flat_buffers(optimizer_state.values())  # (views left in a flat buffer that is mostly dead: re-homed)
     steps = set()
     for *_, state in stateful:  # a step tensor assigned to two params' states: each gets its own (a plan re-points it)
         if id(state["step"]) in steps:

@@ -65,3 +65,48 @@ def test_huge_pages_do_not_change_the_update():
             optimizer.step()
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # float32: a few ulps over 3 steps
+
+
+def _state_storage_bytes(opt) -> int:
+    """The bytes of every distinct storage that some state tensor of opt is a view of."""
+    storages = {}
+    for state in opt.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("change", ["del state[p]", "a moment replaced"])
+def test_the_states_left_in_a_mostly_freed_flat_buffer_move_to_one_of_their_size(change):
+    """After del optimizer.state[p] of the largest param (or its moments replaced by tensors of their own), the other
+    params' states would keep the whole flat buffer allocated, up to twice the state's memory (torch.optim.AdamW's
+    per-param states free it): the next step moves them into a buffer of their own sizes (the same tensors), and
+    steps them as an optimizer where nothing changed does, bit for bit."""
+    runs = []
+    for changed in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        big = torch.nn.Parameter(torch.randn(1 << 20, generator=gen))
+        small = torch.nn.Parameter(torch.randn(1000, generator=gen))
+        opt = FusedAdam([big, small], lr=1e-2)
+        for p in (big, small):
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        held = opt.state[small]["exp_avg"]
+        if changed and change == "del state[p]":
+            del opt.state[big]
+        elif changed:
+            opt.state[big]["exp_avg"] = opt.state[big]["exp_avg"].clone()
+            opt.state[big]["exp_avg_sq"] = opt.state[big]["exp_avg_sq"].clone()
+        big.grad, small.grad = None, torch.randn(small.shape, generator=gen)
+        opt.step()
+        assert opt.state[small]["exp_avg"] is held
+        runs.append((opt, small))
+    (untouched, small_a), (opt, small_b) = runs
+    assert opt.state[small_b]["exp_avg"].untyped_storage().nbytes() < 4 * 1000 + 1024
+    fresh = FusedAdam([torch.nn.Parameter(torch.zeros(1 << 20)), torch.nn.Parameter(torch.zeros(1000))], lr=1e-2)
+    fresh.load_state_dict(opt.state_dict())
+    assert _state_storage_bytes(opt) <= _state_storage_bytes(fresh) + 1024
+    assert torch.equal(small_a, small_b)
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(untouched.state[small_a][key], opt.state[small_b][key]), key
