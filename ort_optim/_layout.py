@@ -114,11 +114,12 @@ def compact_flat_buffers(states: Iterable[dict]) -> None:
     optimizer.state[p]``, or a state tensor replaced, the rest of a flat buffer stays allocated as long as any view of
     it lives: up to twice the state's memory): copies them into a flat buffer of their own sizes, laid out as
     init_states lays out one, through ``.data =`` (the same tensor objects, holding the same values). Step counts
-    (which every plan stacks again), inference tensors and tensors that are a whole storage are left alone."""
+    (which every plan stacks again), inference tensors, tensor subclasses (a DTensor state: its local tensor is its
+    own) and tensors that are a whole storage are left alone."""
     by_storage: dict[tuple, list[torch.Tensor]] = {}
     for state in states:
         for key, t in state.items():
-            if (key != "step" and isinstance(t, torch.Tensor) and t.numel() and t.is_contiguous()
+            if (key != "step" and type(t) is torch.Tensor and t.numel() and t.is_contiguous()
                     and not t.is_inference() and t.layout == torch.strided):
                 storage = t.untyped_storage()
                 if t.numel() * t.element_size() < storage.nbytes():
