@@ -157,17 +157,18 @@ def check_group(group: dict, where: Where, master_weights: bool) -> None:
         raise ValueError(f"{where('adam_w_mode')} must be an AdamWMode (0, 1 or 2), got {mode!r}")
 
 
-def hyperparameters(group: dict, read_betas: bool = True) -> dict:
+def hyperparameters(group: dict, traced: bool = False) -> dict:
     """A validated group's hyperparameters as the op's keyword arguments (all but inv_grad_scale, found_inf,
-    grad_scale): host floats (CPU tensors read), lr as ``lr_tensor`` when it is a tensor. read_betas=False leaves
-    beta1 and beta2 at 0.0, for a caller that passes them as ``betas_tensor`` (a traced step: reading a tensor beta
-    on the host would split its graph)."""
+    grad_scale): host floats (CPU tensors read), lr as ``lr_tensor`` when it is a tensor. traced=True leaves beta1,
+    beta2 and an lr that is not a tensor at 0.0, for a step traced by torch.compile, which passes them as tensors
+    (reading a tensor beta on the host would split its graph, and so would float() of a numpy scalar lr)."""
     lr = group["lr"]
     # (any one-element tensor, as torch.optim takes it; the op reads one of at most one dimension)
     lr_tensor = (lr if lr.dim() <= 1 else lr.reshape(())) if isinstance(lr, torch.Tensor) else None
-    beta1, beta2 = (float(beta) for beta in group["betas"]) if read_betas else (0.0, 0.0)
+    beta1, beta2 = (0.0, 0.0) if traced else (float(beta) for beta in group["betas"])
     return dict(
-        lr=0.0 if lr_tensor is not None else float(lr), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+        lr=0.0 if lr_tensor is not None or traced else float(lr), beta1=beta1, beta2=beta2,
+        eps=float(group["eps"]),
         weight_decay=float(group["weight_decay"]), adam_w_mode=int(group["adam_w_mode"]),
         bias_correction=bool(group["bias_correction"]), maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
     )

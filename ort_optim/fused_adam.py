@@ -52,7 +52,7 @@ def _traced_hyperparameters(group: dict, device: torch.device) -> dict:
     (a guard on its value: one graph per value), and so is one given to ``torch.tensor``, ``torch.as_tensor`` or
     ``torch.full``; one added to a tensor stays an input. Hence a float64 zero plus each value. The op reads the same
     float64 values (exactly the floats), so the step computes what the eager step computes."""
-    hyper = _group_options.hyperparameters(group, read_betas=False)
+    hyper = _group_options.hyperparameters(group, traced=True)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     # (betas: floats, or one-element tensors of any shape and floating dtype, as the eager step takes them)
     betas = [(zero + beta).reshape(()).to(torch.float64) for beta in group["betas"]]

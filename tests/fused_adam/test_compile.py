@@ -351,6 +351,32 @@ def test_a_compiled_train_step_lets_its_model_and_states_go_when_they_are_delete
 
 
 @NEWEST
+@pytest.mark.parametrize("kind", ["float32", "float64"])
+def test_a_numpy_scalar_lr_changed_every_step_compiles_without_breaks_and_steps_as_eager(kind):
+    """A schedule computed in numpy writes numpy scalars into the group: the traced step takes them into the graph
+    as it takes floats (no host read of the value), and computes what the eager step computes."""
+    import numpy as np
+
+    results, counts = [], []
+    for compiled in (False, True):
+        model = _model()
+        opt = FusedAdam(model.parameters(), lr=1e-2)
+        step = torch.compile(lambda: opt.step()) if compiled else (lambda: opt.step())
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        for i in range(8):
+            _grads(model, i)
+            opt.param_groups[0]["lr"] = getattr(np, kind)(1e-3 * (i + 1))
+            step()
+        counts.append((sum(torch._dynamo.utils.counters["graph_break"].values()),
+                       torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert counts[1][0] == 0 and counts[1][1] <= 2, counts[1]
+    for compiled_param, eager_param in zip(results[1], results[0]):
+        assert_bitwise_equal(compiled_param, eager_param, "param")
+
+
+@NEWEST
 def test_a_scheduled_float_lr_that_turns_negative_is_refused_by_a_compiled_step_before_it_writes():
     """A float lr that a scheduler changes is an input of the compiled graph (TorchDynamo's automatic dynamic), so
     the check that step() makes before tracing does not see its later values: the op checks the values it reads
