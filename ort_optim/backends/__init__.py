@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -148,6 +148,13 @@ def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 # ---- the runners: one bucket's check, statistics and step -------------------------------------------------------
 
 
+def main_device(devices: Iterable[torch.device]) -> torch.device:
+    """Where a step adds up results from several devices: the first accelerator among them, else the first (copies
+    to it from the CPU need no wait; what comes back to the CPU comes once, by to_device)."""
+    devices = list(devices)
+    return next((d for d in devices if d.type != "cpu"), devices[0])
+
+
 def to_device(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """t on device (and dtype) without synchronising where that is safe: a copy to an accelerator is queued on its
     stream (non-blocking); one to the CPU waits for it, since a non-blocking copy from an accelerator hands back host
@@ -173,16 +180,18 @@ def scaling(stats: torch.Tensor, grad_scale: Optional[Union[float, torch.Tensor]
       accelerator, whose value step() does not read; on the CPU it is refused), or found_inf is non-zero."""
     main = stats.device
     inv = torch.ones((), dtype=torch.float32, device=main)
+    skip = stats[1] > 0
     if grad_scale is not None:
         scale = grad_scale.to(main, torch.float32) if isinstance(grad_scale, torch.Tensor) else \
             torch.tensor(float(grad_scale), dtype=torch.float32, device=main)
         inv = inv / scale.reshape(())
+        # (1/s is 0 for s = inf, inf or NaN for s = 0 or NaN: a scale that cannot unscale; tested before clipping,
+        # whose coefficient may round to 0 for a tiny max_grad_norm without the scale being wrong)
+        skip = skip | ~torch.isfinite(inv) | (inv == 0)
     norm = sqrt_f32(stats[0]) * inv  # (correctly rounded: the same bits eagerly, compiled and on CUDA)
     if max_grad_norm is not None:
         inv = inv * torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
-    skip = ((stats[1] > 0) | ~torch.isfinite(norm)).float()
-    if grad_scale is not None:  # (a scale of inf: every gradient times 0; one that is 0 or NaN makes the norm NaN)
-        skip = torch.maximum(skip, (~torch.isfinite(inv) | (inv == 0)).float())
+    skip = (skip | ~torch.isfinite(norm)).float()
     if found_inf is not None:
         skip = torch.maximum(skip, (found_inf.to(main).reshape(()) != 0).float())
     return inv, norm, skip.reshape(1)

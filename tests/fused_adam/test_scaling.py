@@ -160,6 +160,10 @@ def test_a_grad_scale_tensor_that_is_zero_or_not_finite_skips_where_nothing_read
         assert skip.tolist() == [1.0], (scale, clip)
     _, _, skip = backends.scaling(stats, torch.tensor(2.0), None, None)
     assert skip.tolist() == [0.0]
+    # a valid scale whose clip coefficient rounds to 0 (a tiny max_grad_norm, a large norm) is stepped, as without one
+    for scale in (None, torch.tensor(2.0)):
+        multiplier, _, skip = backends.scaling(torch.tensor([1e36, 0.0]), scale, 1e-30, None)
+        assert float(multiplier) == 0.0 and skip.tolist() == [0.0], scale
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
