@@ -31,6 +31,7 @@ import torch
 from . import _heap, _plan, backends
 from .integrations.ddp import ddp_reducing, ddp_refused
 
+
 def _remove_handles(*handles: dict) -> None:
     """Removes the hooks of these dicts (param -> its hook's handle) and empties them."""
     for by_param in handles:

@@ -262,10 +262,10 @@ def warn_nonfinite(entries: list[str]) -> None:
     """The warning of a load whose moments or masters hold inf or NaN (loaded as they are, see :func:`_check_moment`)."""
     if not entries:
         return
-    shown = _listed(entries)
     warnings.warn(
-        f"load_state_dict: {shown} {'holds' if len(entries) == 1 else 'hold'} inf or NaN; loaded as they are, so training continues exactly as it would "
-        "have without the checkpoint (a second moment whose square overflowed float32 stays inf, as in "
+        f"load_state_dict: {_listed(entries)} {'holds' if len(entries) == 1 else 'hold'} inf or NaN; loaded as they "
+        "are, so training continues exactly as it would have without the checkpoint (a second moment whose square "
+        "overflowed float32 stays inf, as in "
         "torch.optim.AdamW, and its element's update stays 0; NaN moments or masters mean the run had diverged "
         "before it was saved)", RuntimeWarning, stacklevel=3)
 
@@ -278,8 +278,9 @@ def warn_dropped_masters(entries: list[str]) -> None:
     warnings.warn(
         f"load_state_dict: {_listed(entries)}: this optimizer keeps no fp32 master weights for "
         f"{'that param' if len(entries) == 1 else 'those params'} (master_weights=False, or an fp32 param), so the "
-        "checkpoint's masters are not loaded and the run continues from the params' own values (what the model's state_dict restored: the masters rounded to the param "
-        "dtype). Build the optimizer with master_weights=True to continue with them", RuntimeWarning, stacklevel=3)
+        "checkpoint's masters are not loaded and the run continues from the params' own values (what the model's "
+        "state_dict restored: the masters rounded to the param dtype). Build the optimizer with master_weights=True "
+        "to continue with them", RuntimeWarning, stacklevel=3)
 
 
 # ---- loading -------------------------------------------------------------------------------------------------------

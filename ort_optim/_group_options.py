@@ -167,8 +167,7 @@ def hyperparameters(group: dict, traced: bool = False) -> dict:
     lr_tensor = (lr if lr.dim() <= 1 else lr.reshape(())) if isinstance(lr, torch.Tensor) else None
     beta1, beta2 = (0.0, 0.0) if traced else (float(beta) for beta in group["betas"])
     return dict(
-        lr=0.0 if lr_tensor is not None or traced else float(lr), beta1=beta1, beta2=beta2,
-        eps=float(group["eps"]),
+        lr=0.0 if lr_tensor is not None or traced else float(lr), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
         weight_decay=float(group["weight_decay"]), adam_w_mode=int(group["adam_w_mode"]),
         bias_correction=bool(group["bias_correction"]), maximize=bool(group["maximize"]), lr_tensor=lr_tensor,
     )

@@ -959,9 +959,9 @@ def _check_overlap(entries: list[tuple[int, int, torch.Tensor]]) -> None:
     for i, j in _overlapping_pairs([entry[2] for entry in entries]):
         if entries[i][2] is entries[j][2]:
             raise ValueError(
-                f"{describe(*entries[j])} is {describe(*entries[i])} listed again: list each parameter once (torch.optim "
-                "warns about a param group with duplicate parameters and then updates such a parameter once per "
-                "listing)")
+                f"{describe(*entries[j])} is {describe(*entries[i])} listed again: list each parameter once "
+                "(torch.optim warns about a param group with duplicate parameters and then updates such a parameter "
+                "once per listing)")
         raise ValueError(
             f"{describe(*entries[i])} and {describe(*entries[j])} share memory (overlapping views of one storage); "
             "FusedAdam would update the shared elements twice. Give each parameter its own memory, e.g. "

@@ -602,7 +602,7 @@ class FusedAdam(torch.optim.Optimizer):
                 self._plan = _plan.build(self.param_groups, self.state, layout, traced=True, unscales=unscales)
             except (ValueError, TypeError):
                 return False
-        if unscales:
+        elif unscales:  # (a new plan checked them)
             try:
                 _plan.check_grads_writable(list(self._plan.buckets()))
             except ValueError:
@@ -692,10 +692,7 @@ class FusedAdam(torch.optim.Optimizer):
         if scaled:
             devices = list(dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets)) or [
                 next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)]
-            # (on the first accelerator's device when the buckets span CPU and CUDA, as the plain norm below: the
-            # CPU buckets' sums reach it without waiting, and the multiplier and skip flag come back to the CPU once)
-            main = next((d for d in devices if d.type != "cpu"), devices[0])
-            stats = self._global_grad_stats(buckets, main, reduction)
+            stats = self._global_grad_stats(buckets, backends.main_device(devices), reduction)
             multiplier, grad_norm, skip = backends.scaling(stats, grad_scale, self.max_grad_norm, found_inf)
             per_device = {device: backends.to_device(multiplier, device).reshape(1) for device in devices}
             scaling = backends.Scaling(per_device, skip, unscaled)
@@ -723,10 +720,8 @@ class FusedAdam(torch.optim.Optimizer):
             if len(stats) == 1:
                 total = stats[0]
             else:
-                # On the first accelerator's device when the buckets span CPU and CUDA: host-to-device copies of the
-                # CPU buckets' sums need no synchronisation, a non-blocking copy the other way would be read unfinished.
-                main = next((s.device for s in stats if s.device.type != "cpu"), stats[0].device)
-                total = sum(s.to(main, non_blocking=True) for s in stats)
+                main = backends.main_device(s.device for s in stats)
+                total = sum(backends.to_device(s, main) for s in stats)
             report["grad_norm"] = sqrt_f32(total[0])
         self._last.update(report)  # (after the updates: a step that raised reports what the last one did)
 
