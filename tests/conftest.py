@@ -40,6 +40,15 @@ def _one_intra_op_thread(request):
         yield
 
 
+@pytest.fixture(autouse=True)
+def _subnormals_kept():
+    """torch 2.4.1's inductor builds its C++ kernels with -ffast-math, and loading one turns on flush-to-zero for the
+    thread: a test that compiles a step leaves it off again for the tests after it, which read subnormals (hypothesis
+    refuses to draw floats at all under flush-to-zero)."""
+    yield
+    torch.set_flush_denormal(False)
+
+
 # Examples per hypothesis property. Each property states the count that `make test` (and CI) runs; the environment
 # variable ORT_OPTIM_FUZZ_EXAMPLES replaces every count: `make check` sets a few for its fast tier, and a long fuzzing
 # run sets many (ORT_OPTIM_FUZZ_EXAMPLES=100000). The properties are derandomized or seeded per test, so a failure
