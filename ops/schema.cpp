@@ -14,14 +14,18 @@ TORCH_LIBRARY(ort_optim, m) {
   // AdamW does), while the update itself uses inv_grad_scale. rounding_keys (int64 [n]) asks for stochastic rounding
   // of bfloat16 params without masters, from a hash of (key, step, element index). betas_tensor (float64 [2] =
   // [beta1, beta2], on the steps' device) replaces beta1 and beta2 when given (bias corrections included), as lr_tensor
-  // replaces lr: betas that change at every step without changing a traced graph.
+  // replaces lr: betas that change at every step without changing a traced graph. group_hyperparameters (float64
+  // [G, 3], one row (lr, beta1, beta2) per param group of the optimizer step this call is part of) is checked in full
+  // before anything is written: the first call of a traced step passes it, so a bad value in any group refuses the
+  // whole step, not the groups after the first.
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor(j!)[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, Tensor(f!)[] exp_avg_scales, "
       "Tensor(g!)[] exp_avg_sq_scales, Tensor(h!)[] max_exp_avg_sq_scales, Tensor(i!) steps, *, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, int adam_w_mode, bool bias_correction, "
       "bool maximize, Tensor? lr_tensor=None, Tensor? inv_grad_scale=None, Tensor? found_inf=None, "
-      "Tensor? grad_scale=None, Tensor? rounding_keys=None, Tensor? betas_tensor=None) -> ()");
+      "Tensor? grad_scale=None, Tensor? rounding_keys=None, Tensor? betas_tensor=None, "
+      "Tensor? group_hyperparameters=None) -> ()");
   // One pass over many gradients: returns float32 [2] = [sum of squares, 1.0 if any element is inf/NaN else 0.0].
   // The sum is accumulated in float64 on the CPU, in a fixed order (deterministic for any thread count).
   m.def("grad_stats(Tensor[] tensors) -> Tensor");

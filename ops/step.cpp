@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "rounding.h"
 
@@ -68,6 +69,30 @@ static void read_betas(const at::Tensor& betas, double& beta1, double& beta2) {
   beta2 = b[stride];
 }
 
+// The rules for lr and betas; prefix names the group ("param_groups[k]: ") where the caller knows it.
+static void check_hyperparameters(double lr, double beta1, double beta2, const std::string& prefix) {
+  TORCH_CHECK_VALUE(std::isfinite(lr) && lr >= 0.0, "ort_optim::adam_step_: ", prefix, "lr must be finite and >= 0, "
+                    "got ", lr);
+  TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, "ort_optim::adam_step_: ", prefix, "betas[0] must be in [0, 1), got ",
+                    beta1);
+  TORCH_CHECK_VALUE(beta2 >= 0.0 && beta2 < 1.0, "ort_optim::adam_step_: ", prefix, "betas[1] must be in [0, 1), got ",
+                    beta2);
+}
+
+// group_hyperparameters: float64 [G, 3] on the CPU, row k param_groups[k]'s (lr, beta1, beta2), each checked.
+static void check_group_hyperparameters(const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kDouble && t.dim() == 2 && t.size(1) == 3 && t.device().is_cpu() &&
+                  t.layout() == at::kStrided,
+              "ort_optim::adam_step_: group_hyperparameters must be a float64 tensor of shape [groups, 3] (lr, "
+              "beta1, beta2) on the steps' device (cpu), got ", t.scalar_type(), " of shape ", t.sizes(), " on ",
+              t.device());
+  const double* v = t.data_ptr<double>();
+  for (int64_t k = 0; k < t.size(0); ++k) {
+    const double* row = v + k * t.stride(0);
+    check_hyperparameters(row[0], row[t.stride(1)], row[2 * t.stride(1)], "param_groups[" + std::to_string(k) + "]: ");
+  }
+}
+
 void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
             const std::vector<const at::Tensor*>& params, const std::vector<const at::Tensor*>& grads,
             double* steps, bool is_double, bool amsgrad, const StepOptions& o, const MarkWritten& mark_written) {
@@ -77,10 +102,10 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
   if (o.betas_tensor.has_value()) read_betas(*o.betas_tensor, beta1, beta2);
   const double lr = o.lr_tensor.has_value() ? scalar_value(o.lr_tensor, "lr_tensor") : o.lr;
   // The step's own rules for the values it reads (step() checks them first; a step traced by torch.compile with a
-  // scheduler's lr or betas as graph inputs reaches here without that check).
-  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, "ort_optim::adam_step_: lr must be finite and >= 0, got ", lr);
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "ort_optim::adam_step_: betas[0] must be in [0, 1), got ", beta1);
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "ort_optim::adam_step_: betas[1] must be in [0, 1), got ", beta2);
+  // scheduler's lr or betas as graph inputs reaches here without that check): every group's first, then its own.
+  // ValueErrors in Python, as step() raises them.
+  if (o.group_hyperparameters.has_value()) check_group_hyperparameters(*o.group_hyperparameters);
+  check_hyperparameters(lr, beta1, beta2, "");
   // grad_scale is checked before a skip returns: a zero or NaN scale makes the unscaled norm non-finite, so the
   // skip flag computed from it is set, and the bad scale would pass as an overflow. (0.0 below: none given.)
   const double grad_scale = o.grad_scale.has_value() ? scalar_value(o.grad_scale, "grad_scale") : 0.0;
@@ -169,7 +194,8 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    bool maximize, const c10::optional<at::Tensor>& lr_tensor,
                    const c10::optional<at::Tensor>& inv_grad_scale, const c10::optional<at::Tensor>& found_inf,
                    const c10::optional<at::Tensor>& grad_scale, const c10::optional<at::Tensor>& rounding_keys,
-                   const c10::optional<at::Tensor>& betas_tensor) {
+                   const c10::optional<at::Tensor>& betas_tensor,
+                   const c10::optional<at::Tensor>& group_hyperparameters) {
   const StateLists states{exp_avgs,       exp_avg_sqs,       max_exp_avg_sqs,      master_params,
                           exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales};
   check_list_length(grads, params.size(), "grads", false);
@@ -179,6 +205,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   StepOptions options{lr,       beta1,     beta2,          eps,       weight_decay, mode, bias_correction,
                       maximize, lr_tensor, inv_grad_scale, found_inf, grad_scale, rounding_keys};
   options.betas_tensor = betas_tensor;
+  options.group_hyperparameters = group_hyperparameters;
   update(work, work_items(work), pointers(params), pointers(grads), steps.data_ptr<double>(), is_double,
          !max_exp_avg_sqs.empty(), options, [&](bool unscaled_grads) {
            VersionBumps bumps;

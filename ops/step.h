@@ -19,6 +19,7 @@ struct StepOptions {
   c10::optional<at::Tensor> lr_tensor, inv_grad_scale, found_inf, grad_scale;
   c10::optional<at::Tensor> rounding_keys;  // stochastic rounding of bfloat16 params (README.md)
   c10::optional<at::Tensor> betas_tensor;   // float64 [2] on the CPU: replaces beta1 and beta2 (README.md)
+  c10::optional<at::Tensor> group_hyperparameters;  // float64 [G, 3] on the CPU: every group's (lr, beta1, beta2)
   // Set by AdamPlan::step(grad_norm=true): receives the sum of squares of the gradients the update read, added per
   // work item in item order (deterministic whatever the thread count); NaN when the step was skipped.
   double* grad_square_sum = nullptr;
@@ -87,6 +88,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    bool maximize, const c10::optional<at::Tensor>& lr_tensor,
                    const c10::optional<at::Tensor>& inv_grad_scale, const c10::optional<at::Tensor>& found_inf,
                    const c10::optional<at::Tensor>& grad_scale, const c10::optional<at::Tensor>& rounding_keys,
-                   const c10::optional<at::Tensor>& betas_tensor);
+                   const c10::optional<at::Tensor>& betas_tensor,
+                   const c10::optional<at::Tensor>& group_hyperparameters);
 
 }  // namespace ort_optim

@@ -62,6 +62,19 @@ def _traced_hyperparameters(group: dict, device: torch.device) -> dict:
     return hyper
 
 
+def _group_hyperparameters(groups: list, device: torch.device) -> torch.Tensor:
+    """Every group's (lr, beta1, beta2) as the op's ``group_hyperparameters`` (float64 [groups, 3] on ``device``), for
+    the first op call of a traced step with several groups: the op checks them all before it writes anything, so a
+    value out of range in any group (a graph input, which the check made while tracing does not see again) refuses the
+    whole step rather than the groups after the first."""
+    rows = []
+    for group in groups:
+        hyper = _traced_hyperparameters(group, device)
+        rows.append(torch.cat([hyper["lr_tensor"].to(device=device, dtype=torch.float64).reshape(1),
+                               hyper["betas_tensor"]]))
+    return torch.stack(rows)
+
+
 def _release_with(optimizer: "FusedAdam", tensors: list) -> None:
     """Lets the graph being traced drop these tensors when the optimizer dies, as TorchDynamo arranges for the state
     tensors it finds itself in a torch.optim optimizer: tensors marked static are attributes of the compiled graph
@@ -710,9 +723,11 @@ class FusedAdam(torch.optim.Optimizer):
         # A plain step reports the norm too where the update's own pass can sum the squares it reads.
         plain_norm = self._plain_norm_from_update(plan, buckets, grad_scale, found_inf)
         stats = []
-        for group_index, group, bucket in buckets:
+        for index, (group_index, group, bucket) in enumerate(buckets):
             try:
                 hyper = _traced_hyperparameters(group, bucket.steps.device) if traced else hypers[group_index]
+                if traced and index == 0 and len(self.param_groups) > 1:
+                    hyper["group_hyperparameters"] = _group_hyperparameters(self.param_groups, bucket.steps.device)
                 stats.append(bucket.runner.step(hyper, scaling, grad_norm=plain_norm))
             except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
                 raise _plan.name_op_error(exc, group_index, bucket) from exc

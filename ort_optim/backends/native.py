@@ -202,7 +202,7 @@ def _register_fakes() -> None:
     def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
           exp_avg_sq_scales, max_exp_avg_sq_scales, steps, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
           bias_correction, maximize, lr_tensor=None, inv_grad_scale=None, found_inf=None, grad_scale=None,
-          rounding_keys=None, betas_tensor=None):
+          rounding_keys=None, betas_tensor=None, group_hyperparameters=None):
         return None
 
     @torch.library.register_fake("ort_optim::grad_stats")

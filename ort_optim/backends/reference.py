@@ -71,6 +71,15 @@ def round_bf16_stochastic(values: torch.Tensor, key: int, step: int) -> torch.Te
     return torch.where(out >= 0x8000, out - 0x10000, out).to(torch.int16).view(torch.bfloat16).view(values.shape)
 
 
+def _check_hyperparameters(lr: float, beta1: float, beta2: float, prefix: str = "") -> None:
+    """The op's rules for lr and betas, as ValueErrors (as step() raises them); prefix names the group."""
+    if not (math.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"ort_optim::adam_step_: {prefix}lr must be finite and >= 0, got {lr:g}")
+    for i, beta in enumerate((beta1, beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"ort_optim::adam_step_: {prefix}betas[{i}] must be in [0, 1), got {beta:g}")
+
+
 def adam_step_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -97,6 +106,7 @@ def adam_step_(
     grad_scale: Optional[torch.Tensor] = None,
     rounding_keys: Optional[torch.Tensor] = None,
     betas_tensor: Optional[torch.Tensor] = None,
+    group_hyperparameters: Optional[torch.Tensor] = None,
 ) -> None:
     if betas_tensor is not None:  # checked before anything is written, as the native op does
         if not (betas_tensor.dtype == torch.float64 and tuple(betas_tensor.shape) == (2,)
@@ -106,12 +116,19 @@ def adam_step_(
                                f"{list(betas_tensor.shape)} on {betas_tensor.device}")
         beta1, beta2 = betas_tensor.tolist()
     lr = float(lr_tensor) if lr_tensor is not None else lr
-    # the step's own rules for the values it reads, as the native op checks them (step() checks them first)
-    if not (math.isfinite(lr) and lr >= 0.0):
-        raise RuntimeError(f"ort_optim::adam_step_: lr must be finite and >= 0, got {lr:g}")
-    for i, beta in enumerate((beta1, beta2)):
-        if not 0.0 <= beta < 1.0:
-            raise RuntimeError(f"ort_optim::adam_step_: betas[{i}] must be in [0, 1), got {beta:g}")
+    # the step's own rules for the values it reads, as the native op checks them (step() checks them first): every
+    # group's of the step first, then its own
+    if group_hyperparameters is not None:
+        if not (group_hyperparameters.dtype == torch.float64 and group_hyperparameters.dim() == 2
+                and group_hyperparameters.shape[1] == 3 and group_hyperparameters.device == steps.device
+                and group_hyperparameters.layout == torch.strided):
+            raise RuntimeError("ort_optim::adam_step_: group_hyperparameters must be a float64 tensor of shape "
+                               f"[groups, 3] (lr, beta1, beta2) on the steps' device ({steps.device}), got "
+                               f"{group_hyperparameters.dtype} of shape {list(group_hyperparameters.shape)} on "
+                               f"{group_hyperparameters.device}")
+        for k, row in enumerate(group_hyperparameters.tolist()):
+            _check_hyperparameters(*row, prefix=f"param_groups[{k}]: ")
+    _check_hyperparameters(lr, beta1, beta2)
     if rounding_keys is not None:
         if rounding_keys.dtype != torch.int64 or rounding_keys.shape != (len(params),):
             raise RuntimeError(f"ort_optim::adam_step_: rounding_keys must be an int64 tensor of shape [{len(params)}]")

@@ -652,6 +652,7 @@ def adam_step_(
     grad_scale: Optional[torch.Tensor] = None,
     rounding_keys: Optional[torch.Tensor] = None,
     betas_tensor: Optional[torch.Tensor] = None,
+    group_hyperparameters: Optional[torch.Tensor] = None,
     grad_norm: bool = False,
     launch_cache: Optional[dict] = None,
 ) -> Optional[torch.Tensor]:
@@ -702,6 +703,12 @@ def adam_step_(
         _fail(f"betas_tensor must be a float64 tensor of shape [2] (beta1, beta2) on the steps' device "
               f"({steps.device}), got {betas_tensor.dtype} of shape {list(betas_tensor.shape)} on "
               f"{betas_tensor.device}")
+    if group_hyperparameters is not None and not (
+            group_hyperparameters.dtype == torch.float64 and group_hyperparameters.dim() == 2
+            and group_hyperparameters.shape[1] == 3 and group_hyperparameters.device == steps.device):
+        _fail(f"group_hyperparameters must be a float64 tensor of shape [groups, 3] (lr, beta1, beta2) on the steps' "
+              f"device ({steps.device}), got {group_hyperparameters.dtype} of shape "
+              f"{list(group_hyperparameters.shape)} on {group_hyperparameters.device}")
     if n == 0:
         return _stats_without_elements(found_inf, steps.device) if grad_norm else None
     device = params[0].device
