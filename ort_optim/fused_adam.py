@@ -75,6 +75,14 @@ def _group_hyperparameters(groups: list, device: torch.device) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def _read_after(flag: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """flag, in a traced step, as a value that depends on the op having written ``steps`` (the flag, or 1 where a
+    step count is negative, which none is): what reads last_found_inf in the same graph (FP16_Optimizer's scaler
+    update) then runs after the op, so a step the op refuses changes nothing. Without it inductor fused that update
+    into the kernel that computes the flag, before the op. (A dependency through ``0 * steps`` is simplified away.)"""
+    return torch.maximum(flag, (steps[:1] < 0).to(device=flag.device, dtype=flag.dtype).reshape(flag.shape))
+
+
 def _release_with(optimizer: "FusedAdam", tensors: list) -> None:
     """Lets the graph being traced drop these tensors when the optimizer dies, as TorchDynamo arranges for the state
     tensors it finds itself in a torch.optim optimizer: tensors marked static are attributes of the compiled graph
@@ -738,6 +746,8 @@ class FusedAdam(torch.optim.Optimizer):
                 main = backends.main_device(s.device for s in stats)
                 total = sum(backends.to_device(s, main) for s in stats)
             report["grad_norm"] = sqrt_f32(total[0])
+        if traced and report["found_inf"] is not None:
+            report["found_inf"] = _read_after(report["found_inf"], buckets[-1][2].steps)
         self._last.update(report)  # (after the updates: a step that raised reports what the last one did)
 
     def _plain_norm_from_update(self, plan: _plan.Plan, buckets: list, grad_scale, found_inf) -> bool:

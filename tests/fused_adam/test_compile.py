@@ -426,6 +426,37 @@ def test_a_graph_input_out_of_range_in_a_later_group_refuses_the_whole_compiled_
     assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
 
 
+@NEWEST
+def test_a_compiled_fp16_optimizer_step_that_the_op_refuses_leaves_the_loss_scaler_as_it_was():
+    """FP16_Optimizer(FusedAdam) compiled: the scaler's update reads the step's skip flag, which the traced step makes
+    depend on the op having run, so a step the op refuses (a scheduled lr gone negative in the second group, on a
+    step whose gradients overflow) changes neither the params and states nor the scale, its counters and flags."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).half()
+    params = list(model.parameters())
+    inner = FusedAdam([{"params": params[:2]}, {"params": params[2:]}], lr=1e-3)
+    opt = FP16_Optimizer(inner, init_scale=2.0**10)
+    step = torch.compile(lambda: opt.step())
+    torch._dynamo.reset()
+    for i, lr in enumerate([1e-3, 2e-3, 3e-3, -1e-3]):
+        g = torch.Generator().manual_seed(i)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).half()
+        inner.param_groups[1]["lr"] = lr
+        if lr > 0:
+            step()
+    params[0].grad[0, 0] = float("inf")
+    scaler = opt.scaler
+    names = ("scale", "skipped_steps", "growth_tracker", "hysteresis_left", "found_inf", "underflow")
+    before = ({name: getattr(scaler, name).clone() for name in names}, optimizer_snapshot(inner),
+              [p.detach().clone() for p in params])
+    assert int(before[0]["growth_tracker"]) == 3
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: lr must be finite and >= 0"):
+        step()
+    assert_tree_bitwise_equal(({name: getattr(scaler, name) for name in names}, optimizer_snapshot(inner),
+                               [p.detach() for p in params]), before, "FP16_Optimizer")
+
+
 @pytest.mark.slow
 @NEWEST
 def test_a_change_the_step_must_see_retraces_and_is_validated():
