@@ -65,6 +65,10 @@ class BackwardStep:
         # flag, because a backward that raises never runs its callbacks, and the next backward must queue its own.
         self._check_queued: Optional[int] = None
         self._task: tuple[Optional[int], bool] = (None, False)  # (the last hook's graph task, whether it is nested)
+        # The checks across params (_plan.check_across_params) passed for this state version and these params lists'
+        # versions (_checked_epoch), and in this backward (_checked_task), see _check_across_params.
+        self._checked_epoch: Optional[tuple] = None
+        self._checked_task: Optional[int] = None
         # Once check_updated_once() found a param updated with another gradient, every later hook, step() and
         # zero_grad() raises the same error while such a gradient is there (cleared by hand, the next step() or
         # zero_grad() goes on without it; remove_backward_hooks() ends it too): none may update a param again.
@@ -207,7 +211,7 @@ class BackwardStep:
                 "not updated (params the outer backward completed before it were). Use "
                 "torch.utils.checkpoint(..., use_reentrant=False), or step_in_backward=False")
         # (the step marks what it wrote as modified in place for autograd, as step() does: ort_optim/_versions.py)
-        self._step(optimizer, p)
+        self._step(optimizer, p, task)
         self._freed.drop_grad(p)  # p.grad = None
         self._updated[p] = None
         if self._check_queued != task:
@@ -339,12 +343,34 @@ class BackwardStep:
                     return True
         return False
 
-    def _step(self, optimizer: torch.optim.Optimizer, p: torch.Tensor) -> None:
+    def _check_across_params(self, optimizer: torch.optim.Optimizer, task: int, planning: bool) -> None:
+        """The checks across params that step() makes when it plans (a param listed twice, params or state tensors
+        sharing memory, one state dict for two params: _plan.check_across_params), which a hook, checking its own
+        param, cannot make: run before an update whenever the state or a params list changed since they last passed
+        (O(groups) to tell, at every hook), and before a param is planned again (planning: its tensors changed, e.g.
+        ``.data =``), once per backward (each param of the first backward plans). Raises before this hook's update
+        (updates earlier in the same backward stay, as for any refusal in backward)."""
+        if self._epoch(optimizer) == self._checked_epoch and not (
+                planning and (task != self._checked_task or task < 0)):
+            return
+        _plan.check_across_params(optimizer.param_groups, optimizer.state, optimizer._layout)
+        self._checked_epoch = self._epoch(optimizer)  # (the params lists may have become ParamLists just now)
+        self._checked_task = task
+
+    @staticmethod
+    def _epoch(optimizer: torch.optim.Optimizer) -> tuple:
+        """The optimizer's state version and its params lists' versions: what changes when the state or a params list
+        does (_plan.new_version)."""
+        return optimizer.state.version, [getattr(group["params"], "version", None) for group in optimizer.param_groups]
+
+    def _step(self, optimizer: torch.optim.Optimizer, p: torch.Tensor, task: int = -1) -> None:
         """The update of one param by its gradient, through a runner of that param alone (ort_optim.backends, as
         step() runs each bucket). Through the param's runner on a native plan while it is valid (its check() finds
         every tensor as it was and the gradient usable, and neither the optimizer's state nor the backend choice
         changed since); otherwise validated first as step() validates (a bad gradient raises naming the param, with
-        nothing written), then planned again, or run through the op."""
+        nothing written), then planned again, or run through the op. The checks across params come first
+        (_check_across_params)."""
+        self._check_across_params(optimizer, task, planning=False)
         group_index, index, group = self._where[p]
         hyper = optimizer._checked_groups.of(group_index, group, optimizer.master_weights)
         amsgrad = bool(group["amsgrad"])
@@ -362,8 +388,11 @@ class BackwardStep:
                 and not torch.compiler.is_compiling() and cached[1].check()):
             cached[1].step(hyper)  # (through the plan's pointers; it marks what it wrote)
             return
+        self._check_across_params(optimizer, task, planning=True)
         with torch.no_grad():
             self._step_validated(optimizer, p, group_index, index, group, hyper, amsgrad, key)
+        # (p's state, created or adopted just now, has memory of its own: the checks across params still hold)
+        self._checked_epoch = self._epoch(optimizer)
 
     def _step_validated(self, optimizer: torch.optim.Optimizer, p: torch.Tensor, group_index: int, index: int,
                         group: dict,
@@ -383,7 +412,7 @@ class BackwardStep:
                 runner = backends.OpRunner(lambda: [[p], [p.grad], *lists, state["step"].view(1)], lambda: True,
                                            p.device, keys)
             runner.step(hyper)
-        except RuntimeError as error:
+        except (RuntimeError, ValueError) as error:
             raise ValueError(f"{_plan.describe(group_index, index, p)}: {error}") from error
 
     @staticmethod

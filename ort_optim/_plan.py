@@ -528,6 +528,29 @@ def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayo
     return Plan(planned, optimizer_state, optimizer_state.version, layout, native)
 
 
+def check_across_params(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayout) -> None:
+    """The checks across params that build() makes, for updates that go one param at a time (step_in_backward, whose
+    hooks check each param alone): every param that requires a gradient (any of them may get one in a backward) is
+    listed once and shares no memory with another, each has a state dict of its own, and no state tensor kept as it
+    is shares memory with another or with a param. Raises as build() does, naming the params; writes nothing (but
+    makes each group's ``params`` a ParamList, as build() does, so that its changes are seen)."""
+    entries, adoptions, stateful = [], [], []
+    for group_index, group in enumerate(groups):
+        if not isinstance(group["params"], ParamList):
+            group["params"] = ParamList(group["params"])
+        for index, p in enumerate(group["params"]):
+            if not (isinstance(p, torch.Tensor) and p.requires_grad):
+                continue
+            local = dtensor.local(p)
+            state = optimizer_state.get(p)
+            if state:
+                adoptions += check_state(layout, local, state, bool(group["amsgrad"]), describe(group_index, index, p))
+                stateful.append((group_index, index, local, state))
+            entries.append((group_index, index, local))
+    _check_overlap(entries)
+    _check_shared_states(entries, stateful, adoptions)
+
+
 def _own_storages(stateful: list) -> None:
     """For a step that torch.compile traces: every state tensor that is a view into a larger storage (the flat
     buffers an eager step lays states out in, StateLayout.init_states) is replaced by a copy in a storage of its own.

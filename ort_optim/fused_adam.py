@@ -541,11 +541,17 @@ class FusedAdam(torch.optim.Optimizer):
             backward.restore_hooks()
             if grad_scale is not None or found_inf is not None:
                 raise loss_scaling_refused()
+        number_scale = grad_scale is not None and not isinstance(grad_scale, torch.Tensor)
+        if number_scale and isinstance(grad_scale, float) and not self.capturable and torch.compiler.is_compiling():
+            # A float grad_scale traced as a float64 tensor made in the graph (as a float lr: _traced_hyperparameters),
+            # so that a new value is a graph input, not a guard and a new graph each (checking its value here would
+            # split the graph, once it is one). Its value is then checked by the op, as a tensor grad_scale's is.
+            device = next((p.device for group in self.param_groups for p in group["params"]), None)
+            grad_scale = torch.zeros((), dtype=torch.float64, device=device) + grad_scale
         if grad_scale is not None or found_inf is not None:
             _group_options.check_scaling_arguments(grad_scale, found_inf)
         if (torch.compiler.is_compiling() and _TRACED_STEP and self._backward is None
-                and self._init_group(unscales=grad_scale is not None,
-                                     number_scale=grad_scale is not None and not isinstance(grad_scale, torch.Tensor))):
+                and self._init_group(unscales=grad_scale is not None, number_scale=number_scale)):
             # Traced by torch.compile: _init_group ran outside the graph (validated everything, planned); what it
             # read is guarded by TorchDynamo, and the check below makes the plan's own rule part of those guards, so
             # any change re-traces (and re-validates) instead of stepping with a stale plan.
@@ -737,7 +743,7 @@ class FusedAdam(torch.optim.Optimizer):
                 if traced and index == 0 and len(self.param_groups) > 1:
                     hyper["group_hyperparameters"] = _group_hyperparameters(self.param_groups, bucket.steps.device)
                 stats.append(bucket.runner.step(hyper, scaling, grad_norm=plain_norm))
-            except RuntimeError as exc:  # (the plan validated the inputs: this names what it missed)
+            except (RuntimeError, ValueError) as exc:  # (the plan validated the inputs: this names what it missed)
                 raise _plan.name_op_error(exc, group_index, bucket) from exc
         if plain_norm:  # the buckets' sums of squares added in bucket order, as _global_grad_stats
             if len(stats) == 1:

@@ -145,8 +145,8 @@ def adam_step_(
                                "torch.uint4")
     if grad_scale is not None:  # checked before anything is written, and before a skip returns, as the native op does
         if not (math.isfinite(float(grad_scale)) and float(grad_scale) != 0.0):
-            raise RuntimeError(f"ort_optim::adam_step_: grad_scale must be finite and non-zero, got "
-                               f"{float(grad_scale):g}")  # (as the native op prints a double)
+            raise ValueError(f"ort_optim::adam_step_: grad_scale must be finite and non-zero, got "
+                             f"{float(grad_scale):g}")  # (as the native op prints a double)
     if found_inf is not None and float(found_inf) != 0.0:
         return
     if grad_scale is not None:

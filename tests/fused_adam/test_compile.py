@@ -183,6 +183,38 @@ def test_a_compiled_step_with_a_grad_scale_tensor_unscales_and_matches_eager():
 
 
 @NEWEST
+def test_a_float_grad_scale_changed_every_step_compiles_without_breaks_and_steps_as_eager():
+    """A float grad_scale goes into the graph as a float64 tensor made there (as a float lr does), so a new value at
+    every step is a graph input: no break, at most the one recompile of automatic dynamic; the bits of the eager
+    steps. A value the step cannot unscale by is refused by the op, nothing written."""
+    def run(compiled):
+        model = _model()
+        opt = _fused(model)
+        step = torch.compile(lambda s: opt.step(grad_scale=s)) if compiled else (lambda s: opt.step(grad_scale=s))
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        for i in range(12):
+            scale = 2.0 ** (i % 5) * 3.0  # (not all powers of two: the unscaling's rounding counts)
+            _grads(model, i, scale)
+            step(scale)
+        return model, opt, step, (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
+
+    eager_model, eager_opt, _, _ = run(compiled=False)
+    model, opt, step, (breaks, graphs) = run(compiled=True)
+    assert breaks == 0 and graphs <= 2, (breaks, graphs)
+    assert_tree_bitwise_equal(optimizer_snapshot(opt, report=True), optimizer_snapshot(eager_opt, report=True),
+                              "optimizer")
+    for a, b in zip(model.parameters(), eager_model.parameters()):
+        assert_bitwise_equal(a.detach(), b.detach(), "param")
+    _grads(model, 12)
+    before = optimizer_snapshot(opt, report=True)
+    with pytest.raises(ValueError, match=r"grad_scale must be finite and non-zero, got 0"):
+        step(1e-50)  # (0 in float32)
+    assert_tree_bitwise_equal(optimizer_snapshot(opt, report=True), before, "optimizer")
+
+
+@NEWEST
 def test_a_compiled_step_with_max_grad_norm_clips_as_eager():
     def make(model):
         return FusedAdam(_groups(model), lr=torch.tensor(1e-2), max_grad_norm=0.5)

@@ -283,6 +283,66 @@ def test_params_that_share_memory_are_refused_at_construction():
     assert len(opt.param_groups) == 1
 
 
+def _listed_in_a_second_group(opt, params):
+    opt.param_groups.append({**{k: v for k, v in opt.param_groups[0].items() if k != "params"},
+                             "params": [params[0]], "lr": 1.0})
+
+
+def _one_state_dict_for_two_params(opt, params):
+    opt.state[params[1]] = opt.state[params[0]]
+
+
+def _a_state_tensor_in_a_params_memory(opt, params):
+    opt.state[params[1]]["exp_avg"] = params[2].data
+
+
+def _params_sharing_memory_after_data_assignment(opt, params):
+    params[1].data = params[0].data.view(2, 32).view(64)
+
+
+CHANGES_ACROSS_PARAMS = {
+    "listed-in-a-second-group": (_listed_in_a_second_group, r"is param_groups\[0\]\['params'\]\[0\].* listed again"),
+    "one-state-dict-for-two-params": (_one_state_dict_for_two_params, r"have one optimizer state dict"),
+    "a-state-tensor-in-a-params-memory": (_a_state_tensor_in_a_params_memory, r"share memory"),
+    "params-sharing-memory-after-data-assignment": (_params_sharing_memory_after_data_assignment, r"share memory"),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES_ACROSS_PARAMS)
+def test_what_step_refuses_across_params_after_a_change_mid_run_is_refused_by_the_hooks_too(change):
+    """The checks that involve several params (a param listed twice, params or state tensors that share memory, one
+    state dict for two params) are made by step() when it plans; the hooks, which check each param alone, make them
+    too whenever the state or a params list changed, and before a param whose tensors changed is planned again. A
+    change seen through the state or the params lists is refused before any update of that backward; one seen only
+    when its param plans again (new data with `.data =`) before that param's update (params updated earlier in the
+    same backward stay updated, as for any refusal in backward)."""
+    make_change, message = CHANGES_ACROSS_PARAMS[change]
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(3)]
+
+    def backward(i):
+        g = torch.Generator().manual_seed(i)
+        sum((p * torch.randn(p.shape, generator=g)).sum() for p in params).backward()
+
+    opt = FusedAdam(params, lr=1e-2, step_in_backward=True)
+    for i in range(2):
+        opt.zero_grad()
+        backward(i)
+        opt.step()
+    make_change(opt, params)
+    opt.zero_grad()
+    # (the last param's hook runs first: with new data, the refusal comes at the second param's, after that update)
+    untouched = params[:2] if change == "params-sharing-memory-after-data-assignment" else params
+    def snapshot():  # (the params and states; the gradients accumulate in backward as they would without hooks)
+        return ([p.detach().clone() for p in untouched],
+                [{k: v.clone() for k, v in opt.state[p].items()} for p in untouched])
+
+    before = snapshot()
+    with pytest.raises(ValueError, match=message):
+        backward(2)
+    assert_tree_bitwise_equal(snapshot(), before, "params and states")
+
+
 class WithEmbedding(Net):
     def __init__(self, g, dtype):
         super().__init__(g, dtype)
@@ -1415,13 +1475,14 @@ def test_once_the_gradient_written_after_backward_is_cleared_training_goes_on(th
 
 
 def test_master_weights_switched_off_under_masters_is_refused_by_the_first_hook_with_nothing_written(backend):
-    """As step() refuses it (a state with a master_param for a param that keeps none), naming the param."""
+    """As step() refuses it (a state with a master_param for a param that keeps none), naming the first such param
+    (the checks across params, made before the first param plans again, check every state)."""
     net = ThreeLayers(torch.bfloat16)
     opt = FusedAdam(_trained(net), lr=1e-2, master_weights=True, step_in_backward=True)
     _normal(net, opt, 0, True)
     opt.master_weights = False
     before = _snapshot_without_grads(opt)
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[5\] .*has a 'master_param' but this "
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] .*has a 'master_param' but this "
                                          r"optimizer keeps none"):
         net(_x(1)).backward()
     assert_same_snapshot(before, _snapshot_without_grads(opt))
