@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import copy
 import dataclasses
 import difflib
 import hashlib
@@ -80,31 +81,54 @@ class _Kind:
         return str(value)
 
     def from_env(self, raw: str) -> Any:
+        """The text of a variable -> the value it means: everything ORT reads as meant, and the spellings parse()
+        accepts (true/false, lower-case names), which apply() rewrites into what ORT reads."""
         return self.parse(raw)
 
-    def ort_accepts(self, raw: str) -> bool:
-        """Whether ORT 1.19.2 reads this text the way parse() does (we are more lenient than ORT)."""
-        return True
+    def ort_read(self, raw: str) -> Any:
+        """The value ORT 1.19.2 itself reads from this text, parsed exactly as ORT parses it; raises _Invalid
+        saying what ORT does instead (raises, warns and uses its default) when it cannot read the text."""
+        return self.from_env(raw)
 
     def show(self, value: Any) -> str:
         return self.to_env(value)
 
 
+def _ort_int(raw: str, failure: str) -> int:
+    """int(raw), as ORT calls it: surrounding spaces, a sign, leading zeros and '_' between digits are fine."""
+    try:
+        return int(raw)
+    except ValueError:
+        raise _Invalid(failure) from None
+
+
 class _Bool(_Kind):
-    """0/1; true/false (any case) are accepted too, but always written as 1/0."""
+    """0/1; true/false (any case) are accepted too, but always written as 1/0.
+
+    ``reading`` says how ORT 1.19.2 reads the variable: "int" (``int(value) == 1``, other text raises inside ORT;
+    most variables), "int or off" (``int(value) == 1``, other text warns and means off: ALLOW_AUTOGRAD_CHECKPOINT),
+    "int or on" (``int(value) != 0``, other text warns and means on: ENABLE_CUSTOM_AUTOGRAD) or "words"
+    (``value.lower() in ("true", "1", "yes")``, any other text means off: FALLBACK_RETRY)."""
 
     type_name = "bool"
     metavar = "0|1"
     _WORDS = {"0": False, "1": True, "false": False, "true": True}
+    _READINGS = {
+        "int": "reads it with int(value) == 1 and raises ValueError on other text",
+        "int or off": "reads it with int(value) == 1 and, for other text, warns and uses off",
+        "int or on": "reads it with int(value) != 0 and, for other text, warns and uses on",
+        "words": "reads it with value.lower() in (true, 1, yes), any other text as off",
+    }
 
-    def __init__(self, ort_reads_int: bool = True):
-        # Most variables are read with int(value) == 1 (so "true" raises inside ORT); FALLBACK_RETRY is the one
-        # read with value.lower() in ("true", "1", "yes").
-        self.ort_reads_int = ort_reads_int
-        self.allowed = "0, 1 (true/false accepted, written as 1/0)"
-        self.ort_parsing = (
-            "reads it with int(value) == 1" if ort_reads_int else "reads it with value.lower() in (true, 1, yes)"
-        )
+    def __init__(self, reading: str = "int"):
+        assert reading in self._READINGS, reading
+        self.reading = reading
+        self.ort_parsing = self._READINGS[reading]
+        if reading == "words":
+            self._WORDS = {**_Bool._WORDS, "no": False, "yes": True}
+            self.allowed = "0, 1 (true/false and yes/no accepted, written as 1/0)"
+        else:
+            self.allowed = "0, 1 (true/false accepted, written as 1/0)"
 
     def parse(self, value: Any) -> bool:
         if isinstance(value, bool):
@@ -118,10 +142,29 @@ class _Bool(_Kind):
     def to_env(self, value: bool) -> str:
         return "1" if value else "0"
 
-    def ort_accepts(self, raw: str) -> bool:
-        if self.ort_reads_int:  # (int() ignores surrounding spaces)
-            return raw.strip() in ("0", "1")
-        return self.parse(raw) == (raw.lower() in ("true", "1", "yes"))  # (no strip: " 1" reads as off)
+    def from_env(self, raw: str) -> bool:
+        try:
+            return self.parse(raw)
+        except _Invalid:
+            pass
+        if self.reading != "words":
+            try:
+                number = int(raw)
+            except ValueError:
+                raise _Invalid(f"got {raw!r}") from None
+            if number in (0, 1):  # "01", "+1", " 0 ": ORT's int() reads them
+                return bool(number)
+            seen = "on" if self.ort_read(raw) else "off"
+            raise _Invalid(f"got {raw!r}, which ORT {ORT_VERSION} reads as {seen} (it {self.ort_parsing})")
+        raise _Invalid(f"got {raw!r}, which ORT {ORT_VERSION} reads as off (it {self.ort_parsing})")
+
+    def ort_read(self, raw: str) -> bool:
+        if self.reading == "words":
+            return raw.lower() in ("true", "1", "yes")  # (no strip: " 1" reads as off)
+        default = {"int": None, "int or off": "off", "int or on": "on"}[self.reading]
+        failure = "ORT raises ValueError on it" if default is None else f"ORT warns and uses {default}"
+        number = _ort_int(raw, failure)
+        return number != 0 if self.reading == "int or on" else number == 1
 
 
 class _OnIfSet(_Kind):
@@ -131,6 +174,7 @@ class _OnIfSet(_Kind):
     metavar = "1"
     allowed = "True / 1 only (ORT turns it on for any non-empty value, even 0; leave it unset for off)"
     ort_parsing = "turns it on for any non-empty value"
+    _OFF_WORDS = ("0", "false", "no", "off")
 
     def parse(self, value: Any) -> bool:
         try:
@@ -144,11 +188,20 @@ class _OnIfSet(_Kind):
     def to_env(self, value: bool) -> str:
         return "1"
 
+    def from_env(self, raw: str) -> bool:
+        # ORT reads any non-empty text as on: so does this, except text that says "off", which ORT also reads as on.
+        if raw.strip().lower() in self._OFF_WORDS or re.fullmatch(r"\s*[+-]?0+\s*", raw):
+            raise _Invalid(f"got {raw!r}, which ORT {ORT_VERSION} would read as ON; unset the variable for off")
+        return True
+
+    def ort_read(self, raw: str) -> bool:
+        return bool(raw)
+
 
 class _Int(_Kind):
     type_name = "int"
     metavar = "INT"
-    ort_parsing = "reads it with int(value)"
+    ort_parsing = "reads it with int(value) and raises ValueError on other text"
 
     def __init__(self, choices: Optional[Sequence[int]] = None, minimum: Optional[int] = None,
                  maximum: Optional[int] = None, note: str = ""):
@@ -157,8 +210,10 @@ class _Int(_Kind):
             self.allowed = ", ".join(str(c) for c in choices)
         elif maximum is not None:
             self.allowed = f"an integer from {minimum} to {maximum}"
-        else:
+        elif minimum is not None:
             self.allowed = f"an integer >= {minimum}"
+        else:
+            self.allowed = "an integer"
         if note:
             self.allowed += f" ({note})"
 
@@ -166,7 +221,7 @@ class _Int(_Kind):
         number = value
         if isinstance(value, str):
             try:
-                number = int(value.strip())
+                number = int(value)  # exactly as ORT reads the variable
             except ValueError:
                 raise _Invalid(f"got {value!r}") from None
         # bool is an int subclass, but True is not a level
@@ -178,31 +233,33 @@ class _Int(_Kind):
             raise _Invalid(f"got {value!r}")
         return number
 
-    def ort_accepts(self, raw: str) -> bool:
-        try:
-            int(raw)
-        except ValueError:
-            return False
-        return True
+    def ort_read(self, raw: str) -> int:
+        number = _ort_int(raw, "ORT raises ValueError on it")
+        self.parse(number)  # a value ORT reads but cannot use is invalid as well
+        return number
 
 
 class _Choice(_Kind):
-    """One name out of a fixed list; accepted in any case, written in ORT's exact (upper) case."""
+    """One name out of a fixed list; accepted in any case, written in ORT's exact (upper) case. ``failure`` says
+    what ORT does with any other text."""
 
     metavar = "NAME"
-    ort_parsing = "looks the exact upper-case name up"
 
-    def __init__(self, names: Sequence[str]):
+    def __init__(self, names: Sequence[str], failure: str = "raises KeyError"):
         self.names = tuple(names)
         self.allowed = ", ".join(self.names)
+        self.failure = failure
+        self.ort_parsing = f"looks the exact upper-case name up and {failure} for any other text"
 
     def parse(self, value: Any) -> str:
         if not isinstance(value, str) or value.strip().upper() not in self.names:
             raise _Invalid(f"got {value!r}")
         return value.strip().upper()
 
-    def ort_accepts(self, raw: str) -> bool:
-        return raw in self.names
+    def ort_read(self, raw: str) -> str:
+        if raw not in self.names:
+            raise _Invalid(f"ORT {self.failure}")
+        return raw
 
 
 class _OneFallbackPolicy(_Choice):
@@ -231,7 +288,7 @@ class _NameSet(_Kind):
 
     type_name = "list[str]"
     metavar = "NAME|NAME"
-    ort_parsing = "splits it on '|' and looks up each exact upper-case name"
+    ort_parsing = "splits it on '|', looks up each exact upper-case name and raises KeyError for any other"
 
     def __init__(self, names: Sequence[str]):
         self.names = tuple(names)
@@ -252,8 +309,10 @@ class _NameSet(_Kind):
     def to_env(self, value: Tuple[str, ...]) -> str:
         return "|".join(value)
 
-    def ort_accepts(self, raw: str) -> bool:
-        return all(name in self.names for name in raw.split("|"))
+    def ort_read(self, raw: str) -> Tuple[str, ...]:
+        if not all(name in self.names for name in raw.split("|")):
+            raise _Invalid("ORT raises KeyError")
+        return tuple(dict.fromkeys(raw.split("|")))  # ORT ORs the flags: a repeated name changes nothing
 
 
 def _check_text(value: str) -> None:
@@ -443,18 +502,31 @@ def _plan_file(plans: Tuple[str, ...], path: Optional[str] = None) -> str:
 # The table.
 # --------------------------------------------------------------------------------------------------------------
 
-# When ORT reads a variable, and the module whose presence in sys.modules means that moment has passed.
-# Every ORTModule constructor loads ORT's ATen executor extension (a module nothing else imports), so its presence
-# in sys.modules is a cheap, exact sign that an ORTModule has been constructed in this process; wrap() also sets a
-# flag. No gc scan.
-_FIRST_ORTMODULE = "onnxruntime.training.ortmodule.torch_cpp_extensions.aten_op_executor"
+# When ORT reads a variable. For the readings that happen once per process, the module whose presence in sys.modules
+# means that moment has passed (so a new value can no longer take effect in this process); None for the readings
+# that happen again for every ORTModule, which a new value still reaches for every module constructed (or, for
+# "first forward", run for the first time) after it is written.
 _READ_MARKERS: Dict[str, Optional[str]] = {
     "import": "onnxruntime.training.ortmodule",  # module-level code of the ortmodule package
     "first construction": "onnxruntime.training.ortmodule._custom_autograd_function",  # imported by the 1st ORTModule
-    "construction": _FIRST_ORTMODULE,  # each ORTModule(...) reads it in its constructor
-    "export": _FIRST_ORTMODULE,  # read when the model is exported, on its first forward call
     "first Triton use": "onnxruntime.training.ort_triton",  # module-level code of ort_triton
+    "construction": None,  # each ORTModule(...) reads it in its constructor
+    "DebugOptions()": None,  # each DebugOptions(...) reads it; ORTModule(...) constructs one when none is given
+    "first forward": None,  # each ORTModule reads it when it exports the model and builds its session
+    "construction and first forward": None,  # both of the above
     "load_from_json()": None,  # read only when the user calls that function
+}
+# What each reading means, for OptionsTooLateWarning.
+_READ_MEANINGS: Dict[str, str] = {
+    "import": "once per process, when onnxruntime.training.ortmodule is imported",
+    "first construction": "once per process, when the first ORTModule is constructed",
+    "first Triton use": "once per process, when ORT first loads its Triton code",
+    "construction": "in every ORTModule(...) constructor",
+    "DebugOptions()": "when DebugOptions(...) is constructed: inside ORTModule(...) when no debug_options is given",
+    "first forward": "on each module's first forward call, when ORT exports the model and builds its session",
+    "construction and first forward": "in every ORTModule(...) constructor and again on its first forward call "
+                                      "(export)",
+    "load_from_json()": "only when ortmodule.experimental.json_config.load_from_json() is called",
 }
 
 
@@ -480,6 +552,7 @@ class Variable:
             raise self.error(str(e)) from None
 
     def parse_env(self, raw: str) -> Any:
+        """The value the text of the variable means (see _Kind.from_env); ValueError if it means nothing valid."""
         if raw.strip() == "":
             # ORT crashes on most empty values (int("")) and treats the rest as unset; say so instead.
             raise self.error("empty value; unset the variable instead")
@@ -487,6 +560,24 @@ class Variable:
             return self.kind.from_env(raw)
         except _Invalid as e:
             raise self.error(str(e)) from None
+
+    def ort_problem(self, raw: str) -> Optional[str]:
+        """Why ORT 1.19.2 cannot read this text as meant (None if it can): what ORT does with it, and the text to
+        write instead where the text means a valid value."""
+        try:
+            meant = self.parse_env(raw)
+        except ValueError as e:
+            return str(e)
+        try:
+            seen = self.kind.ort_read(raw)
+        except _Invalid as e:
+            seen, why = None, f" ({e})"
+        else:
+            why = f" (it reads {self.kind.show(seen)})"
+        if seen == meant:
+            return None
+        return (f"{self.env}={raw!r}: ORT {ORT_VERSION} {self.kind.ort_parsing}, so it cannot read this as meant"
+                f"{why}; write {self.env}={self.kind.to_env(meant)}")
 
     @property
     def cli_flags(self) -> Tuple[str, ...]:
@@ -531,16 +622,23 @@ class ORTModuleOptions:
     and nothing for fields left ``None``: writing a variable is the only way to tell ORT something, and not
     writing one keeps the environment's value or ORT's default.
 
-    ORT reads most variables when an ORTModule is constructed (a few at import, at export or on first Triton use;
-    see the ``read`` column of the table), so apply the options before wrapping the model: ``wrap(model, options)``
-    does that; ``apply()`` warns (``OptionsTooLateWarning``) when it changes a variable ORT has already read.
+    ORT reads most variables when an ORTModule is constructed, some again (or only) on its first forward call,
+    when it exports the model, and a few once per process (see the ``read`` column of the table), so apply the
+    options before wrapping the model and leave them set: ``wrap(model, options)`` does that; ``apply()`` warns
+    (``OptionsTooLateWarning``) when it changes a variable that ORT reads once per process and has already read.
+
+    As a context manager the options are set on entry and restored on exit, so a variable ORT reads on the first
+    forward call (ORTMODULE_MEMORY_OPT_LEVEL, ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT, ORTMODULE_TRITON_CONFIG_FILE)
+    only takes effect if that call runs inside the block too; the block cannot tell when it does not, so use
+    ``wrap()`` or ``apply()`` for those. Likewise a ``DebugOptions`` constructed before the block has already read
+    ``log_level`` and ``save_onnx_path``; construct it inside the block, or pass it to ``wrap()``.
 
     Example::
 
         opts = ORTModuleOptions(memory_opt_level=1, log_level="INFO")
-        model = wrap(model, opts)                      # apply(), then ORTModule(model)
+        model = wrap(model, opts)                      # apply(), then ORTModule(model); the variables stay set
         with ORTModuleOptions(compute_optimizer=False):  # set on entry, restored on exit
-            model = ORTModule(model)
+            model = ORTModule(model)                   # read at construction: inside the block is enough
     """
 
     # Memory first.
@@ -548,7 +646,9 @@ class ORTModuleOptions:
         "ORTMODULE_MEMORY_OPT_LEVEL", _Int(choices=(0, 1, 2)), "0",
         "0: recompute only the plans in ORTMODULE_MEMORY_OPT_CONFIG; 1: recompute every recomputable subgraph in each "
         "transformer layer (like layer-wise activation checkpointing); 2: also subgraphs that keep part of an "
-        "activation. Levels 1 and 2 ignore the plan file.")
+        "activation. Levels 1 and 2 ignore the plan file. Read again at the first forward call: there level 1 "
+        "makes torch.utils.checkpoint regions run inline instead of failing the export, so it must still be set "
+        "then.", read="construction and first forward")
     recompute_plans: Optional[Tuple[str, ...]] = _option(
         "ORTMODULE_MEMORY_OPT_CONFIG", _Plans(), "unset (no plans)",
         "Recompute plans for level 0, written to a JSON file whose path is the variable's value (before 1.19 the "
@@ -576,15 +676,15 @@ class ORTModuleOptions:
         "ORTMODULE_PRINT_INPUT_DENSITY", _Bool(), "0",
         "Print the density of embedding and label inputs per step.")
     allow_autograd_checkpoint: Optional[bool] = _option(
-        "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", _Bool(), "0",
+        "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", _Bool("int or off"), "0",
         "Export torch.utils.checkpoint regions as PythonOp instead of failing; leave off when memory_opt_level=1 "
-        "replaces the checkpointing.", read="export")
+        "replaces the checkpointing.", read="first forward")
     compute_optimizer: Optional[bool] = _option(
         "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", _Bool(), "1",
         "FLOP reduction by moving shrinking ops (Gather, Slice, ...) earlier; 0 for exact-compute parity debugging, "
         "and 0 also turns off both sparse optimizers.")
     custom_autograd: Optional[bool] = _option(
-        "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", _Bool(), "1",
+        "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", _Bool("int or on"), "1",
         "Run torch.autograd.Function subclasses as PythonOp; 0 inlines them. Read once per process.",
         read="first construction")
     fallback_policy: Optional[str] = _option(
@@ -594,18 +694,24 @@ class ORTModuleOptions:
         "When ORT gives up and runs the PyTorch module instead. Setting it replaces ORT's four-policy default with "
         "one policy.")
     fallback_retry: Optional[bool] = _option(
-        "ORTMODULE_FALLBACK_RETRY", _Bool(ort_reads_int=False), "0",
+        "ORTMODULE_FALLBACK_RETRY", _Bool("words"), "0",
         "After a fallback, try ORT again on the next call instead of staying on PyTorch.")
     log_level: Optional[str] = _option(
         "ORTMODULE_LOG_LEVEL", _Choice(_LOG_LEVELS), "WARNING",
-        "ORTModule log level; INFO prints the memory optimizer's plans. Overrides DebugOptions(log_level=...).")
+        "ORTModule log level; INFO prints the memory optimizer's plans. Overrides DebugOptions(log_level=...) "
+        "when it is set before that DebugOptions is constructed (wrap() re-reads it for a DebugOptions passed to "
+        "it).", read="DebugOptions()")
     onnx_opset_version: Optional[int] = _option(
-        "ORTMODULE_ONNX_OPSET_VERSION", _Int(minimum=7, maximum=20, note="torch 2.4's exporter range"), "17",
-        "ONNX opset the model is exported with.")
+        "ORTMODULE_ONNX_OPSET_VERSION", _Int(minimum=17, maximum=20, note=f"below 17 ORT {ORT_VERSION} cannot train "
+        "LayerNorm, below 11 not even Linear; 20 is torch 2.4's highest"), "17",
+        "ONNX opset the model is exported with. 17 trains Linear, LayerNorm, GELU, Embedding, softmax, mean and "
+        "cross-entropy; 18-20 the same except mean (ReduceMean: ORT's shape inference raises TypeError).")
     save_onnx_path: Optional[str] = _option(
         "ORTMODULE_SAVE_ONNX_PATH", _Path("an existing directory this process can write to", "dir"),
         "the current directory",
-        "Where the exported ONNX models go when DebugOptions(save_onnx=True).")
+        "Where the exported ONNX models go when DebugOptions(save_onnx=True); beats its save_path when it is set "
+        "before that DebugOptions is constructed (wrap() re-reads it for a DebugOptions passed to it).",
+        read="DebugOptions()")
     cache_dir: Optional[str] = _option(
         "ORTMODULE_CACHE_DIR", _Path("a writable directory, or one that can be created", "new dir"),
         "unset (no cache)",
@@ -622,7 +728,8 @@ class ORTModuleOptions:
         "ORTMODULE_ENABLE_ZERO_STAGE3", _Bool(), "0",
         "DeepSpeed ZeRO stage 3 compatibility; once on, it stays on for the process.")
     conv_algo_search: Optional[str] = _option(
-        "ORTMODULE_CONV_ALGO_SEARCH", _Choice(("HEURISTIC", "EXHAUSTIVE")), "HEURISTIC",
+        "ORTMODULE_CONV_ALGO_SEARCH", _Choice(("HEURISTIC", "EXHAUSTIVE"), failure="warns and uses HEURISTIC"),
+        "HEURISTIC",
         "cuDNN convolution algorithm search (CUDA only); ORT warns and uses HEURISTIC for any other value.")
     skip_check_policy: Optional[Tuple[str, ...]] = _option(
         "ORTMODULE_SKIPCHECK_POLICY", _NameSet(_SKIP_CHECKS),
@@ -641,7 +748,8 @@ class ORTModuleOptions:
     triton_config_file: Optional[str] = _option(
         "ORTMODULE_TRITON_CONFIG_FILE", _Path("an existing JSON file", "file"),
         "unset (ORT's built-in op list)",
-        "JSON file choosing what Triton fuses (ops, initializer, min_nodes); ORT silently ignores a missing file.")
+        "JSON file choosing what Triton fuses (ops, initializer, min_nodes); ORT silently ignores a missing file.",
+        read="first forward")
     triton_debug: Optional[bool] = _option(
         "ORTMODULE_TRITON_DEBUG", _Bool(), "0",
         "Write the generated Triton code to ./triton_debug/.", read="first Triton use")
@@ -652,8 +760,9 @@ class ORTModuleOptions:
         "ORTMODULE_ENABLE_TUNING", _Bool(), "0",
         "TunableOp: tune kernels online (CUDA execution provider only).")
     max_tuning_duration_ms: Optional[int] = _option(
-        "ORTMODULE_MAX_TUNING_DURATION_MS", _Int(minimum=0), "0 (no limit)",
-        "Time limit for TunableOp tuning, in milliseconds; 0 leaves ORT's default.")
+        "ORTMODULE_MAX_TUNING_DURATION_MS", _Int(note="0 or less: ORT ignores it and keeps its default"),
+        "0 (no limit)",
+        "Time limit for TunableOp tuning, in milliseconds; ORT ignores values <= 0.")
     tuning_results_path: Optional[str] = _option(
         "ORTMODULE_TUNING_RESULTS_PATH", _Path("a writable directory, or one that can be created", "new dir"),
         "unset",
@@ -679,9 +788,12 @@ class ORTModuleOptions:
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "ORTModuleOptions":
         """Options holding every table variable set in ``environ`` (default ``os.environ``).
 
-        Booleans accept 0/1/true/false in any case; enum names any case; ORTMODULE_MEMORY_OPT_CONFIG is read as
-        the path of a JSON list of plans. Anything else raises ``ValueError`` naming the variable. Unknown
-        ``ORTMODULE_*`` names are ignored here; :func:`check_environment` reports them.
+        Every text ORT 1.19.2 reads as meant is accepted, parsed as ORT parses that variable (``01`` is 1 where
+        ORT calls ``int()``; ``yes`` turns ORTMODULE_FALLBACK_RETRY on), and so are the spellings ORT cannot read
+        but whose meaning is plain (booleans true/false in any case, names in any case), which ``to_env()`` and
+        ``apply()`` rewrite into what ORT reads. ORTMODULE_MEMORY_OPT_CONFIG is read as the path of a JSON list of
+        plans. Anything else raises ``ValueError`` naming the variable. Unknown ``ORTMODULE_*`` names are ignored
+        here; :func:`check_environment` reports them.
         """
         environ = os.environ if environ is None else environ
         values = {v.field: v.parse_env(environ[v.env]) for v in TABLE if v.env in environ}
@@ -767,17 +879,17 @@ class ORTModuleOptions:
                     f"value) or unset {var.env}."
                 )
 
-    def _warn_late(self, env: Mapping[str, str]) -> None:
+    def _warn_late(self, env: Mapping[str, str], stacklevel: int = 3) -> None:
         late = [(name, _BY_ENV[name]) for name, value in env.items()
                 if os.environ.get(name) != value and _already_read(_BY_ENV[name])]
         if late:
-            lines = [f"  {name} (read at {var.read}; {_READ_MARKERS[var.read]} is loaded)" for name, var in late]
+            lines = [f"  {name} (read {_READ_MEANINGS[var.read]}; {_READ_MARKERS[var.read]} is loaded)"
+                     for name, var in late]
             warnings.warn(
-                "ORT has already read these variables in this process, so the new values do not affect what was "
-                "read (ORTModules that already exist, or the whole process for import-time ones):\n"
-                + "\n".join(lines),
+                "ORT reads these variables once per process and has already read them, so the new values have no "
+                "effect in this process:\n" + "\n".join(lines),
                 OptionsTooLateWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
 
     @staticmethod
@@ -800,9 +912,11 @@ class ORTModuleOptions:
         ``recompute_plans`` with ``ORTMODULE_MEMORY_OPT_LEVEL=1`` exported by a job script) raises ``ValueError``
         naming both; os.environ is then unchanged.
 
-        Warns (``OptionsTooLateWarning``) for each changed variable ORT has already read in this process: those
-        read at import once onnxruntime.training.ortmodule is imported, the others once an ORTModule exists
-        (constructed by wrap() or directly). The new values still reach ORTModules constructed later.
+        Warns (``OptionsTooLateWarning``) for each changed variable that ORT reads once per process and has
+        already read: at import (once onnxruntime.training.ortmodule is imported), at the first ORTModule's
+        construction, or on first Triton use. The others are read again for every ORTModule, so the new values
+        reach every module constructed later (and, for the variables read at the first forward call, every module
+        whose first forward call comes later); modules that already read them keep what they read.
         """
         env = self._prepare()
         self._warn_late(env)
@@ -810,6 +924,8 @@ class ORTModuleOptions:
         return env
 
     def __enter__(self) -> "ORTModuleOptions":
+        """apply(), remembering what to restore on exit. ORT reads the variables marked "first forward" in the
+        table when a module runs for the first time: run that call inside the block, or use wrap()/apply()."""
         env = self._prepare()  # raises before anything is written or saved
         self._warn_late(env)
         self._saved.append(self._write_environ(env))
@@ -820,7 +936,11 @@ class ORTModuleOptions:
         _restore_environ(self._saved.pop())
 
     def describe(self, environ: Optional[Mapping[str, str]] = None) -> str:
-        """A text table: every variable, the value ORT will see once applied, and where it comes from."""
+        """A text table: every variable, the value ORT will see once applied, and where it comes from.
+
+        A field set here shows the value apply() writes. A variable left to the environment shows the value ORT
+        reads from it, parsed as ORT parses it; text ORT cannot read as meant (``true`` where ORT calls
+        ``int()``, an unknown name) is shown as ``'true' (INVALID)``, as check_environment() reports it."""
         environ = os.environ if environ is None else environ
         rows = [("variable", "field", "value", "source")]
         for var in TABLE:
@@ -828,10 +948,11 @@ class ORTModuleOptions:
             if value is not None:
                 rows.append((var.env, var.field, var.kind.show(value), self._sources[var.field]))
             elif var.env in environ:
-                try:
-                    shown = var.kind.show(var.parse_env(environ[var.env]))
-                except ValueError:
-                    shown = f"{environ[var.env]!r} (INVALID)"
+                raw = environ[var.env]
+                if var.ort_problem(raw) is None:
+                    shown = var.kind.show(var.kind.ort_read(raw))
+                else:
+                    shown = f"{raw!r} (INVALID)"
                 rows.append((var.env, var.field, shown, "environment"))
             else:
                 rows.append((var.env, var.field, var.ort_default, "default"))
@@ -892,35 +1013,68 @@ def _check_conflicts(options: ORTModuleOptions) -> None:
 # Wrapping a model.
 # --------------------------------------------------------------------------------------------------------------
 
-_WRAPPED = False  # set once wrap() has constructed an ORTModule in this process
-
-
 def _already_read(var: Variable) -> bool:
+    """Whether ORT has read this variable for the last time in this process (only the once-per-process ones)."""
     marker = _READ_MARKERS[var.read]
-    if marker is None:
-        return False
-    return marker in sys.modules or (marker == _FIRST_ORTMODULE and _WRAPPED)
+    return marker is not None and marker in sys.modules
+
+
+def _debug_options_as_ort_reads_them(debug_options: Any, options: ORTModuleOptions) -> Any:
+    """A copy of ``debug_options`` holding what ORT reads from the variables ``options`` set for it.
+
+    ORT's DebugOptions reads ORTMODULE_LOG_LEVEL and ORTMODULE_SAVE_ONNX_PATH when it is constructed, and the
+    variables beat its log_level and save_path arguments; one constructed before wrap() applied the options has
+    not seen them. The copy repeats those two readings with ORT's own classes, now that the variables are set,
+    which is what ORT would have read had the DebugOptions been constructed after apply(). The caller's object is
+    left as it is; anything that is not a DebugOptions is passed on for ORTModule to reject.
+    """
+    from onnxruntime.training.ortmodule.options import DebugOptions, _LoggingOptions, _SaveOnnxOptions
+
+    if not isinstance(debug_options, DebugOptions) or (options.log_level is None and options.save_onnx_path is None):
+        return debug_options
+    reread = copy.copy(debug_options)
+    if options.log_level is not None:
+        reread._logging = _LoggingOptions(debug_options.log_level)
+    if options.save_onnx_path is not None:
+        reread._save_onnx_models = _SaveOnnxOptions(
+            debug_options.save_onnx, debug_options.onnx_prefix, debug_options.save_onnx_models.path
+        )
+    return reread
 
 
 def wrap(model: Any, options: Optional[ORTModuleOptions] = None, **ortmodule_kwargs: Any) -> Any:
     """Apply ``options`` to ``os.environ``, then return ``ORTModule(model, **ortmodule_kwargs)``.
 
-    The variables stay set after the call: ORT reads some of them later than construction (the plan file and
-    ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT when the model is exported on its first forward call). ``options=None``
-    leaves the environment as it is. Needs onnxruntime-training 1.19.2's ORTModule, which works with torch 2.4.x.
+    The variables stay set after the call: ORT reads some of them again on the module's first forward call
+    (ORTMODULE_MEMORY_OPT_LEVEL, ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT, ORTMODULE_TRITON_CONFIG_FILE and the plan
+    file). If importing or constructing ORTModule raises, every variable is put back as it was before the call.
+    ``options=None`` leaves the environment as it is.
+
+    ``log_level`` and ``save_onnx_path`` also reach a ``debug_options=DebugOptions(...)`` passed here, although
+    ORT reads those variables when DebugOptions is constructed (before this call): ORTModule gets a copy of it
+    with the two values read again as ORT reads them, the variable beating the DebugOptions argument.
+
+    Needs onnxruntime-training 1.19.2's ORTModule, which works with torch 2.4.x.
     """
-    global _WRAPPED
+    saved: Dict[str, Optional[str]] = {}
     if options is not None:
-        options.apply()
+        env = options._prepare()  # raises before anything is written
+        options._warn_late(env)
+        saved = options._write_environ(env)  # before the import: ORT reads some variables at import
     try:
-        from onnxruntime.training.ortmodule import ORTModule
-    except ImportError as e:
-        raise ImportError(
-            f"wrap() needs onnxruntime-training {ORT_VERSION}'s ORTModule, which works with torch 2.4.x: {e}"
-        ) from e
-    module = ORTModule(model, **ortmodule_kwargs)
-    _WRAPPED = True
-    return module
+        try:
+            from onnxruntime.training.ortmodule import ORTModule
+        except ImportError as e:
+            raise ImportError(
+                f"wrap() needs onnxruntime-training {ORT_VERSION}'s ORTModule, which works with torch 2.4.x: {e}"
+            ) from e
+        if options is not None and ortmodule_kwargs.get("debug_options") is not None:
+            ortmodule_kwargs["debug_options"] = _debug_options_as_ort_reads_them(
+                ortmodule_kwargs["debug_options"], options)
+        return ORTModule(model, **ortmodule_kwargs)
+    except BaseException:
+        _restore_environ(saved)
+        raise
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -944,17 +1098,9 @@ def check_environment(environ: Optional[Mapping[str, str]] = None) -> List[str]:
             hint = f"; did you mean {close[0]}?" if close else ""
             problems.append(f"{name}: unknown variable, onnxruntime-training {ORT_VERSION} does not read it{hint}")
             continue
-        raw = environ[name]
-        try:
-            value = var.parse_env(raw)
-        except ValueError as e:
-            problems.append(str(e))
-            continue
-        if not var.kind.ort_accepts(raw):
-            problems.append(
-                f"{name}={raw!r}: ORT {ORT_VERSION} {var.kind.ort_parsing}, so it cannot read this as meant; "
-                f"write {name}={var.kind.to_env(value)}"
-            )
+        problem = var.ort_problem(environ[name])
+        if problem is not None:
+            problems.append(problem)
     if not problems:  # combinations only make sense once every value parses
         try:
             ORTModuleOptions.from_env(environ)

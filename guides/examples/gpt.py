@@ -31,8 +31,8 @@ weight decay 0.1 on the matrices (embeddings included), none on biases and Layer
 
 Reported per leg: train loss per step, validation loss, tokens/s, forward+backward time, optimizer time (step +
 zero_grad, including FP16_Optimizer's unscale/overflow check), the optimizer's share of the step, peak RSS of the
-leg's process (``resource.getrusage``; RSS, not tracemalloc, which does not see tensor memory). Written to
-``--out`` (default ``results/``): ``gpt_summary.json`` and ``gpt_loss.png``.
+leg's process (VmHWM from ``/proc/self/status``, ``peak_rss_mb``; RSS, not tracemalloc, which does not see tensor
+memory). Written to ``--out`` (default ``results/``): ``gpt_summary.json`` and ``gpt_loss.png``.
 """
 
 from __future__ import annotations

@@ -4,12 +4,15 @@
     .venv/bin/python guides/examples/memory_optimizer.py            # 4 layers, d=256, 4 heads, T=256, batch 16
     .venv/bin/python guides/examples/memory_optimizer.py --quick    # tiny model (what the tests run)
 
-For each level this runs ``gpt.py --config memopt --legs ort-fp32 --memory-opt-level L --ort-log-info`` (ORT reads
-ORTMODULE_MEMORY_OPT_LEVEL when the ORTModule is constructed, so each level needs a fresh process; gpt.py sets it
-with ``ORTModuleOptions(memory_opt_level=L, log_level="INFO")``), keeps ORT's log, and collects:
+For each level this runs ``gpt.py --config memopt --legs ort-fp32 --memory-opt-level L --ort-log-info`` in a fresh
+process (gpt.py applies ``wrap(model, ORTModuleOptions(memory_opt_level=L, log_level="INFO"))``, which leaves the
+variables set: ORT reads ORTMODULE_MEMORY_OPT_LEVEL when the ORTModule is constructed and again on its first forward
+call; and a process's peak RSS covers that process only), keeps ORT's log, and collects:
 
 * the recompute plans ORT printed (``- Plan N : ON : <cluster>:<strategy>:<count>  freq  max saving  symbolic``);
-* the peak RSS of the training process (``resource.getrusage``), its RSS before the first step, and the losses.
+* the peak RSS of the training process (gpt.py's ``peak_rss_mb()``: ``VmHWM`` from ``/proc/self/status``, which
+  starts afresh at exec; ``resource.getrusage``'s ``ru_maxrss`` only where that line is missing), its RSS before
+  the first step (``VmRSS``), and the losses.
 
 Writes ``--out``/memory_optimizer.json (default results/) with the numbers and the commands, and prints a table.
 """

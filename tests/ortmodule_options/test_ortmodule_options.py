@@ -131,6 +131,7 @@ GOOD = [
     ("fallback_policy", "FALLBACK_DISABLE", "FALLBACK_DISABLE", "FALLBACK_DISABLE"),
     ("fallback_policy", ["fallback_force_torch_forward"], "FALLBACK_FORCE_TORCH_FORWARD", "FALLBACK_FORCE_TORCH_FORWARD"),
     ("fallback_retry", True, True, "1"),
+    ("fallback_retry", "yes", True, "1"),
     ("log_level", "info", "INFO", "INFO"),
     ("log_level", "VERBOSE", "VERBOSE", "VERBOSE"),
     ("onnx_opset_version", 17, 17, "17"),
@@ -155,6 +156,7 @@ GOOD = [
     ("enable_tuning", True, True, "1"),
     ("max_tuning_duration_ms", 0, 0, "0"),
     ("max_tuning_duration_ms", 500, 500, "500"),
+    ("max_tuning_duration_ms", -1, -1, "-1"),  # ORT ignores values <= 0 (no limit)
     ("tuning_results_path", "/tmp/tuning", "/tmp/tuning", "/tmp/tuning"),
 ]
 
@@ -192,6 +194,8 @@ BAD = [
     ("log_level", "LOUD", "got 'LOUD'"),
     ("log_level", 3, "got 3"),
     ("onnx_opset_version", 6, "got 6"),
+    ("onnx_opset_version", 16, "got 16"),  # ORT's training graph fails for LayerNorm below 17
+    ("onnx_opset_version", "10", "got '10'"),  # ... and for Linear below 11
     ("onnx_opset_version", 21, "got 21"),
     ("onnx_opset_version", "17.0", "got '17.0'"),
     ("save_onnx_path", "", "got ''"),
@@ -217,7 +221,7 @@ BAD = [
     ("triton_debug", 7, "got 7"),
     ("flash_attention", "no", "got 'no'"),
     ("enable_tuning", -1, "got -1"),
-    ("max_tuning_duration_ms", -1, "got -1"),
+    ("max_tuning_duration_ms", 1.5, "got 1.5"),
     ("max_tuning_duration_ms", "10ms", "got '10ms'"),
     ("tuning_results_path", "", "got ''"),
     ("tuning_results_path", EXISTING_FILE, "exists and is not a directory"),
@@ -231,6 +235,16 @@ ENV_GOOD = [
     ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "False", False),
     ("ORTMODULE_PRINT_MEMORY_STATS", " 1 ", True),
     ("ORTMODULE_FALLBACK_RETRY", "true", True),
+    # Each text below is read by ORT 1.19.2 as meant, so it is accepted as ORT reads it.
+    ("ORTMODULE_FALLBACK_RETRY", "yes", True),  # value.lower() in ("true", "1", "yes")
+    ("ORTMODULE_FALLBACK_RETRY", "YES", True),
+    ("ORTMODULE_FALLBACK_RETRY", "no", False),
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "01", True),  # int("01") == 1
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "+1", True),
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "00", False),
+    ("ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", "01", True),
+    ("ORTMODULE_MAX_TUNING_DURATION_MS", "-1", -1),  # int() reads it; ORT ignores values <= 0
+    ("ORTMODULE_ONNX_OPSET_VERSION", "017", 17),
     ("ORTMODULE_ATEN_SDPA_FALLBACK", "1", True),
     ("ORTMODULE_MEMORY_OPT_LEVEL", "2", 2),
     ("ORTMODULE_LOG_LEVEL", "info", "INFO"),
@@ -244,7 +258,12 @@ ENV_GOOD = [
 # variable, text in the environment, fragment of the error message
 ENV_BAD = [
     ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "yes", "got 'yes'"),
-    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "2", "got '2'"),
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "2", "got '2', which ORT 1.19.2 reads as off (it reads it with "
+                                                "int(value) == 1"),
+    ("ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", "2", "got '2', which ORT 1.19.2 reads as on (it reads it with int(value) "
+                                              "!= 0"),
+    ("ORTMODULE_FALLBACK_RETRY", "maybe", "got 'maybe', which ORT 1.19.2 reads as off"),
+    ("ORTMODULE_ONNX_OPSET_VERSION", "16", "got '16'"),
     ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "", "empty value; unset the variable instead"),
     ("ORTMODULE_MEMORY_OPT_LEVEL", "1.0", "got '1.0'"),
     ("ORTMODULE_MEMORY_OPT_LEVEL", "  ", "empty value"),
@@ -276,7 +295,6 @@ def no_ortmodule_yet(monkeypatch):
     for marker in options._READ_MARKERS.values():
         if marker is not None:
             monkeypatch.delitem(sys.modules, marker, raising=False)
-    monkeypatch.setattr(options, "_WRAPPED", False)
 
 
 def _plans_in(path):
@@ -595,14 +613,21 @@ def test_apply_before_ort_read_anything_does_not_warn(no_ortmodule_yet):
         ORTModuleOptions(memory_opt_level=1, efficient_attention=True, custom_autograd=False).apply()
 
 
-# field, value, module whose presence means ORT has read the variable
+# field, value, module whose presence means ORT has read the variable for the last time in this process
 LATE = [
-    ("memory_opt_level", 1, options._FIRST_ORTMODULE),
-    ("allow_autograd_checkpoint", True, options._FIRST_ORTMODULE),
     ("efficient_attention", True, "onnxruntime.training.ortmodule"),
     ("aten_sdpa_fallback", True, "onnxruntime.training.ortmodule"),
     ("custom_autograd", False, "onnxruntime.training.ortmodule._custom_autograd_function"),
     ("triton_debug", True, "onnxruntime.training.ort_triton"),
+]
+
+# Every module an existing ORTModule implies: ORT imported, an ORTModule constructed (its ATen executor extension and
+# custom autograd support loaded), Triton loaded.
+ORT_IN_USE = [
+    "onnxruntime.training.ortmodule",
+    "onnxruntime.training.ortmodule._custom_autograd_function",
+    "onnxruntime.training.ortmodule.torch_cpp_extensions.aten_op_executor",
+    "onnxruntime.training.ort_triton",
 ]
 
 
@@ -614,29 +639,61 @@ def test_apply_warns_after_ort_read_the_variable(no_ortmodule_yet, monkeypatch, 
     assert os.environ[BY_FIELD[field].env] == BY_FIELD[field].kind.to_env(value)  # still applied
 
 
-def test_apply_warns_after_wrap_and_only_for_changed_variables(no_ortmodule_yet, monkeypatch):
-    monkeypatch.setattr(options, "_WRAPPED", True)
-    with pytest.warns(OptionsTooLateWarning) as record:
-        ORTModuleOptions(memory_opt_level=1, efficient_attention=True).apply()
-    assert len(record) == 1
-    assert "ORTMODULE_MEMORY_OPT_LEVEL" in str(record[0].message)
-    assert "ORTMODULE_USE_EFFICIENT_ATTENTION" not in str(record[0].message)  # read at import: not imported
+def test_once_per_process_variables_are_exactly_those_with_a_marker():
+    for var in options.TABLE:
+        once = var.read in ("import", "first construction", "first Triton use")
+        assert (options._READ_MARKERS[var.read] is not None) == once, var.env
+
+
+@pytest.mark.parametrize("how", ["apply", "with"])
+def test_options_read_again_for_every_module_never_warn_once_an_ortmodule_exists(no_ortmodule_yet, monkeypatch,
+                                                                                   how):
+    """A variable ORT reads in every constructor (or on every module's first forward call) still reaches every
+    module constructed later, so writing it is never too late, whatever modules already exist."""
+    for marker in ORT_IN_USE:
+        monkeypatch.setitem(sys.modules, marker, types.ModuleType(marker))
+    os.environ.update(ORTMODULE_ENABLE_COMPUTE_OPTIMIZER="1", ORTMODULE_MEMORY_OPT_LEVEL="0")
+    per_module = ORTModuleOptions(compute_optimizer=False, memory_opt_level=1, allow_autograd_checkpoint=True,
+                                  log_level="ERROR", save_onnx_path=SAVE_DIR, triton_config_file=EXISTING_FILE)
+    assert {BY_FIELD[f].read for f in ("compute_optimizer", "memory_opt_level", "allow_autograd_checkpoint",
+                                       "log_level", "triton_config_file")} == {
+        "construction", "construction and first forward", "first forward", "DebugOptions()"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ORTModuleOptions(memory_opt_level=1).apply()  # unchanged: nothing to warn about
+        if how == "apply":
+            per_module.apply()
+        else:
+            with per_module:
+                pass
+
+
+def test_apply_warns_only_for_changed_once_per_process_variables(no_ortmodule_yet, monkeypatch):
+    for marker in ORT_IN_USE[1:]:  # an ORTModule exists, but ORT's import-time reading is left out
+        monkeypatch.setitem(sys.modules, marker, types.ModuleType(marker))
+    with pytest.warns(OptionsTooLateWarning) as record:
+        ORTModuleOptions(memory_opt_level=1, custom_autograd=False, efficient_attention=True).apply()
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD (read once per process, when the first ORTModule is constructed" in message
+    assert "ORTMODULE_MEMORY_OPT_LEVEL" not in message  # read again by every module
+    assert "ORTMODULE_USE_EFFICIENT_ATTENTION" not in message  # read at import: not imported
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ORTModuleOptions(custom_autograd=False).apply()  # unchanged: nothing to warn about
         ORTModuleOptions(json_config_path=EXISTING_FILE).apply()  # read only by load_from_json()
 
 
-def test_wrap_without_ortmodule_raises_a_clear_error(no_ortmodule_yet):
+def test_failed_wrap_without_ortmodule_raises_a_clear_error_and_restores_the_environment(no_ortmodule_yet):
     try:
         importlib.import_module("onnxruntime.training.ortmodule")
     except ImportError:
         pass
     else:
-        pytest.skip("ORTModule is importable here; test_wrap_runs_an_ortmodule_on_cpu covers wrap()")
+        pytest.skip("ORTModule is importable here; test_failed_wrap_restores_the_environment covers it")
+    os.environ["ORTMODULE_LOG_LEVEL"] = "ERROR"
     with pytest.raises(ImportError, match="works with torch 2.4.x"):
-        options.wrap(object(), ORTModuleOptions(memory_opt_level=1))
-    assert os.environ["ORTMODULE_MEMORY_OPT_LEVEL"] == "1"  # applied before the import
+        options.wrap(object(), ORTModuleOptions(memory_opt_level=1, log_level="INFO"))
+    assert ortmodule_env() == {"ORTMODULE_LOG_LEVEL": "ERROR"}  # as before the call
 
 
 # ---------------------------------------------------------------------------------------------------- describe
@@ -671,6 +728,32 @@ def test_describe_shows_values_and_sources():
     assert opts.source("log_level") == "environment" and opts.source("cache_dir") == "default"
 
 
+@pytest.mark.parametrize("raw", ["true", "yes", "2", "1.0"])
+def test_describe_marks_an_environment_value_ort_cannot_read_as_invalid(raw):
+    env = {"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": raw}  # ORT reads it with int(value) == 1
+    rows = _describe_rows(ORTModuleOptions(log_level="INFO").describe(environ=env))
+    assert rows["ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"] == (f"{raw!r} (INVALID)", "environment")
+    assert options.check_environment(env)  # the two agree
+
+
+@pytest.mark.parametrize("name, raw, shown", [
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "01", "1"),
+    ("ORTMODULE_FALLBACK_RETRY", "yes", "1"),
+    ("ORTMODULE_MAX_TUNING_DURATION_MS", "-1", "-1"),
+    ("ORTMODULE_ATEN_SDPA_FALLBACK", "on", "1"),
+])
+def test_describe_shows_what_ort_reads_from_the_environment(name, raw, shown):
+    rows = _describe_rows(ORTModuleOptions().describe(environ={name: raw}))
+    assert rows[name] == (shown, "environment")
+
+
+@pytest.mark.parametrize("name", ALL_VARIABLES)
+@pytest.mark.parametrize("raw", ["0", "1", "01", "2", "-1", "17", "true", "yes", "INFO", "info", "abc", EXISTING_FILE])
+def test_describe_marks_invalid_exactly_what_check_environment_reports(name, raw):
+    rows = _describe_rows(ORTModuleOptions().describe(environ={name: raw}))
+    assert rows[name][0].endswith("(INVALID)") == bool(options.check_environment({name: raw}))
+
+
 def test_describe_of_from_env_says_environment():
     env = {"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "true", "ORTMODULE_MEMORY_OPT_LEVEL": "1"}
     opts = ORTModuleOptions.from_env(env)
@@ -690,15 +773,21 @@ def test_describe_of_from_env_says_environment():
                                               "1.19.2 does not read it; did you mean ORTMODULE_MEMORY_OPT_LEVEL?"),
         ({"ORTMODULE_TORCH_CPP_DIR": "/x"}, "ORTMODULE_TORCH_CPP_DIR: unknown variable"),
         ({"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "true"},
-         "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER='true': ORT 1.19.2 reads it with int(value) == 1, so it cannot read "
-         "this as meant; write ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=1"),
-        ({"ORTMODULE_LOG_LEVEL": "info"}, "looks the exact upper-case name up, so it cannot read this as meant; "
-                                          "write ORTMODULE_LOG_LEVEL=INFO"),
+         "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER='true': ORT 1.19.2 reads it with int(value) == 1 and raises ValueError "
+         "on other text, so it cannot read this as meant (ORT raises ValueError on it); write "
+         "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=1"),
+        ({"ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": "true"}, "(ORT warns and uses off); write "
+                                                          "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT=1"),
+        ({"ORTMODULE_LOG_LEVEL": "info"}, "looks the exact upper-case name up and raises KeyError for any other text, "
+                                          "so it cannot read this as meant (ORT raises KeyError); write "
+                                          "ORTMODULE_LOG_LEVEL=INFO"),
+        ({"ORTMODULE_CONV_ALGO_SEARCH": "exhaustive"}, "(ORT warns and uses HEURISTIC); write "
+                                                       "ORTMODULE_CONV_ALGO_SEARCH=EXHAUSTIVE"),
         ({"ORTMODULE_SKIPCHECK_POLICY": "skip_check_device"}, "write ORTMODULE_SKIPCHECK_POLICY=SKIP_CHECK_DEVICE"),
         # ORT compares value.lower() without stripping: " 1" and "true " read as off
         ({"ORTMODULE_FALLBACK_RETRY": " 1"}, "ORTMODULE_FALLBACK_RETRY=' 1': ORT 1.19.2 reads it with value.lower() "
-                                             "in (true, 1, yes), so it cannot read this as meant; write "
-                                             "ORTMODULE_FALLBACK_RETRY=1"),
+                                             "in (true, 1, yes), any other text as off, so it cannot read this as "
+                                             "meant (it reads 0); write ORTMODULE_FALLBACK_RETRY=1"),
         ({"ORTMODULE_FALLBACK_RETRY": "true "}, "write ORTMODULE_FALLBACK_RETRY=1"),
         ({"ORTMODULE_MEMORY_OPT_LEVEL": "3"}, "memory_opt_level (ORTMODULE_MEMORY_OPT_LEVEL): got '3'"),
         ({"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "0", "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER": "1"},
@@ -716,6 +805,61 @@ def test_check_environment_accepts_what_ort_reads():
            "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "0", "ORTMODULE_LOG_LEVEL": "INFO", "ORTMODULE_ONNX_OPSET_VERSION": "17"}
     assert options.check_environment(env) == []
     assert options.check_environment({}) == []
+
+
+@pytest.mark.parametrize("name, raw", [
+    ("ORTMODULE_FALLBACK_RETRY", "yes"),  # _fallback.py: value.lower() in ["true", "1", "yes"]
+    ("ORTMODULE_FALLBACK_RETRY", "Yes"),
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "01"),  # int("01") == 1
+    ("ORTMODULE_PRINT_MEMORY_STATS", " 0 "),  # int() ignores surrounding spaces
+    ("ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", "+1"),
+    ("ORTMODULE_MAX_TUNING_DURATION_MS", "-1"),  # int() reads it, and ORT ignores values <= 0
+    ("ORTMODULE_MAX_TUNING_DURATION_MS", "0"),
+    ("ORTMODULE_MEMORY_OPT_LEVEL", "01"),
+    ("ORTMODULE_ATEN_SDPA_FALLBACK", "yes"),  # any non-empty text turns it on
+])
+def test_check_environment_accepts_every_text_ort_reads_as_meant(name, raw):
+    assert options.check_environment({name: raw}) == []
+    ORTModuleOptions.from_env({name: raw})  # and from_env() reads it
+
+
+# variable, text, the value ORT 1.19.2 reads from it: the parser of each kind mirrors the code in ORT that reads the
+# variable (options.py _RuntimeOptions, _fallback.py, __init__.py's _defined_from_envvar, _custom_gradient_registry)
+ORT_READS = [
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "01", True),
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", " 1\n", True),
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "2", False),  # int(value) == 1
+    ("ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", "2", True),  # int(value), used as a truth value
+    ("ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", "0", False),
+    ("ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", "1", True),
+    ("ORTMODULE_FALLBACK_RETRY", "YES", True),
+    ("ORTMODULE_FALLBACK_RETRY", " 1", False),  # lower() without strip()
+    ("ORTMODULE_FALLBACK_RETRY", "nope", False),
+    ("ORTMODULE_ATEN_SDPA_FALLBACK", "0", True),  # any non-empty text
+    ("ORTMODULE_MAX_TUNING_DURATION_MS", "-5", -5),
+    ("ORTMODULE_SKIPCHECK_POLICY", "SKIP_CHECK_DEVICE|SKIP_CHECK_DEVICE", ("SKIP_CHECK_DEVICE",)),
+]
+# variable, text ORT cannot read, what ORT does instead
+ORT_FAILS = [
+    ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "true", "ORT raises ValueError on it"),
+    ("ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", "true", "ORT warns and uses off"),
+    ("ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", "false", "ORT warns and uses on"),
+    ("ORTMODULE_LOG_LEVEL", "info", "ORT raises KeyError"),
+    ("ORTMODULE_CONV_ALGO_SEARCH", "exhaustive", "ORT warns and uses HEURISTIC"),
+    ("ORTMODULE_SKIPCHECK_POLICY", "SKIP_CHECK_DEVICE,SKIP_CHECK_BUILD_GRADIENT", "ORT raises KeyError"),
+    ("ORTMODULE_ONNX_OPSET_VERSION", "17.0", "ORT raises ValueError on it"),
+]
+
+
+@pytest.mark.parametrize("name, raw, seen", ORT_READS)
+def test_each_kind_reads_the_text_exactly_as_ort_does(name, raw, seen):
+    assert BY_ENV[name].kind.ort_read(raw) == seen
+
+
+@pytest.mark.parametrize("name, raw, what_ort_does", ORT_FAILS)
+def test_each_kind_says_what_ort_does_with_text_it_cannot_read(name, raw, what_ort_does):
+    with pytest.raises(options._Invalid, match=re.escape(what_ort_does)):
+        BY_ENV[name].kind.ort_read(raw)
 
 
 # ---------------------------------------------------------------------------------------------------- command line
@@ -870,10 +1014,121 @@ def test_wrap_runs_an_ortmodule_on_cpu():
     # ORT read the options when it constructed the module.
     runtime = wrapped._torch_module._execution_manager(True)._runtime_options
     assert runtime.memory_optimization_level == 0 and runtime.deepcopy_before_model_export is False
-    # Now that an ORTModule exists, changing a variable it has read warns.
-    assert options._FIRST_ORTMODULE in sys.modules
-    with pytest.warns(OptionsTooLateWarning, match="ORTMODULE_MEMORY_OPT_LEVEL"):
-        ORTModuleOptions(memory_opt_level=1).apply()
+    # Now that an ORTModule exists, changing a variable ORT reads once per process warns.
+    with pytest.warns(OptionsTooLateWarning, match="ORTMODULE_ENABLE_CUSTOM_AUTOGRAD"):
+        ORTModuleOptions(custom_autograd=False).apply()
+
+
+def _ort():
+    torch = pytest.importorskip("torch", reason=ORT_SKIP)
+    ortmodule = pytest.importorskip("onnxruntime.training.ortmodule", reason=ORT_SKIP)
+    return torch, ortmodule
+
+
+def _runtime_options(module):
+    return module._torch_module._execution_manager(True)._runtime_options
+
+
+def test_a_second_wrap_with_new_values_does_not_warn_and_the_new_module_gets_them():
+    torch, _ = _ort()
+    first = options.wrap(torch.nn.Linear(2, 2), ORTModuleOptions(compute_optimizer=True, memory_opt_level=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = options.wrap(torch.nn.Linear(2, 2), ORTModuleOptions(compute_optimizer=False, memory_opt_level=1))
+    assert _runtime_options(first).enable_compute_optimizer is True
+    assert _runtime_options(second).enable_compute_optimizer is False
+    assert _runtime_options(second).memory_optimization_level == 1
+
+
+def test_failed_wrap_restores_the_environment():
+    torch, _ = _ort()
+    os.environ["ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"] = "1"
+    with pytest.raises(AttributeError):  # ORTModule's constructor raises on a debug_options that is not one
+        options.wrap(torch.nn.Linear(2, 2), ORTModuleOptions(memory_opt_level=1, compute_optimizer=False),
+                     debug_options="not DebugOptions")
+    assert ortmodule_env() == {"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "1"}
+
+
+def test_wrap_gives_a_debug_options_passed_to_it_the_log_level_and_save_path(tmp_path):
+    """ORT's DebugOptions reads ORTMODULE_LOG_LEVEL and ORTMODULE_SAVE_ONNX_PATH when it is constructed, and the
+    variables beat its arguments; wrap() makes that hold for one constructed before the options were applied."""
+    torch, ortmodule = _ort()
+    debug = ortmodule.DebugOptions(log_level=ortmodule.LogLevel.INFO, save_onnx=True, onnx_prefix="opts")
+    model = torch.nn.Linear(2, 2)
+    wrapped = options.wrap(model, ORTModuleOptions(log_level="ERROR", save_onnx_path=str(tmp_path)),
+                           debug_options=debug)
+    used = wrapped._torch_module._execution_manager(True)._debug_options
+    assert used.logging.log_level == ortmodule.LogLevel.ERROR
+    assert used.save_onnx_models.path == str(tmp_path)
+    assert used.save_onnx and used.onnx_prefix == "opts"
+    # The caller's object is left as it was.
+    assert debug.logging.log_level == ortmodule.LogLevel.INFO and debug.save_onnx_models.path == os.getcwd()
+    wrapped(torch.randn(3, 2)).sum().backward()
+    assert sorted(p.name for p in tmp_path.glob("opts_*.onnx"))  # the models went to save_onnx_path
+
+
+def test_wrap_leaves_a_debug_options_alone_when_the_options_set_neither_log_level_nor_save_path():
+    torch, ortmodule = _ort()
+    debug = ortmodule.DebugOptions(log_level=ortmodule.LogLevel.ERROR)
+    wrapped = options.wrap(torch.nn.Linear(2, 2), ORTModuleOptions(memory_opt_level=0), debug_options=debug)
+    assert wrapped._torch_module._execution_manager(True)._debug_options is debug
+
+
+class _Checkpointed:
+    """A model whose forward uses torch.utils.checkpoint, which ORT can export only at memory_opt_level=1 (it then
+    runs the region inline and recomputes it itself) or with ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT=1."""
+
+    @staticmethod
+    def make(torch):
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+            def forward(self, x):
+                # Looked up at call time: ORT replaces torch.utils.checkpoint.checkpoint when it is imported.
+                h = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.a(t)), x, use_reentrant=True)
+                return self.b(h).sum()
+
+        torch.manual_seed(0)
+        return Net()
+
+
+def test_memory_opt_level_is_read_at_construction_and_again_at_the_first_forward():
+    assert BY_FIELD["memory_opt_level"].read == "construction and first forward"
+    torch, ortmodule = _ort()
+    import torch.utils.checkpoint  # noqa: F401
+
+    # Applied with wrap() (the variables stay set): the first forward exports the checkpointed model.
+    wrapped = options.wrap(_Checkpointed.make(torch), ORTModuleOptions(memory_opt_level=1,
+                                                                       fallback_policy="FALLBACK_DISABLE"))
+    wrapped(torch.randn(4, 8)).backward()
+    for name in ortmodule_env():
+        del os.environ[name]
+    # Constructed inside a `with` block but run for the first time after it: the export no longer sees level 1.
+    with ORTModuleOptions(memory_opt_level=1, fallback_policy="FALLBACK_DISABLE"):
+        late = ortmodule.ORTModule(_Checkpointed.make(torch))
+        assert _runtime_options(late).memory_optimization_level == 1  # read at construction
+    with pytest.raises(Exception, match="gradient checkpointing"):
+        late(torch.randn(4, 8)).backward()
+
+
+def test_variables_read_on_the_first_forward_call_are_marked_so():
+    for field in ("memory_opt_level", "allow_autograd_checkpoint", "triton_config_file"):
+        assert "first forward" in BY_FIELD[field].read, field
+
+
+@pytest.mark.parametrize("opset", [17, 20])
+def test_the_accepted_opsets_train_linear_layernorm_gelu(opset):
+    torch, _ = _ort()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    wrapped = options.wrap(net, ORTModuleOptions(onnx_opset_version=opset, fallback_policy="FALLBACK_DISABLE"))
+    x = torch.randn(3, 8)
+    y = wrapped(x)
+    y.sum().backward()
+    torch.testing.assert_close(y, net(x))
+    assert _runtime_options(wrapped).onnx_opset_version == opset
 
 
 # ---- against the environment they are applied to ---------------------------------------------------------------------
@@ -890,7 +1145,6 @@ def ort_not_loaded_yet(monkeypatch):
     for marker in options._READ_MARKERS.values():
         if marker is not None:
             monkeypatch.delitem(sys.modules, marker, raising=False)
-    monkeypatch.setattr(options, "_WRAPPED", False)
     yield
     for name in [k for k in os.environ if k.startswith("ORTMODULE_")]:
         del os.environ[name]
