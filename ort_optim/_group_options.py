@@ -257,6 +257,21 @@ def check_optimizer_options(master_weights: Any, exp_avg_dtype: Any, exp_avg_sq_
         check_flag(name, value)
 
 
+def check_torch_implementation_options(foreach: Any, fused: Any, differentiable: Any) -> None:
+    """torch.optim.AdamW's choice of implementation, accepted so that code written for it constructs FusedAdam
+    unchanged: ``foreach`` and ``fused`` (None or a bool) choose among torch's implementations of one update, which
+    FusedAdam always runs as one multi-tensor kernel, so they change nothing; ``differentiable`` must be False (the
+    step updates in place through its op, which autograd does not differentiate)."""
+    for name, value in (("foreach", foreach), ("fused", fused)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"FusedAdam: {name} must be None, True or False, got {value!r}")
+    check_flag("differentiable", differentiable)
+    if differentiable:
+        raise ValueError("FusedAdam: differentiable=True is not supported: the step updates the params in place "
+                         "through its own op, which autograd does not differentiate. Use "
+                         "torch.optim.AdamW(differentiable=True) to differentiate through optimizer steps")
+
+
 def check_dtype_pair(exp_avg_dtype: Optional[torch.dtype], exp_avg_sq_dtype: Optional[torch.dtype]) -> None:
     """The two moment dtypes together (each checked by check_dtype_option)."""
     if exp_avg_dtype == torch.uint4 and exp_avg_sq_dtype != torch.uint4:

@@ -214,6 +214,10 @@ class FusedAdam(torch.optim.Optimizer):
             stages, or DeepSpeed's ZeRO partitions), whose sums of squares and inf flags are added in one more
             all-reduce of the same two floats (default None). A DeepSpeed ZeRO client with ``max_grad_norm`` needs
             it (the ZeRO data-parallel group).
+        foreach, fused, differentiable: torch.optim.AdamW's choice of implementation, accepted so that its
+            callers construct FusedAdam unchanged (``fused=True`` included). ``foreach`` and ``fused`` (None, True or
+            False) change nothing: the step is always one multi-tensor kernel per bucket. ``differentiable`` must be
+            False: the step updates in place through its own op, which autograd does not differentiate.
 
     ``torch.compile`` (torch >= 2.13, as tested). A ``step()`` inside a compiled function traces to one call of the
     registered op ``torch.ops.ort_optim.adam_step_`` per bucket (and ``grad_stats`` with ``grad_scale`` or
@@ -279,7 +283,11 @@ class FusedAdam(torch.optim.Optimizer):
         stochastic_rounding_seed: int = 0,
         process_group: Any = None,
         pipeline_group: Any = None,
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
+        differentiable: bool = False,
     ):
+        _group_options.check_torch_implementation_options(foreach, fused, differentiable)
         _group_options.check_optimizer_options(
             master_weights, exp_avg_dtype, exp_avg_sq_dtype, max_grad_norm,
             dict(set_grad_none=set_grad_none, capturable=capturable, step_in_backward=step_in_backward))

@@ -125,6 +125,23 @@ def test_the_first_eight_parameters_are_orts_in_order_with_its_defaults_and_the_
     assert {"amsgrad", "maximize"} <= {p.name for p in parameters[8:]}
 
 
+@pytest.mark.parametrize("options", [dict(fused=True), dict(fused=False, foreach=True), dict(foreach=False),
+                                     dict(fused=None, foreach=None, differentiable=False)],
+                         ids=["fused", "foreach", "for-loop", "defaults"])
+def test_torch_adamws_implementation_choices_are_accepted_and_change_nothing(options):
+    """Code written for torch.optim.AdamW (``fused=True``, ``foreach=...``, ``differentiable=False``) constructs
+    FusedAdam unchanged: the step is one multi-tensor kernel whatever they say, the same bits."""
+    results = []
+    for kwargs in (options, {}):
+        p = torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(0)))
+        opt = FusedAdam([p], lr=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=1e-2, **kwargs)
+        for i in range(5):
+            p.grad = torch.randn(64, generator=torch.Generator().manual_seed(i + 1))
+            opt.step()
+        results.append(p.detach())
+    assert_bitwise_equal(results[0], results[1])
+
+
 def test_step_takes_a_closure_and_keyword_only_grad_scale_and_found_inf():
     """``step(closure=None, *, grad_scale=None, found_inf=None)``."""
     parameters = list(inspect.signature(FusedAdam.step).parameters.values())[1:]
@@ -194,6 +211,9 @@ BAD_OPTIONS = [
     ("max-grad-norm-bool", dict(max_grad_norm=True), TypeError, r"max_grad_norm must be None or a real number > 0"),
     ("max-grad-norm-tensor", dict(max_grad_norm=torch.tensor(1.0)), TypeError, r"max_grad_norm must be None or a real"),
     ("max-grad-norm-float32-zero", dict(max_grad_norm=1e-50), ValueError, r"a float > 0 within float32's range"),
+    ("fused-string", dict(fused="yes"), TypeError, r"fused must be None, True or False, got 'yes'"),
+    ("foreach-int", dict(foreach=1), TypeError, r"foreach must be None, True or False, got 1"),
+    ("differentiable", dict(differentiable=True), ValueError, r"differentiable=True is not supported"),
 ]
 
 
@@ -203,8 +223,8 @@ def test_a_bad_option_is_refused_naming_it(options, error, message):
         FusedAdam([torch.nn.Parameter(torch.zeros(3))], **options)
 
 
-GROUP_OPTIONS = [c for c in BAD_OPTIONS if not {"set_grad_none", "master_weights", "capturable", "max_grad_norm"}
-                 & set(c[1])]
+GROUP_OPTIONS = [c for c in BAD_OPTIONS if not {"set_grad_none", "master_weights", "capturable", "max_grad_norm",
+                                                  "foreach", "fused", "differentiable"} & set(c[1])]
 
 
 @pytest.mark.parametrize("options,error,message", [c[1:] for c in GROUP_OPTIONS], ids=[c[0] for c in GROUP_OPTIONS])
