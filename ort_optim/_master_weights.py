@@ -255,6 +255,64 @@ class InnerMasters:
         self._unscaled = _Versions()
 
     @torch.no_grad()
+    def load_masters(self, inner_state_dict: Any, masters: list, where: str) -> None:
+        """Loads only the masters of a FusedAdam checkpoint (``load_state_dict(..., load_optimizer_states=False)``):
+        each fp16/bf16 param's ``master_param`` replaces the FusedAdam's, whose moments, steps and group options stay
+        as they are; a param with no state yet gets a fresh one (step 0, zero moments: what its first step would
+        create) holding the saved master; a param with state but no saved master takes it from the model's param, as
+        a full load does. Then the masters are written (rounded) into the model's params. Everything is checked
+        before anything changes (the FusedAdam checks its own checkpoint, made of its current state and these
+        masters); errors name the entry of ``where``."""
+        opt = self.optimizer
+        if not isinstance(inner_state_dict.get("param_groups"), (list, tuple)) or \
+                not isinstance(inner_state_dict.get("state"), dict):
+            raise TypeError(f"{where} must hold 'param_groups' (a list) and 'state' (a dict), as a FusedAdam "
+                            "state_dict does")
+        saved_groups, saved_state = inner_state_dict["param_groups"], inner_state_dict["state"]
+        if len(saved_groups) != len(opt.param_groups):
+            raise ValueError(f"{where}['param_groups'] has {len(saved_groups)} groups but this FusedAdam has "
+                             f"{len(opt.param_groups)}")
+        saved_masters: dict[int, torch.Tensor] = {}  # position in param_groups order -> saved master
+        position = 0
+        for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+            ids = saved.get("params") if isinstance(saved, dict) else None
+            if not isinstance(ids, (list, tuple)) or len(ids) != len(group["params"]):
+                raise ValueError(f"{where}['param_groups'][{gi}]['params'] must list the {len(group['params'])} "
+                                 f"params of this FusedAdam's param_groups[{gi}]")
+            for j, (saved_id, p) in enumerate(zip(ids, group["params"])):
+                entry = saved_state.get(saved_id)
+                if isinstance(entry, dict) and "master_param" in entry:
+                    master = entry["master_param"]
+                    name = f"{where}['state'][{saved_id!r}]['master_param']"
+                    if not isinstance(master, torch.Tensor) or not master.is_floating_point() \
+                            or tuple(master.shape) != tuple(p.shape):
+                        raise ValueError(f"{name} must be a floating-point tensor of shape {tuple(p.shape)} (the "
+                                         f"master of {_where(gi, j)}), got {type(master).__name__} "
+                                         f"{getattr(master, 'dtype', '')} {tuple(getattr(master, 'shape', ()))}")
+                    saved_masters[position + j] = master
+            position += len(group["params"])
+        current = opt.state_dict()  # (canonical: fresh tensors, ids are positions in param_groups order)
+        state = dict(current["state"])
+        for index, (group, p) in enumerate((g, p) for g in opt.param_groups for p in g["params"]):
+            saved = saved_masters.get(index)
+            if index in state:
+                entry = dict(state[index])
+                entry.pop("master_param", None)  # (taken from the model's param where none is saved)
+            elif saved is not None and p.dtype in LOW_PRECISION:
+                zeros = torch.zeros(p.shape, dtype=torch.float32, device=dtensor.local(p).device)
+                entry = {"step": torch.zeros((), dtype=torch.float64), "exp_avg": zeros, "exp_avg_sq": zeros.clone()}
+                if group.get("amsgrad", False):
+                    entry["max_exp_avg_sq"] = zeros.clone()
+            else:
+                continue
+            if saved is not None and p.dtype in LOW_PRECISION:
+                entry["master_param"] = saved
+            state[index] = entry
+        opt.load_state_dict({**current, "state": state})  # validates everything before changing anything
+        self.refresh_model()
+        self._unscaled = _Versions()
+
+    @torch.no_grad()
     def refresh_model(self) -> None:
         for p, master in self._with_masters():
             p.copy_(master)
@@ -627,6 +685,13 @@ class WrapperMasters:
         """Loads the optimizer's checkpoint (cloned: the optimizer keeps what it is given), writes the saved masters
         and then the model's params from them (rounded). validate_masters() ran before."""
         self.optimizer.load_state_dict(_clone_tensors(inner_state_dict))  # validates before changing anything
+        self.load_masters(inner_state_dict, masters, "")
+
+    @torch.no_grad()
+    def load_masters(self, inner_state_dict: Any, masters: list, where: str) -> None:
+        """Writes the saved masters (``load_state_dict(..., load_optimizer_states=False)``: the wrapped optimizer's
+        state and options stay as they are) and then the model's params from them (rounded). validate_masters()
+        ran before, so nothing here can fail."""
         for p, saved in zip([p for g in self.optimizer.param_groups for p in g["params"]], masters):
             if saved is not None:
                 p.copy_(saved)

@@ -13,6 +13,12 @@
 * an Apex amp optimizer (``_amp_stash``): refused with a pointer to the migration guide (Apex amp was removed
   upstream).
 
+The wrapper also takes the API of DeepSpeed's and apex's FP16_Optimizer (the ones ONNX Runtime's patches), so code
+written for them runs after swapping the import: their constructor arguments (``static_loss_scale``,
+``dynamic_loss_scale``, ``dynamic_loss_args``, ``clip_grad``, ...) map onto ours, ``loss_scale``/``cur_scale`` are
+settable, and ``get_lr()``, ``zero_grad(set_grads_to_None=...)`` and ``load_state_dict(sd,
+load_optimizer_states=False)`` work; see :class:`FP16_Optimizer` for where and why we differ.
+
 The wrapper is three parts: the loss scale (:class:`~ort_optim.loss_scaler.DynamicLossScaler`, its state in tensors
 on the parameters' device, as in ``torch.amp.GradScaler``), one of two ways of keeping the fp32 masters, chosen once
 at construction (:mod:`ort_optim._master_weights`: the wrapped FusedAdam keeps them, or the wrapper does for any
@@ -35,7 +41,8 @@ from . import backends
 from ._group_options import check_max_grad_norm, check_process_group
 from ._master_weights import InnerMasters, WrapperMasters, step_in_backward_refused
 from .fused_adam import FusedAdam
-from .loss_scaler import SCALE_RANGE, DynamicLossScaler, LossScaleUnderflowError
+from .loss_scaler import (INT32_MAX, SCALE_RANGE, DynamicLossScaler, LossScaleUnderflowError, _flag, _integer, _real,
+                          _scale_option)
 
 # (DynamicLossScaler, LossScaleUnderflowError and SCALE_RANGE live in ort_optim.loss_scaler; importable from here too,
 # ONNX Runtime's module for FP16_Optimizer)
@@ -56,6 +63,167 @@ UNSCALED_BACKWARD = (
 # defaults.
 _SCALER_OPTIONS = {name: parameter for name, parameter in inspect.signature(DynamicLossScaler).parameters.items()
                    if name != "device"}
+
+
+# ---- the constructor arguments of DeepSpeed's and apex's FP16_Optimizer ----------------------------------------------
+
+# dynamic_loss_args keys: DeepSpeed's DynamicLossScaler's (init_scale, scale_factor, scale_window, min_scale,
+# delayed_shift, consecutive_hysteresis, raise_error_at_min_scale) and apex's LossScaler's (init_scale, scale_factor,
+# scale_window, min_loss_scale, max_loss_scale), with the loss scaler's option each one sets.
+DYNAMIC_LOSS_ARGS = {
+    "init_scale": "init_scale",
+    "scale_factor": "growth_factor and backoff_factor (1 / scale_factor)",
+    "scale_window": "growth_interval",
+    "min_scale": "min_scale",
+    "min_loss_scale": "min_scale (None: 2**-126, the smallest scale)",
+    "max_loss_scale": "max_scale",
+    "delayed_shift": "hysteresis",
+    "consecutive_hysteresis": "consecutive_hysteresis",
+    "raise_error_at_min_scale": "min_scale_action ('raise' or 'clamp')",
+}
+# DeepSpeed's and apex's other constructor arguments, refused with what to use instead.
+OTHER_DEEPSPEED_APEX_ARGUMENTS = {
+    "deepspeed": "DeepSpeed's engine builds its own FP16_Optimizer; pass the optimizer deepspeed.initialize returns "
+                 "(FP16_Optimizer(optimizer) patches its ZeRO optimizer) or wrap a plain torch optimizer",
+    "mpu": "pass model_parallel_groups=[mpu.get_model_parallel_group()] (the groups over which the overflow flag is "
+           "reduced)",
+    "timers": "FP16_Optimizer keeps no timers; leave it out",
+    "fused_adam_legacy": "ort_optim's FusedAdam is recognised by its type; leave it out",
+    "has_moe_layers": "expert-parallel gradient norms are not computed here; leave it out, and use DeepSpeed for MoE "
+                      "models",
+    "loss_scale_config": "pass the loss scaler's options (init_scale, growth_interval, ...) as keywords",
+    "low_precision_dtype": "the params' dtypes decide (fp16 and bf16 both get fp32 masters); leave it out",
+}
+
+
+class _Given:
+    """Each loss-scaler option (and max_grad_norm) with the argument that set it, so that two arguments setting the
+    same option to different values are refused naming both."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, tuple[str, Any]] = {}
+
+    def put(self, option: str, source: str, value: Any) -> None:
+        if option in self.values and self.values[option][1] != value:
+            other, shown = self.values[option]
+            raise ValueError(
+                f"FP16_Optimizer: {source} and {other} disagree (they set {option} to {value!r} and {shown!r}); "
+                "give one of them, or the same value in both. Nothing was changed")
+        self.values.setdefault(option, (source, value))
+
+    def __contains__(self, option: str) -> bool:
+        return option in self.values
+
+    def get(self, option: str, default: Any = None) -> Any:
+        return self.values[option][1] if option in self.values else default
+
+
+def _dynamic_loss_args(args: Any, given: _Given, apply: bool) -> None:
+    """Checks dynamic_loss_args (each error names the key) and, when ``apply``, puts the options it sets."""
+    if args is None:
+        return
+    if not isinstance(args, dict):
+        raise TypeError(f"dynamic_loss_args must be None or a dict, got {type(args).__name__} {args!r:.60}")
+    unknown = [k for k in args if k not in DYNAMIC_LOSS_ARGS]
+    if unknown:
+        raise ValueError(
+            f"dynamic_loss_args has unknown keys {unknown}; it takes DeepSpeed's and apex's keys "
+            f"{list(DYNAMIC_LOSS_ARGS)}. The loss scaler's own options (init_scale, growth_factor, ...) are "
+            "keywords of FP16_Optimizer itself")
+    options: list[tuple[str, str, Any]] = []
+    for key, value in args.items():
+        name = f"dynamic_loss_args[{key!r}]"
+        if key == "init_scale":
+            options.append(("init_scale", name, _scale_option(name, value)))
+        elif key == "scale_factor":
+            factor = _real(name, value)
+            if not factor > 1.0:
+                raise ValueError(f"{name} must be > 1 (the scale is multiplied by it on growth and divided by it on "
+                                 f"an overflow), got {value!r}")
+            options += [("growth_factor", name, factor), ("backoff_factor", name, 1.0 / factor)]
+        elif key == "scale_window":
+            options.append(("growth_interval", name, _integer(name, value, 1, INT32_MAX)))
+        elif key in ("min_scale", "min_loss_scale"):
+            floor = SCALE_RANGE[0] if value is None and key == "min_loss_scale" else _scale_option(name, value)
+            options.append(("min_scale", name, floor))
+        elif key == "max_loss_scale":
+            options.append(("max_scale", name, _scale_option(name, value)))
+        elif key == "delayed_shift":
+            options.append(("hysteresis", name, _integer(name, value, 1, INT32_MAX)))
+        elif key == "consecutive_hysteresis":
+            options.append(("consecutive_hysteresis", name, _flag(name, value)))
+        else:  # raise_error_at_min_scale
+            options.append(("min_scale_action", name, "raise" if _flag(name, value) else "clamp"))
+    if apply:
+        for option, name, value in options:
+            given.put(option, name, value)
+
+
+def _deepspeed_apex_options(scaler_options: dict, max_grad_norm: Any, static_loss_scale: Any, dynamic_loss_scale: Any,
+                    dynamic_loss_args: Any, initial_dynamic_scale: Any, clip_grad: Any,
+                    verbose: Any) -> tuple[dict, Any]:
+    """The loss scaler's options and max_grad_norm, with DeepSpeed's and apex's constructor arguments (None: not
+    given) mapped onto them. Everything is checked here, before anything is built; errors name the argument."""
+    given = any(a is not None for a in (static_loss_scale, dynamic_loss_scale, dynamic_loss_args,
+                                           initial_dynamic_scale, clip_grad, verbose))
+    if not given:
+        return scaler_options, max_grad_norm
+    # verbose (a bool; an int is read as one) is accepted and not used: FP16_Optimizer prints and logs nothing
+    if verbose is not None and not isinstance(verbose, int):
+        raise TypeError(f"verbose must be True or False, got {type(verbose).__name__} {verbose!r:.60}")
+    given = _Given()
+    for option, value in scaler_options.items():
+        given.put(option, option, value)
+    if max_grad_norm is not None:
+        given.put("max_grad_norm", "max_grad_norm", max_grad_norm)
+    if clip_grad is not None:
+        clip = _real("clip_grad", clip_grad)
+        if clip < 0:
+            raise ValueError(f"clip_grad must be >= 0 (0: no clipping, as in DeepSpeed), got {clip_grad!r}")
+        if clip > 0:
+            try:
+                check_max_grad_norm(clip)
+            except ValueError as error:
+                raise ValueError(f"clip_grad={clip_grad!r} (DeepSpeed's max_grad_norm): {error}") from None
+        given.put("max_grad_norm", f"clip_grad={clip_grad!r}", clip if clip > 0 else None)
+
+    if dynamic_loss_scale is not None:
+        dynamic = _flag("dynamic_loss_scale", dynamic_loss_scale)
+        source = f"dynamic_loss_scale={dynamic}"
+    elif static_loss_scale is not None:
+        dynamic, source = False, f"static_loss_scale={static_loss_scale!r} (a static scale)"
+    elif dynamic_loss_args is not None or initial_dynamic_scale is not None:
+        which = "dynamic_loss_args" if dynamic_loss_args is not None else "initial_dynamic_scale"
+        raise ValueError(
+            f"FP16_Optimizer: {which} is given without dynamic_loss_scale; DeepSpeed and apex then ignore it and use "
+            f"a static loss scale of 1.0. Pass dynamic_loss_scale=True to use it (or drop it). Nothing was changed")
+    else:
+        dynamic = None  # (only clip_grad/verbose: the loss scale keeps our defaults)
+    if initial_dynamic_scale is not None:
+        initial = _scale_option("initial_dynamic_scale", initial_dynamic_scale)
+    # dynamic_loss_args is checked in either mode; with a static scale it is not used, as in DeepSpeed and apex
+    _dynamic_loss_args(dynamic_loss_args, given, apply=bool(dynamic))
+    if dynamic is not None:
+        given.put("dynamic", source, dynamic)
+    if dynamic:
+        # (static_loss_scale is not used, as in DeepSpeed and apex: DeepSpeed's engine and Megatron-LM pass 0 or None there)
+        if initial_dynamic_scale is not None:
+            given.put("init_scale", "initial_dynamic_scale", initial)
+    elif dynamic is False:
+        if static_loss_scale is not None:
+            given.put("init_scale", "static_loss_scale", _scale_option("static_loss_scale", static_loss_scale))
+        elif "init_scale" not in given:
+            given.put("init_scale", "static_loss_scale (default 1.0)", 1.0)
+    options = {k: v for k, (_, v) in given.values.items() if k != "max_grad_norm"}
+    if dynamic is not None and "init_scale" in options:
+        # DeepSpeed and apex have no ceiling (DeepSpeed) or apex's 2**24, and no floor below 1 that we default to: bounds
+        # nobody gave are widened to include the scale given, which stays inside them.
+        scale = options["init_scale"]
+        if "max_scale" not in options and scale > _SCALER_OPTIONS["max_scale"].default:
+            options["max_scale"] = scale
+        if "min_scale" not in options and scale < _SCALER_OPTIONS["min_scale"].default:
+            options["min_scale"] = scale
+    return options, given.get("max_grad_norm")
 
 
 def _fused_adam_inside(obj: Any) -> Optional[FusedAdam]:
@@ -152,6 +320,30 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
     ``step()`` with no gradient at all raises RuntimeError (as GradScaler), changing nothing; in a distributed run a
     rank without gradients still takes part in the overflow all-reduce and follows the other ranks' decision.
 
+    Code written for DeepSpeed's or apex's FP16_Optimizer (those ONNX Runtime's FP16_Optimizer patches) runs with
+    this one: their constructor arguments are mapped onto ours (below), ``loss_scale`` and DeepSpeed's ``cur_scale``
+    are settable, ``get_lr()`` is DeepSpeed's, ``zero_grad(set_grads_to_None=...)`` apex's and
+    ``load_state_dict(sd, load_optimizer_states=False)`` DeepSpeed's. Where we differ, and why:
+
+    * defaults: with none of their scaling arguments given the scale is ours, dynamic from 2**16; DeepSpeed and apex both default
+      to a static scale of 1.0 (``dynamic_loss_scale=False``), which skips no underflow and is rarely what fp16
+      needs. ``dynamic_loss_scale=True`` without ``dynamic_loss_args`` takes our defaults too (apex's, except
+      ``min_scale=1``); DeepSpeed's are ``initial_dynamic_scale=2**32`` and a window of 1000.
+    * two arguments that set the same option (``static_loss_scale`` and ``init_scale``, ``clip_grad`` and
+      ``max_grad_norm``, ``initial_dynamic_scale`` and ``dynamic_loss_args['init_scale']``, ...) must agree, or
+      ValueError names both: DeepSpeed and apex let one win silently.
+    * ``dynamic_loss_args`` or ``initial_dynamic_scale`` without ``dynamic_loss_scale`` is refused (DeepSpeed and apex use a
+      static 1.0 then, which is almost surely not what was meant); with ``dynamic_loss_scale=False`` they are checked
+      and not used, as in DeepSpeed and apex (Megatron-LM passes them so). ``static_loss_scale`` is not used when
+      ``dynamic_loss_scale=True`` (DeepSpeed's engine passes 0 there, Megatron-LM None), as in DeepSpeed and apex.
+    * a scale given through their arguments outside our default bounds widens the bound nobody gave to include it
+      (DeepSpeed has no ceiling; a static scale below 1 needs a lower floor).
+    * ``clip_master_grads`` is refused (RuntimeError pointing to ``max_grad_norm``): apex fills fp32 master
+      gradients in ``backward``; here they exist only inside ``step()``.
+    * ``verbose`` is accepted and not used: FP16_Optimizer prints and logs nothing (read ``overflow``, ``loss_scale``).
+    * other DeepSpeed arguments (``deepspeed``, ``mpu``, ``timers``, ...) are refused saying what to use instead
+      (``mpu``: ``model_parallel_groups``).
+
     Args:
         optimizer: the optimizer to wrap (built on the model's parameters).
         init_scale ... dynamic: the loss scaler's options, :class:`DynamicLossScaler`'s (with its defaults):
@@ -175,11 +367,23 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
             that all-reduces its own decision, over DTensor params' meshes or its own process_group/pipeline_group,
             that decision's groups).
         model_parallel_groups: further groups (tensor/pipeline parallel) over which the flag is MAX-reduced.
+        static_loss_scale: DeepSpeed's and apex's static scale: ``init_scale`` with ``dynamic=False`` (not used with
+            ``dynamic_loss_scale=True``). None (the default): not given, here and in the arguments below.
+        dynamic_loss_scale: DeepSpeed's and apex's switch: True is ``dynamic=True``, False a static scale
+            (``static_loss_scale``, else ``init_scale``, else their default 1.0).
+        dynamic_loss_args: with ``dynamic_loss_scale=True``, a dict of DeepSpeed's or apex's scaler arguments:
+            ``init_scale``, ``scale_factor`` (``growth_factor``, and ``backoff_factor = 1 / scale_factor``),
+            ``scale_window`` (``growth_interval``), ``min_scale`` or apex's ``min_loss_scale`` (None: 2**-126),
+            apex's ``max_loss_scale`` (``max_scale``), ``delayed_shift`` (``hysteresis``),
+            ``consecutive_hysteresis``, ``raise_error_at_min_scale`` (``min_scale_action`` 'raise'/'clamp').
+        initial_dynamic_scale: DeepSpeed's ``init_scale`` for ``dynamic_loss_scale=True``.
+        clip_grad: DeepSpeed's ``max_grad_norm`` (0: no clipping).
+        verbose: accepted (a bool) and not used.
 
-    Attributes: ``loss_scale`` (float), ``overflow``/``skipped`` (whether the last step was skipped),
-    ``skipped_steps`` (count), ``scaler`` (the :class:`DynamicLossScaler`, device tensors), ``optimizer`` (the
-    wrapped one). ``param_groups`` and ``state`` are the wrapped optimizer's, so LR schedulers work on the wrapper.
-    Reading ``loss_scale``/``overflow``/``skipped_steps`` synchronises with the device; ``step()`` does not (CUDA,
+    Attributes: ``loss_scale`` (float, settable; ``cur_scale`` is DeepSpeed's name for it), ``overflow``/``skipped``
+    (whether the last step was skipped), ``skipped_steps`` (count), ``scaler`` (the :class:`DynamicLossScaler`,
+    device tensors), ``optimizer`` (the wrapped one). ``param_groups`` and ``state`` are the wrapped optimizer's, so
+    LR schedulers work on the wrapper. Reading ``loss_scale``/``overflow``/``skipped_steps`` synchronises with the device; ``step()`` does not (CUDA,
     with FusedAdam or a torch ``fused=True`` optimizer; other optimizers need one host read of the overflow flag to
     decide whether to call their ``step``, as with torch.amp.GradScaler).
     """
@@ -216,15 +420,28 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         max_grad_norm: Optional[float] = None,
         process_group: Any = None,
         model_parallel_groups: Sequence[Any] = (),
+        static_loss_scale: Optional[float] = None,
+        dynamic_loss_scale: Optional[bool] = None,
+        dynamic_loss_args: Optional[dict] = None,
+        initial_dynamic_scale: Optional[float] = None,
+        clip_grad: Optional[float] = None,
+        verbose: Optional[bool] = None,
         **scaler_options: Any,
     ):
         # (scaler_options: DynamicLossScaler's keywords, with its defaults; _constructor_signature spells them out)
         # Everything is checked before the wrapped optimizer is touched: a failed construction leaves it as it was.
         unknown = sorted(set(scaler_options) - set(_SCALER_OPTIONS))
         if unknown:
+            hints = "".join(f"; {name}: {OTHER_DEEPSPEED_APEX_ARGUMENTS[name]}" for name in unknown
+                            if name in OTHER_DEEPSPEED_APEX_ARGUMENTS)
             raise TypeError(f"FP16_Optimizer got unexpected keyword arguments {unknown}: it takes max_grad_norm, "
-                            "process_group, model_parallel_groups and the loss scaler's options "
-                            f"{list(_SCALER_OPTIONS)}")
+                            "process_group, model_parallel_groups, the loss scaler's options "
+                            f"{list(_SCALER_OPTIONS)} and DeepSpeed's and apex's static_loss_scale, "
+                            "dynamic_loss_scale, dynamic_loss_args, initial_dynamic_scale, clip_grad, verbose"
+                            f"{hints}")
+        scaler_options, max_grad_norm = _deepspeed_apex_options(
+            scaler_options, max_grad_norm, static_loss_scale, dynamic_loss_scale, dynamic_loss_args,
+            initial_dynamic_scale, clip_grad, verbose)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"FP16_Optimizer wraps a torch.optim.Optimizer or a DeepSpeed ZeRO stage 1, 2 or 3 optimizer, got "
@@ -323,8 +540,31 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
 
     @property
     def loss_scale(self) -> float:
-        """The current loss scale (reads a device tensor: synchronises on CUDA)."""
+        """The current loss scale (reads a device tensor: synchronises on CUDA). Settable, as in DeepSpeed's and
+        apex's FP16_Optimizer: ``opt.loss_scale = 1024.0`` sets the current scale (a real number, finite, within the
+        scaler's ``[min_scale, max_scale]``, kept as the nearest float32; TypeError/ValueError naming ``loss_scale``
+        otherwise, changing nothing). The scale tensor is written in place (no host sync), so compiled steps see it;
+        the growth tracker and hysteresis stay as they are, and a dynamic scaler goes on from the new value. Set it
+        between ``step()`` and the next backward: gradients already scaled by the old scale are unscaled by the new
+        one."""
         return float(self.scaler.scale.item())
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.scaler.set_scale(value, "loss_scale")
+
+    @property
+    def cur_scale(self) -> float:
+        """DeepSpeed's name for :attr:`loss_scale` (read and set alike)."""
+        return self.loss_scale
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        self.scaler.set_scale(value, "cur_scale")
+
+    def get_lr(self) -> Any:
+        """The learning rate of the first param group, as DeepSpeed's ``FP16_Optimizer.get_lr()``."""
+        return self.optimizer.param_groups[0]["lr"]
 
     @property
     def last_grad_norm(self) -> Optional[torch.Tensor]:
@@ -365,9 +605,40 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         """Backpropagates ``loss * scale`` (gradients accumulate, scaled, until step())."""
         self.scale_loss(loss).backward(retain_graph=retain_graph, **kwargs)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the model's gradients (and the masters', which exist only inside step())."""
-        self._masters.zero_grad(set_to_none)
+    def zero_grad(self, set_to_none: Optional[bool] = None, *, set_grads_to_None: Optional[bool] = None) -> None:
+        """Clears the model's gradients (and the masters', which exist only inside step()): sets them to None
+        (``set_to_none=True``, the default, as torch's and DeepSpeed's) or zeroes them in place (False).
+
+        ``set_grads_to_None`` is apex's name for ``set_to_none`` (True or False). apex's default is False (zero in
+        place); ours stays torch's True when neither is given. Giving both with different values raises ValueError
+        naming both, changing nothing."""
+        if set_grads_to_None is not None:
+            if not isinstance(set_grads_to_None, bool):
+                raise TypeError(f"zero_grad(): set_grads_to_None (apex's name for set_to_none) must be True or False, "
+                                f"got {type(set_grads_to_None).__name__} {set_grads_to_None!r:.60}")
+            if set_to_none is not None and bool(set_to_none) != set_grads_to_None:
+                raise ValueError(f"zero_grad(): set_to_none={set_to_none!r} and set_grads_to_None="
+                                 f"{set_grads_to_None!r} (apex's name for it) disagree; give one of them")
+            set_to_none = set_grads_to_None
+        self._masters.zero_grad(True if set_to_none is None else bool(set_to_none))
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> None:
+        """apex's ``clip_master_grads``, refused: RuntimeError pointing to ``max_grad_norm``, nothing changed.
+
+        apex fills the fp32 masters' gradients in ``backward`` (unscaled), so code can clip them between backward
+        and step. Here they exist only inside ``step()``: with FusedAdam inside, its fused pass unscales the fp16
+        gradients on the fly and never writes fp32 ones; with any other optimizer, ``step()`` copies the gradients
+        into fp32 buffers and unscales them there, after the inf/NaN check. Between backward and step there are only
+        the model's scaled fp16/bf16 gradients, so there is nothing that clipping "the master gradients" could act
+        on. ``max_grad_norm`` does the same clipping (global L2 norm of the unscaled gradients, inside every step,
+        skipped on an overflow) and ``last_grad_norm`` gives the norm before clipping."""
+        raise RuntimeError(
+            f"FP16_Optimizer.clip_master_grads(max_norm={max_norm!r}, norm_type={norm_type!r}) is not supported: the "
+            "fp32 master gradients exist only inside step() (FusedAdam unscales in its fused pass; other optimizers' "
+            "masters get their gradients there), so between backward and step there is nothing to clip. Set "
+            "opt.max_grad_norm = max_norm once (or pass max_grad_norm=max_norm to FP16_Optimizer): every step() then "
+            "clips the unscaled gradients to that global L2 norm (other norm types are not supported), and "
+            "opt.last_grad_norm is the norm before clipping. Nothing was changed")
 
     def _overflow_groups(self) -> list:
         """The groups over which the overflow flag is MAX-reduced, in order: the data-parallel group (None: the
@@ -451,13 +722,24 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         return state_dict
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
         """Restores the wrapped optimizer, the scaler and the masters, then writes the masters (rounded) into the
         model's fp16/bf16 params, so resuming equals never stopping. Everything (format, keys, the loss_scaler's
         types, shapes, finite values and ranges, the masters' count, dtypes and shapes) is validated before
         anything changes; an error names the entry (e.g. ``state_dict['loss_scaler']['growth_tracker']``). The
         given dict is never modified nor aliased. Runs the load_state_dict pre and post hooks registered on the
-        wrapper, as torch's optimizers do (a pre hook may return a replacement dict)."""
+        wrapper, as torch's optimizers do (a pre hook may return a replacement dict).
+
+        ``load_optimizer_states=False`` (DeepSpeed's argument) loads the scaler's state and the fp32 masters only,
+        as DeepSpeed's FP16_Optimizer does: the wrapped optimizer's state (moments, steps) and param group options
+        (lr, ...) stay as they are. With FusedAdam inside, whose masters are part of its state, each saved
+        ``master_param`` replaces the current one, and a param that has no state yet gets a fresh one (step 0, zero
+        moments: what its first step would create) holding the saved master. DeepSpeed also restores its
+        ``clip_grad`` from the checkpoint; ours keeps ``max_grad_norm`` as constructed, as it keeps the scaler's
+        policy."""
+        if not isinstance(load_optimizer_states, bool):
+            raise TypeError(f"load_optimizer_states must be True or False, got {type(load_optimizer_states).__name__} "
+                            f"{load_optimizer_states!r:.60}")
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict (FP16_Optimizer.state_dict()), got "
                             f"{type(state_dict).__name__}")
@@ -488,7 +770,10 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
             raise TypeError(f"state_dict['master_params'] must be a list, got {type(masters).__name__}")
         self._masters.validate_masters(masters, "state_dict['master_params']")
         # The wrapped optimizer validates its checkpoint before changing anything; nothing after it can fail.
-        self._masters.load(state_dict["optimizer"], masters)
+        if load_optimizer_states:
+            self._masters.load(state_dict["optimizer"], masters)
+        else:
+            self._masters.load_masters(state_dict["optimizer"], masters, "state_dict['optimizer']")
         self.scaler._load_values(scaler_values)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

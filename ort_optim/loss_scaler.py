@@ -232,6 +232,21 @@ class DynamicLossScaler:
         for name, value in new.items():
             getattr(self, name).copy_(value)
 
+    @torch.no_grad()
+    def set_scale(self, value: Any, name: str = "scale") -> None:
+        """Sets the current loss scale to ``value`` (a real number, finite, in [min_scale, max_scale]; it is kept as
+        the nearest float32 number, which stays in that range). The scale tensor is written in place (``fill_``, no
+        host sync), so a compiled step that reads it sees the new value. The growth tracker, the hysteresis and the
+        counters stay as they are; a dynamic scaler goes on growing and backing off from the new value. Errors
+        (TypeError, ValueError) name ``name`` and change nothing."""
+        number = _real(name, value)
+        if not self.min_scale <= number <= self.max_scale:
+            raise ValueError(f"{name} must lie in [min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}], "
+                             f"got {number!r} (this scaler's bounds; construct FP16_Optimizer with min_scale/max_scale "
+                             "that include it)")
+        # (min_scale and max_scale are float32 numbers, so the nearest float32 to a value between them is too)
+        self.scale.fill_(min(max(_float32(number), self.min_scale), self.max_scale))
+
     def check(self, blocking: bool) -> None:
         """Raises LossScaleUnderflowError if an update hit the floor with action 'raise'.
 

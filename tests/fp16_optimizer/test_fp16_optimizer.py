@@ -831,15 +831,21 @@ def test_bad_option_names_it_and_changes_nothing(inner, kwargs, exc, fragment):
 
 def test_the_constructor_takes_the_loss_scalers_options_with_its_defaults():
     """FP16_Optimizer(optimizer, *, <DynamicLossScaler's options>, max_grad_norm, process_group,
-    model_parallel_groups), as help() shows it, and a wrapper made without options has the scaler's defaults."""
+    model_parallel_groups, <DeepSpeed's and apex's arguments, None: not given>), as help() shows it, and a wrapper
+    made without options has the scaler's defaults."""
     scaler = inspect.signature(DynamicLossScaler).parameters
     shown = list(inspect.signature(FP16_Optimizer.__init__).parameters.values())
+    theirs = ["static_loss_scale", "dynamic_loss_scale", "dynamic_loss_args", "initial_dynamic_scale", "clip_grad",
+               "verbose"]
     assert [p.name for p in shown] == (["self", "optimizer"] + [name for name in scaler if name != "device"]
-                                       + ["max_grad_norm", "process_group", "model_parallel_groups"])
-    for p in shown[2:-3]:
+                                       + ["max_grad_norm", "process_group", "model_parallel_groups"] + theirs)
+    own = shown[2:-3 - len(theirs)]
+    for p in own:
         assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default == scaler[p.name].default, p.name
+    for p in shown[-len(theirs):]:
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is None, p.name
     opt = FP16_Optimizer(torch.optim.SGD(fp16_params(), lr=0.1))
-    for p in shown[2:-3]:
+    for p in own:
         assert getattr(opt.scaler, p.name) == p.default, p.name
 
 
