@@ -45,6 +45,15 @@ stage() {
   fi
 }
 
+# One setup at a time builds an environment: a second setup of the same one (another clone, another terminal) waits
+# for the lock on $env.lock, then finds it complete; without the lock it would `rm -rf` the first one's environment
+# midway. The kernel releases the lock when its holder exits, killed or not. Held until the environment is complete,
+# not while this clone's own layer is made (each clone makes its own).
+exec 9>>"$env.lock"
+if ! flock -n 9; then
+  echo "[make_env] $name: waiting for another setup building $env" >&2
+  flock 9
+fi
 if [ ! -f "$env/.complete" ]; then
   rm -rf "$env"
   : >"$log"
@@ -64,6 +73,7 @@ if [ ! -f "$env/.complete" ]; then
 else
   echo "[make_env] $name: reusing $env" >&2
 fi
+exec 9>&-  # (releases the lock)
 # Every run: this clone's own environment, made afresh on top of the shared one. (A link from an older setup is
 # removed, never followed: `venv --clear` through it would empty the shared environment.)
 layer=$root/$link

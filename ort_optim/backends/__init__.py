@@ -40,14 +40,20 @@ _selected: tuple[Optional[str], str] = (None, "auto")
 
 
 def backend() -> str:
-    """The backend selected by ORT_OPTIM_BACKEND now: auto (default), native, torch or triton."""
+    """The backend selected by ORT_OPTIM_BACKEND now: auto (default, also when set but empty), native, torch or
+    triton. native raises RuntimeError where the native library is unavailable (and says why)."""
     global _selected
     value = os.environ.get("ORT_OPTIM_BACKEND")
     if value == _selected[0]:
         return _selected[1]
-    name = "auto" if value is None else value.lower()
+    name = value.strip().lower() if value and value.strip() else "auto"  # (set but empty: as if unset)
     if name not in BACKENDS:
         raise ValueError(f"ORT_OPTIM_BACKEND={name!r} is not one of {', '.join(BACKENDS)}")
+    if name == "native" and not native_available():  # (asked for by name: no silent fallback to the reference)
+        raise RuntimeError("ORT_OPTIM_BACKEND=native, but the native CPU library is unavailable "
+                           f"({native.unavailable_reason() or 'it could not be built or loaded'}): unset "
+                           "ORT_OPTIM_BACKEND (or set it to torch) to run the pure-PyTorch backend, or run "
+                           "`python -m ort_optim.build --verbose` to see why")
     _selected = (value, name)
     return name
 

@@ -10,15 +10,19 @@ sources in that folder, and loaded on first use, never at import time. Dispatch 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
 import io
+import logging
 import os
 import platform
+import re
+import subprocess
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -121,8 +125,13 @@ def build_dir() -> Path:
     digest.update(_cpu_flags().encode())
     digest.update(_abi().encode())
     digest.update(str(Path(torch.__file__).resolve().parent).encode())
-    cache = Path(os.environ.get("ORT_OPTIM_CACHE", Path.home() / ".cache" / "ort-optim"))
-    return cache / "ops" / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
+    return cache_root() / "ops" / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
+
+
+def cache_root() -> Path:
+    """The cache folder: $ORT_OPTIM_CACHE, or ~/.cache/ort-optim where it is unset or empty (as tools/make_env.sh
+    reads it: an empty value would otherwise build into the current directory)."""
+    return Path(os.environ.get("ORT_OPTIM_CACHE") or Path.home() / ".cache" / "ort-optim")
 
 
 def _baton_lock() -> bool:
@@ -162,25 +171,143 @@ def build_lock(folder: Path, stale_lock_blocks: Optional[bool] = None):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def build(verbose: bool = False) -> Path:
-    """Compiles ops/ with torch.utils.cpp_extension (idempotent) and returns the library's path. Builds into one
-    folder never run at once, and a build killed midway does not block the next one (:func:`build_lock`)."""
-    with contextlib.redirect_stderr(io.StringIO()) if not verbose else contextlib.nullcontext():
-        # Importing cpp_extension on a CUDA build of torch without a GPU prints "No CUDA runtime is found, using
-        # CUDA_HOME=...": noise for a CPU-only library (and the one line beside `make setup`'s own).
-        from torch.utils.cpp_extension import load
+LIBRARY = "ort_optim_ops.so"
+# What a successful build produced (size and sha256 of the library), written beside it: a library whose stamp is
+# missing or differs (truncated by a full disk, a killed copy, an edit) is rebuilt, never loaded; loading a truncated
+# shared object kills the process with SIGBUS, beyond any except clause.
+STAMP = "ort_optim_ops.stamp"
+# errno of a cache folder this process cannot write (a read-only mount, another user's folder)
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
+
+class BuildError(RuntimeError):
+    """The native library could not be built or loaded here; the message says what failed in one line.
+    details: the compiler's last meaningful lines (empty when there are none)."""
+
+    def __init__(self, message: str, details: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.details = list(details)
+
+
+def _fingerprint(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return f"size={path.stat().st_size} sha256={digest.hexdigest()}\n"
+
+
+def verified(path: Path) -> bool:
+    """Whether the library at path is the one its build recorded in the stamp beside it (same size and sha256)."""
+    try:
+        return (path.parent / STAMP).read_text() == _fingerprint(path)
+    except OSError:
+        return False
+
+
+def _record(path: Path) -> None:
+    """Writes the stamp of a library just built and loaded (replaced atomically: a reader sees the old or the new)."""
+    stamp, text = path.parent / STAMP, _fingerprint(path)
+    if not stamp.exists() or stamp.read_text() != text:
+        partial = stamp.with_name(f"{STAMP}.{os.getpid()}")
+        partial.write_text(text)
+        os.replace(partial, stamp)
+
+
+def _discard_unverified(path: Path) -> None:
+    """Removes a library (and its stamp) that its stamp does not vouch for, so that the build relinks it: ninja alone
+    would find a truncated library newer than its objects and keep it."""
+    if path.exists() and not verified(path):
+        path.unlink()
+        (path.parent / STAMP).unlink(missing_ok=True)
+
+
+def compiler_lines(text: str, limit: int = 5) -> list[str]:
+    """The last meaningful lines of a build transcript: its errors, or else its last lines."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    wanted = re.compile(r"error|fatal|not found|No such file|undefined reference|cannot", re.IGNORECASE)
+    picked = [line for line in lines if wanted.search(line) and not line.startswith("[")] or lines[-3:]
+    picked = list(dict.fromkeys(line[:300] for line in picked))
+    return picked[-limit:]
+
+
+def _build_error(folder: Path, error: Exception) -> BuildError:
+    """A BuildError for an exception of torch.utils.cpp_extension.load: whose message holds the whole ninja
+    transcript (compiler command lines of several KB) in place of the few lines that say what went wrong."""
+    if isinstance(error, subprocess.CalledProcessError) and list(error.cmd)[:1] == ["which"]:  # (torch < 2.5)
+        return BuildError(f"building the native library in {folder} failed: {error.cmd[-1]}: not found (no C++ "
+                          "compiler on PATH)", [])
+    text = str(error)
+    cause = error.__cause__
+    if isinstance(cause, subprocess.CalledProcessError) and not text.partition(":")[2].strip():
+        text = str(cause)
+    details = compiler_lines(text.partition(":")[2] if text.startswith("Error building extension") else text)
+    reason = details[-1][:200] if details else f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
+    return BuildError(f"building the native library in {folder} failed: {reason}", details)
+
+
+def _cpp_extension():
+    """torch.utils.cpp_extension, imported without its output: on a CUDA build of torch without a GPU it prints "No
+    CUDA runtime is found, using CUDA_HOME=...", noise for a CPU-only library (and the one line beside `make setup`'s
+    own)."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        from torch.utils import cpp_extension
+    return cpp_extension
+
+
+def _load_or_build(verbose: bool, build_anyway: bool) -> Path:
+    """Loads this torch's library from the cache, building it first when it is not there or not verified; with
+    build_anyway, runs the build (a no-op when up to date) even over a verified library. Holds the folder's build
+    lock throughout, so no process loads a library another is linking; where the lock cannot be taken because the
+    cache cannot be written, loads a verified library without it (nothing can be building it there)."""
+    _cpp_extension()  # (quietly, before build_lock imports it)
     folder = build_dir()
-    with build_lock(folder):
-        sources = folder / "src"  # (compiler messages name these copies: the same files as ops/, by the folder's key)
-        sources.mkdir(parents=True, exist_ok=True)
-        for path in _source_files():
-            copy = sources / path.name
-            if not copy.exists() or copy.read_bytes() != path.read_bytes():  # (a rewrite would make ninja recompile)
-                copy.write_bytes(path.read_bytes())
-        header, text = folder / "ort_optim_spec.h", spec_header()
-        if not header.exists() or header.read_text() != text:  # (a rewrite makes ninja recompile the kernels: 25-50 s)
-            header.write_text(text)
+    path = folder / LIBRARY
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(build_lock(folder))
+        except OSError as error:
+            if error.errno not in _READ_ONLY:
+                raise
+            if not verified(path):
+                raise BuildError(f"the cache folder {folder} cannot be written ({error.strerror}) and holds no "
+                                 "verified native library: set ORT_OPTIM_CACHE to a writable folder") from None
+            torch.ops.load_library(str(path))
+            return path
+        if verified(path) and not build_anyway:
+            torch.ops.load_library(str(path))
+            return path
+        _discard_unverified(path)
+        _compile(folder, verbose)  # (loads the library into this process)
+        _record(path)
+    return path
+
+
+def build(verbose: bool = False) -> Path:
+    """Compiles ops/ with torch.utils.cpp_extension (idempotent), loads the library and returns its path. Builds
+    into one folder never run at once, a build killed midway does not block the next one (:func:`build_lock`), and a
+    library whose stamp does not match it is rebuilt (:data:`STAMP`). On a cache that cannot be written, a verified
+    library is loaded as it is. Raises :class:`BuildError` with a short reason."""
+    return _load_or_build(verbose, build_anyway=True)
+
+
+def _compile(folder: Path, verbose: bool) -> None:
+    """The build itself, under the folder's build lock."""
+    load = _cpp_extension().load
+    sources = folder / "src"  # (compiler messages name these copies: the same files as ops/, by the folder's key)
+    sources.mkdir(parents=True, exist_ok=True)
+    for path in _source_files():
+        copy = sources / path.name
+        if not copy.exists() or copy.read_bytes() != path.read_bytes():  # (a rewrite would make ninja recompile)
+            copy.write_bytes(path.read_bytes())
+    header, text = folder / "ort_optim_spec.h", spec_header()
+    if not header.exists() or header.read_text() != text:  # (a rewrite makes ninja recompile the kernels: 25-50 s)
+        header.write_text(text)
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level = quiet.level
+    if not verbose:  # (its warnings, such as "Your compiler (c++) is not compatible", restate a failure or are noise)
+        quiet.setLevel(logging.ERROR)
+    try:
         load(
             name="ort_optim_ops",
             sources=[str(sources / name) for name in SOURCES if name.endswith(".cpp")],
@@ -192,7 +319,10 @@ def build(verbose: bool = False) -> Path:
             is_python_module=False,
             verbose=verbose,
         )
-    return folder / "ort_optim_ops.so"
+    except Exception as error:
+        raise _build_error(folder, error) from None
+    finally:
+        quiet.setLevel(level)
 
 
 def _register_fakes() -> None:
@@ -211,21 +341,31 @@ def _register_fakes() -> None:
         return torch.empty(2, dtype=torch.float32, device=device)
 
 
+# Why the library is not loaded (None: loaded, or not tried yet), for an error that asks for it (ORT_OPTIM_BACKEND).
+_unavailable_reason: Optional[str] = None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the native library could not be loaded (after :func:`available` said False), in a few words."""
+    return _unavailable_reason
+
+
 @functools.lru_cache(maxsize=None)
 def _load_native() -> bool:
+    global _unavailable_reason
     if os.environ.get("ORT_OPTIM_NO_NATIVE") == "1":
+        _unavailable_reason = "ORT_OPTIM_NO_NATIVE=1 is set"
         return False
     try:
-        path = build_dir() / "ort_optim_ops.so"
-        if not path.exists():
-            path = build()  # first use on a machine the setup did not prepare: build now (about a minute)
-        else:
-            torch.ops.load_library(str(path))
+        # first use on a machine the setup did not prepare: builds now (about a minute)
+        _load_or_build(verbose=False, build_anyway=False)
         _register_fakes()
         return True
     except Exception as exc:  # any build or load failure degrades to the pure-PyTorch path
+        reason = str(exc) if isinstance(exc, BuildError) else f"{type(exc).__name__}: {exc}"
+        _unavailable_reason = reason.splitlines()[0][:400] if reason.strip() else type(exc).__name__
         warnings.warn(
-            f"ort_optim: the native CPU kernels could not be built or loaded ({type(exc).__name__}: {exc}); "
+            f"ort_optim: the native CPU kernels could not be built or loaded ({_unavailable_reason}); "
             "falling back to the pure-PyTorch implementation (same results, slower). "
             "Run `python -m ort_optim.build --verbose` to see why.",
             RuntimeWarning,

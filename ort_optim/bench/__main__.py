@@ -118,9 +118,21 @@ def main(argv=None) -> int:
                         "beside it); default results/bench.json, results/bench-quick.json with --quick (so that a "
                         "quick look does not overwrite a full run's tables)")
     args = parser.parse_args(argv)
+    # (checked before any timing: a mistake here would otherwise show only after minutes of it, or not at all)
+    sections = {name.strip() for name in args.sections.split(",") if name.strip()}
+    valid = ["fp32", "mixed", "states", "fp16_optimizer", "overhead", *EXTRA_SECTIONS]
+    unknown = sorted(sections - set(valid))
+    if unknown or not sections:
+        parser.error(f"--sections: unknown section{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                     f"valid sections: {', '.join(valid)}" if unknown else
+                     f"--sections names no section; valid sections: {', '.join(valid)}")
+    if args.reps is not None and args.reps < 1:
+        parser.error(f"--reps must be at least 1 (got {args.reps})")
+    if args.out is not None and (args.out.endswith(("/", "\\")) or Path(args.out).is_dir()):
+        parser.error(f"--out takes a file path (the JSON; the .md and .png go beside it), got the directory "
+                     f"{args.out!r}: name a file, e.g. {str(Path(args.out) / 'bench.json')!r}")
     args.out = args.out or ("results/bench-quick.json" if args.quick else "results/bench.json")
     reps = args.reps or (3 if args.quick else 5)
-    sections = set(args.sections.split(","))
     torch.manual_seed(0)
     if not backends.native_available():
         print("warning: native ops unavailable; timing the pure-PyTorch fallback")

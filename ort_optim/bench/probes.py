@@ -11,8 +11,6 @@ import contextlib
 import functools
 import hashlib
 import io
-import os
-from pathlib import Path
 
 import torch
 
@@ -32,10 +30,9 @@ def library():
         raise ProbeUnavailable(f"{source} is not in this install")
     header = native.OPS_DIR / "metadata_lines.h"  # (the validation floor's lines: the plan's check's own list)
     digest = hashlib.sha256(source.read_bytes() + header.read_bytes() + " ".join(native.CFLAGS).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("ORT_OPTIM_CACHE", Path.home() / ".cache" / "ort-optim"))
-    folder = cache / "bench-probes" / f"torch-{torch.__version__}-{digest}"
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
+    folder = native.cache_root() / "bench-probes" / f"torch-{torch.__version__}-{digest}"
+    try:  # (a cache that cannot be written, as a compiler error: a reason to skip the probe rows)
+        folder.mkdir(parents=True, exist_ok=True)
         with contextlib.redirect_stderr(io.StringIO()):  # cpp_extension's "No CUDA runtime" line, as in native.build
             from torch.utils.cpp_extension import load
 
@@ -44,7 +41,9 @@ def library():
                             extra_ldflags=["-fopenmp"], extra_include_paths=[str(native.OPS_DIR)],
                             build_directory=str(folder))
     except Exception as error:  # a compiler error is a reason to skip the probe rows, not to stop the benchmark
-        raise ProbeUnavailable(f"building {source.name} failed: {error}") from error
+        lines = native.compiler_lines(str(error))  # (cpp_extension's message holds the whole ninja transcript)
+        reason = lines[-1] if lines and not isinstance(error, OSError) else f"{type(error).__name__}: {error}"
+        raise ProbeUnavailable(f"building {source.name} in {folder} failed: {reason}") from error
 
 
 class LowBitFloorStep:

@@ -1,0 +1,65 @@
+"""``python -m ort_optim.bench`` checks its arguments before any timing, as a specification: an unknown section, a
+``--out`` that names a directory and a ``--reps`` below 1 are refused at once with what to pass instead (a mistake
+found after minutes of timing, or never, costs the run). The floor probes' library reports a cache it cannot write
+as a reason to skip their rows, not as a crash of the benchmark."""
+
+from __future__ import annotations
+
+import pytest
+
+from ort_optim.bench import __main__ as bench, probes
+
+
+class Timed(Exception):
+    """Raised by the stand-in for the first timing: the arguments were accepted."""
+
+
+@pytest.fixture
+def no_timing(monkeypatch):
+    def measure_bandwidth(quick):
+        raise Timed
+
+    monkeypatch.setattr(bench, "measure_bandwidth", measure_bandwidth)
+
+
+def _refused(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sections", ["nonexistent", "fp32,nonexistent", ","])
+def test_unknown_sections_are_refused_before_timing_with_the_valid_names(sections, no_timing, tmp_path, capsys):
+    err = _refused(["--quick", "--sections", sections, "--out", str(tmp_path / "b.json")], capsys)
+    assert "valid sections: fp32, mixed, states, fp16_optimizer, overhead" in err and "mixed_limit" in err
+    if "nonexistent" in sections:
+        assert "unknown section nonexistent" in err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("sections", ["fp32, mixed", " mixed_limit ", "fp32,mixed,"])
+def test_section_names_may_have_spaces_around_them(sections, no_timing, tmp_path):
+    with pytest.raises(Timed):
+        bench.main(["--quick", "--sections", sections, "--out", str(tmp_path / "b.json")])
+
+
+@pytest.mark.parametrize("kind", ["existing-directory", "trailing-slash"])
+def test_an_out_that_names_a_directory_is_refused_before_timing(kind, no_timing, tmp_path, capsys):
+    out = str(tmp_path) if kind == "existing-directory" else str(tmp_path / "new") + "/"
+    err = _refused(["--quick", "--sections", "fp32", "--out", out], capsys)
+    assert "--out takes a file path" in err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("reps", ["0", "-2"])
+def test_reps_below_one_are_refused(reps, no_timing, capsys):
+    assert "--reps must be at least 1" in _refused(["--quick", "--reps", reps], capsys)
+
+
+def test_a_cache_that_cannot_be_written_makes_the_probes_unavailable_not_a_crash(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # (a folder under a file cannot be made, even by root, unlike a read-only mode)
+    monkeypatch.setattr(probes.native, "cache_root", lambda: blocker)
+    with pytest.raises(probes.ProbeUnavailable, match="failed: NotADirectoryError"):
+        probes.library.__wrapped__()  # (not the cached library other tests use)
