@@ -260,9 +260,11 @@ def _load_or_build(verbose: bool, build_anyway: bool) -> Path:
     build_anyway, runs the build (a no-op when up to date) even over a verified library. Holds the folder's build
     lock throughout, so no process loads a library another is linking; where the lock cannot be taken because the
     cache cannot be written, loads a verified library without it (nothing can be building it there)."""
-    _cpp_extension()  # (quietly, before build_lock imports it)
     folder = build_dir()
     path = folder / LIBRARY
+    if not build_anyway and _load_if_verified(folder, path):
+        return path
+    _cpp_extension()  # (quietly, before build_lock imports it)
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(build_lock(folder))
@@ -281,6 +283,29 @@ def _load_or_build(verbose: bool, build_anyway: bool) -> Path:
         _compile(folder, verbose)  # (loads the library into this process)
         _record(path)
     return path
+
+
+def _load_if_verified(folder: Path, path: Path) -> bool:
+    """The common case of a load, cheaply: loads the library if its stamp vouches for it, holding the folder's build
+    lock shared (a build holds it exclusively, so no library is being linked meanwhile), without importing
+    torch.utils.cpp_extension; where the lock file cannot be opened because the cache cannot be written, without the
+    lock. False, with nothing loaded, where the caller must build (or report why it cannot)."""
+    try:
+        handle = open(folder / "build.flock", "a")
+    except OSError as error:
+        if error.errno in _READ_ONLY and verified(path):
+            torch.ops.load_library(str(path))
+            return True
+        return False
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        try:
+            if not verified(path):
+                return False
+            torch.ops.load_library(str(path))
+            return True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build(verbose: bool = False) -> Path:
