@@ -347,9 +347,11 @@ class BackwardStep:
         """The checks across params that step() makes when it plans (a param listed twice, params or state tensors
         sharing memory, one state dict for two params: _plan.check_across_params), which a hook, checking its own
         param, cannot make: run before an update whenever the state or a params list changed since they last passed
-        (O(groups) to tell, at every hook), and before a param is planned again (planning: its tensors changed, e.g.
-        ``.data =``), once per backward (each param of the first backward plans). Raises before this hook's update
-        (updates earlier in the same backward stay, as for any refusal in backward)."""
+        (O(groups) to tell, at every hook), and before a param whose native plan's check failed is planned again
+        (planning: its tensors changed, e.g. ``.data =``), once per backward. Raises before this hook's update
+        (updates earlier in the same backward stay, as for any refusal in backward). Params stepped without a native
+        plan (CUDA, the reference backend) have no check to fail: there, new data given to a param with ``.data =``
+        is not checked against the other params in backward (step() checks it)."""
         if self._epoch(optimizer) == self._checked_epoch and not (
                 planning and (task != self._checked_task or task < 0)):
             return
@@ -384,11 +386,12 @@ class BackwardStep:
                optimizer._layout)
         cached = self._plans.get(p)
         # (a new optimizer.state container has a version of its own: _plan.new_version)
-        if (cached is not None and cached[0] == key
-                and not torch.compiler.is_compiling() and cached[1].check()):
+        current = cached is not None and cached[0] == key and not torch.compiler.is_compiling()
+        if current and cached[1].check():
             cached[1].step(hyper)  # (through the plan's pointers; it marks what it wrote)
             return
-        self._check_across_params(optimizer, task, planning=True)
+        if current:  # (the plan's check failed: a tensor of this param changed, e.g. `.data =`)
+            self._check_across_params(optimizer, task, planning=True)
         with torch.no_grad():
             self._step_validated(optimizer, p, group_index, index, group, hyper, amsgrad, key)
         # (p's state, created or adopted just now, has memory of its own: the checks across params still hold)

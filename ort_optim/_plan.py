@@ -533,7 +533,9 @@ def check_across_params(groups: list[dict], optimizer_state: OptimizerState, lay
     hooks check each param alone): every param that requires a gradient (any of them may get one in a backward) is
     listed once and shares no memory with another, each has a state dict of its own, and no state tensor kept as it
     is shares memory with another or with a param. Raises as build() does, naming the params; writes nothing (but
-    makes each group's ``params`` a ParamList, as build() does, so that its changes are seen)."""
+    makes each group's ``params`` a ParamList, as build() does, so that its changes are seen). A state that its own
+    checks refuse (check_state) is left out here: its param's hook refuses it when that param is updated, and a param
+    that gets no gradient is not concerned (as step() does not check the state of a param without one)."""
     entries, adoptions, stateful = [], [], []
     for group_index, group in enumerate(groups):
         if not isinstance(group["params"], ParamList):
@@ -544,7 +546,12 @@ def check_across_params(groups: list[dict], optimizer_state: OptimizerState, lay
             local = dtensor.local(p)
             state = optimizer_state.get(p)
             if state:
-                adoptions += check_state(layout, local, state, bool(group["amsgrad"]), describe(group_index, index, p))
+                try:
+                    adoptions += check_state(layout, local, state, bool(group["amsgrad"]),
+                                             describe(group_index, index, p))
+                except (ValueError, TypeError):
+                    state = None
+            if state:
                 stateful.append((group_index, index, local, state))
             entries.append((group_index, index, local))
     _check_overlap(entries)

@@ -78,7 +78,7 @@ def _group_hyperparameters(groups: list, device: torch.device) -> torch.Tensor:
 def _read_after(flag: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """flag, in a traced step, as a value that depends on the op having written ``steps`` (the flag, or 1 where a
     step count is negative, which none is): what reads last_found_inf in the same graph (FP16_Optimizer's scaler
-    update) then runs after the op, so a step the op refuses changes nothing. Without it inductor fused that update
+    update) then runs after the op, so a step the op refuses changes nothing. Without it inductor fuses that update
     into the kernel that computes the flag, before the op. (A dependency through ``0 * steps`` is simplified away.)"""
     return torch.maximum(flag, (steps[:1] < 0).to(device=flag.device, dtype=flag.dtype).reshape(flag.shape))
 
@@ -550,25 +550,30 @@ class FusedAdam(torch.optim.Optimizer):
             if grad_scale is not None or found_inf is not None:
                 raise loss_scaling_refused()
         number_scale = grad_scale is not None and not isinstance(grad_scale, torch.Tensor)
-        if number_scale and isinstance(grad_scale, float) and not self.capturable and torch.compiler.is_compiling():
-            # A float grad_scale traced as a float64 tensor made in the graph (as a float lr: _traced_hyperparameters),
-            # so that a new value is a graph input, not a guard and a new graph each (checking its value here would
-            # split the graph, once it is one). Its value is then checked by the op, as a tensor grad_scale's is.
-            device = next((p.device for group in self.param_groups for p in group["params"]), None)
-            grad_scale = torch.zeros((), dtype=torch.float64, device=device) + grad_scale
+        # A float grad_scale in a traced step goes into the graph as a float64 tensor made there (as a float lr:
+        # _traced_hyperparameters), so that a new value is a graph input, not a guard and a new graph each; checking
+        # its value on the host would split the graph, once it is one. The op checks it instead (on the CPU; on CUDA
+        # a scale that cannot unscale skips the step, as a tensor grad_scale does). Elsewhere it is checked here.
+        traced_float = (number_scale and isinstance(grad_scale, float) and not self.capturable
+                        and torch.compiler.is_compiling() and _TRACED_STEP and self._backward is None)
         if grad_scale is not None or found_inf is not None:
-            _group_options.check_scaling_arguments(grad_scale, found_inf)
+            _group_options.check_scaling_arguments(None if traced_float else grad_scale, found_inf)
         if (torch.compiler.is_compiling() and _TRACED_STEP and self._backward is None
                 and self._init_group(unscales=grad_scale is not None, number_scale=number_scale)):
             # Traced by torch.compile: _init_group ran outside the graph (validated everything, planned); what it
             # read is guarded by TorchDynamo, and the check below makes the plan's own rule part of those guards, so
             # any change re-traces (and re-validates) instead of stepping with a stale plan.
+            if traced_float:
+                device = next(p.device for group in self.param_groups for p in group["params"])
+                grad_scale = torch.zeros((), dtype=torch.float64, device=device) + grad_scale
             plan = self._plan
             if not (plan.describes(self.param_groups, self.state, self._layout, native=False)
                     and all(planned.read_grads() for planned in plan.groups)):
                 raise RuntimeError("ort_optim: a traced FusedAdam step found its plan out of date; please report")
             self._launch(plan, grad_scale, found_inf, traced=True)
             return loss
+        if traced_float:  # (not traced after all: checked as the eager step checks it)
+            _group_options.check_scaling_arguments(grad_scale, None)
         if torch.compiler.is_compiling():
             # Not traced (an older TorchDynamo, whose inductor cannot functionalize an op that mutates tensor lists;
             # DTensor params, a process or pipeline group, ops that are not registered, step_in_backward, an option or

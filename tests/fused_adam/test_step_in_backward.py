@@ -343,6 +343,23 @@ def test_what_step_refuses_across_params_after_a_change_mid_run_is_refused_by_th
     assert_tree_bitwise_equal(snapshot(), before, "params and states")
 
 
+def test_a_param_with_a_refused_state_and_no_gradient_does_not_block_the_others_updates_in_backward(backend):
+    """As step() checks only the params with a gradient: q, given data of another shape under its state and unused by
+    the next backward, does not stop p's update; q's own update would be refused, naming it."""
+    p, q = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    opt = FusedAdam([p, q], lr=0.1, step_in_backward=True)
+    (p.sum() + q.sum()).backward()
+    opt.step()
+    opt.zero_grad()
+    q.data = torch.randn(6)
+    before = p.detach().clone()
+    (p * 2).sum().backward()
+    opt.step()
+    assert not torch.equal(p.detach(), before) and float(opt.state[p]["step"]) == 2
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\]"):
+        (q * 2).sum().backward()
+
+
 class WithEmbedding(Net):
     def __init__(self, g, dtype):
         super().__init__(g, dtype)
@@ -1475,14 +1492,13 @@ def test_once_the_gradient_written_after_backward_is_cleared_training_goes_on(th
 
 
 def test_master_weights_switched_off_under_masters_is_refused_by_the_first_hook_with_nothing_written(backend):
-    """As step() refuses it (a state with a master_param for a param that keeps none), naming the first such param
-    (the checks across params, made before the first param plans again, check every state)."""
+    """As step() refuses it (a state with a master_param for a param that keeps none), naming the param."""
     net = ThreeLayers(torch.bfloat16)
     opt = FusedAdam(_trained(net), lr=1e-2, master_weights=True, step_in_backward=True)
     _normal(net, opt, 0, True)
     opt.master_weights = False
     before = _snapshot_without_grads(opt)
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] .*has a 'master_param' but this "
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[5\] .*has a 'master_param' but this "
                                          r"optimizer keeps none"):
         net(_x(1)).backward()
     assert_same_snapshot(before, _snapshot_without_grads(opt))
