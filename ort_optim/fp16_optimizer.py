@@ -159,14 +159,13 @@ def _dynamic_loss_args(args: Any, given: _Given, apply: bool) -> None:
             given.put(option, name, value)
 
 
-def _deepspeed_apex_options(scaler_options: dict, max_grad_norm: Any, static_loss_scale: Any, dynamic_loss_scale: Any,
-                    dynamic_loss_args: Any, initial_dynamic_scale: Any, clip_grad: Any,
-                    verbose: Any) -> tuple[dict, Any]:
+def _deepspeed_apex_options(scaler_options: dict, max_grad_norm: Any, static_loss_scale: Any,
+                            dynamic_loss_scale: Any, dynamic_loss_args: Any, initial_dynamic_scale: Any,
+                            clip_grad: Any, verbose: Any) -> tuple[dict, Any]:
     """The loss scaler's options and max_grad_norm, with DeepSpeed's and apex's constructor arguments (None: not
     given) mapped onto them. Everything is checked here, before anything is built; errors name the argument."""
-    given = any(a is not None for a in (static_loss_scale, dynamic_loss_scale, dynamic_loss_args,
-                                           initial_dynamic_scale, clip_grad, verbose))
-    if not given:
+    if all(a is None for a in (static_loss_scale, dynamic_loss_scale, dynamic_loss_args, initial_dynamic_scale,
+                               clip_grad, verbose)):
         return scaler_options, max_grad_norm
     # verbose (a bool; an int is read as one) is accepted and not used: FP16_Optimizer prints and logs nothing
     if verbose is not None and not isinstance(verbose, int):
@@ -187,16 +186,17 @@ def _deepspeed_apex_options(scaler_options: dict, max_grad_norm: Any, static_los
                 raise ValueError(f"clip_grad={clip_grad!r} (DeepSpeed's max_grad_norm): {error}") from None
         given.put("max_grad_norm", f"clip_grad={clip_grad!r}", clip if clip > 0 else None)
 
+    if dynamic_loss_scale is None and (dynamic_loss_args is not None or initial_dynamic_scale is not None):
+        which = "dynamic_loss_args" if dynamic_loss_args is not None else "initial_dynamic_scale"
+        raise ValueError(
+            f"FP16_Optimizer: {which} is given without dynamic_loss_scale; DeepSpeed and apex then ignore it and use "
+            f"a static loss scale (static_loss_scale, default 1.0). Pass dynamic_loss_scale=True to use it (or drop "
+            f"it). Nothing was changed")
     if dynamic_loss_scale is not None:
         dynamic = _flag("dynamic_loss_scale", dynamic_loss_scale)
         source = f"dynamic_loss_scale={dynamic}"
     elif static_loss_scale is not None:
         dynamic, source = False, f"static_loss_scale={static_loss_scale!r} (a static scale)"
-    elif dynamic_loss_args is not None or initial_dynamic_scale is not None:
-        which = "dynamic_loss_args" if dynamic_loss_args is not None else "initial_dynamic_scale"
-        raise ValueError(
-            f"FP16_Optimizer: {which} is given without dynamic_loss_scale; DeepSpeed and apex then ignore it and use "
-            f"a static loss scale of 1.0. Pass dynamic_loss_scale=True to use it (or drop it). Nothing was changed")
     else:
         dynamic = None  # (only clip_grad/verbose: the loss scale keeps our defaults)
     if initial_dynamic_scale is not None:
@@ -206,7 +206,8 @@ def _deepspeed_apex_options(scaler_options: dict, max_grad_norm: Any, static_los
     if dynamic is not None:
         given.put("dynamic", source, dynamic)
     if dynamic:
-        # (static_loss_scale is not used, as in DeepSpeed and apex: DeepSpeed's engine and Megatron-LM pass 0 or None there)
+        # (static_loss_scale is not used, as in DeepSpeed and apex: DeepSpeed's engine and Megatron-LM pass 0 or None
+        # there)
         if initial_dynamic_scale is not None:
             given.put("init_scale", "initial_dynamic_scale", initial)
     elif dynamic is False:
@@ -216,8 +217,8 @@ def _deepspeed_apex_options(scaler_options: dict, max_grad_norm: Any, static_los
             given.put("init_scale", "static_loss_scale (default 1.0)", 1.0)
     options = {k: v for k, (_, v) in given.values.items() if k != "max_grad_norm"}
     if dynamic is not None and "init_scale" in options:
-        # DeepSpeed and apex have no ceiling (DeepSpeed) or apex's 2**24, and no floor below 1 that we default to: bounds
-        # nobody gave are widened to include the scale given, which stays inside them.
+        # DeepSpeed has no ceiling and apex's is 2**24, and neither has our default floor of 1: bounds nobody gave are
+        # widened to include the scale given, which stays inside them.
         scale = options["init_scale"]
         if "max_scale" not in options and scale > _SCALER_OPTIONS["max_scale"].default:
             options["max_scale"] = scale
@@ -325,15 +326,15 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
     are settable, ``get_lr()`` is DeepSpeed's, ``zero_grad(set_grads_to_None=...)`` apex's and
     ``load_state_dict(sd, load_optimizer_states=False)`` DeepSpeed's. Where we differ, and why:
 
-    * defaults: with none of their scaling arguments given the scale is ours, dynamic from 2**16; DeepSpeed and apex both default
-      to a static scale of 1.0 (``dynamic_loss_scale=False``), which skips no underflow and is rarely what fp16
-      needs. ``dynamic_loss_scale=True`` without ``dynamic_loss_args`` takes our defaults too (apex's, except
+    * defaults: with none of their scaling arguments given the scale is ours, dynamic from 2**16; DeepSpeed and apex
+      both default to a static scale of 1.0 (``dynamic_loss_scale=False``), which skips no underflow and is rarely
+      what fp16 needs. ``dynamic_loss_scale=True`` without ``dynamic_loss_args`` takes our defaults too (apex's, except
       ``min_scale=1``); DeepSpeed's are ``initial_dynamic_scale=2**32`` and a window of 1000.
     * two arguments that set the same option (``static_loss_scale`` and ``init_scale``, ``clip_grad`` and
       ``max_grad_norm``, ``initial_dynamic_scale`` and ``dynamic_loss_args['init_scale']``, ...) must agree, or
       ValueError names both: DeepSpeed and apex let one win silently.
-    * ``dynamic_loss_args`` or ``initial_dynamic_scale`` without ``dynamic_loss_scale`` is refused (DeepSpeed and apex use a
-      static 1.0 then, which is almost surely not what was meant); with ``dynamic_loss_scale=False`` they are checked
+    * ``dynamic_loss_args`` or ``initial_dynamic_scale`` without ``dynamic_loss_scale`` is refused (DeepSpeed and
+      apex use a static scale then, which is almost surely not what was meant); with ``dynamic_loss_scale=False`` they are checked
       and not used, as in DeepSpeed and apex (Megatron-LM passes them so). ``static_loss_scale`` is not used when
       ``dynamic_loss_scale=True`` (DeepSpeed's engine passes 0 there, Megatron-LM None), as in DeepSpeed and apex.
     * a scale given through their arguments outside our default bounds widens the bound nobody gave to include it
@@ -383,8 +384,8 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
     Attributes: ``loss_scale`` (float, settable; ``cur_scale`` is DeepSpeed's name for it), ``overflow``/``skipped``
     (whether the last step was skipped), ``skipped_steps`` (count), ``scaler`` (the :class:`DynamicLossScaler`,
     device tensors), ``optimizer`` (the wrapped one). ``param_groups`` and ``state`` are the wrapped optimizer's, so
-    LR schedulers work on the wrapper. Reading ``loss_scale``/``overflow``/``skipped_steps`` synchronises with the device; ``step()`` does not (CUDA,
-    with FusedAdam or a torch ``fused=True`` optimizer; other optimizers need one host read of the overflow flag to
+    LR schedulers work on the wrapper. Reading ``loss_scale``/``overflow``/``skipped_steps`` synchronises with the
+    device; ``step()`` does not (CUDA, with FusedAdam or a torch ``fused=True`` optimizer; other optimizers need one host read of the overflow flag to
     decide whether to call their ``step``, as with torch.amp.GradScaler).
     """
 

@@ -164,6 +164,10 @@ REFUSED = [
     (dict(dynamic_loss_args={"scale_window": 10}), ValueError, ["dynamic_loss_args is given without "
                                                                 "dynamic_loss_scale", "dynamic_loss_scale=True"]),
     (dict(initial_dynamic_scale=2.0**10), ValueError, ["initial_dynamic_scale is given without dynamic_loss_scale"]),
+    (dict(static_loss_scale=128.0, dynamic_loss_args={"scale_window": 10}), ValueError,
+     ["dynamic_loss_args is given without dynamic_loss_scale"]),
+    (dict(static_loss_scale=128.0, initial_dynamic_scale=2.0**10), ValueError,
+     ["initial_dynamic_scale is given without dynamic_loss_scale"]),
     (dict(static_loss_scale="128"), TypeError, ["static_loss_scale must be a real number"]),
     (dict(static_loss_scale=0.0), ValueError, ["static_loss_scale must lie in [2**-126, 2**126]"]),
     (dict(static_loss_scale=float("inf")), ValueError, ["static_loss_scale must be finite"]),
