@@ -31,7 +31,7 @@ def main(argv=None) -> int:
             print("the compiler's last lines:", file=sys.stderr)
         for line in details:
             print(f"  {line}", file=sys.stderr)
-        if not args.verbose and not str(error).startswith("the cache folder"):  # (a build's failure: its log)
+        if not args.verbose and getattr(error, "compiled", True):  # (a build's failure: its log)
             print("Run `python -m ort_optim.build --verbose` for the full log.", file=sys.stderr)
         return 1
     print(f"ort_optim native ops: {path} ({time.perf_counter() - started:.1f} s)")

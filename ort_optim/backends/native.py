@@ -182,11 +182,13 @@ _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 class BuildError(RuntimeError):
     """The native library could not be built or loaded here; the message says what failed in one line.
-    details: the compiler's last meaningful lines (empty when there are none)."""
+    details: the compiler's last meaningful lines (empty when there are none); compiled: whether a build ran (and has
+    a log worth reading with ``--verbose``), not a refusal before it."""
 
-    def __init__(self, message: str, details: Sequence[str] = ()) -> None:
+    def __init__(self, message: str, details: Sequence[str] = (), compiled: bool = True) -> None:
         super().__init__(message)
         self.details = list(details)
+        self.compiled = compiled
 
 
 def _fingerprint(path: Path) -> str:
@@ -273,7 +275,8 @@ def _load_or_build(verbose: bool, build_anyway: bool) -> Path:
                 raise
             if not verified(path):
                 raise BuildError(f"the cache folder {folder} cannot be written ({error.strerror}) and holds no "
-                                 "verified native library: set ORT_OPTIM_CACHE to a writable folder") from None
+                                 "verified native library: set ORT_OPTIM_CACHE to a writable folder",
+                                 compiled=False) from None
             torch.ops.load_library(str(path))
             return path
         if verified(path) and not build_anyway:

@@ -109,10 +109,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller workloads, fewer repetitions")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per implementation")
-    parser.add_argument("--sections", default=",".join(["fp32", "mixed", "states", "fp16_optimizer", "overhead",
-                                                         *EXTRA_SECTIONS]),
-                        help="comma-separated: fp32, mixed, states, fp16_optimizer, overhead, "
-                             + ", ".join(EXTRA_SECTIONS))
+    valid = ["fp32", "mixed", "states", "fp16_optimizer", "overhead", *EXTRA_SECTIONS]
+    parser.add_argument("--sections", default=",".join(valid), help="comma-separated: " + ", ".join(valid))
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's CPU Adam")
     parser.add_argument("--out", default=None, help="JSON output (a PNG chart and the markdown tables are saved "
                         "beside it); default results/bench.json, results/bench-quick.json with --quick (so that a "
@@ -120,7 +118,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     # (checked before any timing: a mistake here would otherwise show only after minutes of it, or not at all)
     sections = {name.strip() for name in args.sections.split(",") if name.strip()}
-    valid = ["fp32", "mixed", "states", "fp16_optimizer", "overhead", *EXTRA_SECTIONS]
     unknown = sorted(sections - set(valid))
     if unknown or not sections:
         parser.error(f"--sections: unknown section{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
