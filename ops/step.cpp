@@ -110,7 +110,7 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
   // skip flag computed from it is set, and the bad scale would pass as an overflow. (0.0 below: none given.)
   const double grad_scale = o.grad_scale.has_value() ? scalar_value(o.grad_scale, "grad_scale") : 0.0;
   TORCH_CHECK_VALUE(!o.grad_scale.has_value() || (std::isfinite(grad_scale) && grad_scale != 0.0),
-              "ort_optim::adam_step_: grad_scale must be finite and non-zero, got ", grad_scale);
+                    "ort_optim::adam_step_: grad_scale must be finite and non-zero, got ", grad_scale);
   const bool found_inf = o.found_inf.has_value() && scalar_value(o.found_inf, "found_inf") != 0.0;
   if (o.grad_square_sum != nullptr) *o.grad_square_sum = std::numeric_limits<double>::quiet_NaN();
   if (found_inf) return;  // skipped: nothing written

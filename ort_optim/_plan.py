@@ -475,9 +475,7 @@ def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayo
     plans (default: when the native CPU op runs now); traced: for a step that torch.compile traces (no native plans,
     fresh states in storages of their own); unscales: the step that plans writes the unscaled gradients back (a
     grad_scale), so a gradient that cannot hold them is refused here too (check_grads_writable)."""
-    for group in groups:
-        if not isinstance(group["params"], ParamList):
-            group["params"] = ParamList(group["params"])
+    _mark_param_lists(groups)
     all_grads = [[p.grad for p in group["params"]] for group in groups]
 
     # 1. validate (nothing is written)
@@ -528,6 +526,13 @@ def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayo
     return Plan(planned, optimizer_state, optimizer_state.version, layout, native)
 
 
+def _mark_param_lists(groups: list[dict]) -> None:
+    """Makes each group's ``params`` a ParamList (the same params), whose mutations change its version."""
+    for group in groups:
+        if not isinstance(group["params"], ParamList):
+            group["params"] = ParamList(group["params"])
+
+
 def check_across_params(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayout) -> None:
     """The checks across params that build() makes, for updates that go one param at a time (step_in_backward, whose
     hooks check each param alone): every param that requires a gradient (any of them may get one in a backward) is
@@ -536,10 +541,9 @@ def check_across_params(groups: list[dict], optimizer_state: OptimizerState, lay
     makes each group's ``params`` a ParamList, as build() does, so that its changes are seen). A state that its own
     checks refuse (check_state) is left out here: its param's hook refuses it when that param is updated, and a param
     that gets no gradient is not concerned (as step() does not check the state of a param without one)."""
+    _mark_param_lists(groups)
     entries, adoptions, stateful = [], [], []
     for group_index, group in enumerate(groups):
-        if not isinstance(group["params"], ParamList):
-            group["params"] = ParamList(group["params"])
         for index, p in enumerate(group["params"]):
             if not (isinstance(p, torch.Tensor) and p.requires_grad):
                 continue

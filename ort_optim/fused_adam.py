@@ -554,12 +554,11 @@ class FusedAdam(torch.optim.Optimizer):
         # _traced_hyperparameters), so that a new value is a graph input, not a guard and a new graph each; checking
         # its value on the host would split the graph, once it is one. The op checks it instead (on the CPU; on CUDA
         # a scale that cannot unscale skips the step, as a tensor grad_scale does). Elsewhere it is checked here.
-        traced_float = (number_scale and isinstance(grad_scale, float) and not self.capturable
-                        and torch.compiler.is_compiling() and _TRACED_STEP and self._backward is None)
+        traceable = torch.compiler.is_compiling() and _TRACED_STEP and self._backward is None
+        traced_float = traceable and number_scale and isinstance(grad_scale, float) and not self.capturable
         if grad_scale is not None or found_inf is not None:
             _group_options.check_scaling_arguments(None if traced_float else grad_scale, found_inf)
-        if (torch.compiler.is_compiling() and _TRACED_STEP and self._backward is None
-                and self._init_group(unscales=grad_scale is not None, number_scale=number_scale)):
+        if traceable and self._init_group(unscales=grad_scale is not None, number_scale=number_scale):
             # Traced by torch.compile: _init_group ran outside the graph (validated everything, planned); what it
             # read is guarded by TorchDynamo, and the check below makes the plan's own rule part of those guards, so
             # any change re-traces (and re-validates) instead of stepping with a stale plan.

@@ -502,32 +502,28 @@ def _plan_file(plans: Tuple[str, ...], path: Optional[str] = None) -> str:
 # The table.
 # --------------------------------------------------------------------------------------------------------------
 
-# When ORT reads a variable. For the readings that happen once per process, the module whose presence in sys.modules
-# means that moment has passed (so a new value can no longer take effect in this process); None for the readings
-# that happen again for every ORTModule, which a new value still reaches for every module constructed (or, for
-# "first forward", run for the first time) after it is written.
-_READ_MARKERS: Dict[str, Optional[str]] = {
-    "import": "onnxruntime.training.ortmodule",  # module-level code of the ortmodule package
-    "first construction": "onnxruntime.training.ortmodule._custom_autograd_function",  # imported by the 1st ORTModule
-    "first Triton use": "onnxruntime.training.ort_triton",  # module-level code of ort_triton
-    "construction": None,  # each ORTModule(...) reads it in its constructor
-    "DebugOptions()": None,  # each DebugOptions(...) reads it; ORTModule(...) constructs one when none is given
-    "first forward": None,  # each ORTModule reads it when it exports the model and builds its session
-    "construction and first forward": None,  # both of the above
-    "load_from_json()": None,  # read only when the user calls that function
+# When ORT reads a variable: per reading, what it means (for OptionsTooLateWarning) and, for the readings that
+# happen once per process, the module whose presence in sys.modules means that moment has passed (so a new value can
+# no longer take effect in this process); None for the readings that happen again for every ORTModule, which a new
+# value still reaches for every module constructed (or, for "first forward", run for the first time) after it is
+# written.
+_READINGS: Dict[str, Tuple[str, Optional[str]]] = {
+    "import": ("once per process, when onnxruntime.training.ortmodule is imported",
+               "onnxruntime.training.ortmodule"),  # module-level code of the ortmodule package
+    "first construction": ("once per process, when the first ORTModule is constructed",
+                           "onnxruntime.training.ortmodule._custom_autograd_function"),  # imported by the 1st one
+    "first Triton use": ("once per process, when ORT first loads its Triton code",
+                         "onnxruntime.training.ort_triton"),  # module-level code of ort_triton
+    "construction": ("in every ORTModule(...) constructor", None),
+    "DebugOptions()": ("when DebugOptions(...) is constructed: inside ORTModule(...) when no debug_options is given",
+                       None),
+    "first forward": ("on each module's first forward call, when ORT exports the model and builds its session", None),
+    "construction and first forward": ("in every ORTModule(...) constructor and again on its first forward call "
+                                       "(export)", None),
+    "load_from_json()": ("only when ortmodule.experimental.json_config.load_from_json() is called", None),
 }
-# What each reading means, for OptionsTooLateWarning.
-_READ_MEANINGS: Dict[str, str] = {
-    "import": "once per process, when onnxruntime.training.ortmodule is imported",
-    "first construction": "once per process, when the first ORTModule is constructed",
-    "first Triton use": "once per process, when ORT first loads its Triton code",
-    "construction": "in every ORTModule(...) constructor",
-    "DebugOptions()": "when DebugOptions(...) is constructed: inside ORTModule(...) when no debug_options is given",
-    "first forward": "on each module's first forward call, when ORT exports the model and builds its session",
-    "construction and first forward": "in every ORTModule(...) constructor and again on its first forward call "
-                                      "(export)",
-    "load_from_json()": "only when ortmodule.experimental.json_config.load_from_json() is called",
-}
+_READ_MEANINGS: Dict[str, str] = {read: meaning for read, (meaning, _) in _READINGS.items()}
+_READ_MARKERS: Dict[str, Optional[str]] = {read: marker for read, (_, marker) in _READINGS.items()}
 
 
 @dataclasses.dataclass(frozen=True)

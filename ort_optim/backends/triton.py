@@ -658,9 +658,9 @@ def adam_step_(
 ) -> Optional[torch.Tensor]:
     """ort_optim::adam_step_ (ops/README.md) on CUDA tensors (CPU tensors under TRITON_INTERPRET=1).
 
-    The values of lr_tensor, betas_tensor, grad_scale and group_hyperparameters are read by the kernels on the device
-    and not checked (a check on the host would synchronise with the device at every step); their dtypes, shapes and
-    devices are.
+    The values of lr_tensor, betas_tensor and grad_scale are read by the kernels on the device and not checked (a
+    check on the host would synchronise with the device at every step), nor are group_hyperparameters' (which the
+    kernels do not read); their dtypes, shapes and devices are.
 
     grad_norm (a keyword of this backend only, not of the op's schema; FusedAdam's plain steps pass it): also return
     :func:`grad_stats`' float32 [sum of squares, 1.0 if not finite] of the gradients as the update loaded them
