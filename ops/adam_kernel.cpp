@@ -36,12 +36,29 @@ struct BlockMax {
   double grad_squares = 0.0;  // the block's sum of g * g (the gradients as loaded), in T, summed in vector lanes
 };
 
+// torch's lerp of m towards g by the weight w = 1 - beta1, the form exp_avg.lerp_(grad, 1 - beta1) takes in
+// torch.optim.AdamW: m + w * (g - m) for w < 0.5 (beta1 > 0.5), else g - (1 - w) * (g - m), written g + (w - 1) * (g -
+// m) (the same bits: negation is exact). The second form keeps g exact where m cancels it: with beta1 = 0, m is g.
+// w and w - 1 are formed in T, as torch forms them in its compute type.
+template <typename T>
+struct Lerp {
+  bool from_grad;  // base g (w >= 0.5) instead of m
+  T coeff;         // w, or w - 1
+  explicit Lerp(double beta1) {
+    const T w = T(1.0 - beta1);
+    from_grad = !(std::abs(w) < T(0.5));
+    coeff = from_grad ? w - T(1) : w;
+  }
+};
+
 // The Adam update of one block, element by element (ops/README.md, "adam_step_", is the specification):
 //
 //   g = grad * grad_mul                      grad_mul: 1 / loss scale, times the clip coefficient, negated to maximize
 //   g = g + wd * p                           mode 0 (Adam, L2): the decay enters the moments
 //   p = p * (1 - lr * wd)                    mode 2 (torch AdamW): decoupled decay, before the update
-//   m = m + (1 - beta1) * (g - m)            = beta1 * m + (1 - beta1) * g, in torch's lerp form
+//   m = base + c * (g - m)                   = beta1 * m + (1 - beta1) * g in torch's lerp form (Lerp): with the
+//                                            weight w = 1 - beta1, base = m and c = w where w < 0.5, else base = g
+//                                            and c = w - 1 (so beta1 = 0 gives m = g exactly)
 //   v = v * beta2 + (1 - beta2) * g * g
 //   vmax = max(vmax, v); v = vmax            amsgrad: the max of the raw v, bias correction after
 //   p = p - lr / bc1 * (m / (sqrt(v) / sqrt(bc2) + eps))          mode 2 (step_size = lr / bc1)
@@ -54,12 +71,13 @@ struct BlockMax {
 //
 // kAmax: also find the block maxima (when a state is stored as scaled fp16), in the same pass rather than in one more
 // pass per state. kRoot: also write sqrt(v) (sqrt(vmax) with amsgrad), which a low-bit second moment stores, to root.
-template <typename T, int64_t kMode, bool kAmsgrad, bool kAmax, bool kRoot = false>
-BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
-                   T* __restrict__ vmax, int64_t n, const TensorWork& w, const Hyper& h,
-                   T* __restrict__ root = nullptr) {
-  const T grad_mul = T(h.grad_mul), b2 = T(h.beta2), one_minus_b1 = T(1.0 - h.beta1),
-          one_minus_b2 = T(1.0 - h.beta2);
+// kFromGrad: the lerp's second form (Lerp), chosen outside the loop so that each loop keeps its vector shape (the
+// gradient norm's additions run in the lanes SquareSum uses).
+template <typename T, int64_t kMode, bool kAmsgrad, bool kAmax, bool kRoot, bool kFromGrad>
+BlockMax adam_loop_of(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
+                      T* __restrict__ vmax, int64_t n, const TensorWork& w, const Hyper& h, T* __restrict__ root) {
+  const T grad_mul = T(h.grad_mul), b2 = T(h.beta2), one_minus_b2 = T(1.0 - h.beta2);
+  const T lerp_coeff = Lerp<T>(h.beta1).coeff;
   const T eps = T(h.eps), wd = T(h.weight_decay), step_size = T(w.step_size), bc2_sqrt = T(w.bc2_sqrt);
   const T torch_decay = T(1.0 - h.lr * h.weight_decay);  // mode 2: p *= 1 - lr*wd, in double like torch
   const T hf_decay = T(h.lr * h.weight_decay);           // mode 1: p -= lr*wd*p after the update
@@ -73,7 +91,7 @@ BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m
     T gi = g[i] * grad_mul;  // unscale (and negate for maximize)
     if (kMode == kAdamL2) gi = gi + wd * p[i];  // L2: the decay enters the moments (not written back to .grad)
     if (kMode == kAdamWTorch) p[i] = p[i] * torch_decay;
-    m[i] = m[i] + one_minus_b1 * (gi - m[i]);  // = b1*m + (1-b1)*g, in torch's lerp form
+    m[i] = (kFromGrad ? gi : m[i]) + lerp_coeff * (gi - m[i]);  // = b1*m + (1-b1)*g, in torch's lerp form
     v[i] = v[i] * b2 + one_minus_b2 * gi * gi;
     T vi = v[i];
     if (kAmsgrad) {
@@ -95,6 +113,15 @@ BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m
     }
   }
   return {max_m, max_v, max_vmax, double(squares)};
+}
+
+template <typename T, int64_t kMode, bool kAmsgrad, bool kAmax, bool kRoot = false>
+BlockMax adam_loop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
+                   T* __restrict__ vmax, int64_t n, const TensorWork& w, const Hyper& h,
+                   T* __restrict__ root = nullptr) {
+  return Lerp<T>(h.beta1).from_grad
+             ? adam_loop_of<T, kMode, kAmsgrad, kAmax, kRoot, true>(p, g, m, v, vmax, n, w, h, root)
+             : adam_loop_of<T, kMode, kAmsgrad, kAmax, kRoot, false>(p, g, m, v, vmax, n, w, h, root);
 }
 
 template <typename T>
@@ -356,19 +383,21 @@ struct SquareSum {
 // maxima of |m| and |v| (abs_bits) into max_m and max_v.
 template <int64_t kMode>
 struct Adam16 {
-  __m512 grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay;
+  __m512 grad_mul, b2, lerp_coeff, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay;
+  bool lerp_from_grad;
 
   Adam16(const TensorWork& w, const Hyper& h)
       : grad_mul(_mm512_set1_ps(float(h.grad_mul))),
         b2(_mm512_set1_ps(float(h.beta2))),
-        one_minus_b1(_mm512_set1_ps(float(1.0 - h.beta1))),
+        lerp_coeff(_mm512_set1_ps(Lerp<float>(h.beta1).coeff)),
         one_minus_b2(_mm512_set1_ps(float(1.0 - h.beta2))),
         eps(_mm512_set1_ps(float(h.eps))),
         wd(_mm512_set1_ps(float(h.weight_decay))),
         step_size(_mm512_set1_ps(float(w.step_size))),
         bc2_sqrt(_mm512_set1_ps(float(w.bc2_sqrt))),
         torch_decay(_mm512_set1_ps(float(1.0 - h.lr * h.weight_decay))),
-        hf_decay(_mm512_set1_ps(float(h.lr * h.weight_decay))) {}
+        hf_decay(_mm512_set1_ps(float(h.lr * h.weight_decay))),
+        lerp_from_grad(Lerp<float>(h.beta1).from_grad) {}
 
   // The moments of 16 elements: from mi and vi (as decoded) into m and v; the maxima of |m| into max_m, the
   // gradients' squares into squares (SquareSum's lanes, kept in a register by the caller's loop).
@@ -378,7 +407,7 @@ struct Adam16 {
     squares = _mm512_add_ps(squares, _mm512_mul_ps(g_loaded, g_loaded));
     __m512 gi = _mm512_mul_ps(g_loaded, grad_mul);
     if (kMode == kAdamL2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, _mm512_loadu_ps(p)));
-    mi = _mm512_add_ps(mi, _mm512_mul_ps(one_minus_b1, _mm512_sub_ps(gi, mi)));
+    mi = _mm512_add_ps(lerp_from_grad ? gi : mi, _mm512_mul_ps(lerp_coeff, _mm512_sub_ps(gi, mi)));
     vi = _mm512_add_ps(_mm512_mul_ps(vi, b2), _mm512_mul_ps(_mm512_mul_ps(one_minus_b2, gi), gi));
     _mm512_storeu_ps(m, mi);
     _mm512_storeu_ps(v, vi);

@@ -161,6 +161,14 @@ def adam_step_(
     def optional(items: Sequence[torch.Tensor], i: int) -> Optional[torch.Tensor]:
         return items[i] if len(items) else None
 
+    # beta1*m + (1-beta1)*g in torch's lerp form (ops/adam_kernel.cpp, Lerp), per compute dtype: with the weight
+    # w = 1 - beta1 rounded to it, m + w*(g - m) for w < 0.5, else g + (w - 1)*(g - m)
+    lerp_from_grad, lerp_coeff = {}, {}
+    for compute in (torch.float32, torch.float64):
+        w = torch.tensor(1.0 - beta1, dtype=compute)
+        lerp_from_grad[compute] = not bool(w.abs() < 0.5)
+        lerp_coeff[compute] = float(w - 1.0 if lerp_from_grad[compute] else w)
+
     def update() -> None:
         for i, param in enumerate(params):
             compute = torch.float64 if param.dtype == torch.float64 else torch.float32
@@ -178,7 +186,7 @@ def adam_step_(
                 g = g + weight_decay * p
             if adam_w_mode == 2:
                 p = p * (1.0 - lr * weight_decay)
-            m = m + (1.0 - beta1) * (g - m)
+            m = (g if lerp_from_grad[compute] else m) + lerp_coeff[compute] * (g - m)
             v = v * beta2 + (1.0 - beta2) * g * g
             v_used = v
             if amsgrad:

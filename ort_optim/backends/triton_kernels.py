@@ -679,8 +679,8 @@ def _bf16_bits_stochastic(x, offs, key):
 @_device
 def _adam_block(
     offs, mask, block_index, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr, ms_addr, vs_addr, vmaxs_addr,
-    m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, one_minus_b1, one_minus_b2, eps, wd, step_size, bc2_sqrt,
-    torch_decay, hf_decay, grad_scale, squares, P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr,
+    m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, lerp_from_grad, lerp_coeff, one_minus_b2, eps, wd, step_size,
+    bc2_sqrt, torch_decay, hf_decay, grad_scale, squares, P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr,
     V_DT: tl.constexpr, HAS_MASTER: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
     AMSGRAD: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, HAS_SR: tl.constexpr,
     UNSCALE_GRADS: tl.constexpr, HAS_NORM: tl.constexpr,
@@ -710,7 +710,8 @@ def _adam_block(
         g = g + wd * p  # L2: the decay enters the moments
     if MODE == 2:
         p = p * torch_decay
-    m = m + one_minus_b1 * (g - m)  # torch's lerp form of beta1*m + (1-beta1)*g
+    # beta1*m + (1-beta1)*g in torch's lerp form (ops/adam_kernel.cpp, Lerp): m + w*(g - m), or g + (w-1)*(g - m)
+    m = tl.where(lerp_from_grad, g, m) + lerp_coeff * (g - m)
     v = v * b2 + one_minus_b2 * g * g
     if AMSGRAD:
         vmax = _load_state(vmax_addr, vmaxs_addr, v_lut_ptr, offs, mask, block_index, V_DT, V_SCALED, True, ALIGNED,
@@ -850,7 +851,9 @@ def adam_kernel(
         step_size64 = lr * bc2_sqrt64 / bc1
     grad_mul = _to_compute(grad_mul64, F64)
     b2 = _to_compute(beta2, F64)
-    one_minus_b1 = _to_compute(1.0 - beta1, F64)
+    lerp_weight = _to_compute(1.0 - beta1, F64)  # (the lerp's weight, 1 - beta1, in the compute dtype)
+    lerp_from_grad = tl.abs(lerp_weight) >= 0.5
+    lerp_coeff = tl.where(lerp_from_grad, lerp_weight - 1.0, lerp_weight)
     one_minus_b2 = _to_compute(1.0 - beta2, F64)
     eps = _to_compute(_f64(eps_bits), F64)
     wd = _to_compute(wd64, F64)
@@ -882,16 +885,16 @@ def adam_kernel(
         bs = start + b * BLOCK
         squares = _adam_block(
             bs + lanes, lanes < BLOCK, bs // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr, ms_addr,
-            vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, one_minus_b1, one_minus_b2, eps,
-            wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, squares, P_DT, G_DT, M_DT, V_DT, HAS_MASTER,
-            M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR, UNSCALE_GRADS, HAS_NORM)
+            vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, lerp_from_grad, lerp_coeff,
+            one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, squares, P_DT, G_DT, M_DT,
+            V_DT, HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR, UNSCALE_GRADS, HAS_NORM)
     if full_end < end:
         offs = full_end + lanes
         squares = _adam_block(
             offs, offs < end, full_end // BLOCK, p_addr, g_addr, m_addr, v_addr, vmax_addr, master_addr, ms_addr,
-            vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, one_minus_b1, one_minus_b2, eps,
-            wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, squares, P_DT, G_DT, M_DT, V_DT, HAS_MASTER,
-            M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR, UNSCALE_GRADS, HAS_NORM)
+            vs_addr, vmaxs_addr, m_lut_ptr, v_lut_ptr, sr_key, m_step, grad_mul, b2, lerp_from_grad, lerp_coeff,
+            one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay, grad_scale, squares, P_DT, G_DT, M_DT,
+            V_DT, HAS_MASTER, M_SCALED, V_SCALED, AMSGRAD, MODE, ALIGNED, BLOCK, HAS_SR, UNSCALE_GRADS, HAS_NORM)
     if HAS_NORM:
         tl.store(norm_partial_ptr + norm_partial_base + pid, tl.sum(squares, axis=0).to(tl.float64))
 

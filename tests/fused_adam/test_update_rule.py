@@ -19,6 +19,7 @@ import math
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -396,6 +397,38 @@ def _two_params(dtype=torch.float32):
     g = torch.Generator().manual_seed(3)
     return [torch.nn.Parameter(torch.randn(6, generator=g, dtype=dtype)),
             torch.nn.Parameter(torch.randn(3, 2, generator=g, dtype=dtype))]
+
+
+def _lerp_f32(m: np.ndarray, g: np.ndarray, beta1: float) -> np.ndarray:
+    """torch's lerp of m towards g by the weight w = float32(1 - beta1), every operation rounded to float32 on its
+    own: m + w * (g - m) for w < 0.5, else g - (1 - w) * (g - m)."""
+    w = np.float32(1.0 - beta1)
+    if w < 0.5:
+        return m + w * (g - m)
+    return g - (np.float32(1.0) - w) * (g - m)
+
+
+@pytest.mark.parametrize("beta1", [0.0, 0.3, 0.5, 0.6, 0.9])
+def test_exp_avg_is_torchs_lerp_of_the_gradient_for_every_beta1(beta1, backend):
+    """exp_avg.lerp_(grad, 1 - beta1), as torch.optim.AdamW forms it: for weights of 0.5 and more (beta1 <= 0.5) torch's
+    lerp takes the form grad - (1 - w) * (grad - exp_avg), which keeps a small gradient after a huge one where
+    exp_avg + w * (grad - exp_avg) cancels it: with beta1 = 0, exp_avg is the gradient itself, bit for bit. Bit for bit
+    the separately rounded float32 formula of each form, and within float32 rounding of torch's own lerp_ (which
+    fuses the multiply-add)."""
+    gen = torch.Generator().manual_seed(5)
+    grads = [1e8 * torch.randn(300, generator=gen), torch.randn(300, generator=gen), torch.randn(300, generator=gen)]
+    p = torch.nn.Parameter(torch.zeros(300))
+    opt = FusedAdam([p], lr=1e-3, betas=(beta1, 0.999), adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8)
+    expected, torchs = np.zeros(300, dtype=np.float32), torch.zeros(300)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+        expected = _lerp_f32(expected, g.numpy(), beta1)
+        torchs.lerp_(g, 1 - beta1)
+        assert_bitwise_equal(opt.state[p]["exp_avg"], torch.from_numpy(expected), f"exp_avg, beta1={beta1}")
+        torch.testing.assert_close(opt.state[p]["exp_avg"], torchs, rtol=4e-7, atol=0)  # (3 ulps)
+    if beta1 == 0.0:
+        assert_bitwise_equal(opt.state[p]["exp_avg"], grads[-1], "exp_avg with beta1 = 0")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -184,6 +184,8 @@ def test_adam_step_matches_reference_native_and_fallback(combo, mode, amsgrad):
     dict(found_inf=torch.tensor([0.0])),
     dict(eps=0.0, weight_decay=0.0),
     dict(beta1=0.0, beta2=0.0),
+    pytest.param(dict(beta1=0.5), id="beta1-0.5"),  # the lerp's second form from a weight of 0.5 on
+    pytest.param(dict(beta1=0.3), id="beta1-0.3"),
 ], ids=lambda o: "-".join(f"{k}" for k in o))
 @pytest.mark.parametrize("mode", [0, 2])
 def test_options(options, mode):
