@@ -452,15 +452,25 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
 
     state = init_state(p, group["amsgrad"])
     state["step"].fill_(step)
+    # (a NaN or inf in a moment makes its whole block NaN in block-scaled storage, as a step that meets it does:
+    # ops/README.md; those NaN are the checkpoint's own, warned about, not values out of range)
+    diverged = any(not bool(torch.isfinite(values[key]).all()) for key in MOMENT_KEYS if key in values)
     for key in CONVERSION_ORDER:
         if key in state:
             from_canonical(state, key, values[key])
             # what the storage dtype can hold: a float32 value beyond bfloat16's largest rounds to inf there (inf and
             # NaN that the checkpoint holds stay what they are; a finite value must stay finite)
             stored = to_canonical(state, key, p.shape)
-            if bool((torch.isfinite(values[key]) & ~torch.isfinite(stored)).any()):
+            lost = torch.isfinite(values[key]) & (torch.isinf(stored) if diverged else ~torch.isfinite(stored))
+            if bool(lost.any()):
+                storage = storage_layout(state, key)
                 raise ValueError(f"{where}[{key!r}] holds values beyond the range of this optimizer's "
-                                 f"{state[key].dtype} {key} storage")
-    if "master_param" in state and "master_param" in values:
-        state["master_param"].copy_(values["master_param"])
+                                 f"{state[key].dtype if storage == 'plain' else storage} {key} storage")
+    if "master_param" in state:
+        if "master_param" in values:
+            state["master_param"].copy_(values["master_param"])
+        else:
+            # made from the param at its next step, as for any state without one: from what the param holds then
+            # (the model's weights are often loaded after the optimizer's state)
+            del state["master_param"]
     return state

@@ -152,11 +152,14 @@ class FusedAdam(torch.optim.Optimizer):
 
     With amsgrad, :math:`\max_{s\le t} v_s` replaces :math:`v_t` in the denominator; with maximize, :math:`-g_t`
     replaces :math:`g_t`. Each parameter has its own step count :math:`t`; parameters without a gradient are skipped.
-    ops/README.md gives the exact order of operations and roundings every backend follows.
+    ops/README.md gives the exact order of operations and roundings every backend follows: :math:`m_t` is formed as
+    torch.optim.AdamW forms it, ``exp_avg.lerp_(grad, 1 - beta1)`` in both of torch's forms (for
+    :math:`\beta_1 \le 0.5`, :math:`g - \beta_1 (g - m)`: with :math:`\beta_1 = 0`, :math:`m_t = g_t` exactly), where
+    ORT's, apex's and DeepSpeed's kernels compute :math:`\beta_1 m + (1-\beta_1) g` (the same value, other roundings).
 
     Args:
         params: parameters or param groups (dicts), as for any torch optimizer.
-        lr: learning rate :math:`\eta` (default 1e-3); a float or a one-element tensor.
+        lr: learning rate :math:`\eta` (default 1e-3); a float or a one-element floating-point tensor.
         bias_correction: divide by :math:`1-\beta^t` (default True).
         betas: :math:`(\beta_1, \beta_2)` (default (0.9, 0.999)).
         eps: :math:`\epsilon` (default 1e-6, ORT's real default; torch's AdamW uses 1e-8).
@@ -913,7 +916,9 @@ class FusedAdam(torch.optim.Optimizer):
         that diverged before it was saved has inf/NaN moments or masters (torch loads them too). A finite value
         that this optimizer's storage dtype cannot hold (beyond bfloat16's range, say) is refused. Then new state tensors are built as
         copies in this optimizer's storage dtypes: the given dict and its tensors are never written to, so loading the
-        same dict twice equals loading it once. Missing ``master_param`` entries are taken from the current params.
+        same dict twice equals loading it once. A state without ``master_param`` (a checkpoint of an optimizer without
+        master weights) gets its master at the param's next step, from the param as it is then, as a state made
+        before ``master_weights`` was switched on does: model weights loaded after this call are kept.
 
         Group options missing from the checkpoint keep this optimizer's values (ORT's FusedAdam saves no
         ``adam_w_mode``, ``amsgrad`` or ``maximize``; torch's no ``adam_w_mode``), and ORT's per-group ``step``

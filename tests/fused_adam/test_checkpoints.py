@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import copy
 import io
+import math
+import re
 import warnings
 
 import pytest
@@ -821,7 +823,7 @@ def test_an_ort_fused_adam_checkpoint_loads(mode, backend, monkeypatch):
     assert [float(opt.state[p]["step"]) for p in params[:2]] == [7.0, 7.0]
     assert not opt.state.get(params[2])
     assert opt.state[params[1]]["exp_avg"].dtype == torch.float32
-    assert_bitwise_equal(opt.state[params[1]]["master_param"], params[1].detach().float(), "master from the param")
+    assert "master_param" not in opt.state[params[1]], "the master is made from the param at its next step"
 
     # it continues as the float64 reference started from the same moments and step
     reference = ReferenceAdam(params, lr=2e-3, eps=1e-6, weight_decay=0.01, mode=int(mode), master_weights=True)
@@ -938,6 +940,80 @@ def test_a_diverged_runs_checkpoint_with_inf_masters_loads_and_resumes_bit_for_b
     for p, q in zip(params, resumed_params):
         assert_bitwise_equal(q.detach(), p.detach(), "resumed param")
     assert_tree_bitwise_equal(resumed.state_dict(), opt.state_dict(), "resumed state")
+
+
+def test_a_checkpoint_without_masters_leaves_them_to_the_params_next_step(backend):
+    """Loaded into an optimizer with master weights, a checkpoint without masters (torch's AdamW's, or one saved before
+    ``master_weights`` was switched on) leaves each master to its param's next step, as a state made before the switch
+    does: a model checkpoint loaded after the optimizer's is what the masters start from, and a run resumed right
+    after the switch equals the run that did not stop, bit for bit, whatever is written into the params between."""
+    def run(resume: bool) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _fp32_params()]
+        opt = FusedAdam(params, lr=1e-2)
+        _steps(opt, params, 0, 2)
+        opt.master_weights = True
+        if resume:
+            saved = _roundtrip(opt.state_dict())
+            params = _clone_params(params)
+            opt = FusedAdam(params, lr=1e-2, master_weights=True)
+            opt.load_state_dict(saved)
+            assert not any("master_param" in opt.state[p] for p in params)
+        with torch.no_grad():
+            for p in params:  # the model's weights loaded after the optimizer's state
+                p.copy_(torch.linspace(-1, 1, p.numel()).view(p.shape))
+        _steps(opt, params, 2, 3)
+        return [p.detach() for p in params] + [opt.state[p]["master_param"] for p in params]
+
+    for continued, resumed in zip(run(False), run(True)):
+        assert_bitwise_equal(resumed, continued, "resumed")
+    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _fp32_params()]
+    torch_opt = torch.optim.AdamW(params, lr=1e-2)
+    _steps(torch_opt, params, 0, 1)
+    opt = FusedAdam(_clone_params(params), lr=1e-2, master_weights=True, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    opt.load_state_dict(_roundtrip(torch_opt.state_dict()))
+    mine = opt.param_groups[0]["params"]
+    with torch.no_grad():
+        for p in mine:
+            p.fill_(3.0)
+    _steps(opt, mine, 1, 1)
+    for p in mine:
+        assert float((opt.state[p]["master_param"] - 3.0).abs().max()) < 0.1, "the master starts from the new weights"
+
+
+BLOCKS = {torch.uint8: 256, torch.uint4: 128, torch.float8_e4m3fn: 256}
+
+
+@pytest.mark.parametrize("target", list(BLOCKS), ids=str)
+@pytest.mark.parametrize("key,value", [("exp_avg", math.nan), ("exp_avg", math.inf), ("exp_avg_sq", math.nan)],
+                         ids=["nan-exp_avg", "inf-exp_avg", "nan-exp_avg_sq"])
+def test_a_diverged_fp32_checkpoint_loads_into_block_scaled_moments_with_its_block_nan(target, key, value):
+    """A float32-moment run that met one inf or NaN gradient element has an inf or NaN in its moments (torch's AdamW
+    too). Loaded into 8-bit, 4-bit or fp8 moments, it loads with the RuntimeWarning, as it loads into float moments:
+    the element's block reads back as NaN, as the step that meets such a value stores it, and every other block is
+    what the same checkpoint without that element gives, bit for bit."""
+    p = torch.nn.Parameter(torch.randn(700))
+    source = FusedAdam([p], lr=1e-3)
+    p.grad = torch.randn(700)
+    source.step()
+    clean = source.state_dict()
+    diverged = copy.deepcopy(clean)
+    diverged["state"][0][key][300] = value
+    loaded = {}
+    for name, sd in (("clean", clean), ("diverged", diverged)):
+        opt = FusedAdam([torch.nn.Parameter(p.detach().clone())], lr=1e-3, exp_avg_dtype=target,
+                        exp_avg_sq_dtype=target)
+        if name == "diverged":
+            with pytest.warns(RuntimeWarning, match=re.escape(f"state_dict['state'][0][{key!r}]")):
+                opt.load_state_dict(sd)
+        else:
+            opt.load_state_dict(sd)
+        loaded[name] = opt.state_dict()["state"][0]
+    block = BLOCKS[target]
+    inside = torch.zeros(700, dtype=torch.bool)
+    inside[300 // block * block:(300 // block + 1) * block] = True
+    assert bool(loaded["diverged"][key][inside].isnan().all()), "the element's block reads back as NaN"
+    for moment in ("exp_avg", "exp_avg_sq"):
+        assert_bitwise_equal(loaded["diverged"][moment][~inside], loaded["clean"][moment][~inside], moment)
 
 
 @pytest.mark.parametrize("value", [-1.0, float("-inf")], ids=["negative", "-inf"])
