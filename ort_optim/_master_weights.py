@@ -683,8 +683,21 @@ class WrapperMasters:
     @torch.no_grad()
     def load(self, inner_state_dict: dict, masters: list) -> None:
         """Loads the optimizer's checkpoint (cloned: the optimizer keeps what it is given), writes the saved masters
-        and then the model's params from them (rounded). validate_masters() ran before."""
-        self.optimizer.load_state_dict(_clone_tensors(inner_state_dict))  # validates before changing anything
+        and then the model's params from them (rounded). validate_masters() ran before. torch.optim's
+        load_state_dict replaces its state and param_groups first and then fixes up what it loaded (Adam's reads
+        each state's 'step': a KeyError where one lacks it): on any error a torch optimizer gets both back, so a
+        failed load leaves it as it was."""
+        opt = self.optimizer
+        state, param_groups = opt.state, opt.param_groups
+        try:
+            opt.load_state_dict(_clone_tensors(inner_state_dict))
+        except Exception as error:
+            if isinstance(opt, torch.optim.Optimizer):  # (DeepSpeed's ZeRO optimizers keep their own records)
+                opt.state, opt.param_groups = state, param_groups
+            if isinstance(error, KeyError):  # (names nothing but the key)
+                raise ValueError(f"state_dict['optimizer'] cannot be loaded into {type(opt).__name__}: an entry lacks "
+                                 f"the key {error}") from error
+            raise
         self.load_masters(inner_state_dict, masters, "")
 
     @torch.no_grad()

@@ -775,7 +775,9 @@ def _check_moment(layout: StateLayout, p, state, key, dtype, where, reads: dict)
         if LOW_BIT_FORMATS.get(dtype) is fmt and value.is_contiguous():
             return []
         scaled = True
-    elif isinstance(state[key], torch.Tensor) and state[key].dtype in FP8_FORMATS and scale is not None:
+    elif isinstance(state[key], torch.Tensor) and state[key].dtype in FP8_FORMATS:
+        # (fp8 codes without their scales are refused, as low-bit codes are: no moment is kept as plain float8
+        # values, so codes whose scales were dropped cannot be told from values)
         value = _fp8_state(p, state, key, where)
         if value.dtype == dtype and value.is_contiguous():
             return []
@@ -853,7 +855,7 @@ def _fp8_state(p: torch.Tensor, state: ParamState, key: str, where: str) -> torc
     state[key + '_scale'] (float32, one per block; powers of two, 0 or NaN, a second moment's also negated:
     ort_optim._spec.Fp8Format); returns the
     codes."""
-    value, scale = state[key], state[key + "_scale"]
+    value, scale = state[key], state.get(key + "_scale")
     fmt = FP8_FORMATS[value.dtype]
     what, scale_what = f"{where}: optimizer.state[p][{key!r}]", f"{where}: optimizer.state[p][{key + '_scale'!r}]"
     if p.dtype == torch.float64:

@@ -1156,7 +1156,9 @@ def test_max_grad_norm_set_after_construction_is_honoured(inner):
 
 def _trained(inner):
     params = fp16_params() + [nn.Parameter(torch.randn(2))]
-    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9) if inner == "SGD" else FusedAdam(params, lr=1e-2)
+    optimizer = {"SGD": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                 "AdamW": lambda: torch.optim.AdamW(params, lr=1e-2),
+                 "FusedAdam": lambda: FusedAdam(params, lr=1e-2)}[inner]()
     opt = FP16_Optimizer(optimizer, init_scale=2.0**10, max_scale=2.0**12, growth_interval=2)
     coef = [torch.ones(4, 3), torch.ones(3), torch.ones(2)]
     for step in range(4):
@@ -1235,15 +1237,23 @@ FUSED_ONLY = {
     "masters with FusedAdam": (lambda sd: sd["master_params"].append(torch.zeros(3)), ValueError,
                                "must be empty with FusedAdam inside"),
 }
+# torch.optim.AdamW's load_state_dict replaces its state, then reads each state's 'step' (a KeyError): the wrapper
+# puts the state back and names what is missing
+ADAMW_ONLY = {
+    "inner state without its step": (lambda sd: sd["optimizer"]["state"][0].pop("step"), ValueError,
+                                     "state_dict['optimizer'] cannot be loaded into AdamW: an entry lacks the key "
+                                     "'step'"),
+}
+ONLY = {"SGD": SGD_ONLY, "FusedAdam": FUSED_ONLY, "AdamW": ADAMW_ONLY}
 
 
-def _cases(inner):
-    return [(inner, name) for name in {**BAD_CHECKPOINTS, **(SGD_ONLY if inner == "SGD" else FUSED_ONLY)}]
+def _cases(inner, names=None):
+    return [(inner, name) for name in names or {**BAD_CHECKPOINTS, **ONLY[inner]}]
 
 
-@pytest.mark.parametrize("inner, case", _cases("SGD") + _cases("FusedAdam"))
+@pytest.mark.parametrize("inner, case", _cases("SGD") + _cases("FusedAdam") + _cases("AdamW", ADAMW_ONLY))
 def test_bad_checkpoint_names_the_entry_and_changes_nothing(inner, case):
-    mutate, exc, fragment = {**BAD_CHECKPOINTS, **SGD_ONLY, **FUSED_ONLY}[case]
+    mutate, exc, fragment = {**BAD_CHECKPOINTS, **SGD_ONLY, **FUSED_ONLY, **ADAMW_ONLY}[case]
     opt, params, coef = _trained(inner)
     checkpoint = opt.state_dict()
     _train_step(opt, params, coef)  # the live state now differs from the checkpoint's
