@@ -142,6 +142,21 @@ def canonical_checkpoint(state_dict: Any) -> Any:
             "param_groups": [_bnb_group(g, gi) for gi, g in enumerate(state_dict["param_groups"])]}
 
 
+# What an entry of the canonical checkpoint that canonical_checkpoint makes holds, in the given layout's own words (for
+# the errors of the checks that then run on that checkpoint).
+DECODED_FROM = {
+    "torchao": "its 'exp_avg' and 'exp_avg_sq' are torchao's quantised tensors of those names, decoded",
+    "bitsandbytes": f"its 'exp_avg' is state1 and its 'exp_avg_sq' state2 of '{BNB_QUANT_STATE_KEY}' (or of the "
+                    "state itself), each decoded with its absmax and qmap, and its 'step' is that state's step",
+}
+
+
+def explain_entry(error: Exception, source: str) -> Exception:
+    """error, raised by the checks of the canonical checkpoint made from a source's state_dict, with what its entry
+    names there added (a new exception of the same type)."""
+    return type(error)(f"{error} (in the Adam checkpoint read from this {source} state_dict: {DECODED_FROM[source]})")
+
+
 def _refuse_unknown_subclasses(state_dict: Any) -> None:
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
         return

@@ -516,6 +516,11 @@ REFUSALS = {
                       "16 values"),
     "bnb-negative-v": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(qmap2=-dynamic_map(False))),
                        "negative"),
+    # (refused by the checks of the Adam checkpoint it is read as: the error says which of its entries that is)
+    "bnb-negative-absmax2": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(
+        absmax2=-sd["state"][0][BNB_KEY]["absmax2"])), "holds negative values; a second moment is a mean of squares "
+        "(in the Adam checkpoint read from this bitsandbytes state_dict: its 'exp_avg' is state1 and its "
+        "'exp_avg_sq' state2"),
     "bnb-lion": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].pop("state2")),
                  "has 'state1' but no 'state2': one moment, the state of bitsandbytes' Lion"),
     "torch-sgd": (lambda: _torch_optimizer_state(lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9)),

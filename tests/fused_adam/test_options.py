@@ -371,6 +371,21 @@ def test_moment_dtypes_changed_between_steps_are_checked_together_at_the_step():
                for state in opt.state.values())
 
 
+def test_moment_dtypes_changed_between_steps_convert_each_state_at_its_params_next_step_with_a_gradient():
+    """The step reads only the params with a gradient: a frozen param's state stays as it was (its values in
+    state_dict()) until it trains again; loading the optimizer's own checkpoint converts every state at once."""
+    opt, params = _stepped()
+    frozen_before = copy.deepcopy(opt.state_dict()["state"][1])
+    opt.exp_avg_dtype = opt.exp_avg_sq_dtype = torch.uint8
+    params[0].grad, params[1].grad = torch.ones_like(params[0]), None
+    opt.step()
+    assert [opt.state[p]["exp_avg"].dtype for p in params] == [torch.uint8, torch.float32]
+    assert_tree_bitwise_equal(opt.state_dict()["state"][1], frozen_before, "the frozen param's state")
+    opt.load_state_dict(opt.state_dict())
+    assert all(opt.state[p]["exp_avg"].dtype == torch.uint8 for p in params)
+    assert all(opt.state[p]["exp_avg_sq"].dtype == torch.uint8 for p in params)
+
+
 @pytest.mark.parametrize("change", ["appended-without-defaults", "lr-deleted"])
 def test_a_group_missing_an_option_is_refused_naming_the_group_and_the_option(change):
     """A group appended to param_groups directly has none of the defaults (add_param_group fills them in); torch's
