@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import itertools
 import re
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -82,6 +83,9 @@ def new_version() -> str:
     return f"v{next(_VERSIONS)}"
 
 
+_ABSENT = object()
+
+
 class ParamState(dict):
     """One param's state dict inside an :class:`OptimizerState`: every mutation bumps the owner's version."""
 
@@ -95,8 +99,14 @@ class ParamState(dict):
         self._owner.version = new_version()
 
     def __setitem__(self, key, value) -> None:
+        if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            # a step count given as a number is held as the tensor torch's optimizers keep (TorchDynamo reads every
+            # state's step as a tensor before a compiled step runs); the step checks its value, as any step's
+            value = torch.tensor(float(value), dtype=torch.float64)
+        unchanged = dict.get(self, key, _ABSENT) is value
         super().__setitem__(key, value)
-        self._bump()
+        if not unchanged:  # (the same object put back is no change: TorchDynamo puts every state's step back at
+            self._bump()   # each trace, which would otherwise plan again and fail the earlier graphs' guards)
 
     def __delitem__(self, key) -> None:
         super().__delitem__(key)
@@ -603,6 +613,30 @@ def _storage_kind(state: dict, key: str) -> tuple:
     return state[key].dtype, None if scale is None else scale.dtype
 
 
+# Each bucket's step counts (Bucket.steps), by the address of their storage: a plan made again over the same params
+# takes the buffer their steps already view, the same tensor, so that a compiled step's graphs, which guard it by
+# identity, stay valid across an eager step in between (an eager step plans for itself).
+_STEPS_BUFFERS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def _views(step: torch.Tensor, steps: torch.Tensor, j: int) -> bool:
+    """Whether step is element j of the buffer steps (a 0-dim view of its storage there)."""
+    return (step.dim() == 0 and step.dtype == steps.dtype and step.device == steps.device
+            and step.untyped_storage().data_ptr() == steps.untyped_storage().data_ptr()
+            and step.storage_offset() == steps.storage_offset() + j)
+
+
+def _steps_buffer(steps: list[torch.Tensor]) -> torch.Tensor:
+    """The float64 [n] buffer of these step counts: the one they already view in this order, else a new one."""
+    base = _STEPS_BUFFERS.get(steps[0].untyped_storage().data_ptr()) if steps[0].dim() == 0 else None
+    if (base is not None and base.numel() == len(steps) and base.untyped_storage().nbytes() == base.numel() * 8
+            and all(_views(step, base, j) for j, step in enumerate(steps))):
+        return base
+    buffer = torch.stack(steps)
+    _STEPS_BUFFERS[buffer.untyped_storage().data_ptr()] = buffer
+    return buffer
+
+
 def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayout, group_index: int,
                 grads: list, native: bool, one_buffer: bool = True) -> GroupPlan:
     group = groups[group_index]
@@ -631,11 +665,12 @@ def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: Sta
                 getattr(bucket, key + "s").extend(s[key] for s in states)
             if key + "_scale" in states[0]:
                 getattr(bucket, key + "_scales").extend(s[key + "_scale"] for s in states)
-        bucket.steps = torch.stack([s["step"] for s in states])
+        bucket.steps = _steps_buffer([s["step"] for s in states])
         for j, s in enumerate(states):
             # the same tensor, now a view of steps: torch's state['step'] is one tensor for a whole run, so code that
             # holds it keeps reading (and writing) the param's step after the optimizer plans again
-            s["step"].data = bucket.steps[j]
+            if not _views(s["step"], bucket.steps, j):
+                s["step"].data = bucket.steps[j]
         bucket.step_tensors = [s["step"] for s in states]
         bucket.rounding_keys = rounding_keys(groups, group_index, bucket.indices, bucket.params[0],
                                              bool(bucket.master_params))

@@ -295,16 +295,20 @@ def test_a_compiled_step_after_a_refused_one_steps_and_computes_what_the_eager_s
 
 
 @NEWEST
-@pytest.mark.parametrize("assignment", ["exp_avg zeroed", "step set", "update()", "a bad shape"])
+@pytest.mark.parametrize("assignment", ["exp_avg zeroed", "step set", "step set to a number", "update()",
+                                        "a bad shape"])
 def test_state_assigned_between_compiled_steps_is_stepped_or_refused_as_eager(assignment):
     """Tensors assigned to optimizer.state[p] between compiled steps become the state from then on (the step traces
-    again, as torch.optim.AdamW's does), or are refused with the eager error, nothing written."""
+    again, as torch.optim.AdamW's does), or are refused with the eager error, nothing written. A step count given as
+    a number is held as a float64 tensor (TorchDynamo reads every state's step as a tensor before the step runs)."""
 
     def assign(state, p):
         if assignment == "exp_avg zeroed":
             state["exp_avg"] = torch.zeros_like(p)
         elif assignment == "step set":
             state["step"] = torch.tensor(10.0)
+        elif assignment == "step set to a number":
+            state["step"] = 10
         elif assignment == "update()":
             state.update(exp_avg_sq=torch.ones_like(p))
         else:
@@ -328,6 +332,34 @@ def test_state_assigned_between_compiled_steps_is_stepped_or_refused_as_eager(as
         results.append((optimizer_snapshot(opt), outcome))
     (eager, eager_errors), (compiled, compiled_errors) = results
     assert compiled_errors == eager_errors and bool(eager_errors) == (assignment == "a bad shape")
+    assert_tree_bitwise_equal(compiled, eager, "compiled vs eager")
+
+
+@NEWEST
+@pytest.mark.parametrize("between", ["an eager step", "eps switched back and forth"])
+def test_compiled_graphs_stay_valid_across_eager_steps_and_options_switched_back(between):
+    """An eager step between compiled steps (it keeps a plan of its own), or an option switched back to a value
+    already compiled for, reuses the graphs compiled before, as torch.optim.AdamW's compiled step does: no recompile at
+    each switch (until TorchDynamo's limit, after which the step would run eagerly), and the eager step's results."""
+
+    def run(compiled):
+        model = _model()
+        opt = FusedAdam(model.parameters(), lr=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH)
+        step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        for i in range(12):
+            _grads(model, i)
+            if between == "an eager step" and i % 2:
+                opt.step()
+            else:
+                opt.param_groups[0]["eps"] = (1e-8, 1e-6)[i % 2] if between != "an eager step" else 1e-8
+                step()
+        return optimizer_snapshot(opt), counters["stats"]["unique_graphs"]
+
+    (eager, _), (compiled, graphs) = run(False), run(True)
+    assert graphs == (1 if between == "an eager step" else 2), f"{graphs} graphs over 12 steps"
     assert_tree_bitwise_equal(compiled, eager, "compiled vs eager")
 
 
