@@ -384,7 +384,7 @@ struct SquareSum {
 template <int64_t kMode>
 struct Adam16 {
   __m512 grad_mul, b2, lerp_coeff, one_minus_b2, eps, wd, step_size, bc2_sqrt, torch_decay, hf_decay;
-  bool lerp_from_grad;
+  __mmask16 lerp_from_grad;  // all lanes take the lerp's base from g (Lerp: its second form), or none
 
   Adam16(const TensorWork& w, const Hyper& h)
       : grad_mul(_mm512_set1_ps(float(h.grad_mul))),
@@ -397,7 +397,7 @@ struct Adam16 {
         bc2_sqrt(_mm512_set1_ps(float(w.bc2_sqrt))),
         torch_decay(_mm512_set1_ps(float(1.0 - h.lr * h.weight_decay))),
         hf_decay(_mm512_set1_ps(float(h.lr * h.weight_decay))),
-        lerp_from_grad(Lerp<float>(h.beta1).from_grad) {}
+        lerp_from_grad(Lerp<float>(h.beta1).from_grad ? 0xFFFF : 0) {}
 
   // The moments of 16 elements: from mi and vi (as decoded) into m and v; the maxima of |m| into max_m, the
   // gradients' squares into squares (SquareSum's lanes, kept in a register by the caller's loop).
@@ -407,7 +407,7 @@ struct Adam16 {
     squares = _mm512_add_ps(squares, _mm512_mul_ps(g_loaded, g_loaded));
     __m512 gi = _mm512_mul_ps(g_loaded, grad_mul);
     if (kMode == kAdamL2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, _mm512_loadu_ps(p)));
-    mi = _mm512_add_ps(lerp_from_grad ? gi : mi, _mm512_mul_ps(lerp_coeff, _mm512_sub_ps(gi, mi)));
+    mi = _mm512_add_ps(_mm512_mask_blend_ps(lerp_from_grad, mi, gi), _mm512_mul_ps(lerp_coeff, _mm512_sub_ps(gi, mi)));
     vi = _mm512_add_ps(_mm512_mul_ps(vi, b2), _mm512_mul_ps(_mm512_mul_ps(one_minus_b2, gi), gi));
     _mm512_storeu_ps(m, mi);
     _mm512_storeu_ps(v, vi);

@@ -43,7 +43,6 @@ from __future__ import annotations
 import collections
 import itertools
 import re
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -86,23 +85,29 @@ def new_version() -> str:
 _ABSENT = object()
 
 
+def _held(key, value):
+    """What a state dict holds for this entry: a step count given as a number becomes the float64 tensor torch's
+    optimizers keep (TorchDynamo reads every state's step as a tensor before a compiled step runs); the step checks
+    its value, as any step's."""
+    if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value), dtype=torch.float64)
+    return value
+
+
 class ParamState(dict):
     """One param's state dict inside an :class:`OptimizerState`: every mutation bumps the owner's version."""
 
     __slots__ = ("_owner",)
 
     def __init__(self, owner: "OptimizerState", items=()):
-        super().__init__(items)
+        super().__init__({key: _held(key, value) for key, value in dict(items).items()})
         self._owner = owner
 
     def _bump(self) -> None:
         self._owner.version = new_version()
 
     def __setitem__(self, key, value) -> None:
-        if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-            # a step count given as a number is held as the tensor torch's optimizers keep (TorchDynamo reads every
-            # state's step as a tensor before a compiled step runs); the step checks its value, as any step's
-            value = torch.tensor(float(value), dtype=torch.float64)
+        value = _held(key, value)
         unchanged = dict.get(self, key, _ABSENT) is value
         super().__setitem__(key, value)
         if not unchanged:  # (the same object put back is no change: TorchDynamo puts every state's step back at
@@ -125,12 +130,12 @@ class ParamState(dict):
         self._bump()
 
     def update(self, *args, **kwargs) -> None:
-        super().update(*args, **kwargs)
+        super().update({key: _held(key, value) for key, value in dict(*args, **kwargs).items()})
         self._bump()
 
     def setdefault(self, key, default=None):
         self._bump()
-        return super().setdefault(key, default)
+        return super().setdefault(key, _held(key, default))
 
     def __ior__(self, other):
         self.update(other)
@@ -613,30 +618,6 @@ def _storage_kind(state: dict, key: str) -> tuple:
     return state[key].dtype, None if scale is None else scale.dtype
 
 
-# Each bucket's step counts (Bucket.steps), by the address of their storage: a plan made again over the same params
-# takes the buffer their steps already view, the same tensor, so that a compiled step's graphs, which guard it by
-# identity, stay valid across an eager step in between (an eager step plans for itself).
-_STEPS_BUFFERS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-
-
-def _views(step: torch.Tensor, steps: torch.Tensor, j: int) -> bool:
-    """Whether step is element j of the buffer steps (a 0-dim view of its storage there)."""
-    return (step.dim() == 0 and step.dtype == steps.dtype and step.device == steps.device
-            and step.untyped_storage().data_ptr() == steps.untyped_storage().data_ptr()
-            and step.storage_offset() == steps.storage_offset() + j)
-
-
-def _steps_buffer(steps: list[torch.Tensor]) -> torch.Tensor:
-    """The float64 [n] buffer of these step counts: the one they already view in this order, else a new one."""
-    base = _STEPS_BUFFERS.get(steps[0].untyped_storage().data_ptr()) if steps[0].dim() == 0 else None
-    if (base is not None and base.numel() == len(steps) and base.untyped_storage().nbytes() == base.numel() * 8
-            and all(_views(step, base, j) for j, step in enumerate(steps))):
-        return base
-    buffer = torch.stack(steps)
-    _STEPS_BUFFERS[buffer.untyped_storage().data_ptr()] = buffer
-    return buffer
-
-
 def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayout, group_index: int,
                 grads: list, native: bool, one_buffer: bool = True) -> GroupPlan:
     group = groups[group_index]
@@ -665,12 +646,11 @@ def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: Sta
                 getattr(bucket, key + "s").extend(s[key] for s in states)
             if key + "_scale" in states[0]:
                 getattr(bucket, key + "_scales").extend(s[key + "_scale"] for s in states)
-        bucket.steps = _steps_buffer([s["step"] for s in states])
+        bucket.steps = torch.stack([s["step"] for s in states])
         for j, s in enumerate(states):
             # the same tensor, now a view of steps: torch's state['step'] is one tensor for a whole run, so code that
             # holds it keeps reading (and writing) the param's step after the optimizer plans again
-            if not _views(s["step"], bucket.steps, j):
-                s["step"].data = bucket.steps[j]
+            s["step"].data = bucket.steps[j]
         bucket.step_tensors = [s["step"] for s in states]
         bucket.rounding_keys = rounding_keys(groups, group_index, bucket.indices, bucket.params[0],
                                              bool(bucket.master_params))

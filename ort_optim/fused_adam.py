@@ -153,8 +153,9 @@ class FusedAdam(torch.optim.Optimizer):
     With amsgrad, :math:`\max_{s\le t} v_s` replaces :math:`v_t` in the denominator; with maximize, :math:`-g_t`
     replaces :math:`g_t`. Each parameter has its own step count :math:`t`; parameters without a gradient are skipped.
     ops/README.md gives the exact order of operations and roundings every backend follows: :math:`m_t` is formed as
-    torch.optim.AdamW forms it, ``exp_avg.lerp_(grad, 1 - beta1)`` in both of torch's forms (for
-    :math:`\beta_1 \le 0.5`, :math:`g - \beta_1 (g - m)`: with :math:`\beta_1 = 0`, :math:`m_t = g_t` exactly), where
+    torch.optim.AdamW forms it, ``exp_avg.lerp_(grad, 1 - beta1)`` in both of torch's forms (where the weight
+    :math:`w = 1 - \beta_1`, rounded to the compute dtype, is at least 0.5, :math:`g - (1 - w)(g - m)`: with
+    :math:`\beta_1 = 0`, :math:`m_t = g_t` exactly), where
     ORT's, apex's and DeepSpeed's kernels compute :math:`\beta_1 m + (1-\beta_1) g` (the same value, other roundings).
 
     Args:
@@ -309,9 +310,6 @@ class FusedAdam(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.capturable = capturable
         self._plan: Optional[_plan.Plan] = None  # the step cache (ort_optim/_plan.py)
-        # a step traced by torch.compile keeps a plan of its own (no native plans; guarded by TorchDynamo): an eager
-        # step in between then leaves the compiled graphs valid
-        self._traced_plan: Optional[_plan.Plan] = None
         self._checked_groups = _group_options.CheckedGroups()  # the options last accepted (steps, backward updates)
         # The last step's report (last_grad_norm, last_found_inf): a dict, whose writes a step traced by
         # torch.compile replays (TorchDynamo drops attribute writes on an optimizer made inside a traced step).
@@ -365,7 +363,7 @@ class FusedAdam(torch.optim.Optimizer):
         for name, attribute in vars(FusedAdam).items():  # (likewise: through their checked setters)
             if isinstance(attribute, _CheckedOption) and name in self.__dict__:
                 setattr(self, name, self.__dict__.pop(name))
-        self._plan = self._traced_plan = None  # the caches (native plans cannot be copied): rebuilt at the next step
+        self._plan = None  # the cache (native plans cannot be copied): rebuilt at the next step
         self._checked_groups = _group_options.CheckedGroups()
         self._partitions_checked = False
         self._last = {"grad_norm": None, "found_inf": None}
@@ -571,7 +569,7 @@ class FusedAdam(torch.optim.Optimizer):
             if traced_float:
                 device = next(p.device for group in self.param_groups for p in group["params"])
                 grad_scale = torch.zeros((), dtype=torch.float64, device=device) + grad_scale
-            plan = self._traced_plan
+            plan = self._plan
             if not (plan.describes(self.param_groups, self.state, self._layout, native=False)
                     and all(planned.read_grads() for planned in plan.groups)):
                 raise RuntimeError("ort_optim: a traced FusedAdam step found its plan out of date; please report")
@@ -640,16 +638,16 @@ class FusedAdam(torch.optim.Optimizer):
         if not all(backends.implementation(d) is torch.ops.ort_optim for d in devices):
             return False
         layout = self._layout
-        plan = self._traced_plan
+        plan = self._plan
         if plan is None or not (plan.describes(self.param_groups, self.state, layout, native=False)
                                 and all(planned.read_grads_if_current() for planned in plan.groups)):
             try:
-                self._traced_plan = _plan.build(self.param_groups, self.state, layout, traced=True, unscales=unscales)
+                self._plan = _plan.build(self.param_groups, self.state, layout, traced=True, unscales=unscales)
             except (ValueError, TypeError):
                 return False
         elif unscales:  # (a new plan checked them)
             try:
-                _plan.check_grads_writable(list(self._traced_plan.buckets()))
+                _plan.check_grads_writable(list(self._plan.buckets()))
             except ValueError:
                 return False
         # The optimizer's own tensors (states, masters, scales, steps) are guarded by identity, as torch.optim's
@@ -658,7 +656,7 @@ class FusedAdam(torch.optim.Optimizer):
         # 1491, 1.0x). Their metadata is the plan's to check (an in-place change of a state's shape or dtype makes the
         # compiled graph's input check raise, writing nothing); the params keep their metadata guards, so
         # `p.data = t` re-traces and plans again as the eager step does.
-        static = [t for planned in self._traced_plan.groups for bucket in planned.buckets
+        static = [t for planned in self._plan.groups for bucket in planned.buckets
                   for t in [t for lst in bucket.state_lists() + [bucket.step_tensors] for t in lst] + [bucket.steps]]
         for tensor in static:
             torch._dynamo.mark_static_address(tensor, guard=True)
