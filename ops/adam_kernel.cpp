@@ -37,8 +37,9 @@ struct BlockMax {
 };
 
 // torch's lerp of m towards g by the weight w = 1 - beta1, the form exp_avg.lerp_(grad, 1 - beta1) takes in
-// torch.optim.AdamW: m + w * (g - m) for w < 0.5 (beta1 > 0.5), else g - (1 - w) * (g - m), written g + (w - 1) * (g -
-// m) (the same bits: negation is exact). The second form keeps g exact where m cancels it: with beta1 = 0, m is g.
+// torch.optim.AdamW: m + w * (g - m) for w < 0.5 (beta1 > 0.5), else g + (w - 1) * (g - m), as torch's vectorised
+// lerp forms it (its scalar form, g - (1 - w) * (g - m), differs in the sign of a zero: -0.0 where g = -0.0 and
+// beta1 = 0). The second form keeps g exact where m cancels it: with beta1 = 0, m is g.
 // w and w - 1 are formed in T, as torch forms them in its compute type.
 template <typename T>
 struct Lerp {

@@ -168,8 +168,8 @@ def reference_step(args: list, hp: dict) -> None:
                 g = g + F(wd) * p
             if mode == 2:
                 p = p * F(1.0 - lr * wd)
-            w = F(1.0 - beta1)  # torch's lerp: m + w*(g - m) for w < 0.5, else g - (1 - w)*(g - m)
-            m = m + w * (g - m) if w < 0.5 else g - (F(1.0) - w) * (g - m)
+            w = F(1.0 - beta1)  # torch's lerp: m + w*(g - m) for w < 0.5, else g + (w - 1)*(g - m)
+            m = m + w * (g - m) if w < 0.5 else g + (w - F(1.0)) * (g - m)
             v = v * F(beta2) + F(1.0 - beta2) * g * g
             v_used = v
             if amsgrad:

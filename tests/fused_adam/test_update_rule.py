@@ -401,11 +401,11 @@ def _two_params(dtype=torch.float32):
 
 def _lerp_f32(m: np.ndarray, g: np.ndarray, beta1: float) -> np.ndarray:
     """torch's lerp of m towards g by the weight w = float32(1 - beta1), every operation rounded to float32 on its
-    own: m + w * (g - m) for w < 0.5, else g - (1 - w) * (g - m)."""
+    own: m + w * (g - m) for w < 0.5, else g + (w - 1) * (g - m) (as torch's vectorised lerp forms it)."""
     w = np.float32(1.0 - beta1)
     if w < 0.5:
         return m + w * (g - m)
-    return g - (np.float32(1.0) - w) * (g - m)
+    return g + (w - np.float32(1.0)) * (g - m)
 
 
 @pytest.mark.parametrize("beta1", [0.0, 0.3, 0.5, 0.6, 0.9])
