@@ -248,11 +248,6 @@ def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed:
     return out
 
 
-def nonfinite_entries(values: dict, where: str) -> list[str]:
-    """The entries (``where[key]``) among a state's checked moments and master that hold inf or NaN."""
-    return [f"{where}[{key!r}]" for key, value in values.items() if not bool(torch.isfinite(value).all())]
-
-
 def _listed(entries: list[str]) -> str:
     """The first three entries, and how many more, for a warning."""
     return ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
@@ -448,13 +443,15 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
                          "have one, as ORT's FusedAdam saves)")
     values = {key: _check_moment(saved[key], p, key, f"{where}[{key!r}]", listed)
               for key in MOMENT_KEYS + ("master_param",) if key in saved}
-    nonfinite += nonfinite_entries(values, where)
+    # the moments and master holding inf or NaN: loaded as they are, and warned about (warn_nonfinite)
+    held_nonfinite = [key for key, value in values.items() if not bool(torch.isfinite(value).all())]
+    nonfinite += [f"{where}[{key!r}]" for key in held_nonfinite]
 
     state = init_state(p, group["amsgrad"])
     state["step"].fill_(step)
     # (a NaN or inf in a moment makes its whole block NaN in block-scaled storage, as a step that meets it does:
-    # ops/README.md; those NaN are the checkpoint's own, warned about, not values out of range)
-    diverged = any(not bool(torch.isfinite(values[key]).all()) for key in MOMENT_KEYS if key in values)
+    # ops/README.md; those NaN are the checkpoint's own, not values out of range)
+    diverged = any(key in MOMENT_KEYS for key in held_nonfinite)
     for key in CONVERSION_ORDER:
         if key in state:
             from_canonical(state, key, values[key])

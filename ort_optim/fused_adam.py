@@ -962,17 +962,17 @@ class FusedAdam(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        source = _migration.source_of(state_dict)
-        state_dict = _migration.canonical_checkpoint(state_dict)  # torchao's, bitsandbytes': read as canonical
+        given = state_dict
+        state_dict = _migration.canonical_checkpoint(given)  # torchao's, bitsandbytes': read as canonical
         try:
             if self._has_dtensors:
                 prepared = self._prepare_local_load(state_dict)
             else:
                 prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._layout)
         except (ValueError, TypeError) as error:
-            if source is None:
+            if state_dict is given:  # (not read from another library's layout)
                 raise
-            raise _migration.explain_entry(error, source) from error
+            raise _migration.explain_entry(error, _migration.source_of(given)) from error
         for group, new_group in zip(self.param_groups, prepared.groups):
             params = group["params"]
             group.clear()
