@@ -8,6 +8,7 @@ ORTModuleOptions, wrap and FP16_Optimizer are imported on first access, so `pyth
 import importlib
 
 from .backends import native_available
+from ._plan import GradientError
 from .fused_adam import AdamWMode, FusedAdam
 
 _LAZY = {
@@ -19,7 +20,7 @@ _LAZY = {
     "LossScaleUnderflowError": "ort_optim.loss_scaler",
 }
 
-__all__ = ["AdamWMode", "FusedAdam", "native_available", *_LAZY]
+__all__ = ["AdamWMode", "FusedAdam", "GradientError", "native_available", *_LAZY]
 __version__ = "0.1.0"
 
 

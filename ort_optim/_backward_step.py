@@ -424,9 +424,12 @@ class BackwardStep:
         """p's state, checked (and adopted into the optimizer's layout) as step() does, or created; raises naming the
         param before anything is written."""
         where = _plan.describe(group_index, index, p)
-        problem = _plan._storage_problem(p) or _plan._grad_problem(p.grad, p)
+        problem = _plan._storage_problem(p)
         if problem is not None:
-            raise ValueError(f"{where}: {problem if problem.startswith('its') else 'it ' + problem}")
+            raise ValueError(f"{where}: it {problem}")
+        problem = _plan._grad_problem(p.grad, p)
+        if problem is not None:
+            raise _plan.GradientError(f"{where}: {problem}")
         state = optimizer.state[p]
         if not state:
             state.update(optimizer._layout.init_state(p, amsgrad))

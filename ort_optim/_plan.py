@@ -66,6 +66,14 @@ def describe(group_index: int, index: int, param: torch.Tensor) -> str:
     return f"param_groups[{group_index}]['params'][{index}] (shape {tuple(param.shape)}, {param.dtype})"
 
 
+class GradientError(ValueError, RuntimeError):
+    """A gradient the step cannot use: sparse, of another shape, dtype or device than its param, without its memory,
+    overlapping itself where the step unscales it in place, or placed otherwise than its DTensor param.
+
+    A ValueError, as every input FusedAdam refuses, and a RuntimeError, as torch.optim's AdamW and apex's and ONNX
+    Runtime's FusedAdam raise for a sparse gradient, so that code written against either catches it."""
+
+
 # ---- containers that mark their mutations ---------------------------------------------------------------------------
 
 
@@ -405,7 +413,7 @@ class Plan:
                         piece = piece.clone()
                     problem = _grad_problem(piece, bucket.params[slot])
                     if problem is not None:
-                        raise ValueError(f"{describe(group_index, bucket.indices[slot], p)}: {problem} (once "
+                        raise GradientError(f"{describe(group_index, bucket.indices[slot], p)}: {problem} (once "
                                          f"redistributed from {dtensor.describe_layout(g)})")
                     bucket.grads[slot] = piece
 
@@ -504,15 +512,18 @@ def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayo
                 raise ValueError(f"{where}: FusedAdam supports float32, float64, float16 and bfloat16 params")
             misplaced = dtensor.gradient_problem(p, g)
             if misplaced is not None:
-                raise ValueError(f"{where}: {misplaced}")
+                raise GradientError(f"{where}: {misplaced}")
             state = optimizer_state.get(p)
             same_layout = not dtensor.needs_redistribution(p, g)  # (else brought to p's at each step: resolve_grads)
             p, g = dtensor.local(p), dtensor.local(g)  # (from here on, what this rank stores and updates)
-            problem = _storage_problem(p) or _grad_problem(g, p, same_shape=same_layout)
+            problem = _storage_problem(p)
             if problem is not None:
-                raise ValueError(f"{where}: {problem if problem.startswith('its') else 'it ' + problem}")
+                raise ValueError(f"{where}: it {problem}")
+            problem = _grad_problem(g, p, same_shape=same_layout)
+            if problem is not None:
+                raise GradientError(f"{where}: {problem}")
             if unscales and same_layout and not grad_writable(g):
-                raise ValueError(unwritable_grad_message(where))
+                raise GradientError(unwritable_grad_message(where))
             if state:
                 adoptions += check_state(layout, p, state, bool(group["amsgrad"]), where)
                 stateful.append((group_index, index, p, state))
@@ -1079,7 +1090,8 @@ def check_grads_writable(buckets: list) -> None:
         grads = bucket.grads if bucket.native is None else [p.grad for p in bucket.params]
         for k, g in enumerate(grads):
             if not grad_writable(g):
-                raise ValueError(unwritable_grad_message(describe(group_index, bucket.indices[k], bucket.params[k])))
+                raise GradientError(unwritable_grad_message(describe(group_index, bucket.indices[k],
+                                                                     bucket.params[k])))
 
 
 def grad_writable(g: torch.Tensor) -> bool:
@@ -1096,7 +1108,7 @@ def unwritable_grad_message(where: str) -> str:
 
 def name_op_error(exc: Exception, group_index: int, bucket: Bucket) -> ValueError:
     """The op's error as step() reports it: without the op's name (the caller called step()), each ``list[k]`` it
-    mentions written as the param it stands for."""
+    mentions written as the param it stands for; a GradientError where it names a gradient."""
 
     def name(match: re.Match) -> str:
         k = int(match.group(2))
@@ -1105,4 +1117,6 @@ def name_op_error(exc: Exception, group_index: int, bucket: Bucket) -> ValueErro
         where = describe(group_index, bucket.indices[k], bucket.params[k])
         return where if match.group(1) == "params" else f"{where}'s {match.group(1)[:-1]}"
 
-    return ValueError(_LIST_ENTRY.sub(name, str(exc).removeprefix("ort_optim::adam_step_: ")))
+    message = str(exc).removeprefix("ort_optim::adam_step_: ")
+    about_a_grad = any(match.group(1) == "grads" for match in _LIST_ENTRY.finditer(message))
+    return (GradientError if about_a_grad else ValueError)(_LIST_ENTRY.sub(name, message))

@@ -258,6 +258,10 @@ class FusedAdam(torch.optim.Optimizer):
     by the caller is taken as given on each rank, as torch's fused optimizers take it (torch.amp.GradScaler and
     FP16_Optimizer hand every rank the same one).
 
+    A gradient the step cannot use (sparse, of another shape, dtype or device than its param) raises
+    :class:`GradientError`, naming the param, before anything is written: a ValueError like every refused input here,
+    and a RuntimeError like torch.optim.AdamW's error for a sparse gradient.
+
     guides/fused-adam.md holds the rest of the contract: the step's cache and what it notices, what is refused, the
     autograd version counters, loss scaling and skipped steps, ``step_in_backward``, and distributed training.
     """

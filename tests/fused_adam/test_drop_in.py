@@ -44,7 +44,7 @@ from hypothesis import strategies as st
 from reference import adam_update
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ort_optim import AdamWMode, FusedAdam
+from ort_optim import AdamWMode, FusedAdam, GradientError
 
 FP32_VS_TORCH = dict(rtol=0.0, atol=5e-7)  # parameters of magnitude ~1: a few float32 ulps (2**-23 = 1.2e-7)
 FP32_VS_FLOAT64 = dict(rtol=1e-6, atol=1e-6)
@@ -416,6 +416,37 @@ def test_step_runs_the_closure_with_grad_enabled_and_returns_its_loss_as_torch_d
         results.append((losses, params))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
     assert_params_close(results[0][1], results[1][1], **FP32_VS_TORCH)
+
+
+def _grad_data(p, value):
+    p.grad = torch.zeros_like(p)
+    p.grad.data = value  # (assigning .grad itself checks the shape and dtype; .data does not)
+
+
+BAD_GRADIENTS = {  # what torch.optim.AdamW raises a RuntimeError for
+    "sparse": lambda p: setattr(p, "grad", torch.ones_like(p).to_sparse()),
+    "of another dtype": lambda p: _grad_data(p, torch.zeros(p.shape, dtype=torch.float64)),
+    "of another shape": lambda p: _grad_data(p, torch.zeros(p.numel() + 1)),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_GRADIENTS)
+def test_a_gradient_torch_adamw_raises_a_runtime_error_for_raises_one_here_too(bad, backend):
+    """GradientError is a RuntimeError (torch's, apex's and ORT's type for a sparse gradient) and a ValueError (ours
+    for every refused input); it names the param and leaves everything as it was."""
+    for make in (lambda ps: FusedAdam(ps, **TORCH_ADAMW), lambda ps: torch.optim.AdamW(ps, foreach=False)):
+        params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))]
+        opt = make(params)
+        params[0].grad, params[1].grad = torch.ones(4), torch.ones(3)
+        opt.step()
+        BAD_GRADIENTS[bad](params[1])
+        before = optimizer_snapshot(opt)
+        with pytest.raises(RuntimeError) as raised:
+            opt.step()
+        if isinstance(opt, FusedAdam):
+            assert isinstance(raised.value, GradientError) and isinstance(raised.value, ValueError)
+            assert "param_groups[0]['params'][1]" in str(raised.value)
+            assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
 
 
 # ---- optimizer hooks, as torch.optim.Optimizer provides them -------------------------------------------------------
