@@ -54,6 +54,8 @@ class BackwardStep:
         # param -> ((optimizer.state.version, amsgrad, the group's rounding options, the backend choice, the layout
         # options), its runner on a native plan) when it was planned
         self._plans: dict[torch.Tensor, tuple[tuple, backends.PlanRunner]] = {}
+        # (per param stepped without a native plan: its fingerprint at its last update, to tell new data)
+        self._prints: dict[torch.Tensor, Optional[list]] = {}
         self._accumulating = 0
         self._updated: dict[torch.Tensor, None] = {}  # params updated by a hook since the last step()/zero_grad()
         self.setup_checked = False  # check_setup() passed (it runs once: before the first update, or at step())
@@ -350,8 +352,7 @@ class BackwardStep:
         (O(groups) to tell, at every hook), and before a param whose native plan's check failed is planned again
         (planning: its tensors changed, e.g. ``.data =``), once per backward. Raises before this hook's update
         (updates earlier in the same backward stay, as for any refusal in backward). Params stepped without a native
-        plan (CUDA, the reference backend) have no check to fail: there, new data given to a param with ``.data =``
-        is not checked against the other params in backward (step() checks it)."""
+        plan (CUDA, the reference backend) are told by their fingerprint (_plan.fingerprints) at their last update."""
         if self._epoch(optimizer) == self._checked_epoch and not (
                 planning and (task != self._checked_task or task < 0)):
             return
@@ -390,10 +391,14 @@ class BackwardStep:
         if current and cached[1].check():
             cached[1].step(hyper)  # (through the plan's pointers; it marks what it wrote)
             return
-        if current:  # (the plan's check failed: a tensor of this param changed, e.g. `.data =`)
+        # (a native plan's check failed, or a param stepped without one has new data: `.data =`, `set_`)
+        prints = None if cached is not None else _plan.fingerprints([p])
+        if current or (p in self._prints and prints != self._prints[p]):
             self._check_across_params(optimizer, task, planning=True)
         with torch.no_grad():
             self._step_validated(optimizer, p, group_index, index, group, hyper, amsgrad, key)
+        if p not in self._plans:
+            self._prints[p] = prints
         # (p's state, created or adopted just now, has memory of its own: the checks across params still hold)
         self._checked_epoch = self._epoch(optimizer)
 

@@ -309,13 +309,14 @@ CHANGES_ACROSS_PARAMS = {
 
 
 @pytest.mark.parametrize("change", CHANGES_ACROSS_PARAMS)
-def test_what_step_refuses_across_params_after_a_change_mid_run_is_refused_by_the_hooks_too(change):
+def test_what_step_refuses_across_params_after_a_change_mid_run_is_refused_by_the_hooks_too(change, backend):
     """The checks that involve several params (a param listed twice, params or state tensors that share memory, one
     state dict for two params) are made by step() when it plans; the hooks, which check each param alone, make them
     too whenever the state or a params list changed, and before a param whose tensors changed is planned again. A
     change seen through the state or the params lists is refused before any update of that backward; one seen only
-    when its param plans again (new data with `.data =`) before that param's update (params updated earlier in the
-    same backward stay updated, as for any refusal in backward)."""
+    when its param plans again (new data with `.data =`: a native plan's check fails, or, without native plans, the
+    param's fingerprint changed) before that param's update (params updated earlier in the same backward stay updated,
+    as for any refusal in backward)."""
     make_change, message = CHANGES_ACROSS_PARAMS[change]
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(64)) for _ in range(3)]
