@@ -246,9 +246,13 @@ def check_dtype_option(name: str, dtype: Optional[torch.dtype]) -> None:
                          f"torch.uint4 (4-bit), torch.float8_e4m3fn or torch.float8_e5m2 (fp8), got {dtype!r}")
 
 
-def check_optimizer_options(master_weights: Any, exp_avg_dtype: Any, exp_avg_sq_dtype: Any, max_grad_norm: Any,
-                            flags: dict) -> None:
+def check_optimizer_options(master_weights: Any, master_weight_dtype: Any, exp_avg_dtype: Any, exp_avg_sq_dtype: Any,
+                            max_grad_norm: Any, flags: dict) -> None:
     """The constructor's optimizer-wide options (flags: name -> value of the options that must be bools)."""
+    if master_weight_dtype is not torch.float32:
+        raise ValueError(f"FusedAdam: master_weight_dtype must be torch.float32 (master weights are kept in float32 "
+                         f"only), got {master_weight_dtype!r}. For less memory than fp32 masters, train bfloat16 "
+                         "params with stochastic_rounding=True and master_weights=False")
     check_dtype_option("exp_avg_dtype", exp_avg_dtype)
     check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
     check_dtype_pair(exp_avg_dtype, exp_avg_sq_dtype)

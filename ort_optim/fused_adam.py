@@ -179,6 +179,10 @@ class FusedAdam(torch.optim.Optimizer):
             param's next step. After loading a model-only checkpoint, also load the optimizer's checkpoint (it
             carries the masters), or copy the params into the masters: ``optimizer.state[p]['master_param'].copy_(p)``
             for every ``p`` with state.
+        master_weight_dtype: the masters' dtype, taken as TransformerEngine's FusedAdam takes it so that code written
+            for it constructs FusedAdam unchanged: torch.float32 only (the default; other dtypes are refused naming
+            this option, whatever ``master_weights`` says, where TE ignores it without masters and keeps fp16
+            masters with a scale: a bf16 param's stochastic rounding is the low-memory choice here).
         exp_avg_dtype, exp_avg_sq_dtype: storage dtype of the moments: torch.float32, torch.bfloat16,
             torch.float16, torch.uint8 (8-bit), torch.uint4 (4-bit), torch.float8_e4m3fn or torch.float8_e5m2
             (fp8), in any combination (default None: float32 for
@@ -282,6 +286,7 @@ class FusedAdam(torch.optim.Optimizer):
         amsgrad: bool = False,
         maximize: bool = False,
         master_weights: bool = False,
+        master_weight_dtype: torch.dtype = torch.float32,
         exp_avg_dtype: Optional[torch.dtype] = None,
         exp_avg_sq_dtype: Optional[torch.dtype] = None,
         max_grad_norm: Optional[float] = None,
@@ -297,7 +302,7 @@ class FusedAdam(torch.optim.Optimizer):
     ):
         _group_options.check_torch_implementation_options(foreach, fused, differentiable)
         _group_options.check_optimizer_options(
-            master_weights, exp_avg_dtype, exp_avg_sq_dtype, max_grad_norm,
+            master_weights, master_weight_dtype, exp_avg_dtype, exp_avg_sq_dtype, max_grad_norm,
             dict(set_grad_none=set_grad_none, capturable=capturable, step_in_backward=step_in_backward))
         _group_options.check_process_group(process_group, "FusedAdam: process_group")
         _group_options.check_process_group(pipeline_group, "FusedAdam: pipeline_group")

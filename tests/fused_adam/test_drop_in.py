@@ -214,6 +214,13 @@ BAD_OPTIONS = [
     ("fused-string", dict(fused="yes"), TypeError, r"fused must be None, True or False, got 'yes'"),
     ("foreach-int", dict(foreach=1), TypeError, r"foreach must be None, True or False, got 1"),
     ("differentiable", dict(differentiable=True), ValueError, r"differentiable=True is not supported"),
+    # TransformerEngine's fp16 masters (kept with a scale) are not offered; TE ignores the option without masters
+    ("master-weight-dtype-fp16", dict(master_weights=True, master_weight_dtype=torch.float16), ValueError,
+     r"master_weight_dtype must be torch\.float32 \(master weights are kept in float32 only\), got torch\.float16"),
+    ("master-weight-dtype-bf16-no-masters", dict(master_weight_dtype=torch.bfloat16), ValueError,
+     r"master_weight_dtype must be torch\.float32 .*, got torch\.bfloat16"),
+    ("master-weight-dtype-string", dict(master_weight_dtype="float32"), ValueError,
+     r"master_weight_dtype must be torch\.float32 .*, got 'float32'"),
 ]
 
 
@@ -223,8 +230,8 @@ def test_a_bad_option_is_refused_naming_it(options, error, message):
         FusedAdam([torch.nn.Parameter(torch.zeros(3))], **options)
 
 
-GROUP_OPTIONS = [c for c in BAD_OPTIONS if not {"set_grad_none", "master_weights", "capturable", "max_grad_norm",
-                                                  "foreach", "fused", "differentiable"} & set(c[1])]
+GROUP_OPTIONS = [c for c in BAD_OPTIONS if not {"set_grad_none", "master_weights", "master_weight_dtype", "capturable",
+                                                  "max_grad_norm", "foreach", "fused", "differentiable"} & set(c[1])]
 
 
 @pytest.mark.parametrize("options,error,message", [c[1:] for c in GROUP_OPTIONS], ids=[c[0] for c in GROUP_OPTIONS])
@@ -915,7 +922,9 @@ def test_master_weights_track_torch_adamw_on_fp32_copies(dtype, backend):
     (low-precision) gradients; the param is its master rounded to nearest even, bit for bit, after every step."""
     params = make_params(dtype)
     fp32 = [torch.nn.Parameter(p.detach().float()) for p in params]
-    ours = FusedAdam(params, lr=1e-2, master_weights=True, **TORCH_ADAMW)
+    # (TransformerEngine's call: its master_weight_dtype default given explicitly, fp32 moments)
+    ours = FusedAdam(params, lr=1e-2, master_weights=True, master_weight_dtype=torch.float32,
+                     exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, **TORCH_ADAMW)
     theirs = torch.optim.AdamW(fp32, lr=1e-2, foreach=False)
     for k in range(STEPS):
         set_grads(params, k)
