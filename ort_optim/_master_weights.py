@@ -96,7 +96,9 @@ class InnerMasters:
     version. Every step() records which gradients are unscaled after it (those written, by their versions): the next
     step() hands FusedAdam no grad_scale when every gradient is one of those, unwritten since (a retry after a step
     post hook raised, a second step() on the same gradients), and the loss scale when none is; a mix (an update that
-    raised half way, a backward without zero_grad that reached only some params) is refused, changing nothing. A
+    raised half way, a backward without zero_grad that reached only some params) is refused, changing nothing. After
+    a skipped step every gradient is still scaled (on a device, whose kernels decide the skip where the host does not
+    read it, their versions move all the same: the flag is read then, at a second step() over them only). A
     step() that raises before the update (a pre hook) leaves the gradients scaled and recorded as such. A step that
     torch.compile traces keeps no record and counts every gradient as scaled (see step)."""
 
@@ -130,6 +132,7 @@ class InnerMasters:
         self.optimizer = optimizer
         self._max_grad_norm = max_grad_norm
         self._unscaled = _Versions()  # the gradients the last step() left unscaled
+        self._skipped: Optional[torch.Tensor] = None  # the last step()'s skip flag (None: it raised, or none yet)
 
     def apply(self) -> None:
         """Switches the FusedAdam's masters on (and hands it max_grad_norm). Also with no fp16/bf16 param yet: groups
@@ -178,6 +181,11 @@ class InnerMasters:
         # gradients count as scaled, as a backward leaves them.
         traced = torch.compiler.is_compiling()
         unscaled = [False if traced else self._unscaled.holds(p, g) for _, _, p, g in grads]
+        if any(unscaled) and self._skipped is not None and bool(self._skipped != 0):
+            # The last step() was skipped, so it wrote back no gradient: they are all still scaled. (Their versions
+            # moved all the same where the kernels decide the skip on the device, which the host does not read:
+            # ort_optim/_versions.py. Read here, on a second step() over the same gradients only.)
+            unscaled = [False] * len(unscaled)
         if any(unscaled):
             if not all(unscaled):
                 gi, j = next((gi, j) for (gi, j, _, _), done in zip(grads, unscaled) if not done)
@@ -207,6 +215,7 @@ class InnerMasters:
             # (beside a FusedAdam's own reduction, over the wrapper's explicit groups only: it covers the rest)
             given = owner._reduce_found_inf(given.reshape(1), None if reduction is None else explicit).reshape(())
         self._unscaled = _Versions()  # (filled again below, after the step, where it is kept)
+        self._skipped = None  # (this step's skip flag, once it has one)
         if traced:  # (nothing to record; and no try block, which TorchDynamo cannot resume in after a graph break)
             opt.step(grad_scale=scale, found_inf=given)
         else:
@@ -220,6 +229,7 @@ class InnerMasters:
         found = opt.last_found_inf
         if found is None:  # no parameter had a gradient on this rank: nothing was (or could be) updated here
             found = torch.zeros((), dtype=torch.float32, device=owner._main_device) if given is None else given
+        self._skipped = found.reshape(())
         owner.scaler.update(found.reshape(()))
         return False
 

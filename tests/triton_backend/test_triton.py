@@ -709,6 +709,34 @@ def test_fused_adam_through_the_triton_backend(config, monkeypatch):
             torch.testing.assert_close(value.cpu(), csd["state"][index][key].cpu(), **tol)
 
 
+def test_fp16_optimizer_steps_again_over_a_skipped_steps_gradients_as_on_the_cpu(monkeypatch):
+    """FP16_Optimizer(FusedAdam) on the Triton kernels, non-contiguous fp16 params (their gradients go through
+    contiguous copies, written back after the launch): a step skipped for an overflow, then step() again over the same
+    gradients without a backward, skips again and halves the scale again, as on the native CPU op. The kernels decide
+    the skip on the device, which the host does not read, so the gradients' versions move on a skipped step too; the
+    wrapper must not read that as "FusedAdam wrote them back unscaled" (it would then step on scaled, inf
+    gradients)."""
+    from ort_optim import FP16_Optimizer, FusedAdam
+
+    results = {}
+    for backend in ("triton", "native" if backends.native_available() else "torch"):
+        monkeypatch.setenv("ORT_OPTIM_BACKEND", backend)
+        device = DEVICE if backend == "triton" else torch.device("cpu")
+        base = torch.randn(40, 8, generator=torch.Generator().manual_seed(0)).half().to(device)
+        p = torch.nn.Parameter(base.t())
+        opt = FP16_Optimizer(FusedAdam([p], lr=1e-2), init_scale=16.0)
+        opt.backward((p.float() * 1e6).sum())  # overflows float16
+        assert not p.grad.is_contiguous()
+        history = []
+        for _ in range(2):
+            opt.step()
+            history.append((opt.overflow, opt.loss_scale))
+        results[backend] = (history, p.detach().cpu())
+    (history, value), (cpu_history, cpu_value) = results.values()
+    assert history == cpu_history == [(True, 8.0), (True, 4.0)]
+    assert torch.equal(value, cpu_value) and torch.isfinite(value).all()
+
+
 # ---- the gradients' norm from the update's own pass (adam_step_(grad_norm=True), FusedAdam.last_grad_norm) --------
 
 def _joined(*cases) -> list:
