@@ -327,12 +327,20 @@ def _in_float32(value: float) -> float:
         return math.inf
 
 
+def check_grad_scale_value(value: float) -> None:
+    """grad_scale's value: finite and non-zero in float32 (the op unscales by it there)."""
+    if not (math.isfinite(value) and 0.0 != _in_float32(value) != math.inf):
+        raise ValueError(f"step(): grad_scale must be finite and non-zero in float32 (the step unscales by it "
+                         f"there), got {value!r}")
+
+
 def check_scaling_arguments(grad_scale: Any, found_inf: Any) -> None:
     """step()'s grad_scale (a real number or a one-element floating-point tensor) and found_inf (a one-element
     tensor), checked before anything changes.
     The op unscales in float32 by a grad_scale that must be finite and non-zero there: a number is checked here, a
-    tensor's value by the op on the CPU (reading it here would be a host read per step; on an accelerator nothing
-    reads it, which would synchronise with the device: a zero or non-finite scale skips the step, backends.scaling)."""
+    tensor's value by the op on the CPU (reading it here would be a host read per step; a step that plans reads it
+    first, so that a refused scale creates or converts no state), on an accelerator nowhere (that would synchronise
+    with the device: a zero or non-finite scale skips the step, backends.scaling)."""
     if grad_scale is not None:
         if isinstance(grad_scale, torch.Tensor):
             if grad_scale.numel() != 1 or not grad_scale.is_floating_point():
@@ -348,9 +356,8 @@ def check_scaling_arguments(grad_scale: Any, found_inf: Any) -> None:
                 value = float(grad_scale)
             except OverflowError:  # (an int beyond any float)
                 value = math.inf
-        if value is not None and not (math.isfinite(value) and 0.0 != _in_float32(value) != math.inf):
-            raise ValueError(f"step(): grad_scale must be finite and non-zero in float32 (the step unscales by it "
-                             f"there), got {value!r}")
+        if value is not None:
+            check_grad_scale_value(value)
     if found_inf is not None and not isinstance(found_inf, torch.Tensor):
         raise TypeError(f"step(): found_inf must be a one-element tensor (non-zero: skip the step), got {found_inf!r}")
     if found_inf is not None and found_inf.numel() != 1:

@@ -602,6 +602,9 @@ class FusedAdam(torch.optim.Optimizer):
         plan = self._plan
         groups, state, layout = self.param_groups, self.state, self._layout
         if plan is None or not plan.read_grads_if_valid(groups, state, layout):
+            if isinstance(grad_scale, torch.Tensor) and grad_scale.device.type == "cpu":
+                # (the op checks it at every step, but planning creates and converts states before the op runs)
+                _group_options.check_grad_scale_value(float(grad_scale))
             self._reduction()  # (params on meshes it refuses: raised before the new plan creates any state)
             plan = self._plan = _plan.build(groups, state, layout, unscales=grad_scale is not None and _UNSCALE_GRADS)
             # (a plan describes what it was built from: if not, this is a bug, not a user error)

@@ -670,6 +670,29 @@ def test_bad_grad_scale_or_found_inf_is_refused_naming_it_and_changes_nothing(ar
     assert_tree_bitwise_equal(optimizer_snapshot(opt, report=True), before, "optimizer")
 
 
+@pytest.mark.parametrize("when", ["first step", "after a moment dtype switch"])
+@pytest.mark.parametrize("scale", [0.0, float("inf"), float("nan")])
+def test_a_tensor_grad_scale_refused_at_a_step_that_plans_creates_and_converts_no_state(scale, when, backend):
+    """A step that plans (the first, or one after an option changed) creates missing states and converts states to new
+    moment dtypes before the op runs; a CPU tensor grad_scale that the op would refuse is read first."""
+    params = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(5))]
+    opt = FusedAdam(params)
+    if when != "first step":
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        opt.exp_avg_dtype = opt.exp_avg_sq_dtype = torch.uint8
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"grad_scale must be finite and non-zero"):
+        opt.step(grad_scale=torch.tensor(scale))
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+    opt.step(grad_scale=torch.tensor(2.0))  # (the same step with a good scale plans and converts)
+    assert all(opt.state[p]["exp_avg"].dtype == (torch.float32 if when == "first step" else torch.uint8)
+               for p in params)
+
+
 GRAD_SCALES = [None, 2.0, 0.5, 1, 0.0, -2.0, float("inf"), float("nan"), 1e-300, 1e300, 10**400, True, "2",
                np.float32(4.0),
                torch.tensor(2.0), torch.tensor(2.0, dtype=torch.float64), torch.tensor(2.0).half(), torch.tensor([8.0]),
