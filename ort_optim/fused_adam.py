@@ -492,7 +492,9 @@ class FusedAdam(torch.optim.Optimizer):
         process, the update pass itself: the native CPU plan sums the squares of each work item as it loads it, and
         the Triton kernels (CUDA) sum the squares of the gradients each program loads into a float64 partial per
         program, added by one more tiny program in a fixed order (deterministic for a given launch; float32
-        squares, so a plain step's norm above about 1.8e19 reads inf). A plain step on the reference backend
+        squares, so a plain step's norm above about 1.8e19 reads inf). The two sum in different orders, so their
+        norms of the same gradients may differ in the last bit or so (relative 1e-6), where the params, states and
+        skip decisions of the two agree bit for bit. A plain step on the reference backend
         (pure PyTorch: ``ORT_OPTIM_BACKEND=torch``, or CUDA without triton), or with DTensor params or a
         process_group (where the norm would need a collective of its own), or traced by torch.compile (the registered
         op returns nothing; with grad_scale or max_grad_norm the statistics pass gives the norm), leaves it None, and
