@@ -365,6 +365,7 @@ class Plan:
     state_version: str
     layout: StateLayout  # the optimizer's state layout
     native: bool  # whether CPU buckets run on the native op (have native plans)
+    traced: bool = False  # made for a step that torch.compile traces (no native plans; eager steps take it as it is)
     has_dtensors: bool = field(init=False)  # whether any group has DTensor params
 
     def __post_init__(self) -> None:
@@ -374,7 +375,9 @@ class Plan:
         """Whether this plan still describes the optimizer's param groups, state and layout (the rule in the module
         docstring); when it does, the buckets are ready to step (native plans checked, other buckets' gradients
         read into bucket.grads)."""
-        if not self.describes(groups, state, layout, backends.runs_natively(CPU)):
+        # (a plan made for a compiled step serves eager steps too: one made again, with native plans, would fail the
+        # compiled graphs' guards, and the next compiled step would trace again)
+        if not self.describes(groups, state, layout, backends.runs_natively(CPU) and not self.traced):
             return False
         for planned in self.groups:
             if not planned.read_grads_if_current():
@@ -549,7 +552,7 @@ def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayo
     # (a traced step's states get storages of their own: see StateLayout.init_states)
     planned = [_plan_group(groups, optimizer_state, layout, group_index, grads, native, one_buffer=not traced)
                for group_index, grads in enumerate(all_grads)]
-    return Plan(planned, optimizer_state, optimizer_state.version, layout, native)
+    return Plan(planned, optimizer_state, optimizer_state.version, layout, native, traced)
 
 
 def _mark_param_lists(groups: list[dict]) -> None:

@@ -497,7 +497,8 @@ class FusedAdam(torch.optim.Optimizer):
         skip decisions of the two agree bit for bit. A plain step on the reference backend
         (pure PyTorch: ``ORT_OPTIM_BACKEND=torch``, or CUDA without triton), or with DTensor params or a
         process_group (where the norm would need a collective of its own), or traced by torch.compile (the registered
-        op returns nothing; with grad_scale or max_grad_norm the statistics pass gives the norm), leaves it None, and
+        op returns nothing; with grad_scale or max_grad_norm the statistics pass gives the norm), or eager after
+        compiled steps (it steps through their plan, the op, until that plan no longer holds), leaves it None, and
         so does a step whose params span several of these paths when one of them cannot report; so do updates made in
         backward
         (step_in_backward: a step() after a backward that updated params, which finishes only the rest; not one after

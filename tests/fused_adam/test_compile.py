@@ -366,6 +366,30 @@ def test_compiled_graphs_stay_valid_across_options_switched_back():
 
 
 @NEWEST
+def test_eager_steps_between_compiled_steps_keep_the_compiled_graph_valid():
+    """An eager step() between compiled steps steps through the plan the compiled step made (the op, as the graph
+    calls it), so the next compiled step reuses its graph: alternating the two traces once, as a compiled step alone
+    does (a plan made again for the eager step would fail the graph's guards: a recompile at every switch, up to the
+    limit), with the eager step's results, bit for bit."""
+
+    def run(mode):
+        model = _model()
+        opt = FusedAdam(model.parameters(), lr=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH, weight_decay=0.01)
+        compiled = torch.compile(opt.step, backend="aot_eager")
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        for i in range(12):
+            _grads(model, i)
+            (opt.step if mode == "eager" or (mode == "alternating" and i % 2) else compiled)()
+        return optimizer_snapshot(opt), counters["stats"]["unique_graphs"]
+
+    (eager, _), (alternating, graphs), (_, compiled_graphs) = run("eager"), run("alternating"), run("compiled")
+    assert graphs == compiled_graphs == 1, f"{graphs} graphs alternating, {compiled_graphs} compiled alone"
+    assert_tree_bitwise_equal(alternating, eager, "alternating vs eager")
+
+
+@NEWEST
 @pytest.mark.parametrize("case", ["expanded gradient, grad_scale tensor", "capturable, grad_scale number"])
 def test_a_first_compiled_step_refused_as_eager_creates_no_state(case):
     """A first step refused by a check that depends on step()'s arguments: the eager ValueError, and no state created
