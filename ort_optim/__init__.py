@@ -14,6 +14,7 @@ from .fused_adam import AdamWMode, FusedAdam
 _LAZY = {
     "ORTModuleOptions": "ort_optim.options",
     "OptionsTooLateWarning": "ort_optim.options",
+    "ORTFailureWarning": "ort_optim.options",
     "wrap": "ort_optim.options",
     "FP16_Optimizer": "ort_optim.fp16_optimizer",
     "DynamicLossScaler": "ort_optim.loss_scaler",

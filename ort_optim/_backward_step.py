@@ -391,13 +391,17 @@ class BackwardStep:
         if current and cached[1].check():
             cached[1].step(hyper)  # (through the plan's pointers; it marks what it wrote)
             return
-        # (a native plan's check failed, or a param stepped without one has new data: `.data =`, `set_`)
-        prints = None if cached is not None else _plan.fingerprints([p])
-        if current or (p in self._prints and prints != self._prints[p]):
+        # (a native plan's check failed, a native plan is out of date (options, backend), or a param stepped without
+        # one has new data: `.data =`, `set_`)
+        prints = None if current else _plan.fingerprints([p])
+        if cached is not None or (p in self._prints and prints != self._prints[p]):
             self._check_across_params(optimizer, task, planning=True)
+        self._plans.pop(p, None)  # (made again below where the param steps natively)
         with torch.no_grad():
             self._step_validated(optimizer, p, group_index, index, group, hyper, amsgrad, key)
-        if p not in self._plans:
+        if p in self._plans:
+            self._prints.pop(p, None)
+        else:
             self._prints[p] = prints
         # (p's state, created or adopted just now, has memory of its own: the checks across params still hold)
         self._checked_epoch = self._epoch(optimizer)

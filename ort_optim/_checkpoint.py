@@ -142,10 +142,12 @@ def canonical(state_dict: dict, shapes: dict) -> dict:
         # tensor-valued entries (an lr tensor, a scheduler's initial_lr) are copies too: a scheduler that fills the lr
         # in place must not write into a saved checkpoint, nor the checkpoint's user into the optimizer
         saved = {key: value if key == "params" else _copy(value, plain_values=True) for key, value in group.items()}
-        if saved.get("adam_w_mode") == AdamWMode.ADAMW_TORCH:
+        if "adam_w_mode" in saved:
             # torch >= 2.5 reads a group without it as decoupled_weight_decay=False: loaded into
-            # torch.optim.Adam(decoupled_weight_decay=True), torch's AdamW math would silently become L2 decay
-            saved["decoupled_weight_decay"] = True
+            # torch.optim.Adam(decoupled_weight_decay=True), torch's AdamW math would silently become L2 decay. Saved
+            # whatever the mode (True for both decoupled modes), so that the groups' keys do not depend on it: DCP
+            # loads strictly by key, and a mode changed mid-run would change them.
+            saved["decoupled_weight_decay"] = saved["adam_w_mode"] != AdamWMode.ADAM_L2_REGULARIZATION
         groups.append(saved)
     return {"state": state, "param_groups": groups}
 

@@ -58,6 +58,8 @@ from ._spec import FP8_FORMATS, LOW_BIT_FORMATS, SUPPORTED_PARAM_DTYPES, num_blo
 from .integrations import dtensor
 
 CPU = torch.device("cpu")
+# Eager steps in a row through a plan made for compiled steps before the eager steps plan natively again.
+EAGER_STEPS_ON_A_TRACED_PLAN = 4
 # Element-wise overlap checks (exotic strides only) look at no more elements than this per param.
 MAX_ELEMENTWISE_OVERLAP_CHECK = 1 << 24
 
@@ -366,6 +368,8 @@ class Plan:
     layout: StateLayout  # the optimizer's state layout
     native: bool  # whether CPU buckets run on the native op (have native plans)
     traced: bool = False  # made for a step that torch.compile traces (no native plans; eager steps take it as it is)
+    eager_run: int = 0  # eager steps through this traced plan in a row, with no compiled step between
+    eager_version: int = -1  # the steps buffer's autograd version after the last of them
     has_dtensors: bool = field(init=False)  # whether any group has DTensor params
 
     def __post_init__(self) -> None:
@@ -419,6 +423,23 @@ class Plan:
                         raise GradientError(f"{describe(group_index, bucket.indices[slot], p)}: {problem} (once "
                                          f"redistributed from {dtensor.describe_layout(g)})")
                     bucket.grads[slot] = piece
+
+    def serves_eager_steps(self) -> bool:
+        """For an eager step: whether to step through this plan. A plan made for compiled steps (traced) serves the
+        eager steps between them, so that their graphs stay valid (a new plan fails their guards); after
+        EAGER_STEPS_ON_A_TRACED_PLAN eager steps in a row, the eager steps plan natively again (native plans read the
+        gradients in C++ and report a plain step's norm). A compiled step writes the steps buffer through the op,
+        which moves its autograd version: that tells the eager steps apart that had a compiled one between them."""
+        if not self.traced:
+            return True
+        steps = next((bucket.steps for _, _, bucket in self.buckets() if bucket.steps is not None), None)
+        self.eager_run = self.eager_run + 1 if steps is not None and steps._version == self.eager_version else 1
+        return self.eager_run < EAGER_STEPS_ON_A_TRACED_PLAN
+
+    def stepped_eagerly(self) -> None:
+        """Records the steps buffer's version after an eager step through this plan (serves_eager_steps)."""
+        steps = next((bucket.steps for _, _, bucket in self.buckets() if bucket.steps is not None), None)
+        self.eager_version = -1 if steps is None else steps._version
 
     def buckets(self):
         """(group index, group, bucket) of every op call of a step, in order."""

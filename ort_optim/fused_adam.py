@@ -43,6 +43,13 @@ def _leaving_out(plain_norm: bool = False, unscale_grads: bool = False):
         _PLAIN_NORM, _UNSCALE_GRADS = saved
 
 
+def _on_the_cpu(grad_scale: torch.Tensor, groups: list[dict]) -> bool:
+    """Whether a tensor grad_scale is read by the op on the CPU (where it refuses a bad value; on a device a bad
+    value skips the step): it and the first param are on the CPU."""
+    first = next((p for group in groups for p in group["params"]), None)
+    return grad_scale.device.type == "cpu" and (first is None or first.device.type == "cpu")
+
+
 def _traced_hyperparameters(group: dict, device: torch.device) -> dict:
     """A group's hyperparameters as the op's keyword arguments in a step traced by torch.compile: those of the eager
     step, but the betas go to the op as ``betas_tensor`` (float64 [2] on the steps' device) and a float lr as
@@ -497,8 +504,8 @@ class FusedAdam(torch.optim.Optimizer):
         skip decisions of the two agree bit for bit. A plain step on the reference backend
         (pure PyTorch: ``ORT_OPTIM_BACKEND=torch``, or CUDA without triton), or with DTensor params or a
         process_group (where the norm would need a collective of its own), or traced by torch.compile (the registered
-        op returns nothing; with grad_scale or max_grad_norm the statistics pass gives the norm), or eager after
-        compiled steps (it steps through their plan, the op, until that plan no longer holds), leaves it None, and
+        op returns nothing; with grad_scale or max_grad_norm the statistics pass gives the norm), or eager on the
+        CPU right after compiled steps (up to three in a row step through their plan, the op), leaves it None, and
         so does a step whose params span several of these paths when one of them cannot report; so do updates made in
         backward
         (step_in_backward: a step() after a backward that updated params, which finishes only the rest; not one after
@@ -604,8 +611,8 @@ class FusedAdam(torch.optim.Optimizer):
         # The one step path: the plan (valid, or built again after validating everything), then the backend ops.
         plan = self._plan
         groups, state, layout = self.param_groups, self.state, self._layout
-        if plan is None or not plan.read_grads_if_valid(groups, state, layout):
-            if isinstance(grad_scale, torch.Tensor) and grad_scale.device.type == "cpu":
+        if plan is None or not (plan.serves_eager_steps() and plan.read_grads_if_valid(groups, state, layout)):
+            if isinstance(grad_scale, torch.Tensor) and _on_the_cpu(grad_scale, groups):
                 # (the op checks it at every step, but planning creates and converts states before the op runs)
                 _group_options.check_grad_scale_value(float(grad_scale))
             self._reduction()  # (params on meshes it refuses: raised before the new plan creates any state)
@@ -616,6 +623,8 @@ class FusedAdam(torch.optim.Optimizer):
         if plan.has_dtensors:  # (gradients laid out unlike their DTensor params: to the params' layout, once per step)
             plan.resolve_grads(writes_grads=grad_scale is not None and _UNSCALE_GRADS)
         self._launch(plan, grad_scale, found_inf, hypers)
+        if plan.traced:
+            plan.stepped_eagerly()
 
     if not _TRACED_STEP:
         # Older TorchDynamo never traces the update, also where it runs step()'s own frame eagerly but compiles the
@@ -640,7 +649,9 @@ class FusedAdam(torch.optim.Optimizer):
         itself (an error out of this call would reach the user wrapped in TorchDynamo's own). unscales: the step
         writes unscaled gradients back (a grad_scale), whose overlap check reads what a traced step cannot (a host
         int per non-contiguous gradient: a graph break, after which TorchDynamo's restarted analysis diverged).
-        number_scale: that grad_scale is a number, which capturable=True refuses (before anything is planned)."""
+        number_scale: that grad_scale is a number, which capturable=True refuses (before anything is planned).
+        A tensor grad_scale's value is not read here (one made inside the compiled function is no value TorchDynamo
+        can hand over): a first compiled step refused for it by the op has made the states by then."""
         try:
             self._validate_options(None)
         except (ValueError, TypeError):
@@ -863,8 +874,9 @@ class FusedAdam(torch.optim.Optimizer):
         """torch.optim.AdamW's layout in canonical form: fresh tensors, moments and masters unscaled float32
         (float64 for float64 params), a float64 per-parameter ``step`` (torch's AdamW keeps a float32 one, which stops
         counting at 2**24; torch loads either and reads it as a number). It loads into FusedAdam with any state
-        dtypes, into torch.optim.AdamW (and, as ``ADAMW_TORCH`` groups also save ``decoupled_weight_decay=True``,
-        into torch >= 2.5's ``Adam(decoupled_weight_decay=True)``), and with ``torch.load(weights_only=True)``
+        dtypes, into torch.optim.AdamW (and, as every group also saves ``decoupled_weight_decay``, True but for
+        ``ADAM_L2_REGULARIZATION``, into torch >= 2.5's ``Adam(decoupled_weight_decay=True)``; the groups' keys do
+        not depend on the mode, which DCP's loads by key need), and with ``torch.load(weights_only=True)``
         (numpy scalars that an LR scheduler put into the groups are saved as Python numbers, enums as ints). The
         per-element states of DTensor params are DTensors laid out like their params (``step`` stays a plain tensor),
         which is what ``torch.distributed.checkpoint`` saves and reshards. Hooks registered with

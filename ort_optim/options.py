@@ -45,6 +45,7 @@ ORT_VERSION = "1.19.2"
 __all__ = [
     "ORTModuleOptions",
     "OptionsTooLateWarning",
+    "ORTFailureWarning",
     "Variable",
     "TABLE",
     "wrap",
@@ -56,6 +57,10 @@ __all__ = [
 
 class OptionsTooLateWarning(UserWarning):
     """apply() changed a variable that ORT has already read in this process."""
+
+
+class ORTFailureWarning(UserWarning):
+    """apply() set a value that ORT reads as meant but then fails with, whatever the model (_ORT_FAILURES)."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -633,7 +638,7 @@ class ORTModuleOptions:
 
         opts = ORTModuleOptions(memory_opt_level=1, log_level="INFO")
         model = wrap(model, opts)                      # apply(), then ORTModule(model); the variables stay set
-        with ORTModuleOptions(compute_optimizer=False):  # set on entry, restored on exit
+        with ORTModuleOptions(memory_opt_level=0):      # set on entry, restored on exit
             model = ORTModule(model)                   # read at construction: inside the block is enough
     """
 
@@ -644,7 +649,8 @@ class ORTModuleOptions:
         "transformer layer (like layer-wise activation checkpointing); 2: also subgraphs that keep part of an "
         "activation. Levels 1 and 2 ignore the plan file. Read again at the first forward call: there level 1 "
         "makes torch.utils.checkpoint regions run inline instead of failing the export, so it must still be set "
-        "then.", read="construction and first forward")
+        "then. Level 2 fails ORT 1.19.2's export of fp16 models ('two nodes with same node name').",
+        read="construction and first forward")
     recompute_plans: Optional[Tuple[str, ...]] = _option(
         "ORTMODULE_MEMORY_OPT_CONFIG", _Plans(), "unset (no plans)",
         "Recompute plans for level 0, written to a JSON file whose path is the variable's value (before 1.19 the "
@@ -652,14 +658,15 @@ class ORTModuleOptions:
         flags=("--recompute-plan",))
     embedding_sparse_optimizer: Optional[bool] = _option(
         "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER", _Bool(), "1 (ORT's docs say 0)",
-        "Skip padding rows of embedding inputs when their density is below 90%; needs the compute optimizer.")
+        "Skip padding rows of embedding inputs when their density is below 90%; needs the compute optimizer. Off "
+        "(0) makes ORT 1.19.2's first forward fail (TypeError; apply() warns).")
     label_sparse_optimizer: Optional[bool] = _option(
         "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER", _Bool(), "1",
         "Skip ignored labels in the loss when label density is below 90%; needs the compute optimizer.")
     mem_efficient_grad_mgmt: Optional[bool] = _option(
         "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT", _Bool(), "0",
         "Hand each gradient to PyTorch as soon as ORT computes it, freeing ORT's gradient buffers early; needs "
-        "custom autograd support.")
+        "custom autograd support. On (1) makes ORT 1.19.2's first backward fail (TypeError; apply() warns).")
     deepcopy_before_export: Optional[bool] = _option(
         "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT", _Bool(), "1",
         "Deep-copy the module before exporting it; 0 avoids the memory peak of holding two copies.")
@@ -677,8 +684,8 @@ class ORTModuleOptions:
         "replaces the checkpointing.", read="first forward")
     compute_optimizer: Optional[bool] = _option(
         "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", _Bool(), "1",
-        "FLOP reduction by moving shrinking ops (Gather, Slice, ...) earlier; 0 for exact-compute parity debugging, "
-        "and 0 also turns off both sparse optimizers.")
+        "FLOP reduction by moving shrinking ops (Gather, Slice, ...) earlier; 0 also turns off both sparse "
+        "optimizers, which makes ORT 1.19.2's first forward fail (TypeError; apply() warns).")
     custom_autograd: Optional[bool] = _option(
         "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", _Bool("int or on"), "1",
         "Run torch.autograd.Function subclasses as PythonOp; 0 inlines them. Read once per process.",
@@ -701,7 +708,8 @@ class ORTModuleOptions:
         "ORTMODULE_ONNX_OPSET_VERSION", _Int(minimum=17, maximum=20, note=f"below 17 ORT {ORT_VERSION} cannot train "
         "LayerNorm, below 11 not even Linear; 20 is torch 2.4's highest"), "17",
         "ONNX opset the model is exported with. 17 trains Linear, LayerNorm, GELU, Embedding, softmax, mean and "
-        "cross-entropy; 18-20 the same except mean (ReduceMean: ORT's shape inference raises TypeError).")
+        "cross-entropy; 18-20 the same except mean (ReduceMean: ORT's shape inference raises TypeError) and, in "
+        "fp16 models, LayerNorm (its gradient's ReduceMean takes axes as an attribute: InvalidGraph).")
     save_onnx_path: Optional[str] = _option(
         "ORTMODULE_SAVE_ONNX_PATH", _Path("an existing directory this process can write to", "dir"),
         "the current directory",
@@ -889,6 +897,16 @@ class ORTModuleOptions:
             )
 
     @staticmethod
+    def _warn_failures(env: Mapping[str, str], stacklevel: int = 3) -> None:
+        """ORTFailureWarning for the settings ORT 1.19.2 fails with that env sets (with the environment's values of
+        the fields it leaves unset)."""
+        lines = _ort_failures({**os.environ, **env}, written=env)
+        if lines:
+            warnings.warn(f"onnxruntime-training {ORT_VERSION} reads these settings as meant and then fails with "
+                          "them, whatever the model:\n" + "\n".join("  " + line for line in lines),
+                          ORTFailureWarning, stacklevel=stacklevel)
+
+    @staticmethod
     def _write_environ(env: Mapping[str, str]) -> Dict[str, Optional[str]]:
         """Writes env into os.environ, all or nothing; returns the previous values (None: was not set)."""
         saved = {name: os.environ.get(name) for name in env}
@@ -916,6 +934,7 @@ class ORTModuleOptions:
         """
         env = self._prepare()
         self._warn_late(env)
+        self._warn_failures(env)
         self._write_environ(env)
         return env
 
@@ -924,6 +943,7 @@ class ORTModuleOptions:
         table when a module runs for the first time: run that call inside the block, or use wrap()/apply()."""
         env = self._prepare()  # raises before anything is written or saved
         self._warn_late(env)
+        self._warn_failures(env)
         self._saved.append(self._write_environ(env))
         return self
 
@@ -980,6 +1000,40 @@ def _is_canonical_plan_file(path: str, plans: Tuple[str, ...]) -> bool:
             return json.load(f) == list(plans)
     except (OSError, ValueError):
         return False
+
+
+# Settings ORT reads as meant and then fails with, whatever the model (onnxruntime-training 1.19.2, the last release;
+# measured on CPU with torch 2.4.1): (fields, whether their values fail, how). apply() warns (ORTFailureWarning).
+_ORT_FAILURES = (
+    (("compute_optimizer", "embedding_sparse_optimizer"),
+     lambda v: False in (v["compute_optimizer"], v["embedding_sparse_optimizer"]),
+     "the embedding sparse optimizer is off (the compute optimizer off turns it off too), and ORTModule's first "
+     "forward then raises TypeError: 'NoneType' object is not iterable (GraphTransitionManager hands the embedding "
+     "flag to the label sparsity hook, which returns None for off, and iterates over that). Leave both on"),
+    (("mem_efficient_grad_mgmt", "custom_autograd"),
+     lambda v: v["mem_efficient_grad_mgmt"] is True and v["custom_autograd"] is not False,
+     "memory-efficient gradient management is on, and ORTModule's first backward then raises TypeError in "
+     "torch.zeros (_mem_efficient_grad_mgmt.py passes it a device it cannot take). Leave it off"),
+)
+
+
+def _ort_failures(environ: Mapping[str, str], written: Iterable[str] = ()) -> List[str]:
+    """The settings in environ that ORT reads as meant and then fails with (_ORT_FAILURES), one line each; those that
+    involve one of the variables named in ``written`` only, where that is given."""
+    def value(field: str) -> Any:
+        var = _BY_FIELD[field]
+        try:
+            return None if var.env not in environ else var.parse_env(environ[var.env])
+        except ValueError:  # (reported by check_environment())
+            return None
+
+    lines = []
+    for fields, fails, what in _ORT_FAILURES:
+        values = {field: value(field) for field in fields}
+        if fails(values) and (not written or any(_BY_FIELD[f].env in written for f in fields)):
+            given = ", ".join(f"{_BY_FIELD[f].env}={environ[_BY_FIELD[f].env]}" for f in fields if values[f] is not None)
+            lines.append(f"{given}: {what}")
+    return lines
 
 
 # Settings ORT accepts but silently ignores or overrides; explicit or from the environment, both sides known.

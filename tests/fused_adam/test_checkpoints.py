@@ -1488,3 +1488,39 @@ def test_property_a_checkpoint_of_any_configuration_loads_into_any_other_exactly
         opt.step()
         twin.step()
         assert_same_snapshot_but_nan_bits(optimizer_snapshot(opt), optimizer_snapshot(twin))
+
+
+def test_a_groups_saved_keys_do_not_depend_on_its_mode_so_a_mode_changed_mid_run_loads_by_key(tmp_path):
+    """torch.distributed.checkpoint loads a state_dict into one of the same keys (strictly): a group's mode changed
+    between steps must not change what the checkpoint holds. decoupled_weight_decay is saved for every mode (torch >= 2.5
+    reads a group without it as False), True but for ADAM_L2_REGULARIZATION."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    keys = {}
+    for mode in AdamWMode:
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = FusedAdam([p], adam_w_mode=mode)
+        p.grad = torch.ones(3)
+        opt.step()
+        saved = opt.state_dict()["param_groups"][0]
+        keys[mode] = sorted(saved)
+        assert saved["decoupled_weight_decay"] is (mode != AdamWMode.ADAM_L2_REGULARIZATION)
+    assert len({tuple(k) for k in keys.values()}) == 1, keys
+    # the mode changed mid-run, saved by DCP in one process, loaded into an optimizer made as the first was
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = FusedAdam([p], adam_w_mode=AdamWMode.ADAMW_TORCH)
+    for mode in (AdamWMode.ADAMW_TORCH, AdamWMode.ADAM_L2_REGULARIZATION):
+        opt.param_groups[0]["adam_w_mode"] = mode
+        p.grad = torch.ones(3)
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch.distributed is not initialised: one process, as DCP warns)
+        dcp.save({"optim": opt.state_dict()}, checkpoint_id=str(tmp_path))
+        q = torch.nn.Parameter(torch.ones(3))
+        fresh = FusedAdam([q], adam_w_mode=AdamWMode.ADAMW_TORCH)
+        q.grad = torch.ones(3)
+        fresh.step()
+        target = {"optim": fresh.state_dict()}
+        dcp.load(target, checkpoint_id=str(tmp_path))
+    fresh.load_state_dict(target["optim"])
+    assert fresh.param_groups[0]["adam_w_mode"] == AdamWMode.ADAM_L2_REGULARIZATION
+    assert torch.equal(fresh.state[q]["exp_avg"], opt.state[p]["exp_avg"])

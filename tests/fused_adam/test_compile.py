@@ -390,6 +390,26 @@ def test_eager_steps_between_compiled_steps_keep_the_compiled_graph_valid():
 
 
 @NEWEST
+def test_eager_steps_after_compiled_ones_plan_natively_again_from_the_fourth_in_a_row():
+    """Eager steps with no compiled step between them go back to native plans (which read the gradients in C++ and
+    report a plain step's norm) from the fourth in a row on; the three before step through the compiled step's plan
+    (the op: a plain step's last_grad_norm None, as a compiled step's)."""
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    compiled = torch.compile(opt.step, backend="aot_eager")
+    torch._dynamo.reset()
+    _grads(model, 0)
+    compiled()
+    norms = []
+    for i in range(1, 6):
+        _grads(model, i)
+        opt.step()
+        norms.append(opt.last_grad_norm is not None)
+    assert norms == [False, False, False, True, True]
+    assert opt._plan.native
+
+
+@NEWEST
 @pytest.mark.parametrize("case", ["expanded gradient, grad_scale tensor", "capturable, grad_scale number"])
 def test_a_first_compiled_step_refused_as_eager_creates_no_state(case):
     """A first step refused by a check that depends on step()'s arguments: the eager ValueError, and no state created

@@ -308,6 +308,38 @@ CHANGES_ACROSS_PARAMS = {
 }
 
 
+SWITCHES = {  # what puts the per-param native plans out of date
+    "backend switched to the reference": lambda opt, monkeypatch: monkeypatch.setenv("ORT_OPTIM_BACKEND", "torch"),
+    "moment dtype switched": lambda opt, monkeypatch: setattr(opt, "exp_avg_dtype", torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_params_made_to_share_memory_when_their_native_plans_went_out_of_date_are_refused_in_backward(
+        switch, monkeypatch):
+    """A param given another's memory with `.data =` at the moment its per-param native plan went out of date (a
+    backend or option switch) is refused by the hooks before its update, as without the switch."""
+    monkeypatch.setenv("ORT_OPTIM_BACKEND", "native")
+    params = [torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(k))) for k in range(3)]
+
+    def backward(i):
+        g = torch.Generator().manual_seed(i)
+        sum((p * torch.randn(p.shape, generator=g)).sum() for p in params).backward()
+
+    opt = FusedAdam(params, lr=1e-2, step_in_backward=True)
+    for i in range(2):
+        opt.zero_grad()
+        backward(i)
+        opt.step()
+    SWITCHES[switch](opt, monkeypatch)
+    params[1].data = params[0].data
+    opt.zero_grad()
+    before = params[0].detach().clone()
+    with pytest.raises(ValueError, match=r"share memory"):
+        backward(2)
+    assert_tree_bitwise_equal(params[0].detach(), before, "shared param")  # (the shared memory was not updated, once or twice)
+
+
 @pytest.mark.parametrize("change", CHANGES_ACROSS_PARAMS)
 def test_what_step_refuses_across_params_after_a_change_mid_run_is_refused_by_the_hooks_too(change, backend):
     """The checks that involve several params (a param listed twice, params or state tensors that share memory, one
