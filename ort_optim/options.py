@@ -666,7 +666,7 @@ class ORTModuleOptions:
     mem_efficient_grad_mgmt: Optional[bool] = _option(
         "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT", _Bool(), "0",
         "Hand each gradient to PyTorch as soon as ORT computes it, freeing ORT's gradient buffers early; needs "
-        "custom autograd support. On (1) makes ORT 1.19.2's first backward fail (TypeError; apply() warns).")
+        "custom autograd support. On (1) makes ORT 1.19.2's first forward fail (TypeError; apply() warns).")
     deepcopy_before_export: Optional[bool] = _option(
         "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT", _Bool(), "1",
         "Deep-copy the module before exporting it; 0 avoids the memory peak of holding two copies.")
@@ -1012,7 +1012,7 @@ _ORT_FAILURES = (
      "flag to the label sparsity hook, which returns None for off, and iterates over that). Leave both on"),
     (("mem_efficient_grad_mgmt", "custom_autograd"),
      lambda v: v["mem_efficient_grad_mgmt"] is True and v["custom_autograd"] is not False,
-     "memory-efficient gradient management is on, and ORTModule's first backward then raises TypeError in "
+     "memory-efficient gradient management is on, and ORTModule's first forward (its export) then raises TypeError in "
      "torch.zeros (_mem_efficient_grad_mgmt.py passes it a device it cannot take). Leave it off"),
 )
 
@@ -1110,6 +1110,7 @@ def wrap(model: Any, options: Optional[ORTModuleOptions] = None, **ortmodule_kwa
     if options is not None:
         env = options._prepare()  # raises before anything is written
         options._warn_late(env)
+        options._warn_failures(env)
         saved = options._write_environ(env)  # before the import: ORT reads some variables at import
     try:
         try:

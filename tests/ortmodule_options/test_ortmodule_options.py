@@ -652,8 +652,8 @@ def test_options_read_again_for_every_module_never_warn_once_an_ortmodule_exists
     module constructed later, so writing it is never too late, whatever modules already exist."""
     for marker in ORT_IN_USE:
         monkeypatch.setitem(sys.modules, marker, types.ModuleType(marker))
-    os.environ.update(ORTMODULE_ENABLE_COMPUTE_OPTIMIZER="1", ORTMODULE_MEMORY_OPT_LEVEL="0")
-    per_module = ORTModuleOptions(compute_optimizer=False, memory_opt_level=1, allow_autograd_checkpoint=True,
+    os.environ.update(ORTMODULE_ENABLE_COMPUTE_OPTIMIZER="0", ORTMODULE_MEMORY_OPT_LEVEL="0")
+    per_module = ORTModuleOptions(compute_optimizer=True, memory_opt_level=1, allow_autograd_checkpoint=True,
                                   log_level="ERROR", save_onnx_path=SAVE_DIR, triton_config_file=EXISTING_FILE)
     assert {BY_FIELD[f].read for f in ("compute_optimizer", "memory_opt_level", "allow_autograd_checkpoint",
                                        "log_level", "triton_config_file")} == {
@@ -1031,12 +1031,13 @@ def _runtime_options(module):
 
 def test_a_second_wrap_with_new_values_does_not_warn_and_the_new_module_gets_them():
     torch, _ = _ort()
-    first = options.wrap(torch.nn.Linear(2, 2), ORTModuleOptions(compute_optimizer=True, memory_opt_level=0))
+    first = options.wrap(torch.nn.Linear(2, 2), ORTModuleOptions(deepcopy_before_export=True, memory_opt_level=0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        second = options.wrap(torch.nn.Linear(2, 2), ORTModuleOptions(compute_optimizer=False, memory_opt_level=1))
-    assert _runtime_options(first).enable_compute_optimizer is True
-    assert _runtime_options(second).enable_compute_optimizer is False
+        second = options.wrap(torch.nn.Linear(2, 2), ORTModuleOptions(deepcopy_before_export=False,
+                                                                      memory_opt_level=1))
+    assert _runtime_options(first).deepcopy_before_model_export is True
+    assert _runtime_options(second).deepcopy_before_model_export is False
     assert _runtime_options(second).memory_optimization_level == 1
 
 
@@ -1302,3 +1303,52 @@ def test_property_applies_completely_or_raises_naming_the_field(kwargs, env):
                 raw = os.environ.get(VARS[field])
                 values.append(None if raw is None else options._BY_FIELD[field].parse_env(raw))
             assert None in values or not conflict(*values), (a, b, values)
+
+
+# ------------------------------------------------------------------------------------ settings ORT 1.19.2 fails with
+
+ORT_FAILURES = {  # options -> (the variable the warning names, how ORTModule fails: the phase that raises, its text)
+    "compute optimizer off": (dict(compute_optimizer=False), "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=0",
+                              "forward", "'NoneType' object is not iterable"),
+    "embedding sparse optimizer off": (dict(embedding_sparse_optimizer=False),
+                                       "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER=0", "forward",
+                                       "'NoneType' object is not iterable"),
+    "memory-efficient gradients on": (dict(mem_efficient_grad_mgmt=True), "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT=1",
+                                      "forward", "zeros()"),
+}
+
+
+@pytest.mark.parametrize("case", ORT_FAILURES)
+def test_apply_warns_for_a_setting_ort_reads_and_then_fails_with(case, no_ortmodule_yet):
+    given, named, _, _ = ORT_FAILURES[case]
+    with pytest.warns(options.ORTFailureWarning, match=re.escape(named)):
+        env = ORTModuleOptions(**given).apply()
+    assert named.split("=")[0] in env  # (written all the same: ORT reads it as meant)
+
+
+def test_apply_does_not_warn_for_a_failing_setting_it_does_not_write(no_ortmodule_yet, monkeypatch):
+    monkeypatch.setenv("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "0")  # (the environment's own business)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", options.ORTFailureWarning)
+        ORTModuleOptions(memory_opt_level=1).apply()
+        ORTModuleOptions(compute_optimizer=True, embedding_sparse_optimizer=True, mem_efficient_grad_mgmt=False,
+                         custom_autograd=False).apply()
+
+
+@pytest.mark.parametrize("case", ORT_FAILURES)
+def test_ortmodule_fails_with_each_setting_the_warning_names(case):
+    """What the warning says, checked against ORT itself: the module fails in the phase named, whatever the model."""
+    torch, _ = _ort()
+    given, _, phase, text = ORT_FAILURES[case]
+    torch.manual_seed(0)
+    with pytest.warns(options.ORTFailureWarning):
+        model = options.wrap(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
+                             ORTModuleOptions(**given))
+    x = torch.randn(3, 4)
+    if phase == "forward":
+        with pytest.raises(TypeError, match=re.escape(text)):
+            model(x)
+    else:
+        y = model(x)
+        with pytest.raises(TypeError, match=re.escape(text)):
+            y.sum().backward()
