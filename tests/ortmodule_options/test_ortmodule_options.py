@@ -1352,3 +1352,36 @@ def test_ortmodule_fails_with_each_setting_the_warning_names(case):
         y = model(x)
         with pytest.raises(TypeError, match=re.escape(text)):
             y.sum().backward()
+
+
+# options, model dtype -> whether ORTModule trains a Linear/LayerNorm/GELU stack with them (the text of the failure)
+MODEL_DEPENDENT = [
+    (dict(onnx_opset_version=18), "float32", None),
+    (dict(onnx_opset_version=18), "float16", "Unrecognized attribute: axes for operator ReduceMean"),
+    (dict(onnx_opset_version=17), "float16", None),
+    (dict(memory_opt_level=2), "float32", None),
+    (dict(memory_opt_level=2), "float16", "two nodes with same node name"),
+    (dict(memory_opt_level=1), "float16", None),
+]
+
+
+@pytest.mark.parametrize("given, dtype, failure", MODEL_DEPENDENT,
+                         ids=[f"{next(iter(g.items()))}-{d}" for g, d, _ in MODEL_DEPENDENT])
+def test_settings_that_fail_fp16_models_only_fail_them_as_the_guide_says(given, dtype, failure):
+    torch, _ = _ort()
+    torch.manual_seed(0)
+    dtype = getattr(torch, dtype)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
+                              torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
+                              torch.nn.Linear(16, 3)).to(dtype)
+    model = options.wrap(net, ORTModuleOptions(fallback_policy="FALLBACK_DISABLE", **given))
+
+    def train_step():
+        model(torch.randn(5, 6, dtype=dtype)).float().square().mean().backward()
+
+    if failure is None:
+        train_step()
+        assert all(p.grad is not None for p in net.parameters())
+    else:
+        with pytest.raises(Exception, match=re.escape(failure)):
+            train_step()
