@@ -993,7 +993,12 @@ class FusedAdam(torch.optim.Optimizer):
         state_dict = _migration.canonical_checkpoint(given)  # torchao's, bitsandbytes': read as canonical
         try:
             if self._has_dtensors:
-                prepared = self._prepare_local_load(state_dict)
+                try:
+                    prepared = self._prepare_local_load(state_dict)
+                except (ValueError, TypeError) as refused:
+                    self._agree_on_load(refused)
+                    raise
+                self._agree_on_load(None)
             else:
                 prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._layout)
         except (ValueError, TypeError) as error:
@@ -1010,6 +1015,19 @@ class FusedAdam(torch.optim.Optimizer):
         _checkpoint.warn_dropped_masters(prepared.dropped_masters)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _agree_on_load(self, refused: Optional[Exception]) -> None:
+        """A load into DTensor params is checked on each rank's pieces, so one rank can refuse what another accepts
+        (a bad element in its rows of a full checkpoint): the ranks all-reduce whether any refused, over the group the
+        steps decide over, and each raises before anything changes where one did, so that all load or none."""
+        reduction = self._reduction(has_dtensors=True)
+        if reduction is None:
+            return
+        device = next(dtensor.local(p).device for group in self.param_groups for p in group["params"])
+        flags = dtensor.all_reduce_stats(torch.tensor([0.0, 1.0 if refused else 0.0], device=device), reduction)
+        if refused is None and float(flags[1]) > 0:
+            raise ValueError("load_state_dict: another rank refused this checkpoint for its own pieces of the DTensor "
+                             "states (its error names the entry), so this rank loads nothing either; nothing changed")
 
     def _prepare_local_load(self, state_dict: Any) -> _checkpoint.PreparedLoad:
         """prepare_load for DTensor params: each per-element state (a DTensor in any layout of its param's mesh, or a

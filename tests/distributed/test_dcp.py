@@ -106,3 +106,12 @@ def test_fp16_optimizer_with_fused_adam_resumes_through_dcp_bit_for_bit(torch_re
         assert out["saved_scale"] == out["loaded_scale"] == against_torch.LOSS_SCALE / 2
         for a, b in zip(out["resumed"], out["uninterrupted"]):
             assert torch.equal(a, b), r["rank"]
+
+
+def test_a_checkpoint_one_rank_refuses_for_its_pieces_is_refused_by_every_rank(torch_results):
+    """Each rank checks its own pieces of a full checkpoint, so one rank can refuse what another accepts; the ranks
+    agree before anything changes, so that all load or none."""
+    rank0, rank1 = (r["one-rank-refuses"] for r in torch_results)
+    assert "holds negative values" in rank1["error"]
+    assert "another rank refused this checkpoint" in rank0["error"]
+    assert rank0["unchanged"] and rank1["unchanged"]

@@ -505,6 +505,30 @@ def _one_process_checkpoint_into_two_ranks(rank, tmp_dir):
             "single": [p.detach().clone() for p in single.parameters()]}
 
 
+def _a_checkpoint_one_rank_refuses(rank):
+    """A one-process checkpoint (full plain tensors) loaded into FSDP2 whose exp_avg_sq holds a negative element in
+    rank 1's rows only (exp_avg doubled everywhere): each rank checks its own pieces, rank 1 refuses, and rank 0 must
+    refuse too (all load or none): its error, and whether its state changed."""
+    model = _fsdp()
+    opt = fused(model.parameters())
+    _train(model, opt, rank, "fused", steps=2)
+    saved = opt.state_dict()
+    state = {index: {k: full(v) for k, v in s.items()} for index, s in saved["state"].items()}
+    first = next(index for index, s in state.items() if s["exp_avg_sq"].dim() == 2)
+    state[first]["exp_avg"] = state[first]["exp_avg"] * 2
+    state[first]["exp_avg_sq"] = state[first]["exp_avg_sq"].clone()
+    state[first]["exp_avg_sq"][-1, -1] = -1.0  # (the last row: rank 1's shard of dim 0)
+    before = {index: {k: v.clone() for k, v in s.items()} for index, s in opt.state_dict()["state"].items()}
+    try:
+        opt.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+        error = None
+    except ValueError as refused:
+        error = str(refused)
+    after = opt.state_dict()["state"]
+    unchanged = all(torch.equal(full(after[i][k]), full(v)) for i, s in before.items() for k, v in s.items())
+    return {"error": error, "unchanged": unchanged}
+
+
 def _fp16_optimizer_dcp_resume(rank, tmp_dir):
     """FP16_Optimizer(FusedAdam) on FSDP2's fp16 params through torch.distributed.checkpoint, as the guide says: the
     FusedAdam inside (which holds the fp32 masters) through get_state_dict/set_state_dict, the loss scaler's state
@@ -684,6 +708,7 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     out["dcp-cross"] = _dcp_between_fused_adam_and_torch(rank, tmp_dir)
     out["full-state-dict"] = _full_state_dict_resume(rank)
     out["one-to-two"] = _one_process_checkpoint_into_two_ranks(rank, tmp_dir)
+    out["one-rank-refuses"] = _a_checkpoint_one_rank_refuses(rank)
     out["flattened-dcp"] = _flattened_dcp_resume(rank, tmp_dir)
     out["fp16-optimizer-dcp"] = _fp16_optimizer_dcp_resume(rank, tmp_dir)
     return out
