@@ -926,7 +926,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a FusedAdam, torch.optim.Adam/AdamW or ORT FusedAdam checkpoint, or one of torchao's or
-        bitsandbytes' low-bit Adam optimizers, all or nothing.
+        bitsandbytes' low-bit Adam optimizers, all or nothing (with DTensor params on every rank: each checks its own
+        pieces, and where one refuses, every rank raises before anything changes).
 
         Every entry is checked before anything changes, strictly: group options must have their types (``maximize``,
         ``amsgrad`` and ``bias_correction`` real bools: a ``"False"`` from a JSON/YAML export is refused, not read as
