@@ -308,6 +308,23 @@ CHANGES_ACROSS_PARAMS = {
 }
 
 
+def _three_params_stepped_twice_in_backward():
+    """Three params of 64 and a step_in_backward FusedAdam that updated them in two backward calls; backward(i) runs
+    the i-th."""
+    params = [torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(k))) for k in range(3)]
+
+    def backward(i):
+        g = torch.Generator().manual_seed(i)
+        sum((p * torch.randn(p.shape, generator=g)).sum() for p in params).backward()
+
+    opt = FusedAdam(params, lr=1e-2, step_in_backward=True)
+    for i in range(2):
+        opt.zero_grad()
+        backward(i)
+        opt.step()
+    return params, opt, backward
+
+
 SWITCHES = {  # what puts the per-param native plans out of date
     "backend switched to the reference": lambda opt, monkeypatch: monkeypatch.setenv("ORT_OPTIM_BACKEND", "torch"),
     "moment dtype switched": lambda opt, monkeypatch: setattr(opt, "exp_avg_dtype", torch.bfloat16),
@@ -320,24 +337,15 @@ def test_params_made_to_share_memory_when_their_native_plans_went_out_of_date_ar
     """A param given another's memory with `.data =` at the moment its per-param native plan went out of date (a
     backend or option switch) is refused by the hooks before its update, as without the switch."""
     monkeypatch.setenv("ORT_OPTIM_BACKEND", "native")
-    params = [torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(k))) for k in range(3)]
-
-    def backward(i):
-        g = torch.Generator().manual_seed(i)
-        sum((p * torch.randn(p.shape, generator=g)).sum() for p in params).backward()
-
-    opt = FusedAdam(params, lr=1e-2, step_in_backward=True)
-    for i in range(2):
-        opt.zero_grad()
-        backward(i)
-        opt.step()
+    params, opt, backward = _three_params_stepped_twice_in_backward()
     SWITCHES[switch](opt, monkeypatch)
     params[1].data = params[0].data
     opt.zero_grad()
     before = params[0].detach().clone()
     with pytest.raises(ValueError, match=r"share memory"):
         backward(2)
-    assert_tree_bitwise_equal(params[0].detach(), before, "shared param")  # (the shared memory was not updated, once or twice)
+    # (the shared memory was not updated, once or twice)
+    assert_tree_bitwise_equal(params[0].detach(), before, "shared param")
 
 
 @pytest.mark.parametrize("change", CHANGES_ACROSS_PARAMS)
@@ -350,18 +358,7 @@ def test_what_step_refuses_across_params_after_a_change_mid_run_is_refused_by_th
     param's fingerprint changed) before that param's update (params updated earlier in the same backward stay updated,
     as for any refusal in backward)."""
     make_change, message = CHANGES_ACROSS_PARAMS[change]
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(3)]
-
-    def backward(i):
-        g = torch.Generator().manual_seed(i)
-        sum((p * torch.randn(p.shape, generator=g)).sum() for p in params).backward()
-
-    opt = FusedAdam(params, lr=1e-2, step_in_backward=True)
-    for i in range(2):
-        opt.zero_grad()
-        backward(i)
-        opt.step()
+    params, opt, backward = _three_params_stepped_twice_in_backward()
     make_change(opt, params)
     opt.zero_grad()
     # (the last param's hook runs first: with new data, the refusal comes at the second param's, after that update)
