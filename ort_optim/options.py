@@ -1233,6 +1233,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"export {name}={shlex.quote(value)}")
         if plan_file is not None:
             print(f"# wrote {len(options.recompute_plans)} recompute plan(s) to {plan_file}", file=sys.stderr)
+        for failure in _ort_failures({**os.environ, **exports}, written=exports):  # (as apply() warns)
+            print(f"# warning: onnxruntime-training {ORT_VERSION} fails with {failure}", file=sys.stderr)
 
     # Check the environment as it will be once the exports are evaluated: values replaced here are not problems.
     problems = [] if args.no_check else check_environment({**os.environ, **exports})

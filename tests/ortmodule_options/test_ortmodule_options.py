@@ -927,6 +927,14 @@ def test_cli_output_evaluates_in_bash(tmp_path):
     assert out.stdout.splitlines() == ["INFO", f"{tmp_path}/a b", f"{tmp_path}/p.json"]
 
 
+@pytest.mark.slow
+def test_cli_warns_on_stderr_for_a_setting_ort_fails_with_and_still_exports_it():
+    result = _cli("--compute-optimizer", "false", "--no-check")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["export ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=0"]
+    assert "# warning: onnxruntime-training 1.19.2 fails with ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=0" in result.stderr
+
+
 def test_cli_rejects_a_bad_flag_value():
     result = _cli("--memory-opt-level", "3")
     assert result.returncode == 2
