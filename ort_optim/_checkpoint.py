@@ -136,7 +136,13 @@ def canonical(state_dict: dict, shapes: dict) -> dict:
     """torch.optim.Optimizer.state_dict()'s output (which shares tensors with the optimizer) made canonical; shapes:
     each saved param index's shape (4-bit codes are stored flat)."""
     # Reading optimizer.state[p] creates an empty entry (it is a defaultdict): such params have no state to save.
-    state = {index: canonical_state(s, shapes[index]) for index, s in state_dict["state"].items() if s}
+    state = {}
+    for index, s in state_dict["state"].items():
+        if s:
+            try:
+                state[index] = canonical_state(s, shapes[index])
+            except ValueError as error:  # (a state assigned between steps that the next step would refuse too)
+                raise ValueError(f"state_dict(): the state of param {index} cannot be read: {error}") from error
     groups = []
     for group in state_dict["param_groups"]:
         # tensor-valued entries (an lr tensor, a scheduler's initial_lr) are copies too: a scheduler that fills the lr

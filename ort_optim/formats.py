@@ -444,10 +444,15 @@ def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format, se
     return torch.where(overflowed, torch.full_like(u, math.inf), u * u).view(shape)
 
 
+# State dtypes that hold the values themselves (float16 holds values without scales, codes with them).
+_VALUE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
 def state_format(state: torch.Tensor, scales: Optional[torch.Tensor]) -> str:
     """"plain" (float32/float64/bfloat16, or float16 without scales), "fp16" (scaled codes), or a low-bit format's
-    name: what a state tensor and its scales hold."""
-    if scales is None:
+    name: what a state tensor and its scales hold. A float32/float64/bfloat16 tensor holds values whatever scales
+    lie beside it (values assigned in place of codes, whose scales the next step drops)."""
+    if scales is None or state.dtype in _VALUE_DTYPES:
         return "plain"
     if state.dtype == torch.float16:
         return "fp16"
@@ -475,7 +480,7 @@ def decode_state(state: torch.Tensor, scales: Optional[torch.Tensor], second_mom
                  root: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A state tensor (and its scales) -> its values: float32 (float64 for float64 states), of the param's shape.
     root: a 4-bit exp_avg's exp_avg_sq decoded as sqrt(v) (state_root; _spec.EXP_AVG_RELATIVE)."""
-    if scales is None:
+    if state_format(state, scales) == "plain":
         return state.to(torch.float64 if state.dtype == torch.float64 else torch.float32)
     if state.dtype == torch.float16:
         u = dequantize_fp16(state, scales)

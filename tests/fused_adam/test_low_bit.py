@@ -1206,6 +1206,28 @@ def test_values_assigned_key_by_key_to_4bit_moments_are_adopted_as_a_checkpoint_
     assert_same_snapshot(_state_snapshot(opt), _state_snapshot(expected))
 
 
+@pytest.mark.parametrize("moments, key", [(("u4", "u4"), "exp_avg"), (("fp32", "u4"), "exp_avg_sq"),
+                                          (("u8", "u4"), "exp_avg_sq"), (("u8", "u8"), "exp_avg")],
+                         ids=["4-bit exp_avg", "4-bit exp_avg_sq beside fp32", "4-bit exp_avg_sq beside 8-bit",
+                              "8-bit exp_avg"])
+def test_state_dict_between_an_assignment_and_the_step_saves_the_assigned_values(moments, key):
+    """Values assigned in place of codes sit beside the codes' old block scales until the next step adopts them:
+    state_dict() in between saves the values (it once read them through the old scales as codes, and raised)."""
+    params, opt = _stepped(*moments)
+    p = params[0]
+    value = torch.full(p.shape, 4e-4)
+    opt.state[p][key] = value.clone()
+    assert torch.equal(opt.state_dict()["state"][0][key], value)
+
+
+def test_state_dict_of_a_4bit_exp_avg_whose_exp_avg_sq_codes_were_replaced_names_the_param():
+    params, opt = _stepped("u4", "u4")
+    opt.state[params[0]]["exp_avg_sq"] = torch.full(params[0].shape, 4e-4)
+    with pytest.raises(ValueError, match=r"state_dict\(\): the state of param 0 cannot be read: a 4-bit exp_avg is "
+                                         r"coded relative to a 4-bit exp_avg_sq"):
+        opt.state_dict()
+
+
 def test_a_4bit_exp_avg_whose_exp_avg_sq_codes_were_replaced_is_refused_and_nothing_changes(backend):
     """4-bit exp_avg codes hold m / sqrt(v) of the exp_avg_sq codes they were made with: with those replaced by values,
     exp_avg's values are gone; refused, saying to assign them too."""
