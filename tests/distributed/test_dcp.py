@@ -108,6 +108,7 @@ def test_fp16_optimizer_with_fused_adam_resumes_through_dcp_bit_for_bit(torch_re
             assert torch.equal(a, b), r["rank"]
 
 
+@against_torch.needs_fsdp2
 def test_a_checkpoint_one_rank_refuses_for_its_pieces_is_refused_by_every_rank(torch_results):
     """Each rank checks its own pieces of a full checkpoint, so one rank can refuse what another accepts; the ranks
     agree before anything changes, so that all load or none."""

@@ -709,6 +709,7 @@ def test_fused_adam_through_the_triton_backend(config, monkeypatch):
             torch.testing.assert_close(value.cpu(), csd["state"][index][key].cpu(), **tol)
 
 
+@needs_working_interpreter
 def test_fp16_optimizer_steps_again_over_a_skipped_steps_gradients_as_on_the_cpu(monkeypatch):
     """FP16_Optimizer(FusedAdam) on the Triton kernels, non-contiguous fp16 params (their gradients go through
     contiguous copies, written back after the launch): a step skipped for an overflow, then step() again over the same
