@@ -432,14 +432,18 @@ class Plan:
         which moves its autograd version: that tells the eager steps apart that had a compiled one between them."""
         if not self.traced:
             return True
-        steps = next((bucket.steps for _, _, bucket in self.buckets() if bucket.steps is not None), None)
-        self.eager_run = self.eager_run + 1 if steps is not None and steps._version == self.eager_version else 1
+        version = self._steps_version()
+        self.eager_run = self.eager_run + 1 if version >= 0 and version == self.eager_version else 1
         return self.eager_run < EAGER_STEPS_ON_A_TRACED_PLAN
 
     def stepped_eagerly(self) -> None:
         """Records the steps buffer's version after an eager step through this plan (serves_eager_steps)."""
+        self.eager_version = self._steps_version()
+
+    def _steps_version(self) -> int:
+        """The autograd version of the first bucket's steps buffer (-1: no bucket has one)."""
         steps = next((bucket.steps for _, _, bucket in self.buckets() if bucket.steps is not None), None)
-        self.eager_version = -1 if steps is None else steps._version
+        return -1 if steps is None else steps._version
 
     def buckets(self):
         """(group index, group, bucket) of every op call of a step, in order."""

@@ -883,7 +883,7 @@ class ORTModuleOptions:
                     f"value) or unset {var.env}."
                 )
 
-    def _warn_late(self, env: Mapping[str, str], stacklevel: int = 3) -> None:
+    def _warn_late(self, env: Mapping[str, str], stacklevel: int) -> None:
         late = [(name, _BY_ENV[name]) for name, value in env.items()
                 if os.environ.get(name) != value and _already_read(_BY_ENV[name])]
         if late:
@@ -896,15 +896,16 @@ class ORTModuleOptions:
                 stacklevel=stacklevel,
             )
 
-    @staticmethod
-    def _warn_failures(env: Mapping[str, str], stacklevel: int = 3) -> None:
-        """ORTFailureWarning for the settings ORT 1.19.2 fails with that env sets (with the environment's values of
-        the fields it leaves unset)."""
+    def _warn(self, env: Mapping[str, str]) -> None:
+        """Before env is written: OptionsTooLateWarning (_warn_late) and ORTFailureWarning for the settings ORT 1.19.2
+        fails with that env sets (with the environment's values of the fields it leaves unset), both pointing at the
+        caller of apply(), the ``with`` statement or wrap()."""
+        self._warn_late(env, stacklevel=4)
         lines = _ort_failures({**os.environ, **env}, written=env)
         if lines:
             warnings.warn(f"onnxruntime-training {ORT_VERSION} reads these settings as meant and then fails with "
                           "them, whatever the model:\n" + "\n".join("  " + line for line in lines),
-                          ORTFailureWarning, stacklevel=stacklevel)
+                          ORTFailureWarning, stacklevel=3)
 
     @staticmethod
     def _write_environ(env: Mapping[str, str]) -> Dict[str, Optional[str]]:
@@ -933,8 +934,7 @@ class ORTModuleOptions:
         whose first forward call comes later); modules that already read them keep what they read.
         """
         env = self._prepare()
-        self._warn_late(env)
-        self._warn_failures(env)
+        self._warn(env)
         self._write_environ(env)
         return env
 
@@ -942,8 +942,7 @@ class ORTModuleOptions:
         """apply(), remembering what to restore on exit. ORT reads the variables marked "first forward" in the
         table when a module runs for the first time: run that call inside the block, or use wrap()/apply()."""
         env = self._prepare()  # raises before anything is written or saved
-        self._warn_late(env)
-        self._warn_failures(env)
+        self._warn(env)
         self._saved.append(self._write_environ(env))
         return self
 
@@ -1017,9 +1016,9 @@ _ORT_FAILURES = (
 )
 
 
-def _ort_failures(environ: Mapping[str, str], written: Iterable[str] = ()) -> List[str]:
-    """The settings in environ that ORT reads as meant and then fails with (_ORT_FAILURES), one line each; those that
-    involve one of the variables named in ``written`` only, where that is given."""
+def _ort_failures(environ: Mapping[str, str], written: Iterable[str]) -> List[str]:
+    """The settings in environ that ORT reads as meant and then fails with (_ORT_FAILURES) and that involve one of the
+    variables named in ``written``, one line each."""
     def value(field: str) -> Any:
         var = _BY_FIELD[field]
         try:
@@ -1030,7 +1029,7 @@ def _ort_failures(environ: Mapping[str, str], written: Iterable[str] = ()) -> Li
     lines = []
     for fields, fails, what in _ORT_FAILURES:
         values = {field: value(field) for field in fields}
-        if fails(values) and (not written or any(_BY_FIELD[f].env in written for f in fields)):
+        if fails(values) and any(_BY_FIELD[f].env in written for f in fields):
             given = ", ".join(f"{_BY_FIELD[f].env}={environ[_BY_FIELD[f].env]}" for f in fields if values[f] is not None)
             lines.append(f"{given}: {what}")
     return lines
@@ -1109,8 +1108,7 @@ def wrap(model: Any, options: Optional[ORTModuleOptions] = None, **ortmodule_kwa
     saved: Dict[str, Optional[str]] = {}
     if options is not None:
         env = options._prepare()  # raises before anything is written
-        options._warn_late(env)
-        options._warn_failures(env)
+        options._warn(env)
         saved = options._write_environ(env)  # before the import: ORT reads some variables at import
     try:
         try:

@@ -1338,6 +1338,7 @@ def test_apply_does_not_warn_for_a_failing_setting_it_does_not_write(no_ortmodul
     monkeypatch.setenv("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "0")  # (the environment's own business)
     with warnings.catch_warnings():
         warnings.simplefilter("error", options.ORTFailureWarning)
+        ORTModuleOptions().apply()
         ORTModuleOptions(memory_opt_level=1).apply()
         ORTModuleOptions(compute_optimizer=True, embedding_sparse_optimizer=True, mem_efficient_grad_mgmt=False,
                          custom_autograd=False).apply()
