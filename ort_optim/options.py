@@ -638,7 +638,7 @@ class ORTModuleOptions:
 
         opts = ORTModuleOptions(memory_opt_level=1, log_level="INFO")
         model = wrap(model, opts)                      # apply(), then ORTModule(model); the variables stay set
-        with ORTModuleOptions(memory_opt_level=0):      # set on entry, restored on exit
+        with ORTModuleOptions(onnx_opset_version=17):   # set on entry, restored on exit
             model = ORTModule(model)                   # read at construction: inside the block is enough
     """
 
@@ -708,7 +708,8 @@ class ORTModuleOptions:
         "ORTMODULE_ONNX_OPSET_VERSION", _Int(minimum=17, maximum=20, note=f"below 17 ORT {ORT_VERSION} cannot train "
         "LayerNorm, below 11 not even Linear; 20 is torch 2.4's highest"), "17",
         "ONNX opset the model is exported with. 17 trains Linear, LayerNorm, GELU, Embedding, softmax, mean and "
-        "cross-entropy; 18-20 the same except mean (ReduceMean: ORT's shape inference raises TypeError) and, in "
+        "cross-entropy; 18-20 the same except a mean over some dimensions whose input is used again (x - x.mean(-1, "
+        "keepdim=True), as in a hand-written LayerNorm or RMSNorm: ORT's shape inference raises TypeError) and, in "
         "fp16 models, LayerNorm (its gradient's ReduceMean takes axes as an attribute: InvalidGraph).")
     save_onnx_path: Optional[str] = _option(
         "ORTMODULE_SAVE_ONNX_PATH", _Path("an existing directory this process can write to", "dir"),

@@ -1394,3 +1394,41 @@ def test_settings_that_fail_fp16_models_only_fail_them_as_the_guide_says(given, 
     else:
         with pytest.raises(Exception, match=re.escape(failure)):
             train_step()
+
+
+# a mean inside the exported model -> the text of the TypeError ORT 1.19.2's shape inference raises at opset 18 (None:
+# it trains): a mean over some dimensions whose input is used again fails, another mean trains
+MEANS_AT_OPSET_18 = {
+    "x - x.mean(-1, keepdim=True)": (lambda h: h - h.mean(-1, keepdim=True), "has no len()"),  # a LayerNorm's centring
+    "x - x.mean(0)": (lambda h: h - h.mean(0), "has no len()"),
+    "x * x.mean(-1)[..., None]": (lambda h: h * h.mean(-1).unsqueeze(-1), "has no len()"),
+    "x * x.mean()": (lambda h: h * h.mean(), None),
+    "x.mean(-1, keepdim=True)": (lambda h: h.mean(-1, keepdim=True), None),
+    "x.mean(0)": (lambda h: h.mean(0), None),
+    "x.mean(dim=-1)": (lambda h: h.mean(dim=-1), None),
+}
+
+
+@pytest.mark.parametrize("kind", list(MEANS_AT_OPSET_18))
+def test_opset_18_fails_a_mean_over_some_dimensions_whose_input_is_used_again_as_the_guide_says(kind):
+    torch, _ = _ort()
+    mean, failure = MEANS_AT_OPSET_18[kind]
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return mean(self.linear(x))
+
+    torch.manual_seed(0)
+    net = Net()
+    model = options.wrap(net, ORTModuleOptions(fallback_policy="FALLBACK_DISABLE", onnx_opset_version=18))
+    x = torch.randn(2, 3, 8)
+    if failure is None:
+        model(x).square().sum().backward()
+        assert net.linear.weight.grad is not None
+    else:
+        with pytest.raises(TypeError, match=re.escape(failure)):
+            model(x).square().sum().backward()
