@@ -20,6 +20,7 @@ that torch.compile traced, the choice made when it was traced holds).
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, Optional, Sequence, Union
 
@@ -59,17 +60,22 @@ def backend() -> str:
 
 
 _native_loaded: Optional[bool] = None  # (None: not tried yet)
+_native_loading = threading.Lock()  # first steps in several threads at once load (and register) the library once
 
 
 def native_available() -> bool:
     """True when the compiled CPU op library is loaded (building it first if needed). Loading it also registers the
     CUDA kernels of its ops (Triton, or the reference where triton is not installed). Once tried, a read of a module
-    flag, which torch.compile traces as a constant."""
+    flag, which torch.compile traces as a constant. The first try holds a lock: a second registration of the ops'
+    fake or CUDA kernels would raise, and the library would count as unavailable for the rest of the process."""
     global _native_loaded
     if _native_loaded is None:
-        _native_loaded = native.available()
-        if _native_loaded:
-            _register_cuda_kernels()
+        with _native_loading:
+            if _native_loaded is None:
+                loaded = native.available()
+                if loaded:
+                    _register_cuda_kernels()
+                _native_loaded = loaded
     return _native_loaded
 
 

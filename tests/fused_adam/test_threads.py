@@ -25,9 +25,9 @@ import threading
 
 import pytest
 import torch
-from conftest import assert_tree_bitwise_equal
+from conftest import assert_tree_bitwise_equal, run_python
 
-from ort_optim import AdamWMode, FusedAdam
+from ort_optim import AdamWMode, FusedAdam, backends
 
 STEPS = 12
 SHAPES = [(64,), (16, 8), (3,), (128,)] * 24  # many small params: a check long enough for the other thread to run
@@ -117,3 +117,41 @@ def test_steps_with_another_thread_freeing_and_allocating_tensors_are_bit_for_bi
     _assert_torch_adamw_steps(alone, grads)  # (so that "the same" cannot mean "equally wrong")
     for _ in range(3):  # (the interleaving differs from run to run: several chances to read what was freed)
         assert_tree_bitwise_equal(_train(_fused_adam, grads, with_thread=True), alone, "with another thread")
+
+
+FIRST_STEPS_IN_THREADS = """
+import json, sys, threading, time, warnings
+import torch
+from ort_optim import FusedAdam, backends
+from ort_optim.backends import native
+
+load = native._load_or_build
+native._load_or_build = lambda *args, **kwargs: (time.sleep(0.2), load(*args, **kwargs))[1]  # (the loads overlap)
+
+warnings.simplefilter("always")
+barrier, planned = threading.Barrier(8), []
+with warnings.catch_warnings(record=True) as caught:
+    def first_step():
+        p = torch.nn.Parameter(torch.randn(100))
+        opt = FusedAdam([p], lr=1e-2)
+        p.grad = torch.ones(100)
+        barrier.wait()
+        opt.step()
+        planned.append(opt._plan.groups[0].buckets[0].native is not None)
+    threads = [threading.Thread(target=first_step) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+print(json.dumps(dict(native=backends.native_available(), planned=planned,
+                      warnings=[str(w.message) for w in caught])))
+"""
+
+
+@pytest.mark.skipif(not backends.native_available(), reason="the native library is not loaded in this environment")
+def test_first_steps_taken_in_several_threads_at_once_load_the_native_library_once(tmp_path):
+    """The first step loads the library and registers its ops' fake and CUDA kernels; two threads doing that at once
+    registered twice, which raised, and the library then counted as unavailable for the whole process. (In a fresh
+    process, the library's loading slowed down so that the threads' first steps overlap.)"""
+    result = run_python(sys.executable, FIRST_STEPS_IN_THREADS, tmp_path)
+    assert result == dict(native=True, planned=[True] * 8, warnings=[]), result
