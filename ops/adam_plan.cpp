@@ -247,18 +247,30 @@ int64_t AdamPlan::check(const c10::List<at::Tensor>& now) {
 }
 
 void AdamPlan::borrow_params() {
-  // (reclaim: an at::Tensor over the TensorImpl that took no reference; forget_params() releases it unreleased.
-  // borrowed_ keeps its n slots, undefined between steps, so param_pointers_ point into it for the plan's life.)
+  // (reclaim_copy: a reference to each TensorImpl that check() resolved, while the caller's list still holds one.
+  // borrowed_ and held_grads_ keep their n slots, undefined between steps, so param_pointers_ and grads_ point into
+  // them for the plan's life.)
   const size_t n = checked_params_.size();
+  held_grads_.resize(n);
   for (size_t i = 0; i < n; ++i) {
-    borrowed_[i] = at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim(checked_params_[i]));
+    borrowed_[i] = at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(checked_params_[i]));
+    held_grads_[i] = *grads_[i];
+    grads_[i] = &held_grads_[i];
   }
   borrowed_count_ = n;
 }
 
 void AdamPlan::forget_params() {
-  for (size_t i = 0; i < borrowed_count_; ++i) borrowed_[i].unsafeReleaseTensorImpl();
+  for (size_t i = 0; i < borrowed_count_; ++i) {
+    borrowed_[i].reset();
+    held_grads_[i].reset();
+  }
   borrowed_count_ = 0;
+}
+
+void AdamPlan::forget() {
+  release();
+  forget_params();
 }
 
 at::Tensor AdamPlan::step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t mode,

@@ -148,12 +148,17 @@ class AdamPlan : public TensorWatch {
   // grad_stats over the params' current gradients, after a successful check().
   at::Tensor grad_stats();
 
+  // Gives back what a successful check() holds for the step (a step gives it back itself): for a caller that does
+  // not step after all.
+  void forget();
+
  private:
   bool follow(size_t param, size_t k) override;
 
-  // The params check() resolved as at::Tensors for the step, borrowed: they share the TensorImpl without a reference
-  // (the caller's Python params own it), so holding them between check() and step() never makes swap_tensors refuse
-  // a param. Given back (never released) by forget_params().
+  // The params and gradients check() resolved, held from a successful check() to the end of the step (or forget()):
+  // another thread that swaps a param (torch.utils.swap_tensors refuses it, as during any op that holds it) or
+  // replaces a gradient meanwhile cannot free what the step reads and writes. Nothing is held between steps, so
+  // swap_tensors and a gradient set to None work there as without the plan. Released by forget_params().
   void borrow_params();
   void forget_params();
 
@@ -169,6 +174,7 @@ class AdamPlan : public TensorWatch {
   std::vector<const std::vector<at::Tensor>*> state_lists_;  // the non-empty lists above, in states_' order
   std::vector<c10::TensorImpl*> state_counters_;             // what mark_written() bumps besides the params and grads
   std::vector<at::Tensor> borrowed_;                         // see borrow_params(): n slots
+  std::vector<at::Tensor> held_grads_;                       // see borrow_params(): n slots, grads_ point into them
   size_t borrowed_count_ = 0;                                // how many hold a borrowed TensorImpl
   std::vector<const at::Tensor*> param_pointers_;            // &borrowed_[i]
   std::vector<TensorWork> work_;

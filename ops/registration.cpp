@@ -29,7 +29,8 @@ TORCH_LIBRARY_FRAGMENT(ort_optim, m) {
                        std::vector<at::Tensor>>())
       .def("check", &AdamPlan::check)
       .def("step", &AdamPlan::step)
-      .def("grad_stats", &AdamPlan::grad_stats);
+      .def("grad_stats", &AdamPlan::grad_stats)
+      .def("forget", &AdamPlan::forget);
 }
 
 }  // namespace ort_optim

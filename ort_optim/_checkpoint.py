@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ._group_options import check_group, show
+from ._group_options import OPTIMIZER_WIDE_KEYS, check_group, show, wide_option_value
 from ._layout import StateLayout
 from ._spec import AdamWMode
 from . import formats
@@ -160,12 +160,16 @@ def canonical(state_dict: dict, shapes: dict) -> dict:
 
 def _copy(value: Any, plain_values: bool = False) -> Any:
     """A copy of a group entry: tensors cloned, containers rebuilt, other values shared (they are immutable).
-    plain_values (saving): enums become their values and numpy scalars Python numbers, since an enum (an AdamWMode
-    assigned to param_groups[i]['adam_w_mode']) or a numpy scalar (the lr of an LR scheduler whose lambda computes
-    with numpy, e.g. a cosine) makes a checkpoint unloadable with weights_only=True; loading keeps what it is given,
-    as it is given."""
+    plain_values (saving): enums become their values, numpy scalars Python numbers and dtypes their names
+    (``'torch.uint4'``), since an enum (an AdamWMode assigned to param_groups[i]['adam_w_mode']), a numpy scalar (the
+    lr of an LR scheduler whose lambda computes with numpy, e.g. a cosine) or a dtype that torch does not allow there
+    (torch 2.4's torch.uint4: a group repeating the optimizer's exp_avg_dtype, as ZeroRedundancyOptimizer's are)
+    makes a checkpoint unloadable with weights_only=True; loading keeps what it is given, as it is given (a dtype's
+    name read back as the dtype)."""
     if plain_values and isinstance(value, enum.Enum):
         return value.value
+    if plain_values and isinstance(value, torch.dtype):
+        return str(value)
     if (plain_values and isinstance(value, numbers.Number) and type(value) not in (bool, int, float, complex)
             and hasattr(value, "item")):
         return value.item()
@@ -393,8 +397,8 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
         for key, value in saved.items():
             if key not in ("params", "step") and key not in TORCH_IMPLEMENTATION_KEYS:
                 # copies (an lr tensor: the scheduler fills it in place), so the given dict stays untouched
-                new_group[key] = _copy(value)
-        check_group(new_group, lambda key, gi=gi: entry("param_groups", gi, key), layout.master_weights)
+                new_group[key] = wide_option_value(key, _copy(value)) if key in OPTIMIZER_WIDE_KEYS else _copy(value)
+        check_group(new_group, lambda key, gi=gi: entry("param_groups", gi, key), layout)
         new_group["adam_w_mode"] = int(new_group["adam_w_mode"])  # a plain int, so checkpoints load with weights_only
         new_group["betas"] = tuple(new_group["betas"])
         new_groups.append(new_group)

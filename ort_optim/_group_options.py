@@ -30,9 +30,19 @@ import torch.distributed as dist
 
 from ._spec import STATE_DTYPES, AdamWMode
 
-# Options of the whole optimizer (they decide the state layout of every param): refused inside a param group rather
-# than silently ignored there.
+# Options of the whole optimizer (they decide the state layout of every param): a param group may repeat the
+# optimizer's own value (torch's ZeroRedundancyOptimizer stores its keyword arguments in every group it hands to the
+# optimizer it wraps), and another value there is refused rather than silently ignored.
 OPTIMIZER_WIDE_KEYS = ("master_weights", "exp_avg_dtype", "exp_avg_sq_dtype")
+DTYPE_OPTIONS = ("exp_avg_dtype", "exp_avg_sq_dtype")
+# The optimizer's torch.distributed groups: never in a param group, which is saved with the state_dict (a process
+# group cannot be pickled).
+PROCESS_GROUP_KEYS = ("process_group", "pipeline_group")
+# Group keys of torch.optim.Adam/AdamW that a group may carry (copied in by a wrapper that loads a torch checkpoint
+# into the groups directly, as ZeroRedundancyOptimizer does): foreach, fused and capturable choose how torch runs the
+# same update and change nothing here; differentiable=True is refused (the step is not differentiable) and
+# decoupled_weight_decay must agree with adam_w_mode (it says which decay the moments were trained with).
+TORCH_GROUP_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 BOOL_OPTIONS = ("bias_correction", "amsgrad", "maximize", "stochastic_rounding")
 # What every group holds (the constructor's defaults fill them in; stochastic_rounding and its seed default to off).
 REQUIRED_KEYS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction", "amsgrad", "maximize")
@@ -109,21 +119,111 @@ def _flag(group: dict, key: str, where: Where) -> None:
                         "'False' from a JSON/YAML export would read as True")
 
 
-def check_group(group: dict, where: Where, master_weights: bool) -> None:
-    """Every FusedAdam option of a param group (see the module docstring); where(key) names an entry in errors.
-    Raises before anything changes; changes nothing."""
+def optimizer_options(options: Any) -> dict:
+    """The optimizer-wide options (:data:`OPTIMIZER_WIDE_KEYS`) a caller gives: a StateLayout (or any object with
+    those attributes) gives all of them, a bool is master_weights alone."""
+    if isinstance(options, bool):
+        return {"master_weights": options}
+    return {key: getattr(options, key) for key in OPTIMIZER_WIDE_KEYS}
+
+
+def wide_option_value(key: str, value: Any) -> Any:
+    """An optimizer-wide option's value as a group holds it: a state dtype saved by name (``'torch.uint4'``: a
+    checkpoint saves dtypes as their names, which ``torch.load(weights_only=True)`` reads in every torch; torch 2.4
+    refuses torch.uint4 itself there) read back as the dtype; every other value as it is."""
+    if key in DTYPE_OPTIONS and isinstance(value, str) and value.startswith("torch."):
+        dtype = getattr(torch, value[len("torch."):], None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return value
+
+
+def _is_process_group(value: Any) -> bool:
+    return dist.is_available() and isinstance(value, dist.ProcessGroup)
+
+
+def _check_distributed_keys(group: dict, where: Where) -> None:
+    """No torch.distributed group in a param group (see :data:`PROCESS_GROUP_KEYS`)."""
+    for key, value in group.items():
+        if key == "params" or not ((key in PROCESS_GROUP_KEYS and value is not None) or _is_process_group(value)):
+            continue
+        option = key if key in PROCESS_GROUP_KEYS else "pipeline_group"
+        raise ValueError(
+            f"{where(key)} is {show(value)} in a param group, but a process group is an option of the whole "
+            "optimizer, and a param group is saved with its state_dict, where a process group cannot be pickled "
+            "(ZeroRedundancyOptimizer.consolidate_state_dict would fail on it while the receiving rank waits until "
+            f"its timeout). Pass it to the optimizer, FusedAdam(..., {option}=...), and remove it from the group; "
+            "under torch's ZeroRedundancyOptimizer, whose ranks step different params of one model, pass "
+            "optimizer_class=functools.partial(FusedAdam, pipeline_group=...) instead of a keyword argument of "
+            "ZeroRedundancyOptimizer (which it stores in every param group)")
+
+
+def _check_wide_keys(group: dict, where: Where, own: dict) -> None:
+    """An optimizer-wide option in a param group: accepted where it is the optimizer's own value."""
+    for key in OPTIMIZER_WIDE_KEYS:
+        if key not in group:
+            continue
+        value = wide_option_value(key, group[key])
+        if key in own and value is own[key]:  # (bools, None and dtypes are singletons: 1 is not True)
+            continue
+        theirs = f"this optimizer's own value ({own[key]!r}), not {show(group[key])}" if key in own else \
+            "this optimizer's own value"
+        raise ValueError(
+            f"{where(key)} is set in a param group, but FusedAdam takes it for the whole optimizer (it decides the "
+            f"state layout of every param), so a param group may only repeat {theirs}: pass {key}= to "
+            f"FusedAdam(...) (under torch's ZeroRedundancyOptimizer, as its keyword argument or "
+            f"optimizer_class=functools.partial(FusedAdam, {key}=...)) and remove it from the "
+            "group; for parameters with other state dtypes, use a second FusedAdam")
+
+
+def _check_torch_keys(group: dict, where: Where) -> None:
+    """torch.optim.Adam/AdamW's group keys (:data:`TORCH_GROUP_KEYS`), once adam_w_mode and weight_decay passed."""
+    if "differentiable" in group:
+        _flag(group, "differentiable", where)
+        if group["differentiable"]:
+            raise ValueError(
+                f"{where('differentiable')}=True is not supported: the step updates the params in place through its "
+                "own op, which autograd does not differentiate. Set it to False, or use "
+                "torch.optim.AdamW(differentiable=True) to differentiate through optimizer steps")
+    if "decoupled_weight_decay" not in group:
+        return
+    _flag(group, "decoupled_weight_decay", where)
+    decoupled = group["decoupled_weight_decay"]
+    mode = AdamWMode(int(group["adam_w_mode"]))
+    weight_decay = _value(group["weight_decay"], where("weight_decay"))
+    if decoupled == (mode != AdamWMode.ADAM_L2_REGULARIZATION) or weight_decay == 0:
+        return  # (without weight decay the two decays are the same update)
+    if not decoupled:
+        raise ValueError(
+            f"{where('decoupled_weight_decay')} is False with weight_decay={weight_decay!r}: the group comes from "
+            "torch.optim.Adam, whose L2 decay with torch's eps placement no FusedAdam mode reproduces, while "
+            f"adam_w_mode={mode.name} decays decoupled, so its moments would continue under different math. Train on "
+            "with torch.optim.Adam, or choose the mode knowingly: set the group's adam_w_mode "
+            "(AdamWMode.ADAMW_TORCH for decoupled decay, AdamWMode.ADAM_L2_REGULARIZATION for ORT's L2) and its "
+            "decoupled_weight_decay to match (True for the decoupled modes, False for ADAM_L2_REGULARIZATION)")
+    raise ValueError(
+        f"{where('decoupled_weight_decay')} is True with weight_decay={weight_decay!r} (decoupled decay, "
+        "torch.optim.AdamW's), while adam_w_mode=ADAM_L2_REGULARIZATION adds the decay to the gradient, so the "
+        "moments would continue under different math. Choose the mode knowingly: set the group's adam_w_mode "
+        "(AdamWMode.ADAMW_TORCH for torch's decoupled decay) and its decoupled_weight_decay to match (True for the "
+        "decoupled modes, False for ADAM_L2_REGULARIZATION)")
+
+
+def check_group(group: dict, where: Where, options: Any) -> None:
+    """Every FusedAdam option of a param group (see the module docstring); where(key) names an entry in errors;
+    options: the optimizer's StateLayout (its optimizer-wide options: a group may repeat them), or its master_weights
+    alone (a bool: a group's state dtype options are then refused, as nothing tells the optimizer's). Raises before
+    anything changes; changes nothing."""
     for key in REQUIRED_KEYS:
         if key not in group:  # (as torch.optim's add_param_group: a ValueError naming the option)
             raise ValueError(
                 f"{where(key)} is missing: a param group needs every option of the optimizer's defaults (a group "
                 "appended to optimizer.param_groups directly gets none; add groups with optimizer.add_param_group, "
                 "which fills them in)")
-    for key in OPTIMIZER_WIDE_KEYS:
-        if key in group:
-            raise ValueError(
-                f"{where(key)} is set in a param group, but FusedAdam takes it for the whole optimizer (it decides "
-                f"the state layout of every param): pass {key}= to FusedAdam(...) and remove it from the group; for "
-                "parameters with other state dtypes, use a second FusedAdam")
+    own = optimizer_options(options)
+    master_weights = own["master_weights"]
+    _check_distributed_keys(group, where)
+    _check_wide_keys(group, where, own)
     for key in BOOL_OPTIONS:
         if key in group:
             _flag(group, key, where)
@@ -155,6 +255,7 @@ def check_group(group: dict, where: Where, master_weights: bool) -> None:
         raise TypeError(f"{where('adam_w_mode')} must be an AdamWMode or the int 0, 1 or 2, got {show(mode)}")
     if mode not in tuple(AdamWMode):
         raise ValueError(f"{where('adam_w_mode')} must be an AdamWMode (0, 1 or 2), got {mode!r}")
+    _check_torch_keys(group, where)
 
 
 def hyperparameters(group: dict, traced: bool = False) -> dict:
@@ -176,6 +277,10 @@ def hyperparameters(group: dict, traced: bool = False) -> dict:
 # The types of option values that signature() compares by value: immutable numbers, whose == with the same type tells
 # whether the value changed (True == 1 == 1.0, hence the types beside the values).
 _PLAIN_NUMBERS = frozenset((int, float, bool))
+# The other keys check_group reads, whose values signature() compares by identity (bools, None, dtypes, a dtype's
+# name, process groups: a group that gets one, or another value, is validated again).
+_OTHER_KEYS = OPTIMIZER_WIDE_KEYS + PROCESS_GROUP_KEYS + ("differentiable", "decoupled_weight_decay")
+_MISSING = object()
 
 
 def signature(group: dict) -> Optional[tuple]:
@@ -188,43 +293,48 @@ def signature(group: dict) -> Optional[tuple]:
         return None
     values = (get("lr"), betas[0], betas[1], get("eps"), get("weight_decay"), get("adam_w_mode"),
               get("bias_correction"), get("maximize"), get("amsgrad"), get("stochastic_rounding", False),
-              get("stochastic_rounding_seed", 0), *(key in group for key in OPTIMIZER_WIDE_KEYS))
+              get("stochastic_rounding_seed", 0))
     types = tuple(map(type, values))
     if not _PLAIN_NUMBERS.issuperset(types) and not all(isinstance(v, (int, float)) for v in values):
         return None
-    return values, types
+    return values, types, tuple(get(key, _MISSING) for key in _OTHER_KEYS)
+
+
+def _same_signature(a: tuple, b: tuple) -> bool:
+    """Two signatures alike: the numbers equal with their types, the other values the same objects."""
+    return a[:2] == b[:2] and all(x is y for x, y in zip(a[2], b[2]))
 
 
 class CheckedGroups:
     """The param groups' options as :func:`check_group` last accepted them, and their :func:`hyperparameters`: a
-    group is validated again only when its :func:`signature` (or the optimizer's master_weights) changed since, or
+    group is validated again only when its :func:`signature` (or the optimizer's options) changed since, or
     when it has none (a tensor option: validated every time). A group is told by identity (a dict put in its place
     is validated) at its position (which names it in errors)."""
 
     def __init__(self) -> None:
-        # position in param_groups -> (the group, its signature, master_weights, its hyperparameters)
+        # position in param_groups -> (the group, its signature, the optimizer's options, its hyperparameters)
         self._checked: dict[int, tuple] = {}
 
-    def hyperparameters(self, groups: list, master_weights: bool) -> list[dict]:
+    def hyperparameters(self, groups: list, options: Any) -> list[dict]:
         """:meth:`of` every group, in order."""
         if len(self._checked) > len(groups):  # (groups removed: their entries go)
             self._checked = {index: entry for index, entry in self._checked.items() if index < len(groups)}
-        return [self.of(index, group, master_weights) for index, group in enumerate(groups)]
+        return [self.of(index, group, options) for index, group in enumerate(groups)]
 
-    def of(self, index: int, group: dict, master_weights: bool) -> dict:
+    def of(self, index: int, group: dict, options: Any) -> dict:
         """The hyperparameters of ``param_groups[index]`` as the op's keyword arguments (a dict shared between calls:
         not to be written into), validated as :func:`check_group` validates them (raising as it does, naming the
         group, before anything changes), or as they were validated at an earlier call while nothing changed."""
         current = signature(group)  # (check_group and hyperparameters only read the group)
         entry = self._checked.get(index)
-        if (current is not None and entry is not None and entry[0] is group and entry[2] is master_weights
-                and current == entry[1]):
+        if (current is not None and entry is not None and entry[0] is group and entry[2] == options
+                and _same_signature(current, entry[1])):
             return entry[3]
         self._checked.pop(index, None)
-        check_group(group, group_where(index), master_weights)
+        check_group(group, group_where(index), options)
         hyper = hyperparameters(group)
         if current is not None:
-            self._checked[index] = (group, current, master_weights, hyper)
+            self._checked[index] = (group, current, options, hyper)
         return hyper
 
 

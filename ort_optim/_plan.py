@@ -451,6 +451,11 @@ class Plan:
             for bucket in planned.buckets:
                 yield group_index, planned.group, bucket
 
+    def forget(self) -> None:
+        """Gives back what the buckets' checks hold for a step that does not come (it raised before them)."""
+        for _, _, bucket in self.buckets():
+            bucket.runner.forget()
+
 
 def fingerprints(tensors: list[torch.Tensor]) -> Optional[list]:
     """What the native watches compare, in Python, where the native library is not loaded: per tensor its Python

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -326,6 +327,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.capturable = capturable
         self._plan: Optional[_plan.Plan] = None  # the step cache (ort_optim/_plan.py)
+        self._stepping = threading.RLock()  # (eager steps, one thread at a time: _update)
         self._checked_groups = _group_options.CheckedGroups()  # the options last accepted (steps, backward updates)
         # The last step's report (last_grad_norm, last_found_inf): a dict, whose writes a step traced by
         # torch.compile replays (TorchDynamo drops attribute writes on an optimizer made inside a traced step).
@@ -380,6 +382,7 @@ class FusedAdam(torch.optim.Optimizer):
             if isinstance(attribute, _CheckedOption) and name in self.__dict__:
                 setattr(self, name, self.__dict__.pop(name))
         self._plan = None  # the cache (native plans cannot be copied): rebuilt at the next step
+        self._stepping = threading.RLock()
         self._checked_groups = _group_options.CheckedGroups()
         self._partitions_checked = False
         self._last = {"grad_norm": None, "found_inf": None}
@@ -433,7 +436,7 @@ class FusedAdam(torch.optim.Optimizer):
         group_index = len(self.param_groups) - 1
         group = self.param_groups[group_index]
         try:
-            _group_options.check_group(group, group_where(group_index), self.master_weights)
+            _group_options.check_group(group, group_where(group_index), self._layout)
             group["adam_w_mode"] = int(group["adam_w_mode"])  # a plain int, so checkpoints load with weights_only
             for index, p in enumerate(group["params"]):
                 if p.dtype not in SUPPORTED_PARAM_DTYPES:
@@ -606,7 +609,14 @@ class FusedAdam(torch.optim.Optimizer):
         return loss
 
     def _update(self, grad_scale, found_inf) -> None:
-        """The step after its closure and argument checks: validate what changed, plan if needed, launch."""
+        """The step after its closure and argument checks: validate what changed, plan if needed, launch. One thread
+        at a time: steps of one optimizer called from several threads run one after the other (torch.optim's
+        optimizers make no such promise; here the native plans hold per-step data, which a second thread's step
+        would overwrite under the first's kernel)."""
+        with self._stepping:
+            self._update_alone(grad_scale, found_inf)
+
+    def _update_alone(self, grad_scale, found_inf) -> None:
         hypers = self._validate_options(grad_scale)
         # The one step path: the plan (valid, or built again after validating everything), then the backend ops.
         plan = self._plan
@@ -619,10 +629,17 @@ class FusedAdam(torch.optim.Optimizer):
             plan = self._plan = _plan.build(groups, state, layout, unscales=grad_scale is not None and _UNSCALE_GRADS)
             # (a plan describes what it was built from: if not, this is a bug, not a user error)
             if not plan.read_grads_if_valid(groups, state, layout):
-                raise RuntimeError("ort_optim: a FusedAdam plan was not valid right after it was built; please report")
-        if plan.has_dtensors:  # (gradients laid out unlike their DTensor params: to the params' layout, once per step)
-            plan.resolve_grads(writes_grads=grad_scale is not None and _UNSCALE_GRADS)
-        self._launch(plan, grad_scale, found_inf, hypers)
+                raise RuntimeError(
+                    "ort_optim: a FusedAdam plan was not valid right after it was built: another thread changed a param "
+                    "or its gradient during step() (torch.utils.swap_tensors, .data =, .grad =); if none did, please "
+                    "report")
+        try:
+            if plan.has_dtensors:  # (gradients laid out unlike their DTensor params: to their layout, once per step)
+                plan.resolve_grads(writes_grads=grad_scale is not None and _UNSCALE_GRADS)
+            self._launch(plan, grad_scale, found_inf, hypers)
+        except BaseException:
+            plan.forget()  # (what the checks hold for the steps that did not come)
+            raise
         if plan.traced:
             plan.stepped_eagerly()
 
@@ -693,7 +710,7 @@ class FusedAdam(torch.optim.Optimizer):
         """What a step checks before it plans: every group's options (those that changed since the last step that
         accepted them, or that are tensors: _group_options.CheckedGroups), capturable's demands, and clipping under a
         partitioning DeepSpeed optimizer (once). Returns each group's hyperparameters as the op's keyword arguments."""
-        hypers = self._checked_groups.hyperparameters(self.param_groups, self.master_weights)
+        hypers = self._checked_groups.hyperparameters(self.param_groups, self._layout)
         _group_options.check_dtype_pair(self.exp_avg_dtype, self.exp_avg_sq_dtype)  # (each may have changed alone)
         if self.capturable:  # checked before anything changes (state creation included), like everything else
             self._check_capturable_grad_scale(grad_scale)

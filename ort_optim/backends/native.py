@@ -480,3 +480,8 @@ class AdamPlan(TensorWatch):
     def grad_stats(self) -> torch.Tensor:
         """:func:`grad_stats` of the params' current gradients, after a successful :meth:`check`."""
         return self._native.grad_stats()
+
+    def forget(self) -> None:
+        """Gives back the params and gradients that a successful :meth:`check` holds until the step (which gives them
+        back itself), for a caller that does not step after all."""
+        self._native.forget()

@@ -155,3 +155,98 @@ def test_first_steps_taken_in_several_threads_at_once_load_the_native_library_on
     process, the library's loading slowed down so that the threads' first steps overlap.)"""
     result = run_python(sys.executable, FIRST_STEPS_IN_THREADS, tmp_path)
     assert result == dict(native=True, planned=[True] * 8, warnings=[]), result
+
+
+# ---- other threads that touch the params being stepped ----------------------------------------------------------------
+# A step holds the params and gradients it checked until its kernel is done: another thread's torch.utils.swap_tensors
+# of a param is refused meanwhile (as during any torch op that holds the param), and a gradient it replaces stays alive
+# until the step no longer reads it. Nothing is held between steps. Each scenario races for a second in a process of its
+# own (a use after free would crash it, or corrupt the other thread's fresh tensors).
+
+RACE = """
+import faulthandler, json, sys, threading, time
+faulthandler.enable()
+sys.setswitchinterval(1e-5)
+import torch
+from ort_optim import FusedAdam
+torch.set_num_threads(1)
+N = 16384
+params = [torch.nn.Parameter(torch.randn(N)) for _ in range(16)]
+opt = FusedAdam(params, lr=1e-3)
+for p in params:
+    p.grad = torch.ones(N)
+stop, counts = threading.Event(), dict(steps=0, changes=0, refused=0, canaries_overwritten=0)
+
+def stepper():
+    while not stop.is_set():
+        try:
+            opt.step(grad_scale=torch.tensor(8.0))  # (unscaled gradients written back: a freed one would be written)
+            counts["steps"] += 1
+        except RuntimeError as exc:  # (a param swapped between the step's planning and its check: said so)
+            assert "another thread changed a param" in str(exc), exc
+            counts["raised"] = counts.get("raised", 0) + 1
+
+def swapper():
+    while not stop.is_set():
+        for i, p in enumerate(params):
+            other = torch.nn.Parameter(p.detach().clone())
+            try:
+                torch.utils.swap_tensors(p, other)
+                counts["changes"] += 1
+            except RuntimeError:  # (held by the step)
+                counts["refused"] += 1
+            del other  # (after a swap: the TensorImpl the param had)
+        time.sleep(1e-3)  # (steps in between)
+
+def replacer():
+    canaries = []
+    while not stop.is_set():
+        for p in params:
+            p.grad = torch.ones(N)  # (the old gradient released here)
+            canaries.append(torch.full((N,), 3.0))  # (fresh tensors, likely where a freed gradient was)
+            counts["changes"] += 1
+        if len(canaries) > 256:
+            counts["canaries_overwritten"] += sum(int(not bool((c == 3.0).all())) for c in canaries)
+            canaries.clear()
+
+threads = [threading.Thread(target=stepper), threading.Thread(target={other})]
+for t in threads:
+    t.start()
+time.sleep(1.0)
+stop.set()
+for t in threads:
+    t.join()
+counts["finite"] = all(bool(p.isfinite().all()) for p in params)
+print(json.dumps(counts))
+"""
+
+
+@pytest.mark.parametrize("other", ["swapper", "replacer"])
+def test_another_thread_swapping_params_or_replacing_gradients_during_steps_frees_nothing_a_step_reads(other, tmp_path):
+    result = run_python(sys.executable, RACE.replace("{other}", other), tmp_path)
+    assert result["steps"] > 0 and result["changes"] > 0, result
+    assert result["canaries_overwritten"] == 0 and result["finite"], result
+
+
+def test_steps_of_one_optimizer_called_from_two_threads_run_one_after_the_other():
+    """The steps of one optimizer from several threads at once are those steps taken one after the other (the
+    gradients do not change, so any order gives the same params)."""
+    def run(threads: int, steps: int) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        opt = FusedAdam(params, lr=1e-2, weight_decay=1e-2, max_grad_norm=1.0)
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)
+        try:
+            workers = [threading.Thread(target=lambda: [opt.step() for _ in range(steps)]) for _ in range(threads)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+        finally:
+            sys.setswitchinterval(switch)
+        return [p.detach().clone() for p in params] + [opt.state[params[0]]["step"].clone()]
+
+    assert_tree_bitwise_equal(run(threads=2, steps=25), run(threads=1, steps=50), "two threads against one")
