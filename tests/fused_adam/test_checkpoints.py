@@ -26,6 +26,7 @@ import copy
 import io
 import math
 import re
+import sys
 import warnings
 
 import pytest
@@ -35,6 +36,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from conftest import (
     BACKENDS,
+    ROOT,
+    run_python,
     assert_bitwise_equal,
     assert_bitwise_equal_but_nan_bits,
     assert_same_snapshot,
@@ -1524,3 +1527,79 @@ def test_a_groups_saved_keys_do_not_depend_on_its_mode_so_a_mode_changed_mid_run
     fresh.load_state_dict(target["optim"])
     assert fresh.param_groups[0]["adam_w_mode"] == AdamWMode.ADAM_L2_REGULARIZATION
     assert torch.equal(fresh.state[q]["exp_avg"], opt.state[p]["exp_avg"])
+
+
+# ---- across the two environments ---------------------------------------------------------------------------------
+# The ORTModule stack (torch 2.4.1) and the newest torch each build the native op against their own torch. A run moved
+# from one to the other (ORTModule is deprecated upstream: runs move to the newest torch) resumes bit for bit as the run
+# that stayed, in both directions. The gradients come from numpy, the same bits under both.
+
+CROSS_CONFIGS = [
+    dict(dtype="float32", options=dict(adam_w_mode=2, eps=1e-8, weight_decay=1e-2, amsgrad=True)),
+    dict(dtype="bfloat16", options=dict(master_weights=True, exp_avg_dtype="uint8", exp_avg_sq_dtype="uint8",
+                                       max_grad_norm=1.0)),
+    dict(dtype="float32", options=dict(exp_avg_dtype="uint4", exp_avg_sq_dtype="uint4", maximize=True)),
+    dict(dtype="float16", options=dict(master_weights=True, exp_avg_dtype="float8_e4m3fn",
+                                       exp_avg_sq_dtype="float8_e4m3fn"), grad_scale=1024.0),
+    dict(dtype="bfloat16", options=dict(stochastic_rounding=True, exp_avg_dtype="bfloat16")),
+]
+
+CROSS_RUN = """
+import hashlib, json, numpy as np, torch
+from ort_optim import FusedAdam
+
+configs, start, stop, load, save = {args}
+out = []
+for index, config in enumerate(configs):
+    dtype = getattr(torch, config["dtype"])
+    options = {{k: getattr(torch, v) if k.endswith("_dtype") else v for k, v in config["options"].items()}}
+    shapes = [(5,), (33, 17), (1,), (300,), (1031,)]
+    rng = np.random.default_rng(7)
+    params = [torch.nn.Parameter(torch.from_numpy(rng.standard_normal(s)).to(dtype)) for s in shapes]
+    opt = FusedAdam(params, lr=1e-2, **options)
+    if load:
+        saved = torch.load(f"{{load}}.{{index}}", weights_only=True)
+        with torch.no_grad():
+            for p, value in zip(params, saved["params"]):
+                p.copy_(value)
+        opt.load_state_dict(saved["optimizer"])
+    for step in range(start, stop):
+        rng = np.random.default_rng(1000 + step)
+        for p in params:
+            p.grad = torch.from_numpy(rng.standard_normal(p.shape) * 3).to(dtype)
+        if "grad_scale" in config:
+            for p in params:
+                p.grad.mul_(config["grad_scale"])
+            opt.step(grad_scale=config["grad_scale"])
+        else:
+            opt.step()
+    if save:
+        torch.save(dict(params=[p.detach() for p in params], optimizer=opt.state_dict()), f"{{save}}.{{index}}")
+    tensors = [p.detach() for p in params] + [t for s in opt.state_dict()["state"].values() for t in s.values()]
+    out.append([hashlib.sha256(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                for t in tensors])
+print(json.dumps(out))
+"""
+
+
+def _other_environment():
+    """The ORTModule stack's interpreter (this clone's, made by make setup), seen from the newest torch's, or None."""
+    other = ROOT / ".venv" / "bin" / "python"
+    return other if other.exists() and not torch.__version__.startswith("2.4.") else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_other_environment() is None, reason="runs from the newest torch's environment, both directions, "
+                    "where this clone's ORTModule stack environment is set up")
+def test_a_checkpoint_moved_between_the_environments_resumes_bit_for_bit_as_the_run_that_stayed(tmp_path):
+    here, there = sys.executable, _other_environment()
+
+    def run(python, start, stop, load=None, save=None):
+        args = repr((CROSS_CONFIGS, start, stop, str(load) if load else None, str(save) if save else None))
+        return run_python(python, CROSS_RUN.format(args=args), tmp_path)
+
+    stayed = run(here, 0, 8)
+    run(there, 0, 4, save=tmp_path / "there")
+    assert run(here, 4, 8, load=tmp_path / "there") == stayed, "saved with torch 2.4.1, resumed here"
+    run(here, 0, 4, save=tmp_path / "here")
+    assert run(there, 4, 8, load=tmp_path / "here") == stayed, "saved here, resumed with torch 2.4.1"
