@@ -283,10 +283,14 @@ at::Tensor AdamPlan::step(double lr, double beta1, double beta2, double eps, dou
                       maximize, lr_tensor, inv_grad_scale, found_inf, grad_scale, rounding_keys};
   double square_sum = 0.0;
   if (grad_norm) options.grad_square_sum = &square_sum;
-  update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
-         options, [this](bool unscaled_grads) { mark_written(unscaled_grads); });
-  release();
-  forget_params();
+  {
+    struct GiveBack {  // (on every way out of the update, an error included: the step needs a new check())
+      AdamPlan* plan;
+      ~GiveBack() { plan->forget(); }
+    } give_back{this};
+    update(work_, items_, param_pointers_, grads_, steps_.data_ptr<double>(), is_double_, !max_exp_avg_sqs_.empty(),
+           options, [this](bool unscaled_grads) { mark_written(unscaled_grads); });
+  }
   return grad_norm ? stats_tensor(square_sum) : at::Tensor();
 }
 

@@ -156,9 +156,9 @@ class AdamPlan : public TensorWatch {
   bool follow(size_t param, size_t k) override;
 
   // The params and gradients check() resolved, held from a successful check() to the end of the step (or forget()):
-  // another thread that swaps a param (torch.utils.swap_tensors refuses it, as during any op that holds it) or
-  // replaces a gradient meanwhile cannot free what the step reads and writes. Nothing is held between steps, so
-  // swap_tensors and a gradient set to None work there as without the plan. Released by forget_params().
+  // another thread that replaces a gradient meanwhile cannot free what the step reads and writes. Nothing is held
+  // between steps, so swap_tensors and a gradient set to None work there as without the plan. Released by
+  // forget_params().
   void borrow_params();
   void forget_params();
 

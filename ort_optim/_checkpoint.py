@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ._group_options import OPTIMIZER_WIDE_KEYS, check_group, show, wide_option_value
+from ._group_options import OPTIMIZER_WIDE_KEYS, TORCH_GROUP_KEYS, check_group, show, wide_option_value
 from ._layout import StateLayout
 from ._spec import AdamWMode
 from . import formats
@@ -42,8 +42,6 @@ CHECKPOINT_KEYS = ("step",) + MOMENT_KEYS + ("master_param",)
 # fp16 and low-bit moments next to them: a key the canonical checkpoint never has comes back as an empty dict. Only
 # that placeholder is ignored, and only for these keys.
 UNFLATTEN_PLACEHOLDER_KEYS = tuple(f"{key}_scale" for key in MOMENT_KEYS)
-# Group keys that describe how torch.optim ran, not what it computes: dropped when a torch checkpoint is loaded.
-TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 # Every checkpoint of the Adam family has these (ORT's, torch's, ours); the other options default to this
 # optimizer's current values when missing (ORT's FusedAdam saves no adam_w_mode, amsgrad or maximize).
 REQUIRED_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
@@ -395,7 +393,8 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
             )
         new_group = {key: value for key, value in group.items()}
         for key, value in saved.items():
-            if key not in ("params", "step") and key not in TORCH_IMPLEMENTATION_KEYS:
+            # (torch's group keys say how torch ran the update, dropped; an L2-decay checkpoint is refused above)
+            if key not in ("params", "step") and key not in TORCH_GROUP_KEYS:
                 # copies (an lr tensor: the scheduler fills it in place), so the given dict stays untouched
                 new_group[key] = wide_option_value(key, _copy(value)) if key in OPTIMIZER_WIDE_KEYS else _copy(value)
         check_group(new_group, lambda key, gi=gi: entry("param_groups", gi, key), layout)

@@ -119,12 +119,6 @@ def _flag(group: dict, key: str, where: Where) -> None:
                         "'False' from a JSON/YAML export would read as True")
 
 
-def optimizer_options(options: Any) -> dict:
-    """The optimizer-wide options (:data:`OPTIMIZER_WIDE_KEYS`) a caller gives: a StateLayout (or any object with
-    those attributes) gives all of them, a bool is master_weights alone."""
-    if isinstance(options, bool):
-        return {"master_weights": options}
-    return {key: getattr(options, key) for key in OPTIMIZER_WIDE_KEYS}
 
 
 def wide_option_value(key: str, value: Any) -> Any:
@@ -163,11 +157,9 @@ def _check_wide_keys(group: dict, where: Where, own: dict) -> None:
     for key in OPTIMIZER_WIDE_KEYS:
         if key not in group:
             continue
-        value = wide_option_value(key, group[key])
-        if key in own and value is own[key]:  # (bools, None and dtypes are singletons: 1 is not True)
+        if wide_option_value(key, group[key]) is own[key]:  # (bools, None and dtypes are singletons: 1 is not True)
             continue
-        theirs = f"this optimizer's own value ({own[key]!r}), not {show(group[key])}" if key in own else \
-            "this optimizer's own value"
+        theirs = f"this optimizer's own value ({own[key]!r}), not {show(group[key])}"
         raise ValueError(
             f"{where(key)} is set in a param group, but FusedAdam takes it for the whole optimizer (it decides the "
             f"state layout of every param), so a param group may only repeat {theirs}: pass {key}= to "
@@ -211,8 +203,7 @@ def _check_torch_keys(group: dict, where: Where) -> None:
 
 def check_group(group: dict, where: Where, options: Any) -> None:
     """Every FusedAdam option of a param group (see the module docstring); where(key) names an entry in errors;
-    options: the optimizer's StateLayout (its optimizer-wide options: a group may repeat them), or its master_weights
-    alone (a bool: a group's state dtype options are then refused, as nothing tells the optimizer's). Raises before
+    options: the optimizer's StateLayout (its optimizer-wide options, which a group may repeat). Raises before
     anything changes; changes nothing."""
     for key in REQUIRED_KEYS:
         if key not in group:  # (as torch.optim's add_param_group: a ValueError naming the option)
@@ -220,7 +211,7 @@ def check_group(group: dict, where: Where, options: Any) -> None:
                 f"{where(key)} is missing: a param group needs every option of the optimizer's defaults (a group "
                 "appended to optimizer.param_groups directly gets none; add groups with optimizer.add_param_group, "
                 "which fills them in)")
-    own = optimizer_options(options)
+    own = {key: getattr(options, key) for key in OPTIMIZER_WIDE_KEYS}
     master_weights = own["master_weights"]
     _check_distributed_keys(group, where)
     _check_wide_keys(group, where, own)

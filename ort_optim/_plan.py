@@ -385,6 +385,7 @@ class Plan:
             return False
         for planned in self.groups:
             if not planned.read_grads_if_current():
+                self.forget()  # (the groups checked before it hold their params and gradients for a step)
                 return False
         return True
 
@@ -452,9 +453,12 @@ class Plan:
                 yield group_index, planned.group, bucket
 
     def forget(self) -> None:
-        """Gives back what the buckets' checks hold for a step that does not come (it raised before them)."""
+        """Gives back what the buckets hold for a step, once it is done or will not come: the gradients read for it
+        (other backends) and what a native plan's check holds (a step gives that back itself)."""
         for _, _, bucket in self.buckets():
-            bucket.runner.forget()
+            if bucket.native is not None:
+                bucket.native.forget()
+            bucket.grads, bucket.pending = [], []
 
 
 def fingerprints(tensors: list[torch.Tensor]) -> Optional[list]:

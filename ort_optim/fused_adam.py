@@ -319,7 +319,8 @@ class FusedAdam(torch.optim.Optimizer):
             eps=eps, adam_w_mode=adam_w_mode, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
             stochastic_rounding=stochastic_rounding, stochastic_rounding_seed=stochastic_rounding_seed,
         )
-        _group_options.check_group(defaults, constructor_where, master_weights)
+        _group_options.check_group(defaults, constructor_where,
+                                   StateLayout(master_weights, exp_avg_dtype, exp_avg_sq_dtype))
         self.set_grad_none = set_grad_none
         self.master_weights = master_weights
         self.exp_avg_dtype = exp_avg_dtype
@@ -637,9 +638,11 @@ class FusedAdam(torch.optim.Optimizer):
             if plan.has_dtensors:  # (gradients laid out unlike their DTensor params: to their layout, once per step)
                 plan.resolve_grads(writes_grads=grad_scale is not None and _UNSCALE_GRADS)
             self._launch(plan, grad_scale, found_inf, hypers)
-        except BaseException:
-            plan.forget()  # (what the checks hold for the steps that did not come)
-            raise
+        finally:
+            # (the gradients are the caller's again: zero_grad(set_to_none=True) frees them before the next forward.
+            # A traced plan keeps what its compiled graph was traced with.)
+            if not plan.traced:
+                plan.forget()
         if plan.traced:
             plan.stepped_eagerly()
 

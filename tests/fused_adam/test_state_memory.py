@@ -1,9 +1,12 @@
 """Where FusedAdam's CPU state lives: the moments (and masters) of a bucket's params in one flat buffer per kind, whose
 whole 2 MiB pages are advised to be transparent huge pages on Linux before they are first written (ort_optim/_heap.py):
-a step streams each of them once, and 4 KiB pages cost a page walk per 4 KiB of each stream."""
+a step streams each of them once, and 4 KiB pages cost a page walk per 4 KiB of each stream. And what it does not keep:
+the gradients of a step, which zero_grad(set_to_none=True) frees before the next forward, as with torch's optimizers.
+"""
 
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -110,3 +113,17 @@ def test_the_states_left_in_a_mostly_freed_flat_buffer_move_to_one_of_their_size
     assert torch.equal(small_a, small_b)
     for key in ("exp_avg", "exp_avg_sq", "step"):
         assert torch.equal(untouched.state[small_a][key], opt.state[small_b][key]), key
+
+
+@pytest.mark.parametrize("options", [{}, dict(max_grad_norm=1.0), dict(exp_avg_dtype=torch.uint8,
+                                                                         exp_avg_sq_dtype=torch.uint8)], ids=str)
+def test_after_a_step_zero_grad_frees_the_gradients_as_after_torch_adamws(options, backend):
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (3, 300, 4096)]
+    opt = FusedAdam(params, **options)
+    for step in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        opt.step(grad_scale=torch.tensor(2.0)) if step else opt.step()
+        gradients = [weakref.ref(p.grad) for p in params]
+        opt.zero_grad(set_to_none=True)
+        assert all(g() is None for g in gradients), f"step {step}: a gradient outlived zero_grad"
