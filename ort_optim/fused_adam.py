@@ -597,6 +597,7 @@ class FusedAdam(torch.optim.Optimizer):
                     and all(planned.read_grads() for planned in plan.groups)):
                 raise RuntimeError("ort_optim: a traced FusedAdam step found its plan out of date; please report")
             self._launch(plan, grad_scale, found_inf, traced=True)
+            plan.forget()  # (as an eager step: zero_grad(set_to_none=True) then frees the gradients)
             return loss
         if traced_float:  # (not traced after all: checked as the eager step checks it)
             _group_options.check_scaling_arguments(grad_scale, None)
@@ -639,10 +640,7 @@ class FusedAdam(torch.optim.Optimizer):
                 plan.resolve_grads(writes_grads=grad_scale is not None and _UNSCALE_GRADS)
             self._launch(plan, grad_scale, found_inf, hypers)
         finally:
-            # (the gradients are the caller's again: zero_grad(set_to_none=True) frees them before the next forward.
-            # A traced plan keeps what its compiled graph was traced with.)
-            if not plan.traced:
-                plan.forget()
+            plan.forget()  # (the gradients are the caller's again: zero_grad(set_to_none=True) frees them)
         if plan.traced:
             plan.stepped_eagerly()
 

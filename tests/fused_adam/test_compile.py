@@ -12,6 +12,7 @@ graph (the docstring of ort_optim.FusedAdam says so), and the last test checks t
 from __future__ import annotations
 
 import re
+import weakref
 
 import pytest
 import torch
@@ -860,3 +861,21 @@ def test_property_any_configuration_compiles_without_breaks_and_steps_as_eager(d
     assert_same_history(eager, compiled)
     if not isinstance(compiled[-1], tuple):
         assert breaks == 0, f"{breaks} graph breaks"
+
+
+@NEWEST
+def test_after_compiled_steps_zero_grad_frees_the_gradients_but_the_tracing_steps():
+    """As after eager steps, the plan keeps no step's gradients; TorchDynamo's record of the trace keeps those of the
+    step that traced (one set, for the compiled graph's life)."""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    opt = FusedAdam(model.parameters(), lr=1e-3)
+    step = torch.compile(opt.step)
+    alive = []
+    for _ in range(4):
+        model(torch.randn(8, 16)).sum().backward()
+        step()
+        gradients = [weakref.ref(p.grad) for p in model.parameters()]
+        opt.zero_grad(set_to_none=True)
+        alive.append(sum(g() is not None for g in gradients))
+    assert alive[1:] == [0, 0, 0], alive
