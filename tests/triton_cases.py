@@ -16,6 +16,7 @@ No pytest here: tools/gpu_check.py runs these checks on a GPU machine that may h
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -460,6 +461,53 @@ def check_mixed_devices(device: torch.device, steps: int = 4) -> None:
     on_cpu = run(["cpu"] * len(shapes), "cpu")
     for i, (a, b) in enumerate(zip(mixed, on_cpu)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0, msg=lambda m, i=i: f"tensor {i}: {m}")
+
+
+def check_fp16_optimizer(device: torch.device, steps: int = 5) -> None:
+    """FP16_Optimizer(FusedAdam(master_weights=True)) over fp16 params, the Triton kernels on device against the
+    native CPU op (the pure-PyTorch one where it is not loaded): params, fp32 masters and the loss-scale history bit
+    for bit over steps with an overflow (skipped, scale halved) among them. (Not with max_grad_norm: the two sum the
+    norm's squares in other orders, so the clip coefficient can differ in its last bit.) On CUDA, step() after the
+    first makes no host sync (torch.cuda.set_sync_debug_mode("error") raises on one)."""
+    from ort_optim import FP16_Optimizer, FusedAdam, backends
+
+    shapes = [(1000, 1030), (4096,), (33, 17)] if device.type == "cuda" else [(100, 13), (257,), (3, 5)]
+    gen = torch.Generator().manual_seed(5)
+    init = [torch.randn(s, generator=gen).half() for s in shapes]
+    slopes = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
+    slopes[2][1][7] = 1e6  # (times the loss scale: not finite in float16, the step is skipped)
+
+    def run(backend: str, on: torch.device):
+        previous = os.environ.get("ORT_OPTIM_BACKEND")
+        os.environ["ORT_OPTIM_BACKEND"] = backend
+        try:
+            params = [torch.nn.Parameter(p.to(on, copy=True)) for p in init]
+            opt = FP16_Optimizer(FusedAdam(params, lr=1e-3, master_weights=True), init_scale=2.0 ** 10)
+            history = []
+            for i in range(steps):
+                opt.zero_grad(set_to_none=True)
+                opt.backward(sum((p.float() * g.to(on)).sum() for p, g in zip(params, slopes[i])))
+                if on.type == "cuda" and i > 0:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    opt.step()
+                finally:
+                    if on.type == "cuda":
+                        torch.cuda.set_sync_debug_mode(0)
+                history.append(float(opt.loss_scale))
+            masters = [opt.optimizer.state[p]["master_param"].cpu() for p in params]
+            return [p.detach().cpu() for p in params] + masters, history
+        finally:
+            if previous is None:
+                os.environ.pop("ORT_OPTIM_BACKEND")
+            else:
+                os.environ["ORT_OPTIM_BACKEND"] = previous
+
+    tensors, history = run("triton", device)
+    cpu_tensors, cpu_history = run("native" if backends.native_available() else "torch", torch.device("cpu"))
+    assert history == cpu_history and history[2] == history[1] / 2, (history, cpu_history)
+    for i, (a, b) in enumerate(zip(tensors, cpu_tensors)):
+        assert torch.equal(a, b), f"FP16_Optimizer tensor {i} differs from the CPU's"
 
 
 def total_norm(grads) -> float:

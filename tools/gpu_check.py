@@ -155,6 +155,9 @@ def correctness(device, dry_run: bool, results: dict) -> bool:
            lambda: tc.check_plain_step_norm(device, shapes=[(1000,), (), (40, 30)] if dry_run
                                             else [(1000, 1030), (4096,), (), (33, 17)]))
 
+    record("FP16_Optimizer(FusedAdam) over fp16 params with an overflow == the CPU's bit for bit"
+           + (", no host sync in step()" if device.type == "cuda" else ""), lambda: tc.check_fp16_optimizer(device))
+
     if device.type == "cuda":
         record("kernels run on the current (non-default) stream", lambda: tc.check_same_stream(device))
         record("CUDA graph capture/replay of FusedAdam(capturable=True)", lambda: tc.check_graph_capture(device))
