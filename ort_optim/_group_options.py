@@ -119,8 +119,6 @@ def _flag(group: dict, key: str, where: Where) -> None:
                         "'False' from a JSON/YAML export would read as True")
 
 
-
-
 def wide_option_value(key: str, value: Any) -> Any:
     """An optimizer-wide option's value as a group holds it: a state dtype saved by name (``'torch.uint4'``: a
     checkpoint saves dtypes as their names, which ``torch.load(weights_only=True)`` reads in every torch; torch 2.4

@@ -251,6 +251,7 @@ class PlanRunner:
         squares, non-finite] of the gradients as its update pass loaded them, else None."""
         return self.plan.step(**hyper, **scaling.on(_CPU), rounding_keys=self.rounding_keys, grad_norm=grad_norm)
 
+
 @dataclass(eq=False)
 class OpRunner:
     """The runner of a bucket on the op of its device's backend (:func:`adam_step_`: Triton, the reference, or the
@@ -282,6 +283,7 @@ class OpRunner:
         if self.step_tensors and not torch.compiler.is_compiling() and _versions.step_taken(options["found_inf"]):
             _versions.mark_modified(self.step_tensors)
         return out
+
 
 Runner = Union[PlanRunner, OpRunner]
 _CPU = torch.device("cpu")
