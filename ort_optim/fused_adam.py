@@ -899,7 +899,9 @@ class FusedAdam(torch.optim.Optimizer):
         per-element states of DTensor params are DTensors laid out like their params (``step`` stays a plain tensor),
         which is what ``torch.distributed.checkpoint`` saves and reshards. Hooks registered with
         ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` run as in torch.optim; the post hooks
-        get (and may replace) this canonical form."""
+        get (and may replace) this canonical form. Entries of ``optimizer.state[p]`` that the optimizer does not
+        keep (``state[p]['my_ema'] = t``) are left out, with a RuntimeWarning naming them, where torch.optim saves
+        them: load_state_dict refuses unknown state keys, which is how another optimizer's checkpoint shows."""
         params = [p for group in self.param_groups for p in group["params"]]  # torch's ids are these positions
         self._drop_state_of_removed_params(params)
         # torch.optim.Optimizer.state_dict packs and runs the hooks; the post hooks (register_state_dict_post_hook)
@@ -965,7 +967,11 @@ class FusedAdam(torch.optim.Optimizer):
         copies in this optimizer's storage dtypes: the given dict and its tensors are never written to, so loading the
         same dict twice equals loading it once. A state without ``master_param`` (a checkpoint of an optimizer without
         master weights) gets its master at the param's next step, from the param as it is then, as a state made
-        before ``master_weights`` was switched on does: model weights loaded after this call are kept.
+        before ``master_weights`` was switched on does: model weights loaded after this call are kept. So does a
+        state whose master torch.optim carried: a checkpoint saved by torch.optim (its groups hold torch's
+        implementation switches) keeps FusedAdam's ``master_param`` entries as they were when torch loaded them,
+        never updated; one that, rounded to its param's dtype, no longer equals the param is left out with a
+        RuntimeWarning naming it.
 
         Group options missing from the checkpoint keep this optimizer's values (ORT's FusedAdam saves no
         ``adam_w_mode``, ``amsgrad`` or ``maximize``; torch's no ``adam_w_mode``), and ORT's per-group ``step``
@@ -1032,6 +1038,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.state.update(prepared.state)  # (the state's version changes: the next step plans again)
         _checkpoint.warn_nonfinite(prepared.nonfinite)
         _checkpoint.warn_dropped_masters(prepared.dropped_masters)
+        _checkpoint.warn_stale_masters(prepared.stale_masters)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

@@ -983,6 +983,79 @@ def test_a_checkpoint_without_masters_leaves_them_to_the_params_next_step(backen
         assert float((opt.state[p]["master_param"] - 3.0).abs().max()) < 0.1, "the master starts from the new weights"
 
 
+def _through_torch_adamw(torch_steps: int) -> tuple[list, list, FusedAdam, torch.optim.AdamW, dict]:
+    """An fp16 model with FusedAdam's fp32 masters, checkpointed after 2 steps; the checkpoint loaded into
+    torch.optim.AdamW, which trains the same model on for torch_steps (fp16 math: the masters ride along untouched)
+    and saves. Returns (FusedAdam's params, torch's params, the FusedAdam, the AdamW, AdamW's checkpoint)."""
+    kwargs = dict(lr=1e-2, eps=1e-8, weight_decay=1e-2)
+    params = [torch.nn.Parameter(p.detach().to(torch.float16)) for p in _fp32_params()]
+    opt = FusedAdam(params, master_weights=True, adam_w_mode=AdamWMode.ADAMW_TORCH, **kwargs)
+    _steps(opt, params, 0, 2)
+    torch_params = _clone_params(params)
+    theirs = torch.optim.AdamW(torch_params, foreach=False, **kwargs)
+    theirs.load_state_dict(_roundtrip(opt.state_dict()))
+    _steps(theirs, torch_params, 2, torch_steps)
+    return params, torch_params, opt, theirs, _roundtrip(theirs.state_dict())
+
+
+def test_masters_that_torch_adamw_carried_while_it_trained_are_left_out_and_the_run_continues_from_its_params():
+    """torch.optim.AdamW keeps a state key it does not know as it is: a FusedAdam checkpoint with fp32 masters,
+    trained on by torch.optim.AdamW, comes back with the masters of the step before torch's first. Loaded back, they
+    are left out with a warning naming them (each master then starts from its param, as in a checkpoint without
+    masters), so the run continues from the weights torch trained, about as torch.optim.AdamW itself continues
+    (fp32 masters against torch's fp16 math), not from the stale masters."""
+    _, torch_params, _, theirs, saved = _through_torch_adamw(torch_steps=20)
+    assert all("master_param" in state for state in saved["state"].values()), "torch carried the masters"
+    mine = _clone_params(torch_params)  # the model's weights as torch left them
+    back = FusedAdam(mine, lr=1e-2, eps=1e-8, weight_decay=1e-2, master_weights=True,
+                     adam_w_mode=AdamWMode.ADAMW_TORCH)
+    with pytest.warns(RuntimeWarning, match=r"state_dict\['state'\]\[0\]\['master_param'\].*saved by torch\.optim"):
+        back.load_state_dict(saved)
+    assert not any("master_param" in back.state[p] for p in mine)
+    _steps(back, mine, 22, 3)
+    _steps(theirs, torch_params, 22, 3)
+    for p, q in zip(mine, torch_params):
+        apart = float((p.detach().float() - q.detach().float()).abs().max())
+        assert apart <= 4e-3 * max(1.0, float(q.detach().float().abs().max())), apart
+    # (the stale masters alone would have pulled the weights back by torch's 20 steps)
+    stale = [saved["state"][i]["master_param"].to(torch.float16) for i in range(len(mine))]
+    assert any(float((p.detach().float() - m.float()).abs().max()) > 0.05 for p, m in zip(mine, stale))
+
+
+def test_masters_that_passed_through_torch_adamw_untouched_are_kept():
+    """A FusedAdam checkpoint loaded into torch.optim.AdamW and saved again without a step there holds masters that
+    still match their params (torch's load cast them, as the moments, to the params' fp16): they load as they are,
+    without a warning."""
+    _, torch_params, _, _, saved = _through_torch_adamw(torch_steps=0)
+    mine = _clone_params(torch_params)
+    back = FusedAdam(mine, lr=1e-2, eps=1e-8, weight_decay=1e-2, master_weights=True,
+                     adam_w_mode=AdamWMode.ADAMW_TORCH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        back.load_state_dict(saved)
+    for i, p in enumerate(mine):
+        assert_bitwise_equal(back.state[p]["master_param"], saved["state"][i]["master_param"].float(), "master")
+
+
+def test_state_entries_the_optimizer_does_not_keep_are_not_saved_and_the_warning_names_them():
+    """``optimizer.state[p]['my_ema'] = t``: the step takes it along, but FusedAdam's checkpoint holds the
+    optimizer's own state (its load refuses other keys, which is how another optimizer's checkpoint shows), so
+    state_dict() leaves it out and says so, and the checkpoint loads back. (torch.optim.AdamW saves it.)"""
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    opt = FusedAdam(params, lr=1e-2, exp_avg_dtype=torch.uint8)
+    _steps(opt, params, 0, 1)
+    opt.state[params[1]]["my_ema"] = torch.full((5,), 7.0)
+    _steps(opt, params, 1, 1)
+    with pytest.warns(RuntimeWarning, match=r"state\[1\]\['my_ema'\]: not saved"):
+        saved = opt.state_dict()
+    assert all(set(state) <= {"step", "exp_avg", "exp_avg_sq"} for state in saved["state"].values())
+    del opt.state[params[1]]["my_ema"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_tree_bitwise_equal(opt.state_dict(), saved, "saved without the extra entry")
+    FusedAdam(_clone_params(params), lr=1e-2, exp_avg_dtype=torch.uint8).load_state_dict(saved)
+
+
 BLOCKS = {torch.uint8: 256, torch.uint4: 128, torch.float8_e4m3fn: 256}
 
 
