@@ -136,6 +136,7 @@ def canonical_checkpoint(state_dict: Any) -> Any:
         return state_dict
     _check_top_level(state_dict, source)
     if source == "torchao":
+        _one_torchao_layout(state_dict["state"])
         return {"state": {pid: _torchao_state(s, entry("state", pid)) for pid, s in state_dict["state"].items()},
                 "param_groups": [_torchao_group(g, gi) for gi, g in enumerate(state_dict["param_groups"])]}
     return {"state": {pid: _bnb_state(s, entry("state", pid)) for pid, s in state_dict["state"].items()},
@@ -223,7 +224,36 @@ def _torchao_group(group: dict, gi: int) -> dict:
     return _adam_group(group, gi, lr)
 
 
+# The keys of a torchao AdamW* state (max_exp_avg_sq with amsgrad).
+TORCHAO_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _one_torchao_layout(states: dict) -> None:
+    """Each torchao optimizer keeps every quantised state in one class (OptimState8bit, OptimState4bit or
+    OptimStateFp8): a checkpoint mixing them was pieced together from several runs, not saved by one, and is refused
+    naming the first entry of a second class."""
+    first = None
+    for pid, state in states.items():
+        for key, value in state.items() if isinstance(state, dict) else ():
+            if not _is_torchao(value):
+                continue
+            kind = type(value).__name__
+            if first is None:
+                first = (kind, entry("state", pid) + f"[{key!r}]")
+            elif kind != first[0]:
+                raise ValueError(f"{entry('state', pid)}[{key!r}] is a torchao {kind} but {first[1]} is a torchao {first[0]}: "
+                                 "one torchao optimizer keeps all its states in one format, so this checkpoint mixes "
+                                 "the states of different optimizers, which no run continues from. Load each "
+                                 "optimizer's own checkpoint")
+
+
 def _torchao_state(state: dict, where: str) -> dict:
+    if not isinstance(state, dict):
+        return state  # (the usual checks name it)
+    for key in state:
+        if key not in TORCHAO_STATE_KEYS:
+            raise ValueError(f"{where}[{key!r}]: a key a torchao Adam state does not have (it has "
+                             f"{', '.join(map(repr, TORCHAO_STATE_KEYS))}); a layout ort_optim does not read")
     out = {}
     for key, value in state.items():
         if _is_torchao(value):
@@ -327,8 +357,9 @@ def _bnb_block_size(n: int, blocks: int, where: str) -> int:
     return sizes[0]  # (where both fit, all n elements are one block)
 
 
-def _bnb_decode(quant: dict, i: int, where: str) -> torch.Tensor:
-    """state{i} decoded: float32 states as they are; uint8 codes as qmap{i}[code] * absmax{i}[block]."""
+def _bnb_decode(quant: dict, i: int, where: str) -> tuple[torch.Tensor, Optional[int]]:
+    """state{i} decoded, and its block size: float32 states as they are (no block); uint8 codes as
+    qmap{i}[code] * absmax{i}[block]."""
     codes = quant.get(f"state{i}")
     if not isinstance(codes, torch.Tensor) or type(codes) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"{where}['state{i}'] must be a tensor, got {show(codes)}")
@@ -337,7 +368,7 @@ def _bnb_decode(quant: dict, i: int, where: str) -> torch.Tensor:
         for key in (f"qmap{i}", f"absmax{i}"):
             if key in quant:
                 raise ValueError(f"{where}[{key!r}] goes with 8-bit codes, but state{i} is {codes.dtype}")
-        return codes  # a param under min_8bit_size: plain float32 moments, read (never written) by the usual checks
+        return codes, None  # a param under min_8bit_size: plain float32 moments, read (never written) by the usual checks
     parts = {}
     for key in (f"qmap{i}", f"absmax{i}"):
         t = quant.get(key)
@@ -355,7 +386,7 @@ def _bnb_decode(quant: dict, i: int, where: str) -> torch.Tensor:
     n = flat.numel()
     block = _bnb_block_size(n, absmax.numel(), f"{where}['absmax{i}']")
     values = torch.nn.functional.pad(qmap.to(flat.device)[flat.long()], (0, -n % block)).view(-1, block)
-    return (values * absmax.to(flat.device).view(-1, 1)).reshape(-1)[:n].reshape(codes.shape)
+    return (values * absmax.to(flat.device).view(-1, 1)).reshape(-1)[:n].reshape(codes.shape), block
 
 
 def _bnb_state(state: dict, where: str) -> dict:
@@ -380,7 +411,12 @@ def _bnb_state(state: dict, where: str) -> dict:
     for i in (1, 2):
         if f"state{i}" not in quant:
             raise ValueError(f"{quant_where} has no 'state{i}' (bitsandbytes' Adam moment {'m' if i == 1 else 'v'})")
-    out = {"exp_avg": _bnb_decode(quant, 1, quant_where), "exp_avg_sq": _bnb_decode(quant, 2, quant_where)}
+    (m, m_block), (v, v_block) = _bnb_decode(quant, 1, quant_where), _bnb_decode(quant, 2, quant_where)
+    if m_block != v_block:  # (one blocksize per optimizer, in every version: both moments' codes are blocked alike)
+        raise ValueError(f"{quant_where}: 'absmax1' gives blocks of {m_block} elements but 'absmax2' blocks of "
+                         f"{v_block} (their counts: {quant['absmax1'].numel()} and {quant['absmax2'].numel()}); "
+                         "bitsandbytes blocks both moments alike, so one of them was cut or replaced")
+    out = {"exp_avg": m, "exp_avg_sq": v}
     if "step" in state:
         out["step"] = state["step"]  # an int; the usual checks validate it
     return out

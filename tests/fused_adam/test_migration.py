@@ -512,6 +512,9 @@ REFUSALS = {
                       "'momentum_buffer'"),
     "bnb-absmax-count": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(absmax1=torch.ones(5))),
                          "5 block scales"),
+    "bnb-absmax-blocks-disagree": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(
+        absmax2=sd["state"][0][BNB_KEY]["absmax2"][:-(-math.prod(BNB_SHAPES[0]) // 2048)].clone())),
+        "'absmax1' gives blocks of 256 elements but 'absmax2' blocks of 2048"),
     "bnb-qmap-size": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(qmap1=torch.zeros(16))),
                       "16 values"),
     "bnb-negative-v": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(qmap2=-dynamic_map(False))),
@@ -532,6 +535,11 @@ REFUSALS = {
     "torchao-other-class": (lambda: _torchao_with(lambda sd: sd["state"][0].update(
         exp_avg=standin("OptimStateFp8WithDynamicRangeExpansion")(codes=torch.zeros(1), scale=torch.ones(1)))),
         "OptimStateFp8WithDynamicRangeExpansion"),
+    "torchao-mixed-classes": (lambda: _torchao_with(lambda sd: sd["state"][1].update(
+        exp_avg_sq=torchao_state_dict("4bit", real=False)[0]["state"][1]["exp_avg_sq"])),
+        "is a torchao OptimState4bit but state_dict['state'][0]['exp_avg'] is a torchao OptimState8bit"),
+    "torchao-key-of-another-layout": (lambda: _torchao_with(lambda sd: sd["state"][0].update(
+        master_param=sd["state"][0]["exp_avg"])), "['master_param']: a key a torchao Adam state does not have"),
     "torchao-missing-qmap": (lambda: _torchao_with(lambda sd: _drop(sd["state"][1]["exp_avg_sq"], "qmap")),
                              "without 'qmap'"),
     "torchao-4bit-missing-shape": (lambda: _torchao_with(lambda sd: _drop(sd["state"][0]["exp_avg"], "_shape"),
