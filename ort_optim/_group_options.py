@@ -61,9 +61,12 @@ def is_number(value: Any) -> bool:
 def show(value: Any) -> str:
     """A short description of a value for an error message."""
     if isinstance(value, torch.Tensor):
+        kind = type(value)
+        subclass = ("" if kind in (torch.Tensor, torch.nn.Parameter)
+                    else f" (a {kind.__module__}.{kind.__qualname__}, a tensor subclass)")
         if value.is_nested:  # (whose shape cannot be read)
             return f"a nested {value.dtype} tensor on {value.device}"
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}{subclass}"
     text = repr(value)
     return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
 

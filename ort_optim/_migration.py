@@ -362,7 +362,7 @@ def _bnb_decode(quant: dict, i: int, where: str) -> tuple[torch.Tensor, Optional
     qmap{i}[code] * absmax{i}[block]."""
     codes = quant.get(f"state{i}")
     if not isinstance(codes, torch.Tensor) or type(codes) not in (torch.Tensor, torch.nn.Parameter):
-        raise TypeError(f"{where}['state{i}'] must be a tensor, got {show(codes)}")
+        raise TypeError(f"{where}['state{i}'] must be a plain tensor, got {show(codes)}")
     require_data(codes, f"{where}['state{i}']")
     if codes.dtype != torch.uint8:
         for key in (f"qmap{i}", f"absmax{i}"):
@@ -376,7 +376,7 @@ def _bnb_decode(quant: dict, i: int, where: str) -> tuple[torch.Tensor, Optional
             raise ValueError(f"{where} has 8-bit state{i} but no {key!r}, without which its codes have no values "
                              "(a layout ort_optim does not read)")
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.dtype != torch.float32:
-            raise TypeError(f"{where}[{key!r}] must be a float32 tensor, got {show(t)}")
+            raise TypeError(f"{where}[{key!r}] must be a plain float32 tensor, got {show(t)}")
         require_data(t, f"{where}[{key!r}]")
         parts[key] = t.detach().reshape(-1)
     qmap, absmax = parts[f"qmap{i}"], parts[f"absmax{i}"]

@@ -470,11 +470,12 @@ def _drop(obj, name):
     delattr(obj, name)
 
 
-def _unknown_subclass(sd):
-    class Wrapped(torch.Tensor):  # a traceable wrapper subclass of some other library
-        def __tensor_flatten__(self):
-            return [], None
+class Wrapped(torch.Tensor):  # a traceable wrapper subclass of some other library
+    def __tensor_flatten__(self):
+        return [], None
 
+
+def _unknown_subclass(sd):
     sd["state"][0]["exp_avg"] = torch.Tensor._make_subclass(Wrapped, torch.zeros(SHAPES[0]))
 
 
@@ -515,6 +516,9 @@ REFUSALS = {
     "bnb-absmax-blocks-disagree": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(
         absmax2=sd["state"][0][BNB_KEY]["absmax2"][:-(-math.prod(BNB_SHAPES[0]) // 2048)].clone())),
         "'absmax1' gives blocks of 256 elements but 'absmax2' blocks of 2048"),
+    "bnb-subclass-codes": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(
+        state1=torch.Tensor._make_subclass(Wrapped, sd["state"][0][BNB_KEY]["state1"]))),
+        "Wrapped, a tensor subclass)"),
     "bnb-qmap-size": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(qmap1=torch.zeros(16))),
                       "16 values"),
     "bnb-negative-v": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(qmap2=-dynamic_map(False))),
