@@ -139,8 +139,23 @@ def canonical_checkpoint(state_dict: Any) -> Any:
         _one_torchao_layout(state_dict["state"])
         return {"state": {pid: _torchao_state(s, entry("state", pid)) for pid, s in state_dict["state"].items()},
                 "param_groups": [_torchao_group(g, gi) for gi, g in enumerate(state_dict["param_groups"])]}
-    return {"state": {pid: _bnb_state(s, entry("state", pid)) for pid, s in state_dict["state"].items()},
-            "param_groups": [_bnb_group(g, gi) for gi, g in enumerate(state_dict["param_groups"])]}
+    states, sizes, first = {}, set(BNB_BLOCK_SIZES), None
+    for pid, s in state_dict["state"].items():
+        if isinstance(s, dict) and not s:
+            # (an empty dict: torch.optim's state is a defaultdict, and reading the state of a param that has not
+            # stepped yet leaves one, which state_dict() saves: no state yet, as torch.optim loads it)
+            states[pid] = {}
+            continue
+        states[pid], fits = _bnb_state(s, entry("state", pid))
+        if fits is not None and not (sizes & fits):
+            # (one block size per bitsandbytes version, for every param's codes)
+            raise ValueError(f"{entry('state', pid)}: its 'absmax' counts give blocks of "
+                             f"{' or '.join(map(str, sorted(fits)))} elements but {first}'s give "
+                             f"{' or '.join(map(str, sorted(sizes)))}: bitsandbytes blocks every param's codes alike, "
+                             "so this checkpoint was pieced together or its scales cut")
+        if fits is not None:
+            sizes, first = sizes & fits, first or entry("state", pid)
+    return {"state": states, "param_groups": [_bnb_group(g, gi) for gi, g in enumerate(state_dict["param_groups"])]}
 
 
 # What an entry of the canonical checkpoint that canonical_checkpoint makes holds, in the given layout's own words (for
@@ -349,16 +364,17 @@ def _bnb_group(group: dict, gi: int) -> dict:
     return _adam_group(out, gi, out.get("lr"))
 
 
-def _bnb_block_size(n: int, blocks: int, where: str) -> int:
-    sizes = [b for b in BNB_BLOCK_SIZES if -(-n // b) == blocks]
+def _bnb_block_sizes(n: int, blocks: int, where: str) -> frozenset[int]:
+    """The bitsandbytes block sizes that give n elements this many blocks (both, where all n are one block)."""
+    sizes = frozenset(b for b in BNB_BLOCK_SIZES if -(-n // b) == blocks)
     if not sizes:
         raise ValueError(f"{where}: {blocks} block scales for {n} elements fit no bitsandbytes block size "
                          f"({' or '.join(map(str, BNB_BLOCK_SIZES))} elements per block)")
-    return sizes[0]  # (where both fit, all n elements are one block)
+    return sizes
 
 
-def _bnb_decode(quant: dict, i: int, where: str) -> tuple[torch.Tensor, Optional[int]]:
-    """state{i} decoded, and its block size: float32 states as they are (no block); uint8 codes as
+def _bnb_decode(quant: dict, i: int, where: str) -> tuple[torch.Tensor, Optional[frozenset[int]]]:
+    """state{i} decoded, and the block sizes its scales fit: float32 states as they are (None); uint8 codes as
     qmap{i}[code] * absmax{i}[block]."""
     codes = quant.get(f"state{i}")
     if not isinstance(codes, torch.Tensor) or type(codes) not in (torch.Tensor, torch.nn.Parameter):
@@ -384,12 +400,15 @@ def _bnb_decode(quant: dict, i: int, where: str) -> tuple[torch.Tensor, Optional
         raise ValueError(f"{where}['qmap{i}'] has {qmap.numel()} values; 8-bit codes need 256")
     flat = codes.detach().reshape(-1)
     n = flat.numel()
-    block = _bnb_block_size(n, absmax.numel(), f"{where}['absmax{i}']")
+    sizes = _bnb_block_sizes(n, absmax.numel(), f"{where}['absmax{i}']")
+    block = min(sizes)  # (where both fit, all n elements are one block either way)
     values = torch.nn.functional.pad(qmap.to(flat.device)[flat.long()], (0, -n % block)).view(-1, block)
-    return (values * absmax.to(flat.device).view(-1, 1)).reshape(-1)[:n].reshape(codes.shape), block
+    return (values * absmax.to(flat.device).view(-1, 1)).reshape(-1)[:n].reshape(codes.shape), sizes
 
 
-def _bnb_state(state: dict, where: str) -> dict:
+def _bnb_state(state: dict, where: str) -> tuple[dict, Optional[frozenset[int]]]:
+    """A bitsandbytes Adam state as an Adam checkpoint's, and the block sizes its codes' scales fit (None: plain
+    float32 moments)."""
     quant, quant_where = state, where
     if BNB_QUANT_STATE_KEY in state:
         quant, quant_where = state[BNB_QUANT_STATE_KEY], f"{where}[{BNB_QUANT_STATE_KEY!r}]"
@@ -411,12 +430,13 @@ def _bnb_state(state: dict, where: str) -> dict:
     for i in (1, 2):
         if f"state{i}" not in quant:
             raise ValueError(f"{quant_where} has no 'state{i}' (bitsandbytes' Adam moment {'m' if i == 1 else 'v'})")
-    (m, m_block), (v, v_block) = _bnb_decode(quant, 1, quant_where), _bnb_decode(quant, 2, quant_where)
-    if m_block != v_block:  # (one blocksize per optimizer, in every version: both moments' codes are blocked alike)
-        raise ValueError(f"{quant_where}: 'absmax1' gives blocks of {m_block} elements but 'absmax2' blocks of "
-                         f"{v_block} (their counts: {quant['absmax1'].numel()} and {quant['absmax2'].numel()}); "
+    (m, m_fits), (v, v_fits) = _bnb_decode(quant, 1, quant_where), _bnb_decode(quant, 2, quant_where)
+    fits = m_fits if v_fits is None else v_fits if m_fits is None else m_fits & v_fits
+    if fits is not None and not fits:  # (one block size per optimizer, in every version: both moments blocked alike)
+        raise ValueError(f"{quant_where}: 'absmax1' gives blocks of {min(m_fits)} elements but 'absmax2' blocks of "
+                         f"{min(v_fits)} (their counts: {quant['absmax1'].numel()} and {quant['absmax2'].numel()}); "
                          "bitsandbytes blocks both moments alike, so one of them was cut or replaced")
     out = {"exp_avg": m, "exp_avg_sq": v}
     if "step" in state:
         out["step"] = state["step"]  # an int; the usual checks validate it
-    return out
+    return out, fits

@@ -377,6 +377,20 @@ def test_bitsandbytes_groups_map_to_torchs_adamw_update():
     assert all(float(s["step"]) == 12.0 for s in opt.state.values())
 
 
+def test_a_bitsandbytes_state_dict_with_an_empty_state_for_a_param_that_never_stepped_loads_as_torch_loads_it():
+    """bitsandbytes' optimizers keep torch.optim's defaultdict state: reading the state of a param without a gradient
+    so far leaves an empty dict, which its state_dict() saves. That param has no state yet, as bitsandbytes and
+    torch.optim load it; the others load as usual."""
+    sd, expected = bnb_state_dict()
+    sd["state"][len(BNB_SHAPES)] = {}
+    params = [torch.nn.Parameter(torch.randn(s)) for s in BNB_SHAPES + [SMALL]]
+    opt = FusedAdam(params)
+    opt.load_state_dict(sd)
+    assert opt.state[params[-1]] == {} or params[-1] not in opt.state
+    for i in range(len(BNB_SHAPES)):
+        assert_bitwise_equal(opt.state[params[i]]["exp_avg"], expected[i]["exp_avg"].float(), "exp_avg")
+
+
 def test_a_bitsandbytes_state_dict_saved_before_its_first_step_loads_its_groups():
     """No state yet: AdEMAMix's keys in the groups still tell bitsandbytes' layout (they would read as RMSprop's
     alpha otherwise)."""
@@ -516,6 +530,11 @@ REFUSALS = {
     "bnb-absmax-blocks-disagree": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(
         absmax2=sd["state"][0][BNB_KEY]["absmax2"][:-(-math.prod(BNB_SHAPES[0]) // 2048)].clone())),
         "'absmax1' gives blocks of 256 elements but 'absmax2' blocks of 2048"),
+    "bnb-absmax-blocks-differ-between-params": (lambda: _bnb_with(lambda sd: sd["state"][1][BNB_KEY].update(
+        absmax1=sd["state"][1][BNB_KEY]["absmax1"][:-(-math.prod(BNB_SHAPES[1]) // 2048)].clone(),
+        absmax2=sd["state"][1][BNB_KEY]["absmax2"][:-(-math.prod(BNB_SHAPES[1]) // 2048)].clone())),
+        "state_dict['state'][1]: its 'absmax' counts give blocks of 2048 elements but state_dict['state'][0]'s give "
+        "256"),
     "bnb-subclass-codes": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(
         state1=torch.Tensor._make_subclass(Wrapped, sd["state"][0][BNB_KEY]["state1"]))),
         "Wrapped, a tensor subclass)"),
