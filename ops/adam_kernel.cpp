@@ -416,7 +416,10 @@ struct Adam16 {
   }
 
   // Then the params of the same 16 elements: p updated in place, root = sqrt(v), the maxima of |sqrt(v)| into
-  // max_root.
+  // max_root. kRawMax: the maxima of sqrt(v)'s bits as they are, without the sign bit cleared: the same where no
+  // sqrt(v) is NaN (v >= +0 in a step: sqrt(v) is +0 or above), and a NaN of either sign reads as non-finite either
+  // way (for a caller that only tells finite maxima from the others).
+  template <bool kRawMax = false>
   inline void params(float* p, const float* m, const float* v, float* root, __m512i& max_root) const {
     __m512 pi = _mm512_loadu_ps(p);
     if (kMode == kAdamWTorch) pi = _mm512_mul_ps(pi, torch_decay);
@@ -430,8 +433,9 @@ struct Adam16 {
     }
     _mm512_storeu_ps(p, pi);
     _mm512_storeu_ps(root, sqrt_vi);
-    max_root = _mm512_max_epu32(max_root,
-                                _mm512_and_si512(_mm512_castps_si512(sqrt_vi), _mm512_set1_epi32(0x7FFFFFFF)));
+    max_root = _mm512_max_epu32(max_root, kRawMax ? _mm512_castps_si512(sqrt_vi)
+                                                  : _mm512_and_si512(_mm512_castps_si512(sqrt_vi),
+                                                                     _mm512_set1_epi32(0x7FFFFFFF)));
   }
 };
 #endif
@@ -555,11 +559,13 @@ void update_fp8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
 
 // 4-bit moments (exp_avg relative to exp_avg_sq, sqrt(v) rounded stochastically), without amsgrad, in a block of
 // whole 128-element blocks: the same bits as staging (update_staged), in fewer passes that overlap. Per 128-element
-// block b, after the decode of the whole block: one loop updates b (Adam16: the divisions and square roots, bound by
-// the divider) and writes the exp_avg codes of block b - 1 (hashes, searches and permutes: the other vector ports);
-// a second loop writes b's exp_avg_sq codes (Coder4), the sqrt(v) u they read back as and the ratios r = m / u, with
-// r's block maximum. A block holding an overflowed v or a NaN, and an exp_avg block of non-finite ratios, take the
-// plain stores. false (nothing done) where the tensor or block does not fit (staged then).
+// block b: one loop decodes b's moments (one multishift and one permute of a per-block table of the decoded values
+// per moment), updates b (Adam16: the divisions and square roots, bound by the divider) and writes the exp_avg codes
+// of block b - 1 (bucketed searches and permutes: the other vector ports); a second loop writes b's exp_avg_sq codes
+// (Coder4) and the ratios r = m / u to the sqrt(v) u they read back as, with r's block maximum. A block whose
+// exp_avg_sq scale flags an overflowed v (or is NaN) is decoded before its loop (low_bit_relative_load); a block
+// holding an overflowed v or a NaN, and an exp_avg block of non-finite ratios, take the plain stores. false (nothing
+// done) where the tensor or block does not fit, or a map has no bucketed search (staged then).
 #if defined(ORT_OPTIM_FP8_AVX512) && defined(ORT_OPTIM_LOW_BIT_AVX512)
 template <int64_t kMode>
 bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
@@ -567,42 +573,77 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
   constexpr int64_t kB = 128;
   if (!w.exp_avg_low_bit || w.exp_avg_sq_low_bit != w.exp_avg_low_bit) return false;
   const LowBit& f = *w.exp_avg_low_bit;
-  if (f.bits != 4 || f.block != kB || !f.relative || !f.sq_stochastic || w.step == 0 || n % kB != 0) return false;
+  if (f.bits != 4 || f.block != kB || !f.relative || !f.sq_stochastic || w.step == 0 || n % kB != 0 ||
+      !f.exp_avg.buckets_ready(false) || !f.exp_avg_sq_sr.buckets_ready(true)) {
+    return false;
+  }
   auto* codes_m = static_cast<uint8_t*>(w.exp_avg);
   auto* codes_v = static_cast<uint8_t*>(w.exp_avg_sq);
   store_pending_fp8(s);  // (its block is in s.m, s.v and s.root)
-  low_bit_relative_load(f, codes_m, w.exp_avg_scale, codes_v, w.exp_avg_sq_scale, off, n, s.m, s.v, s.u);
   const Adam16<kMode> adam16(w, h);
   __m512 squares16 = _mm512_setzero_ps();  // (squares' lanes, in a register)
   float* r = s.vmax;  // the ratios r = m / u that exp_avg's codes hold (no amsgrad: vmax is free)
-  const __m512 v_levels = _mm512_load_ps(f.exp_avg_sq_sr.decode());
+  const float* v_decode = f.exp_avg_sq_sr.decode();
+  const __m512 v_levels = _mm512_load_ps(v_decode);
+  // the decoders' tables (low_bit_relative_load's: exp_avg_sq's levels, the same as its stochastic map's)
+  const __m512 old_v_levels = _mm512_load_ps(f.exp_avg_sq.decode()), old_m_levels = _mm512_load_ps(f.exp_avg.decode());
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   // The random bits of both moments' stochastic rounding (one hash per element: a chain of two multiplies) are taken
   // in a loop of their own before the loops that code: in those, the uops that wait on the multiplies would fill the
   // scheduler (measured with the former two hashes per moment: 4-5% slower in the update loop, or in the coding loops).
-  using CoderV = Coder4<false, true>;
-  using CoderM = Coder4<true>;
+  using CoderV = Coder4<false, true, true>;
+  using CoderM = Coder4<true, false, true>;
   CoderV coder_v(f.exp_avg_sq_sr, 0.0f);
   CoderM coder_m(f.exp_avg, 0.0f);
   bool pending = false;  // block b - kB's exp_avg codes are written in block b's update loop
   for (int64_t b = 0; b <= n; b += kB) {  // (b == n: the last block's exp_avg codes)
     __m512i max_m16 = _mm512_setzero_si512(), max_root16 = _mm512_setzero_si512();
-    const auto update16 = [&](int64_t i) {
-      const int64_t j = b + i;
-      adam16.moments(p + j, g + j, _mm512_loadu_ps(s.m + j), _mm512_loadu_ps(s.v + j), s.m + j, s.v + j, max_m16,
-                     squares16);
-      adam16.params(p + j, s.m + j, s.v + j, s.root + j, max_root16);
-    };
     const auto code16 = [&](int64_t i) {  // exp_avg's codes of the pending block's elements [i, i + 16)
       const int64_t j = b - kB + i;
       CoderM::store4(coder_m.codes4(_mm512_loadu_ps(r + j), CoderM::random16(s.rnd + j)), codes_m + (off + j) / 2);
     };
-    for (int64_t i = 0; i < kB; i += 16) {
-      if (b < n) update16(i);
-      if (pending) code16(i);
+    if (b == n) {
+      for (int64_t i = 0; i < kB && pending; i += 16) code16(i);
+      break;
+    }
+    // Block b's update, with the pending block's codes. Its moments are decoded in the loop that updates them (the
+    // same operations as low_bit_relative_load's, where u = |level * s| is level * s itself: the block's exp_avg_sq
+    // scale s is +0 or above, no NaN), but for a block whose scale flags an overflowed v (its sign bit) or is NaN:
+    // decoded before, by low_bit_relative_load.
+    const float old_scale_v = f.scale(w.exp_avg_sq_scale, (off + b) / kB);
+    const auto update = [&](auto decoded) {
+      // (the decoded values of the block's 16 codes, level * s, and v's, (level * s)^2: the products of every element,
+      // taken once per level)
+      const __m512 u_table = _mm512_mul_ps(old_v_levels, _mm512_set1_ps(old_scale_v)),
+                   v_table = _mm512_mul_ps(u_table, u_table),
+                   q_table = _mm512_mul_ps(old_m_levels, _mm512_set1_ps(f.scale(w.exp_avg_scale, (off + b) / kB)));
+      for (int64_t i = 0; i < kB; i += 16) {
+        const int64_t j = b + i;
+        __m512 mi, vi;
+        if constexpr (decltype(decoded)::value) {
+          mi = _mm512_loadu_ps(s.m + j);
+          vi = _mm512_loadu_ps(s.v + j);
+        } else {
+          const __m512i code_v = nibbles4(codes_v + (off + j) / 2);
+          const __m512 u = _mm512_permutexvar_ps(code_v, u_table);
+          vi = _mm512_permutexvar_ps(code_v, v_table);
+          const __m512 q = _mm512_permutexvar_ps(nibbles4(codes_m + (off + j) / 2), q_table);
+          // (not equal, unordered: a NaN q multiplies, as in decode_block)
+          mi = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(q, _mm512_setzero_ps(), _CMP_NEQ_UQ), q, u);
+        }
+        adam16.moments(p + j, g + j, mi, vi, s.m + j, s.v + j, max_m16, squares16);
+        adam16.template params<true>(p + j, s.m + j, s.v + j, s.root + j, max_root16);
+        if (pending) code16(i);
+      }
+    };
+    if (float_to_bits(old_scale_v) > 0x7F800000u) {  // (a sign bit, or NaN)
+      low_bit_relative_load(f, codes_m, w.exp_avg_scale, codes_v, w.exp_avg_sq_scale, off + b, kB, s.m + b, s.v + b,
+                            s.u + b);
+      update(std::true_type{});
+    } else {
+      update(std::false_type{});
     }
     pending = false;
-    if (b == n) break;
     moment_random_bits(s.m + b, off + b, kB, w.step, s.rnd + b);
     const uint32_t amax_root = _mm512_reduce_max_epu32(max_root16);
     if (amax_root >= 0x7F800000u) {  // an overflowed v, or a NaN
@@ -613,25 +654,33 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
     const float scale_v = bits_to_float(f.scale_bits(amax_root, true, s.rnd + b));
     f.store_scale(w.exp_avg_sq_scale, (off + b) / kB, scale_v);
     coder_v.set_inverse(scale_v > 0.0f ? 1.0f / scale_v : 0.0f);
-    const __m512 scale_v16 = _mm512_set1_ps(scale_v);
+    const __m512 u_table = _mm512_mul_ps(v_levels, _mm512_set1_ps(scale_v));  // (level * s of each code, as above)
     __m512i max_r16 = _mm512_setzero_si512();
-    const auto ratios16 = [&](int64_t i, __m512i code) {  // u and r = m / u of elements b + [i, i + 16)
-      const int64_t j = b + i;
-      const __m512 u = _mm512_mul_ps(_mm512_permutexvar_ps(code, v_levels), scale_v16);
-      _mm512_storeu_ps(s.u + j, u);
-      // (block_ratio_amax: not equal, unordered, so that a NaN u divides; masked-off lanes are +0)
-      const __m512 x = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_NEQ_UQ),
-                                           _mm512_loadu_ps(s.m + j), u);
-      _mm512_storeu_ps(r + j, x);
-      max_r16 = _mm512_max_epu32(max_r16, _mm512_and_si512(_mm512_castps_si512(x), abs_mask));
+    // exp_avg_sq's codes of block b, u, the sqrt(v) they read back as, and r = m / u (block_ratio_amax: 0 where u is
+    // 0). u = level * s is 0 nowhere but in a zero block (s = 0: the levels are 0.001 and above, s at least
+    // MIN_SQRT_V, finite), whose ratios are all 0: the division without the test of u.
+    const auto code_v = [&](auto zero_block) {
+      for (int64_t i = 0; i < kB; i += 16) {
+        const int64_t j = b + i;
+        // (sqrt(v) of a step: +0 or above, finite here)
+        const __m512i code = coder_v.template codes4<true>(_mm512_loadu_ps(s.root + j), CoderV::random16(s.rnd + j));
+        CoderV::store4(code, codes_v + (off + j) / 2);
+        if constexpr (decltype(zero_block)::value) {
+          _mm512_storeu_ps(r + j, _mm512_setzero_ps());
+        } else {
+          const __m512 u = _mm512_permutexvar_ps(code, u_table);
+          const __m512 x = _mm512_div_ps(_mm512_loadu_ps(s.m + j), u);
+          _mm512_storeu_ps(r + j, x);
+          max_r16 = _mm512_max_epu32(max_r16, _mm512_and_si512(_mm512_castps_si512(x), abs_mask));
+        }
+      }
     };
-    for (int64_t i = 0; i < kB; i += 16) {
-      const __m512i code = coder_v.codes4(_mm512_loadu_ps(s.root + b + i), CoderV::random16(s.rnd + b + i));
-      CoderV::store4(code, codes_v + (off + b + i) / 2);
-      ratios16(i, code);
-    }
+    scale_v > 0.0f ? code_v(std::false_type{}) : code_v(std::true_type{});
     const uint32_t scale_m_bits = f.scale_bits(_mm512_reduce_max_epu32(max_r16), false, s.rnd + b);
-    if (scale_m_bits >= 0x7F800000u) {  // non-finite ratios
+    if (scale_m_bits >= 0x7F800000u) {  // non-finite ratios: u again (as above, from the codes written), for the plain store
+      for (int64_t i = 0; i < kB; ++i) {
+        s.u[b + i] = v_decode[(codes_v[(off + b + i) / 2] >> ((i & 1) * 4)) & 15] * scale_v;
+      }
       low_bit_relative_store(f, s.m + b, s.u + b, off + b, kB, codes_m, w.exp_avg_scale, s.rnd + b);
       continue;
     }
@@ -679,13 +728,14 @@ bool update_q8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
         const int64_t j = b + i;
         adam16.moments(p + j, g + j, _mm512_loadu_ps(s.m + j), _mm512_loadu_ps(s.v + j), s.m + j, s.v + j, max_m16,
                        squares16);
-        adam16.params(p + j, s.m + j, s.v + j, s.root + j, max_root16);
+        // (the maxima of sqrt(v) without the sign bit cleared: amax_root below tells finite maxima from the others)
+        adam16.template params<true>(p + j, s.m + j, s.v + j, s.root + j, max_root16);
       }
       if (pending) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(codes_m + off + c + i),
-                         _mm512_cvtepi32_epi8(coder_m.code16(s.m + c, i, s.rnd + c)));
+                         low_bytes16(coder_m.code16(s.m + c, i, s.rnd + c)));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(codes_v + off + c + i),
-                         _mm512_cvtepi32_epi8(coder_v.code16(s.root + c, i, nullptr)));
+                         low_bytes16(coder_v.code16(s.root + c, i, nullptr)));
       }
     }
     pending = false;

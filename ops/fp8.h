@@ -202,7 +202,7 @@ struct Fp8Coder16 {
 
   // The codes of the lanes that other() leaves, with b x's bits and ab its magnitude's.
   inline __m128i normal_codes(__m512i b, __m512i ab, __m512i add) const {
-    __m128i c = _mm512_cvtepi32_epi8(_mm512_srli_epi32(_mm512_add_epi32(ab, add), kShift));
+    __m128i c = low_bytes16(_mm512_srli_epi32(_mm512_add_epi32(ab, add), kShift));
     c = _mm_min_epu8(_mm_sub_epi8(c, bias), top);
     c = _mm_mask_mov_epi8(c, _mm512_cmpeq_epi32_mask(ab, amax), top);
     if constexpr (!kSecondMoment) {  // the sign (the code is not 0): + 0x80
@@ -213,7 +213,7 @@ struct Fp8Coder16 {
 
   // The codes of every lane.
   inline __m128i codes(__m512i b, __m512i add) const {
-    return _mm512_cvtepi32_epi8(fp8_codes16<F::kMb, F::kBias, kSecondMoment>(b, amax, top32, inv, add));
+    return low_bytes16(fp8_codes16<F::kMb, F::kBias, kSecondMoment>(b, amax, top32, inv, add));
   }
 
   // fp8_codes16's add for the 16 random bits r >> 16 (kHigh; exp_avg) or r & 0xFFFF (exp_avg_sq) of

@@ -9,8 +9,10 @@
 // by permutes of the 256 levels held in registers (on AMD Zen 4 with VBMI, ORT_OPTIM_LOW_BIT_BYTE_PLANES: 64 at a
 // time, by byte permutes of the levels' byte planes: the top two, as the levels are bfloat16 values) and encode
 // (Coder8) by bit arithmetic on the maps' binade grids (the binade's shift and offset from two tables in registers,
-// no search); 4-bit codes decode by a permute of the 16 levels held in a register and encode (Coder4) by a binary
-// search over the thresholds in registers. The Adam kernel's fused 4-bit step (and on AMD Zen 4 its fused 8-bit step,
+// no search); 4-bit codes decode by a permute of the 16 levels held in a register and encode (Coder4) by a bucketed
+// search (CodeMap::SearchBuckets: a permute by the float's top bits gives the count of thresholds below its bucket and
+// the one threshold inside it) or, for a map whose thresholds do not fit buckets, a binary search over the thresholds
+// in registers. The Adam kernel's fused 4-bit step (and on AMD Zen 4 its fused 8-bit step,
 // ORT_OPTIM_LOW_BIT_FUSED_Q8) codes a block in the loop that updates the next. The scalar path takes about 15x the
 // fp32-moment step's time, the vectorised one about 2-4x (one thread, hot, on AMD Zen 4: 8-bit 1.11 ns per parameter
 // in the kernel against 0.55 for fp32 moments; guides/low-bit-states.md, "Speed", has the measurements and why the
@@ -20,6 +22,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "rounding.h"
 
@@ -123,10 +126,8 @@ void decode_block(const CodeMap& map, const uint8_t* c, float s, int64_t len, fl
   } else {
     const __m512 table = _mm512_load_ps(decode);
     for (; i + 16 <= len; i += 16) {
-      // 8 bytes -> 16 codes in order: byte j, then byte j >> 4; the permute reads only each lane's low 4 bits
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i / 2));
-      const __m128i codes = _mm_unpacklo_epi8(bytes, _mm_srli_epi16(bytes, 4));
-      __m512 x = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table), s16);
+      // 8 bytes -> 16 codes in order (nibbles4); the permute reads only each lane's low 4 bits
+      __m512 x = _mm512_mul_ps(_mm512_permutexvar_ps(nibbles4(c + i / 2), table), s16);
       if constexpr (kRoot) _mm512_storeu_ps(root + i, _mm512_abs_ps(x));
       if constexpr (kSecondMoment) x = _mm512_mul_ps(x, x);
       if constexpr (kRelative) {  // (not equal, unordered: a NaN q multiplies, as in the scalar loop)
@@ -183,20 +184,23 @@ void encode_block(const CodeMap& map, const float* u, int64_t len, float inv, ui
     Coder8<kSigned> coder(map);
     coder.set_inverse(inv);
     for (; i < vector_end; i += 16) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(coder.code16(u, i, rnd)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), low_bytes16(coder.code16(u, i, rnd)));
     }
   } else {
-    using Coder = Coder4<kSigned, kSquare>;
-    Coder coder(map, inv);
-    for (; i < vector_end; i += 16) {
-      const __m512 x = _mm512_loadu_ps(u + i);
-      const __m512i code = coder.codes4(x, kStochastic ? Coder::random16(rnd + i) : _mm512_setzero_ps());
-      if constexpr (kDecoded) {
-        _mm512_storeu_ps(decoded + i, _mm512_mul_ps(_mm512_permutexvar_ps(code, _mm512_load_ps(map.decode())),
-                                                    _mm512_set1_ps(s)));
+    const auto code = [&](auto buckets) {
+      using Coder = Coder4<kSigned, kSquare, decltype(buckets)::value>;
+      Coder coder(map, inv);
+      for (; i < vector_end; i += 16) {
+        const __m512 x = _mm512_loadu_ps(u + i);
+        const __m512i code = coder.codes4(x, kStochastic ? Coder::random16(rnd + i) : _mm512_setzero_ps());
+        if constexpr (kDecoded) {
+          _mm512_storeu_ps(decoded + i, _mm512_mul_ps(_mm512_permutexvar_ps(code, _mm512_load_ps(map.decode())),
+                                                      _mm512_set1_ps(s)));
+        }
+        Coder::store4(code, out + i / 2);
       }
-      Coder::store4(code, out + i / 2);
-    }
+    };
+    map.buckets_ready(!kSigned) ? code(std::true_type{}) : code(std::false_type{});
   }
 #endif
   uint8_t c[256];

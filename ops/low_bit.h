@@ -31,7 +31,33 @@
 #endif
 #endif
 
+#if defined(ORT_OPTIM_LOW_BIT_AVX512) && defined(__AVX512VBMI__)
+// 4-bit codes unpack by one multishift and pack by one byte permute (nibbles4, Coder4::store4)
+#define ORT_OPTIM_LOW_BIT_VBMI 1
+#endif
+
 namespace ort_optim {
+
+#ifdef ORT_OPTIM_LOW_BIT_AVX512
+// The 16 4-bit codes of 8 bytes p (element 2j in the low nibble of byte j, 2j + 1 in its high nibble), one per 32-bit
+// lane in order, in the lane's low 4 bits (the bits above are not cleared with VBMI: for permutes, which read only
+// those 4). VBMI: the 8 bytes broadcast, and each lane's byte taken from bit 4 * lane of them (one multishift) where
+// the unpack takes three instructions.
+inline __m512i nibbles4(const uint8_t* p) {
+#ifdef ORT_OPTIM_LOW_BIT_VBMI
+  int64_t bytes;
+  std::memcpy(&bytes, p, 8);
+  // qword L (lanes 2L, 2L + 1): bytes 0-3 from bit 8L, bytes 4-7 from bit 8L + 4
+  const __m512i control = _mm512_set_epi64(0x3C3C3C3C38383838ll, 0x3434343430303030ll, 0x2C2C2C2C28282828ll,
+                                           0x2424242420202020ll, 0x1C1C1C1C18181818ll, 0x1414141410101010ll,
+                                           0x0C0C0C0C08080808ll, 0x0404040400000000ll);
+  return _mm512_multishift_epi64_epi8(control, _mm512_set1_epi64(bytes));
+#else
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, _mm_srli_epi16(bytes, 4)));
+#endif
+}
+#endif
 
 class CodeMap {
  public:
@@ -71,6 +97,7 @@ class CodeMap {
     for (int step = 1; step <= 2; ++step) {
       for (int j = 0; j < 16; ++j) step_[step - 1][j] = j + step - 1 < 16 ? search_[j + step - 1] : search_[15];
     }
+    if (count <= 16) build_search_buckets(count - 1);
     build_binades(levels, thresholds, count, is_signed ? 1 : 0);
     min_bucket_ = float_to_bits(mid_[0]) >> kShift;
     const uint32_t max_bucket = float_to_bits(1.0f) >> kShift;
@@ -132,6 +159,44 @@ class CodeMap {
       c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, t, _CMP_GE_OQ), c, _mm512_set1_epi32(step));
     }
     return c;
+  }
+
+  // The search's tables in registers for a loop (SearchBuckets::codes), where the map has them (buckets_ready).
+  struct SearchBuckets {
+    __m512 snap, hi, lo;
+    __m512i shift, count[2];
+    __m512 threshold[2];
+    // The same codes as magnitude_codes_by_search, for every a >= 0 and NaN (which takes the top code there, by the
+    // clamp to 1, and here by the clamp to hi): a clamped into [lo, hi] (which keeps its count of thresholds at or
+    // below it: none lies in (hi, 1] or at or below lo), then its bucket (the low exponent bits and the top mantissa
+    // bits of the float, which at most one threshold falls within) gives the count of the thresholds at or below the
+    // bucket's start and the threshold inside it (+inf if none): 8 instructions where the search takes 10 (8 levels)
+    // or 13 (16 levels). kWide: 32 buckets (two-register permutes), else 16.
+    template <bool kWide>
+    inline __m512i codes(__m512 a) const {
+      a = _mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(a, snap), hi), lo);
+      const __m512i index = _mm512_srlv_epi32(_mm512_castps_si512(a), shift);  // (permutes read the low bits)
+      __m512i c;
+      __m512 t;
+      if constexpr (kWide) {
+        c = _mm512_permutex2var_epi32(count[0], index, count[1]);
+        t = _mm512_permutex2var_ps(threshold[0], index, threshold[1]);
+      } else {
+        c = _mm512_permutexvar_epi32(index, count[0]);
+        t = _mm512_permutexvar_ps(index, threshold[0]);
+      }
+      return _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, t, _CMP_GE_OQ), c, _mm512_set1_epi32(1));
+    }
+  };
+  // The buckets fit in 16 (kWide: 32) entries.
+  bool buckets_ready(bool wide) const { return bucket_shift_ > 0 && bucket_bits_ <= (wide ? 5 : 4); }
+  SearchBuckets search_buckets() const {
+    return {_mm512_set1_ps(snap_),
+            _mm512_set1_ps(bits_to_float(0x3F7FFFFFu)),  // (the largest float below 1)
+            _mm512_set1_ps(bucket_lo_),
+            _mm512_set1_epi32(bucket_shift_),
+            {_mm512_load_si512(bucket_count_), _mm512_load_si512(bucket_count_ + 16)},
+            {_mm512_load_ps(bucket_threshold_), _mm512_load_ps(bucket_threshold_ + 16)}};
   }
 #endif
 
@@ -220,6 +285,67 @@ class CodeMap {
   bool bf16_levels_ = true;
   alignas(64) float search_[16];
   alignas(64) float step_[2][16];  // the search's tables for steps 1 and 2: step_[s - 1][j] = search_[j + s - 1]
+  // The bucketed search (SearchBuckets): 32 buckets of the magnitudes in [bucket_lo_, 1), by the low exponent bits and
+  // the top mantissa bits (bits >> bucket_shift_, low 5 bits; bucket_bits_ of them tell buckets apart, 4 or 5, and
+  // the tables repeat every 2^bucket_bits_ entries); per bucket the count of thresholds at or below its start and the
+  // threshold inside it (+inf if none). bucket_shift_ 0: the thresholds do not fit (the search then).
+  int bucket_shift_ = 0, bucket_bits_ = 0;
+  float bucket_lo_ = 0.0f;
+  alignas(64) int32_t bucket_count_[32] = {0};
+  alignas(64) float bucket_threshold_[32] = {0.0f};
+
+  // Fills the bucket tables where the k thresholds (search_) lie in (0, 1), increasing, and at most one falls within
+  // each bucket.
+  void build_search_buckets(int k) {
+    if (k < 1 || !(search_[0] > 0.0f) || !(search_[k - 1] < 1.0f)) return;
+    for (int j = 1; j < k; ++j) {
+      if (!(search_[j - 1] < search_[j])) return;
+    }
+    // the lowest binade: the one holding the smallest threshold strictly above its start (a magnitude below that
+    // start is clamped to it, and keeps its count, 0)
+    int low_exponent = int(float_to_bits(search_[0]) >> 23);
+    if (float_to_bits(search_[0]) == uint32_t(low_exponent) << 23) --low_exponent;
+    if (low_exponent < 1) return;
+    const int binades = 127 - low_exponent;  // exponents low_exponent .. 126
+    int exponent_bits = 0;
+    while ((1 << exponent_bits) < binades) ++exponent_bits;
+    for (int index_bits = 4; index_bits <= 5; ++index_bits) {
+      const int mantissa_bits = index_bits - exponent_bits;
+      if (mantissa_bits < 0) continue;
+      const int shift = 23 - mantissa_bits;
+      const uint32_t mask = (1u << index_bits) - 1;
+      int32_t count[32] = {0};
+      float threshold[32];
+      bool used[32] = {false}, fits = true;
+      for (int j = 0; j < 32; ++j) threshold[j] = std::numeric_limits<float>::infinity();
+      for (int e = low_exponent; e <= 126 && fits; ++e) {
+        for (int f = 0; f < (1 << mantissa_bits) && fits; ++f) {
+          const uint32_t start = (uint32_t(e) << 23) | (uint32_t(f) << shift);
+          const float begin = bits_to_float(start), end = bits_to_float(start + (1u << shift));
+          const int index = int((start >> shift) & mask);
+          int at_or_below = 0, inside = 0;
+          float first_inside = std::numeric_limits<float>::infinity();
+          for (int j = 0; j < k; ++j) {
+            if (search_[j] <= begin) ++at_or_below;
+            if (search_[j] > begin && search_[j] < end && inside++ == 0) first_inside = search_[j];
+          }
+          fits = !used[index] && inside <= 1;
+          used[index] = true;
+          count[index] = at_or_below;
+          threshold[index] = first_inside;
+        }
+      }
+      if (!fits) continue;
+      for (int j = 0; j < 32; ++j) {
+        bucket_count_[j] = count[j & mask];
+        bucket_threshold_[j] = threshold[j & mask];
+      }
+      bucket_lo_ = bits_to_float(uint32_t(low_exponent) << 23);
+      bucket_shift_ = shift;
+      bucket_bits_ = index_bits;
+      return;
+    }
+  }
   std::vector<float> mid_;
   uint32_t min_bucket_ = 0;
   std::vector<uint8_t> bucket_;
@@ -345,14 +471,22 @@ inline __m512 lookup128(const __m512* t, __m512i idx) {
 // stochastic rounding (CodeMap::stochastic_magnitude_code, 16 lanes) takes its level and the gap to the next one from
 // one register each (a permute, not a gather: a 16-lane gather costs about as much as the rest of this loop on Zen
 // 4), and its random numbers from the step's hashes (moment_random_bits, taken once per element for both moments).
-template <bool kSigned, bool kSquare = false>
+// kBuckets: the level by the map's bucketed search (CodeMap::SearchBuckets; where buckets_ready(kWide)), else by its
+// binary search: the same codes.
+template <bool kSigned, bool kSquare = false, bool kBuckets = false>
 struct Coder4 {
   static constexpr bool kStochastic = kSigned || kSquare;
+  static constexpr bool kWide = !kSigned;  // (16 levels: 32 buckets)
   const CodeMap& map;
   __m512 inv;
   __m512 level_table, gap_table;
+  CodeMap::SearchBuckets buckets;
 
   Coder4(const CodeMap& code_map, float inverse) : map(code_map), inv(_mm512_set1_ps(inverse)) {
+    if constexpr (kBuckets) {
+      TORCH_CHECK(map.buckets_ready(kWide), "ort_optim: the 4-bit coder's map has no bucketed search");
+      buckets = map.search_buckets();
+    }
     if constexpr (kStochastic) {
       level_table = _mm512_load_ps(kSquare ? map.squares() : map.decode());
       gap_table = _mm512_load_ps(map.sr_step());
@@ -381,9 +515,11 @@ struct Coder4 {
   // random16 of the values' random bits (unused for a map that rounds to nearest).
   inline __m512i finish(__m512 x, __m512 a, __m512i code, __m512 random) {
     if constexpr (kStochastic) {
-      __m512 lowered = _mm512_castsi512_ps(_mm512_max_epi32(
-          _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(int(spec::kExpAvgSrUlps))),
-          _mm512_setzero_si512()));
+      // (not clamped at 0, as the scalar rule is: below 8 ulps lowered(a) is then negative or NaN, where the clamped
+      // value, 0, never rounds up either: lo and the threshold are >= 0, and 0 - lo > threshold is false, as are the
+      // comparisons of a NaN or a negative value; the same codes, one instruction fewer)
+      __m512 lowered = _mm512_castsi512_ps(
+          _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(int(spec::kExpAvgSrUlps))));
       if constexpr (kSquare) lowered = _mm512_mul_ps(lowered, lowered);  // (lo is then the level's square)
       const __m512 lo = _mm512_permutexvar_ps(code, level_table);
       const __m512 gap = _mm512_permutexvar_ps(code, gap_table);
@@ -392,24 +528,36 @@ struct Coder4 {
       code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
     }
     if constexpr (kSigned) {  // the sign, for a non-zero magnitude of a negative value
-      const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ) &
-                                 _mm512_test_epi32_mask(code, code);
+      // (x's sign bit: x < 0 but for -0.0, whose magnitude code is 0; the values are finite)
+      const __mmask16 negative = _mm512_movepi32_mask(_mm512_castps_si512(x)) & _mm512_test_epi32_mask(code, code);
       code = _mm512_mask_or_epi32(code, negative, code, _mm512_set1_epi32(map.sign_bit()));
     }
     return code;
   }
 
   // The codes of 16 values, by the binary search over the thresholds in registers. random: as finish's.
+  // kNonNegative: every x is +0 or above (sqrt(v)), its own magnitude.
+  template <bool kNonNegative = false>
   inline __m512i codes4(__m512 x, __m512 random) {
-    const __m512 a = magnitude(x);
+    const __m512 a = kNonNegative ? _mm512_mul_ps(x, inv) : magnitude(x);
+    if constexpr (kBuckets) return finish(x, a, buckets.template codes<kWide>(a), random);
     return finish(x, a, map.template magnitude_codes_by_search<kSigned ? 8 : 16>(a), random);
   }
 
   // 16 4-bit codes written as the format stores them: element 2j's code in the low nibble of byte j, 2j + 1's in the
   // high one (c[2j] + 16 * c[2j + 1]), 8 bytes.
+  // (VBMI: each 64-bit lane's two codes into its low byte, c[2j] | c[2j + 1] << 4, by a shift of the lane and an or;
+  // then one byte permute gathers the 8 bytes: 3 instructions where the narrowing and packing take 4)
   static inline void store4(__m512i code, uint8_t* out) {
+#ifdef ORT_OPTIM_LOW_BIT_VBMI
+    const __m512i pairs = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
+    const __m512i gather = _mm512_set_epi64(0, 0, 0, 0, 0, 0, 0, 0x3830282018100800ll);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out),
+                     _mm512_castsi512_si128(_mm512_permutexvar_epi8(gather, pairs)));
+#else
     const __m128i pairs = _mm_maddubs_epi16(_mm512_cvtepi32_epi8(code), _mm_set1_epi16(0x1001));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(pairs, pairs));
+#endif
   }
 };
 
