@@ -30,15 +30,18 @@ import atexit
 import copy
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
+import operator
 import os
 import re
 import shlex
 import sys
 import tempfile
+import threading
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 ORT_VERSION = "1.19.2"
 
@@ -223,15 +226,21 @@ class _Int(_Kind):
             self.allowed += f" ({note})"
 
     def parse(self, value: Any) -> int:
-        number = value
+        """Text as ORT reads it (int()), or any integer operator.index() accepts (an int subclass such as an
+        IntEnum member, a numpy integer), stored and written as a plain int: str() of an int subclass can be text
+        ORT cannot read ("Level.LAYERWISE"). bool is refused: True is not a level."""
         if isinstance(value, str):
             try:
                 number = int(value)  # exactly as ORT reads the variable
             except ValueError:
                 raise _Invalid(f"got {value!r}") from None
-        # bool is an int subclass, but True is not a level
-        if not isinstance(number, int) or isinstance(number, bool):
+        elif isinstance(value, bool) or type(value).__name__ == "bool_":  # (numpy.bool_ has no __index__ either)
             raise _Invalid(f"got {value!r}")
+        else:
+            try:
+                number = int.__index__(operator.index(value))  # a plain int, even for an int subclass
+            except TypeError:
+                raise _Invalid(f"got {value!r}") from None
         if self.choices is not None and number not in self.choices:
             raise _Invalid(f"got {value!r}")
         if (self.minimum is not None and number < self.minimum) or (self.maximum is not None and number > self.maximum):
@@ -1092,6 +1101,69 @@ def _debug_options_as_ort_reads_them(debug_options: Any, options: ORTModuleOptio
     return reread
 
 
+def _original_checkpoint_bindings(model: Any) -> List[Tuple[str, str]]:
+    """(module, global) for each global that holds torch's own torch.utils.checkpoint.checkpoint (or a
+    functools.partial of it) after onnxruntime.training.ortmodule replaced it, in the modules that define the
+    classes of ``model``'s submodules (and their base classes, where helpers like HF transformers' bind it).
+
+    ORT replaces the attribute torch.utils.checkpoint.checkpoint when onnxruntime.training.ortmodule is imported;
+    a module that ran ``from torch.utils.checkpoint import checkpoint`` before that keeps the original function,
+    which memory_opt_level=1 cannot run inline. Empty when ORT has not replaced the attribute (nothing to compare
+    with) or ``model`` has no ``modules()``."""
+    tuc = sys.modules.get("torch.utils.checkpoint")
+    current = getattr(tuc, "checkpoint", None)
+    if current is None or getattr(current, "__module__", None) == "torch.utils.checkpoint":
+        return []
+    try:
+        submodules = list(model.modules())
+    except Exception:  # not a torch.nn.Module: ORTModule says so itself
+        return []
+    names = dict.fromkeys(cls.__module__ for m in submodules for cls in type(m).__mro__)
+    found = []
+    for name in names:
+        module = sys.modules.get(name)
+        if module is None or name == "torch.utils.checkpoint":
+            continue
+        for attr, value in list(vars(module).items()):
+            func = value.func if isinstance(value, functools.partial) else value
+            try:
+                original = (func is not current and callable(func) and func.__module__ == "torch.utils.checkpoint"
+                            and func.__name__ == "checkpoint")
+            except Exception:  # an object whose attribute lookup raises is not torch's function
+                original = False
+            if original:
+                found.append((name, attr))
+    return found
+
+
+def _check_checkpoint_bindings(model: Any) -> None:
+    """ValueError when ORT will run ``model`` at memory_opt_level=1 (ORTMODULE_MEMORY_OPT_LEVEL as ORT reads it,
+    set here or in the environment) and the model's code holds torch's original checkpoint function
+    (_original_checkpoint_bindings). An error and not a warning: ORT's export then raises "Model uses gradient
+    checkpointing..." at the first forward, or, under ORT's default fallback policy, the model silently runs in
+    PyTorch without any recompute; only the import order of the model's code fixes it, so no training run should
+    start that way."""
+    raw = os.environ.get("ORTMODULE_MEMORY_OPT_LEVEL")
+    try:
+        level = None if raw is None else int(raw)
+    except ValueError:
+        return  # ORT raises on it itself, naming the variable
+    if level != 1:
+        return
+    found = _original_checkpoint_bindings(model)
+    if found:
+        where = ", ".join(f"{module}.{attr}" for module, attr in found)
+        raise ValueError(
+            f"memory_opt_level (ORTMODULE_MEMORY_OPT_LEVEL) = 1 needs ORT's replacement of "
+            f"torch.utils.checkpoint.checkpoint, which onnxruntime.training.ortmodule installs when it is imported, but "
+            f"the model's code bound torch's original before that: {where} (`from torch.utils.checkpoint import "
+            f"checkpoint` ran before the import). ORT cannot run those checkpointed regions inline: the first forward "
+            f"raises, or under ORT's default fallback policy the model silently runs in PyTorch. Import "
+            f"onnxruntime.training.ortmodule before the model's code (or call torch.utils.checkpoint.checkpoint(...) "
+            f"through the module at call time), or use memory_opt_level=0. The environment is left as it was."
+        )
+
+
 def wrap(model: Any, options: Optional[ORTModuleOptions] = None, **ortmodule_kwargs: Any) -> Any:
     """Apply ``options`` to ``os.environ``, then return ``ORTModule(model, **ortmodule_kwargs)``.
 
@@ -1103,6 +1175,15 @@ def wrap(model: Any, options: Optional[ORTModuleOptions] = None, **ortmodule_kwa
     ``log_level`` and ``save_onnx_path`` also reach a ``debug_options=DebugOptions(...)`` passed here, although
     ORT reads those variables when DebugOptions is constructed (before this call): ORTModule gets a copy of it
     with the two values read again as ORT reads them, the variable beating the DebugOptions argument.
+
+    At memory_opt_level=1 (set here or in the environment), raises ``ValueError`` (and puts the environment back)
+    when a module defining one of the model's submodule classes holds torch's original
+    ``torch.utils.checkpoint.checkpoint`` as a global (``from torch.utils.checkpoint import checkpoint`` ran before
+    onnxruntime.training.ortmodule was imported, which is when ORT replaces that function): ORT could not recompute
+    those regions, and the model would fail its first forward or silently run in PyTorch. It is an error rather
+    than a warning because nothing the run does later can fix it; the message names the module, the global and
+    the fix (import onnxruntime.training.ortmodule before the model's code). ``apply()`` and the context manager
+    have no model to check.
 
     Needs onnxruntime-training 1.19.2's ORTModule, which works with torch 2.4.x.
     """
@@ -1121,6 +1202,7 @@ def wrap(model: Any, options: Optional[ORTModuleOptions] = None, **ortmodule_kwa
         if options is not None and ortmodule_kwargs.get("debug_options") is not None:
             ortmodule_kwargs["debug_options"] = _debug_options_as_ort_reads_them(
                 ortmodule_kwargs["debug_options"], options)
+        _check_checkpoint_bindings(model)
         return ORTModule(model, **ortmodule_kwargs)
     except BaseException:
         _restore_environ(saved)

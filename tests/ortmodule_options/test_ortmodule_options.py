@@ -1122,6 +1122,54 @@ def test_memory_opt_level_is_read_at_construction_and_again_at_the_first_forward
         late(torch.randn(4, 8)).backward()
 
 
+def _model_code_that_bound(checkpoint_function, monkeypatch):
+    """A model whose module ran `from torch.utils.checkpoint import checkpoint`: its global holds that function."""
+    torch, _ = _ort()
+    code = types.ModuleType("model_code_with_checkpoint")
+    code.__dict__.update(torch=torch, checkpoint=checkpoint_function)
+    exec(
+        "class Block(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.l = torch.nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        return checkpoint(self.l, x, use_reentrant=True).sum()\n",
+        code.__dict__,
+    )
+    monkeypatch.setitem(sys.modules, code.__name__, code)
+    return torch.nn.Sequential(code.Block())
+
+
+def _torchs_own_checkpoint(torch):
+    """torch.utils.checkpoint.checkpoint as it was before onnxruntime.training.ortmodule replaced it."""
+    import torch.utils.checkpoint
+
+    replacement = torch.utils.checkpoint.checkpoint
+    assert replacement.__module__ != "torch.utils.checkpoint"  # ORT replaced it on import
+    return next(cell.cell_contents for cell in replacement.__closure__
+                if getattr(cell.cell_contents, "__module__", None) == "torch.utils.checkpoint")
+
+
+@pytest.mark.parametrize("how", ["given", "environment"])
+def test_wrap_at_level_1_refuses_a_model_whose_code_bound_torchs_checkpoint_before_ort_replaced_it(how, monkeypatch):
+    torch, _ = _ort()
+    model = _model_code_that_bound(_torchs_own_checkpoint(torch), monkeypatch)
+    if how == "environment":
+        os.environ["ORTMODULE_MEMORY_OPT_LEVEL"] = "1"
+    before = ortmodule_env()
+    with pytest.raises(ValueError) as info:
+        options.wrap(model, ORTModuleOptions(memory_opt_level=1) if how == "given" else None)
+    message = str(info.value)
+    for fragment in ("memory_opt_level (ORTMODULE_MEMORY_OPT_LEVEL) = 1", "model_code_with_checkpoint.checkpoint",
+                     "Import onnxruntime.training.ortmodule before the model's code"):
+        assert fragment in message
+    assert ortmodule_env() == before  # nothing half-applied
+    # At level 0 nothing is recomputed, and ORT's replacement bound in the model's code is what level 1 needs.
+    assert options.wrap(model, ORTModuleOptions(memory_opt_level=0)) is not None
+    sys.modules["model_code_with_checkpoint"].checkpoint = torch.utils.checkpoint.checkpoint
+    wrapped = options.wrap(model, ORTModuleOptions(memory_opt_level=1, fallback_policy="FALLBACK_DISABLE"))
+    wrapped(torch.randn(2, 8)).backward()
+
+
 def test_variables_read_on_the_first_forward_call_are_marked_so():
     for field in ("memory_opt_level", "allow_autograd_checkpoint", "triton_config_file"):
         assert "first forward" in BY_FIELD[field].read, field
