@@ -15,6 +15,7 @@ _LAZY = {
     "ORTModuleOptions": "ort_optim.options",
     "OptionsTooLateWarning": "ort_optim.options",
     "ORTFailureWarning": "ort_optim.options",
+    "ORTIgnoresWarning": "ort_optim.options",
     "wrap": "ort_optim.options",
     "FP16_Optimizer": "ort_optim.fp16_optimizer",
     "DynamicLossScaler": "ort_optim.loss_scaler",

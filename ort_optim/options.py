@@ -49,6 +49,7 @@ __all__ = [
     "ORTModuleOptions",
     "OptionsTooLateWarning",
     "ORTFailureWarning",
+    "ORTIgnoresWarning",
     "Variable",
     "TABLE",
     "wrap",
@@ -64,6 +65,11 @@ class OptionsTooLateWarning(UserWarning):
 
 class ORTFailureWarning(UserWarning):
     """apply() set a value that ORT reads as meant but then fails with, whatever the model (_ORT_FAILURES)."""
+
+
+class ORTIgnoresWarning(UserWarning):
+    """apply() set a value that ORT 1.19.2 reads but that has no effect: label_sparse_optimizer off (ORT never uses
+    it), or export settings next to a cache_dir that already holds exported models (ORT reuses them as they are)."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -100,6 +106,10 @@ class _Kind:
 
     def show(self, value: Any) -> str:
         return self.to_env(value)
+
+    def fix(self, env: str, value: Any) -> str:
+        """What to write instead of text ORT cannot read as meant, for the environment check."""
+        return f"write {env}={self.to_env(value)}"
 
 
 def _ort_int(raw: str, failure: str) -> int:
@@ -234,7 +244,7 @@ class _Int(_Kind):
                 number = int(value)  # exactly as ORT reads the variable
             except ValueError:
                 raise _Invalid(f"got {value!r}") from None
-        elif isinstance(value, bool) or type(value).__name__ == "bool_":  # (numpy.bool_ has no __index__ either)
+        elif isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):  # numpy's bool too
             raise _Invalid(f"got {value!r}")
         else:
             try:
@@ -394,6 +404,9 @@ class _Path(_Kind):
 # ("BiasGelu+", "FusedMatMul+Add+"); strategy 0 none, 1 recompute, 2 recompute with compromise; count = the first
 # N occurrences, -1 all. ORT matches the cluster string exactly, so "BiasGelu" (no '+') would match nothing.
 _OP_CLUSTER = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*\+)+")
+# ORT reads the strategy and the count with std::from_chars into a 32-bit int: no spaces, no '+', leading zeros fine;
+# a count that does not fit makes ORT drop the plan without a word.
+_INT32_MAX = 2**31 - 1
 
 
 def _parse_plan(plan: str) -> str:
@@ -412,11 +425,35 @@ def _parse_plan(plan: str) -> str:
         )
     if not re.fullmatch(r"-1|\d+", count):
         raise _Invalid(f"plan {plan!r}: count {count!r} must be an integer >= -1 (-1 = every occurrence)")
+    if int(count) > _INT32_MAX:
+        raise _Invalid(f"plan {plan!r}: count {count!r} is above {_INT32_MAX}, which ORT {ORT_VERSION} reads into a "
+                       "32-bit int: it silently drops the plan")
     return f"{cluster}:{strategy}:{int(count)}"
 
 
+def _ort_reads_plan(plan: str) -> Optional[str]:
+    """Why ORT 1.19.2 cannot read this plan string (one of the ','-separated pieces of a string in the plan file)
+    as meant, or None. ORT matches the cluster verbatim (" Gelu+" matches no subgraph, so a leading space recomputes
+    nothing) and reads strategy and count with std::from_chars (a space or '+' there raises RuntimeError at the
+    first forward)."""
+    parts = plan.split(":")
+    if len(parts) != 3:
+        return f"plan {plan!r} does not have three ':'-separated parts (ORT raises RuntimeError at the first forward)"
+    cluster, strategy, count = parts
+    if not _OP_CLUSTER.fullmatch(cluster):
+        return (f"plan {plan!r}: ORT matches the cluster {cluster!r} verbatim against op type names each followed "
+                "by '+', so this plan recomputes nothing")
+    if not re.fullmatch(r"\d+", strategy) or not re.fullmatch(r"-?\d+", count):
+        return f"plan {plan!r}: ORT reads strategy and count as bare integers and raises RuntimeError at the first " \
+               "forward on anything else (spaces, '+')"
+    return None
+
+
 class _Plans(_Kind):
-    """ORTMODULE_MEMORY_OPT_CONFIG: since 1.19 the path of a JSON file holding a list of plan strings."""
+    """ORTMODULE_MEMORY_OPT_CONFIG: since 1.19 the path of a JSON file holding a list of plan strings.
+
+    parse()/from_env() normalise the plans (the values written are canonical); ort_read() checks the file's strings
+    as they stand, since ORT strips nothing (_ort_reads_plan). An empty value is no plans to ORT."""
 
     type_name = "list[str]"
     metavar = "PLAN"
@@ -444,6 +481,12 @@ class _Plans(_Kind):
         return _plan_file(value)
 
     def from_env(self, raw: str) -> Tuple[str, ...]:
+        if raw == "":
+            return ()  # ORT reads an empty value as no plan file (it tests len(path) > 0)
+        return self.parse(self._read_file(raw))
+
+    @staticmethod
+    def _read_file(raw: str) -> List[Any]:
         try:
             with open(raw, encoding="utf-8") as f:
                 data = json.load(f)
@@ -454,10 +497,27 @@ class _Plans(_Kind):
             raise _Invalid(f"{raw!r} is not JSON ({e})") from None
         if not isinstance(data, list):
             raise _Invalid(f"{raw!r} holds {type(data).__name__}, not a JSON list of plan strings")
-        return self.parse(data)
+        return data
+
+    def ort_read(self, raw: str) -> Tuple[str, ...]:
+        """The plans as ORT reads the file: every string exactly as it stands (ORT strips nothing); then
+        normalised, so that it compares with from_env()."""
+        if raw == "":
+            return ()  # ORT: no plan file
+        for item in self._read_file(raw):
+            if not isinstance(item, str):
+                raise _Invalid(f"plan {item!r} is not a string")
+            for plan in item.split(","):
+                problem = _ort_reads_plan(plan)
+                if problem is not None:
+                    raise _Invalid(problem)
+        return self.from_env(raw)
 
     def show(self, value: Tuple[str, ...]) -> str:
         return ", ".join(value) if value else "[] (no plans)"
+
+    def fix(self, env: str, value: Tuple[str, ...]) -> str:
+        return f"write {json.dumps(list(value))} into the file"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -563,8 +623,9 @@ class Variable:
 
     def parse_env(self, raw: str) -> Any:
         """The value the text of the variable means (see _Kind.from_env); ValueError if it means nothing valid."""
-        if raw.strip() == "":
-            # ORT crashes on most empty values (int("")) and treats the rest as unset; say so instead.
+        if raw.strip() == "" and not (raw == "" and isinstance(self.kind, _Plans)):
+            # ORT crashes on most empty values (int("")) and treats the rest as unset; say so instead. (An empty
+            # ORTMODULE_MEMORY_OPT_CONFIG is no plans to ORT, which tests len(path) > 0.)
             raise self.error("empty value; unset the variable instead")
         try:
             return self.kind.from_env(raw)
@@ -587,7 +648,7 @@ class Variable:
         if seen == meant:
             return None
         return (f"{self.env}={raw!r}: ORT {ORT_VERSION} {self.kind.ort_parsing}, so it cannot read this as meant"
-                f"{why}; write {self.env}={self.kind.to_env(meant)}")
+                f"{why}; {self.kind.fix(self.env, meant)}")
 
     @property
     def cli_flags(self) -> Tuple[str, ...]:
@@ -641,7 +702,14 @@ class ORTModuleOptions:
     forward call (ORTMODULE_MEMORY_OPT_LEVEL, ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT, ORTMODULE_TRITON_CONFIG_FILE)
     only takes effect if that call runs inside the block too; the block cannot tell when it does not, so use
     ``wrap()`` or ``apply()`` for those. Likewise a ``DebugOptions`` constructed before the block has already read
-    ``log_level`` and ``save_onnx_path``; construct it inside the block, or pass it to ``wrap()``.
+    ``log_level`` and ``save_onnx_path``; construct it inside the block, or pass it to ``wrap()``. The environment
+    is process-wide: blocks nest within one thread, and entering one while a block entered in another thread is
+    still open raises ``RuntimeError``.
+
+    Integer fields take whatever ``operator.index()`` accepts (an IntEnum member, a numpy integer) and store a
+    plain int. ``apply()`` warns (``ORTIgnoresWarning``) for values ORT reads and then ignores:
+    ``label_sparse_optimizer=False`` (never used by ORT 1.19.2) and export settings next to a ``cache_dir`` that
+    already holds exported models (ORT reuses them whatever the settings).
 
     Example::
 
@@ -671,7 +739,9 @@ class ORTModuleOptions:
         "(0) makes ORT 1.19.2's first forward fail (TypeError; apply() warns).")
     label_sparse_optimizer: Optional[bool] = _option(
         "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER", _Bool(), "1",
-        "Skip ignored labels in the loss when label density is below 90%; needs the compute optimizer.")
+        "No effect in ORT 1.19.2: ORT reads it but never uses it. Skipping ignored labels in the loss (label density "
+        "below 90%) follows embedding_sparse_optimizer instead, which ORT hands to its label hook; 0 here changes "
+        "nothing (apply() warns).")
     mem_efficient_grad_mgmt: Optional[bool] = _option(
         "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT", _Bool(), "0",
         "Hand each gradient to PyTorch as soon as ORT computes it, freeing ORT's gradient buffers early; needs "
@@ -729,7 +799,9 @@ class ORTModuleOptions:
     cache_dir: Optional[str] = _option(
         "ORTMODULE_CACHE_DIR", _Path("a writable directory, or one that can be created", "new dir"),
         "unset (no cache)",
-        "Cache the exported ONNX model in this directory and reuse it across runs.")
+        "Cache the exported ONNX model in this directory and reuse it across runs. ORT names the cached model after "
+        "str(module) and the rank only, so a later run reuses it whatever its export settings (onnx_opset_version, "
+        "memory_opt_level, ...); empty the directory when changing them (apply() warns when it holds models).")
     efficient_attention: Optional[bool] = _option(
         "ORTMODULE_USE_EFFICIENT_ATTENTION", _Bool(), "0",
         "Replace attention subgraphs with PyTorch's efficient-attention ATen kernels; needs torch >= 2.3.",
@@ -806,8 +878,10 @@ class ORTModuleOptions:
         ORT calls ``int()``; ``yes`` turns ORTMODULE_FALLBACK_RETRY on), and so are the spellings ORT cannot read
         but whose meaning is plain (booleans true/false in any case, names in any case), which ``to_env()`` and
         ``apply()`` rewrite into what ORT reads. ORTMODULE_MEMORY_OPT_CONFIG is read as the path of a JSON list of
-        plans. Anything else raises ``ValueError`` naming the variable. Unknown ``ORTMODULE_*`` names are ignored
-        here; :func:`check_environment` reports them.
+        plans (an empty value is no plans, as ORT reads it); the plans are normalised (spaces stripped), and a
+        file whose strings ORT itself would read differently is rewritten by ``apply()``, while
+        :func:`check_environment` reports it as it stands. Anything else raises ``ValueError`` naming the
+        variable. Unknown ``ORTMODULE_*`` names are ignored here; :func:`check_environment` reports them.
         """
         environ = os.environ if environ is None else environ
         values = {v.field: v.parse_env(environ[v.env]) for v in TABLE if v.env in environ}
@@ -844,15 +918,20 @@ class ORTModuleOptions:
 
         Booleans are written "1"/"0" (ORT parses ``int(value) == 1``). Recompute plans are written to a JSON file
         (a list of plan strings) and the variable holds its path: ``plan_file`` if given (the caller keeps it),
-        else the file from_env() read them from, else a temp file removed when the process exits.
+        else the file from_env() read them from if it still holds exactly those plans (it is read again here: it
+        may have been rewritten or removed since), else a temp file removed when the process exits. Either way ORT
+        reads the plans this object holds.
         """
         env: Dict[str, str] = {}
         for var in TABLE:
             value = getattr(self, var.field)
             if value is None:
                 continue
-            if isinstance(var.kind, _Plans) and (plan_file is not None or self._plan_path is not None):
-                env[var.env] = _plan_file(value, plan_file) if plan_file is not None else self._plan_path
+            if isinstance(var.kind, _Plans) and plan_file is not None:
+                env[var.env] = _plan_file(value, plan_file)
+            elif (isinstance(var.kind, _Plans) and self._plan_path is not None
+                  and _is_canonical_plan_file(self._plan_path, value)):
+                env[var.env] = self._plan_path
             else:
                 env[var.env] = var.kind.to_env(value)
         return env
@@ -881,11 +960,11 @@ class ORTModuleOptions:
                 continue
             raw = environ[var.env]
             given = f"{mine} ({own.env}) = {own.kind.show(values[mine])} given here"
-            try:
-                values[other] = var.parse_env(raw)
-            except ValueError as e:
+            problem = var.ort_problem(raw)  # the value as ORT itself reads this variable, not as from_env() would
+            if problem is not None:
                 raise ValueError(f"{given} depends on {var.env}={raw!r} in the environment, which ORT cannot read "
-                                 f"as meant: {e} Set {other} here or fix the variable.") from None
+                                 f"as meant: {problem.rstrip('.')}. Set {other} here or fix the variable.")
+            values[other] = var.kind.ort_read(raw)
             if conflict(values[a], values[b]):
                 raise ValueError(
                     f"{given} conflicts with {var.env}={raw!r} in the environment ({other} = "
@@ -895,7 +974,7 @@ class ORTModuleOptions:
 
     def _warn_late(self, env: Mapping[str, str], stacklevel: int) -> None:
         late = [(name, _BY_ENV[name]) for name, value in env.items()
-                if os.environ.get(name) != value and _already_read(_BY_ENV[name])]
+                if not _same_for_ort(_BY_ENV[name], os.environ.get(name), value) and _already_read(_BY_ENV[name])]
         if late:
             lines = [f"  {name} (read {_READ_MEANINGS[var.read]}; {_READ_MARKERS[var.read]} is loaded)"
                      for name, var in late]
@@ -916,6 +995,10 @@ class ORTModuleOptions:
             warnings.warn(f"onnxruntime-training {ORT_VERSION} reads these settings as meant and then fails with "
                           "them, whatever the model:\n" + "\n".join("  " + line for line in lines),
                           ORTFailureWarning, stacklevel=3)
+        lines = _ort_ignores({**os.environ, **env}, written=env)
+        if lines:
+            warnings.warn(f"onnxruntime-training {ORT_VERSION} reads these settings and then ignores them:\n"
+                          + "\n".join("  " + line for line in lines), ORTIgnoresWarning, stacklevel=3)
 
     @staticmethod
     def _write_environ(env: Mapping[str, str]) -> Dict[str, Optional[str]]:
@@ -935,13 +1018,16 @@ class ORTModuleOptions:
         All or nothing: every field is validated again first (paths writable where ORT writes), and a field whose
         value ORT would ignore given a variable already in the environment for a field left unset here (say
         ``recompute_plans`` with ``ORTMODULE_MEMORY_OPT_LEVEL=1`` exported by a job script) raises ``ValueError``
-        naming both; os.environ is then unchanged.
+        naming both; os.environ is then unchanged. Such an environment variable is read as ORT reads it, so text
+        ORT cannot read as meant (``true`` where ORT calls ``int()``, a plan file with spaces in its strings) is an
+        error saying what ORT does with it.
 
-        Warns (``OptionsTooLateWarning``) for each changed variable that ORT reads once per process and has
-        already read: at import (once onnxruntime.training.ortmodule is imported), at the first ORTModule's
-        construction, or on first Triton use. The others are read again for every ORTModule, so the new values
-        reach every module constructed later (and, for the variables read at the first forward call, every module
-        whose first forward call comes later); modules that already read them keep what they read.
+        Warns (``OptionsTooLateWarning``) for each variable that ORT reads once per process, has already read, and
+        would now read differently (``0`` replacing ``00`` is no change): those read at import (once
+        onnxruntime.training.ortmodule is imported), at the first ORTModule's construction, or on first Triton use.
+        The others are read again for every ORTModule, so the new values reach every module constructed later (and,
+        for the variables read at the first forward call, every module whose first forward call comes later);
+        modules that already read them keep what they read.
         """
         env = self._prepare()
         self._warn(env)
@@ -950,15 +1036,33 @@ class ORTModuleOptions:
 
     def __enter__(self) -> "ORTModuleOptions":
         """apply(), remembering what to restore on exit. ORT reads the variables marked "first forward" in the
-        table when a module runs for the first time: run that call inside the block, or use wrap()/apply()."""
-        env = self._prepare()  # raises before anything is written or saved
-        self._warn(env)
-        self._saved.append(self._write_environ(env))
+        table when a module runs for the first time: run that call inside the block, or use wrap()/apply().
+
+        The environment is process-wide, so blocks nest within one thread only: entering a block while a block
+        entered in another thread is still open raises ``RuntimeError`` (the two threads' blocks would overwrite
+        and then restore each other's values)."""
+        me = threading.get_ident()
+        with _OPEN_BLOCKS_LOCK:
+            if _OPEN_BLOCKS["depth"] and _OPEN_BLOCKS["thread"] != me:
+                raise RuntimeError(
+                    "ORTModuleOptions block entered while a block entered in another thread is still open: the "
+                    "ORTMODULE_* variables live in the process-wide environment, so the two blocks would overwrite "
+                    "and then restore each other's values. Apply the options once, before starting the threads "
+                    "(apply() or wrap()), or open the blocks in one thread.")
+            env = self._prepare()  # raises before anything is written or saved
+            self._warn(env)
+            self._saved.append(self._write_environ(env))
+            _OPEN_BLOCKS.update(thread=me, depth=_OPEN_BLOCKS["depth"] + 1)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         # Put back each variable apply() wrote: its old value, or remove it if it was not set before.
-        _restore_environ(self._saved.pop())
+        with _OPEN_BLOCKS_LOCK:
+            if not self._saved:
+                raise RuntimeError("ORTModuleOptions.__exit__() without a matching __enter__(): this object has no "
+                                   "open block whose variables it could restore")
+            _restore_environ(self._saved.pop())
+            _OPEN_BLOCKS["depth"] -= 1
 
     def describe(self, environ: Optional[Mapping[str, str]] = None) -> str:
         """A text table: every variable, the value ORT will see once applied, and where it comes from.
@@ -994,6 +1098,23 @@ _BY_FIELD: Dict[str, Variable] = {v.field: v for v in TABLE}
 _BY_ENV: Dict[str, Variable] = {v.env: v for v in TABLE}
 
 
+def _same_for_ort(var: Variable, old: Optional[str], new: str) -> bool:
+    """Whether ORT reads the same value from both texts of the variable (" 1" and "1", "01" and "1")."""
+    if old is None:
+        return False
+    if old == new:
+        return True
+    if var.ort_problem(old) is not None or var.ort_problem(new) is not None:
+        return False
+    return var.kind.ort_read(old) == var.kind.ort_read(new)
+
+
+# The `with` blocks open in this process, and the thread they were entered in: os.environ is process-wide, so a
+# block entered in a second thread while one is open would see (and, on exit, restore) the other thread's values.
+_OPEN_BLOCKS: Dict[str, Any] = {"thread": None, "depth": 0}
+_OPEN_BLOCKS_LOCK = threading.Lock()
+
+
 def _restore_environ(saved: Mapping[str, Optional[str]]) -> None:
     for name, old in saved.items():
         if old is None:
@@ -1026,15 +1147,42 @@ _ORT_FAILURES = (
 )
 
 
+# Variables ORT reads when it exports the model, so that their effect is part of the ONNX model it caches in
+# ORTMODULE_CACHE_DIR (named after str(module) and the rank only, and reused as it is by later runs).
+_EXPORT_SETTINGS = ("onnx_opset_version", "memory_opt_level", "allow_autograd_checkpoint", "custom_autograd",
+                    "aten_sdpa_fallback")
+
+
+def _ort_ignores(environ: Mapping[str, str], written: Mapping[str, str]) -> List[str]:
+    """The values in ``written`` that ORT 1.19.2 reads and then ignores, given environ (the environment after the
+    write), one line each: label_sparse_optimizer off, and export settings next to a cache_dir holding models."""
+    lines = []
+    label = _BY_FIELD["label_sparse_optimizer"].env
+    if written.get(label) == "0":
+        lines.append(f"{label}=0: ORT {ORT_VERSION} reads it and never uses it (the label sparsity optimization "
+                     "follows ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER, which ORT hands to its label hook)")
+    cache = environ.get(_BY_FIELD["cache_dir"].env, "")
+    exports = [_BY_FIELD[f].env for f in _EXPORT_SETTINGS if _BY_FIELD[f].env in written]
+    try:
+        cached = sorted(name for name in os.listdir(cache) if name.endswith(".onnx")) if cache and exports else []
+    except OSError:
+        cached = []
+    if cached:
+        lines.append(f"{', '.join(exports)} with ORTMODULE_CACHE_DIR={cache}, which holds exported models "
+                     f"({', '.join(cached[:3])}{', ...' if len(cached) > 3 else ''}): ORT names them after str(module) "
+                     "and the rank only and reuses them as they are, whatever these export settings; empty the "
+                     "directory when changing them")
+    return lines
+
+
 def _ort_failures(environ: Mapping[str, str], written: Iterable[str]) -> List[str]:
     """The settings in environ that ORT reads as meant and then fails with (_ORT_FAILURES) and that involve one of the
     variables named in ``written``, one line each."""
-    def value(field: str) -> Any:
+    def value(field: str) -> Any:  # as ORT reads it
         var = _BY_FIELD[field]
-        try:
-            return None if var.env not in environ else var.parse_env(environ[var.env])
-        except ValueError:  # (reported by check_environment())
-            return None
+        if var.env not in environ or var.ort_problem(environ[var.env]) is not None:
+            return None  # (reported by check_environment())
+        return var.kind.ort_read(environ[var.env])
 
     lines = []
     for fields, fails, what in _ORT_FAILURES:
@@ -1051,8 +1199,6 @@ _CONFLICTS = (
      "ORT ignores the plan file at levels 1 and 2; use memory_opt_level=0 with recompute_plans"),
     ("compute_optimizer", "embedding_sparse_optimizer", lambda compute, sparse: compute is False and sparse is True,
      "ORT turns the embedding sparse optimizer off when the compute optimizer is off"),
-    ("compute_optimizer", "label_sparse_optimizer", lambda compute, sparse: compute is False and sparse is True,
-     "ORT turns the label sparse optimizer off when the compute optimizer is off"),
     ("custom_autograd", "mem_efficient_grad_mgmt", lambda custom, mem: custom is False and mem is True,
      "ORT ignores memory-efficient gradient management when custom autograd support is off"),
 )
@@ -1155,8 +1301,8 @@ def _check_checkpoint_bindings(model: Any) -> None:
         where = ", ".join(f"{module}.{attr}" for module, attr in found)
         raise ValueError(
             f"memory_opt_level (ORTMODULE_MEMORY_OPT_LEVEL) = 1 needs ORT's replacement of "
-            f"torch.utils.checkpoint.checkpoint, which onnxruntime.training.ortmodule installs when it is imported, but "
-            f"the model's code bound torch's original before that: {where} (`from torch.utils.checkpoint import "
+            f"torch.utils.checkpoint.checkpoint, which onnxruntime.training.ortmodule installs when it is imported, "
+            f"but the model's code bound torch's original before that: {where} (`from torch.utils.checkpoint import "
             f"checkpoint` ran before the import). ORT cannot run those checkpointed regions inline: the first forward "
             f"raises, or under ORT's default fallback policy the model silently runs in PyTorch. Import "
             f"onnxruntime.training.ortmodule before the model's code (or call torch.utils.checkpoint.checkpoint(...) "
@@ -1218,8 +1364,9 @@ def check_environment(environ: Optional[Mapping[str, str]] = None) -> List[str]:
     """Problems with the ``ORTMODULE_*`` variables in ``environ`` (default ``os.environ``), one line each.
 
     Reports unknown names (typos, with the closest known name), values we reject, values we accept but ORT
-    1.19.2 cannot read as meant (``true`` for a boolean it parses with ``int()``, a lower-case log level), and
-    combinations ORT silently ignores. An empty list means ORT will read everything as intended.
+    1.19.2 cannot read as meant (``true`` for a boolean it parses with ``int()``, a lower-case log level, a plan
+    string with spaces, which ORT reads verbatim), and combinations ORT silently ignores. An empty list means ORT
+    will read everything as intended.
     """
     environ = os.environ if environ is None else environ
     problems: List[str] = []

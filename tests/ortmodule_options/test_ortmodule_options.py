@@ -108,6 +108,11 @@ NOT_READ_FROM_ENV = {
     "ORTMODULE_EXTERNAL_TORCH_CUDA_EXTENSION_DIR",  # only named in a TODO
 }
 
+# A plan file whose only plan starts with a space, which ORT 1.19.2 reads verbatim (it recomputes nothing).
+PLANS_WITH_A_LEADING_SPACE = os.path.join(_SAVE_DIR.name, "plans with a leading space.json")
+with open(PLANS_WITH_A_LEADING_SPACE, "w", encoding="utf-8") as _f:
+    json.dump([" Gelu+:1:-1"], _f)
+
 PLAN_FILE = object()  # expected text for ORTMODULE_MEMORY_OPT_CONFIG: the path of a plan file
 
 # field, value given, value stored, text written for ORT
@@ -119,6 +124,7 @@ GOOD = [
     ("recompute_plans", "FusedMatMul+Add+:1:-1,Gelu+:2:3", ("FusedMatMul+Add+:1:-1", "Gelu+:2:3"), PLAN_FILE),
     ("recompute_plans", [" LayerNormalization+:0:0 ", "Gelu+:1:05"], ("LayerNormalization+:0:0", "Gelu+:1:5"), PLAN_FILE),
     ("recompute_plans", [], (), PLAN_FILE),
+    ("recompute_plans", ["Gelu+:1:2147483647"], ("Gelu+:1:2147483647",), PLAN_FILE),
     ("embedding_sparse_optimizer", True, True, "1"),
     ("label_sparse_optimizer", False, False, "0"),
     ("mem_efficient_grad_mgmt", "true", True, "1"),
@@ -174,6 +180,9 @@ BAD = [
     ("recompute_plans", ["BiasGelu+:x:-1"], "strategy 'x' must be"),
     ("recompute_plans", ["BiasGelu+:1:-2"], "count '-2' must be an integer >= -1"),
     ("recompute_plans", ["BiasGelu+:1:all"], "count 'all' must be an integer >= -1"),
+    # ORT reads the count into a 32-bit int and silently drops a plan whose count does not fit.
+    ("recompute_plans", ["BiasGelu+:1:2147483648"], "plan 'BiasGelu+:1:2147483648': count '2147483648' is above "
+                                                     "2147483647"),
     ("recompute_plans", ["BiasGelu+:1"], "plan 'BiasGelu+:1' must have three ':'-separated parts"),
     ("recompute_plans", ["BiasGelu+:1:-1:0"], "must have three ':'-separated parts"),
     ("recompute_plans", [42], "plan 42 is not a string"),
@@ -398,7 +407,6 @@ def test_exact_error_message():
         (dict(memory_opt_level=1, recompute_plans=["Gelu+:1:-1"]), "ORT ignores the plan file at levels 1 and 2"),
         (dict(memory_opt_level=2, recompute_plans=["Gelu+:1:-1"]), "memory_opt_level (ORTMODULE_MEMORY_OPT_LEVEL) = 2"),
         (dict(compute_optimizer=False, embedding_sparse_optimizer=True), "embedding sparse optimizer off"),
-        (dict(compute_optimizer=False, label_sparse_optimizer=True), "label sparse optimizer off"),
         (dict(custom_autograd=False, mem_efficient_grad_mgmt=True), "custom autograd support is off"),
     ],
 )
@@ -413,6 +421,7 @@ def test_conflicting_fields_raise(given, fragment):
         dict(memory_opt_level=0, recompute_plans=["Gelu+:1:-1"]),
         dict(memory_opt_level=1, recompute_plans=[]),
         dict(compute_optimizer=False, embedding_sparse_optimizer=False, label_sparse_optimizer=False),
+        dict(compute_optimizer=False, label_sparse_optimizer=True),  # ORT never uses the label flag: no conflict
         dict(custom_autograd=True, mem_efficient_grad_mgmt=True),
     ],
 )
@@ -464,6 +473,58 @@ def test_plan_file_normalised_on_read_is_re_emitted_normalised(tmp_path, content
     assert _plans_in(emitted) == list(opts.recompute_plans)
     assert all(" " not in plan and "," not in plan for plan in _plans_in(emitted))
     assert json.loads(path.read_text()) == content  # the user's file is left alone
+
+
+@pytest.mark.parametrize("content, what_ort_does", [
+    ([" Gelu+:1:-1"], "ORT matches the cluster ' Gelu+' verbatim against op type names each followed by '+', so "
+                      "this plan recomputes nothing"),
+    (["Gelu+: 1 : -1"], "raises RuntimeError at the first forward"),
+    (["Gelu+:1:-1 "], "raises RuntimeError at the first forward"),
+])
+def test_check_environment_and_describe_read_plan_strings_verbatim_as_ort_does(tmp_path, content, what_ort_does):
+    """ORT strips nothing from a plan string, so a plan file is checked as it stands, not as its stripped text."""
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(content))
+    env = {"ORTMODULE_MEMORY_OPT_CONFIG": str(path)}
+    [problem] = options.check_environment(env)
+    assert f"ORTMODULE_MEMORY_OPT_CONFIG={str(path)!r}: ORT 1.19.2 reads a JSON list" in problem
+    assert what_ort_does in problem
+    normalised = list(ORTModuleOptions.from_env(env).recompute_plans)
+    assert problem.endswith(f"write {json.dumps(normalised)} into the file")
+    [row] = [line for line in ORTModuleOptions().describe(env).splitlines() if "OPT_CONFIG" in line]
+    assert f"{str(path)!r} (INVALID)" in row
+
+
+@pytest.mark.parametrize("content", [["Gelu+:1:05"], ["Gelu+:1:-1,BiasGelu+:2:3"], []])
+def test_check_environment_accepts_plan_strings_ort_reads_as_meant(tmp_path, content):
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(content))
+    assert options.check_environment({"ORTMODULE_MEMORY_OPT_CONFIG": str(path)}) == []
+
+
+def test_an_empty_plan_variable_is_no_plans_as_ort_reads_it():
+    """ORT tests len(path) > 0: an empty ORTMODULE_MEMORY_OPT_CONFIG means no plan file, which level 1 is fine with."""
+    os.environ["ORTMODULE_MEMORY_OPT_CONFIG"] = ""
+    assert options.check_environment() == []
+    assert ORTModuleOptions.from_env().recompute_plans == ()
+    assert ORTModuleOptions(memory_opt_level=1).apply() == {"ORTMODULE_MEMORY_OPT_LEVEL": "1"}
+
+
+def test_a_plan_file_kept_from_from_env_is_read_again_when_emitted(tmp_path):
+    """The file from_env() read may be rewritten or removed before apply(): ORT then gets the plans that were
+    validated, in a file of our own, and the user's file is left as it is."""
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(["Gelu+:1:-1"]))
+    opts = ORTModuleOptions.from_env({"ORTMODULE_MEMORY_OPT_CONFIG": str(path)})
+    assert opts.to_env() == {"ORTMODULE_MEMORY_OPT_CONFIG": str(path)}
+    path.write_text(json.dumps(["Gelu+: 1 : -1"]))  # rewritten
+    written = opts.apply()["ORTMODULE_MEMORY_OPT_CONFIG"]
+    assert written != str(path) and _plans_in(written) == ["Gelu+:1:-1"]
+    assert json.loads(path.read_text()) == ["Gelu+: 1 : -1"]
+    path.unlink()  # removed
+    written = opts.apply()["ORTMODULE_MEMORY_OPT_CONFIG"]
+    assert written != str(path) and _plans_in(written) == ["Gelu+:1:-1"]
+    assert options.check_environment() == []
 
 
 @pytest.mark.parametrize(
@@ -790,8 +851,6 @@ def test_describe_of_from_env_says_environment():
                                              "meant (it reads 0); write ORTMODULE_FALLBACK_RETRY=1"),
         ({"ORTMODULE_FALLBACK_RETRY": "true "}, "write ORTMODULE_FALLBACK_RETRY=1"),
         ({"ORTMODULE_MEMORY_OPT_LEVEL": "3"}, "memory_opt_level (ORTMODULE_MEMORY_OPT_LEVEL): got '3'"),
-        ({"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "0", "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER": "1"},
-         "label sparse optimizer off"),
     ],
 )
 def test_check_environment_reports(env, fragment):
@@ -1223,11 +1282,18 @@ ENV_CONFLICTS = [
     ({"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "0"}, dict(embedding_sparse_optimizer=True),
      ["embedding_sparse_optimizer (ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER) = 1 given here conflicts with "
       "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER='0'", "turns the embedding sparse optimizer off"]),
-    ({"ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER": "1"}, dict(compute_optimizer=False),
-     ["compute_optimizer (ORTMODULE_ENABLE_COMPUTE_OPTIMIZER) = 0 given here conflicts with "
-      "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER='1'"]),
+    # Environment values are read as ORT reads them: 'true' where ORT calls int() is an error, not "on"; 'false'
+    # where ORT warns and keeps its default is read as that default (on), not as "off".
+    ({"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "true"}, dict(embedding_sparse_optimizer=True),
+     ["ORTMODULE_ENABLE_COMPUTE_OPTIMIZER='true' in the environment, which ORT cannot read as meant",
+      "ORT raises ValueError on it", "write ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=1"]),
     ({"ORTMODULE_ENABLE_CUSTOM_AUTOGRAD": "false"}, dict(mem_efficient_grad_mgmt=True),
-     ["ORTMODULE_ENABLE_CUSTOM_AUTOGRAD='false' in the environment", "custom autograd support is off"]),
+     ["ORTMODULE_ENABLE_CUSTOM_AUTOGRAD='false' in the environment, which ORT cannot read as meant",
+      "ORT warns and uses on", "write ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0"]),
+    # A plan file ORT reads differently from its stripped text (a leading space: the plan matches nothing).
+    ({"ORTMODULE_MEMORY_OPT_CONFIG": PLANS_WITH_A_LEADING_SPACE}, dict(memory_opt_level=0),
+     ["ORTMODULE_MEMORY_OPT_CONFIG=", "which ORT cannot read as meant",
+      "ORT matches the cluster ' Gelu+' verbatim", "recomputes nothing"]),
     ({"ORTMODULE_MEMORY_OPT_LEVEL": "one"}, dict(recompute_plans=["Gelu+:1:-1"]),
      ["recompute_plans (ORTMODULE_MEMORY_OPT_CONFIG) = Gelu+:1:-1 given here depends on "
       "ORTMODULE_MEMORY_OPT_LEVEL='one' in the environment, which ORT cannot read as meant",
@@ -1480,3 +1546,134 @@ def test_opset_18_fails_a_mean_over_some_dimensions_whose_input_is_used_again_as
     else:
         with pytest.raises(TypeError, match=re.escape(failure)):
             model(x).square().sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------------- integers
+
+
+def test_integers_operator_index_accepts_are_stored_and_written_as_plain_ints():
+    """An int subclass (a script's IntEnum) is written as its digits, not as its str() ("Level.LAYERWISE", which ORT
+    cannot read); a numpy integer is accepted as the integer it is."""
+    import enum
+
+    class Level(int, enum.Enum):
+        NONE = 0
+        LAYERWISE = 1
+
+    opts = ORTModuleOptions(memory_opt_level=Level.LAYERWISE, max_tuning_duration_ms=Level.NONE)
+    assert type(opts.memory_opt_level) is int and opts.memory_opt_level == 1
+    assert opts.to_env() == {"ORTMODULE_MEMORY_OPT_LEVEL": "1", "ORTMODULE_MAX_TUNING_DURATION_MS": "0"}
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    assert ORTModuleOptions(onnx_opset_version=np.int64(18)).to_env() == {"ORTMODULE_ONNX_OPSET_VERSION": "18"}
+    with pytest.raises(ValueError, match=r"got (np\.int32\()?3\)?\. Allowed: 0, 1, 2\."):  # (numpy 2's repr)
+        ORTModuleOptions(memory_opt_level=np.int32(3))
+    with pytest.raises(ValueError, match="memory_opt_level"):
+        ORTModuleOptions(memory_opt_level=np.bool_(True))
+
+
+# ---------------------------------------------------------------------------------------------------- threads
+
+
+def test_exit_without_enter_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"__exit__\(\) without a matching __enter__\(\)"):
+        ORTModuleOptions(memory_opt_level=1).__exit__(None, None, None)
+
+
+def test_a_block_cannot_be_entered_while_another_thread_has_one_open(no_ortmodule_yet):
+    """The variables live in the process-wide environment: two threads' blocks would overwrite and then restore
+    each other's values, so the second thread's block is refused and the environment stays the first one's."""
+    import threading
+
+    errors = []
+
+    def second_thread():
+        try:
+            with ORTModuleOptions(memory_opt_level=2):
+                pass
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    with ORTModuleOptions(memory_opt_level=1):
+        thread = threading.Thread(target=second_thread)
+        thread.start()
+        thread.join()
+        assert os.environ["ORTMODULE_MEMORY_OPT_LEVEL"] == "1"
+    assert errors and "another thread is still open" in errors[0]
+    assert "ORTMODULE_MEMORY_OPT_LEVEL" not in os.environ
+    thread = threading.Thread(target=second_thread)  # once the block is closed, another thread may open one
+    thread.start()
+    thread.join()
+    assert len(errors) == 1
+
+
+def test_apply_does_not_warn_too_late_when_ort_reads_the_same_value(no_ortmodule_yet, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime.training.ortmodule._custom_autograd_function", types.ModuleType("m"))
+    os.environ["ORTMODULE_ENABLE_CUSTOM_AUTOGRAD"] = "00"  # ORT reads 0, as from the "0" apply() writes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ORTModuleOptions(custom_autograd=False).apply()
+    os.environ["ORTMODULE_ENABLE_CUSTOM_AUTOGRAD"] = "1"
+    with pytest.warns(OptionsTooLateWarning, match="ORTMODULE_ENABLE_CUSTOM_AUTOGRAD"):
+        ORTModuleOptions(custom_autograd=False).apply()
+
+
+# ---------------------------------------------------------------------------------------------------- ignored by ORT
+
+
+def test_label_sparse_optimizer_has_no_effect_in_ort_and_turning_it_off_warns(no_ortmodule_yet):
+    """ORT 1.19.2 reads ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER and never uses it (the label sparsity optimization
+    follows the embedding flag), so no combination rule rests on it and writing 0 warns that it changes nothing."""
+    assert "No effect in ORT 1.19.2" in BY_FIELD["label_sparse_optimizer"].meaning
+    assert not [rule for rule in options._CONFLICTS if "label_sparse_optimizer" in rule[:2]]
+    with pytest.warns(options.ORTIgnoresWarning, match="ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER=0: ORT 1.19.2 reads "
+                                                       "it and never uses it"):
+        ORTModuleOptions(label_sparse_optimizer=False).apply()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ORTModuleOptions(label_sparse_optimizer=True).apply()  # ORT's default: nothing to warn about
+
+
+def test_label_sparse_optimizer_is_read_and_ignored_by_ort():
+    torch, _ = _ort()
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 5)
+            self.loss = torch.nn.CrossEntropyLoss(ignore_index=-100)
+
+        def forward(self, x, y):
+            return self.loss(self.lin(x), y)
+
+    with pytest.warns(options.ORTIgnoresWarning):
+        model = options.wrap(Loss(), ORTModuleOptions(label_sparse_optimizer=False, fallback_policy="FALLBACK_DISABLE"))
+    y = torch.full((16,), -100)
+    y[:2] = 1  # 12.5% label density: below ORT's 90% threshold
+    model(torch.randn(16, 8), y).backward()
+    runtime = _runtime_options(model)
+    assert runtime.enable_label_sparse_optimizer is False  # read ...
+    assert runtime.label_sparsity_ratio  # ... and the label optimization ran anyway
+
+
+@pytest.mark.parametrize("field, value", [("onnx_opset_version", 18), ("memory_opt_level", 1)])
+def test_export_settings_next_to_a_cache_dir_holding_models_warn_that_ort_reuses_them(tmp_path, field, value,
+                                                                                        no_ortmodule_yet):
+    """ORT names the model it caches in ORTMODULE_CACHE_DIR after str(module) and the rank only, so a later run
+    trains the cached export whatever its export settings."""
+    assert "str(module) and the rank only" in BY_FIELD["cache_dir"].meaning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ORTModuleOptions(cache_dir=str(tmp_path), **{field: value}).apply()  # nothing cached yet
+    (tmp_path / "0123abcd_0.onnx").write_bytes(b"")
+    with pytest.warns(options.ORTIgnoresWarning, match=re.escape(
+            f"{BY_FIELD[field].env} with ORTMODULE_CACHE_DIR={tmp_path}, which holds exported models (0123abcd_0.onnx)"
+    )):
+        ORTModuleOptions(cache_dir=str(tmp_path), **{field: value}).apply()
+    with pytest.warns(options.ORTIgnoresWarning, match="reuses them as they are"):
+        ORTModuleOptions(**{field: value}).apply()  # the cache dir from the environment
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ORTModuleOptions(cache_dir=str(tmp_path), log_level="INFO").apply()  # not an export setting
