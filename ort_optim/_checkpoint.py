@@ -133,9 +133,9 @@ def canonical_state(state: dict, shape: torch.Size) -> dict:
 
 def _kept_key(key: Any) -> bool:
     """A key of a param's state that the optimizer keeps (and a checkpoint saves, in canonical form): the step, the
-    moments and the master, and the block scales of those stored scaled (read into their canonical values)."""
+    moments and the master, and the block scales of moments stored scaled (read into their canonical values)."""
     return key in CHECKPOINT_KEYS or (isinstance(key, str) and key.endswith("_scale")
-                                      and key[:-len("_scale")] in CHECKPOINT_KEYS)
+                                      and key[:-len("_scale")] in MOMENT_KEYS)
 
 
 def canonical(state_dict: dict, shapes: dict) -> dict:
@@ -307,18 +307,6 @@ def warn_dropped_masters(entries: list[str]) -> None:
         "to continue with them", RuntimeWarning, stacklevel=3)
 
 
-def warn_stale_masters(entries: list[str]) -> None:
-    """The warning of a load that left out the fp32 masters a torch.optim optimizer carried without updating them
-    (see _stale_master)."""
-    if not entries:
-        return
-    warnings.warn(
-        f"load_state_dict: {_listed(entries)}: a checkpoint saved by torch.optim holds a FusedAdam master that does "
-        "not match its param (torch.optim keeps state keys it does not know, unchanged, so the master predates "
-        "torch's steps). Not loaded: the param's next step makes its master from the param as it is then (load the "
-        "model's weights before stepping)", RuntimeWarning, stacklevel=3)
-
-
 # ---- loading -------------------------------------------------------------------------------------------------------
 
 
@@ -331,7 +319,6 @@ class PreparedLoad:
     state: dict
     nonfinite: list[str]  # the entries holding inf or NaN, loaded as they are (warn_nonfinite once the load is done)
     dropped_masters: list[str]  # masters of params this optimizer keeps none for (warn_dropped_masters)
-    stale_masters: list[str]  # masters a torch.optim optimizer carried without updating them (warn_stale_masters)
 
 
 def _torch_adam_with_l2(saved: dict) -> bool:
@@ -349,32 +336,24 @@ def _foreign_optimizers(keys: set) -> list[str]:
     return whole or [name for name, own in FOREIGN_OPTIMIZERS.items() if set(own) & keys]
 
 
-def _saved_by_torch(saved: dict) -> bool:
-    """A group that a torch.optim optimizer saved: they all save their implementation switches (foreach,
-    differentiable, capturable), which FusedAdam's groups never hold (a load drops them)."""
-    return any(key in saved for key in ("foreach", "differentiable", "capturable"))
-
-
 def _foreign_torch_optimizer(saved: dict) -> bool:
     """A group saved by a torch optimizer other than Adam and AdamW (RAdam, Adamax, ...), as far as its keys tell:
-    Adam and AdamW always save amsgrad, which RAdam and Adamax do not have (NAdam's momentum_decay is a
-    FOREIGN_OPTIMIZERS option)."""
-    return "amsgrad" not in saved and "adam_w_mode" not in saved and _saved_by_torch(saved)
+    torch's optimizers save their implementation switches (foreach, differentiable, ...), and Adam and AdamW always
+    save amsgrad too, which RAdam and Adamax do not have (NAdam's momentum_decay is a FOREIGN_OPTIMIZERS option)."""
+    return "amsgrad" not in saved and "adam_w_mode" not in saved and any(
+        key in saved for key in ("foreach", "differentiable", "capturable"))
 
 
-def _stale_master(saved: dict, p: torch.Tensor) -> bool:
-    """Whether a state that torch.optim saved holds a master_param that is not its param's value: torch.optim keeps a
-    state key it does not know as it is, so a FusedAdam master that went through torch.optim.AdamW (a FusedAdam
-    checkpoint loaded there, trained, saved) is the master of the step before torch's first. It is stale unless, rounded
-    to the param's dtype, it equals the param as it is now (torch took no step; the model's weights loaded first).
-    Only a well-formed master of a plain param is judged (one of a DTensor param, or of another shape, is checked as
-    any master is)."""
+def _carried_master(saved: dict, p: torch.Tensor) -> bool:
+    """Whether a state's master_param is in the param's own float16/bfloat16 dtype, as torch.optim's load makes of
+    FusedAdam's float32 master: torch casts every state tensor but the step to its param's dtype and keeps a key it
+    does not know as it is, never updating it, so after torch.optim.AdamW trained on a FusedAdam checkpoint its
+    master is the one of the step before torch's first. Such a master holds no more than the param (FusedAdam's
+    masters are float32), so it is left out, and the param's next step makes the master from the param, as for a
+    checkpoint without masters: nothing is lost, and what torch trained is kept."""
     master = saved.get("master_param")
-    if not isinstance(master, torch.Tensor) or dtensor.is_dtensor(p) or dtensor.is_dtensor(master):
-        return False
-    if master.shape != p.shape or not master.is_floating_point() or master.is_sparse:
-        return False
-    return not torch.equal(master.detach().to(p.device, p.dtype), p.detach())
+    return (isinstance(master, torch.Tensor) and p.dtype in (torch.float16, torch.bfloat16)
+            and master.dtype == p.dtype)
 
 
 def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout) -> PreparedLoad:
@@ -402,7 +381,7 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
                          f"{len(param_groups)}")
 
     id_to_param: dict[Any, tuple[int, int, torch.Tensor]] = {}  # saved id -> (group, position, param)
-    new_groups, group_steps, saved_by_torch = [], [], []
+    new_groups, group_steps = [], []
     for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
         if not isinstance(saved, dict):
             raise TypeError(f"{entry('param_groups', gi)} must be a dict, got {show(saved)}")
@@ -455,12 +434,10 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
         new_groups.append(new_group)
         # ORT's FusedAdam keeps one step per group; ours and torch's are per parameter
         group_steps.append(None if "step" not in saved else check_step(saved["step"], entry("param_groups", gi, "step")))
-        saved_by_torch.append(_saved_by_torch(saved))
 
     new_state: dict[torch.Tensor, dict] = {}
     nonfinite: list[str] = []
     dropped_masters: list[str] = []
-    stale_masters: list[str] = []
     for saved_id, saved in saved_state.items():
         where = entry("state", saved_id)
         _check_id(saved_id, f"{where} (its key)")
@@ -472,17 +449,15 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
             # torch.optim's state is a defaultdict: reading state[p] of a param that has not stepped yet leaves an empty
             # dict, which its state_dict() saves. No state yet, as torch.optim loads it.
             continue
-        if saved_by_torch[gi] and isinstance(saved, dict) and _stale_master(saved, p):
-            # (loaded as a state without a master: the param's next step makes one from the param)
+        if isinstance(saved, dict) and _carried_master(saved, p):
             saved = {key: value for key, value in saved.items() if key != "master_param"}
-            stale_masters.append(f"{where}['master_param']")
         new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], gi, group_steps[gi], where, layout.init_state,
                                               nonfinite, listed=entry("param_groups", gi, "params", j))
         if "master_param" in saved and "master_param" not in new_state[p]:
             dropped_masters.append(f"{where}['master_param']")
     for group in new_groups:
         del group["params"]
-    return PreparedLoad(new_groups, new_state, nonfinite, dropped_masters, stale_masters)
+    return PreparedLoad(new_groups, new_state, nonfinite, dropped_masters)
 
 
 def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index: int, group_step: Optional[float],

@@ -153,8 +153,8 @@ def canonical_checkpoint(state_dict: Any) -> Any:
                              f"{' or '.join(map(str, sorted(fits)))} elements but {first}'s give "
                              f"{' or '.join(map(str, sorted(sizes)))}: bitsandbytes blocks every param's codes alike, "
                              "so this checkpoint was pieced together or its scales cut")
-        if fits is not None:
-            sizes, first = sizes & fits, first or entry("state", pid)
+        if fits is not None and sizes & fits != sizes:
+            sizes, first = sizes & fits, entry("state", pid)  # (the entry that told the block size)
     return {"state": states, "param_groups": [_bnb_group(g, gi) for gi, g in enumerate(state_dict["param_groups"])]}
 
 

@@ -968,10 +968,10 @@ class FusedAdam(torch.optim.Optimizer):
         same dict twice equals loading it once. A state without ``master_param`` (a checkpoint of an optimizer without
         master weights) gets its master at the param's next step, from the param as it is then, as a state made
         before ``master_weights`` was switched on does: model weights loaded after this call are kept. So does a
-        state whose master torch.optim carried: a checkpoint saved by torch.optim (its groups hold torch's
-        implementation switches) keeps FusedAdam's ``master_param`` entries as they were when torch loaded them,
-        never updated; one that, rounded to its param's dtype, no longer equals the param is left out with a
-        RuntimeWarning naming it.
+        state whose ``master_param`` is in its param's float16/bfloat16 dtype, which is what torch.optim's load
+        makes of FusedAdam's float32 master (it casts state tensors to the param's dtype and then never updates
+        that key: after torch.optim.AdamW trained on, the master is the one of the step before torch's first). Such
+        a master holds no more than the param, so leaving it out loses nothing and keeps what torch trained.
 
         Group options missing from the checkpoint keep this optimizer's values (ORT's FusedAdam saves no
         ``adam_w_mode``, ``amsgrad`` or ``maximize``; torch's no ``adam_w_mode``), and ORT's per-group ``step``
@@ -1038,7 +1038,6 @@ class FusedAdam(torch.optim.Optimizer):
         self.state.update(prepared.state)  # (the state's version changes: the next step plans again)
         _checkpoint.warn_nonfinite(prepared.nonfinite)
         _checkpoint.warn_dropped_masters(prepared.dropped_masters)
-        _checkpoint.warn_stale_masters(prepared.stale_masters)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

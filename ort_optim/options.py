@@ -801,7 +801,7 @@ class ORTModuleOptions:
         "unset (no cache)",
         "Cache the exported ONNX model in this directory and reuse it across runs. ORT names the cached model after "
         "str(module) and the rank only, so a later run reuses it whatever its export settings (onnx_opset_version, "
-        "memory_opt_level, ...); empty the directory when changing them (apply() warns when it holds models).")
+        "allow_autograd_checkpoint, ...); empty the directory when changing them (apply() warns when it holds models).")
     efficient_attention: Optional[bool] = _option(
         "ORTMODULE_USE_EFFICIENT_ATTENTION", _Bool(), "0",
         "Replace attention subgraphs with PyTorch's efficient-attention ATen kernels; needs torch >= 2.3.",
@@ -997,7 +997,7 @@ class ORTModuleOptions:
                           ORTFailureWarning, stacklevel=3)
         lines = _ort_ignores({**os.environ, **env}, written=env)
         if lines:
-            warnings.warn(f"onnxruntime-training {ORT_VERSION} reads these settings and then ignores them:\n"
+            warnings.warn(f"onnxruntime-training {ORT_VERSION} reads these settings, which may not take effect:\n"
                           + "\n".join("  " + line for line in lines), ORTIgnoresWarning, stacklevel=3)
 
     @staticmethod
@@ -1061,8 +1061,10 @@ class ORTModuleOptions:
             if not self._saved:
                 raise RuntimeError("ORTModuleOptions.__exit__() without a matching __enter__(): this object has no "
                                    "open block whose variables it could restore")
-            _restore_environ(self._saved.pop())
-            _OPEN_BLOCKS["depth"] -= 1
+            try:
+                _restore_environ(self._saved.pop())
+            finally:
+                _OPEN_BLOCKS["depth"] -= 1
 
     def describe(self, environ: Optional[Mapping[str, str]] = None) -> str:
         """A text table: every variable, the value ORT will see once applied, and where it comes from.
@@ -1149,8 +1151,9 @@ _ORT_FAILURES = (
 
 # Variables ORT reads when it exports the model, so that their effect is part of the ONNX model it caches in
 # ORTMODULE_CACHE_DIR (named after str(module) and the rank only, and reused as it is by later runs).
-_EXPORT_SETTINGS = ("onnx_opset_version", "memory_opt_level", "allow_autograd_checkpoint", "custom_autograd",
-                    "aten_sdpa_fallback")
+# What torch.onnx.export's graph depends on, which ORT caches as exported (the memory optimizer's level acts on the graph
+# after the export: ORT applies it to a cached model too).
+_EXPORT_SETTINGS = ("onnx_opset_version", "allow_autograd_checkpoint", "custom_autograd", "aten_sdpa_fallback")
 
 
 def _ort_ignores(environ: Mapping[str, str], written: Mapping[str, str]) -> List[str]:
@@ -1170,8 +1173,8 @@ def _ort_ignores(environ: Mapping[str, str], written: Mapping[str, str]) -> List
     if cached:
         lines.append(f"{', '.join(exports)} with ORTMODULE_CACHE_DIR={cache}, which holds exported models "
                      f"({', '.join(cached[:3])}{', ...' if len(cached) > 3 else ''}): ORT names them after str(module) "
-                     "and the rank only and reuses them as they are, whatever these export settings; empty the "
-                     "directory when changing them")
+                     "and the rank only and loads them as they are, so export settings that differ from those of the "
+                     "run that exported them do not take effect; empty the directory when changing them")
     return lines
 
 
@@ -1282,32 +1285,35 @@ def _original_checkpoint_bindings(model: Any) -> List[Tuple[str, str]]:
     return found
 
 
-def _check_checkpoint_bindings(model: Any) -> None:
-    """ValueError when ORT will run ``model`` at memory_opt_level=1 (ORTMODULE_MEMORY_OPT_LEVEL as ORT reads it,
-    set here or in the environment) and the model's code holds torch's original checkpoint function
-    (_original_checkpoint_bindings). An error and not a warning: ORT's export then raises "Model uses gradient
-    checkpointing..." at the first forward, or, under ORT's default fallback policy, the model silently runs in
-    PyTorch without any recompute; only the import order of the model's code fixes it, so no training run should
-    start that way."""
-    raw = os.environ.get("ORTMODULE_MEMORY_OPT_LEVEL")
-    try:
-        level = None if raw is None else int(raw)
-    except ValueError:
-        return  # ORT raises on it itself, naming the variable
-    if level != 1:
+def _warn_checkpoint_bindings(model: Any) -> None:
+    """ORTFailureWarning when ORT will run ``model`` at memory_opt_level=1 (ORTMODULE_MEMORY_OPT_LEVEL as ORT reads
+    it, set here or in the environment), without ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT=1 (with which ORT exports
+    torch's own checkpoint regions as they are), and the model's code holds torch's original checkpoint function
+    (_original_checkpoint_bindings). Should the model run a region through it, ORT's export raises "Model uses
+    gradient checkpointing..." at the first forward or, under ORT's default fallback policy, the model silently
+    runs in PyTorch without any recompute; only the import order of the model's code fixes it. A warning and not an
+    error: holding the function is not calling it (HF transformers' modeling_utils binds it for models that may
+    never checkpoint), and nothing here can tell whether the model will."""
+    def level(name: str) -> Optional[int]:
+        raw = os.environ.get(name)
+        try:
+            return None if raw is None else int(raw)
+        except ValueError:
+            return None  # ORT raises on it itself, naming the variable
+    if level("ORTMODULE_MEMORY_OPT_LEVEL") != 1 or level("ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT") == 1:
         return
     found = _original_checkpoint_bindings(model)
     if found:
         where = ", ".join(f"{module}.{attr}" for module, attr in found)
-        raise ValueError(
+        warnings.warn(
             f"memory_opt_level (ORTMODULE_MEMORY_OPT_LEVEL) = 1 needs ORT's replacement of "
             f"torch.utils.checkpoint.checkpoint, which onnxruntime.training.ortmodule installs when it is imported, "
             f"but the model's code bound torch's original before that: {where} (`from torch.utils.checkpoint import "
-            f"checkpoint` ran before the import). ORT cannot run those checkpointed regions inline: the first forward "
-            f"raises, or under ORT's default fallback policy the model silently runs in PyTorch. Import "
-            f"onnxruntime.training.ortmodule before the model's code (or call torch.utils.checkpoint.checkpoint(...) "
-            f"through the module at call time), or use memory_opt_level=0. The environment is left as it was."
-        )
+            f"checkpoint` ran before the import). If the model checkpoints through it, ORT cannot run those regions "
+            f"inline: the first forward raises, or under ORT's default fallback policy the model silently runs in "
+            f"PyTorch. Import onnxruntime.training.ortmodule before the model's code (or call "
+            f"torch.utils.checkpoint.checkpoint(...) through the module at call time).", ORTFailureWarning,
+            stacklevel=3)
 
 
 def wrap(model: Any, options: Optional[ORTModuleOptions] = None, **ortmodule_kwargs: Any) -> Any:
@@ -1322,14 +1328,15 @@ def wrap(model: Any, options: Optional[ORTModuleOptions] = None, **ortmodule_kwa
     ORT reads those variables when DebugOptions is constructed (before this call): ORTModule gets a copy of it
     with the two values read again as ORT reads them, the variable beating the DebugOptions argument.
 
-    At memory_opt_level=1 (set here or in the environment), raises ``ValueError`` (and puts the environment back)
-    when a module defining one of the model's submodule classes holds torch's original
-    ``torch.utils.checkpoint.checkpoint`` as a global (``from torch.utils.checkpoint import checkpoint`` ran before
-    onnxruntime.training.ortmodule was imported, which is when ORT replaces that function): ORT could not recompute
-    those regions, and the model would fail its first forward or silently run in PyTorch. It is an error rather
-    than a warning because nothing the run does later can fix it; the message names the module, the global and
-    the fix (import onnxruntime.training.ortmodule before the model's code). ``apply()`` and the context manager
-    have no model to check.
+    At memory_opt_level=1 (set here or in the environment, without allow_autograd_checkpoint), warns
+    (``ORTFailureWarning``) when a module defining one of the model's submodule classes or their base classes holds
+    torch's original ``torch.utils.checkpoint.checkpoint`` as a global (``from torch.utils.checkpoint import
+    checkpoint`` ran before onnxruntime.training.ortmodule was imported, which is when ORT replaces that function):
+    if the model checkpoints through it, ORT cannot recompute those regions, and the model fails its first forward
+    or silently runs in PyTorch. A warning, not an error, since holding the function is not calling it (HF
+    transformers binds it for every model); the message names the module, the global and the fix (import
+    onnxruntime.training.ortmodule before the model's code). ``apply()`` and the context manager have no model to
+    check.
 
     Needs onnxruntime-training 1.19.2's ORTModule, which works with torch 2.4.x.
     """
@@ -1348,7 +1355,7 @@ def wrap(model: Any, options: Optional[ORTModuleOptions] = None, **ortmodule_kwa
         if options is not None and ortmodule_kwargs.get("debug_options") is not None:
             ortmodule_kwargs["debug_options"] = _debug_options_as_ort_reads_them(
                 ortmodule_kwargs["debug_options"], options)
-        _check_checkpoint_bindings(model)
+        _warn_checkpoint_bindings(model)
         return ORTModule(model, **ortmodule_kwargs)
     except BaseException:
         _restore_environ(saved)

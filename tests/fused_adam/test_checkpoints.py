@@ -999,18 +999,17 @@ def _through_torch_adamw(torch_steps: int) -> tuple[list, list, FusedAdam, torch
 
 
 def test_masters_that_torch_adamw_carried_while_it_trained_are_left_out_and_the_run_continues_from_its_params():
-    """torch.optim.AdamW keeps a state key it does not know as it is: a FusedAdam checkpoint with fp32 masters,
-    trained on by torch.optim.AdamW, comes back with the masters of the step before torch's first. Loaded back, they
-    are left out with a warning naming them (each master then starts from its param, as in a checkpoint without
-    masters), so the run continues from the weights torch trained, about as torch.optim.AdamW itself continues
-    (fp32 masters against torch's fp16 math), not from the stale masters."""
+    """torch.optim.AdamW's load casts FusedAdam's fp32 masters to the params' fp16 and keeps them, never updated: after
+    torch trained on, they are the masters of the step before torch's first. Loaded back, a master in its param's own
+    dtype is left out (it holds no more than the param), each master then starts from its param, and the run
+    continues from the weights torch trained, about as torch.optim.AdamW itself continues (fp32 masters against
+    torch's fp16 math), not from the stale masters."""
     _, torch_params, _, theirs, saved = _through_torch_adamw(torch_steps=20)
-    assert all("master_param" in state for state in saved["state"].values()), "torch carried the masters"
+    assert all(state["master_param"].dtype == torch.float16 for state in saved["state"].values()), "torch carried them"
     mine = _clone_params(torch_params)  # the model's weights as torch left them
     back = FusedAdam(mine, lr=1e-2, eps=1e-8, weight_decay=1e-2, master_weights=True,
                      adam_w_mode=AdamWMode.ADAMW_TORCH)
-    with pytest.warns(RuntimeWarning, match=r"state_dict\['state'\]\[0\]\['master_param'\].*saved by torch\.optim"):
-        back.load_state_dict(saved)
+    back.load_state_dict(saved)
     assert not any("master_param" in back.state[p] for p in mine)
     _steps(back, mine, 22, 3)
     _steps(theirs, torch_params, 22, 3)
@@ -1018,23 +1017,31 @@ def test_masters_that_torch_adamw_carried_while_it_trained_are_left_out_and_the_
         apart = float((p.detach().float() - q.detach().float()).abs().max())
         assert apart <= 4e-3 * max(1.0, float(q.detach().float().abs().max())), apart
     # (the stale masters alone would have pulled the weights back by torch's 20 steps)
-    stale = [saved["state"][i]["master_param"].to(torch.float16) for i in range(len(mine))]
+    stale = [saved["state"][i]["master_param"] for i in range(len(mine))]
     assert any(float((p.detach().float() - m.float()).abs().max()) > 0.05 for p, m in zip(mine, stale))
 
 
-def test_masters_that_passed_through_torch_adamw_untouched_are_kept():
-    """A FusedAdam checkpoint loaded into torch.optim.AdamW and saved again without a step there holds masters that
-    still match their params (torch's load cast them, as the moments, to the params' fp16): they load as they are,
-    without a warning."""
-    _, torch_params, _, _, saved = _through_torch_adamw(torch_steps=0)
-    mine = _clone_params(torch_params)
-    back = FusedAdam(mine, lr=1e-2, eps=1e-8, weight_decay=1e-2, master_weights=True,
-                     adam_w_mode=AdamWMode.ADAMW_TORCH)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        back.load_state_dict(saved)
-    for i, p in enumerate(mine):
-        assert_bitwise_equal(back.state[p]["master_param"], saved["state"][i]["master_param"].float(), "master")
+def test_a_resume_that_loads_the_optimizer_before_the_model_keeps_its_fp32_masters_bit_for_bit():
+    """The masters of FusedAdam's own checkpoint are float32 and always load, whatever the groups hold (keys of
+    torch's own, given to FusedAdam's groups, included) and whatever the params hold at the load: the run resumed
+    with the optimizer's state loaded first and the model's weights second equals the run that never stopped."""
+    def run(resume: bool) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _fp32_params()]
+        opt = FusedAdam([{"params": params, "foreach": None}], lr=1e-2, master_weights=True)
+        _steps(opt, params, 0, 2)
+        if resume:
+            saved, weights = _roundtrip(opt.state_dict()), [p.detach().clone() for p in params]
+            params = [torch.nn.Parameter(torch.zeros_like(p)) for p in params]  # a fresh model, not loaded yet
+            opt = FusedAdam([{"params": params, "foreach": None}], lr=1e-2, master_weights=True)
+            opt.load_state_dict(saved)
+            with torch.no_grad():
+                for p, w in zip(params, weights):
+                    p.copy_(w)
+        _steps(opt, params, 2, 3)
+        return [p.detach() for p in params] + [opt.state[p]["master_param"] for p in params]
+
+    for continued, resumed in zip(run(False), run(True)):
+        assert_bitwise_equal(resumed, continued, "resumed")
 
 
 def test_state_entries_the_optimizer_does_not_keep_are_not_saved_and_the_warning_names_them():
