@@ -1204,8 +1204,15 @@ def _torchs_own_checkpoint(torch):
 
     replacement = torch.utils.checkpoint.checkpoint
     assert replacement.__module__ != "torch.utils.checkpoint"  # ORT replaced it on import
-    return next(cell.cell_contents for cell in replacement.__closure__
-                if getattr(cell.cell_contents, "__module__", None) == "torch.utils.checkpoint")
+    # (searched through the closures: a wrapper of ORT's replacement may hold it one level further down)
+    wrappers = [replacement]
+    while wrappers:
+        function = wrappers.pop()
+        if getattr(function, "__module__", None) == "torch.utils.checkpoint":
+            return function
+        wrappers += [cell.cell_contents for cell in getattr(function, "__closure__", None) or ()
+                     if callable(cell.cell_contents)]
+    raise AssertionError("torch's own checkpoint function is not in ORT's replacement")
 
 
 @pytest.mark.parametrize("how", ["given", "environment"])
