@@ -31,7 +31,6 @@ from ._group_options import OPTIMIZER_WIDE_KEYS, TORCH_GROUP_KEYS, check_group, 
 from ._layout import StateLayout
 from ._spec import AdamWMode
 from . import formats
-from .integrations import dtensor
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 # The order in which moments are written into storage: a 4-bit exp_avg is coded relative to its exp_avg_sq as stored

@@ -256,8 +256,8 @@ def _one_torchao_layout(states: dict) -> None:
             if first is None:
                 first = (kind, entry("state", pid) + f"[{key!r}]")
             elif kind != first[0]:
-                raise ValueError(f"{entry('state', pid)}[{key!r}] is a torchao {kind} but {first[1]} is a torchao {first[0]}: "
-                                 "one torchao optimizer keeps all its states in one format, so this checkpoint mixes "
+                raise ValueError(f"{entry('state', pid)}[{key!r}] is a torchao {kind} but {first[1]} is a torchao "
+                                 f"{first[0]}: one torchao optimizer keeps all its states in one format, so this checkpoint mixes "
                                  "the states of different optimizers, which no run continues from. Load each "
                                  "optimizer's own checkpoint")
 
@@ -384,7 +384,8 @@ def _bnb_decode(quant: dict, i: int, where: str) -> tuple[torch.Tensor, Optional
         for key in (f"qmap{i}", f"absmax{i}"):
             if key in quant:
                 raise ValueError(f"{where}[{key!r}] goes with 8-bit codes, but state{i} is {codes.dtype}")
-        return codes, None  # a param under min_8bit_size: plain float32 moments, read (never written) by the usual checks
+        # (a param under min_8bit_size: plain float32 moments, read (never written) by the usual checks)
+        return codes, None
     parts = {}
     for key in (f"qmap{i}", f"absmax{i}"):
         t = quant.get(key)

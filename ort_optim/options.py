@@ -1151,8 +1151,8 @@ _ORT_FAILURES = (
 
 # Variables ORT reads when it exports the model, so that their effect is part of the ONNX model it caches in
 # ORTMODULE_CACHE_DIR (named after str(module) and the rank only, and reused as it is by later runs).
-# What torch.onnx.export's graph depends on, which ORT caches as exported (the memory optimizer's level acts on the graph
-# after the export: ORT applies it to a cached model too).
+# What torch.onnx.export's graph depends on, which ORT caches as exported (the memory optimizer's level acts on the
+# graph after the export: ORT applies it to a cached model too).
 _EXPORT_SETTINGS = ("onnx_opset_version", "allow_autograd_checkpoint", "custom_autograd", "aten_sdpa_fallback")
 
 

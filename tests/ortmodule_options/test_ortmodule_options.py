@@ -1216,7 +1216,8 @@ def _torchs_own_checkpoint(torch):
 
 
 @pytest.mark.parametrize("how", ["given", "environment"])
-def test_wrap_at_level_1_warns_about_a_model_whose_code_bound_torchs_checkpoint_before_ort_replaced_it(how, monkeypatch):
+def test_wrap_at_level_1_warns_about_a_model_whose_code_bound_torchs_checkpoint_before_ort_replaced_it(how,
+                                                                                                      monkeypatch):
     """A warning naming the global and the fix, not an error: holding torch's function is not calling it. Not at
     level 0, nor with allow_autograd_checkpoint (ORT then exports torch's regions as they are), nor once the model's
     code holds ORT's replacement, which level 1 runs inline."""
