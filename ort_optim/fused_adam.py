@@ -443,7 +443,9 @@ class FusedAdam(torch.optim.Optimizer):
                 if p.dtype not in SUPPORTED_PARAM_DTYPES:
                     raise ValueError(
                         f"{describe(group_index, index, p)}: FusedAdam supports float32, float64, float16 and "
-                        f"bfloat16 params, not {p.dtype} (complex params: torch.view_as_real; float8 params: train "
+                        f"bfloat16 params, not {p.dtype} (complex params: make the param the real pairs, "
+                        "nn.Parameter(torch.view_as_real(w).clone()), and use torch.view_as_complex(param) in the "
+                        "forward; float8 params: train "
                         "bfloat16 or float32 weights and cast them to float8 in the forward, as float8 training "
                         "recipes do)"
                     )

@@ -456,6 +456,26 @@ def test_a_gradient_torch_adamw_raises_a_runtime_error_for_raises_one_here_too(b
             assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
 
 
+def test_a_complex_param_kept_as_its_real_pairs_trains_as_torch_adamw_trains_the_complex_param(backend):
+    """FusedAdam refuses complex params; the recipe its error gives (the param is the real view, the forward takes
+    its complex view) steps what torch.optim.AdamW steps for the complex param, whose update runs on the real view."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(4, 3, dtype=torch.complex64, generator=g)
+    x = torch.randn(3, 5, dtype=torch.complex64, generator=g)
+    theirs = torch.nn.Parameter(w.clone())
+    ours = torch.nn.Parameter(torch.view_as_real(w).clone())
+    their_opt = torch.optim.AdamW([theirs], lr=1e-2, foreach=False)
+    our_opt = FusedAdam([ours], lr=1e-2, **TORCH_ADAMW)
+    for _ in range(STEPS):
+        for opt, weight in ((their_opt, lambda: theirs), (our_opt, lambda: torch.view_as_complex(ours))):
+            opt.zero_grad()
+            (weight() @ x).abs().square().sum().backward()
+            opt.step()
+    torch.testing.assert_close(torch.view_as_complex(ours.detach()), theirs.detach(), **FP32_VS_TORCH)
+    with pytest.raises(ValueError, match=r"can't optimize a non-leaf Tensor"):  # (why the param is not view_as_real(w))
+        FusedAdam([torch.view_as_real(torch.nn.Parameter(w.clone()))])
+
+
 # ---- optimizer hooks, as torch.optim.Optimizer provides them -------------------------------------------------------
 
 

@@ -563,7 +563,7 @@ def test_bad_options_raise_a_clear_error_naming_the_option(kwargs, message):
 
 PARAM_ERRORS = [
     ("complex", lambda: torch.zeros(3, dtype=torch.complex64), {}, r"not torch.complex64 \(complex params: "
-                                                                    r"torch.view_as_real"),
+                                                                    r"make the param the real pairs"),
     ("int32", lambda: torch.zeros(3, dtype=torch.int32), {}, r"bfloat16 params, not torch.int32"),
     ("float8", lambda: torch.zeros(3, dtype=torch.float8_e4m3fn), {}, r"not torch.float8_e4m3fn .*float8 params: "
                                                                       r"train bfloat16 or float32 weights"),
