@@ -101,8 +101,7 @@ class BackwardStep:
         for index, p in enumerate(group["params"]):
             self._where[p] = (group_index, index, group)
             if p.requires_grad and p not in self._handles:
-                self._handles[p] = p.register_post_accumulate_grad_hook(self._eager_hook)
-                self._impls[p] = p._cdata
+                self._connect(p)
                 if not self.setup_checked:
                     self._setup_handles[p] = p.register_hook(self._setup_hook())
             elif not p.requires_grad:
@@ -143,8 +142,7 @@ class BackwardStep:
         for p in [p for p in self._unhooked if p.requires_grad]:
             del self._unhooked[p]
             if p not in self._handles:
-                self._handles[p] = p.register_post_accumulate_grad_hook(self._eager_hook)
-                self._impls[p] = p._cdata
+                self._connect(p)
         for p, impl in self._impls.items():
             if p._cdata == impl:
                 continue
@@ -153,6 +151,17 @@ class BackwardStep:
                 self._handles[p] = p.register_post_accumulate_grad_hook(self._eager_hook)
             p._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
             self._impls[p] = p._cdata
+
+    def _connect(self, p: torch.Tensor) -> None:
+        """Registers this optimizer's hook on p, connected to p's C++ tensor. register_post_accumulate_grad_hook adds
+        the hook to the param's dict of hooks and connects that dict to autograd only when it makes it: a param
+        swapped by torch.utils.swap_tensors after it had a hook (an earlier optimizer's, the user's) keeps a dict
+        that its new tensor does not know, and a hook added there would never fire (measured, torch 2.4.1 and 2.13),
+        nor would restore_hooks() see a change to mend, as the param's tensor is the one it was hooked on. Setting the
+        dict again connects it, with the hooks it already holds, as restore_hooks() does."""
+        self._handles[p] = p.register_post_accumulate_grad_hook(self._eager_hook)
+        p._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
+        self._impls[p] = p._cdata
 
     def remove(self) -> None:
         """Removes every hook: backward then only accumulates gradients."""

@@ -1388,6 +1388,30 @@ def test_params_swapped_by_model_to_are_hooked_again_by_step_or_zero_grad(call):
     assert user_hook_calls == [True, True]  # (steps 0 and 2: connected again too, still first)
 
 
+def test_an_optimizer_made_after_params_with_hooks_were_swapped_hooks_them_from_the_first_backward():
+    """A param that had a post-accumulate-grad hook when torch.utils.swap_tensors swapped it keeps a dict of hooks that
+    its new tensor does not know (a hook registered there never fires). An optimizer made afterwards (here, after the
+    first one's hooks were removed and the model cast with swap-on-conversion) still updates every param in backward,
+    from the first one on, as it would on params never hooked or swapped."""
+    if not hasattr(torch.__future__, "set_swap_module_params_on_conversion"):
+        pytest.skip("torch.__future__.set_swap_module_params_on_conversion is not in this torch")
+    net = ThreeLayers()
+    first = FusedAdam(_trained(net), lr=1e-2, step_in_backward=True)
+    _normal(net, first, 0, True)
+    first.remove_backward_hooks()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        net.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    second = FusedAdam(_trained(net), lr=1e-2, step_in_backward=True)
+    for step in (1, 2):
+        net(_x(step).double()).backward()
+        assert all(p.grad is None for p in _trained(net))
+        assert {int(second.state[p]["step"]) for p in _trained(net)} == {step}
+        second.zero_grad()
+
+
 @pytest.mark.parametrize("call", ["step", "zero_grad"])
 def test_a_param_made_trainable_after_construction_is_hooked_by_the_next_step_or_zero_grad(call):
     """It had no hook (it required no gradient then): its first gradient is left for step(), as documented; from the
