@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Iterable, Optional, Union
@@ -347,9 +349,17 @@ class FusedAdam(torch.optim.Optimizer):
                 "ranks during backward, after step_in_backward=True would already have updated each param with its "
                 "local gradient. Use step_in_backward=False in distributed training"
             )
+        dynamo_imported = "torch._dynamo" in sys.modules
         super().__init__(params, defaults)
         if step_in_backward:
             self._watch_backward()
+            if not dynamo_imported and "torch._dynamo" in sys.modules:
+                # The first optimizer of a process imports TorchDynamo (torch.optim.Optimizer.add_param_group, the
+                # hooks' torch._dynamo.disable). Under torch 2.13 that import leaves a frame that refers to itself
+                # (torch.fx.wrap's), whose callers' frames, this constructor's with `self` among them, only the
+                # garbage collector frees: until its next full pass, a deleted optimizer's hooks would go on updating
+                # the params and taking their gradients. Collected now, once, `del optimizer` removes them at once.
+                gc.collect()
 
     @property
     def state(self) -> _plan.OptimizerState:

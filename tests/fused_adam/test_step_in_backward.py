@@ -786,6 +786,38 @@ def test_an_optimizer_stepping_in_backward_lets_its_states_and_params_go_when_de
     assert_same_snapshot(optimizer_snapshot(second), optimizer_snapshot(reference))
 
 
+FIRST_OPTIMIZER = """
+import gc, json, sys, weakref
+import torch
+from ort_optim import FusedAdam
+
+assert "torch._dynamo" not in sys.modules, "nothing left for the first optimizer to import"
+gc.disable()  # (what `del` frees, without the garbage collector's passes)
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
+model(torch.randn(3, 4)).sum().backward()
+gone = weakref.ref(opt)
+del opt
+before = model.weight.detach().clone()
+model(torch.randn(3, 4)).sum().backward()
+print(json.dumps({"freed": gone() is None, "updated": not torch.equal(before, model.weight),
+                  "gradient_left": model.weight.grad is not None}))
+"""
+
+
+def test_the_first_optimizer_of_a_process_is_freed_by_del_and_its_hooks_update_nothing_after():
+    """The first optimizer of a process imports TorchDynamo while it is made (torch.optim's add_param_group, the
+    hooks' torch._dynamo.disable): what that import leaves must not keep it alive once deleted, where its hooks would
+    go on updating the params and taking their gradients from whatever trains the model next. A fresh process, with
+    the garbage collector off."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", FIRST_OPTIMIZER], env=env, cwd=ROOT, check=True, capture_output=True,
+                         text=True, timeout=300)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"freed": True, "updated": False,
+                                                               "gradient_left": True}
+
+
 def test_a_second_optimizer_stepping_in_backward_over_the_same_params_is_an_error_until_the_first_is_removed():
     """The first optimizer's hook (registered first) would update the params and take their gradients; the second
     one's finds none: an error naming the param, instead of silently stepping with the wrong optimizer."""
