@@ -806,6 +806,7 @@ print(json.dumps({"freed": gone() is None, "updated": not torch.equal(before, mo
 """
 
 
+@pytest.mark.slow  # (a fresh interpreter)
 def test_the_first_optimizer_of_a_process_is_freed_by_del_and_its_hooks_update_nothing_after():
     """The first optimizer of a process imports TorchDynamo while it is made (torch.optim's add_param_group, the
     hooks' torch._dynamo.disable): what that import leaves must not keep it alive once deleted, where its hooks would
