@@ -336,7 +336,7 @@ class FusedAdam(torch.optim.Optimizer):
         # torch.compile replays (TorchDynamo drops attribute writes on an optimizer made inside a traced step).
         self._last: dict[str, Optional[torch.Tensor]] = {"grad_norm": None, "found_inf": None}
         self._finishes_backward = False  # (step(): backward updated params since the last step() or zero_grad())
-        self.step_in_backward = step_in_backward
+        self._step_in_backward = step_in_backward
         self._backward: Optional[BackwardStep] = None
         self._partitions_checked = False  # (max_grad_norm under a partitioning DeepSpeed optimizer: once)
         self.process_group = process_group
@@ -384,7 +384,7 @@ class FusedAdam(torch.optim.Optimizer):
         return state
 
     def __setstate__(self, state: dict) -> None:
-        state.setdefault("step_in_backward", False)
+        state.setdefault("_step_in_backward", state.pop("step_in_backward", False))
         state.setdefault("process_group", None)
         state.setdefault("pipeline_group", None)
         super().__setstate__(state)  # (it puts "state" into __dict__, under the property: wrap it)
@@ -400,6 +400,20 @@ class FusedAdam(torch.optim.Optimizer):
         self._backward = None
         if self.step_in_backward:  # hooks on the copy's own params
             self._watch_backward()
+
+    @property
+    def step_in_backward(self) -> bool:
+        """Whether backward updates each param (the constructor's ``step_in_backward``; False once
+        :meth:`remove_backward_hooks` ended it). Read-only: hooks are made with the optimizer, and a flag changed
+        later would neither make nor remove them."""
+        return self._step_in_backward
+
+    @step_in_backward.setter
+    def step_in_backward(self, value: Any) -> None:
+        raise AttributeError(
+            f"FusedAdam.step_in_backward is fixed at construction (setting it to {value!r} would neither add nor remove "
+            "the backward hooks): call remove_backward_hooks() to end it, or make a new FusedAdam(..., "
+            "step_in_backward=True) to start it. Nothing was changed")
 
     def _watch_backward(self) -> None:
         """step_in_backward: hooks every param (ort_optim/_backward_step.py)."""
@@ -422,7 +436,7 @@ class FusedAdam(torch.optim.Optimizer):
         if self._backward is not None:
             self._backward.remove()
             self._backward = None
-        self.step_in_backward = False
+        self._step_in_backward = False
 
     def accumulate(self):
         """A context manager for gradient accumulation with ``step_in_backward=True``: backward calls inside it only

@@ -1445,6 +1445,25 @@ def test_an_optimizer_made_after_params_with_hooks_were_swapped_hooks_them_from_
         second.zero_grad()
 
 
+@pytest.mark.parametrize("value", [False, True])
+def test_step_in_backward_cannot_be_switched_by_setting_the_attribute_and_nothing_changes(value):
+    """The hooks are made with the optimizer: a flag set later would neither make nor remove them (set to False, the
+    hooks would go on updating; set to True on a plain optimizer, nothing would be hooked but its copies). Refused,
+    naming what to do; remove_backward_hooks() ends it."""
+    net = ThreeLayers()
+    opt = FusedAdam(_trained(net), lr=1e-2, step_in_backward=not value)
+    with pytest.raises(AttributeError, match=r"step_in_backward is fixed at construction .* remove_backward_hooks"):
+        opt.step_in_backward = value
+    assert opt.step_in_backward is (not value)
+    net(_x(0)).backward()
+    assert all((p.grad is None) is (not value) for p in _trained(net))  # (the hooks fire as before, or none)
+    if not value:
+        opt.remove_backward_hooks()
+        assert opt.step_in_backward is False
+        net(_x(1)).backward()
+        assert all(p.grad is not None for p in _trained(net))
+
+
 @pytest.mark.parametrize("call", ["step", "zero_grad"])
 def test_a_param_made_trainable_after_construction_is_hooked_by_the_next_step_or_zero_grad(call):
     """It had no hook (it required no gradient then): its first gradient is left for step(), as documented; from the
