@@ -986,8 +986,8 @@ class FusedAdam(torch.optim.Optimizer):
 
         A checkpoint this optimizer saved while it could step always loads, and resuming from it equals not stopping,
         bit for bit: the checks refuse malformed input, not values training produces (one saved after ``amsgrad`` was
-        switched on mid-run, which its step refuses too, is refused alike: its states have no ``max_exp_avg_sq``). inf and NaN in moments and masters load as they
-        are, with a RuntimeWarning naming the entries: a second moment whose square overflowed float32 is inf, as
+        switched on mid-run, which its step refuses too, is refused alike: its states have no ``max_exp_avg_sq``).
+        inf and NaN in moments and masters load as they are, with a RuntimeWarning naming the entries: a second moment whose square overflowed float32 is inf, as
         torch.optim.AdamW keeps it (that element's update stays 0, in fp32 and low-bit moments alike), and a run
         that diverged before it was saved has inf/NaN moments or masters (torch loads them too). A finite value
         that this optimizer's storage dtype cannot hold (beyond bfloat16's range, say) is refused. Then new state tensors are built as
