@@ -100,6 +100,8 @@ class DynamicLossScaler:
       the scale kept; otherwise the scale becomes ``max(scale * backoff_factor, min_scale)`` (the hysteresis stays
       exhausted until it refills). An overflow that would back off while the scale already equals ``min_scale``
       raises :class:`LossScaleUnderflowError` (``min_scale_action='raise'``) or keeps the scale (``'clamp'``).
+    * both products are formed in float64 and rounded once to the float32 scale, as torch.amp.GradScaler's update
+      rounds them (a factor such as 0.7 is not rounded to float32 first).
 
     ``hysteresis=1`` (the default) is torch.amp.GradScaler's rule; ``hysteresis=2`` and the refill rules are
     DeepSpeed's (``hysteresis``/``consecutive_hysteresis`` in its fp16 config). With ``dynamic=False`` the scale
@@ -216,8 +218,11 @@ class DynamicLossScaler:
         back = bad & (self.hysteresis_left <= 1)
         at_floor = back & (self.scale <= self.min_scale)
 
-        grown = torch.clamp(self.scale * self.growth_factor, max=self.max_scale)
-        backed = torch.clamp(self.scale * self.backoff_factor, min=self.min_scale)
+        # The products are formed in float64 and rounded once to float32, as torch.amp.GradScaler's update does: a
+        # factor that is not a float32 number (backoff_factor=0.7, growth_factor=1.1) is not rounded to one first.
+        # (min_scale and max_scale are float32 numbers, so clamping before or after the rounding is the same.)
+        grown = torch.clamp(self.scale.double() * self.growth_factor, max=self.max_scale).float()
+        backed = torch.clamp(self.scale.double() * self.backoff_factor, min=self.min_scale).float()
         new["scale"] = torch.where(grow, grown, torch.where(back, backed, self.scale))
 
         refill = good if self.consecutive_hysteresis else grow

@@ -150,6 +150,20 @@ def test_scaler_never_grows_past_max_scale():
     assert got == [3 * 2.0**10, 9 * 2.0**10, 2.0**14, 2.0**14, 2.0**14, 2.0**14]
 
 
+def test_scaler_factors_that_are_not_float32_numbers_scale_as_grad_scaler():
+    # scale * factor is rounded once to float32, as torch.amp.GradScaler's update (_amp_update_scale_) rounds it: a
+    # factor such as 0.7 or 1.1 is not rounded to float32 first (that would make 6330043.0 of GradScaler's 6330043.5)
+    flags = [1, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 1]
+    for growth, backoff in ((1.1, 0.7), (3.0, 0.9), (2.0, 0.3)):
+        got, _ = run_scaler(flags, init_scale=2.0**24, growth_factor=growth, backoff_factor=backoff,
+                            growth_interval=1, min_scale=SCALE_RANGE[0], max_scale=SCALE_RANGE[1])
+        scale, tracker, expected = torch.tensor(2.0**24), torch.zeros((), dtype=torch.int32), []
+        for bad in flags:
+            torch._amp_update_scale_(scale, tracker, torch.tensor(float(bad)), growth, backoff, 1)
+            expected.append(float(scale))
+        assert got == expected, (growth, backoff)
+
+
 def test_scaler_min_scale_raise_and_clamp():
     got, scaler = run_scaler([1, 1, 1, 1], init_scale=4.0, min_scale=1.0)
     assert got == [2.0, 1.0, "raise"]
