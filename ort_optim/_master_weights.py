@@ -246,15 +246,61 @@ class InnerMasters:
         for p, master in self._with_masters():
             master.copy_(p.detach())
 
-    def saved_masters(self) -> list[Optional[torch.Tensor]]:
-        """(FusedAdam's masters are in its own state_dict.)"""
-        return []
+    def _unstepped(self) -> list[bool]:
+        """For each param in param_groups order: whether it is an fp16/bf16 param with no master in the FusedAdam's
+        state yet (FusedAdam creates state at a param's first step: one without a gradient so far has none)."""
+        state = self.optimizer.state
+        return [p.dtype in LOW_PRECISION and "master_param" not in state.get(p, {})
+                for g in self.optimizer.param_groups for p in g["params"]]
+
+    def saved_masters(self) -> list[Optional[dict]]:
+        """FusedAdam's masters are in its own state_dict. An fp16/bf16 param that has none yet is saved here, so that
+        loading restores it as it restores the others: ``{'param': its value in fp32}`` for each such param and None
+        for the others, in param_groups order; an empty list when there is none (the usual case)."""
+        unstepped = self._unstepped()
+        if not any(unstepped):
+            return []
+        flat = [p for g in self.optimizer.param_groups for p in g["params"]]
+        # (a DTensor param's value is a DTensor laid out like it, as FusedAdam saves its masters)
+        return [{"param": p.detach().float().clone()} if u else None for p, u in zip(flat, unstepped)]
 
     def validate_masters(self, saved: list, where: str) -> None:
-        if saved:
-            raise ValueError(f"{where} must be empty with FusedAdam inside (its masters are in its own state as "
-                             f"'master_param'); this checkpoint holds {len(saved)} entries, saved by an "
+        """An empty list, or one entry per param: None, or ``{'param': fp32 tensor}`` for an fp16/bf16 param (the
+        value of a param that had no FusedAdam state when it was saved)."""
+        if not saved:
+            return
+        if any(isinstance(entry, torch.Tensor) for entry in saved):
+            raise ValueError(f"{where} must hold no fp32 masters with FusedAdam inside (its masters are in its own "
+                             f"state as 'master_param'); this checkpoint holds {len(saved)} entries, saved by an "
                              "FP16_Optimizer around another optimizer")
+        flat = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if len(saved) != len(flat):
+            raise ValueError(f"{where} must list {len(flat)} entries (one per parameter) or none, got {len(saved)}")
+        for index, (p, entry) in enumerate(zip(flat, saved)):
+            if entry is None:
+                continue
+            name, shape = f"{where}[{index}]", tuple(p.shape)
+            if p.dtype not in LOW_PRECISION:
+                raise ValueError(f"{name} must be None (a {p.dtype} parameter), got {type(entry).__name__}")
+            value = entry.get("param") if isinstance(entry, dict) and set(entry) == {"param"} else None
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 \
+                    or value.layout != torch.strided or tuple(value.shape) != shape:
+                raise ValueError(f"{name} must be None or {{'param': a dense float32 tensor of shape {shape}}} (the "
+                                 f"value of an fp16/bf16 parameter FusedAdam held no state for), got {entry!r:.80}")
+            dtensor.local_like(p, value, f"{name}['param']")  # (a DTensor on another mesh: refused, naming it)
+
+    @torch.no_grad()
+    def _restore_unstepped(self, masters: list) -> None:
+        """Writes each saved value of a param that had no FusedAdam state (validate_masters() ran before) into the
+        model's param, and into its master where the FusedAdam holds one now (a load that kept the current state)."""
+        flat = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for index, (p, entry) in enumerate(zip(flat, masters)):
+            if entry is not None:
+                value = dtensor.local_like(p, entry["param"], f"state_dict['master_params'][{index}]['param']")
+                dtensor.local(p).copy_(value)
+                st = self.optimizer.state.get(p)
+                if st and "master_param" in st:
+                    st["master_param"].copy_(value)
 
     @torch.no_grad()
     def load(self, inner_state_dict: dict, masters: list) -> None:
@@ -262,6 +308,7 @@ class InnerMasters:
         writes its masters (rounded) into the model's params."""
         self.optimizer.load_state_dict(inner_state_dict)
         self.refresh_model()
+        self._restore_unstepped(masters)
         self._unscaled = _Versions()
 
     @torch.no_grad()
@@ -270,8 +317,9 @@ class InnerMasters:
         each fp16/bf16 param's ``master_param`` replaces the FusedAdam's, whose moments, steps and group options stay
         as they are; a param with no state yet gets a fresh one (step 0, zero moments: what its first step would
         create) holding the saved master; a param with state but no saved master takes it from the model's param, as
-        a full load does. Then the masters are written (rounded) into the model's params. Everything is checked
-        before anything changes (the FusedAdam checks its own checkpoint, made of its current state and these
+        a full load does. Then the masters are written (rounded) into the model's params, and so are the saved values
+        of params that had no FusedAdam state then (into their masters too where they have one now). Everything is
+        checked before anything changes (the FusedAdam checks its own checkpoint, made of its current state and these
         masters); errors name the entry of ``where``."""
         opt = self.optimizer
         if not isinstance(inner_state_dict.get("param_groups"), (list, tuple)) or \
@@ -320,6 +368,7 @@ class InnerMasters:
             state[index] = entry
         opt.load_state_dict({**current, "state": state})  # validates everything before changing anything
         self.refresh_model()
+        self._restore_unstepped(masters)
         self._unscaled = _Versions()
 
     @torch.no_grad()

@@ -705,7 +705,9 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         """``{'format', 'optimizer', 'loss_scaler', 'master_params'}``: the wrapped optimizer's state_dict (whose
         params are the masters; FusedAdam keeps its masters in its own state as ``master_param``), the scaler's
         state and, for other optimizers, one fp32 master per parameter in param_groups order (None for fp32
-        params). Tensors and plain values only: loads with ``torch.load(weights_only=True)``. Runs the
+        params); with FusedAdam, an empty list, or where some fp16/bf16 param has no FusedAdam state yet (no gradient
+        so far), ``{'param': its value in fp32}`` for each such param and None for the others, which loading writes
+        into them. Tensors and plain values only: loads with ``torch.load(weights_only=True)``. Runs the
         state_dict pre and post hooks registered on the wrapper, as torch's optimizers do."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)

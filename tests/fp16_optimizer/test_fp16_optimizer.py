@@ -625,6 +625,42 @@ def test_state_dict_round_trip_resumes_bit_for_bit(inner, dtype):
     assert_tree_bitwise_equal(untouched, checkpoint, "the loaded checkpoint")  # never modified nor aliased
 
 
+@pytest.mark.parametrize("load_optimizer_states", [True, False])
+@pytest.mark.parametrize("inner", ["SGD", "FusedAdam"])
+def test_resuming_restores_fp16_params_that_have_not_stepped_yet(inner, load_optimizer_states):
+    """A param with no gradient so far (a layer unfrozen later) has no FusedAdam state, hence no master there: the
+    checkpoint keeps its value all the same, so the fresh model that loads it holds what the running one holds (as
+    with the masters the wrapper keeps for any other optimizer), and resuming equals never stopping."""
+    make = {"SGD": lambda ps: torch.optim.SGD(ps, lr=0.1), "FusedAdam": lambda ps: FusedAdam(ps, lr=0.1)}[inner]
+
+    def model(values):
+        return [nn.Parameter(torch.tensor(v, dtype=torch.float16)) for v in values]
+
+    def step(opt, params, both):
+        opt.zero_grad()
+        opt.backward(params[0].float().sum() * 0.5 + (params[1].float().sum() if both else 0.0))
+        opt.step()
+
+    params = model([[4.0], [1.0, 2.0, 3.0]])
+    opt = FP16_Optimizer(make(params), init_scale=2.0**10)
+    step(opt, params, both=False)  # params[1] has no gradient yet
+    checkpoint = opt.state_dict()
+    params2 = model([[0.0], [0.0, 0.0, 0.0]])  # everything must come from the checkpoint
+    opt2 = FP16_Optimizer(make(params2), init_scale=2.0**10)
+    if not load_optimizer_states:
+        step(opt2, params2, both=True)  # state of its own, which this load keeps (the masters are replaced)
+    opt2.load_state_dict(checkpoint, load_optimizer_states=load_optimizer_states)
+    assert_tree_bitwise_equal([p.detach() for p in params], [p.detach() for p in params2], "the loaded params")
+    masters = opt.master_params  # (FusedAdam: the stepped param's; SGD: both)
+    assert_tree_bitwise_equal(masters, opt2.master_params[:len(masters)], "the masters")
+    if load_optimizer_states:
+        for _ in range(2):
+            step(opt, params, both=True)
+            step(opt2, params2, both=True)
+        assert_tree_bitwise_equal([p.detach() for p in params], [p.detach() for p in params2], "resumed")
+        assert_tree_bitwise_equal(opt.state_dict(), opt2.state_dict(), "the optimizers")
+
+
 def test_load_restores_model_params_from_masters_and_validates_first():
     model = make_model(torch.float16)
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
@@ -1249,7 +1285,17 @@ SGD_ONLY = {
 }
 FUSED_ONLY = {
     "masters with FusedAdam": (lambda sd: sd["master_params"].append(torch.zeros(3)), ValueError,
-                               "must be empty with FusedAdam inside"),
+                               "must hold no fp32 masters with FusedAdam inside"),
+    "unstepped values, one too few": (_set(["master_params"], [None, {"param": torch.zeros(3)}]), ValueError,
+                                      "state_dict['master_params'] must list 3 entries (one per parameter) or none"),
+    "unstepped value of a wrong shape": (_set(["master_params"], [{"param": torch.zeros(3)}, None, None]),
+                                         ValueError, "state_dict['master_params'][0] must be None or {'param': a "
+                                         "dense float32 tensor of shape (4, 3)}"),
+    "unstepped value in fp16": (_set(["master_params"], [None, {"param": torch.zeros(3).half()}, None]),
+                                ValueError, "state_dict['master_params'][1] must be None or {'param'"),
+    "unstepped value for an fp32 param": (_set(["master_params"], [None, None, {"param": torch.zeros(2)}]),
+                                          ValueError, "state_dict['master_params'][2] must be None (a torch.float32 "
+                                          "parameter)"),
 }
 # torch.optim.AdamW's load_state_dict replaces its state, then reads each state's 'step' (a KeyError): the wrapper
 # puts the state back and names what is missing
