@@ -725,7 +725,10 @@ class WrapperMasters:
     def validate_masters(self, saved: list, where: str) -> None:
         flat = [p for g in self.optimizer.param_groups for p in g["params"]]
         if len(saved) != len(flat):
-            raise ValueError(f"{where} must list {len(flat)} entries (one per parameter), got {len(saved)}")
+            raise ValueError(f"{where} must list {len(flat)} entries (one per parameter), got {len(saved)}"
+                             + (" (an FP16_Optimizer around FusedAdam saves its masters in FusedAdam's state: load "
+                                "such a checkpoint into an FP16_Optimizer around FusedAdam)"
+                                if any(isinstance(m, dict) for m in saved) or len(saved) == 0 else ""))
         for index, (p, master) in enumerate(zip(flat, saved)):
             entry = f"{where}[{index}]"
             if id(p) not in self._model_of:

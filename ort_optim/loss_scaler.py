@@ -140,8 +140,10 @@ class DynamicLossScaler:
         if min_scale > max_scale:
             raise ValueError(f"min_scale={min_scale!r} must be <= max_scale={max_scale!r}")
         if not min_scale <= init_scale <= max_scale:
+            bound = "max_scale" if init_scale > max_scale else "min_scale"
             raise ValueError(f"init_scale={init_scale!r} must lie in [min_scale, max_scale] = [{min_scale!r}, "
-                             f"{max_scale!r}]")
+                             f"{max_scale!r}]; to start there, pass {bound}={init_scale!r} or "
+                             f"{'more' if bound == 'max_scale' else 'less'}")
         # The scale is a float32 tensor, so its bounds are float32 numbers too: min_scale rounds up and max_scale
         # down (the scale never leaves the range given), init_scale to the nearest float32 between them. Without
         # this, init_scale = max_scale = 1.00001 started at 1.0000100136 > max_scale.

@@ -836,6 +836,8 @@ BAD_OPTIONS = [
     (dict(min_scale=1e-39, init_scale=1.0), ValueError, "min_scale must lie in"),
     (dict(min_scale=4.0, max_scale=2.0, init_scale=2.0), ValueError, "min_scale=4.0 must be <= max_scale=2.0"),
     (dict(init_scale=0.5), ValueError, "init_scale=0.5 must lie in [min_scale, max_scale]"),
+    (dict(init_scale=0.5), ValueError, "to start there, pass min_scale=0.5 or less"),
+    (dict(init_scale=2.0**32), ValueError, "to start there, pass max_scale=4294967296.0 or more"),  # DeepSpeed's
     (dict(growth_factor=1.0), ValueError, "growth_factor must be > 1 in float32"),
     (dict(growth_factor=1.0 + 1e-9), ValueError, "growth_factor must be > 1 in float32"),
     (dict(growth_factor=1e39), ValueError, "growth_factor must be > 1 in float32 (and finite)"),
@@ -1282,6 +1284,9 @@ SGD_ONLY = {
                         "state_dict['master_params'][0] must be the fp32 master"),
     "one master too few": (lambda sd: sd["master_params"].pop(), ValueError,
                            "state_dict['master_params'] must list 3 entries"),
+    "no masters (FusedAdam's checkpoint)": (_set(["master_params"], []), ValueError,
+                                            "must list 3 entries (one per parameter), got 0 (an FP16_Optimizer "
+                                            "around FusedAdam saves its masters in FusedAdam's state"),
 }
 FUSED_ONLY = {
     "masters with FusedAdam": (lambda sd: sd["master_params"].append(torch.zeros(3)), ValueError,
