@@ -106,9 +106,10 @@ class DynamicLossScaler:
     ``hysteresis=1`` (the default) is torch.amp.GradScaler's rule; ``hysteresis=2`` and the refill rules are
     DeepSpeed's (``hysteresis``/``consecutive_hysteresis`` in its fp16 config). With ``dynamic=False`` the scale
     stays at ``init_scale`` (overflowing steps are still skipped and counted). The scale grows after
-    ``growth_interval`` consecutive good steps, as in torch's GradScaler and DeepSpeed 0.16; DeepSpeed 0.19 grows
-    one good step later (its stable interval leaves out the first good step after an overflow or the start), so after
-    an overflow (or the start) its ``loss_scale_window=N`` first grows after N + 1 good steps, then every N. (Around
+    ``growth_interval`` consecutive good steps, as in torch's GradScaler and DeepSpeed 0.16's DynamicLossScaler;
+    DeepSpeed 0.19's, and DeepSpeed's own FP16_Optimizer, grow one good step later (their stable interval leaves out
+    the first good step after an overflow or the start), so after an overflow (or the start) their
+    ``loss_scale_window=N`` first grows after N + 1 good steps, then every N. (Around
     DeepSpeed's own ZeRO optimizers, FP16_Optimizer keeps DeepSpeed's scaler, whatever its release.)
 
     Every option is checked at construction against the float32/int32 tensors that hold the state (errors name the
