@@ -338,7 +338,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._finishes_backward = False  # (step(): backward updated params since the last step() or zero_grad())
         self._step_in_backward = step_in_backward
         self._backward: Optional[BackwardStep] = None
-        self._partitions_checked = False  # (max_grad_norm under a partitioning DeepSpeed optimizer: once)
+        self._partitions_checked = False  # (max_grad_norm under a DeepSpeed ZeRO/BF16 optimizer: once)
         self.process_group = process_group
         self.pipeline_group = pipeline_group
         if step_in_backward and max_grad_norm is not None:
@@ -736,7 +736,8 @@ class FusedAdam(torch.optim.Optimizer):
     def _validate_options(self, grad_scale) -> list[dict]:
         """What a step checks before it plans: every group's options (those that changed since the last step that
         accepted them, or that are tensors: _group_options.CheckedGroups), capturable's demands, and clipping under a
-        partitioning DeepSpeed optimizer (once). Returns each group's hyperparameters as the op's keyword arguments."""
+        DeepSpeed optimizer that shows it part of the gradients (once). Returns each group's hyperparameters as the
+        op's keyword arguments."""
         hypers = self._checked_groups.hyperparameters(self.param_groups, self._layout)
         _group_options.check_dtype_pair(self.exp_avg_dtype, self.exp_avg_sq_dtype)  # (each may have changed alone)
         if self.capturable:  # checked before anything changes (state creation included), like everything else
@@ -748,7 +749,7 @@ class FusedAdam(torch.optim.Optimizer):
                         if p.grad is not None and p.device != lr.device:
                             raise ValueError(f"param_groups[{group_index}]: capturable=True needs lr on the params' "
                                              f"device ({p.device}), got a tensor on {lr.device}")
-        if self.max_grad_norm is not None and not self._partitions_checked and self.pipeline_group is None:
+        if self.max_grad_norm is not None and not self._partitions_checked:
             self._check_clipping_sees_every_partition()
         return hypers
 
@@ -758,16 +759,31 @@ class FusedAdam(torch.optim.Optimizer):
                              "to the device at every step, which a CUDA graph cannot capture)")
 
     def _check_clipping_sees_every_partition(self) -> None:
-        """Refuses max_grad_norm in an optimizer that DeepSpeed steps on this rank's partition only (ZeRO stages 1-3,
-        BF16_Optimizer), before anything changes: it would clip each rank by the norm of its own slice of the
-        gradients, and skip alone on an inf/NaN, where the model's norm is the sum over the partitions (measured,
-        2 ranks, 5 steps: 5e-3 away from DeepSpeed's own gradient_clipping); a process_group would count the
-        partitions as replicas. Runs once, a heap scan, only where DeepSpeed is imported and torch.distributed
-        initialised (ort_optim/integrations/deepspeed.py)."""
-        from .integrations.deepspeed import partitioning_holder
+        """Refuses max_grad_norm in an optimizer whose step() DeepSpeed shows only part of the model's gradients,
+        before anything changes (ort_optim/integrations/deepspeed.py, clipping_holder):
 
-        scanned, holder = partitioning_holder(self)
-        if holder is not None:
+        * ZeRO stages 1-3 (and BF16_Optimizer) step it on this rank's partition only: alone it would clip every rank
+          by the norm of its own slice of the gradients, and skip alone on an inf/NaN, where the model's norm is the
+          sum over the partitions (measured, 2 ranks, 5 steps: 5e-3 away from DeepSpeed's own gradient_clipping); a
+          process_group would count the partitions as replicas. ``pipeline_group`` (the ZeRO data-parallel group)
+          adds the partitions' sums.
+        * ZeRO stages 1-3 call step() once per param group (stage 3: per sub-group), each call seeing one group's
+          gradients, whatever the world size: each group would be clipped by its own norm (measured, 2 groups, 5
+          steps: 1.5e-3 to 7.8e-3 away from DeepSpeed's gradient_clipping, with or without pipeline_group). No
+          option of FusedAdam adds the groups' sums: DeepSpeed's gradient_clipping is the way.
+
+        Runs once, a heap scan, only where DeepSpeed is imported and torch.distributed initialised."""
+        from .integrations.deepspeed import clipping_holder
+
+        scanned, holder, partitioned, apart = clipping_holder(self)
+        if holder is not None and apart > 1:
+            raise ValueError(
+                f"FusedAdam(max_grad_norm={self.max_grad_norm}) is stepped by DeepSpeed's {type(holder).__name__} "
+                f"one param group at a time ({apart} step() calls per step, one per param group or ZeRO-3 "
+                "sub-group, each seeing only that group's gradients), so it would clip each group by its own norm, "
+                "not the model's. Nothing was updated. Leave max_grad_norm=None and set DeepSpeed's "
+                "\"gradient_clipping\" in its config (DeepSpeed clips every group by the norm of the whole model)")
+        if holder is not None and partitioned and self.pipeline_group is None:
             raise ValueError(
                 f"FusedAdam(max_grad_norm={self.max_grad_norm}) is stepped by DeepSpeed's {type(holder).__name__} "
                 "on this rank's partition of the gradients only, so it would clip every rank by the norm of its own "

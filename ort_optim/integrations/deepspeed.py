@@ -130,21 +130,49 @@ def holder_of(obj: Any) -> Optional[Any]:
     return found
 
 
-def partitioning_holder(obj: Any) -> tuple[bool, Optional[Any]]:
-    """(whether DeepSpeed could hold obj here, the DeepSpeed optimizer that holds obj and steps it on this rank's
-    partition only, or None). Partitioning: the ZeRO optimizers (stages 1-3) and BF16_Optimizer, which keep a
-    ``partition_count`` over a ``dp_process_group`` of more than one rank; obj then sees only this rank's slice of
-    the flat gradients. Whether DeepSpeed could hold obj is False until DeepSpeed is imported and torch.distributed
-    initialised (then no heap scan ran: ask again later); otherwise one :func:`holder_of` scan."""
+# DeepSpeed's ZeRO optimizers call their client's step() once per param group (stages 1/2:
+# ``_optimizer_step(group_no)`` for each of ``bit16_groups``) or once per sub-group of a param group (stage 3:
+# ``_optimizer_step(sub_group_id)`` for each of ``fp16_groups``), each time with the client's param_groups narrowed to
+# that one group. Recognised by the name of _optimizer_step's parameter; the value names the list with one entry per
+# call.
+_STEPPED_APART = {"group_no": "bit16_groups", "sub_group_id": "fp16_groups"}
+
+
+def groups_stepped_apart(optimizer: Any) -> int:
+    """How many times the DeepSpeed optimizer ``optimizer`` calls its client's step() per step of its own, each time
+    on one param group (ZeRO stages 1/2) or one sub-group (stage 3); 1 for those that step every group in one call
+    (BF16_Optimizer, FP16_Optimizer, FP16_UnfusedOptimizer) and for any other shape."""
+    method = getattr(type(optimizer), "_optimizer_step", None)
+    try:
+        names = list(inspect.signature(method).parameters)[1:] if callable(method) else []
+    except (TypeError, ValueError):
+        names = []
+    if len(names) != 1 or names[0] not in _STEPPED_APART:
+        return 1
+    return max(1, len(getattr(optimizer, _STEPPED_APART[names[0]], None) or ()))
+
+
+def clipping_holder(obj: Any) -> tuple[bool, Optional[Any], bool, int]:
+    """What the DeepSpeed optimizer that holds obj shows obj's step() of the model's gradients, for clipping:
+    (whether DeepSpeed could hold obj here, that holder or None, whether it steps obj on this rank's partition only,
+    how many step() calls it makes per step of its own, each on one param group or sub-group).
+
+    Partitioning: the ZeRO optimizers (stages 1-3) and BF16_Optimizer, which keep a ``partition_count`` over a
+    ``dp_process_group`` of more than one rank; obj then sees only this rank's slice of the flat gradients. Stepping
+    apart: :func:`groups_stepped_apart`. Whether DeepSpeed could hold obj is False until DeepSpeed is imported and
+    torch.distributed initialised (then no heap scan ran: ask again later); otherwise one :func:`holder_of` scan."""
     if "deepspeed" not in sys.modules or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return False, None
+        return False, None, False, 1
     holder = holder_of(obj)
     for candidate in (holder, getattr(holder, "optimizer", None)):
+        if candidate is None or not hasattr(candidate, "partition_count"):
+            continue
         group = getattr(candidate, "dp_process_group", None)
-        if candidate is not None and hasattr(candidate, "partition_count") and group is not None \
-                and torch.distributed.get_world_size(group) > 1:
-            return True, candidate
-    return True, None
+        partitioned = group is not None and torch.distributed.get_world_size(group) > 1
+        apart = groups_stepped_apart(candidate)
+        if partitioned or apart > 1:
+            return True, candidate, partitioned, apart
+    return True, None, False, 1
 
 
 def _undecorated(method: Any, name: str) -> Any:

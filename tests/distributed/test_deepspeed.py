@@ -2,8 +2,8 @@
 
 This module's scenarios run in one spawn (tests/distributed_harness.py); the parent compares. The last section reads
 torch_scenarios.py's spawn: FusedAdam as the client against torch's AdamW as the client under the same config, with
-gradient accumulation and clipping (within 1e-6 at stages 1-3), and ``max_grad_norm`` on DeepSpeed's partitions
-refused before anything changes.
+gradient accumulation and clipping (within 1e-6 at stages 1-3), and ``max_grad_norm`` on DeepSpeed's partitions, or
+over param groups that ZeRO steps one at a time, refused before anything changes.
 
 * FusedAdam as the client optimizer of ``deepspeed.initialize`` at stages 1, 2 and 3, in fp32 (against one process
   training the same model with FusedAdam on the concatenated batch, clipping active), bf16 and fp16 (against torch's
@@ -536,6 +536,22 @@ def test_max_grad_norm_on_deepspeed_partitions_is_refused_before_anything_change
         got = r[("deepspeed", stage, kind)]
         assert got["error"] is not None and "partition" in got["error"], got["error"]
         assert "gradient_clipping" in got["error"] and "pipeline_group" in got["error"], got["error"]
+        assert got["state"] == 0
+        for a, b in zip(got["params"], got["before"]):
+            assert torch.equal(a, b)
+
+
+@against_torch.needs_deepspeed
+@pytest.mark.parametrize("stage", against_torch.DS_STAGES)
+def test_max_grad_norm_over_param_groups_zero_steps_apart_is_refused_before_anything_changes(torch_results, stage):
+    """Regression: ZeRO calls the client's step() once per param group (stage 3: per sub-group), each call seeing
+    that group's gradients only, so FusedAdam(max_grad_norm) clipped each group by its own norm, with or without
+    pipeline_group and on one rank too (1.5e-3 to 7.8e-3 away from DeepSpeed's gradient_clipping after 5 steps with
+    two groups). It is refused at the first step, naming DeepSpeed's gradient_clipping."""
+    for r in torch_results:
+        got = r[("deepspeed", stage, "fused-groups-refused")]
+        assert got["error"] is not None and "one param group at a time" in got["error"], got["error"]
+        assert "gradient_clipping" in got["error"] and "2 step() calls per step" in got["error"], got["error"]
         assert got["state"] == 0
         for a, b in zip(got["params"], got["before"]):
             assert torch.equal(a, b)

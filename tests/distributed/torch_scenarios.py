@@ -616,7 +616,8 @@ except Exception as exc:  # not installed (the torch 2.13 environment), or a mis
     DEEPSPEED_REASON = f"DeepSpeed is not importable here ({type(exc).__name__}: {exc})"
 DS_STAGES = (1, 2, 3)
 DS_STEPS = 4  # optimizer steps, of 2 accumulated micro-batches each
-DS_KINDS = ("torch", "fused", "fused-pipeline-group", "fused-refused", "fused-process-group-refused")
+DS_KINDS = ("torch", "fused", "fused-pipeline-group", "fused-refused", "fused-process-group-refused",
+            "fused-groups-refused")
 
 
 def full_params(engine, stage: int) -> list[torch.Tensor]:
@@ -642,16 +643,24 @@ def _deepspeed_run(rank, stage: int, kind: str) -> dict:
     AdamW, DeepSpeed's gradient_clipping; fused: FusedAdam, the same; fused-pipeline-group: FusedAdam clipping by
     itself with pipeline_group over the ZeRO partitions' group (here the world); fused-refused: FusedAdam(max_grad_norm)
     alone, which would clip by this rank's partition: refused at the first step, nothing updated; so is it with a
-    process_group (which would count the partitions as replicas)."""
+    process_group (which would count the partitions as replicas); fused-groups-refused: FusedAdam(max_grad_norm) with
+    pipeline_group over two param groups (biases without weight decay), which ZeRO steps one at a time: it would clip
+    each group by its own norm, so it is refused at the first step too, nothing updated."""
     import deepspeed
     import torch.distributed as dist
 
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3))
-    clip_in_fused = kind in ("fused-pipeline-group", "fused-refused", "fused-process-group-refused")
+    clip_in_fused = kind in ("fused-pipeline-group", "fused-refused", "fused-process-group-refused",
+                             "fused-groups-refused")
     if kind == "torch":
         opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WD)
+    elif kind == "fused-groups-refused":
+        named = list(model.named_parameters())
+        opt = fused([{"params": [p for n, p in named if not n.endswith("bias")]},
+                     {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}],
+                    pipeline_group=dist.group.WORLD)
     else:
         opt = fused(model.parameters(), clip=CLIP if clip_in_fused else None,
                     pipeline_group=dist.group.WORLD if kind == "fused-pipeline-group" else None,
