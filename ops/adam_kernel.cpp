@@ -3,7 +3,7 @@
 //
 // Shape of the kernel: every tensor is cut into chunks of kChunk elements, all (tensor, chunk) work items of the
 // call go into ONE at::parallel_for (each thread takes a run of consecutive items holding an equal share of the
-// elements: thread_split), and each chunk is processed in blocks of kBlock elements that are first converted into
+// elements: parallel_items.h), and each chunk is processed in blocks of kBlock elements that are first converted into
 // small float (or double) scratch arrays. The Adam math then runs over plain arrays, which the compiler
 // vectorises; the fp16/bf16 conversions around it are explicit (F16C, bit tricks), because c10::Half in a loop
 // stays scalar and runs at a tenth of memory speed. Tensors whose moments are both fp8 take their own path
@@ -22,6 +22,7 @@
 
 #include "conversions.h"
 #include "low_bit.h"
+#include "parallel_items.h"
 #include "rounding.h"
 
 namespace ort_optim {
@@ -810,33 +811,12 @@ void adam_block(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scr
   write_back<T>(w, h, off, n, s, p, g);
 }
 
-// The work items of each thread: thread t takes items [first[t], first[t + 1]), consecutive items whose elements add
-// up to the nearest item boundary to an equal share (at::parallel_for's own split gives each thread as many items,
-// and a model's many small tensors are one short item each: on GPT-2's shapes one of two threads got 56% of the
-// elements). Which thread updates an item changes no bit: each item's results depend on it alone.
-std::vector<int64_t> thread_split(const std::vector<WorkItem>& items) {
-  const int64_t n = int64_t(items.size());
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  std::vector<int64_t> before(n + 1, 0);  // the elements of the items before item k
-  for (int64_t k = 0; k < n; ++k) before[k + 1] = before[k] + (items[k].end - items[k].begin);
-  std::vector<int64_t> first(threads + 1, n);
-  first[0] = 0;
-  for (int64_t t = 1; t < threads; ++t) {
-    const int64_t share = before[n] * t / threads;
-    int64_t k = std::lower_bound(before.begin(), before.end(), share) - before.begin();  // before[k] >= share
-    if (k > 0 && share - before[k - 1] < before[k] - share) --k;
-    first[t] = std::max(first[t - 1], k);
-  }
-  return first;
-}
-
 template <typename T, int64_t kMode, bool kAmsgrad>
 void run_adam(const std::vector<TensorWork>& work, const std::vector<WorkItem>& items, const Hyper& h,
               double* grad_squares) {
-  const std::vector<int64_t> first = thread_split(items);
-  at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t first_thread, int64_t end_thread) {
+  parallel_over_items(items, [&](int64_t begin, int64_t end) {
     Scratch<T> scratch;
-    for (int64_t i = first[first_thread]; i < first[end_thread]; ++i) {
+    for (int64_t i = begin; i < end; ++i) {
       const WorkItem& item = items[i];
       double item_squares = 0.0;
       for (int64_t off = item.begin; off < item.end; off += kBlock) {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "metadata_lines.h"
+#include "parallel_items.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -118,7 +119,7 @@ void lowbit_floor_step(const std::vector<at::Tensor>& params, const std::vector<
   const AdamScalars a{float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps), float(1.0 - lr * weight_decay),
                       float(lr / bc1), float(std::sqrt(bc2))};
   const auto items = work_items(numels, block);
-  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+  ort_optim::parallel_over_items(items, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
       const Item& it = items[k];
       float* p = params[it.tensor].data_ptr<float>();
@@ -175,7 +176,7 @@ void mixed_floor_step(const std::vector<at::Tensor>& params, const std::vector<a
   }
   const float k = float(c);
   const auto items = work_items(numels, 1);
-  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+  ort_optim::parallel_over_items(items, [&](int64_t begin, int64_t end) {
     constexpr int64_t kBlock = 1024;
     alignas(64) float g[kBlock];
     const auto prefetch = [&](int64_t j) {

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "conversions.h"
+#include "parallel_items.h"
 #include "validation.h"
 
 namespace ort_optim {
@@ -118,7 +119,7 @@ double square_sum(const void* data, at::ScalarType type, int64_t begin, int64_t 
 template <typename Source>
 double sum_of_squares(const std::vector<WorkItem>& items, Source source) {
   std::vector<double> partial(items.size(), 0.0);
-  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_over_items(items, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& item = items[i];
       const auto [data, type] = source(item.tensor);

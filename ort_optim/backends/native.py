@@ -36,7 +36,8 @@ OPS_DIR = next((d for d in (_PACKAGE.parent / "ops", _PACKAGE / "_ops") if (d / 
 # they share (.h); all of them go into the cache key and into a wheel. ops/bench_probes.cpp is not one of them.
 SOURCES = ("schema.cpp", "registration.cpp", "step.cpp", "adam_kernel.cpp", "adam_kernel.h", "validation.cpp",
            "validation.h", "grad_stats.cpp", "grad_stats.h", "adam_plan.cpp", "adam_plan.h", "low_bit.cpp",
-           "low_bit.h", "fp8.cpp", "fp8.h", "conversions.h", "rounding.h", "step.h", "metadata_lines.h")
+           "low_bit.h", "fp8.cpp", "fp8.h", "conversions.h", "rounding.h", "step.h", "metadata_lines.h",
+           "parallel_items.h")
 # -fno-math-errno lets sqrt vectorise; -march=native is safe because the build folder is keyed by the CPU flags;
 # -ffp-contract=off keeps every multiply and add separately rounded, as ops/README.md specifies, so the CPU kernel
 # and the Triton kernels agree bit for bit (the update is memory-bound: FMA would buy nothing). The pure-PyTorch

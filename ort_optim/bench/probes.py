@@ -28,8 +28,10 @@ def library():
     source = native.OPS_DIR / "bench_probes.cpp"
     if not source.exists():
         raise ProbeUnavailable(f"{source} is not in this install")
-    header = native.OPS_DIR / "metadata_lines.h"  # (the validation floor's lines: the plan's check's own list)
-    digest = hashlib.sha256(source.read_bytes() + header.read_bytes() + " ".join(native.CFLAGS).encode()).hexdigest()[:16]
+    # (the validation floor's lines: the plan's check's own list; the threads' split: the kernel's own)
+    headers = [native.OPS_DIR / name for name in ("metadata_lines.h", "parallel_items.h")]
+    digest = hashlib.sha256(source.read_bytes() + b"".join(h.read_bytes() for h in headers)
+                            + " ".join(native.CFLAGS).encode()).hexdigest()[:16]
     folder = native.cache_root() / "bench-probes" / f"torch-{torch.__version__}-{digest}"
     try:  # (a cache that cannot be written, as a compiler error: a reason to skip the probe rows)
         folder.mkdir(parents=True, exist_ok=True)
