@@ -143,6 +143,20 @@ class _CheckedOption:
         setattr(obj, self.slot, value if checked is None else checked)
 
 
+@contextlib.contextmanager
+def _frames_freed_if_dynamo_is_imported(hooks: bool):
+    """Around code that may import TorchDynamo for the first time in the process (torch.optim.Optimizer's
+    add_param_group, the hooks' torch._dynamo.disable): under torch 2.13 that import leaves a frame that refers to
+    itself (torch.fx.wrap's), whose callers' frames, the constructor's (or unpickler's) with the optimizer among them,
+    only the garbage collector frees. An optimizer stepping in backward (hooks) must go when deleted, or its hooks go
+    on updating the params and taking their gradients until the collector's next full pass: that cycle is collected
+    here, once per process."""
+    imported = "torch._dynamo" in sys.modules
+    yield
+    if hooks and not imported and "torch._dynamo" in sys.modules:
+        gc.collect()
+
+
 class FusedAdam(torch.optim.Optimizer):
     r"""Multi-tensor Adam/AdamW whose update is one call of ort_optim's fused op per (device, dtype) bucket.
 
@@ -349,17 +363,10 @@ class FusedAdam(torch.optim.Optimizer):
                 "ranks during backward, after step_in_backward=True would already have updated each param with its "
                 "local gradient. Use step_in_backward=False in distributed training"
             )
-        dynamo_imported = "torch._dynamo" in sys.modules
-        super().__init__(params, defaults)
-        if step_in_backward:
-            self._watch_backward()
-            if not dynamo_imported and "torch._dynamo" in sys.modules:
-                # The first optimizer of a process imports TorchDynamo (torch.optim.Optimizer.add_param_group, the
-                # hooks' torch._dynamo.disable). Under torch 2.13 that import leaves a frame that refers to itself
-                # (torch.fx.wrap's), whose callers' frames, this constructor's with `self` among them, only the
-                # garbage collector frees: until its next full pass, a deleted optimizer's hooks would go on updating
-                # the params and taking their gradients. Collected now, once, `del optimizer` removes them at once.
-                gc.collect()
+        with _frames_freed_if_dynamo_is_imported(step_in_backward):
+            super().__init__(params, defaults)
+            if step_in_backward:
+                self._watch_backward()
 
     @property
     def state(self) -> _plan.OptimizerState:
@@ -385,6 +392,10 @@ class FusedAdam(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("_step_in_backward", state.pop("step_in_backward", False))
+        with _frames_freed_if_dynamo_is_imported(state["_step_in_backward"]):
+            self._set_state(state)
+
+    def _set_state(self, state: dict) -> None:
         state.setdefault("process_group", None)
         state.setdefault("pipeline_group", None)
         super().__setstate__(state)  # (it puts "state" into __dict__, under the property: wrap it)

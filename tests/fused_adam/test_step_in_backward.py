@@ -787,15 +787,19 @@ def test_an_optimizer_stepping_in_backward_lets_its_states_and_params_go_when_de
 
 
 FIRST_OPTIMIZER = """
-import gc, json, sys, weakref
+import gc, io, json, sys, weakref
 import torch
 from ort_optim import FusedAdam
 
 assert "torch._dynamo" not in sys.modules, "nothing left for the first optimizer to import"
 gc.disable()  # (what `del` frees, without the garbage collector's passes)
-torch.manual_seed(0)
-model = torch.nn.Linear(4, 2)
-opt = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
+if len(sys.argv) > 1:  # made by unpickling (torch.load of a model and its optimizer saved whole)
+    with open(sys.argv[1], "rb") as f:
+        model, opt = torch.load(io.BytesIO(f.read()), weights_only=False)
+else:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
 model(torch.randn(3, 4)).sum().backward()
 gone = weakref.ref(opt)
 del opt
@@ -807,14 +811,20 @@ print(json.dumps({"freed": gone() is None, "updated": not torch.equal(before, mo
 
 
 @pytest.mark.slow  # (a fresh interpreter)
-def test_the_first_optimizer_of_a_process_is_freed_by_del_and_its_hooks_update_nothing_after():
+@pytest.mark.parametrize("made_by", ["constructor", "unpickling"])
+def test_the_first_optimizer_of_a_process_is_freed_by_del_and_its_hooks_update_nothing_after(made_by, tmp_path):
     """The first optimizer of a process imports TorchDynamo while it is made (torch.optim's add_param_group, the
-    hooks' torch._dynamo.disable): what that import leaves must not keep it alive once deleted, where its hooks would
-    go on updating the params and taking their gradients from whatever trains the model next. A fresh process, with
-    the garbage collector off."""
+    hooks' torch._dynamo.disable), by its constructor or by unpickling: what that import leaves must not keep it
+    alive once deleted, where its hooks would go on updating the params and taking their gradients from whatever
+    trains the model next. A fresh process, with the garbage collector off."""
+    args = []
+    if made_by == "unpickling":
+        model = torch.nn.Linear(4, 2)
+        torch.save((model, FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)), tmp_path / "whole.pt")
+        args = [str(tmp_path / "whole.pt")]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", FIRST_OPTIMIZER], env=env, cwd=ROOT, check=True, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", FIRST_OPTIMIZER, *args], env=env, cwd=ROOT, check=True,
+                         capture_output=True, text=True, timeout=300)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"freed": True, "updated": False,
                                                                "gradient_left": True}
 
