@@ -87,6 +87,16 @@ class _Versions:
 # ---- the wrapped optimizer keeps the masters -----------------------------------------------------------------------
 
 
+def _saved_state_of(inner_state_dict: Any, index: int) -> Any:
+    """The state a torch.optim-style state_dict holds for the index-th param in param_groups order (None where it
+    holds none, or where its groups are malformed: the optimizer's own load names that)."""
+    try:
+        ids = [pid for group in inner_state_dict["param_groups"] for pid in group["params"]]
+        return inner_state_dict["state"].get(ids[index])
+    except (KeyError, TypeError, IndexError, AttributeError):
+        return None
+
+
 class InnerMasters:
     """FusedAdam keeps the fp32 masters (``state['master_param']``) and does the unscale, check, clip and skip in its
     own step: the wrapper hands it the loss scale as ``grad_scale`` (and, in a distributed run that FusedAdam does not
@@ -264,9 +274,10 @@ class InnerMasters:
         # (a DTensor param's value is a DTensor laid out like it, as FusedAdam saves its masters)
         return [{"param": p.detach().float().clone()} if u else None for p, u in zip(flat, unstepped)]
 
-    def validate_masters(self, saved: list, where: str) -> None:
+    def validate_masters(self, saved: list, where: str, inner_state_dict: Any) -> None:
         """An empty list, or one entry per param: None, or ``{'param': fp32 tensor}`` for an fp16/bf16 param (the
-        value of a param that had no FusedAdam state when it was saved)."""
+        value of a param that had no FusedAdam state when it was saved, so none whose state in ``inner_state_dict``
+        holds a ``master_param``: the two would disagree about the param)."""
         if not saved:
             return
         if any(isinstance(entry, torch.Tensor) for entry in saved):
@@ -288,6 +299,11 @@ class InnerMasters:
                 raise ValueError(f"{name} must be None or {{'param': a dense float32 tensor of shape {shape}}} (the "
                                  f"value of an fp16/bf16 parameter FusedAdam held no state for), got {entry!r:.80}")
             dtensor.local_like(p, value, f"{name}['param']")  # (a DTensor on another mesh: refused, naming it)
+            saved_state = _saved_state_of(inner_state_dict, index)
+            if isinstance(saved_state, dict) and "master_param" in saved_state:
+                raise ValueError(f"{name} holds the value of a param that had no FusedAdam state, but the checkpoint's "
+                                 f"FusedAdam state of that param holds a master_param: the two disagree about it. "
+                                 f"Nothing was changed")
 
     @torch.no_grad()
     def _restore_unstepped(self, masters: list) -> None:
@@ -722,7 +738,7 @@ class WrapperMasters:
         return [p.detach().clone() if id(p) in self._model_of else None
                 for group in self.optimizer.param_groups for p in group["params"]]
 
-    def validate_masters(self, saved: list, where: str) -> None:
+    def validate_masters(self, saved: list, where: str, inner_state_dict: Any) -> None:
         flat = [p for g in self.optimizer.param_groups for p in g["params"]]
         if len(saved) != len(flat):
             raise ValueError(f"{where} must list {len(flat)} entries (one per parameter), got {len(saved)}"

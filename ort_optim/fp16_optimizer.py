@@ -771,7 +771,7 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
         masters = state_dict["master_params"]
         if not isinstance(masters, list):
             raise TypeError(f"state_dict['master_params'] must be a list, got {type(masters).__name__}")
-        self._masters.validate_masters(masters, "state_dict['master_params']")
+        self._masters.validate_masters(masters, "state_dict['master_params']", state_dict["optimizer"])
         # The wrapped optimizer validates its checkpoint before changing anything; nothing after it can fail.
         if load_optimizer_states:
             self._masters.load(state_dict["optimizer"], masters)

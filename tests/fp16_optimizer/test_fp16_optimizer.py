@@ -1301,6 +1301,10 @@ FUSED_ONLY = {
     "unstepped value for an fp32 param": (_set(["master_params"], [None, None, {"param": torch.zeros(2)}]),
                                           ValueError, "state_dict['master_params'][2] must be None (a torch.float32 "
                                           "parameter)"),
+    "unstepped value for a param whose state holds a master": (
+        _set(["master_params"], [{"param": torch.zeros(4, 3)}, None, None]), ValueError,
+        "state_dict['master_params'][0] holds the value of a param that had no FusedAdam state, but the checkpoint's "
+        "FusedAdam state of that param holds a master_param"),
 }
 # torch.optim.AdamW's load_state_dict replaces its state, then reads each state's 'step' (a KeyError): the wrapper
 # puts the state back and names what is missing
