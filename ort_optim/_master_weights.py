@@ -253,8 +253,8 @@ class InnerMasters:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        for p, master in self._with_masters():
-            master.copy_(p.detach())
+        for p, master in self._with_masters():  # (a DTensor param's master is its local piece, as FusedAdam keeps it)
+            master.copy_(dtensor.local(p.detach()))
 
     def _unstepped(self) -> list[bool]:
         """For each param in param_groups order: whether it is an fp16/bf16 param with no master in the FusedAdam's
@@ -390,7 +390,7 @@ class InnerMasters:
     @torch.no_grad()
     def refresh_model(self) -> None:
         for p, master in self._with_masters():
-            p.copy_(master)
+            dtensor.local(p).copy_(master)
 
 
 

@@ -100,11 +100,13 @@ def test_one_process_checkpoint_loads_into_two_ranks(torch_results):
 
 
 @against_torch.needs_fsdp2
-def test_fp16_optimizer_with_fused_adam_resumes_through_dcp_bit_for_bit(torch_results):
+def test_fp16_optimizer_with_fused_adam_resumes_through_dcp_and_its_own_state_dict_bit_for_bit(torch_results):
     for r in torch_results:
         out = r["fp16-optimizer-dcp"]
         assert out["saved_scale"] == out["loaded_scale"] == against_torch.LOSS_SCALE / 2
         for a, b in zip(out["resumed"], out["uninterrupted"]):
+            assert torch.equal(a, b), r["rank"]
+        for a, b in zip(out["resumed_in_process"], out["uninterrupted"]):  # (the wrapper's own state_dict)
             assert torch.equal(a, b), r["rank"]
 
 

@@ -34,6 +34,7 @@ gloo; in older torch (the .venv environment) those skip with the reason, and DDP
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 from pathlib import Path
 
@@ -534,7 +535,9 @@ def _fp16_optimizer_dcp_resume(rank, tmp_dir):
     FusedAdam inside (which holds the fp32 masters) through get_state_dict/set_state_dict, the loss scaler's state
     as one more entry of the saved dict. An inf on rank 1 before the checkpoint halves the scale, which must come
     back; the resumed run equals the uninterrupted one bit for bit. (get_state_dict(model, the wrapper) itself
-    fails inside DCP: the wrapper's state_dict() is ONNX Runtime's layout, not torch's.)"""
+    fails inside DCP: the wrapper's state_dict() is ONNX Runtime's layout, not torch's.) The wrapper's own
+    state_dict(), loaded in process into a fresh model and wrapper, resumes bit for bit too: its masters go into the
+    DTensor params."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -560,9 +563,14 @@ def _fp16_optimizer_dcp_resume(rank, tmp_dir):
     train(model, opt, 0)
     model_sd, optim_sd = get_state_dict(model, opt.optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd, "loss_scaler": opt.scaler.state_dict()}, checkpoint_id=path)
+    wrapper_sd = copy.deepcopy(opt.state_dict())  # (the wrapper's own checkpoint, in process)
     saved_scale = opt.loss_scale
     train(model, opt, 3)
     uninterrupted = [full(p) for p in model.parameters()] + [full(m) for m in opt.master_params]
+    model, opt = make()
+    opt.load_state_dict(wrapper_sd)  # (its masters, local pieces in FusedAdam's state, go into the DTensor params)
+    train(model, opt, 3)
+    resumed_in_process = [full(p) for p in model.parameters()] + [full(m) for m in opt.master_params]
     model, opt = make()
     model_sd, optim_sd = get_state_dict(model, opt.optimizer)
     state = {"model": model_sd, "optim": optim_sd, "loss_scaler": opt.scaler.state_dict()}
@@ -572,7 +580,8 @@ def _fp16_optimizer_dcp_resume(rank, tmp_dir):
     loaded_scale = opt.loss_scale
     train(model, opt, 3)
     return {"saved_scale": saved_scale, "loaded_scale": loaded_scale, "uninterrupted": uninterrupted,
-            "resumed": [full(p) for p in model.parameters()] + [full(m) for m in opt.master_params]}
+            "resumed": [full(p) for p in model.parameters()] + [full(m) for m in opt.master_params],
+            "resumed_in_process": resumed_in_process}
 
 
 def _refusals(rank):

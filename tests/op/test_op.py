@@ -255,16 +255,17 @@ def test_grad_stats_does_not_depend_on_the_thread_count():
     g = torch.Generator().manual_seed(2)
     tensors = [torch.randn(300_000, generator=g) * 10.0 ** k for k in range(-3, 4)]
     tensors += [torch.randn(200_000, generator=g).half(), torch.randn(131_073, generator=g).bfloat16()]
+    tensors += [torch.randn(1000, generator=g) for _ in range(24)]  # (short items: the threads' split by elements)
     results = []
     previous = torch.get_num_threads()
     try:
-        for threads in (1, 2, 1):
+        for threads in (1, 2, 3, 1):
             torch.set_num_threads(threads)
             results.append(torch.ops.ort_optim.grad_stats(tensors))
     finally:
         torch.set_num_threads(previous)
     for r in results[1:]:
-        assert_bitwise_equal(r, results[0], "grad_stats with 1 and 2 threads")
+        assert_bitwise_equal(r, results[0], "grad_stats with 1, 2 and 3 threads")
 
 
 # ---- adam_step_: native vs fallback, threads, validation -----------------------------------------------------------
@@ -344,23 +345,26 @@ def test_native_op_and_fallback_agree_for_every_dtype_combination(sample):
 
 @requires_native
 def test_native_adam_step_does_not_depend_on_the_thread_count():
-    """Work is split into 64K-element chunks over all tensors; each element's arithmetic is fixed."""
+    """Work is split into 64K-element chunks over all tensors, and the chunks between the threads by their elements
+    (many short tensors beside long ones here, so that 2 and 3 threads split them otherwise than by count); each
+    element's arithmetic is fixed."""
     sample = Sample("threads", F16, F16, F16, BF16, master=True, amsgrad=True, inv_grad_scale=True,
-                    shapes=((150_000,), (7,), (70_001,), (300, 400)))
+                    shapes=((150_000,), (7,), (70_001,), (300, 400)) + ((1000,),) * 12)
     args, kwargs = sample.make()
     results = []
     previous = torch.get_num_threads()
     try:
-        for threads in (1, 2):
+        for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             run = _clone_args(args)
             torch.ops.ort_optim.adam_step_(*run, **kwargs)
             results.append(run)
     finally:
         torch.set_num_threads(previous)
-    for a, b in zip(*results):
-        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
-            assert_bitwise_equal(x, y, "1 vs 2 threads")
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
+                assert_bitwise_equal(x, y, "1 vs 2 and 3 threads")
 
 
 BETAS_TENSOR_CASES = [
