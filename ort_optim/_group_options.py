@@ -275,6 +275,15 @@ _OTHER_KEYS = OPTIMIZER_WIDE_KEYS + PROCESS_GROUP_KEYS + ("differentiable", "dec
 _MISSING = object()
 
 
+def checked_entries(group: dict) -> tuple:
+    """The entries of a group that :func:`check_group` reads and a step does not otherwise use (the optimizer-wide
+    options a group may repeat, process groups, torch's ``differentiable`` and ``decoupled_weight_decay``), as the
+    objects they hold (a missing one as a marker): a plan records them, so that a step whose group changed one plans
+    again, which validates it (under torch.compile, where the check runs only while tracing, reading them makes them
+    part of the guards)."""
+    return tuple(group.get(key, _MISSING) for key in _OTHER_KEYS)
+
+
 def signature(group: dict) -> Optional[tuple]:
     """Everything :func:`check_group` reads from a group, as plain values with their types, to tell whether the group
     changed since it was validated; None when one is not a plain number (a tensor, whose value can change in place;

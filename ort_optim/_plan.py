@@ -51,7 +51,7 @@ import torch
 
 from . import _checkpoint, _spec, backends, formats
 from ._checkpoint import MOMENT_KEYS
-from ._group_options import show
+from ._group_options import checked_entries, show
 from ._layout import StateLayout, compact_flat_buffers
 from ._versions import tracks_versions
 from ._spec import FP8_FORMATS, LOW_BIT_FORMATS, SUPPORTED_PARAM_DTYPES, num_blocks
@@ -313,6 +313,7 @@ class GroupPlan:
     params_version: str
     amsgrad: bool
     rounding: tuple  # the group's (stochastic_rounding, stochastic_rounding_seed): they decide the rounding keys
+    checked: tuple  # the group's entries that only validation reads (_group_options.checked_entries), as planned
     has_grad: list[bool]  # which params had a gradient
     buckets: list[Bucket]
     native: bool  # every bucket has a native plan: they watch the gradients (watchers), Python reads none
@@ -391,8 +392,9 @@ class Plan:
 
     def describes(self, groups: list[dict], state: OptimizerState, layout: StateLayout, native: bool) -> bool:
         """The part of the rule above the tensors: the same state container at the same version, the same layout and
-        backend choice, the same group dicts with the same params lists at the same versions and the same amsgrad
-        and rounding options (O(groups), and traceable by torch.compile, which guards on what it reads)."""
+        backend choice, the same group dicts with the same params lists at the same versions, the same amsgrad
+        and rounding options and the same entries that only validation reads (O(groups), and traceable by
+        torch.compile, which guards on what it reads: a step traced again validates them)."""
         if (state is not self.state or self.state_version != state.version or self.layout != layout
                 or self.native != native or len(groups) != len(self.groups)):
             return False
@@ -400,7 +402,8 @@ class Plan:
             params = group["params"]
             if (group is not planned.group or params is not planned.params
                     or params.version != planned.params_version or bool(group["amsgrad"]) != planned.amsgrad
-                    or _rounding(group) != planned.rounding):
+                    or _rounding(group) != planned.rounding
+                    or any(a is not b for a, b in zip(checked_entries(group), planned.checked))):
                 return False
         return True
 
@@ -727,7 +730,7 @@ def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: Sta
     if all_native and not buckets and params:  # a group without gradients: a plan that only watches
         watchers = [backends.AdamPlan.create([], [], [], [], [], [], [], [], torch.zeros(0, dtype=torch.float64),
                                              idle, step_tensors=[])]
-    return GroupPlan(group, params, params.version, bool(group["amsgrad"]), _rounding(group),
+    return GroupPlan(group, params, params.version, bool(group["amsgrad"]), _rounding(group), checked_entries(group),
                      [g is not None for g in grads], buckets, all_native, watchers, dtensors)
 
 

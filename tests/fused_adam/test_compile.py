@@ -594,6 +594,40 @@ def test_a_change_the_step_must_see_retraces_and_is_validated():
         step()
 
 
+@NEWEST
+@pytest.mark.parametrize("entry, value", [
+    ("differentiable", True), ("decoupled_weight_decay", False), ("decoupled_weight_decay", True),
+    ("master_weights", True), ("exp_avg_dtype", torch.bfloat16), ("process_group", object())])
+def test_a_group_entry_written_between_compiled_steps_is_validated_as_the_eager_step_validates_it(entry, value):
+    """The entries of a param group that only validation reads (an optimizer-wide option a group may repeat, a process
+    group, torch's differentiable and decoupled_weight_decay), written between compiled steps: the compiled step sees
+    them as the eager step does, and refuses them with its error, nothing written (torch.optim.AdamW's compiled step
+    likewise sees a new decoupled_weight_decay, which its step reads), or steps as eager where they are accepted
+    (decoupled_weight_decay=True with a decoupled mode)."""
+    results = []
+    for compiled in (False, True):
+        model = _model()
+        opt = _fused(model)  # (ADAMW_TORCH, weight decay 0.1 in its first group)
+        step = torch.compile(lambda: opt.step()) if compiled else (lambda: opt.step())
+        torch._dynamo.reset()
+        outcome = []
+        for i in range(4):
+            _grads(model, i)
+            if i == 2:
+                opt.param_groups[0][entry] = value
+            before = optimizer_snapshot(opt)
+            try:
+                step()
+            except ValueError as error:
+                outcome.append(str(error))
+                assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "after a refused step")
+        results.append((optimizer_snapshot(opt), outcome))
+    (eager, eager_errors), (compiled, compiled_errors) = results
+    assert compiled_errors == eager_errors and len(eager_errors) == (0 if value is True and entry.startswith(
+        "decoupled") else 2)
+    assert_tree_bitwise_equal(compiled, eager, "compiled vs eager")
+
+
 @pytest.mark.slow
 @NEWEST
 @pytest.mark.parametrize("scheduled", ["FP16_Optimizer", "FusedAdam"])
