@@ -65,11 +65,20 @@ def _traced_hyperparameters(group: dict, device: torch.device) -> dict:
     hyper = _group_options.hyperparameters(group, traced=True)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     # (betas: floats, or one-element tensors of any shape and floating dtype, as the eager step takes them)
-    betas = [(zero + beta).reshape(()).to(torch.float64) for beta in group["betas"]]
+    betas = [(zero + _addable(beta)).reshape(()).to(torch.float64) for beta in group["betas"]]
     hyper.update(betas_tensor=torch.stack(betas))
     if hyper["lr_tensor"] is None:
-        hyper.update(lr=0.0, lr_tensor=zero + group["lr"])
+        hyper.update(lr=0.0, lr_tensor=zero + _addable(group["lr"]))
     return hyper
+
+
+def _addable(value: Any) -> Any:
+    """A hyperparameter as _traced_hyperparameters adds it to a float64 tensor: a tensor, Python's and numpy's
+    numbers as they are (a float that changed stays a graph input); any other real number the options take
+    (``fractions.Fraction``, which a tensor does not add) as the float the eager step reads from it."""
+    if isinstance(value, (torch.Tensor, float, int)) or type(value).__module__ == "numpy":
+        return value
+    return float(value)
 
 
 def _group_hyperparameters(groups: list, device: torch.device) -> torch.Tensor:

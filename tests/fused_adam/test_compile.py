@@ -490,6 +490,37 @@ def test_a_numpy_scalar_lr_changed_every_step_compiles_without_breaks_and_steps_
 
 
 @NEWEST
+@pytest.mark.parametrize("option", ["lr", "beta1"])
+def test_a_fraction_lr_or_beta_changed_every_step_compiles_without_breaks_and_steps_as_eager(option):
+    """Any real number the options take (numbers.Real: fractions.Fraction too) reaches the traced step as the float
+    the eager step reads from it, without a break, and a value changed at every step costs at most the one recompile
+    of a float, as for a Python float (a tensor does not add a Fraction itself: added as it is, the compiled step
+    raises a TypeError where the eager step steps)."""
+    from fractions import Fraction
+
+    results, counts = [], []
+    for compiled in (False, True):
+        model = _model()
+        opt = FusedAdam(model.parameters(), lr=1e-2)
+        step = torch.compile(lambda: opt.step()) if compiled else (lambda: opt.step())
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        for i in range(8):
+            _grads(model, i)
+            if option == "lr":
+                opt.param_groups[0]["lr"] = Fraction(1, 100 + i)
+            else:
+                opt.param_groups[0]["betas"] = (Fraction(90 - i, 100), 0.999)
+            step()
+        counts.append((sum(torch._dynamo.utils.counters["graph_break"].values()),
+                       torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert counts[1][0] == 0 and counts[1][1] <= 2, counts[1]
+    for compiled_param, eager_param in zip(results[1], results[0]):
+        assert_bitwise_equal(compiled_param, eager_param, "param")
+
+
+@NEWEST
 def test_a_scheduled_float_lr_that_turns_negative_is_refused_by_a_compiled_step_before_it_writes():
     """A float lr that a scheduler changes is an input of the compiled graph (TorchDynamo's automatic dynamic), so
     the check that step() makes before tracing does not see its later values: the op checks the values it reads
