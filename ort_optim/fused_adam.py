@@ -280,11 +280,12 @@ class FusedAdam(torch.optim.Optimizer):
     recompiles at every step until TorchDynamo's recompile limit (8 graphs), then runs eagerly. eps and weight_decay
     stay floats of the op: a change recompiles. Not traced (the update runs eagerly, outside the graph: one graph
     break): ``step_in_backward``, DTensor params, ``process_group``/``pipeline_group``, a backend other than
-    the native library (``ORT_OPTIM_BACKEND=torch``), tensor betas/eps/weight_decay (read on the host). States get a
-    storage each when the step is traced (those an eager step laid out as views of one buffer are copied once: inductor
-    would copy the whole buffer around the op at every step). ``FP16_Optimizer(FusedAdam)``: its scaler updates on the
-    device; the min-scale flag is read by the next eager step (guides/fused-adam.md, "torch.compile"). Older torch
-    (2.4.1): best effort, the update runs outside the graph (one graph break; the eager update).
+    the native library (``ORT_OPTIM_BACKEND=torch``), tensor eps/weight_decay (read on the host; a tensor lr and
+    tensor betas are traced). States get a storage each when the step is traced (those an eager step laid out as
+    views of one buffer are copied once: inductor would copy the whole buffer around the op at every step).
+    ``FP16_Optimizer(FusedAdam)``: its scaler updates on the device; the min-scale flag is read by the next eager step
+    (guides/fused-adam.md, "torch.compile"). Older torch (2.4.1): best effort, the update runs outside the graph (one
+    graph break; the eager update).
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element floating-point
     tensor, finite and non-zero in float32, as torch's GradScaler keeps its scale) divides every gradient inside the
