@@ -820,7 +820,11 @@ class ORTModuleOptions:
     skip_check_policy: Optional[Tuple[str, ...]] = _option(
         "ORTMODULE_SKIPCHECK_POLICY", _NameSet(_SKIP_CHECKS),
         "SKIP_CHECK_DEVICE|SKIP_CHECK_BUILD_GRADIENT|SKIP_CHECK_EXECUTION_AGENT",
-        "Checks ORT skips after the first step; SKIP_CHECK_DISABLED runs every check on every step.")
+        "Checks ORT skips after the first step; SKIP_CHECK_DISABLED runs every check on every step. A policy that "
+        "runs the gradient-graph check (SKIP_CHECK_BUILD_GRADIENT left out, or SKIP_CHECK_DISABLED given) makes ORT "
+        "1.19.2's second training forward fail for a model whose forward reads a buffer (BatchNorm's running "
+        "statistics, a registered mask): that check looks up every graph input but the user's among the "
+        "parameters (AssertionError; wrap() warns).")
     json_config_path: Optional[str] = _option(
         "ORTMODULE_JSON_CONFIG_PATH", _Path("an existing JSON file", "file"), "unset",
         "ORTModule settings file read only by ortmodule.experimental.json_config.load_from_json(), where it "
@@ -1316,6 +1320,35 @@ def _warn_checkpoint_bindings(model: Any) -> None:
             stacklevel=3)
 
 
+def _warn_buffers_under_gradient_check(model: Any) -> None:
+    """ORTFailureWarning when ORT will run ``model`` with an ORTMODULE_SKIPCHECK_POLICY (as ORT reads it, set here or
+    in the environment) under which it checks at every training forward whether its graph inputs still need
+    gradients (SKIP_CHECK_BUILD_GRADIENT not in it, or SKIP_CHECK_DISABLED in it: ORT then skips nothing), and the
+    model has buffers. That check (ORT 1.19.2's GraphTransitionManager._reprocess_check) asserts that every graph input
+    but the user's is a parameter, and a buffer the forward reads is a graph input: the second training forward
+    raises AssertionError ('<buffer> not exist parameter_names'). A warning and not an error: a buffer the forward
+    does not read is not a graph input, and nothing here can tell which ones the forward reads."""
+    raw = os.environ.get("ORTMODULE_SKIPCHECK_POLICY")
+    if raw is None:
+        return  # ORT's default skips the check
+    names = raw.split("|")
+    if not all(name in _SKIP_CHECKS for name in names):
+        return  # ORT raises KeyError on it itself, naming the name
+    if "SKIP_CHECK_BUILD_GRADIENT" in names and "SKIP_CHECK_DISABLED" not in names:
+        return
+    named_buffers = getattr(model, "named_buffers", None)
+    buffers = [name for name, _ in named_buffers()] if callable(named_buffers) else []
+    if buffers:
+        shown = ", ".join(buffers[:4]) + (f" and {len(buffers) - 4} more" if len(buffers) > 4 else "")
+        warnings.warn(
+            f"skip_check_policy (ORTMODULE_SKIPCHECK_POLICY) = {raw} makes onnxruntime-training {ORT_VERSION} check "
+            f"at every training forward whether the graph's inputs still need gradients, and that check takes every "
+            f"graph input but the user's for a parameter: the model has buffers ({shown}), and if its forward reads "
+            f"one, the second training forward raises AssertionError ('... not exist parameter_names'). Leave "
+            f"skip_check_policy unset, or give one that includes SKIP_CHECK_BUILD_GRADIENT and not "
+            f"SKIP_CHECK_DISABLED.", ORTFailureWarning, stacklevel=3)
+
+
 def wrap(model: Any, options: Optional[ORTModuleOptions] = None, **ortmodule_kwargs: Any) -> Any:
     """Apply ``options`` to ``os.environ``, then return ``ORTModule(model, **ortmodule_kwargs)``.
 
@@ -1335,8 +1368,11 @@ def wrap(model: Any, options: Optional[ORTModuleOptions] = None, **ortmodule_kwa
     if the model checkpoints through it, ORT cannot recompute those regions, and the model fails its first forward
     or silently runs in PyTorch. A warning, not an error, since holding the function is not calling it (HF
     transformers binds it for every model); the message names the module, the global and the fix (import
-    onnxruntime.training.ortmodule before the model's code). ``apply()`` and the context manager have no model to
-    check.
+    onnxruntime.training.ortmodule before the model's code). With a ``skip_check_policy`` (set here or in the
+    environment) that runs ORT's gradient-graph check at every training forward (SKIP_CHECK_BUILD_GRADIENT left out,
+    or SKIP_CHECK_DISABLED given), warns (``ORTFailureWarning``) when the model has buffers: ORT 1.19.2 takes a
+    buffer the forward reads for a parameter there, and its second training forward raises. ``apply()`` and the
+    context manager have no model to check.
 
     Needs onnxruntime-training 1.19.2's ORTModule, which works with torch 2.4.x.
     """
@@ -1356,6 +1392,7 @@ def wrap(model: Any, options: Optional[ORTModuleOptions] = None, **ortmodule_kwa
             ortmodule_kwargs["debug_options"] = _debug_options_as_ort_reads_them(
                 ortmodule_kwargs["debug_options"], options)
         _warn_checkpoint_bindings(model)
+        _warn_buffers_under_gradient_check(model)
         return ORTModule(model, **ortmodule_kwargs)
     except BaseException:
         _restore_environ(saved)

@@ -1522,6 +1522,81 @@ def test_settings_that_fail_fp16_models_only_fail_them_as_the_guide_says(given, 
             train_step()
 
 
+# skip_check_policy -> whether ORT 1.19.2 then runs its gradient-graph check at every training forward
+SKIP_CHECK_POLICIES = {
+    "SKIP_CHECK_DISABLED": True,
+    "SKIP_CHECK_DEVICE": True,
+    "SKIP_CHECK_DEVICE|SKIP_CHECK_EXECUTION_AGENT": True,
+    "SKIP_CHECK_BUILD_GRADIENT|SKIP_CHECK_DISABLED": True,
+    "SKIP_CHECK_DEVICE|SKIP_CHECK_BUILD_GRADIENT": False,
+    "SKIP_CHECK_BUILD_GRADIENT": False,
+}
+
+
+def _net_with(buffer, torch):
+    """Linear -> (BatchNorm | times a registered mask | nothing) -> mean square."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.bn = torch.nn.BatchNorm1d(4) if buffer == "batchnorm" else None
+            if buffer == "mask":
+                self.register_buffer("mask", torch.tril(torch.ones(4, 4))[-1])
+
+        def forward(self, x):
+            h = self.lin(x)
+            h = self.bn(h) if self.bn is not None else h
+            return (h * self.mask if buffer == "mask" else h).square().mean()
+
+    torch.manual_seed(0)
+    return Net()
+
+
+@pytest.mark.parametrize("buffer", ["batchnorm", "mask", "none"])
+@pytest.mark.parametrize("policy", list(SKIP_CHECK_POLICIES))
+def test_a_skip_check_policy_that_checks_the_gradient_graph_fails_a_model_with_buffers_and_wrap_warns(policy, buffer):
+    """ORT's check takes every graph input but the user's for a parameter: a buffer the forward reads passes the first
+    step (the export) and fails the second. wrap() warns naming the buffers, and only then; the default policy, and
+    any that skips the check, trains every model."""
+    torch, _ = _ort()
+    checks = SKIP_CHECK_POLICIES[policy]
+    fails = checks and buffer != "none"
+    net = _net_with(buffer, torch)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        model = options.wrap(net, ORTModuleOptions(skip_check_policy=policy.split("|")))
+    ours = [str(w.message) for w in warned if issubclass(w.category, options.ORTFailureWarning)]
+    assert bool(ours) == fails, ours
+    if fails:
+        assert "skip_check_policy (ORTMODULE_SKIPCHECK_POLICY)" in ours[0] and "SKIP_CHECK_BUILD_GRADIENT" in ours[0]
+        assert ("bn.running_mean" if buffer == "batchnorm" else "mask") in ours[0]
+    x = torch.randn(8, 4)
+    model(x).backward()  # the first step exports and trains
+    if fails:
+        with pytest.raises(AssertionError, match="not exist parameter_names"):
+            model(x)
+    else:
+        model(x).backward()
+        model(x).backward()
+
+
+def test_wrap_does_not_warn_about_buffers_under_the_default_skip_check_policy():
+    torch, _ = _ort()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", options.ORTFailureWarning)
+        model = options.wrap(_net_with("batchnorm", torch), ORTModuleOptions(memory_opt_level=0))
+    x = torch.randn(8, 4)
+    for _ in range(3):
+        model(x).backward()
+
+
+def test_wrap_warns_about_buffers_under_a_skip_check_policy_set_in_the_environment():
+    torch, _ = _ort()
+    os.environ["ORTMODULE_SKIPCHECK_POLICY"] = "SKIP_CHECK_DISABLED"
+    with pytest.warns(options.ORTFailureWarning, match=r"SKIPCHECK_POLICY\) = SKIP_CHECK_DISABLED"):
+        options.wrap(_net_with("mask", torch))
+
+
 # a mean inside the exported model -> the text of the TypeError ORT 1.19.2's shape inference raises at opset 18 (None:
 # it trains): a mean over some dimensions whose input is used again fails, another mean trains
 MEANS_AT_OPSET_18 = {
