@@ -473,7 +473,7 @@ class WrapperMasters:
                     layout.pairs.append((masters[id(p)], p))
                     layout.pair_where.append(where)
                     continue
-                if id(p) in fp32:
+                if id(p) in fp32 and p.dtype not in LOW_PRECISION:  # (cast to fp16/bf16 in place: gets a master)
                     layout.fp32.append(p)
                     layout.fp32_where.append(where)
                     continue
@@ -516,10 +516,12 @@ class WrapperMasters:
         self._grad_buffers = {k: v for k, v in self._grad_buffers.items() if k in self._model_of}
 
     def sync(self) -> None:
-        """Brings params added to (or replaced in) param_groups since the last call under loss scaling; raises,
-        naming the param, before anything is written when one cannot be. Cheap when nothing changed."""
+        """Brings params added to (or replaced in) param_groups since the last call under loss scaling, and fp32
+        params given fp16/bf16 data in place since (``model.half()`` after wrapping: the same Parameter objects),
+        which get fp32 masters as new fp16/bf16 params do; raises, naming the param, before anything is written when
+        one cannot be. Cheap when nothing changed."""
         ids = [id(p) for g in self.optimizer.param_groups for p in g["params"]]
-        if ids != self._layout.ids:
+        if ids != self._layout.ids or any(p.dtype in LOW_PRECISION for p in self._layout.fp32):
             self._apply_layout(self._plan_layout(self.optimizer, self._layout))
 
     @property

@@ -1000,6 +1000,46 @@ def test_group_added_after_wrapping_is_unscaled_checked_and_gets_masters(inner, 
         assert torch.equal(p.detach(), m.half())
 
 
+@pytest.mark.parametrize("inner", ["SGD", "AdamW", "FusedAdam"])
+def test_fp32_params_cast_to_fp16_in_place_after_wrapping_get_masters_at_the_next_step(inner):
+    """model.half() after wrapping gives the same Parameter objects fp16 data: the next step makes their fp32 masters
+    from them, moves the wrapped optimizer's state to the masters, and updates as an fp32 optimizer does on the
+    unscaled gradients (without masters, torch's AdamW would step the fp16 params with eps=1e-8, which is 0 there)."""
+    make = {"SGD": lambda ps: torch.optim.SGD(ps, lr=0.25, momentum=0.9),
+            "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+            "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-2, adam_w_mode=2, eps=1e-8, weight_decay=1e-2)}[inner]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    params = list(net.parameters())
+    coef = [torch.linspace(-1, 1, p.numel()).reshape(p.shape).half().float() for p in params]
+    coef[1][0] = 0.0  # a zero gradient element: where fp16 AdamW without a master divides 0 by 0
+    opt = FP16_Optimizer(make(params), init_scale=2.0**10)
+    ref_params = [nn.Parameter(p.detach().clone()) for p in params]
+    ref = make(ref_params)
+
+    def ref_step():
+        ref.zero_grad()
+        sum((p * c).sum() for p, c in zip(ref_params, coef)).backward()
+        ref.step()
+
+    _train_step(opt, params, coef)  # an fp32 step: state of the fp32 params, no masters
+    ref_step()
+    assert opt.master_params == []
+    net.half()
+    with torch.no_grad():
+        for r, p in zip(ref_params, params):
+            r.copy_(p.float())  # the master starts from the fp16 value
+    for _ in range(3):
+        _train_step(opt, params, coef)
+        ref_step()
+    assert opt.skipped_steps == 0
+    masters = opt.master_params
+    assert len(masters) == len(params) and all(m.dtype == torch.float32 for m in masters)
+    for p, m, r in zip(params, masters, ref_params):
+        torch.testing.assert_close(m, r.detach(), rtol=1e-6, atol=1e-6)
+        assert p.dtype == torch.float16 and torch.equal(p.detach(), m.half())
+
+
 def test_group_that_cannot_be_scaled_is_refused_naming_it_before_any_write():
     params = fp16_params()
     opt = FP16_Optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), init_scale=16.0)
