@@ -21,6 +21,7 @@ not at every hook: with those two, a hook costs about 30 us of Python and call o
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import weakref
@@ -40,12 +41,17 @@ def _remove_handles(*handles: dict) -> None:
         by_param.clear()
 
 
+# Every BackwardStep in the process, to find the other optimizers that update a param in backward (held weakly).
+_EVERY: "weakref.WeakSet[BackwardStep]" = weakref.WeakSet()
+
+
 class BackwardStep:
     """The hooks of one FusedAdam(step_in_backward=True) (given as ``optimizer``; ort_optim.fused_adam imports this
     module, not the other way). They hold this object, and through it the optimizer, weakly: once the optimizer is
     gone, this object goes with it and removes them (gradients then accumulate as without it)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        _EVERY.add(self)
         self._optimizer = weakref.ref(optimizer)
         self._where: dict[torch.Tensor, tuple[int, int, dict]] = {}  # param -> (group index, index, group)
         self._handles: dict[torch.Tensor, object] = {}  # param -> its hook's handle (one hook per param)
@@ -93,6 +99,36 @@ class BackwardStep:
         self._eager_hook = torch._dynamo.disable(hook)
         weakref.finalize(self, _remove_handles, self._handles, self._setup_handles)
         self._freed = _heap.FreedMemory()  # gives the freed gradients' memory back (glibc's heap, ort_optim/_heap.py)
+
+    def check_not_hooked_elsewhere(self, group_index: int, group: dict) -> None:
+        """Refuses, naming the param, a param of this group that another live FusedAdam(step_in_backward=True) still
+        updates in backward: its hook would run first and update the param with that optimizer's state and lr, and
+        this optimizer's hook would then find the gradient taken and raise, after the other had changed the model
+        (as far as the backward got). Checked by check_setup() (the first backward, before any gradient of this
+        optimizer's params is accumulated: not at construction, where ``opt = FusedAdam(...)`` still holds the
+        optimizer it replaces) and by add_param_group(). An optimizer deleted but kept alive by a reference cycle is
+        collected first, once, as its hooks would otherwise still fire."""
+        def holder(p: torch.Tensor) -> Optional["BackwardStep"]:
+            for other in list(_EVERY):
+                if other is not self and p in other._handles and other._optimizer() is not None:
+                    return other
+            return None
+
+        collected = False
+        for index, p in enumerate(group["params"]):
+            if not p.requires_grad or holder(p) is None:
+                continue
+            if not collected:
+                gc.collect()
+                collected = True
+                if holder(p) is None:
+                    continue
+            raise ValueError(
+                f"{_plan.describe(group_index, index, p)} is updated in backward by another FusedAdam with "
+                "step_in_backward=True, which is still alive: its hook would update the param with that optimizer's "
+                "state and lr before this optimizer's, which would then find the gradient taken. Call "
+                "remove_backward_hooks() on the optimizer you no longer use (or delete it, and whatever refers to "
+                "it); nothing was changed")
 
     def watch(self, group_index: int, group: dict) -> None:
         """Hooks the group's params that require gradients (a param made trainable later is hooked by the next
@@ -263,9 +299,14 @@ class BackwardStep:
         * params whose gradients a DistributedDataParallel reduces (:func:`ddp_reducing`): it writes the average
           into ``p.grad`` after autograd's accumulation, so an update in backward would use this rank's own gradient
           (and step() would update again with the average). The end-of-backward check (check_updated_once) stays as
-          the backstop for a DistributedDataParallel made after this check ran."""
+          the backstop for a DistributedDataParallel made after this check ran.
+
+        Everywhere, it also refuses a param that another live FusedAdam(step_in_backward=True) updates in backward
+        (check_not_hooked_elsewhere)."""
         if self.setup_checked:
             return
+        for group_index, group in enumerate(optimizer.param_groups):
+            self.check_not_hooked_elsewhere(group_index, group)
         from .integrations.deepspeed import holder_of
 
         holder = holder_of(optimizer)

@@ -507,6 +507,7 @@ class FusedAdam(torch.optim.Optimizer):
         if getattr(self, "_backward", None) is not None:
             try:
                 self._check_no_shared_memory()
+                self._backward.check_not_hooked_elsewhere(group_index, group)
             except ValueError:
                 self.param_groups.pop()
                 raise

@@ -26,7 +26,8 @@ works; accumulation with the last backward inside or outside ``accumulate()``; c
 under ORTModule with accumulation; under DistributedDataParallel (which writes gradients after the hooks) a second
 update refused; torch's recipe (an AdamW per param, stepped in its hook) followed. The hooks go with
 remove_backward_hooks() or the optimizer (then a plain torch optimizer trains the model); a second in-backward
-optimizer over the same params, or a param removed from param_groups, is never updated silently by the wrong one.
+optimizer over the same params is refused before its first backward moves anything, and a param removed from
+param_groups is never updated silently by the wrong one.
 
 Against the normal loop, in every way autograd can be driven (the oracle: the same model, data, options and loop with
 ``step_in_backward=False``, compared bit for bit after several iterations: params, gradients, ``optimizer.state``,
@@ -829,24 +830,48 @@ def test_the_first_optimizer_of_a_process_is_freed_by_del_and_its_hooks_update_n
                                                                "gradient_left": True}
 
 
-def test_a_second_optimizer_stepping_in_backward_over_the_same_params_is_an_error_until_the_first_is_removed():
-    """The first optimizer's hook (registered first) would update the params and take their gradients; the second
-    one's finds none: an error naming the param, instead of silently stepping with the wrong optimizer."""
+def test_a_second_optimizer_stepping_in_backward_over_the_same_params_is_refused_before_anything_moves():
+    """The first optimizer's hook (registered first) would update the params with its own state and lr and take their
+    gradients, and the second one's would find none, after the first had changed the model: the second's first
+    backward is refused before any gradient of its params is accumulated (its setup check), and a group holding such
+    a param is refused when it is added, naming the param. Not at construction: ``opt = FusedAdam(...)`` still holds
+    the optimizer it replaces while the new one is made. Once the first is removed (or deleted: one kept alive only
+    by a reference cycle is collected first), the second trains alone."""
     model = TinyLM()
     first = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
     scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1)  # (keeps the first alive after `del first`)
+    model(lm_tokens(0), 0).backward()
     second = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
+    before, second_before = optimizer_snapshot(first), optimizer_snapshot(second)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[\d\] .*another FusedAdam with "
-                                         r"step_in_backward=True .*remove_backward_hooks\(\)"):
-        model(lm_tokens(0), 0).backward()
+                                         r"step_in_backward=True, which is still alive.* remove_backward_hooks\(\)"):
+        model(lm_tokens(1), 1).backward()
+    assert_tree_bitwise_equal(before, optimizer_snapshot(first))  # params, gradients and states as they were
+    assert_tree_bitwise_equal(second_before, optimizer_snapshot(second))
+    late = FusedAdam([torch.nn.Parameter(torch.zeros(3))], lr=1e-2, step_in_backward=True)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] .*another FusedAdam"):
+        late.add_param_group({"params": [model.hidden.weight]})
+    assert len(late.param_groups) == 1
     first.remove_backward_hooks()
     del first, scheduler
     model.zero_grad()
-    before = optimizer_snapshot(second)
+    weight = model.hidden.weight.detach().clone()
     model(lm_tokens(1), 1).backward()
     assert all(p.grad is None for p in model.parameters())
     assert set(_steps_taken(second).values()) == {0, 1}  # (the branch: no gradient at odd steps)
-    assert not torch.equal(before["p0.1"], model.hidden.weight)
+    assert not torch.equal(weight, model.hidden.weight)
+    # The usual way to replace an optimizer rebinds the name: the old one goes, the new one trains.
+    second.remove_backward_hooks()
+    opt = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
+    opt = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
+    model(lm_tokens(2), 2).backward()
+    assert set(_steps_taken(opt).values()) == {1}
+    # Deleted while a reference cycle still holds it: collected by the next one's check, its hooks gone.
+    opt.loop = opt
+    del opt
+    third = FusedAdam(model.parameters(), lr=1e-2, step_in_backward=True)
+    model(lm_tokens(2), 2).backward()
+    assert set(_steps_taken(third).values()) == {1}
 
 
 def test_a_param_removed_from_param_groups_is_not_updated_by_its_hook_and_one_moved_follows_its_new_group():
