@@ -362,6 +362,10 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict with 'state' and 'param_groups' (from optimizer.state_dict()), "
                         f"got {show(state_dict)}")
+    if "optimizer" in state_dict and "loss_scaler" in state_dict and "state" not in state_dict:
+        raise ValueError("state_dict is an FP16_Optimizer checkpoint ('optimizer', 'loss_scaler', 'master_params'): "
+                         "load it with FP16_Optimizer.load_state_dict, or pass its state_dict['optimizer'] here to "
+                         "load the FusedAdam inside alone (without the loss scaler's state)")
     for key in ("state", "param_groups"):
         if key not in state_dict:
             raise ValueError(f"state_dict must be a dict with 'state' and 'param_groups' (from "

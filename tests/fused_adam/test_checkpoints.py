@@ -399,6 +399,10 @@ BAD_CHECKPOINTS = [
     ("no-param-groups", _bad(_delete(["param_groups"])), ValueError, r"state_dict\['param_groups'\] is missing"),
     ("no-state", _bad(_delete(["state"])), ValueError, r"state_dict\['state'\] is missing"),
     ("unknown-top-level-key", _bad(_set(["scaler"], {})), ValueError, r"state_dict\['scaler'\]: unknown key"),
+    ("an-fp16-optimizer-checkpoint", lambda sd: {"format": "ort_optim.FP16_Optimizer/1", "optimizer": sd,
+                                                 "loss_scaler": {}, "master_params": []}, ValueError,
+     r"state_dict is an FP16_Optimizer checkpoint .* FP16_Optimizer.load_state_dict, or pass its "
+     r"state_dict\['optimizer'\]"),
     ("state-is-a-list", _bad(_to_list(["state"])), TypeError,
      r"state_dict\['state'\] must be a dict from parameter id to state dict, got list"),
     ("param-groups-is-a-dict", _bad(_set(["param_groups"], {0: {}})), TypeError,
