@@ -761,7 +761,9 @@ def check_state(layout: StateLayout, p: torch.Tensor, state: ParamState, amsgrad
         if not has_master:
             raise ValueError(
                 f"{where}: its optimizer state has a 'master_param' but this optimizer keeps none for a {p.dtype} "
-                "param (master weights are for float16/bfloat16 params with master_weights=True)")
+                "param (master weights are for float16/bfloat16 params with master_weights=True). If the param "
+                "became float32 after its master was made (model.float()), continue from the master: "
+                "p.data.copy_(state['master_param']), then del state['master_param'] (state = optimizer.state[p])")
         adoptions += _check_tensor_entry(p, state, "master_param", torch.float32, where)
     elif has_master:  # (a param that became float16/bfloat16 under its optimizer): its master starts from it
         adoptions.append(_Adoption(state, "master_param", p.detach().to(torch.float32, copy=True).contiguous()))
