@@ -64,6 +64,16 @@ def _grads(model: torch.nn.Module, step: int, scale: float = 1.0) -> None:
         p.grad = (torch.randn(p.shape, generator=g) * scale).to(p.dtype)
 
 
+def _eager_then_compiled(make_optimizer):
+    """(model, optimizer, step) for the eager step, then for the compiled one, each over a fresh _model() and
+    make_optimizer(model), TorchDynamo reset before each."""
+    for compiled in (False, True):
+        model = _model()
+        opt = make_optimizer(model)
+        torch._dynamo.reset()
+        yield model, opt, (torch.compile(lambda opt=opt: opt.step()) if compiled else (lambda opt=opt: opt.step()))
+
+
 def _run(make_opt, make_scheduler, compiled: bool, step_kwargs=lambda: {}, grad_scale: float = 1.0,
          wrap=lambda opt: opt, schedule_wrapper: bool = False):
     """STEPS steps of (gradients set eagerly, then the optimizer's step compiled or not, then the scheduler, of the
@@ -321,11 +331,7 @@ def test_state_assigned_between_compiled_steps_is_stepped_or_refused_as_eager(as
             state["exp_avg"] = torch.zeros(3)
 
     results = []
-    for compiled in (False, True):
-        model = _model()
-        opt = FusedAdam(model.parameters(), lr=1e-2)
-        step = torch.compile(lambda: opt.step()) if compiled else (lambda: opt.step())
-        torch._dynamo.reset()
+    for model, opt, step in _eager_then_compiled(lambda model: FusedAdam(model.parameters(), lr=1e-2)):
         outcome = []
         for i in range(4):
             _grads(model, i)
@@ -463,54 +469,39 @@ def test_a_compiled_train_step_lets_its_model_and_states_go_when_they_are_delete
     assert [r() is None for r in refs] == [True, True, True], "param, exp_avg, optimizer still alive"
 
 
-@NEWEST
-@pytest.mark.parametrize("kind", ["float32", "float64"])
-def test_a_numpy_scalar_lr_changed_every_step_compiles_without_breaks_and_steps_as_eager(kind):
-    """A schedule computed in numpy writes numpy scalars into the group: the traced step takes them into the graph
-    as it takes floats (no host read of the value), and computes what the eager step computes."""
+def _numpy_lr(kind):
     import numpy as np
 
-    results, counts = [], []
-    for compiled in (False, True):
-        model = _model()
-        opt = FusedAdam(model.parameters(), lr=1e-2)
-        step = torch.compile(lambda: opt.step()) if compiled else (lambda: opt.step())
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        for i in range(8):
-            _grads(model, i)
-            opt.param_groups[0]["lr"] = getattr(np, kind)(1e-3 * (i + 1))
-            step()
-        counts.append((sum(torch._dynamo.utils.counters["graph_break"].values()),
-                       torch._dynamo.utils.counters["stats"]["unique_graphs"]))
-        results.append([p.detach().clone() for p in model.parameters()])
-    assert counts[1][0] == 0 and counts[1][1] <= 2, counts[1]
-    for compiled_param, eager_param in zip(results[1], results[0]):
-        assert_bitwise_equal(compiled_param, eager_param, "param")
+    return lambda group, i: group.update(lr=getattr(np, kind)(1e-3 * (i + 1)))
+
+
+def _fraction(option):
+    from fractions import Fraction
+
+    if option == "lr":
+        return lambda group, i: group.update(lr=Fraction(1, 100 + i))
+    return lambda group, i: group.update(betas=(Fraction(90 - i, 100), 0.999))
+
+
+# A number the options take, written into the group at every step: a schedule computed in numpy writes numpy
+# scalars; any real number (numbers.Real: fractions.Fraction too) is taken, which a tensor does not add itself.
+REAL_NUMBERS_CHANGED_EVERY_STEP = {"numpy float32 lr": _numpy_lr("float32"), "numpy float64 lr": _numpy_lr("float64"),
+                                   "Fraction lr": _fraction("lr"), "Fraction beta1": _fraction("beta1")}
 
 
 @NEWEST
-@pytest.mark.parametrize("option", ["lr", "beta1"])
-def test_a_fraction_lr_or_beta_changed_every_step_compiles_without_breaks_and_steps_as_eager(option):
-    """Any real number the options take (numbers.Real: fractions.Fraction too) reaches the traced step as the float
-    the eager step reads from it, without a break, and a value changed at every step costs at most the one recompile
-    of a float, as for a Python float (a tensor does not add a Fraction itself: added as it is, the compiled step
-    raises a TypeError where the eager step steps)."""
-    from fractions import Fraction
-
+@pytest.mark.parametrize("case", list(REAL_NUMBERS_CHANGED_EVERY_STEP))
+def test_a_real_number_changed_every_step_compiles_without_breaks_and_steps_as_eager(case):
+    """Numpy scalars and other real numbers (a Fraction) reach the traced step as the float the eager step reads from
+    them (no host read of a tensor's value), without a break, and a value changed at every step costs at most the one
+    recompile of a float, as for a Python float; the compiled step computes what the eager step computes."""
+    write = REAL_NUMBERS_CHANGED_EVERY_STEP[case]
     results, counts = [], []
-    for compiled in (False, True):
-        model = _model()
-        opt = FusedAdam(model.parameters(), lr=1e-2)
-        step = torch.compile(lambda: opt.step()) if compiled else (lambda: opt.step())
-        torch._dynamo.reset()
+    for model, opt, step in _eager_then_compiled(lambda model: FusedAdam(model.parameters(), lr=1e-2)):
         torch._dynamo.utils.counters.clear()
         for i in range(8):
             _grads(model, i)
-            if option == "lr":
-                opt.param_groups[0]["lr"] = Fraction(1, 100 + i)
-            else:
-                opt.param_groups[0]["betas"] = (Fraction(90 - i, 100), 0.999)
+            write(opt.param_groups[0], i)
             step()
         counts.append((sum(torch._dynamo.utils.counters["graph_break"].values()),
                        torch._dynamo.utils.counters["stats"]["unique_graphs"]))
@@ -636,11 +627,7 @@ def test_a_group_entry_written_between_compiled_steps_is_validated_as_the_eager_
     likewise sees a new decoupled_weight_decay, which its step reads), or steps as eager where they are accepted
     (decoupled_weight_decay=True with a decoupled mode)."""
     results = []
-    for compiled in (False, True):
-        model = _model()
-        opt = _fused(model)  # (ADAMW_TORCH, weight decay 0.1 in its first group)
-        step = torch.compile(lambda: opt.step()) if compiled else (lambda: opt.step())
-        torch._dynamo.reset()
+    for model, opt, step in _eager_then_compiled(_fused):  # (ADAMW_TORCH, weight decay 0.1 in its first group)
         outcome = []
         for i in range(4):
             _grads(model, i)
