@@ -87,14 +87,19 @@ class _Versions:
 # ---- the wrapped optimizer keeps the masters -----------------------------------------------------------------------
 
 
-def _saved_state_of(inner_state_dict: Any, index: int) -> Any:
-    """The state a torch.optim-style state_dict holds for the index-th param in param_groups order (None where it
-    holds none, or where its groups are malformed: the optimizer's own load names that)."""
+def _params_in_order(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's params in param_groups order: the order of a checkpoint's ``master_params``."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _saved_states(inner_state_dict: Any) -> list:
+    """The states a torch.optim-style state_dict holds for its params, in param_groups order (None for a param it
+    holds none for; an empty list where its groups are malformed: the optimizer's own load names that)."""
     try:
-        ids = [pid for group in inner_state_dict["param_groups"] for pid in group["params"]]
-        return inner_state_dict["state"].get(ids[index])
-    except (KeyError, TypeError, IndexError, AttributeError):
-        return None
+        state = inner_state_dict["state"]
+        return [state.get(pid) for group in inner_state_dict["param_groups"] for pid in group["params"]]
+    except (KeyError, TypeError, AttributeError):
+        return []
 
 
 class InnerMasters:
@@ -256,21 +261,16 @@ class InnerMasters:
         for p, master in self._with_masters():  # (a DTensor param's master is its local piece, as FusedAdam keeps it)
             master.copy_(dtensor.local(p.detach()))
 
-    def _unstepped(self) -> list[bool]:
-        """For each param in param_groups order: whether it is an fp16/bf16 param with no master in the FusedAdam's
-        state yet (FusedAdam creates state at a param's first step: one without a gradient so far has none)."""
-        state = self.optimizer.state
-        return [p.dtype in LOW_PRECISION and "master_param" not in state.get(p, {})
-                for g in self.optimizer.param_groups for p in g["params"]]
-
     def saved_masters(self) -> list[Optional[dict]]:
-        """FusedAdam's masters are in its own state_dict. An fp16/bf16 param that has none yet is saved here, so that
-        loading restores it as it restores the others: ``{'param': its value in fp32}`` for each such param and None
-        for the others, in param_groups order; an empty list when there is none (the usual case)."""
-        unstepped = self._unstepped()
+        """FusedAdam's masters are in its own state_dict. An fp16/bf16 param that has none yet (FusedAdam creates
+        state at a param's first step: one without a gradient so far has none) is saved here, so that loading
+        restores it as it restores the others: ``{'param': its value in fp32}`` for each such param and None for the
+        others, in param_groups order; an empty list when there is none (the usual case)."""
+        state = self.optimizer.state
+        flat = _params_in_order(self.optimizer)
+        unstepped = [p.dtype in LOW_PRECISION and "master_param" not in state.get(p, {}) for p in flat]
         if not any(unstepped):
             return []
-        flat = [p for g in self.optimizer.param_groups for p in g["params"]]
         # (a DTensor param's value is a DTensor laid out like it, as FusedAdam saves its masters)
         return [{"param": p.detach().float().clone()} if u else None for p, u in zip(flat, unstepped)]
 
@@ -284,9 +284,10 @@ class InnerMasters:
             raise ValueError(f"{where} must hold no fp32 masters with FusedAdam inside (its masters are in its own "
                              f"state as 'master_param'); this checkpoint holds {len(saved)} entries, saved by an "
                              "FP16_Optimizer around another optimizer")
-        flat = [p for g in self.optimizer.param_groups for p in g["params"]]
+        flat = _params_in_order(self.optimizer)
         if len(saved) != len(flat):
             raise ValueError(f"{where} must list {len(flat)} entries (one per parameter) or none, got {len(saved)}")
+        saved_states = _saved_states(inner_state_dict)
         for index, (p, entry) in enumerate(zip(flat, saved)):
             if entry is None:
                 continue
@@ -299,7 +300,7 @@ class InnerMasters:
                 raise ValueError(f"{name} must be None or {{'param': a dense float32 tensor of shape {shape}}} (the "
                                  f"value of an fp16/bf16 parameter FusedAdam held no state for), got {entry!r:.80}")
             dtensor.local_like(p, value, f"{name}['param']")  # (a DTensor on another mesh: refused, naming it)
-            saved_state = _saved_state_of(inner_state_dict, index)
+            saved_state = saved_states[index] if index < len(saved_states) else None
             if isinstance(saved_state, dict) and "master_param" in saved_state:
                 raise ValueError(f"{name} holds the value of a param that had no FusedAdam state, but the checkpoint's "
                                  f"FusedAdam state of that param holds a master_param: the two disagree about it. "
@@ -309,8 +310,7 @@ class InnerMasters:
     def _restore_unstepped(self, masters: list) -> None:
         """Writes each saved value of a param that had no FusedAdam state (validate_masters() ran before) into the
         model's param, and into its master where the FusedAdam holds one now (a load that kept the current state)."""
-        flat = [p for g in self.optimizer.param_groups for p in g["params"]]
-        for index, (p, entry) in enumerate(zip(flat, masters)):
+        for index, (p, entry) in enumerate(zip(_params_in_order(self.optimizer), masters)):
             if entry is not None:
                 value = dtensor.local_like(p, entry["param"], f"state_dict['master_params'][{index}]['param']")
                 dtensor.local(p).copy_(value)
@@ -460,7 +460,7 @@ class WrapperMasters:
         nothing (new masters are fresh tensors, swapped in by _apply_layout)."""
         masters = {id(m): p for p, m in known.pairs}  # id(master) -> model param
         fp32 = {id(p) for p in known.fp32}
-        layout = _Layout(ids=[id(p) for g in optimizer.param_groups for p in g["params"]])
+        layout = _Layout(ids=[id(p) for p in _params_in_order(optimizer)])
         seen: dict[int, str] = {}
         for gi, group in enumerate(optimizer.param_groups):
             for j, p in enumerate(group["params"]):
@@ -510,7 +510,7 @@ class WrapperMasters:
                     else v for k, v in old.items()
                 }
         layout.swaps = []
-        layout.ids = [id(p) for g in self.optimizer.param_groups for p in g["params"]]
+        layout.ids = [id(p) for p in _params_in_order(self.optimizer)]
         self._layout = layout
         self._model_of = {id(m): p for p, m in layout.pairs}
         self._grad_buffers = {k: v for k, v in self._grad_buffers.items() if k in self._model_of}
@@ -520,7 +520,7 @@ class WrapperMasters:
         params given fp16/bf16 data in place since (``model.half()`` after wrapping: the same Parameter objects),
         which get fp32 masters as new fp16/bf16 params do; raises, naming the param, before anything is written when
         one cannot be. Cheap when nothing changed."""
-        ids = [id(p) for g in self.optimizer.param_groups for p in g["params"]]
+        ids = [id(p) for p in _params_in_order(self.optimizer)]
         if ids != self._layout.ids or any(p.dtype in LOW_PRECISION for p in self._layout.fp32):
             self._apply_layout(self._plan_layout(self.optimizer, self._layout))
 
@@ -737,11 +737,10 @@ class WrapperMasters:
     def saved_masters(self) -> list[Optional[torch.Tensor]]:
         """One fp32 master per parameter in param_groups order (None for fp32 params)."""
         self.sync()
-        return [p.detach().clone() if id(p) in self._model_of else None
-                for group in self.optimizer.param_groups for p in group["params"]]
+        return [p.detach().clone() if id(p) in self._model_of else None for p in _params_in_order(self.optimizer)]
 
     def validate_masters(self, saved: list, where: str, inner_state_dict: Any) -> None:
-        flat = [p for g in self.optimizer.param_groups for p in g["params"]]
+        flat = _params_in_order(self.optimizer)
         if len(saved) != len(flat):
             raise ValueError(f"{where} must list {len(flat)} entries (one per parameter), got {len(saved)}"
                              + (" (an FP16_Optimizer around FusedAdam saves its masters in FusedAdam's state: load "
@@ -785,7 +784,7 @@ class WrapperMasters:
         """Writes the saved masters (``load_state_dict(..., load_optimizer_states=False)``: the wrapped optimizer's
         state and options stay as they are) and then the model's params from them (rounded). validate_masters()
         ran before, so nothing here can fail."""
-        for p, saved in zip([p for g in self.optimizer.param_groups for p in g["params"]], masters):
+        for p, saved in zip(_params_in_order(self.optimizer), masters):
             if saved is not None:
                 p.copy_(saved)
         for p, master in self._layout.pairs:

@@ -257,9 +257,9 @@ def _one_torchao_layout(states: dict) -> None:
                 first = (kind, entry("state", pid) + f"[{key!r}]")
             elif kind != first[0]:
                 raise ValueError(f"{entry('state', pid)}[{key!r}] is a torchao {kind} but {first[1]} is a torchao "
-                                 f"{first[0]}: one torchao optimizer keeps all its states in one format, so this checkpoint mixes "
-                                 "the states of different optimizers, which no run continues from. Load each "
-                                 "optimizer's own checkpoint")
+                                 f"{first[0]}: one torchao optimizer keeps all its states in one format, so this "
+                                 "checkpoint mixes the states of different optimizers, which no run continues from. "
+                                 "Load each optimizer's own checkpoint")
 
 
 def _torchao_state(state: dict, where: str) -> dict:

@@ -432,8 +432,8 @@ class FusedAdam(torch.optim.Optimizer):
     @step_in_backward.setter
     def step_in_backward(self, value: Any) -> None:
         raise AttributeError(
-            f"FusedAdam.step_in_backward is fixed at construction (setting it to {value!r} would neither add nor remove "
-            "the backward hooks): call remove_backward_hooks() to end it, or make a new FusedAdam(..., "
+            f"FusedAdam.step_in_backward is fixed at construction (setting it to {value!r} would neither add nor "
+            "remove the backward hooks): call remove_backward_hooks() to end it, or make a new FusedAdam(..., "
             "step_in_backward=True) to start it. Nothing was changed")
 
     def _watch_backward(self) -> None:
@@ -1025,12 +1025,12 @@ class FusedAdam(torch.optim.Optimizer):
         A checkpoint this optimizer saved while it could step always loads, and resuming from it equals not stopping,
         bit for bit: the checks refuse malformed input, not values training produces (one saved after ``amsgrad`` was
         switched on mid-run, which its step refuses too, is refused alike: its states have no ``max_exp_avg_sq``).
-        inf and NaN in moments and masters load as they are, with a RuntimeWarning naming the entries: a second moment whose square overflowed float32 is inf, as
-        torch.optim.AdamW keeps it (that element's update stays 0, in fp32 and low-bit moments alike), and a run
-        that diverged before it was saved has inf/NaN moments or masters (torch loads them too). A finite value
-        that this optimizer's storage dtype cannot hold (beyond bfloat16's range, say) is refused. Then new state tensors are built as
-        copies in this optimizer's storage dtypes: the given dict and its tensors are never written to, so loading the
-        same dict twice equals loading it once. A state without ``master_param`` (a checkpoint of an optimizer without
+        inf and NaN in moments and masters load as they are, with a RuntimeWarning naming the entries: a second
+        moment whose square overflowed float32 is inf, as torch.optim.AdamW keeps it (that element's update stays 0,
+        in fp32 and low-bit moments alike), and a run that diverged before it was saved has inf/NaN moments or masters
+        (torch loads them too). A finite value that this optimizer's storage dtype cannot hold (beyond bfloat16's
+        range, say) is refused. Then new state tensors are built as copies in this optimizer's storage dtypes: the
+        given dict and its tensors are never written to, so loading the same dict twice equals loading it once. A state without ``master_param`` (a checkpoint of an optimizer without
         master weights) gets its master at the param's next step, from the param as it is then, as a state made
         before ``master_weights`` was switched on does: model weights loaded after this call are kept. So does a
         state whose ``master_param`` is in its param's float16/bfloat16 dtype, which is what torch.optim's load
