@@ -679,7 +679,8 @@ bool update_q4(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
     };
     scale_v > 0.0f ? code_v(std::false_type{}) : code_v(std::true_type{});
     const uint32_t scale_m_bits = f.scale_bits(_mm512_reduce_max_epu32(max_r16), false, s.rnd + b);
-    if (scale_m_bits >= 0x7F800000u) {  // non-finite ratios: u again (as above, from the codes written), for the plain store
+    // non-finite ratios: u again (as above, from the codes written), for the plain store
+    if (scale_m_bits >= 0x7F800000u) {
       for (int64_t i = 0; i < kB; ++i) {
         s.u[b + i] = v_decode[(codes_v[(off + b + i) / 2] >> ((i & 1) * 4)) & 15] * scale_v;
       }
@@ -767,8 +768,8 @@ bool update_q8(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scra
 // of the other formats 2% in the same function.) squares: the block's sum of squares of the gradients, where the
 // coded loops add it up.
 template <int64_t kMode>
-__attribute__((noinline)) bool update_coded(const TensorWork& w, const Hyper& h, int64_t off, int64_t n, Scratch<float>& s, float* p,
-                  const float* g, SquareSum& squares) {
+__attribute__((noinline)) bool update_coded(const TensorWork& w, const Hyper& h, int64_t off, int64_t n,
+                                             Scratch<float>& s, float* p, const float* g, SquareSum& squares) {
 #if defined(ORT_OPTIM_FP8_AVX512) && defined(ORT_OPTIM_LOW_BIT_AVX512)
 #ifdef ORT_OPTIM_LOW_BIT_FUSED_Q8
   if (w.exp_avg_low_bit && w.exp_avg_low_bit->bits == 8) {

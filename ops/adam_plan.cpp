@@ -253,7 +253,8 @@ void AdamPlan::borrow_params() {
   const size_t n = checked_params_.size();
   held_grads_.resize(n);
   for (size_t i = 0; i < n; ++i) {
-    borrowed_[i] = at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(checked_params_[i]));
+    borrowed_[i] =
+        at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(checked_params_[i]));
     held_grads_[i] = *grads_[i];
     grads_[i] = &held_grads_[i];
   }

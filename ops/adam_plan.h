@@ -110,7 +110,9 @@ class TensorWatch : public torch::CustomClassHolder {
   static constexpr size_t kPlannedAhead = 6, kGradAhead = 3, kGradStorageAhead = 1;
   void prefetch_ahead(size_t i, const c10::TensorImpl* const* now) const;
   void prefetch_planned(size_t i) const {  // param i's planned lines
-    for (uint32_t l = line_begin_[i]; l < line_begin_[i + 1]; ++l) __builtin_prefetch(reinterpret_cast<void*>(lines_[l]));
+    for (uint32_t l = line_begin_[i]; l < line_begin_[i + 1]; ++l) {
+      __builtin_prefetch(reinterpret_cast<void*>(lines_[l]));
+    }
   }
   std::vector<uintptr_t> lines_;        // per param i: [line_begin_[i], line_begin_[i + 1]), each line listed once
   std::vector<uint32_t> line_begin_;

@@ -33,7 +33,8 @@
 
 namespace {
 
-constexpr int64_t kChunk = 64 * 1024;  // elements per parallel work item (the step's own chunking: kChunk in ops/adam_kernel.h)
+// elements per parallel work item (the step's own chunking: kChunk in ops/adam_kernel.h)
+constexpr int64_t kChunk = 64 * 1024;
 
 struct Item {
   int64_t tensor, begin, end;
@@ -221,7 +222,9 @@ int64_t validation_floor_lines(const std::vector<at::Tensor>& params,
                                const std::vector<at::Tensor>& step_tensors, const at::Tensor& steps, at::Tensor out) {
   namespace md = ort_optim::metadata;
   TORCH_CHECK(step_tensors.size() == params.size(), "one step tensor per param");
-  for (const auto& list : states) TORCH_CHECK(list.size() == params.size(), "every state list needs one tensor per param");
+  for (const auto& list : states) {
+    TORCH_CHECK(list.size() == params.size(), "every state list needs one tensor per param");
+  }
   const size_t data_offset = md::storage_data_offset();
   std::vector<uintptr_t> all;  // in order, with repeats until keep_first
   all.reserve(32 * (params.size() + 1));

@@ -117,7 +117,8 @@ void fp8_store(const float* src, const float* root, int64_t off, int64_t n, uint
         const float inv = bits_to_float(uint32_t(127 - k) << 23);
         const int32_t top = fp8_top_code<kMb, kBias, kMaxCode>(coded, inv);
         for (int64_t i = 0; i < len; ++i) {
-          out[i] = fp8_code<kMb, kBias, kSecondMoment>(u[i], amax, top, inv, kSecondMoment ? r[i] & 0xFFFFu : r[i] >> 16);
+          const uint32_t bits = kSecondMoment ? r[i] & 0xFFFFu : r[i] >> 16;
+          out[i] = fp8_code<kMb, kBias, kSecondMoment>(u[i], amax, top, inv, bits);
         }
       }
       if (overflowed) {

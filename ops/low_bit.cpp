@@ -30,9 +30,10 @@ namespace ort_optim {
 namespace {
 
 template <size_t N, size_t M>
-LowBit make_low_bit(int bits, int block, bool bf16_scales, const float (&m_levels)[N], const float (&m_thresholds)[N - 1],
-                    const float (&v_levels)[M], const float (&v_thresholds)[M - 1], bool relative,
-                    bool sq_stochastic, const float (&v_sr_thresholds)[M - 1], const float (&v_squares)[M],
+LowBit make_low_bit(int bits, int block, bool bf16_scales, const float (&m_levels)[N],
+                    const float (&m_thresholds)[N - 1], const float (&v_levels)[M],
+                    const float (&v_thresholds)[M - 1], bool relative, bool sq_stochastic,
+                    const float (&v_sr_thresholds)[M - 1], const float (&v_squares)[M],
                     const float (&v_square_gaps)[M], float min_sq_scale) {
   const CodeMap v_nearest(v_levels, v_thresholds, int(M), false, bits, 1.0f);
   return LowBit{bits, block, bf16_scales,
@@ -354,7 +355,9 @@ void low_bit_store(const LowBit& f, const float* src, const float* root, int64_t
       std::memset(out, 0, kBits == 8 ? len : (len + 1) / 2);
     }
     f.store_scale(scales, (off + q) / f.block, s);
-    if (kSecondMoment && stored_root && !root_decoded) load_root<kBits>(f, codes, scales, off + q, len, stored_root + q);
+    if (kSecondMoment && stored_root && !root_decoded) {
+      load_root<kBits>(f, codes, scales, off + q, len, stored_root + q);
+    }
   }
 }
 

@@ -63,7 +63,8 @@ class CodeMap {
  public:
   // thresholds: count - 1 increasing decision thresholds (ort_optim._spec.thresholds); snap: the factor applied to
   // a normalised magnitude before the search (exp_avg rounds toward zero, EXP_AVG_SNAP; 1 for sqrt(v)).
-  // sr_from_zero: exp_avg rounds stochastically from magnitude 0 too (the relative 4-bit exp_avg, _spec.EXP_AVG_RELATIVE).
+  // sr_from_zero: exp_avg rounds stochastically from magnitude 0 too (the relative 4-bit exp_avg,
+  // _spec.EXP_AVG_RELATIVE).
   // squares, square_gaps (a sqrt(v) map rounded stochastically, _spec.EXP_AVG_SQ_STOCHASTIC; thresholds are then the
   // levels above the lowest): the rounding is unbiased in the square, with these tables (_spec.square_tables).
   CodeMap(const float* levels, const float* thresholds, int count, bool is_signed, int bits, float snap,

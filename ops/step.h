@@ -1,5 +1,6 @@
 // One Adam step over validated inputs, shared by the adam_step_ op and AdamPlan: the per-step scalars, contiguous
-// stand-ins for strided params and gradients, autograd's version counters, then the kernel. Also the adam_step_ op itself (adam_step_cpu), which validates its lists and takes this step.
+// stand-ins for strided params and gradients, autograd's version counters, then the kernel. Also the adam_step_ op
+// itself (adam_step_cpu), which validates its lists and takes this step.
 #pragma once
 
 #include <ATen/ATen.h>

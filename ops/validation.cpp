@@ -126,7 +126,8 @@ double scalar_value(const c10::optional<at::Tensor>& t, const char* name) {
 }
 
 void check_grad(const at::Tensor& g, const at::Tensor& p, size_t i, bool is_double) {
-  TORCH_CHECK(g.layout() == at::kStrided, "ort_optim::adam_step_: grads[", i, "] is sparse; Adam needs dense gradients");
+  TORCH_CHECK(g.layout() == at::kStrided, "ort_optim::adam_step_: grads[", i,
+              "] is sparse; Adam needs dense gradients");
   check_same_shape(g, p, "grads", i);
   TORCH_CHECK(is_double ? g.scalar_type() == at::kDouble : is_float_storage(g.scalar_type()),
               "ort_optim::adam_step_: grads[", i, "] has dtype ", g.scalar_type(), " for a ", p.scalar_type(),
