@@ -26,6 +26,12 @@ from .integrations import dtensor
 # older ones (torch 2.4's fails inside its optimizer support) the step runs eagerly, outside the graph.
 _TRACED_STEP = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
+# Options the op takes as floats, read on the host: where a group holds one as a tensor, a compiled step runs the
+# update outside the graph (_init_group), which validates it at every step as the eager step does. Traced, its value
+# would be read past the validation, which runs when the step is traced: TorchDynamo guards a tensor's metadata, not
+# its value, so a negative value written in place later would be stepped with.
+_HOST_READ_OPTIONS = ("eps", "weight_decay")
+
 # Parts of a step that measurements price by leaving them out (ort_optim/bench, tools/gpu_check.py); not options. A
 # plain step's gradient norm summed by its update passes (last_grad_norm), and p.grad written back unscaled after a
 # step with grad_scale. Steps read them; _leaving_out() switches them off for the steps taken inside it.
@@ -709,18 +715,21 @@ class FusedAdam(torch.optim.Optimizer):
         ``_init_group`` eagerly when it traces ``step()`` (as for torch.optim's optimizers) and guards the state and
         gradients it then reads. Validates the options, then builds the plan (without native plans: the traced step
         calls the registered op, which traces as one node) unless the current one still holds. False where the traced
-        path does not apply: DTensor params or a process/pipeline group (their collectives), or ops that are not
-        registered (ORT_OPTIM_BACKEND=torch, no native library): the update then runs eagerly, outside the graph
-        (_update_outside_graph). Also False for an option or a state it refuses: the eager update then raises the error
-        itself (an error out of this call would reach the user wrapped in TorchDynamo's own). unscales: the step
-        writes unscaled gradients back (a grad_scale), whose overlap check reads what a traced step cannot (a host
-        int per non-contiguous gradient: a graph break, after which TorchDynamo's restarted analysis diverged).
+        path does not apply: DTensor params or a process/pipeline group (their collectives), ops that are not
+        registered (ORT_OPTIM_BACKEND=torch, no native library), or a tensor eps or weight_decay (_HOST_READ_OPTIONS):
+        the update then runs eagerly, outside the graph (_update_outside_graph). Also False for an option or a state it
+        refuses: the eager update then raises the error itself (an error out of this call would reach the user wrapped
+        in TorchDynamo's own). unscales: the step writes unscaled gradients back (a grad_scale), whose overlap check
+        reads what a traced step cannot (a host int per non-contiguous gradient: a graph break, after which
+        TorchDynamo's restarted analysis diverged).
         number_scale: that grad_scale is a number, which capturable=True refuses (before anything is planned).
         A tensor grad_scale's value is not read here (one made inside the compiled function is no value TorchDynamo
         can hand over): a first compiled step refused for it by the op has made the states by then."""
         try:
             self._validate_options(None)
         except (ValueError, TypeError):
+            return False
+        if any(isinstance(group[key], torch.Tensor) for group in self.param_groups for key in _HOST_READ_OPTIONS):
             return False
         if self.capturable and number_scale:
             return False

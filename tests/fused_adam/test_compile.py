@@ -646,6 +646,42 @@ def test_a_group_entry_written_between_compiled_steps_is_validated_as_the_eager_
     assert_tree_bitwise_equal(compiled, eager, "compiled vs eager")
 
 
+@NEWEST
+@pytest.mark.parametrize("key", ["eps", "weight_decay"])
+def test_a_tensor_eps_or_weight_decay_changed_between_compiled_steps_is_validated_and_used_as_eager(key):
+    """A tensor eps or weight_decay (read on the host: the update runs outside the graph) changed in place between
+    compiled steps: a negative value is refused with the eager error, the whole step unwritten (the group holding it
+    is the second: the first is not stepped either); a value written back in place, and a float put in the tensor's
+    place, are stepped with, every step what the eager step computes."""
+    def make(model):
+        params = list(model.parameters())
+        return FusedAdam([{"params": params[::2]}, {"params": params[1::2], key: torch.tensor(0.1)}], lr=1e-2,
+                         adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=0.01)
+
+    results = []
+    for model, opt, step in _eager_then_compiled(make):
+        errors = []
+        for i in range(6):
+            _grads(model, i)
+            if i == 2:
+                opt.param_groups[1][key].fill_(-1.0)
+            if i == 3:
+                opt.param_groups[1][key].fill_(0.05)
+            if i == 4:
+                opt.param_groups[1][key] = 0.2
+            before = optimizer_snapshot(opt)
+            try:
+                step()
+            except ValueError as error:
+                errors.append(str(error))
+                assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "after a refused step")
+        results.append((optimizer_snapshot(opt), errors))
+    (eager, eager_errors), (compiled, compiled_errors) = results
+    assert eager_errors == [f"param_groups[1]: {key} must be >= 0, got -1.0"], eager_errors
+    assert compiled_errors == eager_errors
+    assert_tree_bitwise_equal(compiled, eager, "compiled vs eager")
+
+
 @pytest.mark.slow
 @NEWEST
 @pytest.mark.parametrize("scheduled", ["FP16_Optimizer", "FusedAdam"])
