@@ -425,7 +425,7 @@ class BackwardStep:
         (_check_across_params)."""
         self._check_across_params(optimizer, task, planning=False)
         group_index, index, group = self._where[p]
-        hyper = optimizer._checked_groups.of(group_index, group, optimizer._layout)
+        hyper = optimizer._checked_groups.of(group_index, group, optimizer._wide_options)
         amsgrad = bool(group["amsgrad"])
         # (the backend is chosen by ORT_OPTIM_BACKEND at every step: a plan made under another choice is not used;
         # nor one made before master_weights or a state dtype option changed, whose states step() would convert)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ._group_options import OPTIMIZER_WIDE_KEYS, TORCH_GROUP_KEYS, check_group, show, wide_option_value
+from ._group_options import OPTIMIZER_WIDE_KEYS, TORCH_GROUP_KEYS, WideOptions, check_group, show, wide_option_value
 from ._layout import StateLayout
 from ._spec import AdamWMode
 from . import formats
@@ -355,10 +355,11 @@ def _carried_master(saved: dict, p: torch.Tensor) -> bool:
             and master.dtype == p.dtype)
 
 
-def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout) -> PreparedLoad:
-    """Checks a checkpoint against the optimizer's param groups and builds the new groups and states (fresh tensors
-    laid out as layout says, then filled). Changes nothing it is given; raises ValueError or TypeError naming the
-    entry."""
+def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout, options: WideOptions
+                 ) -> PreparedLoad:
+    """Checks a checkpoint against the optimizer's param groups (their options as check_group checks them, against
+    the optimizer's own options) and builds the new groups and states (fresh tensors laid out as layout says, then
+    filled). Changes nothing it is given; raises ValueError or TypeError naming the entry."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict with 'state' and 'param_groups' (from optimizer.state_dict()), "
                         f"got {show(state_dict)}")
@@ -431,7 +432,7 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout)
             if key not in ("params", "step") and key not in TORCH_GROUP_KEYS:
                 # copies (an lr tensor: the scheduler fills it in place), so the given dict stays untouched
                 new_group[key] = wide_option_value(key, _copy(value)) if key in OPTIMIZER_WIDE_KEYS else _copy(value)
-        check_group(new_group, lambda key, gi=gi: entry("param_groups", gi, key), layout)
+        check_group(new_group, lambda key, gi=gi: entry("param_groups", gi, key), options)
         new_group["adam_w_mode"] = int(new_group["adam_w_mode"])  # a plain int, so checkpoints load with weights_only
         new_group["betas"] = tuple(new_group["betas"])
         new_groups.append(new_group)

@@ -23,17 +23,17 @@ from __future__ import annotations
 import math
 import numbers
 import struct
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from ._spec import STATE_DTYPES, AdamWMode
 
-# Options of the whole optimizer (they decide the state layout of every param): a param group may repeat the
-# optimizer's own value (torch's ZeroRedundancyOptimizer stores its keyword arguments in every group it hands to the
-# optimizer it wraps), and another value there is refused rather than silently ignored.
-OPTIMIZER_WIDE_KEYS = ("master_weights", "exp_avg_dtype", "exp_avg_sq_dtype")
+# Options of the whole optimizer (the state layout of every param, and the one norm that clips all gradients): a
+# param group may repeat the optimizer's own value (torch's ZeroRedundancyOptimizer stores its keyword arguments in
+# every group it hands to the optimizer it wraps), and another value there is refused rather than silently ignored.
+OPTIMIZER_WIDE_KEYS = ("master_weights", "exp_avg_dtype", "exp_avg_sq_dtype", "max_grad_norm")
 DTYPE_OPTIONS = ("exp_avg_dtype", "exp_avg_sq_dtype")
 # The optimizer's torch.distributed groups: never in a param group, which is saved with the state_dict (a process
 # group cannot be pickled).
@@ -50,6 +50,15 @@ REQUIRED_KEYS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_corr
 TENSOR_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 Where = Callable[[str], str]
+
+
+class WideOptions(NamedTuple):
+    """The optimizer's own values of :data:`OPTIMIZER_WIDE_KEYS`, which a param group may only repeat."""
+
+    master_weights: bool
+    exp_avg_dtype: Optional[torch.dtype]
+    exp_avg_sq_dtype: Optional[torch.dtype]
+    max_grad_norm: Optional[float]
 
 
 def is_number(value: Any) -> bool:
@@ -153,20 +162,25 @@ def _check_distributed_keys(group: dict, where: Where) -> None:
             "ZeroRedundancyOptimizer (which it stores in every param group)")
 
 
-def _check_wide_keys(group: dict, where: Where, own: dict) -> None:
+def _check_wide_keys(group: dict, where: Where, own: WideOptions) -> None:
     """An optimizer-wide option in a param group: accepted where it is the optimizer's own value."""
     for key in OPTIMIZER_WIDE_KEYS:
         if key not in group:
             continue
-        if wide_option_value(key, group[key]) is own[key]:  # (bools, None and dtypes are singletons: 1 is not True)
+        value, mine = wide_option_value(key, group[key]), getattr(own, key)
+        if value is mine:  # (bools, None and dtypes are singletons: 1 is not True)
             continue
-        theirs = f"this optimizer's own value ({own[key]!r}), not {show(group[key])}"
+        if key == "max_grad_norm" and mine is not None and is_number(value) and value == mine:
+            continue
+        theirs = f"this optimizer's own value ({mine!r}), not {show(group[key])}"
+        what = ("it clips the norm of all gradients together" if key == "max_grad_norm"
+                else "it decides the state layout of every param")
         raise ValueError(
-            f"{where(key)} is set in a param group, but FusedAdam takes it for the whole optimizer (it decides the "
-            f"state layout of every param), so a param group may only repeat {theirs}: pass {key}= to "
+            f"{where(key)} is set in a param group, but FusedAdam takes it for the whole optimizer ({what}), so a "
+            f"param group may only repeat {theirs}: pass {key}= to "
             f"FusedAdam(...) (under torch's ZeroRedundancyOptimizer, as its keyword argument or "
             f"optimizer_class=functools.partial(FusedAdam, {key}=...)) and remove it from the "
-            "group; for parameters with other state dtypes, use a second FusedAdam")
+            "group; for parameters with other options, use a second FusedAdam")
 
 
 def _check_torch_keys(group: dict, where: Where) -> None:
@@ -202,20 +216,19 @@ def _check_torch_keys(group: dict, where: Where) -> None:
         "decoupled modes, False for ADAM_L2_REGULARIZATION)")
 
 
-def check_group(group: dict, where: Where, options: Any) -> None:
+def check_group(group: dict, where: Where, options: WideOptions) -> None:
     """Every FusedAdam option of a param group (see the module docstring); where(key) names an entry in errors;
-    options: the optimizer's StateLayout (its optimizer-wide options, which a group may repeat). Raises before
-    anything changes; changes nothing."""
+    options: the optimizer's own optimizer-wide options, which a group may repeat. Raises before anything changes;
+    changes nothing."""
     for key in REQUIRED_KEYS:
         if key not in group:  # (as torch.optim's add_param_group: a ValueError naming the option)
             raise ValueError(
                 f"{where(key)} is missing: a param group needs every option of the optimizer's defaults (a group "
                 "appended to optimizer.param_groups directly gets none; add groups with optimizer.add_param_group, "
                 "which fills them in)")
-    own = {key: getattr(options, key) for key in OPTIMIZER_WIDE_KEYS}
-    master_weights = own["master_weights"]
+    master_weights = options.master_weights
     _check_distributed_keys(group, where)
-    _check_wide_keys(group, where, own)
+    _check_wide_keys(group, where, options)
     for key in BOOL_OPTIONS:
         if key in group:
             _flag(group, key, where)
@@ -316,13 +329,13 @@ class CheckedGroups:
         # position in param_groups -> (the group, its signature, the optimizer's options, its hyperparameters)
         self._checked: dict[int, tuple] = {}
 
-    def hyperparameters(self, groups: list, options: Any) -> list[dict]:
+    def hyperparameters(self, groups: list, options: WideOptions) -> list[dict]:
         """:meth:`of` every group, in order."""
         if len(self._checked) > len(groups):  # (groups removed: their entries go)
             self._checked = {index: entry for index, entry in self._checked.items() if index < len(groups)}
         return [self.of(index, group, options) for index, group in enumerate(groups)]
 
-    def of(self, index: int, group: dict, options: Any) -> dict:
+    def of(self, index: int, group: dict, options: WideOptions) -> dict:
         """The hyperparameters of ``param_groups[index]`` as the op's keyword arguments (a dict shared between calls:
         not to be written into), validated as :func:`check_group` validates them (raising as it does, naming the
         group, before anything changes), or as they were validated at an earlier call while nothing changed."""

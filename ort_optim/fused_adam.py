@@ -351,8 +351,8 @@ class FusedAdam(torch.optim.Optimizer):
             eps=eps, adam_w_mode=adam_w_mode, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
             stochastic_rounding=stochastic_rounding, stochastic_rounding_seed=stochastic_rounding_seed,
         )
-        _group_options.check_group(defaults, constructor_where,
-                                   StateLayout(master_weights, exp_avg_dtype, exp_avg_sq_dtype))
+        _group_options.check_group(defaults, constructor_where, _group_options.WideOptions(
+            master_weights, exp_avg_dtype, exp_avg_sq_dtype, max_grad_norm))
         self.set_grad_none = set_grad_none
         self.master_weights = master_weights
         self.exp_avg_dtype = exp_avg_dtype
@@ -488,7 +488,7 @@ class FusedAdam(torch.optim.Optimizer):
         group_index = len(self.param_groups) - 1
         group = self.param_groups[group_index]
         try:
-            _group_options.check_group(group, group_where(group_index), self._layout)
+            _group_options.check_group(group, group_where(group_index), self._wide_options)
             group["adam_w_mode"] = int(group["adam_w_mode"])  # a plain int, so checkpoints load with weights_only
             for index, p in enumerate(group["params"]):
                 if p.dtype not in SUPPORTED_PARAM_DTYPES:
@@ -531,6 +531,12 @@ class FusedAdam(torch.optim.Optimizer):
     def _layout(self) -> StateLayout:
         """How this optimizer stores state now (ort_optim/_layout.py): its master_weights and state dtype options."""
         return StateLayout(self.master_weights, self.exp_avg_dtype, self.exp_avg_sq_dtype)
+
+    @property
+    def _wide_options(self) -> _group_options.WideOptions:
+        """Its optimizer-wide options now, which a param group may only repeat."""
+        return _group_options.WideOptions(self.master_weights, self.exp_avg_dtype, self.exp_avg_sq_dtype,
+                                          self.max_grad_norm)
 
     @property
     def _has_dtensors(self) -> bool:
@@ -769,7 +775,7 @@ class FusedAdam(torch.optim.Optimizer):
         accepted them, or that are tensors: _group_options.CheckedGroups), capturable's demands, and clipping under a
         DeepSpeed optimizer that shows it part of the gradients (once). Returns each group's hyperparameters as the
         op's keyword arguments."""
-        hypers = self._checked_groups.hyperparameters(self.param_groups, self._layout)
+        hypers = self._checked_groups.hyperparameters(self.param_groups, self._wide_options)
         _group_options.check_dtype_pair(self.exp_avg_dtype, self.exp_avg_sq_dtype)  # (each may have changed alone)
         if self.capturable:  # checked before anything changes (state creation included), like everything else
             self._check_capturable_grad_scale(grad_scale)
@@ -1099,7 +1105,7 @@ class FusedAdam(torch.optim.Optimizer):
                     raise
                 self._agree_on_load(None)
             else:
-                prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._layout)
+                prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._layout, self._wide_options)
         except (ValueError, TypeError) as error:
             if state_dict is given:  # (not read from another library's layout)
                 raise
@@ -1149,7 +1155,7 @@ class FusedAdam(torch.optim.Optimizer):
         except (KeyError, TypeError, AttributeError):
             pass
         locals_ = [{**group, "params": [dtensor.local(p) for p in group["params"]]} for group in self.param_groups]
-        prepared = _checkpoint.prepare_load(locals_, state_dict, self._layout)
+        prepared = _checkpoint.prepare_load(locals_, state_dict, self._layout, self._wide_options)
         param_of = {id(dtensor.local(p)): p for group in self.param_groups for p in group["params"]}
         prepared.state = {param_of[id(local)]: state for local, state in prepared.state.items()}
         return prepared

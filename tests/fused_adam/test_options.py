@@ -407,7 +407,7 @@ def test_a_group_missing_an_option_is_refused_naming_the_group_and_the_option(ch
 
 
 @pytest.mark.parametrize("key,value", [("exp_avg_dtype", torch.uint8), ("exp_avg_sq_dtype", torch.bfloat16),
-                                       ("master_weights", True)])
+                                       ("master_weights", True), ("max_grad_norm", 1e-3)])
 def test_optimizer_wide_options_in_a_group_are_refused_naming_the_key_and_the_group(key, value):
     message = rf"param_groups\[1\]: {key} is set in a param group, but FusedAdam takes it for the whole optimizer"
     with pytest.raises(ValueError, match=message):
@@ -421,6 +421,25 @@ def test_optimizer_wide_options_in_a_group_are_refused_naming_the_key_and_the_gr
     with pytest.raises(ValueError, match=rf"param_groups\[0\]: {key} is set in a param group"):
         opt.step()
     assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
+def test_a_group_may_repeat_the_optimizers_max_grad_norm_and_a_checkpoint_with_another_is_refused():
+    # (torch's ZeroRedundancyOptimizer stores its keyword arguments, max_grad_norm among them, in every group)
+    clipped = FusedAdam([{"params": _params(1), "max_grad_norm": 1}], max_grad_norm=1.0)
+    plain = FusedAdam(_params(1), max_grad_norm=1.0)
+    for opt in (clipped, plain):
+        opt.param_groups[0]["params"][0].grad = torch.full((4, 3), 100.0)
+        opt.step()
+    assert torch.equal(clipped.param_groups[0]["params"][0], plain.param_groups[0]["params"][0])
+    saved = clipped.state_dict()
+    other = FusedAdam(_params(1), max_grad_norm=2.0)
+    other.param_groups[0]["params"][0].grad = torch.ones(4, 3)
+    other.step()
+    before = optimizer_snapshot(other)
+    with pytest.raises(ValueError, match=r"state_dict\['param_groups'\]\[0\]\['max_grad_norm'\] is set in a param "
+                                         r"group, .*clips the norm of all gradients together.*own value \(2.0\), not int 1"):
+        other.load_state_dict(saved)
+    assert_tree_bitwise_equal(optimizer_snapshot(other), before, "optimizer")
 
 
 FOREIGN = {"RAdam": torch.optim.RAdam, "NAdam": torch.optim.NAdam, "Adamax": torch.optim.Adamax}
