@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import itertools
 import re
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -111,10 +112,12 @@ class ParamState(dict):
 
     def __init__(self, owner: "OptimizerState", items=()):
         super().__init__({key: _held(key, value) for key, value in dict(items).items()})
-        self._owner = owner
+        self._owner = weakref.ref(owner)
 
     def _bump(self) -> None:
-        self._owner.version = new_version()
+        owner = self._owner()
+        if owner is not None:
+            owner.version = new_version()
 
     def __setitem__(self, key, value) -> None:
         value = _held(key, value)
@@ -176,7 +179,7 @@ class OptimizerState(collections.defaultdict):
         return value
 
     def _wrap(self, value) -> ParamState:
-        if isinstance(value, ParamState) and value._owner is self:
+        if isinstance(value, ParamState) and value._owner() is self:
             return value
         if not isinstance(value, Mapping):
             raise TypeError(f"optimizer.state[p] must be a dict of state entries, got {type(value).__name__}")

@@ -127,3 +127,36 @@ def test_after_a_step_zero_grad_frees_the_gradients_as_after_torch_adamws(option
         gradients = [weakref.ref(p.grad) for p in params]
         opt.zero_grad(set_to_none=True)
         assert all(g() is None for g in gradients), f"step {step}: a gradient outlived zero_grad"
+
+
+@pytest.mark.parametrize("options", [{}, dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
+                                     dict(step_in_backward=True)], ids=str)
+def test_a_deleted_optimizer_frees_its_params_and_states_at_once_as_torch_adamw(options):
+    """Without waiting for the garbage collector: optimizer.state holds no reference cycle, so dropping the last
+    references to the model and the optimizer frees the params and every state tensor by reference counting, as
+    torch.optim.AdamW's (a cycle kept them resident until the collector's next full pass, a model's size per
+    optimizer made and dropped)."""
+    import gc
+
+    def trained(make):
+        model = torch.nn.Linear(8, 4)
+        opt = make(model.parameters())
+        model(torch.randn(2, 8)).sum().backward()
+        if not options.get("step_in_backward"):
+            opt.step()
+        return [weakref.ref(opt), weakref.ref(model.weight)] + [
+            weakref.ref(t) for state in opt.state.values() for t in state.values()]
+
+    enabled = gc.isenabled()
+    trained(lambda params: FusedAdam(params, **options))  # (first use: imports and caches outside the check)
+    gc.collect()
+    gc.disable()
+    try:
+        anchor = trained(lambda params: torch.optim.AdamW(params))
+        ours = trained(lambda params: FusedAdam(params, **options))
+        assert all(ref() is None for ref in anchor)
+        alive = [i for i, ref in enumerate(ours) if ref() is not None]
+        assert not alive, f"alive until the garbage collector runs: {alive} (0: the optimizer, 1: a param)"
+    finally:
+        if enabled:
+            gc.enable()
