@@ -410,6 +410,11 @@ class BackwardStep:
         self._checked_epoch = self._epoch(optimizer)  # (the params lists may have become ParamLists just now)
         self._checked_task = task
 
+    def release_plans(self) -> None:
+        """Drops the per-param plans (the optimizer's state changed: each would be made again at its param's next
+        update), with the state tensors they hold."""
+        self._plans.clear()
+
     @staticmethod
     def _epoch(optimizer: torch.optim.Optimizer) -> tuple:
         """The optimizer's state version and its params lists' versions: what changes when the state or a params list

@@ -117,7 +117,7 @@ class ParamState(dict):
     def _bump(self) -> None:
         owner = self._owner()
         if owner is not None:
-            owner.version = new_version()
+            owner.changed()
 
     def __setitem__(self, key, value) -> None:
         value = _held(key, value)
@@ -160,7 +160,7 @@ class ParamState(dict):
 
 class OptimizerState(collections.defaultdict):
     """``optimizer.state``: a ``defaultdict(dict)`` of :class:`ParamState` that marks its mutations (``version``, a new
-    one at each: :func:`new_version`).
+    one at each: :func:`new_version`) and tells them to the caches built on it (:meth:`add_listener`).
 
     Assigning a dict to ``state[p]`` stores a :class:`ParamState` copy of it (a ParamState of this container is stored
     as is), so later changes must go through ``optimizer.state[p]``, not through the dict that was assigned.
@@ -169,8 +169,26 @@ class OptimizerState(collections.defaultdict):
     def __init__(self, items=()):
         super().__init__(None)
         self.version = new_version()
+        self._listeners: list = []
         for key, value in dict(items).items():
             self[key] = value
+
+    def add_listener(self, listener: weakref.WeakMethod) -> None:
+        """Calls ``listener()()`` at each mutation while the listener's object lives. A step plan holds the state
+        tensors it was built for, which a mutation may have dropped or replaced (``del state[p]``, a moment assigned,
+        a checkpoint loaded): its owner releases it then, so that they are freed at once, as torch.optim's states
+        are, instead of at the next step, which plans again anyway. A listener added again (the container assigned
+        to its optimizer once more) is kept once, and those of objects gone are dropped."""
+        self._listeners = [known for known in self._listeners if known() is not None and known != listener]
+        self._listeners.append(listener)
+
+    def changed(self) -> None:
+        """A mutation: a new version, and the listeners told."""
+        self.version = new_version()
+        for listener in self._listeners:
+            release = listener()
+            if release is not None:
+                release()
 
     def __missing__(self, key) -> ParamState:
         # an empty state changes no plan: no version bump for reading optimizer.state[p]
@@ -187,23 +205,23 @@ class OptimizerState(collections.defaultdict):
 
     def __setitem__(self, key, value) -> None:
         super().__setitem__(key, self._wrap(value))
-        self.version = new_version()
+        self.changed()
 
     def __delitem__(self, key) -> None:
         super().__delitem__(key)
-        self.version = new_version()
+        self.changed()
 
     def pop(self, *args):
-        self.version = new_version()
+        self.changed()
         return super().pop(*args)
 
     def popitem(self):
-        self.version = new_version()
+        self.changed()
         return super().popitem()
 
     def clear(self) -> None:
         super().clear()
-        self.version = new_version()
+        self.changed()
 
     def update(self, *args, **kwargs) -> None:
         for key, value in dict(*args, **kwargs).items():

@@ -392,7 +392,17 @@ class FusedAdam(torch.optim.Optimizer):
 
     @state.setter
     def state(self, value) -> None:
-        self._state_container = value if isinstance(value, _plan.OptimizerState) else _plan.OptimizerState(value)
+        container = value if isinstance(value, _plan.OptimizerState) else _plan.OptimizerState(value)
+        container.add_listener(weakref.WeakMethod(self._release_plans))
+        self._state_container = container
+        self._release_plans()
+
+    def _release_plans(self) -> None:
+        """Drops the step plans, which hold the state tensors they were built for, when the state changes (the next
+        step plans again anyway): a state the user dropped or replaced is freed at once, as with torch.optim."""
+        self._plan = None
+        if getattr(self, "_backward", None) is not None:
+            self._backward.release_plans()
 
     # Constructor options that torch.optim.Optimizer's pickling (copy.deepcopy, torch.save of the optimizer) would
     # otherwise drop: it keeps only defaults, state and param_groups.

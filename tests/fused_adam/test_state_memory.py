@@ -160,3 +160,43 @@ def test_a_deleted_optimizer_frees_its_params_and_states_at_once_as_torch_adamw(
     finally:
         if enabled:
             gc.enable()
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True], ids=["step()", "step_in_backward"])
+@pytest.mark.parametrize("change", ["del state[p]", "a moment replaced", "converted by loading its own checkpoint"])
+def test_a_state_the_user_drops_is_freed_at_once_as_torch_adamws(change, step_in_backward, backend):
+    """The step's cache holds the state tensors it was built for; a change of optimizer.state releases it, so that
+    what the change dropped is freed then, as torch.optim.AdamW's states are, not at the next step (which a frozen
+    param, or a frozen model converted to smaller moments, never takes). The next step plans again and trains on."""
+    params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(2)]
+    opt = FusedAdam(params, lr=1e-2, step_in_backward=step_in_backward)
+    for _ in range(2):
+        if step_in_backward:
+            sum((p * p).sum() for p in params).backward()
+        else:
+            for p in params:
+                p.grad = torch.randn(p.shape)
+            opt.step()
+        opt.zero_grad()
+    dropped = [weakref.ref(opt.state[params[0]][key]) for key in ("exp_avg", "exp_avg_sq")]
+    if change == "del state[p]":
+        del opt.state[params[0]]
+        dropped += [weakref.ref(opt.state[params[1]]["exp_avg"])]  # (the flat buffer both shared, views of it)
+        opt.state[params[1]]["exp_avg"] = opt.state[params[1]]["exp_avg"].clone()
+        opt.state[params[1]]["exp_avg_sq"] = opt.state[params[1]]["exp_avg_sq"].clone()
+    elif change == "a moment replaced":
+        for p in params:
+            opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].clone()
+            opt.state[p]["exp_avg_sq"] = opt.state[p]["exp_avg_sq"].clone()
+    else:
+        opt.exp_avg_dtype = opt.exp_avg_sq_dtype = torch.uint8
+        opt.load_state_dict(opt.state_dict())
+    assert all(ref() is None for ref in dropped), "a dropped state tensor is still held"
+    before = [p.detach().clone() for p in params]
+    if step_in_backward:
+        sum((p * p).sum() for p in params).backward()
+    else:
+        for p in params:
+            p.grad = torch.ones(p.shape)
+        opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))
