@@ -33,6 +33,16 @@ class AdamWMode(enum.IntEnum):
     ADAMW_TORCH = 2  # torch.optim.AdamW: p *= 1 - lr * wd before the update; torch's eps placement
 
 
+def check_hyperparameters(lr: float, beta1: float, beta2: float, prefix: str = "") -> None:
+    """The op's rules for the lr and betas it steps with (ops/README.md), as ValueErrors, as step() raises them and the
+    CPU kernel (ops/step.cpp) words them; prefix names the group ("param_groups[k]: ") where the caller knows it."""
+    if not (math.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"ort_optim::adam_step_: {prefix}lr must be finite and >= 0, got {lr:g}")
+    for i, beta in enumerate((beta1, beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"ort_optim::adam_step_: {prefix}betas[{i}] must be in [0, 1), got {beta:g}")
+
+
 def num_blocks(numel: int) -> int:
     """Quantisation blocks (QUANT_BLOCK elements each, the last one partial) of a tensor with numel elements."""
     return (numel + QUANT_BLOCK - 1) // QUANT_BLOCK

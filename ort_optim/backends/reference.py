@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import FP8_FORMATS, beta_power, low_bit_format, splitmix64
+from .._spec import FP8_FORMATS, beta_power, check_hyperparameters, low_bit_format, splitmix64
 from .._versions import tracks_versions
 from ..formats import (MASK32, decode_state, fmix32, is_relative, quantize_fp8, quantize_fp16, quantize_low_bit,
                        sqrt_f32, sqrt_f64, state_root)
@@ -71,15 +71,6 @@ def round_bf16_stochastic(values: torch.Tensor, key: int, step: int) -> torch.Te
     return torch.where(out >= 0x8000, out - 0x10000, out).to(torch.int16).view(torch.bfloat16).view(values.shape)
 
 
-def _check_hyperparameters(lr: float, beta1: float, beta2: float, prefix: str = "") -> None:
-    """The op's rules for lr and betas, as ValueErrors (as step() raises them); prefix names the group."""
-    if not (math.isfinite(lr) and lr >= 0.0):
-        raise ValueError(f"ort_optim::adam_step_: {prefix}lr must be finite and >= 0, got {lr:g}")
-    for i, beta in enumerate((beta1, beta2)):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"ort_optim::adam_step_: {prefix}betas[{i}] must be in [0, 1), got {beta:g}")
-
-
 def adam_step_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -127,8 +118,8 @@ def adam_step_(
                                f"{group_hyperparameters.dtype} of shape {list(group_hyperparameters.shape)} on "
                                f"{group_hyperparameters.device}")
         for k, row in enumerate(group_hyperparameters.tolist()):
-            _check_hyperparameters(*row, prefix=f"param_groups[{k}]: ")
-    _check_hyperparameters(lr, beta1, beta2)
+            check_hyperparameters(*row, prefix=f"param_groups[{k}]: ")
+    check_hyperparameters(lr, beta1, beta2)
     if rounding_keys is not None:
         if rounding_keys.dtype != torch.int64 or rounding_keys.shape != (len(params),):
             raise RuntimeError(f"ort_optim::adam_step_: rounding_keys must be an int64 tensor of shape [{len(params)}]")

@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_E5M2, FP8_FORMATS, MIN_SCALE,
-                     QUANT_BLOCK, Q4, Q8, LowBitFormat, square_tables)
+                     QUANT_BLOCK, Q4, Q8, LowBitFormat, check_hyperparameters, square_tables)
 from .._versions import mark_modified, step_taken
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
@@ -660,7 +660,8 @@ def adam_step_(
 
     The values of lr_tensor, betas_tensor and grad_scale are read by the kernels on the device and not checked (a
     check on the host would synchronise with the device at every step), nor are group_hyperparameters' (which the
-    kernels do not read); their dtypes, shapes and devices are.
+    kernels do not read); their dtypes, shapes and devices are. lr, beta1 and beta2 given as floats are checked as
+    the CPU kernel checks them (ValueError), before anything is written.
 
     grad_norm (a keyword of this backend only, not of the op's schema; FusedAdam's plain steps pass it): also return
     :func:`grad_stats`' float32 [sum of squares, 1.0 if not finite] of the gradients as the update loaded them
@@ -713,6 +714,11 @@ def adam_step_(
         _fail(f"group_hyperparameters must be a float64 tensor of shape [groups, 3] (lr, beta1, beta2) on the steps' "
               f"device ({steps.device}), got {group_hyperparameters.dtype} of shape "
               f"{list(group_hyperparameters.shape)} on {group_hyperparameters.device}")
+    # lr, beta1 and beta2 given as floats are host values: checked by the op's rules, as the CPU kernel checks them.
+    # A float that lr_tensor or betas_tensor replaces is not used (and the tensors are read on the device only).
+    host_lr = lr if lr_tensor is None else 0.0
+    host_betas = (beta1, beta2) if betas_tensor is None else (0.0, 0.0)
+    check_hyperparameters(host_lr, *host_betas)
     if n == 0:
         return _stats_without_elements(found_inf, steps.device) if grad_norm else None
     device = params[0].device

@@ -556,6 +556,35 @@ def test_errors_name_the_argument():
         triton_backend.adam_step_(*bad, **hp)
 
 
+@needs_working_interpreter
+@pytest.mark.parametrize("skip", [False, True], ids=["step", "found_inf"])
+@pytest.mark.parametrize("bad", [dict(lr=-1.0), dict(lr=float("nan")), dict(lr=float("inf")), dict(beta1=1.0),
+                                 dict(beta2=-0.5)], ids=["lr<0", "lr-nan", "lr-inf", "beta1=1", "beta2<0"])
+def test_float_lr_and_betas_out_of_range_are_refused_as_by_the_cpu_kernel(bad, skip):
+    """lr, beta1 and beta2 given as floats are host values: out of the op's range (lr finite and >= 0, each beta in
+    [0, 1)) the Triton backend refuses them with the CPU kernel's ValueError and message, before anything is written,
+    also where found_inf would skip the step. A float that lr_tensor or betas_tensor replaces is not used, as on the
+    CPU."""
+    base = clone_case(make_case("fp32", False, seed=2, shapes=[(10,), (3,)]), DEVICE)
+    before = clone_case(base, DEVICE)
+    hp = hyper(1, found_inf=torch.tensor([1.0]) if skip else None, **bad)
+    with pytest.raises(ValueError, match=r"ort_optim::adam_step_: (lr|betas\[[01]\]) must be") as refused:
+        triton_backend.adam_step_(*base, **on(DEVICE, hp))
+    assert_bitwise(base, before, f"a refused {bad} wrote nothing")
+    assert torch.equal(base[9].cpu(), before[9].cpu()), "a refused step leaves the step counts"
+    if backends.native_available():
+        with pytest.raises(ValueError) as native:
+            torch.ops.ort_optim.adam_step_(*clone_case(before), **hp)
+        assert str(refused.value) == str(native.value)
+
+    replaced = (dict(lr_tensor=torch.tensor(1e-2)) if "lr" in bad
+                else dict(betas_tensor=torch.tensor([0.9, 0.999], dtype=F64)))
+    triton_backend.adam_step_(*base, **on(DEVICE, dict(hp, **replaced)))
+    expected = clone_case(before)
+    reference_step(expected, hyper(1, found_inf=hp["found_inf"]))
+    assert_bitwise(base, expected, f"{bad} replaced by {sorted(replaced)} steps as without it")
+
+
 # ---- CUDA only: streams and graphs ----------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not USE_CUDA, reason="needs a CUDA GPU (tools/gpu_check.py runs these there)")
