@@ -106,7 +106,8 @@ void fp8_store(const float* src, const float* root, int64_t off, int64_t n, uint
       std::memset(out, 0, len);
     } else {
       const uint32_t* r = rnd + q;
-      const uint32_t coded = fp8_coded_amax_sr<kMb, kEmax>(amax, kSecondMoment ? r[0] & 0xFFFFu : r[0] >> 16);
+      const uint32_t coded =
+          fp8_coded_amax_sr<kMb, kEmax, kSecondMoment>(amax, kSecondMoment ? r[0] & 0xFFFFu : r[0] >> 16);
       if (fp8_zero_block<kEmax>(coded)) {
         s = 0.0f;
         std::memset(out, 0, len);
@@ -141,8 +142,8 @@ void fp8_store_pair(const float* m, const float* v, const float* root, uint32_t 
                     int64_t len, uint32_t step, uint8_t* codes_m, float* scales_m, uint8_t* codes_v, float* scales_v,
                     uint32_t* rnd) {
   const uint32_t step_hash = moment_step_hash(step), r0 = moment_random_bits_of(m[0], off, step_hash);
-  const uint32_t coded_m = fp8_coded_amax_sr<FM::kMb, FM::kEmax>(amax_m, r0 >> 16),
-                 coded_v = fp8_coded_amax_sr<FV::kMb, FV::kEmax>(amax_v, r0 & 0xFFFFu);
+  const uint32_t coded_m = fp8_coded_amax_sr<FM::kMb, FM::kEmax, false>(amax_m, r0 >> 16),
+                 coded_v = fp8_coded_amax_sr<FV::kMb, FV::kEmax, true>(amax_v, r0 & 0xFFFFu);
   const uint32_t inv_m = fp8_regular_inverse<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode, false>(coded_m),
                  inv_v = fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode, true>(coded_v);
   if (inv_m == 0 || inv_v == 0) {

@@ -89,10 +89,13 @@ inline uint32_t fp8_coded_amax(uint32_t amax, uint32_t add) {
   return std::min(kept, (uint32_t(kEmax + 127) << 23) | spec::kFp8MaxMantissa) + (uint32_t(k0) << 23);
 }
 
-// fp8_coded_amax in a step: rounded stochastically with 16 random bits (those of the block's first element).
-template <int kMb, int kEmax>
+// fp8_coded_amax in a step: rounded stochastically with 16 random bits (those of the block's first element). A second
+// moment's finite amax is at most kFp8MaxRootBits first (_spec.FP8_MAX_ROOT: the decoded v = M * M stays finite).
+template <int kMb, int kEmax, bool kSecondMoment>
 inline uint32_t fp8_coded_amax_sr(uint32_t amax, uint32_t random16) {
-  return amax >= 0x7F800000u ? amax : fp8_coded_amax<kMb, kEmax>(amax, random16 << (23 - kMb - 16));
+  if (amax >= 0x7F800000u) return amax;
+  return fp8_coded_amax<kMb, kEmax>(kSecondMoment ? std::min(amax, spec::kFp8MaxRootBits) : amax,
+                                    random16 << (23 - kMb - 16));
 }
 
 // The code of a block's coded largest magnitude (bits, fp8_coded_amax) at the block's 1 / scale inv: the code every
@@ -246,8 +249,8 @@ struct Fp8PairCoder {
   Fp8PairCoder(uint32_t amax_m, uint32_t amax_v, const float* m, int64_t off, uint32_t step, uint8_t* codes_m,
                uint8_t* codes_v)
       : r0(moment_random_bits_of(m[0], off, moment_step_hash(step))),
-        coded_m(fp8_coded_amax_sr<FM::kMb, FM::kEmax>(amax_m, r0 >> 16)),
-        coded_v(fp8_coded_amax_sr<FV::kMb, FV::kEmax>(amax_v, r0 & 0xFFFFu)),
+        coded_m(fp8_coded_amax_sr<FM::kMb, FM::kEmax, false>(amax_m, r0 >> 16)),
+        coded_v(fp8_coded_amax_sr<FV::kMb, FV::kEmax, true>(amax_v, r0 & 0xFFFFu)),
         inv_m(fp8_regular_inverse<FM::kMb, FM::kBias, FM::kEmax, FM::kMaxCode, false>(coded_m)),
         inv_v(fp8_regular_inverse<FV::kMb, FV::kBias, FV::kEmax, FV::kMaxCode, true>(coded_v)),
         coder_m(amax_m, coded_m, inv_m),

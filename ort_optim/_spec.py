@@ -397,7 +397,8 @@ class Fp8Format:
       codes again: encoding is idempotent and a resume exact. Rounded like the others, the largest magnitude cannot
       stick on its level (rounded to nearest, a decaying m and a slowly growing v did: tests/fused_adam/test_low_bit.py).
       Codes saturate at max_value only where k is capped (|values| near float32's largest). A second moment's k is at
-      least :attr:`min_sq_exponent` (MIN_SQRT_V: every non-zero code then decodes to its own normal float32 v).
+      least :attr:`min_sq_exponent` (MIN_SQRT_V: every non-zero code then decodes to its own normal float32 v), and
+      its amax at most FP8_MAX_ROOT before it is coded (so M * M, the decoded v, is finite for every finite v).
     * A code reads as its bits say: exponent and mantissa (subnormal codes: mantissa * 2**(1 - bias -
       mantissa_bits)), the sign bit; torch's float8 value for every code written below. The codes never written
       (e5m2's 0x7C-0x7F, which torch reads as inf and NaN; e4m3fn's 0x7F, its NaN) read as the finite values their
@@ -465,6 +466,11 @@ class Fp8Format:
     def bytes_per_element(self) -> float:
         return 1 + self.scale_dtype.itemsize / self.block
 
+
+# The largest sqrt(v) a second moment's fp8 block codes, 1.75 * 2**63 (max_value * 2**(63 - emax) in both formats): a
+# block's largest magnitude above it (u up to sqrt of float32's largest, just below 2**64) is coded as this value, whose
+# square (2.6e38) is finite; coded as the next level, 2**64, a finite v would read back as inf (an overflowed v).
+FP8_MAX_ROOT = 1.75 * 2.0**63
 
 # torchao's AdamWFp8 layout (float8_e4m3fn, one float32 scale per block of 256): 2 * (1 + 4/256) = 2.031 bytes/param
 # for both moments. e4m3fn: 3 mantissa bits (relative steps of 6.25-12.5%), 2**-9 .. 448 (17.8 binades);

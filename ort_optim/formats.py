@@ -22,8 +22,8 @@ try:
 except ImportError:  # (torch runs without numpy; sqrt_f64 then takes torch's float64 sqrt)
     numpy = None
 
-from ._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_FORMATS, MIN_SCALE, FP16_LIMIT, LOW_BIT_FORMATS,
-                    QUANT_BLOCK, Fp8Format, LowBitFormat, low_bit_format, num_blocks, square_tables)
+from ._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_FORMATS, FP8_MAX_ROOT, MIN_SCALE, FP16_LIMIT,
+                    LOW_BIT_FORMATS, QUANT_BLOCK, Fp8Format, LowBitFormat, low_bit_format, num_blocks, square_tables)
 
 # ---- the hash of the stochastic roundings (ops/README.md) -----------------------------------------------------------
 
@@ -400,8 +400,10 @@ def quantize_fp8(values: torch.Tensor, fmt: Fp8Format, second_moment: bool, step
             raise ValueError("quantize_fp8: a second moment's stochastic rounding (step > 0) needs the step's exp_avg")
         r = moment_random_bits(x if not second_moment else exp_avg.detach().float().reshape(-1), step)
         random = torch.nn.functional.pad(r & 0xFFFF if second_moment else r >> 16, (0, -n % fmt.block)).view_as(a)
-    coded = fp8_coded_amax(torch.where(finite, amax, torch.zeros_like(amax)), fmt,
-                           None if random is None else random[:, 0])
+    coded_from = torch.where(finite, amax, torch.zeros_like(amax))
+    if second_moment:  # (its square, the decoded v, stays finite: _spec.FP8_MAX_ROOT)
+        coded_from = coded_from.clamp_max(FP8_MAX_ROOT)
+    coded = fp8_coded_amax(coded_from, fmt, None if random is None else random[:, 0])
     usable = finite & ~fp8_zero_blocks(coded, fmt)
     k = fp8_block_exponents(coded, fmt)
     if second_moment:  # (_spec.MIN_SQRT_V)

@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import re
+import struct
 import subprocess
 import warnings
 from pathlib import Path
@@ -85,6 +86,7 @@ def spec_header() -> str:
             array(f"k{tag}ExpAvgSqSquareGaps", _spec.square_tables(fmt.exp_avg_sq_levels)[1]),
             f"constexpr float k{tag}MinSqScale = {fmt.min_sq_scale.hex()}f;",
         ]
+    max_root_bits = struct.unpack("<I", struct.pack("<f", _spec.FP8_MAX_ROOT))[0]  # (exact: a float32 value)
     lines += [f"constexpr float kExpAvgSnap = {_spec.EXP_AVG_SNAP.hex()}f;",
               f"constexpr uint32_t kExpAvgSrUlps = {_spec.EXP_AVG_SR_ULPS};",
               f"constexpr uint32_t kCanonicalNan = {_spec.CANONICAL_NAN:#x}u;",
@@ -92,6 +94,7 @@ def spec_header() -> str:
               f"constexpr int kFp8Block = {_spec.FP8_E4M3.block};",
               f"constexpr int kFp8MinExponent = {_spec.FP8_E4M3.min_exponent};",
               f"constexpr uint32_t kFp8MaxMantissa = {_spec.FP8_E4M3.max_mantissa:#x}u;",
+              f"constexpr uint32_t kFp8MaxRootBits = {max_root_bits:#x}u;",
               f"constexpr int kFp8E4M3MinSqExponent = {_spec.FP8_E4M3.min_sq_exponent};",
               f"constexpr int kFp8E5M2MinSqExponent = {_spec.FP8_E5M2.min_sq_exponent};",
               "}  // namespace spec", "}  // namespace ort_optim", ""]

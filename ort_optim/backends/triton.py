@@ -43,8 +43,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_E5M2, FP8_FORMATS, MIN_SCALE,
-                     QUANT_BLOCK, Q4, Q8, LowBitFormat, check_hyperparameters, square_tables)
+from .._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_E5M2, FP8_FORMATS, FP8_MAX_ROOT,
+                     MIN_SCALE, QUANT_BLOCK, Q4, Q8, LowBitFormat, check_hyperparameters, square_tables)
 from .._versions import mark_modified, step_taken
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
@@ -129,9 +129,10 @@ _kernels_module = None
 def _check_spec(module) -> None:
     if (module.EXP_AVG_SNAP.value, module.MIN_SCALE.value, module.EXP_AVG_SR_ULPS.value, module.FP8_MIN_EXPONENT.value,
             module.FP8_MAX_MANTISSA.value, module.CANONICAL_NAN.value, module.Q8_MIN_SQ_SCALE.value,
-            module.Q4_MIN_SQ_SCALE.value, module.FP8_E4M3_MIN_SQ_EXPONENT.value, module.FP8_E5M2_MIN_SQ_EXPONENT.value) != (
+            module.Q4_MIN_SQ_SCALE.value, module.FP8_E4M3_MIN_SQ_EXPONENT.value, module.FP8_E5M2_MIN_SQ_EXPONENT.value,
+            module.FP8_MAX_ROOT.value) != (
             EXP_AVG_SNAP, MIN_SCALE, EXP_AVG_SR_ULPS, FP8_E4M3.min_exponent, FP8_E4M3.max_mantissa, CANONICAL_NAN,
-            Q8.min_sq_scale, Q4.min_sq_scale, FP8_E4M3.min_sq_exponent, FP8_E5M2.min_sq_exponent):
+            Q8.min_sq_scale, Q4.min_sq_scale, FP8_E4M3.min_sq_exponent, FP8_E5M2.min_sq_exponent, FP8_MAX_ROOT):
         raise RuntimeError("ort_optim: triton_kernels' low-bit constants differ from ort_optim._spec's")
 
 

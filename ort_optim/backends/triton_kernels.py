@@ -50,6 +50,7 @@ F32, F16, BF16, F64, Q8, Q4, FP8_E4M3, FP8_E5M2 = 0, 1, 2, 3, 4, 5, 6, 7
 # _spec.Fp8Format's smallest block exponent (asserted equal by triton.py)
 FP8_MIN_EXPONENT = tl.constexpr(-110)
 FP8_MAX_MANTISSA = tl.constexpr(0x600000)
+FP8_MAX_ROOT = tl.constexpr(1.75 * 2.0**63)  # (_spec.FP8_MAX_ROOT)
 # _spec's constants of the low-bit encoders (asserted equal by triton.py)
 EXP_AVG_SNAP = tl.constexpr(1.0 + 2.0**-20)
 MIN_SCALE = tl.constexpr(2.0**-126)
@@ -551,7 +552,10 @@ def _store_fp8(addr, scale_addr, offs, x, mask, rnd, DT: tl.constexpr, SECOND: t
         r16 = r2 >> 16
     first = tl.arange(0, QB)[None, :] == 0
     r_first = tl.max(tl.where(first, r16, 0), axis=1)  # (the block's first element's random bits)
-    coded = _fp8_coded_amax(tl.where(block_bad == 0, amax, 0.0), r_first, MB, EMAX)
+    coded_from = tl.where(block_bad == 0, amax, 0.0)
+    if SECOND:  # at most FP8_MAX_ROOT: the decoded v, its square, stays finite (_spec.FP8_MAX_ROOT)
+        coded_from = tl.minimum(coded_from, FP8_MAX_ROOT)
+    coded = _fp8_coded_amax(coded_from, r_first, MB, EMAX)
     cb = coded.to(tl.int32, bitcast=True)
     k = ((cb >> 23) & 0xFF) - 127 - EMAX + ((cb & 0x7FFFFF) > FP8_MAX_MANTISSA).to(tl.int32)
     k = tl.minimum(k, 127 - EMAX)

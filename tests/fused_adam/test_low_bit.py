@@ -561,6 +561,38 @@ def test_a_gradient_near_float32s_largest_leaves_exp_avg_finite_and_no_param_nan
         assert float(exp_avg[OVERFLOWED]) == pytest.approx(float(torch_state["exp_avg"][OVERFLOWED]), rel=0.25)
 
 
+@pytest.mark.parametrize("v", ["u8", "u4", "e4m3", "e5m2"])
+def test_a_finite_v_near_float32s_largest_reads_back_finite_and_restores_bit_for_bit(v, backend):
+    """A v that float32 holds, up to its largest (gradients of 5.5e20 to 5.75e20 at beta2 = 0.999: v up to 3.3e38,
+    sqrt(v) just below 2**64), reads back finite, as torch.optim.AdamW keeps it, so every param moves at the next
+    step (a zero gradient) as torch's do (an fp8 block codes its largest sqrt(v) as at most _spec.FP8_MAX_ROOT = 1.75 * 2**63, whose
+    square is finite; the next level, 2**64, reads back as an overflowed v, inf, whose updates are 0), and a
+    checkpoint of the state restores it bit for bit."""
+    grad = torch.tensor([5.5e20, 5.6e20, 5.7e20, 5.75e20] * 64)
+    p = torch.nn.Parameter(torch.zeros(256))
+    opt = FusedAdam([p], lr=1e-3, exp_avg_sq_dtype=MOMENT_DTYPES[v])
+    ref = torch.nn.Parameter(torch.zeros(256))
+    torch_opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.0)
+    for param in (p, ref):
+        param.grad = grad.clone()
+    opt.step()
+    torch_opt.step()
+    assert bool(torch_opt.state[ref]["exp_avg_sq"].isfinite().all())
+    assert bool(state_values(opt, p, "exp_avg_sq").isfinite().all())
+
+    restored = FusedAdam([p], lr=1e-3, exp_avg_sq_dtype=MOMENT_DTYPES[v])
+    restored.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for key, value in opt.state[p].items():
+        assert torch.equal(bits(restored.state[p][key]), bits(value)), key
+
+    before, torch_before = p.detach().clone(), ref.detach().clone()
+    for param in (p, ref):  # (a zero gradient: v decays, and stays finite in torch's AdamW)
+        param.grad = torch.zeros(256)
+    opt.step()
+    torch_opt.step()
+    assert bool((ref != torch_before).all()) and bool((p != before).all())
+
+
 # ---- idempotent quantisation: what makes a canonical checkpoint resume exactly ----------------------------------
 
 
