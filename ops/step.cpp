@@ -144,6 +144,11 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     w.grad_type = g.scalar_type();
     const double t = steps[i] + 1.0;
     if (t != last_t) {  // the params of a bucket usually share their step count: two powers per call, not per param
+      // (a count written in place is not checked when written: one out of range would make the powers' conversion
+      // to an integer undefined)
+      TORCH_CHECK_VALUE(steps[i] >= 0.0 && steps[i] <= spec::kMaxStep && steps[i] == std::floor(steps[i]),
+                        "ort_optim::adam_step_: steps[", i, "] is ", steps[i], "; a step count is a whole number in ",
+                        "[0, 2**53], as a checkpoint's are (was it written in place?)");
       const double bc1 = o.bias_correction ? 1.0 - beta_power(beta1, t) : 1.0;
       const double bc2 = o.bias_correction ? 1.0 - beta_power(beta2, t) : 1.0;
       step_size = o.mode == kAdamWTorch ? lr / bc1 : lr * std::sqrt(bc2) / bc1;

@@ -29,7 +29,7 @@ import torch
 
 from ._group_options import OPTIMIZER_WIDE_KEYS, TORCH_GROUP_KEYS, WideOptions, check_group, show, wide_option_value
 from ._layout import StateLayout
-from ._spec import AdamWMode
+from ._spec import MAX_STEP, AdamWMode
 from . import formats
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -50,9 +50,6 @@ FOREIGN_OPTIMIZERS = {"SGD": ("momentum", "dampening", "nesterov"), "RMSprop": (
                       "Adagrad": ("lr_decay", "initial_accumulator_value"), "NAdam": ("momentum_decay",),
                       "Adadelta": ("rho",), "ASGD": ("lambd", "t0", "alpha"), "Rprop": ("etas", "step_sizes")}
 FOREIGN_OPTION_KEYS = tuple(dict.fromkeys(key for keys in FOREIGN_OPTIMIZERS.values() for key in keys))
-# Steps are counted in float64, exact up to 2**53.
-MAX_STEP = 2.0**53
-
 
 def entry(*keys) -> str:
     """The expression that names an entry of a checkpoint: entry('state', 3, 'step') == "state_dict['state'][3]['step']"."""

@@ -1141,7 +1141,7 @@ def _check_shared_states(entries: list, stateful: list, adoptions: list) -> None
 # ---- naming the param behind an op's error --------------------------------------------------------------------------
 
 _LIST_ENTRY = re.compile(r"\b(params|grads|exp_avgs|exp_avg_sqs|max_exp_avg_sqs|master_params|exp_avg_scales|"
-                         r"exp_avg_sq_scales|max_exp_avg_sq_scales)\[(\d+)\]")
+                         r"exp_avg_sq_scales|max_exp_avg_sq_scales|steps)\[(\d+)\]")
 
 
 def check_grads_writable(buckets: list) -> None:

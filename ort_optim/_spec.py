@@ -472,6 +472,10 @@ class Fp8Format:
 # square (2.6e38) is finite; coded as the next level, 2**64, a finite v would read back as inf (an overflowed v).
 FP8_MAX_ROOT = 1.75 * 2.0**63
 
+# Steps are counted in float64, exact up to 2**53: a step count is a whole number in [0, MAX_STEP] (a checkpoint's, and
+# the one the CPU step reads).
+MAX_STEP = 2.0**53
+
 # torchao's AdamWFp8 layout (float8_e4m3fn, one float32 scale per block of 256): 2 * (1 + 4/256) = 2.031 bytes/param
 # for both moments. e4m3fn: 3 mantissa bits (relative steps of 6.25-12.5%), 2**-9 .. 448 (17.8 binades);
 # e5m2: 2 mantissa bits, 2**-16 .. 57344 (31.8 binades).

@@ -95,6 +95,7 @@ def spec_header() -> str:
               f"constexpr int kFp8MinExponent = {_spec.FP8_E4M3.min_exponent};",
               f"constexpr uint32_t kFp8MaxMantissa = {_spec.FP8_E4M3.max_mantissa:#x}u;",
               f"constexpr uint32_t kFp8MaxRootBits = {max_root_bits:#x}u;",
+              f"constexpr double kMaxStep = {_spec.MAX_STEP.hex()};",
               f"constexpr int kFp8E4M3MinSqExponent = {_spec.FP8_E4M3.min_sq_exponent};",
               f"constexpr int kFp8E5M2MinSqExponent = {_spec.FP8_E5M2.min_sq_exponent};",
               "}  // namespace spec", "}  // namespace ort_optim", ""]

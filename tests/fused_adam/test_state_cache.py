@@ -1561,6 +1561,21 @@ def test_a_bad_step_through_a_plan_names_the_param_and_changes_nothing(damage, m
     assert_same_snapshot(before, optimizer_snapshot(opt))
 
 
+@pytest.mark.parametrize("count", [-3.0, 2.5, float("nan"), float("inf"), 2.0**53 + 2])
+def test_a_step_count_written_in_place_out_of_range_is_refused_by_the_cpu_step_and_nothing_changes(count,
+                                                                                                    monkeypatch):
+    # (writes in place are not checked when made; the CPU step reads every count it steps from)
+    opt, params = _planned_fp32(monkeypatch)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.state[params[1]]["step"].fill_(count)
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=re.escape("param_groups[0]['params'][1] (shape") + r".*'s step is .*; a "
+                                         r"step count is a whole number in \[0, 2\*\*53\]"):
+        opt.step()
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
 def test_plans_are_native_cpu_only(monkeypatch):
     opt, _ = _planned_fp32(monkeypatch)
     assert all(bucket.native is not None for bucket in opt._plan.groups[0].buckets)
