@@ -283,7 +283,8 @@ def hyperparameters(group: dict, traced: bool = False) -> dict:
 # whether the value changed (True == 1 == 1.0, hence the types beside the values).
 _PLAIN_NUMBERS = frozenset((int, float, bool))
 # The other keys check_group reads, whose values signature() compares by identity (bools, None, dtypes, a dtype's
-# name, process groups: a group that gets one, or another value, is validated again).
+# name, process groups: a group that gets one, or another value, is validated again), and ints and floats (a
+# max_grad_norm) by value and type: an equal number written again is no change, as for lr.
 _OTHER_KEYS = OPTIMIZER_WIDE_KEYS + PROCESS_GROUP_KEYS + ("differentiable", "decoupled_weight_decay")
 _MISSING = object()
 
@@ -295,6 +296,13 @@ def checked_entries(group: dict) -> tuple:
     again, which validates it (under torch.compile, where the check runs only while tracing, reading them makes them
     part of the guards)."""
     return tuple(group.get(key, _MISSING) for key in _OTHER_KEYS)
+
+
+def same_checked_entries(a: tuple, b: tuple) -> bool:
+    """Two :func:`checked_entries` alike: each the same object, or the same int or float (a ``max_grad_norm``: a
+    config or a ZeroRedundancyOptimizer loaded from a checkpoint writes a new float object of the same value, which
+    is no change; NaN never equals itself, so it is validated again, and refused)."""
+    return all(x is y or (type(x) is type(y) and type(x) in (int, float) and x == y) for x, y in zip(a, b))
 
 
 def signature(group: dict) -> Optional[tuple]:
@@ -315,8 +323,8 @@ def signature(group: dict) -> Optional[tuple]:
 
 
 def _same_signature(a: tuple, b: tuple) -> bool:
-    """Two signatures alike: the numbers equal with their types, the other values the same objects."""
-    return a[:2] == b[:2] and all(x is y for x, y in zip(a[2], b[2]))
+    """Two signatures alike: the numbers equal with their types, the other values alike (same_checked_entries)."""
+    return a[:2] == b[:2] and same_checked_entries(a[2], b[2])
 
 
 class CheckedGroups:

@@ -52,7 +52,7 @@ import torch
 
 from . import _checkpoint, _spec, backends, formats
 from ._checkpoint import MOMENT_KEYS
-from ._group_options import checked_entries, show
+from ._group_options import checked_entries, same_checked_entries, show
 from ._layout import StateLayout, compact_flat_buffers
 from ._versions import tracks_versions
 from ._spec import FP8_FORMATS, LOW_BIT_FORMATS, SUPPORTED_PARAM_DTYPES, num_blocks
@@ -424,7 +424,7 @@ class Plan:
             if (group is not planned.group or params is not planned.params
                     or params.version != planned.params_version or bool(group["amsgrad"]) != planned.amsgrad
                     or _rounding(group) != planned.rounding
-                    or any(a is not b for a, b in zip(checked_entries(group), planned.checked))):
+                    or not same_checked_entries(checked_entries(group), planned.checked)):
                 return False
         return True
 

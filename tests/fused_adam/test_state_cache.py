@@ -590,6 +590,23 @@ def test_the_plan_is_rebuilt_exactly_when_something_it_cached_changed(change, ba
     assert builds[0] == expected
 
 
+def test_a_groups_max_grad_norm_written_again_at_the_same_value_is_no_change(backend, monkeypatch):
+    # (a config applied at every step, or torch's ZeroRedundancyOptimizer after loading a checkpoint, writes a new
+    # float object of the optimizer's own value into every group: compared by value, as lr, not by identity)
+    params = _params()
+    opt = FusedAdam([{"params": params, "max_grad_norm": 1.0}], max_grad_norm=1.0)
+    builds = _count_builds(monkeypatch)
+    for _ in range(4):
+        opt.param_groups[0]["max_grad_norm"] = float(str(1.0))  # (a new object each time)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert builds[0] == 1
+    opt.param_groups[0]["max_grad_norm"] = 2.0  # another value: validated again, and refused
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: max_grad_norm is set in a param group"):
+        opt.step()
+
+
 # ---- 8. last_grad_norm ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("options,step_kwargs", [
