@@ -180,7 +180,9 @@ def _check_wide_keys(group: dict, where: Where, own: WideOptions) -> None:
             f"param group may only repeat {theirs}: pass {key}= to "
             f"FusedAdam(...) (under torch's ZeroRedundancyOptimizer, as its keyword argument or "
             f"optimizer_class=functools.partial(FusedAdam, {key}=...)) and remove it from the "
-            "group; for parameters with other options, use a second FusedAdam")
+            "group (torch's ZeroRedundancyOptimizer copies its own param_groups into FusedAdam's at every step, a "
+            f"loaded checkpoint's values among them: set {key} in each of its param_groups too, or build it with the "
+            "checkpoint's value); for parameters with other options, use a second FusedAdam")
 
 
 def _check_torch_keys(group: dict, where: Where) -> None:

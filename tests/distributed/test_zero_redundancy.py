@@ -123,6 +123,36 @@ def test_optimizer_wide_options_given_to_zero_step_save_and_resume_as_the_plain_
     assert all(torch.equal(p, q) for p, q in zip(pc, pz))
 
 
+def test_a_resume_through_zero_with_another_max_grad_norm_is_refused_then_steps_once_zeros_groups_say_it(
+        world_of_one):
+    # (ZeRO's load_state_dict puts the checkpoint's max_grad_norm into its groups, which it copies into FusedAdam's at
+    # every step: the error says where to write the new value)
+    pz, pr, pc = make_params(), make_params(), make_params()
+    z = ZeRO(pz, optimizer_class=FusedAdam, **TA, max_grad_norm=1.0)
+    r = FusedAdam(pr, **TA, max_grad_norm=1.0)
+    train(z, pz, range(3))
+    train(r, pr, range(3))
+    z.consolidate_state_dict(to=0)
+    saved = through_file(z.state_dict())
+    with torch.no_grad():
+        for p, q in zip(pc, pz):
+            p.copy_(q)
+    c = ZeRO(pc, optimizer_class=FusedAdam, **TA, max_grad_norm=0.5)
+    c.load_state_dict(saved)
+    set_grads(pc, 3)
+    before = snapshot(c.optim)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: max_grad_norm is set in a param group, .*own value "
+                                         r"\(0.5\), not float 1.0: .*set max_grad_norm in each of its param_groups"):
+        c.step()
+    same(before, snapshot(c.optim))
+    for group in c.param_groups:
+        group["max_grad_norm"] = 0.5
+    r.max_grad_norm = 0.5
+    train(c, pc, range(3, 6))
+    train(r, pr, range(3, 6))
+    assert all(torch.equal(p, q) for p, q in zip(pc, pr))
+
+
 @pytest.mark.parametrize("key, value", [("master_weights", True), ("exp_avg_dtype", torch.uint8)])
 def test_an_optimizer_wide_option_in_a_group_other_than_the_optimizers_is_refused_naming_it(key, value):
     params = make_params()
