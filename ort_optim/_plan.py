@@ -182,6 +182,10 @@ class OptimizerState(collections.defaultdict):
         self._listeners = [known for known in self._listeners if known() is not None and known != listener]
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: weakref.WeakMethod) -> None:
+        """Stops calling the listener (its object no longer uses this container), and drops those of objects gone."""
+        self._listeners = [known for known in self._listeners if known() is not None and known != listener]
+
     def changed(self) -> None:
         """A mutation: a new version, and the listeners told."""
         self.version = new_version()

@@ -393,7 +393,11 @@ class FusedAdam(torch.optim.Optimizer):
     @state.setter
     def state(self, value) -> None:
         container = value if isinstance(value, _plan.OptimizerState) else _plan.OptimizerState(value)
-        container.add_listener(weakref.WeakMethod(self._release_plans))
+        listener = weakref.WeakMethod(self._release_plans)
+        previous = self.__dict__.get("_state_container")
+        if previous is not None and previous is not container:  # (kept elsewhere, its changes are not this one's)
+            previous.remove_listener(listener)
+        container.add_listener(listener)
         self._state_container = container
         self._release_plans()
 

@@ -607,6 +607,28 @@ def test_a_groups_max_grad_norm_written_again_at_the_same_value_is_no_change(bac
         opt.step()
 
 
+def test_a_state_container_the_optimizer_no_longer_uses_does_not_drop_its_plan(backend, monkeypatch):
+    # (a container kept elsewhere after optimizer.state was replaced, or still held by another optimizer: its changes
+    # are not this optimizer's, whose next step keeps its plan)
+    params = _params()
+    opt, other = FusedAdam(params), FusedAdam(params)
+    other.state = opt.state
+    old = opt.state
+    opt.state = {}
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    builds = _count_builds(monkeypatch)
+    for step in range(3):
+        old[params[0]] = {"step": step}
+        other.state[params[1]]["step"] = step
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert builds[0] == 0
+
+
 # ---- 8. last_grad_norm ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("options,step_kwargs", [
