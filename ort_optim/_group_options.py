@@ -162,7 +162,7 @@ def _check_distributed_keys(group: dict, where: Where) -> None:
             "ZeroRedundancyOptimizer (which it stores in every param group)")
 
 
-def _check_wide_keys(group: dict, where: Where, own: WideOptions) -> None:
+def check_wide_keys(group: dict, where: Where, own: WideOptions) -> None:
     """An optimizer-wide option in a param group: accepted where it is the optimizer's own value."""
     for key in OPTIMIZER_WIDE_KEYS:
         if key not in group:
@@ -230,7 +230,7 @@ def check_group(group: dict, where: Where, options: WideOptions) -> None:
                 "which fills them in)")
     master_weights = options.master_weights
     _check_distributed_keys(group, where)
-    _check_wide_keys(group, where, options)
+    check_wide_keys(group, where, options)
     for key in BOOL_OPTIONS:
         if key in group:
             _flag(group, key, where)

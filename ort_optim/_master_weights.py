@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from . import backends
+from ._group_options import WideOptions, check_wide_keys
 from .formats import sqrt_f32
 from .fused_adam import FusedAdam
 from .integrations import dtensor
@@ -144,6 +145,13 @@ class InnerMasters:
                 f"FP16_Optimizer(max_grad_norm={max_grad_norm}) disagrees with the wrapped FusedAdam's "
                 f"max_grad_norm={optimizer.max_grad_norm}; give it in one place"
             )
+        # (apply() sets master_weights and max_grad_norm: a group repeating another value of either, as torch's
+        # ZeroRedundancyOptimizer's groups or a loaded checkpoint's do, would have every step refused after it)
+        after = WideOptions(True, optimizer.exp_avg_dtype, optimizer.exp_avg_sq_dtype,
+                            optimizer.max_grad_norm if max_grad_norm is None else max_grad_norm)
+        for gi, group in enumerate(optimizer.param_groups):
+            check_wide_keys(group, lambda key, gi=gi: f"FP16_Optimizer: param_groups[{gi}] of this FusedAdam: {key}",
+                            after)
         self.optimizer = optimizer
         self._max_grad_norm = max_grad_norm
         self._unscaled = _Versions()  # the gradients the last step() left unscaled

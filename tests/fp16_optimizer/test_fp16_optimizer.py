@@ -810,6 +810,26 @@ def test_fused_adam_flags_unchanged_when_max_grad_norm_conflicts():
     assert_tree_bitwise_equal(before, optimizer_picture(fused))
 
 
+@pytest.mark.parametrize("key,value,kwargs", [("max_grad_norm", None, dict(max_grad_norm=1.0)),
+                                              ("master_weights", False, {})])
+def test_a_fused_adam_whose_groups_repeat_another_value_of_what_fp16_optimizer_sets_is_refused_unchanged(
+        key, value, kwargs):
+    # (FP16_Optimizer sets the FusedAdam's master_weights and max_grad_norm, which a group may only repeat: refused
+    # here, naming the group, rather than at every step after)
+    fused = FusedAdam([{"params": fp16_params(), key: value}], lr=1e-3)
+    before = optimizer_picture(fused)
+    with pytest.raises(ValueError, match=rf"FP16_Optimizer: param_groups\[0\] of this FusedAdam: {key} is set in a "
+                                         r"param group, .* may only repeat this optimizer's own value"):
+        FP16_Optimizer(fused, **kwargs)
+    assert_tree_bitwise_equal(before, optimizer_picture(fused))
+    repeating = FusedAdam([{"params": fp16_params(), "max_grad_norm": 1.0, "master_weights": True}], lr=1e-3,
+                          max_grad_norm=1.0, master_weights=True)
+    opt = FP16_Optimizer(repeating)  # (the values it keeps: accepted, and it steps)
+    for p in repeating.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+
+
 def test_lbfgs_is_refused_up_front():
     params = [nn.Parameter(torch.randn(3).half())]
     lbfgs = torch.optim.LBFGS(params)
