@@ -616,6 +616,16 @@ def test_a_change_the_step_must_see_retraces_and_is_validated():
         step()
 
 
+def _step_or_refusal(opt, step, errors: list) -> None:
+    """step(), or its ValueError appended to errors, the optimizer then as it was before the call."""
+    before = optimizer_snapshot(opt)
+    try:
+        step()
+    except ValueError as error:
+        errors.append(str(error))
+        assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "after a refused step")
+
+
 @NEWEST
 @pytest.mark.parametrize("entry, value", [
     ("differentiable", True), ("decoupled_weight_decay", False), ("decoupled_weight_decay", True),
@@ -633,12 +643,7 @@ def test_a_group_entry_written_between_compiled_steps_is_validated_as_the_eager_
             _grads(model, i)
             if i == 2:
                 opt.param_groups[0][entry] = value
-            before = optimizer_snapshot(opt)
-            try:
-                step()
-            except ValueError as error:
-                outcome.append(str(error))
-                assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "after a refused step")
+            _step_or_refusal(opt, step, outcome)
         results.append((optimizer_snapshot(opt), outcome))
     (eager, eager_errors), (compiled, compiled_errors) = results
     assert compiled_errors == eager_errors and len(eager_errors) == (0 if value is True and entry.startswith(
@@ -669,12 +674,7 @@ def test_a_tensor_eps_or_weight_decay_changed_between_compiled_steps_is_validate
                 opt.param_groups[1][key].fill_(0.05)
             if i == 4:
                 opt.param_groups[1][key] = 0.2
-            before = optimizer_snapshot(opt)
-            try:
-                step()
-            except ValueError as error:
-                errors.append(str(error))
-                assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "after a refused step")
+            _step_or_refusal(opt, step, errors)
         results.append((optimizer_snapshot(opt), errors))
     (eager, eager_errors), (compiled, compiled_errors) = results
     assert eager_errors == [f"param_groups[1]: {key} must be >= 0, got -1.0"], eager_errors

@@ -170,13 +170,17 @@ def test_a_state_the_user_drops_is_freed_at_once_as_torch_adamws(change, step_in
     param, or a frozen model converted to smaller moments, never takes). The next step plans again and trains on."""
     params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(2)]
     opt = FusedAdam(params, lr=1e-2, step_in_backward=step_in_backward)
-    for _ in range(2):
+
+    def train_step():
         if step_in_backward:
             sum((p * p).sum() for p in params).backward()
         else:
             for p in params:
                 p.grad = torch.randn(p.shape)
             opt.step()
+
+    for _ in range(2):
+        train_step()
         opt.zero_grad()
     dropped = [weakref.ref(opt.state[params[0]][key]) for key in ("exp_avg", "exp_avg_sq")]
     if change == "del state[p]":
@@ -193,10 +197,5 @@ def test_a_state_the_user_drops_is_freed_at_once_as_torch_adamws(change, step_in
         opt.load_state_dict(opt.state_dict())
     assert all(ref() is None for ref in dropped), "a dropped state tensor is still held"
     before = [p.detach().clone() for p in params]
-    if step_in_backward:
-        sum((p * p).sum() for p in params).backward()
-    else:
-        for p in params:
-            p.grad = torch.ones(p.shape)
-        opt.step()
+    train_step()
     assert all(not torch.equal(p, b) for p, b in zip(params, before))
