@@ -77,6 +77,7 @@ class BackwardStep:
         # versions (_checked_epoch), and in this backward (_checked_task), see _check_across_params.
         self._checked_epoch: Optional[tuple] = None
         self._checked_task: Optional[int] = None
+        self._listed_epoch: Optional[tuple] = None  # (_forget_removed: the epoch whose params it last compared)
         # Once check_updated_once() found a param updated with another gradient, every later hook, step() and
         # zero_grad() raises the same error while such a gradient is there (cleared by hand, the next step() or
         # zero_grad() goes on without it; remove_backward_hooks() ends it too): none may update a param again.
@@ -175,6 +176,7 @@ class BackwardStep:
         (Only params this optimizer was given, as watch() saw them: tensors put in param_groups by hand or by a
         wrapper are not hooked, see _check_not_repointed.) First removes the setup hooks, once check_setup() passed."""
         self.remove_setup_hooks()
+        self._forget_removed()
         for p in [p for p in self._unhooked if p.requires_grad]:
             del self._unhooked[p]
             if p not in self._handles:
@@ -187,6 +189,30 @@ class BackwardStep:
                 self._handles[p] = p.register_post_accumulate_grad_hook(self._eager_hook)
             p._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
             self._impls[p] = p._cdata
+
+    def _forget_removed(self) -> None:
+        """Forgets the params no longer in any param group (their group removed, or they from its list), once per
+        change of the params lists or the state: their hooks are removed and nothing here refers to them, so they are
+        freed with their group, as torch.optim's are (a loop that adds a group and removes it again grew by every
+        param otherwise). Put back into param_groups by hand, such a param is one added by hand: step() updates it
+        (add_param_group hooks it again). A param removed but not yet forgotten is not updated by its hook
+        (_locate)."""
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return
+        epoch = self._epoch(optimizer)
+        if epoch == self._listed_epoch:
+            return
+        optimizer._checked_groups.forget_removed(optimizer.param_groups)
+        listed = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for p in [p for p in self._where if id(p) not in listed]:
+            for by_param in (self._handles, self._setup_handles):
+                handle = by_param.pop(p, None)
+                if handle is not None:
+                    handle.remove()
+            for by_param in (self._where, self._impls, self._unhooked, self._plans, self._prints, self._updated):
+                by_param.pop(p, None)
+        self._listed_epoch = epoch
 
     def _connect(self, p: torch.Tensor) -> None:
         """Registers this optimizer's hook on p, connected to p's C++ tensor. register_post_accumulate_grad_hook adds

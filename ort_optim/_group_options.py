@@ -341,9 +341,15 @@ class CheckedGroups:
 
     def hyperparameters(self, groups: list, options: WideOptions) -> list[dict]:
         """:meth:`of` every group, in order."""
-        if len(self._checked) > len(groups):  # (groups removed: their entries go)
-            self._checked = {index: entry for index, entry in self._checked.items() if index < len(groups)}
+        if len(self._checked) > len(groups):
+            self.forget_removed(groups)
         return [self.of(index, group, options) for index, group in enumerate(groups)]
+
+    def forget_removed(self, groups: list) -> None:
+        """Drops the entries of groups no longer at their position (removed, or another dict put there), which would
+        otherwise keep the removed groups, and their params, alive."""
+        self._checked = {index: entry for index, entry in self._checked.items()
+                         if index < len(groups) and groups[index] is entry[0]}
 
     def of(self, index: int, group: dict, options: WideOptions) -> dict:
         """The hyperparameters of ``param_groups[index]`` as the op's keyword arguments (a dict shared between calls:

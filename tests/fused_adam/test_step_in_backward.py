@@ -72,6 +72,7 @@ import os
 import subprocess
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -891,6 +892,37 @@ def test_a_param_removed_from_param_groups_is_not_updated_by_its_hook_and_one_mo
         assert removed.grad is not None and int(opt.state[removed]["step"]) == 2
         results.append(optimizer_snapshot(opt, extra=[removed]))
     assert_same_snapshot(*results)
+
+
+def test_a_param_removed_from_param_groups_is_forgotten_at_the_next_zero_grad_and_freed_with_its_group():
+    """A param no longer in any group is forgotten by the next zero_grad() or step(): its hook is removed and the
+    optimizer holds nothing of it, so it is freed with its group and state, as with torch.optim (a loop that adds a
+    temporary group and removes it again does not grow). Put back by hand after that, it is a param added by hand:
+    backward leaves its gradient, and step() updates it."""
+    base = torch.nn.Parameter(torch.randn(8))
+    opt = FusedAdam([base], lr=1e-2, step_in_backward=True)
+    refs = []
+    for i in range(3):
+        head = torch.nn.Parameter(torch.randn(16, 16))
+        opt.add_param_group({"params": [head]})
+        ((head * head).sum() + base.sum()).backward()
+        assert head.grad is None and int(opt.state[head]["step"]) == 1  # (updated by its hook)
+        refs.append(weakref.ref(head))
+        opt.param_groups.pop()
+        del opt.state[head], head
+        opt.zero_grad()
+        assert refs[-1]() is None, "a param removed from param_groups is still held"
+    kept = torch.nn.Parameter(torch.randn(4))
+    opt.add_param_group({"params": [kept]})
+    (kept.sum() + base.sum()).backward()
+    opt.param_groups[1]["params"].clear()
+    opt.zero_grad()
+    opt.param_groups[1]["params"].append(kept)  # (by hand: no hook)
+    before = kept.detach().clone()
+    (kept.sum() + base.sum()).backward()
+    assert kept.grad is not None and torch.equal(kept, before) and int(opt.state[kept]["step"]) == 1
+    opt.step()
+    assert not torch.equal(kept, before) and int(opt.state[kept]["step"]) == 2
 
 
 def test_max_grad_norm_set_after_construction_is_refused_by_the_first_hook_before_any_update():
