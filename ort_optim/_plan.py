@@ -179,7 +179,7 @@ class OptimizerState(collections.defaultdict):
         a checkpoint loaded): its owner releases it then, so that they are freed at once, as torch.optim's states
         are, instead of at the next step, which plans again anyway. A listener added again (the container assigned
         to its optimizer once more) is kept once, and those of objects gone are dropped."""
-        self._listeners = [known for known in self._listeners if known() is not None and known != listener]
+        self.remove_listener(listener)
         self._listeners.append(listener)
 
     def remove_listener(self, listener: weakref.WeakMethod) -> None:

@@ -1059,9 +1059,10 @@ class FusedAdam(torch.optim.Optimizer):
         in fp32 and low-bit moments alike), and a run that diverged before it was saved has inf/NaN moments or masters
         (torch loads them too). A finite value that this optimizer's storage dtype cannot hold (beyond bfloat16's
         range, say) is refused. Then new state tensors are built as copies in this optimizer's storage dtypes: the
-        given dict and its tensors are never written to, so loading the same dict twice equals loading it once. A state without ``master_param`` (a checkpoint of an optimizer without
-        master weights) gets its master at the param's next step, from the param as it is then, as a state made
-        before ``master_weights`` was switched on does: model weights loaded after this call are kept. So does a
+        given dict and its tensors are never written to, so loading the same dict twice equals loading it once. A
+        state without ``master_param`` (a checkpoint of an optimizer without master weights) gets its master at the
+        param's next step, from the param as it is then, as a state made before ``master_weights`` was switched on
+        does: model weights loaded after this call are kept. So does a
         state whose ``master_param`` is in its param's float16/bfloat16 dtype, which is what torch.optim's load
         makes of FusedAdam's float32 master (it casts state tensors to the param's dtype and then never updates
         that key: after torch.optim.AdamW trained on, the master is the one of the step before torch's first). Such

@@ -565,9 +565,9 @@ def test_a_gradient_near_float32s_largest_leaves_exp_avg_finite_and_no_param_nan
 def test_a_finite_v_near_float32s_largest_reads_back_finite_and_restores_bit_for_bit(v, backend):
     """A v that float32 holds, up to its largest (gradients of 5.5e20 to 5.75e20 at beta2 = 0.999: v up to 3.3e38,
     sqrt(v) just below 2**64), reads back finite, as torch.optim.AdamW keeps it, so every param moves at the next
-    step (a zero gradient) as torch's do (an fp8 block codes its largest sqrt(v) as at most _spec.FP8_MAX_ROOT = 1.75 * 2**63, whose
-    square is finite; the next level, 2**64, reads back as an overflowed v, inf, whose updates are 0), and a
-    checkpoint of the state restores it bit for bit."""
+    step (a zero gradient) as torch's do (an fp8 block codes its largest sqrt(v) as at most _spec.FP8_MAX_ROOT =
+    1.75 * 2**63, whose square is finite; the next level, 2**64, reads back as an overflowed v, inf, whose updates
+    are 0), and a checkpoint of the state restores it bit for bit."""
     grad = torch.tensor([5.5e20, 5.6e20, 5.7e20, 5.75e20] * 64)
     p = torch.nn.Parameter(torch.zeros(256))
     opt = FusedAdam([p], lr=1e-3, exp_avg_sq_dtype=MOMENT_DTYPES[v])

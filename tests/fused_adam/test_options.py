@@ -437,7 +437,8 @@ def test_a_group_may_repeat_the_optimizers_max_grad_norm_and_a_checkpoint_with_a
     other.step()
     before = optimizer_snapshot(other)
     with pytest.raises(ValueError, match=r"state_dict\['param_groups'\]\[0\]\['max_grad_norm'\] is set in a param "
-                                         r"group, .*clips the norm of all gradients together.*own value \(2.0\), not int 1"):
+                                         r"group, .*clips the norm of all gradients together.*own value "
+                                         r"\(2.0\), not int 1"):
         other.load_state_dict(saved)
     assert_tree_bitwise_equal(optimizer_snapshot(other), before, "optimizer")
 
