@@ -28,7 +28,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from ._group_options import OPTIMIZER_WIDE_KEYS, TORCH_GROUP_KEYS, WideOptions, check_group, show, wide_option_value
-from ._layout import StateLayout
 from ._spec import MAX_STEP, AdamWMode
 from . import formats
 
@@ -352,11 +351,10 @@ def _carried_master(saved: dict, p: torch.Tensor) -> bool:
             and master.dtype == p.dtype)
 
 
-def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout, options: WideOptions
-                 ) -> PreparedLoad:
+def prepare_load(param_groups: list[dict], state_dict: Any, options: WideOptions) -> PreparedLoad:
     """Checks a checkpoint against the optimizer's param groups (their options as check_group checks them, against
-    the optimizer's own options) and builds the new groups and states (fresh tensors laid out as layout says, then
-    filled). Changes nothing it is given; raises ValueError or TypeError naming the entry."""
+    the optimizer's own options) and builds the new groups and states (fresh tensors laid out as options.layout says,
+    then filled). Changes nothing it is given; raises ValueError or TypeError naming the entry."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict with 'state' and 'param_groups' (from optimizer.state_dict()), "
                         f"got {show(state_dict)}")
@@ -381,6 +379,7 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout,
         raise ValueError(f"{entry('param_groups')} has {len(saved_groups)} param groups but this optimizer has "
                          f"{len(param_groups)}")
 
+    init_state = options.layout.init_state
     id_to_param: dict[Any, tuple[int, int, torch.Tensor]] = {}  # saved id -> (group, position, param)
     new_groups, group_steps = [], []
     for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
@@ -452,8 +451,8 @@ def prepare_load(param_groups: list[dict], state_dict: Any, layout: StateLayout,
             continue
         if isinstance(saved, dict) and _carried_master(saved, p):
             saved = {key: value for key, value in saved.items() if key != "master_param"}
-        new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], gi, group_steps[gi], where, layout.init_state,
-                                              nonfinite, listed=entry("param_groups", gi, "params", j))
+        new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], gi, group_steps[gi], where, init_state, nonfinite,
+                                              listed=entry("param_groups", gi, "params", j))
         if "master_param" in saved and "master_param" not in new_state[p]:
             dropped_masters.append(f"{where}['master_param']")
     for group in new_groups:

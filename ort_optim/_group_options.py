@@ -28,6 +28,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from ._layout import StateLayout
 from ._spec import STATE_DTYPES, AdamWMode
 
 # Options of the whole optimizer (the state layout of every param, and the one norm that clips all gradients): a
@@ -59,6 +60,11 @@ class WideOptions(NamedTuple):
     exp_avg_dtype: Optional[torch.dtype]
     exp_avg_sq_dtype: Optional[torch.dtype]
     max_grad_norm: Optional[float]
+
+    @property
+    def layout(self) -> StateLayout:
+        """How these options store state: the first three, which decide every param's state layout."""
+        return StateLayout(self.master_weights, self.exp_avg_dtype, self.exp_avg_sq_dtype)
 
 
 def is_number(value: Any) -> bool:

@@ -544,7 +544,7 @@ class FusedAdam(torch.optim.Optimizer):
     @property
     def _layout(self) -> StateLayout:
         """How this optimizer stores state now (ort_optim/_layout.py): its master_weights and state dtype options."""
-        return StateLayout(self.master_weights, self.exp_avg_dtype, self.exp_avg_sq_dtype)
+        return self._wide_options.layout
 
     @property
     def _wide_options(self) -> _group_options.WideOptions:
@@ -1120,7 +1120,7 @@ class FusedAdam(torch.optim.Optimizer):
                     raise
                 self._agree_on_load(None)
             else:
-                prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._layout, self._wide_options)
+                prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._wide_options)
         except (ValueError, TypeError) as error:
             if state_dict is given:  # (not read from another library's layout)
                 raise
@@ -1170,7 +1170,7 @@ class FusedAdam(torch.optim.Optimizer):
         except (KeyError, TypeError, AttributeError):
             pass
         locals_ = [{**group, "params": [dtensor.local(p) for p in group["params"]]} for group in self.param_groups]
-        prepared = _checkpoint.prepare_load(locals_, state_dict, self._layout, self._wide_options)
+        prepared = _checkpoint.prepare_load(locals_, state_dict, self._wide_options)
         param_of = {id(dtensor.local(p)): p for group in self.param_groups for p in group["params"]}
         prepared.state = {param_of[id(local)]: state for local, state in prepared.state.items()}
         return prepared
