@@ -63,7 +63,7 @@ struct Lerp {
 //                                            weight w = 1 - beta1, base = m and c = w where w < 0.5, else base = g
 //                                            and c = w - 1 (so beta1 = 0 gives m = g exactly)
 //   v = v * beta2 + (1 - beta2) * g * g
-//   vmax = max(vmax, v); v = vmax            amsgrad: the max of the raw v, bias correction after
+//   vmax = max(vmax, v); v = vmax            amsgrad: the max of the raw v (NaN-propagating), bias correction after
 //   p = p - lr / bc1 * (m / (sqrt(v) / sqrt(bc2) + eps))          mode 2 (step_size = lr / bc1)
 //   p = p - lr * sqrt(bc2) / bc1 * (m / (sqrt(v) + eps))          modes 0, 1 (ORT/HF: eps outside the correction)
 //   p = p - lr * wd * p                      mode 1 (HF AdamW): decoupled decay, after the update
@@ -98,7 +98,8 @@ BlockMax adam_loop_of(T* __restrict__ p, const T* __restrict__ g, T* __restrict_
     v[i] = v[i] * b2 + one_minus_b2 * gi * gi;
     T vi = v[i];
     if (kAmsgrad) {
-      vmax[i] = std::max(vmax[i], vi);  // the max of the raw v; bias correction comes after
+      // the max of the raw v, bias correction after; NaN in either stays NaN, as torch.maximum
+      vmax[i] = vmax[i] < vi || vi != vi ? vi : vmax[i];
       vi = vmax[i];
     }
     const T sqrt_vi = std::sqrt(vi);

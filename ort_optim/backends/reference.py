@@ -182,9 +182,7 @@ def adam_step_(
             v_used = v
             if amsgrad:
                 old = _read_state(max_exp_avg_sqs[i], optional(max_exp_avg_sq_scales, i), compute, True, param.shape)
-                # std::max(old, v) as the kernels compute it: a NaN v keeps the old maximum, a NaN maximum stays
-                # (torch.maximum would propagate either)
-                vmax = torch.where(old < v, v, old)
+                vmax = torch.maximum(old, v)  # (a NaN in either stays NaN)
                 v_used = vmax
             root = sqrt_f64(v_used) if compute == torch.float64 else sqrt_f32(v_used)
             if adam_w_mode == 2:

@@ -720,7 +720,7 @@ def _adam_block(
     if AMSGRAD:
         vmax = _load_state(vmax_addr, vmaxs_addr, v_lut_ptr, offs, mask, block_index, V_DT, V_SCALED, True, ALIGNED,
                            BLOCK)
-        vmax = tl.where(vmax < v, v, vmax)  # std::max(vmax, v), NaN behaviour included
+        vmax = tl.where((vmax < v) | (v != v), v, vmax)  # torch.maximum(vmax, v): a NaN in either stays
         v_used = vmax
     else:
         v_used = v

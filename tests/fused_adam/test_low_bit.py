@@ -2253,8 +2253,8 @@ def _snapshot_nan_equal(opt):
                          ids="-".join)
 def test_a_nan_gradient_that_nothing_skips_leaves_the_same_bits_on_every_backend(moments, amsgrad, monkeypatch):
     """A gradient holding a NaN that nothing skips (no grad_scale, no max_grad_norm: as torch, the step is taken)
-    leaves the kernel and the reference with the same params and states: amsgrad's running maximum (a NaN v keeps
-    the old maximum, as std::max), and the block scale of an fp16 moment whose block holds the NaN (1, as for any
+    leaves the kernel and the reference with the same params and states: amsgrad's running maximum (NaN from a NaN v,
+    as torch.maximum), and the block scale of an fp16 moment whose block holds the NaN (1, as for any
     non-finite block)."""
     runs = []
     for backend in ("torch", KERNEL):

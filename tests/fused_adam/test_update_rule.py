@@ -390,6 +390,33 @@ def test_adamw_torch_mode_is_torch_optim_adamw(dtype, variant, backend, monkeypa
         assert float(opt.state[a]["step"]) == float(ref.state[b]["step"]) == 300
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_amsgrads_running_maximum_turns_nan_where_torchs_does(backend, monkeypatch):
+    """A NaN gradient that nothing skips makes v NaN in both; amsgrad's running maximum then turns NaN where
+    torch.optim.AdamW's torch.maximum does, and stays NaN (params finite elsewhere, both optimizers alike)."""
+    select_backend(monkeypatch, backend)
+    g = torch.Generator().manual_seed(5)
+    ours = [torch.nn.Parameter(torch.randn(40, generator=g))]
+    theirs = [torch.nn.Parameter(ours[0].detach().clone())]
+    opt = FusedAdam(ours, lr=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=1e-2, amsgrad=True)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, eps=1e-8, weight_decay=1e-2, amsgrad=True, foreach=False)
+    for step in range(5):
+        grad = torch.randn(40, generator=g)
+        if step == 2:
+            grad[[3, 17]] = float("nan")
+        ours[0].grad, theirs[0].grad = grad, grad.clone()
+        opt.step()
+        ref.step()
+    expected = ref.state[theirs[0]]["max_exp_avg_sq"]
+    assert expected[[3, 17]].isnan().all()
+    ours_vmax = opt.state[ours[0]]["max_exp_avg_sq"]
+    assert torch.equal(ours_vmax.isnan(), expected.isnan())
+    assert torch.equal(ours[0].isnan(), theirs[0].isnan())
+    finite = ~expected.isnan()
+    torch.testing.assert_close(ours_vmax[finite], expected[finite], rtol=1e-6, atol=0)
+    torch.testing.assert_close(ours[0][finite], theirs[0].detach()[finite], **TORCH_TOLERANCES[torch.float32])
+
+
 # ---- per-parameter steps -------------------------------------------------------------------------------------------
 
 
