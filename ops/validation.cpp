@@ -1,6 +1,8 @@
 // Validation of adam_step_'s inputs (declarations and the public checks in validation.h).
 #include "validation.h"
 
+#include <ATen/MemoryOverlap.h>
+
 #include "fp8.h"
 
 namespace ort_optim {
@@ -114,6 +116,9 @@ bool check_param(const at::Tensor& p, size_t i, bool has_master) {
   TORCH_CHECK(!has_master || is_low_precision(pt), "ort_optim::adam_step_: master_params given but params[", i,
               "] is ", pt, "; master weights are for float16/bfloat16 params");
   check_storage(p, "params", i);
+  TORCH_CHECK(at::has_internal_overlap(p) != at::MemOverlap::Yes, "ort_optim::adam_step_: params[", i,
+              "] overlaps itself (an expand()ed tensor), so it cannot hold one updated value per element: give it its "
+              "own memory (param.clone())");
   return pt == at::kDouble;
 }
 

@@ -99,6 +99,10 @@ def adam_step_(
     betas_tensor: Optional[torch.Tensor] = None,
     group_hyperparameters: Optional[torch.Tensor] = None,
 ) -> None:
+    for i, param in enumerate(params):  # checked before anything is written, as the native op does
+        if torch._debug_has_internal_overlap(param) == 1:
+            raise RuntimeError(f"ort_optim::adam_step_: params[{i}] overlaps itself (an expand()ed tensor), so it "
+                               "cannot hold one updated value per element: give it its own memory (param.clone())")
     if betas_tensor is not None:  # checked before anything is written, as the native op does
         if not (betas_tensor.dtype == torch.float64 and tuple(betas_tensor.shape) == (2,)
                 and betas_tensor.device == steps.device and betas_tensor.layout == torch.strided):

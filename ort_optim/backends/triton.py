@@ -744,6 +744,9 @@ def adam_step_(
         copied = []
         for i, p in enumerate(params):
             if not p.is_contiguous():
+                if torch._debug_has_internal_overlap(p) == 1:  # (before anything is written)
+                    _fail(f"params[{i}] overlaps itself (an expand()ed tensor), so it cannot hold one updated value "
+                          "per element: give it its own memory (param.clone())")
                 work_params[i] = p.contiguous()
                 copied.append(i)
         statics = [work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,

@@ -562,6 +562,25 @@ def test_params_that_share_memory_are_refused_naming_both(case, backend, monkeyp
     assert_same_snapshot(before, optimizer_snapshot(opt))
 
 
+@pytest.mark.parametrize("skipped", [False, True], ids=["taken", "skipped-by-found-inf"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_op_refuses_an_expanded_param_before_anything_is_written(backend, skipped, monkeypatch):
+    """An expand()ed param cannot receive one value per element: the op itself (for callers other than FusedAdam,
+    which refuses it first) says so before any state is written, whether or not found_inf skips the step."""
+    select_backend(monkeypatch, backend)
+    args, kwargs = Sample("errors", F32, F32, F16, F32).make()
+    args[0][1] = torch.randn(1).expand(args[0][1].shape)
+    if skipped:
+        kwargs = dict(kwargs, found_inf=torch.ones(1))
+    before = _clone_args(args)
+    with pytest.raises(RuntimeError, match=r"params\[1\] overlaps itself \(an expand\(\)ed tensor\), so it cannot "
+                                           r"hold one updated value per element"):
+        backends.adam_step_(*args, **kwargs)
+    for a, b in zip(args, before):
+        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
+            assert_bitwise_equal(x, y, "input")
+
+
 DISJOINT = {
     "contiguous-halves": lambda base: [base[:2], base[2:]],
     "interleaved-columns": lambda base: [base[:, ::2], base[:, 1::2]],

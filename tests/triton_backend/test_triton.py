@@ -585,6 +585,26 @@ def test_float_lr_and_betas_out_of_range_are_refused_as_by_the_cpu_kernel(bad, s
     assert_bitwise(base, expected, f"{bad} replaced by {sorted(replaced)} steps as without it")
 
 
+@needs_working_interpreter
+@pytest.mark.parametrize("skip", [False, True], ids=["step", "found_inf"])
+def test_an_expanded_param_is_refused_as_by_the_cpu_kernel(skip):
+    """An expand()ed param cannot receive one value per element: refused with the CPU kernel's message before
+    anything is written, also where found_inf would skip the step."""
+    base = clone_case(make_case("fp32", False, seed=2, shapes=[(10,), (3,)]), DEVICE)
+    base[0][1] = torch.randn(1, device=DEVICE).expand(3)
+    before = clone_case(base, DEVICE)
+    hp = hyper(1, found_inf=torch.tensor([1.0]) if skip else None)
+    with pytest.raises(RuntimeError, match=r"params\[1\] overlaps itself") as refused:
+        triton_backend.adam_step_(*base, **on(DEVICE, hp))
+    assert_bitwise(base, before, "a refused step wrote nothing")
+    if backends.native_available():
+        on_cpu = clone_case(base)
+        on_cpu[0][1] = torch.randn(1).expand(3)
+        with pytest.raises(RuntimeError) as native:
+            torch.ops.ort_optim.adam_step_(*on_cpu, **hp)
+        assert str(refused.value).splitlines()[0] == str(native.value).splitlines()[0]
+
+
 # ---- CUDA only: streams and graphs ----------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not USE_CUDA, reason="needs a CUDA GPU (tools/gpu_check.py runs these there)")
