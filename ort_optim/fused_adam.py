@@ -776,7 +776,8 @@ class FusedAdam(torch.optim.Optimizer):
         # small models (64 params of 16 x 16: 2277 guards, 0.68x torch.optim.AdamW's compiled step; by identity
         # 1491, 1.0x). Their metadata is the plan's to check (an in-place change of a state's shape or dtype makes the
         # compiled graph's input check raise, writing nothing); the params keep their metadata guards, so
-        # `p.data = t` re-traces and plans again as the eager step does.
+        # `p.data = t` of other metadata re-traces and plans again as the eager step does (of the same metadata it
+        # does not: the graph steps t, unchecked for memory shared with another param).
         static = [t for planned in self._plan.groups for bucket in planned.buckets
                   for t in [t for lst in bucket.state_lists() + [bucket.step_tensors] for t in lst] + [bucket.steps]]
         for tensor in static:
