@@ -11,8 +11,11 @@ keeping DeepSpeed's loss scaler, clipping and all-reduces in charge.
 
 This script runs DeepSpeed in one process on the CPU (gloo, world size 1), ZeRO stage 1, with ort_optim's FusedAdam
 as the client optimizer, twice: as DeepSpeed ships it, and with FP16_Optimizer applied; it asserts that the patch
-was applied and that losses and gradient norms agree (RTOL). DeepSpeed's CPU accelerator offers fp16 only where
-oneDNN has fp16 kernels; elsewhere the script uses bf16 (the ZeRO optimizer is the same class either way).
+was applied, that every step was taken, and that losses and gradient norms agree (RTOL). DeepSpeed's CPU accelerator
+offers fp16 only where oneDNN has fp16 kernels; elsewhere the script uses bf16 (the ZeRO optimizer is the same class
+either way). In fp16 the loss scale starts at 2**8: given none of its dynamic-scale keys, DeepSpeed's ZeRO optimizer
+starts at 2**32, where this model's scaled gradients overflow fp16 until the scale has halved below 2**25, so every
+one of the 8 steps would be skipped and the comparison would hold trivially.
 
 Exit status 77 (the tests report it as a skip) when DeepSpeed cannot be imported, as in .venv-latest, which does not
 install it.
@@ -46,7 +49,7 @@ def single_process_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def run(deepspeed, dtype_key: str, patch: bool) -> tuple[list[float], list[float], bool, str]:
+def run(deepspeed, dtype_key: str, patch: bool) -> tuple[list[float], list[float], bool, str, int]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
     optimizer = FusedAdam(model.parameters(), lr=1e-2, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8,
@@ -54,7 +57,7 @@ def run(deepspeed, dtype_key: str, patch: bool) -> tuple[list[float], list[float
     ds_config = {
         "train_micro_batch_size_per_gpu": 32,
         "gradient_accumulation_steps": 1,
-        dtype_key: {"enabled": True},
+        dtype_key: {"enabled": True, **({"initial_scale_power": 8} if dtype_key == "fp16" else {})},
         "zero_optimization": {"stage": 1},
         "gradient_clipping": 1.0,
         "zero_allow_untested_optimizer": True,  # DeepSpeed's whitelist predates ort_optim
@@ -75,7 +78,7 @@ def run(deepspeed, dtype_key: str, patch: bool) -> tuple[list[float], list[float
         engine.step()
         losses.append(loss.item())
         norms.append(float(engine.get_global_grad_norm()))
-    return losses, norms, patched, type(engine.optimizer).__name__
+    return losses, norms, patched, type(engine.optimizer).__name__, engine.skipped_steps
 
 
 def main() -> int:
@@ -92,15 +95,16 @@ def main() -> int:
     dtype_key = "fp16" if get_accelerator().is_fp16_supported() else "bf16"
     print(f"DeepSpeed {deepspeed.__version__}, accelerator {get_accelerator().device_name()}, {dtype_key}, "
           f"ZeRO stage 1, client optimizer ort_optim.FusedAdam")
-    plain_losses, plain_norms, plain_patched, _ = run(deepspeed, dtype_key, patch=False)
-    ours_losses, ours_norms, patched, zero_class = run(deepspeed, dtype_key, patch=True)
+    plain_losses, plain_norms, plain_patched, _, plain_skipped = run(deepspeed, dtype_key, patch=False)
+    ours_losses, ours_norms, patched, zero_class, skipped = run(deepspeed, dtype_key, patch=True)
     assert not plain_patched and patched, (plain_patched, patched)
+    assert plain_skipped == skipped == 0, f"steps skipped for overflow: {plain_skipped} and {skipped} of {STEPS}"
     torch.testing.assert_close(torch.tensor(ours_norms), torch.tensor(plain_norms), rtol=RTOL, atol=0)
     torch.testing.assert_close(torch.tensor(ours_losses), torch.tensor(plain_losses), rtol=RTOL, atol=0)
     print(f"FP16_Optimizer(optimizer) patched DeepSpeed's {zero_class} in place (overflow check and gradient norm "
           "by ort_optim's fused op)")
-    print(f"losses {plain_losses[0]:.4f} -> {plain_losses[-1]:.4f} with and without the patch; grad norms agree "
-          f"within rtol {RTOL} over {STEPS} steps")
+    print(f"losses {plain_losses[0]:.4f} -> {plain_losses[-1]:.4f} with and without the patch, every step taken; "
+          f"grad norms agree within rtol {RTOL} over {STEPS} steps")
     print("OK")
     return 0
 
