@@ -791,3 +791,7 @@ def _constructor_signature() -> inspect.Signature:
 
 
 FP16_Optimizer.__init__.__signature__ = _constructor_signature()
+# The class's own signature, without self: inspect.signature(FP16_Optimizer) would otherwise be that of __new__
+# (optimizer=None, *args, **kwargs), which it takes before __init__.
+FP16_Optimizer.__signature__ = FP16_Optimizer.__init__.__signature__.replace(
+    parameters=list(FP16_Optimizer.__init__.__signature__.parameters.values())[1:])

@@ -921,6 +921,14 @@ def test_the_constructor_takes_the_loss_scalers_options_with_its_defaults():
         assert getattr(opt.scaler, p.name) == p.default, p.name
 
 
+def test_the_class_shows_the_constructors_options_as_its_signature():
+    """inspect.signature(FP16_Optimizer), which help() prints under the class name and editors show for a call, is
+    the constructor's spelled-out signature, not that of the __new__ that dispatches DeepSpeed optimizers."""
+    shown = inspect.signature(FP16_Optimizer)
+    assert list(shown.parameters.values()) == list(inspect.signature(FP16_Optimizer.__init__).parameters.values())[1:]
+    assert "init_scale" in shown.parameters and "max_grad_norm" in shown.parameters
+
+
 @pytest.mark.parametrize("kwargs", [dict(init_scale=2.0**126, max_scale=2.0**126), dict(init_scale=2.0**-126,
                                     min_scale=2.0**-126), dict(growth_factor=1.0 + 2**-20, backoff_factor=1 - 2**-20),
                                     dict(max_grad_norm=1e-30, growth_interval=2**31 - 1, hysteresis=2**31 - 1)])
