@@ -381,7 +381,9 @@ class BackwardStep:
         writes the average back into ``p.grad`` (so the hook updated the param with this rank's gradient alone).
         Runs at the end of every backward that updated a param (_queue_end_of_backward_check), which keeps the
         record of the updated params (forget=False: a gradient written after this backward must still be found by
-        step()), and in step() and zero_grad(), which clear it."""
+        step()), and in step() and zero_grad(), which clear it. A param removed from param_groups since its update is
+        not concerned: neither its hook nor step() updates it again, so the gradients it accumulates or is given are
+        its own, as for any tensor outside the optimizer."""
         if self._refusal is not None:
             # (refused until the gradients written after the update are gone: cleared by hand, the next step() or
             # zero_grad() goes on, without them; backward calls before that keep raising)
@@ -391,10 +393,12 @@ class BackwardStep:
         updated = self._updated
         if forget:
             self._updated = {}
+        optimizer = self._optimizer()
         for p in updated:
-            if p.grad is not None:
+            if p.grad is not None and (optimizer is None or self._locate(optimizer, p)):
                 group_index, index, _ = self._where[p]
-                self._refused = [q for q in updated if q.grad is not None]
+                self._refused = [q for q in updated
+                                if q.grad is not None and (optimizer is None or self._locate(optimizer, q))]
                 self._refusal = (
                     f"{_plan.describe(group_index, index, p)} was updated in backward by step_in_backward=True, and "
                     "has a gradient again: something wrote it after autograd's accumulation (code after backward, or "

@@ -925,6 +925,31 @@ def test_a_param_removed_from_param_groups_is_forgotten_at_the_next_zero_grad_an
     assert not torch.equal(kept, before) and int(opt.state[kept]["step"]) == 2
 
 
+def test_a_param_removed_from_param_groups_between_backward_calls_keeps_its_gradients_and_nothing_is_refused():
+    """A loop of backward calls alone (step_in_backward needs no step() or zero_grad() between them): a param removed
+    from param_groups after its hook updated it is not updated by the following backward calls and accumulates their
+    gradients, as a param outside the optimizer does; that gradient was not written after an update of this
+    optimizer, so neither the end of the backward nor step() refuses it, and the other params go on being updated.
+    A gradient written by hand into the removed param is its own business too."""
+    base = torch.nn.Parameter(torch.randn(8))
+    head = torch.nn.Parameter(torch.randn(4))
+    opt = FusedAdam([base], lr=1e-2, step_in_backward=True)
+    opt.add_param_group({"params": [head]})
+    (base.sum() + head.sum()).backward()
+    assert head.grad is None and int(opt.state[head]["step"]) == 1
+    opt.param_groups.pop()
+    head_before = head.detach().clone()
+    for backward in (1, 2):
+        base_before = base.detach().clone()
+        (base.sum() + head.sum()).backward()
+        assert torch.equal(head, head_before) and torch.equal(head.grad, torch.full((4,), float(backward)))
+        assert not torch.equal(base, base_before) and int(opt.state[base]["step"]) == 1 + backward
+    head.grad = torch.ones(4)  # (by hand)
+    opt.step()
+    opt.zero_grad()
+    assert torch.equal(head, head_before) and int(opt.state[base]["step"]) == 3
+
+
 def test_max_grad_norm_set_after_construction_is_refused_by_the_first_hook_before_any_update():
     model = TinyLM()
     opt = FusedAdam(model.parameters(), step_in_backward=True)
