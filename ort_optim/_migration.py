@@ -232,9 +232,12 @@ def _adam_group(group: dict, gi: int, lr: Any) -> dict:
 def _torchao_group(group: dict, gi: int) -> dict:
     """torchao's AdamW* groups: lr (a float32 tensor: their compiled step needs one; a float here), betas, eps,
     weight_decay, amsgrad. Their update is torch's AdamW (torchao.optim.adam.single_param_adam). torchao's
-    Adam8bit/4bit/Fp8 (L2 decay) save the same groups: with weight_decay 0 they compute the same."""
+    Adam8bit/4bit/Fp8 (L2 decay) save the same groups: with weight_decay 0 they compute the same. An lr tensor that
+    holds no value (on the meta device: a checkpoint loaded with map_location="meta") is kept as it is, for the
+    usual checks to refuse by its entry."""
     lr = group.get("lr")
-    if type(lr) is torch.Tensor and lr.numel() == 1 and lr.is_floating_point():
+    if (type(lr) is torch.Tensor and lr.layout == torch.strided and not lr.is_nested and not lr.is_meta
+            and lr.numel() == 1 and lr.is_floating_point()):
         lr = float(lr.detach().reshape(()).double().cpu())
     return _adam_group(group, gi, lr)
 

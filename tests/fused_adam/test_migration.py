@@ -575,6 +575,12 @@ REFUSALS = {
     "torchao-meta-scale": (lambda: _torchao_with(lambda sd: setattr(sd["state"][0]["exp_avg"], "scale",
                                                                     torch.zeros(2, device="meta")), "4bit"),
                            "OptimState4bit.scale must be a dense tensor with data"),
+    # (torch.load(..., map_location="meta"): the lr tensor of torchao's groups holds no value either)
+    "torchao-meta-lr": (lambda: _torchao_with(lambda sd: sd["param_groups"][0].update(
+        lr=torch.tensor(3e-3, device="meta"))), "['param_groups'][0]['lr'] is a tensor on the meta device"),
+    "torchao-meta-lr-before-its-first-step": (lambda: _torchao_with(lambda sd: (sd["state"].clear(), sd[
+        "param_groups"][0].update(lr=torch.tensor(3e-3, device="meta")))),
+        "['param_groups'][0]['lr'] is a tensor on the meta device"),
     "bnb-meta-absmax": (lambda: _bnb_with(lambda sd: sd["state"][0][BNB_KEY].update(
         absmax1=torch.zeros(17, device="meta"))), "['absmax1'] must be a dense tensor with data"),
     "unknown-subclass": (lambda: _torchao_with(_unknown_subclass, "fp8"), "Wrapped"),
