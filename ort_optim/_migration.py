@@ -346,7 +346,7 @@ def _bnb_group(group: dict, gi: int) -> dict:
     update instead, which differs by lr * wd times the update. No amsgrad."""
     if _bnb_one_state_group(group):
         raise ValueError(f"{entry('param_groups', gi)} is a bitsandbytes one-state optimizer's group (eps "
-                         f"{group['eps']!r}, betas {tuple(group['betas'])!r}: Lion8bit's, SGD8bit's or "
+                         f"{group['eps']!r}, betas {group['betas']!r}: Lion8bit's, SGD8bit's or "
                          "RMSprop8bit's, which keep one moment and step by another rule than Adam's); FusedAdam "
                          "continues only bitsandbytes' Adam8bit and AdamW8bit (and their paged variants)")
     out = dict(group)

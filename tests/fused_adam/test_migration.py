@@ -507,6 +507,8 @@ REFUSALS = {
                                       "a bitsandbytes one-state optimizer's group"),
     "bnb-rmsprop-before-its-first-step": (lambda: _bnb_one_state_before_its_first_step(1e-8, (0.99, 0)),
                                           "a bitsandbytes one-state optimizer's group"),
+    "bnb-one-state-group-with-scalar-betas": (lambda: _bnb_one_state_before_its_first_step(0.0, 0.9),
+                                              "a bitsandbytes one-state optimizer's group (eps 0.0, betas 0.9"),
     **{f"{library}-{key}": (lambda library=library, key=key, value=value: (
         _bnb_with if library == "bnb" else _torchao_with)(lambda sd: sd["param_groups"][0].update({key: value})),
         f"['param_groups'][0]['{key}'] is {value!r}, which changes the update")
