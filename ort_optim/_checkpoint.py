@@ -277,12 +277,15 @@ def _listed(entries: list[str]) -> str:
     return ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
 
 
-def warn_nonfinite(entries: list[str]) -> None:
-    """The warning of a load whose moments or masters hold inf or NaN (loaded as they are, see :func:`_check_moment`)."""
+def warn_nonfinite(entries: list[str], note: str = "") -> None:
+    """The warning of a load whose moments or masters hold inf or NaN (loaded as they are, see :func:`_check_moment`).
+    note: what those entries are in the dict given to load_state_dict, where it was read from another layout
+    (ort_optim._migration.entry_note)."""
     if not entries:
         return
     warnings.warn(
-        f"load_state_dict: {_listed(entries)} {'holds' if len(entries) == 1 else 'hold'} inf or NaN; loaded as they "
+        f"load_state_dict: {_listed(entries)}{' ' + note if note else ''} {'holds' if len(entries) == 1 else 'hold'} "
+        "inf or NaN; loaded as they "
         "are, so training continues exactly as it would have without the checkpoint (a second moment whose square "
         "overflowed float32 stays inf, as in "
         "torch.optim.AdamW, and its element's update stays 0; NaN moments or masters mean the run had diverged "

@@ -167,10 +167,16 @@ DECODED_FROM = {
 }
 
 
+def entry_note(source: str) -> str:
+    """What the entries of the canonical checkpoint made from a source's state_dict name there, for the errors and
+    warnings of its load (which name those entries)."""
+    return f"(in the Adam checkpoint read from this {source} state_dict: {DECODED_FROM[source]})"
+
+
 def explain_entry(error: Exception, source: str) -> Exception:
     """error, raised by the checks of the canonical checkpoint made from a source's state_dict, with what its entry
     names there added (a new exception of the same type)."""
-    return type(error)(f"{error} (in the Adam checkpoint read from this {source} state_dict: {DECODED_FROM[source]})")
+    return type(error)(f"{error} {entry_note(source)}")
 
 
 def _refuse_unknown_subclasses(state_dict: Any) -> None:

@@ -1141,7 +1141,8 @@ class FusedAdam(torch.optim.Optimizer):
             group.update(new_group, params=params)
         self.state.clear()
         self.state.update(prepared.state)  # (the state's version changes: the next step plans again)
-        _checkpoint.warn_nonfinite(prepared.nonfinite)
+        _checkpoint.warn_nonfinite(prepared.nonfinite,
+                                   "" if state_dict is given else _migration.entry_note(_migration.source_of(given)))
         _checkpoint.warn_dropped_masters(prepared.dropped_masters)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

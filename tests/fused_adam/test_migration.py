@@ -711,6 +711,19 @@ def test_torchao_states_of_sharded_params_are_refused_by_name(tmp_path):
         dist.destroy_process_group()
 
 
+def test_a_nonfinite_foreign_moment_loads_with_a_warning_that_says_what_its_entry_is_in_the_given_dict():
+    # (a run that had diverged: its block scale is NaN; the warning names the canonical entry and what it was read
+    # from, as the errors of the same load do)
+    sd, _ = bnb_state_dict()
+    sd["state"][0][BNB_KEY]["absmax1"][0] = float("nan")
+    with pytest.warns(RuntimeWarning) as record:
+        FusedAdam(bnb_params()).load_state_dict(sd)
+    message = str(record[0].message)
+    assert message.startswith("load_state_dict: state_dict['state'][0]['exp_avg'] (in the Adam checkpoint read from "
+                              "this bitsandbytes state_dict: its 'exp_avg' is state1"), message
+    assert "holds inf or NaN" in message, message
+
+
 def test_loading_leaves_the_given_state_dict_as_it_was():
     for sd, make in ((bnb_state_dict()[0], bnb_params), (torchao_state_dict("4bit", real=False)[0], make_params)):
         given = tree_bits(sd)
