@@ -1118,9 +1118,8 @@ class FusedAdam(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        given = state_dict
-        state_dict = _migration.canonical_checkpoint(given)  # torchao's, bitsandbytes': read as canonical
-        state_dict = self._without_unloaded_masters(state_dict)
+        source = _migration.source_of(state_dict)  # torchao's, bitsandbytes': read as canonical
+        state_dict = self._without_unloaded_masters(_migration.canonical_checkpoint(state_dict))
         try:
             if self._has_dtensors:
                 try:
@@ -1132,17 +1131,16 @@ class FusedAdam(torch.optim.Optimizer):
             else:
                 prepared = _checkpoint.prepare_load(self.param_groups, state_dict, self._wide_options)
         except (ValueError, TypeError) as error:
-            if state_dict is given:  # (not read from another library's layout)
+            if source is None:  # (not read from another library's layout)
                 raise
-            raise _migration.explain_entry(error, _migration.source_of(given)) from error
+            raise _migration.explain_entry(error, source) from error
         for group, new_group in zip(self.param_groups, prepared.groups):
             params = group["params"]
             group.clear()
             group.update(new_group, params=params)
         self.state.clear()
         self.state.update(prepared.state)  # (the state's version changes: the next step plans again)
-        _checkpoint.warn_nonfinite(prepared.nonfinite,
-                                   "" if state_dict is given else _migration.entry_note(_migration.source_of(given)))
+        _checkpoint.warn_nonfinite(prepared.nonfinite, "" if source is None else _migration.entry_note(source))
         _checkpoint.warn_dropped_masters(prepared.dropped_masters)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

@@ -1082,6 +1082,22 @@ def test_masters_that_a_partial_load_left_as_state_dict_made_them_are_not_loaded
         assert_bitwise_equal(opt.state[p]["master_param"], master, "master loaded back")
 
 
+def test_a_partially_loaded_state_dict_that_is_refused_names_its_entry_and_changes_nothing():
+    """The masters a partial load left out change nothing else: a state dict with an entry the checks refuse (a
+    negative exp_avg_sq) is refused naming it, the optimizer unchanged."""
+    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _fp32_params()]
+    opt = FusedAdam(params, lr=1e-2, master_weights=True, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    _steps(opt, params, 0, 1)
+    template = opt.state_dict()
+    with torch.no_grad():
+        template["state"][0]["step"].fill_(7.0)  # (a step the load changed: the masters are left out)
+        template["state"][1]["exp_avg_sq"].view(-1)[0] = -1.0
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=re.escape("state_dict['state'][1]['exp_avg_sq']")):
+        opt.load_state_dict(template)
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
 def test_state_entries_the_optimizer_does_not_keep_are_not_saved_and_the_warning_names_them():
     """``optimizer.state[p]['my_ema'] = t``: the step takes it along, but FusedAdam's checkpoint holds the
     optimizer's own state (its load refuses other keys, which is how another optimizer's checkpoint shows), so
