@@ -992,19 +992,27 @@ class FusedAdam(torch.optim.Optimizer):
         (numpy scalars that an LR scheduler put into the groups are saved as Python numbers, enums as ints). The
         per-element states of DTensor params are DTensors laid out like their params (``step`` stays a plain tensor),
         which is what ``torch.distributed.checkpoint`` saves and reshards. Hooks registered with
-        ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` run as in torch.optim; the post hooks
-        get (and may replace) this canonical form. Entries of ``optimizer.state[p]`` that the optimizer does not
-        keep (``state[p]['my_ema'] = t``) are left out, with a RuntimeWarning naming them, where torch.optim saves
-        them: load_state_dict refuses unknown state keys, which is how another optimizer's checkpoint shows."""
+        ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` run as in torch.optim: the pre hooks
+        first, before the groups and states are read (a pre hook may drop the state of a param it took out of
+        ``param_groups``), the post hooks last, on this canonical form (which they may replace). Entries of
+        ``optimizer.state[p]`` that the optimizer does not keep (``state[p]['my_ema'] = t``) are left out, with a
+        RuntimeWarning naming them, where torch.optim saves them: load_state_dict refuses unknown state keys, which is
+        how another optimizer's checkpoint shows."""
+        # The hooks run here, in torch.optim.Optimizer.state_dict's order around what this method makes: the pre
+        # hooks first, before anything is read (one may tidy optimizer.state or the groups), the post hooks on the
+        # canonical form. torch's state_dict, which packs, runs with no hooks of its own to run, so a hook that a
+        # pre hook registers is in the optimizer's own table, as it is in torch's.
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         params = [p for group in self.param_groups for p in group["params"]]  # torch's ids are these positions
         self._drop_state_of_removed_params(params)
-        # torch.optim.Optimizer.state_dict packs and runs the hooks; the post hooks (register_state_dict_post_hook)
-        # must see what this method returns, the canonical form, so they run here, after it is made.
-        post_hooks = self._optimizer_state_dict_post_hooks
+        pre_hooks, post_hooks = self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_pre_hooks = type(pre_hooks)()
         self._optimizer_state_dict_post_hooks = type(post_hooks)()
         try:
             packed = super().state_dict()
         finally:
+            self._optimizer_state_dict_pre_hooks = pre_hooks
             self._optimizer_state_dict_post_hooks = post_hooks
         # (4-bit codes are flat: decoding needs each param's shape, its local piece's for DTensor params)
         sd = _checkpoint.canonical(packed, {i: dtensor.local(p).shape for i, p in enumerate(params)})

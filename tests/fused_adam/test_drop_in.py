@@ -554,6 +554,46 @@ def test_state_dict_hooks_run_and_the_post_hook_sees_the_canonical_form():
     assert sd["param_groups"][0]["tag"] == "mine"
 
 
+def test_state_dict_pre_hooks_run_first_as_in_torch_so_one_may_drop_the_state_of_a_param_taken_out():
+    """torch.optim's state_dict() runs its pre hooks before it reads anything: a pre hook that drops the state of a
+    param taken out of param_groups (freezing it) lets the checkpoint be saved, for FusedAdam as for torch."""
+    saved = []
+    for make in (lambda ps: FusedAdam(ps, **TORCH_ADAMW), lambda ps: torch.optim.AdamW(ps)):
+        kept, frozen = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+        opt = make([kept, frozen])
+        kept.grad, frozen.grad = torch.ones(2), torch.ones(3)
+        opt.step()
+        del opt.param_groups[0]["params"][1]
+        calls = []
+
+        def forget_params_taken_out(o):
+            calls.append("pre")
+            listed = {id(p) for group in o.param_groups for p in group["params"]}
+            for t in [t for t in o.state if id(t) not in listed]:
+                del o.state[t]
+
+        opt.register_state_dict_pre_hook(forget_params_taken_out)
+        saved.append((sorted(opt.state_dict()["state"]), calls))
+    assert saved[0] == saved[1] == ([0], ["pre"])
+
+
+def test_a_state_dict_post_hook_registered_by_a_pre_hook_runs_in_that_call_as_in_torch():
+    runs = []
+    for make in (lambda ps: FusedAdam(ps, **TORCH_ADAMW), lambda ps: torch.optim.AdamW(ps)):
+        opt = make([torch.nn.Parameter(torch.ones(2))])
+        calls = []
+
+        def register_a_post_hook(o):
+            calls.append("pre")
+            o.register_state_dict_post_hook(lambda o, sd: calls.append("post"))
+
+        opt.register_state_dict_pre_hook(register_a_post_hook)
+        opt.state_dict()
+        opt.state_dict()
+        runs.append(calls)
+    assert runs[0] == runs[1] == ["pre", "post", "pre", "post", "post"]
+
+
 def test_load_state_dict_hooks_run_and_what_the_pre_hook_returns_is_loaded(backend):
     p, opt = one_param_optimizer(**TORCH_ADAMW)
     p.grad = torch.randn_like(p)
