@@ -116,8 +116,10 @@ def from_canonical(state: dict, key: str, value: torch.Tensor) -> None:
 
 
 def canonical_state(state: dict, shape: torch.Size) -> dict:
-    """One parameter's state in canonical form: fresh tensors, nothing shared with the optimizer."""
-    out = {"step": state["step"].detach().to("cpu", torch.float64, copy=True).reshape(())}
+    """One parameter's state in canonical form: fresh tensors, nothing shared with the optimizer. A param on the meta
+    device has its state there, step count included (a tensor without a value): its canonical form stays there too."""
+    step = state["step"].detach()
+    out = {"step": step.to("meta" if step.is_meta else "cpu", torch.float64, copy=True).reshape(())}
     for key in MOMENT_KEYS:
         if key in state:
             out[key] = to_canonical(state, key, shape)

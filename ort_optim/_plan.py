@@ -991,6 +991,12 @@ def _check_step(p, state, where, device) -> list[_Adoption]:
         problem = _storage_problem(value)
         if problem is not None:
             raise ValueError(f"{what} {problem}")
+        if value.is_meta and device.type == "meta":
+            # (the step count of a param on the meta device, as its state's every other value, is no value to read:
+            # kept as it is when it has the kind of tensor a step keeps, else replaced by one, as it would be)
+            if value.dtype == torch.float64 and value.dim() == 0 and tracks_versions(value):
+                return []
+            return [_Adoption(state, "step", torch.empty((), dtype=torch.float64, device=device))]
         number = float(value.item())  # (a host sync, only when planning; no view: _versions.tracks_versions)
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)

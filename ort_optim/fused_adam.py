@@ -991,7 +991,9 @@ class FusedAdam(torch.optim.Optimizer):
         not depend on the mode, which DCP's loads by key need), and with ``torch.load(weights_only=True)``
         (numpy scalars that an LR scheduler put into the groups are saved as Python numbers, enums as ints). The
         per-element states of DTensor params are DTensors laid out like their params (``step`` stays a plain tensor),
-        which is what ``torch.distributed.checkpoint`` saves and reshards. Hooks registered with
+        which is what ``torch.distributed.checkpoint`` saves and reshards. Params on the meta device (a model built
+        there for deferred initialisation) have their states there, ``step`` included (torch.optim keeps its step
+        count on the CPU), and their checkpoint holds meta tensors. Hooks registered with
         ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` run as in torch.optim: the pre hooks
         first, before the groups and states are read (a pre hook may drop the state of a param it took out of
         ``param_groups``), the post hooks last, on this canonical form (which they may replace). Entries of

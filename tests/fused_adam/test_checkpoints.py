@@ -144,6 +144,31 @@ def test_checkpoints_load_with_torch_load_weights_only(backend, monkeypatch):
     twin.load_state_dict(sd)
 
 
+def test_params_on_the_meta_device_step_plan_again_and_save_as_torch_adamws_do():
+    """A model built on the meta device (deferred initialisation) steps, plans again and saves its state, as with
+    torch.optim.AdamW: states on the meta device, without values (torch keeps its step count on the CPU, this optimizer
+    keeps it with the param's other states), and the checkpoint loads into torch.optim.AdamW over meta params."""
+
+    def meta_param(n):
+        p = torch.nn.Parameter(torch.empty(n, device="meta"))
+        p.grad = torch.empty(n, device="meta")
+        return p
+
+    first, late = meta_param(5), meta_param(3)
+    opt = FusedAdam([first], adam_w_mode=AdamWMode.ADAMW_TORCH)
+    opt.step()
+    opt.param_groups[0]["params"].append(late)  # (plans again: the first param's state is checked then)
+    opt.step()
+    sd = opt.state_dict()
+    for index, p in enumerate((first, late)):
+        assert sorted(sd["state"][index]) == ["exp_avg", "exp_avg_sq", "step"]
+        for key, value in sd["state"][index].items():
+            assert value.is_meta and value.shape == (() if key == "step" else p.shape), (index, key)
+    theirs = torch.optim.AdamW([meta_param(5), meta_param(3)])
+    theirs.load_state_dict(sd)
+    assert all(value.is_meta for state in theirs.state.values() for value in state.values())
+
+
 # ---- load_state_dict's contract ------------------------------------------------------------------------------------
 
 
