@@ -213,9 +213,10 @@ def _require_number(value: Any, where: str) -> float:
     return number
 
 
-def require_data(value: torch.Tensor, where: str) -> None:
-    """A tensor a checkpoint's values are read from: dense, and off the meta device (which holds no values)."""
-    if value.layout != torch.strided or value.is_nested or value.is_meta:
+def require_data(value: torch.Tensor, where: str, meta_ok: bool = False) -> None:
+    """A tensor a checkpoint's values are read from: dense, and off the meta device (which holds no values), unless
+    meta_ok (an entry for a param on the meta device, which keeps no values either)."""
+    if value.layout != torch.strided or value.is_nested or (value.is_meta and not meta_ok):
         raise TypeError(f"{where} must be a dense tensor with data, got {show(value)}")
 
 
@@ -232,8 +233,14 @@ def _require_scalar_tensor(value: torch.Tensor, where: str) -> float:
     return number
 
 
-def check_step(value: Any, where: str) -> float:
-    """A step count: a number or a one-element tensor holding a whole number in [0, 2**53]."""
+def check_step(value: Any, where: str, meta_ok: bool = False) -> Optional[float]:
+    """A step count: a number or a one-element tensor holding a whole number in [0, 2**53]. meta_ok: the step of a
+    param on the meta device, which may be a one-element real tensor there, without a value (None)."""
+    if meta_ok and isinstance(value, torch.Tensor) and value.is_meta:
+        require_data(value, where, meta_ok=True)
+        if value.dtype == torch.bool or value.is_complex() or value.numel() != 1:
+            raise TypeError(f"{where} must be a one-element real tensor, got {show(value)}")
+        return None
     number = _require_scalar_tensor(value, where) if isinstance(value, torch.Tensor) else _require_number(value, where)
     if not (0 <= number <= MAX_STEP and number == int(number)):
         raise ValueError(f"{where} must be a whole number in [0, 2**53], got {number!r}")
@@ -253,16 +260,22 @@ def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed:
     shape, a finite value that overflows when converted to float32 (a foreign float64 checkpoint), and a negative
     second moment (a mean of squares; -inf included). inf and NaN are values training does produce (a second moment
     whose square overflowed float32, as torch.optim.AdamW keeps it; the moments and masters of a diverged run): they
-    load as they are, and load_state_dict warns (:func:`warn_nonfinite`)."""
+    load as they are, and load_state_dict warns (:func:`warn_nonfinite`). For a param on the meta device, which keeps
+    no values, the values are checked where they are (a meta entry has none to check), and the result is on the meta
+    device."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where} must be a tensor, got {show(value)}")
-    require_data(value, where)
+    require_data(value, where, meta_ok=param.is_meta)
     if not value.is_floating_point():
         raise TypeError(f"{where} must be a floating-point tensor, got {show(value)}")
     if value.shape != param.shape:
         raise ValueError(f"{where} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)} (the one whose "
                          f"id {listed} gives)")
     dtype = torch.float32 if key == "master_param" else canonical_dtype(param)
+    if param.is_meta:
+        if not value.is_meta:
+            _check_moment(value, torch.empty_like(param, device=value.device), key, where, listed)
+        return value.detach().to("meta", dtype, copy=True)
     out = value.detach().to(param.device, dtype, copy=True)
     source = value.detach().to(param.device)
     if source.element_size() == 1:  # float8: exact in float32, where torch has isfinite (not for float8 itself)
@@ -484,7 +497,7 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
                 f", which its group's amsgrad=True needs ({entry('param_groups', group_index, 'amsgrad')}, or this "
                 "optimizer's where the checkpoint has none)" if key == "max_exp_avg_sq" else ""))
     if "step" in saved:
-        step = check_step(saved["step"], f"{where}['step']")
+        step = check_step(saved["step"], f"{where}['step']", meta_ok=p.is_meta)
     elif group_step is not None:
         step = group_step
     else:
@@ -492,11 +505,14 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
                          "have one, as ORT's FusedAdam saves)")
     values = {key: _check_moment(saved[key], p, key, f"{where}[{key!r}]", listed)
               for key in MOMENT_KEYS + ("master_param",) if key in saved}
+    state = init_state(p, group["amsgrad"])
+    if p.is_meta:  # (its state, on the meta device, keeps no values: those checked above have nowhere to go)
+        if "master_param" in state and "master_param" not in values:
+            del state["master_param"]
+        return state
     # the moments and master holding inf or NaN: loaded as they are, and warned about (warn_nonfinite)
     held_nonfinite = [key for key, value in values.items() if not bool(torch.isfinite(value).all())]
     nonfinite += [f"{where}[{key!r}]" for key in held_nonfinite]
-
-    state = init_state(p, group["amsgrad"])
     state["step"].fill_(step)
     # (a NaN or inf in a moment makes its whole block NaN in block-scaled storage, as a step that meets it does:
     # ops/README.md; those NaN are the checkpoint's own, not values out of range)

@@ -1087,6 +1087,10 @@ class FusedAdam(torch.optim.Optimizer):
         (``torch.distributed.checkpoint``'s ``allow_partial_load``) of a checkpoint without masters leaves in a state
         dict this optimizer made, whose masters hold the weights of the time it was made.
 
+        Into params on the meta device (a model built there for deferred initialisation) a checkpoint loads as into
+        torch.optim's: its entries are checked as above (values where they are; a meta checkpoint, this optimizer's
+        over meta params, has none), and the states made are on the meta device, without values.
+
         Group options missing from the checkpoint keep this optimizer's values (ORT's FusedAdam saves no
         ``adam_w_mode``, ``amsgrad`` or ``maximize``; torch's no ``adam_w_mode``), and ORT's per-group ``step``
         becomes every listed parameter's step. torch's implementation switches (``foreach``, ``fused``, ...) are

@@ -247,6 +247,36 @@ def test_an_in_process_transfer_leaves_the_source_optimizer_unchanged(backend, m
     assert_same_snapshot(before, optimizer_snapshot(source))
 
 
+def test_a_checkpoint_loads_into_params_on_the_meta_device_as_into_torch_adamws_and_is_checked_alike():
+    """torch.optim.AdamW over meta params loads a checkpoint (its states then on the meta device, without values); so
+    does FusedAdam, which checks the checkpoint's values where they are, and then steps and saves."""
+    source = torch.nn.Parameter(torch.randn(5))
+    torch_optimizer = torch.optim.AdamW([source])
+    source.grad = torch.ones(5)
+    torch_optimizer.step()
+    saved = torch_optimizer.state_dict()
+
+    def meta_optimizer():
+        p = torch.nn.Parameter(torch.empty(5, device="meta"))
+        return p, FusedAdam([p], adam_w_mode=AdamWMode.ADAMW_TORCH)
+
+    p, opt = meta_optimizer()
+    opt.load_state_dict(saved)
+    assert sorted(opt.state[p]) == ["exp_avg", "exp_avg_sq", "step"]
+    assert all(value.is_meta for value in opt.state[p].values())
+    p.grad = torch.empty(5, device="meta")
+    opt.step()
+    again, twin = meta_optimizer()
+    twin.load_state_dict(opt.state_dict())  # (its own checkpoint: meta tensors, for meta params)
+    assert all(value.is_meta for value in twin.state[again].values())
+    bad = copy.deepcopy(saved)
+    bad["state"][0]["exp_avg_sq"] = -bad["state"][0]["exp_avg_sq"]
+    p, opt = meta_optimizer()
+    with pytest.raises(ValueError, match=re.escape("state_dict['state'][0]['exp_avg_sq'] holds negative values")):
+        opt.load_state_dict(bad)
+    assert not opt.state
+
+
 # ---- resume == never stopping, bit for bit -------------------------------------------------------------------------
 
 STATE_CONFIGS = {  # name: (param dtype, master_weights, exp_avg_dtype, exp_avg_sq_dtype)
