@@ -505,7 +505,9 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
                          "have one, as ORT's FusedAdam saves)")
     values = {key: _check_moment(saved[key], p, key, f"{where}[{key!r}]", listed)
               for key in MOMENT_KEYS + ("master_param",) if key in saved}
-    state = init_state(p, group["amsgrad"])
+    # (a max_exp_avg_sq under amsgrad=False is kept, as torch.optim keeps it: a run that switched amsgrad off keeps
+    # it and saves it, and switching amsgrad on again then resumes from it)
+    state = init_state(p, bool(group["amsgrad"]) or "max_exp_avg_sq" in values)
     if p.is_meta:  # (its state, on the meta device, keeps no values: those checked above have nowhere to go)
         if "master_param" in state and "master_param" not in values:
             del state["master_param"]

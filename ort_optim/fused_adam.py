@@ -1068,7 +1068,9 @@ class FusedAdam(torch.optim.Optimizer):
 
         A checkpoint this optimizer saved while it could step always loads, and resuming from it equals not stopping,
         bit for bit: the checks refuse malformed input, not values training produces (one saved after ``amsgrad`` was
-        switched on mid-run, which its step refuses too, is refused alike: its states have no ``max_exp_avg_sq``).
+        switched on mid-run, which its step refuses too, is refused alike: its states have no ``max_exp_avg_sq``; one
+        saved after amsgrad was switched off keeps its ``max_exp_avg_sq``, as the run and torch.optim's load do, so
+        switching amsgrad on again resumes alike).
         inf and NaN in moments and masters load as they are, with a RuntimeWarning naming the entries: a second
         moment whose square overflowed float32 is inf, as torch.optim.AdamW keeps it (that element's update stays 0,
         in fp32 and low-bit moments alike), and a run that diverged before it was saved has inf/NaN moments or masters

@@ -358,6 +358,44 @@ def test_resuming_from_a_checkpoint_equals_never_stopping_bit_for_bit(config, la
     assert float(resumed[1].state[resumed[0][1]]["step"]) == 10
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_max_exp_avg_sq_kept_after_amsgrad_was_switched_off_is_loaded_so_switching_it_on_again_resumes_alike(
+        backend, monkeypatch):
+    """A run that switches amsgrad off keeps max_exp_avg_sq (as torch.optim.AdamW does) and saves it: loaded, it is
+    kept too, so that switching amsgrad on again continues the resumed run as the one that never stopped, as with
+    torch.optim.AdamW, whose load keeps it."""
+    select_backend(monkeypatch, backend)
+
+    def run(make, resume):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 4))
+        opt = make([p])
+        for i in range(3):
+            p.grad = torch.full((4,), 3.0 - i)
+            opt.step()
+        opt.param_groups[0]["amsgrad"] = False
+        p.grad = torch.ones(4)
+        opt.step()
+        if resume:
+            saved = opt.state_dict()
+            p = torch.nn.Parameter(p.detach().clone())
+            opt = make([p])
+            opt.load_state_dict(saved)
+            assert "max_exp_avg_sq" in opt.state[p]
+        opt.param_groups[0]["amsgrad"] = True
+        p.grad = torch.full((4,), 0.5)
+        opt.step()
+        return p.detach()
+
+    def ours(params):
+        return FusedAdam(params, amsgrad=True, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=1e-2)
+
+    def theirs(params):
+        return torch.optim.AdamW(params, amsgrad=True, foreach=False)
+
+    assert_bitwise_equal(run(ours, resume=True), run(ours, resume=False), "resumed")
+    torch.testing.assert_close(run(ours, resume=True), run(theirs, resume=True), **TOL)
+
+
 # ---- the fp16 quantiser --------------------------------------------------------------------------------------------
 
 
