@@ -1041,9 +1041,14 @@ class FusedAdam(torch.optim.Optimizer):
         listed = {id(p) for p in params}
         removed = [t for t in self.state if id(t) not in listed]
         for t in removed:
+            if self.state[t] and not isinstance(t, torch.Tensor):
+                raise ValueError(
+                    f"state_dict(): optimizer.state[{t!r}] is keyed by something other than a param: FusedAdam keeps "
+                    "only per-param state, which a checkpoint numbers by the params' positions (torch.optim saves "
+                    "such entries as they are). Keep optimizer-wide values outside optimizer.state (an attribute, "
+                    "or a key of your own checkpoint dict) and delete this one (del optimizer.state[key])")
             if self.state[t]:
-                what = (f"a tensor of shape {tuple(t.shape)}, {t.dtype}" if isinstance(t, torch.Tensor)
-                        else repr(t))
+                what = f"a tensor of shape {tuple(t.shape)}, {t.dtype}"
                 raise ValueError(
                     f"state_dict(): optimizer.state holds the state of {what} that is in no param group (a param "
                     "removed from param_groups after it was stepped), and a checkpoint can only number the states "

@@ -477,6 +477,20 @@ def test_state_dict_refuses_the_state_of_a_param_removed_from_its_group_naming_i
     assert list(sd["state"]) == [0]
 
 
+def test_state_dict_refuses_state_keyed_by_something_other_than_a_param_saying_so():
+    """torch.optim saves an entry such as optimizer.state["global"] = {...} as it is; FusedAdam keeps per-param state
+    only and refuses it, saying what it is and what to do, with nothing changed."""
+    opt, params = _stepped()
+    opt.state["global"] = {"n": 1}
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"state_dict\(\): optimizer\.state\['global'\] is keyed by something other "
+                                         r"than a param"):
+        opt.state_dict()
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+    del opt.state["global"]  # as the error says
+    assert list(opt.state_dict()["state"]) == [0, 1]
+
+
 def test_state_dict_drops_an_empty_state_of_a_removed_param():
     opt, params = _stepped()
     extra = torch.nn.Parameter(torch.zeros(2))
