@@ -938,7 +938,7 @@ def _low_bit_state(p: torch.Tensor, state: ParamState, key: str, where: str) -> 
             raise ValueError(f"{name} {problem}")
     # (NaN scales are legal: a block that held inf/NaN; so are a second moment's negative ones: the sign bit marks a
     # block whose overflowed v reads back as inf, ops/README.md)
-    if key == "exp_avg" and bool((scale < 0).any()):
+    if key == "exp_avg" and not scale.is_meta and bool((scale < 0).any()):  # (meta: no values to check)
         raise ValueError(f"{scale_what} holds negative block scales; exp_avg's scales are block maxima (>= 0)")
     return value, fmt
 
@@ -968,6 +968,8 @@ def _fp8_state(p: torch.Tensor, state: ParamState, key: str, where: str) -> torc
         problem = _storage_problem(tensor)
         if problem is not None:
             raise ValueError(f"{name} {problem}")
+    if scale.is_meta:  # (a param on the meta device: its states have no values to check)
+        return value
     # (a second moment's scale may have its sign bit set: it marks a block whose overflowed v reads back as inf,
     # ops/README.md)
     magnitude = scale if key == "exp_avg" else scale.abs()

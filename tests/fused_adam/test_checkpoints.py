@@ -169,6 +169,28 @@ def test_params_on_the_meta_device_step_plan_again_and_save_as_torch_adamws_do()
     assert all(value.is_meta for state in theirs.state.values() for value in state.values())
 
 
+@pytest.mark.parametrize("moments", ["u8", "u4", "e4m3"])
+def test_params_on_the_meta_device_with_coded_moments_step_plan_again_save_and_load(moments):
+    """With 8-bit, 4-bit or fp8 moments too: the block scales on the meta device have no values to check, so a step
+    that plans again, state_dict() and a load into another optimizer over meta params go through, states on the
+    meta device."""
+    dtype = {"u8": torch.uint8, "u4": torch.uint4, "e4m3": torch.float8_e4m3fn}[moments]
+
+    def meta_param(n):
+        p = torch.nn.Parameter(torch.empty(n, device="meta"))
+        p.grad = torch.empty(n, device="meta")
+        return p
+
+    opt = FusedAdam([meta_param(300)], exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
+    opt.step()
+    opt.param_groups[0]["params"].append(meta_param(3))  # (plans again: the first param's codes are checked then)
+    opt.step()
+    twin = FusedAdam([meta_param(300), meta_param(3)], exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
+    twin.load_state_dict(opt.state_dict())
+    twin.step()
+    assert all(value.is_meta for state in twin.state.values() for value in state.values())
+
+
 # ---- load_state_dict's contract ------------------------------------------------------------------------------------
 
 
