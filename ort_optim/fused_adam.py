@@ -1023,10 +1023,6 @@ class FusedAdam(torch.optim.Optimizer):
                 for key in MOMENT_KEYS + ("master_param",):
                     if key in state:
                         state[key] = dtensor.wrap_like(params[index], state[key])
-        # (the masters handed out, each with its version and step: see _without_unloaded_masters)
-        self._saved_masters = {id(master): (weakref.ref(master), master._version, float(state["step"]))
-                               for state in sd["state"].values() if "master_param" in state
-                               for master in [dtensor.local(state["master_param"])]}
         for hook in post_hooks.values():
             result = hook(self, sd)
             if result is not None:
@@ -1088,11 +1084,7 @@ class FusedAdam(torch.optim.Optimizer):
         state whose ``master_param`` is in its param's float16/bfloat16 dtype, which is what torch.optim's load
         makes of FusedAdam's float32 master (it casts state tensors to the param's dtype and then never updates
         that key: after torch.optim.AdamW trained on, the master is the one of the step before torch's first). Such
-        a master holds no more than the param, so leaving it out loses nothing and keeps what torch trained. So
-        does a state whose ``master_param`` is still the tensor this optimizer's last ``state_dict()`` returned,
-        unwritten since, while its ``step`` is not the one saved with it: what a partial load
-        (``torch.distributed.checkpoint``'s ``allow_partial_load``) of a checkpoint without masters leaves in a state
-        dict this optimizer made, whose masters hold the weights of the time it was made.
+        a master holds no more than the param, so leaving it out loses nothing and keeps what torch trained.
 
         Into params on the meta device (a model built there for deferred initialisation) a checkpoint loads as into
         torch.optim's: its entries are checked as above (values where they are; a meta checkpoint, this optimizer's
@@ -1140,7 +1132,7 @@ class FusedAdam(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         source = _migration.source_of(state_dict)  # torchao's, bitsandbytes': read as canonical
-        state_dict = self._without_unloaded_masters(_migration.canonical_checkpoint(state_dict))
+        state_dict = _migration.canonical_checkpoint(state_dict)
         try:
             if self._has_dtensors:
                 try:
@@ -1165,41 +1157,6 @@ class FusedAdam(torch.optim.Optimizer):
         _checkpoint.warn_dropped_masters(prepared.dropped_masters)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
-
-    def _without_unloaded_masters(self, state_dict: Any) -> Any:
-        """state_dict without the ``master_param`` entries that are still the tensors this optimizer's last
-        ``state_dict()`` returned, unwritten since, in states whose ``step`` is no longer the one saved with them.
-
-        That is what a partial load into a state dict of this optimizer leaves where the checkpoint has no masters:
-        ``torch.distributed.checkpoint.load(..., planner=DefaultLoadPlanner(allow_partial_load=True))`` of a
-        torch.optim.AdamW checkpoint (or one of a FusedAdam without master weights) fills the step and the moments and
-        keeps the masters of the template, which hold the weights of the time it was made (for a fresh model, its
-        initial weights; torch's ``get_optimizer_state_dict`` first steps a fresh optimizer with lr 0 to make its
-        state). Such a master belongs to no checkpoint, so the state loads as one without ``master_param``: its master
-        is taken from the param at its next step, as the loaded model weights are. A master the load wrote, or one
-        whose state still has the step saved with it (a state dict loaded back as it was), is kept. The given dict is
-        not changed."""
-        saved = getattr(self, "_saved_masters", None)
-        if not saved or not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
-            return state_dict
-        states = None
-        for key, state in state_dict["state"].items():
-            master = state.get("master_param") if isinstance(state, dict) else None
-            if not isinstance(master, torch.Tensor):
-                continue
-            master = dtensor.local(master)
-            handed_out = saved.get(id(master))
-            if handed_out is None or handed_out[0]() is not master or master._version != handed_out[1]:
-                continue
-            step = state.get("step")
-            if not isinstance(step, (int, float, torch.Tensor)) or (isinstance(step, torch.Tensor)
-                                                                    and step.numel() != 1):
-                continue  # (malformed: the checks name it)
-            if float(step) == handed_out[2]:
-                continue
-            states = dict(state_dict["state"]) if states is None else states
-            states[key] = {k: v for k, v in state.items() if k != "master_param"}
-        return state_dict if states is None else {**state_dict, "state": states}
 
     def _agree_on_load(self, refused: Optional[Exception]) -> None:
         """A load into DTensor params is checked on each rank's pieces, so one rank can refuse what another accepts

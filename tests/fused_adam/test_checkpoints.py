@@ -1163,56 +1163,6 @@ def test_a_resume_that_loads_the_optimizer_before_the_model_keeps_its_fp32_maste
         assert_bitwise_equal(resumed, continued, "resumed")
 
 
-def test_masters_that_a_partial_load_left_as_state_dict_made_them_are_not_loaded():
-    """What a partial load of a checkpoint without masters (torch.distributed.checkpoint's ``allow_partial_load`` of
-    torch.optim.AdamW's) leaves in a state dict this optimizer made: its step and moments overwritten in place, its
-    masters still the ones ``state_dict()`` returned, which hold the weights of that time (a fresh model's). Those
-    masters are not loaded: each master starts from its loaded param at the next step, as for any checkpoint without
-    masters. A state dict loaded back as it was keeps its masters, bit for bit."""
-    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _fp32_params()]
-    opt = FusedAdam(params, lr=1e-2, master_weights=True, adam_w_mode=AdamWMode.ADAMW_TORCH)
-    _steps(opt, params, 0, 1)  # (torch's get_optimizer_state_dict steps a fresh optimizer once, with lr 0)
-    template = opt.state_dict()
-    trained = _clone_params(params)
-    torch_opt = torch.optim.AdamW(trained, lr=1e-2)
-    _steps(torch_opt, trained, 0, 3)
-    with torch.no_grad():  # the partial load: the model's weights, the step and the moments; no master to load
-        for i, (p, q) in enumerate(zip(params, trained)):
-            p.copy_(q)
-            for key in ("step", "exp_avg", "exp_avg_sq"):
-                template["state"][i][key].copy_(torch_opt.state[q][key])
-    opt.load_state_dict(template)
-    assert not any("master_param" in opt.state[p] for p in params)
-    _steps(opt, params, 3, 1)
-    _steps(torch_opt, trained, 3, 1)
-    for p, q in zip(params, trained):
-        apart = float((opt.state[p]["master_param"] - q.detach().float()).abs().max())
-        assert apart <= 1e-2, f"the master starts from the loaded weights ({apart} apart)"
-
-    back = opt.state_dict()
-    masters = [opt.state[p]["master_param"].clone() for p in params]
-    _steps(opt, params, 4, 2)
-    opt.load_state_dict(back)
-    for p, master in zip(params, masters):
-        assert_bitwise_equal(opt.state[p]["master_param"], master, "master loaded back")
-
-
-def test_a_partially_loaded_state_dict_that_is_refused_names_its_entry_and_changes_nothing():
-    """The masters a partial load left out change nothing else: a state dict with an entry the checks refuse (a
-    negative exp_avg_sq) is refused naming it, the optimizer unchanged."""
-    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _fp32_params()]
-    opt = FusedAdam(params, lr=1e-2, master_weights=True, adam_w_mode=AdamWMode.ADAMW_TORCH)
-    _steps(opt, params, 0, 1)
-    template = opt.state_dict()
-    with torch.no_grad():
-        template["state"][0]["step"].fill_(7.0)  # (a step the load changed: the masters are left out)
-        template["state"][1]["exp_avg_sq"].view(-1)[0] = -1.0
-    before = optimizer_snapshot(opt)
-    with pytest.raises(ValueError, match=re.escape("state_dict['state'][1]['exp_avg_sq']")):
-        opt.load_state_dict(template)
-    assert_same_snapshot(before, optimizer_snapshot(opt))
-
-
 def test_state_entries_the_optimizer_does_not_keep_are_not_saved_and_the_warning_names_them():
     """``optimizer.state[p]['my_ema'] = t``: the step takes it along, but FusedAdam's checkpoint holds the
     optimizer's own state (its load refuses other keys, which is how another optimizer's checkpoint shows), so
