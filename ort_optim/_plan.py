@@ -904,7 +904,7 @@ def _check_moment(layout: StateLayout, p, state, key, dtype, where, reads: dict)
 def _valid_scale(scale, value: torch.Tensor) -> bool:
     return (isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.is_contiguous()
             and scale.dim() == 1 and scale.numel() == num_blocks(value.numel()) and scale.device == value.device
-            and _storage_problem(scale) is None and bool((scale > 0).all()))
+            and _storage_problem(scale) is None and (scale.is_meta or bool((scale > 0).all())))  # (meta: no values)
 
 
 def _low_bit_state(p: torch.Tensor, state: ParamState, key: str, where: str) -> tuple[torch.Tensor,

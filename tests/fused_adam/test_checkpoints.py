@@ -169,12 +169,12 @@ def test_params_on_the_meta_device_step_plan_again_and_save_as_torch_adamws_do()
     assert all(value.is_meta for state in theirs.state.values() for value in state.values())
 
 
-@pytest.mark.parametrize("moments", ["u8", "u4", "e4m3"])
+@pytest.mark.parametrize("moments", ["scaled-fp16", "u8", "u4", "e4m3"])
 def test_params_on_the_meta_device_with_coded_moments_step_plan_again_save_and_load(moments):
-    """With 8-bit, 4-bit or fp8 moments too: the block scales on the meta device have no values to check, so a step
-    that plans again, state_dict() and a load into another optimizer over meta params go through, states on the
-    meta device."""
-    dtype = {"u8": torch.uint8, "u4": torch.uint4, "e4m3": torch.float8_e4m3fn}[moments]
+    """With block-scaled fp16, 8-bit, 4-bit or fp8 moments too: the block scales on the meta device have no values to
+    check, so a step that plans again, state_dict() and a load into another optimizer over meta params go through,
+    states on the meta device."""
+    dtype = {"scaled-fp16": torch.float16, "u8": torch.uint8, "u4": torch.uint4, "e4m3": torch.float8_e4m3fn}[moments]
 
     def meta_param(n):
         p = torch.nn.Parameter(torch.empty(n, device="meta"))
