@@ -791,7 +791,6 @@ def _constructor_signature() -> inspect.Signature:
 
 
 FP16_Optimizer.__init__.__signature__ = _constructor_signature()
-# The class's own signature, without self: inspect.signature(FP16_Optimizer) would otherwise be that of __new__
-# (optimizer=None, *args, **kwargs), which it takes before __init__.
-FP16_Optimizer.__signature__ = FP16_Optimizer.__init__.__signature__.replace(
-    parameters=list(FP16_Optimizer.__init__.__signature__.parameters.values())[1:])
+# (and __new__'s, which inspect.signature(FP16_Optimizer) reads before __init__: it would show (optimizer=None, *args,
+# **kwargs); a subclass with an __init__ of its own still shows that one)
+FP16_Optimizer.__new__.__signature__ = FP16_Optimizer.__init__.__signature__

@@ -928,6 +928,12 @@ def test_the_class_shows_the_constructors_options_as_its_signature():
     assert list(shown.parameters.values()) == list(inspect.signature(FP16_Optimizer.__init__).parameters.values())[1:]
     assert "init_scale" in shown.parameters and "max_grad_norm" in shown.parameters
 
+    class Subclass(FP16_Optimizer):
+        def __init__(self, optimizer, extra: int = 1, **kwargs):
+            super().__init__(optimizer, **kwargs)
+
+    assert list(inspect.signature(Subclass).parameters) == ["optimizer", "extra", "kwargs"]  # (its own __init__'s)
+
 
 @pytest.mark.parametrize("kwargs", [dict(init_scale=2.0**126, max_scale=2.0**126), dict(init_scale=2.0**-126,
                                     min_scale=2.0**-126), dict(growth_factor=1.0 + 2**-20, backoff_factor=1 - 2**-20),
