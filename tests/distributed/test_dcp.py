@@ -6,6 +6,9 @@
   full-state-dict path (broadcast from rank 0) and the flattened optimizer state dict (torchtitan's default) resume
   bit for bit; a one-process checkpoint loads into 2 ranks; FP16_Optimizer(FusedAdam) resumes through the guide's
   recipe bit for bit (torch_scenarios).
+* A checkpoint without masters loaded that way into FusedAdam(master_weights=True), the template's masters dropped
+  as the guide says, gives each master its loaded param at the next step, not the weights the new model started with
+  (torch_scenarios).
 
 torch.distributed.checkpoint with FSDP2 needs torch >= 2.6 on CPU with gloo; elsewhere these skip with the reason.
 """
@@ -74,6 +77,21 @@ def test_dcp_checkpoint_moves_between_fused_adam_and_torch_adamw(torch_results, 
         assert "Missing key in checkpoint state_dict" in out[f"{direction}-strict"], out[f"{direction}-strict"]
         diff = against_torch.max_diff(out[direction]["resumed"], out[direction]["uninterrupted"])
         assert diff <= 1e-6, (r["rank"], direction, diff)
+
+
+@against_torch.needs_fsdp2
+@pytest.mark.parametrize("source", ["torch", "fused"])
+def test_a_checkpoint_without_masters_loads_into_master_weights_from_the_loaded_params(torch_results, source):
+    """torch.optim.AdamW's checkpoint, or FusedAdam's without master_weights, loaded through dcp.load(...,
+    allow_partial_load=True) into FusedAdam(master_weights=True), the template's masters dropped before
+    set_state_dict (guides/distributed.md): the masters come from the loaded params (as when the optimizer's
+    state_dict() is loaded directly), not from the weights the new model started with."""
+    for r in torch_results:
+        out = r["dcp-into-master-weights"][source]
+        assert out["masters_after_load"] == 0, r["rank"]
+        assert out["first_step"] <= 2 * against_torch.LR, (r["rank"], out["first_step"])
+        for a, b in zip(out["resumed"], out["direct"]):
+            assert torch.equal(a, b), r["rank"]
 
 
 @against_torch.needs_fsdp2

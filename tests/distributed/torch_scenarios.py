@@ -15,8 +15,9 @@ inside the same engine, from the same seed, over many steps, and with torch's ow
 * FP16_Optimizer's overflow decision: an inf on one rank only skips the step on every rank, scales stay equal;
 * ``torch.distributed.checkpoint``: FusedAdam's checkpoint loads into torch.optim.AdamW and torch's into FusedAdam
   (then both continue alike), the full-state-dict path and the flattened state dict (torchtitan's default) resume
-  bit for bit, FP16_Optimizer(FusedAdam) resumes through the guide's recipe, and a one-process checkpoint loads
-  into 2 ranks (the other direction, 2 -> 1 and 2 -> 4, is in mesh_scenarios.py);
+  bit for bit, FP16_Optimizer(FusedAdam) resumes through the guide's recipe, a one-process checkpoint loads
+  into 2 ranks (the other direction, 2 -> 1 and 2 -> 4, is in mesh_scenarios.py), and a checkpoint without masters
+  loads into FusedAdam(master_weights=True) through the guide's recipe with each master from its loaded param;
 * DeepSpeed ZeRO 1-3 (where DeepSpeed imports: the .venv environment): FusedAdam as the client against torch's
   AdamW with gradient accumulation and clipping, and ``max_grad_norm`` on the partitions refused;
 * bad input refused with the param named and nothing changed.
@@ -530,6 +531,50 @@ def _a_checkpoint_one_rank_refuses(rank):
     return {"error": error, "unchanged": unchanged}
 
 
+def _dcp_into_master_weights(rank, tmp_dir):
+    """A checkpoint without fp32 masters (torch.optim.AdamW's, or FusedAdam's without master_weights) of bf16 FSDP2
+    params, loaded into FusedAdam(master_weights=True) through the guide's recipe (dcp.load with
+    allow_partial_load=True, then the template's masters dropped: get_state_dict made them from the fresh model, and
+    the checkpoint has none to write over them): each master is taken from its loaded param at the next step, as
+    FusedAdam.load_state_dict does for a checkpoint without masters. The reference loads the source optimizer's
+    state_dict() directly after the model's weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    out = {}
+    for src in ("torch", "fused"):
+        path = str(Path(tmp_dir) / f"dcp-{src}-to-masters")
+        model = _fsdp(dtype=torch.bfloat16)
+        opt = torch_adamw(model.parameters()) if src == "torch" else fused(model.parameters())
+        _train(model, opt, rank, src, steps=4)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        saved = [full(p) for p in model.parameters()]
+        direct_model = _fsdp(dtype=torch.bfloat16)
+        direct_model.load_state_dict(model.state_dict())
+        direct = fused(direct_model.parameters(), master_weights=True)
+        direct.load_state_dict(opt.state_dict())
+        _train(direct_model, direct, rank, "fused", steps=4, start=4)
+
+        model = _fsdp(dtype=torch.bfloat16)
+        opt = fused(model.parameters(), master_weights=True)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+        for entries in state["optim"]["state"].values():
+            entries.pop("master_param", None)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        masters_after_load = sum("master_param" in opt.state[p] for p in model.parameters())
+        _train(model, opt, rank, "fused", steps=1, start=4)
+        first = [full(p) for p in model.parameters()]
+        _train(model, opt, rank, "fused", steps=3, start=5)
+        out[src] = {"resumed": [full(p) for p in model.parameters()],
+                    "direct": [full(p) for p in direct_model.parameters()],
+                    "masters_after_load": masters_after_load, "first_step": max_diff(first, saved)}
+    return out
+
+
 def _fp16_optimizer_dcp_resume(rank, tmp_dir):
     """FP16_Optimizer(FusedAdam) on FSDP2's fp16 params through torch.distributed.checkpoint, as the guide says: the
     FusedAdam inside (which holds the fp32 masters) through get_state_dict/set_state_dict, the loss scaler's state
@@ -729,6 +774,7 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     out["one-rank-refuses"] = _a_checkpoint_one_rank_refuses(rank)
     out["flattened-dcp"] = _flattened_dcp_resume(rank, tmp_dir)
     out["fp16-optimizer-dcp"] = _fp16_optimizer_dcp_resume(rank, tmp_dir)
+    out["dcp-into-master-weights"] = _dcp_into_master_weights(rank, tmp_dir)
     return out
 
 
