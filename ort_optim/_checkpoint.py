@@ -469,8 +469,8 @@ def prepare_load(param_groups: list[dict], state_dict: Any, options: WideOptions
             continue
         if isinstance(saved, dict) and _carried_master(saved, p):
             saved = {key: value for key, value in saved.items() if key != "master_param"}
-        new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], gi, group_steps[gi], where, init_state, nonfinite,
-                                              listed=entry("param_groups", gi, "params", j))
+        new_state[p] = _state_from_checkpoint(p, saved, new_groups[gi], gi, group_steps[gi], where, init_state,
+                                              nonfinite, listed=entry("param_groups", gi, "params", j))
         if "master_param" in saved and "master_param" not in new_state[p]:
             dropped_masters.append(f"{where}['master_param']")
     for group in new_groups:
