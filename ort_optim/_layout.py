@@ -69,7 +69,8 @@ class StateLayout:
             for key, dtype in kinds.items():
                 requests.setdefault((key, p.device, dtype), []).append(i)
                 if dtype == torch.float16:
-                    state[key + "_scale"] = torch.ones(_spec.num_blocks(p.numel()), device=p.device)
+                    state[key + "_scale"] = torch.ones(_spec.num_blocks(p.numel()), dtype=torch.float32,
+                                                       device=p.device)
                 elif dtype in LOW_BIT_FORMATS or dtype in FP8_FORMATS:  # codes; zero scales: all-zero moments
                     fmt = LOW_BIT_FORMATS.get(dtype) or FP8_FORMATS[dtype]
                     state[key + "_scale"] = torch.zeros(fmt.num_scales(p.numel()), dtype=fmt.scale_dtype,

@@ -942,7 +942,7 @@ class FusedAdam(torch.optim.Optimizer):
         collective (integrations/dtensor.py), each gradient weighted by 1 / (the ranks holding the same elements)."""
         per_bucket = [FusedAdam._bucket_stats(group, bucket, reduction) for _, group, bucket in buckets]
         if not per_bucket:  # (a rank without gradients: its share of the reduction)
-            return dtensor.all_reduce_stats(torch.zeros(2, device=device), reduction)
+            return dtensor.all_reduce_stats(torch.zeros(2, dtype=torch.float32, device=device), reduction)
         stats = sum(backends.to_device(s, device) for s in per_bucket)
         return dtensor.all_reduce_stats(stats, reduction)
 
@@ -1166,7 +1166,7 @@ class FusedAdam(torch.optim.Optimizer):
         if reduction is None:
             return
         device = next(dtensor.local(p).device for group in self.param_groups for p in group["params"])
-        flags = dtensor.all_reduce_stats(torch.tensor([0.0, 1.0 if refused else 0.0], device=device), reduction)
+        flags = dtensor.all_reduce_stats(torch.tensor([0.0, 1.0 if refused else 0.0], dtype=torch.float32, device=device), reduction)
         if refused is None and float(flags[1]) > 0:
             raise ValueError("load_state_dict: another rank refused this checkpoint for its own pieces of the DTensor "
                              "states (its error names the entry), so this rank loads nothing either; nothing changed")

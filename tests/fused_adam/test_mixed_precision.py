@@ -416,3 +416,56 @@ def test_grad_scaler_drives_fused_adam_like_an_unscaled_run(unscale_first, backe
             assert_bitwise_equal(a.detach(), b.detach(), f"step {step}")
     assert max(scales) > scales[0], "the scale grew during the run (growth_interval=3)"
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf"), "GradScaler removes what it set"
+
+
+# ---- torch's default dtype -----------------------------------------------------------------------------------------
+
+DEFAULT_DTYPE_STATES = {"fp16": torch.float16, "8-bit": torch.uint8, "fp8": torch.float8_e4m3fn}
+
+
+def _steps_and_resume(moment_dtype: torch.dtype) -> dict:
+    """Three steps, a checkpoint loaded into a fresh optimizer, one more step of each: the params and states."""
+    def fresh():
+        generator = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=torch.float32))
+                  for shape in [(QUANT_BLOCK + 5,), (6, 7)]]
+        return params, FusedAdam(params, lr=1e-2, weight_decay=1e-2, exp_avg_dtype=moment_dtype,
+                                 exp_avg_sq_dtype=moment_dtype)
+
+    def step(params, opt, seed):
+        generator = torch.Generator().manual_seed(seed)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator, dtype=torch.float32)
+        opt.step()
+
+    params, opt = fresh()
+    for seed in range(3):
+        step(params, opt, seed)
+    resumed_params, resumed = fresh()
+    with torch.no_grad():
+        for p, q in zip(resumed_params, params):
+            p.copy_(q)
+    resumed.load_state_dict(opt.state_dict())
+    step(params, opt, 3)
+    step(resumed_params, resumed, 3)
+    return {"trained": optimizer_snapshot(opt), "resumed": optimizer_snapshot(resumed)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("default_dtype", [torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("moment_dtype", DEFAULT_DTYPE_STATES.values(), ids=DEFAULT_DTYPE_STATES.keys())
+def test_steps_and_checkpoints_do_not_depend_on_torchs_default_dtype(moment_dtype, default_dtype, backend,
+                                                                     monkeypatch):
+    """torch.set_default_dtype changes what torch's factory functions make; the states the optimizer makes (fp16
+    moments' float32 block scales included) and the steps stay as under float32, bit for bit, as torch.optim.AdamW's
+    do."""
+    select_backend(monkeypatch, backend)
+    expected = _steps_and_resume(moment_dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default_dtype)
+    try:
+        run = _steps_and_resume(moment_dtype)
+    finally:
+        torch.set_default_dtype(previous)
+    for name in expected:
+        assert_same_snapshot(expected[name], run[name])
