@@ -323,6 +323,35 @@ def test_overflow_created_by_unscaling_is_caught(inner):
     assert not opt.skipped and not torch.equal(p.detach(), before)
 
 
+def _trained_with_a_scale_below_one(inner: str, default_dtype: torch.dtype) -> dict:
+    """The model and its batches made under float32; the optimizer made and stepped under default_dtype."""
+    model = make_model(torch.float16)
+    batches = [batch(step, torch.float16) for step in range(4)]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default_dtype)
+    try:
+        opt = FP16_Optimizer(INNER[inner](list(model.parameters())), init_scale=0.5, min_scale=2.0**-4)
+        for step, (x, y) in enumerate(batches):
+            opt.zero_grad()
+            opt.backward(loss_of(model, x, y))
+            if step == 1:
+                model[3].weight.grad[0, 0] = float("inf")
+            opt.step()
+    finally:
+        torch.set_default_dtype(previous)
+    return {**full_snapshot(model, opt), "scale": opt.loss_scale, "skipped": opt.skipped_steps}
+
+
+@pytest.mark.parametrize("default_dtype", [torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("inner", ["FusedAdam", "SGD"])
+def test_training_does_not_depend_on_torchs_default_dtype(inner, default_dtype):
+    """torch.set_default_dtype changes what torch's factory functions make; the unscale, the inf/NaN check (twice
+    with a scale below 1) and the steps stay as under float32, bit for bit."""
+    expected = _trained_with_a_scale_below_one(inner, torch.float32)
+    assert expected["skipped"] == 1
+    assert_tree_bitwise_equal(expected, _trained_with_a_scale_below_one(inner, default_dtype))
+
+
 def test_overflow_in_an_fp32_param_is_caught_too():
     model = make_model(torch.float16)
     model[2].float()  # LayerNorm in fp32 (a common mixed setup): its grads are unscaled in place
