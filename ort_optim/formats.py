@@ -71,7 +71,7 @@ def quantize_fp16(values: torch.Tensor, second_moment: bool = False) -> tuple[to
     blocks = _blocks(values.float())
     codes = (blocks * scales[:, None]).half()
     if second_moment:
-        tiny = torch.tensor(2.0**-24, dtype=torch.float16)
+        tiny = torch.tensor(2.0**-24, dtype=torch.float16, device=codes.device)
         codes = torch.where((codes == 0) & (blocks > 0), tiny, codes)
     codes = codes.reshape(-1)[: values.numel()]
     return codes.view(values.shape), scales
@@ -109,10 +109,10 @@ def _levels(fmt: LowBitFormat, second_moment: bool) -> tuple[float, ...]:
     return fmt.exp_avg_sq_levels if second_moment else fmt.exp_avg_levels
 
 
-def decode_table(fmt: LowBitFormat, second_moment: bool) -> torch.Tensor:
-    """float32 [2**bits]: the value of each code relative to its block's scale (sign-magnitude for exp_avg; the
-    code with only the sign bit set, never written, reads as 0)."""
-    levels = torch.tensor(_levels(fmt, second_moment), dtype=torch.float32)
+def decode_table(fmt: LowBitFormat, second_moment: bool, device: torch.device) -> torch.Tensor:
+    """float32 [2**bits] on device: the value of each code relative to its block's scale (sign-magnitude for
+    exp_avg; the code with only the sign bit set, never written, reads as 0)."""
+    levels = torch.tensor(_levels(fmt, second_moment), dtype=torch.float32, device=device)
     if second_moment:
         return levels
     return torch.cat([levels, -levels])
@@ -145,7 +145,7 @@ def moment_random_bits(exp_avg: torch.Tensor, step: int) -> torch.Tensor:
     16."""
     m = exp_avg.float()
     b = torch.where(m.isnan(), CANONICAL_NAN, _bits(m))
-    e = torch.arange(exp_avg.numel(), dtype=torch.int64)
+    e = torch.arange(exp_avg.numel(), dtype=torch.int64, device=exp_avg.device)
     return fmix32(b ^ ((e * 0x9E3779B1) & MASK32) ^ ((step * 0x85EBCA77 + 0x6A09E667) & MASK32))
 
 
@@ -174,7 +174,7 @@ def low_bit_root(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, s
     relative exp_avg is coded against (_spec.EXP_AVG_RELATIVE); v = u * u."""
     n = math.prod(shape)
     flat = _unpacked(codes, fmt, n)
-    u = _times_block_scales(decode_table(fmt, True).to(codes.device)[flat], scales.float().abs(), fmt)
+    u = _times_block_scales(decode_table(fmt, True, codes.device)[flat], scales.float().abs(), fmt)
     return torch.where(_overflow_flags(scales, fmt, n) & (flat == 0), torch.full_like(u, math.inf), u).view(shape)
 
 
@@ -248,22 +248,22 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
     if second_moment and step and fmt.exp_avg_sq_stochastic:  # unbiased in v (_spec.EXP_AVG_SQ_STOCHASTIC)
         a_up = a * EXP_AVG_SNAP
         a_up = torch.where(a_up < 1.0, a_up, torch.ones_like(a_up))
-        bounds = torch.tensor(fmt.sr_thresholds(True), dtype=torch.float32)
+        bounds = torch.tensor(fmt.sr_thresholds(True), dtype=torch.float32, device=a.device)
         codes = torch.searchsorted(bounds, a_up.reshape(-1).contiguous(), right=True).view_as(a)
-        squares, gaps = (torch.tensor(t, dtype=torch.float32) for t in square_tables(levels))
+        squares, gaps = (torch.tensor(t, dtype=torch.float32, device=a.device) for t in square_tables(levels))
         lowered = (a.view(torch.int32) - EXP_AVG_SR_ULPS).clamp_min(0).view(torch.float32)
         up = (lowered * lowered - squares[codes]) > sr_uniform(r16).view_as(a) * gaps[codes]
         codes = codes + (up & (codes < len(levels) - 1)).long()
     elif second_moment:
         a = torch.where(a < 1.0, a, torch.ones_like(a))
-        bounds = torch.tensor(fmt.sq_thresholds(), dtype=torch.float32)
+        bounds = torch.tensor(fmt.sq_thresholds(), dtype=torch.float32, device=a.device)
         codes = torch.searchsorted(bounds, a.reshape(-1).contiguous(), right=True).view_as(a)
     else:  # stochastic rounding between the level at or below and the next one (ort_optim._spec.EXP_AVG_SR_ULPS)
         a_up = a * EXP_AVG_SNAP
         a_up = torch.where(a_up < 1.0, a_up, torch.ones_like(a_up))
-        bounds = torch.tensor(fmt.sr_thresholds(False), dtype=torch.float32)
+        bounds = torch.tensor(fmt.sr_thresholds(False), dtype=torch.float32, device=a.device)
         codes = torch.searchsorted(bounds, a_up.reshape(-1).contiguous(), right=True).view_as(a)
-        table = torch.tensor(levels + (levels[-1],), dtype=torch.float32)
+        table = torch.tensor(levels + (levels[-1],), dtype=torch.float32, device=a.device)
         lo, hi = table[codes], table[codes + 1]
         if step:
             lowered = (a.view(torch.int32) - EXP_AVG_SR_ULPS).clamp_min(0).view(torch.float32)
@@ -293,7 +293,7 @@ def dequantize_low_bit(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFor
     n = math.prod(shape)
     u_pair = _relative_root(fmt, second_moment, root, n, "dequantize_low_bit")
     flat = _unpacked(codes, fmt, n)
-    values = _times_block_scales(decode_table(fmt, second_moment).to(codes.device)[flat], scales.float(), fmt)
+    values = _times_block_scales(decode_table(fmt, second_moment, codes.device)[flat], scales.float(), fmt)
     if u_pair is not None:
         values = torch.where(values == 0, torch.zeros_like(values), values * u_pair)
     if second_moment:  # code 0 in a block whose scale has its sign bit set (and is no NaN): an overflowed v, inf

@@ -1802,3 +1802,40 @@ def test_a_checkpoint_moved_between_the_environments_resumes_bit_for_bit_as_the_
     assert run(here, 4, 8, load=tmp_path / "there") == stayed, "saved with torch 2.4.1, resumed here"
     run(here, 0, 4, save=tmp_path / "here")
     assert run(there, 4, 8, load=tmp_path / "here") == stayed, "saved here, resumed with torch 2.4.1"
+
+
+# ---- torch's default device -------------------------------------------------------------------------------------
+
+DEFAULT_DEVICE_MOMENTS = {"fp16": torch.float16, "8-bit": torch.uint8, "4-bit": torch.uint4,
+                          "fp8": torch.float8_e4m3fn}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("moments", DEFAULT_DEVICE_MOMENTS.values(), ids=DEFAULT_DEVICE_MOMENTS.keys())
+def test_saving_and_loading_under_another_default_device_keep_the_state_on_the_params_device(moments, backend,
+                                                                                            monkeypatch):
+    """torch's default device (``with torch.device(...)``, torch.set_default_device) changes where torch's factory
+    functions put a tensor; the conversions of a checkpoint work on the params' device whatever it is, as
+    torch.optim.AdamW's state_dict() and load_state_dict() do: the same checkpoint and the same state, bit for bit."""
+    select_backend(monkeypatch, backend)
+
+    def trained():
+        generator = torch.Generator().manual_seed(4)
+        params = [torch.nn.Parameter(torch.randn(300, generator=generator)), torch.nn.Parameter(torch.randn(5, 6, generator=generator))]
+        opt = FusedAdam(params, lr=1e-2, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        opt.step()
+        return params, opt
+
+    params, opt = trained()
+    expected = opt.state_dict()
+    with torch.device("meta"):
+        saved = opt.state_dict()
+    assert_tree_bitwise_equal(saved, expected, "state_dict")
+    fresh_params, fresh = trained()
+    twin_params, twin = trained()
+    fresh.load_state_dict(copy.deepcopy(saved))
+    with torch.device("meta"):
+        twin.load_state_dict(copy.deepcopy(saved))
+    assert_same_snapshot(optimizer_snapshot(fresh), optimizer_snapshot(twin))
