@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
 import threading
 import weakref
@@ -138,6 +139,22 @@ def _release_with(optimizer: "FusedAdam", tensors: list) -> None:
         weakref.finalize(optimizer, clear)
 
     add_graph_finalizer(init_finalizer)
+
+
+# Every FusedAdam alive in this process (a WeakSet: it keeps none alive), for _renew_locks_after_fork.
+_LIVE: "weakref.WeakSet[FusedAdam]" = weakref.WeakSet()
+
+
+def _renew_locks_after_fork() -> None:
+    """In the child of os.fork (multiprocessing's "fork" start method): a step that another thread of the parent was
+    taking never ends there, and its optimizer's lock would be held for the child's whole life. Each optimizer's lock
+    is made anew, as CPython makes its own modules' locks anew in a forked child."""
+    for optimizer in list(_LIVE):
+        optimizer._stepping = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_locks_after_fork)
 
 
 class _CheckedOption:
@@ -361,6 +378,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.capturable = capturable
         self._plan: Optional[_plan.Plan] = None  # the step cache (ort_optim/_plan.py)
         self._stepping = threading.RLock()  # (eager steps, one thread at a time: _update)
+        _LIVE.add(self)
         self._checked_groups = _group_options.CheckedGroups()  # the options last accepted (steps, backward updates)
         # The last step's report (last_grad_norm, last_found_inf): a dict, whose writes a step traced by
         # torch.compile replays (TorchDynamo drops attribute writes on an optimizer made inside a traced step).
@@ -435,6 +453,7 @@ class FusedAdam(torch.optim.Optimizer):
                 setattr(self, name, self.__dict__.pop(name))
         self._plan = None  # the cache (native plans cannot be copied): rebuilt at the next step
         self._stepping = threading.RLock()
+        _LIVE.add(self)
         self._checked_groups = _group_options.CheckedGroups()
         self._partitions_checked = False
         self._last = {"grad_norm": None, "found_inf": None}

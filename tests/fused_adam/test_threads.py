@@ -20,6 +20,7 @@ loaded).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import weakref
@@ -254,3 +255,44 @@ def test_a_step_that_raises_holds_no_param_or_gradient_afterwards(when, backend)
     opt.zero_grad(set_to_none=True)
     assert gradient() is None
     torch.utils.swap_tensors(a, torch.nn.Parameter(torch.randn(8)))
+
+
+FORK_DURING_A_STEP = """
+import json, os, signal, threading, time
+import torch
+from ort_optim import FusedAdam
+torch.set_num_threads(1)
+params = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(4)]
+opt = FusedAdam(params, lr=1e-3)
+for p in params:
+    p.grad = torch.ones_like(p)
+stop, taken = threading.Event(), []
+def stepper():
+    while not stop.is_set():
+        opt.step()
+        taken.append(1)
+thread = threading.Thread(target=stepper)
+thread.start()
+while len(taken) < 2:
+    time.sleep(0.01)
+statuses = []
+for _ in range(4):  # (forks at different points of the other thread's steps, most of them inside one)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(30)  # (a child whose step never returns ends here)
+        opt.step()
+        os._exit(0)
+    statuses.append(os.waitpid(pid, 0)[1])
+    time.sleep(0.003)
+stop.set()
+thread.join()
+print(json.dumps(dict(statuses=statuses)))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is not available on this platform")
+def test_a_child_forked_while_another_thread_steps_takes_steps_of_its_own(tmp_path):
+    """os.fork (multiprocessing's "fork" start method) copies the optimizer into the child as it is, a step of
+    another thread included, which never ends there: the child's own steps run, as torch.optim.AdamW's do, instead
+    of waiting forever for that step."""
+    assert run_python(sys.executable, FORK_DURING_A_STEP, tmp_path) == dict(statuses=[0] * 4)
