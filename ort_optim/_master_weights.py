@@ -669,11 +669,13 @@ class WrapperMasters:
             if owner.scaler.min_scale < 1.0:
                 # torch's op checks before multiplying; with 1/scale > 1 the product itself can overflow: check
                 # the unscaled values once more (an inv_scale of 1 makes the op check only).
-                torch._amp_foreach_non_finite_check_and_unscale_(pieces, dev_found, torch.ones((), dtype=torch.float32, device=device))
+                one = torch.ones((), dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(pieces, dev_found, one)
             found_inf = torch.maximum(found_inf, dev_found.to(owner._main_device))
         for device, grads in done.items():
             dev_found = torch.zeros((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(_locals(grads), dev_found, torch.ones((), dtype=torch.float32, device=device))
+            one = torch.ones((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(_locals(grads), dev_found, one)
             found_inf = torch.maximum(found_inf, dev_found.to(owner._main_device))
             by_device.setdefault(device, []).extend(grads)
         found_inf = owner._reduce_found_inf(found_inf.reshape(1)).reshape(())

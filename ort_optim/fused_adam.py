@@ -1185,7 +1185,8 @@ class FusedAdam(torch.optim.Optimizer):
         if reduction is None:
             return
         device = next(dtensor.local(p).device for group in self.param_groups for p in group["params"])
-        flags = dtensor.all_reduce_stats(torch.tensor([0.0, 1.0 if refused else 0.0], dtype=torch.float32, device=device), reduction)
+        flags = dtensor.all_reduce_stats(
+            torch.tensor([0.0, 1.0 if refused else 0.0], dtype=torch.float32, device=device), reduction)
         if refused is None and float(flags[1]) > 0:
             raise ValueError("load_state_dict: another rank refused this checkpoint for its own pieces of the DTensor "
                              "states (its error names the entry), so this rank loads nothing either; nothing changed")

@@ -1821,7 +1821,8 @@ def test_saving_and_loading_under_another_default_device_keep_the_state_on_the_p
 
     def trained():
         generator = torch.Generator().manual_seed(4)
-        params = [torch.nn.Parameter(torch.randn(300, generator=generator)), torch.nn.Parameter(torch.randn(5, 6, generator=generator))]
+        params = [torch.nn.Parameter(torch.randn(300, generator=generator)),
+                  torch.nn.Parameter(torch.randn(5, 6, generator=generator))]
         opt = FusedAdam(params, lr=1e-2, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
         for p in params:
             p.grad = torch.randn(p.shape, generator=generator)
