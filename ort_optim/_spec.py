@@ -158,7 +158,9 @@ EXP_AVG_TOP = 1.0 - 2.0**-8
 # it, hi iff, in float32, (a * a - lo * lo) > sr_uniform(r16) * (hi * hi - lo * lo) for sqrt(v) (unbiased in v) and
 # (a - lo) > sr_uniform(r16) * (hi - lo) for r (unbiased), r16 the random bits of the block's first element (its
 # moment's 16, MOMENT_RANDOM_BITS); a itself where it is a bfloat16 value, inf or NaN. Conversions round to nearest
-# even. The block's largest element decodes to the scale (the top code), so the scale is its stored value: rounded to
+# even, except a sqrt(v) that would round to 2**64 (a finite v just below float32's largest; its square, the decoded
+# v, would be inf): it takes the bfloat16 value below, as the step does (hi * hi overflows, so it never rounds up).
+# The block's largest element decodes to the scale (the top code), so the scale is its stored value: rounded to
 # nearest, it stuck as any moment rounded to nearest does (v growing by 0.1% a step rounds back to the same bfloat16
 # value; one element with gradient 1 at every step kept v = 0.18 where torch's AdamW reaches 0.98).
 EXP_AVG_SR_ULPS = 8

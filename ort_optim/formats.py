@@ -236,6 +236,12 @@ def quantize_low_bit(values: torch.Tensor, fmt: LowBitFormat, second_moment: boo
         scales = _round_to(bf16_scales_stochastic(amax, r16.view(-1, fmt.block)[:, 0], second_moment), fmt.scale_dtype)
     else:
         scales = _round_to(amax, fmt.scale_dtype)
+        if second_moment and fmt.scale_dtype == torch.bfloat16:
+            # A finite v just below float32's largest has sqrt(v) within half a bfloat16 step of 2**64, which rounds
+            # to 2**64: its square, the decoded v, would be inf. It takes the bfloat16 value below instead, as a
+            # step's stochastic rounding does (BF16_SCALE_STOCHASTIC never rounds up where hi * hi overflows).
+            below = _from_bits(_bits(amax) & 0xFFFF0000)
+            scales = torch.where(torch.isfinite(amax) & torch.isinf(scales * scales), below, scales)
     scales = torch.where(scales < MIN_SCALE, torch.zeros_like(scales), scales)  # (NaN compares False: kept)
     if second_moment:  # (_spec.MIN_SQRT_V)
         scales = torch.where(scales > 0, scales.clamp_min(fmt.min_sq_scale), scales)

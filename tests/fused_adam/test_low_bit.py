@@ -593,6 +593,37 @@ def test_a_finite_v_near_float32s_largest_reads_back_finite_and_restores_bit_for
     assert bool((ref != torch_before).all()) and bool((p != before).all())
 
 
+@pytest.mark.parametrize("v", ["u8", "u4", "e4m3", "e5m2"])
+def test_a_checkpoint_whose_v_is_just_below_float32s_largest_loads_finite_into_every_low_bit_format(v, backend):
+    """torch.optim.AdamW keeps v = 3.399e38 (a gradient of 5.83e20 at beta2 = 0.999: finite, sqrt(v) within 0.06% of
+    2**64), and so does every format's own step. Its checkpoint loads into each format and reads back finite: the
+    4-bit bfloat16 scale of that sqrt(v) is the largest bfloat16 below 2**64 (to nearest it would be 2**64, whose
+    square, the decoded v, is inf), as the step's stochastic rounding takes it; fp8 codes it as at most
+    _spec.FP8_MAX_ROOT. At the next step (a zero gradient) every param moves, as torch's do."""
+    grad = torch.tensor([5.5e20, 5.7e20, 5.8e20, 5.83e20] * 64)
+    ref = torch.nn.Parameter(torch.zeros(256))
+    torch_opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.0)
+    ref.grad = grad.clone()
+    torch_opt.step()
+    saved = torch_opt.state_dict()
+    saved_v = saved["state"][0]["exp_avg_sq"]
+    assert bool(saved_v.isfinite().all()) and float(saved_v[3]) > 3.39e38
+
+    p = torch.nn.Parameter(ref.detach().clone())
+    opt = FusedAdam([p], lr=1e-3, weight_decay=0.0, adam_w_mode=AdamWMode.ADAMW_TORCH, exp_avg_dtype=MOMENT_DTYPES[v],
+                    exp_avg_sq_dtype=MOMENT_DTYPES[v])
+    opt.load_state_dict(saved)
+    loaded = state_values(opt, p, "exp_avg_sq")
+    assert bool(loaded.isfinite().all()) and float(loaded.min()) > 2.5e38
+
+    before, torch_before = p.detach().clone(), ref.detach().clone()
+    for param in (p, ref):
+        param.grad = torch.zeros(256)
+    opt.step()
+    torch_opt.step()
+    assert bool((ref != torch_before).all()) and bool((p != before).all())
+
+
 # ---- idempotent quantisation: what makes a canonical checkpoint resume exactly ----------------------------------
 
 
