@@ -242,9 +242,21 @@ def check_step(value: Any, where: str, meta_ok: bool = False) -> Optional[float]
             raise TypeError(f"{where} must be a one-element real tensor, got {show(value)}")
         return None
     number = _require_scalar_tensor(value, where) if isinstance(value, torch.Tensor) else _require_number(value, where)
-    if not (0 <= number <= MAX_STEP and number == int(number)):
-        raise ValueError(f"{where} must be a whole number in [0, 2**53], got {number!r}")
+    exact = integer_value(value)  # (an int above 2**53 rounds to 2**53 as a float: compared before it is rounded)
+    if not (0 <= (number if exact is None else exact) <= MAX_STEP and number == int(number)):
+        raise ValueError(f"{where} must be a whole number in [0, 2**53], got {number if exact is None else exact!r}")
     return number
+
+
+def integer_value(value: Any) -> Optional[int]:
+    """The exact value of an integer step count (an int, numpy's too, or a one-element integer tensor with data), which
+    float64 may round (2**53 + 1 to 2**53); None for any other value."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if (isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta and value.dtype != torch.bool
+            and not value.is_floating_point() and not value.is_complex()):
+        return int(value.detach().reshape(()).cpu().item())
+    return None
 
 
 def _check_id(value: Any, where: str) -> None:

@@ -99,8 +99,11 @@ _ABSENT = object()
 def _held(key, value):
     """What a state dict holds for this entry: a step count given as a number becomes the float64 tensor torch's
     optimizers keep (TorchDynamo reads every state's step as a tensor before a compiled step runs); the step checks
-    its value, as any step's."""
+    its value, as any step's (an int that float64 does not hold exactly, above 2**53, stays the int, which the step
+    refuses: as a float64 tensor it would be another number)."""
     if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, int) and abs(value) > 2**53 and int(float(value)) != value:
+            return value
         return torch.tensor(float(value), dtype=torch.float64)
     return value
 
@@ -1004,8 +1007,9 @@ def _check_step(p, state, where, device) -> list[_Adoption]:
         number = float(value)
     else:
         raise TypeError(f"{what} must be a one-element tensor or a number, got {type(value).__name__}")
-    if not (0 <= number <= 2.0**53 and number == int(number)):
-        raise ValueError(f"{what} must be a whole number in [0, 2**53], got {number!r}")
+    exact = _checkpoint.integer_value(value)  # (an int above 2**53 rounds to 2**53 as a float: compared first)
+    if not (0 <= (number if exact is None else exact) <= 2.0**53 and number == int(number)):
+        raise ValueError(f"{what} must be a whole number in [0, 2**53], got {number if exact is None else exact!r}")
     if (isinstance(value, torch.Tensor) and value.dtype == torch.float64 and value.dim() == 0 and value.device == device
             and tracks_versions(value)):
         return []

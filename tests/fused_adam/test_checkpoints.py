@@ -601,6 +601,11 @@ BAD_CHECKPOINTS = [
      r"state_dict\['state'\]\[1\]\['step'\] must be a whole number"),
     ("huge-step", _bad(_set(["state", 1, "step"], 1e300)), ValueError,
      r"state_dict\['state'\]\[1\]\['step'\] must be a whole number in \[0, 2\*\*53\]"),
+    # (2**53 + 1 is 2**53 as a float: an int or an integer tensor is compared exactly, not accepted as 2**53)
+    ("step-int-above-2**53", _bad(_set(["state", 1, "step"], 2**53 + 1)), ValueError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be a whole number in \[0, 2\*\*53\], got 9007199254740993"),
+    ("step-int64-tensor-above-2**53", _bad(_set(["state", 1, "step"], torch.tensor(2**53 + 1))), ValueError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be a whole number in \[0, 2\*\*53\], got 9007199254740993"),
     ("nan-step", _bad(_set(["state", 1, "step"], torch.tensor(float("nan")))), ValueError,
      r"state_dict\['state'\]\[1\]\['step'\] must be finite"),
     ("moment-not-a-tensor", _bad(_set(["state", 1, "exp_avg"], [0.0] * 6)), TypeError,

@@ -251,6 +251,11 @@ STATE_REFUSALS = [
     ("exp_avg_sq-float64", _bad_state("exp_avg_sq", lambda p: torch.zeros(p.shape, dtype=torch.float64)), ValueError,
      r"\['exp_avg_sq'\] is torch.float64 but the parameter is torch.float32"),
     ("step-negative", _bad_state("step", torch.tensor(-1.0)), ValueError, r"\['step'\] must be a whole number"),
+    # (2**53 + 1 is 2**53 as a float: an int or an integer tensor is compared exactly, not taken as 2**53)
+    ("step-int-above-2**53", _bad_state("step", 2**53 + 1), ValueError,
+     r"\['step'\] must be a whole number in \[0, 2\*\*53\], got 9007199254740993"),
+    ("step-int64-tensor-above-2**53", _bad_state("step", torch.tensor(2**53 + 1)), ValueError,
+     r"\['step'\] must be a whole number in \[0, 2\*\*53\], got 9007199254740993"),
     ("step-two-elements", _bad_state("step", torch.zeros(2)), ValueError, r"\['step'\] must be a one-element"),
     ("step-a-string", _bad_state("step", "3"), TypeError, r"\['step'\] must be a one-element tensor or a number"),
     ("exp_avg-deleted", lambda opt, params: opt.state[params[1]].__delitem__("exp_avg"), ValueError,
