@@ -245,7 +245,8 @@ class FusedAdam(torch.optim.Optimizer):
             fp16/bf16 params with master weights, else the param's dtype; float64 params always keep float64
             states). fp16 moments are stored with one power-of-two scale per 1024 elements, by the block's largest
             finite magnitude (exp_avg_sq as sqrt(v), never read back as 0), so they neither overflow nor flush to
-            zero. 8-bit and 4-bit moments are block-quantised
+            zero; rounded to nearest, as bfloat16 moments, a v that moves by less than half an ulp a step stays
+            (guides/low-bit-states.md, Caveats). 8-bit and 4-bit moments are block-quantised
             codes (``state[key]``, uint8; 4-bit packed two per byte, flat) with block scales in
             ``state[key + '_scale']``: m and v together take 2.03 (8-bit) or 1.03 (4-bit) bytes per parameter
             instead of 8; exp_avg rounds stochastically between its two neighbouring levels (ops/README.md,
