@@ -38,9 +38,10 @@ CONVERSION_ORDER = ("exp_avg_sq", "max_exp_avg_sq", "exp_avg")
 CHECKPOINT_KEYS = ("step",) + MOMENT_KEYS + ("master_param",)
 # torch.distributed.checkpoint's flattened optimizer state dict (StateDictOptions(flatten_optimizer_state_dict=True),
 # torchtitan's default) is unflattened by the keys of the live optimizer.state[p], which holds the block scales of
-# fp16 and low-bit moments next to them: a key the canonical checkpoint never has comes back as an empty dict. Only
-# that placeholder is ignored, and only for these keys.
-UNFLATTEN_PLACEHOLDER_KEYS = tuple(f"{key}_scale" for key in MOMENT_KEYS)
+# fp16 and low-bit moments next to them: a key the canonical checkpoint never has comes back as an empty dict, and so
+# does a master the checkpoint does not have (one without masters loaded into master weights). Only that placeholder
+# is ignored, and only for these keys: a master given so is a master not given.
+UNFLATTEN_PLACEHOLDER_KEYS = tuple(f"{key}_scale" for key in MOMENT_KEYS) + ("master_param",)
 # Every checkpoint of the Adam family has these (ORT's, torch's, ours); the other options default to this
 # optimizer's current values when missing (ORT's FusedAdam saves no adam_w_mode, amsgrad or maximize).
 REQUIRED_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
@@ -475,6 +476,9 @@ def prepare_load(param_groups: list[dict], state_dict: Any, options: WideOptions
             raise ValueError(f"{where}: parameter id {saved_id!r} is listed in no {entry('param_groups')}[i]"
                              "['params']")
         gi, j, p = id_to_param[saved_id]
+        if isinstance(saved, dict):
+            saved = {key: value for key, value in saved.items()
+                     if not (key in UNFLATTEN_PLACEHOLDER_KEYS and isinstance(value, dict) and not value)}
         if isinstance(saved, dict) and not saved:
             # torch.optim's state is a defaultdict: reading state[p] of a param that has not stepped yet leaves an empty
             # dict, which its state_dict() saves. No state yet, as torch.optim loads it.
@@ -498,8 +502,6 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
     if not isinstance(saved, dict):
         raise TypeError(f"{where} must be a dict of state tensors, got {show(saved)}")
     for key in saved:
-        if key in UNFLATTEN_PLACEHOLDER_KEYS and isinstance(saved[key], dict) and not saved[key]:
-            continue
         if key not in CHECKPOINT_KEYS:
             raise ValueError(f"{where}[{key!r}]: unknown key; an Adam state has some of {list(CHECKPOINT_KEYS)}")
     required = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())

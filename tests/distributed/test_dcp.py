@@ -80,7 +80,7 @@ def test_dcp_checkpoint_moves_between_fused_adam_and_torch_adamw(torch_results, 
 
 
 @against_torch.needs_fsdp2
-@pytest.mark.parametrize("source", ["torch", "fused"])
+@pytest.mark.parametrize("source", ["torch", "fused", "torch-flattened"])
 def test_a_checkpoint_without_masters_loads_into_master_weights_from_the_loaded_params(torch_results, source):
     """torch.optim.AdamW's checkpoint, or FusedAdam's without master_weights, loaded through dcp.load(...,
     allow_partial_load=True) into FusedAdam(master_weights=True), the template's masters dropped before

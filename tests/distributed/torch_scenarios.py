@@ -540,15 +540,17 @@ def _dcp_into_master_weights(rank, tmp_dir):
     state_dict() directly after the model's weights."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     out = {}
-    for src in ("torch", "fused"):
+    for src in ("torch", "fused", "torch-flattened"):
+        flat = src.endswith("flattened")
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
         path = str(Path(tmp_dir) / f"dcp-{src}-to-masters")
         model = _fsdp(dtype=torch.bfloat16)
-        opt = torch_adamw(model.parameters()) if src == "torch" else fused(model.parameters())
-        _train(model, opt, rank, src, steps=4)
-        model_sd, optim_sd = get_state_dict(model, opt)
+        opt = torch_adamw(model.parameters()) if src.startswith("torch") else fused(model.parameters())
+        _train(model, opt, rank, src.split("-")[0], steps=4)
+        model_sd, optim_sd = get_state_dict(model, opt, options=options)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         saved = [full(p) for p in model.parameters()]
         direct_model = _fsdp(dtype=torch.bfloat16)
@@ -559,12 +561,16 @@ def _dcp_into_master_weights(rank, tmp_dir):
 
         model = _fsdp(dtype=torch.bfloat16)
         opt = fused(model.parameters(), master_weights=True)
-        model_sd, optim_sd = get_state_dict(model, opt)
+        model_sd, optim_sd = get_state_dict(model, opt, options=options)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
-        for entries in state["optim"]["state"].values():
-            entries.pop("master_param", None)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if flat:  # (keys "state.<fqn>.master_param")
+            for key in [key for key in state["optim"] if key.endswith(".master_param")]:
+                del state["optim"][key]
+        else:
+            for entries in state["optim"]["state"].values():
+                entries.pop("master_param", None)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
         masters_after_load = sum("master_param" in opt.state[p] for p in model.parameters())
         _train(model, opt, rank, "fused", steps=1, start=4)
         first = [full(p) for p in model.parameters()]

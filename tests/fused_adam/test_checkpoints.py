@@ -1168,6 +1168,27 @@ def test_a_resume_that_loads_the_optimizer_before_the_model_keeps_its_fp32_maste
         assert_bitwise_equal(resumed, continued, "resumed")
 
 
+def test_an_empty_dict_in_place_of_a_master_or_a_block_scale_is_no_entry():
+    """torch.distributed.checkpoint's flattened state dict comes back unflattened by the live state's keys, an empty
+    dict for each key the checkpoint lacks (block scales, a master the checkpoint does not have): such a master loads
+    as no master (taken from the param at the next step), while an empty dict under any other key is refused."""
+    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _fp32_params()]
+    source = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2)
+    _steps(source, source.param_groups[0]["params"], 0, 2)
+    sd = source.state_dict()
+    for state in sd["state"].values():
+        state.update(master_param={}, exp_avg_sq_scale={})
+    opt = FusedAdam(params, lr=1e-2, master_weights=True, exp_avg_sq_dtype=torch.float16)
+    opt.load_state_dict(sd)
+    assert not any("master_param" in opt.state[p] for p in params)
+    assert all(float(opt.state[p]["step"]) == 2 for p in params)
+    sd["state"][0]["exp_avg"] = {}
+    before = optimizer_snapshot(opt)
+    with pytest.raises(TypeError, match=re.escape("state_dict['state'][0]['exp_avg'] must be a tensor")):
+        opt.load_state_dict(sd)
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
 def test_state_entries_the_optimizer_does_not_keep_are_not_saved_and_the_warning_names_them():
     """``optimizer.state[p]['my_ema'] = t``: the step takes it along, but FusedAdam's checkpoint holds the
     optimizer's own state (its load refuses other keys, which is how another optimizer's checkpoint shows), so
