@@ -99,10 +99,10 @@ _ABSENT = object()
 def _held(key, value):
     """What a state dict holds for this entry: a step count given as a number becomes the float64 tensor torch's
     optimizers keep (TorchDynamo reads every state's step as a tensor before a compiled step runs); the step checks
-    its value, as any step's (an int that float64 does not hold exactly, above 2**53, stays the int, which the step
-    refuses: as a float64 tensor it would be another number)."""
+    its value, as any step's (an int beyond 2**53 stays the int, which the step refuses naming the param: as a
+    float64 tensor it could be another number, or none)."""
     if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-        if isinstance(value, int) and abs(value) > 2**53 and int(float(value)) != value:
+        if isinstance(value, int) and abs(value) > _spec.MAX_STEP:
             return value
         return torch.tensor(float(value), dtype=torch.float64)
     return value
@@ -1004,11 +1004,12 @@ def _check_step(p, state, where, device) -> list[_Adoption]:
             return [_Adoption(state, "step", torch.empty((), dtype=torch.float64, device=device))]
         number = float(value.item())  # (a host sync, only when planning; no view: _versions.tracks_versions)
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
+        # (an int float64 cannot hold is out of range: its exact value is compared below)
+        number = float(value) if not isinstance(value, int) or abs(value) <= _spec.MAX_STEP else float("inf")
     else:
         raise TypeError(f"{what} must be a one-element tensor or a number, got {type(value).__name__}")
     exact = _checkpoint.integer_value(value)  # (an int above 2**53 rounds to 2**53 as a float: compared first)
-    if not (0 <= (number if exact is None else exact) <= 2.0**53 and number == int(number)):
+    if not (0 <= (number if exact is None else exact) <= _spec.MAX_STEP and number == int(number)):
         raise ValueError(f"{what} must be a whole number in [0, 2**53], got {number if exact is None else exact!r}")
     if (isinstance(value, torch.Tensor) and value.dtype == torch.float64 and value.dim() == 0 and value.device == device
             and tracks_versions(value)):

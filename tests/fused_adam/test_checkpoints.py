@@ -606,6 +606,8 @@ BAD_CHECKPOINTS = [
      r"state_dict\['state'\]\[1\]\['step'\] must be a whole number in \[0, 2\*\*53\], got 9007199254740993"),
     ("step-int64-tensor-above-2**53", _bad(_set(["state", 1, "step"], torch.tensor(2**53 + 1))), ValueError,
      r"state_dict\['state'\]\[1\]\['step'\] must be a whole number in \[0, 2\*\*53\], got 9007199254740993"),
+    ("step-int-beyond-float64", _bad(_set(["state", 1, "step"], 10**400)), ValueError,
+     r"state_dict\['state'\]\[1\]\['step'\] must be"),
     ("nan-step", _bad(_set(["state", 1, "step"], torch.tensor(float("nan")))), ValueError,
      r"state_dict\['state'\]\[1\]\['step'\] must be finite"),
     ("moment-not-a-tensor", _bad(_set(["state", 1, "exp_avg"], [0.0] * 6)), TypeError,

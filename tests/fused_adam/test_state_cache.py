@@ -256,6 +256,8 @@ STATE_REFUSALS = [
      r"\['step'\] must be a whole number in \[0, 2\*\*53\], got 9007199254740993"),
     ("step-int64-tensor-above-2**53", _bad_state("step", torch.tensor(2**53 + 1)), ValueError,
      r"\['step'\] must be a whole number in \[0, 2\*\*53\], got 9007199254740993"),
+    ("step-int-beyond-float64", _bad_state("step", 10**400), ValueError,
+     r"\['step'\] must be a whole number in \[0, 2\*\*53\], got 1000"),
     ("step-two-elements", _bad_state("step", torch.zeros(2)), ValueError, r"\['step'\] must be a one-element"),
     ("step-a-string", _bad_state("step", "3"), TypeError, r"\['step'\] must be a one-element tensor or a number"),
     ("exp_avg-deleted", lambda opt, params: opt.state[params[1]].__delitem__("exp_avg"), ValueError,
