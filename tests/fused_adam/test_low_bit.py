@@ -1754,9 +1754,9 @@ def test_steady_gradients_far_below_their_blocks_largest_move_as_the_formats_all
 
 @pytest.mark.slow
 @pytest.mark.no_interpreter
-@pytest.mark.xfail(strict=True, reason="known limit: an element's sqrt(v) is stored to its nearest 8-bit level relative "
-                   "to its block's largest, so a v that moves by less than half a level a step never moves: "
-                   "guides/low-bit-states.md, Caveats")
+@pytest.mark.xfail(strict=True, reason="known limit: an element's sqrt(v) is stored to its nearest 8-bit level "
+                   "relative to its block's largest, so a v that moves by less than half a level a step never "
+                   "moves: guides/low-bit-states.md, Caveats")
 @pytest.mark.parametrize("late", [0.5, 0.1, 0.02])
 def test_an_8bit_v_follows_a_steady_gradient_that_starts_after_its_blocks_largest(late):
     """The limits above hold for gradients steady from the first step. A steady gradient that starts later, in a
