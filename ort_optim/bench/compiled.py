@@ -3,12 +3,16 @@
 Model: 8 x Linear(256, 256), batch 32; the step is forward, backward, ``optimizer.step()`` and ``zero_grad()``, all
 inside one ``torch.compile``d function, under two schedules: a tensor lr that ``LambdaLR`` changes at every step
 (torch.optim's way to change the lr without recompiling), and ``OneCycleLR(cycle_momentum=True)`` with a float lr
-(a new float lr and beta1 at every step; traced 10 steps before timing, past TorchDynamo's recompile limit of 8, so
-the counts include every recompile and a step that hit the limit is timed as it then runs: eagerly). Both optimizers use torch AdamW's math (FusedAdam with
-``adam_w_mode=ADAMW_TORCH, eps=1e-8, weight_decay=1e-2``). After warm-up (tracing), the two compiled steps run
-interleaved; each row gives the median step time, and FusedAdam's row its ratio to AdamW's (> 1: FusedAdam's step is
-faster), plus the graph breaks and graphs TorchDynamo made for each (``torch._dynamo.utils.counters`` after
-``torch._dynamo.reset()``).
+(a new float lr and beta1 at every step). Each step is traced before timing until a step compiles no new graph (at
+least 3 steps with LambdaLR and 10 with OneCycleLR, at most MAX_TRACED_STEPS: ``traced_steps``), past TorchDynamo's
+recompile limits, so the counts include every recompile and a step that hit a limit is timed as it then runs:
+eagerly. Both optimizers use torch AdamW's math (FusedAdam with ``adam_w_mode=ADAMW_TORCH, eps=1e-8,
+weight_decay=1e-2``). After tracing, the two compiled steps run interleaved (2 warm-ups); each row gives the median
+step time, and FusedAdam's row its ratio to AdamW's (> 1: FusedAdam's step is faster), plus the graph breaks and
+graphs TorchDynamo made for each while it was traced (``torch._dynamo.utils.counters``, cleared before each) and
+``graphs_while_timed``, those compiled during the warm-ups and timed steps (0 unless a step never settled). One
+``torch._dynamo.reset()`` per schedule precedes both tracings, and each step has its own code object, so each keeps
+its compiled code through the timing.
 
     python -m ort_optim.bench --sections compiled      # or alone:
     python -m ort_optim.bench.compiled [--quick] [--width 256 --layers 8]
@@ -17,6 +21,7 @@ faster), plus the graph breaks and graphs TorchDynamo made for each (``torch._dy
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 
@@ -38,7 +43,6 @@ def _setup(make_optimizer, make_scheduler, width: int, layers: int, batch: int):
     scheduler = make_scheduler(optimizer, torch)
     x = torch.randn(batch, width)
 
-    @torch.compile
     def train_step():
         loss = model(x).square().mean()
         loss.backward()
@@ -46,11 +50,49 @@ def _setup(make_optimizer, make_scheduler, width: int, layers: int, batch: int):
         optimizer.zero_grad()
         return loss
 
+    # TorchDynamo keeps compiled code, and counts recompiles against its limit, per code object: a copy of the code
+    # gives each setup its own, so that one optimizer's entries neither evict nor count against the other's.
+    train_step.__code__ = train_step.__code__.replace()
+    compiled_step = torch.compile(train_step)
+
     def step():
-        train_step()
+        compiled_step()
         scheduler.step()
 
     return step
+
+
+MAX_TRACED_STEPS = 100
+
+
+def _trace(step, at_least: int, counters) -> int:
+    """Runs ``step`` until a call compiles no new graph, at least ``at_least`` and at most MAX_TRACED_STEPS times;
+    returns how many. (A float lr or beta that changes at every step recompiles until TorchDynamo's limit stops it,
+    which the limit does per code object: torch 2.13's AdamW settles after 9 steps, torch 2.4's after 33, as the
+    frames under its step reach theirs one after another.)"""
+    traced = 0
+    while traced < MAX_TRACED_STEPS:
+        before = counters["stats"]["unique_graphs"]
+        step()
+        traced += 1
+        if traced >= at_least and counters["stats"]["unique_graphs"] == before:
+            break
+    return traced
+
+
+@contextlib.contextmanager
+def _compiled_from_sources():
+    """Compiles from the sources, never from inductor's caches: their keys leave out inputs' storage offsets and
+    sizes, so code compiled for states that share one storage (copied around the op at every step) can be served to
+    a step whose states do not. (The caches this torch has: torch 2.4 has no autograd cache.)"""
+    import torch
+
+    switches = ((torch._inductor.config, "fx_graph_cache"), (torch._functorch.config, "enable_autograd_cache"))
+    with contextlib.ExitStack() as stack:
+        for config, name in switches:
+            if hasattr(config, name):
+                stack.enter_context(config.patch(**{name: False}))
+        yield
 
 
 def run(quick: bool, width: int = 256, layers: int = 8) -> list[dict]:
@@ -72,27 +114,34 @@ def run(quick: bool, width: int = 256, layers: int = 8) -> list[dict]:
     rows = []
     for schedule, (lr_kind, make_scheduler, traced_steps) in SCHEDULES.items():
         steps, counts = {}, {}
-        # Compiled from the sources, never from inductor's caches: their keys leave out inputs' storage offsets and
-        # sizes, so code compiled for states that share one storage (copied around the op at every step) can be
-        # served to a step whose states do not.
-        for name, make in makers.items():  # traced one after the other, each counted from a reset
-            torch._dynamo.reset()
+        # (a reset drops every compiled code, so there is one per schedule, before either optimizer is traced)
+        torch._dynamo.reset()
+        for name, make in makers.items():  # traced one after the other, each counted from zero
             counters.clear()
             lr = torch.tensor(1e-3) if lr_kind == "tensor" else 1e-3
             steps[name] = _setup(make(lr), make_scheduler, width, layers, batch)
-            with torch._inductor.config.patch(fx_graph_cache=False), \
-                    torch._functorch.config.patch(enable_autograd_cache=False):
-                for _ in range(traced_steps):
-                    steps[name]()
-            counts[name] = (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
-        # (a reset would drop the compiled code: both keep their own, and run interleaved from here)
-        samples = interleaved_samples(steps, warmup=2, reps=10 if quick else 60)
+            with _compiled_from_sources():
+                traced = _trace(steps[name], traced_steps, counters)
+            counts[name] = (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"], traced)
+        # (both keep their compiled code, and run interleaved from here)
+        while_timed = dict.fromkeys(steps, 0)
+
+        def counting(name, step):
+            def call():
+                before = counters["stats"]["unique_graphs"]
+                step()
+                while_timed[name] += counters["stats"]["unique_graphs"] - before
+            return call
+
+        samples = interleaved_samples({name: counting(name, step) for name, step in steps.items()}, warmup=2,
+                                      reps=10 if quick else 60)
         medians = {name: statistics.median(times) for name, times in samples.items()}
         base, ours = list(makers)
         for name in makers:
             row = {"section": "compiled train step", "model": f"{layers} x Linear({width}, {width}), batch {batch}",
                    "schedule": schedule, "impl": name, "median_ms": medians[name] * 1e3,
-                   "graph_breaks": counts[name][0], "graphs": counts[name][1]}
+                   "graph_breaks": counts[name][0], "graphs": counts[name][1], "traced_steps": counts[name][2],
+                   "graphs_while_timed": while_timed[name]}
             if name == ours:
                 row["ours_speedup"] = medians[base] / medians[ours]
             rows.append(row)
