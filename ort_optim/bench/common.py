@@ -75,14 +75,19 @@ def gc_paused():
 
 
 def interleaved_samples(candidates: dict[str, Callable[[], None]], warmup: int, reps: int,
-                        clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+                        clock: Callable[[], float] = time.perf_counter,
+                        prepare: Optional[dict[str, Callable[[], None]]] = None) -> dict[str, list[float]]:
     """Seconds of every call of each candidate, run round robin so that machine noise hits all alike: sample i of
     every candidate comes from the same round (pair them for per-round ratios), with the cyclic collector paused
-    (gc_paused). ``clock``: see time_after_probe."""
+    (gc_paused). ``clock``: see time_after_probe. ``prepare``: per candidate, a call run untimed right before each
+    of its calls (to give every call the same inputs, e.g. gradients that a step writes back)."""
     times: dict[str, list[float]] = {name: [] for name in candidates}
+    prepare = prepare or {}
     with gc_paused():
         for rep in range(warmup + reps):
             for name, fn in candidates.items():
+                if name in prepare:
+                    prepare[name]()
                 start = clock()
                 fn()
                 if rep >= warmup:
@@ -91,10 +96,11 @@ def interleaved_samples(candidates: dict[str, Callable[[], None]], warmup: int, 
 
 
 def time_interleaved(candidates: dict[str, Callable[[], None]], warmup: int, reps: int,
-                     clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
-    """Median seconds per call of each candidate, run round robin (interleaved_samples)."""
+                     clock: Callable[[], float] = time.perf_counter,
+                     prepare: Optional[dict[str, Callable[[], None]]] = None) -> dict[str, float]:
+    """Median seconds per call of each candidate, run round robin (interleaved_samples, ``prepare`` included)."""
     return {name: statistics.median(values)
-            for name, values in interleaved_samples(candidates, warmup, reps, clock).items()}
+            for name, values in interleaved_samples(candidates, warmup, reps, clock, prepare).items()}
 
 
 def time_interleaved_one_thread(candidates: dict[str, Callable[[], None]], warmup: int, reps: int,

@@ -5,7 +5,8 @@ Command that produced the numbers in guides/fp16-optimizer.md::
     PYTHONPATH=. .venv/bin/python -m ort_optim.bench.fp16_optimizer          # full
     PYTHONPATH=. .venv/bin/python -m ort_optim.bench.fp16_optimizer --quick  # seconds
 
-Workloads (CPU tensors; the implementations are timed interleaved, after warm-up, and the median is reported):
+Workloads (CPU tensors; the implementations are timed interleaved, after warm-up, and the median is reported;
+every call of the step starts from the same scaled gradients, restored untimed before it):
 
 1. ``fp16 step``: one optimizer step of an fp16 model with scaled fp16 gradients (GPT-2-small shapes, 148 tensors,
    124.4M params; quick: a 2-layer, width-256 GPT, 4.4M params):
@@ -40,9 +41,10 @@ def _shapes(quick: bool) -> list[tuple[int, ...]]:
     return gpt2_small_shapes(layers=2, dim=256, vocab=8192) if quick else gpt2_small_shapes()
 
 
-def _interleaved(impls: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, float]:
-    """Median milliseconds per call, timed round robin."""
-    return {name: seconds * 1e3 for name, seconds in time_interleaved(impls, warmup, repeats).items()}
+def _interleaved(impls: dict[str, Callable[[], None]], repeats: int, warmup: int,
+                 prepare: Optional[dict[str, Callable[[], None]]] = None) -> dict[str, float]:
+    """Median milliseconds per call, timed round robin (``prepare``: common.interleaved_samples)."""
+    return {name: seconds * 1e3 for name, seconds in time_interleaved(impls, warmup, repeats, prepare=prepare).items()}
 
 
 def _rows(workload: str, medians: dict[str, float], baseline: str) -> list[dict]:
@@ -88,27 +90,36 @@ class _GradScalerFusedAdamW:
         torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, 2.0, 0.5, 2000)
 
 
+STEP_IMPLS = ("torch GradScaler-style + fused AdamW", "FP16_Optimizer(FusedAdam)", "FP16_Optimizer(torch fused AdamW)")
+
+
 def bench_step(quick: bool) -> list[dict]:
     shapes = _shapes(quick)
     numel = sum(torch.Size(s).numel() for s in shapes)
     scale = 1024.0
-    baseline = _GradScalerFusedAdamW(_fp16_params(shapes, 0), lr=1e-4, scale=scale)
+    params = {name: _fp16_params(shapes, 0) for name in STEP_IMPLS}
+    baseline = _GradScalerFusedAdamW(params[STEP_IMPLS[0]], lr=1e-4, scale=scale)
     ours = FP16_Optimizer(
-        FusedAdam(_fp16_params(shapes, 0), lr=1e-4, adam_w_mode=AdamWMode.ADAMW_TORCH, master_weights=True),
+        FusedAdam(params[STEP_IMPLS[1]], lr=1e-4, adam_w_mode=AdamWMode.ADAMW_TORCH, master_weights=True),
         init_scale=scale, growth_interval=10**6, min_scale_action="clamp",
     )
     generic = FP16_Optimizer(
-        torch.optim.AdamW(_fp16_params(shapes, 0), lr=1e-4, weight_decay=0.0, eps=1e-6, fused=True),
+        torch.optim.AdamW(params[STEP_IMPLS[2]], lr=1e-4, weight_decay=0.0, eps=1e-6, fused=True),
         init_scale=scale, growth_interval=10**6, min_scale_action="clamp",
     )
-    medians = _interleaved(
-        {"torch GradScaler-style + fused AdamW": baseline.step, "FP16_Optimizer(FusedAdam)": ours.step,
-         "FP16_Optimizer(torch fused AdamW)": generic.step},
-        repeats=31 if quick else 9, warmup=2,
-    )
+    # Every call starts from the scaled gradients, as after a backward (untimed, right before it): the wrapper
+    # writes FusedAdam's gradients back unscaled and remembers them as such, so without this its later calls would
+    # skip the unscale and the write-back that the baseline does at every call.
+    scaled = {name: [p.grad.clone() for p in ps] for name, ps in params.items()}
+
+    def restore(name):
+        return lambda: torch._foreach_copy_([p.grad for p in params[name]], scaled[name])
+
+    medians = _interleaved(dict(zip(STEP_IMPLS, (baseline.step, ours.step, generic.step))),
+                           repeats=31 if quick else 9, warmup=2, prepare={name: restore(name) for name in params})
     assert ours.skipped_steps == 0 and generic.skipped_steps == 0
     workload = f"fp16 step, {len(shapes)} tensors, {numel / 1e6:.1f}M params"
-    return _rows(workload, medians, "torch GradScaler-style + fused AdamW")
+    return _rows(workload, medians, STEP_IMPLS[0])
 
 
 # ---- 2. DeepSpeed's overflow check and gradient norm ---------------------------------------------------------------
