@@ -112,9 +112,10 @@ def main(argv=None) -> int:
     valid = ["fp32", "mixed", "states", "fp16_optimizer", "overhead", *EXTRA_SECTIONS]
     parser.add_argument("--sections", default=",".join(valid), help="comma-separated: " + ", ".join(valid))
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's CPU Adam")
-    parser.add_argument("--out", default=None, help="JSON output (a PNG chart and the markdown tables are saved "
-                        "beside it); default results/bench.json, results/bench-quick.json with --quick (so that a "
-                        "quick look does not overwrite a full run's tables)")
+    parser.add_argument("--out", default=None, help="JSON output, a .json file (a PNG chart and the markdown tables "
+                        "are saved beside it: NAME.png, NAME.md); default results/bench.json, "
+                        "results/bench-quick.json with --quick (so that a quick look does not overwrite a full run's "
+                        "tables)")
     args = parser.parse_args(argv)
     # (checked before any timing: a mistake here would otherwise show only after minutes of it, or not at all)
     sections = {name.strip() for name in args.sections.split(",") if name.strip()}
@@ -128,6 +129,10 @@ def main(argv=None) -> int:
     if args.out is not None and (args.out.endswith(("/", "\\")) or Path(args.out).is_dir()):
         parser.error(f"--out takes a file path (the JSON; the .md and .png go beside it), got the directory "
                      f"{args.out!r}: name a file, e.g. {str(Path(args.out) / 'bench.json')!r}")
+    if args.out is not None and Path(args.out).suffix.lower() in (".md", ".png"):
+        parser.error(f"--out names the JSON, and the tables (.md) and the chart (.png) are written beside it under "
+                     f"its name: {args.out!r} would be overwritten by them; name a .json file, e.g. "
+                     f"{str(Path(args.out).with_suffix('.json'))!r}")
     args.out = args.out or ("results/bench-quick.json" if args.quick else "results/bench.json")
     reps = args.reps or (3 if args.quick else 5)
     torch.manual_seed(0)

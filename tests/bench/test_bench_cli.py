@@ -1,7 +1,7 @@
 """``python -m ort_optim.bench`` checks its arguments before any timing, as a specification: an unknown section, a
-``--out`` that names a directory and a ``--reps`` below 1 are refused at once with what to pass instead (a mistake
-found after minutes of timing, or never, costs the run). The floor probes' library reports a cache it cannot write
-as a reason to skip their rows, not as a crash of the benchmark."""
+``--out`` that names a directory or a file the tables or the chart would overwrite, and a ``--reps`` below 1 are
+refused at once with what to pass instead (a mistake found after minutes of timing, or never, costs the run). The floor
+probes' library reports a cache it cannot write as a reason to skip their rows, not as a crash of the benchmark."""
 
 from __future__ import annotations
 
@@ -49,6 +49,14 @@ def test_an_out_that_names_a_directory_is_refused_before_timing(kind, no_timing,
     out = str(tmp_path) if kind == "existing-directory" else str(tmp_path / "new") + "/"
     err = _refused(["--quick", "--sections", "fp32", "--out", out], capsys)
     assert "--out takes a file path" in err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["bench.md", "bench.png", "BENCH.MD"])
+def test_an_out_that_the_tables_or_the_chart_would_overwrite_is_refused_before_timing(name, no_timing, tmp_path,
+                                                                                        capsys):
+    err = _refused(["--quick", "--sections", "fp32", "--out", str(tmp_path / name)], capsys)
+    assert "--out names the JSON" in err and "name a .json file" in err
     assert not list(tmp_path.iterdir())
 
 
