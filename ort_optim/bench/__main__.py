@@ -3,7 +3,7 @@
 Every workload runs all its implementations interleaved (round robin, after warm-up) and reports medians, the
 ratio against each alternative, the bytes each step must move, and the fraction of the memory bandwidth measured in
 the same run. It prints tables, writes JSON (``--out``, default results/bench.json, or results/bench-quick.json with
-``--quick``), the tables in markdown and a PNG chart of the ratios.
+``--quick``), the tables in markdown and a PNG chart of the ratios (where matplotlib is installed).
 Absolute times move between runs on shared machines; the ratios are what we quote.
 """
 
@@ -86,8 +86,12 @@ def markdown(rows: list[dict], fp16_rows: list[dict], overhead_rows: list[dict],
     return "\n".join(lines) + "\n"
 
 
-def save_chart(rows: list[dict], path: Path) -> None:
-    import matplotlib
+def save_chart(rows: list[dict], path: Path) -> bool:
+    """The ratios as a bar chart; False (and no file) where matplotlib is not installed (an optional dependency)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -103,6 +107,7 @@ def save_chart(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def main(argv=None) -> int:
@@ -112,8 +117,8 @@ def main(argv=None) -> int:
     valid = ["fp32", "mixed", "states", "fp16_optimizer", "overhead", *EXTRA_SECTIONS]
     parser.add_argument("--sections", default=",".join(valid), help="comma-separated: " + ", ".join(valid))
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's CPU Adam")
-    parser.add_argument("--out", default=None, help="JSON output, a .json file (a PNG chart and the markdown tables "
-                        "are saved beside it: NAME.png, NAME.md); default results/bench.json, "
+    parser.add_argument("--out", default=None, help="JSON output, a .json file (the markdown tables and, with "
+                        "matplotlib, a PNG chart are saved beside it: NAME.md, NAME.png); default results/bench.json, "
                         "results/bench-quick.json with --quick (so that a quick look does not overwrite a full run's "
                         "tables)")
     args = parser.parse_args(argv)
@@ -188,8 +193,11 @@ def main(argv=None) -> int:
         text += "\n" + f"{name}:\n\n" + "\n".join(generic_table(section_rows)) + "\n"
     out.with_suffix(".md").write_text(text)
     chart = out.with_suffix(".png")
-    save_chart([r for r in rows if "ours_speedup" in r], chart)
-    print(f"\nwrote {out}, {out.with_suffix('.md')} and {chart}")
+    if save_chart([r for r in rows if "ours_speedup" in r], chart):
+        print(f"\nwrote {out}, {out.with_suffix('.md')} and {chart}")
+    else:
+        print(f"\nwrote {out} and {out.with_suffix('.md')}; no chart: matplotlib is not installed "
+              f"(pip install matplotlib, or ort-optim[examples])")
     return 0
 
 

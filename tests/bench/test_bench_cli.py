@@ -1,9 +1,13 @@
 """``python -m ort_optim.bench`` checks its arguments before any timing, as a specification: an unknown section, a
 ``--out`` that names a directory or a file the tables or the chart would overwrite, and a ``--reps`` below 1 are
-refused at once with what to pass instead (a mistake found after minutes of timing, or never, costs the run). The floor
-probes' library reports a cache it cannot write as a reason to skip their rows, not as a crash of the benchmark."""
+refused at once with what to pass instead (a mistake found after minutes of timing, or never, costs the run). What
+is optional is skipped with the reason, not a crash at the end of the run: the chart where matplotlib is not
+installed, the floor probes' rows where their library's cache cannot be written."""
 
 from __future__ import annotations
+
+import json
+import sys
 
 import pytest
 
@@ -58,6 +62,20 @@ def test_an_out_that_the_tables_or_the_chart_would_overwrite_is_refused_before_t
     err = _refused(["--quick", "--sections", "fp32", "--out", str(tmp_path / name)], capsys)
     assert "--out names the JSON" in err and "name a .json file" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_without_matplotlib_the_run_writes_its_json_and_tables_and_says_there_is_no_chart(tmp_path, monkeypatch,
+                                                                                          capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (as where it is not installed)
+    monkeypatch.setattr(bench, "measure_bandwidth", lambda quick: dict(
+        inplace_GBps=1.0, copy_GBps=1.0, triad_GBps=1.0, read_GBps=1.0, peak_GBps=1.0))
+    monkeypatch.setattr(bench, "bench_op_overhead", lambda reps: [
+        {"section": "op overhead", "workload": "2x1", "call": "op", "caches": "warm", "tensors": 2, "median_ms": 0.5}])
+    out = tmp_path / "b.json"
+    assert bench.main(["--quick", "--sections", "overhead", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["op_overhead_rows"][0]["median_ms"] == 0.5
+    assert out.with_suffix(".md").exists() and not out.with_suffix(".png").exists()
+    assert "no chart: matplotlib is not installed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("reps", ["0", "-2"])
