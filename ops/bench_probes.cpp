@@ -8,8 +8,9 @@
 //   usable format (a linear second moment rounds small values to zero, the failure Li et al. 2023 describe), only
 //   a lower bound on the compute of any block-quantised format: decode, the update, the block maximum, encode.
 // * mixed_floor_step: the memory traffic of the mixed-precision step (fp16 params and gradients, fp32 masters and
-//   moments: 30 bytes per element) with one multiply-add per array and nothing else, in one parallel region over
-//   (tensor, chunk) work items like ours: the floor set by the tensors' layout (many small allocations) alone.
+//   moments: 28 bytes per element, the gradient read once) with one multiply-add per array and nothing else, in one
+//   parallel region over (tensor, chunk) work items like ours: the floor set by the tensors' layout (many small
+//   allocations) alone.
 // * validation_floor_lines / touch_lines: the floor of a plan's check (TensorWatch::check in adam_plan.cpp) over the
 //   same tensors: the cache lines of the metadata fields the check must read (metadata_lines.h, the same lists the
 //   check prefetches), listed once (untimed), then touched with ideal prefetching and no logic: one load per line,
