@@ -176,6 +176,29 @@ def test_scaler_min_scale_raise_and_clamp():
     assert got == [2.0, "raise"]
 
 
+def test_scaler_raises_once_per_floor_hit_and_a_load_clears_an_unreported_one():
+    """A floor hit raises LossScaleUnderflowError once: a caller who catches it goes on, and the next check (with no
+    new floor hit) passes. A floor hit not yet reported is part of the run that load_state_dict replaces: after the
+    load, check passes."""
+    scaler = DynamicLossScaler(init_scale=1.0, min_scale=1.0)
+    scaler.update(torch.tensor(1.0))
+    with pytest.raises(LossScaleUnderflowError, match=r"already at min_scale=1"):
+        scaler.check(blocking=True)
+    scaler.check(blocking=True)  # reported once
+    scaler.update(torch.tensor(0.0))
+    scaler.check(blocking=True)
+    scaler.update(torch.tensor(1.0))  # a new floor hit raises again
+    with pytest.raises(LossScaleUnderflowError):
+        scaler.check(blocking=True)
+
+    scaler = DynamicLossScaler(init_scale=1.0, min_scale=1.0)
+    saved = scaler.state_dict()
+    scaler.update(torch.tensor(1.0))  # a floor hit, not reported yet
+    scaler.load_state_dict(saved)
+    scaler.check(blocking=True)
+    assert float(scaler.scale) == 1.0 and int(scaler.skipped_steps) == 0
+
+
 def test_scaler_rejects_bad_policy():
     for kwargs in (dict(growth_factor=1.0), dict(backoff_factor=1.0), dict(growth_interval=0),
                    dict(hysteresis=0), dict(min_scale=0.0), dict(init_scale=0.5, min_scale=1.0),
