@@ -47,6 +47,8 @@ FAULTS = [
     ("adam-w-mode-5", dict(adam_w_mode=5), ValueError, r" must be an AdamWMode \(0, 1 or 2\), got 5"),
     ("adam-w-mode-string", dict(adam_w_mode="ADAMW_TORCH"), TypeError, r" must be an AdamWMode or the int 0, 1 or 2"),
     ("seed-negative", dict(stochastic_rounding_seed=-1), ValueError, r" must be an int in \[0, 2\*\*64\)"),
+    ("seed-2**64", dict(stochastic_rounding_seed=2**64), ValueError,
+     r" must be an int in \[0, 2\*\*64\), got 18446744073709551616"),
 ]
 
 
@@ -176,6 +178,12 @@ CHANGES_REFUSED = [
     ("stochastic-rounding-then-master-weights", dict(stochastic_rounding=True),
      lambda opt: setattr(opt, "master_weights", True), ValueError,
      r"stochastic_rounding=True is for bfloat16 params without master weights"),
+    ("differentiable-0-for-False", dict(differentiable=False),
+     lambda opt: opt.param_groups[0].__setitem__("differentiable", 0), TypeError,
+     r"differentiable must be True or False \(a bool\), got int 0"),
+    ("decoupled-weight-decay-1-for-True", dict(decoupled_weight_decay=True),
+     lambda opt: opt.param_groups[0].__setitem__("decoupled_weight_decay", 1), TypeError,
+     r"decoupled_weight_decay must be True or False \(a bool\), got int 1"),
 ]
 
 
@@ -204,6 +212,28 @@ def test_an_option_changed_after_accepted_steps_is_refused_at_every_step_until_c
     opt.master_weights = accepted[1]
     opt.step()
     assert not torch.equal(params[0].detach(), before["p0.0"])
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_without_weight_decay_either_decoupled_weight_decay_is_accepted_in_every_mode(decoupled):
+    """Without weight decay the decoupled and the L2 decay are the same update, so a group's decoupled_weight_decay
+    (torch's key, carried in by a wrapper or a checkpoint) is accepted whatever adam_w_mode is, and the step is the
+    one without it; with weight decay it must agree with the mode (test_checkpoints.py)."""
+    for mode in AdamWMode:
+        params, plain = _params(), _params()
+        opt = FusedAdam(params, adam_w_mode=mode, weight_decay=0.0)
+        reference = FusedAdam(plain, adam_w_mode=mode, weight_decay=0.0)
+        opt.param_groups[0]["decoupled_weight_decay"] = decoupled
+        for _ in range(2):
+            for p, q in zip(params, plain):
+                p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+            opt.step()
+            reference.step()
+        for p, q in zip(params, plain):
+            assert torch.equal(p.detach(), q.detach()), mode
+        sd = reference.state_dict()
+        sd["param_groups"][0]["decoupled_weight_decay"] = decoupled
+        FusedAdam(_params(), adam_w_mode=mode, weight_decay=0.0).load_state_dict(sd)
 
 
 def test_options_changed_between_steps_take_effect_as_in_torch():
