@@ -582,6 +582,11 @@ BAD_CHECKPOINTS = [
      r"state_dict\['state'\]\[1\] must be a dict of state tensors, got list"),
     ("unknown-key", _bad(_set(["state", 0, "momentum_buffer"], torch.zeros(1))), ValueError,
      r"state_dict\['state'\]\[0\]\['momentum_buffer'\]: unknown key"),
+    # (only an empty dict there is the placeholder of torch's unflattening, read as no entry)
+    ("scale-key-holding-a-dict", _bad(_set(["state", 0, "exp_avg_scale"], {"scale": torch.ones(1)})), ValueError,
+     r"state_dict\['state'\]\[0\]\['exp_avg_scale'\]: unknown key"),
+    ("master-param-holding-a-dict", _bad(_set(["state", 0, "master_param"], {"value": torch.ones(1)})), TypeError,
+     r"state_dict\['state'\]\[0\]\['master_param'\] must be a tensor, got dict"),
     ("missing-exp-avg-sq", _bad(_delete(["state", 1, "exp_avg_sq"])), ValueError,
      r"state_dict\['state'\]\[1\] has no 'exp_avg_sq'"),
     ("missing-max-exp-avg-sq", _bad(_delete(["state", 0, "max_exp_avg_sq"])), ValueError,
@@ -645,6 +650,25 @@ def test_an_invalid_checkpoint_is_refused_with_an_error_naming_the_entry_and_cha
     assert_same_snapshot(before, optimizer_snapshot(target))
     assert_tree_bitwise_equal(bad, pristine, "the given dict")
     _steps(target, target_params, 2, 1)  # and it still steps
+
+
+@pytest.mark.parametrize("step", [0, 2**53], ids=["zero", "2**53"])
+def test_a_step_at_either_end_of_its_range_loads_as_it_is(step):
+    """A saved step is a whole number in [0, 2**53]: both ends load (as a number or a tensor, per parameter or as
+    ORT's one step per group), and the state holds that step."""
+    params, opt = _trained_mixed()
+    for place in ("tensor", "number", "group"):
+        sd = opt.state_dict()
+        if place == "group":
+            for state in sd["state"].values():
+                del state["step"]
+            sd["param_groups"][0]["step"] = step
+        else:
+            sd["state"][0]["step"] = torch.tensor(float(step), dtype=torch.float64) if place == "tensor" else step
+        target_params, target = _fresh_like(params)
+        target.load_state_dict(sd)
+        p = target.param_groups[0]["params"][0]
+        assert float(target.state[p]["step"]) == step, place
 
 
 def test_masters_that_this_optimizer_does_not_keep_are_dropped_with_a_warning_naming_them():
