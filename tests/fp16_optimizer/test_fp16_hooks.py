@@ -146,6 +146,25 @@ def test_state_dict_and_load_state_dict_hooks(inner):
     assert calls[3][2] == 3
 
 
+def test_a_load_state_dict_pre_hook_that_returns_no_dict_is_refused_naming_it_and_changes_nothing():
+    """A load_state_dict pre hook may return a replacement dict; one that returns something else (a list, a
+    string) is a TypeError saying so, raised before anything is loaded."""
+    params, opt = make("FusedAdam")
+    backward(opt, params, False)
+    opt.step()
+    sd = opt.state_dict()
+    backward(opt, params, False)
+    opt.step()
+    before = ([p.detach().clone() for p in params], float(opt.scaler.scale), opt.state_dict())
+    opt.register_load_state_dict_pre_hook(lambda o, sd: list(sd))
+    with pytest.raises(TypeError, match=r"a load_state_dict pre hook returned list, not a dict"):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(p.detach(), q) for p, q in zip(params, before[0]))
+    assert float(opt.scaler.scale) == before[1]
+    after = opt.state_dict()["optimizer"]["state"]
+    assert all(torch.equal(after[k]["exp_avg"], v["exp_avg"]) for k, v in before[2]["optimizer"]["state"].items())
+
+
 def test_lr_scheduler_and_hooks_together():
     params, opt = make("SGD")
     post = []
