@@ -419,6 +419,51 @@ def test_a_wrong_betas_tensor_is_refused_before_anything_is_written(case, backen
             assert_bitwise_equal(x, y, "input")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("flag", [1.0, -1.0, 0.5, float("inf"), float("nan")], ids=str)
+def test_any_non_zero_found_inf_skips_the_step_and_writes_nothing(flag, backend, monkeypatch):
+    """found_inf is a flag: any non-zero value (negative, fractional, inf, NaN) skips the step, as torch's fused
+    optimizers read it; the gradients stay scaled."""
+    select_backend(monkeypatch, backend)
+    args, kwargs = Sample("skip", F16, F16, F16, F32, master=True, inv_grad_scale=True, grad_scale=64.0).make()
+    before = _clone_args(args)
+    backends.adam_step_(*args, **dict(kwargs, found_inf=torch.tensor([flag])))
+    for a, b in zip(args, before):
+        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
+            assert_bitwise_equal(x, y, f"input after found_inf={flag}")
+
+
+BF16_PARAMS = Sample("bf16", BF16, BF16, F32, F32)
+WRONG_ROUNDING_KEYS = {  # (sample, rounding keys for its params, what the error says)
+    "int32": (BF16_PARAMS, lambda n: torch.zeros(n, dtype=torch.int32), r"rounding_keys must be a"),
+    "one-too-many": (BF16_PARAMS, lambda n: torch.zeros(n + 1, dtype=torch.int64), r"rounding_keys must be a"),
+    "0-dim": (BF16_PARAMS, lambda n: torch.tensor(0), r"rounding_keys must be a"),
+    "fp32-params": (Sample("fp32", F32, F32, F32, F32), lambda n: torch.zeros(n, dtype=torch.int64),
+                    r"rounding_keys \(stochastic rounding\) given but params\[0\] is .*float.*; stochastic rounding is "
+                    r"for bfloat16 params without master weights"),
+    "bf16-params-with-masters": (Sample("bf16-master", BF16, BF16, F32, F32, master=True),
+                                 lambda n: torch.zeros(n, dtype=torch.int64),
+                                 r"rounding_keys \(stochastic rounding\) given but params\[0\] is .*bfloat16.*; stochastic "
+                                 r"rounding is for bfloat16 params without master weights"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", WRONG_ROUNDING_KEYS)
+def test_wrong_rounding_keys_are_refused_before_anything_is_written(case, backend, monkeypatch):
+    """Stochastic rounding takes one int64 key per param, and only for bfloat16 params without master weights (the
+    update is rounded into the param itself): anything else is a RuntimeError, with every input as it was."""
+    select_backend(monkeypatch, backend)
+    sample, keys, message = WRONG_ROUNDING_KEYS[case]
+    args, kwargs = sample.make()
+    before = _clone_args(args)
+    with pytest.raises(RuntimeError, match=r"(?i)ort_optim::adam_step_: " + message):
+        backends.adam_step_(*args, **dict(kwargs, rounding_keys=keys(len(args[0]))))
+    for a, b in zip(args, before):
+        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
+            assert_bitwise_equal(x, y, "input")
+
+
 def _without(index):
     def mutate(args, kwargs):
         args[index].pop()
