@@ -1721,6 +1721,34 @@ def test_after_gradscaler_was_refused_the_next_backward_updates_nothing():
     assert_same_snapshot(before, _snapshot_without_grads(opt))
 
 
+@pytest.mark.parametrize("attribute", ["grad_scale", "found_inf"])
+def test_either_loss_scaling_attribute_left_on_the_optimizer_makes_backward_update_nothing(attribute):
+    """torch.amp.GradScaler hands grad_scale and found_inf to step() as attributes of the optimizer; either one
+    left there (by a scaler, or a wrapper that sets only found_inf) means the gradients are scaled or to be skipped:
+    the hooks refuse, before updating anything."""
+    net = ThreeLayers()
+    opt = FusedAdam(_trained(net), lr=1e-2, step_in_backward=True)
+    setattr(opt, attribute, torch.ones(1))
+    before = _snapshot_without_grads(opt)
+    with pytest.raises(ValueError, match=r"grad_scale/found_inf .*step_in_backward=True"):
+        net(_x(0)).backward()
+    assert_same_snapshot(before, _snapshot_without_grads(opt))
+
+
+def test_a_param_whose_storage_was_freed_is_refused_in_backward_naming_it():
+    """A param whose storage was freed or shrunk in place (untyped_storage().resize_(0): CPU offload) between forward
+    and backward is refused by its hook, as step() refuses it, naming it and writing nothing."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    opt = FusedAdam(layer.parameters(), lr=1e-2, step_in_backward=True)
+    loss = layer(torch.randn(2, 4)).square().sum()
+    layer.bias.untyped_storage().resize_(0)  # (backward does not read the bias)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*has a storage of 0 bytes but needs "
+                                         r"12"):
+        loss.backward()
+    assert not opt.state[layer.bias]  # (no state created for it)
+
+
 def _saved_detach(net: ThreeLayers, step: int) -> torch.Tensor:
     """A forward that saves head.weight.detach() (an alias of the param) for the gradient of what comes before it."""
     h = net.trunk(_x(step)) * net.head.weight.detach()[0]
