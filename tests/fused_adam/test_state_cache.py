@@ -383,6 +383,26 @@ FREED = {
 }
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
+def test_a_param_storage_one_element_short_is_refused_naming_the_param(transposed, backend):
+    """A storage shrunk in place by a single element cannot hold the param's last element: the step refuses it, as
+    it refuses a freed one, writing nothing."""
+    base = torch.randn(3, 4) if not transposed else torch.randn(4, 3).t()
+    p = torch.nn.Parameter(base)
+    opt = FusedAdam([p], lr=1e-2)
+    p.grad = torch.ones_like(p)
+    storage = p.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(nbytes - p.element_size())
+    try:
+        with pytest.raises(ValueError, match=re.escape("param_groups[0]['params'][0]") + ".*has a storage of 44 bytes "
+                           "but needs 48"):
+            opt.step()
+        assert not opt.state[p]
+    finally:
+        storage.resize_(nbytes)
+
+
 @pytest.mark.parametrize("which", FREED)
 def test_a_storage_still_freed_at_step_time_is_refused_naming_the_param_and_key(which, backend):
     twin = Twin()
