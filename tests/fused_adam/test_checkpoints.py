@@ -144,6 +144,7 @@ def test_checkpoints_load_with_torch_load_weights_only(backend, monkeypatch):
     twin.load_state_dict(sd)
 
 
+@pytest.mark.no_interpreter  # (meta params step through the native op's fake kernel, not Triton's interpreter)
 def test_params_on_the_meta_device_step_plan_again_and_save_as_torch_adamws_do():
     """A model built on the meta device (deferred initialisation) steps, plans again and saves its state, as with
     torch.optim.AdamW: states on the meta device, without values (torch keeps its step count on the CPU, this optimizer
@@ -169,6 +170,7 @@ def test_params_on_the_meta_device_step_plan_again_and_save_as_torch_adamws_do()
     assert all(value.is_meta for state in theirs.state.values() for value in state.values())
 
 
+@pytest.mark.no_interpreter  # (meta params step through the native op's fake kernel, not Triton's interpreter)
 @pytest.mark.parametrize("moments", ["scaled-fp16", "u8", "u4", "e4m3"])
 def test_params_on_the_meta_device_with_coded_moments_step_plan_again_save_and_load(moments):
     """With block-scaled fp16, 8-bit, 4-bit or fp8 moments too: the block scales on the meta device have no values to
@@ -269,6 +271,7 @@ def test_an_in_process_transfer_leaves_the_source_optimizer_unchanged(backend, m
     assert_same_snapshot(before, optimizer_snapshot(source))
 
 
+@pytest.mark.no_interpreter  # (meta params step through the native op's fake kernel, not Triton's interpreter)
 def test_a_checkpoint_loads_into_params_on_the_meta_device_as_into_torch_adamws_and_is_checked_alike():
     """torch.optim.AdamW over meta params loads a checkpoint (its states then on the meta device, without values); so
     does FusedAdam, which checks the checkpoint's values where they are, and then steps and saves."""
