@@ -175,7 +175,7 @@ def reference_step(args: list, hp: dict) -> None:
             v_used = v
             if amsgrad:
                 vmax = read_state(vmaxs[i], vmaxss[i] if len(vmaxss) else None, True, param.shape).astype(F)
-                vmax = np.where(vmax < v, v, vmax).astype(F)
+                vmax = np.where((vmax < v) | np.isnan(v), v, vmax).astype(F)  # (torch.maximum: NaN in either stays)
                 v_used = vmax
             if mode == 2:
                 p = p - F(step_size) * (m / (np.sqrt(v_used) / F(math.sqrt(bc2)) + F(eps)))
