@@ -928,6 +928,7 @@ def test_a_strided_params_master_made_in_a_compiled_step_is_contiguous_and_steps
     assert breaks == 0
 
 
+@pytest.mark.slow
 @NEWEST
 @settings(max_examples=fuzz_examples(30), deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))

@@ -208,6 +208,7 @@ print(json.dumps(counts))
 """
 
 
+@pytest.mark.slow
 def test_another_thread_replacing_gradients_during_steps_frees_nothing_a_step_reads(tmp_path):
     result = run_python(sys.executable, RACE, tmp_path)
     assert result["steps"] > 0 and result["changes"] > 0, result
@@ -290,6 +291,7 @@ print(json.dumps(dict(statuses=statuses)))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is not available on this platform")
 def test_a_child_forked_while_another_thread_steps_takes_steps_of_its_own(tmp_path):
     """os.fork (multiprocessing's "fork" start method) copies the optimizer into the child as it is, a step of

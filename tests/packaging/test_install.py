@@ -288,6 +288,7 @@ def test_a_build_killed_midway_does_not_block_the_next_one():
         assert not any("left by a build that was killed" in m for m in messages), messages
 
 
+@pytest.mark.slow
 def test_builds_into_one_folder_run_one_at_a_time(tmp_path):
     """native.build_lock holds an fcntl lock on the folder while a build runs: a second build waits for the first
     (here another process holding the folder 1 s), and only a `lock` file that no live build holds is removed; where

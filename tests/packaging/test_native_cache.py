@@ -111,6 +111,7 @@ def test_a_verified_library_is_loaded_under_the_build_lock_without_building(cach
     assert calls == {"compiled": [], "loaded": [(path, True, True)]}
 
 
+@pytest.mark.slow
 def test_a_load_waits_for_a_build_that_holds_the_folder_and_loads_what_it_built(cache):
     """Another process holds the build lock for a second, then writes the library and its stamp (a build linking
     it): a load started meanwhile waits, then loads the finished library; it neither finds it missing nor builds."""
@@ -174,6 +175,7 @@ def test_the_build_command_reports_a_failure_in_a_few_lines_and_exits_1(monkeypa
                                     "Run `python -m ort_optim.build --verbose` for the full log."]
 
 
+@pytest.mark.slow
 def test_without_a_compiler_the_build_command_and_the_fallback_warning_say_so_briefly(tmp_path):
     """PATH with ninja but no compiler: the build fails at its first compile (or, before torch 2.5, when it looks
     for the compiler). The command prints no traceback and no
