@@ -243,10 +243,16 @@ def check_step(value: Any, where: str, meta_ok: bool = False) -> Optional[float]
             raise TypeError(f"{where} must be a one-element real tensor, got {show(value)}")
         return None
     number = _require_scalar_tensor(value, where) if isinstance(value, torch.Tensor) else _require_number(value, where)
-    exact = integer_value(value)  # (an int above 2**53 rounds to 2**53 as a float: compared before it is rounded)
+    require_step_range(value, number, where)
+    return number
+
+
+def require_step_range(value: Any, number: float, where: str) -> None:
+    """The rule of a step count's value (number: value as a float): a whole number in [0, 2**53]. An integer is
+    compared exactly (integer_value: an int above 2**53 rounds to 2**53 as a float)."""
+    exact = integer_value(value)
     if not (0 <= (number if exact is None else exact) <= MAX_STEP and number == int(number)):
         raise ValueError(f"{where} must be a whole number in [0, 2**53], got {number if exact is None else exact!r}")
-    return number
 
 
 def integer_value(value: Any) -> Optional[int]:

@@ -1008,9 +1008,7 @@ def _check_step(p, state, where, device) -> list[_Adoption]:
         number = float(value) if not isinstance(value, int) or abs(value) <= _spec.MAX_STEP else float("inf")
     else:
         raise TypeError(f"{what} must be a one-element tensor or a number, got {type(value).__name__}")
-    exact = _checkpoint.integer_value(value)  # (an int above 2**53 rounds to 2**53 as a float: compared first)
-    if not (0 <= (number if exact is None else exact) <= _spec.MAX_STEP and number == int(number)):
-        raise ValueError(f"{what} must be a whole number in [0, 2**53], got {number if exact is None else exact!r}")
+    _checkpoint.require_step_range(value, number, what)
     if (isinstance(value, torch.Tensor) and value.dtype == torch.float64 and value.dim() == 0 and value.device == device
             and tracks_versions(value)):
         return []
