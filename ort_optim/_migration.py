@@ -21,12 +21,13 @@ holds, before anything is built; the given dict is never written to.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Optional
 
 import torch
 
 from ._checkpoint import entry, require_data
-from ._group_options import show
+from ._group_options import is_number, show
 from ._spec import AdamWMode
 
 TORCHAO_STATES = {  # class name -> what it is (the classes of torchao.optim.subclass_8bit, _4bit, _fp8)
@@ -42,20 +43,29 @@ BNB_ONE_STATE_GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay"}
 BNB_QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes' state_dict() nests its tensors under it
 BNB_STATE_KEYS = ("state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2")
 # bitsandbytes' param groups carry AdEMAMix's options (alpha, t_alpha, t_beta3) whatever the optimizer; the others are
-# its per-optimizer arguments, accepted here too where a wrapper saved them into the groups. Each is accepted only
-# with the value under which bitsandbytes' Adam step is Adam's: a callable says whether a value is neutral.
-BNB_GROUP_OPTIONS = {
-    "alpha": (lambda v: v == 0, "0.0 (AdEMAMix's slow-momentum weight: nonzero is AdEMAMix, not Adam)"),
-    "t_alpha": (lambda v: v is None, "None (AdEMAMix's alpha warm-up)"),
-    "t_beta3": (lambda v: v is None, "None (AdEMAMix's beta3 warm-up)"),
-    "max_unorm": (lambda v: v == 0, "0.0 (update-norm clipping, which FusedAdam does not do)"),
-    "percentile_clipping": (lambda v: v == 100, "100 (gradient clipping by a percentile of past norms)"),
-    "skip_zeros": (lambda v: v is False, "False (zero gradients skipped: a sparse update)"),
-    "block_wise": (lambda v: v is True, "True (one scale per tensor: an older 8-bit layout)"),
+# its per-optimizer arguments, accepted here too where a wrapper saved them into the groups. Each has the type
+# bitsandbytes gives it (a float, Optional[int], int or bool: a bool is not an int here, nor an int a bool) and is
+# accepted only with the value under which bitsandbytes' Adam step is Adam's: a callable says whether a value is
+# neutral.
+BNB_GROUP_OPTIONS = {  # key -> (type, whether a value of it is neutral, what is accepted)
+    "alpha": ("float", lambda v: v == 0, "0.0 (AdEMAMix's slow-momentum weight: nonzero is AdEMAMix, not Adam)"),
+    "t_alpha": ("Optional[int]", lambda v: v is None, "None (AdEMAMix's alpha warm-up)"),
+    "t_beta3": ("Optional[int]", lambda v: v is None, "None (AdEMAMix's beta3 warm-up)"),
+    "max_unorm": ("float", lambda v: v == 0, "0.0 (update-norm clipping, which FusedAdam does not do)"),
+    "percentile_clipping": ("int", lambda v: v == 100, "100 (gradient clipping by a percentile of past norms)"),
+    "skip_zeros": ("bool", lambda v: v is False, "False (zero gradients skipped: a sparse update)"),
+    "block_wise": ("bool", lambda v: v is True, "True (one scale per tensor: an older 8-bit layout)"),
     # how the state is stored, not what the step computes: the layout itself is read from the tensors
-    "optim_bits": (lambda v: v in (8, 32), "8 or 32"),
-    "min_8bit_size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
-    "is_paged": (lambda v: isinstance(v, bool), "True or False (paging moves the state, not the math)"),
+    "optim_bits": ("int", lambda v: v in (8, 32), "8 or 32"),
+    "min_8bit_size": ("int", lambda v: v >= 0, "an int >= 0"),
+    "is_paged": ("bool", lambda v: True, "True or False (paging moves the state, not the math)"),
+}
+BNB_OPTION_TYPES = {  # type -> (whether a value has it, its description in an error)
+    "float": (is_number, "a number (a float; an int will do, a bool will not)"),
+    "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an int (not a bool or float)"),
+    "Optional[int]": (lambda v: v is None or isinstance(v, numbers.Integral) and not isinstance(v, bool),
+                      "None or an int (not a bool)"),
+    "bool": (lambda v: isinstance(v, bool), "True or False (a bool, not an int)"),
 }
 # The block sizes of bitsandbytes' blockwise 8-bit optimizer states (256 in 0.50, 2048 in earlier versions): the
 # absmax count tells which.
@@ -356,14 +366,15 @@ def _bnb_group(group: dict, gi: int) -> dict:
                          "RMSprop8bit's, which keep one moment and step by another rule than Adam's); FusedAdam "
                          "continues only bitsandbytes' Adam8bit and AdamW8bit (and their paged variants)")
     out = dict(group)
-    for key, (neutral, expected) in BNB_GROUP_OPTIONS.items():
+    for key, (kind, neutral, expected) in BNB_GROUP_OPTIONS.items():
         if key in out:
             value = out.pop(key)
-            try:
-                ok = bool(neutral(value))
-            except Exception:  # a value that does not even compare
-                ok = False
-            if not ok:
+            has_type, described = BNB_OPTION_TYPES[kind]
+            if not has_type(value):
+                raise TypeError(f"{entry('param_groups', gi, key)} must be {described}, as bitsandbytes stores it, "
+                                f"got {show(value)}; a bitsandbytes Adam state continues in FusedAdam only with "
+                                f"{key}={expected}")
+            if not neutral(value):
                 raise ValueError(f"{entry('param_groups', gi, key)} is {value!r}; a bitsandbytes Adam state "
                                  f"continues in FusedAdam only with {key}={expected}")
     if out.get("amsgrad", False) is not False:

@@ -1134,11 +1134,12 @@ class FusedAdam(torch.optim.Optimizer):
         Adam8bit too: its step decays like AdamW's; its CUDA kernel decays after the update, a difference of lr * wd
         times the update). bitsandbytes' extra group options (AdEMAMix's ``alpha``, ``t_alpha``, ``t_beta3``;
         ``max_unorm``, ``percentile_clipping``, ...) are accepted only at the value that leaves Adam's step as it is
-        (``alpha=0``, ``t_alpha=None``, ...) and refused otherwise, naming the key. A layout that is not exactly one
-        of these (another torchao state class, a bitsandbytes key of another optimizer or version, codes without
-        their ``qmap``, any other tensor subclass) is refused naming the entry, and nothing changes. torchao's
-        Adam8bit/4bit/Fp8 save the same layout as its AdamW classes and load as AdamW: with weight_decay > 0 their
-        L2 decay cannot be told from the checkpoint.
+        (``alpha=0``, ``t_alpha=None``, ...) and with the type bitsandbytes stores (``skip_zeros=0`` and
+        ``min_8bit_size=True`` are refused: a bool is not an int there, nor an int a bool), and refused otherwise,
+        naming the key. A layout that is not exactly one of these (another torchao state class, a bitsandbytes key
+        of another optimizer or version, codes without their ``qmap``, any other tensor subclass) is refused naming
+        the entry, and nothing changes. torchao's Adam8bit/4bit/Fp8 save the same layout as its AdamW classes and
+        load as AdamW: with weight_decay > 0 their L2 decay cannot be told from the checkpoint.
 
         Hooks registered with ``register_load_state_dict_pre_hook`` (given a shallow copy of ``state_dict``; what
         one returns is loaded instead) and ``register_load_state_dict_post_hook`` run as in torch.optim.

@@ -11,7 +11,8 @@ The specification, as tests:
 * The values are stored through the same conversion as any checkpoint: for every moment dtype FusedAdam offers,
   loading the foreign dict gives the same state bits as loading the canonical dict of the decoded values.
 * Hyperparameters and steps are mapped (torch's AdamW update: ADAMW_TORCH, no maximize); bitsandbytes' extra options
-  load at their neutral values and are refused, by name, at any other; an unknown layout is refused naming what it
+  load at their neutral values, each of the type bitsandbytes stores, and are refused, by name, at any other value
+  or type (a bool where an int belongs, an int where a bool does); an unknown layout is refused naming what it
   is, and neither the optimizer (params, state, groups) nor the given dict changes.
 * With the libraries (.venv-latest): a model trained N steps by the source optimizer, saved with torch.save and
   loaded with weights_only=True, continues on FusedAdam: the first step equals the source's to float32 rounding
@@ -432,6 +433,13 @@ NEUTRAL = {"alpha": 0.0, "t_alpha": None, "t_beta3": None, "max_unorm": 0.0, "pe
            "skip_zeros": False, "block_wise": True, "optim_bits": 8, "min_8bit_size": 4096, "is_paged": True}
 NOT_NEUTRAL = {"alpha": 5.0, "t_alpha": 1000, "t_beta3": 1000, "max_unorm": 1.0, "percentile_clipping": 5,
                "skip_zeros": True, "block_wise": False, "optim_bits": 4, "min_8bit_size": "4096", "is_paged": 1}
+# Each option has the type bitsandbytes stores (alpha and max_unorm floats, t_alpha and t_beta3 None or an int,
+# percentile_clipping, optim_bits and min_8bit_size ints, skip_zeros, block_wise and is_paged bools): a value of
+# another type is refused even where it equals (==) a neutral value, a bool for a number included.
+WRONG_TYPE = {"alpha": (False, "a number"), "t_alpha": (False, "None or an int"), "t_beta3": (0.0, "None or an int"),
+              "max_unorm": (False, "a number"), "percentile_clipping": (100.0, "an int"),
+              "skip_zeros": (0, "True or False"), "block_wise": (1, "True or False"), "optim_bits": (8.0, "an int"),
+              "min_8bit_size": (True, "an int"), "is_paged": (0, "True or False")}
 
 
 def test_bitsandbytes_extra_options_load_at_their_neutral_values():
@@ -516,6 +524,9 @@ REFUSALS = {
        for key, value in (("maximize", True), ("adam_w_mode", 0), ("bias_correction", False))},
     **{f"bnb-{key}": (lambda key=key: _bnb_with(lambda sd: sd["param_groups"][0].update({key: NOT_NEUTRAL[key]})),
                       f"['param_groups'][0]['{key}']") for key in NOT_NEUTRAL},
+    **{f"bnb-{key}-of-another-type": (lambda key=key: _bnb_with(lambda sd: sd["param_groups"][0].update(
+        {key: WRONG_TYPE[key][0]})), f"['param_groups'][0]['{key}'] must be {WRONG_TYPE[key][1]}")
+       for key in WRONG_TYPE},
     "bnb-ademamix-betas": (lambda: _bnb_with(lambda sd: sd["param_groups"][0].update(betas=(0.9, 0.999, 0.9999))),
                            "three betas"),
     "bnb-amsgrad": (lambda: _bnb_with(lambda sd: sd["param_groups"][0].update(amsgrad=True)), "'amsgrad'"),
