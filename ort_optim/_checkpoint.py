@@ -267,9 +267,14 @@ def integer_value(value: Any) -> Optional[int]:
 
 
 def _check_id(value: Any, where: str) -> None:
-    # torch saves positions (ints); FSDP's full optimizer state dicts key by parameter names (str)
+    # torch saves positions (ints); FSDP's full optimizer state dicts key by parameter names (str). A bool is refused
+    # although torch.optim's load takes it (True equals 1 as a dict key): no state_dict() saves one.
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"{where} must be a parameter id (an int, as optimizer.state_dict() saves), got {show(value)}")
+        why = (" (torch.optim's load_state_dict reads True as the id 1 and False as 0, since a bool equals its int as "
+               "a dict key, but no optimizer saves a bool id: write the position as an int)"
+               if isinstance(value, bool) else "")
+        raise TypeError(f"{where} must be a parameter id (an int, as optimizer.state_dict() saves), got "
+                        f"{show(value)}{why}")
 
 
 def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed: str) -> torch.Tensor:

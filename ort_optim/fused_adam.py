@@ -1080,9 +1080,11 @@ class FusedAdam(torch.optim.Optimizer):
 
         Every entry is checked before anything changes, strictly: group options must have their types (``maximize``,
         ``amsgrad`` and ``bias_correction`` real bools: a ``"False"`` from a JSON/YAML export is refused, not read as
-        True; ``adam_w_mode`` an AdamWMode or the int 0/1/2), numbers finite and in range; every parameter id listed
-        once; each state a dict of exactly the Adam keys, its ``step`` a whole number in [0, 2**53] (a number or a
-        one-element tensor), its moments and master floating-point tensors of the parameter's shape (second moments
+        True; ``adam_w_mode`` an AdamWMode or the int 0/1/2), numbers finite and in range; every parameter id an int
+        (or a parameter name) listed once (torch.optim's load reads the bools True and False as the ids 1 and 0,
+        which equal them as dict keys; no state_dict() saves a bool, so FusedAdam refuses one, as wherever an int
+        belongs); each state a dict of exactly the Adam keys, its ``step`` a whole number in [0, 2**53] (a number or
+        a one-element tensor), its moments and master floating-point tensors of the parameter's shape (second moments
         non-negative; finite values that overflow when converted to float32 are refused). A bad entry raises
         ValueError (bad value) or TypeError (wrong type) naming it, for example ``state_dict['state'][3]['step']``,
         and leaves the optimizer as it was.

@@ -541,6 +541,14 @@ BAD_CHECKPOINTS = [
      r"state_dict\['param_groups'\]\[0\]\['params'\]\[1\]: parameter id 0 is listed twice"),
     ("float-param-id", _bad(_set(["param_groups", 0, "params", 1], 1.0)), TypeError,
      r"state_dict\['param_groups'\]\[0\]\['params'\]\[1\] must be a parameter id"),
+    # (torch.optim's load reads True as the id 1, equal to it as a dict key; no state_dict() saves a bool id)
+    ("bool-param-id", _bad(_set(["param_groups", 0, "params", 1], True)), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['params'\]\[1\] must be a parameter id \(an int.*got bool True "
+     r"\(torch.optim's load_state_dict reads True as the id 1"),
+    ("bool-state-key", _bad(lambda sd: sd.update(state={True if pid == 1 else pid: state
+                                                         for pid, state in sd["state"].items()})), TypeError,
+     r"state_dict\['state'\]\[True\] \(its key\) must be a parameter id \(an int.*got bool True \(torch.optim's "
+     r"load_state_dict reads True as the id 1"),
     ("unknown-param-id", _bad(_set(["state", 17], {})), ValueError,
      r"state_dict\['state'\]\[17\]: parameter id 17 is listed in no"),
     ("sgd-group", _bad(_set(["param_groups", 0, "momentum"], 0.9)), ValueError,
