@@ -591,9 +591,12 @@ def deepspeed_refused(holder: object) -> ValueError:
 
 def max_grad_norm_refused(max_grad_norm: float) -> ValueError:
     return ValueError(
-        f"max_grad_norm={max_grad_norm} clips by the norm of all gradients, but step_in_backward=True updates each "
-        "parameter as soon as its own gradient is complete, before the others exist. Use step_in_backward=False to "
-        "clip, or leave max_grad_norm=None")
+        f"FusedAdam's max_grad_norm={max_grad_norm} clips by the norm of all gradients together, but "
+        "step_in_backward=True updates each parameter as soon as its own gradient is complete, before the others "
+        "exist, so no update can know that norm. To clip by it, use step_in_backward=False (step() clips inside "
+        "the step). To keep step_in_backward, set max_grad_norm=None and bound each gradient before it accumulates "
+        "with a tensor hook, param.register_hook(lambda g: g.clamp(-c, c)): a clip by value, element by element, "
+        "not by the norm")
 
 
 def loss_scaling_refused() -> ValueError:

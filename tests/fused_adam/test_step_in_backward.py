@@ -961,6 +961,40 @@ def test_max_grad_norm_set_after_construction_is_refused_by_the_first_hook_befor
     assert_same_snapshot(*({k: v for k, v in snap.items() if not k.endswith(".grad")} for snap in (before, after)))
 
 
+def test_the_max_grad_norm_refusal_says_why_and_what_to_do_instead_and_its_hook_works():
+    """The error names the option and its value, says why (the norm of all gradients, which no update in backward
+    knows) and what to do: step_in_backward=False to clip by the norm, or max_grad_norm=None with a tensor hook that
+    clamps each gradient before it accumulates. That hook runs before the update's: the params come out as from
+    step() after clamping every gradient."""
+    with pytest.raises(ValueError) as info:
+        FusedAdam(TinyLM().parameters(), step_in_backward=True, max_grad_norm=0.5)
+    message = str(info.value)
+    for said in ("max_grad_norm=0.5 clips by the norm of all gradients together",
+                 "before the others exist, so no update can know that norm", "use step_in_backward=False",
+                 "set max_grad_norm=None", "param.register_hook(lambda g: g.clamp(-c, c))",
+                 "a clip by value, element by element, not by the norm"):
+        assert said in message, message
+    clamp = 1e-3
+    hooked, stepped = TinyLM(), TinyLM()
+    stepped.load_state_dict(hooked.state_dict())
+    in_backward = FusedAdam(hooked.parameters(), lr=1e-2, step_in_backward=True)
+    after_backward = FusedAdam(stepped.parameters(), lr=1e-2)
+    for p in hooked.parameters():
+        if p.requires_grad:
+            p.register_hook(lambda g: g.clamp(-clamp, clamp))
+    for step in range(3):
+        hooked(lm_tokens(step), step).backward()
+        stepped(lm_tokens(step), step).backward()
+        grads = [p.grad for p in stepped.parameters() if p.grad is not None]
+        assert any(bool((g.abs() > clamp).any()) for g in grads)  # (the clamp bites)
+        for g in grads:
+            g.clamp_(-clamp, clamp)
+        after_backward.step()
+        after_backward.zero_grad()
+    for a, b in zip(hooked.parameters(), stepped.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_fp16_optimizer_refuses_a_fused_adam_that_steps_in_backward():
     from ort_optim.fp16_optimizer import FP16_Optimizer
 
