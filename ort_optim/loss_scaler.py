@@ -29,16 +29,22 @@ class LossScaleUnderflowError(FloatingPointError):
 # ---- option checks (each error names the option) ------------------------------------------------------------------
 
 
+def _host_float32(value: float) -> torch.Tensor:
+    """value as a float32 tensor on the CPU, whatever torch's default device (the rounding is host arithmetic: on
+    the meta device it would hold no value, on an accelerator it would cost a sync)."""
+    return torch.tensor(value, dtype=torch.float32, device="cpu")
+
+
 def _float32(value: float) -> float:
     """value rounded to float32 (inf beyond float32's range, 0 below its smallest subnormal)."""
-    return float(torch.tensor(value, dtype=torch.float32))
+    return float(_host_float32(value))
 
 
 def _float32_toward(value: float, toward: float) -> float:
     """The float32 number nearest to value on the side of toward (value itself when it is a float32 number)."""
     x = _float32(value)
     if x != value and (x > value) == (toward < value):
-        x = float(torch.nextafter(torch.tensor(x, dtype=torch.float32), torch.tensor(toward, dtype=torch.float32)))
+        x = float(torch.nextafter(_host_float32(x), _host_float32(toward)))
     return x
 
 

@@ -11,6 +11,7 @@ changes), DeepSpeed's plain optimizers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import io
@@ -373,6 +374,37 @@ def test_training_does_not_depend_on_torchs_default_dtype(inner, default_dtype):
     expected = _trained_with_a_scale_below_one(inner, torch.float32)
     assert expected["skipped"] == 1
     assert_tree_bitwise_equal(expected, _trained_with_a_scale_below_one(inner, default_dtype))
+
+
+def _trained_under(context) -> dict:
+    """The model and its batches made on the CPU; the optimizer made, stepped (one overflow), given a new scale and
+    loaded from its own state_dict inside context."""
+    model = make_model(torch.float16)
+    batches = [batch(step, torch.float16) for step in range(4)]
+    with context:
+        opt = FP16_Optimizer(FusedAdam(list(model.parameters()), lr=1e-2), init_scale=0.5, min_scale=2.0**-4)
+        for step, (x, y) in enumerate(batches):
+            opt.zero_grad()
+            opt.backward(loss_of(model, x, y))
+            if step == 1:
+                model[3].weight.grad[0, 0] = float("inf")
+            opt.step()
+        opt.loss_scale = 3.0
+        opt.load_state_dict(opt.state_dict())
+    scaler = opt.scaler
+    devices = {name: getattr(scaler, name).device for name in scaler._STATE_NAMES}
+    return {**full_snapshot(model, opt), "scale": opt.loss_scale, "skipped": opt.skipped_steps, "devices": devices}
+
+
+def test_training_does_not_depend_on_torchs_default_device():
+    """torch's default device (``with torch.device(...)``, torch.set_default_device) changes where torch's factory
+    functions put a tensor: the loss scaler's policy (its bounds rounded to float32), its state and the steps stay
+    on the params' device and as without it, bit for bit, as torch.amp.GradScaler's are. The meta device shows any
+    tensor made on the default device: it holds no value to read."""
+    expected = _trained_under(contextlib.nullcontext())
+    assert expected["skipped"] == 1 and expected["scale"] == 3.0
+    assert set(expected["devices"].values()) == {torch.device("cpu")}
+    assert_tree_bitwise_equal(expected, _trained_under(torch.device("meta")))
 
 
 def test_overflow_in_an_fp32_param_is_caught_too():
