@@ -291,6 +291,14 @@ def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed:
         raise TypeError(f"{where} must be a tensor, got {show(value)}")
     require_data(value, where, meta_ok=param.is_meta)
     if not value.is_floating_point():
+        if key == "master_param" and value.dtype == torch.int16:
+            raise TypeError(
+                f"{where} must be a floating-point tensor, got {show(value)}: an int16 master_param is what "
+                "TransformerEngine's FusedAdam(store_param_remainders=True) saves, the low 16 bits of each fp32 "
+                "master, whose high 16 bits are the bfloat16 param as it was when saved. FusedAdam keeps whole fp32 "
+                "masters and cannot rebuild them from the checkpoint: delete the 'master_param' entries to load the "
+                "moments (each master is then made from its param at the param's next step, without those 16 "
+                "bits), or save the checkpoint from TransformerEngine with store_param_remainders=False")
         raise TypeError(f"{where} must be a floating-point tensor, got {show(value)}")
     if value.shape != param.shape:
         raise ValueError(f"{where} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)} (the one whose "

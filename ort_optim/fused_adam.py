@@ -1114,8 +1114,11 @@ class FusedAdam(torch.optim.Optimizer):
 
         Group options missing from the checkpoint keep this optimizer's values (ORT's FusedAdam saves no
         ``adam_w_mode``, ``amsgrad`` or ``maximize``; torch's no ``adam_w_mode``), and ORT's per-group ``step``
-        becomes every listed parameter's step. torch's implementation switches (``foreach``, ``fused``, ...) are
-        dropped. Other keys (a scheduler's ``initial_lr``, your own tags) are kept, as torch keeps them.
+        becomes every listed parameter's step; apex's, DeepSpeed's and TransformerEngine's FusedAdam save theirs alike
+        and load alike (TransformerEngine's float32 ``master_param`` included; its ``store_param_remainders=True``
+        form, an int16 ``master_param`` holding half of each master, is refused, the error saying what to do).
+        torch's implementation switches (``foreach``, ``fused``, ...) are dropped. Other keys (a scheduler's
+        ``initial_lr``, your own tags) are kept, as torch keeps them.
 
         torch.optim.Adam with ``weight_decay > 0`` is L2 decay with torch's eps placement, which no FusedAdam mode
         reproduces: its checkpoints are refused where that can be told, that is when the group says

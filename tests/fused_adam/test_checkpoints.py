@@ -641,6 +641,12 @@ BAD_CHECKPOINTS = [
      ValueError, r"state_dict\['state'\]\[1\]\['exp_avg'\] holds inf or NaN once converted to float32"),
     ("negative-second-moment", _bad(_set(["state", 1, "exp_avg_sq"], -torch.ones(6))), ValueError,
      r"state_dict\['state'\]\[1\]\['exp_avg_sq'\] holds negative values"),
+    # TransformerEngine's store_param_remainders=True saves the low half of each fp32 master as int16
+    ("transformer-engine-param-remainders",
+     _bad(_set(["state", 0, "master_param"], torch.zeros(QUANT_BLOCK + 3, dtype=torch.int16))), TypeError,
+     r"state_dict\['state'\]\[0\]\['master_param'\] must be a floating-point tensor, got a torch\.int16 tensor .*: "
+     r"an int16 master_param is what TransformerEngine's FusedAdam\(store_param_remainders=True\) saves.*delete the "
+     r"'master_param' entries"),
     ("master-wrong-shape", _bad(_set(["state", 0, "master_param"], torch.zeros(3))), ValueError,
      r"state_dict\['state'\]\[0\]\['master_param'\] has shape \(3,\)"),
     ("swapped-state-and-groups", _bad(_swap(["state"], ["param_groups"])), TypeError,
