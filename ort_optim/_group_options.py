@@ -422,6 +422,18 @@ def check_torch_implementation_options(foreach: Any, fused: Any, differentiable:
                          "torch.optim.AdamW(differentiable=True) to differentiate through optimizer steps")
 
 
+def check_positional_order(bias_correction: Any) -> None:
+    """The constructor's third positional argument, ``bias_correction`` in ORT's order: a pair there is the betas of
+    torch.optim.AdamW's and TransformerEngine's order (params, lr, betas, eps, weight_decay, ...), refused naming the
+    order, where the type check alone would speak of bools."""
+    if isinstance(bias_correction, (tuple, list)):
+        raise TypeError(
+            f"FusedAdam: bias_correction must be True or False (a bool), got {show(bias_correction)}: FusedAdam takes "
+            "ORT's positional order (params, lr, bias_correction, betas, eps, adam_w_mode, weight_decay, "
+            "set_grad_none), not torch.optim.AdamW's or TransformerEngine's (params, lr, betas, eps, weight_decay, "
+            "...). Pass betas, eps and weight_decay by keyword")
+
+
 def check_dtype_pair(exp_avg_dtype: Optional[torch.dtype], exp_avg_sq_dtype: Optional[torch.dtype]) -> None:
     """The two moment dtypes together (each checked by check_dtype_option)."""
     if exp_avg_dtype == torch.uint4 and exp_avg_sq_dtype != torch.uint4:

@@ -358,6 +358,7 @@ class FusedAdam(torch.optim.Optimizer):
         fused: Optional[bool] = None,
         differentiable: bool = False,
     ):
+        _group_options.check_positional_order(bias_correction)
         _group_options.check_torch_implementation_options(foreach, fused, differentiable)
         _group_options.check_optimizer_options(
             master_weights, master_weight_dtype, exp_avg_dtype, exp_avg_sq_dtype, max_grad_norm,

@@ -179,6 +179,17 @@ def test_positional_arguments_land_where_orts_would_put_them():
         FusedAdam([p], 0.5, False, (0.8, 0.7), 1e-3, AdamWMode.ADAM_L2_REGULARIZATION, 0.25, False, True)
 
 
+@pytest.mark.parametrize("arguments", [(1e-3, (0.9, 0.95)), (1e-3, [0.9, 0.95], 1e-8, 0.01)],
+                         ids=["lr-betas", "lr-betas-eps-weight-decay"])
+def test_torch_adamws_positional_order_is_refused_naming_the_order_and_the_keywords_to_use(arguments):
+    """torch.optim.AdamW and TransformerEngine's FusedAdam take betas third; here the third is ORT's bias_correction.
+    Their positional call is refused saying so, not only that bias_correction is not a bool."""
+    with pytest.raises(TypeError, match=r"bias_correction must be True or False \(a bool\), got .*: FusedAdam takes "
+                                        r"ORT's positional order \(params, lr, bias_correction, betas, .*\)"
+                                        r".*Pass betas, eps and weight_decay by keyword"):
+        FusedAdam([torch.nn.Parameter(torch.zeros(2))], *arguments)
+
+
 # ---- option types and values ---------------------------------------------------------------------------------------
 
 # What torch or ORT would take silently and then misread, or what the existing error tables do not list. Each must be
