@@ -241,7 +241,9 @@ class FusedAdam(torch.optim.Optimizer):
             masters with a scale: a bf16 param's stochastic rounding is the low-memory choice here).
         exp_avg_dtype, exp_avg_sq_dtype: storage dtype of the moments: torch.float32, torch.bfloat16,
             torch.float16, torch.uint8 (8-bit), torch.uint4 (4-bit), torch.float8_e4m3fn or torch.float8_e5m2
-            (fp8), in any combination (default None: float32 for
+            (fp8), in any combination (torch.uint8 is 8-bit blockwise codes, not TransformerEngine's FusedAdam's
+            torch.uint8, which is fp8 e4m3 with one scale per tensor: for fp8 moments pass torch.float8_e4m3fn)
+            (default None: float32 for
             fp16/bf16 params with master weights, else the param's dtype; float64 params always keep float64
             states). fp16 moments are stored with one power-of-two scale per 1024 elements, by the block's largest
             finite magnitude (exp_avg_sq as sqrt(v), never read back as 0), so they neither overflow nor flush to
