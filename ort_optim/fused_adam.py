@@ -558,8 +558,12 @@ class FusedAdam(torch.optim.Optimizer):
 
     # Optimizer-wide options that may change between steps (FP16_Optimizer switches master_weights on and sets
     # max_grad_norm; a run may move its moments to another dtype, which the next step converts them to), checked when
-    # set, as at construction: a bad value raises there, naming the option, and nothing changes.
+    # set, as at construction: a bad value raises there, naming the option, and nothing changes. So are the flags that
+    # code written for apex's and DeepSpeed's FusedAdam sets as attributes (set_grad_none) and that every step reads
+    # (capturable): a "False" from a config file is refused there too, not read as True.
     master_weights = _CheckedOption(_group_options.check_flag)
+    set_grad_none = _CheckedOption(_group_options.check_flag)
+    capturable = _CheckedOption(_group_options.check_flag)
     exp_avg_dtype = _CheckedOption(_group_options.check_dtype_option)
     exp_avg_sq_dtype = _CheckedOption(_group_options.check_dtype_option)
     max_grad_norm = _CheckedOption(lambda name, value: _group_options.check_max_grad_norm(value))

@@ -373,12 +373,16 @@ def test_an_lr_tensor_without_data_is_refused_wherever_it_comes_from():
     ("master_weights", 1, TypeError, "master_weights must be True or False"),
     ("exp_avg_dtype", "uint8", ValueError, "exp_avg_dtype must be None, torch.float32"),
     ("exp_avg_sq_dtype", torch.int8, ValueError, "exp_avg_sq_dtype must be None, torch.float32"),
+    ("set_grad_none", "False", TypeError, "set_grad_none must be True or False, got 'False'"),
+    ("set_grad_none", None, TypeError, "set_grad_none must be True or False, got None"),
+    ("capturable", "False", TypeError, "capturable must be True or False, got 'False'"),
 ], ids=["max-grad-norm-negative", "max-grad-norm-string", "master-weights-int", "exp-avg-dtype-string",
-        "exp-avg-sq-dtype-int8"])
+        "exp-avg-sq-dtype-int8", "set-grad-none-string", "set-grad-none-none", "capturable-string"])
 def test_an_optimizer_wide_option_set_between_steps_is_checked_when_set(name, value, error, message):
-    """FP16_Optimizer sets master_weights and max_grad_norm on the FusedAdam it wraps, and a run may move its moments
-    to another dtype between steps: a bad value is refused where it is set, as at construction, and nothing
-    changes (it once stepped with a negative max_grad_norm, or failed inside the step)."""
+    """FP16_Optimizer sets master_weights and max_grad_norm on the FusedAdam it wraps, a run may move its moments
+    to another dtype between steps, and code written for apex's FusedAdam sets set_grad_none: a bad value is refused
+    where it is set, as at construction, and nothing changes (it once stepped with a negative max_grad_norm, or
+    failed inside the step; a set_grad_none of "False" made zero_grad() set the gradients to None)."""
     opt, params = _stepped()
     before = (optimizer_snapshot(opt), getattr(opt, name))
     with pytest.raises(error, match=message):
