@@ -23,7 +23,7 @@ import math
 import numbers
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -285,8 +285,9 @@ def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed:
     second moment (a mean of squares; -inf included). inf and NaN are values training does produce (a second moment
     whose square overflowed float32, as torch.optim.AdamW keeps it; the moments and masters of a diverged run): they
     load as they are, and load_state_dict warns (:func:`warn_nonfinite`). For a param on the meta device, which keeps
-    no values, the values are checked where they are (a meta entry has none to check), and the result is on the meta
-    device."""
+    no values, the result is on the meta device, as torch.optim's load makes it, and the values are checked where they
+    are, by the same rules, :data:`CHECK_CHUNK` elements at a time: no full-size copy of a checkpoint that a model
+    built on the meta device loads (a meta entry has no values to check)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where} must be a tensor, got {show(value)}")
     require_data(value, where, meta_ok=param.is_meta)
@@ -306,17 +307,49 @@ def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed:
     dtype = torch.float32 if key == "master_param" else canonical_dtype(param)
     if param.is_meta:
         if not value.is_meta:
-            _check_moment(value, torch.empty_like(param, device=value.device), key, where, listed)
+            source = value.detach()
+            _check_values(lambda: ((piece, piece.to(dtype)) for piece in _chunks(source, CHECK_CHUNK)), key, where)
         return value.detach().to("meta", dtype, copy=True)
     out = value.detach().to(param.device, dtype, copy=True)
     source = value.detach().to(param.device)
-    if source.element_size() == 1:  # float8: exact in float32, where torch has isfinite (not for float8 itself)
-        source = source.float()
-    if bool((torch.isfinite(source) & ~torch.isfinite(out)).any()):
-        raise ValueError(f"{where} holds inf or NaN once converted to float32 (values beyond its range)")
-    if key != "exp_avg" and key != "master_param" and bool((out < 0).any()):
-        raise ValueError(f"{where} holds negative values; a second moment is a mean of squares")
+    _check_values(lambda: [(source, out)], key, where)
     return out
+
+
+# A checkpoint's entry for a param on the meta device is checked this many elements at a time (_check_moment).
+CHECK_CHUNK = 1 << 20
+
+
+def _check_values(pieces: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]], key: str, where: str) -> None:
+    """The rules on the values of a moment or master (:func:`_check_moment`), read from pieces(): pairs of the
+    checkpoint's values and the same converted to the canonical dtype, which together cover the entry (the whole of
+    it in one pair, or one piece at a time). Each rule reads every piece before the next rule, so an entry that
+    breaks two is refused for the same one however it is cut."""
+    def overflows(source: torch.Tensor, converted: torch.Tensor) -> bool:
+        if source.element_size() == 1:  # float8: exact in float32, where torch has isfinite (not for float8 itself)
+            source = source.float()
+        return bool((torch.isfinite(source) & ~torch.isfinite(converted)).any())
+
+    if any(overflows(source, converted) for source, converted in pieces()):
+        raise ValueError(f"{where} holds inf or NaN once converted to float32 (values beyond its range)")
+    if key != "exp_avg" and key != "master_param" and any(bool((converted < 0).any()) for _, converted in pieces()):
+        raise ValueError(f"{where} holds negative values; a second moment is a mean of squares")
+
+
+def _chunks(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
+    """Views of t that cover each of its elements once, each of at most limit elements (or a single element), in
+    order; no copies, whatever t's strides."""
+    if t.is_contiguous():
+        t = t.view(-1)
+    if t.numel() <= limit or t.dim() == 0:
+        yield t
+    elif t[0].numel() > limit:
+        for row in t:
+            yield from _chunks(row, limit)
+    else:
+        rows = limit // t[0].numel()
+        for start in range(0, t.shape[0], rows):
+            yield t[start:start + rows]
 
 
 def _listed(entries: list[str]) -> str:

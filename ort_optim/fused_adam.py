@@ -1116,8 +1116,9 @@ class FusedAdam(torch.optim.Optimizer):
         a master holds no more than the param, so leaving it out loses nothing and keeps what torch trained.
 
         Into params on the meta device (a model built there for deferred initialisation) a checkpoint loads as into
-        torch.optim's: its entries are checked as above (values where they are; a meta checkpoint, this optimizer's
-        over meta params, has none), and the states made are on the meta device, without values.
+        torch.optim's: its entries are checked as above (values where they are, a piece at a time, so that the load
+        makes no full-size copy of them; a meta checkpoint, this optimizer's over meta params, has none), and the
+        states made are on the meta device, without values.
 
         Group options missing from the checkpoint keep this optimizer's values (ORT's FusedAdam saves no
         ``adam_w_mode``, ``amsgrad`` or ``maximize``; torch's no ``adam_w_mode``), and ORT's per-group ``step``

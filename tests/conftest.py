@@ -14,6 +14,8 @@ from typing import Iterable, Optional
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the package under test, whatever the working directory
@@ -132,6 +134,24 @@ def assert_bitwise_equal_but_nan_bits(a: torch.Tensor, b: torch.Tensor, what: st
         nan = a.detach().float().isnan()
         assert torch.equal(nan, b.detach().float().isnan()), f"{what}: NaN in different places"
     assert_bitwise_equal(a, b, what, nan_mask=nan)
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Within it, records the bytes of the largest storage that an op makes off the meta device (``nbytes``; a view
+    of an input makes none): what a piece of code allocates at most, whatever it frees later."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor) and not t.is_meta}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().data_ptr() not in given:
+                self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
+        return out
 
 
 def optimizer_snapshot(opt: torch.optim.Optimizer, extra: Iterable[torch.Tensor] = (), report: bool = False) -> dict:

@@ -43,6 +43,7 @@ from conftest import (
     assert_same_snapshot,
     assert_same_snapshot_but_nan_bits,
     assert_tree_bitwise_equal,
+    LargestAllocation,
     optimizer_snapshot,
     select_backend,
     fuzz_examples,
@@ -300,6 +301,52 @@ def test_a_checkpoint_loads_into_params_on_the_meta_device_as_into_torch_adamws_
     with pytest.raises(ValueError, match=re.escape("state_dict['state'][0]['exp_avg_sq'] holds negative values")):
         opt.load_state_dict(bad)
     assert not opt.state
+
+
+@pytest.mark.parametrize("saved_dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float8_e4m3fn])
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_a_checkpoint_loads_into_meta_params_checked_piece_by_piece_without_a_full_size_copy(
+        saved_dtype, master_weights, monkeypatch):
+    """Into params on the meta device a checkpoint's values are checked where they are, CHECK_CHUNK elements at a
+    time (strided entries too): the load makes no copy of a whole entry (torch.optim.AdamW's makes none: its states
+    become meta tensors), and refuses what it refuses for params with data, for the same rule."""
+    from ort_optim import _checkpoint
+    monkeypatch.setattr(_checkpoint, "CHECK_CHUNK", 1000)
+    shape = (100, 120)  # 12 chunks
+    param_dtype = torch.float16 if master_weights else torch.float32
+
+    def saved_entry(fill, changed=()):
+        wide = torch.full((100, 240), fill, dtype=torch.float64)
+        for index, value in changed:
+            wide[:, ::2][index] = value
+        return wide.to(saved_dtype)[:, ::2]  # (strided)
+
+    def checkpoint(**changed):
+        fills = {"exp_avg": 0.5, "exp_avg_sq": 0.25, "master_param": 1.0}
+        state = {"step": torch.tensor(3.0)}
+        for key in ["exp_avg", "exp_avg_sq"] + ["master_param"] * master_weights:
+            state[key] = saved_entry(fills[key], changed.get(key, ()))
+        return {"state": {0: state}, "param_groups": [{"params": [0], "lr": 1e-3, "betas": (0.9, 0.999),
+                                                        "eps": 1e-8, "weight_decay": 0.0}]}
+
+    def load(device, saved):
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=param_dtype, device=device))
+        opt = FusedAdam([p], master_weights=master_weights)
+        with LargestAllocation() as largest:
+            opt.load_state_dict(saved)
+        return opt, p, largest.nbytes
+
+    opt, p, nbytes = load("meta", checkpoint())
+    assert all(value.is_meta for value in opt.state[p].values())
+    assert sorted(opt.state[p]) == ["exp_avg", "exp_avg_sq"] + ["master_param"] * master_weights + ["step"]
+    assert 0 < nbytes <= _checkpoint.CHECK_CHUNK * 8, nbytes  # (a piece of float64 at most)
+    bad = [((-1, -1), -1.0)]  # (in the last piece)
+    if saved_dtype == torch.float64:
+        bad.append(((0, 0), 1e300))  # (beyond float32, in the first piece: the rule checked first)
+    refusal = "holds inf or NaN once converted to float32" if len(bad) == 2 else "holds negative values"
+    for device in ("cpu", "meta"):
+        with pytest.raises(ValueError, match=re.escape(f"state_dict['state'][0]['exp_avg_sq'] {refusal}")):
+            load(device, checkpoint(exp_avg_sq=bad))
 
 
 # ---- resume == never stopping, bit for bit -------------------------------------------------------------------------
