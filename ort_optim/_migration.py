@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from . import _checkpoint
 from ._checkpoint import entry, require_data
 from ._group_options import is_number, show
 from ._spec import AdamWMode
@@ -135,11 +136,12 @@ def _bnb_one_state_group(group: Any) -> bool:
     return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0 for v in (group["eps"], beta2))
 
 
-def canonical_checkpoint(state_dict: Any) -> Any:
+def canonical_checkpoint(state_dict: Any, meta_ids: frozenset = frozenset()) -> Any:
     """state_dict itself when no foreign layout is recognised; else a new canonical checkpoint with the same
     values (fresh tensors and containers; the given dict is not written to). Also refuses, naming the entry, a
     state tensor that is a tensor subclass of a kind it does not know, since no check of the usual path can read
-    one."""
+    one. meta_ids: the ids of params on the meta device, whose moments are decoded a piece at a time and checked as
+    the usual checks check them, and come back as meta tensors (:func:`_decoded`)."""
     source = source_of(state_dict)
     if source is None:
         _refuse_unknown_subclasses(state_dict)
@@ -147,7 +149,8 @@ def canonical_checkpoint(state_dict: Any) -> Any:
     _check_top_level(state_dict, source)
     if source == "torchao":
         _one_torchao_layout(state_dict["state"])
-        return {"state": {pid: _torchao_state(s, entry("state", pid)) for pid, s in state_dict["state"].items()},
+        return {"state": {pid: _torchao_state(s, entry("state", pid), pid in meta_ids)
+                          for pid, s in state_dict["state"].items()},
                 "param_groups": [_torchao_group(g, gi) for gi, g in enumerate(state_dict["param_groups"])]}
     states, sizes, first = {}, set(BNB_BLOCK_SIZES), None
     for pid, s in state_dict["state"].items():
@@ -156,7 +159,7 @@ def canonical_checkpoint(state_dict: Any) -> Any:
             # stepped yet leaves one, which state_dict() saves: no state yet, as torch.optim loads it)
             states[pid] = {}
             continue
-        states[pid], fits = _bnb_state(s, entry("state", pid))
+        states[pid], fits = _bnb_state(s, entry("state", pid), pid in meta_ids)
         if fits is not None and not (sizes & fits):
             # (one block size per bitsandbytes version, for every param's codes)
             raise ValueError(f"{entry('state', pid)}: its 'absmax' counts give blocks of "
@@ -242,6 +245,33 @@ def _adam_group(group: dict, gi: int, lr: Any) -> dict:
     return out
 
 
+# A moment is decoded this many elements at a time (_decoded).
+DECODE_CHUNK = 1 << 20
+
+
+def _decoded(shape: torch.Size, decode: Callable[[int, int], torch.Tensor], key: str, where: str, meta: bool,
+             source: str) -> torch.Tensor:
+    """The float32 values of a moment of this shape, decode(start, stop) giving its flat elements [start, stop),
+    decoded DECODE_CHUNK elements at a time (no temporary of the whole moment besides its values). meta: the moment
+    of a param on the meta device, whose state keeps no values, as torch.optim's load makes it: the values are checked
+    piece by piece by the usual checks' rules (_checkpoint._check_values; float32 values convert to the canonical
+    dtype exactly, so they are their own conversion) and a meta tensor comes back, so that no full-size values are
+    made. A refusal names the canonical entry, as the usual checks name it (explain_entry)."""
+    n = math.prod(shape)
+    starts = range(0, n, DECODE_CHUNK)
+    if meta:
+        try:
+            _checkpoint._check_values(lambda: ((piece, piece) for piece in (
+                decode(start, min(start + DECODE_CHUNK, n)) for start in starts)), key, where)
+        except ValueError as error:
+            raise explain_entry(error, source) from error
+        return torch.empty(shape, dtype=torch.float32, device="meta")
+    out = torch.empty(n, dtype=torch.float32, device=decode(0, 0).device)
+    for start in starts:
+        out[start:start + DECODE_CHUNK] = decode(start, min(start + DECODE_CHUNK, n))
+    return out.view(shape)
+
+
 # ---- torchao -------------------------------------------------------------------------------------------------------
 
 
@@ -281,7 +311,7 @@ def _one_torchao_layout(states: dict) -> None:
                                  "Load each optimizer's own checkpoint")
 
 
-def _torchao_state(state: dict, where: str) -> dict:
+def _torchao_state(state: dict, where: str, meta: bool) -> dict:
     if not isinstance(state, dict):
         return state  # (the usual checks name it)
     for key in state:
@@ -291,7 +321,7 @@ def _torchao_state(state: dict, where: str) -> dict:
     out = {}
     for key, value in state.items():
         if _is_torchao(value):
-            out[key] = _torchao_values(value, f"{where}[{key!r}]")
+            out[key] = _torchao_values(value, key, f"{where}[{key!r}]", meta)
         elif _unreadable(value) is not None:
             raise TypeError(f"{where}[{key!r}] is {_unreadable(value)}, a tensor subclass ort_optim does not read, in "
                             f"a torchao optimizer state (it reads the states of {READ_LAYOUTS}, of unsharded params)")
@@ -314,8 +344,9 @@ def _attr(value: Any, name: str, where: str, dtype: Optional[torch.dtype] = None
     return t.detach()
 
 
-def _torchao_values(value: Any, where: str) -> torch.Tensor:
-    """The float32 values a torchao OptimState* holds, decoded from its attributes as its dequantize() does."""
+def _torchao_values(value: Any, key: str, where: str, meta: bool) -> torch.Tensor:
+    """The float32 values a torchao OptimState* holds, decoded from its attributes as its dequantize() does (meta:
+    as _decoded)."""
     kind = type(value).__name__
     if kind not in TORCHAO_STATES:
         raise ValueError(f"{where} is torchao's {kind}, a state layout ort_optim does not read; it reads "
@@ -325,10 +356,12 @@ def _torchao_values(value: Any, where: str) -> torch.Tensor:
         codes = _attr(value, "codes", where, torch.float8_e4m3fn)
         shape, table = codes.shape, None
         flat = codes.reshape(-1)
+        n = flat.numel()
     elif kind == "OptimState8bit":
         codes = _attr(value, "codes", where, torch.uint8)
         shape, table = codes.shape, _attr(value, "qmap", where, torch.float32).reshape(-1)
         flat = codes.reshape(-1)
+        n = flat.numel()
     else:  # two 4-bit codes per byte, the first element in the high nibble (torchao's packing: codes[::2] << 4)
         codes = _attr(value, "codes", where, torch.uint8).reshape(-1)
         shape = getattr(value, "_shape", None)
@@ -340,16 +373,27 @@ def _torchao_values(value: Any, where: str) -> torch.Tensor:
             raise ValueError(f"{where}: torchao OptimState4bit of shape {tuple(shape)} holds {codes.numel()} bytes "
                              f"of codes, not {math.prod(shape) // 2}")
         table = _attr(value, "qmap", where, torch.float32).reshape(-1)
-        flat = torch.stack([codes >> 4, codes & 0xF], dim=1).reshape(-1)
+        flat, n = codes, 2 * codes.numel()
     levels = {"OptimState8bit": 256, "OptimState4bit": 16}.get(kind)
     if table is not None and table.numel() != levels:
         raise ValueError(f"{where}: torchao {kind}.qmap has {table.numel()} values, its codes {levels}")
-    n = flat.numel()
     if scale.numel() == 0 or n % scale.numel():
         raise ValueError(f"{where}: torchao {kind} with {n} elements and {scale.numel()} block scales (torchao's "
                          "blocks divide the tensor evenly)")
-    values = flat.float() if table is None else table.to(flat.device)[flat.long()]
-    return (values.view(scale.numel(), -1) * scale.to(flat.device).view(-1, 1)).reshape(shape)
+    block = n // scale.numel()
+    scale = scale.to(flat.device)
+    table = None if table is None else table.to(flat.device)
+
+    def decode(start: int, stop: int) -> torch.Tensor:
+        if kind == "OptimState4bit":
+            pairs = flat[start // 2:(stop + 1) // 2]
+            codes = torch.stack([pairs >> 4, pairs & 0xF], dim=1).reshape(-1)[start % 2:start % 2 + stop - start]
+        else:
+            codes = flat[start:stop]
+        values = codes.float() if table is None else table[codes.long()]
+        return values * scale[torch.arange(start, stop, device=flat.device) // block]
+
+    return _decoded(shape, decode, key, where, meta, "torchao")
 
 
 # ---- bitsandbytes --------------------------------------------------------------------------------------------------
@@ -393,9 +437,10 @@ def _bnb_block_sizes(n: int, blocks: int, where: str) -> frozenset[int]:
     return sizes
 
 
-def _bnb_decode(quant: dict, i: int, where: str) -> tuple[torch.Tensor, Optional[frozenset[int]]]:
+def _bnb_decode(quant: dict, i: int, where: str, canonical_where: str,
+                meta: bool) -> tuple[torch.Tensor, Optional[frozenset[int]]]:
     """state{i} decoded, and the block sizes its scales fit: float32 states as they are (None); uint8 codes as
-    qmap{i}[code] * absmax{i}[block]."""
+    qmap{i}[code] * absmax{i}[block] (meta: as _decoded, where names the entry canonical_where)."""
     codes = quant.get(f"state{i}")
     if not isinstance(codes, torch.Tensor) or type(codes) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"{where}['state{i}'] must be a plain tensor, got {show(codes)}")
@@ -423,13 +468,18 @@ def _bnb_decode(quant: dict, i: int, where: str) -> tuple[torch.Tensor, Optional
     n = flat.numel()
     sizes = _bnb_block_sizes(n, absmax.numel(), f"{where}['absmax{i}']")
     block = min(sizes)  # (where both fit, all n elements are one block either way)
-    values = torch.nn.functional.pad(qmap.to(flat.device)[flat.long()], (0, -n % block)).view(-1, block)
-    return (values * absmax.to(flat.device).view(-1, 1)).reshape(-1)[:n].reshape(codes.shape), sizes
+    qmap, absmax = qmap.to(flat.device), absmax.to(flat.device)
+
+    def decode(start: int, stop: int) -> torch.Tensor:
+        return qmap[flat[start:stop].long()] * absmax[torch.arange(start, stop, device=flat.device) // block]
+
+    key = "exp_avg" if i == 1 else "exp_avg_sq"
+    return _decoded(codes.shape, decode, key, canonical_where, meta, "bitsandbytes"), sizes
 
 
-def _bnb_state(state: dict, where: str) -> tuple[dict, Optional[frozenset[int]]]:
+def _bnb_state(state: dict, where: str, meta: bool) -> tuple[dict, Optional[frozenset[int]]]:
     """A bitsandbytes Adam state as an Adam checkpoint's, and the block sizes its codes' scales fit (None: plain
-    float32 moments)."""
+    float32 moments); meta: the state of a param on the meta device (_decoded)."""
     quant, quant_where = state, where
     if BNB_QUANT_STATE_KEY in state:
         quant, quant_where = state[BNB_QUANT_STATE_KEY], f"{where}[{BNB_QUANT_STATE_KEY!r}]"
@@ -451,7 +501,8 @@ def _bnb_state(state: dict, where: str) -> tuple[dict, Optional[frozenset[int]]]
     for i in (1, 2):
         if f"state{i}" not in quant:
             raise ValueError(f"{quant_where} has no 'state{i}' (bitsandbytes' Adam moment {'m' if i == 1 else 'v'})")
-    (m, m_fits), (v, v_fits) = _bnb_decode(quant, 1, quant_where), _bnb_decode(quant, 2, quant_where)
+    (m, m_fits), (v, v_fits) = (_bnb_decode(quant, i, quant_where, f"{where}[{key!r}]", meta)
+                                for i, key in ((1, "exp_avg"), (2, "exp_avg_sq")))
     fits = m_fits if v_fits is None else v_fits if m_fits is None else m_fits & v_fits
     if fits is not None and not fits:  # (one block size per optimizer, in every version: both moments blocked alike)
         raise ValueError(f"{quant_where}: 'absmax1' gives blocks of {min(m_fits)} elements but 'absmax2' blocks of "

@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_bitwise_equal, assert_same_snapshot, fuzz_examples, optimizer_snapshot
+from conftest import (LargestAllocation, assert_bitwise_equal, assert_same_snapshot, fuzz_examples,
+                      optimizer_snapshot)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ort_optim import AdamWMode, FusedAdam
@@ -616,6 +617,50 @@ def test_unknown_layouts_are_refused_by_name_and_change_nothing(case):
     assert message in str(info.value), str(info.value)
     assert str(info.value).startswith("state_dict["), str(info.value)
     assert_same_snapshot(before, optimizer_snapshot(opt))
+    assert_tree_same(given, tree_bits(sd))
+
+
+def _on_meta(make):
+    """make's params, on the meta device (a model built there for deferred initialisation)."""
+    return lambda seed=0: [torch.nn.Parameter(torch.empty_like(p, device="meta")) for p in make(seed)]
+
+
+@pytest.mark.parametrize("source", ["bitsandbytes", "torchao 8bit", "torchao 4bit", "torchao fp8"])
+def test_a_foreign_checkpoint_loads_into_meta_params_decoded_piece_by_piece(source, monkeypatch):
+    """Into params on the meta device a foreign checkpoint loads as any does: states on the meta device, without
+    values. Its moments are decoded DECODE_CHUNK elements at a time and checked as they would be for params with
+    data, never decoded whole (nor is any moment, into params with data, decoded through a temporary bigger than
+    its values)."""
+    from ort_optim import _checkpoint, _migration
+    monkeypatch.setattr(_migration, "DECODE_CHUNK", 101)  # (pieces that start mid-block, and mid-byte of 4-bit codes)
+    monkeypatch.setattr(_checkpoint, "CHECK_CHUNK", 101)  # (the plain moments of small params)
+    sd, make = FOREIGN_SOURCES[source]()
+    params = _on_meta(make)()
+    opt = FusedAdam(params, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+    with LargestAllocation() as largest:
+        opt.load_state_dict(sd)
+    assert all(value.is_meta for p in params for value in opt.state[p].values())
+    assert all(sorted(opt.state[p]) == ["exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale", "step"]
+               for p in params)
+    smallest_moment = min(p.numel() for p in params if p.numel() >= 4096)
+    assert 0 < largest.nbytes <= 101 * 8 < smallest_moment, largest.nbytes  # (int64 indices of a piece at most)
+
+
+@pytest.mark.parametrize("case", [case for case in REFUSALS if "negative" in case or "meta" in case])
+def test_a_foreign_checkpoint_is_refused_into_meta_params_as_into_params_with_data(case, monkeypatch):
+    """The values of moments decoded for params on the meta device are checked by the rules that check them for
+    params with data: the same refusal, by the same words, and nothing changes."""
+    from ort_optim import _migration
+    monkeypatch.setattr(_migration, "DECODE_CHUNK", 101)
+    build, message = REFUSALS[case]
+    sd, make = build()
+    opt = FusedAdam(_on_meta(make)(seed=3), lr=5e-4, exp_avg_dtype=torch.uint8)
+    groups, given = copy.deepcopy(opt.param_groups), tree_bits(sd)
+    with pytest.raises((ValueError, TypeError)) as info:
+        opt.load_state_dict(sd)
+    assert message in str(info.value), str(info.value)
+    assert str(info.value).startswith("state_dict["), str(info.value)
+    assert not opt.state and tree_bits(opt.param_groups) == tree_bits(groups)
     assert_tree_same(given, tree_bits(sd))
 
 
