@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import sys
 import threading
 import weakref
@@ -15,6 +14,7 @@ import torch
 from . import _checkpoint, _group_options, _migration, _plan, backends
 from ._backward_step import BackwardStep, loss_scaling_refused, max_grad_norm_refused
 from ._checkpoint import MOMENT_KEYS
+from ._fork import renewed_lock
 from ._group_options import constructor_where, group_where
 from ._layout import StateLayout
 from ._plan import describe
@@ -139,22 +139,6 @@ def _release_with(optimizer: "FusedAdam", tensors: list) -> None:
         weakref.finalize(optimizer, clear)
 
     add_graph_finalizer(init_finalizer)
-
-
-# Every FusedAdam alive in this process (a WeakSet: it keeps none alive), for _renew_locks_after_fork.
-_LIVE: "weakref.WeakSet[FusedAdam]" = weakref.WeakSet()
-
-
-def _renew_locks_after_fork() -> None:
-    """In the child of os.fork (multiprocessing's "fork" start method): a step that another thread of the parent was
-    taking never ends there, and its optimizer's lock would be held for the child's whole life. Each optimizer's lock
-    is made anew, as CPython makes its own modules' locks anew in a forked child."""
-    for optimizer in list(_LIVE):
-        optimizer._stepping = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_renew_locks_after_fork)
 
 
 class _CheckedOption:
@@ -381,8 +365,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.capturable = capturable
         self._plan: Optional[_plan.Plan] = None  # the step cache (ort_optim/_plan.py)
-        self._stepping = threading.RLock()  # (eager steps, one thread at a time: _update)
-        _LIVE.add(self)
+        self._stepping = renewed_lock(self, "_stepping", threading.RLock)  # (eager steps, one at a time: _update)
         self._checked_groups = _group_options.CheckedGroups()  # the options last accepted (steps, backward updates)
         # The last step's report (last_grad_norm, last_found_inf): a dict, whose writes a step traced by
         # torch.compile replays (TorchDynamo drops attribute writes on an optimizer made inside a traced step).
@@ -456,8 +439,7 @@ class FusedAdam(torch.optim.Optimizer):
             if isinstance(attribute, _CheckedOption) and name in self.__dict__:
                 setattr(self, name, self.__dict__.pop(name))
         self._plan = None  # the cache (native plans cannot be copied): rebuilt at the next step
-        self._stepping = threading.RLock()
-        _LIVE.add(self)
+        self._stepping = renewed_lock(self, "_stepping", threading.RLock)
         self._checked_groups = _group_options.CheckedGroups()
         self._partitions_checked = False
         self._last = {"grad_norm": None, "found_inf": None}

@@ -20,13 +20,14 @@ that torch.compile traced, the choice made when it was traced holds).
 from __future__ import annotations
 
 import os
-import threading
+import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from .. import _versions
+from .._fork import renewed_lock
 from ..formats import sqrt_f32
 from . import native, reference
 from . import triton as triton_backend  # imports no triton until its first kernel call
@@ -60,7 +61,8 @@ def backend() -> str:
 
 
 _native_loaded: Optional[bool] = None  # (None: not tried yet)
-_native_loading = threading.Lock()  # first steps in several threads at once load (and register) the library once
+# First steps in several threads at once load (and register) the library once.
+_native_loading = renewed_lock(sys.modules[__name__], "_native_loading")
 
 
 def native_available() -> bool:

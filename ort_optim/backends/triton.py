@@ -36,13 +36,14 @@ from __future__ import annotations
 import operator
 import os
 import struct
-import threading
+import sys
 import warnings
 from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
 
+from .._fork import renewed_lock
 from .._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_E5M2, FP8_FORMATS, FP8_MAX_ROOT,
                      MIN_SCALE, QUANT_BLOCK, Q4, Q8, LowBitFormat, check_hyperparameters, square_tables)
 from .._versions import mark_modified, step_taken
@@ -72,7 +73,7 @@ _FP8 = {torch.float8_e4m3fn: 6, torch.float8_e5m2: 7}
 _FLOAT_STORAGE = (torch.float32, torch.float16, torch.bfloat16)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-_lock = threading.Lock()
+_lock = renewed_lock(sys.modules[__name__], "_lock")
 _cache: "OrderedDict[tuple, _Plan]" = OrderedDict()
 _stats_cache: "OrderedDict[tuple, tuple]" = OrderedDict()
 # Device tables (and pinned host buffers) used by kernels captured in a CUDA graph: a graph replays the launches with

@@ -298,3 +298,45 @@ def test_a_child_forked_while_another_thread_steps_takes_steps_of_its_own(tmp_pa
     another thread included, which never ends there: the child's own steps run, as torch.optim.AdamW's do, instead
     of waiting forever for that step."""
     assert run_python(sys.executable, FORK_DURING_A_STEP, tmp_path) == dict(statuses=[0] * 4)
+
+
+FORK_WHILE_ANOTHER_THREAD_HOLDS_THE_MODULE_LOCKS = """
+import json, os, signal, threading
+import torch
+import ort_optim
+from ort_optim import FusedAdam, backends
+from ort_optim.backends import triton as triton_backend
+torch.set_num_threads(1)
+unloaded = backends._native_loaded is None  # (so the child's first step loads the library, under the lock)
+held, release = threading.Event(), threading.Event()
+def first_use():  # (as a thread that loads the native library and fills the Triton caches, stopped at the fork)
+    with backends._native_loading, triton_backend._lock:
+        held.set()
+        release.wait()
+thread = threading.Thread(target=first_use)
+thread.start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)  # (a child that waits for a lock held by a thread it does not have ends here)
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    FusedAdam([p]).step()
+    ort_optim.native_available()
+    triton_backend.clear_caches()
+    os._exit(0 if p[0] < 1 else 1)
+status = os.waitpid(pid, 0)[1]
+release.set()
+thread.join()
+print(json.dumps(dict(unloaded=unloaded, status=status)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is not available on this platform")
+def test_a_child_forked_while_another_thread_holds_the_backends_locks_loads_and_steps(tmp_path):
+    """The backends' own locks (the native library's first load, the Triton backend's caches) are made anew in a
+    forked child too: held by another thread of the parent at the fork, they do not keep the child's first step,
+    its load of the library or its Triton caches waiting forever."""
+    assert run_python(sys.executable, FORK_WHILE_ANOTHER_THREAD_HOLDS_THE_MODULE_LOCKS, tmp_path) == dict(
+        unloaded=True, status=0)
