@@ -155,7 +155,7 @@ def adam_step_(params: Sequence[torch.Tensor], *lists_and_steps, **options) -> O
 def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """float32 [2] on the tensors' device: [sum of squares of all elements, 1.0 if any is inf/NaN else 0.0]."""
     if not len(tensors):
-        return torch.zeros(2, dtype=torch.float32)
+        return torch.zeros(2, dtype=torch.float32, device=_CPU)
     return implementation(tensors[0].device).grad_stats(tensors)
 
 

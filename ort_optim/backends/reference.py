@@ -19,6 +19,9 @@ from .._versions import tracks_versions
 from ..formats import (MASK32, decode_state, fmix32, is_relative, quantize_fp8, quantize_fp16, quantize_low_bit,
                        sqrt_f32, sqrt_f64, state_root)
 
+# Where the step's host-side numbers are rounded: torch's default device (`with torch.device(...)`) is not the params'.
+_CPU = torch.device("cpu")
+
 
 def _read_state(state: torch.Tensor, scales: Optional[torch.Tensor], dtype: torch.dtype, second_moment: bool,
                 shape: torch.Size, root: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -52,10 +55,11 @@ def _write_state(values: torch.Tensor, state: torch.Tensor, scales: Optional[tor
 # ---- stochastic rounding (ops/README.md, "stochastic rounding") -------------------------------------------------
 
 
-def random_bits(key: int, step: int, numel: int) -> torch.Tensor:
-    """The 32 random bits of each element of a param at this step (step counted from 1), as int64 in [0, 2**32)."""
+def random_bits(key: int, step: int, numel: int, device: torch.device) -> torch.Tensor:
+    """The 32 random bits of each element of a param at this step (step counted from 1), as int64 in [0, 2**32) on
+    the param's device."""
     k = splitmix64((key & ((1 << 64) - 1)) ^ splitmix64(step))
-    e = torch.arange(numel, dtype=torch.int64)
+    e = torch.arange(numel, dtype=torch.int64, device=device)
     x = ((e & MASK32) * 0x9E3779B1 + (e >> 32) * 0x85EBCA77 + (k & MASK32)) & MASK32
     return fmix32(fmix32(x) ^ (k >> 32))
 
@@ -65,7 +69,7 @@ def round_bf16_stochastic(values: torch.Tensor, key: int, step: int) -> torch.Te
     random_bits; inf and NaN round to nearest."""
     flat = values.float().reshape(-1)
     b = flat.view(torch.int32).long() & MASK32
-    stochastic = ((b + (random_bits(key, step, flat.numel()) >> 16)) >> 16) & 0xFFFF
+    stochastic = ((b + (random_bits(key, step, flat.numel(), flat.device) >> 16)) >> 16) & 0xFFFF
     nearest = flat.to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
     out = torch.where((b & 0x7FFFFFFF) < 0x7F800000, stochastic, nearest)
     return torch.where(out >= 0x8000, out - 0x10000, out).to(torch.int16).view(torch.bfloat16).view(values.shape)
@@ -160,7 +164,7 @@ def adam_step_(
     # w = 1 - beta1 rounded to it, m + w*(g - m) for w < 0.5, else g + (w - 1)*(g - m)
     lerp_from_grad, lerp_coeff = {}, {}
     for compute in (torch.float32, torch.float64):
-        w = torch.tensor(1.0 - beta1, dtype=compute)
+        w = torch.tensor(1.0 - beta1, dtype=compute, device=_CPU)
         lerp_from_grad[compute] = not bool(w.abs() < 0.5)
         lerp_coeff[compute] = float(w - 1.0 if lerp_from_grad[compute] else w)
 

@@ -73,6 +73,9 @@ _FP8 = {torch.float8_e4m3fn: 6, torch.float8_e5m2: 7}
 _FLOAT_STORAGE = (torch.float32, torch.float16, torch.bfloat16)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
+# Where the launch tables are made before they go to the tensors' device: torch's default device (`with
+# torch.device(...)`) is not the tensors'.
+_HOST = torch.device("cpu")
 _lock = renewed_lock(sys.modules[__name__], "_lock")
 _cache: "OrderedDict[tuple, _Plan]" = OrderedDict()
 _stats_cache: "OrderedDict[tuple, tuple]" = OrderedDict()
@@ -192,11 +195,11 @@ def _capturing(device: torch.device) -> bool:
 def _upload(values: list, device: torch.device) -> torch.Tensor:
     """An int64 tensor on `device`; from pinned memory, without blocking the host, for CUDA."""
     if device.type == "cuda":
-        host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+        host = torch.tensor(values, dtype=torch.int64, device=_HOST, pin_memory=True)
         if torch.cuda.is_current_stream_capturing():
             _graph_owned.append(host)  # a captured copy reads this buffer again at every replay
         return host.to(device, non_blocking=True)
-    return torch.tensor(values, dtype=torch.int64)
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _work_list(numels: Sequence[int], bpp: int) -> list:
@@ -437,7 +440,7 @@ def _lut(fmt: LowBitFormat, device: torch.device) -> torch.Tensor:
         values = (m_levels + [-x for x in m_levels] + v_levels + list(fmt.sr_thresholds(False)) + [inf]
                   + list(fmt.sq_thresholds()) + [inf] + list(fmt.sr_thresholds(True))
                   + [inf] + list(squares) + list(square_gaps))
-        host = torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda")
+        host = torch.tensor(values, dtype=torch.float32, device=_HOST, pin_memory=device.type == "cuda")
         table = host.to(device, non_blocking=True) if device.type == "cuda" else host
         if _capturing(device):
             _graph_owned.append(host)
@@ -871,7 +874,7 @@ def _stats_without_elements(found_inf: Optional[torch.Tensor], device: torch.dev
 def grad_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """float32 [2] on the tensors' device: [sum of squares, 1.0 if any element is inf/NaN else 0.0]."""
     if not len(tensors):
-        return torch.zeros(2, dtype=torch.float32)
+        return torch.zeros(2, dtype=torch.float32, device=_HOST)
     device = tensors[0].device
     _check_device(device, "grad_stats")
     k = kernels()

@@ -1956,3 +1956,32 @@ def test_saving_and_loading_under_another_default_device_keep_the_state_on_the_p
     with torch.device("meta"):
         twin.load_state_dict(copy.deepcopy(saved))
     assert_same_snapshot(optimizer_snapshot(fresh), optimizer_snapshot(twin))
+
+
+@pytest.mark.parametrize("moments", DEFAULT_DEVICE_MOMENTS.values(), ids=DEFAULT_DEVICE_MOMENTS.keys())
+def test_steps_under_another_default_device_are_the_steps_without_it(moments, backend):
+    """Nor do the steps depend on torch's default device: under ``with torch.device("meta")``, where a tensor made
+    without a device has no values, steps with loss scaling, clipping, amsgrad and stochastically rounded bfloat16
+    params update the CPU params and their states as outside it, bit for bit, as torch.optim.AdamW's steps do
+    (torch 2.4's make its step count on the default device, and fail there)."""
+
+    def optimizer():
+        generator = torch.Generator().manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(300, generator=generator)),
+                  torch.nn.Parameter(torch.randn(5, 6, generator=generator).bfloat16())]
+        opt = FusedAdam(params, lr=1e-2, amsgrad=True, max_grad_norm=1.0, stochastic_rounding=True,
+                        exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
+        return params, opt, generator
+
+    def steps(default_device):
+        params, opt, generator = optimizer()
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+            with torch.device(default_device):
+                opt.step(grad_scale=4.0)
+        return opt
+
+    under_meta = steps("meta")
+    assert not any(value.is_meta for state in under_meta.state.values() for value in state.values())
+    assert_same_snapshot(optimizer_snapshot(steps("cpu")), optimizer_snapshot(under_meta))
