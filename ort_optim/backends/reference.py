@@ -103,6 +103,8 @@ def adam_step_(
     betas_tensor: Optional[torch.Tensor] = None,
     group_hyperparameters: Optional[torch.Tensor] = None,
 ) -> None:
+    if any(t.is_meta for t in (steps, *params)):  # (no values to check or write: as the native op's fake kernel)
+        return
     for i, param in enumerate(params):  # checked before anything is written, as the native op does
         if torch._debug_has_internal_overlap(param) == 1:
             raise RuntimeError(f"ort_optim::adam_step_: params[{i}] overlaps itself (an expand()ed tensor), so it "

@@ -146,10 +146,11 @@ def test_checkpoints_load_with_torch_load_weights_only(backend, monkeypatch):
 
 
 @pytest.mark.no_interpreter  # (meta params step through the native op's fake kernel, not Triton's interpreter)
-def test_params_on_the_meta_device_step_plan_again_and_save_as_torch_adamws_do():
+def test_params_on_the_meta_device_step_plan_again_and_save_as_torch_adamws_do(backend):
     """A model built on the meta device (deferred initialisation) steps, plans again and saves its state, as with
-    torch.optim.AdamW: states on the meta device, without values (torch keeps its step count on the CPU, this optimizer
-    keeps it with the param's other states), and the checkpoint loads into torch.optim.AdamW over meta params."""
+    torch.optim.AdamW, on either CPU backend: states on the meta device, without values (torch keeps its step count on
+    the CPU, this optimizer keeps it with the param's other states), and the checkpoint loads into torch.optim.AdamW
+    over meta params."""
 
     def meta_param(n):
         p = torch.nn.Parameter(torch.empty(n, device="meta"))
@@ -172,25 +173,27 @@ def test_params_on_the_meta_device_step_plan_again_and_save_as_torch_adamws_do()
 
 
 @pytest.mark.no_interpreter  # (meta params step through the native op's fake kernel, not Triton's interpreter)
-@pytest.mark.parametrize("moments", ["scaled-fp16", "u8", "u4", "e4m3"])
-def test_params_on_the_meta_device_with_coded_moments_step_plan_again_save_and_load(moments):
-    """With block-scaled fp16, 8-bit, 4-bit or fp8 moments too: the block scales on the meta device have no values to
-    check, so a step that plans again, state_dict() and a load into another optimizer over meta params go through,
-    states on the meta device."""
-    dtype = {"scaled-fp16": torch.float16, "u8": torch.uint8, "u4": torch.uint4, "e4m3": torch.float8_e4m3fn}[moments]
+@pytest.mark.parametrize("moments", ["bf16", "scaled-fp16", "u8", "u4", "e4m3", "e5m2"])
+def test_params_on_the_meta_device_with_coded_moments_step_plan_again_save_and_load(moments, backend):
+    """With bfloat16, block-scaled fp16, 8-bit, 4-bit or fp8 moments too, amsgrad's max_exp_avg_sq included, on either
+    CPU backend: the block scales on the meta device have no values to check, so a step that plans again,
+    state_dict() and a load into another optimizer over meta params go through, states on the meta device."""
+    dtype = {"bf16": torch.bfloat16, "scaled-fp16": torch.float16, "u8": torch.uint8, "u4": torch.uint4,
+             "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[moments]
 
     def meta_param(n):
         p = torch.nn.Parameter(torch.empty(n, device="meta"))
         p.grad = torch.empty(n, device="meta")
         return p
 
-    opt = FusedAdam([meta_param(300)], exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
+    opt = FusedAdam([meta_param(300)], amsgrad=True, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
     opt.step()
     opt.param_groups[0]["params"].append(meta_param(3))  # (plans again: the first param's codes are checked then)
     opt.step()
-    twin = FusedAdam([meta_param(300), meta_param(3)], exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
+    twin = FusedAdam([meta_param(300), meta_param(3)], amsgrad=True, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
     twin.load_state_dict(opt.state_dict())
     twin.step()
+    assert all("max_exp_avg_sq" in state for state in twin.state.values())
     assert all(value.is_meta for state in twin.state.values() for value in state.values())
 
 
@@ -273,9 +276,10 @@ def test_an_in_process_transfer_leaves_the_source_optimizer_unchanged(backend, m
 
 
 @pytest.mark.no_interpreter  # (meta params step through the native op's fake kernel, not Triton's interpreter)
-def test_a_checkpoint_loads_into_params_on_the_meta_device_as_into_torch_adamws_and_is_checked_alike():
+def test_a_checkpoint_loads_into_params_on_the_meta_device_as_into_torch_adamws_and_is_checked_alike(backend):
     """torch.optim.AdamW over meta params loads a checkpoint (its states then on the meta device, without values); so
-    does FusedAdam, which checks the checkpoint's values where they are, and then steps and saves."""
+    does FusedAdam, on either CPU backend, which checks the checkpoint's values where they are, and then steps and
+    saves."""
     source = torch.nn.Parameter(torch.randn(5))
     torch_optimizer = torch.optim.AdamW([source])
     source.grad = torch.ones(5)
