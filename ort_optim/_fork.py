@@ -3,7 +3,8 @@
 os.fork (multiprocessing's "fork" start method) copies the process with only the thread that calls it: a lock that
 another thread of the parent holds at that moment stays held in the child, by a thread that never runs there, and the
 child's first use of it waits forever. CPython makes its own modules' locks anew in a forked child; ort_optim's
-locks, each made by :func:`renewed_lock`, are made anew there likewise (os.register_at_fork).
+locks, each made by :func:`renewed_lock`, are made anew there likewise (os.register_at_fork); ort_optim.options,
+which loads without the rest of the package, renews its own.
 """
 
 from __future__ import annotations

@@ -1121,6 +1121,22 @@ _OPEN_BLOCKS: Dict[str, Any] = {"thread": None, "depth": 0}
 _OPEN_BLOCKS_LOCK = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """A child of os.fork has only the thread that forked: the lock is made anew (another thread of the parent may
+    hold it, and would never release it there), and blocks that another thread had open are forgotten (they never
+    close in the child, whose environment keeps their values, as it was at the fork; its own blocks may then open).
+    This module loads without the rest of ort_optim, so it renews its lock itself (ort_optim._fork does the
+    others')."""
+    global _OPEN_BLOCKS_LOCK
+    _OPEN_BLOCKS_LOCK = threading.Lock()
+    if _OPEN_BLOCKS["thread"] != threading.get_ident():
+        _OPEN_BLOCKS.update(thread=None, depth=0)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _restore_environ(saved: Mapping[str, Optional[str]]) -> None:
     for name, old in saved.items():
         if old is None:

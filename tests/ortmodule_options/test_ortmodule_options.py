@@ -1696,6 +1696,49 @@ def test_a_block_cannot_be_entered_while_another_thread_has_one_open(no_ortmodul
     assert len(errors) == 1
 
 
+FORK_WHILE_ANOTHER_THREAD_HAS_A_BLOCK = """
+import importlib.util, os, signal, sys, threading
+spec = importlib.util.spec_from_file_location("options", sys.argv[1])
+options = sys.modules["options"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(options)
+entered, release = threading.Event(), threading.Event()
+def other_thread():  # (inside a block, and inside the module's lock, at the moment of the fork)
+    with options.ORTModuleOptions(memory_opt_level=1):
+        with options._OPEN_BLOCKS_LOCK:
+            entered.set()
+            release.wait()
+thread = threading.Thread(target=other_thread)
+thread.start()
+entered.wait()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(20)  # (a child that waits for a lock held by a thread it does not have ends here)
+    inherited = os.environ.get("ORTMODULE_MEMORY_OPT_LEVEL")
+    with options.ORTModuleOptions(memory_opt_level=2):
+        inside = os.environ.get("ORTMODULE_MEMORY_OPT_LEVEL")
+    after = os.environ.get("ORTMODULE_MEMORY_OPT_LEVEL")
+    os._exit(0 if (inherited, inside, after) == ("1", "2", "1") else 3)
+status = os.waitpid(pid, 0)[1]
+release.set()
+thread.join()
+print(status)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is not available on this platform")
+def test_a_child_forked_while_another_thread_has_a_block_open_opens_its_own(tmp_path):
+    """A forked child has only the thread that forked: the lock another thread of the parent held is made anew, and
+    that thread's open block is forgotten (it never closes there; the child's environment keeps its values, as at the
+    fork). The child's own blocks open and restore what the child had."""
+    script = tmp_path / "fork.py"
+    script.write_text(FORK_WHILE_ANOTHER_THREAD_HAS_A_BLOCK)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORTMODULE_")}
+    out = subprocess.run([sys.executable, str(script), str(OPTIONS_PY)], capture_output=True, text=True, timeout=60,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "0", out.stdout  # (14: the child waited for the lock until its alarm)
+
+
 def test_apply_does_not_warn_too_late_when_ort_reads_the_same_value(no_ortmodule_yet, monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime.training.ortmodule._custom_autograd_function", types.ModuleType("m"))
     os.environ["ORTMODULE_ENABLE_CUSTOM_AUTOGRAD"] = "00"  # ORT reads 0, as from the "0" apply() writes
