@@ -66,7 +66,9 @@ MAX_ELEMENTWISE_OVERLAP_CHECK = 1 << 24
 
 
 def describe(group_index: int, index: int, param: torch.Tensor) -> str:
-    return f"param_groups[{group_index}]['params'][{index}] (shape {tuple(param.shape)}, {param.dtype})"
+    # (a lazy module's UninitializedParameter has no shape until its first forward materialises it)
+    shape = "uninitialized" if torch.nn.parameter.is_lazy(param) else f"shape {tuple(param.shape)}"
+    return f"param_groups[{group_index}]['params'][{index}] ({shape}, {param.dtype})"
 
 
 class GradientError(ValueError, RuntimeError):

@@ -497,6 +497,23 @@ def test_a_complex_param_kept_as_its_real_pairs_trains_as_torch_adamw_trains_the
         FusedAdam([torch.view_as_real(torch.nn.Parameter(w.clone()))])
 
 
+def test_a_lazy_modules_params_taken_before_its_first_forward_train_as_torch_adamw_trains_them(backend):
+    """An optimizer made over a lazy module's UninitializedParameters, before the forward that materialises them
+    (torch.optim takes them), steps them as torch.optim.AdamW does from then on."""
+    models = [torch.nn.LazyLinear(3), torch.nn.LazyLinear(3)]
+    optimizers = [FusedAdam(models[0].parameters(), lr=1e-2, **TORCH_ADAMW),
+                  torch.optim.AdamW(models[1].parameters(), lr=1e-2, foreach=False)]
+    for step in range(5):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        for model, opt in zip(models, optimizers):
+            torch.manual_seed(0)  # (the first forward initialises the params from torch's generator)
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+    for ours, theirs in zip(*(model.parameters() for model in models)):
+        torch.testing.assert_close(ours.detach(), theirs.detach(), **FP32_VS_TORCH)
+
+
 # ---- optimizer hooks, as torch.optim.Optimizer provides them -------------------------------------------------------
 
 
