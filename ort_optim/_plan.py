@@ -72,8 +72,9 @@ def describe(group_index: int, index: int, param: torch.Tensor) -> str:
 
 
 class GradientError(ValueError, RuntimeError):
-    """A gradient the step cannot use: sparse, of another shape, dtype or device than its param, without its memory,
-    overlapping itself where the step unscales it in place, or placed otherwise than its DTensor param.
+    """A gradient the step cannot use: sparse, of another shape or device than its param, float64 on a param of another
+    dtype or the other way round, without its memory, overlapping itself where the step unscales it in place, or
+    placed otherwise than its DTensor param.
 
     A ValueError, as every input FusedAdam refuses, and a RuntimeError, as torch.optim's AdamW and apex's and ONNX
     Runtime's FusedAdam raise for a sparse gradient, so that code written against either catches it."""

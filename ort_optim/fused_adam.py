@@ -306,9 +306,12 @@ class FusedAdam(torch.optim.Optimizer):
     by the caller is taken as given on each rank, as torch's fused optimizers take it (torch.amp.GradScaler and
     FP16_Optimizer hand every rank the same one).
 
-    A gradient the step cannot use (sparse, of another shape, dtype or device than its param) raises
-    :class:`GradientError`, naming the param, before anything is written: a ValueError like every refused input here,
-    and a RuntimeError like torch.optim.AdamW's error for a sparse gradient.
+    A gradient the step cannot use (sparse, of another shape or device than its param, float64 on a param of another
+    dtype or the other way round) raises :class:`GradientError`, naming the param, before anything is written: a
+    ValueError like every refused input here, and a RuntimeError like torch.optim.AdamW's error for a sparse gradient.
+    A float32, float16 or bfloat16 gradient updates a float32, float16 or bfloat16 param whatever their two dtypes
+    (``p.grad_dtype = None``): the step reads it in float32, where torch.optim.AdamW raises for a gradient of
+    another dtype than its param.
 
     guides/fused-adam.md holds the rest of the contract: the step's cache and what it notices, what is refused, the
     autograd version counters, loss scaling and skipped steps, ``step_in_backward``, and distributed training.

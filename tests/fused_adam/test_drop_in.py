@@ -477,6 +477,30 @@ def test_a_gradient_torch_adamw_raises_a_runtime_error_for_raises_one_here_too(b
             assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16])
+def test_a_low_precision_gradient_on_a_float32_param_steps_as_its_float32_value_where_torch_adamw_raises(
+        grad_dtype, backend):
+    """Only float64 against another dtype is a gradient dtype the step cannot use: a float16 or bfloat16 gradient on a
+    float32 param is read in float32, the step torch.optim.AdamW takes with that gradient converted to float32
+    (given the low-precision gradient itself, torch's step raises)."""
+    ours, theirs = make_params(), make_params()
+    our_opt = FusedAdam(ours, lr=1e-2, **TORCH_ADAMW)
+    their_opt = torch.optim.AdamW(theirs, lr=1e-2, foreach=False)
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip(ours, theirs):
+            grad = torch.randn(p.shape, generator=g).to(grad_dtype)
+            _grad_data(p, grad)
+            q.grad = grad.float()
+        our_opt.step()
+        their_opt.step()
+        assert all(p.grad.dtype == grad_dtype for p in ours)
+    assert_params_close(ours, theirs, **FP32_VS_TORCH)
+    _grad_data(theirs[2], torch.ones(theirs[2].shape, dtype=grad_dtype))
+    with pytest.raises(RuntimeError):
+        their_opt.step()
+
+
 def test_a_complex_param_kept_as_its_real_pairs_trains_as_torch_adamw_trains_the_complex_param(backend):
     """FusedAdam refuses complex params; the recipe its error gives (the param is the real view, the forward takes
     its complex view) steps what torch.optim.AdamW steps for the complex param, whose update runs on the real view."""
