@@ -516,6 +516,21 @@ def _bytes_needed(t: torch.Tensor) -> int:
     return (t.storage_offset() + sum(st * (sz - 1) for st, sz in zip(t.stride(), t.shape)) + 1) * t.element_size()
 
 
+def wrapper_problem(t: torch.Tensor) -> Optional[str]:
+    """Why t has no memory of its own for the op to update: a tensor subclass whose values live in the tensors it
+    wraps (a ``__torch_dispatch__`` wrapper such as torchao's quantized tensors); None for a tensor with a storage
+    (plain tensors, nn.Parameter, ``__torch_function__`` subclasses, a DTensor's local piece) and for a lazy
+    module's UninitializedParameter, which gets its memory at the first forward."""
+    if torch.nn.parameter.is_lazy(t):
+        return None
+    try:
+        t.untyped_storage().data_ptr()
+    except RuntimeError:  # ("Attempted to access the data pointer on an invalid python storage")
+        return (f"is a {type(t).__name__}, a tensor subclass whose values live in the tensors it wraps, with no memory "
+                "of its own for FusedAdam's fused op to update")
+    return None
+
+
 def _storage_problem(t: torch.Tensor) -> Optional[str]:
     nbytes = t.untyped_storage().nbytes()
     needed = _bytes_needed(t)
@@ -545,6 +560,9 @@ def _grad_problem(g: torch.Tensor, p: torch.Tensor, same_shape: bool = True) -> 
         return f"its gradient is on {g.device}, the parameter on {p.device}"
     if (p.dtype == torch.float64) != (g.dtype == torch.float64) or g.dtype not in SUPPORTED_PARAM_DTYPES:
         return f"its gradient has dtype {g.dtype}, which cannot update a {p.dtype} param"
+    problem = wrapper_problem(g)
+    if problem is not None:
+        return f"its gradient {problem}; give it a plain tensor gradient"
     problem = _storage_problem(g)
     return None if problem is None else "its gradient " + problem
 
@@ -587,6 +605,9 @@ def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayo
             state = optimizer_state.get(p)
             same_layout = not dtensor.needs_redistribution(p, g)  # (else brought to p's at each step: resolve_grads)
             p, g = dtensor.local(p), dtensor.local(g)  # (from here on, what this rank stores and updates)
+            problem = wrapper_problem(p)
+            if problem is not None:
+                raise ValueError(f"{where} {problem}: step it with torch.optim.AdamW, or train a plain tensor")
             problem = _storage_problem(p)
             if problem is not None:
                 raise ValueError(f"{where}: it {problem}")

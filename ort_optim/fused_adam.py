@@ -523,6 +523,10 @@ class FusedAdam(torch.optim.Optimizer):
                         "recipes do)"
                     )
                 dtensor.check_placements(p, describe(group_index, index, p))
+                problem = _plan.wrapper_problem(dtensor.local(p))
+                if problem is not None:
+                    raise ValueError(f"{describe(group_index, index, p)} {problem}: step it with "
+                                     "torch.optim.AdamW, or train a plain tensor")
                 if dtensor.is_dtensor(p) and self.step_in_backward:
                     raise ValueError(
                         f"{describe(group_index, index, p)} is {dtensor.describe_layout(p)}: step_in_backward=True "

@@ -501,6 +501,38 @@ def test_a_low_precision_gradient_on_a_float32_param_steps_as_its_float32_value_
         their_opt.step()
 
 
+def test_a_wrapper_subclass_param_or_gradient_without_memory_of_its_own_is_refused_naming_it(backend):
+    """A __torch_dispatch__ wrapper (torch's TwoTensor here; torchao's quantized tensors are others) keeps its values
+    in the tensors it wraps: there is no memory for the fused op to update. Such a param is refused when the optimizer
+    gets it, and when it reaches a step through a params list written by hand; such a gradient, by the step. Each
+    names the param and what to do, and leaves everything as it was."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+
+    def wrapped():
+        return torch.nn.Parameter(two_tensor.TwoTensor(torch.ones(3), torch.ones(3)))
+
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] .*is a TwoTensor.*torch.optim.AdamW"):
+        FusedAdam([torch.nn.Parameter(torch.ones(2)), wrapped()], **TORCH_ADAMW)
+    plain = torch.nn.Parameter(torch.ones(2))
+    opt = FusedAdam([plain], **TORCH_ADAMW)
+    plain.grad = torch.ones(2)
+    opt.step()
+    late = wrapped()
+    late.grad = two_tensor.TwoTensor(torch.ones(3), torch.ones(3))
+    opt.param_groups[0]["params"].append(late)
+    plain.grad = torch.ones(2)
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] .*is a TwoTensor"):
+        opt.step()
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+    opt.param_groups[0]["params"].pop()
+    plain.grad = two_tensor.TwoTensor(torch.ones(2), torch.ones(2))
+    before = optimizer_snapshot(opt)
+    with pytest.raises(GradientError, match=r"param_groups\[0\]\['params'\]\[0\] .*its gradient is a TwoTensor"):
+        opt.step()
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
 def test_a_complex_param_kept_as_its_real_pairs_trains_as_torch_adamw_trains_the_complex_param(backend):
     """FusedAdam refuses complex params; the recipe its error gives (the param is the real view, the forward takes
     its complex view) steps what torch.optim.AdamW steps for the complex param, whose update runs on the real view."""
