@@ -533,6 +533,24 @@ def test_a_wrapper_subclass_param_or_gradient_without_memory_of_its_own_is_refus
     assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
 
 
+def test_a_meta_param_next_to_a_cpu_param_steps_as_torch_adamw_steps_them(backend):
+    """A meta param (deferred initialisation) with a meta gradient gets meta states and holds no values to update;
+    the CPU param next to it, in a bucket of its own, is stepped as torch.optim.AdamW steps it."""
+    results = []
+    for make in (lambda ps: FusedAdam(ps, lr=1e-2, **TORCH_ADAMW),
+                 lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False)):
+        cpu = torch.nn.Parameter(torch.linspace(-1, 1, 5))
+        meta = torch.nn.Parameter(torch.empty(4, 3, device="meta"))
+        opt = make([cpu, meta])
+        for step in range(3):
+            cpu.grad = torch.randn(5, generator=torch.Generator().manual_seed(step))
+            meta.grad = torch.empty(4, 3, device="meta")
+            opt.step()
+        assert opt.state[meta]["exp_avg"].is_meta and opt.state[meta]["exp_avg_sq"].is_meta
+        results.append(cpu)
+    assert_params_close(results[:1], results[1:], **FP32_VS_TORCH)
+
+
 def test_a_complex_param_kept_as_its_real_pairs_trains_as_torch_adamw_trains_the_complex_param(backend):
     """FusedAdam refuses complex params; the recipe its error gives (the param is the real view, the forward takes
     its complex view) steps what torch.optim.AdamW steps for the complex param, whose update runs on the real view."""
