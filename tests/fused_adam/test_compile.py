@@ -34,6 +34,16 @@ pytestmark = [
 
 STEPS = 40
 
+# A compiled-step test traces the step and compiles it with Inductor (2-4 s each): where a test runs over several
+# cases, the fast tier runs one or two that between them reach what the test specifies, and the slow tier (which
+# `make test` runs) the others, marked LATER.
+LATER = pytest.mark.slow
+
+
+def later(*values) -> list:
+    """Cases of a parametrized test for the slow tier only: a tuple is one case's arguments."""
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=LATER) for v in values]
+
 
 def _model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
@@ -121,7 +131,7 @@ def test_a_compiled_step_computes_what_the_eager_step_computes():
 
 
 @NEWEST
-@pytest.mark.parametrize("shape", [(), (1, 1)], ids=["0-dim", "1x1"])
+@pytest.mark.parametrize("shape", [(), pytest.param((1, 1), marks=LATER)], ids=["0-dim", "1x1"])
 def test_tensor_betas_and_lr_of_any_one_element_shape_compile_without_breaks_and_step_as_eager(shape):
     # (a tensor beta once was read on the host inside the traced step: a graph break per step)
     def make(model, tensors=True):
@@ -274,7 +284,7 @@ def test_a_compiled_step_under_one_cycle_lr_with_momentum_compiles_at_most_twice
 
 
 @NEWEST
-@pytest.mark.parametrize("lr", ["float-lr", "tensor-lr"])
+@pytest.mark.parametrize("lr", ["float-lr", pytest.param("tensor-lr", marks=LATER)])
 def test_a_compiled_step_after_a_refused_one_steps_and_computes_what_the_eager_steps_compute(lr, monkeypatch):
     """A step refused for an option (a negative lr), then the option set back: the next compiled step steps, and
     every step computes what the eager steps compute. With cold caches, TorchDynamo compiles that step twice over
@@ -306,8 +316,8 @@ def test_a_compiled_step_after_a_refused_one_steps_and_computes_what_the_eager_s
 
 
 @NEWEST
-@pytest.mark.parametrize("assignment", ["exp_avg zeroed", "step set", "step set to a number",
-                                        "step updated to a number", "a state dict with a number step", "update()",
+@pytest.mark.parametrize("assignment", ["exp_avg zeroed", *later("step set", "step set to a number",
+                                        "step updated to a number", "a state dict with a number step", "update()"),
                                         "a bad shape"])
 def test_state_assigned_between_compiled_steps_is_stepped_or_refused_as_eager(assignment):
     """Tensors assigned to optimizer.state[p] between compiled steps become the state from then on (the step traces
@@ -417,7 +427,7 @@ def test_eager_steps_after_compiled_ones_plan_natively_again_from_the_fourth_in_
 
 
 @NEWEST
-@pytest.mark.parametrize("case", ["expanded gradient, grad_scale tensor", "capturable, grad_scale number"])
+@pytest.mark.parametrize("case", ["expanded gradient, grad_scale tensor", *later("capturable, grad_scale number")])
 def test_a_first_compiled_step_refused_as_eager_creates_no_state(case):
     """A first step refused by a check that depends on step()'s arguments: the eager ValueError, and no state created
     (the traced step's planning runs before the graph, so these checks run before it plans)."""
@@ -490,7 +500,7 @@ REAL_NUMBERS_CHANGED_EVERY_STEP = {"numpy float32 lr": _numpy_lr("float32"), "nu
 
 
 @NEWEST
-@pytest.mark.parametrize("case", list(REAL_NUMBERS_CHANGED_EVERY_STEP))
+@pytest.mark.parametrize("case", ["numpy float32 lr", *later("numpy float64 lr", "Fraction lr"), "Fraction beta1"])
 def test_a_real_number_changed_every_step_compiles_without_breaks_and_steps_as_eager(case):
     """Numpy scalars and other real numbers (a Fraction) reach the traced step as the float the eager step reads from
     them (no host read of a tensor's value), without a break, and a value changed at every step costs at most the one
@@ -533,7 +543,7 @@ def test_a_scheduled_float_lr_that_turns_negative_is_refused_by_a_compiled_step_
 
 
 @NEWEST
-@pytest.mark.parametrize("bad", ["lr", "beta1"])
+@pytest.mark.parametrize("bad", ["lr", *later("beta1")])
 def test_a_graph_input_out_of_range_in_a_later_group_refuses_the_whole_compiled_step(bad):
     """With several groups the compiled step calls the op once per group; the first call checks every group's lr and
     betas (the op's group_hyperparameters) before anything is written, so a value out of range in the second group
@@ -628,8 +638,9 @@ def _step_or_refusal(opt, step, errors: list) -> None:
 
 @NEWEST
 @pytest.mark.parametrize("entry, value", [
-    ("differentiable", True), ("decoupled_weight_decay", False), ("decoupled_weight_decay", True),
-    ("master_weights", True), ("exp_avg_dtype", torch.bfloat16), ("process_group", object())])
+    ("differentiable", True), *later(("decoupled_weight_decay", False), ("decoupled_weight_decay", True),
+                                     ("master_weights", True)),
+    ("exp_avg_dtype", torch.bfloat16), *later(("process_group", object()))])
 def test_a_group_entry_written_between_compiled_steps_is_validated_as_the_eager_step_validates_it(entry, value):
     """The entries of a param group that only validation reads (an optimizer-wide option a group may repeat, a process
     group, torch's differentiable and decoupled_weight_decay), written between compiled steps: the compiled step sees
@@ -652,7 +663,7 @@ def test_a_group_entry_written_between_compiled_steps_is_validated_as_the_eager_
 
 
 @NEWEST
-@pytest.mark.parametrize("key", ["eps", "weight_decay"])
+@pytest.mark.parametrize("key", ["eps", *later("weight_decay")])
 def test_a_tensor_eps_or_weight_decay_changed_between_compiled_steps_is_validated_and_used_as_eager(key):
     """A tensor eps or weight_decay (read on the host: the update runs outside the graph) changed in place between
     compiled steps: a negative value is refused with the eager error, the whole step unwritten (the group holding it
@@ -730,10 +741,10 @@ def test_fp16_optimizer_around_fused_adam_compiles_without_recompiles_and_matche
 
 @NEWEST
 @pytest.mark.parametrize("moments", [
-    {}, {"exp_avg_dtype": torch.uint8, "exp_avg_sq_dtype": torch.uint8},
+    {}, *later({"exp_avg_dtype": torch.uint8, "exp_avg_sq_dtype": torch.uint8}),
     {"exp_avg_dtype": torch.uint4, "exp_avg_sq_dtype": torch.uint4},
-    {"exp_avg_dtype": torch.float8_e4m3fn, "exp_avg_sq_dtype": torch.float8_e5m2, "amsgrad": True},
-    {"stochastic_rounding": True}], ids=["fp32", "8-bit", "4-bit", "fp8-amsgrad", "bf16-stochastic-rounding"])
+    *later({"exp_avg_dtype": torch.float8_e4m3fn, "exp_avg_sq_dtype": torch.float8_e5m2, "amsgrad": True},
+           {"stochastic_rounding": True})], ids=["fp32", "8-bit", "4-bit", "fp8-amsgrad", "bf16-stochastic-rounding"])
 def test_a_step_that_is_not_traced_updates_eagerly_outside_the_graph(moments, monkeypatch):
     """The reference backend (as DTensor params, process groups and step_in_backward): the update runs eagerly, one
     graph break, and computes the eager results bit for bit; no graph holds any of its ops (traced piecewise, its bit
@@ -786,7 +797,7 @@ def test_a_compiled_step_on_any_torch_computes_what_the_eager_step_computes_and_
 
 
 @NEWEST
-@pytest.mark.parametrize("change", ["another shape", "another dtype", "freed storage"])
+@pytest.mark.parametrize("change", ["another shape", *later("another dtype", "freed storage")])
 def test_a_state_changed_in_place_between_compiled_steps_is_refused_and_nothing_is_written(change):
     """The optimizer's own tensors are guarded by identity in a traced step (as torch.optim's states are: guards on
     their metadata cost more than a small model's step). A state whose metadata is changed in place between
