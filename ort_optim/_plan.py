@@ -780,8 +780,8 @@ def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: Sta
             bucket.fingerprints = fingerprints(bucket.tensors())
     watchers = [b.native for b in buckets]
     if all_native and not buckets and params:  # a group without gradients: a plan that only watches
-        watchers = [backends.AdamPlan.create([], [], [], [], [], [], [], [], torch.zeros(0, dtype=torch.float64),
-                                             idle, step_tensors=[])]
+        watchers = [backends.AdamPlan.create([], [], [], [], [], [], [], [],
+                                             torch.zeros(0, dtype=torch.float64, device="cpu"), idle, step_tensors=[])]
     return GroupPlan(group, params, params.version, bool(group["amsgrad"]), _rounding(group), checked_entries(group),
                      [g is not None for g in grads], buckets, all_native, watchers, dtensors)
 

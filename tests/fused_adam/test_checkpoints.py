@@ -1989,3 +1989,20 @@ def test_steps_under_another_default_device_are_the_steps_without_it(moments, ba
     under_meta = steps("meta")
     assert not any(value.is_meta for state in under_meta.state.values() for value in state.values())
     assert_same_snapshot(optimizer_snapshot(steps("cpu")), optimizer_snapshot(under_meta))
+
+
+def test_a_group_without_gradients_steps_under_another_default_device_as_without_it(backend):
+    """A param group whose params have no gradient at this step, next to one that has: under
+    ``with torch.device("meta")`` the step updates the other group's param as outside it, and leaves this one as it
+    is, on every backend, as torch.optim.AdamW does."""
+
+    def stepped(default_device):
+        taken, idle = torch.nn.Parameter(torch.linspace(-1, 1, 4)), torch.nn.Parameter(torch.ones(4))
+        opt = FusedAdam([{"params": [taken]}, {"params": [idle]}], lr=0.1)
+        taken.grad = torch.ones(4)
+        with torch.device(default_device):
+            opt.step()
+        return opt
+
+    under_meta = stepped("meta")
+    assert_same_snapshot(optimizer_snapshot(stepped("cpu")), optimizer_snapshot(under_meta))
