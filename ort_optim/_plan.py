@@ -1062,9 +1062,9 @@ def _proves_no_self_overlap(p: torch.Tensor) -> bool:
 
 def _offsets(p: torch.Tensor) -> torch.Tensor:
     """Storage offsets (in elements) of every element of p: p.numel() of them, whatever p's span."""
-    offsets = torch.tensor([p.storage_offset()], dtype=torch.int64)
+    offsets = torch.tensor([p.storage_offset()], dtype=torch.int64, device="cpu")  # (not the default device)
     for size, stride in zip(p.shape, p.stride()):
-        offsets = (offsets[:, None] + torch.arange(size, dtype=torch.int64) * stride).reshape(-1)
+        offsets = (offsets[:, None] + torch.arange(size, dtype=torch.int64, device="cpu") * stride).reshape(-1)
     return offsets
 
 

@@ -2006,3 +2006,22 @@ def test_a_group_without_gradients_steps_under_another_default_device_as_without
 
     under_meta = stepped("meta")
     assert_same_snapshot(optimizer_snapshot(stepped("cpu")), optimizer_snapshot(under_meta))
+
+
+def test_interleaved_views_of_one_buffer_step_under_another_default_device_as_without_it(backend):
+    """Params that are interleaved views of one buffer (base[::2], base[1::2]: their spans overlap, their elements
+    do not) are told apart element by element when the step plans; under ``with torch.device("meta")`` that check
+    and the step run as outside it, as torch.optim.AdamW's steps do."""
+
+    def stepped(default_device):
+        base = torch.linspace(-1, 1, 8)
+        params = [torch.nn.Parameter(base[::2]), torch.nn.Parameter(base[1::2])]
+        opt = FusedAdam(params, lr=0.1)
+        for p in params:
+            p.grad = torch.ones(4)
+        with torch.device(default_device):
+            opt.step()
+        return opt
+
+    under_meta = stepped("meta")
+    assert_same_snapshot(optimizer_snapshot(stepped("cpu")), optimizer_snapshot(under_meta))
