@@ -382,7 +382,8 @@ class InnerMasters:
                 entry.pop("master_param", None)  # (taken from the model's param where none is saved)
             elif saved is not None and p.dtype in LOW_PRECISION:
                 zeros = torch.zeros(p.shape, dtype=torch.float32, device=dtensor.local(p).device)
-                entry = {"step": torch.zeros((), dtype=torch.float64), "exp_avg": zeros, "exp_avg_sq": zeros.clone()}
+                entry = {"step": torch.zeros((), dtype=torch.float64, device=zeros.device), "exp_avg": zeros,
+                         "exp_avg_sq": zeros.clone()}
                 if group.get("amsgrad", False):
                     entry["max_exp_avg_sq"] = zeros.clone()
             else:

@@ -387,6 +387,23 @@ def test_a_fresh_fused_adam_state_that_holds_a_loaded_master_steps_as_a_full_loa
     assert_tree_bitwise_equal(clone_tree(opts[1].master_params), clone_tree(opts[0].master_params))
 
 
+def test_masters_load_into_a_fresh_fused_adam_under_another_default_device_as_without_it():
+    """torch's default device (``with torch.device(...)``) does not change the fresh states that hold the loaded
+    masters: under the meta device, where a tensor made without a device has no values, the load gives the state and
+    the model it gives outside it, bit for bit."""
+    saved_model = make_model(seed=1)
+    saved = FP16_Optimizer(FusedAdam(list(saved_model.parameters()), lr=1e-2))
+    train(saved, saved_model, 3)
+    checkpoint = saved.state_dict()
+    models, opts = [make_model(seed=2), make_model(seed=2)], []
+    for model, device in zip(models, ("cpu", "meta")):
+        opts.append(FP16_Optimizer(FusedAdam(list(model.parameters()), lr=1e-2)))
+        with torch.device(device):
+            opts[-1].load_state_dict(clone_tree(checkpoint), load_optimizer_states=False)
+    assert_tree_bitwise_equal(clone_tree(opts[0].optimizer.state_dict()), clone_tree(opts[1].optimizer.state_dict()))
+    assert_tree_bitwise_equal(clone_tree(dict(models[0].state_dict())), clone_tree(dict(models[1].state_dict())))
+
+
 @pytest.mark.parametrize("inner", list(INNER))
 def test_loading_without_optimizer_states_validates_first_and_changes_nothing(inner):
     saved_model = make_model(seed=1)
