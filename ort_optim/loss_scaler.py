@@ -281,7 +281,8 @@ class DynamicLossScaler:
                 if bool(host.item()):
                     self._raise()
         if self._pending is None:
-            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            # (host memory, whatever torch's default device)
+            host = torch.empty((), dtype=torch.bool, device="cpu", pin_memory=True)
             host.copy_(self.underflow, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
