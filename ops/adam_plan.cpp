@@ -85,9 +85,12 @@ inline bool TensorWatch::still(Watch& w, size_t param, size_t k) {
   return true;
 }
 
-// A gradient is a new tensor whenever zero_grad() set it to None: everything it is gets read.
+// A gradient is a new tensor whenever zero_grad() set it to None: everything it is gets read. One that Python
+// dispatches (a __torch_dispatch__ subclass: a wrapper's values live in the tensors it wraps, its own storage has no
+// memory) is not usable here: FusedAdam plans again, and refuses it naming the param.
 inline bool TensorWatch::usable_grad(const at::Tensor* g, const Watch& param) const {
   if (g == nullptr || !g->defined() || g->layout() != at::kStrided || g->device() != param.device) return false;
+  if (g->key_set().has(c10::DispatchKey::Python)) return false;
   const at::ScalarType gt = g->scalar_type();
   if (!(is_double_ ? gt == at::kDouble : is_float_storage(gt))) return false;
   const c10::IntArrayRef sizes = g->sizes();

@@ -518,17 +518,30 @@ def _bytes_needed(t: torch.Tensor) -> int:
 
 def wrapper_problem(t: torch.Tensor) -> Optional[str]:
     """Why t has no memory of its own for the op to update: a tensor subclass whose values live in the tensors it
-    wraps (a ``__torch_dispatch__`` wrapper such as torchao's quantized tensors); None for a tensor with a storage
+    wraps (a ``__torch_dispatch__`` wrapper such as torchao's quantized tensors), or a sparse or mkldnn tensor (not
+    one strided block); None for a tensor with a storage
     (plain tensors, nn.Parameter, ``__torch_function__`` subclasses, a DTensor's local piece) and for a lazy
     module's UninitializedParameter, which gets its memory at the first forward."""
     if torch.nn.parameter.is_lazy(t):
         return None
+    if t.layout != torch.strided:
+        return f"is a {t.layout} tensor, whose values are not one strided block of memory for the fused op to update"
     try:
         t.untyped_storage().data_ptr()
     except RuntimeError:  # ("Attempted to access the data pointer on an invalid python storage")
         return (f"is a {type(t).__name__}, a tensor subclass whose values live in the tensors it wraps, with no memory "
                 "of its own for FusedAdam's fused op to update")
     return None
+
+
+def param_memory_problem(p: torch.Tensor) -> Optional[str]:
+    """wrapper_problem(p) for a param, with what to do."""
+    problem = wrapper_problem(p)
+    if problem is None:
+        return None
+    if p.layout != torch.strided:
+        return f"{problem}; give it a dense tensor (t.to_dense())"
+    return f"{problem}: step it with torch.optim.AdamW, or train a plain tensor"
 
 
 def _storage_problem(t: torch.Tensor) -> Optional[str]:
@@ -541,10 +554,10 @@ def _storage_problem(t: torch.Tensor) -> Optional[str]:
 
 
 def _usable_grad(g: torch.Tensor, p: torch.Tensor) -> bool:
-    """_grad_problem(g, p) is None, with a fast path for the usual gradient (dense, contiguous, the param's shape,
-    device and dtype), whose storage check needs no loop over its dims."""
-    if (g.layout == torch.strided and g.dtype is p.dtype and g.shape == p.shape and g.device == p.device
-            and g.is_contiguous()):
+    """_grad_problem(g, p) is None, with a fast path for the usual gradient (a plain tensor: dense, contiguous, the
+    param's shape, device and dtype), whose storage check needs no loop over its dims."""
+    if (type(g) is torch.Tensor and g.layout == torch.strided and g.dtype is p.dtype and g.shape == p.shape
+            and g.device == p.device and g.is_contiguous()):
         return g.untyped_storage().nbytes() >= _span_end(g)
     return _grad_problem(g, p) is None
 
@@ -605,9 +618,9 @@ def build(groups: list[dict], optimizer_state: OptimizerState, layout: StateLayo
             state = optimizer_state.get(p)
             same_layout = not dtensor.needs_redistribution(p, g)  # (else brought to p's at each step: resolve_grads)
             p, g = dtensor.local(p), dtensor.local(g)  # (from here on, what this rank stores and updates)
-            problem = wrapper_problem(p)
+            problem = param_memory_problem(p)
             if problem is not None:
-                raise ValueError(f"{where} {problem}: step it with torch.optim.AdamW, or train a plain tensor")
+                raise ValueError(f"{where} {problem}")
             problem = _storage_problem(p)
             if problem is not None:
                 raise ValueError(f"{where}: it {problem}")
@@ -759,8 +772,11 @@ def _plan_group(groups: list[dict], optimizer_state: OptimizerState, layout: Sta
                                              bool(bucket.master_params))
     idle = [p for p, g in zip(params, grads) if g is None]
     dtensors = any(dtensor.is_dtensor(p) for p in params)
-    # (a native plan reads .grad from the tensors it holds: a DTensor's local piece has none, the DTensor holds it)
-    all_native = native and not dtensors and all(b.params[0].device.type == "cpu" for b in buckets)
+    # (a native plan reads .grad from the tensors it holds: a DTensor's local piece has none, the DTensor holds it; a
+    # lazy module's param, which the first forward materialises, no tensor to hold yet: its group's gradients are
+    # read in Python, which sees it get one)
+    all_native = (native and not dtensors and all(b.params[0].device.type == "cpu" for b in buckets)
+                  and not any(torch.nn.parameter.is_lazy(p) for p in idle))
     for bucket in buckets:
         if native and bucket.params[0].device.type == "cpu" and not bucket.holds_dtensor_pieces:
             # in a group that steps through native plans alone, the first plan also watches the params without a

@@ -473,7 +473,16 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _check_no_shared_memory(self) -> None:
         """step_in_backward refuses params that share memory up front: per-parameter updates would update the shared
-        elements several times, and no step() sees all gradients at once to check it."""
+        elements several times, and no step() sees all gradients at once to check it. A lazy module's param, which has
+        no memory until its first forward, is refused too: run that forward before making the optimizer."""
+        for group_index, group in enumerate(self.param_groups):
+            for index, p in enumerate(group["params"]):
+                if torch.nn.parameter.is_lazy(p):
+                    raise ValueError(
+                        f"{_plan.describe(group_index, index, p)} is a lazy module's parameter, which gets its shape "
+                        "and memory at the module's first forward; step_in_backward needs them when the optimizer is "
+                        "made (it checks the params for shared memory and hooks each one): run one forward first, "
+                        "or use step_in_backward=False")
         _plan._check_overlap([(group_index, index, p) for group_index, group in enumerate(self.param_groups)
                               for index, p in enumerate(group["params"])])
 
@@ -523,10 +532,9 @@ class FusedAdam(torch.optim.Optimizer):
                         "recipes do)"
                     )
                 dtensor.check_placements(p, describe(group_index, index, p))
-                problem = _plan.wrapper_problem(dtensor.local(p))
+                problem = _plan.param_memory_problem(dtensor.local(p))
                 if problem is not None:
-                    raise ValueError(f"{describe(group_index, index, p)} {problem}: step it with "
-                                     "torch.optim.AdamW, or train a plain tensor")
+                    raise ValueError(f"{describe(group_index, index, p)} {problem}")
                 if dtensor.is_dtensor(p) and self.step_in_backward:
                     raise ValueError(
                         f"{describe(group_index, index, p)} is {dtensor.describe_layout(p)}: step_in_backward=True "
@@ -1033,7 +1041,8 @@ class FusedAdam(torch.optim.Optimizer):
             self._optimizer_state_dict_pre_hooks = pre_hooks
             self._optimizer_state_dict_post_hooks = post_hooks
         # (4-bit codes are flat: decoding needs each param's shape, its local piece's for DTensor params)
-        sd = _checkpoint.canonical(packed, {i: dtensor.local(p).shape for i, p in enumerate(params)})
+        sd = _checkpoint.canonical(packed, {i: dtensor.local(p).shape for i, p in enumerate(params)
+                                            if not torch.nn.parameter.is_lazy(p)})  # (no state before its forward)
         if self._has_dtensors:
             for index, state in sd["state"].items():
                 for key in MOMENT_KEYS + ("master_param",):

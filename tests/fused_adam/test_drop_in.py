@@ -531,6 +531,21 @@ def test_a_wrapper_subclass_param_or_gradient_without_memory_of_its_own_is_refus
     with pytest.raises(GradientError, match=r"param_groups\[0\]\['params'\]\[0\] .*its gradient is a TwoTensor"):
         opt.step()
     assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+    plain.grad = torch.ones(2)
+    opt.step()  # (planned for these params and gradients: the next step checks them against that plan)
+    plain.grad = two_tensor.TwoTensor(torch.ones(2), torch.ones(2))
+    before = optimizer_snapshot(opt)
+    with pytest.raises(GradientError, match=r"param_groups\[0\]\['params'\]\[0\] .*its gradient is a TwoTensor"):
+        opt.step()
+    assert_tree_bitwise_equal(optimizer_snapshot(opt), before, "optimizer")
+
+
+def test_a_sparse_param_is_refused_naming_it_and_what_to_do(backend):
+    """A sparse param's values are no strided block of memory that the fused op could update: refused when the
+    optimizer gets it, naming the param and its layout (not taken for a tensor subclass), with what to do."""
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] .*is a torch.sparse_coo tensor.*"
+                                         r"give it a dense tensor"):
+        FusedAdam([torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.eye(3).to_sparse())])
 
 
 def test_a_meta_param_next_to_a_cpu_param_steps_as_torch_adamw_steps_them(backend):
@@ -573,10 +588,22 @@ def test_a_complex_param_kept_as_its_real_pairs_trains_as_torch_adamw_trains_the
 
 def test_a_lazy_modules_params_taken_before_its_first_forward_train_as_torch_adamw_trains_them(backend):
     """An optimizer made over a lazy module's UninitializedParameters, before the forward that materialises them
-    (torch.optim takes them), steps them as torch.optim.AdamW does from then on."""
-    models = [torch.nn.LazyLinear(3), torch.nn.LazyLinear(3)]
+    (torch.optim takes them), saves a state_dict and steps without gradients before that forward, and steps them as
+    torch.optim.AdamW does from then on. step_in_backward, which hooks each param when the optimizer is made, refuses
+    them naming the param and what to do."""
+    def model():
+        torch.manual_seed(1)  # (the Linear after the lazy one is initialised here, the same for both)
+        return torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.Linear(3, 2))
+
+    models = [model(), model()]
     optimizers = [FusedAdam(models[0].parameters(), lr=1e-2, **TORCH_ADAMW),
                   torch.optim.AdamW(models[1].parameters(), lr=1e-2, foreach=False)]
+    for opt in optimizers:
+        assert opt.state_dict()["state"] == {}
+        opt.step()  # (no gradients yet: nothing to do)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(uninitialized.*lazy module.*run one "
+                                         r"forward first"):
+        FusedAdam(torch.nn.LazyLinear(3).parameters(), step_in_backward=True)
     for step in range(5):
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
         for model, opt in zip(models, optimizers):
@@ -586,6 +613,7 @@ def test_a_lazy_modules_params_taken_before_its_first_forward_train_as_torch_ada
             opt.step()
     for ours, theirs in zip(*(model.parameters() for model in models)):
         torch.testing.assert_close(ours.detach(), theirs.detach(), **FP32_VS_TORCH)
+    assert sorted(optimizers[0].state_dict()["state"]) == [0, 1, 2, 3]
 
 
 # ---- optimizer hooks, as torch.optim.Optimizer provides them -------------------------------------------------------
