@@ -227,9 +227,8 @@ class FusedAdam(torch.optim.Optimizer):
             torch.float16, torch.uint8 (8-bit), torch.uint4 (4-bit), torch.float8_e4m3fn or torch.float8_e5m2
             (fp8), in any combination (torch.uint8 is 8-bit blockwise codes, not TransformerEngine's FusedAdam's
             torch.uint8, which is fp8 e4m3 with one scale per tensor: for fp8 moments pass torch.float8_e4m3fn)
-            (default None: float32 for
-            fp16/bf16 params with master weights, else the param's dtype; float64 params always keep float64
-            states). fp16 moments are stored with one power-of-two scale per 1024 elements, by the block's largest
+            (default None: float32 for fp16/bf16 params with master weights, else the param's dtype; float64 params
+            always keep float64 states). fp16 moments are stored with one power-of-two scale per 1024 elements, by the block's largest
             finite magnitude (exp_avg_sq as sqrt(v), never read back as 0), so they neither overflow nor flush to
             zero; rounded to nearest, as bfloat16 moments, a v that moves by less than half an ulp a step stays
             (guides/low-bit-states.md, Caveats). 8-bit and 4-bit moments are block-quantised
@@ -310,8 +309,9 @@ class FusedAdam(torch.optim.Optimizer):
     dtype or the other way round) raises :class:`GradientError`, naming the param, before anything is written: a
     ValueError like every refused input here, and a RuntimeError like torch.optim.AdamW's error for a sparse gradient.
     A float32, float16 or bfloat16 gradient updates a float32, float16 or bfloat16 param whatever their two dtypes
-    (``p.grad_dtype = None``): the step reads it in float32, where torch.optim.AdamW raises for a gradient of
-    another dtype than its param.
+    (a gradient set by hand after ``p.grad_dtype = None``, which torch 2.13 has and torch 2.4 has not: torch 2.4
+    refuses to set a gradient of another dtype): the step reads it in float32, where torch.optim.AdamW raises for a
+    gradient of another dtype than its param.
 
     guides/fused-adam.md holds the rest of the contract: the step's cache and what it notices, what is refused, the
     autograd version counters, loss scaling and skipped steps, ``step_in_backward``, and distributed training.

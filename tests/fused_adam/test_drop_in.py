@@ -190,7 +190,6 @@ def test_torch_adamws_positional_order_is_refused_naming_the_order_and_the_keywo
         FusedAdam([torch.nn.Parameter(torch.zeros(2))], *arguments)
 
 
-
 def test_a_state_dtype_that_transformer_engines_fused_adam_reads_otherwise_is_said_so_in_the_docstring():
     """TransformerEngine's FusedAdam takes exp_avg_dtype=torch.uint8 as fp8 e4m3 codes with one scale per tensor;
     here torch.uint8 is 8-bit blockwise codes, and torch.float8_e4m3fn is fp8. The argument's description says so."""
