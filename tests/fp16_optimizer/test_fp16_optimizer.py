@@ -347,6 +347,16 @@ def test_overflow_created_by_unscaling_is_caught(inner):
     assert not opt.skipped and not torch.equal(p.detach(), before)
 
 
+def _train_with_one_overflow(opt, model, batches) -> None:
+    """Steps opt over the batches, with an inf in one gradient at the second."""
+    for step, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        opt.backward(loss_of(model, x, y))
+        if step == 1:
+            model[3].weight.grad[0, 0] = float("inf")
+        opt.step()
+
+
 def _trained_with_a_scale_below_one(inner: str, default_dtype: torch.dtype) -> dict:
     """The model and its batches made under float32; the optimizer made and stepped under default_dtype."""
     model = make_model(torch.float16)
@@ -355,12 +365,7 @@ def _trained_with_a_scale_below_one(inner: str, default_dtype: torch.dtype) -> d
     torch.set_default_dtype(default_dtype)
     try:
         opt = FP16_Optimizer(INNER[inner](list(model.parameters())), init_scale=0.5, min_scale=2.0**-4)
-        for step, (x, y) in enumerate(batches):
-            opt.zero_grad()
-            opt.backward(loss_of(model, x, y))
-            if step == 1:
-                model[3].weight.grad[0, 0] = float("inf")
-            opt.step()
+        _train_with_one_overflow(opt, model, batches)
     finally:
         torch.set_default_dtype(previous)
     return {**full_snapshot(model, opt), "scale": opt.loss_scale, "skipped": opt.skipped_steps}
@@ -383,12 +388,7 @@ def _trained_under(context) -> dict:
     batches = [batch(step, torch.float16) for step in range(4)]
     with context:
         opt = FP16_Optimizer(FusedAdam(list(model.parameters()), lr=1e-2), init_scale=0.5, min_scale=2.0**-4)
-        for step, (x, y) in enumerate(batches):
-            opt.zero_grad()
-            opt.backward(loss_of(model, x, y))
-            if step == 1:
-                model[3].weight.grad[0, 0] = float("inf")
-            opt.step()
+        _train_with_one_overflow(opt, model, batches)
         opt.loss_scale = 3.0
         opt.load_state_dict(opt.state_dict())
     scaler = opt.scaler

@@ -1991,34 +1991,30 @@ def test_steps_under_another_default_device_are_the_steps_without_it(moments, ba
     assert_same_snapshot(optimizer_snapshot(steps("cpu")), optimizer_snapshot(under_meta))
 
 
-def test_a_group_without_gradients_steps_under_another_default_device_as_without_it(backend):
-    """A param group whose params have no gradient at this step, next to one that has: under
-    ``with torch.device("meta")`` the step updates the other group's param as outside it, and leaves this one as it
-    is, on every backend, as torch.optim.AdamW does."""
+def _a_group_without_gradients():
+    taken, idle = torch.nn.Parameter(torch.linspace(-1, 1, 4)), torch.nn.Parameter(torch.ones(4))
+    taken.grad = torch.ones(4)
+    return FusedAdam([{"params": [taken]}, {"params": [idle]}], lr=0.1)
+
+
+def _interleaved_views_of_one_buffer():
+    base = torch.linspace(-1, 1, 8)
+    params = [torch.nn.Parameter(base[::2]), torch.nn.Parameter(base[1::2])]
+    for p in params:
+        p.grad = torch.ones(4)
+    return FusedAdam(params, lr=0.1)
+
+
+@pytest.mark.parametrize("make", [_a_group_without_gradients, _interleaved_views_of_one_buffer],
+                         ids=["a group without gradients", "interleaved views of one buffer"])
+def test_steps_that_plan_particular_layouts_under_another_default_device_are_the_steps_without_it(make, backend):
+    """Under ``with torch.device("meta")`` a step plans and steps as outside it, as torch.optim.AdamW's steps do:
+    a param group whose params have no gradient at this step, next to one that has (the step updates the other
+    group's param and leaves this one as it is); params that are interleaved views of one buffer (base[::2],
+    base[1::2]: their spans overlap, their elements do not, which the plan tells apart element by element)."""
 
     def stepped(default_device):
-        taken, idle = torch.nn.Parameter(torch.linspace(-1, 1, 4)), torch.nn.Parameter(torch.ones(4))
-        opt = FusedAdam([{"params": [taken]}, {"params": [idle]}], lr=0.1)
-        taken.grad = torch.ones(4)
-        with torch.device(default_device):
-            opt.step()
-        return opt
-
-    under_meta = stepped("meta")
-    assert_same_snapshot(optimizer_snapshot(stepped("cpu")), optimizer_snapshot(under_meta))
-
-
-def test_interleaved_views_of_one_buffer_step_under_another_default_device_as_without_it(backend):
-    """Params that are interleaved views of one buffer (base[::2], base[1::2]: their spans overlap, their elements
-    do not) are told apart element by element when the step plans; under ``with torch.device("meta")`` that check
-    and the step run as outside it, as torch.optim.AdamW's steps do."""
-
-    def stepped(default_device):
-        base = torch.linspace(-1, 1, 8)
-        params = [torch.nn.Parameter(base[::2]), torch.nn.Parameter(base[1::2])]
-        opt = FusedAdam(params, lr=0.1)
-        for p in params:
-            p.grad = torch.ones(4)
+        opt = make()
         with torch.device(default_device):
             opt.step()
         return opt
