@@ -113,6 +113,29 @@ def from_canonical(state: dict, key: str, value: torch.Tensor) -> None:
     scales.copy_(new_scales)
 
 
+def stored_piece(state: dict, start: int, stop: int) -> dict:
+    """The flat elements [start, stop) of a param's state as a state of their own, for to_canonical and
+    from_canonical with a shape of stop - start elements: views of each moment's and the master's storage, and of
+    the block scales that code those elements, so that writing the piece writes the state. start is a multiple of
+    formats.BLOCK_MULTIPLE (it starts a block, and a byte of 4-bit codes, in every format), and the state's tensors
+    are contiguous, as a layout's init_state makes them; whole blocks encode and decode apart from the others, so a
+    state written a piece at a time holds the bits of one written whole."""
+    part = {}
+    for key in MOMENT_KEYS + ("master_param",):
+        if key not in state:
+            continue
+        flat = state[key].view(-1)
+        layout = storage_layout(state, key)
+        if layout == "plain":
+            part[key] = flat[start:stop]
+            continue
+        scales = state[key + "_scale"]
+        block = formats.scale_block(state[key], scales)
+        part[key] = flat[start // 2:(stop + 1) // 2] if layout == "4-bit" else flat[start:stop]  # (two codes a byte)
+        part[key + "_scale"] = scales[start // block:-(-stop // block)]
+    return part
+
+
 # ---- saving --------------------------------------------------------------------------------------------------------
 
 
@@ -278,16 +301,18 @@ def _check_id(value: Any, where: str) -> None:
 
 
 def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed: str) -> torch.Tensor:
-    """A moment or master of the checkpoint, as a fresh canonical tensor on the param's device.
+    """A moment or master of the checkpoint, checked: what the load stores it from (see below).
 
     What is refused is what training cannot produce: a tensor that is not a dense floating-point one of the param's
     shape, a finite value that overflows when converted to float32 (a foreign float64 checkpoint), and a negative
     second moment (a mean of squares; -inf included). inf and NaN are values training does produce (a second moment
     whose square overflowed float32, as torch.optim.AdamW keeps it; the moments and masters of a diverged run): they
     load as they are, and load_state_dict warns (:func:`warn_nonfinite`). For a param on the meta device, which keeps
-    no values, the result is on the meta device, as torch.optim's load makes it, and the values are checked where they
-    are, by the same rules, :data:`CHECK_CHUNK` elements at a time: no full-size copy of a checkpoint that a model
-    built on the meta device loads (a meta entry has no values to check)."""
+    no values, the result is on the meta device, as torch.optim's load makes it; for any other param the result is the
+    checkpoint's own tensor (detached, not to be written to), which :func:`_store` converts into the state a piece at
+    a time. Either way the values are checked where they are, :data:`CHECK_CHUNK` elements at a time: a load makes
+    no full-size copy of an entry besides the state it fills (a meta entry has no values to check)."""
+    dtype = entry_dtype(param, key)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where} must be a tensor, got {show(value)}")
     require_data(value, where, meta_ok=param.is_meta)
@@ -301,22 +326,26 @@ def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed:
                 "moments (each master is then made from its param at the param's next step, without those 16 "
                 "bits), or save the checkpoint from TransformerEngine with store_param_remainders=False")
         raise TypeError(f"{where} must be a floating-point tensor, got {show(value)}")
+    _require_shape(value, param, where, listed)
+    source = value.detach()
+    if not source.is_meta:
+        _check_values(lambda: ((piece, piece.to(dtype)) for piece in _pieces(source)), key, where)
+    return source.to("meta", dtype, copy=True) if param.is_meta else source
+
+
+def _require_shape(value: Any, param: torch.Tensor, where: str, listed: str) -> None:
     if value.shape != param.shape:
         raise ValueError(f"{where} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)} (the one whose "
                          f"id {listed} gives)")
-    dtype = torch.float32 if key == "master_param" else canonical_dtype(param)
-    if param.is_meta:
-        if not value.is_meta:
-            source = value.detach()
-            _check_values(lambda: ((piece, piece.to(dtype)) for piece in _chunks(source, CHECK_CHUNK)), key, where)
-        return value.detach().to("meta", dtype, copy=True)
-    out = value.detach().to(param.device, dtype, copy=True)
-    source = value.detach().to(param.device)
-    _check_values(lambda: [(source, out)], key, where)
-    return out
 
 
-# A checkpoint's entry for a param on the meta device is checked this many elements at a time (_check_moment).
+def entry_dtype(param: torch.Tensor, key: str) -> torch.dtype:
+    """The canonical dtype of a checkpoint entry of this param: float32 for a master, canonical_dtype for a moment."""
+    return torch.float32 if key == "master_param" else canonical_dtype(param)
+
+
+# A checkpoint's entry is checked this many elements at a time (_check_moment), and written into the state as many,
+# rounded up to whole blocks of every stored format (_store, stored_piece).
 CHECK_CHUNK = 1 << 20
 
 
@@ -350,6 +379,39 @@ def _chunks(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
         rows = limit // t[0].numel()
         for start in range(0, t.shape[0], rows):
             yield t[start:start + rows]
+
+
+def _pieces(source: torch.Tensor) -> Iterator[torch.Tensor]:
+    """A checked entry's values, :data:`CHECK_CHUNK` elements at a time (views)."""
+    return _chunks(source, CHECK_CHUNK)
+
+
+def _flat_pieces(t: torch.Tensor, limit: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(start, piece): t's elements in their flat order, limit at a time (the last piece fewer), each piece a flat
+    tensor of the elements [start, start + limit): views where t is contiguous, else copies of one piece each."""
+    if t.is_contiguous():
+        flat = t.view(-1)
+        for start in range(0, flat.numel(), limit):
+            yield start, flat[start:start + limit]
+        return
+    buffered, count, start = [], 0, 0
+    for piece in _chunks(t, limit):
+        piece = piece.reshape(-1)  # (at most limit elements)
+        while piece.numel():
+            taken = min(limit - count, piece.numel())
+            buffered.append(piece[:taken])
+            count, piece = count + taken, piece[taken:]
+            if count == limit:
+                yield start, torch.cat(buffered)
+                buffered, count, start = [], 0, start + limit
+    if buffered:
+        yield start, torch.cat(buffered)
+
+
+def _all_finite(source: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a checked entry (_check_moment) holds no inf or NaN, read a piece at a time in its canonical dtype
+    (where torch has isfinite: not for float8)."""
+    return all(bool(torch.isfinite(piece.to(dtype)).all()) for piece in _pieces(source))
 
 
 def _listed(entries: list[str]) -> str:
@@ -579,7 +641,7 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
             del state["master_param"]
         return state
     # the moments and master holding inf or NaN: loaded as they are, and warned about (warn_nonfinite)
-    held_nonfinite = [key for key, value in values.items() if not bool(torch.isfinite(value).all())]
+    held_nonfinite = [key for key, value in values.items() if not _all_finite(value, entry_dtype(p, key))]
     nonfinite += [f"{where}[{key!r}]" for key in held_nonfinite]
     state["step"].fill_(step)
     # (a NaN or inf in a moment makes its whole block NaN in block-scaled storage, as a step that meets it does:
@@ -587,20 +649,34 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
     diverged = any(key in MOMENT_KEYS for key in held_nonfinite)
     for key in CONVERSION_ORDER:
         if key in state:
-            from_canonical(state, key, values[key])
-            # what the storage dtype can hold: a float32 value beyond bfloat16's largest rounds to inf there (inf and
-            # NaN that the checkpoint holds stay what they are; a finite value must stay finite)
-            stored = to_canonical(state, key, p.shape)
-            lost = torch.isfinite(values[key]) & (torch.isinf(stored) if diverged else ~torch.isfinite(stored))
-            if bool(lost.any()):
-                storage = storage_layout(state, key)
-                raise ValueError(f"{where}[{key!r}] holds values beyond the range of this optimizer's "
-                                 f"{state[key].dtype if storage == 'plain' else storage} {key} storage")
+            _store(state, key, values[key], entry_dtype(p, key), diverged, f"{where}[{key!r}]")
     if "master_param" in state:
         if "master_param" in values:
-            state["master_param"].copy_(values["master_param"])
+            _store(state, "master_param", values["master_param"], torch.float32, diverged, f"{where}['master_param']")
         else:
             # made from the param at its next step, as for any state without one: from what the param holds then
             # (the model's weights are often loaded after the optimizer's state)
             del state["master_param"]
     return state
+
+
+def _store(state: dict, key: str, source: torch.Tensor, dtype: torch.dtype, diverged: bool, where: str) -> None:
+    """Writes a checked entry of the checkpoint (_check_moment: the param's shape, any float dtype and device) into
+    the fresh state[key] as from_canonical writes its canonical (dtype) values, :data:`CHECK_CHUNK` elements at a time
+    (rounded up to whole blocks: stored_piece), so that the load makes no temporary of the whole entry; the pieces
+    give the bits of the whole.
+    Refuses what the storage cannot hold, read back piece by piece: a float32 value beyond bfloat16's largest rounds
+    to inf there (inf and NaN that the checkpoint holds stay what they are, and diverged, where a moment holds them,
+    a NaN of block-scaled storage is theirs; a finite value must stay finite). The state is the load's own, so a
+    refusal here leaves the optimizer as it was."""
+    limit = -(-CHECK_CHUNK // formats.BLOCK_MULTIPLE) * formats.BLOCK_MULTIPLE
+    for start, piece in _flat_pieces(source, limit):
+        part = stored_piece(state, start, start + piece.numel())
+        value = piece.to(state[key].device, dtype)
+        from_canonical(part, key, value)
+        stored = to_canonical(part, key, value.shape)
+        lost = torch.isfinite(value) & (torch.isinf(stored) if diverged else ~torch.isfinite(stored))
+        if bool(lost.any()):
+            storage = storage_layout(state, key)
+            raise ValueError(f"{where} holds values beyond the range of this optimizer's "
+                             f"{state[key].dtype if storage == 'plain' else storage} {key} storage")

@@ -498,6 +498,23 @@ def decode_state(state: torch.Tensor, scales: Optional[torch.Tensor], second_mom
     return dequantize_low_bit(state, scales, low_bit_format(scales.dtype), second_moment, shape, root)
 
 
+# A multiple of every format's block: a piece of a state that starts at a multiple of it starts a block (and a byte of
+# 4-bit codes) in every format.
+BLOCK_MULTIPLE = math.lcm(QUANT_BLOCK, *(f.block for f in LOW_BIT_FORMATS.values()),
+                          *(f.block for f in FP8_FORMATS.values()))
+
+
+def scale_block(state: torch.Tensor, scales: torch.Tensor) -> int:
+    """How many elements one block scale of a scaled state (not "plain": state_format) covers: QUANT_BLOCK for fp16
+    codes, the format's block for the low-bit and fp8 ones. Its elements [i * block, (i + 1) * block) are coded by
+    scales[i] alone, so whole blocks encode and decode apart from the others."""
+    if state.dtype == torch.float16:
+        return QUANT_BLOCK
+    if state.dtype in FP8_FORMATS:
+        return FP8_FORMATS[state.dtype].block
+    return low_bit_format(scales.dtype).block
+
+
 def is_relative(state: torch.Tensor, scales: Optional[torch.Tensor]) -> bool:
     """Whether an exp_avg state so stored is coded relative to its exp_avg_sq (_spec.EXP_AVG_RELATIVE: 4-bit)."""
     return (scales is not None and state.dtype == torch.uint8 and scales.dtype in (torch.float32, torch.bfloat16)

@@ -1104,7 +1104,10 @@ class FusedAdam(torch.optim.Optimizer):
         in fp32 and low-bit moments alike), and a run that diverged before it was saved has inf/NaN moments or masters
         (torch loads them too). A finite value that this optimizer's storage dtype cannot hold (beyond bfloat16's
         range, say) is refused. Then new state tensors are built as copies in this optimizer's storage dtypes: the
-        given dict and its tensors are never written to, so loading the same dict twice equals loading it once. A
+        given dict and its tensors are never written to, so loading the same dict twice equals loading it once. Each
+        entry is checked where it is and converted into its state a piece of 2**20 elements at a time, so the load's
+        memory is the new state plus temporaries of about one piece (guides/migration.md, "Checkpoints"; the pieces
+        store the same bits as a conversion of the whole entry). A
         state without ``master_param`` (a checkpoint of an optimizer without master weights) gets its master at the
         param's next step, from the param as it is then, as a state made before ``master_weights`` was switched on
         does: model weights loaded after this call are kept. So does a

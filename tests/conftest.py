@@ -154,6 +154,30 @@ class LargestAllocation(TorchDispatchMode):
         return out
 
 
+class LargestTemporary(TorchDispatchMode):
+    """Within it, records every storage that an op makes off the meta device, as LargestAllocation does; after it,
+    :meth:`besides` gives the bytes of the largest one that is not a storage of the given tensors (what the code
+    keeps): its largest temporary."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[int, int, str]] = []  # (data_ptr, nbytes, op)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor) and not t.is_meta}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().data_ptr() not in given:
+                self.made.append((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), str(func)))
+        return out
+
+    def besides(self, kept: Iterable[torch.Tensor]) -> tuple[int, str]:
+        """(bytes, op) of the largest storage made that none of kept uses (0 where there is none)."""
+        kept_ptrs = {t.untyped_storage().data_ptr() for t in kept if isinstance(t, torch.Tensor)}
+        return max(((nbytes, op) for ptr, nbytes, op in self.made if ptr not in kept_ptrs), default=(0, ""))
+
+
 def optimizer_snapshot(opt: torch.optim.Optimizer, extra: Iterable[torch.Tensor] = (), report: bool = False) -> dict:
     """Copies of everything an optimizer step may touch: params, grads, every state tensor (keys included),
     param group hyperparameters, plus any extra tensors; with report, a FusedAdam's report of its last step too
