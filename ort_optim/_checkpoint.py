@@ -300,7 +300,31 @@ def _check_id(value: Any, where: str) -> None:
                         f"{show(value)}{why}")
 
 
-def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed: str) -> torch.Tensor:
+@dataclass(frozen=True)
+class Decoded:
+    """A checkpoint entry given as float32 values of a shape that are decoded a piece at a time: decode(start, stop)
+    gives its flat elements [start, stop) on device. What ort_optim._migration makes of another library's quantised
+    moments: the load checks and stores them a piece at a time as it does any entry, so no decoded copy of a whole
+    moment is made (:meth:`full` makes one, where a whole tensor is needed)."""
+
+    shape: torch.Size
+    device: torch.device
+    decode: Callable[[int, int], torch.Tensor]
+
+    def pieces(self, limit: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(start, the flat values [start, start + limit)), in order (the last piece fewer)."""
+        n = math.prod(self.shape)
+        for start in range(0, n, limit):
+            yield start, self.decode(start, min(start + limit, n))
+
+    def full(self) -> torch.Tensor:
+        out = torch.empty(math.prod(self.shape), dtype=torch.float32, device=self.device)
+        for start, piece in self.pieces(CHECK_CHUNK):
+            out[start:start + piece.numel()] = piece
+        return out.view(self.shape)
+
+
+def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed: str) -> Any:
     """A moment or master of the checkpoint, checked: what the load stores it from (see below).
 
     What is refused is what training cannot produce: a tensor that is not a dense floating-point one of the param's
@@ -313,6 +337,10 @@ def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed:
     a time. Either way the values are checked where they are, :data:`CHECK_CHUNK` elements at a time: a load makes
     no full-size copy of an entry besides the state it fills (a meta entry has no values to check)."""
     dtype = entry_dtype(param, key)
+    if isinstance(value, Decoded):
+        _require_shape(value, param, where, listed)
+        _check_values(lambda: ((piece, piece.to(dtype)) for piece in _pieces(value)), key, where)
+        return torch.empty(param.shape, dtype=dtype, device="meta") if param.is_meta else value
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where} must be a tensor, got {show(value)}")
     require_data(value, where, meta_ok=param.is_meta)
@@ -381,14 +409,19 @@ def _chunks(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
             yield t[start:start + rows]
 
 
-def _pieces(source: torch.Tensor) -> Iterator[torch.Tensor]:
-    """A checked entry's values, :data:`CHECK_CHUNK` elements at a time (views)."""
-    return _chunks(source, CHECK_CHUNK)
+def _pieces(source: Any) -> Iterator[torch.Tensor]:
+    """A checked entry's values (a tensor or a Decoded), :data:`CHECK_CHUNK` elements at a time (tensors: views)."""
+    return (piece for _, piece in source.pieces(CHECK_CHUNK)) if isinstance(source, Decoded) else _chunks(
+        source, CHECK_CHUNK)
 
 
-def _flat_pieces(t: torch.Tensor, limit: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """(start, piece): t's elements in their flat order, limit at a time (the last piece fewer), each piece a flat
-    tensor of the elements [start, start + limit): views where t is contiguous, else copies of one piece each."""
+def _flat_pieces(t: Any, limit: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(start, piece): the elements of t (a tensor or a Decoded) in their flat order, limit at a time (the last piece
+    fewer), each piece a flat tensor of the elements [start, start + limit): views where t is a contiguous tensor,
+    else copies of one piece each."""
+    if isinstance(t, Decoded):
+        yield from t.pieces(limit)
+        return
     if t.is_contiguous():
         flat = t.view(-1)
         for start in range(0, flat.numel(), limit):
@@ -408,7 +441,7 @@ def _flat_pieces(t: torch.Tensor, limit: int) -> Iterator[tuple[int, torch.Tenso
         yield start, torch.cat(buffered)
 
 
-def _all_finite(source: torch.Tensor, dtype: torch.dtype) -> bool:
+def _all_finite(source: Any, dtype: torch.dtype) -> bool:
     """Whether a checked entry (_check_moment) holds no inf or NaN, read a piece at a time in its canonical dtype
     (where torch has isfinite: not for float8)."""
     return all(bool(torch.isfinite(piece.to(dtype)).all()) for piece in _pieces(source))
@@ -660,7 +693,7 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
     return state
 
 
-def _store(state: dict, key: str, source: torch.Tensor, dtype: torch.dtype, diverged: bool, where: str) -> None:
+def _store(state: dict, key: str, source: Any, dtype: torch.dtype, diverged: bool, where: str) -> None:
     """Writes a checked entry of the checkpoint (_check_moment: the param's shape, any float dtype and device) into
     the fresh state[key] as from_canonical writes its canonical (dtype) values, :data:`CHECK_CHUNK` elements at a time
     (rounded up to whole blocks: stored_piece), so that the load makes no temporary of the whole entry; the pieces

@@ -3,10 +3,11 @@
 :func:`canonical_checkpoint` recognises the state_dicts of torchao's ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8``
 and of bitsandbytes' ``Adam8bit`` / ``AdamW8bit`` (and their paged variants), as read in torchao 0.18.0 and
 bitsandbytes 0.50.2, and rewrites them as the canonical form of ort_optim._checkpoint: per parameter a ``step`` and
-float32 moments holding exactly the values the source optimizer decodes, in param groups whose options give the
-source's update rule. FusedAdam.load_state_dict then loads that as it loads any checkpoint: the same checks, and the
-same one conversion from canonical values into this optimizer's moment storage (fp32, bf16, fp16, 8-bit, 4-bit,
-whatever _checkpoint.from_canonical knows). Every other dict is handed back untouched.
+float32 moments holding exactly the values the source optimizer decodes (_checkpoint.Decoded: decoded a piece at a
+time where the load checks and stores them), in param groups whose options give the source's update rule.
+FusedAdam.load_state_dict then loads that as it loads any checkpoint: the same checks, and the same one conversion
+from canonical values into this optimizer's moment storage (fp32, bf16, fp16, 8-bit, 4-bit, whatever
+_checkpoint.from_canonical knows). Every other dict is handed back untouched.
 
 Both libraries store a moment as codes and one float32 scale per block: value = qmap[code] * scale[block] (a
 lookup table of code values; fp8 codes are their own values), exp_avg_sq holding v itself. Parameters under 4096
@@ -136,12 +137,12 @@ def _bnb_one_state_group(group: Any) -> bool:
     return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0 for v in (group["eps"], beta2))
 
 
-def canonical_checkpoint(state_dict: Any, meta_ids: frozenset = frozenset()) -> Any:
+def canonical_checkpoint(state_dict: Any) -> Any:
     """state_dict itself when no foreign layout is recognised; else a new canonical checkpoint with the same
     values (fresh tensors and containers; the given dict is not written to). Also refuses, naming the entry, a
     state tensor that is a tensor subclass of a kind it does not know, since no check of the usual path can read
-    one. meta_ids: the ids of params on the meta device, whose moments are decoded a piece at a time and checked as
-    the usual checks check them, and come back as meta tensors (:func:`_decoded`)."""
+    one. Quantised moments come back as _checkpoint.Decoded values, decoded a piece at a time where the load reads
+    them (:func:`_decoded`)."""
     source = source_of(state_dict)
     if source is None:
         _refuse_unknown_subclasses(state_dict)
@@ -149,7 +150,7 @@ def canonical_checkpoint(state_dict: Any, meta_ids: frozenset = frozenset()) -> 
     _check_top_level(state_dict, source)
     if source == "torchao":
         _one_torchao_layout(state_dict["state"])
-        return {"state": {pid: _torchao_state(s, entry("state", pid), pid in meta_ids)
+        return {"state": {pid: _torchao_state(s, entry("state", pid))
                           for pid, s in state_dict["state"].items()},
                 "param_groups": [_torchao_group(g, gi) for gi, g in enumerate(state_dict["param_groups"])]}
     states, sizes, first = {}, set(BNB_BLOCK_SIZES), None
@@ -159,7 +160,7 @@ def canonical_checkpoint(state_dict: Any, meta_ids: frozenset = frozenset()) -> 
             # stepped yet leaves one, which state_dict() saves: no state yet, as torch.optim loads it)
             states[pid] = {}
             continue
-        states[pid], fits = _bnb_state(s, entry("state", pid), pid in meta_ids)
+        states[pid], fits = _bnb_state(s, entry("state", pid))
         if fits is not None and not (sizes & fits):
             # (one block size per bitsandbytes version, for every param's codes)
             raise ValueError(f"{entry('state', pid)}: its 'absmax' counts give blocks of "
@@ -245,31 +246,13 @@ def _adam_group(group: dict, gi: int, lr: Any) -> dict:
     return out
 
 
-# A moment is decoded this many elements at a time (_decoded).
-DECODE_CHUNK = 1 << 20
-
-
-def _decoded(shape: torch.Size, decode: Callable[[int, int], torch.Tensor], key: str, where: str, meta: bool,
-             source: str) -> torch.Tensor:
-    """The float32 values of a moment of this shape, decode(start, stop) giving its flat elements [start, stop),
-    decoded DECODE_CHUNK elements at a time (no temporary of the whole moment besides its values). meta: the moment
-    of a param on the meta device, whose state keeps no values, as torch.optim's load makes it: the values are checked
-    piece by piece by the usual checks' rules (_checkpoint._check_values; float32 values convert to the canonical
-    dtype exactly, so they are their own conversion) and a meta tensor comes back, so that no full-size values are
-    made. A refusal names the canonical entry, as the usual checks name it (explain_entry)."""
-    n = math.prod(shape)
-    starts = range(0, n, DECODE_CHUNK)
-    if meta:
-        try:
-            _checkpoint._check_values(lambda: ((piece, piece) for piece in (
-                decode(start, min(start + DECODE_CHUNK, n)) for start in starts)), key, where)
-        except ValueError as error:
-            raise explain_entry(error, source) from error
-        return torch.empty(shape, dtype=torch.float32, device="meta")
-    out = torch.empty(n, dtype=torch.float32, device=decode(0, 0).device)
-    for start in starts:
-        out[start:start + DECODE_CHUNK] = decode(start, min(start + DECODE_CHUNK, n))
-    return out.view(shape)
+def _decoded(shape: torch.Size, decode: Callable[[int, int], torch.Tensor], device: torch.device) -> Any:
+    """The float32 values of a moment of this shape on device, decode(start, stop) giving its flat elements [start,
+    stop): a _checkpoint.Decoded, which the load checks and stores a piece at a time as it checks and stores any
+    entry (_checkpoint.CHECK_CHUNK elements), so that it makes no decoded copy of the whole moment (into params on
+    the meta device, whose states keep no values, no values at all) and its refusals name the canonical entry, as for
+    any checkpoint (explain_entry then says what that entry is here)."""
+    return _checkpoint.Decoded(torch.Size(shape), device, decode)
 
 
 # ---- torchao -------------------------------------------------------------------------------------------------------
@@ -311,7 +294,7 @@ def _one_torchao_layout(states: dict) -> None:
                                  "Load each optimizer's own checkpoint")
 
 
-def _torchao_state(state: dict, where: str, meta: bool) -> dict:
+def _torchao_state(state: dict, where: str) -> dict:
     if not isinstance(state, dict):
         return state  # (the usual checks name it)
     for key in state:
@@ -321,7 +304,7 @@ def _torchao_state(state: dict, where: str, meta: bool) -> dict:
     out = {}
     for key, value in state.items():
         if _is_torchao(value):
-            out[key] = _torchao_values(value, key, f"{where}[{key!r}]", meta)
+            out[key] = _torchao_values(value, f"{where}[{key!r}]")
         elif _unreadable(value) is not None:
             raise TypeError(f"{where}[{key!r}] is {_unreadable(value)}, a tensor subclass ort_optim does not read, in "
                             f"a torchao optimizer state (it reads the states of {READ_LAYOUTS}, of unsharded params)")
@@ -344,9 +327,9 @@ def _attr(value: Any, name: str, where: str, dtype: Optional[torch.dtype] = None
     return t.detach()
 
 
-def _torchao_values(value: Any, key: str, where: str, meta: bool) -> torch.Tensor:
-    """The float32 values a torchao OptimState* holds, decoded from its attributes as its dequantize() does (meta:
-    as _decoded)."""
+def _torchao_values(value: Any, where: str) -> Any:
+    """The float32 values a torchao OptimState* holds, decoded from its attributes as its dequantize() does, a piece
+    at a time (_decoded)."""
     kind = type(value).__name__
     if kind not in TORCHAO_STATES:
         raise ValueError(f"{where} is torchao's {kind}, a state layout ort_optim does not read; it reads "
@@ -393,7 +376,7 @@ def _torchao_values(value: Any, key: str, where: str, meta: bool) -> torch.Tenso
         values = codes.float() if table is None else table[codes.long()]
         return values * scale[torch.arange(start, stop, device=flat.device) // block]
 
-    return _decoded(shape, decode, key, where, meta, "torchao")
+    return _decoded(shape, decode, flat.device)
 
 
 # ---- bitsandbytes --------------------------------------------------------------------------------------------------
@@ -437,10 +420,9 @@ def _bnb_block_sizes(n: int, blocks: int, where: str) -> frozenset[int]:
     return sizes
 
 
-def _bnb_decode(quant: dict, i: int, where: str, canonical_where: str,
-                meta: bool) -> tuple[torch.Tensor, Optional[frozenset[int]]]:
+def _bnb_decode(quant: dict, i: int, where: str) -> tuple[Any, Optional[frozenset[int]]]:
     """state{i} decoded, and the block sizes its scales fit: float32 states as they are (None); uint8 codes as
-    qmap{i}[code] * absmax{i}[block] (meta: as _decoded, where names the entry canonical_where)."""
+    qmap{i}[code] * absmax{i}[block], a piece at a time (_decoded)."""
     codes = quant.get(f"state{i}")
     if not isinstance(codes, torch.Tensor) or type(codes) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"{where}['state{i}'] must be a plain tensor, got {show(codes)}")
@@ -473,13 +455,12 @@ def _bnb_decode(quant: dict, i: int, where: str, canonical_where: str,
     def decode(start: int, stop: int) -> torch.Tensor:
         return qmap[flat[start:stop].long()] * absmax[torch.arange(start, stop, device=flat.device) // block]
 
-    key = "exp_avg" if i == 1 else "exp_avg_sq"
-    return _decoded(codes.shape, decode, key, canonical_where, meta, "bitsandbytes"), sizes
+    return _decoded(codes.shape, decode, flat.device), sizes
 
 
-def _bnb_state(state: dict, where: str, meta: bool) -> tuple[dict, Optional[frozenset[int]]]:
+def _bnb_state(state: dict, where: str) -> tuple[dict, Optional[frozenset[int]]]:
     """A bitsandbytes Adam state as an Adam checkpoint's, and the block sizes its codes' scales fit (None: plain
-    float32 moments); meta: the state of a param on the meta device (_decoded)."""
+    float32 moments)."""
     quant, quant_where = state, where
     if BNB_QUANT_STATE_KEY in state:
         quant, quant_where = state[BNB_QUANT_STATE_KEY], f"{where}[{BNB_QUANT_STATE_KEY!r}]"
@@ -501,8 +482,7 @@ def _bnb_state(state: dict, where: str, meta: bool) -> tuple[dict, Optional[froz
     for i in (1, 2):
         if f"state{i}" not in quant:
             raise ValueError(f"{quant_where} has no 'state{i}' (bitsandbytes' Adam moment {'m' if i == 1 else 'v'})")
-    (m, m_fits), (v, v_fits) = (_bnb_decode(quant, i, quant_where, f"{where}[{key!r}]", meta)
-                                for i, key in ((1, "exp_avg"), (2, "exp_avg_sq")))
+    (m, m_fits), (v, v_fits) = (_bnb_decode(quant, i, quant_where) for i in (1, 2))
     fits = m_fits if v_fits is None else v_fits if m_fits is None else m_fits & v_fits
     if fits is not None and not fits:  # (one block size per optimizer, in every version: both moments blocked alike)
         raise ValueError(f"{quant_where}: 'absmax1' gives blocks of {min(m_fits)} elements but 'absmax2' blocks of "

@@ -1142,8 +1142,9 @@ class FusedAdam(torch.optim.Optimizer):
         are recognised and read as canonical checkpoints first. Each moment is decoded exactly as its library does,
         ``value = qmap[code] * scale[block]`` in float32 (fp8 codes are their own values; params under 4096
         elements have plain float32 moments), and then stored as every checkpoint is, in this optimizer's moment dtypes
-        (8-bit and 4-bit moments are quantised once more, in their own formats; into params on the meta device they
-        are decoded a piece at a time, checked, and not kept). Steps are kept; lr, betas, eps,
+        (8-bit and 4-bit moments are quantised once more, in their own formats). Each moment is decoded a piece at a
+        time where it is checked and stored, never whole (into params on the meta device: checked, and not kept).
+        Steps are kept; lr, betas, eps,
         weight_decay (and torchao's amsgrad) are taken from the groups, with ``adam_w_mode=ADAMW_TORCH``,
         ``bias_correction=True`` and ``maximize=False``: both libraries' update is torch.optim.AdamW's (bitsandbytes'
         Adam8bit too: its step decays like AdamW's; its CUDA kernel decays after the update, a difference of lr * wd
@@ -1168,7 +1169,7 @@ class FusedAdam(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         source = _migration.source_of(state_dict)  # torchao's, bitsandbytes': read as canonical
-        state_dict = _migration.canonical_checkpoint(state_dict, self._meta_param_ids(state_dict))
+        state_dict = _migration.canonical_checkpoint(state_dict)
         try:
             if self._has_dtensors:
                 try:
@@ -1193,17 +1194,6 @@ class FusedAdam(torch.optim.Optimizer):
         _checkpoint.warn_dropped_masters(prepared.dropped_masters)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
-
-    def _meta_param_ids(self, state_dict: Any) -> frozenset:
-        """The ids that a checkpoint's param groups give this optimizer's params on the meta device, as far as its
-        groups are well-formed (prepare_load refuses the others, naming what is wrong)."""
-        saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        if self._has_dtensors or not isinstance(saved_groups, (list, tuple)):
-            return frozenset()
-        return frozenset(saved_id for saved, group in zip(saved_groups, self.param_groups)
-                         if isinstance(saved, dict) and isinstance(saved.get("params"), (list, tuple))
-                         for saved_id, p in zip(saved["params"], group["params"])
-                         if p.is_meta and isinstance(saved_id, (int, str)))
 
     def _agree_on_load(self, refused: Optional[Exception]) -> None:
         """A load into DTensor params is checked on each rank's pieces, so one rank can refuse what another accepts
@@ -1232,6 +1222,8 @@ class FusedAdam(torch.optim.Optimizer):
                     continue
                 saved = dict(saved)
                 for key in MOMENT_KEYS + ("master_param",):
+                    if isinstance(saved.get(key), _checkpoint.Decoded):  # (another library's moment: whole, to cut)
+                        saved[key] = saved[key].full()
                     if isinstance(saved.get(key), torch.Tensor):
                         where = _checkpoint.entry("state", saved_id, key)
                         saved[key] = dtensor.local_like(p, saved[key], where)
