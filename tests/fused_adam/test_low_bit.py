@@ -85,6 +85,14 @@ COMBOS = [("u8", "u8"), ("u4", "u4"), ("u8", "u4"), ("u8", "fp32"), ("fp32", "u4
 BF16_PARAM_CASES = {name: PARAM_CASES[name] for name in ("fp32", "bf16-master", "bf16", "bf16-sr")}
 
 
+# The tests that compare the native op with the reference backend choose both backends themselves, so in the Triton
+# suite (ORT_OPTIM_BACKEND=triton, the same environment as make test-latest) they would run exactly as in the CPU
+# suites, a second time; there they skip. (The Triton kernels are compared bit for bit with both in
+# tests/triton_backend/test_triton.py.)
+both_cpu_backends = pytest.mark.skipif(BACKENDS == ("triton",), reason="compares the native op with the reference "
+                                       "backend, as the CPU suites (make test-ort, test-latest) do")
+
+
 def _params(dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     shapes = [(300, 7), (129,), (5,), (), (1,)]  # several blocks with a partial last one, odd 4-bit sizes, 0-dim
@@ -125,6 +133,7 @@ def _assert_step_refused(opt, match: str) -> None:
 # ---- the two backends agree bit for bit ---------------------------------------------------------------------------
 
 
+@both_cpu_backends
 @pytest.mark.parametrize("param_case", BF16_PARAM_CASES)
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("mode", [0, 1, 2])
@@ -157,6 +166,7 @@ def _8bit_edge_values(levels, seed):
     return (x * signs)[torch.randperm(x.numel(), generator=g)]
 
 
+@both_cpu_backends
 @pytest.mark.parametrize("size", [4096, 4096 + 13], ids=["whole-blocks", "partial-block"])
 def test_8bit_codes_at_every_level_midpoint_and_neighbouring_ulp_agree_on_both_backends(size, monkeypatch):
     """With betas (0, 0) a step's exp_avg is the gradient and sqrt(v) its magnitude (a correctly rounded sqrt of an
@@ -194,6 +204,7 @@ def test_8bit_codes_at_every_level_midpoint_and_neighbouring_ulp_agree_on_both_b
     assert torch.equal(u[midpoint], above)
 
 
+@both_cpu_backends
 @pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4")], ids=["u8", "u4"])
 def test_the_backends_agree_bit_for_bit_on_whole_blocks_holding_zero_overflowed_and_nan_ones(combo, monkeypatch):
     """A param of whole 1024-element blocks (the native kernel's fused low-bit steps take those; a partial last block
@@ -1167,6 +1178,7 @@ def test_unknown_state_dtypes_are_refused():
         FusedAdam(_params(), exp_avg_dtype=torch.int8)
 
 
+@both_cpu_backends
 @pytest.mark.parametrize("damage", ["no-scales", "scale-count", "scale-dtype", "4bit-size"])
 def test_the_native_op_validates_low_bit_states_before_writing(damage, monkeypatch):
     select_backend(monkeypatch, "native")
@@ -2502,6 +2514,7 @@ def test_many_steps_follow_adamw_within_the_formats_precision(backend, m_dtype, 
     assert opt.state[p]["exp_avg"].dtype == m_dtype and opt.state[p]["exp_avg_sq"].dtype == v_dtype
 
 
+@both_cpu_backends
 @pytest.mark.parametrize("m_dtype,v_dtype", [(torch.float8_e4m3fn, torch.float8_e4m3fn),
                                               (torch.float8_e5m2, torch.float8_e5m2),
                                               (torch.float8_e4m3fn, torch.float8_e5m2),
@@ -2538,6 +2551,7 @@ def test_both_cpu_backends_give_the_same_bits(amsgrad, mode, m_dtype, v_dtype, m
     assert_same_snapshot(*results)
 
 
+@both_cpu_backends
 @pytest.mark.parametrize("m_dtype,v_dtype", [(torch.float8_e4m3fn, torch.float8_e4m3fn),
                                               (torch.float8_e5m2, torch.float8_e5m2),
                                               (torch.float8_e4m3fn, torch.float8_e5m2)],
