@@ -2493,14 +2493,15 @@ def _adamw_float64(p0, grads, lr, betas, eps, wd):
                                               (torch.float8_e4m3fn, torch.float8_e5m2)],
                          ids=["e4m3fn", "e5m2", "e4m3fn-m-e5m2-v"])
 def test_many_steps_follow_adamw_within_the_formats_precision(backend, m_dtype, v_dtype):
-    """100 steps of noisy gradients with a drift: the param's movement within 10% (e4m3fn) / 18% (e5m2 v) relative
-    (L2) of float64 AdamW's (measured: 7.7-7.9% and 12-13.5% on two seeds; fp32 moments 4e-6, 8-bit moments 1.3%).
+    """100 steps of noisy gradients with a drift on one block of 1024 elements: the param's movement within 10%
+    (e4m3fn) / 18% (e5m2 v) relative (L2) of float64 AdamW's (measured: 7.9-8.1% and 12.5-14.1% on two seeds, as
+    on a 40 x 70 param; fp32 moments below 1e-4, 8-bit moments 1.1-1.2%).
     The bound is the fp8 rounding of m and sqrt(v) (relative steps of 1/16-1/8 and 1/8-1/4), stochastic in a step:
     unbiased, but its noise in sqrt(v) decays only with beta2, so it adds up over steps per element (the loss on the
     quality tasks stays within 0.3% of fp32 moments: guides/low-bit-states.md)."""
     gen = torch.Generator().manual_seed(0)
-    p0 = torch.randn(40, 70, generator=gen)
-    grads = [torch.randn(40, 70, generator=gen) * 0.1 + 0.05 for _ in range(100)]
+    p0 = torch.randn(32, 32, generator=gen)
+    grads = [torch.randn(32, 32, generator=gen) * 0.1 + 0.05 for _ in range(100)]
     lr, betas, eps, wd = 1e-2, (0.9, 0.999), 1e-8, 1e-2
     p = torch.nn.Parameter(p0.clone())
     opt = FusedAdam([p], lr=lr, betas=betas, eps=eps, weight_decay=wd, adam_w_mode=AdamWMode.ADAMW_TORCH,
