@@ -9,6 +9,8 @@ it (and the argument it contradicts), changing nothing.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import assert_tree_bitwise_equal
@@ -199,7 +201,7 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("inner", list(INNER))
-@pytest.mark.parametrize("kwargs, exc, fragments", REFUSED, ids=[repr(c[0])[:70] for c in REFUSED])
+@pytest.mark.parametrize("kwargs, exc, fragments", REFUSED, ids=[re.sub(r" at 0x[0-9a-f]+", "", repr(c[0]))[:70] for c in REFUSED])
 def test_a_bad_or_contradictory_deepspeed_or_apex_argument_is_refused_naming_it_and_changes_nothing(inner, kwargs, exc,
                                                                                          fragments):
     optimizer = INNER[inner](fp16_params())
