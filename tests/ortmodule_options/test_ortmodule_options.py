@@ -374,7 +374,12 @@ def test_fields_are_keyword_only_and_frozen():
 # ---------------------------------------------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize("field, given, stored, text", GOOD)
+def _stable_id(value):
+    """A test id without the temporary directory's random name, so that ids are the same in every run."""
+    return value.replace(SAVE_DIR, "SAVE_DIR") if isinstance(value, str) else None
+
+
+@pytest.mark.parametrize("field, given, stored, text", GOOD, ids=_stable_id)
 def test_good_value_is_normalized_and_written_for_ort(field, given, stored, text):
     opts = ORTModuleOptions(**{field: given})
     assert getattr(opts, field) == stored
@@ -387,7 +392,7 @@ def test_good_value_is_normalized_and_written_for_ort(field, given, stored, text
     assert repr(opts) == f"ORTModuleOptions({field}={stored!r})"
 
 
-@pytest.mark.parametrize("field, bad, fragment", BAD)
+@pytest.mark.parametrize("field, bad, fragment", BAD, ids=_stable_id)
 def test_bad_value_names_field_variable_and_allowed_values(field, bad, fragment):
     with pytest.raises(ValueError) as info:
         ORTModuleOptions(**{field: bad})
@@ -439,7 +444,7 @@ def test_from_env_reads_value(name, raw, value):
     assert opts.source(BY_ENV[name].field) == "environment"
 
 
-@pytest.mark.parametrize("name, raw, fragment", ENV_BAD)
+@pytest.mark.parametrize("name, raw, fragment", ENV_BAD, ids=_stable_id)
 def test_from_env_rejects_value(name, raw, fragment):
     with pytest.raises(ValueError) as info:
         ORTModuleOptions.from_env({name: raw})
@@ -539,7 +544,7 @@ def test_from_env_rejects_a_bad_plan_file(tmp_path, content, fragment):
         ORTModuleOptions.from_env({"ORTMODULE_MEMORY_OPT_CONFIG": str(path)})
 
 
-@pytest.mark.parametrize("field, given, stored, text", GOOD)
+@pytest.mark.parametrize("field, given, stored, text", GOOD, ids=_stable_id)
 def test_round_trip_through_the_environment(field, given, stored, text):
     opts = ORTModuleOptions(**{field: given})
     env = opts.to_env()
