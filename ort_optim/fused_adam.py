@@ -355,12 +355,14 @@ class FusedAdam(torch.optim.Optimizer):
         _group_options.check_process_group(process_group, "FusedAdam: process_group")
         _group_options.check_process_group(pipeline_group, "FusedAdam: pipeline_group")
         defaults = dict(
-            lr=lr, bias_correction=bias_correction, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
-            eps=eps, adam_w_mode=adam_w_mode, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-            stochastic_rounding=stochastic_rounding, stochastic_rounding_seed=stochastic_rounding_seed,
+            lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, adam_w_mode=adam_w_mode,
+            weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, stochastic_rounding=stochastic_rounding,
+            stochastic_rounding_seed=stochastic_rounding_seed,
         )
+        # checked as given (a refused list is named a list), then held as a tuple
         _group_options.check_group(defaults, constructor_where, _group_options.WideOptions(
             master_weights, exp_avg_dtype, exp_avg_sq_dtype, max_grad_norm))
+        defaults["betas"] = tuple(betas)
         self.set_grad_none = set_grad_none
         self.master_weights = master_weights
         self.exp_avg_dtype = exp_avg_dtype

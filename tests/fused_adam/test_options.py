@@ -36,6 +36,8 @@ def _stepped(make=None, **options) -> tuple[torch.optim.Optimizer, list[torch.nn
 FAULTS = [
     ("betas-not-a-pair", dict(betas=(0.9,)), ValueError, r" must be a pair \(beta1, beta2\)"),
     ("betas-none", dict(betas=None), ValueError, r" must be a pair \(beta1, beta2\), got NoneType None"),
+    ("betas-a-list-of-three", dict(betas=[0.9, 0.99, 0.5]), ValueError,
+     r" must be a pair \(beta1, beta2\), got list \[0\.9, 0\.99, 0\.5\]"),
     ("beta-out-of-range", dict(betas=(0.9, 1.0)), ValueError, r"\[1\] must be in \[0, 1\), got 1\.0"),
     ("beta-a-string", dict(betas=("0.9", 0.999)), TypeError, r"\[0\] must be a number, got str"),
     ("lr-negative", dict(lr=-1.0), ValueError, r" must be >= 0, got -1\.0"),
