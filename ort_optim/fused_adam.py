@@ -1250,12 +1250,18 @@ class FusedAdam(torch.optim.Optimizer):
         and is refused rather than converted approximately. Extra keyword arguments set the options torch's
         optimizers do not have (master_weights, exp_avg_dtype, max_grad_norm, ...) and are passed to the constructor;
         the math's options (lr, betas, eps, weight_decay, amsgrad, maximize, adam_w_mode, bias_correction) come from
-        the optimizer and are refused here (change them in ``param_groups`` afterwards if you mean to).
+        the optimizer and are refused here (change them in ``param_groups`` afterwards if you mean to). A torchao or
+        bitsandbytes optimizer is refused naming the way its run continues: ``load_state_dict(its state_dict())``.
         """
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            library = type(optimizer).__module__.split(".")[0]
+            hint = "" if library not in ("torchao", "bitsandbytes") else (
+                f"; a {library} optimizer's run continues through its state_dict: "
+                "FusedAdam(params, ...).load_state_dict(optimizer.state_dict()) reads torchao's and bitsandbytes' "
+                "Adam layouts (guides/low-bit-states.md, \"Migrating from torchao and bitsandbytes\")")
             raise TypeError(
                 f"FusedAdam.from_optimizer converts torch.optim.Adam and torch.optim.AdamW, got "
-                f"{type(optimizer).__name__}"
+                f"{type(optimizer).__name__}{hint}"
             )
         fixed = sorted(set(kwargs) & {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "adam_w_mode",
                                       "bias_correction"})

@@ -861,3 +861,12 @@ def test_a_run_continues_on_fusedadam_as_with_its_source_optimizer(library, name
         moments = {"exp_avg_dtype": dtype, "exp_avg_sq_dtype": dtype}
         ours = distance(example.train(*continued(moments, load=True), batches[example.BEFORE:]))
         assert ours < 0.2 * restart, (moments, ours, restart)
+
+
+@pytest.mark.parametrize("module,name", [("torchao.optim.adam", "AdamW8bit"), ("bitsandbytes.optim.adamw", "AdamW8bit")])
+def test_from_optimizer_refuses_a_torchao_or_bitsandbytes_optimizer_naming_load_state_dict(module, name):
+    params = make_params()
+    optimizer = type(name, (torch.optim.Optimizer,), {"__module__": module})(params, {"lr": 1e-3})
+    with pytest.raises(TypeError, match=rf"got {name}; .*{module.split('.')[0]} optimizer's run continues through "
+                                        r"its state_dict: .*load_state_dict\(optimizer.state_dict\(\)\)"):
+        FusedAdam.from_optimizer(optimizer)
