@@ -294,7 +294,9 @@ class FusedAdam(torch.optim.Optimizer):
     views of one buffer are copied once: inductor would copy the whole buffer around the op at every step).
     ``FP16_Optimizer(FusedAdam)``: its scaler updates on the device; the min-scale flag is read by the next eager step
     (guides/fused-adam.md, "torch.compile"). Older torch (2.4.1): best effort, the update runs outside the graph (one
-    graph break; the eager update).
+    graph break; the eager update). A FusedAdam made inside a compiled function is made eagerly, outside the graph
+    (one graph break, as torch.optim.AdamW's ``add_param_group``), with every option as given, on any torch; its steps
+    are then traced as above.
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element floating-point
     tensor, finite and non-zero in float32, as torch's GradScaler keeps its scale) divides every gradient inside the
@@ -393,6 +395,12 @@ class FusedAdam(torch.optim.Optimizer):
             super().__init__(params, defaults)
             if step_in_backward:
                 self._watch_backward()
+
+    # Made inside a function that torch.compile traces, the optimizer is built eagerly (a graph break), as
+    # torch.optim's optimizers are from their add_param_group on: the constructor reads option tensors on the host
+    # (a graph break of its own), and TorchDynamo loses the attributes written through the checked options'
+    # setters (_CheckedOption) before such a break.
+    __init__ = torch._disable_dynamo(__init__)
 
     @property
     def state(self) -> _plan.OptimizerState:

@@ -796,6 +796,36 @@ def test_a_compiled_step_on_any_torch_computes_what_the_eager_step_computes_and_
         assert_bitwise_equal(a, b, "param")
 
 
+@pytest.mark.parametrize("options", [
+    {"lr": torch.tensor(1e-2)},
+    *later({"lr": torch.tensor(1e-2), "max_grad_norm": 1.0, "exp_avg_dtype": torch.uint8},
+           {"lr": 1e-2, "betas": (torch.tensor(0.9), torch.tensor(0.99)), "weight_decay": 0.1})],
+    ids=["tensor lr", "tensor lr, clipping, 8-bit", "tensor betas"])
+def test_an_optimizer_made_inside_a_compiled_function_is_made_whole_and_steps_as_eager(options):
+    """Made inside a compiled function, as torch.optim.AdamW may be: the constructor runs eagerly (a graph break, as
+    torch.optim's add_param_group), so every option it was given is there (an option tensor read on the host once
+    split it, and the attributes its checked setters wrote before that break were lost: an AttributeError), and the
+    optimizer steps, inside the function and after it, bit for bit as one made and stepped eagerly."""
+    runs = []
+    for compiled in (False, True):
+        model = _model()
+
+        def make_and_step():
+            opt = FusedAdam(_groups(model), adam_w_mode=AdamWMode.ADAMW_TORCH, **options)
+            opt.step()
+            return opt
+
+        torch._dynamo.reset()
+        _grads(model, 0)
+        opt = (torch.compile(make_and_step) if compiled else make_and_step)()
+        assert (opt.max_grad_norm, opt.exp_avg_dtype) == (options.get("max_grad_norm"), options.get("exp_avg_dtype"))
+        for i in range(1, 4):
+            _grads(model, i)
+            opt.step()
+        runs.append(optimizer_snapshot(opt))
+    assert_tree_bitwise_equal(*runs)
+
+
 @NEWEST
 @pytest.mark.parametrize("change", ["another shape", *later("another dtype", "freed storage")])
 def test_a_state_changed_in_place_between_compiled_steps_is_refused_and_nothing_is_written(change):
