@@ -308,7 +308,9 @@ class FusedAdam(torch.optim.Optimizer):
     FP16_Optimizer hand every rank the same one).
 
     A gradient the step cannot use (sparse, of another shape or device than its param, float64 on a param of another
-    dtype or the other way round) raises :class:`GradientError`, naming the param, before anything is written: a
+    dtype or the other way round; with ``grad_scale``, one that overlaps itself or shares memory with its own param,
+    ``p.grad = p.detach()``, as the param cannot hold both its update and the unscaled gradient: torch's fused AdamW
+    writes one over the other) raises :class:`GradientError`, naming the param, before anything is written: a
     ValueError like every refused input here, and a RuntimeError like torch.optim.AdamW's error for a sparse gradient.
     A float32, float16 or bfloat16 gradient updates a float32, float16 or bfloat16 param whatever their two dtypes
     (a gradient set by hand after ``p.grad_dtype = None``, which torch 2.13 has and torch 2.4 has not: torch 2.4
@@ -920,8 +922,8 @@ class FusedAdam(torch.optim.Optimizer):
             # with the buffer.
             report = {"grad_norm": None, "found_inf": None if found_inf is None else (
                 found_inf.to(buckets[0][2].params[0].device).reshape(()) != 0).float().reshape(1)}
-        if unscaled and not traced and (len(buckets) > 1 or buckets[0][2].native is None):  # (traced: _init_group)
-            _plan.check_grads_writable(buckets)
+        if unscaled and not traced:  # (traced: _init_group)
+            _plan.check_grads_writable(buckets, self_overlap=len(buckets) > 1 or buckets[0][2].native is None)
         # A plain step reports the norm too where the update's own pass can sum the squares it reads.
         plain_norm = self._plain_norm_from_update(plan, buckets, grad_scale, found_inf)
         stats = []

@@ -43,7 +43,7 @@ import torch
 from conftest import BACKENDS, assert_bitwise_equal, assert_same_snapshot, optimizer_snapshot, select_backend
 from cases import decay_groups, LM_STEPS, lm_tokens, LMCase, Tiny, tiny_loss, TinyLM, train_lm
 
-from ort_optim import AdamWMode, FusedAdam, backends
+from ort_optim import AdamWMode, FusedAdam, GradientError, backends
 from ort_optim._spec import QUANT_BLOCK
 
 # param dtype, grad dtype, master weights
@@ -204,6 +204,68 @@ def test_an_expanded_gradient_in_a_later_bucket_is_refused_before_the_first_buck
         opt.step(grad_scale=2.0)
     assert_same_snapshot(before, optimizer_snapshot(opt))
     assert torch.equal(first.grad, grads_before[0]) and torch.equal(second.grad, grads_before[1])
+
+
+def _param_with_grad_in_its_memory(alias: str) -> torch.nn.Parameter:
+    """A param of 6 elements whose gradient shares memory with it: the param itself, a view of all of it, or a view
+    of one buffer over part of the param's elements (the param is buffer[:6], its gradient buffer[3:9])."""
+    torch.manual_seed(0)
+    if alias == "part of it":
+        buffer = torch.randn(9)
+        p = torch.nn.Parameter(buffer[:6])
+        p.grad = buffer[3:9]
+        return p
+    p = torch.nn.Parameter(torch.randn(6))
+    p.grad = p.detach() if alias == "itself" else p.detach().view(2, 3).view(6)
+    return p
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("when", ["first step", "later step"])
+@pytest.mark.parametrize("alias", ["itself", "a view", "part of it"])
+def test_a_gradient_in_its_params_memory_cannot_be_unscaled_in_place_and_is_refused_before_anything_changes(
+        alias, when, backend, monkeypatch):
+    """``p.grad = p.detach()`` (or a view sharing some of the param's elements) with grad_scale: the param cannot hold
+    both its update and the unscaled gradient that the step leaves in p.grad (torch's fused AdamW writes both, one
+    over the other, on the CPU and on CUDA in opposite orders; torch.amp.GradScaler's unscale_ divides the param
+    itself): refused naming the param, before anything changes, the first step's state creation included."""
+    select_backend(monkeypatch, backend)
+    p = _param_with_grad_in_its_memory(alias)
+    aliased = p.grad
+    opt = FusedAdam([p], lr=1e-3)
+    if when == "later step":
+        p.grad = torch.ones(6)
+        opt.step(grad_scale=2.0)
+        p.grad = aliased
+    before = optimizer_snapshot(opt, report=True)
+    for scale in (2.0, torch.tensor(2.0)):
+        with pytest.raises(GradientError, match=r"param_groups\[0\]\['params'\]\[0\] .*'s grad shares memory "
+                                                r"with the param itself .* give the gradient its own memory"):
+            opt.step(grad_scale=scale)
+        assert_same_snapshot(before, optimizer_snapshot(opt, report=True))
+        assert bool(opt.state.get(p)) == (when == "later step")
+    p.grad = aliased.clone()
+    opt.step(grad_scale=2.0)  # its own memory: stepped
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["plain", "max_grad_norm", "found_inf"])
+@pytest.mark.parametrize("alias", ["itself", "part of it"])
+def test_without_grad_scale_a_gradient_in_its_params_memory_is_read_before_the_param_is_written(alias, how, backend,
+                                                                                               monkeypatch):
+    """Without grad_scale nothing is written into p.grad: such a gradient steps as torch.optim.AdamW steps a copy of
+    it (after clip_grad_norm_ with max_grad_norm), the values before the step."""
+    select_backend(monkeypatch, backend)
+    p = _param_with_grad_in_its_memory(alias)
+    ref = torch.nn.Parameter(p.detach().clone())
+    ref.grad = p.grad.clone()
+    opt = FusedAdam([p], lr=0.1, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8,
+                    max_grad_norm=0.5 if how == "max_grad_norm" else None)
+    if how == "max_grad_norm":
+        torch.nn.utils.clip_grad_norm_([ref], 0.5)
+    opt.step(**({"found_inf": torch.zeros(1)} if how == "found_inf" else {}))
+    torch.optim.AdamW([ref], lr=0.1, eps=1e-8, weight_decay=0.0).step()
+    torch.testing.assert_close(p.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
 
 
 # ---- against torch's fused AdamW under torch.amp.GradScaler -------------------------------------------------------
