@@ -250,7 +250,8 @@ class FusedAdam(torch.optim.Optimizer):
             over all param groups, the element index): deterministic, and a resumed run continues exactly.
         stochastic_rounding_seed: an int in [0, 2**64) (default 0; a param-group option, saved in checkpoints).
         max_grad_norm: when set, clip the gradients by their global L2 norm over all params (default None), inside
-            the fused step, after unscaling.
+            the fused step, after unscaling. That norm (and ``grad_scale``'s inf/NaN check) cannot take params on the
+            meta device beside params with values: such a step is refused, naming both, before anything changes.
         capturable: promise that step() will be captured in a CUDA graph (default False). Steps and bias
             corrections already live on the device and step() never synchronises; this additionally refuses what a
             graph cannot replay: an lr tensor on another device, a float grad_scale. A float lr is baked into the
@@ -738,6 +739,8 @@ class FusedAdam(torch.optim.Optimizer):
                 # (the op checks it at every step, but planning creates and converts states before the op runs)
                 _group_options.check_grad_scale_value(float(grad_scale))
             self._reduction()  # (params on meshes it refuses: raised before the new plan creates any state)
+            if grad_scale is not None or self.max_grad_norm is not None:
+                self._check_norm_devices()
             plan = self._plan = _plan.build(groups, state, layout, unscales=grad_scale is not None and _UNSCALE_GRADS)
             # (a plan describes what it was built from: if not, this is a bug, not a user error)
             if not plan.read_grads_if_valid(groups, state, layout):
@@ -799,6 +802,8 @@ class FusedAdam(torch.optim.Optimizer):
         if plan is None or not (plan.describes(self.param_groups, self.state, layout, native=False)
                                 and all(planned.read_grads_if_current() for planned in plan.groups)):
             try:
+                if unscales or self.max_grad_norm is not None:
+                    self._check_norm_devices()
                 self._plan = _plan.build(self.param_groups, self.state, layout, traced=True, unscales=unscales)
             except (ValueError, TypeError):
                 return False
@@ -845,6 +850,28 @@ class FusedAdam(torch.optim.Optimizer):
         if self.capturable and grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
             raise ValueError("capturable=True: pass grad_scale as a tensor on the params' device (a float is copied "
                              "to the device at every step, which a CUDA graph cannot capture)")
+
+    def _check_norm_devices(self) -> None:
+        """A step with grad_scale or max_grad_norm adds every gradient's squares into one norm (and one inf/NaN
+        check), which a param on the meta device, without values, cannot join beside params with values: refused
+        naming one of each, before anything changes (state creation included), where torch.nn.utils.clip_grad_norm_
+        fails to copy out of the meta tensor."""
+        meta = other = None
+        for group_index, group in enumerate(self.param_groups):
+            for index, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if p.is_meta and meta is None:
+                    meta = describe(group_index, index, p)
+                elif not p.is_meta and other is None:
+                    other = (describe(group_index, index, p), p.device)
+        if meta is not None and other is not None:
+            raise ValueError(
+                f"{meta} is on the meta device and {other[0]} on {other[1]}: a step with grad_scale or max_grad_norm "
+                "takes one norm (and one inf/NaN check) over the gradients of all param groups, and meta tensors "
+                "have no values to add into it. Step the meta params with an optimizer of their own (or give them "
+                "memory first: module.to_empty(device=...)), or set max_grad_norm=None and step without grad_scale. "
+                "Nothing was changed")
 
     def _check_clipping_sees_every_partition(self) -> None:
         """Refuses max_grad_norm in an optimizer whose step() DeepSpeed shows only part of the model's gradients,
@@ -909,6 +936,8 @@ class FusedAdam(torch.optim.Optimizer):
         if scaled:
             devices = list(dict.fromkeys(bucket.params[0].device for _, _, bucket in buckets)) or [
                 next((p.device for group in self.param_groups for p in group["params"]), _plan.CPU)]
+            if len(devices) > 1 and any(device.type == "meta" for device in devices):
+                self._check_norm_devices()  # (raises, naming them)
             stats = self._global_grad_stats(buckets, backends.main_device(devices), reduction)
             multiplier, grad_norm, skip = backends.scaling(stats, grad_scale, self.max_grad_norm, found_inf)
             per_device = {device: backends.to_device(multiplier, device).reshape(1) for device in devices}

@@ -40,11 +40,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BACKENDS, assert_bitwise_equal, assert_same_snapshot, optimizer_snapshot, select_backend
+from conftest import (BACKENDS, assert_bitwise_equal, assert_same_snapshot, assert_tree_bitwise_equal,
+                      optimizer_snapshot, select_backend)
 from cases import decay_groups, LM_STEPS, lm_tokens, LMCase, Tiny, tiny_loss, TinyLM, train_lm
 
 from ort_optim import AdamWMode, FusedAdam, GradientError, backends
+from ort_optim import fused_adam as fused_adam_module
 from ort_optim._spec import QUANT_BLOCK
+
+# (a step inside a compiled function is traced from torch 2.13 on; before, it runs eagerly)
+_COMPILES_THE_STEP = fused_adam_module._TRACED_STEP and backends.native_available()
 
 # param dtype, grad dtype, master weights
 GRAD_CASES = {
@@ -266,6 +271,46 @@ def test_without_grad_scale_a_gradient_in_its_params_memory_is_read_before_the_p
     opt.step(**({"found_inf": torch.zeros(1)} if how == "found_inf" else {}))
     torch.optim.AdamW([ref], lr=0.1, eps=1e-8, weight_decay=0.0).step()
     torch.testing.assert_close(p.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("when", ["first step", "later step", "compiled first step"])
+@pytest.mark.parametrize("how", ["max_grad_norm", "grad_scale", "grad_scale tensor"])
+def test_a_meta_param_beside_a_cpu_param_is_refused_with_a_global_norm_before_anything_changes(how, when, backend,
+                                                                                             monkeypatch):
+    """grad_scale and max_grad_norm take one norm and one inf/NaN check over every gradient, which a meta param (no
+    values) cannot join beside a CPU param (torch.nn.utils.clip_grad_norm_ fails there too, copying out of the meta
+    tensor): refused naming both params, before anything changes: no state is made on a first step, none changed on
+    a later one (the plan kept from a plain step included), param_groups as they were. A plain step takes them."""
+    if when == "compiled first step" and (backend != "native" or not _COMPILES_THE_STEP):
+        pytest.skip("the traced step runs on the native library's op, on torch >= 2.13")
+    select_backend(monkeypatch, backend)
+    torch.manual_seed(0)
+    cpu, meta = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.empty(4, device="meta"))
+    cpu.grad, meta.grad = torch.ones(4), torch.empty(4, device="meta")
+    opt = FusedAdam([{"params": [cpu]}, {"params": [meta]}], lr=1e-2)
+    if when == "later step":
+        opt.step()
+    opt.max_grad_norm = 1.0 if how == "max_grad_norm" else None
+    scale = {"max_grad_norm": {}, "grad_scale": {"grad_scale": 2.0},
+             "grad_scale tensor": {"grad_scale": torch.tensor(2.0)}}[how]
+    before = [cpu.detach().clone(), cpu.grad.clone(), opt.last_grad_norm, opt.last_found_inf]
+    saved = opt.state_dict()
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+    step = (lambda: opt.step(**scale))
+    if when == "compiled first step":
+        torch._dynamo.reset()
+        step = torch.compile(step)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] .* is on the meta device and "
+                                         r"param_groups\[0\]\['params'\]\[0\] .* on cpu: a step with grad_scale or "
+                                         r"max_grad_norm .* set max_grad_norm=None and step without grad_scale"):
+        step()
+    assert_tree_bitwise_equal(before, [cpu.detach(), cpu.grad, opt.last_grad_norm, opt.last_found_inf])
+    assert_tree_bitwise_equal(saved, opt.state_dict())
+    assert groups == [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+    assert len(opt.state) == (0 if when.endswith("first step") else 2)
+    opt.max_grad_norm = None
+    opt.step()  # a plain step takes them
 
 
 # ---- against torch's fused AdamW under torch.amp.GradScaler -------------------------------------------------------
