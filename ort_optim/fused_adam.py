@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from . import _checkpoint, _group_options, _migration, _plan, backends
+from . import _checkpoint, _group_options, _migration, _plan, backends, formats
 from ._backward_step import BackwardStep, loss_scaling_refused, max_grad_norm_refused
 from ._checkpoint import MOMENT_KEYS
 from ._fork import renewed_lock
@@ -298,6 +298,16 @@ class FusedAdam(torch.optim.Optimizer):
     graph break; the eager update). A FusedAdam made inside a compiled function is made eagerly, outside the graph
     (one graph break, as torch.optim.AdamW's ``add_param_group``), with every option as given, on any torch; its steps
     are then traced as above.
+
+    TransformerEngine's FusedAdam's state accessors are here with its names and argument order:
+    :meth:`get_unscaled_state` ``(param, state_name)`` returns a state's float32 values decoded from whatever format
+    it is stored in, and :meth:`set_scaled_state` ``(param, state_name, unscaled_state)`` encodes float32 values into
+    it, over every moment format here (float32, bfloat16, fp16 with block scales, 8-bit, 4-bit, fp8) and
+    ``'master_param'``. Where they differ from TE's: the result of get is always a copy (TE's is the state itself for
+    a float32 state); set never writes its argument (TE scales it in place) and takes float64 for a float64 param's
+    moments; ``'max_exp_avg_sq'`` (amsgrad) is a fourth name; a missing state or an unknown name is a ValueError
+    (TE: KeyError), a wrong dtype a TypeError and a wrong shape a ValueError (TE: an assertion or torch's error),
+    each naming what is wrong and changing nothing.
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element floating-point
     tensor, finite and non-zero in float32, as torch's GradScaler keeps its scale) divides every gradient inside the
@@ -1044,6 +1054,102 @@ class FusedAdam(torch.optim.Optimizer):
             self._backward.check_updated_once()
             self._backward.restore_hooks()
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    # ---- states one at a time (TransformerEngine's FusedAdam's accessors) ---------------------------------------
+
+    # The states get_unscaled_state and set_scaled_state name: TransformerEngine's three, and amsgrad's running maximum.
+    _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param", "max_exp_avg_sq")
+
+    def _state_entry(self, param: Any, state_name: Any, verb: str) -> tuple[str, torch.Tensor, Optional[dict]]:
+        """(the param's description, its local tensor, its state or None) for the state accessors, after checking
+        that state_name is one they take and that param is one of this optimizer's params."""
+        if not isinstance(state_name, str) or state_name not in self._STATE_NAMES:
+            raise ValueError(f"{verb}: state_name must be one of {', '.join(map(repr, self._STATE_NAMES))}, got "
+                             f"{state_name!r}")
+        for group_index, group in enumerate(self.param_groups):
+            for index, p in enumerate(group["params"]):
+                if p is param:
+                    state = self.state.get(p)
+                    return describe(group_index, index, p), dtensor.local(p), (state if state else None)
+        got = (f"a tensor of shape {tuple(param.shape)}, {param.dtype}" if isinstance(param, torch.Tensor)
+               else type(param).__name__)
+        raise ValueError(f"{verb}: param must be one of this optimizer's params (the tensor listed in param_groups), "
+                         f"got {got}")
+
+    def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
+        """The state ``state_name`` of ``param`` as its values: a fresh float32 tensor of the param's shape (float64
+        for a float64 param's moments; a DTensor param's local piece), decoded from whatever format it is stored in
+        (float32, bfloat16, fp16 with block scales, 8-bit, 4-bit, fp8), as ``state_dict()`` saves it.
+        TransformerEngine's FusedAdam's method of the same name and arguments: ``state_name`` is ``'exp_avg'``,
+        ``'exp_avg_sq'`` (v itself, not its square root as fp16 and fp8 store it), ``'master_param'`` or, with
+        amsgrad, ``'max_exp_avg_sq'``. Where TE hands back the state tensor itself for a float32 state (writing into
+        it writes the state), this always returns a copy: write values with :meth:`set_scaled_state`. A param
+        without that state (not stepped yet; no master without master_weights) raises ValueError naming it, where
+        TE raises KeyError; so does an unknown ``state_name`` or a tensor that is not one of this optimizer's
+        params."""
+        where, local, state = self._state_entry(param, state_name, "get_unscaled_state")
+        if state is None or state_name not in state:
+            raise ValueError(f"get_unscaled_state: {where} has no {state_name!r} state"
+                             + (" yet (its first step makes it)" if state is None else ""))
+        if state_name == "master_param":
+            return state["master_param"].detach().to(torch.float32, copy=True)
+        return _checkpoint.to_canonical(state, state_name, local.shape)
+
+    def set_scaled_state(self, param: torch.Tensor, state_name: str, unscaled_state: torch.Tensor) -> None:
+        """Writes values into the state ``state_name`` of ``param``, encoded into the format it is stored in
+        (float32, bfloat16, fp16 with block scales, 8-bit, 4-bit, fp8; rounded to nearest, as a loaded checkpoint
+        is), so that :meth:`get_unscaled_state` then returns them as that format holds them. TransformerEngine's
+        FusedAdam's method of the same name and argument order (``state_name`` as there, plus ``'max_exp_avg_sq'``
+        with amsgrad). ``unscaled_state``: a float32 tensor (float64 for a float64 param's moments; TE takes float32
+        only) of the param's shape (a DTensor param's local piece), on any device; second moments non-negative. It
+        is read, never written (TE scales it in place). A param not stepped yet gets its state first, as its first
+        step would make it (step 0, zero moments, the master from the param), as TE makes the missing state; a
+        state the optimizer does not keep (``'master_param'`` without master_weights, ``'max_exp_avg_sq'`` without
+        amsgrad) is refused. Setting ``'exp_avg_sq'`` of 4-bit moments keeps the values of ``'exp_avg'``, which
+        that format codes relative to it. Anything refused raises ValueError or TypeError naming it, and changes
+        nothing."""
+        where, local, state = self._state_entry(param, state_name, "set_scaled_state")
+        what = f"set_scaled_state({where}, {state_name!r})"
+        group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
+        *_, has_master = self._layout.dtypes(local)
+        kept = {"master_param": has_master, "max_exp_avg_sq": bool(group["amsgrad"])}.get(state_name, True)
+        if not (kept or (state is not None and state_name in state)):
+            raise ValueError(f"{what}: this optimizer keeps no such state for it ("
+                             + ("master_weights=False, or the param is not float16/bfloat16" if state_name ==
+                                "master_param" else "amsgrad=False") + ")")
+        if not isinstance(unscaled_state, torch.Tensor):
+            raise TypeError(f"{what}: unscaled_state must be a tensor, got {type(unscaled_state).__name__}")
+        dtype = torch.float32 if state_name == "master_param" else _checkpoint.canonical_dtype(local)
+        if unscaled_state.dtype != dtype or unscaled_state.layout != torch.strided:
+            raise TypeError(f"{what}: unscaled_state must be a dense {dtype} tensor (the state's values, unscaled), "
+                            f"got {unscaled_state.dtype}" + ("" if unscaled_state.layout == torch.strided else
+                                                            f" ({unscaled_state.layout})"))
+        if unscaled_state.shape != local.shape:
+            raise ValueError(f"{what}: unscaled_state has shape {tuple(unscaled_state.shape)}, the param "
+                             f"{tuple(local.shape)}")
+        _checkpoint.require_data(unscaled_state, what)
+        if local.is_meta:
+            raise ValueError(f"{what}: the param is on the meta device, whose states hold no values")
+        values = unscaled_state.detach().to(local.device, copy=True)
+        if state_name not in ("exp_avg", "master_param") and bool((values < 0).any()):
+            raise ValueError(f"{what}: unscaled_state holds negative values; a second moment is a mean of squares")
+        if state is None:  # made as the first step makes it (then in place, as any state)
+            state = self._layout.init_state(local, bool(group["amsgrad"]))
+            self.state[param] = state
+        elif state_name not in state:  # (a master or maximum switched on since the state was made)
+            fresh = self._layout.init_state(local, True)
+            state[state_name] = fresh[state_name]
+            if state_name + "_scale" in fresh:
+                state[state_name + "_scale"] = fresh[state_name + "_scale"]
+        if state_name == "master_param":
+            state["master_param"].copy_(values)
+            return
+        relative = "exp_avg" in state and formats.is_relative(state["exp_avg"], state.get("exp_avg_scale"))
+        exp_avg = (_checkpoint.to_canonical(state, "exp_avg", local.shape)
+                   if state_name == "exp_avg_sq" and relative else None)
+        _checkpoint.from_canonical(state, state_name, values)
+        if exp_avg is not None:  # (coded relative to exp_avg_sq: again, against its new values)
+            _checkpoint.from_canonical(state, "exp_avg", exp_avg)
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
 

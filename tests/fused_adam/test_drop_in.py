@@ -1233,3 +1233,117 @@ def test_a_value_written_into_a_param_with_a_master_is_overwritten_unless_copied
     opt.step()
     assert_bitwise_equal(p.detach(), loaded, "the documented recipe")
     assert "model.load_state_dict" in FusedAdam.__doc__ and "['master_param'].copy_(p)" in FusedAdam.__doc__
+
+
+# ---- TransformerEngine's state accessors: get_unscaled_state and set_scaled_state ----------------------------------
+
+_MOMENT_FORMATS = {
+    "fp32": {}, "bf16": {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
+    "fp16 scaled": {"exp_avg_dtype": torch.float16, "exp_avg_sq_dtype": torch.float16},
+    "8-bit": {"exp_avg_dtype": torch.uint8, "exp_avg_sq_dtype": torch.uint8},
+    "4-bit": {"exp_avg_dtype": torch.uint4, "exp_avg_sq_dtype": torch.uint4},
+    "fp8": {"exp_avg_dtype": torch.float8_e4m3fn, "exp_avg_sq_dtype": torch.float8_e5m2},
+    "bf16 params with masters, amsgrad": {"master_weights": True, "amsgrad": True},
+}
+
+
+def _stepped(options: dict, steps: int = 2) -> tuple[torch.nn.Parameter, FusedAdam]:
+    """A param of 70 x 90 (several blocks of every format) after `steps` steps of FusedAdam(**options)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(70, 90, dtype=torch.bfloat16 if options.get("master_weights") else None))
+    opt = FusedAdam([p], lr=1e-2, **options)
+    for _ in range(steps):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    return p, opt
+
+
+def _names(opt: FusedAdam, p: torch.Tensor) -> list[str]:
+    return [key for key in ("exp_avg_sq", "max_exp_avg_sq", "exp_avg", "master_param") if key in opt.state[p]]
+
+
+@pytest.mark.parametrize("moments", list(_MOMENT_FORMATS), ids=list(_MOMENT_FORMATS))
+def test_get_unscaled_state_is_the_decoded_state_that_state_dict_saves_as_a_copy(moments):
+    """TransformerEngine's get_unscaled_state(param, state_name): float32 values, here decoded from every format
+    (what state_dict() saves, bit for bit), and always a copy (TE hands back a float32 state itself)."""
+    p, opt = _stepped(_MOMENT_FORMATS[moments])
+    saved = opt.state_dict()["state"][0]
+    for name in _names(opt, p):
+        value = opt.get_unscaled_state(p, name)
+        assert value.dtype == torch.float32 and value.shape == p.shape, name
+        assert_bitwise_equal(value, saved[name], name)
+        before = optimizer_snapshot(opt)
+        value.fill_(7.0)
+        assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
+@pytest.mark.parametrize("moments", list(_MOMENT_FORMATS), ids=list(_MOMENT_FORMATS))
+def test_set_scaled_state_encodes_values_as_a_loaded_checkpoint_does_and_round_trips(moments):
+    """TransformerEngine's set_scaled_state(param, state_name, unscaled_state): the values encoded into the state's
+    own format, as load_state_dict encodes a checkpoint holding them (bit for bit: the same state tensors, and a 4-bit
+    exp_avg kept as near as it is when exp_avg_sq changes under it); setting what get_unscaled_state returned changes
+    no bit; the input is only read."""
+    p, opt = _stepped(_MOMENT_FORMATS[moments])
+    for name in _names(opt, p):
+        before = optimizer_snapshot(opt)
+        opt.set_scaled_state(p, name, opt.get_unscaled_state(p, name))
+        assert_same_snapshot(before, optimizer_snapshot(opt))
+        torch.manual_seed(1)
+        values = torch.rand(p.shape) * 0.01 + (p.detach().float() if name == "master_param" else 0)
+        given = values.clone()
+        checkpoint = opt.state_dict()
+        checkpoint["state"][0][name] = values.clone()
+        opt.set_scaled_state(p, name, values)
+        assert torch.equal(values, given)
+        _, loaded = _stepped(_MOMENT_FORMATS[moments])
+        loaded.load_state_dict(checkpoint)
+        assert_tree_bitwise_equal(loaded.state_dict(), opt.state_dict())
+        assert_bitwise_equal(opt.get_unscaled_state(p, name), loaded.state_dict()["state"][0][name], name)
+    p.grad = torch.randn_like(p)
+    opt.step()  # steps from the values set
+
+
+def test_set_scaled_state_makes_a_missing_state_as_the_first_step_does_then_writes_it():
+    """As TE's makes a missing state: a param not stepped yet gets step 0, zero moments (and its master), then the
+    values; its first step then starts from them, as from a loaded checkpoint holding them."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8))
+    opt = FusedAdam([p], lr=1e-2, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"get_unscaled_state: param_groups\[0\]\['params'\]\[0\] .* has no "
+                                         r"'exp_avg' state yet"):
+        opt.get_unscaled_state(p, "exp_avg")
+    opt.set_scaled_state(p, "exp_avg_sq", torch.full((8,), 0.25))
+    assert float(opt.state[p]["step"]) == 0
+    assert torch.equal(opt.get_unscaled_state(p, "exp_avg"), torch.zeros(8))
+    assert torch.equal(opt.get_unscaled_state(p, "exp_avg_sq"), torch.full((8,), 0.25))
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda opt, p: opt.get_unscaled_state(p, "exp_avg_sqr"), ValueError,
+     r"get_unscaled_state: state_name must be one of 'exp_avg', 'exp_avg_sq', 'master_param', 'max_exp_avg_sq', "
+     r"got 'exp_avg_sqr'"),
+    (lambda opt, p: opt.set_scaled_state(p, "step", torch.zeros(())), ValueError, r"state_name must be one of"),
+    (lambda opt, p: opt.set_scaled_state(torch.zeros(70, 90), "exp_avg", torch.zeros(70, 90)), ValueError,
+     r"param must be one of this optimizer's params .* got a tensor of shape \(70, 90\)"),
+    (lambda opt, p: opt.set_scaled_state(p, "exp_avg", torch.zeros(90, 70)), ValueError,
+     r"set_scaled_state\(param_groups\[0\]\['params'\]\[0\] .*, 'exp_avg'\): unscaled_state has shape \(90, 70\), "
+     r"the param \(70, 90\)"),
+    (lambda opt, p: opt.set_scaled_state(p, "exp_avg", torch.zeros(70, 90, dtype=torch.bfloat16)), TypeError,
+     r"unscaled_state must be a dense torch.float32 tensor .* got torch.bfloat16"),
+    (lambda opt, p: opt.set_scaled_state(p, "exp_avg", [0.0]), TypeError, r"unscaled_state must be a tensor"),
+    (lambda opt, p: opt.set_scaled_state(p, "exp_avg_sq", -torch.ones(70, 90)), ValueError,
+     r"holds negative values; a second moment is a mean of squares"),
+    (lambda opt, p: opt.set_scaled_state(p, "master_param", torch.zeros(70, 90)), ValueError,
+     r"this optimizer keeps no such state for it \(master_weights=False"),
+    (lambda opt, p: opt.set_scaled_state(p, "max_exp_avg_sq", torch.zeros(70, 90)), ValueError,
+     r"keeps no such state for it \(amsgrad=False\)"),
+    (lambda opt, p: opt.get_unscaled_state(p, "master_param"), ValueError, r"has no 'master_param' state"),
+], ids=["unknown name", "step", "not a param", "shape", "dtype", "not a tensor", "negative v", "no masters",
+        "no amsgrad", "get a missing master"])
+def test_the_state_accessors_refuse_what_they_cannot_take_naming_it_and_change_nothing(call, error, message):
+    p, opt = _stepped(_MOMENT_FORMATS["8-bit"])
+    before = optimizer_snapshot(opt)
+    with pytest.raises(error, match=message):
+        call(opt, p)
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+    assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"}
