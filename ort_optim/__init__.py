@@ -9,7 +9,7 @@ import importlib
 
 from .backends import native_available
 from ._plan import GradientError
-from .fused_adam import AdamWMode, FusedAdam
+from .fused_adam import AdamWMode, FusedAdam, StateNameError
 
 _LAZY = {
     "ORTModuleOptions": "ort_optim.options",
@@ -22,7 +22,7 @@ _LAZY = {
     "LossScaleUnderflowError": "ort_optim.loss_scaler",
 }
 
-__all__ = ["AdamWMode", "FusedAdam", "GradientError", "native_available", *_LAZY]
+__all__ = ["AdamWMode", "FusedAdam", "GradientError", "StateNameError", "native_available", *_LAZY]
 __version__ = "0.1.0"
 
 

@@ -173,6 +173,15 @@ def _frames_freed_if_dynamo_is_imported(hooks: bool):
         gc.collect()
 
 
+
+class StateNameError(KeyError, ValueError):
+    """A state the state accessors (:meth:`FusedAdam.get_unscaled_state`, :meth:`FusedAdam.set_scaled_state`) cannot
+    find: an unknown ``state_name``, or a param without that state. A KeyError, as TransformerEngine's accessors
+    raise, and a ValueError, as this library's other refusals of a value; its text is the message itself."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
 class FusedAdam(torch.optim.Optimizer):
     r"""Multi-tensor Adam/AdamW whose update is one call of ort_optim's fused op per (device, dtype) bucket.
 
@@ -1064,7 +1073,7 @@ class FusedAdam(torch.optim.Optimizer):
         """(the param's description, its local tensor, its state or None) for the state accessors, after checking
         that state_name is one they take and that param is one of this optimizer's params."""
         if not isinstance(state_name, str) or state_name not in self._STATE_NAMES:
-            raise ValueError(f"{verb}: state_name must be one of {', '.join(map(repr, self._STATE_NAMES))}, got "
+            raise StateNameError(f"{verb}: state_name must be one of {', '.join(map(repr, self._STATE_NAMES))}, got "
                              f"{state_name!r}")
         for group_index, group in enumerate(self.param_groups):
             for index, p in enumerate(group["params"]):
@@ -1084,12 +1093,12 @@ class FusedAdam(torch.optim.Optimizer):
         ``'exp_avg_sq'`` (v itself, not its square root as fp16 and fp8 store it), ``'master_param'`` or, with
         amsgrad, ``'max_exp_avg_sq'``. Where TE hands back the state tensor itself for a float32 state (writing into
         it writes the state), this always returns a copy: write values with :meth:`set_scaled_state`. A param
-        without that state (not stepped yet; no master without master_weights) raises ValueError naming it, where
-        TE raises KeyError; so does an unknown ``state_name`` or a tensor that is not one of this optimizer's
-        params."""
+        without that state (not stepped yet; no master without master_weights) or an unknown ``state_name`` raises
+        :class:`StateNameError` naming it (a KeyError, as TE raises, and a ValueError); a tensor that is not one of
+        this optimizer's params raises ValueError."""
         where, local, state = self._state_entry(param, state_name, "get_unscaled_state")
         if state is None or state_name not in state:
-            raise ValueError(f"get_unscaled_state: {where} has no {state_name!r} state"
+            raise StateNameError(f"get_unscaled_state: {where} has no {state_name!r} state"
                              + (" yet (its first step makes it)" if state is None else ""))
         if state_name == "master_param":
             return state["master_param"].detach().to(torch.float32, copy=True)

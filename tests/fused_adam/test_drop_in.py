@@ -44,7 +44,7 @@ from hypothesis import strategies as st
 from reference import adam_update
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ort_optim import AdamWMode, FusedAdam, GradientError
+from ort_optim import AdamWMode, FusedAdam, GradientError, StateNameError
 
 FP32_VS_TORCH = dict(rtol=0.0, atol=5e-7)  # parameters of magnitude ~1: a few float32 ulps (2**-23 = 1.2e-7)
 FP32_VS_FLOAT64 = dict(rtol=1e-6, atol=1e-6)
@@ -1305,11 +1305,13 @@ def test_set_scaled_state_encodes_values_as_a_loaded_checkpoint_does_and_round_t
 
 def test_set_scaled_state_makes_a_missing_state_as_the_first_step_does_then_writes_it():
     """As TE's makes a missing state: a param not stepped yet gets step 0, zero moments (and its master), then the
-    values; its first step then starts from them, as from a loaded checkpoint holding them."""
+    values; its first step then starts from them, as from a loaded checkpoint holding them. Getting a state not
+    made yet raises a KeyError, as TE's (a StateNameError, also a ValueError)."""
+    assert issubclass(StateNameError, KeyError) and issubclass(StateNameError, ValueError)
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(8))
     opt = FusedAdam([p], lr=1e-2, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"get_unscaled_state: param_groups\[0\]\['params'\]\[0\] .* has no "
+    with pytest.raises(KeyError, match=r"get_unscaled_state: param_groups\[0\]\['params'\]\[0\] .* has no "
                                          r"'exp_avg' state yet"):
         opt.get_unscaled_state(p, "exp_avg")
     opt.set_scaled_state(p, "exp_avg_sq", torch.full((8,), 0.25))
@@ -1319,10 +1321,10 @@ def test_set_scaled_state_makes_a_missing_state_as_the_first_step_does_then_writ
 
 
 @pytest.mark.parametrize("call, error, message", [
-    (lambda opt, p: opt.get_unscaled_state(p, "exp_avg_sqr"), ValueError,
+    (lambda opt, p: opt.get_unscaled_state(p, "exp_avg_sqr"), StateNameError,
      r"get_unscaled_state: state_name must be one of 'exp_avg', 'exp_avg_sq', 'master_param', 'max_exp_avg_sq', "
      r"got 'exp_avg_sqr'"),
-    (lambda opt, p: opt.set_scaled_state(p, "step", torch.zeros(())), ValueError, r"state_name must be one of"),
+    (lambda opt, p: opt.set_scaled_state(p, "step", torch.zeros(())), StateNameError, r"state_name must be one of"),
     (lambda opt, p: opt.set_scaled_state(torch.zeros(70, 90), "exp_avg", torch.zeros(70, 90)), ValueError,
      r"param must be one of this optimizer's params .* got a tensor of shape \(70, 90\)"),
     (lambda opt, p: opt.set_scaled_state(p, "exp_avg", torch.zeros(90, 70)), ValueError,
@@ -1337,7 +1339,7 @@ def test_set_scaled_state_makes_a_missing_state_as_the_first_step_does_then_writ
      r"this optimizer keeps no such state for it \(master_weights=False"),
     (lambda opt, p: opt.set_scaled_state(p, "max_exp_avg_sq", torch.zeros(70, 90)), ValueError,
      r"keeps no such state for it \(amsgrad=False\)"),
-    (lambda opt, p: opt.get_unscaled_state(p, "master_param"), ValueError, r"has no 'master_param' state"),
+    (lambda opt, p: opt.get_unscaled_state(p, "master_param"), StateNameError, r"has no 'master_param' state"),
 ], ids=["unknown name", "step", "not a param", "shape", "dtype", "not a tensor", "negative v", "no masters",
         "no amsgrad", "get a missing master"])
 def test_the_state_accessors_refuse_what_they_cannot_take_naming_it_and_change_nothing(call, error, message):
