@@ -124,6 +124,11 @@ void update(std::vector<TensorWork>& work, const std::vector<WorkItem>& items,
     const at::Tensor& p = *params[i];
     const at::Tensor& g = *grads[i];
     TensorWork& w = work[i];
+    TORCH_CHECK(grad_scale == 0.0 || !grad_in_param_memory(g, p), "ort_optim::adam_step_: grads[", i, "] shares ",
+                "memory with the param itself (p.grad = p.detach(), or a view of it), so a step with grad_scale cannot ",
+                "both update the param and leave the unscaled gradient in p.grad: give the gradient its own memory ",
+                "(p.grad = p.grad.clone()) or step without grad_scale (a plain step, max_grad_norm and found_inf read ",
+                "such a gradient before they write the param)");
     if (p.is_contiguous()) {
       w.param = p.data_ptr();
     } else {

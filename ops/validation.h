@@ -37,6 +37,19 @@ inline size_t bytes_needed(const at::Tensor& t) {
   return bytes_needed(t.storage_offset(), t.sizes(), t.strides(), t.element_size());
 }
 
+// Whether gradient g shares memory with its param p: the bytes they reach meet in one storage (p.grad = p.detach(),
+// or a view of it). A step that writes the unscaled gradient back (grad_scale) cannot: the param cannot hold both its
+// update and the unscaled gradient. Exact for contiguous tensors; for a strided one, the spans meeting is enough.
+inline bool grad_in_param_memory(const at::Tensor& g, const at::Tensor& p) {
+  if (!g.has_storage() || !p.has_storage() ||
+      g.storage().unsafeGetStorageImpl() != p.storage().unsafeGetStorageImpl()) {
+    return false;
+  }
+  const size_t g_end = bytes_needed(g), p_end = bytes_needed(p);
+  return g_end > 0 && p_end > 0 && size_t(g.storage_offset()) * g.element_size() < p_end &&
+         size_t(p.storage_offset()) * p.element_size() < g_end;
+}
+
 // The low-bit format of a uint8 state, told by its scales' dtype: float32 -> 8-bit, bfloat16 -> 4-bit.
 const LowBit* low_bit_of(const at::Tensor& state, const at::Tensor& scales);
 

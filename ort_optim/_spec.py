@@ -33,6 +33,30 @@ class AdamWMode(enum.IntEnum):
     ADAMW_TORCH = 2  # torch.optim.AdamW: p *= 1 - lr * wd before the update; torch's eps placement
 
 
+# A step with grad_scale writes the unscaled gradient back into each gradient: one in its param's own memory cannot
+# take it (the param cannot hold both). The op's error, after "grads[i] " (FusedAdam names the param instead).
+GRAD_IN_PARAM = ("shares memory with the param itself (p.grad = p.detach(), or a view of it), so a step with grad_scale "
+                 "cannot both update the param and leave the unscaled gradient in p.grad: give the gradient its own "
+                 "memory (p.grad = p.grad.clone()) or step without grad_scale (a plain step, max_grad_norm and "
+                 "found_inf read such a gradient before they write the param)")
+
+
+def grad_in_param_memory(g: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether gradient g shares memory with its param p (GRAD_IN_PARAM): the bytes they reach meet, as the native
+    op's ``grad_in_param_memory`` (ops/validation.h) decides: exact for contiguous tensors (two addresses and two
+    sizes: the usual case), the spans for strided ones."""
+    g_address, p_address = g.data_ptr(), p.data_ptr()
+    if g.is_contiguous() and p.is_contiguous():  # (an empty tensor reaches no bytes)
+        meet = g_address < p_address + p.nbytes and p_address < g_address + g.nbytes
+    else:
+        def span(t: torch.Tensor) -> int:  # bytes from t's first element to the end of its last
+            return (sum(st * (sz - 1) for st, sz in zip(t.stride(), t.shape)) + 1) * t.element_size()
+
+        meet = (g.numel() > 0 and p.numel() > 0 and g_address < p_address + span(p)
+                and p_address < g_address + span(g))
+    return meet and g.device == p.device and g.device.type != "meta"
+
+
 def check_hyperparameters(lr: float, beta1: float, beta2: float, prefix: str = "") -> None:
     """The op's rules for the lr and betas it steps with (ops/README.md), as ValueErrors, as step() raises them and the
     CPU kernel (ops/step.cpp) words them; prefix names the group ("param_groups[k]: ") where the caller knows it."""

@@ -970,8 +970,8 @@ class FusedAdam(torch.optim.Optimizer):
             # with the buffer.
             report = {"grad_norm": None, "found_inf": None if found_inf is None else (
                 found_inf.to(buckets[0][2].params[0].device).reshape(()) != 0).float().reshape(1)}
-        if unscaled and not traced:  # (traced: _init_group)
-            _plan.check_grads_writable(buckets, self_overlap=len(buckets) > 1 or buckets[0][2].native is None)
+        if unscaled and not traced and (len(buckets) > 1 or buckets[0][2].native is None):  # (traced: _init_group)
+            _plan.check_grads_writable(buckets)
         # A plain step reports the norm too where the update's own pass can sum the squares it reads.
         plain_norm = self._plain_norm_from_update(plan, buckets, grad_scale, found_inf)
         stats = []

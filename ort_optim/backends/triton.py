@@ -45,7 +45,8 @@ import torch
 
 from .._fork import renewed_lock
 from .._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_E5M2, FP8_FORMATS, FP8_MAX_ROOT,
-                     MIN_SCALE, QUANT_BLOCK, Q4, Q8, LowBitFormat, check_hyperparameters, square_tables)
+                     GRAD_IN_PARAM, MIN_SCALE, QUANT_BLOCK, Q4, Q8, LowBitFormat, check_hyperparameters,
+                     grad_in_param_memory, square_tables)
 from .._versions import mark_modified, step_taken
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
@@ -738,6 +739,7 @@ def adam_step_(
     if plan is not None and not (plan.generation == _generation and plan.device == device
                                  and plan.grad_dtypes == grad_dtypes and len(plan.shapes) == n):
         plan = None
+    vouched = plan is not None
     if plan is not None:
         # (the caller vouches for every tensor but the gradients, see launch_cache; the plan was only kept when the
         # params were contiguous, and it checked the gradients' shapes, devices and layouts itself)
@@ -785,6 +787,10 @@ def adam_step_(
         if torch._debug_has_internal_overlap(grads[i]) == 1:
             _fail(f"grads[{i}] overlaps itself (an expand()ed tensor), so it cannot be unscaled in place: give it its "
                   "own memory (grad.contiguous()) or step without grad_scale")
+    if grad_scale is not None and not vouched:  # (a kept launch plan's caller checked its gradients: FusedAdam)
+        for i, g in enumerate(grads):
+            if grad_in_param_memory(g, params[i]):
+                _fail(f"grads[{i}] {GRAD_IN_PARAM}")
 
     # Scalars that live on the device: same device as the params (copied there if given elsewhere).
     lr_t, inv_t, found_t = _on_device(lr_tensor, device), _on_device(inv_grad_scale, device), _on_device(found_inf,

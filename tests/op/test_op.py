@@ -635,6 +635,32 @@ def test_the_op_refuses_an_expanded_param_before_anything_is_written(backend, sk
             assert_bitwise_equal(x, y, "input")
 
 
+@pytest.mark.parametrize("alias", ["itself", "part of it"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_op_refuses_with_grad_scale_a_gradient_in_its_params_memory_before_anything_is_written(backend, alias,
+                                                                                                     monkeypatch):
+    """A gradient that shares memory with its param (p.grad = p.detach(), or a view over part of its elements)
+    cannot take the unscaled gradient the op writes back with grad_scale: the param cannot hold both. The op itself
+    (for callers other than FusedAdam, which refuses it first where it steps several buckets) says so before any
+    tensor is written."""
+    select_backend(monkeypatch, backend)
+    args, kwargs = Sample("errors", F32, F32, F32, F32, grad_scale=64.0).make()
+    params, grads = args[0], args[1]
+    if alias == "itself":
+        grads[1] = params[1]
+    else:
+        buffer = torch.randn(2 * params[1].numel())
+        params[1] = buffer[:params[1].numel()]
+        grads[1] = buffer[3:3 + params[1].numel()]
+    before = _clone_args(args)
+    with pytest.raises(RuntimeError, match=r"grads\[1\] shares memory with the param itself \(p.grad = "
+                                           r"p.detach\(\), or a view of it\), so a step with grad_scale cannot"):
+        backends.adam_step_(*args, **kwargs)
+    for a, b in zip(args, before):
+        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
+            assert_bitwise_equal(x, y, "input")
+
+
 DISJOINT = {
     "contiguous-halves": lambda base: [base[:2], base[2:]],
     "interleaved-columns": lambda base: [base[:, ::2], base[:, 1::2]],
