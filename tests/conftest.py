@@ -136,27 +136,9 @@ def assert_bitwise_equal_but_nan_bits(a: torch.Tensor, b: torch.Tensor, what: st
     assert_bitwise_equal(a, b, what, nan_mask=nan)
 
 
-class LargestAllocation(TorchDispatchMode):
-    """Within it, records the bytes of the largest storage that an op makes off the meta device (``nbytes``; a view
-    of an input makes none): what a piece of code allocates at most, whatever it frees later."""
-
-    def __init__(self):
-        super().__init__()
-        self.nbytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                 if isinstance(t, torch.Tensor) and not t.is_meta}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().data_ptr() not in given:
-                self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
-        return out
-
-
 class LargestTemporary(TorchDispatchMode):
-    """Within it, records every storage that an op makes off the meta device, as LargestAllocation does; after it,
-    :meth:`besides` gives the bytes of the largest one that is not a storage of the given tensors (what the code
+    """Within it, records every storage that an op makes off the meta device (a view of an input makes none); after
+    it, :meth:`besides` gives the bytes of the largest one that is not a storage of the given tensors (what the code
     keeps): its largest temporary."""
 
     def __init__(self):
@@ -176,6 +158,15 @@ class LargestTemporary(TorchDispatchMode):
         """(bytes, op) of the largest storage made that none of kept uses (0 where there is none)."""
         kept_ptrs = {t.untyped_storage().data_ptr() for t in kept if isinstance(t, torch.Tensor)}
         return max(((nbytes, op) for ptr, nbytes, op in self.made if ptr not in kept_ptrs), default=(0, ""))
+
+
+class LargestAllocation(LargestTemporary):
+    """Within it, records the storages that ops make off the meta device, as LargestTemporary does; ``nbytes`` is the
+    largest one's size: what a piece of code allocates at most, whatever it frees later."""
+
+    @property
+    def nbytes(self) -> int:
+        return max((nbytes for _, nbytes, _ in self.made), default=0)
 
 
 def optimizer_snapshot(opt: torch.optim.Optimizer, extra: Iterable[torch.Tensor] = (), report: bool = False) -> dict:
