@@ -78,8 +78,20 @@ READ_LAYOUTS = ("torchao's AdamW8bit, AdamW4bit, AdamWFp8 and bitsandbytes' Adam
                 "PagedAdamW8bit")
 
 
+def library(value: Any) -> str:
+    """The top-level package that defines value's class: "torchao", "bitsandbytes", "torch", ..."""
+    return type(value).__module__.split(".")[0]
+
+
+def reads_state_dict_of(optimizer: Any) -> bool:
+    """Whether load_state_dict reads this optimizer's state_dict: torchao's and bitsandbytes' Adam optimizers (every
+    class named Adam...: READ_LAYOUTS, their fp32 ones and torchao's _AdamW). Their other optimizers (Lion, SGD,
+    RMSprop, AdEMAMix, LAMB, ...) keep the states of other update rules, which it refuses."""
+    return library(optimizer) in ("torchao", "bitsandbytes") and "Adam" in type(optimizer).__name__
+
+
 def _is_torchao(value: Any) -> bool:
-    return type(value).__module__.split(".")[0] == "torchao"
+    return library(value) == "torchao"
 
 
 def _unreadable(value: Any) -> Optional[str]:

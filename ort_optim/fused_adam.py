@@ -1405,12 +1405,12 @@ class FusedAdam(torch.optim.Optimizer):
         optimizers do not have (master_weights, exp_avg_dtype, max_grad_norm, ...) and are passed to the constructor;
         the math's options (lr, betas, eps, weight_decay, amsgrad, maximize, adam_w_mode, bias_correction) come from
         the optimizer and are refused here (change them in ``param_groups`` afterwards if you mean to). A torchao or
-        bitsandbytes optimizer is refused naming the way its run continues: ``load_state_dict(its state_dict())``.
+        bitsandbytes Adam optimizer is refused naming the way its run continues: ``load_state_dict(its
+        state_dict())`` (their other optimizers' states follow other update rules, which load_state_dict refuses).
         """
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            library = type(optimizer).__module__.split(".")[0]
-            hint = "" if library not in ("torchao", "bitsandbytes") else (
-                f"; a {library} optimizer's run continues through its state_dict: "
+            hint = "" if not _migration.reads_state_dict_of(optimizer) else (
+                f"; a {_migration.library(optimizer)} optimizer's run continues through its state_dict: "
                 "FusedAdam(params, ...).load_state_dict(optimizer.state_dict()) reads torchao's and bitsandbytes' "
                 "Adam layouts (guides/low-bit-states.md, \"Migrating from torchao and bitsandbytes\")")
             raise TypeError(

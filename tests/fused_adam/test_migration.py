@@ -870,3 +870,15 @@ def test_from_optimizer_refuses_a_torchao_or_bitsandbytes_optimizer_naming_load_
     with pytest.raises(TypeError, match=rf"got {name}; .*{module.split('.')[0]} optimizer's run continues through "
                                         r"its state_dict: .*load_state_dict\(optimizer.state_dict\(\)\)"):
         FusedAdam.from_optimizer(optimizer)
+
+
+@pytest.mark.parametrize("module,name", [("bitsandbytes.optim.lion", "Lion8bit"), ("bitsandbytes.optim.sgd", "SGD8bit"),
+                                         ("bitsandbytes.optim.ademamix", "AdEMAMix8bit"),
+                                         ("torchao.optim.cpu_offload", "CPUOffloadOptimizer")])
+def test_from_optimizer_names_load_state_dict_only_for_the_adam_optimizers_whose_state_dict_it_reads(module, name):
+    """Their other optimizers (Lion, SGD, AdEMAMix, ...) keep states of other update rules, which load_state_dict
+    refuses: the error does not send their runs there."""
+    params = make_params()
+    optimizer = type(name, (torch.optim.Optimizer,), {"__module__": module})(params, {"lr": 1e-3})
+    with pytest.raises(TypeError, match=rf"converts torch.optim.Adam and torch.optim.AdamW, got {name}$"):
+        FusedAdam.from_optimizer(optimizer)
