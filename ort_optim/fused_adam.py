@@ -1299,8 +1299,9 @@ class FusedAdam(torch.optim.Optimizer):
         ``value = qmap[code] * scale[block]`` in float32 (fp8 codes are their own values; params under 4096
         elements have plain float32 moments), and then stored as every checkpoint is, in this optimizer's moment dtypes
         (8-bit and 4-bit moments are quantised once more, in their own formats). Each moment is decoded a piece at a
-        time where it is checked and stored, never whole (into params on the meta device: checked, and not kept).
-        Steps are kept; lr, betas, eps,
+        time where it is checked and stored, never whole (into params on the meta device: checked, and not kept),
+        except into DTensor params: each rank decodes every moment whole, once, to cut its piece from it as from a
+        full tensor. Steps are kept; lr, betas, eps,
         weight_decay (and torchao's amsgrad) are taken from the groups, with ``adam_w_mode=ADAMW_TORCH``,
         ``bias_correction=True`` and ``maximize=False``: both libraries' update is torch.optim.AdamW's (bitsandbytes'
         Adam8bit too: its step decays like AdamW's; its CUDA kernel decays after the update, a difference of lr * wd

@@ -431,6 +431,36 @@ def _refusals(mesh, other_mesh) -> dict:
     return out
 
 
+def _foreign_checkpoint_case(mesh) -> dict:
+    """A bitsandbytes AdamW8bit checkpoint (its layout: 8-bit codes, block scales, lookup tables) loaded into FusedAdam
+    over DTensor params (Shard(0) and Shard(1), uneven over the ranks) and into FusedAdam over the same params whole,
+    both with fp32 moments: the full states of each."""
+    import math
+
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(7)
+    shapes = [(65, 128), (33, 257)]  # (at least 4096 elements each: bitsandbytes codes them)
+    state = {}
+    for i, shape in enumerate(shapes):
+        quant = {}
+        for j in (1, 2):
+            quant[f"state{j}"] = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+            quant[f"qmap{j}"] = torch.linspace(-1.0 if j == 1 else 0.0, 1.0, 256)
+            quant[f"absmax{j}"] = torch.rand(-(-math.prod(shape) // 256), generator=g) * 0.1
+        state[i] = {"step": 10, "__bnb_optimizer_quant_state__": quant}
+    sd = {"state": state, "param_groups": [{"params": [0, 1], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
+                                            "weight_decay": 0.01, "alpha": 0.0, "t_alpha": None, "t_beta3": None}]}
+    whole = [nn.Parameter(torch.randn(shape, generator=g)) for shape in shapes]
+    plain = make_optimizer(whole)
+    plain.load_state_dict(sd)
+    sharded = [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(dim)])) for dim, p in enumerate(whole)]
+    opt = make_optimizer(sharded)
+    opt.load_state_dict(sd)
+    return {"sharded": [{k: full(v) for k, v in s.items()} for s in opt.state_dict()["state"].values()],
+            "whole": [{k: full(v) for k, v in s.items()} for s in plain.state_dict()["state"].values()]}
+
+
 def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     import torch.distributed as dist
 
@@ -498,6 +528,7 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     out["checkpoint"] = _checkpoint_case(pair_mesh, pair_rank, tmp_dir, rank // 2)
     dist.barrier()
     out["reshard-2-to-4"] = _reshard_to_world(world_mesh, rank, str(Path(tmp_dir) / "ckpt-pair0"))
+    out["foreign-checkpoint"] = _foreign_checkpoint_case(world_mesh)
     return out
 
 

@@ -7,8 +7,8 @@ the parent trains the same model on the whole batch in one process (within 5e-5 
 engines average the ranks' gradients instead of one batch's). FSDP2 over all 4 ranks (one rank holds an empty shard),
 bf16 params with masters and low-precision moments, 8-bit, 4-bit and fp8 moments against a FusedAdam stepping each
 rank's local pieces (they are coded per piece), a DTensor given a new local tensor or reallocated storage, an inf
-on one rank skipping the step everywhere (with FP16_Optimizer and torch.amp.GradScaler too), and bad input refused
-naming the param with nothing changed.
+on one rank skipping the step everywhere (with FP16_Optimizer and torch.amp.GradScaler too), bad input refused
+naming the param with nothing changed, and a bitsandbytes checkpoint loaded into DTensor params as into whole ones.
 
 Against ``torch.optim.AdamW`` (+ ``clip_grad_norm_``) in the same engine (torch_scenarios: 2 ranks, 20 steps): fp32
 and ``MixedPrecisionPolicy(param_dtype=bf16)``, ``reshard_after_forward`` both ways, uneven shards, a param without a
@@ -122,6 +122,19 @@ def test_bad_distributed_input_is_refused_naming_the_param_and_changes_nothing(m
         assert out["meshes-apart-untouched"]
         assert "param_groups[0]['params'][0]" in out["step-in-backward"] and "DTensor" in out["step-in-backward"]
         assert out["appended-dtensor-reduces"]
+
+
+@mesh.needs_fsdp2
+def test_a_bitsandbytes_checkpoint_loads_into_dtensor_params_as_into_whole_ones(mesh_results):
+    """Another library's checkpoint (load_state_dict reads its codes as float32 moments) loads into DTensor params
+    as into the params whole: each rank's pieces of the moments are those of the whole params' moments, bit for bit
+    (fp32 moments: the decoded values themselves)."""
+    for r in mesh_results:
+        out = r["foreign-checkpoint"]
+        for i, (sharded, whole) in enumerate(zip(out["sharded"], out["whole"])):
+            assert sorted(sharded) == sorted(whole) == ["exp_avg", "exp_avg_sq", "step"], (r["rank"], i)
+            for key in sharded:
+                assert torch.equal(sharded[key], whole[key]), (r["rank"], i, key)
 
 
 # ---- against torch.optim.AdamW in the same engine --------------------------------------------------------------------
