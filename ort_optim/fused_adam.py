@@ -159,19 +159,25 @@ class _CheckedOption:
         setattr(obj, self.slot, value if checked is None else checked)
 
 
+# Whether what TorchDynamo's first import leaves has been collected, or needs no collection: dynamo was imported
+# before this module (then no optimizer's frames were on the stack when it was).
+_dynamo_import_collected = "torch._dynamo" in sys.modules
+
+
 @contextlib.contextmanager
 def _frames_freed_if_dynamo_is_imported(hooks: bool):
     """Around code that may import TorchDynamo for the first time in the process (torch.optim.Optimizer's
-    add_param_group, the hooks' torch._dynamo.disable): under torch 2.13 that import leaves a frame that refers to
+    add_param_group, the hooks' torch._dynamo.disable, the constructor's own TorchDynamo-disabled wrapper, which
+    imports it before the constructor's body runs): under torch 2.13 that import leaves a frame that refers to
     itself (torch.fx.wrap's), whose callers' frames, the constructor's (or unpickler's) with the optimizer among them,
     only the garbage collector frees. An optimizer stepping in backward (hooks) must go when deleted, or its hooks go
     on updating the params and taking their gradients until the collector's next full pass: that cycle is collected
-    here, once per process."""
-    imported = "torch._dynamo" in sys.modules
+    here, once per process, by the first optimizer with hooks made (or unpickled) once TorchDynamo is imported."""
+    global _dynamo_import_collected
     yield
-    if hooks and not imported and "torch._dynamo" in sys.modules:
+    if hooks and not _dynamo_import_collected and "torch._dynamo" in sys.modules:
+        _dynamo_import_collected = True
         gc.collect()
-
 
 
 class StateNameError(KeyError, ValueError):

@@ -815,8 +815,9 @@ print(json.dumps({"freed": gone() is None, "updated": not torch.equal(before, mo
 @pytest.mark.slow  # (a fresh interpreter)
 @pytest.mark.parametrize("made_by", ["constructor", "unpickling"])
 def test_the_first_optimizer_of_a_process_is_freed_by_del_and_its_hooks_update_nothing_after(made_by, tmp_path):
-    """The first optimizer of a process imports TorchDynamo while it is made (torch.optim's add_param_group, the
-    hooks' torch._dynamo.disable), by its constructor or by unpickling: what that import leaves must not keep it
+    """The first optimizer of a process imports TorchDynamo while it is made (the constructor's TorchDynamo-disabled
+    wrapper, before its body runs; torch.optim's add_param_group, the hooks' torch._dynamo.disable), by its
+    constructor or by unpickling: what that import leaves must not keep it
     alive once deleted, where its hooks would go on updating the params and taking their gradients from whatever
     trains the model next. A fresh process, with the garbage collector off."""
     args = []
