@@ -1120,9 +1120,11 @@ class FusedAdam(torch.optim.Optimizer):
         is read, never written (TE scales it in place). A param not stepped yet gets its state first, as its first
         step would make it (step 0, zero moments, the master from the param), as TE makes the missing state; a
         state the optimizer does not keep (``'master_param'`` without master_weights, ``'max_exp_avg_sq'`` without
-        amsgrad) is refused. Setting ``'exp_avg_sq'`` of 4-bit moments keeps the values of ``'exp_avg'``, which
-        that format codes relative to it. Anything refused raises ValueError or TypeError naming it, and changes
-        nothing."""
+        amsgrad) is refused. A 4-bit ``'exp_avg'`` is coded relative to ``'exp_avg_sq'`` as stored at the call: set
+        ``'exp_avg_sq'`` first (as load_state_dict writes them); values it cannot code (non-zero where its sqrt(v) is
+        0, as in a state not made yet: TE's order, exp_avg first) are refused, and setting ``'exp_avg_sq'``
+        afterwards keeps ``'exp_avg'`` as that format held it. Anything refused raises ValueError or TypeError naming
+        it, and changes nothing."""
         where, local, state = self._state_entry(param, state_name, "set_scaled_state")
         what = f"set_scaled_state({where}, {state_name!r})"
         group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
@@ -1148,6 +1150,10 @@ class FusedAdam(torch.optim.Optimizer):
         values = unscaled_state.detach().to(local.device, copy=True)
         if state_name not in ("exp_avg", "master_param") and bool((values < 0).any()):
             raise ValueError(f"{what}: unscaled_state holds negative values; a second moment is a mean of squares")
+        if state_name == "exp_avg" and self._uncodable_exp_avg(local, state, values):
+            raise ValueError(f"{what}: a 4-bit exp_avg is coded relative to its exp_avg_sq (m / sqrt(v)), whose "
+                             "sqrt(v) is 0 where unscaled_state is not" + (" (no state yet)" if state is None else "")
+                             + ": set 'exp_avg_sq' first, then 'exp_avg' (the order load_state_dict writes them in)")
         if state is None:  # made as the first step makes it (then in place, as any state)
             state = self._layout.init_state(local, bool(group["amsgrad"]))
             self.state[param] = state
@@ -1165,6 +1171,16 @@ class FusedAdam(torch.optim.Optimizer):
         _checkpoint.from_canonical(state, state_name, values)
         if exp_avg is not None:  # (coded relative to exp_avg_sq: again, against its new values)
             _checkpoint.from_canonical(state, "exp_avg", exp_avg)
+
+    def _uncodable_exp_avg(self, local: torch.Tensor, state: Optional[dict], values: torch.Tensor) -> bool:
+        """Whether exp_avg values cannot be held by a 4-bit exp_avg (relative to its exp_avg_sq): non-zero where the
+        stored exp_avg_sq's sqrt(v) is 0 (everywhere in a state not made yet), which codes as 0."""
+        if state is not None and "exp_avg" in state:
+            if not formats.is_relative(state["exp_avg"], state.get("exp_avg_scale")):
+                return False
+            root = formats.state_root(state["exp_avg_sq"].detach(), state.get("exp_avg_sq_scale"), local.shape)
+            return bool(((root == 0) & (values != 0)).any())
+        return self._layout.dtypes(local)[0] == torch.uint4 and bool((values != 0).any())
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
 

@@ -1320,6 +1320,30 @@ def test_set_scaled_state_makes_a_missing_state_as_the_first_step_does_then_writ
     assert torch.equal(opt.get_unscaled_state(p, "exp_avg_sq"), torch.full((8,), 0.25))
 
 
+
+def test_a_4bit_exp_avg_is_set_after_its_exp_avg_sq_and_one_it_cannot_code_is_refused():
+    """A 4-bit exp_avg is coded relative to its exp_avg_sq as stored (its codes hold m / sqrt(v)): values set where
+    sqrt(v) is 0, as in a state not made yet (TE's order, exp_avg first), cannot be held at all, and are refused
+    naming the order that works, changing nothing; set after exp_avg_sq (the order load_state_dict writes them in),
+    they are held as a loaded checkpoint holding both holds them."""
+    options = _MOMENT_FORMATS["4-bit"]
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(70, 90))
+    opt = FusedAdam([p], lr=1e-2, **options)
+    exp_avg, exp_avg_sq = torch.randn(70, 90) * 0.01, torch.rand(70, 90) * 1e-3
+    with pytest.raises(ValueError, match=r"set_scaled_state\(param_groups\[0\]\['params'\]\[0\] .*, 'exp_avg'\): "
+                                         r"a 4-bit exp_avg is coded relative to its exp_avg_sq .* set 'exp_avg_sq' "
+                                         r"first"):
+        opt.set_scaled_state(p, "exp_avg", exp_avg)
+    assert len(opt.state) == 0
+    opt.set_scaled_state(p, "exp_avg_sq", exp_avg_sq)
+    opt.set_scaled_state(p, "exp_avg", exp_avg)
+    loaded = FusedAdam([torch.nn.Parameter(p.detach().clone())], lr=1e-2, **options)
+    checkpoint = opt.state_dict()
+    checkpoint["state"][0].update(exp_avg=exp_avg.clone(), exp_avg_sq=exp_avg_sq.clone())
+    loaded.load_state_dict(checkpoint)
+    assert_tree_bitwise_equal(loaded.state_dict(), opt.state_dict())
+
 @pytest.mark.parametrize("call, error, message", [
     (lambda opt, p: opt.get_unscaled_state(p, "exp_avg_sqr"), StateNameError,
      r"get_unscaled_state: state_name must be one of 'exp_avg', 'exp_avg_sq', 'master_param', 'max_exp_avg_sq', "
