@@ -320,9 +320,10 @@ class FusedAdam(torch.optim.Optimizer):
     it, over every moment format here (float32, bfloat16, fp16 with block scales, 8-bit, 4-bit, fp8) and
     ``'master_param'``. Where they differ from TE's: the result of get is always a copy (TE's is the state itself for
     a float32 state); set never writes its argument (TE scales it in place) and takes float64 for a float64 param's
-    moments; ``'max_exp_avg_sq'`` (amsgrad) is a fourth name; a missing state or an unknown name is a ValueError
-    (TE: KeyError), a wrong dtype a TypeError and a wrong shape a ValueError (TE: an assertion or torch's error),
-    each naming what is wrong and changing nothing.
+    moments; ``'max_exp_avg_sq'`` (amsgrad) is a fourth name; a missing state or an unknown name is a
+    :class:`StateNameError` (a KeyError, as TE's, and a ValueError), a tensor that is not one of the optimizer's params
+    a ValueError (TE: a KeyError from get, a state made for it by set), a wrong dtype a TypeError and a wrong shape a
+    ValueError (TE: an assertion or torch's error), each naming what is wrong and changing nothing.
 
     ``step(closure=None, *, grad_scale=None, found_inf=None)``: ``grad_scale`` (float or one-element floating-point
     tensor, finite and non-zero in float32, as torch's GradScaler keeps its scale) divides every gradient inside the
