@@ -1,6 +1,8 @@
 // TensorWatch and AdamPlan (declared, with their contracts, in adam_plan.h).
 #include "adam_plan.h"
 
+#include <ATen/MemoryOverlap.h>
+
 #include <algorithm>
 #include <unordered_set>
 
@@ -270,6 +272,18 @@ void AdamPlan::forget_params() {
     held_grads_[i].reset();
   }
   borrowed_count_ = 0;
+}
+
+int64_t AdamPlan::unscalable_grad() const {
+  TORCH_CHECK(checked_, "ort_optim.AdamPlan: unscalable_grad() needs a successful check() first");
+  for (size_t i = 0; i < borrowed_count_; ++i) {
+    const at::Tensor& g = *grads_[i];
+    if ((!g.is_contiguous() && at::has_internal_overlap(g) == at::MemOverlap::Yes) ||
+        grad_in_param_memory(g, *param_pointers_[i])) {
+      return int64_t(i);
+    }
+  }
+  return -1;
 }
 
 void AdamPlan::forget() {

@@ -150,6 +150,11 @@ class AdamPlan : public TensorWatch {
   // grad_stats over the params' current gradients, after a successful check().
   at::Tensor grad_stats();
 
+  // After a successful check(): the position of the first param whose gradient cannot take the unscaled gradient
+  // that a step with grad_scale writes back (it overlaps itself, or shares memory with its param: the op's own
+  // tests), else -1. For a caller that steps several buckets and must refuse before any of them writes.
+  int64_t unscalable_grad() const;
+
   // Gives back what a successful check() holds for the step (a step gives it back itself): for a caller that does
   // not step after all.
   void forget();

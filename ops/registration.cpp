@@ -30,6 +30,7 @@ TORCH_LIBRARY_FRAGMENT(ort_optim, m) {
       .def("check", &AdamPlan::check)
       .def("step", &AdamPlan::step)
       .def("grad_stats", &AdamPlan::grad_stats)
+      .def("unscalable_grad", &AdamPlan::unscalable_grad)
       .def("forget", &AdamPlan::forget);
 }
 

@@ -37,17 +37,20 @@ inline size_t bytes_needed(const at::Tensor& t) {
   return bytes_needed(t.storage_offset(), t.sizes(), t.strides(), t.element_size());
 }
 
-// Whether gradient g shares memory with its param p: the bytes they reach meet in one storage (p.grad = p.detach(),
-// or a view of it). A step that writes the unscaled gradient back (grad_scale) cannot: the param cannot hold both its
-// update and the unscaled gradient. Exact for contiguous tensors; for a strided one, the spans meeting is enough.
+// Whether gradient g shares memory with its param p: the bytes their elements reach, from the first element's address
+// to the end of the last, meet (p.grad = p.detach(), or a view of it; addresses, not storages, so memory shared
+// outside torch counts too). A step that writes the unscaled gradient back (grad_scale) cannot take it: the param
+// cannot hold both its update and the unscaled gradient. Exact for contiguous tensors; for a strided one the spans
+// decide (interleaved views of one buffer count as sharing). ort_optim/_spec.py's grad_in_param_memory is the same rule.
 inline bool grad_in_param_memory(const at::Tensor& g, const at::Tensor& p) {
-  if (!g.has_storage() || !p.has_storage() ||
-      g.storage().unsafeGetStorageImpl() != p.storage().unsafeGetStorageImpl()) {
+  if (g.numel() == 0 || p.numel() == 0 || g.device() != p.device() || g.is_meta() || !g.has_storage() ||
+      !p.has_storage()) {
     return false;
   }
-  const size_t g_end = bytes_needed(g), p_end = bytes_needed(p);
-  return g_end > 0 && p_end > 0 && size_t(g.storage_offset()) * g.element_size() < p_end &&
-         size_t(p.storage_offset()) * p.element_size() < g_end;
+  const uintptr_t g_address = uintptr_t(g.data_ptr()), p_address = uintptr_t(p.data_ptr());
+  const size_t g_span = bytes_needed(0, g.sizes(), g.strides(), g.element_size());
+  const size_t p_span = bytes_needed(0, p.sizes(), p.strides(), p.element_size());
+  return g_address < p_address + p_span && p_address < g_address + g_span;
 }
 
 // The low-bit format of a uint8 state, told by its scales' dtype: float32 -> 8-bit, bfloat16 -> 4-bit.

@@ -1205,19 +1205,22 @@ def check_grads_writable(buckets: list) -> None:
     """Before a step that writes the unscaled gradients back into ``p.grad`` (a grad_scale was given): refuses a
     gradient whose elements share memory (an ``expand()``ed tensor cannot hold one value per element), or that shares
     memory with its own param (``p.grad = p.detach()``, or a view of it: the param cannot hold both its update and the
-    unscaled gradient), naming its param, before any bucket writes. Only non-contiguous gradients can overlap
-    themselves; the usual cost is about half a microsecond per gradient (the tensors' addresses and sizes read
-    through Python). A lone native bucket is not checked here: its op makes both tests itself before it writes;
-    several buckets need them up front."""
+    unscaled gradient), naming its param, before any bucket writes. A native bucket's plan makes both tests in one
+    call (AdamPlan.unscalable_grad); other buckets' gradients are tested here, about half a microsecond each (their
+    addresses and sizes read through Python). A lone native bucket needs no call: its op makes the tests itself
+    before it writes; several buckets need them up front."""
     for group_index, _, bucket in buckets:
-        grads = bucket.grads if bucket.native is None else [p.grad for p in bucket.params]
-        for k, g in enumerate(grads):
+        if bucket.native is not None:
+            k = bucket.native.unscalable_grad()
+            candidates = [] if k < 0 else [(k, bucket.params[k].grad)]
+        else:
+            candidates = enumerate(bucket.grads)
+        for k, g in candidates:
+            where = describe(group_index, bucket.indices[k], bucket.params[k])
             if not grad_writable(g):
-                raise GradientError(unwritable_grad_message(describe(group_index, bucket.indices[k],
-                                                                     bucket.params[k])))
+                raise GradientError(unwritable_grad_message(where))
             if _spec.grad_in_param_memory(g, bucket.params[k]):
-                raise GradientError(grad_in_param_message(describe(group_index, bucket.indices[k],
-                                                                   bucket.params[k])))
+                raise GradientError(grad_in_param_message(where))
 
 
 def grad_in_param_message(where: str) -> str:

@@ -486,6 +486,12 @@ class AdamPlan(TensorWatch):
         """:func:`grad_stats` of the params' current gradients, after a successful :meth:`check`."""
         return self._native.grad_stats()
 
+    def unscalable_grad(self) -> int:
+        """After a successful :meth:`check`: the position of the first param whose gradient cannot take the unscaled
+        gradient a step with grad_scale writes back (it overlaps itself, or shares memory with its param: the op's
+        own tests), else -1."""
+        return self._native.unscalable_grad()
+
     def forget(self) -> None:
         """Gives back the params and gradients that a successful :meth:`check` holds until the step (which gives them
         back itself), for a caller that does not step after all."""

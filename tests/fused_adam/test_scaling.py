@@ -212,9 +212,14 @@ def test_an_expanded_gradient_in_a_later_bucket_is_refused_before_the_first_buck
 
 
 def _param_with_grad_in_its_memory(alias: str) -> torch.nn.Parameter:
-    """A param of 6 elements whose gradient shares memory with it: the param itself, a view of all of it, or a view
-    of one buffer over part of the param's elements (the param is buffer[:6], its gradient buffer[3:9])."""
+    """A param of 6 elements whose gradient shares memory with it: the param itself, a view of all of it, a view of
+    one buffer over part of the param's elements (the param is buffer[:6], its gradient buffer[3:9]), or a tensor of
+    another storage over the param's memory (made through numpy: what counts is the memory, not torch's storage)."""
     torch.manual_seed(0)
+    if alias == "another storage":
+        p = torch.nn.Parameter(torch.randn(6))
+        p.grad = torch.from_numpy(p.detach().numpy())
+        return p
     if alias == "part of it":
         buffer = torch.randn(9)
         p = torch.nn.Parameter(buffer[:6])
@@ -226,26 +231,30 @@ def _param_with_grad_in_its_memory(alias: str) -> torch.nn.Parameter:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("groups", [1, 2], ids=["one group", "behind another group"])
 @pytest.mark.parametrize("when", ["first step", "later step"])
-@pytest.mark.parametrize("alias", ["itself", "a view", "part of it"])
+@pytest.mark.parametrize("alias", ["itself", "a view", "part of it", "another storage"])
 def test_a_gradient_in_its_params_memory_cannot_be_unscaled_in_place_and_is_refused_before_anything_changes(
-        alias, when, backend, monkeypatch):
+        alias, when, groups, backend, monkeypatch):
     """``p.grad = p.detach()`` (or a view sharing some of the param's elements) with grad_scale: the param cannot hold
     both its update and the unscaled gradient that the step leaves in p.grad (torch's fused AdamW writes both, one
     over the other, on the CPU and on CUDA in opposite orders; torch.amp.GradScaler's unscale_ divides the param
-    itself): refused naming the param, before anything changes, the first step's state creation included."""
+    itself): refused naming the param, before anything changes, the first step's state creation included, and behind
+    another param group's params too (each group a bucket of its own: none may write before the refusal)."""
     select_backend(monkeypatch, backend)
     p = _param_with_grad_in_its_memory(alias)
     aliased = p.grad
-    opt = FusedAdam([p], lr=1e-3)
+    other = torch.nn.Parameter(torch.randn(5))
+    opt = FusedAdam([p] if groups == 1 else [{"params": [other]}, {"params": [p], "weight_decay": 0.1}], lr=1e-3)
     if when == "later step":
-        p.grad = torch.ones(6)
+        p.grad, other.grad = torch.ones(6), torch.ones(5)
         opt.step(grad_scale=2.0)
         p.grad = aliased
+    other.grad = torch.ones(5)
     before = optimizer_snapshot(opt, report=True)
     for scale in (2.0, torch.tensor(2.0)):
-        with pytest.raises(GradientError, match=r"param_groups\[0\]\['params'\]\[0\] .*'s grad shares memory "
-                                                r"with the param itself .* give the gradient its own memory"):
+        with pytest.raises(GradientError, match=rf"param_groups\[{groups - 1}\]\['params'\]\[0\] .*'s grad shares "
+                                                r"memory with the param itself .* give the gradient its own memory"):
             opt.step(grad_scale=scale)
         assert_same_snapshot(before, optimizer_snapshot(opt, report=True))
         assert bool(opt.state.get(p)) == (when == "later step")
