@@ -1935,41 +1935,49 @@ CROSS_CONFIGS = [
     dict(dtype="bfloat16", options=dict(stochastic_rounding=True, exp_avg_dtype="bfloat16")),
 ]
 
+# One interpreter does several runs in order, each (start, stop, load, save) over every config afresh: a start of an
+# interpreter costs seconds, and the runs share nothing but the imports.
 CROSS_RUN = """
 import hashlib, json, numpy as np, torch
 from ort_optim import FusedAdam
 
-configs, start, stop, load, save = {args}
-out = []
-for index, config in enumerate(configs):
-    dtype = getattr(torch, config["dtype"])
-    options = {{k: getattr(torch, v) if k.endswith("_dtype") else v for k, v in config["options"].items()}}
-    shapes = [(5,), (33, 17), (1,), (300,), (1031,)]
-    rng = np.random.default_rng(7)
-    params = [torch.nn.Parameter(torch.from_numpy(rng.standard_normal(s)).to(dtype)) for s in shapes]
-    opt = FusedAdam(params, lr=1e-2, **options)
-    if load:
-        saved = torch.load(f"{{load}}.{{index}}", weights_only=True)
-        with torch.no_grad():
-            for p, value in zip(params, saved["params"]):
-                p.copy_(value)
-        opt.load_state_dict(saved["optimizer"])
-    for step in range(start, stop):
-        rng = np.random.default_rng(1000 + step)
-        for p in params:
-            p.grad = torch.from_numpy(rng.standard_normal(p.shape) * 3).to(dtype)
-        if "grad_scale" in config:
+configs, runs = {args}
+
+
+def run(start, stop, load, save):
+    out = []
+    for index, config in enumerate(configs):
+        dtype = getattr(torch, config["dtype"])
+        options = {{k: getattr(torch, v) if k.endswith("_dtype") else v for k, v in config["options"].items()}}
+        shapes = [(5,), (33, 17), (1,), (300,), (1031,)]
+        rng = np.random.default_rng(7)
+        params = [torch.nn.Parameter(torch.from_numpy(rng.standard_normal(s)).to(dtype)) for s in shapes]
+        opt = FusedAdam(params, lr=1e-2, **options)
+        if load:
+            saved = torch.load(f"{{load}}.{{index}}", weights_only=True)
+            with torch.no_grad():
+                for p, value in zip(params, saved["params"]):
+                    p.copy_(value)
+            opt.load_state_dict(saved["optimizer"])
+        for step in range(start, stop):
+            rng = np.random.default_rng(1000 + step)
             for p in params:
-                p.grad.mul_(config["grad_scale"])
-            opt.step(grad_scale=config["grad_scale"])
-        else:
-            opt.step()
-    if save:
-        torch.save(dict(params=[p.detach() for p in params], optimizer=opt.state_dict()), f"{{save}}.{{index}}")
-    tensors = [p.detach() for p in params] + [t for s in opt.state_dict()["state"].values() for t in s.values()]
-    out.append([hashlib.sha256(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                for t in tensors])
-print(json.dumps(out))
+                p.grad = torch.from_numpy(rng.standard_normal(p.shape) * 3).to(dtype)
+            if "grad_scale" in config:
+                for p in params:
+                    p.grad.mul_(config["grad_scale"])
+                opt.step(grad_scale=config["grad_scale"])
+            else:
+                opt.step()
+        if save:
+            torch.save(dict(params=[p.detach() for p in params], optimizer=opt.state_dict()), f"{{save}}.{{index}}")
+        tensors = [p.detach() for p in params] + [t for s in opt.state_dict()["state"].values() for t in s.values()]
+        out.append([hashlib.sha256(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                    for t in tensors])
+    return out
+
+
+print(json.dumps([run(*r) for r in runs]))
 """
 
 
@@ -1985,15 +1993,17 @@ def _other_environment():
 def test_a_checkpoint_moved_between_the_environments_resumes_bit_for_bit_as_the_run_that_stayed(tmp_path):
     here, there = sys.executable, _other_environment()
 
-    def run(python, start, stop, load=None, save=None):
-        args = repr((CROSS_CONFIGS, start, stop, str(load) if load else None, str(save) if save else None))
-        return run_python(python, CROSS_RUN.format(args=args), tmp_path)
+    def run(python, *runs):
+        """Each run (start, stop, load, save), in order in one interpreter: their outputs."""
+        runs = [(start, stop, load and str(load), save and str(save)) for start, stop, load, save in runs]
+        return run_python(python, CROSS_RUN.format(args=repr((CROSS_CONFIGS, runs))), tmp_path)
 
-    stayed = run(here, 0, 8)
-    run(there, 0, 4, save=tmp_path / "there")
-    assert run(here, 4, 8, load=tmp_path / "there") == stayed, "saved with torch 2.4.1, resumed here"
-    run(here, 0, 4, save=tmp_path / "here")
-    assert run(there, 4, 8, load=tmp_path / "here") == stayed, "saved here, resumed with torch 2.4.1"
+    run(there, (0, 4, None, tmp_path / "there"))
+    stayed, _, moved_here = run(here, (0, 8, None, None), (0, 4, None, tmp_path / "here"),
+                                (4, 8, tmp_path / "there", None))
+    assert moved_here == stayed, "saved with torch 2.4.1, resumed here"
+    [moved_there] = run(there, (4, 8, tmp_path / "here", None))
+    assert moved_there == stayed, "saved here, resumed with torch 2.4.1"
 
 
 # ---- torch's default device -------------------------------------------------------------------------------------
