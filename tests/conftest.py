@@ -20,6 +20,8 @@ from torch.utils._pytree import tree_leaves
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the package under test, whatever the working directory
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/reference.py
+# the distributed scenario modules (tests/distributed/), which test modules elsewhere read too (fp16_scenarios.py)
+sys.path.append(str(Path(__file__).resolve().parent / "distributed"))
 
 from ort_optim import backends  # noqa: E402
 from ort_optim.bench.common import intra_op_threads  # noqa: E402
@@ -280,11 +282,10 @@ def run_python(python, code: str, cwd: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# ---- the spawned scenario sets that several modules of tests/distributed/ read --------------------------------------
+# ---- the spawned scenario sets that several test modules read ------------------------------------------------------
 # (Here, not in a tests/distributed/conftest.py: the modules import this one by name, and a second conftest module
 # would take its place in sys.modules.) Each set spawns once per session (distributed_harness.run_once); the scenario
-# modules are imported when a test asks for their results: they live in tests/distributed/, which pytest puts on
-# sys.path when it collects the modules there.
+# modules are imported when a test asks for their results: they live in tests/distributed/, on sys.path (above).
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import fp16_scenarios
 from distributed_harness import run_once, torch_too_old
 from torch import nn
 
@@ -477,6 +478,7 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     data_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # the two ranks of each pipeline stage
     out["pipeline"] = _pipeline_case(rank, pair_group, data_groups[rank % 2])
     out["pipeline-inf"] = _pipeline_case(rank, pair_group, data_groups[rank % 2], poison=(2, 3))
+    out["fp16-optimizer-stages"] = fp16_scenarios.four_ranks(rank)  # (test_fp16_distributed.py)
     if FSDP2_REASON is not None:
         return out
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import fp16_scenarios
 from distributed_harness import run_once, torch_too_old
 from torch import nn
 
@@ -759,6 +760,7 @@ def scenarios(rank: int, world: int, tmp_dir: str) -> dict:
     out["tp"] = _tp_vs_torch(rank)
     out["fp16-optimizer-tp"] = _fp16_optimizer_on(rank, "tp")
     out["refusals"] = _refusals(rank)
+    out["fp16-optimizer"] = fp16_scenarios.two_ranks(rank)  # (test_fp16_distributed.py)
     if DEEPSPEED_REASON is None:
         import deepspeed
         import deepspeed.ops
