@@ -284,6 +284,13 @@ def _clone_args(args):
     return tuple([t.clone() for t in a] if isinstance(a, list) else a.clone() for a in args)
 
 
+def _assert_args_equal(args, others, what):
+    """The op's arguments (tensors and lists of tensors, as _clone_args copies them) bit for bit equal."""
+    for a, b in zip(args, others):
+        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
+            assert_bitwise_equal(x, y, what)
+
+
 def _dtype_combinations():
     cases = []
     for index, (param_dtype, grad_dtype, m_dtype, v_dtype) in enumerate(
@@ -371,9 +378,7 @@ def test_native_adam_step_does_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(previous)
     for other in results[1:]:
-        for a, b in zip(results[0], other):
-            for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
-                assert_bitwise_equal(x, y, "1 vs 2 and 3 threads")
+        _assert_args_equal(results[0], other, "1 vs 2 and 3 threads")
 
 
 BETAS_TENSOR_CASES = [
@@ -397,9 +402,7 @@ def test_betas_tensor_gives_the_float_betas_results_bit_for_bit(sample, backend,
         backends.adam_step_(*floats, **dict(kwargs, beta1=beta1, beta2=0.99))
         betas = torch.tensor([beta1, 0.99], dtype=torch.float64)
         backends.adam_step_(*tensors, **dict(kwargs, beta1=0.0, beta2=0.0, betas_tensor=betas))
-    for a, b in zip(tensors, floats):
-        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
-            assert_bitwise_equal(x, y, "betas_tensor vs float betas")
+    _assert_args_equal(tensors, floats, "betas_tensor vs float betas")
 
 
 WRONG_BETAS = {
@@ -423,9 +426,7 @@ def test_a_wrong_betas_tensor_is_refused_before_anything_is_written(case, backen
     with pytest.raises(RuntimeError, match=r"betas_tensor must be a float64 tensor of shape \[2\] \(beta1, beta2\) "
                                            r"on the steps' device \(cpu\), got"):
         backends.adam_step_(*args, **dict(kwargs, betas_tensor=WRONG_BETAS[case]))
-    for a, b in zip(args, before):
-        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
-            assert_bitwise_equal(x, y, "input")
+    _assert_args_equal(args, before, "input")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -437,9 +438,7 @@ def test_any_non_zero_found_inf_skips_the_step_and_writes_nothing(flag, backend,
     args, kwargs = Sample("skip", F16, F16, F16, F32, master=True, inv_grad_scale=True, grad_scale=64.0).make()
     before = _clone_args(args)
     backends.adam_step_(*args, **dict(kwargs, found_inf=torch.tensor([flag])))
-    for a, b in zip(args, before):
-        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
-            assert_bitwise_equal(x, y, f"input after found_inf={flag}")
+    _assert_args_equal(args, before, f"input after found_inf={flag}")
 
 
 BF16_PARAMS = Sample("bf16", BF16, BF16, F32, F32)
@@ -468,9 +467,7 @@ def test_wrong_rounding_keys_are_refused_before_anything_is_written(case, backen
     before = _clone_args(args)
     with pytest.raises(RuntimeError, match=r"(?i)ort_optim::adam_step_: " + message):
         backends.adam_step_(*args, **dict(kwargs, rounding_keys=keys(len(args[0]))))
-    for a, b in zip(args, before):
-        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
-            assert_bitwise_equal(x, y, "input")
+    _assert_args_equal(args, before, "input")
 
 
 def _without(index):
@@ -517,9 +514,7 @@ def test_the_op_validates_everything_before_writing(mutate, message):
     before = [[t.clone() for t in a] if isinstance(a, list) else a.clone() for a in args]
     with pytest.raises(RuntimeError, match=message):
         torch.ops.ort_optim.adam_step_(*args, **kwargs)
-    for a, b in zip(args, before):
-        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
-            assert_bitwise_equal(x, y, "input")
+    _assert_args_equal(args, before, "input")
 
 
 # ---- QUANT_BLOCK ---------------------------------------------------------------------------------------------------
@@ -630,9 +625,7 @@ def test_the_op_refuses_an_expanded_param_before_anything_is_written(backend, sk
     with pytest.raises(RuntimeError, match=r"params\[1\] overlaps itself \(an expand\(\)ed tensor\), so it cannot "
                                            r"hold one updated value per element"):
         backends.adam_step_(*args, **kwargs)
-    for a, b in zip(args, before):
-        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
-            assert_bitwise_equal(x, y, "input")
+    _assert_args_equal(args, before, "input")
 
 
 @pytest.mark.parametrize("alias", ["itself", "part of it"])
@@ -656,9 +649,7 @@ def test_the_op_refuses_with_grad_scale_a_gradient_in_its_params_memory_before_a
     with pytest.raises(RuntimeError, match=r"grads\[1\] shares memory with the param itself \(p.grad = "
                                            r"p.detach\(\), or a view of it\), so a step with grad_scale cannot"):
         backends.adam_step_(*args, **kwargs)
-    for a, b in zip(args, before):
-        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
-            assert_bitwise_equal(x, y, "input")
+    _assert_args_equal(args, before, "input")
 
 
 DISJOINT = {
@@ -721,9 +712,7 @@ def _compare_compiled_with_eager(target, monkeypatch):
         for _ in range(2):
             step(*eager)
             torch.compile(step, fullgraph=True)(*compiled)
-        for a, b in zip(eager, compiled):
-            for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
-                assert_bitwise_equal(x, y, "compiled vs eager")
+        _assert_args_equal(eager, compiled, "compiled vs eager")
     else:
         g = torch.Generator().manual_seed(4)
         values = [torch.randn(40, generator=g), torch.randn(3, 5, generator=g).half()]
