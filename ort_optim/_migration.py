@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -153,8 +153,9 @@ def canonical_checkpoint(state_dict: Any) -> Any:
     """state_dict itself when no foreign layout is recognised; else a new canonical checkpoint with the same
     values (fresh tensors and containers; the given dict is not written to). Also refuses, naming the entry, a
     state tensor that is a tensor subclass of a kind it does not know, since no check of the usual path can read
-    one. Quantised moments come back as _checkpoint.Decoded values, decoded a piece at a time where the load reads
-    them (:func:`_decoded`)."""
+    one. Quantised moments come back as _checkpoint.Decoded values, decoded a piece at a time where the load checks
+    and stores them, so that no decoded copy of a whole moment is made (refusals name the canonical entry, which
+    explain_entry then says what it is here)."""
     source = source_of(state_dict)
     if source is None:
         _refuse_unknown_subclasses(state_dict)
@@ -258,15 +259,6 @@ def _adam_group(group: dict, gi: int, lr: Any) -> dict:
     return out
 
 
-def _decoded(shape: torch.Size, decode: Callable[[int, int], torch.Tensor], device: torch.device) -> Any:
-    """The float32 values of a moment of this shape on device, decode(start, stop) giving its flat elements [start,
-    stop): a _checkpoint.Decoded, which the load checks and stores a piece at a time as it checks and stores any
-    entry (_checkpoint.CHECK_CHUNK elements), so that it makes no decoded copy of the whole moment (into params on
-    the meta device, whose states keep no values, no values at all) and its refusals name the canonical entry, as for
-    any checkpoint (explain_entry then says what that entry is here)."""
-    return _checkpoint.Decoded(torch.Size(shape), device, decode)
-
-
 # ---- torchao -------------------------------------------------------------------------------------------------------
 
 
@@ -341,7 +333,7 @@ def _attr(value: Any, name: str, where: str, dtype: Optional[torch.dtype] = None
 
 def _torchao_values(value: Any, where: str) -> Any:
     """The float32 values a torchao OptimState* holds, decoded from its attributes as its dequantize() does, a piece
-    at a time (_decoded)."""
+    at a time where the load checks and stores them (_checkpoint.Decoded)."""
     kind = type(value).__name__
     if kind not in TORCHAO_STATES:
         raise ValueError(f"{where} is torchao's {kind}, a state layout ort_optim does not read; it reads "
@@ -388,7 +380,7 @@ def _torchao_values(value: Any, where: str) -> Any:
         values = codes.float() if table is None else table[codes.long()]
         return values * scale[torch.arange(start, stop, device=flat.device) // block]
 
-    return _decoded(shape, decode, flat.device)
+    return _checkpoint.Decoded(torch.Size(shape), flat.device, decode)
 
 
 # ---- bitsandbytes --------------------------------------------------------------------------------------------------
@@ -434,7 +426,7 @@ def _bnb_block_sizes(n: int, blocks: int, where: str) -> frozenset[int]:
 
 def _bnb_decode(quant: dict, i: int, where: str) -> tuple[Any, Optional[frozenset[int]]]:
     """state{i} decoded, and the block sizes its scales fit: float32 states as they are (None); uint8 codes as
-    qmap{i}[code] * absmax{i}[block], a piece at a time (_decoded)."""
+    qmap{i}[code] * absmax{i}[block], a piece at a time where the load checks and stores them (_checkpoint.Decoded)."""
     codes = quant.get(f"state{i}")
     if not isinstance(codes, torch.Tensor) or type(codes) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"{where}['state{i}'] must be a plain tensor, got {show(codes)}")
@@ -467,7 +459,7 @@ def _bnb_decode(quant: dict, i: int, where: str) -> tuple[Any, Optional[frozense
     def decode(start: int, stop: int) -> torch.Tensor:
         return qmap[flat[start:stop].long()] * absmax[torch.arange(start, stop, device=flat.device) // block]
 
-    return _decoded(codes.shape, decode, flat.device), sizes
+    return _checkpoint.Decoded(codes.shape, flat.device, decode), sizes
 
 
 def _bnb_state(state: dict, where: str) -> tuple[dict, Optional[frozenset[int]]]:
