@@ -188,6 +188,7 @@ class StateNameError(KeyError, ValueError):
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
+
 class FusedAdam(torch.optim.Optimizer):
     r"""Multi-tensor Adam/AdamW whose update is one call of ort_optim's fused op per (device, dtype) bucket.
 
@@ -1076,17 +1077,17 @@ class FusedAdam(torch.optim.Optimizer):
     # The states get_unscaled_state and set_scaled_state name: TransformerEngine's three, and amsgrad's running maximum.
     _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param", "max_exp_avg_sq")
 
-    def _state_entry(self, param: Any, state_name: Any, verb: str) -> tuple[str, torch.Tensor, Optional[dict]]:
-        """(the param's description, its local tensor, its state or None) for the state accessors, after checking
-        that state_name is one they take and that param is one of this optimizer's params."""
+    def _state_entry(self, param: Any, state_name: Any, verb: str) -> tuple[str, torch.Tensor, Optional[dict], dict]:
+        """(the param's description, its local tensor, its state or None, its param group) for the state accessors,
+        after checking that state_name is one they take and that param is one of this optimizer's params."""
         if not isinstance(state_name, str) or state_name not in self._STATE_NAMES:
-            raise StateNameError(f"{verb}: state_name must be one of {', '.join(map(repr, self._STATE_NAMES))}, got "
-                             f"{state_name!r}")
+            raise StateNameError(f"{verb}: state_name must be one of {', '.join(map(repr, self._STATE_NAMES))}, "
+                                 f"got {state_name!r}")
         for group_index, group in enumerate(self.param_groups):
             for index, p in enumerate(group["params"]):
                 if p is param:
                     state = self.state.get(p)
-                    return describe(group_index, index, p), dtensor.local(p), (state if state else None)
+                    return describe(group_index, index, p), dtensor.local(p), (state if state else None), group
         got = (f"a tensor of shape {tuple(param.shape)}, {param.dtype}" if isinstance(param, torch.Tensor)
                else type(param).__name__)
         raise ValueError(f"{verb}: param must be one of this optimizer's params (the tensor listed in param_groups), "
@@ -1103,10 +1104,10 @@ class FusedAdam(torch.optim.Optimizer):
         without that state (not stepped yet; no master without master_weights) or an unknown ``state_name`` raises
         :class:`StateNameError` naming it (a KeyError, as TE raises, and a ValueError); a tensor that is not one of
         this optimizer's params raises ValueError."""
-        where, local, state = self._state_entry(param, state_name, "get_unscaled_state")
+        where, local, state, _ = self._state_entry(param, state_name, "get_unscaled_state")
         if state is None or state_name not in state:
             raise StateNameError(f"get_unscaled_state: {where} has no {state_name!r} state"
-                             + (" yet (its first step makes it)" if state is None else ""))
+                                 + (" yet (its first step makes it)" if state is None else ""))
         if state_name == "master_param":
             return state["master_param"].detach().to(torch.float32, copy=True)
         return _checkpoint.to_canonical(state, state_name, local.shape)
@@ -1126,9 +1127,8 @@ class FusedAdam(torch.optim.Optimizer):
         0, as in a state not made yet: TE's order, exp_avg first) are refused, and setting ``'exp_avg_sq'``
         afterwards keeps ``'exp_avg'`` as that format held it. Anything refused raises ValueError or TypeError naming
         it, and changes nothing."""
-        where, local, state = self._state_entry(param, state_name, "set_scaled_state")
+        where, local, state, group = self._state_entry(param, state_name, "set_scaled_state")
         what = f"set_scaled_state({where}, {state_name!r})"
-        group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
         *_, has_master = self._layout.dtypes(local)
         kept = {"master_param": has_master, "max_exp_avg_sq": bool(group["amsgrad"])}.get(state_name, True)
         if not (kept or (state is not None and state_name in state)):
