@@ -1237,8 +1237,7 @@ def grad_writable(g: torch.Tensor) -> bool:
 
 def unwritable_grad_message(where: str) -> str:
     """The refusal of a gradient that fails grad_writable: the ops' message, as name_op_error words it."""
-    return (f"{where}'s grad overlaps itself (an expand()ed tensor), so it cannot be unscaled in place: give it its "
-            "own memory (grad.contiguous()) or step without grad_scale")
+    return f"{where}'s grad {_spec.GRAD_OVERLAPS_ITSELF}"
 
 
 def name_op_error(exc: Exception, group_index: int, bucket: Bucket) -> ValueError:

@@ -33,8 +33,11 @@ class AdamWMode(enum.IntEnum):
     ADAMW_TORCH = 2  # torch.optim.AdamW: p *= 1 - lr * wd before the update; torch's eps placement
 
 
-# A step with grad_scale writes the unscaled gradient back into each gradient: one in its param's own memory cannot
-# take it (the param cannot hold both). The op's error, after "grads[i] " (FusedAdam names the param instead).
+# A step with grad_scale writes the unscaled gradient back into each gradient: one that overlaps itself cannot take
+# one value per element, one in its param's own memory cannot take it beside the update. The ops' errors, after
+# "grads[i] " (FusedAdam names the param instead).
+GRAD_OVERLAPS_ITSELF = ("overlaps itself (an expand()ed tensor), so it cannot be unscaled in place: give it its own "
+                        "memory (grad.contiguous()) or step without grad_scale")
 GRAD_IN_PARAM = ("shares memory with the param itself (p.grad = p.detach(), or a view of it), so a step with grad_scale "
                  "cannot both update the param and leave the unscaled gradient in p.grad: give the gradient its own "
                  "memory (p.grad = p.grad.clone()) or step without grad_scale (a plain step, max_grad_norm and "

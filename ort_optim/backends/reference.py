@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import (FP8_FORMATS, GRAD_IN_PARAM, beta_power, check_hyperparameters, grad_in_param_memory,
-                     low_bit_format, splitmix64)
+from .._spec import (FP8_FORMATS, GRAD_IN_PARAM, GRAD_OVERLAPS_ITSELF, beta_power, check_hyperparameters,
+                     grad_in_param_memory, low_bit_format, splitmix64)
 from .._versions import tracks_versions
 from ..formats import (MASK32, decode_state, fmix32, is_relative, quantize_fp8, quantize_fp16, quantize_low_bit,
                        sqrt_f32, sqrt_f64, state_root)
@@ -154,9 +154,7 @@ def adam_step_(
     if grad_scale is not None:
         for i, g in enumerate(grads):
             if torch._debug_has_internal_overlap(g) == 1:
-                raise RuntimeError(f"ort_optim::adam_step_: grads[{i}] overlaps itself (an expand()ed tensor), so it "
-                                   "cannot be unscaled in place: give it its own memory (grad.contiguous()) or step "
-                                   "without grad_scale")
+                raise RuntimeError(f"ort_optim::adam_step_: grads[{i}] {GRAD_OVERLAPS_ITSELF}")
             if grad_in_param_memory(g, params[i]):
                 raise RuntimeError(f"ort_optim::adam_step_: grads[{i}] {GRAD_IN_PARAM}")
     grad_mul = (float(inv_grad_scale) if inv_grad_scale is not None else 1.0) * (-1.0 if maximize else 1.0)

@@ -45,8 +45,8 @@ import torch
 
 from .._fork import renewed_lock
 from .._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_E5M2, FP8_FORMATS, FP8_MAX_ROOT,
-                     GRAD_IN_PARAM, MIN_SCALE, QUANT_BLOCK, Q4, Q8, LowBitFormat, check_hyperparameters,
-                     grad_in_param_memory, square_tables)
+                     GRAD_IN_PARAM, GRAD_OVERLAPS_ITSELF, MIN_SCALE, QUANT_BLOCK, Q4, Q8, LowBitFormat,
+                     check_hyperparameters, grad_in_param_memory, square_tables)
 from .._versions import mark_modified, step_taken
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
@@ -785,8 +785,7 @@ def adam_step_(
                     if grad_scale is not None and work_grads is not grads else [])
     for i in copied_grads:  # before anything is written
         if torch._debug_has_internal_overlap(grads[i]) == 1:
-            _fail(f"grads[{i}] overlaps itself (an expand()ed tensor), so it cannot be unscaled in place: give it its "
-                  "own memory (grad.contiguous()) or step without grad_scale")
+            _fail(f"grads[{i}] {GRAD_OVERLAPS_ITSELF}")
     if grad_scale is not None and not vouched:  # (a kept launch plan's caller checked its gradients: FusedAdam)
         for i, g in enumerate(grads):
             if grad_in_param_memory(g, params[i]):
