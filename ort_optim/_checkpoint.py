@@ -333,7 +333,7 @@ def _check_moment(value: Any, param: torch.Tensor, key: str, where: str, listed:
     whose square overflowed float32, as torch.optim.AdamW keeps it; the moments and masters of a diverged run): they
     load as they are, and load_state_dict warns (:func:`warn_nonfinite`). For a param on the meta device, which keeps
     no values, the result is on the meta device, as torch.optim's load makes it; for any other param the result is the
-    checkpoint's own tensor (detached, not to be written to), which :func:`_store` converts into the state a piece at
+    checkpoint's own tensor (detached, not to be written to), which :func:`store` converts into the state a piece at
     a time. Either way the values are checked where they are, :data:`CHECK_CHUNK` elements at a time: a load makes
     no full-size copy of an entry besides the state it fills (a meta entry has no values to check)."""
     dtype = entry_dtype(param, key)
@@ -373,7 +373,7 @@ def entry_dtype(param: torch.Tensor, key: str) -> torch.dtype:
 
 
 # A checkpoint's entry is checked this many elements at a time (_check_moment), and written into the state as many,
-# rounded up to whole blocks of every stored format (_store, stored_piece).
+# rounded up to whole blocks of every stored format (store, stored_piece).
 CHECK_CHUNK = 1 << 20
 
 
@@ -682,10 +682,10 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
     diverged = any(key in MOMENT_KEYS for key in held_nonfinite)
     for key in CONVERSION_ORDER:
         if key in state:
-            _store(state, key, values[key], entry_dtype(p, key), diverged, f"{where}[{key!r}]")
+            store(state, key, values[key], entry_dtype(p, key), diverged, f"{where}[{key!r}]")
     if "master_param" in state:
         if "master_param" in values:
-            _store(state, "master_param", values["master_param"], torch.float32, diverged, f"{where}['master_param']")
+            store(state, "master_param", values["master_param"], torch.float32, diverged, f"{where}['master_param']")
         else:
             # made from the param at its next step, as for any state without one: from what the param holds then
             # (the model's weights are often loaded after the optimizer's state)
@@ -693,15 +693,16 @@ def _state_from_checkpoint(p: torch.Tensor, saved: Any, group: dict, group_index
     return state
 
 
-def _store(state: dict, key: str, source: Any, dtype: torch.dtype, diverged: bool, where: str) -> None:
-    """Writes a checked entry of the checkpoint (_check_moment: the param's shape, any float dtype and device) into
-    the fresh state[key] as from_canonical writes its canonical (dtype) values, :data:`CHECK_CHUNK` elements at a time
+def store(state: dict, key: str, source: Any, dtype: torch.dtype, diverged: bool, where: str) -> None:
+    """Writes a checked entry of the checkpoint (_check_moment: the param's shape, any float dtype and device; or the
+    values given to FusedAdam.set_scaled_state) into a state not yet in use, state[key], as from_canonical writes its
+    canonical (dtype) values, :data:`CHECK_CHUNK` elements at a time
     (rounded up to whole blocks: stored_piece), so that the load makes no temporary of the whole entry; the pieces
     give the bits of the whole.
     Refuses what the storage cannot hold, read back piece by piece: a float32 value beyond bfloat16's largest rounds
     to inf there (inf and NaN that the checkpoint holds stay what they are, and diverged, where a moment holds them,
-    a NaN of block-scaled storage is theirs; a finite value must stay finite). The state is the load's own, so a
-    refusal here leaves the optimizer as it was."""
+    a NaN of block-scaled storage is theirs; a finite value must stay finite). The state is the caller's own (the
+    load's new state, the accessor's copies), so a refusal here leaves the optimizer as it was."""
     limit = -(-CHECK_CHUNK // formats.BLOCK_MULTIPLE) * formats.BLOCK_MULTIPLE
     for start, piece in _flat_pieces(source, limit):
         part = stored_piece(state, start, start + piece.numel())

@@ -1125,8 +1125,9 @@ class FusedAdam(torch.optim.Optimizer):
         amsgrad) is refused. A 4-bit ``'exp_avg'`` is coded relative to ``'exp_avg_sq'`` as stored at the call: set
         ``'exp_avg_sq'`` first (as load_state_dict writes them); values it cannot code (non-zero where its sqrt(v) is
         0, as in a state not made yet: TE's order, exp_avg first) are refused, and setting ``'exp_avg_sq'``
-        afterwards keeps ``'exp_avg'`` as that format held it. Anything refused raises ValueError or TypeError naming
-        it, and changes nothing."""
+        afterwards keeps ``'exp_avg'`` as that format held it. Finite values the storage cannot hold (float32's
+        largest in bfloat16 moments) are refused, as load_state_dict refuses them. Anything refused raises
+        ValueError or TypeError naming it, and changes nothing."""
         where, local, state, group = self._state_entry(param, state_name, "set_scaled_state")
         what = f"set_scaled_state({where}, {state_name!r})"
         *_, has_master = self._layout.dtypes(local)
@@ -1155,23 +1156,30 @@ class FusedAdam(torch.optim.Optimizer):
             raise ValueError(f"{what}: a 4-bit exp_avg is coded relative to its exp_avg_sq (m / sqrt(v)), whose "
                              "sqrt(v) is 0 where unscaled_state is not" + (" (no state yet)" if state is None else "")
                              + ": set 'exp_avg_sq' first, then 'exp_avg' (the order load_state_dict writes them in)")
-        if state is None:  # made as the first step makes it (then in place, as any state)
-            state = self._layout.init_state(local, bool(group["amsgrad"]))
-            self.state[param] = state
-        elif state_name not in state:  # (a master or maximum switched on since the state was made)
+        # Written into copies of what changes (a state not made yet: made as the first step makes it), stored by the
+        # rule load_state_dict stores by (a finite value the storage cannot hold is refused), then put in place.
+        trial = self._layout.init_state(local, bool(group["amsgrad"])) if state is None else dict(state)
+        if state_name not in trial:  # (a master or maximum switched on since the state was made)
             fresh = self._layout.init_state(local, True)
-            state[state_name] = fresh[state_name]
-            if state_name + "_scale" in fresh:
-                state[state_name + "_scale"] = fresh[state_name + "_scale"]
-        if state_name == "master_param":
-            state["master_param"].copy_(values)
-            return
-        relative = "exp_avg" in state and formats.is_relative(state["exp_avg"], state.get("exp_avg_scale"))
-        exp_avg = (_checkpoint.to_canonical(state, "exp_avg", local.shape)
-                   if state_name == "exp_avg_sq" and relative else None)
-        _checkpoint.from_canonical(state, state_name, values)
+            trial.update({key: fresh[key] for key in (state_name, state_name + "_scale") if key in fresh})
+        relative = "exp_avg" in trial and formats.is_relative(trial["exp_avg"], trial.get("exp_avg_scale"))
+        written = [state_name] + (["exp_avg"] if state_name == "exp_avg_sq" and relative else [])
+        keys = [key for name in written for key in (name, name + "_scale") if key in trial]
+        if state is not None:
+            trial.update({key: trial[key].detach().clone() for key in keys if key in state})
+        exp_avg = _checkpoint.to_canonical(trial, "exp_avg", local.shape) if len(written) > 1 else None
+        diverged = state_name != "master_param" and not bool(torch.isfinite(values).all())
+        _checkpoint.store(trial, state_name, values, dtype, diverged, f"{what}: unscaled_state")
         if exp_avg is not None:  # (coded relative to exp_avg_sq: again, against its new values)
-            _checkpoint.from_canonical(state, "exp_avg", exp_avg)
+            _checkpoint.store(trial, "exp_avg", exp_avg, dtype, diverged, f"{what}: exp_avg, coded again against it,")
+        if state is None:
+            self.state[param] = trial
+            return
+        for key in keys:
+            if key in state:
+                state[key].copy_(trial[key])
+            else:
+                state[key] = trial[key]
 
     def _uncodable_exp_avg(self, local: torch.Tensor, state: Optional[dict], values: torch.Tensor) -> bool:
         """Whether exp_avg values cannot be held by a 4-bit exp_avg (relative to its exp_avg_sq): non-zero where the

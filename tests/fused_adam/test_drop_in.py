@@ -1373,3 +1373,23 @@ def test_the_state_accessors_refuse_what_they_cannot_take_naming_it_and_change_n
         call(opt, p)
     assert_same_snapshot(before, optimizer_snapshot(opt))
     assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"}
+
+
+@pytest.mark.parametrize("state_name", ["exp_avg", "exp_avg_sq"])
+def test_set_scaled_state_refuses_finite_values_its_storage_cannot_hold_as_a_load_refuses_them(state_name):
+    """float32's largest values round to inf in bfloat16 moments: set_scaled_state refuses them, naming the storage,
+    as load_state_dict refuses a checkpoint holding them (the same rule), and changes nothing. inf and NaN given as
+    such are stored as they are, as a load stores them."""
+    p, opt = _stepped(_MOMENT_FORMATS["bf16"])
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=rf"set_scaled_state\(param_groups\[0\]\['params'\]\[0\] .*, '{state_name}'\): "
+                                         rf"unscaled_state holds values beyond the range of this optimizer's "
+                                         rf"torch.bfloat16 {state_name} storage"):
+        opt.set_scaled_state(p, state_name, torch.full(tuple(p.shape), 3.4e38))
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+    sd = opt.state_dict()
+    sd["state"][0][state_name] = torch.full(tuple(p.shape), 3.4e38)
+    with pytest.raises(ValueError, match="holds values beyond the range of this optimizer's torch.bfloat16"):
+        opt.load_state_dict(sd)
+    opt.set_scaled_state(p, state_name, torch.full(tuple(p.shape), float("inf")))
+    assert bool(torch.isinf(opt.get_unscaled_state(p, state_name)).all())
