@@ -70,8 +70,8 @@ import pytest
 import reference
 import torch
 from cases import PARAM_CASES, STATE_DTYPES
-from conftest import (BACKENDS, assert_same_snapshot, assert_tree_bitwise_equal, bits, fuzz_examples,
-                      optimizer_snapshot, select_backend, state_values)
+from conftest import (BACKENDS, LONG_RUN_BACKENDS, assert_same_snapshot, assert_tree_bitwise_equal, bits,
+                      fuzz_examples, optimizer_snapshot, select_backend, state_values)
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ort_optim import AdamWMode, FusedAdam, formats
@@ -264,6 +264,7 @@ def _assert_state_rounded_as_specified(got: torch.Tensor, exact: torch.Tensor, d
     assert float(other_code.double().mean()) <= 0.02, f"{what}: too many codes differ from the reference"
 
 
+@pytest.mark.parametrize("backend", LONG_RUN_BACKENDS, indirect=True)
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4"), ("u8", "u4")], ids=["u8-u8", "u4-u4", "u8-u4"])
@@ -844,6 +845,7 @@ def _block_max_run(dtype, gradient, steps, betas):
 
 
 @pytest.mark.no_interpreter  # (1600 steps of 4096 elements: the Triton kernels' bits are checked in triton_backend/)
+@pytest.mark.parametrize("backend", LONG_RUN_BACKENDS, indirect=True)
 @pytest.mark.parametrize("dtype", ["u8", "u4", "e4m3", "e5m2"])
 def test_a_blocks_largest_moment_neither_sticks_when_it_decays_nor_when_it_grows(dtype, backend):
     """The element that sets its block's scale is stored by an unbiased rounding too (8-bit: exactly, its float32

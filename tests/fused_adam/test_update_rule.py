@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 from cases import configurations, gradient, gradients
-from conftest import (BACKENDS, assert_bitwise_equal, assert_same_history, assert_same_snapshot,
+from conftest import (BACKENDS, LONG_RUN_BACKENDS, assert_bitwise_equal, assert_same_history, assert_same_snapshot,
                       assert_same_snapshot_but_nan_bits, fuzz_examples, optimizer_snapshot, select_backend,
                       state_values)
 from reference import ReferenceAdam
@@ -235,7 +235,7 @@ def run_parity(config: ParityConfig, backend: str, monkeypatch) -> Run:
     return _run(config, backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LONG_RUN_BACKENDS)
 @pytest.mark.parametrize("config", list(_parity_params()))
 def test_every_mode_and_dtype_matches_the_float64_reference_for_200_steps(config, backend, monkeypatch):
     run = run_parity(config, backend, monkeypatch)
