@@ -6,6 +6,7 @@ import contextlib
 import gc
 import sys
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -1126,8 +1127,9 @@ class FusedAdam(torch.optim.Optimizer):
         ``'exp_avg_sq'`` first (as load_state_dict writes them); values it cannot code (non-zero where its sqrt(v) is
         0, as in a state not made yet: TE's order, exp_avg first) are refused, and setting ``'exp_avg_sq'``
         afterwards keeps ``'exp_avg'`` as that format held it. Finite values the storage cannot hold (float32's
-        largest in bfloat16 moments) are refused, as load_state_dict refuses them. Anything refused raises
-        ValueError or TypeError naming it, and changes nothing."""
+        largest in bfloat16 moments) are refused, as load_state_dict refuses them; inf and NaN are stored as given,
+        with a RuntimeWarning, as load_state_dict stores and warns about them. Anything refused raises ValueError or
+        TypeError naming it, and changes nothing."""
         where, local, state, group = self._state_entry(param, state_name, "set_scaled_state")
         what = f"set_scaled_state({where}, {state_name!r})"
         *_, has_master = self._layout.dtypes(local)
@@ -1168,18 +1170,23 @@ class FusedAdam(torch.optim.Optimizer):
         if state is not None:
             trial.update({key: trial[key].detach().clone() for key in keys if key in state})
         exp_avg = _checkpoint.to_canonical(trial, "exp_avg", local.shape) if len(written) > 1 else None
-        diverged = state_name != "master_param" and not bool(torch.isfinite(values).all())
+        finite = bool(torch.isfinite(values).all())
+        diverged = state_name != "master_param" and not finite
         _checkpoint.store(trial, state_name, values, dtype, diverged, f"{what}: unscaled_state")
         if exp_avg is not None:  # (coded relative to exp_avg_sq: again, against its new values)
             _checkpoint.store(trial, "exp_avg", exp_avg, dtype, diverged, f"{what}: exp_avg, coded again against it,")
         if state is None:
             self.state[param] = trial
-            return
-        for key in keys:
-            if key in state:
-                state[key].copy_(trial[key])
-            else:
-                state[key] = trial[key]
+        else:
+            for key in keys:
+                if key in state:
+                    state[key].copy_(trial[key])
+                else:
+                    state[key] = trial[key]
+        if not finite:
+            warnings.warn(f"{what}: unscaled_state holds inf or NaN; stored as given (an inf second moment keeps its "
+                          "element's update at 0, as in torch.optim.AdamW; a NaN moment or master makes its element "
+                          "of the param NaN at the next step)", RuntimeWarning, stacklevel=2)
 
     def _uncodable_exp_avg(self, local: torch.Tensor, state: Optional[dict], values: torch.Tensor) -> bool:
         """Whether exp_avg values cannot be held by a 4-bit exp_avg (relative to its exp_avg_sq): non-zero where the

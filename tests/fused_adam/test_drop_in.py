@@ -1379,7 +1379,7 @@ def test_the_state_accessors_refuse_what_they_cannot_take_naming_it_and_change_n
 def test_set_scaled_state_refuses_finite_values_its_storage_cannot_hold_as_a_load_refuses_them(state_name):
     """float32's largest values round to inf in bfloat16 moments: set_scaled_state refuses them, naming the storage,
     as load_state_dict refuses a checkpoint holding them (the same rule), and changes nothing. inf and NaN given as
-    such are stored as they are, as a load stores them."""
+    such are stored as they are, with a warning, as a load stores and warns about them."""
     p, opt = _stepped(_MOMENT_FORMATS["bf16"])
     before = optimizer_snapshot(opt)
     with pytest.raises(ValueError, match=rf"set_scaled_state\(param_groups\[0\]\['params'\]\[0\] .*, '{state_name}'\): "
@@ -1391,5 +1391,7 @@ def test_set_scaled_state_refuses_finite_values_its_storage_cannot_hold_as_a_loa
     sd["state"][0][state_name] = torch.full(tuple(p.shape), 3.4e38)
     with pytest.raises(ValueError, match="holds values beyond the range of this optimizer's torch.bfloat16"):
         opt.load_state_dict(sd)
-    opt.set_scaled_state(p, state_name, torch.full(tuple(p.shape), float("inf")))
+    with pytest.warns(RuntimeWarning, match=rf"set_scaled_state\(.*'{state_name}'\): unscaled_state holds inf or NaN; "
+                                            "stored as given"):
+        opt.set_scaled_state(p, state_name, torch.full(tuple(p.shape), float("inf")))
     assert bool(torch.isinf(opt.get_unscaled_state(p, state_name)).all())
