@@ -106,6 +106,8 @@ def adam_step_(
 ) -> None:
     if any(t.is_meta for t in (steps, *params)):  # (no values to check or write: as the native op's fake kernel)
         return
+    if adam_w_mode not in (0, 1, 2):  # (another value would take no decay branch: an update without weight decay)
+        raise RuntimeError(f"ort_optim::adam_step_: adam_w_mode must be 0, 1 or 2, got {adam_w_mode}")
     for i, param in enumerate(params):  # checked before anything is written, as the native op does
         if torch._debug_has_internal_overlap(param) == 1:
             raise RuntimeError(f"ort_optim::adam_step_: params[{i}] overlaps itself (an expand()ed tensor), so it "

@@ -470,6 +470,19 @@ def test_wrong_rounding_keys_are_refused_before_anything_is_written(case, backen
     _assert_args_equal(args, before, "input")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", [3, -1])
+def test_every_backend_refuses_an_adam_w_mode_it_has_no_update_for(mode, backend, monkeypatch):
+    """adam_w_mode is 0, 1 or 2 (AdamWMode): another value is a RuntimeError on every backend, with every input as it
+    was, rather than an update that takes none of the three decays."""
+    select_backend(monkeypatch, backend)
+    args, kwargs = Sample("fp32", F32, F32, F32, F32).make()
+    before = _clone_args(args)
+    with pytest.raises(RuntimeError, match=rf"ort_optim::adam_step_: adam_w_mode must be 0, 1 or 2, got {mode}"):
+        backends.adam_step_(*args, **dict(kwargs, adam_w_mode=mode))
+    _assert_args_equal(args, before, "input")
+
+
 def _without(index):
     def mutate(args, kwargs):
         args[index].pop()
