@@ -265,7 +265,10 @@ def check_step(value: Any, where: str, meta_ok: bool = False) -> Optional[float]
         if value.dtype == torch.bool or value.is_complex() or value.numel() != 1:
             raise TypeError(f"{where} must be a one-element real tensor, got {show(value)}")
         return None
-    number = _require_scalar_tensor(value, where) if isinstance(value, torch.Tensor) else _require_number(value, where)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # (compared exactly: range, not finite)
+        number = float(value) if abs(value) <= MAX_STEP else math.inf
+    else:
+        number = _require_scalar_tensor(value, where) if isinstance(value, torch.Tensor) else _require_number(value, where)
     require_step_range(value, number, where)
     return number
 

@@ -1029,28 +1029,22 @@ def _fp8_state(p: torch.Tensor, state: ParamState, key: str, where: str) -> torc
 
 
 def _check_step(p, state, where, device) -> list[_Adoption]:
+    """The step count by load_state_dict's rule (_checkpoint.check_step: the same error for the same value, whether it
+    was loaded or assigned), after its storage (a freed one cannot be read)."""
     value = state["step"]
     what = f"{where}: optimizer.state[p]['step']"
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool or value.layout != torch.strided:
-            raise ValueError(f"{what} must be a one-element real tensor or a number, got a {value.dtype} tensor of "
-                             f"shape {tuple(value.shape)}")
+    if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_nested:
         problem = _storage_problem(value)
         if problem is not None:
             raise ValueError(f"{what} {problem}")
-        if value.is_meta and device.type == "meta":
-            # (the step count of a param on the meta device, as its state's every other value, is no value to read:
-            # kept as it is when it has the kind of tensor a step keeps, else replaced by one, as it would be)
-            if value.dtype == torch.float64 and value.dim() == 0 and tracks_versions(value):
-                return []
-            return [_Adoption(state, "step", torch.empty((), dtype=torch.float64, device=device))]
-        number = float(value.item())  # (a host sync, only when planning; no view: _versions.tracks_versions)
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        # (an int float64 cannot hold is out of range: its exact value is compared below)
-        number = float(value) if not isinstance(value, int) or abs(value) <= _spec.MAX_STEP else float("inf")
-    else:
-        raise TypeError(f"{what} must be a one-element tensor or a number, got {type(value).__name__}")
-    _checkpoint.require_step_range(value, number, what)
+    # (a tensor's value is read on the host: a sync, only when planning; no view: _versions.tracks_versions)
+    number = _checkpoint.check_step(value, what, meta_ok=device.type == "meta")
+    if number is None:
+        # (the step count of a param on the meta device, as its state's every other value, is no value to read:
+        # kept as it is when it has the kind of tensor a step keeps, else replaced by one, as it would be)
+        if value.dtype == torch.float64 and value.dim() == 0 and tracks_versions(value):
+            return []
+        return [_Adoption(state, "step", torch.empty((), dtype=torch.float64, device=device))]
     if (isinstance(value, torch.Tensor) and value.dtype == torch.float64 and value.dim() == 0 and value.device == device
             and tracks_versions(value)):
         return []

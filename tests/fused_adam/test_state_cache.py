@@ -64,6 +64,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy
 import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
@@ -258,8 +259,12 @@ STATE_REFUSALS = [
      r"\['step'\] must be a whole number in \[0, 2\*\*53\], got 9007199254740993"),
     ("step-int-beyond-float64", _bad_state("step", 10**400), ValueError,
      r"\['step'\] must be a whole number in \[0, 2\*\*53\], got 1000"),
-    ("step-two-elements", _bad_state("step", torch.zeros(2)), ValueError, r"\['step'\] must be a one-element"),
-    ("step-a-string", _bad_state("step", "3"), TypeError, r"\['step'\] must be a one-element tensor or a number"),
+    ("step-two-elements", _bad_state("step", torch.zeros(2)), ValueError, r"\['step'\] must hold exactly one number"),
+    ("step-a-string", _bad_state("step", "3"), TypeError, r"\['step'\] must be a number, got str '3'"),
+    # (a value of the wrong type is a TypeError, as load_state_dict refuses it: see the test below)
+    ("step-bool-tensor", _bad_state("step", torch.tensor(True)), TypeError, r"\['step'\] must be a real number"),
+    ("step-complex-tensor", _bad_state("step", torch.tensor(1 + 0j)), TypeError, r"\['step'\] must be a real number"),
+    ("step-nan", _bad_state("step", torch.tensor(float("nan"))), ValueError, r"\['step'\] must be finite, got nan"),
     ("exp_avg-deleted", lambda opt, params: opt.state[params[1]].__delitem__("exp_avg"), ValueError,
      r"its optimizer state has no 'exp_avg'"),
     ("state-not-a-dict", lambda opt, params: opt.state.__setitem__(params[1], 3), TypeError,
@@ -283,6 +288,29 @@ def test_a_state_that_cannot_be_honoured_is_refused_naming_the_param_and_key(dam
         twin.opt.step()
     assert_same_snapshot(before, _snapshot(twin.opt))
 
+
+
+STEP_VALUES = [torch.tensor(True), torch.tensor(1 + 0j), torch.zeros(2), torch.tensor(float("nan")), torch.tensor(2.5),
+               torch.tensor(-1.0), 2**53 + 1, 10**400, "3", [4.0], numpy.int64(-2)]
+
+
+@pytest.mark.parametrize("value", STEP_VALUES, ids=lambda value: repr(value)[:24])
+def test_a_step_count_is_refused_as_load_state_dict_refuses_it(value):
+    """One rule for a step count, wherever it comes in: a value assigned to optimizer.state[p]['step'] is refused by
+    the next step() with the exception type and text that load_state_dict gives the same value in a checkpoint."""
+    twin = Twin()
+    twin.step(1)
+    saved = copy.deepcopy(twin.opt.state_dict())
+    saved["state"][1]["step"] = value
+    with pytest.raises((TypeError, ValueError)) as loaded:
+        twin.opt.load_state_dict(saved)
+    for p in twin.ours:
+        p.grad = torch.ones_like(p)
+    twin.opt.state[twin.ours[1]]["step"] = value
+    with pytest.raises(loaded.type) as stepped:
+        twin.opt.step()
+    said = str(loaded.value).split("['step'] ", 1)[1]
+    assert str(stepped.value).split("['step'] ", 1)[1] == said
 
 # ---- 2. storages freed and re-allocated in place --------------------------------------------------------------------
 
