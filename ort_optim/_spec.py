@@ -44,6 +44,15 @@ GRAD_IN_PARAM = ("shares memory with the param itself (p.grad = p.detach(), or a
                  "found_inf read such a gradient before they write the param)")
 
 
+
+def rounding_keys_refused(i: int, dtype: torch.dtype, has_master: bool) -> str:
+    """The ops' refusal of rounding_keys for params[i], which is not a bfloat16 param without a master weight (as the
+    native op words it, ops/validation.cpp: check_rounding_keys)."""
+    return (f"rounding_keys (stochastic rounding) given but params[{i}] is {dtype}"
+            f"{' with a master weight' if has_master else ''}; stochastic rounding is for bfloat16 params without "
+            "master weights")
+
+
 def grad_in_param_memory(g: torch.Tensor, p: torch.Tensor) -> bool:
     """Whether gradient g shares memory with its param p (GRAD_IN_PARAM): the bytes they reach meet, as the native
     op's ``grad_in_param_memory`` (ops/validation.h) decides: exact for contiguous tensors (two addresses and two

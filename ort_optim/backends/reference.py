@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._spec import (FP8_FORMATS, GRAD_IN_PARAM, GRAD_OVERLAPS_ITSELF, beta_power, check_hyperparameters,
-                     grad_in_param_memory, low_bit_format, splitmix64)
+                     grad_in_param_memory, low_bit_format, rounding_keys_refused, splitmix64)
 from .._versions import tracks_versions
 from ..formats import (MASK32, decode_state, fmix32, is_relative, quantize_fp8, quantize_fp16, quantize_low_bit,
                        sqrt_f32, sqrt_f64, state_root)
@@ -138,9 +138,8 @@ def adam_step_(
             raise RuntimeError(f"ort_optim::adam_step_: rounding_keys must be an int64 tensor of shape [{len(params)}]")
         for i, param in enumerate(params):
             if param.dtype != torch.bfloat16 or len(master_params):
-                raise RuntimeError(f"ort_optim::adam_step_: rounding_keys (stochastic rounding) given but params[{i}] "
-                                   f"is {param.dtype}; stochastic rounding is for bfloat16 params without master "
-                                   "weights")
+                raise RuntimeError("ort_optim::adam_step_: "
+                                   + rounding_keys_refused(i, param.dtype, len(master_params) > 0))
     for i in range(len(params)):  # a 4-bit exp_avg is decoded through a 4-bit exp_avg_sq (_spec.EXP_AVG_RELATIVE)
         if (len(exp_avg_scales) and is_relative(exp_avgs[i], exp_avg_scales[i])
                 and not (len(exp_avg_sq_scales) and is_relative(exp_avg_sqs[i], exp_avg_sq_scales[i]))):

@@ -46,7 +46,7 @@ import torch
 from .._fork import renewed_lock
 from .._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_E5M2, FP8_FORMATS, FP8_MAX_ROOT,
                      GRAD_IN_PARAM, GRAD_OVERLAPS_ITSELF, MIN_SCALE, QUANT_BLOCK, Q4, Q8, LowBitFormat,
-                     check_hyperparameters, grad_in_param_memory, square_tables)
+                     check_hyperparameters, grad_in_param_memory, rounding_keys_refused, square_tables)
 from .._versions import mark_modified, step_taken
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
@@ -778,9 +778,7 @@ def adam_step_(
     if rounding_keys is not None and not plan.stochastic_ok:
         for i, p in enumerate(params):
             if p.dtype != torch.bfloat16 or len(master_params):
-                _fail(f"rounding_keys (stochastic rounding) given but params[{i}] is {p.dtype}"
-                      + (" with master weights" if len(master_params) else "")
-                      + "; stochastic rounding is for bfloat16 params without master weights")
+                _fail(rounding_keys_refused(i, p.dtype, len(master_params) > 0))
     copied_grads = ([i for i, g in enumerate(grads) if g is not work_grads[i]]
                     if grad_scale is not None and work_grads is not grads else [])
     for i in copied_grads:  # before anything is written

@@ -451,8 +451,8 @@ WRONG_ROUNDING_KEYS = {  # (sample, rounding keys for its params, what the error
                     r"for bfloat16 params without master weights"),
     "bf16-params-with-masters": (Sample("bf16-master", BF16, BF16, F32, F32, master=True),
                                  lambda n: torch.zeros(n, dtype=torch.int64),
-                                 r"rounding_keys \(stochastic rounding\) given but params\[0\] is .*bfloat16.*; stochastic "
-                                 r"rounding is for bfloat16 params without master weights"),
+                                 r"rounding_keys \(stochastic rounding\) given but params\[0\] is .*bfloat16.* with a "
+                                 r"master weight; stochastic rounding is for bfloat16 params without master weights"),
 }
 
 
