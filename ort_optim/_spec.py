@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import math
 import struct
+from typing import Optional
 
 import torch
 
@@ -43,6 +44,26 @@ GRAD_IN_PARAM = ("shares memory with the param itself (p.grad = p.detach(), or a
                  "memory (p.grad = p.grad.clone()) or step without grad_scale (a plain step, max_grad_norm and "
                  "found_inf read such a gradient before they write the param)")
 
+
+PARAM_OVERLAPS_ITSELF = ("overlaps itself (an expand()ed tensor), so it cannot hold one updated value per element: give "
+                         "it its own memory (param.clone())")
+
+
+def exp_avg_not_relative(i: int) -> str:
+    """The ops' refusal of a 4-bit exp_avgs[i] beside an exp_avg_sqs[i] that is not 4-bit (EXP_AVG_RELATIVE)."""
+    return (f"exp_avgs[{i}] holds 4-bit codes, which are coded relative to a 4-bit exp_avg_sq, but exp_avg_sqs[{i}] is "
+            "not 4-bit codes: store both moments as torch.uint4")
+
+
+def host_hyperparameters_refused(name: str, t: torch.Tensor, device: torch.device) -> Optional[str]:
+    """The ops' refusal of betas_tensor (float64 [2]: beta1, beta2) or group_hyperparameters (float64 [groups, 3]:
+    each group's lr, beta1, beta2) that has another dtype, shape, device than the steps' or layout; None: accepted."""
+    shape, what = ((2,), "[2] (beta1, beta2)") if name == "betas_tensor" else (None, "[groups, 3] (lr, beta1, beta2)")
+    if (t.dtype == torch.float64 and t.layout == torch.strided and t.device == device
+            and (tuple(t.shape) == shape if shape else (t.dim() == 2 and t.shape[1] == 3))):
+        return None
+    return (f"{name} must be a float64 tensor of shape {what} on the steps' device ({device}), got {t.dtype} of shape "
+            f"{list(t.shape)} on {t.device}")
 
 
 def rounding_keys_refused(i: int, dtype: torch.dtype, has_master: bool) -> str:

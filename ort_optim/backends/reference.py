@@ -14,8 +14,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import (FP8_FORMATS, GRAD_IN_PARAM, GRAD_OVERLAPS_ITSELF, beta_power, check_hyperparameters,
-                     grad_in_param_memory, low_bit_format, rounding_keys_refused, splitmix64)
+from .._spec import (FP8_FORMATS, GRAD_IN_PARAM, GRAD_OVERLAPS_ITSELF, PARAM_OVERLAPS_ITSELF, beta_power,
+                     check_hyperparameters, exp_avg_not_relative, grad_in_param_memory, host_hyperparameters_refused,
+                     low_bit_format, rounding_keys_refused, splitmix64)
 from .._versions import tracks_versions
 from ..formats import (MASK32, decode_state, fmix32, is_relative, quantize_fp8, quantize_fp16, quantize_low_bit,
                        sqrt_f32, sqrt_f64, state_root)
@@ -110,26 +111,19 @@ def adam_step_(
         raise RuntimeError(f"ort_optim::adam_step_: adam_w_mode must be 0, 1 or 2, got {adam_w_mode}")
     for i, param in enumerate(params):  # checked before anything is written, as the native op does
         if torch._debug_has_internal_overlap(param) == 1:
-            raise RuntimeError(f"ort_optim::adam_step_: params[{i}] overlaps itself (an expand()ed tensor), so it "
-                               "cannot hold one updated value per element: give it its own memory (param.clone())")
+            raise RuntimeError(f"ort_optim::adam_step_: params[{i}] {PARAM_OVERLAPS_ITSELF}")
     if betas_tensor is not None:  # checked before anything is written, as the native op does
-        if not (betas_tensor.dtype == torch.float64 and tuple(betas_tensor.shape) == (2,)
-                and betas_tensor.device == steps.device and betas_tensor.layout == torch.strided):
-            raise RuntimeError("ort_optim::adam_step_: betas_tensor must be a float64 tensor of shape [2] (beta1, "
-                               f"beta2) on the steps' device ({steps.device}), got {betas_tensor.dtype} of shape "
-                               f"{list(betas_tensor.shape)} on {betas_tensor.device}")
+        refused = host_hyperparameters_refused("betas_tensor", betas_tensor, steps.device)
+        if refused:
+            raise RuntimeError(f"ort_optim::adam_step_: {refused}")
         beta1, beta2 = betas_tensor.tolist()
     lr = float(lr_tensor) if lr_tensor is not None else lr
     # the step's own rules for the values it reads, as the native op checks them (step() checks them first): every
     # group's of the step first, then its own
     if group_hyperparameters is not None:
-        if not (group_hyperparameters.dtype == torch.float64 and group_hyperparameters.dim() == 2
-                and group_hyperparameters.shape[1] == 3 and group_hyperparameters.device == steps.device
-                and group_hyperparameters.layout == torch.strided):
-            raise RuntimeError("ort_optim::adam_step_: group_hyperparameters must be a float64 tensor of shape "
-                               f"[groups, 3] (lr, beta1, beta2) on the steps' device ({steps.device}), got "
-                               f"{group_hyperparameters.dtype} of shape {list(group_hyperparameters.shape)} on "
-                               f"{group_hyperparameters.device}")
+        refused = host_hyperparameters_refused("group_hyperparameters", group_hyperparameters, steps.device)
+        if refused:
+            raise RuntimeError(f"ort_optim::adam_step_: {refused}")
         for k, row in enumerate(group_hyperparameters.tolist()):
             check_hyperparameters(*row, prefix=f"param_groups[{k}]: ")
     check_hyperparameters(lr, beta1, beta2)
@@ -143,9 +137,7 @@ def adam_step_(
     for i in range(len(params)):  # a 4-bit exp_avg is decoded through a 4-bit exp_avg_sq (_spec.EXP_AVG_RELATIVE)
         if (len(exp_avg_scales) and is_relative(exp_avgs[i], exp_avg_scales[i])
                 and not (len(exp_avg_sq_scales) and is_relative(exp_avg_sqs[i], exp_avg_sq_scales[i]))):
-            raise RuntimeError(f"ort_optim::adam_step_: exp_avgs[{i}] holds 4-bit codes, which are coded relative to "
-                               f"a 4-bit exp_avg_sq, but exp_avg_sqs[{i}] is not 4-bit codes: store both moments as "
-                               "torch.uint4")
+            raise RuntimeError(f"ort_optim::adam_step_: {exp_avg_not_relative(i)}")
     if grad_scale is not None:  # checked before anything is written, and before a skip returns, as the native op does
         if not (math.isfinite(float(grad_scale)) and float(grad_scale) != 0.0):
             raise ValueError(f"ort_optim::adam_step_: grad_scale must be finite and non-zero, got "

@@ -45,8 +45,9 @@ import torch
 
 from .._fork import renewed_lock
 from .._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_E5M2, FP8_FORMATS, FP8_MAX_ROOT,
-                     GRAD_IN_PARAM, GRAD_OVERLAPS_ITSELF, MIN_SCALE, QUANT_BLOCK, Q4, Q8, LowBitFormat,
-                     check_hyperparameters, grad_in_param_memory, rounding_keys_refused, square_tables)
+                     GRAD_IN_PARAM, GRAD_OVERLAPS_ITSELF, MIN_SCALE, PARAM_OVERLAPS_ITSELF, QUANT_BLOCK, Q4, Q8,
+                     LowBitFormat, check_hyperparameters, exp_avg_not_relative, grad_in_param_memory,
+                     host_hyperparameters_refused, rounding_keys_refused, square_tables)
 from .._versions import mark_modified, step_taken
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
@@ -566,9 +567,7 @@ def _build_groups(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_
     groups = []
     for (p_dt, g_dt, m_dt, v_dt), indices in keyed.items():
         if m_dt == 5 and v_dt != 5:  # (_spec.EXP_AVG_RELATIVE: the kernel decodes a 4-bit exp_avg through exp_avg_sq)
-            raise RuntimeError(f"ort_optim::adam_step_: exp_avgs[{indices[0]}] holds 4-bit codes, which are coded "
-                               f"relative to a 4-bit exp_avg_sq, but exp_avg_sqs[{indices[0]}] is not 4-bit codes: "
-                               "store both moments as torch.uint4")
+            raise RuntimeError(f"ort_optim::adam_step_: {exp_avg_not_relative(indices[0])}")
         rows = []
         numels = []
         for i in indices:
@@ -708,18 +707,10 @@ def adam_step_(
             _fail(f"{name} must have exactly one element, got {t.numel()}")
     if rounding_keys is not None and (rounding_keys.dtype != torch.int64 or tuple(rounding_keys.shape) != (n,)):
         _fail(f"rounding_keys must be an int64 tensor of shape [{n}]")
-    if betas_tensor is not None and not (betas_tensor.dtype == torch.float64 and tuple(betas_tensor.shape) == (2,)
-                                         and betas_tensor.device == steps.device
-                                         and betas_tensor.layout == torch.strided):
-        _fail(f"betas_tensor must be a float64 tensor of shape [2] (beta1, beta2) on the steps' device "
-              f"({steps.device}), got {betas_tensor.dtype} of shape {list(betas_tensor.shape)} on "
-              f"{betas_tensor.device}")
-    if group_hyperparameters is not None and not (
-            group_hyperparameters.dtype == torch.float64 and group_hyperparameters.dim() == 2
-            and group_hyperparameters.shape[1] == 3 and group_hyperparameters.device == steps.device):
-        _fail(f"group_hyperparameters must be a float64 tensor of shape [groups, 3] (lr, beta1, beta2) on the steps' "
-              f"device ({steps.device}), got {group_hyperparameters.dtype} of shape "
-              f"{list(group_hyperparameters.shape)} on {group_hyperparameters.device}")
+    for name, t in (("betas_tensor", betas_tensor), ("group_hyperparameters", group_hyperparameters)):
+        refused = None if t is None else host_hyperparameters_refused(name, t, steps.device)
+        if refused:
+            _fail(refused)
     # lr, beta1 and beta2 given as floats are host values: checked by the op's rules, as the CPU kernel checks them.
     # A float that lr_tensor or betas_tensor replaces is not used (and the tensors are read on the device only).
     host_lr = lr if lr_tensor is None else 0.0
@@ -751,8 +742,7 @@ def adam_step_(
         for i, p in enumerate(params):
             if not p.is_contiguous():
                 if torch._debug_has_internal_overlap(p) == 1:  # (before anything is written)
-                    _fail(f"params[{i}] overlaps itself (an expand()ed tensor), so it cannot hold one updated value "
-                          "per element: give it its own memory (param.clone())")
+                    _fail(f"params[{i}] {PARAM_OVERLAPS_ITSELF}")
                 work_params[i] = p.contiguous()
                 copied.append(i)
         statics = [work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,

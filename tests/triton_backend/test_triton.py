@@ -537,6 +537,14 @@ def test_errors_name_the_argument():
                                                r"on the steps' device"):
             triton_backend.adam_step_(*base, **dict(hp, betas_tensor=betas))
         assert_bitwise(base, before, f"a refused betas_tensor {betas.dtype} {list(betas.shape)} wrote nothing")
+    # (as the CPU kernel refuses them: a sparse one too)
+    steps_device = base[9].device
+    for rows in (torch.zeros(1, 3), torch.zeros(1, 2, dtype=F64), torch.zeros(1, 3, dtype=F64).to_sparse()):
+        before = clone_case(base, DEVICE)
+        with pytest.raises(RuntimeError, match=r"group_hyperparameters must be a float64 tensor of shape \[groups, 3\] "
+                                               r"\(lr, beta1, beta2\) on the steps' device"):
+            triton_backend.adam_step_(*base, **dict(hp, group_hyperparameters=rows.to(steps_device)))
+        assert_bitwise(base, before, f"a refused group_hyperparameters {rows.layout} wrote nothing")
     low = clone_case(make_case("fp32-q4", False, seed=2, shapes=[(300,)]), DEVICE)
     bad = list(low)
     bad[6] = []
