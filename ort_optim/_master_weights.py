@@ -733,7 +733,7 @@ class WrapperMasters:
         if dtensor.is_dtensor(norm):  # DTensor gradients (FSDP2, TP): their global norm, a plain tensor as elsewhere
             norm = norm.full_tensor()
         self.last_grad_norm = norm
-        coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        coef = backends.clip_coefficient(norm, self.max_grad_norm)
         for device, grads in by_device.items():
             torch._foreach_mul_(grads, coef.to(device))
 

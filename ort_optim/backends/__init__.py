@@ -176,6 +176,12 @@ def to_device(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype
     return t.to(device=device, dtype=dtype, non_blocking=torch.device(device).type != "cpu")
 
 
+def clip_coefficient(norm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """The factor that clips gradients of global L2 norm ``norm`` to ``max_grad_norm``: torch's clip_grad_norm_
+    coefficient, clamped as it clamps (at most 1)."""
+    return torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
+
+
 def scaling(stats: torch.Tensor, grad_scale: Optional[Union[float, torch.Tensor]], max_grad_norm: Optional[float],
             found_inf: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one definition of a step's loss-scale unscaling, global-norm clipping and skip decision, from the
@@ -204,7 +210,7 @@ def scaling(stats: torch.Tensor, grad_scale: Optional[Union[float, torch.Tensor]
         skip = skip | ~torch.isfinite(inv) | (inv == 0)
     norm = sqrt_f32(stats[0]) * inv  # (correctly rounded: the same bits eagerly, compiled and on CUDA)
     if max_grad_norm is not None:
-        inv = inv * torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
+        inv = inv * clip_coefficient(norm, max_grad_norm)
     skip = (skip | ~torch.isfinite(norm)).float()
     if found_inf is not None:
         skip = torch.maximum(skip, (found_inf.to(main).reshape(()) != 0).float())
