@@ -66,6 +66,13 @@ def host_hyperparameters_refused(name: str, t: torch.Tensor, device: torch.devic
             f"{list(t.shape)} on {t.device}")
 
 
+def step_count_refused(i: int, count: float) -> str:
+    """The ops' refusal of steps[i] that is not a whole number in [0, MAX_STEP] (a count written in place is not
+    checked when written), as the native op words it (ops/step.cpp)."""
+    return (f"steps[{i}] is {count:g}; a step count is a whole number in [0, 2**53], as a checkpoint's are (was it "
+            "written in place?)")
+
+
 def rounding_keys_refused(i: int, dtype: torch.dtype, has_master: bool) -> str:
     """The ops' refusal of rounding_keys for params[i], which is not a bfloat16 param without a master weight (as the
     native op words it, ops/validation.cpp: check_rounding_keys)."""

@@ -14,9 +14,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import (FP8_FORMATS, GRAD_IN_PARAM, GRAD_OVERLAPS_ITSELF, PARAM_OVERLAPS_ITSELF, beta_power,
+from .._spec import (FP8_FORMATS, GRAD_IN_PARAM, GRAD_OVERLAPS_ITSELF, MAX_STEP, PARAM_OVERLAPS_ITSELF, beta_power,
                      check_hyperparameters, exp_avg_not_relative, grad_in_param_memory, host_hyperparameters_refused,
-                     low_bit_format, rounding_keys_refused, splitmix64)
+                     low_bit_format, rounding_keys_refused, splitmix64, step_count_refused)
 from .._versions import tracks_versions
 from ..formats import (MASK32, decode_state, fmix32, is_relative, quantize_fp8, quantize_fp16, quantize_low_bit,
                        sqrt_f32, sqrt_f64, state_root)
@@ -150,6 +150,9 @@ def adam_step_(
                 raise RuntimeError(f"ort_optim::adam_step_: grads[{i}] {GRAD_OVERLAPS_ITSELF}")
             if grad_in_param_memory(g, params[i]):
                 raise RuntimeError(f"ort_optim::adam_step_: grads[{i}] {GRAD_IN_PARAM}")
+    for i, count in enumerate(steps.tolist()):  # before anything is written, as the native op does
+        if not (0.0 <= count <= MAX_STEP and count == math.floor(count)):  # (-5 would never end beta_power's loop)
+            raise ValueError(f"ort_optim::adam_step_: {step_count_refused(i, count)}")
     grad_mul = (float(inv_grad_scale) if inv_grad_scale is not None else 1.0) * (-1.0 if maximize else 1.0)
     amsgrad = len(max_exp_avg_sqs) > 0
 

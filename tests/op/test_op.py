@@ -483,6 +483,23 @@ def test_every_backend_refuses_an_adam_w_mode_it_has_no_update_for(mode, backend
     _assert_args_equal(args, before, "input")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("count,shown", [(-1.0, "-1"), (2.5, "2.5"), (-5.0, "-5"), (float("nan"), "nan"),
+                                         (2.0**53 + 2, "9.0072e\\+15")], ids=str)
+def test_every_backend_refuses_a_step_count_that_is_not_a_whole_number_in_range(count, shown, backend, monkeypatch):
+    """A step count is a whole number in [0, 2**53]; one written in place that is not (the last param's here) is a
+    ValueError naming it on every backend, with every input as it was (no param stepped before it)."""
+    select_backend(monkeypatch, backend)
+    args, kwargs = Sample("fp32", F32, F32, F32, F32).make()
+    args[9][-1] = count
+    before = _clone_args(args)
+    last = len(args[0]) - 1
+    with pytest.raises(ValueError, match=rf"ort_optim::adam_step_: steps\[{last}\] is {shown}; a step count is a whole "
+                                         r"number in \[0, 2\*\*53\]"):
+        backends.adam_step_(*args, **kwargs)
+    _assert_args_equal(args, before, "input")
+
+
 def _without(index):
     def mutate(args, kwargs):
         args[index].pop()
