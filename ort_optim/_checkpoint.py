@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from ._group_options import OPTIMIZER_WIDE_KEYS, TORCH_GROUP_KEYS, WideOptions, check_group, show, wide_option_value
+from ._group_options import (OPTIMIZER_WIDE_KEYS, TORCH_GROUP_KEYS, WideOptions, check_group, is_number, show,
+                             wide_option_value)
 from ._spec import MAX_STEP, AdamWMode
 from . import formats
 
@@ -225,8 +226,8 @@ def _copy(value: Any, plain_values: bool = False) -> Any:
 
 
 def _require_number(value: Any, where: str) -> float:
-    """A real number (Python's or numpy's; bool is not one): its float value, finite."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    """A real number (_group_options.is_number: Python's or numpy's; bool is not one): its float value, finite."""
+    if not is_number(value):
         raise TypeError(f"{where} must be a number, got {show(value)}")
     try:
         number = float(value)
