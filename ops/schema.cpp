@@ -1,5 +1,6 @@
 // The one place where ort_optim's operator schemas are declared. Backends only register implementations:
-// registration.cpp (TORCH_LIBRARY_IMPL for CPU) and ort_optim/backends/triton.py (CUDA, registered from Python).
+// registration.cpp (TORCH_LIBRARY_IMPL for CPU) and ort_optim/backends/__init__.py (CUDA: the Triton kernels,
+// registered from Python).
 // The math each op performs is specified in ops/README.md. The CPU backend also registers a helper class,
 // ort_optim.AdamPlan (adam_plan.h, registered in registration.cpp): adam_step_ over lists kept across steps, not a
 // separate schema.

@@ -31,6 +31,7 @@ import torch
 
 from . import _heap, _plan, backends
 from .integrations.ddp import ddp_reducing, ddp_refused
+from .integrations.deepspeed import holder_of
 
 
 def _remove_handles(*handles: dict) -> None:
@@ -333,8 +334,6 @@ class BackwardStep:
             return
         for group_index, group in enumerate(optimizer.param_groups):
             self.check_not_hooked_elsewhere(group_index, group)
-        from .integrations.deepspeed import holder_of
-
         holder = holder_of(optimizer)
         if holder is not None:
             raise deepspeed_refused(holder)

@@ -41,6 +41,7 @@ from . import backends
 from ._group_options import check_max_grad_norm, check_process_group
 from ._master_weights import InnerMasters, WrapperMasters, step_in_backward_refused
 from .fused_adam import FusedAdam
+from .integrations import deepspeed
 from .loss_scaler import (INT32_MAX, SCALE_RANGE, DynamicLossScaler, LossScaleUnderflowError, _flag, _integer, _real,
                           _scale_option)
 
@@ -398,8 +399,6 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
                     "plain torch optimizer instead (no amp.initialize): FP16_Optimizer(optimizer, ...). See "
                     f"{MIGRATION_GUIDE}."
                 )
-            from .integrations import deepspeed
-
             target = deepspeed.loss_scaling_target(optimizer)
             if target is not None:
                 if args or kwargs:

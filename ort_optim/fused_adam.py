@@ -22,6 +22,7 @@ from ._plan import describe
 from ._spec import SUPPORTED_PARAM_DTYPES, AdamWMode
 from .formats import sqrt_f32
 from .integrations import dtensor
+from .integrations.deepspeed import clipping_holder
 
 
 # Whether step() takes its traced route under torch.compile (_init_group): the TorchDynamo it is tested with. Under
@@ -916,8 +917,6 @@ class FusedAdam(torch.optim.Optimizer):
           option of FusedAdam adds the groups' sums: DeepSpeed's gradient_clipping is the way.
 
         Runs once, a heap scan, only where DeepSpeed is imported and torch.distributed initialised."""
-        from .integrations.deepspeed import clipping_holder
-
         scanned, holder, partitioned, apart = clipping_holder(self)
         if holder is not None and apart > 1:
             raise ValueError(
