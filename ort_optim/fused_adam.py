@@ -1442,7 +1442,10 @@ class FusedAdam(torch.optim.Optimizer):
         and is refused rather than converted approximately. Extra keyword arguments set the options torch's
         optimizers do not have (master_weights, exp_avg_dtype, max_grad_norm, ...) and are passed to the constructor;
         the math's options (lr, betas, eps, weight_decay, amsgrad, maximize, adam_w_mode, bias_correction) come from
-        the optimizer and are refused here (change them in ``param_groups`` afterwards if you mean to). A torchao or
+        the optimizer and are refused here (change them in ``param_groups`` afterwards if you mean to). A
+        learning-rate scheduler made on ``optimizer`` keeps scheduling ``optimizer``'s groups, not the result's: make it
+        again on the result, load the old one's ``state_dict()`` and set each group's lr to its ``get_last_lr()``
+        (guides/migration.md). A torchao or
         bitsandbytes Adam optimizer is refused naming the way its run continues: ``load_state_dict(its
         state_dict())`` (their other optimizers' states follow other update rules, which load_state_dict refuses).
         """

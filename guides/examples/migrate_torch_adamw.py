@@ -14,7 +14,8 @@ So a plain rename changes the training. This script trains two copies of a model
 torch.optim.AdamW and one with FusedAdam(adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8, weight_decay=1e-2), and
 asserts that parameters and losses agree within RTOL/ATOL at every step (the tolerances tests/fused_adam/test_update_rule.py
 uses for fp32); it also shows that FusedAdam with its defaults does NOT match, and that FusedAdam.from_optimizer()
-converts a torch AdamW in the middle of training, state included.
+converts a torch AdamW in the middle of training, state included, and how a learning-rate scheduler made on the torch
+optimizer continues with the converted one.
 """
 
 from __future__ import annotations
@@ -38,17 +39,25 @@ def make_model(seed: int = 0) -> torch.nn.Module:
                                torch.nn.Linear(64, 8))
 
 
-def train(model, optimizer, steps: int, first_step: int = 0) -> list[float]:
+def train(model, optimizer, steps: int, first_step: int = 0, scheduler=None, lrs=None) -> list[float]:
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)) for _ in range(first_step + steps)]
     losses = []
     for x, y in batches[first_step:]:
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
+        if lrs is not None:
+            lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.item())
     return losses
+
+
+def schedule(step: int) -> float:  # linear warm-up, then linear decay
+    return (step + 1) / 5 if step < 5 else max(0.0, (STEPS - step) / (STEPS - 5))
 
 
 def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
@@ -96,6 +105,37 @@ def main() -> int:
     assert_close(reference, continued, f"torch AdamW for {half} steps, then FusedAdam.from_optimizer")
     print(f"torch.optim.AdamW for {half} steps, then FusedAdam.from_optimizer(it) for {STEPS - half}: matches "
           f"torch.optim.AdamW throughout (max |param diff| {max_param_diff(reference, continued):.1e})")
+
+    # --- with a learning-rate scheduler: it steps the optimizer it was made on, so make it again on the result ---
+    scheduled = make_model()
+    scheduled_opt = torch.optim.AdamW(scheduled.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled_opt, schedule)
+    scheduled_lrs: list[float] = []
+    train(scheduled, scheduled_opt, STEPS, scheduler=scheduler, lrs=scheduled_lrs)
+    for keep_old_scheduler in (False, True):
+        converted = make_model()
+        opt = torch.optim.AdamW(converted.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        lrs: list[float] = []
+        train(converted, opt, half, scheduler=scheduler, lrs=lrs)
+        opt = FusedAdam.from_optimizer(opt)
+        if not keep_old_scheduler:
+            old = scheduler.state_dict()
+            scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)  # (sets each lr to the schedule's start)
+            scheduler.load_state_dict(old)
+            for group, lr in zip(opt.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+        train(converted, opt, STEPS - half, first_step=half, scheduler=scheduler, lrs=lrs)
+        if keep_old_scheduler:  # the old scheduler goes on stepping the torch optimizer: the lr stays where it was
+            assert lrs[half:] == [scheduled_lrs[half]] * (STEPS - half), lrs
+        else:
+            assert lrs == scheduled_lrs, (lrs, scheduled_lrs)
+            assert_close(scheduled, converted,
+                         f"torch AdamW + LambdaLR for {half} steps, then FusedAdam.from_optimizer")
+            remade_diff = max_param_diff(scheduled, converted)
+    print(f"a LambdaLR made again on FusedAdam.from_optimizer's result, its state loaded and each lr set to its "
+          f"get_last_lr(), continues the schedule (max |param diff| {remade_diff:.1e}); "
+          f"the old scheduler left in place leaves the lr at {scheduled_lrs[half]:.1e}")
 
     # --- checkpoints go both ways: FusedAdam's state_dict is torch's layout ---
     back = torch.optim.AdamW(ours.parameters(), lr=1e-3)
