@@ -64,6 +64,10 @@ def checkpoint(case: str, impl: str, p: torch.Tensor, g: torch.Generator) -> dic
 def main() -> None:
     case, impl = sys.argv[1], sys.argv[2]
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 50_000_000
+    cases = ("fp32", "bf16master", "8bit", "4bit", "fp8", "torchao8", "bnb8")
+    if case not in cases or impl not in ("fused", "torch") or (impl == "torch" and case not in cases[:2]):
+        sys.exit(f"load_peak.py: CASE {case!r} with IMPL {impl!r} is not measured here: CASE is one of {cases}, IMPL "
+                 "fused or torch (torch.optim.AdamW keeps fp32 moments: fp32 and bf16master only)")
     if case == "torchao8":
         n -= n % 256000  # (torchao's blocks of 256 divide the tensor)
     torch.set_num_threads(1)
