@@ -399,24 +399,61 @@ def test_a_checkpoint_is_stored_piece_by_piece_as_the_bits_of_its_whole_conversi
 
 
 @pytest.mark.parametrize("saved_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("state_dtype", PIECEWISE_DTYPES, ids=str)
-def test_a_checkpoint_loads_into_params_with_data_without_a_full_size_temporary(state_dtype, saved_dtype,
+def test_a_checkpoint_loads_into_params_with_data_without_a_full_size_temporary(state_dtype, strided, saved_dtype,
                                                                                 monkeypatch):
     """A load makes the state it fills and, besides it, temporaries of one piece at most: the values are checked
     where they are and converted, stored and read back CHECK_CHUNK elements at a time (writes rounded up to
     BLOCK_MULTIPLE), so no entry is copied, cast, quantised or decoded whole. Without the pieces its peak memory was
     about 3 times the state's (three full-size temporaries per entry: the canonical copy, the check's masks, the
     read-back); torch.optim.AdamW's load makes at most one cast copy per entry. The largest temporary is an int64
-    (or float64) tensor of one write piece: 8 bytes per element of 1024, against 48,000 bytes for one float32 entry."""
+    (or float64) tensor of one write piece: 8 bytes per element of 1024, against 48,000 bytes for one float32 entry.
+    A strided entry is gathered into its write pieces a piece at a time, never into one copy of the whole."""
     from ort_optim import _checkpoint
     monkeypatch.setattr(_checkpoint, "CHECK_CHUNK", 1000)
-    sd = _piecewise_checkpoint(saved_dtype, strided=False, shape=(100, 120))
+    sd = _piecewise_checkpoint(saved_dtype, strided=strided, shape=(100, 120))
     p = torch.nn.Parameter(torch.zeros(100, 120, dtype=torch.bfloat16))
     opt = FusedAdam([p], master_weights=True, exp_avg_dtype=state_dtype, exp_avg_sq_dtype=state_dtype)
     with LargestTemporary() as allocations:
         opt.load_state_dict(sd)
     nbytes, op = allocations.besides(opt.state[p].values())
     assert 0 < nbytes <= 8 * formats.BLOCK_MULTIPLE < 4 * p.numel(), (nbytes, op)
+
+
+@pytest.mark.parametrize("check_chunk", [1000, 1 << 20], ids=["pieces", "one piece"])
+@pytest.mark.parametrize("meta", [False, True], ids=["data", "meta"])
+def test_an_entry_that_breaks_two_rules_is_refused_for_the_same_one_however_it_is_cut(check_chunk, meta, monkeypatch):
+    """Each rule reads the whole entry before the next: an exp_avg_sq negative in its first piece and beyond float32
+    in its last is refused for the value beyond float32 (the rule checked first), whether the check reads it in
+    pieces or whole, as for an entry whose two breaks are the other way round."""
+    from ort_optim import _checkpoint
+    monkeypatch.setattr(_checkpoint, "CHECK_CHUNK", check_chunk)
+    exp_avg_sq = torch.full((100, 120), 0.25, dtype=torch.float64)
+    exp_avg_sq[0, 0], exp_avg_sq[-1, -1] = -1.0, 1e300
+    sd = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(100, 120), "exp_avg_sq": exp_avg_sq}},
+          "param_groups": [{"params": [0], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}]}
+    opt = FusedAdam([torch.nn.Parameter(torch.zeros(100, 120, device="meta" if meta else "cpu"))])
+    with pytest.raises(ValueError, match=re.escape("state_dict['state'][0]['exp_avg_sq'] holds inf or NaN once "
+                                                   "converted to float32")):
+        opt.load_state_dict(sd)
+    assert not opt.state
+
+
+def test_a_float64_params_checkpoint_beyond_float32s_range_loads_as_finite_values_without_a_warning():
+    """A float64 param keeps float64 states: values beyond float32's range (1e300) are finite there, so they load
+    as they are, and the load warns of no inf or NaN."""
+    p = torch.nn.Parameter(torch.zeros(3000, dtype=torch.float64))
+    opt = FusedAdam([p])
+    values = {"exp_avg": torch.full((3000,), -1e300, dtype=torch.float64),
+              "exp_avg_sq": torch.full((3000,), 1e300, dtype=torch.float64)}
+    sd = {"state": {0: {"step": torch.tensor(3.0), **values}},
+          "param_groups": [{"params": [0], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.load_state_dict(sd)
+    for key, value in values.items():
+        assert_bitwise_equal(opt.state[p][key], value, key)
 
 
 # ---- resume == never stopping, bit for bit -------------------------------------------------------------------------
