@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (LargestAllocation, LargestTemporary, assert_bitwise_equal, assert_same_snapshot, fuzz_examples,
-                      optimizer_snapshot)
+from conftest import (LargestAllocation, LargestTemporary, assert_bitwise_equal, assert_same_snapshot,
+                      assert_tree_bitwise_equal, fuzz_examples, optimizer_snapshot)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ort_optim import AdamWMode, FusedAdam
@@ -477,6 +477,15 @@ def _torch_optimizer_state(kind):
     return opt.state_dict(), make_params
 
 
+def _transposed(make, index):
+    """make's params, the one at index (a matrix) transposed: as many elements, another shape."""
+    def params(seed: int = 0):
+        made = make(seed)
+        made[index] = torch.nn.Parameter(made[index].detach().t().contiguous())
+        return made
+    return params
+
+
 def _plain_with(change):
     """A torch.optim.AdamW checkpoint of make_params() with one state changed."""
     params = make_params()
@@ -599,6 +608,11 @@ REFUSALS = {
         absmax1=torch.zeros(17, device="meta"))), "['absmax1'] must be a dense tensor with data"),
     "unknown-subclass": (lambda: _torchao_with(_unknown_subclass, "fp8"), "Wrapped"),
     "unknown-subclass-in-a-plain-checkpoint": (lambda: (_plain_with(_unknown_subclass), make_params), "Wrapped"),
+    # (a moment of as many elements as its param, in another shape: decoded moments are checked as any entry is)
+    "bnb-transposed-moment": (lambda: (bnb_state_dict()[0], _transposed(bnb_params, 1)),
+                              "['state'][1]['exp_avg'] has shape (64, 128), the parameter (128, 64)"),
+    "torchao-transposed-moment": (lambda: (torchao_state_dict("8bit", real=False)[0], _transposed(make_params, 0)),
+                                  "['state'][0]['exp_avg'] has shape (64, 128), the parameter (128, 64)"),
 }
 
 
@@ -650,7 +664,8 @@ def test_a_foreign_checkpoint_loads_into_params_with_data_decoded_piece_by_piece
     """Into params with data a foreign checkpoint's moments are decoded where the load checks and stores them, a
     piece at a time (CHECK_CHUNK elements; writes rounded up to whole blocks): besides the state it fills, the load
     makes no temporary bigger than an int64 tensor of one piece, never a decoded copy of a whole moment. Decoded
-    whole and then quantised whole, a load peaked at about 35 times its 8-bit state."""
+    whole and then quantised whole, a load peaked at about 35 times its 8-bit state. The pieces hold the bits of a
+    load in one piece: each piece's elements decoded with their own blocks' scales."""
     from ort_optim import _checkpoint, formats
     monkeypatch.setattr(_checkpoint, "CHECK_CHUNK", 101)  # (pieces that start mid-block, and mid-byte of 4-bit codes)
     sd, make = FOREIGN_SOURCES[source]()
@@ -661,6 +676,10 @@ def test_a_foreign_checkpoint_loads_into_params_with_data_decoded_piece_by_piece
     nbytes, op = allocations.besides(value for p in params for value in opt.state[p].values())
     smallest_moment = min(p.numel() for p in params if p.numel() >= 4096)
     assert 0 < nbytes <= 8 * formats.BLOCK_MULTIPLE < 4 * smallest_moment, (nbytes, op)
+    monkeypatch.setattr(_checkpoint, "CHECK_CHUNK", 1 << 30)
+    whole = FusedAdam(make(), exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
+    whole.load_state_dict(sd)
+    assert_tree_bitwise_equal(whole.state_dict()["state"], opt.state_dict()["state"])
 
 
 @pytest.mark.parametrize("case", [case for case in REFUSALS if "negative" in case or "meta" in case])
