@@ -1375,6 +1375,86 @@ def test_the_state_accessors_refuse_what_they_cannot_take_naming_it_and_change_n
     assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"}
 
 
+def test_a_4bit_exp_avg_set_where_its_stored_exp_avg_sq_is_zero_is_refused_and_changes_nothing():
+    """In a state already made, a 4-bit exp_avg is refused where its stored exp_avg_sq is 0 and the values are not
+    (codes of m / sqrt(v) cannot hold them), as for a state not made yet, naming the order that works; zeros there
+    are held. (A 4-bit exp_avg_sq holds 0 in a block of zeros, 128 elements: rows 0 to 19 hold 14 of them.)"""
+    p, opt = _stepped(_MOMENT_FORMATS["4-bit"])
+    exp_avg_sq = torch.rand(p.shape) * 1e-3
+    exp_avg_sq[:20] = 0.0
+    opt.set_scaled_state(p, "exp_avg_sq", exp_avg_sq)
+    before = optimizer_snapshot(opt)
+    values = torch.randn(p.shape) * 0.01
+    with pytest.raises(ValueError, match=r"set_scaled_state\(param_groups\[0\]\['params'\]\[0\] .*, 'exp_avg'\): "
+                                         r"a 4-bit exp_avg is coded relative to its exp_avg_sq .* sqrt\(v\) is 0 where "
+                                         r"unscaled_state is not: set 'exp_avg_sq' first"):
+        opt.set_scaled_state(p, "exp_avg", values)
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+    values[:20] = 0.0
+    opt.set_scaled_state(p, "exp_avg", values)
+    assert torch.equal(opt.get_unscaled_state(p, "exp_avg")[:20], torch.zeros(20, 90))
+
+
+def test_set_scaled_state_refuses_a_negative_amsgrad_maximum_as_a_second_moment():
+    """max_exp_avg_sq is a maximum of second moments: negative values are refused as for exp_avg_sq, changing
+    nothing."""
+    p, opt = _stepped(_MOMENT_FORMATS["bf16 params with masters, amsgrad"])
+    before = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=r"set_scaled_state\(param_groups\[0\]\['params'\]\[0\] .*, "
+                                         r"'max_exp_avg_sq'\): unscaled_state holds negative values"):
+        opt.set_scaled_state(p, "max_exp_avg_sq", -torch.ones(p.shape))
+    assert_same_snapshot(before, optimizer_snapshot(opt))
+
+
+@pytest.mark.parametrize("switched", ["amsgrad off", "amsgrad on", "master_weights on"])
+def test_the_state_accessors_follow_options_switched_since_the_state_was_made(switched):
+    """A state the optimizer keeps (it holds it, or its options now call for it) is got and set whatever the options
+    were when the state was made: a max_exp_avg_sq kept after amsgrad was switched off (as a load keeps it, for
+    switching it on again); a max_exp_avg_sq or master that amsgrad or master_weights, switched on since, calls for
+    and no step has made yet is made, as the next step would make it, then written."""
+    torch.manual_seed(0)
+    bf16 = switched == "master_weights on"
+    p = torch.nn.Parameter(torch.randn(70, 90, dtype=torch.bfloat16 if bf16 else None))
+    opt = FusedAdam([p], lr=1e-2, amsgrad=switched == "amsgrad off")
+    p.grad = torch.randn_like(p)
+    opt.step()
+    if bf16:
+        opt.master_weights = True
+    else:
+        opt.param_groups[0]["amsgrad"] = switched == "amsgrad on"
+    name = "master_param" if bf16 else "max_exp_avg_sq"
+    assert (name in opt.state[p]) == (switched == "amsgrad off")
+    values = torch.rand(p.shape) * 1e-3 + (p.detach().float() if name == "master_param" else 0)
+    opt.set_scaled_state(p, name, values)
+    assert torch.equal(opt.get_unscaled_state(p, name), values)
+
+
+def test_the_state_accessors_take_an_empty_state_entry_as_no_state_yet():
+    """Reading ``optimizer.state[p]`` for a param not stepped yet makes an empty entry (torch.optim's state is a
+    defaultdict): the accessors take it as no state, as a step does (get: not made yet; set: made as the first step
+    makes it, then written)."""
+    p = torch.nn.Parameter(torch.randn(8))
+    opt = FusedAdam([p], lr=1e-2, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+    assert not opt.state[p]
+    with pytest.raises(StateNameError, match=r"has no 'exp_avg' state yet \(its first step makes it\)"):
+        opt.get_unscaled_state(p, "exp_avg")
+    opt.set_scaled_state(p, "exp_avg_sq", torch.full((8,), 0.25))
+    assert float(opt.state[p]["step"]) == 0
+    assert torch.equal(opt.get_unscaled_state(p, "exp_avg"), torch.zeros(8))
+    p.grad = torch.ones(8)
+    opt.step()
+
+
+def test_a_state_name_error_reads_as_its_message_not_as_a_quoted_key():
+    """StateNameError is a KeyError, whose str() is the repr of its key ('...' in quotes): its text is the message
+    itself, as every other refusal's."""
+    p, opt = _stepped(_MOMENT_FORMATS["fp32"])
+    with pytest.raises(StateNameError) as info:
+        opt.get_unscaled_state(p, "master_param")
+    assert str(info.value).startswith("get_unscaled_state: param_groups[0]['params'][0] "), str(info.value)
+    assert str(info.value).endswith("has no 'master_param' state"), str(info.value)
+
+
 @pytest.mark.parametrize("state_name", ["exp_avg", "exp_avg_sq"])
 def test_set_scaled_state_refuses_finite_values_its_storage_cannot_hold_as_a_load_refuses_them(state_name):
     """float32's largest values round to inf in bfloat16 moments: set_scaled_state refuses them, naming the storage,
