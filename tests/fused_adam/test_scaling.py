@@ -263,6 +263,27 @@ def test_a_gradient_in_its_params_memory_cannot_be_unscaled_in_place_and_is_refu
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_a_gradient_beside_its_param_in_one_buffer_shares_no_memory_with_it_and_is_unscaled_in_place(layout, backend,
+                                                                                                     monkeypatch):
+    """Memory is shared where the bytes the elements reach meet, not where they merely border: a gradient that ends
+    where its param begins in one buffer (buffer[0:3] beside buffer[3:6]; strided, buffer[0:5:2], whose last element
+    is buffer[4], beside buffer[5:8]) steps with grad_scale as a gradient of its own memory does, unscaled in place."""
+    select_backend(monkeypatch, backend)
+    torch.manual_seed(0)
+    buffer = torch.randn(8)
+    p = torch.nn.Parameter(buffer[5:8] if layout == "strided" else buffer[3:6])
+    p.grad = buffer[0:5:2] if layout == "strided" else buffer[0:3]
+    twin = torch.nn.Parameter(p.detach().clone())
+    twin.grad = p.grad.clone()
+    opt, twin_opt = FusedAdam([p], lr=1e-2), FusedAdam([twin], lr=1e-2)
+    opt.step(grad_scale=2.0)
+    twin_opt.step(grad_scale=2.0)
+    assert_bitwise_equal(p.detach(), twin.detach())
+    assert_bitwise_equal(p.grad, twin.grad)  # (unscaled in place)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("how", ["plain", "max_grad_norm", "found_inf"])
 @pytest.mark.parametrize("alias", ["itself", "part of it"])
 def test_without_grad_scale_a_gradient_in_its_params_memory_is_read_before_the_param_is_written(alias, how, backend,
@@ -321,6 +342,32 @@ def test_a_meta_param_beside_a_cpu_param_is_refused_with_a_global_norm_before_an
     assert len(opt.state) == (0 if when.endswith("first step") else 2)
     opt.max_grad_norm = None
     opt.step()  # a plain step takes them
+
+
+@pytest.mark.no_interpreter  # (meta params step through the native op's fake kernel, not Triton's interpreter)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["max_grad_norm", "grad_scale"])
+def test_a_global_norm_leaves_out_a_meta_param_without_a_gradient_and_takes_params_all_on_the_meta_device(
+        how, backend, monkeypatch):
+    """Only the params a step updates join its norm: a meta param without a gradient beside a CPU param with one is
+    no refusal (the step updates the CPU param, as without the meta one), and neither are meta params alone (their
+    gradients share no memory with them, having none: nothing is read or written)."""
+    select_backend(monkeypatch, backend)
+    scale = {"grad_scale": 2.0} if how == "grad_scale" else {}
+    torch.manual_seed(0)
+    cpu, meta = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.empty(4, device="meta"))
+    twin = torch.nn.Parameter(cpu.detach().clone())
+    cpu.grad, twin.grad = torch.ones(4), torch.ones(4)
+    options = {"lr": 1e-2, "max_grad_norm": 1.0 if how == "max_grad_norm" else None}
+    FusedAdam([{"params": [cpu]}, {"params": [meta]}], **options).step(**scale)
+    FusedAdam([twin], **options).step(**scale)
+    assert_bitwise_equal(cpu.detach(), twin.detach())
+    metas = [torch.nn.Parameter(torch.empty(4, device="meta")) for _ in range(2)]
+    for p in metas:
+        p.grad = torch.empty(4, device="meta")
+    opt = FusedAdam([{"params": metas[:1]}, {"params": metas[1:]}], **options)
+    opt.step(**scale)
+    assert all(opt.state[p]["exp_avg"].is_meta for p in metas)
 
 
 # ---- against torch's fused AdamW under torch.amp.GradScaler -------------------------------------------------------
