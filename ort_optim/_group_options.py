@@ -53,6 +53,13 @@ TENSOR_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 Where = Callable[[str], str]
 
 
+class UnsupportedDtypeError(ValueError, RuntimeError):
+    """A dtype FusedAdam does not support: a param's, or a state option's (``master_weight_dtype``,
+    ``exp_avg_dtype``, ``exp_avg_sq_dtype``). A ValueError, as every input FusedAdam refuses, and a RuntimeError, as
+    TransformerEngine's FusedAdam raises for a master or moment dtype it does not support and apex's, DeepSpeed's and
+    ONNX Runtime's FusedAdam for a param dtype they do not support, so that code written against either catches it."""
+
+
 class WideOptions(NamedTuple):
     """The optimizer's own values of :data:`OPTIMIZER_WIDE_KEYS`, which a param group may only repeat."""
 
@@ -388,17 +395,19 @@ def stochastic_rounding_refused(name: str) -> ValueError:
 
 def check_dtype_option(name: str, dtype: Optional[torch.dtype]) -> None:
     if dtype is not None and dtype not in STATE_DTYPES:
-        raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16, torch.float16, torch.uint8 (8-bit), "
-                         f"torch.uint4 (4-bit), torch.float8_e4m3fn or torch.float8_e5m2 (fp8), got {dtype!r}")
+        raise UnsupportedDtypeError(
+            f"{name} must be None, torch.float32, torch.bfloat16, torch.float16, torch.uint8 (8-bit), torch.uint4 "
+            f"(4-bit), torch.float8_e4m3fn or torch.float8_e5m2 (fp8), got {dtype!r}")
 
 
 def check_optimizer_options(master_weights: Any, master_weight_dtype: Any, exp_avg_dtype: Any, exp_avg_sq_dtype: Any,
                             max_grad_norm: Any, flags: dict) -> None:
     """The constructor's optimizer-wide options (flags: name -> value of the options that must be bools)."""
     if master_weight_dtype is not torch.float32:
-        raise ValueError(f"FusedAdam: master_weight_dtype must be torch.float32 (master weights are kept in float32 "
-                         f"only), got {master_weight_dtype!r}. For less memory than fp32 masters, train bfloat16 "
-                         "params with stochastic_rounding=True and master_weights=False")
+        raise UnsupportedDtypeError(
+            f"FusedAdam: master_weight_dtype must be torch.float32 (master weights are kept in float32 only), got "
+            f"{master_weight_dtype!r}. For less memory than fp32 masters, train bfloat16 params with "
+            "stochastic_rounding=True and master_weights=False")
     check_dtype_option("exp_avg_dtype", exp_avg_dtype)
     check_dtype_option("exp_avg_sq_dtype", exp_avg_sq_dtype)
     check_dtype_pair(exp_avg_dtype, exp_avg_sq_dtype)

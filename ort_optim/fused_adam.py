@@ -240,7 +240,10 @@ class FusedAdam(torch.optim.Optimizer):
         master_weight_dtype: the masters' dtype, taken as TransformerEngine's FusedAdam takes it so that code written
             for it constructs FusedAdam unchanged: torch.float32 only (the default; other dtypes are refused naming
             this option, whatever ``master_weights`` says, where TE ignores it without masters and keeps fp16
-            masters with a scale: a bf16 param's stochastic rounding is the low-memory choice here).
+            masters with a scale: a bf16 param's stochastic rounding is the low-memory choice here). A refused dtype
+            here, in ``exp_avg_dtype``/``exp_avg_sq_dtype`` or of a param raises a ValueError that is also a
+            RuntimeError, the type TE's, apex's, DeepSpeed's and ORT's FusedAdam raise for a dtype they do not
+            support.
         exp_avg_dtype, exp_avg_sq_dtype: storage dtype of the moments: torch.float32, torch.bfloat16,
             torch.float16, torch.uint8 (8-bit), torch.uint4 (4-bit), torch.float8_e4m3fn or torch.float8_e5m2
             (fp8), in any combination (torch.uint8 is 8-bit blockwise codes, not TransformerEngine's FusedAdam's
@@ -565,7 +568,7 @@ class FusedAdam(torch.optim.Optimizer):
             group["adam_w_mode"] = int(group["adam_w_mode"])  # a plain int, so checkpoints load with weights_only
             for index, p in enumerate(group["params"]):
                 if p.dtype not in SUPPORTED_PARAM_DTYPES:
-                    raise ValueError(
+                    raise _group_options.UnsupportedDtypeError(
                         f"{describe(group_index, index, p)}: FusedAdam supports float32, float64, float16 and "
                         f"bfloat16 params, not {p.dtype} (complex params: make the param the real pairs, "
                         "nn.Parameter(torch.view_as_real(w).clone()), and use torch.view_as_complex(param) in the "

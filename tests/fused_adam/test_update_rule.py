@@ -630,6 +630,32 @@ def test_unsupported_params_raise_a_clear_error_naming_the_param(make, kwargs, m
     assert len(opt.param_groups) == 1
 
 
+UNSUPPORTED_DTYPES = [
+    ("fp16-masters", lambda good: FusedAdam([good], master_weights=True, master_weight_dtype=torch.float16),
+     r"master_weight_dtype must be torch\.float32"),
+    ("int8-exp-avg", lambda good: FusedAdam([good], exp_avg_dtype=torch.int8), r"exp_avg_dtype must be None"),
+    ("float64-exp-avg-sq", lambda good: FusedAdam([good], exp_avg_sq_dtype=torch.float64),
+     r"exp_avg_sq_dtype must be None"),
+    ("int8-exp-avg-set-later", lambda good: setattr(FusedAdam([good]), "exp_avg_dtype", torch.int8),
+     r"exp_avg_dtype must be None"),
+    ("int32-param", lambda good: FusedAdam([good, torch.zeros(3, dtype=torch.int32)]),
+     r"param_groups\[0\]\['params'\]\[1\] .*not torch\.int32"),
+    ("complex-param-added", lambda good: FusedAdam([good]).add_param_group(
+        {"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))]}),
+     r"param_groups\[1\]\['params'\]\[0\] .*not torch\.complex64"),
+]
+
+
+@pytest.mark.parametrize("refuse,message", [c[1:] for c in UNSUPPORTED_DTYPES], ids=[c[0] for c in UNSUPPORTED_DTYPES])
+def test_an_unsupported_dtype_raises_a_value_error_that_is_also_the_runtime_error_of_the_fused_adams_it_replaces(
+        refuse, message):
+    # TransformerEngine's FusedAdam raises a RuntimeError for a master or moment dtype it does not support; apex's,
+    # DeepSpeed's and ONNX Runtime's for a param dtype
+    with pytest.raises(RuntimeError, match=message) as refused:
+        refuse(torch.nn.Parameter(torch.zeros(2)))
+    assert isinstance(refused.value, ValueError)
+
+
 def test_a_bad_param_group_is_refused_and_not_kept():
     opt = FusedAdam([torch.nn.Parameter(torch.zeros(2))])
     with pytest.raises(ValueError, match=r"param_groups\[1\]: betas\[1\] must be in \[0, 1\)"):
