@@ -560,6 +560,7 @@ class FusedAdam(torch.optim.Optimizer):
     # ---- configuration ------------------------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict) -> None:
+        self._check_not_listed_already(param_group)
         super().add_param_group(param_group)
         group_index = len(self.param_groups) - 1
         group = self.param_groups[group_index]
@@ -597,6 +598,27 @@ class FusedAdam(torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise
             self._backward.watch(group_index, group)
+
+    def _check_not_listed_already(self, param_group: dict) -> None:
+        """Refuses a param of a new group that a group already lists, naming both places, before anything changes
+        (torch.optim's add_param_group refuses it too, without saying which one: "some parameters appear in more than
+        one parameter group"). Its params are read as torch.optim reads them, an iterator made a list."""
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif params is None or isinstance(params, set):  # (refused by torch.optim itself)
+            return
+        elif not isinstance(params, (list, tuple)):
+            params = param_group["params"] = list(params)
+        listed = {id(p): (group_index, index, p) for group_index, group in enumerate(self.param_groups)
+                  for index, p in enumerate(group["params"])}
+        for index, p in enumerate(params):
+            if isinstance(p, torch.Tensor) and id(p) in listed:
+                raise ValueError(
+                    f"{describe(len(self.param_groups), index, p)} is {describe(*listed[id(p)])} listed again: each "
+                    "parameter belongs to one param group (torch.optim refuses it too: 'some parameters appear in "
+                    "more than one parameter group'). Leave it out of the new group, or remove it from the other "
+                    "one first; nothing was changed")
 
     # Optimizer-wide options that may change between steps (FP16_Optimizer switches master_weights on and sets
     # max_grad_norm; a run may move its moments to another dtype, which the next step converts them to), checked when

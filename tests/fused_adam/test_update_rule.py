@@ -656,6 +656,20 @@ def test_an_unsupported_dtype_raises_a_value_error_that_is_also_the_runtime_erro
     assert isinstance(refused.value, ValueError)
 
 
+def test_a_param_already_in_a_group_is_refused_naming_both_places_and_changing_nothing():
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[1\] \(shape \(2,\), torch\.float32\) is "
+                                         r"param_groups\[0\]\['params'\]\[0\] .* listed again: each parameter "
+                                         r"belongs to one param group"):
+        FusedAdam([{"params": params[:1]}, {"params": params[1:2] + params[:1]}])
+    opt = FusedAdam(params[:2])
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] .* is "
+                                         r"param_groups\[0\]\['params'\]\[1\] "):
+        opt.add_param_group({"params": iter([params[1], params[2]]), "lr": 0.5})
+    assert len(opt.param_groups) == 1
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in params[:2]]
+
+
 def test_a_bad_param_group_is_refused_and_not_kept():
     opt = FusedAdam([torch.nn.Parameter(torch.zeros(2))])
     with pytest.raises(ValueError, match=r"param_groups\[1\]: betas\[1\] must be in \[0, 1\)"):
