@@ -36,6 +36,12 @@ NO_GRADIENTS = (
 )
 
 
+class NotFloatingPointError(ValueError, TypeError):
+    """A param FP16_Optimizer cannot train: not floating point. A ValueError, as the wrapper's other refusals of a
+    param, and a TypeError, as apex's FP16_Optimizer raises for a param that is neither float nor half, so that code
+    written against either catches it."""
+
+
 def _where(group_index: int, index: int) -> str:
     return f"param_groups[{group_index}]['params'][{index}]"
 
@@ -487,8 +493,11 @@ class WrapperMasters:
                     layout.fp32_where.append(where)
                     continue
                 if not isinstance(p, torch.Tensor) or not p.is_floating_point():
-                    raise ValueError(f"FP16_Optimizer: {where} has dtype {getattr(p, 'dtype', type(p).__name__)}, "
-                                     "not a floating-point type; only floating-point parameters can be trained")
+                    raise NotFloatingPointError(
+                        f"FP16_Optimizer: {where} has dtype {getattr(p, 'dtype', type(p).__name__)}, not a "
+                        "floating-point type; only floating-point parameters can be trained: leave it out of the "
+                        "optimizer's param groups (a buffer that is not trained belongs to the module, "
+                        "module.register_buffer)")
                 if p.dtype in LOW_PRECISION:
                     master = p.detach().clone(memory_format=torch.contiguous_format).float()
                     layout.swaps.append((gi, j, p, master))

@@ -886,6 +886,17 @@ def test_duplicate_param_is_refused_before_any_swap():
     assert_tree_bitwise_equal(before, optimizer_picture(sgd))
 
 
+def test_a_param_that_is_not_floating_point_is_refused_naming_it_with_apexs_type_too_before_any_swap():
+    params = fp16_params()
+    sgd = torch.optim.SGD([params[0], torch.zeros(3, dtype=torch.int32)], lr=0.1)
+    before = optimizer_picture(sgd)
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\]\[1\] has dtype torch\.int32, not a "
+                                        r"floating-point type") as refused:  # (apex raises a TypeError for it)
+        FP16_Optimizer(sgd)
+    assert isinstance(refused.value, ValueError)
+    assert_tree_bitwise_equal(before, optimizer_picture(sgd))
+
+
 def test_fused_adam_flags_unchanged_when_max_grad_norm_conflicts():
     fused = FusedAdam(fp16_params(), lr=1e-3, max_grad_norm=1.0)
     before = optimizer_picture(fused)
