@@ -510,9 +510,11 @@ def check_scaling_arguments(grad_scale: Any, found_inf: Any) -> None:
     with the device: a zero or non-finite scale skips the step, backends.scaling)."""
     if grad_scale is not None:
         if isinstance(grad_scale, torch.Tensor):
-            if grad_scale.numel() != 1 or not grad_scale.is_floating_point():
-                raise ValueError(f"step(): grad_scale must be a float or a one-element floating-point tensor, got a "
-                                 f"{grad_scale.dtype} tensor of shape {tuple(grad_scale.shape)}")
+            got = f"got a {grad_scale.dtype} tensor of shape {tuple(grad_scale.shape)}"
+            if not grad_scale.is_floating_point():  # (a TypeError, as for an lr tensor of such a dtype)
+                raise TypeError(f"step(): grad_scale must be a float or a one-element floating-point tensor, {got}")
+            if grad_scale.numel() != 1:
+                raise ValueError(f"step(): grad_scale must be a float or a one-element floating-point tensor, {got}")
             if grad_scale.is_meta:
                 raise ValueError("step(): grad_scale is a tensor on the meta device, which holds no value")
             value = None  # (read by the op: reading it here would be a host read per step)

@@ -835,7 +835,10 @@ BAD_STEP_ARGUMENTS = [
     ("grad-scale-bool", dict(grad_scale=True), TypeError, r"grad_scale must be a float or a one-element tensor"),
     ("grad-scale-two-elements", dict(grad_scale=torch.tensor([2.0, 2.0])), ValueError,
      r"grad_scale must be a float or a one-element floating-point tensor, got a torch\.float32 tensor of shape"),
-    ("grad-scale-int-tensor", dict(grad_scale=torch.tensor([2])), ValueError, r"one-element floating-point tensor"),
+    # (a tensor of a dtype that holds no scale is of the wrong type, as an lr tensor of that dtype)
+    ("grad-scale-int-tensor", dict(grad_scale=torch.tensor([2])), TypeError,
+     r"grad_scale must be a float or a one-element floating-point tensor, got a torch\.int64 tensor of shape \(1,\)"),
+    ("grad-scale-bool-tensor", dict(grad_scale=torch.tensor(True)), TypeError, r"got a torch\.bool tensor"),
     ("grad-scale-nan", dict(grad_scale=float("nan")), ValueError, r"grad_scale must be finite"),
     # (a zero or NaN scale makes the unscaled norm non-finite: it must not pass as an overflow that skips the step)
     ("grad-scale-tensor-zero", dict(grad_scale=torch.tensor(0.0)), ValueError,
