@@ -242,7 +242,9 @@ def require_data(value: torch.Tensor, where: str, meta_ok: bool = False) -> None
     """A tensor a checkpoint's values are read from: dense, and off the meta device (which holds no values), unless
     meta_ok (an entry for a param on the meta device, which keeps no values either)."""
     if value.layout != torch.strided or value.is_nested or (value.is_meta and not meta_ok):
-        raise TypeError(f"{where} must be a dense tensor with data, got {show(value)}")
+        hint = ("; a tensor on the meta device holds no values (a checkpoint loaded with map_location='meta'): load "
+                "the checkpoint onto the CPU or the params' device" if value.is_meta else "")
+        raise TypeError(f"{where} must be a dense tensor with data, got {show(value)}{hint}")
 
 
 def _require_scalar_tensor(value: torch.Tensor, where: str) -> float:

@@ -790,7 +790,9 @@ BAD_CHECKPOINTS = [
     ("integer-moment", _bad(_set(["state", 1, "exp_avg"], torch.zeros(6, dtype=torch.int32))), TypeError,
      r"state_dict\['state'\]\[1\]\['exp_avg'\] must be a floating-point tensor"),
     ("meta-moment", _bad(_set(["state", 1, "exp_avg"], torch.zeros(6, device="meta"))), TypeError,
-     r"state_dict\['state'\]\[1\]\['exp_avg'\] must be a dense tensor with data"),
+     r"state_dict\['state'\]\[1\]\['exp_avg'\] must be a dense tensor with data, got .* on meta; a tensor on the "
+     r"meta device holds no values \(a checkpoint loaded with map_location='meta'\): load the checkpoint onto the CPU "
+     r"or the params' device"),
     ("moment-beyond-float32", _bad(_set(["state", 1, "exp_avg"], torch.full((6,), 1e300, dtype=torch.float64))),
      ValueError, r"state_dict\['state'\]\[1\]\['exp_avg'\] holds inf or NaN once converted to float32"),
     ("negative-second-moment", _bad(_set(["state", 1, "exp_avg_sq"], -torch.ones(6))), ValueError,
