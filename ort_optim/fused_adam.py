@@ -1493,7 +1493,10 @@ class FusedAdam(torch.optim.Optimizer):
         groups = []
         for index, group in enumerate(optimizer.param_groups):
             if group.get("differentiable"):
-                raise ValueError(f"param_groups[{index}]: differentiable=True is not supported by FusedAdam")
+                raise ValueError(
+                    f"param_groups[{index}]: differentiable=True is not supported by FusedAdam (the step updates the "
+                    "params in place through its own op, which autograd does not differentiate): set the group's "
+                    "differentiable to False first, or keep the torch optimizer to differentiate through its steps")
             if not decoupled and group["weight_decay"] != 0 and not group.get("decoupled_weight_decay", False):
                 raise ValueError(
                     f"param_groups[{index}]: torch.optim.Adam with weight_decay={group['weight_decay']} is L2 decay "

@@ -1113,6 +1113,12 @@ def test_from_optimizer_refuses_adam_with_weight_decay_and_other_optimizers():
         FusedAdam.from_optimizer(torch.optim.Adam(params, weight_decay=0.1))
     with pytest.raises(TypeError, match=r"converts torch\.optim\.Adam and torch\.optim\.AdamW, got SGD"):
         FusedAdam.from_optimizer(torch.optim.SGD(params, lr=0.1))
+    differentiable = torch.optim.AdamW(params, differentiable=True)
+    before = copy.deepcopy(differentiable.state_dict())
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: differentiable=True is not supported by FusedAdam .*: "
+                                         r"set the group's differentiable to False first"):
+        FusedAdam.from_optimizer(differentiable)
+    assert differentiable.state_dict() == before
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
