@@ -448,7 +448,8 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (ONNX Runtime's name)
                 f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
             )
         if isinstance(optimizer, FP16_Optimizer):
-            raise TypeError("FP16_Optimizer: this optimizer is already wrapped")
+            raise TypeError("FP16_Optimizer: this optimizer is already wrapped (it is an FP16_Optimizer): use it as it "
+                            "is, or wrap its .optimizer, which one FP16_Optimizer at a time may wrap")
         if _step_needs_closure(optimizer):
             raise TypeError(
                 f"FP16_Optimizer: {type(optimizer).__name__}.step requires a closure that re-evaluates the loss "

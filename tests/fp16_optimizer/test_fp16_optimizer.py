@@ -571,7 +571,8 @@ def test_entry_point_dispatch_and_errors():
     wrapped = FP16_Optimizer(inner)
     assert isinstance(wrapped, FP16_Optimizer) and isinstance(wrapped, torch.optim.Optimizer)
     assert wrapped.optimizer is inner
-    with pytest.raises(TypeError, match="already wrapped"):
+    with pytest.raises(TypeError, match=r"already wrapped \(it is an FP16_Optimizer\): use it as it is, or wrap "
+                                        r"its \.optimizer"):
         FP16_Optimizer(wrapped)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         FP16_Optimizer(object())
