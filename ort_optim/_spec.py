@@ -55,6 +55,19 @@ def exp_avg_not_relative(i: int) -> str:
             "not 4-bit codes: store both moments as torch.uint4")
 
 
+def scalar_type_name(dtype: torch.dtype) -> str:
+    """A dtype as the native op's messages print it (c10's ScalarType name: Float for torch.float32, BFloat16 for
+    torch.bfloat16), so that every backend refuses in the same words."""
+    name = _SCALAR_TYPE_NAMES.get(dtype)
+    if name is None:
+        legacy = torch.empty(0, dtype=dtype, device="cpu").type()  # torch.<ScalarType name>Tensor
+        name = _SCALAR_TYPE_NAMES.setdefault(dtype, legacy[len("torch."):-len("Tensor")])
+    return name
+
+
+_SCALAR_TYPE_NAMES: dict = {}
+
+
 def host_hyperparameters_refused(name: str, t: torch.Tensor, device: torch.device) -> Optional[str]:
     """The ops' refusal of betas_tensor (float64 [2]: beta1, beta2) or group_hyperparameters (float64 [groups, 3]:
     each group's lr, beta1, beta2) that has another dtype, shape, device than the steps' or layout; None: accepted."""
@@ -62,8 +75,8 @@ def host_hyperparameters_refused(name: str, t: torch.Tensor, device: torch.devic
     if (t.dtype == torch.float64 and t.layout == torch.strided and t.device == device
             and (tuple(t.shape) == shape if shape else (t.dim() == 2 and t.shape[1] == 3))):
         return None
-    return (f"{name} must be a float64 tensor of shape {what} on the steps' device ({device}), got {t.dtype} of shape "
-            f"{list(t.shape)} on {t.device}")
+    return (f"{name} must be a float64 tensor of shape {what} on the steps' device ({device}), got "
+            f"{scalar_type_name(t.dtype)} of shape {list(t.shape)} on {t.device}")
 
 
 def step_count_refused(i: int, count: float) -> str:
@@ -76,7 +89,7 @@ def step_count_refused(i: int, count: float) -> str:
 def rounding_keys_refused(i: int, dtype: torch.dtype, has_master: bool) -> str:
     """The ops' refusal of rounding_keys for params[i], which is not a bfloat16 param without a master weight (as the
     native op words it, ops/validation.cpp: check_rounding_keys)."""
-    return (f"rounding_keys (stochastic rounding) given but params[{i}] is {dtype}"
+    return (f"rounding_keys (stochastic rounding) given but params[{i}] is {scalar_type_name(dtype)}"
             f"{' with a master weight' if has_master else ''}; stochastic rounding is for bfloat16 params without "
             "master weights")
 

@@ -5,7 +5,8 @@ module decides who runs them. A step reaches them through one interface, a runne
 the native CPU library, :class:`OpRunner` on every other backend): ``check()``, ``stats()``, ``step(hyper,
 scaling)``. The unscaling, clipping and skip decision of a step are one function, :func:`scaling`, whose result every
 runner applies the same way: its multiplier and skip flag are the ops' ``inv_grad_scale`` and ``found_inf``. The backends are modules of this package that implement the same math
-(ops/README.md) from the shared constants of :mod:`ort_optim._spec`, and never import one another:
+(ops/README.md) from the shared constants of :mod:`ort_optim._spec`, and never import one another (the two Python
+backends make the native op's argument checks through :mod:`._validation`):
 
 * :mod:`.native`: the C++ CPU library built from ``ops/`` (``torch.ops.ort_optim``), and its ``AdamPlan`` class;
 * :mod:`.triton`: Triton kernels for CUDA tensors (and, with ``ORT_OPTIM_BACKEND=triton`` and ``TRITON_INTERPRET=1``,

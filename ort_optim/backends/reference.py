@@ -14,12 +14,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._spec import (FP8_FORMATS, GRAD_IN_PARAM, GRAD_OVERLAPS_ITSELF, MAX_STEP, PARAM_OVERLAPS_ITSELF, beta_power,
-                     check_hyperparameters, exp_avg_not_relative, grad_in_param_memory, host_hyperparameters_refused,
-                     low_bit_format, rounding_keys_refused, splitmix64, step_count_refused)
+from .._spec import (FP8_FORMATS, GRAD_IN_PARAM, GRAD_OVERLAPS_ITSELF, MAX_STEP, beta_power, check_hyperparameters,
+                     grad_in_param_memory, low_bit_format, splitmix64, step_count_refused)
 from .._versions import tracks_versions
 from ..formats import (MASK32, decode_state, fmix32, is_relative, quantize_fp8, quantize_fp16, quantize_low_bit,
                        sqrt_f32, sqrt_f64, state_root)
+from ._validation import check_grads, check_lists, check_options, check_rounding_keys, check_tensors
 
 # Where the step's host-side numbers are rounded: torch's default device (`with torch.device(...)`) is not the params'.
 _CPU = torch.device("cpu")
@@ -107,37 +107,26 @@ def adam_step_(
 ) -> None:
     if any(t.is_meta for t in (steps, *params)):  # (no values to check or write: as the native op's fake kernel)
         return
-    if adam_w_mode not in (0, 1, 2):  # (another value would take no decay branch: an update without weight decay)
-        raise RuntimeError(f"ort_optim::adam_step_: adam_w_mode must be 0, 1 or 2, got {adam_w_mode}")
-    for i, param in enumerate(params):  # checked before anything is written, as the native op does
-        if torch._debug_has_internal_overlap(param) == 1:
-            raise RuntimeError(f"ort_optim::adam_step_: params[{i}] {PARAM_OVERLAPS_ITSELF}")
-    if betas_tensor is not None:  # checked before anything is written, as the native op does
-        refused = host_hyperparameters_refused("betas_tensor", betas_tensor, steps.device)
-        if refused:
-            raise RuntimeError(f"ort_optim::adam_step_: {refused}")
+    # the native op's checks of every argument's structure, then of the values it reads: all before anything is
+    # written, in its words (_validation)
+    check_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+                exp_avg_sq_scales, max_exp_avg_sq_scales, steps)
+    check_tensors(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales, exp_avg_sq_scales,
+                  max_exp_avg_sq_scales)
+    check_grads(params, grads)
+    check_options(len(params), steps.device, adam_w_mode, lr_tensor, inv_grad_scale, found_inf, grad_scale,
+                  rounding_keys, betas_tensor, group_hyperparameters)
+    if rounding_keys is not None:
+        check_rounding_keys(params, len(master_params) > 0)
+    if betas_tensor is not None:
         beta1, beta2 = betas_tensor.tolist()
     lr = float(lr_tensor) if lr_tensor is not None else lr
     # the step's own rules for the values it reads, as the native op checks them (step() checks them first): every
     # group's of the step first, then its own
     if group_hyperparameters is not None:
-        refused = host_hyperparameters_refused("group_hyperparameters", group_hyperparameters, steps.device)
-        if refused:
-            raise RuntimeError(f"ort_optim::adam_step_: {refused}")
         for k, row in enumerate(group_hyperparameters.tolist()):
             check_hyperparameters(*row, prefix=f"param_groups[{k}]: ")
     check_hyperparameters(lr, beta1, beta2)
-    if rounding_keys is not None:
-        if rounding_keys.dtype != torch.int64 or rounding_keys.shape != (len(params),):
-            raise RuntimeError(f"ort_optim::adam_step_: rounding_keys must be an int64 tensor of shape [{len(params)}]")
-        for i, param in enumerate(params):
-            if param.dtype != torch.bfloat16 or len(master_params):
-                raise RuntimeError("ort_optim::adam_step_: "
-                                   + rounding_keys_refused(i, param.dtype, len(master_params) > 0))
-    for i in range(len(params)):  # a 4-bit exp_avg is decoded through a 4-bit exp_avg_sq (_spec.EXP_AVG_RELATIVE)
-        if (len(exp_avg_scales) and is_relative(exp_avgs[i], exp_avg_scales[i])
-                and not (len(exp_avg_sq_scales) and is_relative(exp_avg_sqs[i], exp_avg_sq_scales[i]))):
-            raise RuntimeError(f"ort_optim::adam_step_: {exp_avg_not_relative(i)}")
     if grad_scale is not None:  # checked before anything is written, and before a skip returns, as the native op does
         if not (math.isfinite(float(grad_scale)) and float(grad_scale) != 0.0):
             raise ValueError(f"ort_optim::adam_step_: grad_scale must be finite and non-zero, got "

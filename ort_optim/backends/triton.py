@@ -44,11 +44,11 @@ from typing import Optional, Sequence
 import torch
 
 from .._fork import renewed_lock
-from .._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_E5M2, FP8_FORMATS, FP8_MAX_ROOT,
-                     GRAD_IN_PARAM, GRAD_OVERLAPS_ITSELF, MIN_SCALE, PARAM_OVERLAPS_ITSELF, QUANT_BLOCK, Q4, Q8,
-                     LowBitFormat, check_hyperparameters, exp_avg_not_relative, grad_in_param_memory,
-                     host_hyperparameters_refused, rounding_keys_refused, square_tables)
+from .._spec import (CANONICAL_NAN, EXP_AVG_SNAP, EXP_AVG_SR_ULPS, FP8_E4M3, FP8_E5M2, FP8_MAX_ROOT,
+                     GRAD_IN_PARAM, GRAD_OVERLAPS_ITSELF, MIN_SCALE, QUANT_BLOCK, Q4, Q8, LowBitFormat,
+                     check_hyperparameters, grad_in_param_memory, square_tables)
 from .._versions import mark_modified, step_taken
+from ._validation import check_grads, check_lists, check_options, check_rounding_keys, check_tensors, fail
 
 # Elements per block: the fp16 quantisation block and the unit of every program's work (must equal QUANT_BLOCK).
 BLOCK = 1024
@@ -72,8 +72,6 @@ if not Q4.exp_avg_sq_stochastic or Q8.exp_avg_sq_stochastic:  # (_spec.EXP_AVG_S
                        "to nearest; ort_optim._spec's formats say otherwise")
 # fp8 states hold their codes in the float8 dtypes themselves, with float32 power-of-two scales (_spec.Fp8Format).
 _FP8 = {torch.float8_e4m3fn: 6, torch.float8_e5m2: 7}
-_FLOAT_STORAGE = (torch.float32, torch.float16, torch.bfloat16)
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # Where the launch tables are made before they go to the tensors' device: torch's default device (`with
 # torch.device(...)`) is not the tensors'.
@@ -388,32 +386,6 @@ class _Plan:
         self.generation = _generation
 
 
-def _fail(msg: str):
-    raise RuntimeError("ort_optim::adam_step_: " + msg)
-
-
-def _check_lengths(n: int, lists: dict) -> None:
-    for name, (items, optional) in lists.items():
-        if len(items) != n and not (optional and len(items) == 0):
-            _fail(f"{name} has {len(items)} tensors but params has {n}" + (" (pass n tensors or none)"
-                                                                           if optional else ""))
-
-
-def _check_same(t: torch.Tensor, p: torch.Tensor, name: str, i: int) -> None:
-    if t.shape != p.shape:
-        _fail(f"{name}[{i}] has shape {list(t.shape)} but params[{i}] has shape {list(p.shape)}")
-    if t.device != p.device:
-        _fail(f"{name}[{i}] is on {t.device} but params[{i}] is on {p.device}")
-
-
-def _low_bit_format(scales, i: int) -> Optional[LowBitFormat]:
-    """The low-bit format of state i of a list (uint8 codes), told by its scales' dtype; None without scales."""
-    if not len(scales):
-        return None
-    entry = _LOW_BIT.get(scales[i].dtype)
-    return entry[1] if entry is not None else None
-
-
 def _state_code(states, scales, i: int) -> int:
     """The kernel's dtype code of state i of a list: its float dtype's, or Q8 / Q4 for uint8 codes."""
     t = states[i]
@@ -451,109 +423,6 @@ def _lut(fmt: LowBitFormat, device: torch.device) -> torch.Tensor:
     return table
 
 
-def _check_state(t: torch.Tensor, p: torch.Tensor, name: str, i: int, is_double: bool, scales_name: str,
-                 scales) -> None:
-    if t.device != p.device:
-        _fail(f"{name}[{i}] is on {t.device} but params[{i}] is on {p.device}")
-    if not t.is_contiguous():
-        _fail(f"{name}[{i}] must be contiguous")
-    if t.dtype == torch.uint8 and not is_double:
-        fmt = _low_bit_format(scales, i)
-        if fmt is None:
-            _fail(f"{name}[{i}] holds uint8 codes of a low-bit state, so {scales_name}[{i}] must be its block scales "
-                  f"(float32 for 8-bit, bfloat16 for 4-bit)" + ("" if len(scales) else f"; {scales_name} is empty"))
-        if tuple(t.shape) != fmt.storage_shape(p.shape):
-            _fail(f"{name}[{i}] has shape {list(t.shape)}; {fmt.name} codes of params[{i}] (shape {list(p.shape)}) "
-                  f"have shape {list(fmt.storage_shape(p.shape))}")
-        return
-    if t.shape != p.shape:
-        _fail(f"{name}[{i}] has shape {list(t.shape)} but params[{i}] has shape {list(p.shape)}")
-    if t.dtype in _FP8 and not is_double:
-        if not len(scales):
-            _fail(f"{name}[{i}] holds {t.dtype} (fp8) codes, so {scales_name}[{i}] must be its float32 block scales; "
-                  f"{scales_name} is empty")
-        return
-    if (t.dtype != torch.float64) if is_double else (t.dtype not in _FLOAT_STORAGE):
-        _fail(f"{name}[{i}] has dtype {t.dtype}" + ("; float64 params need float64 states" if is_double
-                                                    else "; states must be float32, bfloat16, float16 or uint8 "
-                                                         "(low-bit codes)"))
-
-
-def _check_scales(scales, states, p: torch.Tensor, i: int, name: str) -> None:
-    if not len(scales):
-        return
-    s, state = scales[i], states[i]
-    if state.dtype == torch.uint8:
-        fmt = _low_bit_format(scales, i)  # not None: _check_state ran first
-        blocks, dtype = fmt.num_scales(p.numel()), fmt.scale_dtype
-    elif state.dtype in _FP8:
-        blocks, dtype = FP8_FORMATS[state.dtype].num_scales(p.numel()), torch.float32
-    elif state.dtype == torch.float16:
-        blocks, dtype = (state.numel() + BLOCK - 1) // BLOCK, torch.float32
-    else:
-        _fail(f"{name}[{i}] is given but the state it scales is {state.dtype}, not float16, uint8 or fp8 codes")
-    if not (s.dtype == dtype and s.is_contiguous() and s.numel() == blocks and s.device == state.device):
-        _fail(f"{name}[{i}] must be a contiguous {dtype} tensor of {blocks} block scales on the state's device")
-
-
-def _validate_static(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
-                     exp_avg_sq_scales, max_exp_avg_sq_scales, amsgrad: bool) -> None:
-    any_double = any_single = False
-    device = params[0].device
-    for i, p in enumerate(params):
-        pt = p.dtype
-        if pt not in _DT_CODES:
-            _fail(f"params[{i}] has dtype {pt}; supported are float32, float64, float16 and bfloat16")
-        if p.layout != torch.strided or p.device != device:
-            _fail(f"params[{i}] must be a dense tensor on {device} (all params of a call share a device)")
-        is_double = pt == torch.float64
-        if is_double:
-            any_double = True
-        else:
-            any_single = True
-        _check_state(exp_avgs[i], p, "exp_avgs", i, is_double, "exp_avg_scales", exp_avg_scales)
-        _check_state(exp_avg_sqs[i], p, "exp_avg_sqs", i, is_double, "exp_avg_sq_scales", exp_avg_sq_scales)
-        if amsgrad:
-            _check_state(max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i, is_double, "max_exp_avg_sq_scales",
-                         max_exp_avg_sq_scales)
-            if _state_code(max_exp_avg_sqs, max_exp_avg_sq_scales, i) != _state_code(exp_avg_sqs, exp_avg_sq_scales,
-                                                                                    i):
-                _fail(f"max_exp_avg_sqs[{i}] must have the storage format of exp_avg_sqs[{i}]")
-        if len(master_params):
-            if pt not in _LOW_PRECISION:
-                _fail(f"master_params given but params[{i}] is {pt}; master weights are for float16/bfloat16 params")
-            mp = master_params[i]
-            _check_same(mp, p, "master_params", i)
-            if mp.dtype != torch.float32 or not mp.is_contiguous():
-                _fail(f"master_params[{i}] must be a contiguous float32 tensor")
-        _check_scales(exp_avg_scales, exp_avgs, p, i, "exp_avg_scales")
-        _check_scales(exp_avg_sq_scales, exp_avg_sqs, p, i, "exp_avg_sq_scales")
-        if amsgrad:
-            _check_scales(max_exp_avg_sq_scales, max_exp_avg_sqs, p, i, "max_exp_avg_sq_scales")
-    if any_double and any_single:
-        _fail("float64 params cannot share a call with other dtypes; group them separately")
-    for name, tensors in (("params", params), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                          ("max_exp_avg_sqs", max_exp_avg_sqs), ("master_params", master_params),
-                          ("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales),
-                          ("max_exp_avg_sq_scales", max_exp_avg_sq_scales)):
-        for i, t in enumerate(tensors):  # a storage freed in place (resize_(0)) under a tensor: never write into it
-            needed = 0 if t.numel() == 0 else (t.storage_offset() + sum(
-                st * (sz - 1) for st, sz in zip(t.stride(), t.shape)) + 1) * t.element_size()
-            if t.untyped_storage().nbytes() < needed:
-                _fail(f"{name}[{i}] has a storage of {t.untyped_storage().nbytes()} bytes but needs {needed}")
-
-
-def _validate_grads(params, grads, indices) -> None:
-    for i in indices:
-        g, p = grads[i], params[i]
-        if g.layout != torch.strided:
-            _fail(f"grads[{i}] is sparse; Adam needs dense gradients")
-        _check_same(g, p, "grads", i)
-        ok = g.dtype == torch.float64 if p.dtype == torch.float64 else g.dtype in _FLOAT_STORAGE
-        if not ok:
-            _fail(f"grads[{i}] has dtype {g.dtype} for a {p.dtype} parameter")
-
-
 def _build_groups(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
                   exp_avg_sq_scales, max_exp_avg_sq_scales, device) -> list:
     amsgrad = len(max_exp_avg_sqs) > 0
@@ -566,8 +435,6 @@ def _build_groups(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_
         keyed.setdefault(key, []).append(i)
     groups = []
     for (p_dt, g_dt, m_dt, v_dt), indices in keyed.items():
-        if m_dt == 5 and v_dt != 5:  # (_spec.EXP_AVG_RELATIVE: the kernel decodes a 4-bit exp_avg through exp_avg_sq)
-            raise RuntimeError(f"ort_optim::adam_step_: {exp_avg_not_relative(indices[0])}")
         rows = []
         numels = []
         for i in indices:
@@ -621,9 +488,6 @@ def _on_device(t: Optional[torch.Tensor], device: torch.device) -> Optional[torc
 def _new_plan(params, work_params, work_grads, grad_dtypes, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
               exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales, amsgrad: bool, device) -> _Plan:
     n = len(params)
-    _validate_static(work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
-                     exp_avg_sq_scales, max_exp_avg_sq_scales, amsgrad)
-    _validate_grads(work_params, work_grads, range(n))
     groups = _build_groups(work_params, work_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
                            exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales, device)
     stochastic_ok = not len(master_params) and all(p.dtype == torch.bfloat16 for p in params)
@@ -686,31 +550,13 @@ def adam_step_(
     dense, of its param's shape and on its device (FusedAdam's plan checks them at every step): of the gradients,
     only the data pointers, dtypes and contiguity are read at every call."""
     n = len(params)
-    _check_lengths(n, {
-        "grads": (grads, False), "exp_avgs": (exp_avgs, False), "exp_avg_sqs": (exp_avg_sqs, False),
-        "max_exp_avg_sqs": (max_exp_avg_sqs, True), "master_params": (master_params, True),
-        "exp_avg_scales": (exp_avg_scales, True), "exp_avg_sq_scales": (exp_avg_sq_scales, True),
-        "max_exp_avg_sq_scales": (max_exp_avg_sq_scales, True),
-    })
+    # the op's structural checks (_validation), before anything is written: of the lists and the optional tensors at
+    # every call, of every tensor in them when a launch plan is built (the plan is kept for the same tensors)
+    check_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+                exp_avg_sq_scales, max_exp_avg_sq_scales, steps)
+    check_options(n, steps.device, adam_w_mode, lr_tensor, inv_grad_scale, found_inf, grad_scale, rounding_keys,
+                  betas_tensor, group_hyperparameters)
     amsgrad = len(max_exp_avg_sqs) > 0
-    if len(max_exp_avg_sq_scales) and not amsgrad:
-        _fail("max_exp_avg_sq_scales given without max_exp_avg_sqs")
-    if amsgrad and (len(exp_avg_sq_scales) > 0) != (len(max_exp_avg_sq_scales) > 0):
-        _fail("max_exp_avg_sqs share exp_avg_sqs' dtype, so both or neither need scales")
-    if adam_w_mode not in (0, 1, 2):
-        _fail(f"adam_w_mode must be 0, 1 or 2, got {adam_w_mode}")
-    if not (steps.dtype == torch.float64 and steps.dim() == 1 and steps.numel() == n and steps.is_contiguous()):
-        _fail(f"steps must be a contiguous float64 tensor of shape [{n}]")
-    for name, t in (("lr_tensor", lr_tensor), ("inv_grad_scale", inv_grad_scale), ("found_inf", found_inf),
-                    ("grad_scale", grad_scale)):
-        if t is not None and t.numel() != 1:
-            _fail(f"{name} must have exactly one element, got {t.numel()}")
-    if rounding_keys is not None and (rounding_keys.dtype != torch.int64 or tuple(rounding_keys.shape) != (n,)):
-        _fail(f"rounding_keys must be an int64 tensor of shape [{n}]")
-    for name, t in (("betas_tensor", betas_tensor), ("group_hyperparameters", group_hyperparameters)):
-        refused = None if t is None else host_hyperparameters_refused(name, t, steps.device)
-        if refused:
-            _fail(refused)
     # lr, beta1 and beta2 given as floats are host values: checked by the op's rules, as the CPU kernel checks them.
     # A float that lr_tensor or betas_tensor replaces is not used (and the tensors are read on the device only).
     host_lr = lr if lr_tensor is None else 0.0
@@ -736,15 +582,15 @@ def adam_step_(
         # params were contiguous, and it checked the gradients' shapes, devices and layouts itself)
         work_params, copied = params, []
     else:
-        # Non-contiguous params go through contiguous copies, copied back at the end.
+        # Non-contiguous params go through contiguous copies, copied back at the end (every tensor checked first:
+        # a copy reads the param's storage).
         work_params = list(params)
-        copied = []
-        for i, p in enumerate(params):
-            if not p.is_contiguous():
-                if torch._debug_has_internal_overlap(p) == 1:  # (before anything is written)
-                    _fail(f"params[{i}] {PARAM_OVERLAPS_ITSELF}")
-                work_params[i] = p.contiguous()
-                copied.append(i)
+        copied = [i for i, p in enumerate(params) if not p.is_contiguous()]
+        if copied:
+            check_tensors(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+                          exp_avg_sq_scales, max_exp_avg_sq_scales)
+            for i in copied:
+                work_params[i] = params[i].contiguous()
         statics = [work_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
                    exp_avg_sq_scales, max_exp_avg_sq_scales]
         flat = [t for lst in statics for t in lst]
@@ -757,27 +603,29 @@ def adam_step_(
                BLOCKS_PER_PROGRAM)
         plan = _lookup(_cache, key)
         if plan is None:
+            if not copied:
+                check_tensors(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+                              exp_avg_sq_scales, max_exp_avg_sq_scales)
+            check_grads(params, grads)
             plan = _new_plan(params, work_params, work_grads, grad_dtypes, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                              master_params, exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales, amsgrad, device)
             _remember(_cache, key, plan)
         elif ([tuple(g.shape) for g in work_grads] != plan.shapes or [g.get_device() for g in work_grads]
               != plan.devices or any([g.layout != torch.strided for g in work_grads])):
-            _validate_grads(work_params, work_grads, range(n))  # raises, naming the gradient
+            check_grads(params, grads)  # raises, naming the gradient
         if launch_cache is not None and not copied:
             launch_cache[_LAUNCH_CACHE_KEY] = plan
     if rounding_keys is not None and not plan.stochastic_ok:
-        for i, p in enumerate(params):
-            if p.dtype != torch.bfloat16 or len(master_params):
-                _fail(rounding_keys_refused(i, p.dtype, len(master_params) > 0))
+        check_rounding_keys(params, len(master_params) > 0)
     copied_grads = ([i for i, g in enumerate(grads) if g is not work_grads[i]]
                     if grad_scale is not None and work_grads is not grads else [])
     for i in copied_grads:  # before anything is written
         if torch._debug_has_internal_overlap(grads[i]) == 1:
-            _fail(f"grads[{i}] {GRAD_OVERLAPS_ITSELF}")
+            fail(f"grads[{i}] {GRAD_OVERLAPS_ITSELF}")
     if grad_scale is not None and not vouched:  # (a kept launch plan's caller checked its gradients: FusedAdam)
         for i, g in enumerate(grads):
             if grad_in_param_memory(g, params[i]):
-                _fail(f"grads[{i}] {GRAD_IN_PARAM}")
+                fail(f"grads[{i}] {GRAD_IN_PARAM}")
 
     # Scalars that live on the device: same device as the params (copied there if given elsewhere).
     lr_t, inv_t, found_t = _on_device(lr_tensor, device), _on_device(inv_grad_scale, device), _on_device(found_inf,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from cases import MALFORMED_OP_CALLS, op_arguments
 from conftest import (
     BACKENDS,
     assert_bitwise_equal,
@@ -497,6 +498,27 @@ def test_every_backend_refuses_a_step_count_that_is_not_a_whole_number_in_range(
     with pytest.raises(ValueError, match=rf"ort_optim::adam_step_: steps\[{last}\] is {shown}; a step count is a whole "
                                          r"number in \[0, 2\*\*53\]"):
         backends.adam_step_(*args, **kwargs)
+    _assert_args_equal(args, before, "input")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options,mutate,words", [c[1:] for c in MALFORMED_OP_CALLS],
+                         ids=[c[0] for c in MALFORMED_OP_CALLS])
+def test_every_backend_refuses_a_malformed_call_in_the_native_ops_words_before_writing(options, mutate, words, backend,
+                                                                                      monkeypatch):
+    """A call that breaks one of the op's rules for its inputs' structure (list lengths, shapes, dtypes, contiguity,
+    masters, scales, steps, optional tensors: ops/README.md) is a RuntimeError on every backend, in the native op's
+    words, with every tensor as it was: the reference and Triton backends make the native op's checks (one Python
+    module, backends/_validation.py) before they write anything, as it does. (The native op's steps and rounding_keys
+    live on the CPU; the Python backends take them on any device, and their words leave out "CPU".)"""
+    select_backend(monkeypatch, backend)
+    args, kwargs = op_arguments(**options)
+    mutate(args, kwargs)
+    before = _clone_args(args)
+    expected = "ort_optim::adam_step_: " + (words if backend == "native" else words.replace(" CPU tensor", " tensor"))
+    with pytest.raises(RuntimeError) as refused:
+        backends.adam_step_(*args, **kwargs)
+    assert str(refused.value) == expected
     _assert_args_equal(args, before, "input")
 
 

@@ -137,6 +137,7 @@ def test_import_ort_optim_never_imports_triton():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
+from cases import MALFORMED_OP_CALLS, op_arguments  # noqa: E402
 from triton_cases import (  # noqa: E402
     COMBOS, LOW_BIT_COMBOS, NAMES, U4, U8, assert_bitwise, check_graph_capture,
     check_plain_step_norm, check_same_stream, clone_case, hyper, make_case, on, raw, reference_step, total_norm,
@@ -526,9 +527,9 @@ def test_errors_name_the_argument():
         triton_backend.adam_step_(*base[:9], base[9].float(), **hp)
     with pytest.raises(RuntimeError, match="mode must be"):
         triton_backend.adam_step_(*base, **dict(hp, adam_w_mode=3))
-    with pytest.raises(RuntimeError, match=r"rounding_keys .* params\[0\] is torch.float32"):
+    with pytest.raises(RuntimeError, match=r"rounding_keys .* params\[0\] is Float"):
         triton_backend.adam_step_(*base, **dict(hp, rounding_keys=torch.zeros(2, dtype=torch.int64)))
-    with pytest.raises(RuntimeError, match=r"rounding_keys must be an int64 tensor of shape \[2\]"):
+    with pytest.raises(RuntimeError, match=r"rounding_keys must be a contiguous int64 tensor of shape \[2\]"):
         triton_backend.adam_step_(*base, **dict(hp, rounding_keys=torch.zeros(3, dtype=torch.int64)))
     for betas in (torch.tensor([0.9, 0.999]), torch.tensor([0.9, 0.999, 0.5], dtype=F64),
                   torch.tensor([[0.9, 0.999]], dtype=F64), torch.tensor([0.9, 0.999], dtype=F64, device="meta")):
@@ -548,20 +549,41 @@ def test_errors_name_the_argument():
     low = clone_case(make_case("fp32-q4", False, seed=2, shapes=[(300,)]), DEVICE)
     bad = list(low)
     bad[6] = []
-    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] holds uint8 codes .* exp_avg_scales is empty"):
+    with pytest.raises(RuntimeError, match=r"the uint8 \(low-bit\) state scaled by exp_avg_scales\[0\] needs its block "
+                                           r"scales; exp_avg_scales is empty"):
         triton_backend.adam_step_(*bad, **hp)
     bad = list(low)
     bad[3] = [low[3][0][:-1]]
-    with pytest.raises(RuntimeError, match=r"exp_avg_sqs\[0\] has shape \[149\]; 4-bit codes .* have shape \[150\]"):
+    with pytest.raises(RuntimeError, match=r"the 4-bit state scaled by exp_avg_sq_scales\[0\] must be a flat uint8 tensor "
+                                           r"of 150 bytes \(two codes each\), got shape \[149\]"):
         triton_backend.adam_step_(*bad, **hp)
     bad = list(low)
     bad[7] = [low[7][0][:-1]]
-    with pytest.raises(RuntimeError, match=r"exp_avg_sq_scales\[0\] must be a contiguous torch.bfloat16 tensor of 3"):
+    with pytest.raises(RuntimeError, match=r"exp_avg_sq_scales\[0\] has 2 scales; a 4-bit state of 300 elements has 3 "
+                                           r"blocks of 128"):
         triton_backend.adam_step_(*bad, **hp)
     bad = list(low)
-    bad[6] = [low[6][0].float()]  # float32 scales name the 8-bit format, whose codes have the param's shape
-    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] has shape \[150\]; 8-bit codes"):
+    bad[6] = [low[6][0].float()]  # float32 scales name the 8-bit format: one per 256 codes of the param's shape
+    with pytest.raises(RuntimeError, match=r"exp_avg_scales\[0\] has 3 scales; a 8-bit state of 300 elements has 2 "
+                                           r"blocks of 256"):
         triton_backend.adam_step_(*bad, **hp)
+
+
+@needs_working_interpreter
+@pytest.mark.parametrize("options,mutate,words", [c[1:] for c in MALFORMED_OP_CALLS],
+                         ids=[c[0] for c in MALFORMED_OP_CALLS])
+def test_a_malformed_call_is_refused_in_the_native_ops_words_before_anything_is_written(options, mutate, words):
+    """The calls that tests/op/test_op.py refuses on every backend (tests/cases.py), made on this backend's device:
+    a RuntimeError in the native op's words (its steps and rounding_keys are CPU tensors, Triton's on any device),
+    every tensor as it was."""
+    args, kwargs = op_arguments(device=DEVICE, **options)
+    mutate(args, kwargs)
+    before = clone_case(args, DEVICE)
+    with pytest.raises(RuntimeError) as refused:
+        triton_backend.adam_step_(*args, **kwargs)
+    assert str(refused.value) == "ort_optim::adam_step_: " + words.replace(" CPU tensor", " tensor")
+    assert_bitwise(args, before, "a refused call")
+    assert torch.equal(args[9].cpu(), before[9].cpu()), "a refused call leaves the step counts"
 
 
 @needs_working_interpreter
