@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import struct
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from ._layout import StateLayout
-from ._spec import STATE_DTYPES, AdamWMode
+from ._spec import STATE_DTYPES, AdamWMode, to_float32
 
 # Options of the whole optimizer (the state layout of every param, and the one norm that clips all gradients): a
 # param group may repeat the optimizer's own value (torch's ZeroRedundancyOptimizer stores its keyword arguments in
@@ -470,7 +469,7 @@ def check_max_grad_norm(value: Any) -> Optional[float]:
         number = math.inf
     if not math.isfinite(number):
         raise ValueError(f"max_grad_norm must be finite, got {value!r}")
-    if not (number > 0 and 0 < _in_float32(number) < math.inf):
+    if not (number > 0 and 0 < abs(to_float32(number)) < math.inf):
         raise ValueError(f"max_grad_norm must be None or a float > 0 within float32's range, got {value!r}")
     return number
 
@@ -486,17 +485,9 @@ def check_process_group(value: Any, name: str) -> None:
                     f"torch.distributed.group.WORLD), got {show(value)}{hint}")
 
 
-def _in_float32(value: float) -> float:
-    """|value| rounded to float32 (inf where it overflows float32, 0 where it underflows)."""
-    try:
-        return abs(struct.unpack("f", struct.pack("f", value))[0])
-    except OverflowError:
-        return math.inf
-
-
 def check_grad_scale_value(value: float) -> None:
     """grad_scale's value: finite and non-zero in float32 (the op unscales by it there)."""
-    if not (math.isfinite(value) and 0.0 != _in_float32(value) != math.inf):
+    if not (math.isfinite(value) and 0.0 != abs(to_float32(value)) != math.inf):
         raise ValueError(f"step(): grad_scale must be finite and non-zero in float32 (the step unscales by it "
                          f"there), got {value!r}")
 

@@ -142,9 +142,14 @@ def beta_power(beta: float, t: int) -> float:
 # ---- block-quantised moments: 8-bit (torch.uint8) and 4-bit (torch.uint4) states (ops/README.md, "low-bit states") --
 
 
-def _f32(x: float) -> float:
-    """x rounded to the nearest float32 (ties to even), as a Python float."""
-    return struct.unpack("f", struct.pack("f", x))[0]
+def to_float32(x: float) -> float:
+    """x rounded to the nearest float32 (ties to even), as a Python float, as torch's conversion to float32 rounds
+    it: inf (with x's sign) beyond float32's range, 0 below its smallest subnormal. The one float32 rounding of host
+    numbers (quantisation levels, options, loss scales)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # (struct refuses what rounds to inf, and float() an int beyond float64's range)
+        return math.inf if x > 0 else -math.inf
 
 
 def decade_levels(counts: tuple[int, ...]) -> tuple[float, ...]:
@@ -157,7 +162,7 @@ def decade_levels(counts: tuple[int, ...]) -> tuple[float, ...]:
     levels = []
     for i, count in enumerate(counts):
         top = 10.0 ** (i - last)
-        levels.extend(_f32(top * (0.1 + 0.9 * k / count)) for k in range(1, count + 1))
+        levels.extend(to_float32(top * (0.1 + 0.9 * k / count)) for k in range(1, count + 1))
     return tuple(levels)
 
 
@@ -185,7 +190,7 @@ def reciprocal_midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
     (0.00169, 0.00325) is nearer to 0.0055 in 1/u. Measured (guides/low-bit-states.md, "Quality"): 4-bit moments
     trained digits 6% *faster* than fp32 moments with arithmetic midpoints (a larger effective learning rate), within
     1% with these."""
-    return tuple(_f32(2.0 * a * b / (a + b)) for a, b in zip(levels, levels[1:]))
+    return tuple(to_float32(2.0 * a * b / (a + b)) for a, b in zip(levels, levels[1:]))
 
 
 # MOMENT_RANDOM_BITS: the random bits of every moment state that rounds stochastically in a step (the low-bit maps'
@@ -304,15 +309,15 @@ def thresholds(levels: tuple[float, ...], second_moment: bool, nearest: str = "r
     if not second_moment:
         return tuple(levels[1:-1]) + (top,)
     if nearest == "root":
-        return tuple(_f32((a + b) / 2) for a, b in zip(levels, levels[1:]))
+        return tuple(to_float32((a + b) / 2) for a, b in zip(levels, levels[1:]))
     return reciprocal_midpoints(levels)
 
 
 def square_tables(levels: tuple[float, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """(SQUARES, SQUARE_GAPS) of a sqrt(v) code map (EXP_AVG_SQ_STOCHASTIC): each level's float32 square, and the
     float32 difference to the next level's square (0 past the top level)."""
-    squares = tuple(_f32(level * level) for level in levels)
-    gaps = tuple(_f32(b - a) for a, b in zip(squares, squares[1:])) + (0.0,)
+    squares = tuple(to_float32(level * level) for level in levels)
+    gaps = tuple(to_float32(b - a) for a, b in zip(squares, squares[1:])) + (0.0,)
     return squares, gaps
 
 
@@ -437,8 +442,8 @@ Q8 = LowBitFormat(
 # paired seeds); the only 4-bit candidate within +1.5% of fp32 moments on all three tasks at 1.031 bytes/param.
 Q4 = LowBitFormat(
     name="4-bit", bits=4, block=128, scale_dtype=torch.bfloat16,
-    exp_avg_levels=tuple(_f32(k / 7) for k in range(8)),
-    exp_avg_sq_levels=tuple(_f32(x) for x in (0.001, 0.004, 0.01, 0.02, 0.04, 0.07, 0.1, 0.14, 0.19, 0.26, 0.34,
+    exp_avg_levels=tuple(to_float32(k / 7) for k in range(8)),
+    exp_avg_sq_levels=tuple(to_float32(x) for x in (0.001, 0.004, 0.01, 0.02, 0.04, 0.07, 0.1, 0.14, 0.19, 0.26, 0.34,
                                               0.44, 0.56, 0.7, 0.85, 1.0)),
     exp_avg_relative=True,
     exp_avg_sq_stochastic=True,

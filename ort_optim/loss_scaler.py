@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from ._spec import to_float32
+
 MIN_SCALE_ACTIONS = ("raise", "clamp")
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 # Every loss scale (init_scale, min_scale, max_scale and all scales in between) lies in [2**-126, 2**126]: there both
@@ -35,14 +37,9 @@ def _host_float32(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device="cpu")
 
 
-def _float32(value: float) -> float:
-    """value rounded to float32 (inf beyond float32's range, 0 below its smallest subnormal)."""
-    return float(_host_float32(value))
-
-
 def _float32_toward(value: float, toward: float) -> float:
     """The float32 number nearest to value on the side of toward (value itself when it is a float32 number)."""
-    x = _float32(value)
+    x = to_float32(value)
     if x != value and (x > value) == (toward < value):
         x = float(torch.nextafter(_host_float32(x), _host_float32(toward)))
     return x
@@ -159,12 +156,12 @@ class DynamicLossScaler:
             raise ValueError(f"min_scale={min_scale!r} and max_scale={max_scale!r} hold no float32 number between "
                              "them (the scale is a float32 tensor); widen the range")
         min_scale, max_scale = min32, max32
-        init_scale = min(max(_float32(init_scale), min_scale), max_scale)
+        init_scale = min(max(to_float32(init_scale), min_scale), max_scale)
         growth_factor = _real("growth_factor", growth_factor)
-        if not 1.0 < _float32(growth_factor) <= FLOAT32_MAX:
+        if not 1.0 < to_float32(growth_factor) <= FLOAT32_MAX:
             raise ValueError(f"growth_factor must be > 1 in float32 (and finite), got {growth_factor!r}")
         backoff_factor = _real("backoff_factor", backoff_factor)
-        if not 0.0 < _float32(backoff_factor) < 1.0:
+        if not 0.0 < to_float32(backoff_factor) < 1.0:
             raise ValueError(f"backoff_factor must lie in (0, 1) in float32, got {backoff_factor!r}")
         if not isinstance(min_scale_action, str) or min_scale_action not in MIN_SCALE_ACTIONS:
             raise ValueError(f"min_scale_action must be one of {MIN_SCALE_ACTIONS}, got {min_scale_action!r:.60}")
@@ -259,7 +256,7 @@ class DynamicLossScaler:
                              f"got {number!r} (this scaler's bounds; construct FP16_Optimizer with min_scale/max_scale "
                              "that include it)")
         # (min_scale and max_scale are float32 numbers, so the nearest float32 to a value between them is too)
-        self.scale.fill_(min(max(_float32(number), self.min_scale), self.max_scale))
+        self.scale.fill_(min(max(to_float32(number), self.min_scale), self.max_scale))
 
     def check(self, blocking: bool) -> None:
         """Raises LossScaleUnderflowError if an update hit the floor with action 'raise'.

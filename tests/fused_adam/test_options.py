@@ -6,6 +6,7 @@ param removed from its group."""
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ort_optim import AdamWMode, FusedAdam
+from ort_optim._spec import to_float32
 
 
 def _params(n: int = 2) -> list[torch.nn.Parameter]:
@@ -214,6 +216,22 @@ def test_an_option_changed_after_accepted_steps_is_refused_at_every_step_until_c
     opt.master_weights = accepted[1]
     opt.step()
     assert not torch.equal(params[0].detach(), before["p0.0"])
+
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+HOST_NUMBERS = [0.0, -0.0, 1e-3, 0.1, -0.1, 1.0 + 2.0**-24, 1.0 + 3 * 2.0**-24, 1e-46, 1e-45, -1e-45, 1.2e-38,
+                FLOAT32_MAX, FLOAT32_MAX * (1 + 2.0**-25), FLOAT32_MAX * (1 + 2.0**-24), -FLOAT32_MAX * 1.01, 1e39,
+                -1e300, float("inf"), float("-inf"), float("nan")]
+
+
+@pytest.mark.parametrize("x", HOST_NUMBERS, ids=repr)
+def test_host_numbers_are_rounded_to_float32_as_torch_rounds_them(x):
+    """The numbers read in float32 on the host (max_grad_norm, grad_scale, a loss scaler's options, the low-bit
+    formats' levels) are rounded by one rule: torch's conversion to float32, to nearest even, inf (with the sign)
+    beyond float32's range and 0 below its smallest subnormal."""
+    expected = float(torch.tensor(x, dtype=torch.float64).float())
+    got = to_float32(x)
+    assert (got == expected and math.copysign(1, got) == math.copysign(1, expected)) or (got != got and x != x)
 
 
 @pytest.mark.parametrize("decoupled", [True, False])
