@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from ._group_options import (OPTIMIZER_WIDE_KEYS, TORCH_GROUP_KEYS, WideOptions, check_group, is_number, show,
+from ._group_options import (OPTIMIZER_WIDE_KEYS, TORCH_GROUP_KEYS, WideOptions, check_group, finite_number, show,
                              wide_option_value)
 from ._spec import MAX_STEP, AdamWMode
 from . import formats
@@ -225,19 +225,6 @@ def _copy(value: Any, plain_values: bool = False) -> Any:
 # ---- validation of single values -----------------------------------------------------------------------------------
 
 
-def _require_number(value: Any, where: str) -> float:
-    """A real number (_group_options.is_number: Python's or numpy's; bool is not one): its float value, finite."""
-    if not is_number(value):
-        raise TypeError(f"{where} must be a number, got {show(value)}")
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
-        raise ValueError(f"{where} must be finite, got {value!r}")
-    return number
-
-
 def require_data(value: torch.Tensor, where: str, meta_ok: bool = False) -> None:
     """A tensor a checkpoint's values are read from: dense, and off the meta device (which holds no values), unless
     meta_ok (an entry for a param on the meta device, which keeps no values either)."""
@@ -271,7 +258,7 @@ def check_step(value: Any, where: str, meta_ok: bool = False) -> Optional[float]
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # (compared exactly: range, not finite)
         number = float(value) if abs(value) <= MAX_STEP else math.inf
     else:
-        number = _require_scalar_tensor(value, where) if isinstance(value, torch.Tensor) else _require_number(value, where)
+        number = _require_scalar_tensor(value, where) if isinstance(value, torch.Tensor) else finite_number(value, where)
     require_step_range(value, number, where)
     return number
 

@@ -79,6 +79,25 @@ def is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def real_number(value: Any, name: str) -> float:
+    """The float value of a real number (is_number), as options and checkpoint entries take them: a TypeError naming
+    it for another value; an int beyond float64's range reads as inf (with its sign), which float() cannot give."""
+    if not is_number(value):
+        raise TypeError(f"{name} must be a real number, got {show(value)}")
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def finite_number(value: Any, name: str) -> float:
+    """A real number's float value (:func:`real_number`), refused with a ValueError naming it where not finite."""
+    number = real_number(value, name)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {number!r}")
+    return number
+
+
 def show(value: Any) -> str:
     """A short description of a value for an error message."""
     if isinstance(value, torch.Tensor):
@@ -119,12 +138,7 @@ def _value(value: Any, name: str, any_device: bool = False) -> Optional[float]:
                              "host at every step, which would synchronise with the device); pass a float or a "
                              "CPU tensor")
         return float(value.detach().reshape(()))
-    if not is_number(value):
-        raise TypeError(f"{name} must be a number, got {show(value)}")
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf
+    return real_number(value, name)
 
 
 def _non_negative(value: Any, name: str, any_device: bool = False) -> None:
@@ -463,12 +477,7 @@ def check_max_grad_norm(value: Any) -> Optional[float]:
         return None
     if not is_number(value):
         raise TypeError(f"max_grad_norm must be None or a real number > 0, got {show(value)}")
-    try:
-        number = float(value)
-    except OverflowError:  # (an int beyond float64's range)
-        number = math.inf
-    if not math.isfinite(number):
-        raise ValueError(f"max_grad_norm must be finite, got {value!r}")
+    number = finite_number(value, "max_grad_norm")
     if not (number > 0 and 0 < abs(to_float32(number)) < math.inf):
         raise ValueError(f"max_grad_norm must be None or a float > 0 within float32's range, got {value!r}")
     return number
@@ -512,10 +521,7 @@ def check_scaling_arguments(grad_scale: Any, found_inf: Any) -> None:
         elif not is_number(grad_scale):
             raise TypeError(f"step(): grad_scale must be a float or a one-element tensor, got {grad_scale!r}")
         else:
-            try:
-                value = float(grad_scale)
-            except OverflowError:  # (an int beyond any float)
-                value = math.inf
+            value = real_number(grad_scale, "step(): grad_scale")
         if value is not None:
             check_grad_scale_value(value)
     if found_inf is not None and not isinstance(found_inf, torch.Tensor):

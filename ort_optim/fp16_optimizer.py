@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 
 from . import backends
-from ._group_options import check_max_grad_norm, check_process_group
+from ._group_options import check_max_grad_norm, check_process_group, finite_number
 from ._master_weights import InnerMasters, WrapperMasters, step_in_backward_refused
 from .fused_adam import FusedAdam
 from .integrations import deepspeed
-from .loss_scaler import (INT32_MAX, SCALE_RANGE, DynamicLossScaler, LossScaleUnderflowError, _flag, _integer, _real,
+from .loss_scaler import (INT32_MAX, SCALE_RANGE, DynamicLossScaler, LossScaleUnderflowError, _flag, _integer,
                           _scale_option)
 
 # (DynamicLossScaler, LossScaleUnderflowError and SCALE_RANGE live in ort_optim.loss_scaler; importable from here too,
@@ -137,7 +137,7 @@ def _dynamic_loss_args(args: Any, given: _Given, apply: bool) -> None:
         if key == "init_scale":
             options.append(("init_scale", name, _scale_option(name, value)))
         elif key == "scale_factor":
-            factor = _real(name, value)
+            factor = finite_number(value, name)
             if not factor > 1.0:
                 raise ValueError(f"{name} must be > 1 (the scale is multiplied by it on growth and divided by it on "
                                  f"an overflow), got {value!r}")
@@ -177,7 +177,7 @@ def _deepspeed_apex_options(scaler_options: dict, max_grad_norm: Any, static_los
     if max_grad_norm is not None:
         given.put("max_grad_norm", "max_grad_norm", max_grad_norm)
     if clip_grad is not None:
-        clip = _real("clip_grad", clip_grad)
+        clip = finite_number(clip_grad, "clip_grad")
         if clip < 0:
             raise ValueError(f"clip_grad must be >= 0 (0: no clipping, as in DeepSpeed), got {clip_grad!r}")
         if clip > 0:

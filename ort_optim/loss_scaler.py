@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from ._group_options import finite_number
 from ._spec import to_float32
 
 MIN_SCALE_ACTIONS = ("raise", "clamp")
@@ -45,15 +46,6 @@ def _float32_toward(value: float, toward: float) -> float:
     return x
 
 
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number (int or float), got {type(value).__name__} {value!r:.60}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return value
-
-
 def _integer(name: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r:.60}")
@@ -70,7 +62,7 @@ def _flag(name: str, value: Any) -> bool:
 
 
 def _scale_option(name: str, value: Any) -> float:
-    value = _real(name, value)
+    value = finite_number(value, name)
     if not SCALE_RANGE[0] <= value <= SCALE_RANGE[1]:
         raise ValueError(
             f"{name} must lie in [2**-126, 2**126] (so that the scale and 1/scale are both normal float32 numbers), "
@@ -157,10 +149,10 @@ class DynamicLossScaler:
                              "them (the scale is a float32 tensor); widen the range")
         min_scale, max_scale = min32, max32
         init_scale = min(max(to_float32(init_scale), min_scale), max_scale)
-        growth_factor = _real("growth_factor", growth_factor)
+        growth_factor = finite_number(growth_factor, "growth_factor")
         if not 1.0 < to_float32(growth_factor) <= FLOAT32_MAX:
             raise ValueError(f"growth_factor must be > 1 in float32 (and finite), got {growth_factor!r}")
-        backoff_factor = _real("backoff_factor", backoff_factor)
+        backoff_factor = finite_number(backoff_factor, "backoff_factor")
         if not 0.0 < to_float32(backoff_factor) < 1.0:
             raise ValueError(f"backoff_factor must lie in (0, 1) in float32, got {backoff_factor!r}")
         if not isinstance(min_scale_action, str) or min_scale_action not in MIN_SCALE_ACTIONS:
@@ -250,7 +242,7 @@ class DynamicLossScaler:
         host sync), so a compiled step that reads it sees the new value. The growth tracker, the hysteresis and the
         counters stay as they are; a dynamic scaler goes on growing and backing off from the new value. Errors
         (TypeError, ValueError) name ``name`` and change nothing."""
-        number = _real(name, value)
+        number = finite_number(value, name)
         if not self.min_scale <= number <= self.max_scale:
             raise ValueError(f"{name} must lie in [min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}], "
                              f"got {number!r} (this scaler's bounds; construct FP16_Optimizer with min_scale/max_scale "

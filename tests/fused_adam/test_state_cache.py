@@ -260,7 +260,7 @@ STATE_REFUSALS = [
     ("step-int-beyond-float64", _bad_state("step", 10**400), ValueError,
      r"\['step'\] must be a whole number in \[0, 2\*\*53\], got 1000"),
     ("step-two-elements", _bad_state("step", torch.zeros(2)), ValueError, r"\['step'\] must hold exactly one number"),
-    ("step-a-string", _bad_state("step", "3"), TypeError, r"\['step'\] must be a number, got str '3'"),
+    ("step-a-string", _bad_state("step", "3"), TypeError, r"\['step'\] must be a real number, got str '3'"),
     # (a value of the wrong type is a TypeError, as load_state_dict refuses it: see the test below)
     ("step-bool-tensor", _bad_state("step", torch.tensor(True)), TypeError, r"\['step'\] must be a real number"),
     ("step-complex-tensor", _bad_state("step", torch.tensor(1 + 0j)), TypeError, r"\['step'\] must be a real number"),
