@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from ._group_options import (OPTIMIZER_WIDE_KEYS, TORCH_GROUP_KEYS, WideOptions, check_group, finite_number, show,
-                             wide_option_value)
+                             torch_adam_l2_refused, wide_option_value)
 from ._spec import MAX_STEP, AdamWMode
 from . import formats
 
@@ -586,13 +586,10 @@ def prepare_load(param_groups: list[dict], state_dict: Any, options: WideOptions
                                  "twice; each parameter has one id")
             id_to_param[saved_id] = (gi, j, p)
         if _torch_adam_with_l2(saved):
-            raise ValueError(
-                f"{entry('param_groups', gi)} comes from torch.optim.Adam with weight_decay={saved['weight_decay']} "
-                "(decoupled_weight_decay=False): L2 decay with torch's eps placement, which no FusedAdam mode "
-                "reproduces, so its moments would continue under different math. Train on with torch.optim.Adam, "
-                "or choose the mode knowingly: add 'adam_w_mode' (AdamWMode.ADAMW_TORCH for decoupled decay, "
-                "AdamWMode.ADAM_L2_REGULARIZATION for ORT's L2) to the checkpoint's param groups"
-            )
+            raise torch_adam_l2_refused(
+                entry("param_groups", gi, "decoupled_weight_decay"), saved["weight_decay"],
+                "add 'adam_w_mode' (AdamWMode.ADAMW_TORCH for decoupled decay, AdamWMode.ADAM_L2_REGULARIZATION for "
+                "ORT's L2) to the checkpoint's param groups")
         new_group = {key: value for key, value in group.items()}
         for key, value in saved.items():
             # (torch's group keys say how torch ran the update, dropped; an L2-decay checkpoint is refused above)

@@ -211,15 +211,29 @@ def check_wide_keys(group: dict, where: Where, own: WideOptions) -> None:
             "checkpoint's value); for parameters with other options, use a second FusedAdam")
 
 
+def differentiable_refused(name: str) -> ValueError:
+    """The refusal of differentiable=True wherever it is given (name: the constructor's keyword, a group's entry, the
+    group of an optimizer FusedAdam.from_optimizer converts)."""
+    return ValueError(f"{name}=True is not supported: the step updates the params in place through its own op, which "
+                      "autograd does not differentiate. Set it to False, or use torch.optim.AdamW(differentiable=True) "
+                      "to differentiate through optimizer steps")
+
+
+def torch_adam_l2_refused(name: str, weight_decay: Any, remedy: str) -> ValueError:
+    """The refusal of torch.optim.Adam's L2 weight decay wherever it comes in (name: the group's
+    decoupled_weight_decay entry, False with weight_decay > 0, in a param group, a checkpoint or an optimizer
+    FusedAdam.from_optimizer converts); remedy: what to do there."""
+    return ValueError(f"{name}=False with weight_decay={weight_decay!r} is torch.optim.Adam's L2 decay with torch's eps "
+                      "placement, which no FusedAdam mode reproduces, so its moments would continue under different "
+                      f"math. Train on with torch.optim.Adam, or choose the mode knowingly: {remedy}")
+
+
 def _check_torch_keys(group: dict, where: Where) -> None:
     """torch.optim.Adam/AdamW's group keys (:data:`TORCH_GROUP_KEYS`), once adam_w_mode and weight_decay passed."""
     if "differentiable" in group:
         _flag(group, "differentiable", where)
         if group["differentiable"]:
-            raise ValueError(
-                f"{where('differentiable')}=True is not supported: the step updates the params in place through its "
-                "own op, which autograd does not differentiate. Set it to False, or use "
-                "torch.optim.AdamW(differentiable=True) to differentiate through optimizer steps")
+            raise differentiable_refused(where("differentiable"))
     if "decoupled_weight_decay" not in group:
         return
     _flag(group, "decoupled_weight_decay", where)
@@ -229,13 +243,11 @@ def _check_torch_keys(group: dict, where: Where) -> None:
     if decoupled == (mode != AdamWMode.ADAM_L2_REGULARIZATION) or weight_decay == 0:
         return  # (without weight decay the two decays are the same update)
     if not decoupled:
-        raise ValueError(
-            f"{where('decoupled_weight_decay')} is False with weight_decay={weight_decay!r}: the group comes from "
-            "torch.optim.Adam, whose L2 decay with torch's eps placement no FusedAdam mode reproduces, while "
-            f"adam_w_mode={mode.name} decays decoupled, so its moments would continue under different math. Train on "
-            "with torch.optim.Adam, or choose the mode knowingly: set the group's adam_w_mode "
-            "(AdamWMode.ADAMW_TORCH for decoupled decay, AdamWMode.ADAM_L2_REGULARIZATION for ORT's L2) and its "
-            "decoupled_weight_decay to match (True for the decoupled modes, False for ADAM_L2_REGULARIZATION)")
+        raise torch_adam_l2_refused(
+            where("decoupled_weight_decay"), weight_decay,
+            f"set the group's adam_w_mode (now {mode.name}, which decays decoupled; AdamWMode.ADAMW_TORCH for "
+            "decoupled decay, AdamWMode.ADAM_L2_REGULARIZATION for ORT's L2) and its decoupled_weight_decay to match "
+            "(True for the decoupled modes, False for ADAM_L2_REGULARIZATION)")
     raise ValueError(
         f"{where('decoupled_weight_decay')} is True with weight_decay={weight_decay!r} (decoupled decay, "
         "torch.optim.AdamW's), while adam_w_mode=ADAM_L2_REGULARIZATION adds the decay to the gradient, so the "
@@ -439,9 +451,7 @@ def check_torch_implementation_options(foreach: Any, fused: Any, differentiable:
             raise TypeError(f"FusedAdam: {name} must be None, True or False, got {value!r}")
     check_flag("differentiable", differentiable)
     if differentiable:
-        raise ValueError("FusedAdam: differentiable=True is not supported: the step updates the params in place "
-                         "through its own op, which autograd does not differentiate. Use "
-                         "torch.optim.AdamW(differentiable=True) to differentiate through optimizer steps")
+        raise differentiable_refused("FusedAdam: differentiable")
 
 
 def check_positional_order(bias_correction: Any) -> None:

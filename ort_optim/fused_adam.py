@@ -1493,17 +1493,13 @@ class FusedAdam(torch.optim.Optimizer):
         groups = []
         for index, group in enumerate(optimizer.param_groups):
             if group.get("differentiable"):
-                raise ValueError(
-                    f"param_groups[{index}]: differentiable=True is not supported by FusedAdam (the step updates the "
-                    "params in place through its own op, which autograd does not differentiate): set the group's "
-                    "differentiable to False first, or keep the torch optimizer to differentiate through its steps")
+                raise _group_options.differentiable_refused(f"param_groups[{index}]: differentiable")
             if not decoupled and group["weight_decay"] != 0 and not group.get("decoupled_weight_decay", False):
-                raise ValueError(
-                    f"param_groups[{index}]: torch.optim.Adam with weight_decay={group['weight_decay']} is L2 decay "
-                    "with torch's eps placement, which no FusedAdam mode reproduces exactly. Use "
-                    "torch.optim.AdamW semantics (AdamWMode.ADAMW_TORCH) or ORT's L2 mode "
-                    "(AdamWMode.ADAM_L2_REGULARIZATION, eps outside the bias correction) explicitly."
-                )
+                raise _group_options.torch_adam_l2_refused(
+                    f"param_groups[{index}]: decoupled_weight_decay", group["weight_decay"],
+                    "construct FusedAdam with adam_w_mode (AdamWMode.ADAMW_TORCH for decoupled decay, "
+                    "AdamWMode.ADAM_L2_REGULARIZATION for ORT's L2, eps outside the bias correction) and load the "
+                    "optimizer's state_dict() into it with that 'adam_w_mode' added to its param groups")
             groups.append({
                 "params": group["params"], "lr": group["lr"], "betas": tuple(group["betas"]), "eps": group["eps"],
                 "weight_decay": group["weight_decay"], "amsgrad": group["amsgrad"], "maximize": group["maximize"],

@@ -968,8 +968,8 @@ def test_a_torch_adam_checkpoint_with_l2_decay_is_refused_where_it_can_be_told(b
         ours.load_state_dict(sd)
         assert ours.param_groups[0]["weight_decay"] == 0.1
         return
-    with pytest.raises(ValueError, match=r"state_dict\['param_groups'\]\[0\] comes from torch\.optim\.Adam with "
-                                         r"weight_decay=0\.1 \(decoupled_weight_decay=False\): L2 decay"):
+    with pytest.raises(ValueError, match=r"state_dict\['param_groups'\]\[0\]\['decoupled_weight_decay'\]=False with "
+                                         r"weight_decay=0\.1 is torch\.optim\.Adam's L2 decay"):
         ours.load_state_dict(sd)
     assert_same_snapshot(before, optimizer_snapshot(ours))
     # the same checkpoint without decay, or with the mode chosen explicitly, loads
@@ -1106,17 +1106,45 @@ def test_from_optimizer_continues_exactly_as_torch_would(torch_class, backend, m
         assert float(ours.state[p]["step"]) == 40
 
 
+def test_torch_adams_l2_decay_is_refused_in_the_same_words_wherever_it_comes_in():
+    """A group with decoupled_weight_decay=False and weight_decay > 0 (torch.optim.Adam's L2 decay): put into a
+    FusedAdam group before a step, in a checkpoint without adam_w_mode, or in the torch.optim.Adam that from_optimizer
+    converts. One ValueError naming the entry, one explanation, and what to do there."""
+    explanation = ("=False with weight_decay=0.1 is torch.optim.Adam's L2 decay with torch's eps placement, which no "
+                   "FusedAdam mode reproduces, so its moments would continue under different math. Train on with "
+                   "torch.optim.Adam, or choose the mode knowingly: ")
+    params = _fp32_params()
+    opt = FusedAdam(params, adam_w_mode=AdamWMode.ADAMW_TORCH, weight_decay=0.1)
+    opt.param_groups[0]["decoupled_weight_decay"] = False
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError) as grouped:
+        _steps(opt, params, 0, 1)
+    assert all(torch.equal(p.detach(), q) for p, q in zip(params, before))
+    assert str(grouped.value).startswith("param_groups[0]: decoupled_weight_decay" + explanation + "set the group's")
+    saved = torch.optim.AdamW(_fp32_params(), weight_decay=0.1).state_dict()
+    saved["param_groups"][0]["decoupled_weight_decay"] = False
+    with pytest.raises(ValueError) as loaded:
+        FusedAdam(_fp32_params()).load_state_dict(saved)
+    assert str(loaded.value).startswith("state_dict['param_groups'][0]['decoupled_weight_decay']" + explanation
+                                        + "add 'adam_w_mode'")
+    with pytest.raises(ValueError) as converted:
+        FusedAdam.from_optimizer(torch.optim.Adam(_fp32_params(), weight_decay=0.1))
+    assert str(converted.value).startswith("param_groups[0]: decoupled_weight_decay" + explanation
+                                           + "construct FusedAdam with adam_w_mode")
+
+
 def test_from_optimizer_refuses_adam_with_weight_decay_and_other_optimizers():
     params = _fp32_params()
-    with pytest.raises(ValueError, match=r"param_groups\[0\]: torch\.optim\.Adam with weight_decay=0\.1 is L2 decay "
-                                         r"with torch's eps placement, which no FusedAdam mode reproduces exactly"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: decoupled_weight_decay=False with weight_decay=0\.1 is "
+                                         r"torch\.optim\.Adam's L2 decay with torch's eps placement, which no FusedAdam "
+                                         r"mode reproduces"):
         FusedAdam.from_optimizer(torch.optim.Adam(params, weight_decay=0.1))
     with pytest.raises(TypeError, match=r"converts torch\.optim\.Adam and torch\.optim\.AdamW, got SGD"):
         FusedAdam.from_optimizer(torch.optim.SGD(params, lr=0.1))
     differentiable = torch.optim.AdamW(params, differentiable=True)
     before = copy.deepcopy(differentiable.state_dict())
-    with pytest.raises(ValueError, match=r"param_groups\[0\]: differentiable=True is not supported by FusedAdam .*: "
-                                         r"set the group's differentiable to False first"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: differentiable=True is not supported: the step updates "
+                                         r"the params in place .* Set it to False"):
         FusedAdam.from_optimizer(differentiable)
     assert differentiable.state_dict() == before
 

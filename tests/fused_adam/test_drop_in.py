@@ -251,6 +251,28 @@ def test_a_bad_option_is_refused_naming_it(options, error, message):
         FusedAdam([torch.nn.Parameter(torch.zeros(3))], **options)
 
 
+def test_differentiable_true_is_refused_in_the_same_words_wherever_it_is_given():
+    """differentiable=True given to the constructor, put into a param group before a step, or in the group of a torch
+    optimizer that from_optimizer converts: one ValueError naming where, with one explanation, the params unchanged."""
+    explanation = ("differentiable=True is not supported: the step updates the params in place through its own op, "
+                   "which autograd does not differentiate. Set it to False, or use "
+                   "torch.optim.AdamW(differentiable=True) to differentiate through optimizer steps")
+    params = [torch.nn.Parameter(torch.ones(3))]
+    params[0].grad = torch.ones(3)
+    with pytest.raises(ValueError) as given:
+        FusedAdam(params, differentiable=True)
+    assert str(given.value) == "FusedAdam: " + explanation
+    opt = FusedAdam(params)
+    opt.param_groups[0]["differentiable"] = True
+    with pytest.raises(ValueError) as grouped:
+        opt.step()
+    assert str(grouped.value) == "param_groups[0]: " + explanation
+    with pytest.raises(ValueError) as converted:
+        FusedAdam.from_optimizer(torch.optim.AdamW(params, differentiable=True))
+    assert str(converted.value) == "param_groups[0]: " + explanation
+    assert torch.equal(params[0].detach(), torch.ones(3))
+
+
 GROUP_OPTIONS = [c for c in BAD_OPTIONS if not {"set_grad_none", "master_weights", "master_weight_dtype", "capturable",
                                                   "max_grad_norm", "foreach", "fused", "differentiable"} & set(c[1])]
 
@@ -984,7 +1006,8 @@ def test_from_optimizer_takes_adam_with_decoupled_weight_decay_and_continues_as_
     assert [g["adam_w_mode"] for g in ours.param_groups] == [AdamWMode.ADAMW_TORCH] * 2
     step_pair(ours, their_params, twin, twin_params, range(5, 5 + STEPS))
     assert_params_close(their_params, twin_params, **FP32_VS_TORCH)
-    with pytest.raises(ValueError, match=r"param_groups\[0\]: torch\.optim\.Adam with weight_decay=0\.1 is L2"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: decoupled_weight_decay=False with "
+                                         r"weight_decay=0\.1 is torch\.optim\.Adam's L2"):
         FusedAdam.from_optimizer(torch.optim.Adam(make_params(), weight_decay=0.1, decoupled_weight_decay=False))
 
 
