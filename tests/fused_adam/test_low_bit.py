@@ -264,10 +264,10 @@ def _assert_state_rounded_as_specified(got: torch.Tensor, exact: torch.Tensor, d
     assert float(other_code.double().mean()) <= 0.02, f"{what}: too many codes differ from the reference"
 
 
-@pytest.mark.parametrize("backend", LONG_RUN_BACKENDS, indirect=True)
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("combo", [("u8", "u8"), ("u4", "u4"), ("u8", "u4")], ids=["u8-u8", "u4-u4", "u8-u4"])
+@pytest.mark.parametrize("backend", LONG_RUN_BACKENDS, indirect=True)
 def test_every_step_matches_the_float64_reference_that_quantises_the_same_way(combo, mode, amsgrad, backend,
                                                                               monkeypatch):
     params = _params()
@@ -845,8 +845,8 @@ def _block_max_run(dtype, gradient, steps, betas):
 
 
 @pytest.mark.no_interpreter  # (1600 steps of 4096 elements: the Triton kernels' bits are checked in triton_backend/)
-@pytest.mark.parametrize("backend", LONG_RUN_BACKENDS, indirect=True)
 @pytest.mark.parametrize("dtype", ["u8", "u4", "e4m3", "e5m2"])
+@pytest.mark.parametrize("backend", LONG_RUN_BACKENDS, indirect=True)
 def test_a_blocks_largest_moment_neither_sticks_when_it_decays_nor_when_it_grows(dtype, backend):
     """The element that sets its block's scale is stored by an unbiased rounding too (8-bit: exactly, its float32
     scale; 4-bit: its bfloat16 scale, rounded stochastically in a step, _spec.BF16_SCALE_STOCHASTIC; fp8: its code,
