@@ -67,10 +67,9 @@ def fuzz_examples(thorough: int) -> int:
 # `make test-triton` runs the suite with ORT_OPTIM_BACKEND=triton (and TRITON_INTERPRET=1): then every
 # backend-parametrised test goes through the Triton kernels instead.
 BACKENDS = ("triton",) if os.environ.get("ORT_OPTIM_BACKEND") == "triton" else ("native", "torch")
-# The backends of a long run (hundreds of steps, or a thread racing the steps): on the reference backend it is in the
-# slow tier, whose bits the fast tier already pins to the native op's (the bit-for-bit comparisons of the two
-# backends: test_update_rule.py's property over any configuration, and test_low_bit.py's; test_op.py compares
-# them within a rounding).
+# The backends of a long run (hundreds of steps): on the reference backend it is in the slow tier, whose bits the
+# fast tier already pins to the native op's (the bit-for-bit comparisons of the two backends: test_update_rule.py's
+# property over any configuration, and test_low_bit.py's; test_op.py compares them within a rounding).
 LONG_RUN_BACKENDS = tuple(pytest.param(name, marks=pytest.mark.slow) if name == "torch" else name for name in BACKENDS)
 
 
