@@ -241,7 +241,7 @@ def _require_scalar_tensor(value: torch.Tensor, where: str) -> float:
         raise TypeError(f"{where} must be a real number, got {show(value)}")
     if value.numel() != 1:
         raise ValueError(f"{where} must hold exactly one number, got {show(value)}")
-    number = float(value.detach().reshape(()).double().cpu())
+    number = float(value.item())  # (one host read, whatever its shape, a DTensor too)
     if not math.isfinite(number):
         raise ValueError(f"{where} must be finite, got {number}")
     return number
