@@ -289,7 +289,6 @@ def test_a_state_that_cannot_be_honoured_is_refused_naming_the_param_and_key(dam
     assert_same_snapshot(before, _snapshot(twin.opt))
 
 
-
 STEP_VALUES = [torch.tensor(True), torch.tensor(1 + 0j), torch.zeros(2), torch.tensor(float("nan")), torch.tensor(2.5),
                torch.tensor(-1.0), 2**53 + 1, 10**400, "3", [4.0], numpy.int64(-2)]
 
