@@ -31,7 +31,7 @@ import torch
 
 from . import _heap, _plan, backends
 from .integrations.ddp import ddp_reducing, ddp_refused
-from .integrations.deepspeed import holder_of
+from .integrations import deepspeed
 
 
 def _remove_handles(*handles: dict) -> None:
@@ -334,7 +334,7 @@ class BackwardStep:
             return
         for group_index, group in enumerate(optimizer.param_groups):
             self.check_not_hooked_elsewhere(group_index, group)
-        holder = holder_of(optimizer)
+        holder = deepspeed.holder_of(optimizer)
         if holder is not None:
             raise deepspeed_refused(holder)
         found = ddp_reducing(optimizer)

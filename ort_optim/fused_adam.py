@@ -22,7 +22,7 @@ from ._plan import describe
 from ._spec import SUPPORTED_PARAM_DTYPES, AdamWMode
 from .formats import sqrt_f32
 from .integrations import dtensor
-from .integrations.deepspeed import clipping_holder
+from .integrations import deepspeed
 
 
 # Whether step() takes its traced route under torch.compile (_init_group): the TorchDynamo it is tested with. Under
@@ -942,7 +942,7 @@ class FusedAdam(torch.optim.Optimizer):
           option of FusedAdam adds the groups' sums: DeepSpeed's gradient_clipping is the way.
 
         Runs once, a heap scan, only where DeepSpeed is imported and torch.distributed initialised."""
-        scanned, holder, partitioned, apart = clipping_holder(self)
+        scanned, holder, partitioned, apart = deepspeed.clipping_holder(self)
         if holder is not None and apart > 1:
             raise ValueError(
                 f"FusedAdam(max_grad_norm={self.max_grad_norm}) is stepped by DeepSpeed's {type(holder).__name__} "
