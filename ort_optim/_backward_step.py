@@ -30,8 +30,8 @@ from typing import Iterator, Optional
 import torch
 
 from . import _heap, _plan, backends
-from .integrations.ddp import ddp_reducing, ddp_refused
 from .integrations import deepspeed
+from .integrations.ddp import ddp_reducing, ddp_refused
 
 
 def _remove_handles(*handles: dict) -> None:

@@ -46,8 +46,6 @@ TORCH_GROUP_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupl
 BOOL_OPTIONS = ("bias_correction", "amsgrad", "maximize", "stochastic_rounding")
 # What every group holds (the constructor's defaults fill them in; stochastic_rounding and its seed default to off).
 REQUIRED_KEYS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction", "amsgrad", "maximize")
-# The hyperparameters that may be one-element tensors, and where.
-TENSOR_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 Where = Callable[[str], str]
 

@@ -21,8 +21,7 @@ from ._layout import StateLayout
 from ._plan import describe
 from ._spec import SUPPORTED_PARAM_DTYPES, AdamWMode
 from .formats import sqrt_f32
-from .integrations import dtensor
-from .integrations import deepspeed
+from .integrations import deepspeed, dtensor
 
 
 # Whether step() takes its traced route under torch.compile (_init_group): the TorchDynamo it is tested with. Under
@@ -1468,11 +1467,11 @@ class FusedAdam(torch.optim.Optimizer):
         optimizers do not have (master_weights, exp_avg_dtype, max_grad_norm, ...) and are passed to the constructor;
         the math's options (lr, betas, eps, weight_decay, amsgrad, maximize, adam_w_mode, bias_correction) come from
         the optimizer and are refused here (change them in ``param_groups`` afterwards if you mean to). A
-        learning-rate scheduler made on ``optimizer`` keeps scheduling ``optimizer``'s groups, not the result's: make it
-        again on the result, load the old one's ``state_dict()`` and set each group's lr to its ``get_last_lr()``
-        (guides/migration.md). A torchao or
-        bitsandbytes Adam optimizer is refused naming the way its run continues: ``load_state_dict(its
-        state_dict())`` (their other optimizers' states follow other update rules, which load_state_dict refuses).
+        learning-rate scheduler made on ``optimizer`` keeps scheduling ``optimizer``'s groups, not the result's: make
+        it again on the result, load the old one's ``state_dict()`` and set each group's lr to its ``get_last_lr()``
+        (guides/migration.md). A torchao or bitsandbytes Adam optimizer is refused naming the way its run continues:
+        ``load_state_dict(its state_dict())`` (their other optimizers' states follow other update rules, which
+        load_state_dict refuses).
         """
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             hint = "" if not _migration.reads_state_dict_of(optimizer) else (

@@ -87,10 +87,6 @@ _generation = 0  # bumped by clear_caches(): plans kept in callers' launch_cache
 
 # ---- triton, lazily -------------------------------------------------------------------------------------------
 
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def broken_interpreter_reason() -> Optional[str]:
     """Why Triton's interpreter cannot be trusted in this environment, or None.
 
